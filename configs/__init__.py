@@ -1,0 +1,1 @@
+"""ml_collections experiment configs."""

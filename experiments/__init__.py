@@ -1,0 +1,1 @@
+"""Experiment entry points, sweep runner and benchmarks."""

@@ -1,0 +1,18 @@
+"""kvattn: attention variants and their KV caches in JAX, Flax NNX and Pallas.
+
+Public names (DESIGN.md): `KVCache`, `GroupedQueryAttention`, the `ops`
+(reference attention, RoPE, decode dispatch) and `memory` modules.
+"""
+
+from kvattn import memory, ops
+from kvattn.cache import KVCache
+from kvattn.gqa import GroupedQueryAttention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GroupedQueryAttention",
+    "KVCache",
+    "memory",
+    "ops",
+]

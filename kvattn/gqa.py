@@ -1,0 +1,178 @@
+"""One attention module for MHA, GQA and MQA.
+
+Multi-head attention (Vaswani et al. 2017), multi-query attention (Shazeer
+2019, "Fast Transformer Decoding") and grouped-query attention (Ainslie et al.
+2023, arXiv 2305.13245) differ only in the number of KV heads K: MHA has
+K = N, MQA K = 1, GQA anything that divides N. Query head n reads KV head
+n // G with G = N // K (contiguous groups, as in Llama-family checkpoints).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kvattn import _checks
+from kvattn import cache as cache_lib
+from kvattn import ops
+
+
+def _init(in_axis, out_axis):
+  return nnx.initializers.variance_scaling(
+      1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
+
+
+def default_positions(lengths: jax.Array | None, batch: int, num_tokens: int) -> jax.Array:
+  """`i32[B, T]`: each sequence's cache length + arange(T) (0-based without a cache)."""
+  t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+  if lengths is None:
+    return jnp.broadcast_to(t, (batch, num_tokens))
+  return lengths[:, None].astype(jnp.int32) + t
+
+
+def check_positions(positions: Any, batch: int, num_tokens: int) -> jax.Array:
+  positions = jnp.asarray(positions)
+  _checks.integer("positions", positions)
+  if positions.shape != (batch, num_tokens):
+    raise ValueError(
+        f"positions must have shape [B, T] = ({batch}, {num_tokens}); got {tuple(positions.shape)}")
+  return positions.astype(jnp.int32)
+
+
+def check_input(x: Any, d_model: int) -> None:
+  _checks.rank("x", x, 3, "[B, T, D]")
+  _checks.floating("x", x)
+  if x.shape[-1] != d_model:
+    raise ValueError(f"x.shape[-1] must be d_model = {d_model}; got shape {tuple(x.shape)}")
+
+
+class GroupedQueryAttention(nnx.Module):
+  """Causal self-attention with K KV heads shared by groups of G query heads.
+
+  Cache schema (`kvattn.KVCache`): `k, v: [B, K, S, H]` in the cache dtype,
+  RoPE applied to k before it is written; `lengths: i32[B]`.
+
+  Call: `y, cache = attn(x, cache=None, positions=None, new_lengths=None)`
+    * `x: [B, T, D]`. Without a cache the T tokens attend causally to each
+      other (training); the returned cache is None.
+    * With a cache, token t of sequence b is written to slot
+      `cache.lengths[b] + t` and attends slots `[0, cache.lengths[b] + t]`
+      (the last `window` of them when a window is set). T == 1 goes through
+      `kvattn.ops.decode_attention`, the dispatch point for decode kernels.
+    * `positions: i32[B, T]` drive RoPE only; default cache length + arange(T).
+    * `new_lengths: i32[B]` real tokens per sequence (right padding; default
+      T); padded tokens are not written and their outputs are unspecified.
+
+  Parameters: `q_proj [D, N, H]`, `k_proj [D, K, H]`, `v_proj [D, K, H]`,
+  `o_proj [N, H, D]` (no biases, as in Llama). Projections and attention
+  accumulate in f32 (`preferred_element_type`) for low-precision inputs.
+  """
+
+  def __init__(
+      self,
+      *,
+      d_model: int,
+      num_heads: int,
+      num_kv_heads: int,
+      head_dim: int,
+      rope_theta: float = 10000.0,
+      window: int | None = None,
+      soft_cap: float | None = None,
+      dtype: Any = None,
+      param_dtype: Any = jnp.float32,
+      decode_implementation: str | None = None,
+      rngs: nnx.Rngs,
+  ):
+    """Builds the projections.
+
+    Args:
+      d_model: model width D.
+      num_heads: query heads N.
+      num_kv_heads: KV heads K; must divide N (K = N: MHA, K = 1: MQA).
+      head_dim: per-head width H (even, for RoPE).
+      rope_theta: RoPE base.
+      window: sliding-window size in tokens, or None for full attention.
+      soft_cap: logit soft cap (Gemma 2), or None.
+      dtype: compute dtype (None: the input's dtype).
+      param_dtype: parameter storage dtype.
+      decode_implementation: passed to `kvattn.ops.decode_attention`.
+      rngs: `nnx.Rngs` with a `params` stream.
+
+    Raises:
+      ValueError: non-positive sizes, K not dividing N, odd head_dim,
+        non-positive window / rope_theta / soft_cap.
+    """
+    self.d_model = _checks.positive_int("d_model", d_model)
+    self.num_heads, self.num_kv_heads, self.num_groups = _checks.head_layout(num_heads, num_kv_heads)
+    self.head_dim = _checks.positive_int("head_dim", head_dim)
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim must be even for RoPE; got {head_dim}")
+    self.rope_theta = _checks.positive_float("rope_theta", rope_theta)
+    self.window = _checks.optional_positive_int("window", window)
+    self.soft_cap = _checks.optional_positive_float("soft_cap", soft_cap)
+    self.dtype = None if dtype is None else jnp.dtype(dtype)
+    self.decode_implementation = decode_implementation
+    D, N, K, H = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
+    key = rngs.params
+    self.q_proj = nnx.Param(_init(0, (1, 2))(key(), (D, N, H), param_dtype))
+    self.k_proj = nnx.Param(_init(0, (1, 2))(key(), (D, K, H), param_dtype))
+    self.v_proj = nnx.Param(_init(0, (1, 2))(key(), (D, K, H), param_dtype))
+    self.o_proj = nnx.Param(_init((0, 1), 2)(key(), (N, H, D), param_dtype))
+
+  def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> cache_lib.KVCache:
+    """An empty `KVCache` shaped for this layer."""
+    return cache_lib.KVCache.init(batch, max_len, self.num_kv_heads, self.head_dim, dtype)
+
+  def _project(self, x, spec, w):
+    dtype = self.dtype or x.dtype
+    out = jnp.einsum(spec, x.astype(dtype), w[...].astype(dtype),
+                     preferred_element_type=jnp.float32)
+    return out.astype(dtype)
+
+  def __call__(
+      self,
+      x: jax.Array,  # [B, T, D]
+      cache: cache_lib.KVCache | None = None,
+      positions: jax.Array | None = None,  # i32[B, T]
+      new_lengths: jax.Array | None = None,  # i32[B]
+  ) -> tuple[jax.Array, cache_lib.KVCache | None]:
+    check_input(x, self.d_model)
+    batch, num_tokens, _ = x.shape
+    if cache is not None:
+      if not isinstance(cache, cache_lib.KVCache):
+        raise TypeError(f"cache must be a kvattn.KVCache or None; got {type(cache).__name__}")
+      if (cache.batch, cache.num_kv_heads, cache.head_dim) != (batch, self.num_kv_heads, self.head_dim):
+        raise ValueError(
+            "cache must have batch, num_kv_heads, head_dim = "
+            f"({batch}, {self.num_kv_heads}, {self.head_dim}); got "
+            f"({cache.batch}, {cache.num_kv_heads}, {cache.head_dim})")
+    if positions is None:
+      positions = default_positions(None if cache is None else cache.lengths, batch, num_tokens)
+    else:
+      positions = check_positions(positions, batch, num_tokens)
+    new_lengths = cache_lib.resolve_new_lengths(new_lengths, batch, num_tokens)
+
+    q = self._project(x, "BTD,DNH->BTNH", self.q_proj)
+    k = self._project(x, "BTD,DKH->BTKH", self.k_proj)
+    v = self._project(x, "BTD,DKH->BTKH", self.v_proj)
+    q = ops.apply_rope(q, positions, rope_theta=self.rope_theta)
+    k = ops.apply_rope(k, positions, rope_theta=self.rope_theta)
+
+    opts = dict(window=self.window, soft_cap=self.soft_cap)
+    if cache is None:
+      new_cache = None
+      out = ops.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                          kv_lengths=new_lengths, **opts)
+    else:
+      new_cache = cache.update(k, v, new_lengths)
+      if num_tokens == 1:
+        out = ops.decode_attention(q[:, 0], new_cache.k, new_cache.v, new_cache.lengths,
+                                   implementation=self.decode_implementation, **opts)[:, None]
+      else:
+        out = ops.attention(q, new_cache.k, new_cache.v, q_offsets=cache.lengths,
+                            kv_lengths=new_cache.lengths, **opts)
+    y = self._project(out, "BTNH,NHD->BTD", self.o_proj)
+    return y, new_cache

@@ -1,0 +1,71 @@
+"""KV-cache memory: analytic bytes per token per layer, and measured bytes.
+
+Analytic figures (per token, per layer, batch 1):
+  * MHA/GQA/MQA (Shazeer 2019; Ainslie et al. 2023): keys and values for K
+    KV heads of width H: `2 * K * H * itemsize` bytes. MHA has K = N, MQA K = 1.
+  * MLA (DeepSeek-V2, arXiv 2405.04434, §2.1.2 and Table 1): one latent of
+    width C (`kv_lora_rank`) plus one shared RoPE key of width R
+    (`qk_rope_head_dim`): `(C + R) * itemsize` bytes.
+
+Measured figures read the `.nbytes` of the real arrays of a cache pytree, so a
+caller can check the analytic model against what is actually allocated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvattn import _checks
+
+
+def itemsize(dtype: Any) -> int:
+  """Bytes per element of `dtype` (e.g. 2 for bf16, 1 for int8/fp8)."""
+  try:
+    return jnp.dtype(dtype).itemsize
+  except TypeError as e:
+    raise TypeError(f"dtype must be a JAX dtype; got {dtype!r}") from e
+
+
+def gqa_bytes_per_token(num_kv_heads: int, head_dim: int, dtype: Any) -> int:
+  """Bytes per token per layer of a K-head dense cache: `2 * K * H * itemsize`."""
+  k = _checks.positive_int("num_kv_heads", num_kv_heads)
+  h = _checks.positive_int("head_dim", head_dim)
+  return 2 * k * h * itemsize(dtype)
+
+
+def mha_bytes_per_token(num_heads: int, head_dim: int, dtype: Any) -> int:
+  """Bytes per token per layer of an MHA cache (K = N): `2 * N * H * itemsize`."""
+  return gqa_bytes_per_token(num_heads, head_dim, dtype)
+
+
+def mla_bytes_per_token(kv_lora_rank: int, qk_rope_head_dim: int, dtype: Any) -> int:
+  """Bytes per token per layer of an MLA latent cache: `(C + R) * itemsize`."""
+  c = _checks.positive_int("kv_lora_rank", kv_lora_rank)
+  r = _checks.positive_int("qk_rope_head_dim", qk_rope_head_dim)
+  return (c + r) * itemsize(dtype)
+
+
+def tree_bytes(tree: Any) -> int:
+  """Total bytes of every array leaf of a pytree (caches, params, ...)."""
+  return int(sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(tree)
+                 if hasattr(leaf, "nbytes")))
+
+
+def measured_bytes_per_token(cache: Any) -> float:
+  """Bytes per token slot of one layer's cache, read from its real arrays.
+
+  Counts the arrays that grow with the number of token slots (keys, values,
+  latents, and scales when a cache stores them) and divides by the slots it
+  reserves (`cache.num_slots`, e.g. B * S for a dense cache). Bookkeeping such
+  as `lengths` is left out; `tree_bytes` counts everything.
+
+  Raises:
+    TypeError: `cache` does not implement `storage_arrays()`/`num_slots`.
+  """
+  if not hasattr(cache, "storage_arrays") or not hasattr(cache, "num_slots"):
+    raise TypeError(
+        f"cache must be a kvattn cache with storage_arrays() and num_slots; got {type(cache).__name__}")
+  return sum(a.nbytes for a in cache.storage_arrays()) / cache.num_slots

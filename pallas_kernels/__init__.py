@@ -1,0 +1,1 @@
+"""Fused Pallas kernels with pure-jnp references. Imports only jax."""
