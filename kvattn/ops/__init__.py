@@ -1,7 +1,9 @@
-"""Reference attention ops, RoPE and the decode-attention dispatch point."""
+"""Reference attention ops, RoPE and the decode-attention dispatch points."""
 
-from kvattn.ops.reference import attention, decode_attention_xla
-from kvattn.ops.dispatch import available_implementations, decode_attention
+from kvattn.ops.dispatch import (available_implementations, decode_attention,
+                                 mla_decode_attention, register_implementation)
+from kvattn.ops.reference import (attention, decode_attention_xla, mla_attention,
+                                  mla_decode_attention_xla)
 from kvattn.ops.rope import apply_rope, rope_frequencies
 
 __all__ = [
@@ -10,5 +12,9 @@ __all__ = [
     "available_implementations",
     "decode_attention",
     "decode_attention_xla",
+    "mla_attention",
+    "mla_decode_attention",
+    "mla_decode_attention_xla",
+    "register_implementation",
     "rope_frequencies",
 ]

@@ -1,54 +1,82 @@
-"""The one dispatch point for single-token decode attention.
+"""Dispatch points for decode attention: one public function per operation.
 
 Modelled on openxla/tokamax's attention API: one public function whose
 `implementation=` names a backend, or, when None, tries an ordered list of the
 backends that imported and fit the device. A backend that cannot handle the
-given shapes/options raises `NotImplementedError` and the dispatcher moves on;
-a caller error raises `ValueError`/`TypeError` before any backend runs.
+given device, shapes or options raises `NotImplementedError` and the
+dispatcher moves on; a caller error raises `ValueError`/`TypeError` before any
+backend runs (the public function validates first).
+
+Operations registered here: `"decode_attention"` (dense cache) and
+`"mla_decode_attention"` (absorbed MLA against a latent cache). Other modules
+add operations and backends with `register_implementation` (e.g. the Pallas
+kernels, or the paged cache's gather path).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 
 from kvattn.ops import reference as _reference
 
-DecodeFn = Callable[..., jax.Array]
+# An implementation is fn(*args, explicit: bool, **options). `explicit` is True
+# when the caller named it; a backend may then run where it would not be picked
+# automatically (a Pallas kernel in interpret mode on CPU, say).
+Implementation = Callable[..., jax.Array]
 
-# name -> fn(q, k, v, lengths, *, sm_scale, window, soft_cap, explicit).
-# `explicit` is True when the caller named this implementation; a backend may
-# then run where it would not be picked automatically (a Pallas kernel in
-# interpret mode on CPU, say).
-_REGISTRY: dict[str, DecodeFn] = {}
-# Tried in this order when implementation is None.
-_PREFERENCE: list[str] = []
+_REGISTRY: dict[str, dict[str, Implementation]] = {}
+_PREFERENCE: dict[str, list[str]] = {}
 
 
-def register_decode_implementation(name: str, fn: DecodeFn, *, preferred: bool = False) -> None:
-  """Adds a backend to `decode_attention` (used by kvattn's own modules)."""
-  _REGISTRY[name] = fn
-  if name in _PREFERENCE:
-    _PREFERENCE.remove(name)
-  if preferred:
-    _PREFERENCE.insert(0, name)
-  else:
-    _PREFERENCE.append(name)
+def register_implementation(op: str, name: str, fn: Implementation, *,
+                            preferred: bool = False) -> None:
+  """Adds backend `name` for operation `op`; `preferred` puts it first in line."""
+  impls = _REGISTRY.setdefault(op, {})
+  order = _PREFERENCE.setdefault(op, [])
+  impls[name] = fn
+  if name in order:
+    order.remove(name)
+  order.insert(0, name) if preferred else order.append(name)
 
 
-def available_implementations() -> tuple[str, ...]:
-  """Registered implementation names, in the order `None` tries them."""
-  return tuple(_PREFERENCE)
+def available_implementations(op: str = "decode_attention") -> tuple[str, ...]:
+  """Registered implementation names for `op`, in the order `None` tries them."""
+  if op not in _REGISTRY:
+    raise ValueError(f"op must be one of {sorted(_REGISTRY)}; got {op!r}")
+  return tuple(_PREFERENCE[op])
 
 
-def _xla(q, k, v, lengths, *, sm_scale, window, soft_cap, explicit):
+def dispatch(op: str, implementation: str | None, *args: Any, **options: Any) -> jax.Array:
+  """Runs `op` with the named implementation, or the first that fits."""
+  impls = _REGISTRY[op]
+  if implementation is not None:
+    if implementation not in impls:
+      raise ValueError(
+          f"implementation must be one of {sorted(impls)} or None; got {implementation!r}")
+    return impls[implementation](*args, explicit=True, **options)
+  errors = []
+  for name in _PREFERENCE[op]:
+    try:
+      return impls[name](*args, explicit=False, **options)
+    except NotImplementedError as e:
+      errors.append(f"{name}: {e}")
+  raise NotImplementedError(f"no {op} implementation fits: " + "; ".join(errors))
+
+
+def _xla_decode(q, k, v, lengths, *, explicit, **options):
   del explicit
-  return _reference.decode_attention_xla(
-      q, k, v, lengths, sm_scale=sm_scale, window=window, soft_cap=soft_cap)
+  return _reference.decode_attention_xla(q, k, v, lengths, **options)
 
 
-register_decode_implementation("xla", _xla)
+def _xla_mla_decode(q_latent, q_rope, c_kv, k_rope, lengths, *, explicit, **options):
+  del explicit
+  return _reference.mla_decode_attention_xla(q_latent, q_rope, c_kv, k_rope, lengths, **options)
+
+
+register_implementation("decode_attention", "xla", _xla_decode)
+register_implementation("mla_decode_attention", "xla", _xla_mla_decode)
 
 
 def decode_attention(
@@ -89,16 +117,46 @@ def decode_attention(
   """
   _reference.validate_args(q, k, v, 1, window, soft_cap, sm_scale)
   _reference.check_lengths("lengths", lengths, k.shape[0], k.shape[2])
-  kwargs = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap)
-  if implementation is not None:
-    if implementation not in _REGISTRY:
-      raise ValueError(
-          f"implementation must be one of {sorted(_REGISTRY)} or None; got {implementation!r}")
-    return _REGISTRY[implementation](q, k, v, lengths, explicit=True, **kwargs)
-  errors = []
-  for name in _PREFERENCE:
-    try:
-      return _REGISTRY[name](q, k, v, lengths, explicit=False, **kwargs)
-    except NotImplementedError as e:
-      errors.append(f"{name}: {e}")
-  raise NotImplementedError("no decode_attention implementation fits: " + "; ".join(errors))
+  return dispatch("decode_attention", implementation, q, k, v, lengths,
+                  sm_scale=sm_scale, window=window, soft_cap=soft_cap)
+
+
+def mla_decode_attention(
+    q_latent: jax.Array,  # [B, N, C]
+    q_rope: jax.Array,  # [B, N, R]
+    c_kv: jax.Array,  # [B, S, C]
+    k_rope: jax.Array,  # [B, S, R]
+    lengths: jax.Array,  # i32[B]
+    *,
+    sm_scale: float,
+    window: int | None = None,
+    implementation: str | None = None,
+) -> jax.Array:
+  """Absorbed MLA decode (DeepSeek-V2 appendix C) against a latent cache.
+
+  Single-KV-head attention with key `[c_kv | k_rope]` (width C + R) and value
+  `c_kv` (width C): logits `(q_latent . c_kv + q_rope . k_rope) * sm_scale`.
+  The query sits at slot `lengths[b] - 1`.
+
+  Args:
+    q_latent: `[B, N, C]` query with W_UK absorbed.
+    q_rope: `[B, N, R]` RoPE part of the query.
+    c_kv: `[B, S, C]` latent cache; `k_rope: [B, S, R]` shared RoPE keys
+      (same dtype as c_kv). Slots at or past `lengths[b]` may hold anything.
+    lengths: `i32[B]` valid slots per sequence.
+    sm_scale: required, `1/sqrt(qk_nope_head_dim + qk_rope_head_dim)`.
+    window: sliding-window size in tokens, or None.
+    implementation: `"xla"`, `"pallas"` (when registered) or None.
+
+  Returns:
+    `[B, N, C]` attention-weighted latent in q_latent's dtype (apply W_UV
+    afterwards); length-0 rows are zeros.
+
+  Raises:
+    ValueError/TypeError: as `decode_attention`, naming the argument.
+  """
+  _reference.validate_mla_args(q_latent, q_rope, c_kv, k_rope, 1, sm_scale)
+  _reference.check_options(window, None, sm_scale)
+  _reference.check_lengths("lengths", lengths, c_kv.shape[0], c_kv.shape[1])
+  return dispatch("mla_decode_attention", implementation, q_latent, q_rope, c_kv, k_rope,
+                  lengths, sm_scale=sm_scale, window=window)

@@ -22,6 +22,7 @@ from kvattn import _checks
 
 
 def validate_args(q, k, v, num_q_axes: int, window, soft_cap, sm_scale):
+  """Checks dense-attention arguments; raises ValueError/TypeError naming them."""
   q_doc = "[B, T, N, H]" if num_q_axes == 2 else "[B, N, H]"
   _checks.rank("q", q, 2 + num_q_axes, q_doc)
   _checks.rank("k", k, 4, "[B, K, S, H]")
@@ -37,12 +38,17 @@ def validate_args(q, k, v, num_q_axes: int, window, soft_cap, sm_scale):
   _checks.dim("v", v, 1, num_kv_heads, "KV heads K, from k")
   _checks.dim("v", v, 2, capacity, "slots S, from k")
   _checks.head_layout(num_heads, num_kv_heads)
+  check_options(window, soft_cap, sm_scale)
+
+
+def check_options(window, soft_cap, sm_scale):
   _checks.optional_positive_int("window", window)
   _checks.optional_positive_float("soft_cap", soft_cap)
   _checks.optional_positive_float("sm_scale", sm_scale)
 
 
 def check_lengths(name: str, x, batch: int, default: int) -> jax.Array:
+  """Validates an `i32[B]` lengths-like argument (None -> `default`)."""
   if x is None:
     return jnp.full((batch,), default, jnp.int32)
   x = jnp.asarray(x)
@@ -50,6 +56,42 @@ def check_lengths(name: str, x, batch: int, default: int) -> jax.Array:
   if x.shape != (batch,):
     raise ValueError(f"{name} must have shape [B] = ({batch},); got {tuple(x.shape)}")
   return x.astype(jnp.int32)
+
+
+def attention_mask(q_offsets, kv_lengths, num_tokens: int, capacity: int, window):
+  """Returns (`bool[B, T, S]` attend mask, `bool[B, S]` valid-slot mask).
+
+  Query t of sequence b sits at slot `p = q_offsets[b] + t` and attends slot s
+  iff `s <= p`, `s < kv_lengths[b]` and (with a window W) `s > p - W`.
+  """
+  slots = jnp.arange(capacity, dtype=jnp.int32)  # [S]
+  q_slots = q_offsets[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)  # [B, T]
+  valid = slots[None, :] < kv_lengths[:, None]  # [B, S]
+  mask = valid[:, None, :] & (slots[None, None, :] <= q_slots[:, :, None])  # [B, T, S]
+  if window is not None:
+    mask &= slots[None, None, :] > q_slots[:, :, None] - window
+  return mask, valid
+
+
+def masked_softmax(logits: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Unnormalised probabilities and their row sums for f32 `logits`.
+
+  Masked entries are replaced by -inf, the row max of a fully masked row is
+  taken as 0, and masked probabilities are set to exactly 0 (never exp of
+  garbage). Returns `(probs, denom)`; divide by `where(denom > 0, denom, 1)`.
+  """
+  logits = jnp.where(mask, logits, -jnp.inf)
+  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  probs = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
+  return probs, jnp.sum(probs, axis=-1, keepdims=True)
+
+
+def zero_invalid(x: jax.Array, valid: jax.Array, slot_axis: int) -> jax.Array:
+  """Zeroes slots where `valid` (`bool[B, S]`) is False, so 0 * NaN cannot occur."""
+  shape = [1] * x.ndim
+  shape[0], shape[slot_axis] = valid.shape
+  return jnp.where(valid.reshape(shape), x, jnp.zeros((), x.dtype))
 
 
 def attention(
@@ -102,22 +144,9 @@ def attention(
                       preferred_element_type=jnp.float32) * sm_scale
   if soft_cap is not None:
     logits = soft_cap * jnp.tanh(logits / soft_cap)
-
-  slots = jnp.arange(capacity, dtype=jnp.int32)  # [S]
-  q_slots = q_offsets[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)  # [B, T]
-  valid = slots[None, :] < kv_lengths[:, None]  # [B, S]
-  mask = valid[:, None, :] & (slots[None, None, :] <= q_slots[:, :, None])  # [B, T, S]
-  if window is not None:
-    mask &= slots[None, None, :] > q_slots[:, :, None] - window
-  mask = mask[:, None, None]  # [B, 1, 1, T, S]
-
-  logits = jnp.where(mask, logits, -jnp.inf)
-  row_max = jnp.max(logits, axis=-1, keepdims=True)
-  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-  probs = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
-  denom = jnp.sum(probs, axis=-1, keepdims=True)  # [B, K, G, T, 1]
-  # Zero values in invalid slots so 0 * NaN never happens in the weighted sum.
-  v = jnp.where(valid[:, None, :, None], v, jnp.zeros((), v.dtype))
+  mask, valid = attention_mask(q_offsets, kv_lengths, num_tokens, capacity, window)
+  probs, denom = masked_softmax(logits, mask[:, None, None])  # [B, K, G, T, S]
+  v = zero_invalid(v, valid, slot_axis=2)
   out = jnp.einsum("BKGTS,BKSV->BTKGV", probs, v, preferred_element_type=jnp.float32)
   denom = jnp.moveaxis(denom, 3, 1)  # [B, T, K, G, 1]
   out = out / jnp.where(denom > 0, denom, 1.0)
@@ -145,4 +174,97 @@ def decode_attention_xla(
   lengths = check_lengths("lengths", lengths, k.shape[0], k.shape[2])
   out = attention(q[:, None], k, v, q_offsets=lengths - 1, kv_lengths=lengths,
                   sm_scale=sm_scale, window=window, soft_cap=soft_cap)
+  return out[:, 0]
+
+
+def validate_mla_args(q_latent, q_rope, c_kv, k_rope, num_q_axes: int, sm_scale):
+  """Checks absorbed-MLA attention arguments (see `mla_attention`)."""
+  q_doc = "[B, T, N, {}]" if num_q_axes == 2 else "[B, N, {}]"
+  _checks.rank("q_latent", q_latent, 2 + num_q_axes, q_doc.format("C"))
+  _checks.rank("q_rope", q_rope, 2 + num_q_axes, q_doc.format("R"))
+  _checks.rank("c_kv", c_kv, 3, "[B, S, C]")
+  _checks.rank("k_rope", k_rope, 3, "[B, S, R]")
+  for name, x in (("q_latent", q_latent), ("q_rope", q_rope), ("c_kv", c_kv), ("k_rope", k_rope)):
+    _checks.floating(name, x)
+  _checks.same_dtype(("c_kv", "k_rope"), (c_kv, k_rope))
+  batch, capacity, latent = c_kv.shape
+  _checks.dim("k_rope", k_rope, 0, batch, "batch B, from c_kv")
+  _checks.dim("k_rope", k_rope, 1, capacity, "slots S, from c_kv")
+  _checks.dim("q_latent", q_latent, 0, batch, "batch B, from c_kv")
+  _checks.dim("q_latent", q_latent, q_latent.ndim - 1, latent, "latent C, from c_kv")
+  if q_rope.shape[:-1] != q_latent.shape[:-1]:
+    raise ValueError(
+        f"q_rope must match q_latent in all but the last axis; got {tuple(q_rope.shape)} "
+        f"and {tuple(q_latent.shape)}")
+  _checks.dim("q_rope", q_rope, q_rope.ndim - 1, k_rope.shape[-1], "rope dim R, from k_rope")
+  if sm_scale is None:
+    raise ValueError("sm_scale is required for MLA: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim)")
+  _checks.positive_float("sm_scale", sm_scale)
+
+
+def mla_attention(
+    q_latent: jax.Array,  # [B, T, N, C]
+    q_rope: jax.Array,  # [B, T, N, R]
+    c_kv: jax.Array,  # [B, S, C]
+    k_rope: jax.Array,  # [B, S, R]
+    *,
+    sm_scale: float,
+    q_offsets: jax.Array | None = None,  # i32[B]
+    kv_lengths: jax.Array | None = None,  # i32[B]
+    window: int | None = None,
+) -> jax.Array:
+  """Absorbed MLA attention against a latent cache (DeepSeek-V2, appendix C).
+
+  With W_UK folded into the query (`q_latent = q_nope @ W_UK^T`) every head
+  attends the shared latent directly: logits `(q_latent . c_kv[s] + q_rope .
+  k_rope[s]) * sm_scale`, output the probability-weighted latent (W_UV is
+  applied by the caller). This is single-KV-head attention with key width
+  C + R and value width C, computed without concatenating the cache.
+
+  Args:
+    q_latent: `[B, T, N, C]` absorbed no-RoPE query.
+    q_rope: `[B, T, N, R]` RoPE part of the query (RoPE applied).
+    c_kv: `[B, S, C]` latent cache; `k_rope: [B, S, R]` shared RoPE keys.
+    sm_scale: required; DeepSeek-V2 uses `1/sqrt(qk_nope_head_dim +
+      qk_rope_head_dim)`, never `1/sqrt(C + R)`.
+    q_offsets, kv_lengths, window: as in `attention`.
+
+  Returns:
+    `[B, T, N, C]` in q_latent's dtype, f32-accumulated; empty rows are zeros.
+  """
+  validate_mla_args(q_latent, q_rope, c_kv, k_rope, 2, sm_scale)
+  check_options(window, None, sm_scale)
+  batch, capacity, _ = c_kv.shape
+  num_tokens = q_latent.shape[1]
+  q_offsets = check_lengths("q_offsets", q_offsets, batch, 0)
+  kv_lengths = check_lengths("kv_lengths", kv_lengths, batch, capacity)
+  logits = (jnp.einsum("BTNC,BSC->BNTS", q_latent, c_kv, preferred_element_type=jnp.float32)
+            + jnp.einsum("BTNR,BSR->BNTS", q_rope, k_rope, preferred_element_type=jnp.float32))
+  logits = logits * sm_scale
+  mask, valid = attention_mask(q_offsets, kv_lengths, num_tokens, capacity, window)
+  probs, denom = masked_softmax(logits, mask[:, None])  # [B, N, T, S]
+  c_kv = zero_invalid(c_kv, valid, slot_axis=1)
+  out = jnp.einsum("BNTS,BSC->BTNC", probs, c_kv, preferred_element_type=jnp.float32)
+  denom = jnp.moveaxis(denom, 2, 1)  # [B, T, N, 1]
+  out = out / jnp.where(denom > 0, denom, 1.0)
+  return out.astype(q_latent.dtype)
+
+
+def mla_decode_attention_xla(
+    q_latent: jax.Array,  # [B, N, C]
+    q_rope: jax.Array,  # [B, N, R]
+    c_kv: jax.Array,  # [B, S, C]
+    k_rope: jax.Array,  # [B, S, R]
+    lengths: jax.Array,  # i32[B]
+    *,
+    sm_scale: float,
+    window: int | None = None,
+) -> jax.Array:
+  """`mla_attention` for one new token per sequence at slot `lengths[b] - 1`."""
+  _checks.rank("q_latent", q_latent, 3, "[B, N, C]")
+  _checks.rank("q_rope", q_rope, 3, "[B, N, R]")
+  _checks.rank("c_kv", c_kv, 3, "[B, S, C]")
+  lengths = check_lengths("lengths", lengths, c_kv.shape[0], c_kv.shape[1])
+  out = mla_attention(q_latent[:, None], q_rope[:, None], c_kv, k_rope, sm_scale=sm_scale,
+                      q_offsets=lengths - 1, kv_lengths=lengths, window=window)
   return out[:, 0]
