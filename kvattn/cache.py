@@ -203,3 +203,116 @@ class KVCache:
         v=write_tokens(self.v, v_new, self.lengths, new_lengths, slot_axis=2),
         lengths=lengths,
     )
+
+
+@struct.dataclass
+class LatentCache:
+  """Latent cache of one MLA layer (DeepSeek-V2, arXiv 2405.04434, §2.1.2-2.1.3).
+
+  Instead of per-head keys and values, MLA caches per token one compressed
+  latent `c_kv` (width C = `kv_lora_rank`, RMSNorm already applied) and one
+  decoupled RoPE key `k_rope` (width R = `qk_rope_head_dim`, RoPE already
+  applied) shared by every head: `(C + R) * itemsize` bytes per token per
+  layer. Update semantics (slots, `new_lengths`, overflow) are those of
+  `KVCache`; see the module docstring.
+
+  Attributes:
+    c_kv: `[B, S, C]` normalised KV latents.
+    k_rope: `[B, S, R]` shared RoPE keys, same dtype as `c_kv`.
+    lengths: `i32[B]` valid tokens per sequence; may exceed S only after an
+      overflow under jit (see `overflowed`).
+  """
+
+  c_kv: jax.Array
+  k_rope: jax.Array
+  lengths: jax.Array
+
+  @classmethod
+  def init(cls, batch: int, max_len: int, kv_lora_rank: int, qk_rope_head_dim: int,
+           dtype=jnp.float32) -> "LatentCache":
+    """An empty cache: zeros, `lengths == 0`.
+
+    Raises:
+      ValueError: a size that is not a positive int.
+      TypeError: a non-floating dtype.
+    """
+    batch = _checks.positive_int("batch", batch)
+    max_len = _checks.positive_int("max_len", max_len)
+    kv_lora_rank = _checks.positive_int("kv_lora_rank", kv_lora_rank)
+    qk_rope_head_dim = _checks.positive_int("qk_rope_head_dim", qk_rope_head_dim)
+    dtype = _check_dtype(dtype)
+    return cls(c_kv=jnp.zeros((batch, max_len, kv_lora_rank), dtype),
+               k_rope=jnp.zeros((batch, max_len, qk_rope_head_dim), dtype),
+               lengths=jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def batch(self) -> int:
+    return self.c_kv.shape[0]
+
+  @property
+  def max_len(self) -> int:
+    return self.c_kv.shape[1]
+
+  @property
+  def kv_lora_rank(self) -> int:
+    return self.c_kv.shape[2]
+
+  @property
+  def qk_rope_head_dim(self) -> int:
+    return self.k_rope.shape[2]
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    return self.c_kv.dtype
+
+  @property
+  def overflowed(self) -> jax.Array:
+    """`bool[B]`: True for sequences that were written past `max_len` under jit."""
+    return self.lengths > self.max_len
+
+  @property
+  def num_slots(self) -> int:
+    """Token slots the cache reserves: B * S."""
+    return self.batch * self.max_len
+
+  def storage_arrays(self) -> tuple[jax.Array, ...]:
+    """The arrays whose size grows with the token slots (for `kvattn.memory`)."""
+    return (self.c_kv, self.k_rope)
+
+  def update(self, c_kv_new: jax.Array, k_rope_new: jax.Array,
+             new_lengths: jax.Array | None = None) -> "LatentCache":
+    """Writes T new tokens per sequence at each sequence's own offset.
+
+    Args:
+      c_kv_new: `[B, T, C]` normalised latents, any float dtype (cast to the
+        cache dtype).
+      k_rope_new: `[B, T, R]` shared RoPE keys (RoPE applied).
+      new_lengths: `i32[B]` real tokens per sequence among the T (default T).
+
+    Returns:
+      The updated cache; `lengths` grows by `new_lengths`.
+
+    Raises:
+      ValueError: wrong shapes, `new_lengths` outside [0, T], or (when lengths
+        are concrete) a write past `max_len`.
+      TypeError: non-floating inputs.
+    """
+    for name, x, width, letter in (("c_kv_new", c_kv_new, self.kv_lora_rank, "C"),
+                                   ("k_rope_new", k_rope_new, self.qk_rope_head_dim, "R")):
+      _checks.rank(name, x, 3, f"[B, T, {letter}]")
+      _checks.floating(name, x)
+      if x.shape[0] != self.batch or x.shape[2] != width:
+        raise ValueError(
+            f"{name} must have shape [B, T, {letter}] = ({self.batch}, T, {width}); "
+            f"got {tuple(x.shape)}")
+    if c_kv_new.shape[1] != k_rope_new.shape[1]:
+      raise ValueError(
+          "c_kv_new and k_rope_new must have the same T; got "
+          f"{tuple(c_kv_new.shape)} and {tuple(k_rope_new.shape)}")
+    new_lengths = resolve_new_lengths(new_lengths, self.batch, c_kv_new.shape[1])
+    lengths = advance_lengths(self.lengths, new_lengths, self.max_len)  # raises first
+    return LatentCache(
+        c_kv=write_tokens(self.c_kv, c_kv_new, self.lengths, new_lengths, slot_axis=1),
+        k_rope=write_tokens(self.k_rope, k_rope_new, self.lengths, new_lengths, slot_axis=1),
+        lengths=lengths,
+    )
