@@ -5,14 +5,17 @@ Public names (DESIGN.md): `KVCache`, `GroupedQueryAttention`, the `ops`
 """
 
 from kvattn import memory, ops
-from kvattn.cache import KVCache
+from kvattn.cache import KVCache, LatentCache
 from kvattn.gqa import GroupedQueryAttention
+from kvattn.mla import MultiHeadLatentAttention
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GroupedQueryAttention",
     "KVCache",
+    "LatentCache",
+    "MultiHeadLatentAttention",
     "memory",
     "ops",
 ]

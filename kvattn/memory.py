@@ -48,6 +48,20 @@ def mla_bytes_per_token(kv_lora_rank: int, qk_rope_head_dim: int, dtype: Any) ->
   return (c + r) * itemsize(dtype)
 
 
+def mla_to_mha_cache_ratio(kv_lora_rank: int, qk_rope_head_dim: int, num_heads: int,
+                           head_dim: int) -> float:
+  """MLA cache size over an MHA layer's with the same N and H: `(C + R) / (2 * N * H)`.
+
+  DeepSeek-V2 (arXiv 2405.04434, Table 1) compares MLA's `(C + R)` cached
+  elements per token per layer with MHA's `2 * N * H`; the dtype cancels.
+
+  Raises:
+    ValueError/TypeError: a size that is not a positive int.
+  """
+  mla = mla_bytes_per_token(kv_lora_rank, qk_rope_head_dim, jnp.float32)
+  return mla / mha_bytes_per_token(num_heads, head_dim, jnp.float32)
+
+
 def tree_bytes(tree: Any) -> int:
   """Total bytes of every array leaf of a pytree (caches, params, ...)."""
   return int(sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(tree)

@@ -1,0 +1,300 @@
+"""Multi-head Latent Attention (DeepSeek-V2, arXiv 2405.04434, §2.1 and appendix C).
+
+MLA compresses keys and values jointly into one low-rank latent per token,
+
+  c_kv = RMSNorm(x W_DKV)                        [B, T, C]     (eq. 9)
+  k_nope = c_kv W_UK,  v = c_kv W_UV             per head      (eq. 10-11)
+
+and carries position through a *decoupled* RoPE key computed from x and shared
+by every head, `k_rope = RoPE(x W_KR)` of width R (eq. 15-17). Queries are a
+full-rank projection of x, or low rank (`c_q = RMSNorm(x W_DQ)`, then W_UQ,
+eq. 12-13) when `q_lora_rank` is set; each head's query is split into a
+no-RoPE part of width `qk_nope_head_dim` and a RoPE part of width R (eq. 14).
+Head n's logit for key slot s is
+
+  (q_nope[n] . k_nope[s, n] + q_rope[n] . k_rope[s]) / sqrt(qk_nope_head_dim + R)
+
+(eq. 18: the scale is the trained head width, never C + R). Only `c_kv` and
+`k_rope` are cached: `(C + R) * itemsize` bytes per token per layer.
+
+Because `q_nope . (W_UK c) = (q_nope W_UK^T) . c`, W_UK can be folded into
+the query and W_UV into the output projection (appendix C, "absorbed"): every
+head then attends the latent cache directly, as single-KV-head attention with
+key `[c_kv | k_rope]` (width C + R) and value `c_kv` (width C), reading C + R
+numbers per cached token instead of the N (qk_nope_head_dim + R + v_head_dim)
+of the expanded per-head keys and values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kvattn import _checks
+from kvattn import cache as cache_lib
+from kvattn import ops
+from kvattn.gqa import check_input, check_positions, default_positions
+
+PATHS = ("auto", "naive", "absorbed")
+
+
+def _init(in_axis, out_axis):
+  return nnx.initializers.variance_scaling(
+      1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm (Zhang & Sennrich 2019) over the last axis, computed in f32.
+
+  Returns `x / sqrt(mean(x^2) + eps) * scale` in x's dtype.
+  """
+  xf = x.astype(jnp.float32)
+  norm = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return (xf * norm * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+class MultiHeadLatentAttention(nnx.Module):
+  """DeepSeek-V2 Multi-head Latent Attention with a latent KV cache.
+
+  Cache schema (`kvattn.LatentCache`): `c_kv: [B, S, C]` (RMSNorm applied),
+  `k_rope: [B, S, R]` (RoPE applied, one key shared by all heads), `lengths:
+  i32[B]`, in the cache dtype.
+
+  Call: `y, cache = attn(x, cache=None, positions=None, new_lengths=None)`,
+  with the conventions of `kvattn.GroupedQueryAttention`:
+    * `x: [B, T, D]`. Without a cache the T tokens attend causally to each
+      other (training); the returned cache is None.
+    * With a cache, token t of sequence b is written to slot
+      `cache.lengths[b] + t` and attends slots `[0, cache.lengths[b] + t]`
+      (the last `window` of them when a window is set).
+    * `positions: i32[B, T]` drive RoPE only; default cache length + arange(T).
+    * `new_lengths: i32[B]` real tokens per sequence (right padding; default
+      T); padded tokens are not written and their outputs are unspecified.
+
+  Paths (constructor argument `path`); all give the same result up to float
+  reassociation:
+    * `"naive"`: expand per-head keys `[c_kv W_UK | k_rope]` (width
+      qk_nope_head_dim + R; the rope key broadcast over heads) and values
+      `c_kv W_UV` (width v_head_dim) from every latent read, then ordinary
+      multi-head attention (`kvattn.ops.attention`). Cheapest when T is
+      large compared with S (training, prefill).
+    * `"absorbed"`: fold W_UK into the query (`q_latent = q_nope W_UK^T`,
+      `[B, T, N, C]`) and W_UV into the output, and attend the latent cache
+      directly (`kvattn.ops.mla_decode_attention` for T == 1, the dispatch
+      point of the decode kernels; `kvattn.ops.mla_attention` otherwise). The
+      cache is never expanded or copied.
+    * `"auto"` (default): absorbed for one-token decode steps with a cache
+      (T == 1), naive for everything else (no cache, multi-token prefill).
+
+  Parameters (no biases): `q_proj [D, N, Hn + R]`, or with `q_lora_rank` =
+  Cq: `q_down_proj [D, Cq]`, `q_norm [Cq]`, `q_up_proj [Cq, N, Hn + R]`;
+  `kv_down_proj [D, C + R]` (first C columns the latent W_DKV, last R the
+  rope-key projection W_KR, as DeepSeek's `kv_a_proj_with_mqa`); `kv_norm
+  [C]`; `k_up_proj [C, N, Hn]` (W_UK); `v_up_proj [C, N, Hv]` (W_UV);
+  `o_proj [N, Hv, D]`; here Hn = qk_nope_head_dim and Hv = v_head_dim.
+  Products of low-precision inputs, including the absorbed `q_nope W_UK^T`,
+  accumulate in f32 (`preferred_element_type`); RMSNorm, RoPE and softmax
+  run in f32.
+  """
+
+  def __init__(
+      self,
+      *,
+      d_model: int,
+      num_heads: int,
+      kv_lora_rank: int,
+      qk_nope_head_dim: int,
+      qk_rope_head_dim: int,
+      v_head_dim: int,
+      q_lora_rank: int | None = None,
+      rope_theta: float = 10000.0,
+      window: int | None = None,
+      rms_eps: float = 1e-6,
+      path: str = "auto",
+      dtype: Any = None,
+      param_dtype: Any = jnp.float32,
+      decode_implementation: str | None = None,
+      rngs: nnx.Rngs,
+  ):
+    """Builds the projections.
+
+    Args:
+      d_model: model width D.
+      num_heads: query heads N.
+      kv_lora_rank: KV latent width C (what is cached per token).
+      qk_nope_head_dim: per-head width of the no-RoPE query/key part.
+      qk_rope_head_dim: width R of the RoPE query part and of the shared rope
+        key (even).
+      v_head_dim: per-head value width Hv.
+      q_lora_rank: query latent width Cq, or None for a full-rank query.
+      rope_theta: RoPE base.
+      window: sliding-window size in tokens, or None for full attention.
+      rms_eps: epsilon of the RMSNorms on the latents.
+      path: `"auto"`, `"naive"` or `"absorbed"` (see the class docstring).
+      dtype: compute dtype (None: the input's dtype).
+      param_dtype: parameter storage dtype.
+      decode_implementation: passed to `kvattn.ops.mla_decode_attention`.
+      rngs: `nnx.Rngs` with a `params` stream.
+
+    Raises:
+      ValueError: a non-positive size, an odd qk_rope_head_dim, non-positive
+        rope_theta / rms_eps / window, or an unknown path.
+      TypeError: a size that is not an int.
+    """
+    self.d_model = _checks.positive_int("d_model", d_model)
+    self.num_heads = _checks.positive_int("num_heads", num_heads)
+    self.kv_lora_rank = _checks.positive_int("kv_lora_rank", kv_lora_rank)
+    self.qk_nope_head_dim = _checks.positive_int("qk_nope_head_dim", qk_nope_head_dim)
+    self.qk_rope_head_dim = _checks.positive_int("qk_rope_head_dim", qk_rope_head_dim)
+    if self.qk_rope_head_dim % 2:
+      raise ValueError(f"qk_rope_head_dim must be even for RoPE; got {qk_rope_head_dim}")
+    self.v_head_dim = _checks.positive_int("v_head_dim", v_head_dim)
+    self.q_lora_rank = _checks.optional_positive_int("q_lora_rank", q_lora_rank)
+    self.rope_theta = _checks.positive_float("rope_theta", rope_theta)
+    self.window = _checks.optional_positive_int("window", window)
+    self.rms_eps = _checks.positive_float("rms_eps", rms_eps)
+    if path not in PATHS:
+      raise ValueError(f"path must be one of {PATHS}; got {path!r}")
+    self.path = path
+    self.dtype = None if dtype is None else jnp.dtype(dtype)
+    self.decode_implementation = decode_implementation
+    # DeepSeek-V2 eq. 18: the scale of the trained per-head width.
+    self.sm_scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+
+    D, N, C, R = self.d_model, self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
+    Hn, Hv, Hq = self.qk_nope_head_dim, self.v_head_dim, self.qk_nope_head_dim + self.qk_rope_head_dim
+    key = rngs.params
+    if self.q_lora_rank is None:
+      self.q_proj = nnx.Param(_init(0, (1, 2))(key(), (D, N, Hq), param_dtype))
+    else:
+      Cq = self.q_lora_rank
+      self.q_down_proj = nnx.Param(_init(0, 1)(key(), (D, Cq), param_dtype))
+      self.q_norm = nnx.Param(jnp.ones((Cq,), param_dtype))
+      self.q_up_proj = nnx.Param(_init(0, (1, 2))(key(), (Cq, N, Hq), param_dtype))
+    self.kv_down_proj = nnx.Param(_init(0, 1)(key(), (D, C + R), param_dtype))
+    self.kv_norm = nnx.Param(jnp.ones((C,), param_dtype))
+    self.k_up_proj = nnx.Param(_init(0, (1, 2))(key(), (C, N, Hn), param_dtype))
+    self.v_up_proj = nnx.Param(_init(0, (1, 2))(key(), (C, N, Hv), param_dtype))
+    self.o_proj = nnx.Param(_init((0, 1), 2)(key(), (N, Hv, D), param_dtype))
+
+  def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> cache_lib.LatentCache:
+    """An empty `LatentCache` shaped for this layer."""
+    return cache_lib.LatentCache.init(batch, max_len, self.kv_lora_rank, self.qk_rope_head_dim,
+                                      dtype)
+
+  def _einsum(self, spec, a, w, dtype):
+    out = jnp.einsum(spec, a.astype(dtype), w[...].astype(dtype),
+                     preferred_element_type=jnp.float32)
+    return out.astype(dtype)
+
+  def _queries(self, x, positions, dtype):
+    """Returns `(q_nope [B, T, N, Hn], q_rope [B, T, N, R])`, RoPE applied to q_rope."""
+    if self.q_lora_rank is None:
+      q = self._einsum("BTD,DNH->BTNH", x, self.q_proj, dtype)
+    else:
+      c_q = self._einsum("BTD,DQ->BTQ", x, self.q_down_proj, dtype)
+      c_q = rms_norm(c_q, self.q_norm[...], self.rms_eps)
+      q = self._einsum("BTQ,QNH->BTNH", c_q, self.q_up_proj, dtype)
+    q_nope, q_rope = jnp.split(q, [self.qk_nope_head_dim], axis=-1)
+    return q_nope, ops.apply_rope(q_rope, positions, rope_theta=self.rope_theta)
+
+  def _latents(self, x, positions, dtype):
+    """Returns `(c_kv [B, T, C], k_rope [B, T, R])`: normalised latent, roped shared key."""
+    ckr = self._einsum("BTD,DE->BTE", x, self.kv_down_proj, dtype)
+    c_kv, k_rope = jnp.split(ckr, [self.kv_lora_rank], axis=-1)
+    c_kv = rms_norm(c_kv, self.kv_norm[...], self.rms_eps)
+    return c_kv, ops.apply_rope(k_rope, positions, rope_theta=self.rope_theta)
+
+  def _naive(self, q_nope, q_rope, c_kv, k_rope, q_offsets, kv_lengths, dtype):
+    """Expanded per-head attention; returns `[B, T, N, Hv]`."""
+    k_nope = self._einsum("BSC,CNH->BNSH", c_kv, self.k_up_proj, dtype)  # [B, N, S, Hn]
+    v = self._einsum("BSC,CNV->BNSV", c_kv, self.v_up_proj, dtype)  # [B, N, S, Hv]
+    k_rope = jnp.broadcast_to(k_rope.astype(dtype)[:, None],
+                              k_nope.shape[:3] + (self.qk_rope_head_dim,))  # [B, N, S, R]
+    k = jnp.concatenate([k_nope, k_rope], axis=-1)  # [B, N, S, Hn + R]
+    q = jnp.concatenate([q_nope, q_rope], axis=-1)  # [B, T, N, Hn + R]
+    return ops.attention(q, k, v, q_offsets=q_offsets, kv_lengths=kv_lengths,
+                         sm_scale=self.sm_scale, window=self.window)
+
+  def _absorbed(self, q_nope, q_rope, c_kv, k_rope, q_offsets, kv_lengths, dtype, decode):
+    """Attention against the latent with W_UK / W_UV absorbed; returns `[B, T, N, Hv]`."""
+    # Appendix C: q_nope . (W_UK c) == (q_nope W_UK^T) . c, f32-accumulated.
+    q_latent = self._einsum("BTNH,CNH->BTNC", q_nope, self.k_up_proj, dtype)  # [B, T, N, C]
+    if decode:
+      out = ops.mla_decode_attention(
+          q_latent[:, 0], q_rope[:, 0], c_kv, k_rope, kv_lengths, sm_scale=self.sm_scale,
+          window=self.window, implementation=self.decode_implementation)[:, None]
+    else:
+      out = ops.mla_attention(q_latent, q_rope, c_kv, k_rope, sm_scale=self.sm_scale,
+                              q_offsets=q_offsets, kv_lengths=kv_lengths, window=self.window)
+    return self._einsum("BTNC,CNV->BTNV", out, self.v_up_proj, dtype)  # [B, T, N, Hv]
+
+  def attend_heads(
+      self,
+      x: jax.Array,  # [B, T, D]
+      cache: cache_lib.LatentCache | None = None,
+      positions: jax.Array | None = None,  # i32[B, T]
+      new_lengths: jax.Array | None = None,  # i32[B]
+  ) -> tuple[jax.Array, cache_lib.LatentCache | None]:
+    """Like `__call__` but stops before `o_proj`: returns per-head outputs `[B, T, N, Hv]`.
+
+    Raises:
+      ValueError/TypeError: `x` not `[B, T, D]` floating, a cache that is not
+        a `LatentCache` of this layer's shape, bad positions or new_lengths,
+        or (eager) a cache overflow.
+    """
+    check_input(x, self.d_model)
+    batch, num_tokens, _ = x.shape
+    if cache is not None:
+      if not isinstance(cache, cache_lib.LatentCache):
+        raise TypeError(f"cache must be a kvattn.LatentCache or None; got {type(cache).__name__}")
+      got = (cache.batch, cache.kv_lora_rank, cache.qk_rope_head_dim)
+      want = (batch, self.kv_lora_rank, self.qk_rope_head_dim)
+      if got != want:
+        raise ValueError(
+            f"cache must have batch, kv_lora_rank, qk_rope_head_dim = {want}; got {got}")
+    if positions is None:
+      positions = default_positions(None if cache is None else cache.lengths, batch, num_tokens)
+    else:
+      positions = check_positions(positions, batch, num_tokens)
+    new_lengths = cache_lib.resolve_new_lengths(new_lengths, batch, num_tokens)
+
+    dtype = self.dtype or x.dtype
+    q_nope, q_rope = self._queries(x, positions, dtype)
+    c_kv, k_rope = self._latents(x, positions, dtype)
+    if cache is None:
+      new_cache, q_offsets, kv_lengths = None, None, new_lengths
+    else:
+      new_cache = cache.update(c_kv, k_rope, new_lengths)
+      c_kv, k_rope = new_cache.c_kv, new_cache.k_rope
+      q_offsets, kv_lengths = cache.lengths, new_cache.lengths
+
+    decode = cache is not None and num_tokens == 1
+    path = self.path
+    if path == "auto":
+      path = "absorbed" if decode else "naive"
+    if path == "naive":
+      out = self._naive(q_nope, q_rope, c_kv, k_rope, q_offsets, kv_lengths, dtype)
+    else:
+      out = self._absorbed(q_nope, q_rope, c_kv, k_rope, q_offsets, kv_lengths, dtype, decode)
+    return out, new_cache
+
+  def __call__(
+      self,
+      x: jax.Array,  # [B, T, D]
+      cache: cache_lib.LatentCache | None = None,
+      positions: jax.Array | None = None,  # i32[B, T]
+      new_lengths: jax.Array | None = None,  # i32[B]
+  ) -> tuple[jax.Array, cache_lib.LatentCache | None]:
+    """Returns `(y [B, T, D] in the compute dtype, updated cache or None)`.
+
+    Raises:
+      ValueError/TypeError: as `attend_heads`.
+    """
+    out, new_cache = self.attend_heads(x, cache=cache, positions=positions,
+                                       new_lengths=new_lengths)
+    y = self._einsum("BTNV,NVD->BTD", out, self.o_proj, out.dtype)
+    return y, new_cache
