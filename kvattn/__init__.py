@@ -8,6 +8,7 @@ from kvattn import memory, ops
 from kvattn.cache import KVCache, LatentCache
 from kvattn.gqa import GroupedQueryAttention
 from kvattn.mla import MultiHeadLatentAttention
+from kvattn.paged import OutOfPagesError, PageAllocator, PagedKVCache
 
 __version__ = "0.1.0"
 
@@ -16,6 +17,9 @@ __all__ = [
     "KVCache",
     "LatentCache",
     "MultiHeadLatentAttention",
+    "OutOfPagesError",
+    "PageAllocator",
+    "PagedKVCache",
     "memory",
     "ops",
 ]

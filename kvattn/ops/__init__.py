@@ -4,6 +4,7 @@ from kvattn.ops.dispatch import (available_implementations, decode_attention,
                                  mla_decode_attention, register_implementation)
 from kvattn.ops.reference import (attention, decode_attention_xla, mla_attention,
                                   mla_decode_attention_xla)
+from kvattn.ops.paged import paged_decode_attention, paged_decode_attention_xla
 from kvattn.ops.rope import apply_rope, rope_frequencies
 
 __all__ = [
@@ -15,6 +16,8 @@ __all__ = [
     "mla_attention",
     "mla_decode_attention",
     "mla_decode_attention_xla",
+    "paged_decode_attention",
+    "paged_decode_attention_xla",
     "register_implementation",
     "rope_frequencies",
 ]

@@ -1,0 +1,210 @@
+"""Paged decode attention: the XLA gather path and the `paged_decode_attention` dispatch point.
+
+A paged KV cache (PagedAttention, Kwon et al., SOSP 2023, §4.1) stores keys and
+values in a pool of fixed-size pages shared by all sequences, `k_pages,
+v_pages: [K, P, page_size, H]`, and a block table `i32[B, pages_per_seq]`
+maps the j-th logical page of sequence b (slots `[j * page_size, (j + 1) *
+page_size)`) to a physical page. An entry outside `[0, P)` (the allocator
+writes -1) means "no page": such a logical page is never read into a result
+and never written.
+
+Attention is the same as for a dense cache whose slot `s` of sequence b is
+slot `s % page_size` of page `block_tables[b, s // page_size]`: the query of
+sequence b sits at slot `lengths[b] - 1` and attends
+`[max(0, lengths[b] - window), lengths[b])`. Results never depend on page
+order, on what unused slots of a sequence's last page hold, or on what free
+pages hold (DESIGN.md, invariant 2).
+
+Backends of the `"paged_decode_attention"` op:
+  * `"xla"` — gathers each sequence's pages into a dense `[B, K, S, H]` view
+    (S = pages_per_seq * page_size) and runs `decode_attention_xla`. Reads
+    every page of the block table whatever the length; always available.
+  * `"pallas"` — `pallas_kernels.paged_decode_attention`: reads only the pages
+    a sequence uses, GQA-grouped, split over pages. Picked first on GPU/TPU;
+    on CPU it runs only when named (`implementation="pallas"`), in interpret
+    mode, and `implementation=None` falls through to `"xla"`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvattn import _checks
+from kvattn.ops import dispatch as _dispatch
+from kvattn.ops import reference as _reference
+
+OP = "paged_decode_attention"
+
+
+def validate_paged_args(q, k_pages, v_pages, block_tables, lengths, *, window=None,
+                        soft_cap=None, sm_scale=None) -> None:
+  """Checks paged decode arguments; raises ValueError/TypeError naming them.
+
+  Raises:
+    ValueError: wrong ranks, mismatched sizes, N not a multiple of K,
+      non-positive window / soft_cap / sm_scale.
+    TypeError: non-float q/k_pages/v_pages, k_pages and v_pages of different
+      dtypes, non-integer block_tables or lengths.
+  """
+  _checks.rank("q", q, 3, "[B, N, H]")
+  _checks.rank("k_pages", k_pages, 4, "[K, P, page_size, H]")
+  _checks.rank("v_pages", v_pages, 4, "[K, P, page_size, Hv]")
+  _checks.rank("block_tables", block_tables, 2, "[B, pages_per_seq]")
+  _checks.rank("lengths", lengths, 1, "[B]")
+  for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+    _checks.floating(name, x)
+  _checks.same_dtype(("k_pages", "v_pages"), (k_pages, v_pages))
+  _checks.integer("block_tables", block_tables)
+  _checks.integer("lengths", lengths)
+  batch, num_heads, _ = q.shape
+  num_kv_heads, num_pages, page_size, _ = k_pages.shape
+  _checks.dim("q", q, 2, k_pages.shape[3], "head dim H, from k_pages")
+  _checks.dim("v_pages", v_pages, 0, num_kv_heads, "KV heads K, from k_pages")
+  _checks.dim("v_pages", v_pages, 1, num_pages, "pages P, from k_pages")
+  _checks.dim("v_pages", v_pages, 2, page_size, "page_size, from k_pages")
+  _checks.dim("block_tables", block_tables, 0, batch, "batch B, from q")
+  _checks.dim("lengths", lengths, 0, batch, "batch B, from q")
+  _checks.head_layout(num_heads, num_kv_heads)
+  _reference.check_options(window, soft_cap, sm_scale)
+
+
+def gather_pages(
+    pages: jax.Array,  # [K, P, page_size, H]
+    block_tables: jax.Array,  # i32[B, pages_per_seq]
+) -> jax.Array:  # [B, K, pages_per_seq * page_size, H]
+  """Dense head-major view of each sequence's pages: slot s of sequence b is
+  slot `s % page_size` of page `block_tables[b, s // page_size]`.
+
+  Entries outside `[0, P)` are clamped into range, so the slots of an
+  unassigned logical page hold an arbitrary page's contents; callers mask
+  them with the lengths (or use `gather_pages_zeroed`).
+  """
+  num_pages = pages.shape[1]
+  ids = jnp.clip(block_tables, 0, num_pages - 1)
+  gathered = jnp.take(pages, ids, axis=1)  # [K, B, pages_per_seq, page_size, H]
+  k, b, n, ps, h = gathered.shape
+  return jnp.moveaxis(gathered, 0, 1).reshape(b, k, n * ps, h)
+
+
+def gather_pages_zeroed(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
+  """`gather_pages` with the slots of unassigned logical pages (entries outside
+  `[0, P)`) set to zero: `[B, K, pages_per_seq * page_size, H]`."""
+  num_pages, page_size = pages.shape[1], pages.shape[2]
+  dense = gather_pages(pages, block_tables)
+  assigned = (block_tables >= 0) & (block_tables < num_pages)  # [B, pages_per_seq]
+  assigned = jnp.repeat(assigned, page_size, axis=1)  # [B, S]
+  return jnp.where(assigned[:, None, :, None], dense, jnp.zeros((), dense.dtype))
+
+
+def paged_decode_attention_xla(
+    q: jax.Array,  # [B, N, H]
+    k_pages: jax.Array,  # [K, P, page_size, H]
+    v_pages: jax.Array,  # [K, P, page_size, Hv]
+    block_tables: jax.Array,  # i32[B, pages_per_seq]
+    lengths: jax.Array,  # i32[B]
+    *,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [B, N, Hv]
+  """The XLA paged path: gather through the block table, then dense decode.
+
+  Equivalent to `decode_attention_xla` on the dense view `gather_pages(...)`;
+  the gather reads all `pages_per_seq` pages of every sequence (the Pallas
+  kernel reads only those below `lengths[b]`). Slots past `lengths[b]`, pages
+  the block table does not assign and free pages never reach the output;
+  length-0 rows are zeros. Returns `[B, N, Hv]` in q's dtype, f32-accumulated.
+  """
+  k = gather_pages(k_pages, block_tables)
+  v = gather_pages(v_pages, block_tables)
+  return _reference.decode_attention_xla(q, k, v, lengths.astype(jnp.int32), sm_scale=sm_scale,
+                                         window=window, soft_cap=soft_cap)
+
+
+def _xla_paged(q, k_pages, v_pages, block_tables, lengths, *, explicit, **options):
+  del explicit
+  return paged_decode_attention_xla(q, k_pages, v_pages, block_tables, lengths, **options)
+
+
+_dispatch.register_implementation(OP, "xla", _xla_paged)
+
+
+def paged_decode_attention(
+    q: jax.Array,  # [B, N, H]
+    k_pages: jax.Array,  # [K, P, page_size, H]
+    v_pages: jax.Array,  # [K, P, page_size, Hv]
+    block_tables: jax.Array,  # i32[B, pages_per_seq]
+    lengths: jax.Array,  # i32[B]
+    *,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    implementation: str | None = None,
+) -> jax.Array:
+  """Attention of one new token per sequence against a paged KV cache.
+
+  PagedAttention (Kwon et al., SOSP 2023, §4.1): sequence b's slot s lives in
+  slot `s % page_size` of page `block_tables[b, s // page_size]`. The query
+  sits at slot `lengths[b] - 1` (its token already written) and attends slots
+  `[max(0, lengths[b] - window), lengths[b])` with scaled dot-product
+  attention (Vaswani et al. 2017, eq. 1); query head n reads KV head
+  `n // (N // K)`.
+
+  Args:
+    q: `[B, N, H]` queries.
+    k_pages: `[K, P, page_size, H]` key page pool.
+    v_pages: `[K, P, page_size, Hv]` value page pool (same dtype as k_pages).
+    block_tables: `i32[B, pages_per_seq]` physical page of each logical page;
+      entries outside `[0, P)` mean "no page" (only allowed at or past
+      `ceil(lengths[b] / page_size)`).
+    lengths: `i32[B]` valid tokens per sequence.
+    sm_scale: logit scale, default `1/sqrt(H)`.
+    window: sliding-window size in tokens, or None.
+    soft_cap: logit soft cap (`cap * tanh(s / cap)`), or None.
+    implementation: `"xla"`, `"pallas"` or None (the first backend that fits
+      the device: the Pallas kernel on GPU/TPU, the XLA gather path on CPU).
+
+  Returns:
+    `[B, N, Hv]` in q's dtype, f32-accumulated; length-0 rows are zeros.
+
+  Raises:
+    ValueError: unknown `implementation`; shapes or options that do not fit.
+    TypeError: non-float q/pages, k/v dtype mismatch, non-integer tables/lengths.
+    NotImplementedError: the named implementation cannot run these shapes here.
+  """
+  validate_paged_args(q, k_pages, v_pages, block_tables, lengths, window=window,
+                      soft_cap=soft_cap, sm_scale=sm_scale)
+  return _dispatch.dispatch(OP, implementation, q, k_pages, v_pages, block_tables, lengths,
+                            sm_scale=sm_scale, window=window, soft_cap=soft_cap)
+
+
+def check_block_tables(block_tables, lengths, num_pages: int, page_size: int) -> None:
+  """Host check that every page a sequence uses is assigned and no page is shared.
+
+  For concrete `block_tables: i32[B, pages_per_seq]` and `lengths: i32[B]`:
+  logical pages `[0, ceil(lengths[b] / page_size))` of every sequence must map
+  into `[0, num_pages)`, and no physical page may be used by two sequences (or
+  twice by one). Skipped for traced values.
+
+  Raises:
+    ValueError: naming the sequence and page that break the rule.
+  """
+  if not (_checks.is_concrete(block_tables) and _checks.is_concrete(lengths)):
+    return
+  tables = np.asarray(block_tables)
+  used = -(-np.asarray(lengths).astype(np.int64) // page_size)
+  owner: dict[int, tuple[int, int]] = {}
+  for b in range(tables.shape[0]):
+    for j in range(min(int(used[b]), tables.shape[1])):
+      page = int(tables[b, j])
+      if not 0 <= page < num_pages:
+        raise ValueError(
+            f"block_tables[{b}, {j}] must be a page in [0, {num_pages}) since sequence {b} "
+            f"has {int(np.asarray(lengths)[b])} tokens; got {page}")
+      if page in owner:
+        raise ValueError(
+            f"block_tables must not give page {page} to two live slots; got it at "
+            f"{owner[page]} and ({b}, {j})")
+      owner[page] = (b, j)

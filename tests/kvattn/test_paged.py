@@ -1,0 +1,297 @@
+"""PagedKVCache and the XLA paged path: paged == dense through any page order.
+
+Every comparison turns the paged cache back into dense arrays (or runs the
+dense reference on the same tokens): page order, the unused tail of a
+sequence's last page, unassigned table entries and free pages (filled with NaN
+here) must never change a value (DESIGN.md, invariant 2).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvattn
+from kvattn import KVCache, PagedKVCache, memory, ops
+from kvattn.ops import paged as paged_ops
+
+PAGE = 4
+CAPACITY = 5 * PAGE  # pages_per_seq = 5 in most tests
+
+# Jitted once per shape: eager op-by-op dispatch would compile every primitive
+# for every case. The eager (concrete-value) checks have their own tests.
+_update = jax.jit(lambda cache, k, v, n: cache.update(k, v, n))
+_paged_decode = jax.jit(ops.paged_decode_attention, static_argnames=("window", "implementation"))
+_dense_decode = jax.jit(ops.decode_attention_xla, static_argnames=("window",))
+
+
+def _tokens(seed, B, T, K=2, H=8):
+  return jax.random.normal(jax.random.key(seed), (B, T, K, H))
+
+
+def _random_tables(rng, batch, pages_per_seq, num_pages, pages_used):
+  """Block tables giving sequence b `pages_used[b]` distinct random pages."""
+  perm = rng.permutation(num_pages)
+  tables = np.full((batch, pages_per_seq), -1, np.int32)
+  at = 0
+  for b, n in enumerate(pages_used):
+    tables[b, :n] = perm[at:at + n]
+    at += n
+  return tables
+
+
+def _nan_pools(cache):
+  return cache.replace(k_pages=jnp.full_like(cache.k_pages, jnp.nan),
+                       v_pages=jnp.full_like(cache.v_pages, jnp.nan))
+
+
+def _paged_and_dense(seed, lengths, *, pages_per_seq=5, K=2, H=8, extra_pages=3, perm_seed=None):
+  """A paged cache (NaN everywhere but the written tokens, random page order
+  drawn from `perm_seed`, default `seed`) and the dense cache holding the same
+  tokens, both filled by one prefill."""
+  rng = np.random.default_rng(seed if perm_seed is None else perm_seed)
+  batch = len(lengths)
+  used = [-(-n // PAGE) for n in lengths]
+  num_pages = sum(used) + extra_pages
+  tables = _random_tables(rng, batch, pages_per_seq, num_pages, used)
+  paged = _nan_pools(PagedKVCache.init(batch, num_pages=num_pages, page_size=PAGE,
+                                       pages_per_seq=pages_per_seq, num_kv_heads=K, head_dim=H,
+                                       block_tables=tables))
+  dense = KVCache.init(batch, pages_per_seq * PAGE, K, H)
+  T = pages_per_seq * PAGE
+  k, v = _tokens(seed, batch, T, K, H), _tokens(seed + 1, batch, T, K, H)
+  new_lengths = jnp.array(lengths, jnp.int32)
+  return _update(paged, k, v, new_lengths), _update(dense, k, v, new_lengths)
+
+
+def _assert_same_tokens(paged, dense):
+  """The first lengths[b] slots of every sequence agree exactly."""
+  np.testing.assert_array_equal(np.asarray(paged.lengths), np.asarray(dense.lengths))
+  pk, pv = (np.asarray(x) for x in paged.dense_kv())
+  for b, n in enumerate(np.asarray(dense.lengths)):
+    np.testing.assert_array_equal(pk[b, :, :n], np.asarray(dense.k)[b, :, :n])
+    np.testing.assert_array_equal(pv[b, :, :n], np.asarray(dense.v)[b, :, :n])
+
+
+def test_init_shapes_and_pytree():
+  c = PagedKVCache.init(3, num_pages=10, page_size=PAGE, pages_per_seq=4, num_kv_heads=2,
+                        head_dim=8, dtype=jnp.bfloat16)
+  assert c.k_pages.shape == c.v_pages.shape == (2, 10, PAGE, 8)
+  assert c.block_tables.shape == (3, 4) and c.block_tables.dtype == jnp.int32
+  assert np.all(np.asarray(c.block_tables) == kvattn.paged.NO_PAGE)
+  assert (c.batch, c.num_kv_heads, c.num_pages, c.page_size, c.head_dim, c.max_len) == (
+      3, 2, 10, PAGE, 8, 16)
+  leaves, treedef = jax.tree_util.tree_flatten(c)
+  assert len(leaves) == 4
+  assert isinstance(jax.tree_util.tree_unflatten(treedef, leaves), PagedKVCache)
+  # The pool is what grows with token slots: 2 (k, v) * K * H * itemsize per slot.
+  assert memory.measured_bytes_per_token(c) == memory.gqa_bytes_per_token(2, 8, jnp.bfloat16)
+
+
+def test_init_rejects_bad_arguments():
+  with pytest.raises(ValueError, match="num_pages must be a positive int; got 0"):
+    PagedKVCache.init(1, num_pages=0, page_size=4, pages_per_seq=1, num_kv_heads=1, head_dim=4)
+  with pytest.raises(ValueError, match=r"block_tables must have shape \[B, pages_per_seq\] = "
+                     r"\(2, 3\); got \(2, 4\)"):
+    PagedKVCache.init(2, num_pages=8, page_size=4, pages_per_seq=3, num_kv_heads=1, head_dim=4,
+                      block_tables=np.zeros((2, 4), np.int32))
+  with pytest.raises(TypeError, match="dtype must be a floating dtype"):
+    PagedKVCache.init(1, num_pages=1, page_size=4, pages_per_seq=1, num_kv_heads=1, head_dim=4,
+                      dtype=jnp.int32)
+
+
+@pytest.mark.parametrize("lengths", [
+    [0, 0],  # nothing written
+    [PAGE, 2 * PAGE, 5 * PAGE],  # exact page multiples, up to capacity
+    [1, PAGE + 1, PAGE - 1],  # one token into a fresh page; a not-quite-full page
+    [7, 13, 0, 20],
+])
+def test_prefill_through_random_pages_equals_dense(lengths):
+  paged, dense = _paged_and_dense(0, lengths)
+  _assert_same_tokens(paged, dense)
+
+
+def test_decode_steps_cross_page_boundaries_like_dense():
+  # Start at lengths that put the next token at a page's last slot, at its
+  # first slot (a fresh page), and mid-page; decode 6 steps one token at a time.
+  paged, dense = _paged_and_dense(3, [PAGE - 1, PAGE, 2 * PAGE + 2], pages_per_seq=5)
+  rng = np.random.default_rng(3)
+  # Give every sequence enough pages for 6 more tokens (fresh pages after the used ones).
+  tables = np.asarray(paged.block_tables).copy()
+  free = sorted(set(range(paged.num_pages)) - set(tables[tables >= 0].tolist()))
+  extra = iter(rng.permutation(free).tolist() + list(range(paged.num_pages, 10 ** 6)))
+  num_pages = paged.num_pages
+  for b, n in enumerate(np.asarray(paged.lengths)):
+    for j in range(-(-int(n) // PAGE), -(-(int(n) + 6) // PAGE)):
+      tables[b, j] = next(extra)
+  assert tables.max() < num_pages + 3  # fits after growing the pool below
+  grow = max(0, int(tables.max()) + 1 - num_pages)
+  pad = jnp.full((2, grow, PAGE, 8), jnp.nan)
+  paged = paged.replace(k_pages=jnp.concatenate([paged.k_pages, pad], 1),
+                        v_pages=jnp.concatenate([paged.v_pages, pad], 1),
+                        block_tables=jnp.asarray(tables))
+  for step in range(6):
+    k = _tokens(100 + step, 3, 1)
+    paged, dense = _update(paged, k, -k, None), _update(dense, k, -k, None)
+  _assert_same_tokens(paged, dense)
+
+
+def test_padded_tokens_are_not_written_and_free_pages_untouched():
+  paged, _ = _paged_and_dense(1, [3, 0])
+  owned = set(np.asarray(paged.block_tables)[0, :1].tolist())
+  k = np.asarray(paged.k_pages)
+  for p in range(paged.num_pages):
+    if p not in owned:
+      assert np.all(np.isnan(k[:, p])), p  # free pages and seq 1's (no) pages untouched
+  page = int(np.asarray(paged.block_tables)[0, 0])
+  assert np.all(np.isnan(k[:, page, 3:]))  # the unused tail of the last page
+
+
+def test_to_dense_zeroes_unassigned_pages():
+  paged, dense = _paged_and_dense(2, [5, 1], pages_per_seq=3)
+  d = paged.to_dense()
+  assert isinstance(d, KVCache) and d.k.shape == (2, 2, 3 * PAGE, 8)
+  k = np.asarray(d.k)
+  assert np.all(k[0, :, 2 * PAGE:] == 0) and np.all(k[1, :, PAGE:] == 0)
+  np.testing.assert_array_equal(k[0, :, :5], np.asarray(dense.k)[0, :, :5])
+
+
+def test_eager_write_to_unassigned_page_raises_before_writing():
+  paged, _ = _paged_and_dense(4, [PAGE, 2], pages_per_seq=3)
+  with pytest.raises(ValueError, match=r"block_tables\[0, 1\] must be a page in \[0, \d+\) to "
+                     r"write tokens \[4, 5\) of sequence 0; got -1"):
+    paged.update(_tokens(5, 2, 1), _tokens(5, 2, 1))
+
+
+def test_eager_overflow_raises():
+  paged, _ = _paged_and_dense(4, [3 * PAGE, 2], pages_per_seq=3)
+  with pytest.raises(ValueError, match="cache overflow"):
+    paged.update(_tokens(5, 2, 1), _tokens(5, 2, 1))
+
+
+def test_jit_write_to_unassigned_page_is_dropped_nothing_else_changes():
+  paged, _ = _paged_and_dense(6, [PAGE, 2], pages_per_seq=3)
+  before = np.asarray(paged.k_pages)
+  new = jax.jit(lambda c, x: c.update(x, x))(paged, _tokens(7, 2, 1))
+  after = np.asarray(new.k_pages)
+  np.testing.assert_array_equal(np.asarray(new.lengths), [PAGE + 1, 3])
+  # Only sequence 1's slot 2 changed; sequence 0's token had no page and was dropped.
+  page1 = int(np.asarray(paged.block_tables)[1, 0])
+  changed = ~((before == after) | (np.isnan(before) & np.isnan(after)))
+  assert changed.any(axis=(0, 2, 3)).nonzero()[0].tolist() == [page1]
+  np.testing.assert_array_equal(after[:, page1, 2], np.asarray(_tokens(7, 2, 1))[1, 0])
+
+
+def test_assign_and_release_slot_under_jit_do_not_recompile():
+  c = PagedKVCache.init(3, num_pages=12, page_size=PAGE, pages_per_seq=4, num_kv_heads=1,
+                        head_dim=4)
+  traces = []
+
+  @jax.jit
+  def assign(cache, slot, row, length):
+    traces.append(1)
+    return cache.assign_slot(slot, row, length)
+
+  c = assign(c, 0, np.array([5, 2, -1, -1], np.int32), 7)
+  c = assign(c, 2, np.array([1, -1, -1, -1], np.int32), 3)
+  np.testing.assert_array_equal(np.asarray(c.lengths), [7, 0, 3])
+  np.testing.assert_array_equal(np.asarray(c.block_tables)[0], [5, 2, -1, -1])
+  assert len(traces) == 1
+  c = jax.jit(lambda cache, slot: cache.release_slot(slot))(c, 0)
+  np.testing.assert_array_equal(np.asarray(c.block_tables)[0], [-1] * 4)
+  np.testing.assert_array_equal(np.asarray(c.lengths), [0, 0, 3])
+  with pytest.raises(ValueError, match=r"pages must have shape \[pages_per_seq\] = \(4,\)"):
+    c.assign_slot(0, np.zeros(3, np.int32))
+
+
+def test_contiguous_is_a_dense_drop_in():
+  c = PagedKVCache.contiguous(2, 10, 2, 8, page_size=PAGE)
+  assert c.max_len == 12 and c.num_pages == 6
+  np.testing.assert_array_equal(np.asarray(c.block_tables), [[0, 1, 2], [3, 4, 5]])
+  k = _tokens(0, 2, 10)
+  paged, dense = c.update(k, k), KVCache.init(2, 12, 2, 8).update(k, k)
+  _assert_same_tokens(paged, dense)
+
+
+# The XLA paged decode path == dense decode on the same tokens.
+
+# One batch size for every case, so the jitted functions compile once per head layout.
+EDGES = [0, 1, PAGE - 1, PAGE, PAGE + 1, CAPACITY]  # capacity = 5 whole pages
+CASES = [
+    # (lengths, window)
+    (EDGES, None),
+    (EDGES, 3),
+    ([7, 13, 20, 2, 9, 0], PAGE),
+    ([2, 19, 11, 0, 16, 5], 100),
+]
+
+
+@pytest.mark.parametrize("lengths,window", CASES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_xla_paged_decode_equals_dense(lengths, window, num_heads, num_kv_heads):
+  for seed in range(2):  # two random page permutations
+    paged, dense = _paged_and_dense(seed, lengths, K=num_kv_heads)
+    q = jax.random.normal(jax.random.key(50 + seed), (len(lengths), num_heads, 8))
+    want = _dense_decode(q, dense.k, dense.v, dense.lengths, window=window)
+    got = _paged_decode(q, paged.k_pages, paged.v_pages, paged.block_tables, paged.lengths,
+                        window=window, implementation="xla")
+    assert not np.isnan(np.asarray(got)).any()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    for b, n in enumerate(lengths):
+      if n == 0:
+        assert np.all(np.asarray(got)[b] == 0)  # length-0 rows are exact zeros
+
+
+def test_decode_result_independent_of_page_order_and_garbage():
+  # The same tokens under two page permutations; NaN vs +-1e30 everywhere else.
+  a, _ = _paged_and_dense(10, [9, 4, 17], perm_seed=1)
+  b, _ = _paged_and_dense(10, [9, 4, 17], perm_seed=2)
+  assert not np.array_equal(np.asarray(a.block_tables), np.asarray(b.block_tables))
+  b = b.replace(k_pages=jnp.where(jnp.isnan(b.k_pages), 1e30, b.k_pages),
+                v_pages=jnp.where(jnp.isnan(b.v_pages), -1e30, b.v_pages))
+  q = jax.random.normal(jax.random.key(0), (3, 4, 8))
+  out_a = _paged_decode(q, a.k_pages, a.v_pages, a.block_tables, a.lengths)
+  out_b = _paged_decode(q, b.k_pages, b.v_pages, b.block_tables, b.lengths)
+  np.testing.assert_allclose(np.asarray(out_a), np.asarray(out_b), rtol=1e-6, atol=1e-6)
+
+
+def test_xla_path_under_jit_with_overflowed_lengths_stays_in_bounds():
+  paged, dense = _paged_and_dense(0, [5 * PAGE, 3])
+  q = jax.random.normal(jax.random.key(1), (2, 4, 8))
+  over = jnp.array([5 * PAGE + 3, 3], jnp.int32)  # lengths past capacity after an overflow
+  got = jax.jit(ops.paged_decode_attention_xla)(q, paged.k_pages, paged.v_pages,
+                                                paged.block_tables, over)
+  want = _dense_decode(q, dense.k, dense.v, over)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_dispatch_validates_before_compute():
+  q = jnp.zeros((2, 4, 8))
+  kp = jnp.zeros((2, 6, PAGE, 8))
+  bt = jnp.zeros((2, 3), jnp.int32)
+  ln = jnp.zeros((2,), jnp.int32)
+  f = ops.paged_decode_attention
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    f(q, kp, kp, bt, ln, implementation="cuda")
+  with pytest.raises(ValueError, match="num_heads must be divisible by num_kv_heads; got 4 and 3"):
+    f(q, jnp.zeros((3, 6, PAGE, 8)), jnp.zeros((3, 6, PAGE, 8)), bt, ln)
+  with pytest.raises(ValueError, match=r"block_tables.shape\[0\] \(batch B, from q\) must be 2"):
+    f(q, kp, kp, jnp.zeros((3, 3), jnp.int32), ln)
+  with pytest.raises(TypeError, match="block_tables must have an integer dtype"):
+    f(q, kp, kp, bt.astype(jnp.float32), ln)
+  with pytest.raises(TypeError, match="k_pages and v_pages must share one dtype"):
+    f(q, kp, kp.astype(jnp.bfloat16), bt, ln)
+  with pytest.raises(ValueError, match=r"q.shape\[2\] \(head dim H, from k_pages\) must be 8"):
+    f(jnp.zeros((2, 4, 6)), kp, kp, bt, ln)
+  with pytest.raises(ValueError, match="window must be a positive int; got 0"):
+    f(q, kp, kp, bt, ln, window=0)
+  assert "xla" in ops.available_implementations("paged_decode_attention")
+
+
+def test_check_block_tables():
+  paged_ops.check_block_tables(np.array([[0, 1], [2, -1]]), np.array([5, 2]), 3, PAGE)
+  with pytest.raises(ValueError, match=r"block_tables\[1, 0\] must be a page in \[0, 3\) since "
+                     r"sequence 1 has 2 tokens; got -1"):
+    paged_ops.check_block_tables(np.array([[0, 1], [-1, -1]]), np.array([5, 2]), 3, PAGE)
+  with pytest.raises(ValueError, match="must not give page 1 to two live slots"):
+    paged_ops.check_block_tables(np.array([[0, 1], [1, -1]]), np.array([5, 2]), 3, PAGE)
