@@ -503,7 +503,7 @@ class PageAllocator:
     """
     pages = self._owned(seq_id)
     del self._pages[seq_id], self._tokens[seq_id]
-    self._free.extend(reversed(pages))  # the last-freed page is handed out first
+    self._free.extend(reversed(pages))  # reused first (warm pages), in their old order
     return tuple(pages)
 
   def check(self) -> None:
