@@ -1,0 +1,200 @@
+"""Decode-step time of MLA (absorbed vs naive) and of an MHA layer with the same N, H.
+
+    python -m experiments.bench_mla --batch 4 --seq_lens 512,2048,8192 \\
+        --d_model 1024 --num_heads 16 --kv_lora_rank 256 --qk_nope_head_dim 64 \\
+        --qk_rope_head_dim 32 --v_head_dim 64
+
+For every cache length S it builds three single attention layers from one seed:
+`kvattn.MultiHeadLatentAttention` forced onto the absorbed path (what "auto"
+runs for a decode step: attention straight against the latent cache through
+`kvattn.ops.mla_decode_attention`), the same layer on the naive path (per-head
+keys and values expanded from all S latents every step), and an MHA
+`kvattn.GroupedQueryAttention` with `num_kv_heads = num_heads` and `head_dim =
+--mha_head_dim` (default `--qk_nope_head_dim`, the H of DeepSeek-V2's MHA
+comparison). Each cache holds random contents with `lengths = S - 1`, so the
+timed step writes one token at slot S - 1 and attends all S slots.
+
+The step is one `jax.jit` program (projections, cache write, attention, output
+projection) with the cache donated, so XLA writes the token in place. After
+`--warmup` untimed calls (the first compiles) the step runs `--repeats` times,
+each timed around `block_until_ready`; lengths are reset to S - 1 between calls
+(a scalar replace, no cache copy). Prints one JSON line per (S, variant):
+
+  ms_median, ms_min, ms_max   wall time of one decode step, milliseconds
+  cache_bytes                 measured bytes of the cache's storage arrays
+  cache_bytes_per_token       bytes per token slot per layer (kvattn.memory)
+  read_elems_per_token        numbers per cached token the attention consumes:
+                              C + R (absorbed), N (Hn + R + Hv) (naive,
+                              expanded), 2 N H (MHA)
+
+then one JSON line per S with the ratios measured in that run
+(`naive_over_absorbed`, `mha_over_absorbed`), the analytic cache ratio
+`(C + R) / (2 N H)` and the largest |y_naive - y_absorbed| of the timed step
+(both paths must compute the same function), and finally a markdown table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from flax import nnx
+
+import kvattn
+from experiments import results
+from kvattn import memory
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("batch", 4, "Sequences per batch B.")
+flags.DEFINE_list("seq_lens", ["512", "2048", "8192"], "Cache lengths S (slots attended).")
+flags.DEFINE_integer("d_model", 1024, "Model width D.")
+flags.DEFINE_integer("num_heads", 16, "Query heads N (MLA and MHA).")
+flags.DEFINE_integer("kv_lora_rank", 256, "MLA latent width C.")
+flags.DEFINE_integer("qk_nope_head_dim", 64, "MLA no-RoPE query/key head width Hn.")
+flags.DEFINE_integer("qk_rope_head_dim", 32, "MLA decoupled RoPE width R.")
+flags.DEFINE_integer("v_head_dim", 64, "MLA value head width Hv.")
+flags.DEFINE_integer("q_lora_rank", None, "MLA query low rank (None: full-rank query).")
+flags.DEFINE_integer("mha_head_dim", None, "MHA head width H (default --qk_nope_head_dim).")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                  "Parameter, activation and cache dtype.")
+flags.DEFINE_string("decode_implementation", None, "kvattn.ops decode backend (None: best).")
+flags.DEFINE_integer("warmup", 2, "Untimed calls per variant (the first compiles).")
+flags.DEFINE_integer("repeats", 10, "Timed calls per variant; medians are reported.")
+flags.DEFINE_integer("seed", 0, "Weights, cache contents and inputs.")
+
+VARIANTS = ("mla_absorbed", "mla_naive", "mha")
+
+
+def build(variant: str, dtype):
+  rngs = nnx.Rngs(FLAGS.seed)  # one seed: both MLA paths get identical weights
+  if variant == "mha":
+    return kvattn.GroupedQueryAttention(
+        d_model=FLAGS.d_model, num_heads=FLAGS.num_heads, num_kv_heads=FLAGS.num_heads,
+        head_dim=FLAGS.mha_head_dim or FLAGS.qk_nope_head_dim, dtype=dtype, param_dtype=dtype,
+        decode_implementation=FLAGS.decode_implementation, rngs=rngs)
+  return kvattn.MultiHeadLatentAttention(
+      d_model=FLAGS.d_model, num_heads=FLAGS.num_heads, kv_lora_rank=FLAGS.kv_lora_rank,
+      qk_nope_head_dim=FLAGS.qk_nope_head_dim, qk_rope_head_dim=FLAGS.qk_rope_head_dim,
+      v_head_dim=FLAGS.v_head_dim, q_lora_rank=FLAGS.q_lora_rank,
+      path=variant.removeprefix("mla_"), dtype=dtype, param_dtype=dtype,
+      decode_implementation=FLAGS.decode_implementation, rngs=rngs)
+
+
+def filled_cache(layer, seq_len: int, dtype):
+  """A cache of S slots with random contents and lengths S - 1 (room for the new token)."""
+  batch = FLAGS.batch
+  cache = layer.init_cache(batch, seq_len, dtype)
+  keys = iter(jax.random.split(jax.random.key(FLAGS.seed + 1), 2))
+  # Unit-RMS contents: what RMSNorm'd latents and projected keys/values look like.
+  cache = jax.tree_util.tree_map(
+      lambda a: jax.random.normal(next(keys), a.shape, a.dtype) if a.ndim == 3 or a.ndim == 4
+      else a, cache)
+  return cache.replace(lengths=jnp.full((batch,), seq_len - 1, jnp.int32))
+
+
+def read_elems_per_token(variant: str) -> int:
+  n, r = FLAGS.num_heads, FLAGS.qk_rope_head_dim
+  if variant == "mla_absorbed":
+    return FLAGS.kv_lora_rank + r
+  if variant == "mla_naive":
+    return n * (FLAGS.qk_nope_head_dim + r + FLAGS.v_head_dim)
+  return 2 * n * (FLAGS.mha_head_dim or FLAGS.qk_nope_head_dim)
+
+
+def time_variant(variant: str, seq_len: int, x, dtype) -> tuple[dict, np.ndarray]:
+  layer = build(variant, dtype)
+  graphdef, state = nnx.split(layer)
+
+  def step(state, x, cache):
+    return nnx.merge(graphdef, state)(x, cache=cache)
+
+  step = jax.jit(step, donate_argnums=2)
+  cache = filled_cache(layer, seq_len, dtype)
+  cache_bytes = sum(a.nbytes for a in cache.storage_arrays())
+  bytes_per_token = memory.measured_bytes_per_token(cache)
+  start_lengths = np.asarray(cache.lengths)  # host copy: the device one is donated
+  times = []
+  for i in range(FLAGS.warmup + FLAGS.repeats):
+    jax.block_until_ready(cache)
+    t0 = time.perf_counter()
+    y, cache = step(state, x, cache)
+    jax.block_until_ready((y, cache))
+    elapsed = time.perf_counter() - t0
+    if i >= FLAGS.warmup:
+      times.append(elapsed)
+    cache = cache.replace(lengths=jnp.asarray(start_lengths))  # same step again, no overflow
+  del cache
+  row = {
+      "variant": variant, "S": seq_len, "batch": FLAGS.batch,
+      "ms_median": 1000.0 * statistics.median(times),
+      "ms_min": 1000.0 * min(times), "ms_max": 1000.0 * max(times),
+      "repeats": FLAGS.repeats,
+      "cache_bytes": cache_bytes,
+      "cache_bytes_per_token": bytes_per_token,
+      "read_elems_per_token": read_elems_per_token(variant),
+  }
+  return row, np.asarray(y, np.float32)
+
+
+def settings(dtype) -> dict:
+  return {
+      "d_model": FLAGS.d_model, "num_heads": FLAGS.num_heads,
+      "kv_lora_rank": FLAGS.kv_lora_rank, "qk_nope_head_dim": FLAGS.qk_nope_head_dim,
+      "qk_rope_head_dim": FLAGS.qk_rope_head_dim, "v_head_dim": FLAGS.v_head_dim,
+      "q_lora_rank": FLAGS.q_lora_rank,
+      "mha_head_dim": FLAGS.mha_head_dim or FLAGS.qk_nope_head_dim,
+      "dtype": jnp.dtype(dtype).name, "decode_implementation": FLAGS.decode_implementation,
+  }
+
+
+def run() -> list[dict]:
+  dtype = jnp.dtype(FLAGS.dtype)
+  seq_lens = [int(s) for s in FLAGS.seq_lens]
+  if min(seq_lens) < 1:
+    raise app.UsageError(f"--seq_lens must be positive; got {FLAGS.seq_lens}")
+  x = jax.random.normal(jax.random.key(FLAGS.seed + 2), (FLAGS.batch, 1, FLAGS.d_model), dtype)
+  env = dict(results.environment(), load_avg_1min=os.getloadavg()[0])
+  cfg = settings(dtype)
+  print(json.dumps({"settings": cfg, "environment": env}))
+  summary = []
+  for seq_len in seq_lens:
+    rows, outputs = {}, {}
+    for variant in VARIANTS:
+      rows[variant], outputs[variant] = time_variant(variant, seq_len, x, dtype)
+      print(json.dumps(rows[variant]), flush=True)
+    absorbed = rows["mla_absorbed"]["ms_median"]
+    ratio = {
+        "S": seq_len,
+        "naive_over_absorbed": rows["mla_naive"]["ms_median"] / absorbed,
+        "mha_over_absorbed": rows["mha"]["ms_median"] / absorbed,
+        "cache_ratio_mla_over_mha": memory.mla_to_mha_cache_ratio(
+            FLAGS.kv_lora_rank, FLAGS.qk_rope_head_dim, FLAGS.num_heads, cfg["mha_head_dim"]),
+        "max_abs_diff_naive_vs_absorbed": float(
+            np.abs(outputs["mla_naive"] - outputs["mla_absorbed"]).max()),
+        "load_avg_1min": os.getloadavg()[0],
+    }
+    print(json.dumps(ratio), flush=True)
+    summary.append((rows, ratio))
+  print()
+  print("| S | absorbed ms | naive ms | MHA ms | naive/absorbed | MHA/absorbed |")
+  print("|---:|---:|---:|---:|---:|---:|")
+  for rows, ratio in summary:
+    print(f"| {ratio['S']} | {rows['mla_absorbed']['ms_median']:.2f} | "
+          f"{rows['mla_naive']['ms_median']:.2f} | {rows['mha']['ms_median']:.2f} | "
+          f"{ratio['naive_over_absorbed']:.2f} | {ratio['mha_over_absorbed']:.2f} |")
+  return [r for _, r in summary]
+
+
+def main(argv):
+  del argv
+  run()
+
+
+if __name__ == "__main__":
+  app.run(main)
