@@ -1,0 +1,68 @@
+"""The "pallas" backend of the decode dispatch points (fused Pallas kernels).
+
+Registers `pallas_kernels.decode_attention` for `"decode_attention"` and
+`pallas_kernels.mla_decode_attention` for `"mla_decode_attention"`, first in
+line. With `implementation=None` the kernel runs compiled on GPU (Triton
+lowering) and TPU (Mosaic) for the shapes it supports and raises
+`NotImplementedError` everywhere else (CPU, soft caps, unsupported shapes or
+dtypes), so the dispatcher falls through to XLA. Named explicitly
+(`implementation="pallas"`) on CPU it runs in interpret mode, which is exact
+but slow (for tests and debugging).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from kvattn.ops import dispatch
+from pallas_kernels import decode_attention as _kernels
+
+_COMPILED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+
+
+def _mode(explicit: bool, why_not) -> bool:
+  """Returns `interpret` for this call, or raises NotImplementedError.
+
+  `why_not(platform)` gives the reason the kernel cannot run these shapes on
+  `platform`, or None. Interpret mode emulates the GPU ("loop") schedule, so
+  on CPU the GPU constraints apply.
+  """
+  platform = jax.default_backend()
+  interpret = platform not in _COMPILED_PLATFORMS
+  if interpret and not explicit:
+    raise NotImplementedError(
+        f"pallas: no compiled kernel on {platform!r} (name implementation='pallas' "
+        "to run it in interpret mode)")
+  reason = why_not("gpu" if interpret else platform)
+  if reason is not None:
+    raise NotImplementedError(f"pallas: {reason}")
+  return interpret
+
+
+def _decode(q, k, v, lengths, *, explicit, sm_scale=None, window=None, soft_cap=None):
+  if soft_cap is not None:
+    raise NotImplementedError("pallas: soft_cap is not supported by the decode kernel")
+  interpret = _mode(explicit, lambda platform: _kernels.supported(
+      q.shape, k.shape, v.shape, k.dtype, platform=platform))
+  return _kernels.decode_attention(q, k, v, lengths, sm_scale=sm_scale, window=window,
+                                   interpret=interpret)
+
+
+def _mla_decode(q_latent, q_rope, c_kv, k_rope, lengths, *, explicit, sm_scale,
+                window=None):
+  batch, capacity, latent = c_kv.shape
+  # The kernel's dot widths are C and R separately; check both as head dims.
+  def why_not(platform):
+    return (_kernels.supported(q_latent.shape, (batch, 1, capacity, latent), None,
+                               c_kv.dtype, platform=platform)
+            or _kernels.supported(q_rope.shape, (batch, 1, capacity, k_rope.shape[-1]), None,
+                                  c_kv.dtype, platform=platform))
+
+  interpret = _mode(explicit, why_not)
+  return _kernels.mla_decode_attention(q_latent, q_rope, c_kv, k_rope, lengths,
+                                       sm_scale=sm_scale, window=window, interpret=interpret)
+
+
+dispatch.register_implementation("decode_attention", "pallas", _decode, preferred=True)
+dispatch.register_implementation("mla_decode_attention", "pallas", _mla_decode,
+                                 preferred=True)

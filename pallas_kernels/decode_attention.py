@@ -1,0 +1,922 @@
+"""Fused decode attention: one new query token per sequence against a dense KV cache.
+
+One kernel serves MHA, GQA, MQA and MLA's absorbed decode:
+
+* GQA grouping (Ainslie et al. 2023): the G = N // K query heads that share KV
+  head k are one `[G, H]` tile, so every K/V block is read once per group.
+  The tile is padded to what the hardware needs (a power of two >= 16 for
+  Triton dots, a multiple of the sublane count on TPU) and the padding rows
+  are zero queries whose outputs are dropped.
+* Online softmax over key blocks (FlashAttention-2, Dao 2023, algorithm 1)
+  with f32 statistics and accumulator for f32/bf16/f16 inputs.
+* Split-K / flash-decoding (Dao, Haziza, Massa, Sizov 2023): the key axis is
+  cut into `num_splits` partitions that run in parallel; each writes a
+  normalised partial output and its log-sum-exp, merged afterwards with
+  `out = sum_j exp(lse_j - lse) * out_j`, `lse = logsumexp_j lse_j`.
+* Length-aware: sequence b attends slots `[start_b, length_b)` with
+  `start_b = max(0, length_b - window)`. Key blocks outside that range are
+  skipped, not masked, so work grows with the real length, not the capacity.
+* The key may come in two parts with separate queries, logits
+  `q1 . k1 + q2 . k2`, and the value may be `k1` itself. MLA's absorbed decode
+  (DeepSeek-V2, appendix C) is then `k1 = c_kv`, `k2 = k_rope`, `v = c_kv`:
+  every cache byte is read once and nothing cache-sized is concatenated.
+* Garbage in unused slots (NaN, inf, 1e30) never reaches an output: masked
+  logits are replaced (not added to), masked probabilities are exact zeros and
+  value rows of masked slots are zeroed before the probability-weighted sum
+  (0 * NaN would be NaN). A length-0 row gives zeros and log-sum-exp -inf.
+
+Two schedules of the same math, chosen by `schedule=`:
+
+* `"loop"` (GPU, Triton lowering): grid `(B, K, G tiles, splits)`; each
+  program runs a `fori_loop` over exactly the key blocks its split needs
+  (bounds computed from `lengths`), loading blocks with dynamic slices.
+* `"grid"` (TPU, Mosaic): grid `(B, K, G tiles, splits, blocks per split)`
+  with `lengths`/window starts scalar-prefetched into SMEM. The K/V index map
+  clamps the block index into the needed range, so steps outside it repeat
+  the previous block index and the pipeline issues no DMA for them, and
+  `pl.when` skips their compute.
+
+Both run on CPU with `interpret=True` (what the tests do).
+
+Layout follows jax/experimental/pallas/ops/gpu/decode_attention.py: kernels
+(refs only), then the launcher, then the public jitted wrappers, then the
+pure-jnp references.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+try:  # The Triton lowering is deprecated in JAX 0.11 and may go away.
+  from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover - depends on the JAX build.
+  plgpu = None
+try:
+  from jax.experimental.pallas import tpu as pltpu
+except ImportError:  # pragma: no cover - depends on the JAX build.
+  pltpu = None
+
+# Running max before any key is seen. Finite (unlike -inf) so that
+# `exp(m_prev - m_next)` is 0 or 1, never NaN, even for a tile whose every
+# logit is masked; a masked logit is -inf and contributes exp(-inf) = 0.
+_M_INIT = -0.7 * float(np.finfo(np.float32).max)
+# TPU vregs are 8 sublanes x 128 lanes; per-row statistics live replicated
+# over one vreg row of 128 lanes in VMEM scratch, as in Pallas TPU flash
+# attention.
+_TPU_LANES = 128
+_SCHEDULES = ("loop", "grid")
+
+
+# ----------------------------------------------------------------------------
+# Kernel math shared by both schedules (values, not refs).
+# ----------------------------------------------------------------------------
+
+
+def _block_bounds(start, length, block_k: int):
+  """First and one-past-last key block holding a slot of `[start, length)`."""
+  lo = lax.div(start, block_k)
+  hi = lax.div(length + (block_k - 1), block_k)
+  return lo, hi
+
+
+def _kv_block_index(split, step, lo, hi, blocks_per_split: int):
+  """Key block fetched at grid step (split, step) of the "grid" schedule.
+
+  The natural block `split * blocks_per_split + step` is clamped into the
+  needed range `[lo, hi)`. Steps before the range fetch block `lo` (which the
+  first needed step then reuses), steps after it repeat block `hi - 1` (which
+  the last needed step already fetched), so the pipeline, which skips the copy
+  when consecutive steps name the same block, reads each needed block once and
+  nothing else. A length-0 row (`hi == lo == 0`) names block 0 throughout.
+  """
+  blk = split * blocks_per_split + step
+  return jnp.minimum(jnp.maximum(blk, lo), jnp.maximum(hi - 1, lo))
+
+
+def _dot(a, b, *, contract_b: int, precision):
+  """f32 `a @ b` (contract_b=0) or `a @ b.T` (contract_b=1) of 2-D tiles.
+
+  A plain dot_general with f32 accumulation: Triton lowers the transposed
+  operand with `tt.trans`, Mosaic supports the NT form natively. `precision`
+  HIGHEST makes Triton use IEEE f32 instead of TF32 for f32 inputs.
+  """
+  return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)
+
+
+def _logits(q1, k1, q2, k2, *, sm_scale: float, precision):
+  """f32 `[Gb, bk]` logits `(q1 . k1 + q2 . k2) * sm_scale`."""
+  s = _dot(q1, k1, contract_b=1, precision=precision)
+  if q2 is not None:
+    s = s + _dot(q2, k2, contract_b=1, precision=precision)
+  return s * sm_scale
+
+
+def _online_softmax_step(m_prev, l_prev, acc_prev, s, v, slot0, start, length, precision):
+  """One FlashAttention-2 update with a key block at slots `slot0 + [0, bk)`.
+
+  Args:
+    m_prev, l_prev: f32[Gb, 1] running max and running sum of exp.
+    acc_prev: f32[Gb, Hv] running unnormalised output.
+    s: f32[Gb, bk] logits of this block (unmasked).
+    v: [bk, Hv] values of this block (may hold garbage past the length).
+    slot0: i32 scalar, slot of the block's first key.
+    start, length: i32 scalars, the attended slot range `[start, length)`.
+
+  Returns:
+    `(m_next, l_next, acc_next)`.
+  """
+  bk = s.shape[1]
+  cols = slot0 + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+  s = jnp.where((cols >= start) & (cols < length), s, -jnp.inf)
+  m_cur = jnp.max(s, axis=1)[:, None]
+  m_next = jnp.maximum(m_prev, m_cur)
+  alpha = jnp.exp(m_prev - m_next)
+  p = jnp.exp(s - m_next)  # exact 0 where masked
+  l_next = alpha * l_prev + jnp.sum(p, axis=1)[:, None]
+  rows = slot0 + lax.broadcasted_iota(jnp.int32, (bk, v.shape[1]), 0)
+  v = jnp.where((rows >= start) & (rows < length), v, jnp.zeros((), v.dtype))
+  pv = _dot(p.astype(v.dtype), v, contract_b=0, precision=precision)
+  return m_next, l_next, alpha * acc_prev + pv
+
+
+def _finalize(m, l, acc):
+  """Normalised f32 output and log-sum-exp (-inf where nothing was attended)."""
+  nonempty = l > 0.0
+  out = acc / jnp.where(nonempty, l, 1.0)
+  lse = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
+  return out, lse
+
+
+# ----------------------------------------------------------------------------
+# Kernels.
+# ----------------------------------------------------------------------------
+
+
+def _split_refs(refs, has_rope: bool, has_v: bool, count: bool):
+  refs = list(refs)
+  q1_ref = refs.pop(0)
+  q2_ref = refs.pop(0) if has_rope else None
+  k1_ref = refs.pop(0)
+  k2_ref = refs.pop(0) if has_rope else None
+  v_ref = refs.pop(0) if has_v else None
+  o_ref, lse_ref = refs.pop(0), refs.pop(0)
+  cnt_ref = refs.pop(0) if count else None
+  return q1_ref, q2_ref, k1_ref, k2_ref, v_ref, o_ref, lse_ref, cnt_ref, refs
+
+
+def _loop_kernel(
+    start_ref,   # i32[]    first attended slot of this sequence
+    length_ref,  # i32[]    one past the last attended slot
+    *refs,       # q1 [Gb, H1], (q2 [Gb, H2]), k1 [S, H1], (k2 [S, H2]), (v [S, Hv]),
+                 # o f32[Gb, Hv], lse f32[Gb, 1], (count i32[Gb, 1])
+    has_rope: bool,
+    has_v: bool,
+    count: bool,
+    sm_scale: float,
+    block_k: int,
+    blocks_per_split: int,
+    precision,
+):
+  """"loop" schedule: one program per (b, k, G tile, split), fori_loop over blocks."""
+  (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, o_ref, lse_ref, cnt_ref,
+   _) = _split_refs(refs, has_rope, has_v, count)
+  split = pl.program_id(3)
+  start, length = start_ref[()], length_ref[()]
+  lo, hi = _block_bounds(start, length, block_k)
+  first = jnp.maximum(lo, split * blocks_per_split)
+  last = jnp.minimum(hi, (split + 1) * blocks_per_split)
+  num_blocks = jnp.maximum(last - first, 0)
+
+  q1 = q1_ref[...]
+  q2 = q2_ref[...] if has_rope else None
+  block_g = q1.shape[0]
+  hv = o_ref.shape[-1]
+
+  def body(i, carry):
+    m, l, acc = carry
+    slot0 = pl.multiple_of((first + i) * block_k, block_k)
+    rows = pl.ds(slot0, block_k)
+    k1 = k1_ref[rows, :]
+    k2 = k2_ref[rows, :] if has_rope else None
+    v = v_ref[rows, :] if has_v else k1
+    s = _logits(q1, k1, q2, k2, sm_scale=sm_scale, precision=precision)
+    return _online_softmax_step(m, l, acc, s, v, slot0, start, length, precision)
+
+  init = (jnp.full((block_g, 1), _M_INIT, jnp.float32),
+          jnp.zeros((block_g, 1), jnp.float32),
+          jnp.zeros((block_g, hv), jnp.float32))
+  m, l, acc = lax.fori_loop(0, num_blocks, body, init)
+  out, lse = _finalize(m, l, acc)
+  o_ref[...] = out
+  lse_ref[...] = lse
+  if count:
+    cnt_ref[...] = jnp.full(cnt_ref.shape, num_blocks, jnp.int32)
+
+
+def _grid_kernel(
+    starts_ref,   # i32[B] (SMEM, scalar-prefetched) first attended slot
+    lengths_ref,  # i32[B] (SMEM, scalar-prefetched) one past the last attended slot
+    *refs,        # q1 [Gb, H1], (q2 [Gb, H2]), k1 [bk, H1], (k2 [bk, H2]), (v [bk, Hv]),
+                  # o f32[Gb, Hv], lse f32[Gb, 128], (count i32[Gb, 128]),
+                  # scratch: m f32[Gb, 128], l f32[Gb, 128], acc f32[Gb, Hv], (count)
+    has_rope: bool,
+    has_v: bool,
+    count: bool,
+    sm_scale: float,
+    block_k: int,
+    blocks_per_split: int,
+    precision,
+):
+  """"grid" schedule: key blocks on the last (sequential) grid axis."""
+  (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, o_ref, lse_ref, cnt_ref,
+   scratch) = _split_refs(refs, has_rope, has_v, count)
+  m_sc, l_sc, acc_sc = scratch[:3]
+  cnt_sc = scratch[3] if count else None
+  b, split, step = pl.program_id(0), pl.program_id(3), pl.program_id(4)
+  start, length = starts_ref[b], lengths_ref[b]
+  lo, hi = _block_bounds(start, length, block_k)
+  blk = split * blocks_per_split + step
+
+  @pl.when(step == 0)
+  def _init():
+    m_sc[...] = jnp.full(m_sc.shape, _M_INIT, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    if count:
+      cnt_sc[...] = jnp.zeros(cnt_sc.shape, jnp.int32)
+
+  @pl.when((blk >= lo) & (blk < hi))
+  def _compute():
+    k1 = k1_ref[...]
+    k2 = k2_ref[...] if has_rope else None
+    v = v_ref[...] if has_v else k1
+    q2 = q2_ref[...] if has_rope else None
+    s = _logits(q1_ref[...], k1, q2, k2, sm_scale=sm_scale, precision=precision)
+    m_prev, l_prev = m_sc[...], l_sc[...]  # [Gb, 128], lane-replicated
+    m, l, acc = _online_softmax_step(m_prev[:, :1], l_prev[:, :1], acc_sc[...], s, v,
+                                     blk * block_k, start, length, precision)
+    m_sc[...] = jnp.broadcast_to(m, m_sc.shape)
+    l_sc[...] = jnp.broadcast_to(l, l_sc.shape)
+    acc_sc[...] = acc
+    if count:
+      cnt_sc[...] += 1
+
+  @pl.when(step == blocks_per_split - 1)
+  def _write():
+    out, lse = _finalize(m_sc[...][:, :1], l_sc[...][:, :1], acc_sc[...])
+    o_ref[...] = out
+    lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
+    if count:
+      cnt_ref[...] = cnt_sc[...]
+
+
+# ----------------------------------------------------------------------------
+# Launcher.
+# ----------------------------------------------------------------------------
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(0, (x - 1).bit_length())
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _platform() -> str:
+  return jax.default_backend()
+
+
+def _default_schedule(interpret: bool) -> str:
+  del interpret
+  return "grid" if _platform() == "tpu" else "loop"
+
+
+def _sublanes(dtype) -> int:
+  """Rows of one TPU vreg for `dtype`: 8 for 32-bit, 16 for 16-bit types."""
+  return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def _pick_block_k(capacity: int, target: int, granule: int) -> int | None:
+  """Largest power-of-two multiple of `granule` <= target that divides S."""
+  bk = _next_pow2(target) if target & (target - 1) else target
+  while bk >= granule:
+    if capacity % bk == 0:
+      return bk
+    bk //= 2
+  return None
+
+
+def _tiles(schedule: str, num_groups: int, capacity: int, widths: tuple[int, ...],
+           dtype, block_k: int | None, block_g: int | None) -> tuple[int, int, int]:
+  """Resolves (block_k, block_g, padded G) and checks them; ValueError if unfit.
+
+  "loop" (Triton): tiles are powers of two and every dot dimension >= 16.
+  "grid" (Mosaic): the key block is a multiple of the sublane count (or all
+  of S) and the G tile a multiple of it.
+  """
+  h_total = sum(widths)
+  if schedule == "loop":
+    granule = 16
+    if block_k is None:
+      # Keep one K block plus one V block around 32 KiB of 16-bit data so a
+      # 4-warp program has registers/shared memory to double-buffer them.
+      target = max(16, min(128, _next_pow2(16384 // h_total)))
+      block_k = _pick_block_k(capacity, target, granule)
+      if block_k is None:
+        raise ValueError(
+            f"S (cache slots) must be a multiple of {granule} for the Triton decode "
+            f"kernel; got S={capacity}")
+    elif block_k < granule or block_k & (block_k - 1) or capacity % block_k:
+      raise ValueError(
+          f"block_k must be a power of two >= {granule} dividing S={capacity} for the "
+          f"\"loop\" schedule; got {block_k}")
+    g_min = max(16, _next_pow2(num_groups))
+    if block_g is None:
+      # A [Gb, Hv] f32 accumulator of up to 8192 elements (32 KiB) per program.
+      block_g = min(g_min, max(16, 8192 // _next_pow2(max(widths[-1], 1))))
+    elif block_g < 16 or block_g & (block_g - 1):
+      raise ValueError(f"block_g must be a power of two >= 16 for the \"loop\" schedule; "
+                       f"got {block_g}")
+  else:
+    granule = _sublanes(dtype)
+    if block_k is None:
+      # 512 keys per step amortise the ~0.35 us per-grid-step overhead on TPU.
+      block_k = _pick_block_k(capacity, 512, granule) or capacity
+    elif capacity % block_k or (block_k % granule and block_k != capacity):
+      raise ValueError(
+          f"block_k must divide S={capacity} and be a multiple of {granule} (or S) for "
+          f"the \"grid\" schedule and dtype {jnp.dtype(dtype).name}; got {block_k}")
+    if block_g is None:
+      block_g = _round_up(num_groups, granule)
+    elif block_g % granule:
+      raise ValueError(f"block_g must be a multiple of {granule} for the \"grid\" schedule "
+                       f"and dtype {jnp.dtype(dtype).name}; got {block_g}")
+  return block_k, block_g, _round_up(num_groups, block_g)
+
+
+def _default_splits(schedule: str, programs: int, num_blocks: int) -> int:
+  if schedule == "loop":
+    # Aim for ~2 waves of programs on a 132-SM H100/H200 (and plenty for fewer SMs).
+    return max(1, min(num_blocks, -(-256 // programs)))
+  # TPU: splits only help when B*K*G-tiles cannot keep both megacore cores busy.
+  return max(1, min(num_blocks, 2 if programs < 2 else 1))
+
+
+def _decode_partials(
+    q1,       # [B, K, Gp, H1]  G padded to a multiple of block_g
+    q2,       # [B, K, Gp, H2] or None
+    k1,       # [B, K, S, H1]
+    k2,       # [B, K, S, H2] or None
+    v,        # [B, K, S, Hv] or None (the value is k1)
+    starts,   # i32[B]
+    lengths,  # i32[B], already clamped to [0, S]
+    *,
+    sm_scale: float,
+    block_k: int,
+    block_g: int,
+    num_splits: int,
+    schedule: str,
+    interpret: bool,
+    count: bool = False,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+):
+  """Runs the kernel; returns per-split `(out f32[B,K,P,Gp,Hv], lse f32[B,K,P,Gp])`.
+
+  With `count=True` also returns `i32[B, K, P, Gp]`: how many key blocks each
+  program actually processed (a test hook showing that skipped blocks are not
+  computed).
+  """
+  batch, num_kv, gp, h1 = q1.shape
+  capacity = k1.shape[2]
+  has_rope, has_v = q2 is not None, v is not None
+  hv = v.shape[-1] if has_v else h1
+  num_blocks = capacity // block_k
+  bps = -(-num_blocks // num_splits)  # key blocks per split
+  num_gt = gp // block_g
+  precision = (lax.Precision.HIGHEST if k1.dtype == jnp.float32 else None)
+  kernel_kw = dict(has_rope=has_rope, has_v=has_v, count=count, sm_scale=sm_scale,
+                   block_k=block_k, blocks_per_split=bps, precision=precision)
+  lanes = _TPU_LANES if schedule == "grid" else 1
+  out_shape = [jax.ShapeDtypeStruct((batch, num_kv, num_splits, gp, hv), jnp.float32),
+               jax.ShapeDtypeStruct((batch, num_kv, num_splits, gp, lanes), jnp.float32)]
+  if count:
+    out_shape.append(
+        jax.ShapeDtypeStruct((batch, num_kv, num_splits, gp, lanes), jnp.int32))
+  operands = [q1] + ([q2] if has_rope else []) + [k1] + ([k2] if has_rope else []) + (
+      [v] if has_v else [])
+  name = "kvattn_decode_attention"
+
+  if schedule == "loop":
+    def q_spec(width):
+      return pl.BlockSpec((None, None, block_g, width), lambda b, h, g, j: (b, h, g, 0))
+
+    def kv_spec(width):
+      return pl.BlockSpec((None, None, capacity, width), lambda b, h, g, j: (b, h, 0, 0))
+
+    scalar = pl.BlockSpec((None,), lambda b, h, g, j: (b,))
+    in_specs = [scalar, scalar, q_spec(h1)] + ([q_spec(q2.shape[-1])] if has_rope else [])
+    in_specs += [kv_spec(h1)] + ([kv_spec(k2.shape[-1])] if has_rope else [])
+    in_specs += [kv_spec(hv)] if has_v else []
+    row_spec = pl.BlockSpec((None, None, None, block_g, lanes),
+                            lambda b, h, g, j: (b, h, j, g, 0))
+    out_specs = [pl.BlockSpec((None, None, None, block_g, hv),
+                              lambda b, h, g, j: (b, h, j, g, 0)), row_spec]
+    out_specs += [row_spec] if count else []
+    compiler_params = None
+    if not interpret and plgpu is not None:
+      compiler_params = plgpu.CompilerParams(num_warps=num_warps or 4,
+                                             num_stages=num_stages or 2)
+    outs = pl.pallas_call(
+        functools.partial(_loop_kernel, **kernel_kw),
+        grid=(batch, num_kv, num_gt, num_splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name=name,
+    )(starts, lengths, *operands)
+  else:
+    if pltpu is None:  # pragma: no cover
+      raise NotImplementedError("the \"grid\" schedule needs jax.experimental.pallas.tpu")
+
+    def q_spec(width):
+      return pl.BlockSpec((None, None, block_g, width),
+                          lambda b, h, g, j, i, st, ln: (b, h, g, 0))
+
+    def kv_spec(width):
+      def index(b, h, g, j, i, st, ln):
+        lo, hi = _block_bounds(st[b], ln[b], block_k)
+        return b, h, _kv_block_index(j, i, lo, hi, bps), 0
+      return pl.BlockSpec((None, None, block_k, width), index)
+
+    in_specs = [q_spec(h1)] + ([q_spec(q2.shape[-1])] if has_rope else [])
+    in_specs += [kv_spec(h1)] + ([kv_spec(k2.shape[-1])] if has_rope else [])
+    in_specs += [kv_spec(hv)] if has_v else []
+    row_spec = pl.BlockSpec((None, None, None, block_g, lanes),
+                            lambda b, h, g, j, i, st, ln: (b, h, j, g, 0))
+    out_specs = [pl.BlockSpec((None, None, None, block_g, hv),
+                              lambda b, h, g, j, i, st, ln: (b, h, j, g, 0)), row_spec]
+    out_specs += [row_spec] if count else []
+    scratch = [pltpu.VMEM((block_g, _TPU_LANES), jnp.float32),
+               pltpu.VMEM((block_g, _TPU_LANES), jnp.float32),
+               pltpu.VMEM((block_g, hv), jnp.float32)]
+    scratch += [pltpu.VMEM((block_g, _TPU_LANES), jnp.int32)] if count else []
+    compiler_params = None
+    if not interpret:
+      compiler_params = pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "parallel", "parallel", "arbitrary"))
+    outs = pl.pallas_call(
+        functools.partial(_grid_kernel, **kernel_kw),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(batch, num_kv, num_gt, num_splits, bps),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+        ),
+        out_shape=out_shape,
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name=name,
+    )(starts, lengths, *operands)
+  outs = list(outs)
+  outs[1] = outs[1][..., 0]
+  if count:
+    outs[2] = outs[2][..., 0]
+  return tuple(outs)
+
+
+def _merge_splits(out, lse):
+  """Flash-decoding merge of `P` partials over axis 2.
+
+  Args:
+    out: f32[B, K, P, Gp, Hv] normalised partial outputs (zeros when empty).
+    lse: f32[B, K, P, Gp] their log-sum-exp (-inf when empty).
+
+  Returns:
+    `(f32[B, K, Gp, Hv], f32[B, K, Gp])`; rows with nothing attended give
+    zeros and -inf.
+  """
+  top = jnp.max(lse, axis=2, keepdims=True)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  w = jnp.exp(lse - top)  # 0 for empty partials, also when all are empty
+  denom = jnp.sum(w, axis=2)
+  merged = jnp.sum(w[..., None] * out, axis=2) / jnp.where(denom > 0, denom, 1.0)[..., None]
+  total = jnp.where(denom > 0, top[:, :, 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)),
+                    -jnp.inf)
+  return merged, total
+
+
+# ----------------------------------------------------------------------------
+# Argument checks (kept here: pallas_kernels imports only jax).
+# ----------------------------------------------------------------------------
+
+
+def _check_rank(name, x, rank, doc):
+  if not hasattr(x, "ndim"):
+    raise TypeError(f"{name} must be an array {doc}; got {type(x).__name__}")
+  if x.ndim != rank:
+    raise ValueError(f"{name} must have rank {rank} {doc}; got shape {tuple(x.shape)}")
+
+
+def _check_float(name, x):
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"{name} must have a floating dtype; got {x.dtype}")
+
+
+def _check_dim(name, x, axis, expected, what):
+  if x.shape[axis] != expected:
+    raise ValueError(
+        f"{name}.shape[{axis}] ({what}) must be {expected}; got shape {tuple(x.shape)}")
+
+
+def _check_positive_int(name, value, optional=True):
+  if value is None and optional:
+    return
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name} must be a positive int; got {value!r}")
+  if value <= 0:
+    raise ValueError(f"{name} must be a positive int; got {value}")
+
+
+def _check_scale(sm_scale, required=False):
+  if sm_scale is None:
+    if required:
+      raise ValueError("sm_scale is required for MLA: 1/sqrt(qk_nope_head_dim + "
+                       "qk_rope_head_dim)")
+    return
+  if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.number)):
+    raise TypeError(f"sm_scale must be a positive float; got {sm_scale!r}")
+  if not (sm_scale > 0 and math.isfinite(sm_scale)):
+    raise ValueError(f"sm_scale must be a positive finite float; got {sm_scale}")
+
+
+def _check_lengths(lengths, batch):
+  if not hasattr(lengths, "shape"):
+    lengths = np.asarray(lengths)
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise TypeError(f"lengths must have an integer dtype; got {lengths.dtype}")
+  if tuple(lengths.shape) != (batch,):
+    raise ValueError(f"lengths must have shape [B] = ({batch},); got {tuple(lengths.shape)}")
+  return lengths
+
+
+def _check_tunables(schedule, interpret, block_k, block_g, num_splits):
+  if schedule is not None and schedule not in _SCHEDULES:
+    raise ValueError(f"schedule must be one of {_SCHEDULES} or None; got {schedule!r}")
+  _check_positive_int("block_k", block_k)
+  _check_positive_int("block_g", block_g)
+  _check_positive_int("num_splits", num_splits)
+  schedule = schedule or _default_schedule(interpret)
+  if not interpret:
+    platform = _platform()
+    wanted = {"gpu": "loop", "cuda": "loop", "rocm": "loop", "tpu": "grid"}.get(platform)
+    if wanted is None:
+      raise ValueError(f"interpret=False needs a GPU or TPU; the default backend is "
+                       f"{platform!r} (pass interpret=True to run on CPU)")
+    if schedule != wanted:
+      raise ValueError(f"schedule {schedule!r} does not compile on {platform}; use "
+                       f"{wanted!r} (or interpret=True)")
+  return schedule
+
+
+# ----------------------------------------------------------------------------
+# Public wrappers.
+# ----------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "window", "interpret", "block_k", "block_g", "num_splits", "schedule",
+    "return_lse", "count_blocks", "num_warps", "num_stages"))
+def _decode_impl(q1, q2, k1, k2, v, lengths, *, sm_scale, window, interpret, block_k,
+                 block_g, num_splits, schedule, return_lse, count_blocks, num_warps,
+                 num_stages):
+  batch, num_heads, h1 = q1.shape
+  _, num_kv, capacity, _ = k1.shape
+  groups = num_heads // num_kv
+  widths = (h1,) + ((q2.shape[-1],) if q2 is not None else ()) + (
+      (v.shape[-1],) if v is not None else ())
+  block_k, block_g, gp = _tiles(schedule, groups, capacity, widths, k1.dtype, block_k,
+                                block_g)
+  num_blocks = capacity // block_k
+  if num_splits is None:
+    num_splits = _default_splits(schedule, batch * num_kv * (gp // block_g), num_blocks)
+  num_splits = min(num_splits, num_blocks)
+
+  # Sticky overflow under jit may leave lengths > S: clamp, never read past S.
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
+  starts = (jnp.zeros_like(lengths) if window is None
+            else jnp.maximum(lengths - window, 0))
+
+  def group(q):  # [B, N, X] -> [B, K, Gp, X] in the cache dtype, zero padding rows
+    q = q.astype(k1.dtype).reshape(batch, num_kv, groups, q.shape[-1])
+    return jnp.pad(q, ((0, 0), (0, 0), (0, gp - groups), (0, 0)))
+
+  outs = _decode_partials(
+      group(q1), None if q2 is None else group(q2), k1, k2, v, starts, lengths,
+      sm_scale=sm_scale, block_k=block_k, block_g=block_g, num_splits=num_splits,
+      schedule=schedule, interpret=interpret, count=count_blocks, num_warps=num_warps,
+      num_stages=num_stages)
+  out, lse = _merge_splits(outs[0], outs[1])
+  out = out[:, :, :groups].reshape(batch, num_heads, out.shape[-1]).astype(q1.dtype)
+  lse = lse[:, :, :groups].reshape(batch, num_heads)
+  result = (out, lse) if return_lse else out
+  if count_blocks:
+    # Blocks processed per (b, k, split), summed over splits, from G tile 0.
+    return result, jnp.sum(outs[2][:, :, :, 0], axis=2)
+  return result
+
+
+def decode_attention(
+    q: jax.Array,        # [B, N, H]
+    k: jax.Array,        # [B, K, S, H]
+    v: jax.Array,        # [B, K, S, Hv]
+    lengths: jax.Array,  # i32[B]
+    *,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    interpret: bool = False,
+    block_k: int | None = None,
+    block_g: int | None = None,
+    num_splits: int | None = None,
+    schedule: str | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    return_lse: bool = False,
+    count_blocks: bool = False,
+):
+  """Fused decode attention of one new token per sequence against a dense cache.
+
+  Sequence b's query sits at slot `lengths[b] - 1` (its key is already
+  written) and attends slots `[max(0, lengths[b] - window), lengths[b])`;
+  query head n reads KV head `n // (N // K)`. Computes softmax(q k^T *
+  sm_scale) v (Vaswani et al. 2017, eq. 1) with an online softmax over key
+  blocks (FlashAttention-2) split into parallel partitions merged by their
+  log-sum-exp (flash-decoding). Key blocks outside the attended range are not
+  read or computed.
+
+  Args:
+    q: `[B, N, H]` queries (cast to k's dtype for the dot products).
+    k: `[B, K, S, H]` keys; slots outside the attended range may hold anything.
+    v: `[B, K, S, Hv]` values, same dtype as k; Hv may differ from H.
+    lengths: `i32[B]` valid slots per sequence; values are clamped to `[0, S]`
+      (a sticky overflow under jit may exceed S).
+    sm_scale: logit scale, default `1/sqrt(H)`.
+    window: sliding-window size W in tokens (the W most recent keys), or None.
+    interpret: run the kernel with the Pallas interpreter (CPU).
+    block_k: keys per block (static). Default: "loop" a power of two <= 128
+      dividing S; "grid" 512 or the largest power-of-two divisor of S.
+    block_g: query heads per tile (static); G is padded to a multiple of it.
+    num_splits: key-axis partitions run in parallel (static); default fills
+      the device for small B*K. Results do not depend on it.
+    schedule: `"loop"` (Triton GPU) or `"grid"` (Mosaic TPU); default by
+      backend ("loop" on CPU). Compiled runs need the backend's schedule.
+    num_warps, num_stages: Triton compiler options ("loop", compiled only).
+    return_lse: also return the `f32[B, N]` log-sum-exp of the scaled logits
+      (natural log; -inf for length-0 rows).
+    count_blocks: test hook; also return `i32[B, K]`, the number of key blocks
+      the kernel processed per sequence and KV head.
+
+  Returns:
+    `[B, N, Hv]` in q's dtype (f32 accumulation); length-0 rows are zeros.
+    With `return_lse`, `(out, lse)`; with `count_blocks`, `(result, counts)`.
+
+  Raises:
+    ValueError: shapes that do not fit, S not divisible into blocks the
+      schedule supports, a bad tunable, or `interpret=False` without a GPU/TPU.
+    TypeError: non-float q/k/v, k/v dtype mismatch, non-integer lengths.
+  """
+  _check_rank("q", q, 3, "[B, N, H]")
+  _check_rank("k", k, 4, "[B, K, S, H]")
+  _check_rank("v", v, 4, "[B, K, S, Hv]")
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    _check_float(name, x)
+  if k.dtype != v.dtype:
+    raise TypeError(f"k and v must share one dtype; got k={k.dtype}, v={v.dtype}")
+  batch, num_kv, capacity, head_dim = k.shape
+  _check_dim("q", q, 0, batch, "batch B, from k")
+  _check_dim("q", q, 2, head_dim, "head dim H, from k")
+  _check_dim("v", v, 0, batch, "batch B, from k")
+  _check_dim("v", v, 1, num_kv, "KV heads K, from k")
+  _check_dim("v", v, 2, capacity, "slots S, from k")
+  if q.shape[1] % num_kv:
+    raise ValueError(f"num_heads must be divisible by num_kv_heads; got {q.shape[1]} and "
+                     f"{num_kv}")
+  lengths = _check_lengths(lengths, batch)
+  _check_scale(sm_scale)
+  _check_positive_int("window", window)
+  schedule = _check_tunables(schedule, interpret, block_k, block_g, num_splits)
+  sm_scale = float(head_dim ** -0.5 if sm_scale is None else sm_scale)
+  # Resolve tiles now so an unfit S or tunable raises here, before tracing.
+  _tiles(schedule, q.shape[1] // num_kv, capacity, (head_dim, v.shape[-1]), k.dtype,
+         block_k, block_g)
+  return _decode_impl(q, None, k, None, v, lengths, sm_scale=sm_scale, window=window,
+                      interpret=interpret, block_k=block_k, block_g=block_g,
+                      num_splits=num_splits, schedule=schedule, return_lse=return_lse,
+                      count_blocks=count_blocks, num_warps=num_warps, num_stages=num_stages)
+
+
+def mla_decode_attention(
+    q_latent: jax.Array,  # [B, N, C]
+    q_rope: jax.Array,    # [B, N, R]
+    c_kv: jax.Array,      # [B, S, C]
+    k_rope: jax.Array,    # [B, S, R]
+    lengths: jax.Array,   # i32[B]
+    *,
+    sm_scale: float,
+    window: int | None = None,
+    interpret: bool = False,
+    block_k: int | None = None,
+    block_g: int | None = None,
+    num_splits: int | None = None,
+    schedule: str | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    return_lse: bool = False,
+    count_blocks: bool = False,
+):
+  """Absorbed MLA decode (DeepSeek-V2, appendix C) through the fused kernel.
+
+  Single-KV-head attention with logits `(q_latent . c_kv[s] + q_rope .
+  k_rope[s]) * sm_scale` and value `c_kv[s]`. The kernel takes the key as two
+  parts, so the cache is read in place (c_kv once, serving as key and value;
+  k_rope once) and no `[c_kv | k_rope]` copy is made.
+
+  Args:
+    q_latent: `[B, N, C]` query with W_UK absorbed.
+    q_rope: `[B, N, R]` RoPE part of the query.
+    c_kv: `[B, S, C]` latent cache; `k_rope: [B, S, R]` shared RoPE keys
+      (same dtype). Slots outside the attended range may hold anything.
+    lengths: `i32[B]` valid slots per sequence, clamped to `[0, S]`.
+    sm_scale: required, `1/sqrt(qk_nope_head_dim + qk_rope_head_dim)`.
+    window, interpret, block_k, block_g, num_splits, schedule, num_warps,
+      num_stages, return_lse, count_blocks: as in `decode_attention`.
+
+  Returns:
+    `[B, N, C]` in q_latent's dtype (apply W_UV afterwards); length-0 rows are
+    zeros. With `return_lse`, `(out, f32[B, N] lse)`.
+
+  Raises:
+    ValueError/TypeError: as `decode_attention`, naming the argument.
+  """
+  _check_rank("q_latent", q_latent, 3, "[B, N, C]")
+  _check_rank("q_rope", q_rope, 3, "[B, N, R]")
+  _check_rank("c_kv", c_kv, 3, "[B, S, C]")
+  _check_rank("k_rope", k_rope, 3, "[B, S, R]")
+  for name, x in (("q_latent", q_latent), ("q_rope", q_rope), ("c_kv", c_kv),
+                  ("k_rope", k_rope)):
+    _check_float(name, x)
+  if c_kv.dtype != k_rope.dtype:
+    raise TypeError(f"c_kv and k_rope must share one dtype; got c_kv={c_kv.dtype}, "
+                    f"k_rope={k_rope.dtype}")
+  batch, capacity, latent = c_kv.shape
+  _check_dim("k_rope", k_rope, 0, batch, "batch B, from c_kv")
+  _check_dim("k_rope", k_rope, 1, capacity, "slots S, from c_kv")
+  _check_dim("q_latent", q_latent, 0, batch, "batch B, from c_kv")
+  _check_dim("q_latent", q_latent, 2, latent, "latent C, from c_kv")
+  if q_rope.shape[:2] != q_latent.shape[:2]:
+    raise ValueError(f"q_rope must match q_latent in [B, N]; got {tuple(q_rope.shape)} and "
+                     f"{tuple(q_latent.shape)}")
+  _check_dim("q_rope", q_rope, 2, k_rope.shape[-1], "rope dim R, from k_rope")
+  lengths = _check_lengths(lengths, batch)
+  _check_scale(sm_scale, required=True)
+  _check_positive_int("window", window)
+  schedule = _check_tunables(schedule, interpret, block_k, block_g, num_splits)
+  _tiles(schedule, q_latent.shape[1], capacity, (latent, k_rope.shape[-1]), c_kv.dtype,
+         block_k, block_g)
+  # [B, S, X] -> [B, 1, S, X] is a free reshape (no copy).
+  return _decode_impl(q_latent, q_rope, c_kv[:, None], k_rope[:, None], None, lengths,
+                      sm_scale=float(sm_scale), window=window, interpret=interpret,
+                      block_k=block_k, block_g=block_g, num_splits=num_splits,
+                      schedule=schedule, return_lse=return_lse, count_blocks=count_blocks,
+                      num_warps=num_warps, num_stages=num_stages)
+
+
+def supported(q_shape, k_shape, v_shape, dtype, *,
+              platform: str | None = None) -> str | None:
+  """Why the compiled kernel cannot run these shapes, or None if it can.
+
+  Used by kvattn's dispatcher to fall back to XLA. `k_shape` is
+  `[B, K, S, H]`, `v_shape` `[B, K, S, Hv]` or None when the value is the key
+  (MLA: check `c_kv` and `k_rope` each as a `[B, 1, S, width]` key).
+  `platform` defaults to the JAX default backend.
+  """
+  del q_shape  # q's shape follows from k's (checked by the wrappers).
+  platform = platform or _platform()
+  dtype = jnp.dtype(dtype)
+  capacity, head_dim = k_shape[2], k_shape[3]
+  hv = v_shape[3] if v_shape is not None else head_dim
+  if platform in ("gpu", "cuda", "rocm"):
+    for what, d in (("head dim H", head_dim), ("value width Hv", hv)):
+      if d < 16 or d & (d - 1):
+        return f"{what}={d} is not a power of two >= 16 (Triton dot)"
+    if dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+      return f"dtype {dtype} is not f32/bf16/f16"
+    if capacity % 16:
+      return f"S={capacity} is not a multiple of 16"
+    return None
+  if platform == "tpu":
+    if dtype not in (jnp.float32, jnp.bfloat16):
+      return f"dtype {dtype} is not f32/bf16 on TPU"
+    for what, d in (("head dim H", head_dim), ("value width Hv", hv)):
+      if d % 64:
+        return f"{what}={d} is not a multiple of 64 (TPU lanes)"
+    if capacity % _sublanes(dtype):
+      return f"S={capacity} is not a multiple of {_sublanes(dtype)}"
+    return None
+  return f"no compiled Pallas backend on {platform!r}"
+
+
+# ----------------------------------------------------------------------------
+# References (plain jnp, f32).
+# ----------------------------------------------------------------------------
+
+
+def _reference_core(logits, values, lengths, window):
+  """Masked softmax attention of f32 `logits [B, N, S]` over `values [B, S', ...]`."""
+  capacity = logits.shape[-1]
+  lengths = jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 0, capacity)
+  slots = jnp.arange(capacity)
+  starts = 0 if window is None else jnp.maximum(lengths - window, 0)
+  mask = (slots[None] >= jnp.reshape(starts, (-1, 1))) & (slots[None] < lengths[:, None])
+  logits = jnp.where(mask[:, None], logits, -jnp.inf)
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  probs = jnp.where(mask[:, None], jnp.exp(logits - top), 0.0)
+  denom = jnp.sum(probs, axis=-1)
+  lse = jnp.where(denom > 0, top[..., 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)),
+                  -jnp.inf)
+  return probs / jnp.where(denom > 0, denom, 1.0)[..., None], mask, lse
+
+
+def decode_attention_reference(
+    q: jax.Array,        # [B, N, H]
+    k: jax.Array,        # [B, K, S, H]
+    v: jax.Array,        # [B, K, S, Hv]
+    lengths: jax.Array,  # i32[B]
+    *,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    return_lse: bool = False,
+    **unused_tunables: Any,
+):
+  """Plain-jnp f32 `decode_attention` (same signature; tunables are ignored).
+
+  Materialises the `[B, N, S]` logits, masks slots outside `[max(0, L - W),
+  L)` by replacement and zeroes masked value rows, so garbage cannot leak.
+  Returns `[B, N, Hv]` in q's dtype (and `f32[B, N]` lse with `return_lse`).
+  """
+  del unused_tunables
+  batch, num_kv, capacity, head_dim = k.shape
+  num_heads = q.shape[1]
+  sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+  kh = jnp.repeat(k.astype(jnp.float32), num_heads // num_kv, axis=1)  # [B, N, S, H]
+  vh = jnp.repeat(v.astype(jnp.float32), num_heads // num_kv, axis=1)
+  logits = jnp.einsum("BNH,BNSH->BNS", q.astype(jnp.float32), kh,
+                      precision=lax.Precision.HIGHEST) * sm_scale
+  probs, mask, lse = _reference_core(logits, vh, lengths, window)
+  vh = jnp.where(mask[:, None, :, None], vh, 0.0)
+  out = jnp.einsum("BNS,BNSV->BNV", probs, vh, precision=lax.Precision.HIGHEST)
+  out = out.astype(q.dtype)
+  return (out, lse) if return_lse else out
+
+
+def mla_decode_attention_reference(
+    q_latent: jax.Array,  # [B, N, C]
+    q_rope: jax.Array,    # [B, N, R]
+    c_kv: jax.Array,      # [B, S, C]
+    k_rope: jax.Array,    # [B, S, R]
+    lengths: jax.Array,   # i32[B]
+    *,
+    sm_scale: float,
+    window: int | None = None,
+    return_lse: bool = False,
+    **unused_tunables: Any,
+):
+  """Plain-jnp f32 `mla_decode_attention` (tunables are ignored).
+
+  Logits `(q_latent . c_kv + q_rope . k_rope) * sm_scale`, value `c_kv`.
+  Returns `[B, N, C]` in q_latent's dtype (and `f32[B, N]` lse).
+  """
+  del unused_tunables
+  f32 = jnp.float32
+  hi = lax.Precision.HIGHEST
+  logits = (jnp.einsum("BNC,BSC->BNS", q_latent.astype(f32), c_kv.astype(f32), precision=hi)
+            + jnp.einsum("BNR,BSR->BNS", q_rope.astype(f32), k_rope.astype(f32),
+                         precision=hi)) * sm_scale
+  probs, mask, lse = _reference_core(logits, None, lengths, window)
+  values = jnp.where(mask[:, :, None], c_kv.astype(f32), 0.0)
+  out = jnp.einsum("BNS,BSC->BNC", probs, values, precision=hi).astype(q_latent.dtype)
+  return (out, lse) if return_lse else out
