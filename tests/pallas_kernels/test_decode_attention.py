@@ -289,8 +289,8 @@ def test_reference_on_hand_computed_case():
 
 def test_mla_reference_is_decode_reference_with_split_key():
   rng = np.random.RandomState(2)
-  q_latent, q_rope = rng.randn(2, 4, 16), rng.randn(2, 4, 8)
-  c_kv, k_rope = rng.randn(2, 24, 16), rng.randn(2, 24, 8)
+  q_latent, q_rope, c_kv, k_rope = (rng.randn(*s).astype(np.float32) for s in (
+      (2, 4, 16), (2, 4, 8), (2, 24, 16), (2, 24, 8)))
   lengths = np.array([5, 24])
   out = da.mla_decode_attention_reference(q_latent, q_rope, c_kv, k_rope, lengths,
                                           sm_scale=0.2, window=7)
