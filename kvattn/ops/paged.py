@@ -34,8 +34,10 @@ import numpy as np
 from kvattn import _checks
 from kvattn.ops import dispatch as _dispatch
 from kvattn.ops import reference as _reference
+from pallas_kernels import paged_attention as _kernel
 
 OP = "paged_decode_attention"
+_COMPILED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
 
 def validate_paged_args(q, k_pages, v_pages, block_tables, lengths, *, window=None,
@@ -119,6 +121,14 @@ def paged_decode_attention_xla(
   """
   k = gather_pages(k_pages, block_tables)
   v = gather_pages(v_pages, block_tables)
+  if window is not None:
+    # The dense reference zeroes the value rows past the length; also zero
+    # those before the window start, so pages a scheduler has already
+    # released behind a sliding window (and anything they hold) cannot leak.
+    lengths = lengths.astype(jnp.int32)
+    slots = jnp.arange(v.shape[2], dtype=jnp.int32)
+    keep = slots[None, :] >= (lengths - window)[:, None]  # [B, S]
+    v = jnp.where(keep[:, None, :, None], v, jnp.zeros((), v.dtype))
   return _reference.decode_attention_xla(q, k, v, lengths.astype(jnp.int32), sm_scale=sm_scale,
                                          window=window, soft_cap=soft_cap)
 
@@ -128,7 +138,28 @@ def _xla_paged(q, k_pages, v_pages, block_tables, lengths, *, explicit, **option
   return paged_decode_attention_xla(q, k_pages, v_pages, block_tables, lengths, **options)
 
 
+def _pallas_paged(q, k_pages, v_pages, block_tables, lengths, *, explicit, sm_scale=None,
+                  window=None, soft_cap=None):
+  """The "pallas" backend: compiled on GPU/TPU for supported shapes; on CPU
+  only when named, in interpret mode (which emulates the GPU "loop" schedule,
+  so the GPU shape constraints apply)."""
+  platform = jax.default_backend()
+  interpret = platform not in _COMPILED_PLATFORMS
+  if interpret and not explicit:
+    raise NotImplementedError(
+        f"pallas: no compiled paged kernel on {platform!r} (name implementation='pallas' to "
+        "run it in interpret mode)")
+  reason = _kernel.supported(q.shape, k_pages.shape, v_pages.shape, k_pages.dtype,
+                             platform="gpu" if interpret else platform)
+  if reason is not None:
+    raise NotImplementedError(f"pallas: {reason}")
+  return _kernel.paged_decode_attention(q, k_pages, v_pages, block_tables, lengths,
+                                        sm_scale=sm_scale, window=window, soft_cap=soft_cap,
+                                        interpret=interpret)
+
+
 _dispatch.register_implementation(OP, "xla", _xla_paged)
+_dispatch.register_implementation(OP, "pallas", _pallas_paged, preferred=True)
 
 
 def paged_decode_attention(

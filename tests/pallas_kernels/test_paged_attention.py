@@ -1,0 +1,385 @@
+"""Tests for pallas_kernels.paged_attention (fused paged GQA decode kernel).
+
+`TestPagedAttention` runs the kernel compiled and is skipped on CPU;
+`TestPagedAttentionInterpret` runs every case with `interpret=True` (both
+schedules: "loop" is the Triton GPU kernel, "grid" the Mosaic TPU kernel).
+On a GPU, `pytest -k "not Interpret"` runs the compiled cases only.
+
+Every case builds a page pool in which the sequences' pages are a random
+permutation, and everything no sequence attends (the tail of each last page,
+pages before the window, free pages) holds NaN, so kernel == reference ==
+XLA path also shows that garbage never leaks. Each case loops over several
+`lengths` vectors (traced values: no recompile); the full grid is
+`@pytest.mark.slow`.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import paged_attention as pa
+
+import kvattn.ops
+
+PAGE = 16  # page_size: a multiple of the TPU sublane count for f32 and 16-bit types
+PAGES_PER_SEQ = 4
+S = PAGE * PAGES_PER_SEQ  # per-sequence capacity
+FREE_PAGES = 3  # pages no sequence owns
+EDGES = (0, 1, PAGE - 1, PAGE, PAGE + 1, S)  # PAGE + 1: one token into a fresh page
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+
+
+def _lengths_sets(batch):
+  """Length vectors for a batch that together cover every edge."""
+  if batch == 1:
+    return [np.array([e], np.int32) for e in EDGES]
+  return [np.array((EDGES[i:] + EDGES)[:batch], np.int32) for i in range(0, len(EDGES), batch)]
+
+
+def _inputs(batch, num_heads, num_kv, head_dim, v_dim, dtype, pages_per_seq=PAGES_PER_SEQ,
+            seed=0):
+  """Random q, pools and a block table giving each sequence its own random pages."""
+  rng = np.random.RandomState(seed)
+  num_pages = batch * pages_per_seq + FREE_PAGES
+  q = jnp.asarray(rng.randn(batch, num_heads, head_dim), dtype)
+  k = rng.randn(num_kv, num_pages, PAGE, head_dim)
+  v = rng.randn(num_kv, num_pages, PAGE, v_dim)
+  tables = rng.permutation(num_pages)[:batch * pages_per_seq].reshape(batch, pages_per_seq)
+  return q, k, v, tables.astype(np.int32)
+
+
+def _dirty(pages, tables, lengths, window, value):
+  """`pages` with `value` in every slot no sequence attends, as `dtype` later.
+
+  Also returns the block table with -1 (unassigned) past each sequence's last
+  used page, as an allocator would leave it.
+  """
+  pages = np.array(pages, np.float32)
+  keep = np.zeros(pages.shape[1:3], bool)  # [P, page_size]
+  tables = np.array(tables)
+  for b, length in enumerate(lengths):
+    start = 0 if window is None else max(0, int(length) - window)
+    for slot in range(start, int(length)):
+      keep[tables[b, slot // PAGE], slot % PAGE] = True
+    tables[b, -(-int(length) // PAGE):] = -1
+  pages[:, ~keep] = value
+  return pages, tables
+
+
+def _close(actual, expected, dtype, what=""):
+  tol = TOL[dtype]
+  np.testing.assert_allclose(np.asarray(actual, np.float32), np.asarray(expected, np.float32),
+                             atol=tol, rtol=tol, err_msg=what)
+
+
+# Default cases: (B, N, K, H, Hv, dtype, window, schedule). Together they cover
+# B in {1, 3}, (N, K) in {(8, 8), (8, 2), (8, 1), (48, 2)} (G = 1 and G = 24,
+# larger than a 16-row G tile), H in {64, 128}, Hv != H, every dtype, windows
+# and both schedules.
+CASES = [
+    (3, 8, 2, 64, 64, "f32", None, "loop"),
+    (3, 8, 8, 128, 128, "bf16", None, "grid"),
+    (1, 8, 1, 64, 64, "f16", PAGE + 3, "loop"),
+    (3, 48, 2, 64, 32, "bf16", 5, "loop"),
+    (3, 8, 1, 128, 64, "f32", PAGE, "grid"),
+]
+# The full grid: every (N, K), dtype, window and schedule; B, H and Hv vary with them.
+SLOW_CASES = [
+    (1 if (n, k) == (8, 1) else 3, n, k, h, h // 2 if w else h, dt, w, sch)
+    for (n, k), dt, w, sch in itertools.product(
+        ((8, 8), (8, 2), (8, 1), (48, 2)), ("f32", "bf16", "f16"), (None, PAGE + 3),
+        ("loop", "grid"))
+    for h in ((128,) if dt == "bf16" else (64,))
+]
+
+
+class TestPagedAttention:
+  """Compiled kernel (GPU/TPU); the Interpret subclass runs it on CPU."""
+
+  INTERPRET = False
+
+  @pytest.fixture(autouse=True)
+  def _backend(self):
+    if not self.INTERPRET and jax.default_backend() not in ("gpu", "cuda", "rocm", "tpu"):
+      pytest.skip("compiled Pallas kernels need a GPU or TPU")
+
+  def _schedule(self, schedule):
+    if self.INTERPRET:
+      return schedule
+    native = "grid" if jax.default_backend() == "tpu" else "loop"
+    if schedule != native:
+      pytest.skip(f"schedule {schedule!r} does not compile on {jax.default_backend()}")
+    return schedule
+
+  def _kernel(self, *args, **kwargs):
+    kwargs["schedule"] = self._schedule(kwargs.get("schedule", "loop"))
+    return pa.paged_decode_attention(*args, interpret=self.INTERPRET, **kwargs)
+
+  def _check_case(self, batch, num_heads, num_kv, head_dim, v_dim, dtype_name, window,
+                  schedule, num_splits=2, pages_per_block=2):
+    dtype = DTYPES[dtype_name]
+    q, k, v, tables = _inputs(batch, num_heads, num_kv, head_dim, v_dim, dtype)
+    for lengths in _lengths_sets(batch):
+      dk, dtables = _dirty(k, tables, lengths, window, np.nan)
+      dv, _ = _dirty(v, tables, lengths, window, np.nan)
+      dk, dv = jnp.asarray(dk, dtype), jnp.asarray(dv, dtype)
+      out, lse = self._kernel(q, dk, dv, dtables, lengths, window=window, schedule=schedule,
+                              num_splits=num_splits, pages_per_block=pages_per_block,
+                              return_lse=True)
+      # The reference sees the clean pools and the full table.
+      ref, ref_lse = pa.paged_decode_attention_reference(
+          q, jnp.asarray(k, dtype), jnp.asarray(v, dtype), tables, lengths, window=window,
+          return_lse=True)
+      xla = kvattn.ops.paged_decode_attention(q, dk, dv, jnp.asarray(dtables),
+                                              jnp.asarray(lengths), window=window,
+                                              implementation="xla")
+      chex.assert_shape(out, (batch, num_heads, v_dim))
+      assert out.dtype == q.dtype and lse.dtype == jnp.float32
+      what = f"lengths={lengths.tolist()}"
+      _close(out, ref, dtype, what)
+      _close(xla, ref, dtype, "xla path " + what)
+      np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+      fin = np.isfinite(np.asarray(ref_lse))
+      np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin],
+                                 atol=4 * TOL[dtype], rtol=TOL[dtype])
+      np.testing.assert_array_equal(np.asarray(out, np.float32)[lengths == 0], 0.0)
+
+  @pytest.mark.parametrize("case", CASES, ids=str)
+  def test_matches_reference_and_xla(self, case):
+    self._check_case(*case)
+
+  @pytest.mark.slow
+  @pytest.mark.parametrize("case", SLOW_CASES, ids=str)
+  def test_matches_reference_full_grid(self, case):
+    self._check_case(*case)
+
+  @pytest.mark.parametrize("schedule", ["loop", "grid"])
+  def test_independent_of_pages_per_block_splits_and_tiles(self, schedule):
+    # G = 48 > any G tile below: several tiles per KV head.
+    q, k, v, tables = _inputs(2, 48, 1, 64, 64, jnp.float32, pages_per_seq=8, seed=3)
+    k, v = jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32)
+    lengths = np.array([77, 128], np.int32)
+    base, base_lse = self._kernel(q, k, v, tables, lengths, window=70, schedule=schedule,
+                                  pages_per_block=8, num_splits=1, return_lse=True)
+    tiles = ([(1, 3, 16), (4, 8, 64)] if schedule == "loop" else [(1, 3, 8), (3, 8, 48)])
+    for ppb, splits, block_g in tiles:
+      out, lse = self._kernel(q, k, v, tables, lengths, window=70, schedule=schedule,
+                              pages_per_block=ppb, num_splits=splits, block_g=block_g,
+                              return_lse=True)
+      what = f"pages_per_block={ppb} num_splits={splits} block_g={block_g}"
+      np.testing.assert_allclose(out, base, atol=2e-6, rtol=2e-6, err_msg=what)
+      np.testing.assert_allclose(lse, base_lse, atol=2e-6, rtol=2e-6, err_msg=what)
+
+  @pytest.mark.parametrize("schedule,dtype_name,window", [
+      ("loop", "f32", None), ("grid", "bf16", 2 * PAGE + 1)])
+  def test_garbage_in_unused_slots_and_free_pages_does_not_leak(self, schedule, dtype_name,
+                                                                window):
+    dtype = DTYPES[dtype_name]
+    q, k, v, tables = _inputs(3, 8, 2, 64, 64, dtype, seed=5)
+    lengths = np.array([0, PAGE + 1, S - 3], np.int32)
+    clean = self._kernel(q, jnp.asarray(k, dtype), jnp.asarray(v, dtype), tables, lengths,
+                         window=window, schedule=schedule)
+    assert np.isfinite(np.asarray(clean, np.float32)).all()
+    for value in (np.nan, 1e30, -np.inf):
+      dk, dtables = _dirty(k, tables, lengths, window, value)
+      dv, _ = _dirty(v, tables, lengths, window, value)
+      out = self._kernel(q, jnp.asarray(dk, dtype), jnp.asarray(dv, dtype), dtables, lengths,
+                         window=window, schedule=schedule)
+      # Same pages, same valid values, garbage replaced: bitwise equal.
+      np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                    np.asarray(clean, np.float32), err_msg=str(value))
+
+  @pytest.mark.parametrize("schedule", ["loop", "grid"])
+  def test_result_independent_of_page_order(self, schedule):
+    q, k, v, tables = _inputs(3, 8, 2, 64, 64, jnp.float32, seed=9)
+    lengths = np.array([PAGE, 1, S - 5], np.int32)
+    out = self._kernel(q, jnp.asarray(k), jnp.asarray(v), tables, lengths, schedule=schedule)
+    # Move every page to a new physical position and renumber the table.
+    perm = np.random.RandomState(1).permutation(k.shape[1])  # new position of page p
+    inv = np.argsort(perm)
+    moved = self._kernel(q, jnp.asarray(k[:, inv]), jnp.asarray(v[:, inv]), perm[tables],
+                         lengths, schedule=schedule)
+    np.testing.assert_array_equal(np.asarray(moved), np.asarray(out))
+
+  @pytest.mark.parametrize("schedule", ["loop", "grid"])
+  def test_work_grows_with_the_real_length(self, schedule):
+    # count_pages reports the pages each program read; it must follow the
+    # attended range [max(0, L - W), L), whatever the table width.
+    for pages_per_seq, window in ((PAGES_PER_SEQ, None), (4 * PAGES_PER_SEQ, None),
+                                  (4 * PAGES_PER_SEQ, PAGE + 3)):
+      q, k, v, tables = _inputs(4, 8, 2, 64, 64, jnp.float32, pages_per_seq=pages_per_seq)
+      lengths = np.array([0, 1, PAGE + 1, S], np.int32)
+      _, counts = self._kernel(q, jnp.asarray(k), jnp.asarray(v), tables, lengths,
+                               window=window, schedule=schedule, num_splits=3,
+                               pages_per_block=1, count_pages=True)
+      starts = np.zeros_like(lengths) if window is None else np.maximum(lengths - window, 0)
+      expected = -(-lengths // PAGE) - starts // PAGE
+      np.testing.assert_array_equal(np.asarray(counts), np.repeat(expected[:, None], 2, 1),
+                                    err_msg=f"pages_per_seq={pages_per_seq} window={window}")
+
+  def test_lengths_past_capacity_are_clamped(self):
+    q, k, v, tables = _inputs(2, 8, 2, 64, 64, jnp.float32)
+    k, v = jnp.asarray(k), jnp.asarray(v)
+    at_s = self._kernel(q, k, v, tables, np.array([S, 3], np.int32))
+    over = self._kernel(q, k, v, tables, np.array([S + 9, 3], np.int32))
+    np.testing.assert_array_equal(over, at_s)
+
+  def test_soft_cap_matches_reference(self):
+    q, k, v, tables = _inputs(2, 8, 2, 64, 64, jnp.float32, seed=4)
+    q = 4.0 * q  # large logits, so the cap matters
+    lengths = np.array([S, PAGE + 1], np.int32)
+    out = self._kernel(q, jnp.asarray(k), jnp.asarray(v), tables, lengths, soft_cap=2.0)
+    ref = pa.paged_decode_attention_reference(q, jnp.asarray(k), jnp.asarray(v), tables,
+                                              lengths, soft_cap=2.0)
+    uncapped = pa.paged_decode_attention_reference(q, jnp.asarray(k), jnp.asarray(v), tables,
+                                                   lengths)
+    _close(out, ref, jnp.float32)
+    assert np.abs(np.asarray(ref) - np.asarray(uncapped)).max() > 1e-2
+
+  def test_jitted_step_compiles_once(self):
+    q, k, v, tables = _inputs(2, 8, 2, 64, 64, jnp.float32)
+    k, v = jnp.asarray(k), jnp.asarray(v)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(q, k, v, tables, lengths):
+      return self._kernel(q, k, v, tables, lengths)
+
+    first = step(q, k, v, tables, jnp.array([3, S], jnp.int32))
+    second = step(q[::-1], k, v, tables[::-1], jnp.array([S, 3], jnp.int32))
+    np.testing.assert_allclose(first[0], second[1], atol=1e-6)
+
+
+class TestPagedAttentionInterpret(TestPagedAttention):
+  INTERPRET = True
+
+
+# ----------------------------------------------------------------------------
+# Interpret-only and backend-independent checks.
+# ----------------------------------------------------------------------------
+
+
+def test_grid_schedule_under_tpu_interpreter():
+  # pltpu.InterpretParams interprets with TPU semantics (VMEM/SMEM, DMAs,
+  # scalar prefetch), closer to Mosaic than the generic interpreter.
+  from jax.experimental.pallas import tpu as pltpu
+  q, k, v, tables = _inputs(2, 8, 2, 64, 64, jnp.float32, seed=6)
+  lengths = np.array([PAGE + 1, S], np.int32)
+  dk, dtables = _dirty(k, tables, lengths, None, np.nan)
+  dv, _ = _dirty(v, tables, lengths, None, np.nan)
+  out = pa.paged_decode_attention(q, jnp.asarray(dk), jnp.asarray(dv), dtables, lengths,
+                                  schedule="grid", pages_per_block=2,
+                                  interpret=pltpu.InterpretParams())
+  ref = pa.paged_decode_attention_reference(q, jnp.asarray(k), jnp.asarray(v), tables, lengths)
+  _close(out, ref, jnp.float32)
+
+
+def test_reference_on_hand_computed_case():
+  # One head, H = 1, page_size 2. Sequence 0 owns pages [3, 1]: slot 0 -> page
+  # 3 slot 0 (key 0, value [4, 0]), slot 1 -> page 3 slot 1 (key log 3, value
+  # [8, 4]), slot 2 -> page 1 slot 0 (NaN, unused). Weights 1/4 and 3/4.
+  k = np.full((1, 4, 2, 1), np.nan)
+  v = np.full((1, 4, 2, 2), np.nan)
+  k[0, 3, :, 0] = [0.0, np.log(3.0)]
+  v[0, 3] = [[4.0, 0.0], [8.0, 4.0]]
+  tables = np.array([[3, 1], [0, -1]], np.int32)
+  q = jnp.ones((2, 1, 1))
+  out, lse = pa.paged_decode_attention_reference(q, k, v, tables, np.array([2, 0]),
+                                                 sm_scale=1.0, return_lse=True)
+  np.testing.assert_allclose(out[0, 0], [7.0, 3.0], rtol=1e-6)
+  np.testing.assert_array_equal(out[1], 0.0)
+  np.testing.assert_allclose(lse[0, 0], np.log(4.0), rtol=1e-6)
+  assert np.isneginf(lse[1, 0])
+  out = pa.paged_decode_attention_reference(q, k, v, tables, np.array([2, 0]), sm_scale=1.0,
+                                            window=1)
+  np.testing.assert_allclose(out[0, 0], [8.0, 4.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("pages_per_block,num_blocks", [(1, 8), (2, 4), (3, 3), (4, 5)])
+def test_grid_index_map_fetches_only_needed_pages(pages_per_block, num_blocks):
+  # Walk each page operand's index map (the function its BlockSpec uses) in
+  # grid order: the pipeline copies a page only when the operand's index
+  # differs from the previous step's, so count index changes.
+  ppb, padded = pages_per_block, pages_per_block * num_blocks
+  for lo, hi in [(0, 0), (0, 1), (0, padded), (2, 5), (3, 4), (padded - 1, padded)]:
+    for j in range(ppb):
+      visited = [int(pa._grid_logical_page(jnp.int32(blk), j, jnp.int32(lo), jnp.int32(hi),
+                                           ppb, padded)) for blk in range(num_blocks)]
+      needed = [p for p in range(lo, hi) if p % ppb == j]
+      copies = 1 + sum(a != b for a, b in zip(visited, visited[1:]))
+      assert copies == max(len(needed), 1), (lo, hi, j, visited)
+      assert all(0 <= p < padded for p in visited)
+      if needed:
+        assert set(visited) == set(needed), (lo, hi, j, visited)
+
+
+def test_dispatch_runs_pallas_by_name_and_xla_by_default_on_cpu():
+  if jax.default_backend() != "cpu":
+    pytest.skip("CPU dispatch policy")
+  q, k, v, tables = _inputs(2, 8, 2, 64, 64, jnp.float32, seed=8)
+  k, v = jnp.asarray(k), jnp.asarray(v)
+  lengths = jnp.array([S - 1, PAGE], jnp.int32)
+  ref = pa.paged_decode_attention_reference(q, k, v, tables, lengths)
+  for impl in (None, "xla", "pallas"):
+    out = kvattn.ops.paged_decode_attention(q, k, v, jnp.asarray(tables), lengths,
+                                            implementation=impl)
+    _close(out, ref, jnp.float32, str(impl))
+  assert kvattn.ops.available_implementations("paged_decode_attention")[0] == "pallas"
+  # Shapes the GPU kernel cannot tile: named "pallas" refuses, None falls back to XLA.
+  small_q = q[..., :12]
+  small = jnp.zeros((2, k.shape[1], PAGE, 12))
+  with pytest.raises(NotImplementedError, match="head dim H=12 is not a power of two"):
+    kvattn.ops.paged_decode_attention(small_q, small, small, jnp.asarray(tables), lengths,
+                                      implementation="pallas")
+  out = kvattn.ops.paged_decode_attention(small_q, small, small, jnp.asarray(tables), lengths)
+  np.testing.assert_array_equal(np.asarray(out), 0.0)
+
+
+def test_validation_errors_name_the_argument():
+  q, k, v, tables = _inputs(2, 8, 2, 64, 32, jnp.float32)
+  k, v = jnp.asarray(k), jnp.asarray(v)
+  lengths = np.array([1, 2], np.int32)
+  call = lambda *a, **kw: pa.paged_decode_attention(*a, **{"interpret": True, **kw})
+  cases = [
+      (ValueError, "q must have rank 3", (q[0], k, v, tables, lengths), {}),
+      (ValueError, "num_heads must be divisible by num_kv_heads; got 8 and 3",
+       (q, jnp.zeros((3,) + k.shape[1:]), jnp.zeros((3,) + v.shape[1:]), tables, lengths), {}),
+      (TypeError, "k_pages and v_pages must share one dtype",
+       (q, k, v.astype(jnp.bfloat16), tables, lengths), {}),
+      (TypeError, "lengths must have an integer dtype", (q, k, v, tables, lengths * 1.0), {}),
+      (TypeError, "block_tables must have an integer dtype",
+       (q, k, v, tables * 1.0, lengths), {}),
+      (ValueError, r"block_tables.shape\[0\] \(batch B, from q\) must be 2",
+       (q, k, v, tables[:1], lengths), {}),
+      (ValueError, r"v_pages.shape\[2\] \(page_size, from k_pages\) must be 16",
+       (q, k, v[:, :, :8], tables, lengths), {}),
+      (ValueError, "page_size must be a power of two for the \"loop\" schedule .*; got 12",
+       (q, k[:, :, :12], v[:, :, :12], tables, lengths), {}),
+      (ValueError, "page_size must be a multiple of 16 for the \"grid\" schedule and dtype "
+       "bfloat16", (q, k[:, :, :8].astype(jnp.bfloat16), v[:, :, :8].astype(jnp.bfloat16),
+                    tables, lengths), {"schedule": "grid"}),
+      (ValueError, "pages_per_block must be a power of two", (q, k, v, tables, lengths),
+       {"pages_per_block": 3}),
+      (ValueError, "block_g must be a power of two >= 16", (q, k, v, tables, lengths),
+       {"block_g": 8}),
+      (ValueError, "schedule must be one of", (q, k, v, tables, lengths), {"schedule": "x"}),
+      (ValueError, "window must be a positive int; got 0", (q, k, v, tables, lengths),
+       {"window": 0}),
+      (ValueError, "soft_cap must be a positive finite float", (q, k, v, tables, lengths),
+       {"soft_cap": -1.0}),
+      (ValueError, "num_splits must be a positive int", (q, k, v, tables, lengths),
+       {"num_splits": 0}),
+  ]
+  if jax.default_backend() == "cpu":
+    cases.append((ValueError, "interpret=False needs a GPU or TPU",
+                  (q, k, v, tables, lengths), {"interpret": False}))
+  for error, message, args, kwargs in cases:
+    with pytest.raises(error, match=message):
+      call(*args, **kwargs)
