@@ -6,6 +6,8 @@ sequence's last page, unassigned table entries and free pages (filled with NaN
 here) must never change a value (DESIGN.md, invariant 2).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,12 +23,13 @@ CAPACITY = 5 * PAGE  # pages_per_seq = 5 in most tests
 # Jitted once per shape: eager op-by-op dispatch would compile every primitive
 # for every case. The eager (concrete-value) checks have their own tests.
 _update = jax.jit(lambda cache, k, v, n: cache.update(k, v, n))
+_dense_kv = jax.jit(lambda cache: cache.dense_kv())
 _paged_decode = jax.jit(ops.paged_decode_attention, static_argnames=("window", "implementation"))
 _dense_decode = jax.jit(ops.decode_attention_xla, static_argnames=("window",))
 
 
 def _tokens(seed, B, T, K=2, H=8):
-  return jax.random.normal(jax.random.key(seed), (B, T, K, H))
+  return jnp.asarray(np.random.default_rng(seed).standard_normal((B, T, K, H)), jnp.float32)
 
 
 def _random_tables(rng, batch, pages_per_seq, num_pages, pages_used):
@@ -45,29 +48,35 @@ def _nan_pools(cache):
                        v_pages=jnp.full_like(cache.v_pages, jnp.nan))
 
 
+@functools.partial(jax.jit, static_argnames=("num_pages",))
+def _build(tables, k, v, lengths, *, num_pages):
+  """NaN-filled paged cache and zero dense cache, both after one prefill."""
+  batch, capacity, num_kv, head_dim = k.shape
+  paged = _nan_pools(PagedKVCache.init(batch, num_pages=num_pages, page_size=PAGE,
+                                       pages_per_seq=tables.shape[1], num_kv_heads=num_kv,
+                                       head_dim=head_dim, block_tables=tables))
+  dense = KVCache.init(batch, capacity, num_kv, head_dim)
+  return paged.update(k, v, lengths), dense.update(k, v, lengths)
+
+
 def _paged_and_dense(seed, lengths, *, pages_per_seq=5, K=2, H=8, extra_pages=3, perm_seed=None):
   """A paged cache (NaN everywhere but the written tokens, random page order
   drawn from `perm_seed`, default `seed`) and the dense cache holding the same
-  tokens, both filled by one prefill."""
+  tokens, both filled by one prefill. The pool has room for every sequence's
+  whole table plus `extra_pages` pages that stay free."""
   rng = np.random.default_rng(seed if perm_seed is None else perm_seed)
   batch = len(lengths)
-  used = [-(-n // PAGE) for n in lengths]
-  num_pages = sum(used) + extra_pages
-  tables = _random_tables(rng, batch, pages_per_seq, num_pages, used)
-  paged = _nan_pools(PagedKVCache.init(batch, num_pages=num_pages, page_size=PAGE,
-                                       pages_per_seq=pages_per_seq, num_kv_heads=K, head_dim=H,
-                                       block_tables=tables))
-  dense = KVCache.init(batch, pages_per_seq * PAGE, K, H)
+  num_pages = batch * pages_per_seq + extra_pages
+  tables = _random_tables(rng, batch, pages_per_seq, num_pages, [-(-n // PAGE) for n in lengths])
   T = pages_per_seq * PAGE
   k, v = _tokens(seed, batch, T, K, H), _tokens(seed + 1, batch, T, K, H)
-  new_lengths = jnp.array(lengths, jnp.int32)
-  return _update(paged, k, v, new_lengths), _update(dense, k, v, new_lengths)
+  return _build(tables, k, v, np.asarray(lengths, np.int32), num_pages=num_pages)
 
 
 def _assert_same_tokens(paged, dense):
   """The first lengths[b] slots of every sequence agree exactly."""
   np.testing.assert_array_equal(np.asarray(paged.lengths), np.asarray(dense.lengths))
-  pk, pv = (np.asarray(x) for x in paged.dense_kv())
+  pk, pv = (np.asarray(x) for x in _dense_kv(paged))
   for b, n in enumerate(np.asarray(dense.lengths)):
     np.testing.assert_array_equal(pk[b, :, :n], np.asarray(dense.k)[b, :, :n])
     np.testing.assert_array_equal(pv[b, :, :n], np.asarray(dense.v)[b, :, :n])
@@ -244,23 +253,23 @@ def test_xla_paged_decode_equals_dense(lengths, window, num_heads, num_kv_heads)
 
 def test_decode_result_independent_of_page_order_and_garbage():
   # The same tokens under two page permutations; NaN vs +-1e30 everywhere else.
-  a, _ = _paged_and_dense(10, [9, 4, 17], perm_seed=1)
-  b, _ = _paged_and_dense(10, [9, 4, 17], perm_seed=2)
+  a, _ = _paged_and_dense(10, [9, 4, 17, 0, 1, 20], perm_seed=1)
+  b, _ = _paged_and_dense(10, [9, 4, 17, 0, 1, 20], perm_seed=2)
   assert not np.array_equal(np.asarray(a.block_tables), np.asarray(b.block_tables))
   b = b.replace(k_pages=jnp.where(jnp.isnan(b.k_pages), 1e30, b.k_pages),
                 v_pages=jnp.where(jnp.isnan(b.v_pages), -1e30, b.v_pages))
-  q = jax.random.normal(jax.random.key(0), (3, 4, 8))
+  q = jax.random.normal(jax.random.key(0), (6, 4, 8))
   out_a = _paged_decode(q, a.k_pages, a.v_pages, a.block_tables, a.lengths)
   out_b = _paged_decode(q, b.k_pages, b.v_pages, b.block_tables, b.lengths)
   np.testing.assert_allclose(np.asarray(out_a), np.asarray(out_b), rtol=1e-6, atol=1e-6)
 
 
 def test_xla_path_under_jit_with_overflowed_lengths_stays_in_bounds():
-  paged, dense = _paged_and_dense(0, [5 * PAGE, 3])
-  q = jax.random.normal(jax.random.key(1), (2, 4, 8))
-  over = jnp.array([5 * PAGE + 3, 3], jnp.int32)  # lengths past capacity after an overflow
-  got = jax.jit(ops.paged_decode_attention_xla)(q, paged.k_pages, paged.v_pages,
-                                                paged.block_tables, over)
+  paged, dense = _paged_and_dense(0, EDGES)
+  q = jax.random.normal(jax.random.key(1), (6, 4, 8))
+  over = jnp.array(EDGES[:-1] + [CAPACITY + 3], jnp.int32)  # past capacity after an overflow
+  got = _paged_decode(q, paged.k_pages, paged.v_pages, paged.block_tables, over,
+                      implementation="xla")
   want = _dense_decode(q, dense.k, dense.v, over)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
