@@ -177,10 +177,7 @@ def test_absorbed_equals_naive_prefill_and_decode(q_lora_rank):
   np.testing.assert_array_equal(ca.lengths, cn.lengths)
   np.testing.assert_allclose(ca.c_kv, cn.c_kv, atol=1e-6)
   np.testing.assert_allclose(ca.k_rope, cn.k_rope, atol=1e-6)
-  # Without a cache (training) too.
-  ya, _ = run(make("absorbed", q_lora_rank), x)
-  yn, _ = run(make("naive", q_lora_rank), x)
-  np.testing.assert_allclose(ya, yn, atol=2e-5)
+  # Without a cache both paths match the paper reference (test above).
 
 
 @pytest.mark.parametrize("path", ["auto", "naive", "absorbed"])
@@ -358,24 +355,22 @@ def test_jitted_decode_step_compiles_once_and_matches_eager():
   layer = make("auto")
   graphdef, state = nnx.split(layer)
 
-  @jax.jit
+  @functools.partial(jax.jit, donate_argnums=2)  # cache donated: XLA updates it in place
   @chex.assert_max_traces(n=1)
   def step(state, x, cache):
     return nnx.merge(graphdef, state)(x, cache=cache)
 
-  step_donating = jax.jit(step.__wrapped__, donate_argnums=2)
   x = inputs(2, 8)
   cache = layer.init_cache(2, 8)
   _, cache = run(layer, x[:, :4], cache, jnp.array([4, 2]))
-  eager_cache = cache
-  for t in range(3):  # eager and jitted decode steps agree
+  eager_cache = jax.tree_util.tree_map(jnp.copy, cache)  # own buffers: `cache` is donated
+  for t in range(4):  # later steps reuse the first compilation; eager and jitted agree
     xt = x[:, 4 + t:5 + t]
     y, cache = step(state, xt, cache)
     ye, eager_cache = layer(xt, cache=eager_cache)
     np.testing.assert_allclose(y, ye, atol=1e-6)
-  np.testing.assert_array_equal(cache.lengths, [7, 5])
-  y, _ = step_donating(state, x[:, 7:8], cache)  # cache donated: XLA updates it in place
-  assert bool(jnp.isfinite(y).all())
+  np.testing.assert_array_equal(cache.lengths, [8, 6])
+  np.testing.assert_allclose(cache.c_kv, eager_cache.c_kv, atol=1e-6)
 
 
 def test_overflow_under_jit_is_flagged_and_does_not_corrupt_other_rows():
