@@ -6,6 +6,7 @@ from kvattn.ops.reference import (attention, decode_attention_xla, mla_attention
                                   mla_decode_attention_xla)
 from kvattn.ops.paged import paged_decode_attention, paged_decode_attention_xla
 from kvattn.ops.rope import apply_rope, rope_frequencies
+from kvattn.ops import xla_blocked  # registers "xla_blocked" (CPU, f32, long caches)
 from kvattn.ops import pallas_backend  # registers the "pallas" decode backends
 
 __all__ = [

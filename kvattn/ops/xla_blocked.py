@@ -1,0 +1,183 @@
+"""Blocked XLA decode attention: the flash-decoding recurrence as an XLA while loop.
+
+The plain XLA path (`reference.decode_attention_xla`) materialises `[B, N, S]`
+logits and a zeroed copy of V: on a CPU that is several passes over the cache
+per step. This path walks the key axis in blocks of `block_k` slots with
+`lax.fori_loop`, keeping the running max, sum and f32 accumulator of the
+online softmax (FlashAttention-2, Dao 2023, algorithm 1), so each K/V block is
+read from memory once and everything else stays in cache. The loop runs only
+over the blocks that some sequence of the batch attends
+(`[min_b start_b, max_b length_b)`), so the step's work follows the longest
+real length, not the capacity.
+
+Semantics are `decode_attention_xla`'s (query at slot `lengths[b] - 1`,
+window, soft cap, zeros for length-0 rows, lengths clamped to S) and garbage
+in unused slots cannot leak: masked logits are replaced by -inf, their
+probabilities are exact zeros and masked value rows are zeroed in the block
+before the weighted sum.
+
+Registered as implementation `"xla_blocked"` of `decode_attention` and
+`mla_decode_attention`, tried before `"xla"`. With `implementation=None` it
+declines (NotImplementedError) off CPU, for non-f32 caches (XLA:CPU's bf16/f16
+dots are slow enough that blocking does not help), for short caches, where
+the plain path is as fast, and for MLA (compute-bound on a CPU; measured no
+faster). Named explicitly it runs anywhere.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from kvattn.ops import dispatch
+
+# Below this many slots the plain path's few fused ops beat the loop overhead.
+MIN_CAPACITY = 2048
+# Slots per block times B * K. Measured on a 2-core CPU (experiments/
+# bench_decode.py): with B * K = 32 blocks of 64-256 slots were best, with
+# B * K = 8 256-512 and with B * K = 1 the largest tried (2048): enough work
+# per loop iteration to hide its overhead, a block small enough for L2.
+_BLOCK_ELEMS = 4096
+_M_INIT = -0.7 * float(np.finfo(np.float32).max)
+
+
+def _block_size(capacity: int, rows: int) -> int | None:
+  """Largest power of two <= 4096 / rows (in [64, 2048]) dividing S, or None."""
+  bk = min(2048, max(64, 1 << (max(1, _BLOCK_ELEMS // rows).bit_length() - 1)))
+  while bk >= 16:
+    if capacity % bk == 0:
+      return bk
+    bk //= 2
+  return None
+
+
+def blocked_decode(
+    q1: jax.Array,        # [B, K, G, H1] f32, already scaled by sm_scale
+    q2: jax.Array | None,  # [B, K, G, H2] f32 (scaled) or None
+    k1: jax.Array,        # [B, K, S, H1]
+    k2: jax.Array | None,  # [B, K, S, H2] or None
+    v: jax.Array | None,  # [B, K, S, Hv] or None: the value is k1
+    lengths: jax.Array,   # i32[B]
+    *,
+    window: int | None,
+    soft_cap: float | None,
+    block_k: int,
+) -> jax.Array:
+  """Returns f32 `[B, K, G, Hv]`: attention over slots `[max(0, L - W), L)`."""
+  batch, num_kv, capacity, _ = k1.shape
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
+  starts = jnp.zeros_like(lengths) if window is None else jnp.maximum(lengths - window, 0)
+  first = jnp.min(starts) // block_k
+  last = (jnp.max(lengths) + block_k - 1) // block_k
+  values = k1 if v is None else v
+  groups, hv = q1.shape[2], values.shape[-1]
+
+  def body(i, carry):
+    m, l, acc = carry
+    offset = i * block_k
+    kb = lax.dynamic_slice_in_dim(k1, offset, block_k, axis=2).astype(jnp.float32)
+    s = jnp.einsum("BKGH,BKSH->BKGS", q1, kb)
+    if k2 is not None:
+      kb2 = lax.dynamic_slice_in_dim(k2, offset, block_k, axis=2).astype(jnp.float32)
+      s = s + jnp.einsum("BKGR,BKSR->BKGS", q2, kb2)
+    if soft_cap is not None:
+      s = soft_cap * jnp.tanh(s / soft_cap)
+    slots = offset + jnp.arange(block_k, dtype=jnp.int32)
+    valid = (slots[None] >= starts[:, None]) & (slots[None] < lengths[:, None])  # [B, bk]
+    s = jnp.where(valid[:, None, None], s, -jnp.inf)
+    m_next = jnp.maximum(m, jnp.max(s, axis=-1))
+    alpha = jnp.exp(m - m_next)
+    p = jnp.exp(s - m_next[..., None])
+    vb = kb if v is None else lax.dynamic_slice_in_dim(v, offset, block_k, axis=2).astype(
+        jnp.float32)
+    vb = jnp.where(valid[:, None, :, None], vb, 0.0)
+    acc = alpha[..., None] * acc + jnp.einsum("BKGS,BKSV->BKGV", p, vb)
+    return m_next, alpha * l + jnp.sum(p, axis=-1), acc
+
+  init = (jnp.full((batch, num_kv, groups), _M_INIT, jnp.float32),
+          jnp.zeros((batch, num_kv, groups), jnp.float32),
+          jnp.zeros((batch, num_kv, groups, hv), jnp.float32))
+  _, l, acc = lax.fori_loop(first, last, body, init)
+  return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+
+def _fits(dtype, capacity: int) -> None:
+  if jax.default_backend() != "cpu":
+    raise NotImplementedError("xla_blocked: tuned for XLA:CPU only")
+  if dtype != jnp.float32:
+    raise NotImplementedError(f"xla_blocked: f32 caches only; got {dtype}")
+  if capacity < MIN_CAPACITY:
+    raise NotImplementedError(f"xla_blocked: S={capacity} < {MIN_CAPACITY}")
+  if capacity % 16:
+    raise NotImplementedError(f"xla_blocked: S={capacity} is not a multiple of 16")
+
+
+def decode_attention_blocked(
+    q: jax.Array,        # [B, N, H]
+    k: jax.Array,        # [B, K, S, H]
+    v: jax.Array,        # [B, K, S, Hv]
+    lengths: jax.Array,  # i32[B]
+    *,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    block_k: int | None = None,
+) -> jax.Array:
+  """`decode_attention_xla` semantics computed block by block.
+
+  `block_k` (slots per loop iteration, must divide S) defaults to a size
+  tuned for XLA:CPU. Returns `[B, N, Hv]` in q's dtype.
+  """
+  batch, num_kv, capacity, head_dim = k.shape
+  block_k = block_k or _block_size(capacity, batch * num_kv) or capacity
+  scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+  qg = q.astype(jnp.float32).reshape(batch, num_kv, -1, head_dim) * scale
+  out = blocked_decode(qg, None, k, None, v, lengths, window=window, soft_cap=soft_cap,
+                       block_k=block_k)
+  return out.reshape(batch, q.shape[1], v.shape[-1]).astype(q.dtype)
+
+
+def mla_decode_attention_blocked(
+    q_latent: jax.Array,  # [B, N, C]
+    q_rope: jax.Array,    # [B, N, R]
+    c_kv: jax.Array,      # [B, S, C]
+    k_rope: jax.Array,    # [B, S, R]
+    lengths: jax.Array,   # i32[B]
+    *,
+    sm_scale: float,
+    window: int | None = None,
+    block_k: int | None = None,
+) -> jax.Array:
+  """`mla_decode_attention_xla` semantics, blocked: key `[c_kv | k_rope]`, value c_kv.
+
+  The two key parts are read in place (no concatenation). Returns `[B, N, C]`.
+  """
+  batch, capacity, _ = c_kv.shape
+  block_k = block_k or _block_size(capacity, batch) or capacity
+  f32 = jnp.float32
+  out = blocked_decode((q_latent.astype(f32) * sm_scale)[:, None],
+                       (q_rope.astype(f32) * sm_scale)[:, None], c_kv[:, None],
+                       k_rope[:, None], None, lengths, window=window, soft_cap=None,
+                       block_k=block_k)
+  return out[:, 0].astype(q_latent.dtype)
+
+
+def _decode(q, k, v, lengths, *, explicit, **options):
+  if not explicit:
+    _fits(k.dtype, k.shape[2])
+  return decode_attention_blocked(q, k, v, lengths, **options)
+
+
+def _mla_decode(q_latent, q_rope, c_kv, k_rope, lengths, *, explicit, **options):
+  if not explicit:
+    # Absorbed MLA does N (2C + R) flops per cached token: on a CPU it is
+    # compute-bound and blocking measured no faster (docs/benchmarks.md).
+    raise NotImplementedError("xla_blocked: not picked automatically for MLA")
+  return mla_decode_attention_blocked(q_latent, q_rope, c_kv, k_rope, lengths, **options)
+
+
+dispatch.register_implementation("decode_attention", "xla_blocked", _decode, preferred=True)
+dispatch.register_implementation("mla_decode_attention", "xla_blocked", _mla_decode,
+                                 preferred=True)
