@@ -94,6 +94,32 @@ def zero_invalid(x: jax.Array, valid: jax.Array, slot_axis: int) -> jax.Array:
   return jnp.where(valid.reshape(shape), x, jnp.zeros((), x.dtype))
 
 
+def weighted_values(spec: str, probs: jax.Array, values: jax.Array, valid: jax.Array,
+                    slot_axis: int) -> jax.Array:
+  """`einsum(spec, probs, values)` in f32, as if invalid slots of `values` were zero.
+
+  `probs` must be exactly 0 wherever `valid` (`bool[B, S]`) is False (as
+  `masked_softmax` makes them). A finite garbage value v then contributes
+  `0 * v = 0` exactly, so only NaN/inf in invalid slots could change the
+  result -- and they would make it non-finite. The plain einsum therefore runs
+  first (no copy of `values`: on CPU zeroing a whole cache per decode step cost
+  as much as the attention itself); only when its result is not finite is it
+  recomputed from zeroed values (`lax.cond`). The result equals
+  `einsum(spec, probs, zero_invalid(values, valid, slot_axis))` bit for bit.
+  """
+  # Barriers on both operands keep XLA from rewriting either dot (fusing the zeroing into it,
+  # or reassociating it with the einsum that produced `values`), so both dots compile alike
+  # and clean and dirty caches give bit-identical results.
+  out = jnp.einsum(spec, probs, jax.lax.optimization_barrier(values),
+                   preferred_element_type=jnp.float32)
+
+  def recompute():
+    zeroed = jax.lax.optimization_barrier(zero_invalid(values, valid, slot_axis))
+    return jnp.einsum(spec, probs, zeroed, preferred_element_type=jnp.float32)
+
+  return jax.lax.cond(jnp.all(jnp.isfinite(out)), lambda: out, recompute)
+
+
 def attention(
     q: jax.Array,  # [B, T, N, H]
     k: jax.Array,  # [B, K, S, H]
@@ -146,8 +172,7 @@ def attention(
     logits = soft_cap * jnp.tanh(logits / soft_cap)
   mask, valid = attention_mask(q_offsets, kv_lengths, num_tokens, capacity, window)
   probs, denom = masked_softmax(logits, mask[:, None, None])  # [B, K, G, T, S]
-  v = zero_invalid(v, valid, slot_axis=2)
-  out = jnp.einsum("BKGTS,BKSV->BTKGV", probs, v, preferred_element_type=jnp.float32)
+  out = weighted_values("BKGTS,BKSV->BTKGV", probs, v, valid, slot_axis=2)
   denom = jnp.moveaxis(denom, 3, 1)  # [B, T, K, G, 1]
   out = out / jnp.where(denom > 0, denom, 1.0)
   return out.reshape(batch, num_tokens, num_heads, v.shape[-1]).astype(q.dtype)
@@ -243,8 +268,7 @@ def mla_attention(
   logits = logits * sm_scale
   mask, valid = attention_mask(q_offsets, kv_lengths, num_tokens, capacity, window)
   probs, denom = masked_softmax(logits, mask[:, None])  # [B, N, T, S]
-  c_kv = zero_invalid(c_kv, valid, slot_axis=1)
-  out = jnp.einsum("BNTS,BSC->BTNC", probs, c_kv, preferred_element_type=jnp.float32)
+  out = weighted_values("BNTS,BSC->BTNC", probs, c_kv, valid, slot_axis=1)
   denom = jnp.moveaxis(denom, 2, 1)  # [B, T, N, 1]
   out = out / jnp.where(denom > 0, denom, 1.0)
   return out.astype(q_latent.dtype)
