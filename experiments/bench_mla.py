@@ -31,6 +31,8 @@ then one JSON line per S with the ratios measured in that run
 (`naive_over_absorbed`, `mha_over_absorbed`), the analytic cache ratio
 `(C + R) / (2 N H)` and the largest |y_naive - y_absorbed| of the timed step
 (both paths must compute the same function), and finally a markdown table.
+The first line records the settings, the backends each dispatch point tries
+in order when no implementation is named, and the machine.
 """
 
 from __future__ import annotations
@@ -63,7 +65,11 @@ flags.DEFINE_integer("q_lora_rank", None, "MLA query low rank (None: full-rank q
 flags.DEFINE_integer("mha_head_dim", None, "MHA head width H (default --qk_nope_head_dim).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                   "Parameter, activation and cache dtype.")
-flags.DEFINE_string("decode_implementation", None, "kvattn.ops decode backend (None: best).")
+flags.DEFINE_string("decode_implementation", None,
+                    "Backend of both dispatch points (kvattn.ops.mla_decode_attention and "
+                    "decode_attention); None: the dispatcher's pick.")
+flags.DEFINE_string("mha_decode_implementation", None,
+                    "Overrides --decode_implementation for the MHA layer.")
 flags.DEFINE_integer("warmup", 2, "Untimed calls per variant (the first compiles).")
 flags.DEFINE_integer("repeats", 10, "Timed calls per variant; medians are reported.")
 flags.DEFINE_integer("seed", 0, "Weights, cache contents and inputs.")
@@ -77,13 +83,17 @@ def build(variant: str, dtype):
     return kvattn.GroupedQueryAttention(
         d_model=FLAGS.d_model, num_heads=FLAGS.num_heads, num_kv_heads=FLAGS.num_heads,
         head_dim=FLAGS.mha_head_dim or FLAGS.qk_nope_head_dim, dtype=dtype, param_dtype=dtype,
-        decode_implementation=FLAGS.decode_implementation, rngs=rngs)
+        decode_implementation=mha_implementation(), rngs=rngs)
   return kvattn.MultiHeadLatentAttention(
       d_model=FLAGS.d_model, num_heads=FLAGS.num_heads, kv_lora_rank=FLAGS.kv_lora_rank,
       qk_nope_head_dim=FLAGS.qk_nope_head_dim, qk_rope_head_dim=FLAGS.qk_rope_head_dim,
       v_head_dim=FLAGS.v_head_dim, q_lora_rank=FLAGS.q_lora_rank,
       path=variant.removeprefix("mla_"), dtype=dtype, param_dtype=dtype,
       decode_implementation=FLAGS.decode_implementation, rngs=rngs)
+
+
+def mha_implementation() -> str | None:
+  return FLAGS.mha_decode_implementation or FLAGS.decode_implementation
 
 
 def filled_cache(layer, seq_len: int, dtype):
@@ -149,7 +159,12 @@ def settings(dtype) -> dict:
       "qk_rope_head_dim": FLAGS.qk_rope_head_dim, "v_head_dim": FLAGS.v_head_dim,
       "q_lora_rank": FLAGS.q_lora_rank,
       "mha_head_dim": FLAGS.mha_head_dim or FLAGS.qk_nope_head_dim,
-      "dtype": jnp.dtype(dtype).name, "decode_implementation": FLAGS.decode_implementation,
+      "dtype": jnp.dtype(dtype).name,
+      "mla_decode_implementation": FLAGS.decode_implementation,
+      "mha_decode_implementation": mha_implementation(),
+      # With None the dispatcher tries these in order; each declines what it cannot run.
+      "mla_backends_in_order": list(kvattn.ops.available_implementations("mla_decode_attention")),
+      "mha_backends_in_order": list(kvattn.ops.available_implementations("decode_attention")),
   }
 
 
