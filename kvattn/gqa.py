@@ -18,6 +18,7 @@ from flax import nnx
 from kvattn import _checks
 from kvattn import cache as cache_lib
 from kvattn import ops
+from kvattn import paged as paged_lib
 
 
 def _init(in_axis, out_axis):
@@ -53,7 +54,11 @@ class GroupedQueryAttention(nnx.Module):
   """Causal self-attention with K KV heads shared by groups of G query heads.
 
   Cache schema (`kvattn.KVCache`): `k, v: [B, K, S, H]` in the cache dtype,
-  RoPE applied to k before it is written; `lengths: i32[B]`.
+  RoPE applied to k before it is written; `lengths: i32[B]`. A
+  `kvattn.PagedKVCache` (`k_pages, v_pages: [K, P, page_size, H]`, block
+  tables) works too: T == 1 then goes through
+  `kvattn.ops.paged_decode_attention`, a longer T attends the cache gathered
+  to dense through the block table.
 
   Call: `y, cache = attn(x, cache=None, positions=None, new_lengths=None)`
     * `x: [B, T, D]`. Without a cache the T tokens attend causally to each
@@ -126,6 +131,15 @@ class GroupedQueryAttention(nnx.Module):
     """An empty `KVCache` shaped for this layer."""
     return cache_lib.KVCache.init(batch, max_len, self.num_kv_heads, self.head_dim, dtype)
 
+  def _paged_attention(self, q, old_lengths, new_cache, opts):
+    """Attention against a `PagedKVCache` after the new tokens were written."""
+    if q.shape[1] == 1:
+      return ops.paged_decode_attention(
+          q[:, 0], new_cache.k_pages, new_cache.v_pages, new_cache.block_tables,
+          new_cache.lengths, implementation=self.decode_implementation, **opts)[:, None]
+    k, v = new_cache.dense_kv()  # [B, K, pages_per_seq * page_size, H]
+    return ops.attention(q, k, v, q_offsets=old_lengths, kv_lengths=new_cache.lengths, **opts)
+
   def _project(self, x, spec, w):
     dtype = self.dtype or x.dtype
     out = jnp.einsum(spec, x.astype(dtype), w[...].astype(dtype),
@@ -142,8 +156,9 @@ class GroupedQueryAttention(nnx.Module):
     check_input(x, self.d_model)
     batch, num_tokens, _ = x.shape
     if cache is not None:
-      if not isinstance(cache, cache_lib.KVCache):
-        raise TypeError(f"cache must be a kvattn.KVCache or None; got {type(cache).__name__}")
+      if not isinstance(cache, (cache_lib.KVCache, paged_lib.PagedKVCache)):
+        raise TypeError(f"cache must be a kvattn.KVCache, kvattn.PagedKVCache or None; got "
+                        f"{type(cache).__name__}")
       if (cache.batch, cache.num_kv_heads, cache.head_dim) != (batch, self.num_kv_heads, self.head_dim):
         raise ValueError(
             "cache must have batch, num_kv_heads, head_dim = "
@@ -168,7 +183,9 @@ class GroupedQueryAttention(nnx.Module):
                           kv_lengths=new_lengths, **opts)
     else:
       new_cache = cache.update(k, v, new_lengths)
-      if num_tokens == 1:
+      if isinstance(new_cache, paged_lib.PagedKVCache):
+        out = self._paged_attention(q, cache.lengths, new_cache, opts)
+      elif num_tokens == 1:
         out = ops.decode_attention(q[:, 0], new_cache.k, new_cache.v, new_cache.lengths,
                                    implementation=self.decode_implementation, **opts)[:, None]
       else:

@@ -304,3 +304,88 @@ def test_check_block_tables():
     paged_ops.check_block_tables(np.array([[0, 1], [-1, -1]]), np.array([5, 2]), 3, PAGE)
   with pytest.raises(ValueError, match="must not give page 1 to two live slots"):
     paged_ops.check_block_tables(np.array([[0, 1], [1, -1]]), np.array([5, 2]), 3, PAGE)
+
+
+# Model level: the GQA module and generate with paged caches.
+
+
+def _tiny_model(layers=({}, {"window": 5})):
+  from flax import nnx
+  from kvattn import transformer
+  cfg = transformer.model_config(d_model=32, num_layers=2, mlp_dim=64, layers=layers,
+                                 attention=dict(num_heads=4, num_kv_heads=2, head_dim=8))
+  return transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
+
+
+def test_gqa_layer_through_paged_cache_equals_dense():
+  from flax import nnx
+  layer = kvattn.GroupedQueryAttention(d_model=16, num_heads=4, num_kv_heads=2, head_dim=8,
+                                       window=6, rngs=nnx.Rngs(0))
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 12, 16)), jnp.float32)
+  prompt_lengths = jnp.array([5, 1, 8], jnp.int32)
+  rng = np.random.default_rng(1)
+  tables = _random_tables(rng, 3, 4, 13, [4, 4, 4])  # capacity 16 each, random pages
+  paged = _nan_pools(PagedKVCache.init(3, num_pages=13, page_size=PAGE, pages_per_seq=4,
+                                       num_kv_heads=2, head_dim=8, block_tables=tables))
+  dense = layer.init_cache(3, 16)
+
+  @jax.jit
+  def run(cache):
+    y0, cache = layer(x[:, :8], cache=cache, new_lengths=prompt_lengths)  # prefill (T = 8)
+    ys = []
+    for t in range(4):  # decode (T = 1): token prompt_lengths[b] + t of each stream
+      xt = jnp.take_along_axis(x, (prompt_lengths + t)[:, None, None], axis=1)
+      yt, cache = layer(xt, cache=cache)
+      ys.append(yt[:, 0])
+    return y0, jnp.stack(ys, 1), cache.lengths
+
+  yp0, yp, lp = run(paged)
+  yd0, yd, ld = run(dense)
+  np.testing.assert_array_equal(np.asarray(lp), np.asarray(ld))
+  np.testing.assert_allclose(np.asarray(yp), np.asarray(yd), rtol=1e-5, atol=1e-5)
+  real = np.arange(8)[None, :] < np.asarray(prompt_lengths)[:, None]  # padded outputs unspecified
+  np.testing.assert_allclose(np.asarray(yp0)[real], np.asarray(yd0)[real], rtol=1e-5, atol=1e-5)
+  with pytest.raises(TypeError, match="cache must be a kvattn.KVCache, kvattn.PagedKVCache or "
+                     "None; got dict"):
+    layer(x[:, :1], cache={})
+
+
+def test_generate_cache_kind_switch_gives_identical_tokens():
+  from ml_collections import config_dict
+  from kvattn.generate import generate
+  model = _tiny_model()
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(0, 256, (3, 9)).astype(np.int32)
+  lengths = np.array([9, 1, 4], np.int32)
+  new = 10
+  dense_tokens, dense_lengths = generate(
+      model, prompts, lengths, new,
+      cache_factory=kvattn.paged.cache_factory_from_config(
+          model, config_dict.ConfigDict(dict(kind="dense", page_size=4))))
+  # Paged: each sequence gets only the pages it needs, from a shuffled free list.
+  cfg = config_dict.ConfigDict(dict(kind="paged", page_size=4, seed=3))
+  paged_tokens, paged_lengths = generate(
+      model, prompts, lengths, new,
+      cache_factory=kvattn.paged.cache_factory_from_config(model, cfg,
+                                                           tokens_per_seq=lengths + new - 1))
+  np.testing.assert_array_equal(np.asarray(paged_tokens), np.asarray(dense_tokens))
+  np.testing.assert_array_equal(np.asarray(paged_lengths), np.asarray(dense_lengths))
+
+
+def test_init_paged_caches_allocates_per_sequence():
+  model = _tiny_model()
+  caches, alloc = kvattn.paged.init_paged_caches(model, [9, 1, 0, 17], page_size=4, seed=0,
+                                                 extra_pages=2)
+  assert len(caches) == 2
+  c = caches[0]
+  # 3 + 1 + 0 + 5 pages for the sequences, 2 spare: the pool is what they need.
+  assert c.num_pages == 11 and c.pages_per_seq == 5 and alloc.num_free == 2
+  tables = np.asarray(c.block_tables)
+  assert [(row >= 0).sum() for row in tables] == [3, 1, 0, 5]
+  np.testing.assert_array_equal(tables, np.asarray(caches[1].block_tables))
+  paged_ops.check_block_tables(tables, np.array([9, 1, 0, 17]), c.num_pages, 4)
+  with pytest.raises(ValueError, match="cache.kind must be one of"):
+    kvattn.paged.cache_factory_from_config(model, {"kind": "ring"})
+  mla = _tiny_model(layers=({}, {"kind": "mla"}))
+  with pytest.raises(ValueError, match="layer 1 is MultiHeadLatentAttention"):
+    kvattn.paged.init_paged_caches(mla, [4], page_size=4)
