@@ -2,7 +2,7 @@
 
     python -m experiments.bench_decode                      # CPU preset
     python -m experiments.bench_decode --preset=gpu         # on a GPU
-    python -m experiments.bench_decode --preset=gpu_quick --out=/tmp/bench.md
+    python -m experiments.bench_decode --preset=gpu_quick --tune --out=/tmp/bench.md
 
 Decode attention is memory-bound: each step reads the attended K/V slots once
 and does O(G) flops per byte. For every shape the script reports
@@ -10,9 +10,11 @@ and does O(G) flops per byte. For every shape the script reports
   kv_bytes        bytes of K/V that must be read: sum over b of the attended
                   slots (lengths[b], or the window) x K x (H + Hv) x itemsize
                   (MLA: slots x (C + R) x itemsize, c_kv serving as key and value)
-  ms              median wall time of one call, milliseconds (each timing runs
+  ms              median wall time of one call, milliseconds (each sample runs
                   `--calls` back-to-back calls and divides, so per-call Python
-                  dispatch overlaps device work as in a decode loop)
+                  dispatch overlaps device work as in a decode loop; samples of
+                  all implementations and ceilings are taken round-robin so
+                  background load affects them alike)
   gbps            kv_bytes / time, GB/s (1e9 bytes)
   of_ceiling      gbps / ceiling_gbps
 
@@ -30,8 +32,11 @@ Implementations (each inside `jax.jit`, inputs created outside the timing):
                  transposes K and V to `[B, K, S, H]` inside the call
   jax_mqa_vmap   the same JAX kernel (`mqa`) vmapped over K on our
                  `[B, K, S, H]` layout: the kernel without the transpose
+  xla_blocked    `implementation="xla_blocked"` (CPU only; see kvattn/ops/xla_blocked.py)
 MLA shapes time `kvattn.ops.mla_decode_attention` ("xla") and
-`pallas_kernels.mla_decode_attention` ("pallas").
+`pallas_kernels.mla_decode_attention` ("pallas"). Without kvattn (no flax on
+the machine) the plain-jnp `*_reference` of pallas_kernels stands in for the
+XLA path, labelled "jnp_reference".
 
 Prints one JSON line per (shape, implementation), then a markdown table; with
 `--out` the table is also written there. `max_abs_diff_vs_xla` checks that the
@@ -40,30 +45,49 @@ timed implementations agree with the XLA path on the timed inputs.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
 
-import kvattn.ops
 import pallas_kernels.decode_attention as pk
 
-FLAGS = flags.FLAGS
-flags.DEFINE_enum("preset", None, ["cpu", "gpu", "gpu_quick"],
-                  "Shape list; default: 'gpu' on GPU/TPU, 'cpu' otherwise.")
-flags.DEFINE_float("length_fraction", 1.0,
-                   "Each sequence's length as a fraction of S (the kernel reads only that).")
-flags.DEFINE_list("impls", None, "Subset of implementations to time (default: all that run).")
-flags.DEFINE_integer("warmup", 2, "Untimed calls per implementation (the first compiles).")
-flags.DEFINE_integer("repeats", 5, "Timings per implementation; the median is reported.")
-flags.DEFINE_integer("calls", 0, "Calls per timing (0: about 50 ms worth, at least 1).")
-flags.DEFINE_string("out", None, "Also write the markdown table to this file.")
+try:  # kvattn needs flax; a bare GPU image may only have JAX.
+  import kvattn.ops as kvattn_ops
+except ImportError:  # pragma: no cover - depends on the machine
+  kvattn_ops = None
+
+
+def _parser() -> argparse.ArgumentParser:
+  # argparse rather than absl: experiments/gpu_check.sh runs this on machines
+  # that may have nothing but JAX installed.
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--preset", choices=["cpu", "gpu", "gpu_quick"], default=None,
+                 help="Shape list; default: 'gpu' on GPU/TPU, 'cpu' otherwise.")
+  p.add_argument("--length_fraction", type=float, default=1.0,
+                 help="Each sequence's length as a fraction of S (the kernel reads only that).")
+  p.add_argument("--impls", type=lambda s: s.split(","), default=None,
+                 help="Comma-separated subset of implementations to time.")
+  p.add_argument("--warmup", type=int, default=2, help="Untimed calls (the first compiles).")
+  p.add_argument("--repeats", type=int, default=5, help="Timings; the median is reported.")
+  p.add_argument("--calls", type=int, default=0,
+                 help="Calls per timing (0: about 50 ms worth, at least 1).")
+  p.add_argument("--tune", action="store_true",
+                 help="Also time the kernel over block_k x num_splits x num_warps on the "
+                      "preset's first shape (GPU) and report each configuration.")
+  p.add_argument("--out", default=None, help="Also write the markdown table to this file.")
+  return p
+
+
+FLAGS = _parser().parse_args([])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,32 +142,65 @@ PRESETS = {
 }
 
 
-def _time(fn, *args) -> float:
-  """Median seconds per call of jitted `fn(*args)`."""
-  for _ in range(FLAGS.warmup):
-    jax.block_until_ready(fn(*args))
-  calls = FLAGS.calls
-  if calls <= 0:
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    calls = max(1, min(200, int(0.05 / max(time.perf_counter() - start, 1e-6))))
-  samples = []
-  for _ in range(FLAGS.repeats):
+class _Timer:
+  """Per-call seconds of a jitted `fn(*args)`, sampled on demand.
+
+  `warm()` runs the untimed calls (the first compiles) and sizes one sample
+  at about 50 ms of calls; `sample()` then times one batch of back-to-back
+  calls. Callers interleave samples of several timers so that load from
+  other processes hits them alike (ratios within one run stay meaningful).
+  """
+
+  def __init__(self, fn, *args):
+    self.fn, self.args, self.samples, self.calls = fn, args, [], FLAGS.calls
+
+  def warm(self):
+    out = None
+    for _ in range(max(1, FLAGS.warmup)):
+      out = jax.block_until_ready(self.fn(*self.args))
+    if self.calls <= 0:
+      start = time.perf_counter()
+      jax.block_until_ready(self.fn(*self.args))
+      self.calls = max(1, min(200, int(0.05 / max(time.perf_counter() - start, 1e-6))))
+    return out
+
+  def sample(self):
     start = time.perf_counter()
     out = None
-    for _ in range(calls):
-      out = fn(*args)
+    for _ in range(self.calls):
+      out = self.fn(*self.args)
     jax.block_until_ready(out)
-    samples.append((time.perf_counter() - start) / calls)
-  return statistics.median(samples)
+    self.samples.append((time.perf_counter() - start) / self.calls)
+
+  def median(self) -> float:
+    return statistics.median(self.samples)
+
+
+def _time(fn, *args) -> float:
+  """Median seconds per call of jitted `fn(*args)` (one timer on its own)."""
+  timer = _Timer(fn, *args)
+  timer.warm()
+  for _ in range(FLAGS.repeats):
+    timer.sample()
+  return timer.median()
+
+
+def _ceiling_timers(num_bytes: int) -> dict[str, tuple[_Timer, float]]:
+  """Timers of a copy and a read of `num_bytes` bytes, with the bytes each moves."""
+  x = jnp.ones((max(num_bytes // 4, 1),), jnp.float32)
+  return {"copy_gbps": (_Timer(jax.jit(lambda x: -x), x), 2 * x.nbytes),
+          "read_gbps": (_Timer(jax.jit(jnp.sum), x), x.nbytes)}
 
 
 def ceilings(num_bytes: int) -> dict[str, float]:
-  """Copy and read bandwidth (GB/s) on an array of `num_bytes` bytes, this run."""
-  x = jnp.ones((max(num_bytes // 4, 1),), jnp.float32)
-  copy = _time(jax.jit(lambda x: -x), x)
-  read = _time(jax.jit(lambda x: jnp.sum(x)), x)
-  return {"copy_gbps": 2 * x.nbytes / copy / 1e9, "read_gbps": x.nbytes / read / 1e9}
+  """Copy (read + write counted) and read bandwidth in GB/s on `num_bytes` bytes."""
+  out = {}
+  for name, (timer, moved) in _ceiling_timers(num_bytes).items():
+    timer.warm()
+    for _ in range(FLAGS.repeats):
+      timer.sample()
+    out[name] = moved / timer.median() / 1e9
+  return out
 
 
 def _inputs(shape: Shape, key):
@@ -172,18 +229,25 @@ def implementations(shape: Shape) -> dict:
   impls = {}
   if shape.kind == "mla":
     scale = (128 + 64) ** -0.5  # DeepSeek-V2: 1/sqrt(qk_nope + qk_rope)
-    impls["xla"] = jax.jit(functools.partial(kvattn.ops.mla_decode_attention, sm_scale=scale,
-                                             implementation="xla"))
-    if not compiled:
-      impls["xla_blocked"] = jax.jit(functools.partial(
-          kvattn.ops.mla_decode_attention, sm_scale=scale, implementation="xla_blocked"))
+    if kvattn_ops is None:
+      impls["jnp_reference"] = jax.jit(functools.partial(pk.mla_decode_attention_reference,
+                                                         sm_scale=scale))
+    else:
+      impls["xla"] = jax.jit(functools.partial(kvattn_ops.mla_decode_attention,
+                                               sm_scale=scale, implementation="xla"))
+      if not compiled:
+        impls["xla_blocked"] = jax.jit(functools.partial(
+            kvattn_ops.mla_decode_attention, sm_scale=scale, implementation="xla_blocked"))
     if compiled:
       impls["pallas"] = jax.jit(functools.partial(pk.mla_decode_attention, sm_scale=scale))
     return impls
-  impls["xla"] = jax.jit(functools.partial(kvattn.ops.decode_attention, implementation="xla"))
-  if not compiled:
-    impls["xla_blocked"] = jax.jit(functools.partial(kvattn.ops.decode_attention,
-                                                     implementation="xla_blocked"))
+  if kvattn_ops is None:
+    impls["jnp_reference"] = jax.jit(pk.decode_attention_reference)
+  else:
+    impls["xla"] = jax.jit(functools.partial(kvattn_ops.decode_attention, implementation="xla"))
+    if not compiled:
+      impls["xla_blocked"] = jax.jit(functools.partial(kvattn_ops.decode_attention,
+                                                       implementation="xla_blocked"))
   if compiled:
     impls["pallas"] = jax.jit(pk.decode_attention)
   if on_gpu and shape.head_dim == shape.v_dim:
@@ -205,12 +269,12 @@ def implementations(shape: Shape) -> dict:
 
 
 def run_shape(shape: Shape, key) -> list[dict]:
+  """Times every implementation and both ceilings on one shape, interleaved."""
   args = _inputs(shape, key)
   lengths = np.asarray(args[-1])
   kv_bytes = shape.kv_bytes(lengths)
-  ceil = ceilings(kv_bytes)
-  ceiling = max(ceil.values())
-  rows, reference = [], None
+  ceiling_timers = _ceiling_timers(kv_bytes)
+  timers, outs, rows = {}, {}, []
   for name, impl in implementations(shape).items():
     if FLAGS.impls and name not in FLAGS.impls:
       continue
@@ -218,23 +282,31 @@ def run_shape(shape: Shape, key) -> list[dict]:
     if isinstance(impl, tuple):  # JAX's gqa takes [B, S, K, H] (made outside the timing)
       fn = impl[0]
       call_args = (args[0], jnp.swapaxes(args[1], 1, 2), jnp.swapaxes(args[2], 1, 2), args[3])
+    timer = _Timer(fn, *call_args)
     try:
-      out = jax.block_until_ready(fn(*call_args))
-      seconds = _time(fn, *call_args)
+      outs[name] = np.asarray(timer.warm(), np.float32)
     except Exception as e:  # pylint: disable=broad-except
       rows.append({"shape": shape.name, "impl": name, "error": f"{type(e).__name__}: {e}"[:300]})
       print(json.dumps(rows[-1]), flush=True)
       continue
-    out = np.asarray(out, np.float32)
-    if reference is None and name == "xla":
-      reference = out
+    timers[name] = timer
+  for timer, _ in ceiling_timers.values():
+    timer.warm()
+  for _ in range(FLAGS.repeats):  # round-robin: every timer sees the same background load
+    for timer in [t for t, _ in ceiling_timers.values()] + list(timers.values()):
+      timer.sample()
+  ceil = {name: moved / timer.median() / 1e9 for name, (timer, moved) in ceiling_timers.items()}
+  ceiling = max(ceil.values())
+  reference = outs.get("xla", outs.get("jnp_reference"))
+  for name, timer in timers.items():
+    seconds = timer.median()
     row = {
         "shape": shape.name, "impl": name, **dataclasses.asdict(shape),
         "length": int(lengths[0]), "kv_bytes": kv_bytes, "ms": seconds * 1e3,
         "gbps": kv_bytes / seconds / 1e9, "of_ceiling": kv_bytes / seconds / 1e9 / ceiling,
         "ceiling_gbps": ceiling, **ceil,
         "max_abs_diff_vs_xla": (None if reference is None
-                                else float(np.max(np.abs(out - reference)))),
+                                else float(np.max(np.abs(outs[name] - reference)))),
         "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
     }
     rows.append(row)
@@ -261,15 +333,43 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def main(argv):
-  del argv
+def tune(shape: Shape, key) -> str:
+  """Times the compiled kernel over a small grid of tunables on one shape."""
+  args = _inputs(shape, key)
+  kv_bytes = shape.kv_bytes(np.asarray(args[-1]))
+  ceiling = max(ceilings(kv_bytes).values())
+  fn = pk.decode_attention if shape.kind == "dense" else functools.partial(
+      pk.mla_decode_attention, sm_scale=0.1)
+  lines = [f"Tuning {shape.name} (K/V {kv_bytes / 2**20:.0f} MiB, ceiling {ceiling:.0f} GB/s)",
+           "| block_k | num_splits | num_warps | ms | GB/s | of ceiling |",
+           "|---:|---:|---:|---:|---:|---:|"]
+  for block_k, splits, warps in itertools.product((64, 128, 256), (None, 4, 16), (4, 8)):
+    step = jax.jit(functools.partial(fn, block_k=block_k, num_splits=splits, num_warps=warps))
+    try:
+      seconds = _time(step, *args)
+    except Exception as e:  # pylint: disable=broad-except
+      lines.append(f"| {block_k} | {splits} | {warps} | error: {type(e).__name__} | | |")
+      continue
+    gbps = kv_bytes / seconds / 1e9
+    lines.append(f"| {block_k} | {splits or 'auto'} | {warps} | {seconds * 1e3:.3f} | "
+                 f"{gbps:.0f} | {gbps / ceiling:.2f} |")
+    print(lines[-1], flush=True)
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  global FLAGS
+  FLAGS = _parser().parse_args(argv)
   preset = FLAGS.preset or ("gpu" if jax.default_backend() != "cpu" else "cpu")
   print(json.dumps({"preset": preset, "backend": jax.default_backend(),
-                    "device": jax.devices()[0].device_kind, "jax": jax.__version__}), flush=True)
+                    "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                    "kvattn": kvattn_ops is not None}), flush=True)
   rows = []
   for i, shape in enumerate(PRESETS[preset]):
     rows += run_shape(shape, jax.random.key(i))
   text = table(rows)
+  if FLAGS.tune and jax.default_backend() != "cpu":
+    text += "\n\n" + tune(PRESETS[preset][0], jax.random.key(99))
   print(text)
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:
@@ -277,4 +377,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  main(sys.argv[1:])
