@@ -1,0 +1,144 @@
+r"""The main job: MHA, GQA, MQA and MLA compared on cache memory, decode speed and quality.
+
+    python -m experiments.main --config=configs/default.py --workdir=runs/default
+    python -m experiments.main --config=configs/default.py:smoke --workdir=/tmp/smoke
+    python -m experiments.main --config=configs/default.py --workdir=runs/l4 \
+        --config.model.num_layers=4 --config.cache.seq_lens='(512, 2048)'
+
+Points: every entry of `get_sweep()` (one attention variant each: MHA K = N,
+GQA K = N/2 and N/4, MQA K = 1, MLA) at every S in `cache.seq_lens`. Each
+variant is trained once (`train.steps` on the default corpus) and the
+trained params serve all its sequence lengths. Sized to finish in well under
+10 minutes on a 2-core CPU (see README for the measured time).
+
+`get_config(arg)` and `get_sweep(arg)` take the same argument: "" (the full
+run) or "smoke" (tiny sizes for tests and a quick look). The sweep is
+computed from the defaults of `get_config(arg)`, not from command-line
+overrides: `--config.attention.num_heads=16` keeps K in {8, 4, 2, 1}, so
+there is no MHA point (the report says "n/a" in the "vs MHA" columns), and a
+K that does not divide N fails validation naming `attention.num_kv_heads`.
+"""
+
+from ml_collections import config_dict
+
+ARGS = ("", "smoke")
+
+
+def _check_arg(arg):
+  arg = arg or ""
+  if arg not in ARGS:
+    raise ValueError(f"config argument must be one of {ARGS} (':smoke' selects the small run); "
+                     f"got {arg!r}")
+  return arg
+
+
+def get_config(arg=None):
+  """The full config; `arg="smoke"` shrinks everything to seconds."""
+  smoke = _check_arg(arg) == "smoke"
+  config = config_dict.ConfigDict()
+
+  # Transformer without its attention (kvattn.transformer schema; `attention` is its own section).
+  config.model = config_dict.ConfigDict()
+  model = config.model
+  model.vocab_size = 259  # V: 256 bytes + BOS/EOS/PAD (kvattn.data's byte tokenizer).
+  model.d_model = 32 if smoke else 128  # Model width D.
+  model.num_layers = 1 if smoke else 2  # Transformer blocks L.
+  model.mlp_dim = 64 if smoke else 384  # SwiGLU hidden width F (3 D).
+  model.tie_embeddings = True  # LM head shares the embedding matrix.
+  model.norm_eps = 1e-6  # RMSNorm epsilon.
+  model.dtype = "float32"  # Compute dtype (and the cache dtype unless cache.dtype is set).
+  model.param_dtype = "float32"  # Parameter storage dtype.
+  model.layers = ()  # Per-layer attention overrides (kvattn.transformer); () = all layers alike.
+
+  # Attention shared by every variant; the sweep sets `kind` and `num_kv_heads`.
+  config.attention = config_dict.ConfigDict()
+  attention = config.attention
+  attention.kind = "gqa"  # "gqa" (MHA/GQA/MQA through num_kv_heads) or "mla".
+  attention.num_heads = 8  # Query heads N (all variants).
+  attention.num_kv_heads = 8  # GQA: KV heads K; N = MHA, 1 = MQA (set by the sweep).
+  attention.head_dim = 4 if smoke else 16  # GQA: head width H (even).
+  attention.rope_theta = 10000.0  # RoPE base.
+  attention.window = config_dict.placeholder(int)  # Sliding window in tokens; None = full.
+  attention.soft_cap = config_dict.placeholder(float)  # GQA: logit soft cap; None = off.
+  # MLA sizes follow DeepSeek-V2's proportions (arXiv 2405.04434 §3.1.1: C = 4 H, R = H / 2),
+  # so the MLA cache is (C + R) / (2 N H) = 2.25 / N of MHA's.
+  attention.kv_lora_rank = 16 if smoke else 64  # MLA: latent width C.
+  attention.qk_rope_head_dim = 2 if smoke else 8  # MLA: decoupled RoPE key width R (even).
+  attention.qk_nope_head_dim = 4 if smoke else 16  # MLA: no-RoPE query/key head width.
+  attention.v_head_dim = 4 if smoke else 16  # MLA: value head width.
+  attention.q_lora_rank = config_dict.placeholder(int)  # MLA: query low rank; None = full rank.
+
+  # Kernels.
+  config.kernel = config_dict.ConfigDict()
+  config.kernel.decode_implementation = config_dict.placeholder(str)  # kvattn.ops decode
+  # backend for T = 1 steps: "xla", "pallas" or None (the best one for the device and shapes).
+
+  # KV cache built and measured at each point.
+  config.cache = config_dict.ConfigDict()
+  cache = config.cache
+  cache.dtype = config_dict.placeholder(str)  # Cache dtype; None = model.dtype.
+  cache.batch = 2 if smoke else 4  # Sequences B decoded together (and cached).
+  cache.seq_lens = (16, 32) if smoke else (256, 512, 1024)  # Capacities S measured (tokens).
+  cache.memory_fraction = 0.5  # A point may plan to use this fraction of the available RAM;
+  # a larger S fails validation before any training (experiments.runner.point_memory_bytes).
+
+  # Decode timing through kvattn.generate's compiled prefill + decode loop.
+  config.decode = config_dict.ConfigDict()
+  decode = config.decode
+  decode.new_tokens = 4 if smoke else 32  # Tokens generated per sequence (decode steps + 1); the
+  # prompt is S - new_tokens + 1 tokens of validation text, so the cache ends exactly full.
+  decode.warmup = 1  # Untimed runs first (the first one compiles).
+  decode.repeats = 2 if smoke else 3  # Timed runs; median, min and max are reported.
+  decode.seed = 0  # Picks the validation documents the prompts start from.
+
+  # Training per variant (kvattn.train schema), shared by all sequence lengths.
+  config.train = config_dict.ConfigDict()
+  train = config.train
+  train.steps = 3 if smoke else 150  # Optimiser steps.
+  train.batch_size = 4 if smoke else 8  # Rows of data.seq_len tokens per step.
+  train.learning_rate = 3e-3  # Peak learning rate.
+  train.warmup_steps = 1 if smoke else 15  # Linear warmup steps (< steps).
+  train.end_learning_rate_ratio = 0.1  # Cosine decays to learning_rate * this.
+  train.weight_decay = 0.1  # AdamW decoupled weight decay.
+  train.b1 = 0.9  # Adam first moment.
+  train.b2 = 0.95  # Adam second moment.
+  train.grad_clip_norm = 1.0  # Global gradient-norm clip.
+  train.seed = 0  # Parameter init and data order (the same for every variant).
+  train.log_every = 50  # Log train metrics every N steps.
+  train.eval_every = 0  # Evaluate every N steps (0: only at the end).
+  train.eval_batches = 2 if smoke else 16  # Validation batches per evaluation (0: all).
+  train.checkpoint_every = 0 if smoke else 50  # Save every N steps (an interrupted training
+  # resumes from there); 0 = only at the end.
+  train.progress = True  # tqdm bar over training steps.
+
+  # Text (kvattn.data schema): the default corpus needs no download.
+  config.data = config_dict.ConfigDict()
+  data = config.data
+  data.path = config_dict.placeholder(str)  # None = CPython stdlib sources + pydoc topics.
+  data.max_bytes = (1 if smoke else 8) * 2**20  # Bytes of text read (deterministic subset).
+  data.include_tests = False  # Default corpus: also read the stdlib's test directories.
+  data.validation_fraction = 0.1 if smoke else 0.05  # Documents held out (by name hash).
+  data.seq_len = 32 if smoke else 128  # Tokens per training row.
+
+  # Experiment bookkeeping.
+  config.experiment = config_dict.ConfigDict()
+  experiment = config.experiment
+  experiment.kind = "variants"  # Family in experiments.runner.FAMILIES.
+  experiment.name = "kvattn: MHA vs GQA vs MQA vs MLA"  # Report title.
+  experiment.max_points = config_dict.placeholder(int)  # Measure at most this many new points
+  # in one invocation (None: all); a rerun continues.
+  experiment.train_dir = config_dict.placeholder(str)  # Where trained params are cached
+  # (None: WORKDIR/train); share one between runs to reuse trainings.
+  return config
+
+
+def get_sweep(arg=None):
+  """The variants compared: MHA (K = N), GQA (K = N/2, N/4), MQA (K = 1), MLA."""
+  n = get_config(arg).attention.num_heads
+  return [
+      {"attention.kind": "gqa", "attention.num_kv_heads": n},
+      {"attention.kind": "gqa", "attention.num_kv_heads": n // 2},
+      {"attention.kind": "gqa", "attention.num_kv_heads": n // 4},
+      {"attention.kind": "gqa", "attention.num_kv_heads": 1},
+      {"attention.kind": "mla"},
+  ]
