@@ -81,8 +81,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--calls", type=int, default=0,
                  help="Calls per timing (0: about 50 ms worth, at least 1).")
   p.add_argument("--tune", action="store_true",
-                 help="Also time the kernel over block_k x num_splits x num_warps on the "
-                      "preset's first shape (GPU) and report each configuration.")
+                 help="Also time the kernel over a grid of tunables on the preset's first "
+                      "dense and first MLA shape (GPU/TPU) and report each configuration.")
   p.add_argument("--out", default=None, help="Also write the markdown table to this file.")
   return p
 
@@ -334,26 +334,37 @@ def table(rows: list[dict]) -> str:
 
 
 def tune(shape: Shape, key) -> str:
-  """Times the compiled kernel over a small grid of tunables on one shape."""
+  """Times the compiled kernel over a small grid of tunables on one shape.
+
+  Dense shapes sweep block_k x num_splits x num_warps; MLA shapes (wide values,
+  many heads on one KV head) sweep block_k x block_g at 8 warps. One JSON line
+  per configuration (key "tune"), then a markdown table.
+  """
   args = _inputs(shape, key)
   kv_bytes = shape.kv_bytes(np.asarray(args[-1]))
   ceiling = max(ceilings(kv_bytes).values())
-  fn = pk.decode_attention if shape.kind == "dense" else functools.partial(
-      pk.mla_decode_attention, sm_scale=0.1)
+  if shape.kind == "dense":
+    fn = pk.decode_attention
+    grid = [dict(block_k=bk, num_splits=ns, num_warps=nw)
+            for bk, ns, nw in itertools.product((64, 128), (None, 16), (4, 8))]
+  else:
+    fn = functools.partial(pk.mla_decode_attention, sm_scale=0.1)
+    grid = [dict(block_k=bk, block_g=bg, num_warps=8)
+            for bk, bg in itertools.product((32, 64), (16, 32, 64))]
   lines = [f"Tuning {shape.name} (K/V {kv_bytes / 2**20:.0f} MiB, ceiling {ceiling:.0f} GB/s)",
-           "| block_k | num_splits | num_warps | ms | GB/s | of ceiling |",
-           "|---:|---:|---:|---:|---:|---:|"]
-  for block_k, splits, warps in itertools.product((64, 128, 256), (None, 4, 16), (4, 8)):
-    step = jax.jit(functools.partial(fn, block_k=block_k, num_splits=splits, num_warps=warps))
+           "| config | ms | GB/s | of ceiling |", "|---|---:|---:|---:|"]
+  for config in grid:
+    record = {"tune": shape.name, **config, "ceiling_gbps": ceiling}
     try:
-      seconds = _time(step, *args)
+      seconds = _time(jax.jit(functools.partial(fn, **config)), *args)
+      record.update(ms=seconds * 1e3, gbps=kv_bytes / seconds / 1e9,
+                    of_ceiling=kv_bytes / seconds / 1e9 / ceiling)
+      lines.append(f"| {config} | {record['ms']:.3f} | {record['gbps']:.0f} | "
+                   f"{record['of_ceiling']:.2f} |")
     except Exception as e:  # pylint: disable=broad-except
-      lines.append(f"| {block_k} | {splits} | {warps} | error: {type(e).__name__} | | |")
-      continue
-    gbps = kv_bytes / seconds / 1e9
-    lines.append(f"| {block_k} | {splits or 'auto'} | {warps} | {seconds * 1e3:.3f} | "
-                 f"{gbps:.0f} | {gbps / ceiling:.2f} |")
-    print(lines[-1], flush=True)
+      record["error"] = f"{type(e).__name__}: {e}"[:300]
+      lines.append(f"| {config} | error: {record['error'][:80]} | | |")
+    print(json.dumps(record), flush=True)
   return "\n".join(lines)
 
 
@@ -369,7 +380,11 @@ def main(argv=None):
     rows += run_shape(shape, jax.random.key(i))
   text = table(rows)
   if FLAGS.tune and jax.default_backend() != "cpu":
-    text += "\n\n" + tune(PRESETS[preset][0], jax.random.key(99))
+    first_dense = next(s for s in PRESETS[preset] if s.kind == "dense")
+    first_mla = next((s for s in PRESETS[preset] if s.kind == "mla"), None)
+    for shape in (first_dense, first_mla):
+      if shape is not None:
+        text += "\n\n" + tune(shape, jax.random.key(99))
   print(text)
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:

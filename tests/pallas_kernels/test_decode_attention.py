@@ -23,7 +23,10 @@ import pytest
 
 from pallas_kernels import decode_attention as da
 
-import kvattn.ops
+try:  # The XLA-path comparisons need kvattn (and so flax); a bare GPU image may lack it.
+  import kvattn.ops as kvattn_ops
+except ImportError:  # pragma: no cover - depends on the machine
+  kvattn_ops = None
 
 BLOCK = 16  # block_k used by the grids below; S = 4 blocks.
 S = 4 * BLOCK
@@ -131,13 +134,14 @@ class TestDecodeAttention:
                               num_splits=num_splits, return_lse=True)
       ref, ref_lse = da.decode_attention_reference(q, k, v, lengths, window=window,
                                                    return_lse=True)
-      xla = kvattn.ops.decode_attention(q, k, v, jnp.asarray(lengths), window=window,
-                                        implementation="xla")
       chex.assert_shape(out, (batch, num_heads, v_dim))
       assert out.dtype == q.dtype and lse.dtype == jnp.float32
       what = f"lengths={lengths.tolist()}"
       _close(out, ref, dtype, what)
-      _close(xla, ref, dtype, "xla path " + what)
+      if kvattn_ops is not None:
+        xla = kvattn_ops.decode_attention(q, k, v, jnp.asarray(lengths), window=window,
+                                          implementation="xla")
+        _close(xla, ref, dtype, "xla path " + what)
       _close_lse(lse, ref_lse, dtype)
       empty = lengths == 0
       np.testing.assert_array_equal(np.asarray(out, np.float32)[empty], 0.0)
@@ -239,12 +243,13 @@ class TestDecodeAttention:
       ref, ref_lse = da.mla_decode_attention_reference(
           q_latent, q_rope, c_kv, k_rope, lengths, sm_scale=0.125, window=window,
           return_lse=True)
-      xla = kvattn.ops.mla_decode_attention(q_latent, q_rope, c_kv, k_rope,
-                                            jnp.asarray(lengths), sm_scale=0.125,
-                                            window=window, implementation="xla")
       chex.assert_shape(out, (batch, num_heads, latent))
       _close(out, ref, dtype, f"lengths={lengths.tolist()}")
-      _close(xla, ref, dtype)
+      if kvattn_ops is not None:
+        xla = kvattn_ops.mla_decode_attention(q_latent, q_rope, c_kv, k_rope,
+                                              jnp.asarray(lengths), sm_scale=0.125,
+                                              window=window, implementation="xla")
+        _close(xla, ref, dtype)
       _close_lse(lse, ref_lse, dtype)
 
   def test_jitted_step_compiles_once(self):
