@@ -12,10 +12,12 @@ from kvattn.paged import OutOfPagesError, PageAllocator, PagedKVCache
 from kvattn import data, transformer
 from kvattn.transformer import Transformer
 from kvattn.generate import generate  # the function; helpers: `from kvattn.generate import ...`
+from kvattn.batching import ContinuousBatcher
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ContinuousBatcher",
     "GroupedQueryAttention",
     "KVCache",
     "LatentCache",

@@ -1,0 +1,354 @@
+"""Continuous batching over a paged KV cache (Orca-style iteration-level scheduling).
+
+Yu et al., "Orca" (OSDI 2022) schedule at the granularity of one decode
+iteration: a finished sequence leaves the batch and a waiting one joins
+before the next step, instead of the whole batch waiting for its longest
+member. PagedAttention (Kwon et al., SOSP 2023) makes that cheap in memory:
+a sequence holds only the pages it has filled, so freed pages go straight to
+the next request.
+
+`ContinuousBatcher` keeps everything the device sees at static shapes, so
+joining and leaving never recompile:
+
+  * `num_slots` fixed batch rows. Each layer's cache is one `PagedKVCache`
+    with `num_slots` block-table rows over a shared pool of `num_pages`
+    pages; an inactive slot has an empty row and length 0, feeds
+    `new_lengths = 0` (writes nothing) and its output is ignored.
+  * join (`add`): the host `PageAllocator` gives the prompt its pages, the
+    slot's block-table row is set, and one jitted prefill runs the prompt
+    (right-padded to the static `max_prompt_len`) for that slot alone: a
+    batch-1 view of the cache (the slot's row and length over the shared
+    pool) goes through the model and its pool writes land in the slot's pages.
+  * decode (`step`): before each step a sequence about to write into a new
+    page gets one more page (`PageAllocator.grow`, one jitted row update);
+    then one jitted step decodes every slot (`kvattn.ops.paged_decode_attention`).
+  * retire: on EOS or `max_new_tokens` the pages go back to the allocator and
+    the slot's row is cleared (jitted, slot index traced).
+
+The slot index is always a traced argument, so every jitted function compiles
+once (`traces` counts the traces; the tests assert one each).
+
+Greedy decoding gives each sequence exactly the tokens it gets alone
+(`kvattn.generate`), whatever joins or leaves around it; with sampling one
+key per step is shared by the batch, so samples depend on the schedule.
+
+Exhaustion: `add` raises `OutOfPagesError` (or `NoFreeSlotError`) before
+anything changes; check `can_add` first. If a running sequence cannot get its
+next page it is finished early with reason "out_of_pages" (its pages are
+freed; a scheduler may resubmit prompt + tokens later). Nothing cached for
+other sequences is touched in either case.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Hashable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvattn import _checks
+from kvattn import data as data_lib
+from kvattn import paged as paged_lib
+from kvattn.generate import Sampling, sample_logits
+
+FINISH_REASONS = ("eos", "length", "out_of_pages")
+
+
+class NoFreeSlotError(RuntimeError):
+  """Every slot is busy; retire a sequence (step until one finishes) first."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+  """A sequence that left the batch.
+
+  Attributes:
+    request_id: the id given to `add`.
+    tokens: `i32[n]` generated tokens (EOS included when it ended the sequence).
+    reason: "eos", "length" (`max_new_tokens` reached) or "out_of_pages".
+    slot: the slot it occupied.
+    joined_step, finished_step: values of `ContinuousBatcher.steps` when it
+      joined and left.
+  """
+
+  request_id: Hashable
+  tokens: np.ndarray
+  reason: str
+  slot: int
+  joined_step: int
+  finished_step: int
+
+
+@dataclasses.dataclass
+class _Live:
+  request_id: Hashable
+  tokens: list
+  max_new_tokens: int
+  cache_len: int  # tokens in the cache (host mirror of lengths[slot])
+  joined_step: int
+
+
+class ContinuousBatcher:
+  """Fixed-slot continuous batching of a `kvattn.Transformer` over paged caches.
+
+  Example:
+    batcher = ContinuousBatcher(model, num_slots=4, num_pages=64, page_size=16,
+                                max_len=256, max_prompt_len=64)
+    results = batcher.run([("a", prompt_a, 32), ("b", prompt_b, 8), ...])
+    results["a"].tokens  # what generate(model, prompt_a[None], ...) gives alone
+  """
+
+  def __init__(self, model: nnx.Module, *, num_slots: int, num_pages: int, page_size: int,
+               max_len: int, max_prompt_len: int, temperature: float = 0.0,
+               top_k: int | None = None, top_p: float | None = None,
+               eos_id: int | None = None, pad_id: int = data_lib.PAD_ID, dtype: Any = None,
+               seed: int | None = None, rng: Any = None):
+    """Builds the caches, the allocator and the jitted programs.
+
+    Args:
+      model: a `kvattn.Transformer` whose layers are MHA/GQA/MQA.
+      num_slots: batch rows B decoded together.
+      num_pages: pages P in each layer's pool.
+      page_size: tokens per page.
+      max_len: per-sequence capacity in tokens (prompt + generated - 1).
+      max_prompt_len: static prefill length; prompts are right-padded to it.
+      temperature, top_k, top_p: sampling (`kvattn.generate.Sampling`).
+      eos_id: token that ends a sequence, or None.
+      pad_id: token reported for inactive slots (never returned to callers).
+      dtype: cache dtype (default the model's compute dtype).
+      seed: shuffles the allocator's free list (None: ascending pages).
+      rng: jax key (`jax.random.key`) or int seed for sampling (None: 0).
+
+    Raises:
+      ValueError/TypeError: bad sizes, an MLA layer, `max_prompt_len > max_len`.
+    """
+    self.num_slots = _checks.positive_int("num_slots", num_slots)
+    self.page_size = _checks.positive_int("page_size", page_size)
+    self.max_len = _checks.positive_int("max_len", max_len)
+    self.max_prompt_len = _checks.positive_int("max_prompt_len", max_prompt_len)
+    if self.max_prompt_len > self.max_len:
+      raise ValueError(f"max_prompt_len must be <= max_len = {self.max_len}; got "
+                       f"{max_prompt_len}")
+    self.sampling = Sampling(float(temperature), top_k, top_p)
+    self.vocab_size = int(model.vocab_size)
+    if eos_id is not None and not 0 <= int(eos_id) < self.vocab_size:
+      raise ValueError(f"eos_id must lie in [0, {self.vocab_size}); got {eos_id}")
+    self.eos_id = None if eos_id is None else int(eos_id)
+    self.pad_id = int(pad_id)
+    attns = paged_lib._gqa_layers(model)
+    pps = paged_lib.pages_for(self.max_len, self.page_size)
+    self.allocator = paged_lib.PageAllocator(num_pages, self.page_size, pps, seed=seed)
+    dtype = getattr(model, "dtype", jnp.float32) if dtype is None else dtype
+    self.caches = tuple(
+        paged_lib.PagedKVCache.init(self.num_slots, num_pages=self.allocator.num_pages,
+                                    page_size=self.page_size, pages_per_seq=pps,
+                                    num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                                    dtype=dtype)
+        for a in attns)
+    self._graphdef, self._state = nnx.split(model)
+    if rng is None or (isinstance(rng, int) and not isinstance(rng, bool)):
+      rng = jax.random.key(0 if rng is None else rng)
+    self._rng = rng
+    self._slots: list[_Live | None] = [None] * self.num_slots
+    self._last = np.full((self.num_slots,), self.pad_id, np.int32)
+    self.steps = 0
+    self.traces: collections.Counter = collections.Counter()
+    self._build_programs()
+
+  # Jitted programs (each traced once: shapes are static, the slot is traced).
+  def _build_programs(self):
+    graphdef, sampling, pad_id, traces = self._graphdef, self.sampling, self.pad_id, self.traces
+
+    def join(state, caches, slot, row, prompt, prompt_len, rng):
+      traces["join"] += 1
+      model = nnx.merge(graphdef, state)
+      caches = tuple(c.assign_slot(slot, row, 0) for c in caches)
+      # A batch-1 view: the slot's row and length over the shared pools.
+      views = tuple(
+          paged_lib.PagedKVCache(
+              k_pages=c.k_pages, v_pages=c.v_pages,
+              block_tables=jax.lax.dynamic_index_in_dim(c.block_tables, slot, keepdims=True),
+              lengths=jax.lax.dynamic_index_in_dim(c.lengths, slot, keepdims=True))
+          for c in caches)
+      h, views = model.hidden(prompt[None], views, new_lengths=prompt_len[None])
+      caches = tuple(
+          c.replace(k_pages=v.k_pages, v_pages=v.v_pages,
+                    lengths=c.lengths.at[slot].set(v.lengths[0]))
+          for c, v in zip(caches, views))
+      rng, key = jax.random.split(rng)
+      last = jax.lax.dynamic_index_in_dim(h[0], prompt_len - 1, keepdims=True)  # [1, D]
+      first = sample_logits(model.logits_from_hidden(last), key, sampling)[0]
+      return caches, first, rng
+
+    def step(state, caches, tokens, active, rng):
+      traces["step"] += 1
+      model = nnx.merge(graphdef, state)
+      h, caches = model.hidden(tokens[:, None], caches, new_lengths=active.astype(jnp.int32))
+      rng, key = jax.random.split(rng)
+      nxt = sample_logits(model.logits_from_hidden(h[:, 0]), key, sampling)
+      return caches, jnp.where(active, nxt, pad_id), rng
+
+    def set_row(caches, slot, row):
+      traces["set_row"] += 1
+      return tuple(c.replace(block_tables=c.block_tables.at[slot].set(row)) for c in caches)
+
+    def release(caches, slot):
+      traces["release"] += 1
+      return tuple(c.release_slot(slot) for c in caches)
+
+    self._join = jax.jit(join, donate_argnums=(1,))
+    self._step = jax.jit(step, donate_argnums=(1,))
+    self._set_row = jax.jit(set_row, donate_argnums=(0,))
+    self._release = jax.jit(release, donate_argnums=(0,))
+
+  # Queries.
+  @property
+  def free_slots(self) -> list[int]:
+    return [i for i, s in enumerate(self._slots) if s is None]
+
+  @property
+  def active(self) -> dict[Hashable, int]:
+    """Live request ids -> slot."""
+    return {s.request_id: i for i, s in enumerate(self._slots) if s is not None}
+
+  def can_add(self, prompt_len: int) -> bool:
+    """True if a prompt of `prompt_len` tokens would be admitted now."""
+    return bool(self.free_slots) and self.allocator.can_allocate(int(prompt_len))
+
+  def stats(self) -> dict[str, Any]:
+    """Slot occupancy and the allocator's `PoolStats` as a dict."""
+    return {"steps": self.steps, "active_slots": self.num_slots - len(self.free_slots),
+            **dataclasses.asdict(self.allocator.stats())}
+
+  # Scheduling.
+  def add(self, request_id: Hashable, prompt: Sequence[int], max_new_tokens: int) -> int | Finished:
+    """Joins a sequence: allocates its prompt pages and prefills it into a free slot.
+
+    Args:
+      request_id: any hashable id not currently live.
+      prompt: token ids, `1 <= len <= max_prompt_len`, each in `[0, V)`.
+      max_new_tokens: tokens to generate (>= 1); `len(prompt) + max_new_tokens
+        - 1` must fit `max_len`.
+
+    Returns:
+      The slot it occupies; or, when it finished at once (first token EOS, or
+      `max_new_tokens == 1`), its `Finished` record (the slot is free again).
+
+    Raises:
+      ValueError/TypeError: a bad prompt, length or id (nothing changes).
+      NoFreeSlotError: every slot is busy (nothing changes).
+      OutOfPagesError: too few free pages for the prompt (nothing changes).
+    """
+    prompt = np.asarray(prompt)
+    if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+      raise TypeError(f"prompt must be a 1-D sequence of int token ids; got "
+                      f"{prompt.dtype}{list(prompt.shape)}")
+    n = int(prompt.shape[0])
+    if not 1 <= n <= self.max_prompt_len:
+      raise ValueError(f"prompt length must lie in [1, max_prompt_len] = [1, "
+                       f"{self.max_prompt_len}]; got {n}")
+    if prompt.min() < 0 or prompt.max() >= self.vocab_size:
+      raise ValueError(f"prompt must hold token ids in [0, {self.vocab_size}); got "
+                       f"{int(prompt.min())}..{int(prompt.max())}")
+    max_new_tokens = _checks.positive_int("max_new_tokens", max_new_tokens)
+    if n + max_new_tokens - 1 > self.max_len:
+      raise ValueError(f"max_new_tokens = {max_new_tokens} would overflow the cache: {n} + "
+                       f"{max_new_tokens} - 1 > max_len = {self.max_len}")
+    if request_id in self.active:
+      raise ValueError(f"request_id must not be live already; got {request_id!r}")
+    free = self.free_slots
+    if not free:
+      raise NoFreeSlotError(f"no free slot for {request_id!r}: all {self.num_slots} are busy")
+    slot = free[0]
+    self.allocator.allocate(request_id, n)  # raises OutOfPagesError before any change
+    row = self.allocator.block_table_row(request_id)
+    padded = np.zeros((self.max_prompt_len,), np.int32)
+    padded[:n] = prompt
+    self.caches, first, self._rng = self._join(self._state, self.caches, np.int32(slot), row,
+                                               padded, np.int32(n), self._rng)
+    first = int(first)
+    self._slots[slot] = _Live(request_id, [first], max_new_tokens, n, self.steps)
+    self._last[slot] = first
+    reason = self._reason(self._slots[slot], first)
+    return self._finish(slot, reason) if reason else slot
+
+  def step(self) -> list[Finished]:
+    """One decode iteration for every live slot; returns the sequences that left."""
+    finished = []
+    for slot, live in enumerate(self._slots):
+      if live is None:
+        continue
+      try:  # the token fed this step lands in slot live.cache_len
+        added = self.allocator.grow(live.request_id, live.cache_len + 1)
+      except paged_lib.OutOfPagesError:
+        finished.append(self._finish(slot, "out_of_pages"))
+        continue
+      if added:
+        self.caches = self._set_row(self.caches, np.int32(slot),
+                                    self.allocator.block_table_row(live.request_id))
+    active = np.array([s is not None for s in self._slots])
+    if not active.any():
+      return finished
+    self.caches, nxt, self._rng = self._step(self._state, self.caches, self._last, active,
+                                             self._rng)
+    nxt = np.asarray(nxt)
+    self.steps += 1
+    for slot, live in enumerate(self._slots):
+      if live is None:
+        continue
+      token = int(nxt[slot])
+      live.cache_len += 1
+      live.tokens.append(token)
+      self._last[slot] = token
+      reason = self._reason(live, token)
+      if reason:
+        finished.append(self._finish(slot, reason))
+    return finished
+
+  def run(self, requests: Iterable[tuple[Hashable, Sequence[int], int]]
+          ) -> dict[Hashable, Finished]:
+    """Serves `requests` (id, prompt, max_new_tokens) first-come first-served.
+
+    Before every step, waiting requests join while a slot and their prompt
+    pages are free (in order: a request that does not fit blocks those
+    behind it). Returns every request's `Finished` record.
+
+    Raises:
+      OutOfPagesError: a prompt needs more pages than the whole pool has.
+    """
+    queue = collections.deque(requests)
+    done: dict[Hashable, Finished] = {}
+    while queue or self.active:
+      while queue and self.can_add(len(queue[0][1])):
+        rid, prompt, max_new = queue.popleft()
+        result = self.add(rid, prompt, max_new)
+        if isinstance(result, Finished):
+          done[rid] = result
+      if queue and not self.active:
+        rid, prompt, _ = queue[0]
+        raise paged_lib.OutOfPagesError(rid, self.allocator.pages_needed(len(prompt)),
+                                        self.allocator.num_free)
+      for f in self.step():
+        done[f.request_id] = f
+    return done
+
+  # Helpers.
+  def _reason(self, live: _Live, token: int) -> str | None:
+    if self.eos_id is not None and token == self.eos_id:
+      return "eos"
+    if len(live.tokens) >= live.max_new_tokens:
+      return "length"
+    return None
+
+  def _finish(self, slot: int, reason: str) -> Finished:
+    live = self._slots[slot]
+    self.allocator.free(live.request_id)
+    self.caches = self._release(self.caches, np.int32(slot))
+    self._slots[slot] = None
+    self._last[slot] = self.pad_id
+    return Finished(live.request_id, np.asarray(live.tokens, np.int32), reason, slot,
+                    live.joined_step, self.steps)
