@@ -16,9 +16,10 @@ timed step writes one token at slot S - 1 and attends all S slots.
 
 The step is one `jax.jit` program (projections, cache write, attention, output
 projection) with the cache donated, so XLA writes the token in place. After
-`--warmup` untimed calls (the first compiles) the step runs `--repeats` times,
-each timed around `block_until_ready`; lengths are reset to S - 1 between calls
-(a scalar replace, no cache copy). Prints one JSON line per (S, variant):
+`--warmup` untimed calls (the first compiles) each step runs `--repeats` times,
+the three variants round-robin so that load drifts hit them alike, each call
+timed around `block_until_ready`; lengths are reset to S - 1 between calls (a
+scalar replace, no cache copy). Prints one JSON line per (S, variant):
 
   ms_median, ms_min, ms_max   wall time of one decode step, milliseconds
   cache_bytes                 measured bytes of the cache's storage arrays
@@ -28,7 +29,7 @@ each timed around `block_until_ready`; lengths are reset to S - 1 between calls
                               expanded), 2 N H (MHA)
 
 then one JSON line per S with the ratios measured in that run
-(`naive_over_absorbed`, `mha_over_absorbed`), the analytic cache ratio
+(`naive_over_absorbed`, `mha_over_absorbed` of medians; `*_min` of minima), the analytic cache ratio
 `(C + R) / (2 N H)` and the largest |y_naive - y_absorbed| of the timed step
 (both paths must compute the same function), and finally a markdown table.
 The first line records the settings, the backends each dispatch point tries
@@ -117,39 +118,55 @@ def read_elems_per_token(variant: str) -> int:
   return 2 * n * (FLAGS.mha_head_dim or FLAGS.qk_nope_head_dim)
 
 
-def time_variant(variant: str, seq_len: int, x, dtype) -> tuple[dict, np.ndarray]:
-  layer = build(variant, dtype)
-  graphdef, state = nnx.split(layer)
+class Timed:
+  """One variant's jitted, cache-donating decode step and its cache at one S."""
 
-  def step(state, x, cache):
-    return nnx.merge(graphdef, state)(x, cache=cache)
+  def __init__(self, variant: str, seq_len: int, dtype):
+    layer = build(variant, dtype)
+    graphdef, self.state = nnx.split(layer)
 
-  step = jax.jit(step, donate_argnums=2)
-  cache = filled_cache(layer, seq_len, dtype)
-  cache_bytes = sum(a.nbytes for a in cache.storage_arrays())
-  bytes_per_token = memory.measured_bytes_per_token(cache)
-  start_lengths = np.asarray(cache.lengths)  # host copy: the device one is donated
-  times = []
-  for i in range(FLAGS.warmup + FLAGS.repeats):
-    jax.block_until_ready(cache)
+    def step(state, x, cache):
+      return nnx.merge(graphdef, state)(x, cache=cache)
+
+    self.step = jax.jit(step, donate_argnums=2)
+    self.cache = filled_cache(layer, seq_len, dtype)
+    self.start_lengths = np.asarray(self.cache.lengths)  # host copy: the device one is donated
+    self.row = {
+        "variant": variant, "S": seq_len, "batch": FLAGS.batch,
+        "cache_bytes": sum(a.nbytes for a in self.cache.storage_arrays()),
+        "cache_bytes_per_token": memory.measured_bytes_per_token(self.cache),
+        "read_elems_per_token": read_elems_per_token(variant),
+    }
+    self.times = []
+    self.y = None
+
+  def __call__(self, x, record: bool) -> None:
+    jax.block_until_ready(self.cache)
     t0 = time.perf_counter()
-    y, cache = step(state, x, cache)
-    jax.block_until_ready((y, cache))
+    self.y, self.cache = self.step(self.state, x, self.cache)
+    jax.block_until_ready((self.y, self.cache))
     elapsed = time.perf_counter() - t0
-    if i >= FLAGS.warmup:
-      times.append(elapsed)
-    cache = cache.replace(lengths=jnp.asarray(start_lengths))  # same step again, no overflow
-  del cache
-  row = {
-      "variant": variant, "S": seq_len, "batch": FLAGS.batch,
-      "ms_median": 1000.0 * statistics.median(times),
-      "ms_min": 1000.0 * min(times), "ms_max": 1000.0 * max(times),
-      "repeats": FLAGS.repeats,
-      "cache_bytes": cache_bytes,
-      "cache_bytes_per_token": bytes_per_token,
-      "read_elems_per_token": read_elems_per_token(variant),
-  }
-  return row, np.asarray(y, np.float32)
+    if record:
+      self.times.append(elapsed)
+    # The same step again next time (never an overflow); a scalar replace, no cache copy.
+    self.cache = self.cache.replace(lengths=jnp.asarray(self.start_lengths))
+
+  def result(self) -> dict:
+    return dict(self.row, ms_median=1000.0 * statistics.median(self.times),
+                ms_min=1000.0 * min(self.times), ms_max=1000.0 * max(self.times),
+                repeats=len(self.times))
+
+
+def time_variants(seq_len: int, x, dtype) -> tuple[dict, dict]:
+  """Times the variants round-robin (one call of each per repeat), so drifts in
+  machine load hit all of them alike."""
+  timed = {variant: Timed(variant, seq_len, dtype) for variant in VARIANTS}
+  for i in range(FLAGS.warmup + FLAGS.repeats):
+    for t in timed.values():
+      t(x, record=i >= FLAGS.warmup)
+  rows = {v: t.result() for v, t in timed.items()}
+  outputs = {v: np.asarray(t.y, np.float32) for v, t in timed.items()}
+  return rows, outputs
 
 
 def settings(dtype) -> dict:
@@ -179,15 +196,16 @@ def run() -> list[dict]:
   print(json.dumps({"settings": cfg, "environment": env}))
   summary = []
   for seq_len in seq_lens:
-    rows, outputs = {}, {}
-    for variant in VARIANTS:
-      rows[variant], outputs[variant] = time_variant(variant, seq_len, x, dtype)
-      print(json.dumps(rows[variant]), flush=True)
-    absorbed = rows["mla_absorbed"]["ms_median"]
+    rows, outputs = time_variants(seq_len, x, dtype)
+    for row in rows.values():
+      print(json.dumps(row), flush=True)
+    absorbed = rows["mla_absorbed"]
     ratio = {
         "S": seq_len,
-        "naive_over_absorbed": rows["mla_naive"]["ms_median"] / absorbed,
-        "mha_over_absorbed": rows["mha"]["ms_median"] / absorbed,
+        "naive_over_absorbed": rows["mla_naive"]["ms_median"] / absorbed["ms_median"],
+        "mha_over_absorbed": rows["mha"]["ms_median"] / absorbed["ms_median"],
+        "naive_over_absorbed_min": rows["mla_naive"]["ms_min"] / absorbed["ms_min"],
+        "mha_over_absorbed_min": rows["mha"]["ms_min"] / absorbed["ms_min"],
         "cache_ratio_mla_over_mha": memory.mla_to_mha_cache_ratio(
             FLAGS.kv_lora_rank, FLAGS.qk_rope_head_dim, FLAGS.num_heads, cfg["mha_head_dim"]),
         "max_abs_diff_naive_vs_absorbed": float(
@@ -197,12 +215,15 @@ def run() -> list[dict]:
     print(json.dumps(ratio), flush=True)
     summary.append((rows, ratio))
   print()
+  print("Median (min) ms per decode step; ratios of medians (of mins).")
+  print()
   print("| S | absorbed ms | naive ms | MHA ms | naive/absorbed | MHA/absorbed |")
   print("|---:|---:|---:|---:|---:|---:|")
   for rows, ratio in summary:
-    print(f"| {ratio['S']} | {rows['mla_absorbed']['ms_median']:.2f} | "
-          f"{rows['mla_naive']['ms_median']:.2f} | {rows['mha']['ms_median']:.2f} | "
-          f"{ratio['naive_over_absorbed']:.2f} | {ratio['mha_over_absorbed']:.2f} |")
+    cells = [f"{rows[v]['ms_median']:.2f} ({rows[v]['ms_min']:.2f})" for v in VARIANTS]
+    print(f"| {ratio['S']} | " + " | ".join(cells) + " | "
+          f"{ratio['naive_over_absorbed']:.1f} ({ratio['naive_over_absorbed_min']:.1f}) | "
+          f"{ratio['mha_over_absorbed']:.2f} ({ratio['mha_over_absorbed_min']:.2f}) |")
   return [r for _, r in summary]
 
 
