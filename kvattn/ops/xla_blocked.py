@@ -19,9 +19,8 @@ before the weighted sum.
 Registered as implementation `"xla_blocked"` of `decode_attention` and
 `mla_decode_attention`, tried before `"xla"`. With `implementation=None` it
 declines (NotImplementedError) off CPU, for non-f32 caches (XLA:CPU's bf16/f16
-dots are slow enough that blocking does not help), for short caches, where
-the plain path is as fast, and for MLA (compute-bound on a CPU; measured no
-faster). Named explicitly it runs anywhere.
+dots are slow enough that blocking does not help) and for short caches, where
+the plain path is as fast. Named explicitly it runs anywhere.
 """
 
 from __future__ import annotations
@@ -35,17 +34,19 @@ from kvattn.ops import dispatch
 
 # Below this many slots the plain path's few fused ops beat the loop overhead.
 MIN_CAPACITY = 2048
-# Slots per block times B * K. Measured on a 2-core CPU (experiments/
-# bench_decode.py): with B * K = 32 blocks of 64-256 slots were best, with
-# B * K = 8 256-512 and with B * K = 1 the largest tried (2048): enough work
-# per loop iteration to hide its overhead, a block small enough for L2.
-_BLOCK_ELEMS = 4096
+# Bytes of one f32 K/V block (B * K * block_k * (H + Hv) * 4). Measured on a
+# 2-core CPU (experiments/bench_decode.py): 1-4 MiB blocks were fastest for
+# B * K = 32 (64-128 slots), B * K = 8 (256-512), B * K = 1 (2048) and MLA
+# with B = 4, C + R = 576 (128): enough work per loop iteration to hide its
+# overhead, little enough to stay in cache between the two dots.
+_BLOCK_BYTES = 2 << 20
 _M_INIT = -0.7 * float(np.finfo(np.float32).max)
 
 
-def _block_size(capacity: int, rows: int) -> int | None:
-  """Largest power of two <= 4096 / rows (in [64, 2048]) dividing S, or None."""
-  bk = min(2048, max(64, 1 << (max(1, _BLOCK_ELEMS // rows).bit_length() - 1)))
+def _block_size(capacity: int, rows: int, width: int) -> int | None:
+  """Slots per block: a power of two near 2 MiB / (rows * width * 4), dividing S."""
+  target = max(1, _BLOCK_BYTES // (rows * width * 4))
+  bk = min(2048, max(64, 1 << (target.bit_length() - 1)))
   while bk >= 16:
     if capacity % bk == 0:
       return bk
@@ -56,17 +57,24 @@ def _block_size(capacity: int, rows: int) -> int | None:
 def blocked_decode(
     q1: jax.Array,        # [B, K, G, H1] f32, already scaled by sm_scale
     q2: jax.Array | None,  # [B, K, G, H2] f32 (scaled) or None
-    k1: jax.Array,        # [B, K, S, H1]
-    k2: jax.Array | None,  # [B, K, S, H2] or None
-    v: jax.Array | None,  # [B, K, S, Hv] or None: the value is k1
+    k1: jax.Array,        # [B, K, S, H1], or [B, S, H1] meaning K = 1
+    k2: jax.Array | None,  # like k1 with width H2, or None
+    v: jax.Array | None,  # like k1 with width Hv, or None: the value is k1
     lengths: jax.Array,   # i32[B]
     *,
     window: int | None,
     soft_cap: float | None,
     block_k: int,
 ) -> jax.Array:
-  """Returns f32 `[B, K, G, Hv]`: attention over slots `[max(0, L - W), L)`."""
-  batch, num_kv, capacity, _ = k1.shape
+  """Returns f32 `[B, K, G, Hv]`: attention over slots `[max(0, L - W), L)`.
+
+  Three-axis caches (MLA's `[B, S, C]`) are sliced as they are and given
+  their unit K axis per block: reshaping the whole cache outside the loop
+  made XLA:CPU copy it into the loop state on every call.
+  """
+  slot_axis = k1.ndim - 2
+  batch, capacity = k1.shape[0], k1.shape[slot_axis]
+  num_kv = k1.shape[1] if k1.ndim == 4 else 1
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
   starts = jnp.zeros_like(lengths) if window is None else jnp.maximum(lengths - window, 0)
   first = jnp.min(starts) // block_k
@@ -74,14 +82,17 @@ def blocked_decode(
   values = k1 if v is None else v
   groups, hv = q1.shape[2], values.shape[-1]
 
+  def block(x, offset):  # [B, K, bk, X] f32
+    x = lax.dynamic_slice_in_dim(x, offset, block_k, axis=slot_axis).astype(jnp.float32)
+    return x if x.ndim == 4 else x[:, None]
+
   def body(i, carry):
     m, l, acc = carry
     offset = i * block_k
-    kb = lax.dynamic_slice_in_dim(k1, offset, block_k, axis=2).astype(jnp.float32)
+    kb = block(k1, offset)
     s = jnp.einsum("BKGH,BKSH->BKGS", q1, kb)
     if k2 is not None:
-      kb2 = lax.dynamic_slice_in_dim(k2, offset, block_k, axis=2).astype(jnp.float32)
-      s = s + jnp.einsum("BKGR,BKSR->BKGS", q2, kb2)
+      s = s + jnp.einsum("BKGR,BKSR->BKGS", q2, block(k2, offset))
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
     slots = offset + jnp.arange(block_k, dtype=jnp.int32)
@@ -90,8 +101,7 @@ def blocked_decode(
     m_next = jnp.maximum(m, jnp.max(s, axis=-1))
     alpha = jnp.exp(m - m_next)
     p = jnp.exp(s - m_next[..., None])
-    vb = kb if v is None else lax.dynamic_slice_in_dim(v, offset, block_k, axis=2).astype(
-        jnp.float32)
+    vb = kb if v is None else block(v, offset)
     vb = jnp.where(valid[:, None, :, None], vb, 0.0)
     acc = alpha[..., None] * acc + jnp.einsum("BKGS,BKSV->BKGV", p, vb)
     return m_next, alpha * l + jnp.sum(p, axis=-1), acc
@@ -131,7 +141,8 @@ def decode_attention_blocked(
   tuned for XLA:CPU. Returns `[B, N, Hv]` in q's dtype.
   """
   batch, num_kv, capacity, head_dim = k.shape
-  block_k = block_k or _block_size(capacity, batch * num_kv) or capacity
+  width = head_dim + v.shape[-1]
+  block_k = block_k or _block_size(capacity, batch * num_kv, width) or capacity
   scale = head_dim ** -0.5 if sm_scale is None else sm_scale
   qg = q.astype(jnp.float32).reshape(batch, num_kv, -1, head_dim) * scale
   out = blocked_decode(qg, None, k, None, v, lengths, window=window, soft_cap=soft_cap,
@@ -154,12 +165,12 @@ def mla_decode_attention_blocked(
 
   The two key parts are read in place (no concatenation). Returns `[B, N, C]`.
   """
-  batch, capacity, _ = c_kv.shape
-  block_k = block_k or _block_size(capacity, batch) or capacity
+  batch, capacity, latent = c_kv.shape
+  block_k = block_k or _block_size(capacity, batch, latent + k_rope.shape[-1]) or capacity
   f32 = jnp.float32
   out = blocked_decode((q_latent.astype(f32) * sm_scale)[:, None],
-                       (q_rope.astype(f32) * sm_scale)[:, None], c_kv[:, None],
-                       k_rope[:, None], None, lengths, window=window, soft_cap=None,
+                       (q_rope.astype(f32) * sm_scale)[:, None], c_kv, k_rope, None,
+                       lengths, window=window, soft_cap=None,
                        block_k=block_k)
   return out[:, 0].astype(q_latent.dtype)
 
@@ -172,9 +183,7 @@ def _decode(q, k, v, lengths, *, explicit, **options):
 
 def _mla_decode(q_latent, q_rope, c_kv, k_rope, lengths, *, explicit, **options):
   if not explicit:
-    # Absorbed MLA does N (2C + R) flops per cached token: on a CPU it is
-    # compute-bound and blocking measured no faster (docs/benchmarks.md).
-    raise NotImplementedError("xla_blocked: not picked automatically for MLA")
+    _fits(c_kv.dtype, c_kv.shape[1])
   return mla_decode_attention_blocked(q_latent, q_rope, c_kv, k_rope, lengths, **options)
 
 
