@@ -29,9 +29,11 @@ scalar replace, no cache copy). Prints one JSON line per (S, variant):
                               expanded), 2 N H (MHA)
 
 then one JSON line per S with the ratios measured in that run
-(`naive_over_absorbed`, `mha_over_absorbed` of medians; `*_min` of minima), the analytic cache ratio
-`(C + R) / (2 N H)` and the largest |y_naive - y_absorbed| of the timed step
-(both paths must compute the same function), and finally a markdown table.
+(`naive_over_absorbed`, `mha_over_absorbed` of medians; `*_min` of minima),
+the analytic cache ratio `(C + R) / (2 N H)` next to the measured one (the
+script exits if they differ) and the largest |y_naive - y_absorbed| of the
+timed step (both paths must compute the same function), and finally a
+markdown table.
 The first line records the settings, the backends each dispatch point tries
 in order when no implementation is named, and the machine.
 """
@@ -208,11 +210,15 @@ def run() -> list[dict]:
         "mha_over_absorbed_min": rows["mha"]["ms_min"] / absorbed["ms_min"],
         "cache_ratio_mla_over_mha": memory.mla_to_mha_cache_ratio(
             FLAGS.kv_lora_rank, FLAGS.qk_rope_head_dim, FLAGS.num_heads, cfg["mha_head_dim"]),
+        "cache_ratio_measured": (rows["mla_absorbed"]["cache_bytes_per_token"]
+                                 / rows["mha"]["cache_bytes_per_token"]),
         "max_abs_diff_naive_vs_absorbed": float(
             np.abs(outputs["mla_naive"] - outputs["mla_absorbed"]).max()),
         "load_avg_1min": os.getloadavg()[0],
     }
     print(json.dumps(ratio), flush=True)
+    if abs(ratio["cache_ratio_measured"] - ratio["cache_ratio_mla_over_mha"]) > 1e-12:
+      raise SystemExit("measured MLA/MHA cache bytes differ from kvattn.memory's ratio")
     summary.append((rows, ratio))
   print()
   print("Median (min) ms per decode step; ratios of medians (of mins).")
