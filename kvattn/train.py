@@ -167,12 +167,30 @@ def _train_step(graphdef, tx, params, rest, opt_state, batch):
   loss, grads = jax.value_and_grad(_loss)(params, graphdef, rest, batch)
   updates, opt_state = tx.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
-  return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+  return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
 
 def _eval_step(graphdef, params, rest, batch):
   nll, mask, is_byte = token_losses(nnx.merge(graphdef, params, rest), batch)
   return jnp.sum(nll), jnp.sum(mask), jnp.sum(is_byte)
+
+
+# Jitted steps shared by every Trainer of the same model structure and optimiser settings, so
+# a second Trainer (a resumed run, a sweep point repeating a variant) reuses the executables.
+_STEP_CACHE: dict[Any, tuple[Any, Any]] = {}
+
+
+def _compiled_steps(graphdef, config: dict[str, Any], tx):
+  opt_keys = ("steps", "learning_rate", "warmup_steps", "end_learning_rate_ratio",
+              "weight_decay", "b1", "b2", "grad_clip_norm")
+  key = (graphdef, tuple(config[k] for k in opt_keys))
+  if key not in _STEP_CACHE:
+    if len(_STEP_CACHE) > 32:
+      _STEP_CACHE.clear()
+    _STEP_CACHE[key] = (
+        jax.jit(functools.partial(_train_step, graphdef, tx), donate_argnums=(0, 2)),
+        jax.jit(functools.partial(_eval_step, graphdef)))
+  return _STEP_CACHE[key]
 
 
 class Trainer:
@@ -192,9 +210,7 @@ class Trainer:
     self.schedule = optax.warmup_cosine_decay_schedule(
         0.0, self.config["learning_rate"], self.config["warmup_steps"], self.config["steps"],
         self.config["learning_rate"] * self.config["end_learning_rate_ratio"])
-    self._train = jax.jit(functools.partial(_train_step, self.graphdef, self.tx),
-                          donate_argnums=(0, 2))
-    self._eval = jax.jit(functools.partial(_eval_step, self.graphdef))
+    self._train, self._eval = _compiled_steps(self.graphdef, self.config, self.tx)
 
   @property
   def model(self) -> transformer_lib.Transformer:
