@@ -290,6 +290,8 @@ def test_bf16_large_inputs_stay_finite(path, q_lora_rank):
     assert bool(jnp.isfinite(pre[b, :n]).all())
   assert bool(jnp.isfinite(dec).all())
   assert bool(jnp.isfinite(cache.k_rope).all())
+  if path != "auto":
+    return
   # Unscaled bf16 stays close to f32: products accumulate in f32.
   x1 = inputs(2, 6, dtype=jnp.bfloat16)
   y16, _ = run(layer, x1)
