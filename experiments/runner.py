@@ -630,6 +630,10 @@ class VariantsFamily:
       results.atomic_write_text(metrics_path, json.dumps(
           {"metrics": metrics, "history": result.history, "config": cfg.to_dict()},
           indent=2, sort_keys=True, default=str) + "\n")
+    # Fresh uncommitted device arrays: a model restored by orbax (committed arrays) and one just
+    # trained (uncommitted) then hit the same compiled prefill/decode programs within a process.
+    graphdef, state = nnx.split(model)
+    model = nnx.merge(graphdef, jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), state))
     self._trained = (point.group, model, metrics)
     return model, metrics
 
@@ -692,8 +696,8 @@ class VariantsFamily:
     if int(np.asarray(out_lengths).min()) != new_tokens:
       raise RuntimeError(f"{point.label}: decode stopped early: {np.asarray(out_lengths).tolist()}")
     steps = new_tokens - 1
-    tokens_per_s = [batch * steps / t for t in decode_times]
     ms_per_step = [1000.0 * t / steps for t in decode_times]
+    decode_s = statistics.median(decode_times)
     sample = data_lib.decode(np.asarray(tokens)[0])
     return {
         "cache_bytes_per_token_analytic": int(analytic),
@@ -707,7 +711,11 @@ class VariantsFamily:
         "prefill_tokens_per_s": batch * prompt_len / statistics.median(prefill_times),
         **_stats("decode_s", decode_times),
         **_stats("decode_ms_per_step", ms_per_step),
-        **_stats("decode_tokens_per_s", tokens_per_s),
+        # B * steps / decode time: the median run's rate, and the rates of the slowest and the
+        # fastest runs (with an even number of repeats the median time is a mean of two).
+        "decode_tokens_per_s": batch * steps / decode_s,
+        "decode_tokens_per_s_min": batch * steps / max(decode_times),
+        "decode_tokens_per_s_max": batch * steps / min(decode_times),
         "sample": sample[:200],
         "train_steps": int(train_metrics["steps"]),
         "train_loss": float(train_metrics["train_loss"]),
