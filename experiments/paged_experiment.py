@@ -413,8 +413,10 @@ def _waste_markdown(figures: Mapping[str, Any]) -> str:
   lines += ["", f"Paper: {PAPER['source']} — contiguous per-request caches waste "
             f"{_pct(lo)}-{_pct(hi)} of KV memory; paging keeps it under "
             f"{_pct(PAPER['paged_waste_max'])}. Here waste = 1 - bytes used / bytes reserved, "
-            "both read from the cache arrays; paged waste is the unused tail of each sequence's "
-            "last page (< one page per sequence), so it grows with the page size."]
+            "both read from the cache arrays. Paged waste is the unused tail of each sequence's "
+            "last page, about (page_size - 1) / 2 tokens per sequence, so it grows with the page "
+            "size and shrinks with the mean length (the paper's traces average a few hundred "
+            "tokens per request)."]
   return "\n".join(lines)
 
 

@@ -15,14 +15,17 @@ sequence b sits at slot `lengths[b] - 1` and attends
 order, on what unused slots of a sequence's last page hold, or on what free
 pages hold (DESIGN.md, invariant 2).
 
-Backends of the `"paged_decode_attention"` op:
+Backends of the `"paged_decode_attention"` op, in the order None tries them:
+  * `"pallas"` — `pallas_kernels.paged_decode_attention`: reads only the pages
+    a sequence uses, GQA-grouped, split over pages. Picked on GPU/TPU; on CPU
+    it runs only when named (`implementation="pallas"`), in interpret mode.
+  * `"xla_pool"` — scans the page pool in place (each page scored against its
+    owner's query, softmax as segmented reductions over the pool): work
+    follows the pool size P. Picked when the pool is smaller than the gathered
+    view (P < B * pages_per_seq), i.e. whenever the pool is sized to demand.
   * `"xla"` — gathers each sequence's pages into a dense `[B, K, S, H]` view
     (S = pages_per_seq * page_size) and runs `decode_attention_xla`. Reads
     every page of the block table whatever the length; always available.
-  * `"pallas"` — `pallas_kernels.paged_decode_attention`: reads only the pages
-    a sequence uses, GQA-grouped, split over pages. Picked first on GPU/TPU;
-    on CPU it runs only when named (`implementation="pallas"`), in interpret
-    mode, and `implementation=None` falls through to `"xla"`.
 """
 
 from __future__ import annotations
@@ -133,9 +136,95 @@ def paged_decode_attention_xla(
                                          window=window, soft_cap=soft_cap)
 
 
+def paged_decode_attention_pool_xla(
+    q: jax.Array,  # [B, N, H]
+    k_pages: jax.Array,  # [K, P, page_size, H]
+    v_pages: jax.Array,  # [K, P, page_size, Hv]
+    block_tables: jax.Array,  # i32[B, pages_per_seq]
+    lengths: jax.Array,  # i32[B]
+    *,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [B, N, Hv]
+  """The XLA pool-scan path: attention computed page by page over the pool.
+
+  Instead of gathering every sequence's pages into a dense `[B, K, S, H]`
+  copy, this path reads the pool in place: the block tables are inverted
+  into `owner[p]` (the sequence using physical page p, or none) and
+  `logical[p]` (its index in that sequence), each page's keys are scored
+  against its owner's query, and the softmax over a sequence's pages is a
+  segmented reduction over the pool (`jax.ops.segment_max`/`segment_sum`:
+  max, sum of exp, probability-weighted values). Each pool page is read once,
+  so the work follows the pool size P, not B * pages_per_seq: a pool sized to
+  the pages in use (what paging is for) costs about the tokens held, not the
+  capacity of every slot.
+
+  Requires what `PageAllocator` guarantees: no physical page is used by two
+  sequences (logical pages `[0, ceil(lengths[b] / page_size))`). Slots outside
+  `[max(0, L - window), L)`, unassigned entries and free pages never reach the
+  output (masked logits replaced, masked values zeroed); length-0 rows are
+  zeros. Same semantics as `paged_decode_attention_xla`; `[B, N, Hv]` in q's
+  dtype, f32-accumulated.
+  """
+  batch, num_heads, head_dim = q.shape
+  num_kv, num_pages, page_size, _ = k_pages.shape
+  pages_per_seq = block_tables.shape[1]
+  groups = num_heads // num_kv
+  scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0, pages_per_seq * page_size)
+  starts = jnp.zeros_like(lengths) if window is None else jnp.maximum(lengths - window, 0)
+
+  # Invert the tables: page -> (owner, logical index). Entries a sequence does
+  # not use (past its length, unassigned) are scattered out of range (dropped).
+  j = jnp.arange(pages_per_seq, dtype=jnp.int32)[None, :]
+  used = (j < (lengths[:, None] + page_size - 1) // page_size) & (block_tables >= 0) & (
+      block_tables < num_pages)
+  target = jnp.where(used, block_tables, num_pages).reshape(-1)
+  rows = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], used.shape).reshape(-1)
+  owner = jnp.full((num_pages,), batch, jnp.int32).at[target].set(rows, mode="drop")  # B = none
+  logical = jnp.zeros((num_pages,), jnp.int32).at[target].set(
+      jnp.broadcast_to(j, used.shape).reshape(-1), mode="drop")
+  has_owner = owner < batch
+  safe_owner = jnp.where(has_owner, owner, 0)
+
+  slot = logical[:, None] * page_size + jnp.arange(page_size, dtype=jnp.int32)[None, :]  # [P, ps]
+  keep = has_owner[:, None] & (slot >= starts[safe_owner][:, None]) & (
+      slot < lengths[safe_owner][:, None])  # [P, ps]
+
+  qg = q.reshape(batch, num_kv, groups, head_dim)[safe_owner]  # [P, K, G, H]
+  # 'S' here runs over the page_size slots of each page.
+  logits = jnp.einsum("PKGH,KPSH->PKGS", qg.astype(k_pages.dtype), k_pages,
+                      preferred_element_type=jnp.float32) * scale
+  if soft_cap is not None:
+    logits = soft_cap * jnp.tanh(logits / soft_cap)
+  logits = jnp.where(keep[:, None, None, :], logits, -jnp.inf)
+  segment = jnp.where(has_owner, owner, batch)  # pages of no sequence go to a dropped segment
+  row_max = jax.ops.segment_max(jnp.max(logits, axis=-1), segment, num_segments=batch)  # [B,K,G]
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  probs = jnp.where(keep[:, None, None, :], jnp.exp(logits - row_max[safe_owner][..., None]), 0.0)
+  denom = jax.ops.segment_sum(jnp.sum(probs, axis=-1), segment, num_segments=batch)  # [B, K, G]
+  values = jnp.where(keep[None, :, :, None], v_pages,
+                     jnp.zeros((), v_pages.dtype))  # [K, P, ps, Hv], masked slots zeroed
+  weighted = jnp.einsum("PKGS,KPSV->PKGV", probs, values, preferred_element_type=jnp.float32)
+  out = jax.ops.segment_sum(weighted, segment, num_segments=batch)  # [B, K, G, Hv]
+  out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
+  return out.reshape(batch, num_heads, v_pages.shape[-1]).astype(q.dtype)
+
+
 def _xla_paged(q, k_pages, v_pages, block_tables, lengths, *, explicit, **options):
   del explicit
   return paged_decode_attention_xla(q, k_pages, v_pages, block_tables, lengths, **options)
+
+
+def _xla_pool(q, k_pages, v_pages, block_tables, lengths, *, explicit, **options):
+  """Picked (when not named) if the pool is smaller than the gathered view:
+  P < B * pages_per_seq, i.e. when scanning the pool reads less than gathering."""
+  if not explicit and k_pages.shape[1] >= block_tables.shape[0] * block_tables.shape[1]:
+    raise NotImplementedError(
+        f"xla_pool: the pool ({k_pages.shape[1]} pages) is not smaller than the gathered view "
+        f"({block_tables.shape[0]} x {block_tables.shape[1]} pages)")
+  return paged_decode_attention_pool_xla(q, k_pages, v_pages, block_tables, lengths, **options)
 
 
 def _pallas_paged(q, k_pages, v_pages, block_tables, lengths, *, explicit, sm_scale=None,
@@ -159,6 +248,7 @@ def _pallas_paged(q, k_pages, v_pages, block_tables, lengths, *, explicit, sm_sc
 
 
 _dispatch.register_implementation(OP, "xla", _xla_paged)
+_dispatch.register_implementation(OP, "xla_pool", _xla_pool, preferred=True)
 _dispatch.register_implementation(OP, "pallas", _pallas_paged, preferred=True)
 
 

@@ -242,13 +242,15 @@ def test_xla_paged_decode_equals_dense(lengths, window, num_heads, num_kv_heads)
     paged, dense = _paged_and_dense(seed, lengths, K=num_kv_heads)
     q = jax.random.normal(jax.random.key(50 + seed), (len(lengths), num_heads, 8))
     want = _dense_decode(q, dense.k, dense.v, dense.lengths, window=window)
-    got = _paged_decode(q, paged.k_pages, paged.v_pages, paged.block_tables, paged.lengths,
-                        window=window, implementation="xla")
-    assert not np.isnan(np.asarray(got)).any()
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
-    for b, n in enumerate(lengths):
-      if n == 0:
-        assert np.all(np.asarray(got)[b] == 0)  # length-0 rows are exact zeros
+    for impl in ("xla", "xla_pool"):  # gather through the tables; scan the pool in place
+      got = _paged_decode(q, paged.k_pages, paged.v_pages, paged.block_tables, paged.lengths,
+                          window=window, implementation=impl)
+      assert not np.isnan(np.asarray(got)).any(), impl
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6,
+                                 err_msg=impl)
+      for b, n in enumerate(lengths):
+        if n == 0:
+          assert np.all(np.asarray(got)[b] == 0)  # length-0 rows are exact zeros
 
 
 def test_decode_result_independent_of_page_order_and_garbage():
@@ -268,10 +270,31 @@ def test_xla_path_under_jit_with_overflowed_lengths_stays_in_bounds():
   paged, dense = _paged_and_dense(0, EDGES)
   q = jax.random.normal(jax.random.key(1), (6, 4, 8))
   over = jnp.array(EDGES[:-1] + [CAPACITY + 3], jnp.int32)  # past capacity after an overflow
-  got = _paged_decode(q, paged.k_pages, paged.v_pages, paged.block_tables, over,
-                      implementation="xla")
   want = _dense_decode(q, dense.k, dense.v, over)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+  for impl in ("xla", "xla_pool"):
+    got = _paged_decode(q, paged.k_pages, paged.v_pages, paged.block_tables, over,
+                        implementation=impl)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6,
+                               err_msg=impl)
+
+
+def test_pool_scan_is_picked_only_for_a_pool_smaller_than_the_gathered_view():
+  # Right-sized pool (only the pages in use, shuffled): None picks "xla_pool" on CPU.
+  lengths = np.array([9, 0, 20, 1], np.int32)
+  alloc = kvattn.PageAllocator(9, PAGE, 5, seed=4)
+  for b, n in enumerate(lengths):
+    alloc.allocate(b, int(n))
+  assert alloc.num_free == 0
+  k_pages = jnp.asarray(np.random.default_rng(0).standard_normal((2, 9, PAGE, 8)), jnp.float32)
+  tables = jnp.asarray(alloc.block_tables(range(4), 5))
+  q = jnp.asarray(np.random.default_rng(1).standard_normal((4, 4, 8)), jnp.float32)
+  args = (q, k_pages, -k_pages, tables, jnp.asarray(lengths))
+  gathered = _paged_decode(*args, implementation="xla")
+  picked = _paged_decode(*args)  # None: "pallas" declines on CPU, "xla_pool" takes it
+  np.testing.assert_allclose(np.asarray(picked), np.asarray(gathered), rtol=1e-6, atol=1e-6)
+  big = jnp.concatenate([k_pages, k_pages, k_pages], axis=1)  # 27 pages >= 4 x 5
+  with pytest.raises(NotImplementedError, match="xla_pool: the pool \\(27 pages\\) is not smaller"):
+    paged_ops._xla_pool(q, big, big, tables, jnp.asarray(lengths), explicit=False)
 
 
 def test_dispatch_validates_before_compute():
@@ -294,7 +317,7 @@ def test_dispatch_validates_before_compute():
     f(jnp.zeros((2, 4, 6)), kp, kp, bt, ln)
   with pytest.raises(ValueError, match="window must be a positive int; got 0"):
     f(q, kp, kp, bt, ln, window=0)
-  assert "xla" in ops.available_implementations("paged_decode_attention")
+  assert ops.available_implementations("paged_decode_attention") == ("pallas", "xla_pool", "xla")
 
 
 def test_check_block_tables():
@@ -333,7 +356,7 @@ def test_gqa_layer_through_paged_cache_equals_dense():
   def run(cache):
     y0, cache = layer(x[:, :8], cache=cache, new_lengths=prompt_lengths)  # prefill (T = 8)
     ys = []
-    for t in range(4):  # decode (T = 1): token prompt_lengths[b] + t of each stream
+    for t in range(2):  # decode (T = 1): token prompt_lengths[b] + t of each stream
       xt = jnp.take_along_axis(x, (prompt_lengths + t)[:, None, None], axis=1)
       yt, cache = layer(xt, cache=cache)
       ys.append(yt[:, 0])
