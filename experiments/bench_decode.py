@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib
 import itertools
 import json
 import statistics
@@ -58,7 +59,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels.decode_attention as pk
+# The module (the package attribute `pallas_kernels.decode_attention` is the function).
+pk = importlib.import_module("pallas_kernels.decode_attention")
 
 try:  # kvattn needs flax; a bare GPU image may only have JAX.
   import kvattn.ops as kvattn_ops

@@ -12,10 +12,14 @@ but slow (for tests and debugging).
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 
 from kvattn.ops import dispatch
-from pallas_kernels import decode_attention as _kernels
+
+# The module, not the package-level function of the same name.
+_kernels = importlib.import_module("pallas_kernels.decode_attention")
 
 _COMPILED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 

@@ -13,6 +13,7 @@ the full product is `@pytest.mark.slow`.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import chex
@@ -21,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import decode_attention as da
+# The module (the package attribute `pallas_kernels.decode_attention` is the function).
+da = importlib.import_module("pallas_kernels.decode_attention")
 
 try:  # The XLA-path comparisons need kvattn (and so flax); a bare GPU image may lack it.
   import kvattn.ops as kvattn_ops
@@ -54,7 +56,8 @@ def _inputs(batch, num_heads, num_kv, head_dim, v_dim, dtype, capacity=S, seed=0
 
 
 def _fill_unused(x, lengths, window, value, slot_axis=2):
-  """Writes `value` into every slot outside `[max(0, L - W), L)` of each row."""
+  """Copy of `x` with `value` in every slot outside `[max(0, L - W), L)` of each row."""
+  dtype = x.dtype
   x = np.array(x.astype(jnp.float32))
   for b, length in enumerate(np.asarray(lengths)):
     start = 0 if window is None else max(0, int(length) - window)
@@ -63,8 +66,8 @@ def _fill_unused(x, lengths, window, value, slot_axis=2):
     for sl in (slice(0, start), slice(min(int(length), x.shape[slot_axis]), None)):
       idx[slot_axis] = sl
       x[tuple(idx)] = value
-  with np.errstate(over="ignore"):  # 1e30 becomes inf in f16, as in a real cache
-    return np.asarray(x, np.float32)
+  with np.errstate(over="ignore"):  # 1e30 becomes inf in f16, as it would in a real cache
+    return jnp.asarray(x.astype(dtype))
 
 
 def _close(actual, expected, dtype, what=""):
@@ -181,8 +184,8 @@ class TestDecodeAttention:
     clean = self._kernel(q, k, v, lengths, window=window, schedule=schedule)
     assert np.isfinite(np.asarray(clean, np.float32)).all()
     for value in (np.nan, 1e30, -np.inf):
-      dirty_k = jnp.asarray(_fill_unused(k, lengths, window, value), dtype)
-      dirty_v = jnp.asarray(_fill_unused(v, lengths, window, value), dtype)
+      dirty_k = _fill_unused(k, lengths, window, value)
+      dirty_v = _fill_unused(v, lengths, window, value)
       out = self._kernel(q, dirty_k, dirty_v, lengths, window=window, schedule=schedule)
       # Same blocks, same valid values, garbage replaced: bitwise equal.
       np.testing.assert_array_equal(np.asarray(out, np.float32),
@@ -205,17 +208,16 @@ class TestDecodeAttention:
   def test_work_grows_with_the_real_length(self, schedule):
     # count_blocks reports how many key blocks each program actually ran its
     # body on; it must be the blocks overlapping [max(0, L - W), L), whatever S.
-    for capacity in (S, 4 * S):
+    for capacity, window in ((S, None), (4 * S, BLOCK + 3), (4 * S, None)):
       q, k, v = _inputs(4, 8, 2, 64, 64, jnp.float32, capacity=capacity)
-      for window in (None, BLOCK + 3):
-        lengths = np.array([0, 1, BLOCK + 1, S], np.int32)
+      for lengths in (np.array([0, 1, BLOCK + 1, S], np.int32),
+                      np.array([BLOCK - 1, BLOCK, 2 * BLOCK + 5, capacity], np.int32)):
         _, counts = self._kernel(q, k, v, lengths, window=window, schedule=schedule,
                                  num_splits=3, count_blocks=True)
-        starts = lengths if window is None else np.maximum(lengths - window, 0)
-        starts = np.zeros_like(lengths) if window is None else starts
+        starts = np.zeros_like(lengths) if window is None else np.maximum(lengths - window, 0)
         expected = -(-lengths // BLOCK) - starts // BLOCK
         np.testing.assert_array_equal(np.asarray(counts), np.repeat(expected[:, None], 2, 1),
-                                      err_msg=f"S={capacity} window={window}")
+                                      err_msg=f"S={capacity} window={window} L={lengths}")
 
   def test_lengths_past_capacity_are_clamped(self):
     q, k, v = _inputs(2, 8, 2, 64, 64, jnp.float32)
@@ -234,8 +236,8 @@ class TestDecodeAttention:
     c_kv = jnp.asarray(rng.randn(batch, S, latent), dtype)
     k_rope = jnp.asarray(rng.randn(batch, S, rope), dtype)
     for lengths in _lengths_sets(batch):
-      dirty_c = jnp.asarray(_fill_unused(c_kv, lengths, window, np.nan, 1), dtype)
-      dirty_r = jnp.asarray(_fill_unused(k_rope, lengths, window, 1e30, 1), dtype)
+      dirty_c = _fill_unused(c_kv, lengths, window, np.nan, 1)
+      dirty_r = _fill_unused(k_rope, lengths, window, 1e30, 1)
       out, lse = da.mla_decode_attention(
           q_latent, q_rope, dirty_c, dirty_r, lengths, sm_scale=0.125, window=window,
           interpret=self.INTERPRET, schedule=self._schedule(schedule), block_k=BLOCK,
