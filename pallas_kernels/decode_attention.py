@@ -296,8 +296,8 @@ def _platform() -> str:
   return jax.default_backend()
 
 
-def _default_schedule(interpret: bool) -> str:
-  del interpret
+def _default_schedule() -> str:
+  """"grid" on TPU, "loop" elsewhere (GPU, and the interpreter on CPU)."""
   return "grid" if _platform() == "tpu" else "loop"
 
 
@@ -316,21 +316,22 @@ def _pick_block_k(capacity: int, target: int, granule: int) -> int | None:
   return None
 
 
-def _tiles(schedule: str, num_groups: int, capacity: int, widths: tuple[int, ...],
+def _tiles(schedule: str, num_groups: int, capacity: int, read_width: int, value_width: int,
            dtype, block_k: int | None, block_g: int | None) -> tuple[int, int, int]:
   """Resolves (block_k, block_g, padded G) and checks them; ValueError if unfit.
 
+  `read_width` is the elements read per slot (H + Hv; MLA C + R), and
+  `value_width` the accumulator width (Hv; MLA C).
   "loop" (Triton): tiles are powers of two and every dot dimension >= 16.
   "grid" (Mosaic): the key block is a multiple of the sublane count (or all
   of S) and the G tile a multiple of it.
   """
-  h_total = sum(widths)
   if schedule == "loop":
     granule = 16
     if block_k is None:
       # Keep one K block plus one V block around 32 KiB of 16-bit data so a
       # 4-warp program has registers/shared memory to double-buffer them.
-      target = max(16, min(128, _next_pow2(16384 // h_total)))
+      target = max(16, min(128, _next_pow2(max(1, 16384 // read_width))))
       block_k = _pick_block_k(capacity, target, granule)
       if block_k is None:
         raise ValueError(
@@ -343,7 +344,7 @@ def _tiles(schedule: str, num_groups: int, capacity: int, widths: tuple[int, ...
     g_min = max(16, _next_pow2(num_groups))
     if block_g is None:
       # A [Gb, Hv] f32 accumulator of up to 8192 elements (32 KiB) per program.
-      block_g = min(g_min, max(16, 8192 // _next_pow2(max(widths[-1], 1))))
+      block_g = min(g_min, max(16, 8192 // _next_pow2(value_width)))
     elif block_g < 16 or block_g & (block_g - 1):
       raise ValueError(f"block_g must be a power of two >= 16 for the \"loop\" schedule; "
                        f"got {block_g}")
@@ -579,7 +580,7 @@ def _check_tunables(schedule, interpret, block_k, block_g, num_splits):
   _check_positive_int("block_k", block_k)
   _check_positive_int("block_g", block_g)
   _check_positive_int("num_splits", num_splits)
-  schedule = schedule or _default_schedule(interpret)
+  schedule = schedule or _default_schedule()
   if not interpret:
     platform = _platform()
     wanted = {"gpu": "loop", "cuda": "loop", "rocm": "loop", "tpu": "grid"}.get(platform)
@@ -606,10 +607,10 @@ def _decode_impl(q1, q2, k1, k2, v, lengths, *, sm_scale, window, interpret, blo
   batch, num_heads, h1 = q1.shape
   _, num_kv, capacity, _ = k1.shape
   groups = num_heads // num_kv
-  widths = (h1,) + ((q2.shape[-1],) if q2 is not None else ()) + (
-      (v.shape[-1],) if v is not None else ())
-  block_k, block_g, gp = _tiles(schedule, groups, capacity, widths, k1.dtype, block_k,
-                                block_g)
+  hv = h1 if v is None else v.shape[-1]
+  read_width = h1 + (0 if q2 is None else q2.shape[-1]) + (0 if v is None else hv)
+  block_k, block_g, gp = _tiles(schedule, groups, capacity, read_width, hv, k1.dtype,
+                                block_k, block_g)
   num_blocks = capacity // block_k
   if num_splits is None:
     num_splits = _default_splits(schedule, batch * num_kv * (gp // block_g), num_blocks)
@@ -720,8 +721,8 @@ def decode_attention(
   schedule = _check_tunables(schedule, interpret, block_k, block_g, num_splits)
   sm_scale = float(head_dim ** -0.5 if sm_scale is None else sm_scale)
   # Resolve tiles now so an unfit S or tunable raises here, before tracing.
-  _tiles(schedule, q.shape[1] // num_kv, capacity, (head_dim, v.shape[-1]), k.dtype,
-         block_k, block_g)
+  _tiles(schedule, q.shape[1] // num_kv, capacity, head_dim + v.shape[-1], v.shape[-1],
+         k.dtype, block_k, block_g)
   return _decode_impl(q, None, k, None, v, lengths, sm_scale=sm_scale, window=window,
                       interpret=interpret, block_k=block_k, block_g=block_g,
                       num_splits=num_splits, schedule=schedule, return_lse=return_lse,
@@ -794,8 +795,8 @@ def mla_decode_attention(
   _check_scale(sm_scale, required=True)
   _check_positive_int("window", window)
   schedule = _check_tunables(schedule, interpret, block_k, block_g, num_splits)
-  _tiles(schedule, q_latent.shape[1], capacity, (latent, k_rope.shape[-1]), c_kv.dtype,
-         block_k, block_g)
+  _tiles(schedule, q_latent.shape[1], capacity, latent + k_rope.shape[-1], latent,
+         c_kv.dtype, block_k, block_g)
   # [B, S, X] -> [B, 1, S, X] is a free reshape (no copy).
   return _decode_impl(q_latent, q_rope, c_kv[:, None], k_rope[:, None], None, lengths,
                       sm_scale=float(sm_scale), window=window, interpret=interpret,
