@@ -178,6 +178,18 @@ def attention(
   return out.reshape(batch, num_tokens, num_heads, v.shape[-1]).astype(q.dtype)
 
 
+def decode_mask(lengths: jax.Array, capacity: int, window) -> tuple[jax.Array, jax.Array]:
+  """(`bool[B, S]` attend mask, `bool[B, S]` valid-slot mask) of one decode query per sequence.
+
+  The query sits at slot `lengths[b] - 1` and attends `[max(0, lengths[b] - W), lengths[b])`:
+  `attention_mask` with T = 1 and `q_offsets = lengths - 1`, without the T axis.
+  """
+  slots = jnp.arange(capacity, dtype=jnp.int32)[None, :]  # [1, S]
+  valid = slots < lengths[:, None]  # [B, S]
+  mask = valid if window is None else valid & (slots >= lengths[:, None] - window)
+  return mask, valid
+
+
 def decode_attention_xla(
     q: jax.Array,  # [B, N, H]
     k: jax.Array,  # [B, K, S, H]
@@ -193,13 +205,31 @@ def decode_attention_xla(
   The XLA implementation behind `kvattn.ops.decode_attention`; sequence b
   attends slots `[max(0, lengths[b] - window), lengths[b])`. Length-0 rows
   return zeros. Returns `[B, N, Hv]` in q's dtype.
+
+  Same math as `attention` with T = 1 and `q_offsets = lengths - 1`, written
+  without the T axis: the einsums are then plain batched matrix products
+  (`BKGH,BKSH->BKGS`, `BKGS,BKSV->BKGV`) that XLA:CPU runs on the cache in
+  place. Through `attention`'s `BTKGV` output order, XLA chose a transposed
+  layout for the PV product and copied the whole V cache every decode step
+  when G > 1.
   """
   _checks.rank("q", q, 3, "[B, N, H]")
-  _checks.rank("k", k, 4, "[B, K, S, H]")
-  lengths = check_lengths("lengths", lengths, k.shape[0], k.shape[2])
-  out = attention(q[:, None], k, v, q_offsets=lengths - 1, kv_lengths=lengths,
-                  sm_scale=sm_scale, window=window, soft_cap=soft_cap)
-  return out[:, 0]
+  validate_args(q, k, v, 1, window, soft_cap, sm_scale)
+  batch, num_kv_heads, capacity, head_dim = k.shape
+  num_heads = q.shape[1]
+  groups = num_heads // num_kv_heads
+  lengths = check_lengths("lengths", lengths, batch, capacity)
+  if sm_scale is None:
+    sm_scale = head_dim ** -0.5
+  qg = q.reshape(batch, num_kv_heads, groups, head_dim)
+  logits = jnp.einsum("BKGH,BKSH->BKGS", qg, k, preferred_element_type=jnp.float32) * sm_scale
+  if soft_cap is not None:
+    logits = soft_cap * jnp.tanh(logits / soft_cap)
+  mask, valid = decode_mask(lengths, capacity, window)
+  probs, denom = masked_softmax(logits, mask[:, None, None])  # [B, K, G, S]
+  out = weighted_values("BKGS,BKSV->BKGV", probs, v, valid, slot_axis=2)
+  out = out / jnp.where(denom > 0, denom, 1.0)
+  return out.reshape(batch, num_heads, v.shape[-1]).astype(q.dtype)
 
 
 def validate_mla_args(q_latent, q_rope, c_kv, k_rope, num_q_axes: int, sm_scale):
@@ -284,11 +314,23 @@ def mla_decode_attention_xla(
     sm_scale: float,
     window: int | None = None,
 ) -> jax.Array:
-  """`mla_attention` for one new token per sequence at slot `lengths[b] - 1`."""
+  """`mla_attention` for one new token per sequence at slot `lengths[b] - 1`.
+
+  Written without the T axis (as `decode_attention_xla`), so the latent cache
+  is read in place by plain batched matrix products.
+  """
   _checks.rank("q_latent", q_latent, 3, "[B, N, C]")
   _checks.rank("q_rope", q_rope, 3, "[B, N, R]")
   _checks.rank("c_kv", c_kv, 3, "[B, S, C]")
-  lengths = check_lengths("lengths", lengths, c_kv.shape[0], c_kv.shape[1])
-  out = mla_attention(q_latent[:, None], q_rope[:, None], c_kv, k_rope, sm_scale=sm_scale,
-                      q_offsets=lengths - 1, kv_lengths=lengths, window=window)
-  return out[:, 0]
+  validate_mla_args(q_latent, q_rope, c_kv, k_rope, 1, sm_scale)
+  check_options(window, None, sm_scale)
+  batch, capacity, _ = c_kv.shape
+  lengths = check_lengths("lengths", lengths, batch, capacity)
+  logits = (jnp.einsum("BNC,BSC->BNS", q_latent, c_kv, preferred_element_type=jnp.float32)
+            + jnp.einsum("BNR,BSR->BNS", q_rope, k_rope, preferred_element_type=jnp.float32))
+  logits = logits * sm_scale
+  mask, valid = decode_mask(lengths, capacity, window)
+  probs, denom = masked_softmax(logits, mask[:, None])  # [B, N, S]
+  out = weighted_values("BNS,BSC->BNC", probs, c_kv, valid, slot_axis=1)
+  out = out / jnp.where(denom > 0, denom, 1.0)
+  return out.astype(q_latent.dtype)
