@@ -29,7 +29,7 @@ def get_config(arg=None):
   arg = arg or ""
   if arg != "smoke":
     config.cache.batch = 1  # Sequences B: one, so S can grow furthest.
-    config.decode.repeats = 2  # Timed runs (the long prefills dominate the time).
+    config.decode.repeats = 2  # Timed prefills (the long prefills dominate the time).
   config.cache.seq_lens = runner.fitting_seq_lens(config, _START[arg], _STOP[arg])  # S values:
   # powers of two from _START while a point fits in cache.memory_fraction of the available RAM.
   config.experiment.name = "kvattn: decode speed and cache size vs sequence length"  # Title.

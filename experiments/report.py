@@ -234,7 +234,8 @@ def _setup_lines(config: Mapping[str, Any] | None, records) -> list[str]:
         f"{config['data']['seq_len']} bytes (default corpus: CPython stdlib + pydoc topics), "
         f"shared across S. Decode: batch B = {c['batch']}, prompt of real validation text "
         f"filling the cache (S - {dec['new_tokens'] - 1}), {dec['new_tokens'] - 1} greedy "
-        f"decode steps, {dec['warmup']} warm-up + median of {dec['repeats']} runs.")
+        f"decode steps; {dec['warmup']} warm-up run, then medians of {dec['repeats']} timed "
+        f"prefills and {dec['repeats'] * dec['decode_repeats']} timed decode loops.")
   if records:
     env = records[0]["environment"]
     loads = [r["load_avg_1min"] for r in records]

@@ -39,8 +39,10 @@ each sequence length S in `cache.seq_lens`
       `CacheAccountingError` if they differ from the analytic figure
       (`kvattn.transformer.cache_bytes_per_token`);
   (c) times the compiled prefill and decode programs of `kvattn.generate`
-      (prompts of real validation text filling the cache, `decode.warmup`
-      untimed runs, then median / min / max of `decode.repeats` runs);
+      (prompts of real validation text filling the cache; `decode.warmup`
+      untimed runs, then `decode.repeats` timed prefills, each followed by
+      `decode.decode_repeats` timed decode loops from copies of its caches;
+      median / min / max of each);
   (d) records the environment (`experiments.results.environment`) and the
       full point config.
 """
@@ -382,7 +384,7 @@ def variants_schema() -> dict[str, tuple[str, ...]]:
                          if k != "decode_implementation"),
       "kernel": ("decode_implementation",),
       "cache": ("dtype", "batch", "seq_lens", "memory_fraction"),
-      "decode": ("new_tokens", "warmup", "repeats", "seed"),
+      "decode": ("new_tokens", "warmup", "repeats", "decode_repeats", "seed"),
       "train": tuple(train_lib.train_config().keys()),
       "data": tuple(data_lib.data_config().keys()),
       "experiment": ("kind", "name", "max_points", "train_dir"),
@@ -511,6 +513,7 @@ class VariantsFamily:
       raise ValueError(f"{where}: cache.memory_fraction must lie in (0, 1]; got {fraction!r}")
     _positive_int(f"{where}: decode.warmup", dec["warmup"], 0)
     _positive_int(f"{where}: decode.repeats", dec["repeats"], 1)
+    _positive_int(f"{where}: decode.decode_repeats", dec["decode_repeats"], 1)
     _positive_int(f"{where}: decode.seed", dec["seed"], 0)
     if d["data"]["seq_len"] is None:
       raise ValueError(f"{where}: data.seq_len must be a positive int; got None")
@@ -671,6 +674,7 @@ class VariantsFamily:
     analytic = transformer_lib.cache_bytes_per_token(spec, cache_dtype)
     sampling = Sampling()
     cache_record, prefill_times, decode_times = None, [], []
+    loops = d["decode"]["decode_repeats"]
     for i in range(warmup + repeats):
       caches = model.init_caches(batch, seq_len, cache_dtype)
       if cache_record is None:
@@ -679,20 +683,23 @@ class VariantsFamily:
       t0 = time.perf_counter()
       first, caches, key = prefill(model, prompts, lengths, caches, sampling=sampling)
       jax.block_until_ready((first, caches))
-      t1 = time.perf_counter()
-      tokens, out_lengths, caches = decode(model, first, caches, new_tokens, sampling=sampling,
-                                           rng=key)
-      jax.block_until_ready((tokens, out_lengths, caches))
-      t2 = time.perf_counter()
+      prefill_time = time.perf_counter() - t0
+      for j in range(loops):  # each loop decodes from its own copy of the prefilled caches
+        loop_caches = caches if j == loops - 1 else jax.tree.map(jnp.copy, caches)
+        jax.block_until_ready(loop_caches)
+        t1 = time.perf_counter()
+        tokens, out_lengths, loop_caches = decode(model, first, loop_caches, new_tokens,
+                                                  sampling=sampling, rng=key)
+        jax.block_until_ready((tokens, out_lengths, loop_caches))
+        if i >= warmup:
+          decode_times.append(time.perf_counter() - t1)
       if i >= warmup:
-        prefill_times.append(t1 - t0)
-        decode_times.append(t2 - t1)
-      if i == warmup + repeats - 1:
-        filled = {int(x) for c in caches for x in np.asarray(c.lengths)}
-        if filled != {seq_len}:
-          raise RuntimeError(f"{point.label}: caches hold {sorted(filled)} tokens after decoding, "
-                             f"expected S = {seq_len}")
-      del caches
+        prefill_times.append(prefill_time)
+      filled = {int(x) for c in loop_caches for x in np.asarray(c.lengths)}
+      if filled != {seq_len}:
+        raise RuntimeError(f"{point.label}: caches hold {sorted(filled)} tokens after decoding, "
+                           f"expected S = {seq_len}")
+      del caches, loop_caches
     if int(np.asarray(out_lengths).min()) != new_tokens:
       raise RuntimeError(f"{point.label}: decode stopped early: {np.asarray(out_lengths).tolist()}")
     steps = new_tokens - 1
@@ -706,7 +713,7 @@ class VariantsFamily:
                                             for c in model.init_caches(1, 1, cache_dtype)],
         "params_bytes": int(memory.tree_bytes(nnx.state(model, nnx.Param))),
         "prompt_len": prompt_len, "new_tokens": new_tokens, "decode_steps": steps,
-        "warmup": warmup, "repeats": repeats,
+        "warmup": warmup, "repeats": repeats, "decode_repeats": loops,
         **_stats("prefill_s", prefill_times),
         "prefill_tokens_per_s": batch * prompt_len / statistics.median(prefill_times),
         **_stats("decode_s", decode_times),
