@@ -9,7 +9,9 @@ with `--kv_lora_rank`/`--qk_rope_head_dim`), full-length random prompts, and
 times the two compiled programs of `kvattn.generate` separately: the prefill
 call and the decode loop (one `lax.while_loop`, `new_tokens - 1` model steps;
 no EOS, so every step runs). After `--warmup` untimed runs (compilation), it
-repeats `--repeats` times and reports medians (and min/max) of wall time
+times `--prefill_repeats` prefill calls and `--repeats` decode loops (each on a
+copy of the same prefilled caches, so a slow prefill does not limit the
+number of decode samples) and reports medians (and min/max) of wall time
 measured around `block_until_ready`. Prints one JSON line:
 
   prefill_s, decode_s        median seconds
@@ -56,7 +58,9 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"],
                   "Compute, parameter and cache dtype.")
 flags.DEFINE_string("decode_implementation", None, "kvattn.ops decode backend (None: best).")
 flags.DEFINE_integer("warmup", 1, "Untimed runs (the first compiles).")
-flags.DEFINE_integer("repeats", 5, "Timed runs; medians are reported.")
+flags.DEFINE_integer("repeats", 10, "Timed decode loops (each on a copy of the prefilled caches).")
+flags.DEFINE_integer("prefill_repeats", 3, "Timed prefill calls.")
+flags.DEFINE_integer("max_len", None, "Cache capacity S (default prompt_len + new_tokens - 1).")
 flags.DEFINE_integer("seed", 0, "Weights and prompts.")
 
 
@@ -80,31 +84,46 @@ def run() -> dict:
   batch, prompt_len, new_tokens = FLAGS.batch, FLAGS.prompt_len, FLAGS.new_tokens
   if new_tokens < 2:
     raise app.UsageError(f"--new_tokens must be >= 2 (one decode step at least); got {new_tokens}")
-  max_len = prompt_len + new_tokens - 1
+  max_len = FLAGS.max_len or prompt_len + new_tokens - 1
+  if max_len < prompt_len + new_tokens - 1:
+    raise app.UsageError(f"--max_len must be >= prompt_len + new_tokens - 1; got {max_len}")
   rng = np.random.default_rng(FLAGS.seed)
   prompts = jnp.asarray(rng.integers(0, 256, (batch, prompt_len)), jnp.int32)
   lengths = jnp.full((batch,), prompt_len, jnp.int32)
   sampling = Sampling()
 
-  prefill_times, decode_times = [], []
-  cache_bytes = None
-  for i in range(FLAGS.warmup + FLAGS.repeats):
+  def fresh_caches():
     caches = model.init_caches(batch, max_len, FLAGS.dtype)
-    if cache_bytes is None:
-      cache_bytes = sum(sum(a.nbytes for a in c.storage_arrays()) for c in caches)
     jax.block_until_ready(caches)
+    return caches
+
+  def timed_prefill():
+    caches = fresh_caches()
     t0 = time.perf_counter()
     first, caches, key = prefill(model, prompts, lengths, caches, sampling=sampling)
     jax.block_until_ready((first, caches))
-    t1 = time.perf_counter()
-    tokens, out_lengths, caches = decode(model, first, caches, new_tokens, sampling=sampling,
-                                         rng=key)
+    return time.perf_counter() - t0, first, caches, key
+
+  def timed_decode(first, caches, key):
+    caches = jax.tree.map(jnp.copy, caches)  # decode donates its caches: work on a copy
+    jax.block_until_ready(caches)
+    t0 = time.perf_counter()
+    tokens, out_lengths, _ = decode(model, first, caches, new_tokens, sampling=sampling, rng=key)
     jax.block_until_ready((tokens, out_lengths))
-    t2 = time.perf_counter()
-    if i >= FLAGS.warmup:
-      prefill_times.append(t1 - t0)
-      decode_times.append(t2 - t1)
-    del caches
+    return time.perf_counter() - t0, out_lengths
+
+  for _ in range(FLAGS.warmup):  # compiles both programs
+    _, first, prefilled, key = timed_prefill()
+    timed_decode(first, prefilled, key)
+  prefill_times = []
+  for _ in range(FLAGS.prefill_repeats):
+    seconds, first, prefilled, key = timed_prefill()
+    prefill_times.append(seconds)
+  decode_times = []
+  for _ in range(FLAGS.repeats):  # each decodes from a copy of the same prefilled caches
+    seconds, out_lengths = timed_decode(first, prefilled, key)
+    decode_times.append(seconds)
+  cache_bytes = sum(sum(a.nbytes for a in c.storage_arrays()) for c in prefilled)
   if int(np.asarray(out_lengths).min()) != new_tokens:
     raise RuntimeError(f"decode stopped early: lengths {np.asarray(out_lengths).tolist()}")
 
@@ -124,7 +143,8 @@ def run() -> dict:
       "prefill_tokens_per_s": batch * prompt_len / prefill_s,
       "prefill_s_min": min(prefill_times), "prefill_s_max": max(prefill_times),
       "decode_s_min": min(decode_times), "decode_s_max": max(decode_times),
-      "repeats": FLAGS.repeats,
+      "repeats": FLAGS.repeats, "prefill_repeats": FLAGS.prefill_repeats, "max_len": max_len,
+      "decode_implementation": FLAGS.decode_implementation,
       "cache_bytes": cache_bytes,
       "cache_bytes_per_token": transformer_lib.cache_bytes_per_token(cfg, FLAGS.dtype),
       "cache_bytes_analytic": batch * max_len * transformer_lib.cache_bytes_per_token(
