@@ -240,7 +240,8 @@ def _setup_lines(config: Mapping[str, Any] | None, records) -> list[str]:
     env = records[0]["environment"]
     loads = [r["load_avg_1min"] for r in records]
     lines.append(
-        f"Machine: {env['processor']}, {env['cpu_count']} CPUs, {env['backend']} "
+        f"Machine: {records[0].get('cpu_model') or env['processor']} ({env['processor']}), "
+        f"{env['cpu_count']} CPUs, {env['backend']} "
         f"({env['device_kind']}), JAX {env['jax_version']}, Python {env['python']}; 1-minute "
         f"load average during the points {min(loads):.1f}–{max(loads):.1f}.")
   return lines

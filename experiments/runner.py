@@ -3,7 +3,9 @@
     python -m experiments.main --config=configs/default.py --workdir=runs/default
 
 A run is one *experiment family*, chosen by `config.experiment.kind` and looked
-up in `FAMILIES` (`register_family` adds one). A family is three things:
+up in `FAMILIES` (`register_family` adds one; an unregistered kind K imports
+`experiments/K_experiment.py`, which registers itself). A family is three
+things:
 
   * `points(config, sweep) -> list[Point]`: expands the base config and the
     sweep (a list of dotted-key overrides, `get_sweep()` of the config file)
@@ -52,10 +54,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import importlib
 import importlib.util
 import json
 import math
 import os
+import platform
 import statistics
 import sys
 import time
@@ -119,6 +123,28 @@ FAMILIES: dict[str, FamilyFactory] = {}
 def register_family(kind: str, factory: FamilyFactory) -> None:
   """Makes `config.experiment.kind = kind` run the family `factory(workdir)`."""
   FAMILIES[kind] = factory
+
+
+def family_factory(kind: Any) -> FamilyFactory:
+  """The family registered for `kind`, importing `experiments.<kind>_experiment` if needed.
+
+  A family module registers itself on import (`register_family`), so a new
+  family plugs in by convention: `experiment.kind = "paged"` loads
+  `experiments/paged_experiment.py`.
+
+  Raises:
+    ValueError: no family of that kind is registered or importable.
+  """
+  if kind not in FAMILIES and isinstance(kind, str) and kind.isidentifier():
+    try:
+      importlib.import_module(f"experiments.{kind}_experiment")
+    except ModuleNotFoundError as e:
+      if e.name != f"experiments.{kind}_experiment":
+        raise
+  if kind not in FAMILIES:
+    raise ValueError(f"experiment.kind must be one of {sorted(FAMILIES)} (or name a module "
+                     f"experiments/<kind>_experiment.py that registers it); got {kind!r}")
+  return FAMILIES[kind]
 
 
 def to_dict(config: Any) -> dict[str, Any]:
@@ -241,8 +267,7 @@ def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *
   """
   d = to_dict(config)
   kind = d.get("experiment", {}).get("kind")
-  if kind not in FAMILIES:
-    raise ValueError(f"experiment.kind must be one of {sorted(FAMILIES)}; got {kind!r}")
+  factory = family_factory(kind)
   if max_points is None:
     max_points = d["experiment"].get("max_points")
   if max_points is not None and (isinstance(max_points, bool) or not isinstance(max_points, int)
@@ -250,7 +275,7 @@ def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *
     raise ValueError(f"experiment.max_points must be a non-negative int or None; got "
                      f"{max_points!r}")
   workdir = os.path.abspath(workdir)
-  family = FAMILIES[kind](workdir)
+  family = factory(workdir)
   points = family.points(d, list(sweep))  # validates everything before any work
   os.makedirs(workdir, exist_ok=True)
   results.atomic_write_text(os.path.join(workdir, "config.json"), json.dumps(
@@ -277,6 +302,7 @@ def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *
                 **record, "point_seconds": time.perf_counter() - start,
                 "load_avg_1min": os.getloadavg()[0], "measured_at": time.strftime(
                     "%Y-%m-%dT%H:%M:%S%z"), "environment": results.environment(),
+                "cpu_model": cpu_model(),
                 "config": point.config}
       store.append(record)
       results.write_csv(os.path.join(workdir, "results.csv"), store.records())
@@ -291,6 +317,18 @@ def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *
   markdown = family.report(records)
   return RunResult(os.path.join(workdir, "report.md"), markdown, records, measured,
                    len(records) == len(points))
+
+
+def cpu_model() -> str:
+  """The CPU's model name (Linux /proc/cpuinfo; else `platform.machine()`)."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.machine()
 
 
 def main(config: Any, workdir: str, config_file: str | None = None) -> RunResult:
