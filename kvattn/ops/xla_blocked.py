@@ -19,8 +19,9 @@ before the weighted sum.
 Registered as implementation `"xla_blocked"` of `decode_attention` and
 `mla_decode_attention`, tried before `"xla"`. With `implementation=None` it
 declines (NotImplementedError) off CPU, for non-f32 caches (XLA:CPU's bf16/f16
-dots are slow enough that blocking does not help) and for short caches, where
-the plain path is as fast. Named explicitly it runs anywhere.
+dots are slow enough that blocking does not help), for short caches and for
+fewer than 4 (sequence, KV head) rows, where the plain path was as fast or
+faster. Named explicitly it runs anywhere.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ from kvattn.ops import dispatch
 
 # Below this many slots the plain path's few fused ops beat the loop overhead.
 MIN_CAPACITY = 2048
+# Below this many (sequence, KV head) rows a block holds too little work per
+# loop iteration: with B * K = 1 (MQA, S = 32768) the plain path was 2x faster,
+# with B * K = 32 (GQA) and B = 4 (MLA) the blocked one 1.4-1.8x
+# (docs/benchmarks.md, "Decode kernel").
+MIN_ROWS = 4
 # Bytes of one f32 K/V block (B * K * block_k * (H + Hv) * 4). Measured on a
 # 2-core CPU (experiments/bench_decode.py): 1-4 MiB blocks were fastest for
 # B * K = 32 (64-128 slots), B * K = 8 (256-512), B * K = 1 (2048) and MLA
@@ -113,9 +119,11 @@ def blocked_decode(
   return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
 
-def _fits(dtype, capacity: int) -> None:
+def _fits(dtype, capacity: int, rows: int) -> None:
   if jax.default_backend() != "cpu":
     raise NotImplementedError("xla_blocked: tuned for XLA:CPU only")
+  if rows < MIN_ROWS:
+    raise NotImplementedError(f"xla_blocked: B * K = {rows} < {MIN_ROWS}")
   if dtype != jnp.float32:
     raise NotImplementedError(f"xla_blocked: f32 caches only; got {dtype}")
   if capacity < MIN_CAPACITY:
@@ -177,13 +185,13 @@ def mla_decode_attention_blocked(
 
 def _decode(q, k, v, lengths, *, explicit, **options):
   if not explicit:
-    _fits(k.dtype, k.shape[2])
+    _fits(k.dtype, k.shape[2], k.shape[0] * k.shape[1])
   return decode_attention_blocked(q, k, v, lengths, **options)
 
 
 def _mla_decode(q_latent, q_rope, c_kv, k_rope, lengths, *, explicit, **options):
   if not explicit:
-    _fits(c_kv.dtype, c_kv.shape[1])
+    _fits(c_kv.dtype, c_kv.shape[1], c_kv.shape[0])
   return mla_decode_attention_blocked(q_latent, q_rope, c_kv, k_rope, lengths, **options)
 
 

@@ -78,7 +78,10 @@ def test_dispatch_uses_it_for_long_f32_caches_only():
   np.testing.assert_allclose(
       auto, ops.decode_attention(q, k, v, lengths, window=1000, implementation="xla"),
       atol=1e-5, rtol=1e-5)
-  for dtype, capacity in ((jnp.bfloat16, 2048), (jnp.float32, 1024)):
+  for dtype, capacity, rows in ((jnp.bfloat16, 2048, 3), (jnp.float32, 1024, 3),
+                                (jnp.float32, 2048, 1)):
     with pytest.raises(NotImplementedError):
-      xla_blocked._decode(q, k[:, :, :capacity].astype(dtype), v[:, :, :capacity].astype(dtype),
-                          lengths, explicit=False)
+      xla_blocked._decode(q[:rows], k[:rows, :, :capacity].astype(dtype),
+                          v[:rows, :, :capacity].astype(dtype), lengths[:rows], explicit=False)
+  with pytest.raises(NotImplementedError, match="B \\* K = 2 < 4"):
+    xla_blocked._decode(q[:1], k[:1], v[:1], lengths[:1], explicit=False)
