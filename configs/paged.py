@@ -96,7 +96,7 @@ def get_config(arg=None):
   workload.median_len = 24 if smoke else 128  # Median final length (tokens).
   workload.sigma = 1.0 if smoke else 0.9  # Lognormal shape: std of log(length); larger = longer
   # tail.
-  workload.min_len = 4 if smoke else 16  # Shortest final length (tokens); >= decode.new_tokens
+  workload.min_len = 4 if smoke else 32  # Shortest final length (tokens); >= decode.new_tokens
   # (every prompt has at least one token).
   workload.budget_sequences = 64 if smoke else 256  # Length of the stream (same distribution)
   # drawn to count how many sequences the paged cache fits in the dense cache's memory.
@@ -105,9 +105,10 @@ def get_config(arg=None):
   # Decode timing through kvattn.generate's compiled prefill and decode programs.
   config.decode = config_dict.ConfigDict()
   decode = config.decode
-  decode.new_tokens = 4 if smoke else 16  # Tokens generated per sequence (decode steps + 1).
+  decode.new_tokens = 4 if smoke else 32  # Tokens generated per sequence (decode steps + 1).
   decode.warmup = 1  # Untimed runs first (the first one compiles).
-  decode.repeats = 1 if smoke else 5  # Timed runs; median, min and max are reported.
+  decode.repeats = 1 if smoke else 7  # Timed runs; median, min and max are reported (paged
+  # points also time the dense cache this many times, alternately).
 
   # Experiment bookkeeping.
   config.experiment = config_dict.ConfigDict()

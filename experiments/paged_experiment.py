@@ -259,38 +259,46 @@ class PagedFamily:
       record.update(pages=None, internal_waste_fraction=None, sequences_at_dense_budget=batch)
     del caches
 
-    # Decode timing: fresh caches each run (prefill and decode donate them).
-    sampling, prefill_times, decode_times = Sampling(), [], []
+    # Decode timing: fresh caches each run (prefill and decode donate them). A paged point
+    # also times the dense cache, alternating run by run, so its speed ratio is measured under
+    # the same machine load (other processes share the CPU).
+    builders = {"self": build}
+    if paged:
+      builders["dense"] = lambda: (model.init_caches(batch, max_len, cache_dtype), None)
+    times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in builders}
     for i in range(dec["warmup"] + dec["repeats"]):
-      caches, _ = build()
-      jax.block_until_ready(caches)
-      t0 = time.perf_counter()
-      first, caches, key = prefill(model, prompts, prompt_lengths, caches, sampling=sampling)
-      jax.block_until_ready((first, caches))
-      t1 = time.perf_counter()
-      tokens, out_lengths, caches = decode(model, first, caches, new_tokens, sampling=sampling,
-                                           rng=key)
-      jax.block_until_ready((tokens, out_lengths, caches))
-      t2 = time.perf_counter()
-      if i >= dec["warmup"]:
-        prefill_times.append(t1 - t0)
-        decode_times.append(t2 - t1)
-    filled = [np.asarray(c.lengths).tolist() for c in caches]
-    if any(f != final.tolist() for f in filled):
-      raise RuntimeError(f"{point.label}: caches hold {filled[0]} tokens after decoding, "
-                         f"expected {final.tolist()}")
+      for name in (list(builders) if i % 2 == 0 else list(builders)[::-1]):
+        caches, _ = builders[name]()
+        timing, filled = _timed_generate(model, caches, prompts, prompt_lengths, new_tokens)
+        if i >= dec["warmup"]:
+          times[name].append(timing)
+        if any(f != final.tolist() for f in filled):
+          raise RuntimeError(f"{point.label} ({name}): caches hold {filled[0]} tokens after "
+                             f"decoding, expected {final.tolist()}")
     steps = new_tokens - 1
-    tokens_per_s = [batch * steps / t for t in decode_times]
+    tokens_per_s = {name: [batch * steps / t[1] for t in ts] for name, ts in times.items()}
+    own = tokens_per_s["self"]
     record.update({
         "decode_backends": list(_backends(paged)),
         "decode_implementation": d["kernel"]["decode_implementation"],
         "new_tokens": new_tokens, "decode_steps": steps,
-        "prefill_s": statistics.median(prefill_times),
-        "decode_s": statistics.median(decode_times),
-        "decode_ms_per_step": 1000.0 * statistics.median(decode_times) / steps,
-        "decode_tokens_per_s": statistics.median(tokens_per_s),
-        "decode_tokens_per_s_min": min(tokens_per_s),
-        "decode_tokens_per_s_max": max(tokens_per_s),
+        "prefill_s": statistics.median(t[0] for t in times["self"]),
+        "decode_s": statistics.median(t[1] for t in times["self"]),
+        "decode_ms_per_step": 1000.0 * statistics.median(t[1] for t in times["self"]) / steps,
+        "decode_tokens_per_s": statistics.median(own),
+        "decode_tokens_per_s_min": min(own),
+        "decode_tokens_per_s_max": max(own),
+        "dense_decode_tokens_per_s_interleaved": (statistics.median(tokens_per_s["dense"])
+                                                  if paged else None),
+        # Median over the interleaved pairs of (paged / dense) tokens/s: each pair ran back to
+        # back under the same load, and the median drops the pairs a load spike hit.
+        "speed_vs_dense": (statistics.median(a / b for a, b in zip(own, tokens_per_s["dense"]))
+                           if paged else 1.0),
+        "speed_vs_dense_best": max(own) / max(tokens_per_s["dense"]) if paged else 1.0,
+        "decode_cpu_s": statistics.median(t[2] for t in times["self"]),
+        # Dense / paged CPU seconds of the decode loop, median over the same pairs.
+        "cpu_work_vs_dense": (statistics.median(
+            b[2] / a[2] for a, b in zip(times["self"], times["dense"])) if paged else 1.0),
     })
     return record
 
@@ -314,6 +322,28 @@ class PagedFamily:
 
   def report(self, records: Sequence[Mapping[str, Any]]) -> str:
     return write_report(self.workdir, records, title=self._title, config=self._config)
+
+
+def _timed_generate(model, caches, prompts, prompt_lengths, new_tokens
+                    ) -> tuple[tuple[float, float, float], list[list[int]]]:
+  """Times kvattn.generate's compiled prefill and decode on `caches` (donated).
+
+  Returns `((prefill_s, decode_s, decode_cpu_s), lengths per layer after
+  decoding)`: wall-clock seconds, and the CPU seconds this process (all its
+  threads) spent in the decode loop -- the work done, which other processes
+  sharing the machine do not inflate the way they inflate wall time.
+  """
+  sampling = Sampling()
+  jax.block_until_ready(caches)
+  t0 = time.perf_counter()
+  first, caches, key = prefill(model, prompts, prompt_lengths, caches, sampling=sampling)
+  jax.block_until_ready((first, caches))
+  t1, c1 = time.perf_counter(), time.process_time()
+  tokens, out_lengths, caches = decode(model, first, caches, new_tokens, sampling=sampling,
+                                       rng=key)
+  jax.block_until_ready((tokens, out_lengths, caches))
+  t2, c2 = time.perf_counter(), time.process_time()
+  return (t1 - t0, t2 - t1, c2 - c1), [np.asarray(c.lengths).tolist() for c in caches]
 
 
 def _backends(paged: bool) -> tuple[str, ...]:
@@ -361,15 +391,16 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
   dense = next((r for r in records if r["cache_kind"] == "dense"), None)
   rows = []
   for r in records:
-    speed = (f"{r['decode_tokens_per_s'] / dense['decode_tokens_per_s']:.2f}x" if dense else "n/a")
+    speed = f"{r['speed_vs_dense']:.2f}x"
     reserved = (f"{r['bytes_reserved'] / dense['bytes_reserved']:.3f}" if dense else "n/a")
     rows.append([
         r["cache_kind"], r["page_size"] or "-", _mib(r["bytes_reserved"]), _mib(r["bytes_used"]),
         _pct(r["waste_fraction"]), reserved, r["sequences_at_dense_budget"],
-        f"{r['decode_tokens_per_s']:.0f}", speed])
+        f"{r['decode_tokens_per_s']:.0f}", speed, f"{r['cpu_work_vs_dense']:.2f}x"])
   table = report_lib.markdown_table(
       ["cache", "page size", "reserved MiB", "used MiB", "waste", "reserved vs dense",
-       "sequences in dense memory", "decode tok/s", "speed vs dense"], rows)
+       "sequences in dense memory", "decode tok/s", "speed vs dense", "dense / paged CPU s"],
+      rows)
   figures = waste_figures(records)
   waste_md = _waste_markdown(figures)
   lines = [f"# {title}", ""]
@@ -381,9 +412,16 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
         f"tokens), cache.max_len = {r0['max_len']}; {r0['num_layers']} layers, K = "
         f"{r0['num_kv_heads']}, H = {r0['head_dim']}, {r0['bytes_per_token']} cache bytes per "
         f"token. Decode: {r0['decode_steps']} steps through kvattn.generate; backends tried in "
-        f"order: dense {_backends(False)}, paged {_backends(True)}. Ratios are against the dense "
-        f"point of this run. Machine: {r0['environment']['device_kind']} "
-        f"({r0['environment']['cpu_count']} CPUs), JAX {r0['environment']['jax_version']}.", ""]
+        f"order: dense {_backends(False)}, paged {_backends(True)}. Memory ratios are against the "
+        f"dense point of this run; `speed vs dense` is the median, over back-to-back pairs of runs, "
+        f"of paged / dense decode tokens/s (the dense cache is timed alternately with each paged "
+        f"point). `dense / paged CPU s`: CPU seconds of the decode loop (all threads), dense over "
+        f"paged, median over the same pairs -- the work ratio, which other processes on a shared "
+        f"machine inflate less than wall time. `decode tok/s` is the median of the point's own "
+        f"runs. Machine: {r0['environment']['device_kind']} "
+        f"({r0['environment']['cpu_count']} CPUs), JAX {r0['environment']['jax_version']}, "
+        f"1-minute load average {min(r.get('load_avg_1min', 0) for r in records):.1f}-"
+        f"{max(r.get('load_avg_1min', 0) for r in records):.1f} while measuring.", ""]
   lines += [table, "", waste_md, "",
             "`sequences in dense memory`: sequences of a longer stream from the same distribution "
             "that the cache admits in the dense cache's bytes (paged: until the allocator "

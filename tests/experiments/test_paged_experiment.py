@@ -72,6 +72,10 @@ def test_run_measures_waste_and_resumes(tmp_path):
   assert paged["waste_fraction"] < dense["waste_fraction"]
   assert paged["sequences_at_dense_budget"] > dense["sequences_at_dense_budget"] == batch
   assert paged["decode_tokens_per_s"] > 0 and dense["decode_tokens_per_s"] > 0
+  # The paged point timed the dense cache alternately with itself: its ratio is from those runs.
+  assert paged["speed_vs_dense"] == pytest.approx(  # one timed pair in the smoke run
+      paged["decode_tokens_per_s"] / paged["dense_decode_tokens_per_s_interleaved"])
+  assert dense["speed_vs_dense"] == 1.0
   waste = json.loads((tmp_path / "waste.json").read_text())
   assert waste["paper"]["contiguous_waste"] == [0.6, 0.8]
   assert waste["dense"]["waste_fraction"] == pytest.approx(dense["waste_fraction"])
