@@ -11,6 +11,20 @@ added to), the probabilities of masked keys are zeroed, and values in slots
 past a sequence's length are zeroed before the weighted sum, so a NaN or inf
 stored there never reaches the output (0 * NaN would). A query with nothing to
 attend to returns exact zeros.
+
+Quantized caches (int8 / fp8 values with f32 per-slot scales, `kvattn.ops.quant`)
+are read without a scaled copy: with `k[s] = k_q[s] * k_scale[s]` and
+`v[s] = v_q[s] * v_scale[s]`,
+
+  logit[s] = (q . k_q[s]) * k_scale[s] * sm_scale
+  out      = sum_s (p[s] * v_scale[s]) v_q[s] / sum_s p[s],
+
+so the scales multiply `[.., S]` logits and probabilities, never the
+`[.., S, H]` cache (scales of unused slots are zeroed first, so garbage there
+cannot leak either). The 1-byte values are converted to the dot's dtype as
+XLA sees fit: on CPU it materialises the converted operand (as it does for a
+bf16 cache read by f32 queries), which is why the dispatcher prefers the
+blocked path (`xla_blocked`) for quantized caches there.
 """
 
 from __future__ import annotations
@@ -19,17 +33,33 @@ import jax
 import jax.numpy as jnp
 
 from kvattn import _checks
+from kvattn.ops import quant
 
 
-def validate_args(q, k, v, num_q_axes: int, window, soft_cap, sm_scale):
-  """Checks dense-attention arguments; raises ValueError/TypeError naming them."""
+def _cache_dtype(name: str, x) -> None:
+  """A cache operand is floating or a quantized format (scales are checked separately)."""
+  if not (jnp.issubdtype(x.dtype, jnp.floating) or quant.is_quantized(x.dtype)):
+    raise TypeError(f"{name} must have a floating dtype or a quantized KV format "
+                    f"{quant.QUANT_NAMES}; got {x.dtype}")
+
+
+def validate_args(q, k, v, num_q_axes: int, window, soft_cap, sm_scale, k_scale=None,
+                  v_scale=None):
+  """Checks dense-attention arguments; raises ValueError/TypeError naming them.
+
+  A quantized `k`/`v` (int8, fp8) needs `k_scale`/`v_scale` `f32[B, K, S]`;
+  float caches must come without scales.
+  """
   q_doc = "[B, T, N, H]" if num_q_axes == 2 else "[B, N, H]"
   _checks.rank("q", q, 2 + num_q_axes, q_doc)
   _checks.rank("k", k, 4, "[B, K, S, H]")
   _checks.rank("v", v, 4, "[B, K, S, Hv]")
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    _checks.floating(name, x)
+  _checks.floating("q", q)
+  _cache_dtype("k", k)
+  _cache_dtype("v", v)
   _checks.same_dtype(("k", "v"), (k, v))
+  quant.check_scales(("k", "k_scale"), k, k_scale, k.shape[:3], "f32[B, K, S]")
+  quant.check_scales(("v", "v_scale"), v, v_scale, k.shape[:3], "f32[B, K, S]")
   batch, num_kv_heads, capacity, head_dim = k.shape
   num_heads = q.shape[-2]
   _checks.dim("q", q, 0, batch, "batch B, from k")
@@ -94,6 +124,30 @@ def zero_invalid(x: jax.Array, valid: jax.Array, slot_axis: int) -> jax.Array:
   return jnp.where(valid.reshape(shape), x, jnp.zeros((), x.dtype))
 
 
+def scale_logits(logits: jax.Array, scale: jax.Array | None) -> jax.Array:
+  """`logits * scale` broadcast over the query axes; `scale` is `f32[B, (K,) S]`.
+
+  `logits` is `[B, (K,) ..., S]`; `scale`'s axes are the leading batch (and
+  KV-head) axes and the trailing slot axis. None returns `logits` unchanged.
+  """
+  if scale is None:
+    return logits
+  middle = logits.ndim - scale.ndim
+  shape = scale.shape[:-1] + (1,) * middle + scale.shape[-1:]
+  return logits * scale.astype(jnp.float32).reshape(shape)
+
+
+def scale_probs(probs: jax.Array, scale: jax.Array | None, valid: jax.Array) -> jax.Array:
+  """`probs * scale` with the scales of invalid slots (`bool[B, S]`) zeroed first,
+  so `probs` stays exactly 0 there whatever the scale array holds."""
+  if scale is None:
+    return probs
+  shape = [1] * scale.ndim
+  shape[0], shape[-1] = valid.shape
+  scale = jnp.where(valid.reshape(shape), scale.astype(jnp.float32), 0.0)
+  return scale_logits(probs, scale)
+
+
 def weighted_values(spec: str, probs: jax.Array, values: jax.Array, valid: jax.Array,
                     slot_axis: int) -> jax.Array:
   """`einsum(spec, probs, values)` in f32, as if invalid slots of `values` were zero.
@@ -130,6 +184,8 @@ def attention(
     sm_scale: float | None = None,
     window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: jax.Array | None = None,  # f32[B, K, S]
+    v_scale: jax.Array | None = None,  # f32[B, K, S]
 ) -> jax.Array:
   """Attention of T new query tokens per sequence against S cache slots.
 
@@ -148,6 +204,9 @@ def attention(
     sm_scale: logit scale (default 1/sqrt(H)).
     window: sliding-window size W in tokens, or None for full attention.
     soft_cap: if set, logits become `soft_cap * tanh(logits / soft_cap)`.
+    k_scale, v_scale: `f32[B, K, S]` per-slot scales when k/v are int8/fp8
+      (a quantized `KVCache`); applied to logits and probabilities (module
+      doc), the cache is not dequantized.
 
   Returns:
     `[B, T, N, Hv]` in q's dtype; computed with f32 logits, softmax and
@@ -156,7 +215,7 @@ def attention(
   Raises:
     ValueError/TypeError: on ranks, shapes, dtypes or options that do not fit.
   """
-  validate_args(q, k, v, 2, window, soft_cap, sm_scale)
+  validate_args(q, k, v, 2, window, soft_cap, sm_scale, k_scale, v_scale)
   batch, num_kv_heads, capacity, head_dim = k.shape
   _, num_tokens, num_heads, _ = q.shape
   groups = num_heads // num_kv_heads
@@ -165,16 +224,21 @@ def attention(
   if sm_scale is None:
     sm_scale = head_dim ** -0.5
 
-  qg = q.reshape(batch, num_tokens, num_kv_heads, groups, head_dim)
-  logits = jnp.einsum("BTKGH,BKSH->BKGTS", qg, k,
-                      preferred_element_type=jnp.float32) * sm_scale
+  # Head-major query (a small transpose) so the big [B, K, G, T, S] logits/probs and the
+  # [B, K, G, T, V] output stay in the row-major layouts of plain batched products; with
+  # the output produced as BTKGV, XLA:CPU transposed the probabilities (and, for G > 1,
+  # the values) through memory, ~35% of a 512-token prefill on the 2-core CPU.
+  qg = jnp.moveaxis(q.reshape(batch, num_tokens, num_kv_heads, groups, head_dim), 1, 3)
+  logits = jnp.einsum("BKGTH,BKSH->BKGTS", qg, k, preferred_element_type=jnp.float32) * sm_scale
+  logits = scale_logits(logits, k_scale)
   if soft_cap is not None:
     logits = soft_cap * jnp.tanh(logits / soft_cap)
   mask, valid = attention_mask(q_offsets, kv_lengths, num_tokens, capacity, window)
   probs, denom = masked_softmax(logits, mask[:, None, None])  # [B, K, G, T, S]
-  out = weighted_values("BKGTS,BKSV->BTKGV", probs, v, valid, slot_axis=2)
-  denom = jnp.moveaxis(denom, 3, 1)  # [B, T, K, G, 1]
+  out = weighted_values("BKGTS,BKSV->BKGTV", scale_probs(probs, v_scale, valid), v, valid,
+                        slot_axis=2)
   out = out / jnp.where(denom > 0, denom, 1.0)
+  out = jnp.moveaxis(out, 3, 1)  # [B, T, K, G, V]
   return out.reshape(batch, num_tokens, num_heads, v.shape[-1]).astype(q.dtype)
 
 
@@ -199,6 +263,8 @@ def decode_attention_xla(
     sm_scale: float | None = None,
     window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: jax.Array | None = None,  # f32[B, K, S]
+    v_scale: jax.Array | None = None,  # f32[B, K, S]
 ) -> jax.Array:
   """One new token per sequence: the query sits at slot `lengths[b] - 1`.
 
@@ -212,9 +278,12 @@ def decode_attention_xla(
   place. Through `attention`'s `BTKGV` output order, XLA chose a transposed
   layout for the PV product and copied the whole V cache every decode step
   when G > 1.
+
+  A quantized cache (int8/fp8 k, v with `k_scale, v_scale: f32[B, K, S]`)
+  is read with the scales applied to logits and probabilities (module doc).
   """
   _checks.rank("q", q, 3, "[B, N, H]")
-  validate_args(q, k, v, 1, window, soft_cap, sm_scale)
+  validate_args(q, k, v, 1, window, soft_cap, sm_scale, k_scale, v_scale)
   batch, num_kv_heads, capacity, head_dim = k.shape
   num_heads = q.shape[1]
   groups = num_heads // num_kv_heads
@@ -223,26 +292,38 @@ def decode_attention_xla(
     sm_scale = head_dim ** -0.5
   qg = q.reshape(batch, num_kv_heads, groups, head_dim)
   logits = jnp.einsum("BKGH,BKSH->BKGS", qg, k, preferred_element_type=jnp.float32) * sm_scale
+  logits = scale_logits(logits, k_scale)
   if soft_cap is not None:
     logits = soft_cap * jnp.tanh(logits / soft_cap)
   mask, valid = decode_mask(lengths, capacity, window)
   probs, denom = masked_softmax(logits, mask[:, None, None])  # [B, K, G, S]
-  out = weighted_values("BKGS,BKSV->BKGV", probs, v, valid, slot_axis=2)
+  out = weighted_values("BKGS,BKSV->BKGV", scale_probs(probs, v_scale, valid), v, valid,
+                        slot_axis=2)
   out = out / jnp.where(denom > 0, denom, 1.0)
   return out.reshape(batch, num_heads, v.shape[-1]).astype(q.dtype)
 
 
-def validate_mla_args(q_latent, q_rope, c_kv, k_rope, num_q_axes: int, sm_scale):
-  """Checks absorbed-MLA attention arguments (see `mla_attention`)."""
+def validate_mla_args(q_latent, q_rope, c_kv, k_rope, num_q_axes: int, sm_scale,
+                      c_kv_scale=None, k_rope_scale=None):
+  """Checks absorbed-MLA attention arguments (see `mla_attention`).
+
+  A quantized latent cache (int8/fp8 `c_kv`, `k_rope`) needs `c_kv_scale` and
+  `k_rope_scale`, each `f32[B, S]`.
+  """
   q_doc = "[B, T, N, {}]" if num_q_axes == 2 else "[B, N, {}]"
   _checks.rank("q_latent", q_latent, 2 + num_q_axes, q_doc.format("C"))
   _checks.rank("q_rope", q_rope, 2 + num_q_axes, q_doc.format("R"))
   _checks.rank("c_kv", c_kv, 3, "[B, S, C]")
   _checks.rank("k_rope", k_rope, 3, "[B, S, R]")
-  for name, x in (("q_latent", q_latent), ("q_rope", q_rope), ("c_kv", c_kv), ("k_rope", k_rope)):
+  for name, x in (("q_latent", q_latent), ("q_rope", q_rope)):
     _checks.floating(name, x)
+  _cache_dtype("c_kv", c_kv)
+  _cache_dtype("k_rope", k_rope)
   _checks.same_dtype(("c_kv", "k_rope"), (c_kv, k_rope))
   batch, capacity, latent = c_kv.shape
+  quant.check_scales(("c_kv", "c_kv_scale"), c_kv, c_kv_scale, (batch, capacity), "f32[B, S]")
+  quant.check_scales(("k_rope", "k_rope_scale"), k_rope, k_rope_scale, (batch, capacity),
+                     "f32[B, S]")
   _checks.dim("k_rope", k_rope, 0, batch, "batch B, from c_kv")
   _checks.dim("k_rope", k_rope, 1, capacity, "slots S, from c_kv")
   _checks.dim("q_latent", q_latent, 0, batch, "batch B, from c_kv")
@@ -267,6 +348,8 @@ def mla_attention(
     q_offsets: jax.Array | None = None,  # i32[B]
     kv_lengths: jax.Array | None = None,  # i32[B]
     window: int | None = None,
+    c_kv_scale: jax.Array | None = None,  # f32[B, S]
+    k_rope_scale: jax.Array | None = None,  # f32[B, S]
 ) -> jax.Array:
   """Absorbed MLA attention against a latent cache (DeepSeek-V2, appendix C).
 
@@ -283,25 +366,30 @@ def mla_attention(
     sm_scale: required; DeepSeek-V2 uses `1/sqrt(qk_nope_head_dim +
       qk_rope_head_dim)`, never `1/sqrt(C + R)`.
     q_offsets, kv_lengths, window: as in `attention`.
+    c_kv_scale, k_rope_scale: `f32[B, S]` per-token scales of a quantized
+      (int8/fp8) latent cache, applied to the logits of each part and to the
+      probabilities (c_kv is also the value), as in `attention`.
 
   Returns:
     `[B, T, N, C]` in q_latent's dtype, f32-accumulated; empty rows are zeros.
   """
-  validate_mla_args(q_latent, q_rope, c_kv, k_rope, 2, sm_scale)
+  validate_mla_args(q_latent, q_rope, c_kv, k_rope, 2, sm_scale, c_kv_scale, k_rope_scale)
   check_options(window, None, sm_scale)
   batch, capacity, _ = c_kv.shape
   num_tokens = q_latent.shape[1]
   q_offsets = check_lengths("q_offsets", q_offsets, batch, 0)
   kv_lengths = check_lengths("kv_lengths", kv_lengths, batch, capacity)
-  logits = (jnp.einsum("BTNC,BSC->BNTS", q_latent, c_kv, preferred_element_type=jnp.float32)
-            + jnp.einsum("BTNR,BSR->BNTS", q_rope, k_rope, preferred_element_type=jnp.float32))
+  logits = (scale_logits(jnp.einsum("BTNC,BSC->BNTS", q_latent, c_kv,
+                                    preferred_element_type=jnp.float32), c_kv_scale)
+            + scale_logits(jnp.einsum("BTNR,BSR->BNTS", q_rope, k_rope,
+                                      preferred_element_type=jnp.float32), k_rope_scale))
   logits = logits * sm_scale
   mask, valid = attention_mask(q_offsets, kv_lengths, num_tokens, capacity, window)
   probs, denom = masked_softmax(logits, mask[:, None])  # [B, N, T, S]
-  out = weighted_values("BNTS,BSC->BTNC", probs, c_kv, valid, slot_axis=1)
-  denom = jnp.moveaxis(denom, 2, 1)  # [B, T, N, 1]
+  out = weighted_values("BNTS,BSC->BNTC", scale_probs(probs, c_kv_scale, valid), c_kv, valid,
+                        slot_axis=1)
   out = out / jnp.where(denom > 0, denom, 1.0)
-  return out.astype(q_latent.dtype)
+  return jnp.moveaxis(out, 1, 2).astype(q_latent.dtype)  # [B, T, N, C]
 
 
 def mla_decode_attention_xla(
@@ -313,24 +401,30 @@ def mla_decode_attention_xla(
     *,
     sm_scale: float,
     window: int | None = None,
+    c_kv_scale: jax.Array | None = None,  # f32[B, S]
+    k_rope_scale: jax.Array | None = None,  # f32[B, S]
 ) -> jax.Array:
   """`mla_attention` for one new token per sequence at slot `lengths[b] - 1`.
 
   Written without the T axis (as `decode_attention_xla`), so the latent cache
-  is read in place by plain batched matrix products.
+  is read in place by plain batched matrix products; a quantized cache's
+  scales multiply logits and probabilities (module doc).
   """
   _checks.rank("q_latent", q_latent, 3, "[B, N, C]")
   _checks.rank("q_rope", q_rope, 3, "[B, N, R]")
   _checks.rank("c_kv", c_kv, 3, "[B, S, C]")
-  validate_mla_args(q_latent, q_rope, c_kv, k_rope, 1, sm_scale)
+  validate_mla_args(q_latent, q_rope, c_kv, k_rope, 1, sm_scale, c_kv_scale, k_rope_scale)
   check_options(window, None, sm_scale)
   batch, capacity, _ = c_kv.shape
   lengths = check_lengths("lengths", lengths, batch, capacity)
-  logits = (jnp.einsum("BNC,BSC->BNS", q_latent, c_kv, preferred_element_type=jnp.float32)
-            + jnp.einsum("BNR,BSR->BNS", q_rope, k_rope, preferred_element_type=jnp.float32))
+  logits = (scale_logits(jnp.einsum("BNC,BSC->BNS", q_latent, c_kv,
+                                    preferred_element_type=jnp.float32), c_kv_scale)
+            + scale_logits(jnp.einsum("BNR,BSR->BNS", q_rope, k_rope,
+                                      preferred_element_type=jnp.float32), k_rope_scale))
   logits = logits * sm_scale
   mask, valid = decode_mask(lengths, capacity, window)
   probs, denom = masked_softmax(logits, mask[:, None])  # [B, N, S]
-  out = weighted_values("BNS,BSC->BNC", probs, c_kv, valid, slot_axis=1)
+  out = weighted_values("BNS,BSC->BNC", scale_probs(probs, c_kv_scale, valid), c_kv, valid,
+                        slot_axis=1)
   out = out / jnp.where(denom > 0, denom, 1.0)
   return out.astype(q_latent.dtype)
