@@ -179,7 +179,8 @@ class PagedFamily:
       label = f"paged-P{cache['page_size']}" if paged else "dense"
       measured = {s: d[s] for s in ("model", "attention", "kernel", "workload", "decode")}
       # The page size and allocator seed do not change a dense point.
-      measured["cache"] = {k: v for k, v in cache.items() if paged or k not in ("page_size", "seed")}
+      measured["cache"] = {k: v for k, v in cache.items()
+                           if paged or k not in ("page_size", "seed")}
       pid = f"{label}-{runner.digest(measured)}"
       if pid in seen:
         raise ValueError(f"{where}: gives the same point {label} as {seen[pid]}; remove the "
@@ -413,7 +414,8 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
         f"{r0['num_kv_heads']}, H = {r0['head_dim']}, {r0['bytes_per_token']} cache bytes per "
         f"token. Decode: {r0['decode_steps']} steps through kvattn.generate; backends tried in "
         f"order: dense {_backends(False)}, paged {_backends(True)}. Memory ratios are against the "
-        f"dense point of this run; `speed vs dense` is the median, over back-to-back pairs of runs, "
+        f"dense point of this run; `speed vs dense` is the median, over back-to-back pairs of "
+        f"runs, "
         f"of paged / dense decode tokens/s (the dense cache is timed alternately with each paged "
         f"point). `dense / paged CPU s`: CPU seconds of the decode loop (all threads), dense over "
         f"paged, median over the same pairs -- the work ratio, which other processes on a shared "

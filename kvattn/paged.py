@@ -430,7 +430,8 @@ class PageAllocator:
     row[:len(pages)] = pages
     return row
 
-  def block_tables(self, seq_ids: Iterable[Hashable | None], width: int | None = None) -> np.ndarray:
+  def block_tables(self, seq_ids: Iterable[Hashable | None],
+                   width: int | None = None) -> np.ndarray:
     """`i32[len(seq_ids), width]`: one row per id; None gives an empty row."""
     width = self.max_pages_per_seq if width is None else width
     rows = [np.full((width,), NO_PAGE, np.int32) if s is None else self.block_table_row(s, width)

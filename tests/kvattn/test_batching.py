@@ -90,6 +90,11 @@ def test_exhaustion_on_join_changes_nothing_and_running_sequences_continue():
     finished += batcher.step()
   (f,) = finished
   np.testing.assert_array_equal(f.tokens, _alone(0, 8)[:7])
+  # max_new_tokens = 1: the prefill's token is all it gets; the slot is free again at once.
+  one = batcher.add("one", _prompt(4, 4), 1)
+  assert isinstance(one, Finished) and one.reason == "length"
+  np.testing.assert_array_equal(one.tokens, _alone(4, 4)[:1])
+  assert batcher.active == {} and batcher.allocator.num_free == 5
   assert batcher.traces["join"] == 1 and batcher.traces["step"] == 1
 
 
