@@ -5,7 +5,7 @@ r"""Sequence length S over powers of two, up to what fits in this machine's memo
 
 The model, training and decode settings are those of configs/default.py (every
 field is documented there) except for the fields set below. `cache.seq_lens`
-is computed when the config is loaded: S = 256, 512, ... (smoke: 16, 32, 64)
+is computed when the config is loaded: S = 256, 512, ... (smoke: 16, 32)
 while `experiments.runner.point_memory_bytes` -- the cache from
 `kvattn.transformer.cache_bytes_per_token` plus the prefill's attention
 scores, activations and parameters -- stays within `cache.memory_fraction` of
@@ -21,7 +21,7 @@ from configs import default
 from experiments import runner
 
 _START = {"": 256, "smoke": 16}  # Smallest S.
-_STOP = {"": None, "smoke": 64}  # Largest S tried (None: memory decides).
+_STOP = {"": None, "smoke": 32}  # Largest S tried (None: memory decides).
 
 
 def get_config(arg=None):

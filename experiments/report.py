@@ -110,7 +110,8 @@ def variant_rows(records: Sequence[Mapping[str, Any]]) -> dict[int, list[list[st
         quoted_text = (f"cache {quoted['cache'][0]:.0%}–{quoted['cache'][1]:.0%}, "
                        f"speed {quoted['speed'][0]:g}–{quoted['speed'][1]:g}×")
         inside = ("n/a (no MHA point)" if mha is None else
-                  f"cache {_inside(cache, quoted['cache'])}, speed {_inside(speed, quoted['speed'])}")
+                  f"cache {_inside(cache, quoted['cache'])}, "
+                  f"speed {_inside(speed, quoted['speed'])}")
       na = "n/a"
       rows.append([
           r["variant"],

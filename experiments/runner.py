@@ -254,7 +254,8 @@ def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *
     config: the full config (ConfigDict or nested mapping); `experiment.kind`
       picks the family.
     workdir: output directory (created).
-    sweep: dotted-key overrides, one entry per point family member.
+    sweep: dotted-key overrides; the family expands each entry into points
+      (the variants family: one per S in `cache.seq_lens`).
     config_file: recorded with the run (`--config` value).
     max_points: measure at most this many new points in this invocation
       (None: `config.experiment.max_points`, where 0/None means all).
@@ -312,7 +313,8 @@ def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *
     bar.close()
   ids = {p.id for p in points}
   order = {p.id: i for i, p in enumerate(points)}
-  records = sorted((r for r in store.records() if r["point"] in ids), key=lambda r: order[r["point"]])
+  records = sorted((r for r in store.records() if r["point"] in ids),
+                   key=lambda r: order[r["point"]])
   results.write_csv(os.path.join(workdir, "results.csv"), store.records())
   markdown = family.report(records)
   return RunResult(os.path.join(workdir, "report.md"), markdown, records, measured,
@@ -491,8 +493,8 @@ def check_cache_bytes(caches: Sequence[Any], analytic_per_token: int, batch: int
     raise CacheAccountingError(
         f"measured cache bytes differ from the analytic figure: {per_token} bytes/token measured "
         f"vs {analytic_per_token} analytic (kvattn.transformer.cache_bytes_per_token); "
-        f"{storage} bytes in the arrays vs B * S * analytic = {batch * seq_len * analytic_per_token}"
-        f"; stopping")
+        f"{storage} bytes in the arrays vs B * S * analytic = "
+        f"{batch * seq_len * analytic_per_token}; stopping")
   return {"cache_bytes_per_token": int(per_token), "cache_bytes": int(storage),
           "cache_bookkeeping_bytes": int(memory.tree_bytes(list(caches)) - storage)}
 

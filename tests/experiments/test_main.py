@@ -60,21 +60,20 @@ def analytic_bytes_per_token(record):
   """Independent arithmetic: GQA 2 K H itemsize per layer, MLA (C + R) itemsize per layer."""
   cfg = record["config"]
   layers, att = cfg["model"]["num_layers"], cfg["attention"]
-  itemsize = 4  # float32 caches in the smoke configs
+  itemsize = 4  # float32 caches in every config
   if record["variant"] == "MLA":
     return layers * (att["kv_lora_rank"] + att["qk_rope_head_dim"]) * itemsize
   return layers * 2 * record["num_kv_heads"] * att["head_dim"] * itemsize
 
 
-def check_outputs(workdir, result, module, expected_kv_heads):
-  """Files, fields and sane values of a finished smoke run; returns records by (variant, K, S)."""
+def check_outputs(workdir, result, config, expected_kv_heads):
+  """Files, fields and sane values of a finished run; returns records by (variant, K, S)."""
   for name in FILES:
     assert os.path.getsize(os.path.join(workdir, name)) > 0, name
   for name in report_lib.PLOTS.values():
     with open(os.path.join(workdir, name), "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
   assert not [n for n in os.listdir(workdir) if n.startswith(".tmp-")]  # no torn writes left
-  config = module.get_config("smoke")
   seq_lens = tuple(config.cache.seq_lens)
   records = result.records
   assert result.complete
@@ -134,7 +133,7 @@ def check_outputs(workdir, result, module, expected_kv_heads):
 def test_default_smoke(default_run):
   workdir, result = default_run
   n = default.get_config("smoke").attention.num_heads
-  by = check_outputs(workdir, result, default, {n, n // 2, n // 4, 1})
+  by = check_outputs(workdir, result, default.get_config("smoke"), {n, n // 2, n // 4, 1})
   assert {v for v, _, _ in by} == {"MHA", "GQA", "MQA", "MLA"}
   first_s = default.get_config("smoke").cache.seq_lens[0]
   for (v, k, _), r in by.items():  # the variant's training is shared across S
@@ -147,7 +146,7 @@ def test_heads_sweep_smoke(tmp_path, default_run, train_dir):
                       runner.load_sweep("configs/heads_sweep.py:smoke"))
   n = heads_sweep.get_config("smoke").attention.num_heads
   divisors = {k for k in range(1, n + 1) if n % k == 0}
-  by = check_outputs(str(tmp_path), result, heads_sweep, divisors)
+  by = check_outputs(str(tmp_path), result, heads_sweep.get_config("smoke"), divisors)
   # Same model and training as the default smoke run: its trained params were reused, not retrained.
   trained = {(r["variant"], r["num_kv_heads"]): r["train_seconds"] for r in default_run[1].records}
   for (v, k, _), r in by.items():
@@ -157,10 +156,10 @@ def test_heads_sweep_smoke(tmp_path, default_run, train_dir):
 def test_seqlen_sweep_smoke(tmp_path, default_run, train_dir):
   config = smoke_config(seqlen_sweep, train_dir)
   seq_lens = tuple(config.cache.seq_lens)
-  assert seq_lens == (16, 32, 64)  # powers of two up to the smoke cap (memory allows far more)
+  assert seq_lens == (16, 32)  # powers of two up to the smoke cap (memory allows far more)
   result = runner.run(config, str(tmp_path), runner.load_sweep("configs/seqlen_sweep.py:smoke"))
   n = config.attention.num_heads
-  by = check_outputs(str(tmp_path), result, seqlen_sweep, {n, n // 4, 1})
+  by = check_outputs(str(tmp_path), result, config, {n, n // 4, 1})
   for (v, k, s), r in by.items():  # cache bytes grow linearly in S
     assert r["cache_bytes"] * seq_lens[0] == by[(v, k, seq_lens[0])]["cache_bytes"] * s
 
@@ -226,6 +225,24 @@ def test_resume_after_stop_and_interrupt(tmp_path, monkeypatch, default_run):
   # The same config measured elsewhere gets the same point ids (they hash the config, not paths).
   shared = {r["point"] for r in default_run[1].records}
   assert [r["point"] in shared for r in third.records] == [True, False, True]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module, seq_lens", [(default, (256, 512)), (heads_sweep, (256,)),
+                                              (seqlen_sweep, (256, 512, 1024))])
+def test_full_size_configs(tmp_path, module, seq_lens):
+  """The full-size models of every config, with short training and few S (not the full run)."""
+  config = module.get_config("")
+  config.train.steps, config.train.warmup_steps, config.train.eval_batches = 20, 2, 2
+  config.train.checkpoint_every = 0
+  config.cache.seq_lens = seq_lens
+  config.decode.repeats = config.decode.decode_repeats = 1
+  result = runner.run(config, str(tmp_path), module.get_sweep(""))
+  n = config.attention.num_heads
+  kv_heads = {k for k in (n, n // 2, n // 4, 1) if module is default} | (
+      {k for k in range(1, n + 1) if n % k == 0} if module is heads_sweep else set()) | (
+          {n, n // 4, 1} if module is seqlen_sweep else set())
+  check_outputs(str(tmp_path), result, config, kv_heads)
 
 
 @pytest.fixture
@@ -348,8 +365,9 @@ def test_variant_rows_against_quoted_ranges():
   def rec(variant, k, bpt, tps, bpb):
     return {"variant": variant, "num_kv_heads": k, "seq_len": 64, "cache_bytes_per_token": bpt,
             "decode_tokens_per_s": tps, "validation_bits_per_byte": bpb}
-  rows = report_lib.variant_rows([rec("MHA", 8, 1024, 100.0, 2.0), rec("GQA", 2, 256, 200.0, 2.1),
-                                  rec("MQA", 1, 128, 600.0, 2.25), rec("MLA", None, 288, 90.0, 1.9)])
+  rows = report_lib.variant_rows([
+      rec("MHA", 8, 1024, 100.0, 2.0), rec("GQA", 2, 256, 200.0, 2.1),
+      rec("MQA", 1, 128, 600.0, 2.25), rec("MLA", None, 288, 90.0, 1.9)])
   mha, gqa, mqa, mla = rows[64]
   assert mha[3:6] == ["100.0%", "100", "1.00×"] and mha[-1] == "—"
   assert gqa[3] == "25.0%" and gqa[5] == "2.00×" and gqa[7] == "+0.100"
