@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check of the fused decode-attention kernel (issue 6).
+# One-shot GPU check of the fused decode-attention kernels (issues 6 and 7: dense/MLA and paged).
 #
 #   bash experiments/gpu_check.sh [OUT_DIR]      # default OUT_DIR: $OUT or ./gpu_check_out
 #
@@ -44,7 +44,7 @@ fi
 # ---------------------------------------------------------------- 1. tests
 echo "== 1. compiled kernel tests"
 if python -c "import pytest, chex" 2>/dev/null; then
-  TESTS="tests/pallas_kernels/test_decode_attention.py"
+  TESTS="tests/pallas_kernels/test_decode_attention.py tests/pallas_kernels/test_paged_attention.py"
   if python -c "import flax" 2>/dev/null; then TESTS="$TESTS tests/kvattn/test_pallas_dispatch.py"; fi
   timeout 130 python -m pytest -q -p no:cacheprovider -k "not Interpret" $TESTS \
     > "$OUT_DIR/tests.txt" 2>&1
