@@ -22,6 +22,14 @@ slots:
     `jax.experimental.checkify.checkify` reports it as an error.
     `kvattn.generate` validates prompt length + new tokens against `max_len`
     up front, so generation never overflows.
+
+Quantized storage: `KVCache.init` and `LatentCache.init` also take the 1-byte
+dtypes int8, float8_e4m3fn and float8_e5m2 (`kvattn.ops.quant`). Such a cache
+stores values in that dtype plus f32 scales, one per token per KV head (per
+token for each MLA part), and `update` quantizes on write (absmax scaling,
+`kvattn.ops.quantize_kv`); readers pass the scales to the attention ops, which
+apply them inside the computation. Float caches have `None` scales, so their
+pytree leaves are unchanged.
 """
 
 from __future__ import annotations
@@ -33,9 +41,11 @@ from flax import struct
 from jax.experimental import checkify
 
 from kvattn import _checks
+from kvattn.ops import quant
 
 
 def _check_dtype(dtype) -> jnp.dtype:
+  """A floating storage dtype (no scales)."""
   try:
     dtype = jnp.dtype(dtype)
   except TypeError as e:
@@ -43,6 +53,36 @@ def _check_dtype(dtype) -> jnp.dtype:
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(f"dtype must be a floating dtype; got {dtype}")
   return dtype
+
+
+def check_storage_dtype(dtype) -> jnp.dtype:
+  """A cache storage dtype: floating, or a quantized format (int8, float8_e4m3fn,
+  float8_e5m2) that is stored with scales.
+
+  Raises:
+    TypeError: anything else, naming `dtype`.
+  """
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError as e:
+    raise TypeError(f"dtype must be a JAX dtype; got {dtype!r}") from e
+  if not (jnp.issubdtype(dtype, jnp.floating) or quant.is_quantized(dtype)):
+    raise TypeError(f"dtype must be a floating dtype or a quantized KV format "
+                    f"{quant.QUANT_NAMES}; got {dtype}")
+  return dtype
+
+
+def scale_init(shape: tuple[int, ...], dtype) -> jax.Array | None:
+  """Initial scales of a cache in `dtype`: f32 ones of `shape` if quantized, else None."""
+  return jnp.ones(shape, quant.SCALE_DTYPE) if quant.is_quantized(dtype) else None
+
+
+def encode(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array | None]:
+  """`(values, scales)` to store `x` (`[..., width]`) in a cache of `dtype`:
+  `quantize_kv` for a quantized dtype, else `(x, None)` (cast on write)."""
+  if quant.is_quantized(dtype):
+    return quant.quantize_kv(x, dtype)
+  return x, None
 
 
 def resolve_new_lengths(new_lengths, batch: int, num_tokens: int) -> jax.Array:
@@ -112,29 +152,38 @@ class KVCache:
     v: `[B, K, S, H]` values.
     lengths: `i32[B]` valid tokens per sequence; may exceed S only after an
       overflow under jit (see `overflowed`).
+    k_scale: `f32[B, K, S]` per-token per-head key scales when `k` is int8 or
+      fp8 (key `k[b, h, s] * k_scale[b, h, s]`), else None.
+    v_scale: `f32[B, K, S]` value scales likewise, else None.
   """
 
   k: jax.Array
   v: jax.Array
   lengths: jax.Array
+  k_scale: jax.Array | None = None
+  v_scale: jax.Array | None = None
 
   @classmethod
   def init(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
            dtype=jnp.float32) -> "KVCache":
     """An empty cache: zeros, `lengths == 0`.
 
+    `dtype` may be a float dtype or int8 / float8_e4m3fn / float8_e5m2, which
+    store values quantized with `f32[B, K, S]` scales (initialised to 1).
+
     Raises:
       ValueError: a size that is not a positive int.
-      TypeError: a non-floating dtype.
+      TypeError: a dtype that is neither floating nor a quantized format.
     """
     batch = _checks.positive_int("batch", batch)
     max_len = _checks.positive_int("max_len", max_len)
     num_kv_heads = _checks.positive_int("num_kv_heads", num_kv_heads)
     head_dim = _checks.positive_int("head_dim", head_dim)
-    dtype = _check_dtype(dtype)
+    dtype = check_storage_dtype(dtype)
     shape = (batch, num_kv_heads, max_len, head_dim)
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-               lengths=jnp.zeros((batch,), jnp.int32))
+               lengths=jnp.zeros((batch,), jnp.int32),
+               k_scale=scale_init(shape[:3], dtype), v_scale=scale_init(shape[:3], dtype))
 
   @property
   def batch(self) -> int:
@@ -157,6 +206,11 @@ class KVCache:
     return self.k.dtype
 
   @property
+  def quantized(self) -> bool:
+    """True when values are stored int8/fp8 with scales."""
+    return self.k_scale is not None
+
+  @property
   def overflowed(self) -> jax.Array:
     """`bool[B]`: True for sequences that were written past `max_len` under jit."""
     return self.lengths > self.max_len
@@ -167,8 +221,21 @@ class KVCache:
     return self.batch * self.max_len
 
   def storage_arrays(self) -> tuple[jax.Array, ...]:
-    """The arrays whose size grows with the token slots (for `kvattn.memory`)."""
-    return (self.k, self.v)
+    """The arrays whose size grows with the token slots (for `kvattn.memory`):
+    keys and values, and their scales when quantized."""
+    return (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quantized else ())
+
+  def scale_kwargs(self) -> dict[str, jax.Array]:
+    """`{"k_scale": ..., "v_scale": ...}` for the attention ops, or `{}` for a float cache."""
+    return {"k_scale": self.k_scale, "v_scale": self.v_scale} if self.quantized else {}
+
+  def dequantized(self, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """`(k, v)` as `[B, K, S, H]` arrays of `dtype` (`values * scales`; a float cache
+    is only cast). Materialises a copy: for tests and inspection, not decode."""
+    if not self.quantized:
+      return self.k.astype(dtype), self.v.astype(dtype)
+    return (quant.dequantize_kv(self.k, self.k_scale, dtype),
+            quant.dequantize_kv(self.v, self.v_scale, dtype))
 
   def update(self, k_new: jax.Array, v_new: jax.Array,
              new_lengths: jax.Array | None = None) -> "KVCache":
@@ -176,7 +243,8 @@ class KVCache:
 
     Args:
       k_new: `[B, T, K, H]` keys (RoPE applied), any float dtype (cast to the
-        cache dtype).
+        cache dtype; quantized with one scale per token and head for an
+        int8/fp8 cache).
       v_new: `[B, T, K, H]` values.
       new_lengths: `i32[B]` real tokens per sequence among the T (default T).
 
@@ -196,12 +264,20 @@ class KVCache:
             f"{self.head_dim}); got {tuple(x.shape)}")
     if k_new.shape != v_new.shape:
       raise ValueError(f"k_new and v_new must have one shape; got {k_new.shape} and {v_new.shape}")
+    if self.quantized:
+      for name, x in (("k_new", k_new), ("v_new", v_new)):
+        _checks.floating(name, x)
     new_lengths = resolve_new_lengths(new_lengths, self.batch, k_new.shape[1])
     lengths = advance_lengths(self.lengths, new_lengths, self.max_len)  # raises first
+    (k_new, k_s), (v_new, v_s) = encode(k_new, self.dtype), encode(v_new, self.dtype)
+
+    def write(buffer, new):  # [B, K, S, ...] <- [B, T, K, ...]
+      return write_tokens(buffer, new, self.lengths, new_lengths, slot_axis=2)
+
     return KVCache(
-        k=write_tokens(self.k, k_new, self.lengths, new_lengths, slot_axis=2),
-        v=write_tokens(self.v, v_new, self.lengths, new_lengths, slot_axis=2),
-        lengths=lengths,
+        k=write(self.k, k_new), v=write(self.v, v_new), lengths=lengths,
+        k_scale=None if k_s is None else write(self.k_scale, k_s),
+        v_scale=None if v_s is None else write(self.v_scale, v_s),
     )
 
 
@@ -221,29 +297,40 @@ class LatentCache:
     k_rope: `[B, S, R]` shared RoPE keys, same dtype as `c_kv`.
     lengths: `i32[B]` valid tokens per sequence; may exceed S only after an
       overflow under jit (see `overflowed`).
+    c_kv_scale: `f32[B, S]` when the cache is int8/fp8: one scale per token
+      for its latent (absmax over C), else None.
+    k_rope_scale: `f32[B, S]` likewise for the RoPE key (absmax over R; the
+      two parts have different magnitudes, so each gets its own scale).
   """
 
   c_kv: jax.Array
   k_rope: jax.Array
   lengths: jax.Array
+  c_kv_scale: jax.Array | None = None
+  k_rope_scale: jax.Array | None = None
 
   @classmethod
   def init(cls, batch: int, max_len: int, kv_lora_rank: int, qk_rope_head_dim: int,
            dtype=jnp.float32) -> "LatentCache":
     """An empty cache: zeros, `lengths == 0`.
 
+    `dtype` may be a float dtype or int8 / float8_e4m3fn / float8_e5m2 (then
+    `f32[B, S]` scales for each part, initialised to 1).
+
     Raises:
       ValueError: a size that is not a positive int.
-      TypeError: a non-floating dtype.
+      TypeError: a dtype that is neither floating nor a quantized format.
     """
     batch = _checks.positive_int("batch", batch)
     max_len = _checks.positive_int("max_len", max_len)
     kv_lora_rank = _checks.positive_int("kv_lora_rank", kv_lora_rank)
     qk_rope_head_dim = _checks.positive_int("qk_rope_head_dim", qk_rope_head_dim)
-    dtype = _check_dtype(dtype)
+    dtype = check_storage_dtype(dtype)
     return cls(c_kv=jnp.zeros((batch, max_len, kv_lora_rank), dtype),
                k_rope=jnp.zeros((batch, max_len, qk_rope_head_dim), dtype),
-               lengths=jnp.zeros((batch,), jnp.int32))
+               lengths=jnp.zeros((batch,), jnp.int32),
+               c_kv_scale=scale_init((batch, max_len), dtype),
+               k_rope_scale=scale_init((batch, max_len), dtype))
 
   @property
   def batch(self) -> int:
@@ -266,6 +353,11 @@ class LatentCache:
     return self.c_kv.dtype
 
   @property
+  def quantized(self) -> bool:
+    """True when the parts are stored int8/fp8 with scales."""
+    return self.c_kv_scale is not None
+
+  @property
   def overflowed(self) -> jax.Array:
     """`bool[B]`: True for sequences that were written past `max_len` under jit."""
     return self.lengths > self.max_len
@@ -276,8 +368,24 @@ class LatentCache:
     return self.batch * self.max_len
 
   def storage_arrays(self) -> tuple[jax.Array, ...]:
-    """The arrays whose size grows with the token slots (for `kvattn.memory`)."""
-    return (self.c_kv, self.k_rope)
+    """The arrays whose size grows with the token slots (for `kvattn.memory`):
+    both parts, and their scales when quantized."""
+    return (self.c_kv, self.k_rope) + (
+        (self.c_kv_scale, self.k_rope_scale) if self.quantized else ())
+
+  def scale_kwargs(self) -> dict[str, jax.Array]:
+    """`{"c_kv_scale": ..., "k_rope_scale": ...}` for the MLA ops, or `{}` (float cache)."""
+    if not self.quantized:
+      return {}
+    return {"c_kv_scale": self.c_kv_scale, "k_rope_scale": self.k_rope_scale}
+
+  def dequantized(self, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """`(c_kv [B, S, C], k_rope [B, S, R])` in `dtype` (`values * scales`; a float
+    cache is only cast). Materialises a copy (prefill's expanded path, tests)."""
+    if not self.quantized:
+      return self.c_kv.astype(dtype), self.k_rope.astype(dtype)
+    return (quant.dequantize_kv(self.c_kv, self.c_kv_scale, dtype),
+            quant.dequantize_kv(self.k_rope, self.k_rope_scale, dtype))
 
   def update(self, c_kv_new: jax.Array, k_rope_new: jax.Array,
              new_lengths: jax.Array | None = None) -> "LatentCache":
@@ -285,7 +393,7 @@ class LatentCache:
 
     Args:
       c_kv_new: `[B, T, C]` normalised latents, any float dtype (cast to the
-        cache dtype).
+        cache dtype; quantized with one scale per token for an int8/fp8 cache).
       k_rope_new: `[B, T, R]` shared RoPE keys (RoPE applied).
       new_lengths: `i32[B]` real tokens per sequence among the T (default T).
 
@@ -311,8 +419,13 @@ class LatentCache:
           f"{tuple(c_kv_new.shape)} and {tuple(k_rope_new.shape)}")
     new_lengths = resolve_new_lengths(new_lengths, self.batch, c_kv_new.shape[1])
     lengths = advance_lengths(self.lengths, new_lengths, self.max_len)  # raises first
+    (c_new, c_s), (r_new, r_s) = encode(c_kv_new, self.dtype), encode(k_rope_new, self.dtype)
+
+    def write(buffer, new):  # [B, S, ...] <- [B, T, ...]
+      return write_tokens(buffer, new, self.lengths, new_lengths, slot_axis=1)
+
     return LatentCache(
-        c_kv=write_tokens(self.c_kv, c_kv_new, self.lengths, new_lengths, slot_axis=1),
-        k_rope=write_tokens(self.k_rope, k_rope_new, self.lengths, new_lengths, slot_axis=1),
-        lengths=lengths,
+        c_kv=write(self.c_kv, c_new), k_rope=write(self.k_rope, r_new), lengths=lengths,
+        c_kv_scale=None if c_s is None else write(self.c_kv_scale, c_s),
+        k_rope_scale=None if r_s is None else write(self.k_rope_scale, r_s),
     )

@@ -54,7 +54,10 @@ class GroupedQueryAttention(nnx.Module):
   """Causal self-attention with K KV heads shared by groups of G query heads.
 
   Cache schema (`kvattn.KVCache`): `k, v: [B, K, S, H]` in the cache dtype,
-  RoPE applied to k before it is written; `lengths: i32[B]`. A
+  RoPE applied to k before it is written; `lengths: i32[B]`; for an int8 /
+  fp8 cache also `k_scale, v_scale: f32[B, K, S]` (keys and values are
+  quantized on write, and the attention ops apply the scales as they read:
+  decode and prefill alike, no dequantized copy of the cache). A
   `kvattn.PagedKVCache` (`k_pages, v_pages: [K, P, page_size, H]`, block
   tables) works too: T == 1 then goes through
   `kvattn.ops.paged_decode_attention`, a longer T attends the cache gathered
@@ -187,9 +190,10 @@ class GroupedQueryAttention(nnx.Module):
         out = self._paged_attention(q, cache.lengths, new_cache, opts)
       elif num_tokens == 1:
         out = ops.decode_attention(q[:, 0], new_cache.k, new_cache.v, new_cache.lengths,
-                                   implementation=self.decode_implementation, **opts)[:, None]
+                                   implementation=self.decode_implementation, **opts,
+                                   **new_cache.scale_kwargs())[:, None]
       else:
         out = ops.attention(q, new_cache.k, new_cache.v, q_offsets=cache.lengths,
-                            kv_lengths=new_cache.lengths, **opts)
+                            kv_lengths=new_cache.lengths, **opts, **new_cache.scale_kwargs())
     y = self._project(out, "BTNH,NHD->BTD", self.o_proj)
     return y, new_cache

@@ -61,7 +61,11 @@ class MultiHeadLatentAttention(nnx.Module):
 
   Cache schema (`kvattn.LatentCache`): `c_kv: [B, S, C]` (RMSNorm applied),
   `k_rope: [B, S, R]` (RoPE applied, one key shared by all heads), `lengths:
-  i32[B]`, in the cache dtype.
+  i32[B]`, in the cache dtype. An int8 / fp8 cache also holds `c_kv_scale,
+  k_rope_scale: f32[B, S]` (one scale per token for each part; the parts are
+  quantized on write). The absorbed path applies the scales inside the
+  attention ops (no dequantized copy); the naive path, which expands per-head
+  keys and values from every latent anyway, dequantizes the latents it reads.
 
   Call: `y, cache = attn(x, cache=None, positions=None, new_lengths=None)`,
   with the conventions of `kvattn.GroupedQueryAttention`:
@@ -219,17 +223,21 @@ class MultiHeadLatentAttention(nnx.Module):
     return ops.attention(q, k, v, q_offsets=q_offsets, kv_lengths=kv_lengths,
                          sm_scale=self.sm_scale, window=self.window)
 
-  def _absorbed(self, q_nope, q_rope, c_kv, k_rope, q_offsets, kv_lengths, dtype, decode):
-    """Attention against the latent with W_UK / W_UV absorbed; returns `[B, T, N, Hv]`."""
+  def _absorbed(self, q_nope, q_rope, c_kv, k_rope, q_offsets, kv_lengths, dtype, decode,
+                scales):
+    """Attention against the latent with W_UK / W_UV absorbed; returns `[B, T, N, Hv]`.
+
+    `scales`: the cache's `scale_kwargs()` (`{}` for a float cache)."""
     # Appendix C: q_nope . (W_UK c) == (q_nope W_UK^T) . c, f32-accumulated.
     q_latent = self._einsum("BTNH,CNH->BTNC", q_nope, self.k_up_proj, dtype)  # [B, T, N, C]
     if decode:
       out = ops.mla_decode_attention(
           q_latent[:, 0], q_rope[:, 0], c_kv, k_rope, kv_lengths, sm_scale=self.sm_scale,
-          window=self.window, implementation=self.decode_implementation)[:, None]
+          window=self.window, implementation=self.decode_implementation, **scales)[:, None]
     else:
       out = ops.mla_attention(q_latent, q_rope, c_kv, k_rope, sm_scale=self.sm_scale,
-                              q_offsets=q_offsets, kv_lengths=kv_lengths, window=self.window)
+                              q_offsets=q_offsets, kv_lengths=kv_lengths, window=self.window,
+                              **scales)
     return self._einsum("BTNC,CNV->BTNV", out, self.v_up_proj, dtype)  # [B, T, N, Hv]
 
   def attend_heads(
@@ -265,21 +273,26 @@ class MultiHeadLatentAttention(nnx.Module):
     dtype = self.dtype or x.dtype
     q_nope, q_rope = self._queries(x, positions, dtype)
     c_kv, k_rope = self._latents(x, positions, dtype)
+    scales = {}
     if cache is None:
       new_cache, q_offsets, kv_lengths = None, None, new_lengths
     else:
       new_cache = cache.update(c_kv, k_rope, new_lengths)
       c_kv, k_rope = new_cache.c_kv, new_cache.k_rope
       q_offsets, kv_lengths = cache.lengths, new_cache.lengths
+      scales = new_cache.scale_kwargs()
 
     decode = cache is not None and num_tokens == 1
     path = self.path
     if path == "auto":
       path = "absorbed" if decode else "naive"
     if path == "naive":
+      if scales:  # the expansion reads every latent: dequantize them (prefill, T > 1)
+        c_kv, k_rope = new_cache.dequantized(dtype)
       out = self._naive(q_nope, q_rope, c_kv, k_rope, q_offsets, kv_lengths, dtype)
     else:
-      out = self._absorbed(q_nope, q_rope, c_kv, k_rope, q_offsets, kv_lengths, dtype, decode)
+      out = self._absorbed(q_nope, q_rope, c_kv, k_rope, q_offsets, kv_lengths, dtype, decode,
+                           scales)
     return out, new_cache
 
   def __call__(

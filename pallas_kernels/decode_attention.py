@@ -24,6 +24,15 @@ One kernel serves MHA, GQA, MQA and MLA's absorbed decode:
   logits are replaced (not added to), masked probabilities are exact zeros and
   value rows of masked slots are zeroed before the probability-weighted sum
   (0 * NaN would be NaN). A length-0 row gives zeros and log-sum-exp -inf.
+* Quantized caches (int8, float8_e4m3fn, float8_e5m2 values with one f32
+  scale per slot: `k[s] = k_q[s] * k_scale[s]`): each key/value block is
+  dequantized in the kernel right after it is loaded (`k_q.astype(f32) *
+  scale`, then cast to the dot's dtype: f32, or q's dtype when q is
+  bf16/f16), so the cache is read in its 1-byte form and no dequantized copy
+  of it exists outside the kernel. Scales are passed as `[B, K, S, 1]` so a
+  block's scales are a `[bk, 1]` column that broadcasts over the block's
+  width on every backend. Garbage scales of unused slots are masked like
+  garbage values.
 
 Two schedules of the same math, chosen by `schedule=`:
 
@@ -75,9 +84,22 @@ _TPU_LANES = 128
 _SCHEDULES = ("loop", "grid")
 
 
+# Storage formats that come with per-slot scales (pallas_kernels imports only jax, so the
+# list is kept here; kvattn.ops.quant has the same three).
+QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
 # ----------------------------------------------------------------------------
 # Kernel math shared by both schedules (values, not refs).
 # ----------------------------------------------------------------------------
+
+
+def _dequant(x, scale, dtype):
+  """A loaded block `[bk, X]`, dequantized with its `[bk, 1]` scales into `dtype`
+  when `scale` is given (quantized cache), else returned as it is."""
+  if scale is None:
+    return x
+  return (x.astype(jnp.float32) * scale).astype(dtype)
 
 
 def _block_bounds(start, length, block_k: int):
@@ -161,34 +183,41 @@ def _finalize(m, l, acc):
 # ----------------------------------------------------------------------------
 
 
-def _split_refs(refs, has_rope: bool, has_v: bool, count: bool):
+def _split_refs(refs, has_rope: bool, has_v: bool, count: bool, scaled: bool):
+  """Splits the kernel's refs; the scale refs are `(s1, s2, sv)` (None when absent)."""
   refs = list(refs)
   q1_ref = refs.pop(0)
   q2_ref = refs.pop(0) if has_rope else None
   k1_ref = refs.pop(0)
   k2_ref = refs.pop(0) if has_rope else None
   v_ref = refs.pop(0) if has_v else None
+  s1_ref = refs.pop(0) if scaled else None
+  s2_ref = refs.pop(0) if scaled and has_rope else None
+  sv_ref = refs.pop(0) if scaled and has_v else None
   o_ref, lse_ref = refs.pop(0), refs.pop(0)
   cnt_ref = refs.pop(0) if count else None
-  return q1_ref, q2_ref, k1_ref, k2_ref, v_ref, o_ref, lse_ref, cnt_ref, refs
+  return (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, (s1_ref, s2_ref, sv_ref), o_ref, lse_ref,
+          cnt_ref, refs)
 
 
 def _loop_kernel(
     start_ref,   # i32[]    first attended slot of this sequence
     length_ref,  # i32[]    one past the last attended slot
     *refs,       # q1 [Gb, H1], (q2 [Gb, H2]), k1 [S, H1], (k2 [S, H2]), (v [S, Hv]),
+                 # (scales f32[S, 1] of k1, (k2), (v)),
                  # o f32[Gb, Hv], lse f32[Gb, 1], (count i32[Gb, 1])
     has_rope: bool,
     has_v: bool,
     count: bool,
+    scaled: bool,
     sm_scale: float,
     block_k: int,
     blocks_per_split: int,
     precision,
 ):
   """"loop" schedule: one program per (b, k, G tile, split), fori_loop over blocks."""
-  (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, o_ref, lse_ref, cnt_ref,
-   _) = _split_refs(refs, has_rope, has_v, count)
+  (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, (s1_ref, s2_ref, sv_ref), o_ref, lse_ref, cnt_ref,
+   _) = _split_refs(refs, has_rope, has_v, count, scaled)
   split = pl.program_id(3)
   start, length = start_ref[()], length_ref[()]
   lo, hi = _block_bounds(start, length, block_k)
@@ -201,13 +230,16 @@ def _loop_kernel(
   block_g = q1.shape[0]
   hv = o_ref.shape[-1]
 
+  def load(ref, scale_ref, rows):  # [bk, X] block, dequantized when the cache is quantized
+    return _dequant(ref[rows, :], None if scale_ref is None else scale_ref[rows, :], q1.dtype)
+
   def body(i, carry):
     m, l, acc = carry
     slot0 = pl.multiple_of((first + i) * block_k, block_k)
     rows = pl.ds(slot0, block_k)
-    k1 = k1_ref[rows, :]
-    k2 = k2_ref[rows, :] if has_rope else None
-    v = v_ref[rows, :] if has_v else k1
+    k1 = load(k1_ref, s1_ref, rows)
+    k2 = load(k2_ref, s2_ref, rows) if has_rope else None
+    v = load(v_ref, sv_ref, rows) if has_v else k1
     s = _logits(q1, k1, q2, k2, sm_scale=sm_scale, precision=precision)
     return _online_softmax_step(m, l, acc, s, v, slot0, start, length, precision)
 
@@ -226,19 +258,21 @@ def _grid_kernel(
     starts_ref,   # i32[B] (SMEM, scalar-prefetched) first attended slot
     lengths_ref,  # i32[B] (SMEM, scalar-prefetched) one past the last attended slot
     *refs,        # q1 [Gb, H1], (q2 [Gb, H2]), k1 [bk, H1], (k2 [bk, H2]), (v [bk, Hv]),
+                  # (scales f32[bk, 1] of k1, (k2), (v)),
                   # o f32[Gb, Hv], lse f32[Gb, 128], (count i32[Gb, 128]),
                   # scratch: m f32[Gb, 128], l f32[Gb, 128], acc f32[Gb, Hv], (count)
     has_rope: bool,
     has_v: bool,
     count: bool,
+    scaled: bool,
     sm_scale: float,
     block_k: int,
     blocks_per_split: int,
     precision,
 ):
   """"grid" schedule: key blocks on the last (sequential) grid axis."""
-  (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, o_ref, lse_ref, cnt_ref,
-   scratch) = _split_refs(refs, has_rope, has_v, count)
+  (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, (s1_ref, s2_ref, sv_ref), o_ref, lse_ref, cnt_ref,
+   scratch) = _split_refs(refs, has_rope, has_v, count, scaled)
   m_sc, l_sc, acc_sc = scratch[:3]
   cnt_sc = scratch[3] if count else None
   b, split, step = pl.program_id(0), pl.program_id(3), pl.program_id(4)
@@ -256,11 +290,16 @@ def _grid_kernel(
 
   @pl.when((blk >= lo) & (blk < hi))
   def _compute():
-    k1 = k1_ref[...]
-    k2 = k2_ref[...] if has_rope else None
-    v = v_ref[...] if has_v else k1
+    q1 = q1_ref[...]
+
+    def load(ref, scale_ref):  # [bk, X] block, dequantized when the cache is quantized
+      return _dequant(ref[...], None if scale_ref is None else scale_ref[...], q1.dtype)
+
+    k1 = load(k1_ref, s1_ref)
+    k2 = load(k2_ref, s2_ref) if has_rope else None
+    v = load(v_ref, sv_ref) if has_v else k1
     q2 = q2_ref[...] if has_rope else None
-    s = _logits(q1_ref[...], k1, q2, k2, sm_scale=sm_scale, precision=precision)
+    s = _logits(q1, k1, q2, k2, sm_scale=sm_scale, precision=precision)
     m_prev, l_prev = m_sc[...], l_sc[...]  # [Gb, 128], lane-replicated
     m, l, acc = _online_softmax_step(m_prev[:, :1], l_prev[:, :1], acc_sc[...], s, v,
                                      blk * block_k, start, length, precision)
@@ -374,13 +413,14 @@ def _default_splits(schedule: str, programs: int, num_blocks: int) -> int:
 
 
 def _decode_partials(
-    q1,       # [B, K, Gp, H1]  G padded to a multiple of block_g
+    q1,       # [B, K, Gp, H1]  G padded to a multiple of block_g, in the dot dtype
     q2,       # [B, K, Gp, H2] or None
     k1,       # [B, K, S, H1]
     k2,       # [B, K, S, H2] or None
     v,        # [B, K, S, Hv] or None (the value is k1)
     starts,   # i32[B]
     lengths,  # i32[B], already clamped to [0, S]
+    scales=None,  # (f32[B, K, S, 1] of k1, of k2 or None, of v or None), or None
     *,
     sm_scale: float,
     block_k: int,
@@ -396,7 +436,8 @@ def _decode_partials(
 
   With `count=True` also returns `i32[B, K, P, Gp]`: how many key blocks each
   program actually processed (a test hook showing that skipped blocks are not
-  computed).
+  computed). With `scales` (a quantized cache) every block is dequantized into
+  q1's dtype as it is loaded.
   """
   batch, num_kv, gp, h1 = q1.shape
   capacity = k1.shape[2]
@@ -405,9 +446,10 @@ def _decode_partials(
   num_blocks = capacity // block_k
   bps = -(-num_blocks // num_splits)  # key blocks per split
   num_gt = gp // block_g
-  precision = (lax.Precision.HIGHEST if k1.dtype == jnp.float32 else None)
-  kernel_kw = dict(has_rope=has_rope, has_v=has_v, count=count, sm_scale=sm_scale,
-                   block_k=block_k, blocks_per_split=bps, precision=precision)
+  scaled = scales is not None
+  precision = (lax.Precision.HIGHEST if q1.dtype == jnp.float32 else None)
+  kernel_kw = dict(has_rope=has_rope, has_v=has_v, count=count, scaled=scaled,
+                   sm_scale=sm_scale, block_k=block_k, blocks_per_split=bps, precision=precision)
   lanes = _TPU_LANES if schedule == "grid" else 1
   out_shape = [jax.ShapeDtypeStruct((batch, num_kv, num_splits, gp, hv), jnp.float32),
                jax.ShapeDtypeStruct((batch, num_kv, num_splits, gp, lanes), jnp.float32)]
@@ -416,6 +458,8 @@ def _decode_partials(
         jax.ShapeDtypeStruct((batch, num_kv, num_splits, gp, lanes), jnp.int32))
   operands = [q1] + ([q2] if has_rope else []) + [k1] + ([k2] if has_rope else []) + (
       [v] if has_v else [])
+  scale_ops = [] if not scaled else [x for x in scales if x is not None]
+  operands += scale_ops
   name = "kvattn_decode_attention"
 
   if schedule == "loop":
@@ -429,6 +473,7 @@ def _decode_partials(
     in_specs = [scalar, scalar, q_spec(h1)] + ([q_spec(q2.shape[-1])] if has_rope else [])
     in_specs += [kv_spec(h1)] + ([kv_spec(k2.shape[-1])] if has_rope else [])
     in_specs += [kv_spec(hv)] if has_v else []
+    in_specs += [kv_spec(1) for _ in scale_ops]
     row_spec = pl.BlockSpec((None, None, None, block_g, lanes),
                             lambda b, h, g, j: (b, h, j, g, 0))
     out_specs = [pl.BlockSpec((None, None, None, block_g, hv),
@@ -465,6 +510,7 @@ def _decode_partials(
     in_specs = [q_spec(h1)] + ([q_spec(q2.shape[-1])] if has_rope else [])
     in_specs += [kv_spec(h1)] + ([kv_spec(k2.shape[-1])] if has_rope else [])
     in_specs += [kv_spec(hv)] if has_v else []
+    in_specs += [kv_spec(1) for _ in scale_ops]
     row_spec = pl.BlockSpec((None, None, None, block_g, lanes),
                             lambda b, h, g, j, i, st, ln: (b, h, j, g, 0))
     out_specs = [pl.BlockSpec((None, None, None, block_g, hv),
@@ -574,6 +620,34 @@ def _check_lengths(lengths, batch):
   return lengths
 
 
+def _dot_dtype(q_dtype, cache_dtype):
+  """The dtype of the kernel's dots: the cache dtype for a float cache (q is cast to
+  it, as before); for a quantized cache, q's dtype when it is bf16/f16, else f32."""
+  if jnp.dtype(cache_dtype) not in QUANT_DTYPES:
+    return jnp.dtype(cache_dtype)
+  q_dtype = jnp.dtype(q_dtype)
+  return q_dtype if q_dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
+
+
+def _check_cache(names, values, scales, slot_shape, doc):
+  """A cache operand: floating without scales, or int8/fp8 with f32 scales of `slot_shape`."""
+  vname, sname = names
+  if scales is None:
+    if jnp.dtype(values.dtype) in QUANT_DTYPES:
+      raise TypeError(f"{vname} has the quantized dtype {values.dtype}: pass its per-slot scales "
+                      f"{sname} {doc}")
+    _check_float(vname, values)
+    return
+  if jnp.dtype(values.dtype) not in QUANT_DTYPES:
+    raise TypeError(f"{sname} is only for quantized caches (int8, float8_e4m3fn, float8_e5m2); "
+                    f"{vname} has dtype {values.dtype}")
+  _check_rank(sname, scales, len(slot_shape), doc)
+  _check_float(sname, scales)
+  if tuple(scales.shape) != tuple(slot_shape):
+    raise ValueError(f"{sname} must have shape {doc} = {tuple(slot_shape)}; got "
+                     f"{tuple(scales.shape)}")
+
+
 def _check_tunables(schedule, interpret, block_k, block_g, num_splits):
   if schedule is not None and schedule not in _SCHEDULES:
     raise ValueError(f"schedule must be one of {_SCHEDULES} or None; got {schedule!r}")
@@ -601,7 +675,7 @@ def _check_tunables(schedule, interpret, block_k, block_g, num_splits):
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "window", "interpret", "block_k", "block_g", "num_splits", "schedule",
     "return_lse", "count_blocks", "num_warps", "num_stages"))
-def _decode_impl(q1, q2, k1, k2, v, lengths, *, sm_scale, window, interpret, block_k,
+def _decode_impl(q1, q2, k1, k2, v, lengths, scales, *, sm_scale, window, interpret, block_k,
                  block_g, num_splits, schedule, return_lse, count_blocks, num_warps,
                  num_stages):
   batch, num_heads, h1 = q1.shape
@@ -621,12 +695,16 @@ def _decode_impl(q1, q2, k1, k2, v, lengths, *, sm_scale, window, interpret, blo
   starts = (jnp.zeros_like(lengths) if window is None
             else jnp.maximum(lengths - window, 0))
 
-  def group(q):  # [B, N, X] -> [B, K, Gp, X] in the cache dtype, zero padding rows
-    q = q.astype(k1.dtype).reshape(batch, num_kv, groups, q.shape[-1])
+  dot_dtype = _dot_dtype(q1.dtype, k1.dtype)
+
+  def group(q):  # [B, N, X] -> [B, K, Gp, X] in the dot dtype, zero padding rows
+    q = q.astype(dot_dtype).reshape(batch, num_kv, groups, q.shape[-1])
     return jnp.pad(q, ((0, 0), (0, 0), (0, gp - groups), (0, 0)))
 
+  if scales is not None:  # [B, K, S] -> [B, K, S, 1]: a block's scales are a [bk, 1] column
+    scales = tuple(None if x is None else x.astype(jnp.float32)[..., None] for x in scales)
   outs = _decode_partials(
-      group(q1), None if q2 is None else group(q2), k1, k2, v, starts, lengths,
+      group(q1), None if q2 is None else group(q2), k1, k2, v, starts, lengths, scales,
       sm_scale=sm_scale, block_k=block_k, block_g=block_g, num_splits=num_splits,
       schedule=schedule, interpret=interpret, count=count_blocks, num_warps=num_warps,
       num_stages=num_stages)
@@ -648,6 +726,8 @@ def decode_attention(
     *,
     sm_scale: float | None = None,
     window: int | None = None,
+    k_scale: jax.Array | None = None,  # f32[B, K, S]
+    v_scale: jax.Array | None = None,  # f32[B, K, S]
     interpret: bool = False,
     block_k: int | None = None,
     block_g: int | None = None,
@@ -669,13 +749,18 @@ def decode_attention(
   read or computed.
 
   Args:
-    q: `[B, N, H]` queries (cast to k's dtype for the dot products).
+    q: `[B, N, H]` queries (cast to k's dtype for the dot products; for a
+      quantized cache kept in bf16/f16, or f32 otherwise).
     k: `[B, K, S, H]` keys; slots outside the attended range may hold anything.
+      Float, or int8 / float8_e4m3fn / float8_e5m2 with `k_scale`.
     v: `[B, K, S, Hv]` values, same dtype as k; Hv may differ from H.
     lengths: `i32[B]` valid slots per sequence; values are clamped to `[0, S]`
       (a sticky overflow under jit may exceed S).
     sm_scale: logit scale, default `1/sqrt(H)`.
     window: sliding-window size W in tokens (the W most recent keys), or None.
+    k_scale, v_scale: `f32[B, K, S]` per-slot scales of a quantized cache
+      (`k[b, h, s] * k_scale[b, h, s]`); each block is dequantized in the
+      kernel after it is loaded. None for float caches.
     interpret: run the kernel with the Pallas interpreter (CPU).
     block_k: keys per block (static). Default: "loop" a power of two <= 128
       dividing S; "grid" 512 or the largest power-of-two divisor of S.
@@ -702,8 +787,9 @@ def decode_attention(
   _check_rank("q", q, 3, "[B, N, H]")
   _check_rank("k", k, 4, "[B, K, S, H]")
   _check_rank("v", v, 4, "[B, K, S, Hv]")
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    _check_float(name, x)
+  _check_float("q", q)
+  _check_cache(("k", "k_scale"), k, k_scale, k.shape[:3], "f32[B, K, S]")
+  _check_cache(("v", "v_scale"), v, v_scale, k.shape[:3], "f32[B, K, S]")
   if k.dtype != v.dtype:
     raise TypeError(f"k and v must share one dtype; got k={k.dtype}, v={v.dtype}")
   batch, num_kv, capacity, head_dim = k.shape
@@ -723,7 +809,8 @@ def decode_attention(
   # Resolve tiles now so an unfit S or tunable raises here, before tracing.
   _tiles(schedule, q.shape[1] // num_kv, capacity, head_dim + v.shape[-1], v.shape[-1],
          k.dtype, block_k, block_g)
-  return _decode_impl(q, None, k, None, v, lengths, sm_scale=sm_scale, window=window,
+  scales = None if k_scale is None else (k_scale, None, v_scale)
+  return _decode_impl(q, None, k, None, v, lengths, scales, sm_scale=sm_scale, window=window,
                       interpret=interpret, block_k=block_k, block_g=block_g,
                       num_splits=num_splits, schedule=schedule, return_lse=return_lse,
                       count_blocks=count_blocks, num_warps=num_warps, num_stages=num_stages)
@@ -738,6 +825,8 @@ def mla_decode_attention(
     *,
     sm_scale: float,
     window: int | None = None,
+    c_kv_scale: jax.Array | None = None,  # f32[B, S]
+    k_rope_scale: jax.Array | None = None,  # f32[B, S]
     interpret: bool = False,
     block_k: int | None = None,
     block_g: int | None = None,
@@ -762,6 +851,9 @@ def mla_decode_attention(
       (same dtype). Slots outside the attended range may hold anything.
     lengths: `i32[B]` valid slots per sequence, clamped to `[0, S]`.
     sm_scale: required, `1/sqrt(qk_nope_head_dim + qk_rope_head_dim)`.
+    c_kv_scale, k_rope_scale: `f32[B, S]` per-token scales of a quantized
+      (int8/fp8) latent cache, one per part; blocks are dequantized in the
+      kernel. None for float caches.
     window, interpret, block_k, block_g, num_splits, schedule, num_warps,
       num_stages, return_lse, count_blocks: as in `decode_attention`.
 
@@ -776,9 +868,10 @@ def mla_decode_attention(
   _check_rank("q_rope", q_rope, 3, "[B, N, R]")
   _check_rank("c_kv", c_kv, 3, "[B, S, C]")
   _check_rank("k_rope", k_rope, 3, "[B, S, R]")
-  for name, x in (("q_latent", q_latent), ("q_rope", q_rope), ("c_kv", c_kv),
-                  ("k_rope", k_rope)):
+  for name, x in (("q_latent", q_latent), ("q_rope", q_rope)):
     _check_float(name, x)
+  _check_cache(("c_kv", "c_kv_scale"), c_kv, c_kv_scale, c_kv.shape[:2], "f32[B, S]")
+  _check_cache(("k_rope", "k_rope_scale"), k_rope, k_rope_scale, c_kv.shape[:2], "f32[B, S]")
   if c_kv.dtype != k_rope.dtype:
     raise TypeError(f"c_kv and k_rope must share one dtype; got c_kv={c_kv.dtype}, "
                     f"k_rope={k_rope.dtype}")
@@ -798,7 +891,9 @@ def mla_decode_attention(
   _tiles(schedule, q_latent.shape[1], capacity, latent + k_rope.shape[-1], latent,
          c_kv.dtype, block_k, block_g)
   # [B, S, X] -> [B, 1, S, X] is a free reshape (no copy).
-  return _decode_impl(q_latent, q_rope, c_kv[:, None], k_rope[:, None], None, lengths,
+  scales = (None if c_kv_scale is None else
+            (c_kv_scale[:, None], k_rope_scale[:, None], None))
+  return _decode_impl(q_latent, q_rope, c_kv[:, None], k_rope[:, None], None, lengths, scales,
                       sm_scale=float(sm_scale), window=window, interpret=interpret,
                       block_k=block_k, block_g=block_g, num_splits=num_splits,
                       schedule=schedule, return_lse=return_lse, count_blocks=count_blocks,
@@ -812,7 +907,10 @@ def supported(q_shape, k_shape, v_shape, dtype, *,
   Used by kvattn's dispatcher to fall back to XLA. `k_shape` is
   `[B, K, S, H]`, `v_shape` `[B, K, S, Hv]` or None when the value is the key
   (MLA: check `c_kv` and `k_rope` each as a `[B, 1, S, width]` key).
-  `platform` defaults to the JAX default backend.
+  `platform` defaults to the JAX default backend. Quantized caches are
+  accepted on GPU (int8 and both fp8 formats; Triton needs sm_89+ for fp8)
+  and, int8 only, on TPU; neither has been run compiled yet (interpret-mode
+  tests only).
   """
   del q_shape  # q's shape follows from k's (checked by the wrappers).
   platform = platform or _platform()
@@ -823,14 +921,14 @@ def supported(q_shape, k_shape, v_shape, dtype, *,
     for what, d in (("head dim H", head_dim), ("value width Hv", hv)):
       if d < 16 or d & (d - 1):
         return f"{what}={d} is not a power of two >= 16 (Triton dot)"
-    if dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-      return f"dtype {dtype} is not f32/bf16/f16"
+    if dtype not in (jnp.float32, jnp.bfloat16, jnp.float16) + QUANT_DTYPES:
+      return f"dtype {dtype} is not f32/bf16/f16 or a quantized format (int8/fp8)"
     if capacity % 16:
       return f"S={capacity} is not a multiple of 16"
     return None
   if platform == "tpu":
-    if dtype not in (jnp.float32, jnp.bfloat16):
-      return f"dtype {dtype} is not f32/bf16 on TPU"
+    if dtype not in (jnp.float32, jnp.bfloat16, jnp.int8):
+      return f"dtype {dtype} is not f32/bf16/int8 on TPU"
     for what, d in (("head dim H", head_dim), ("value width Hv", hv)):
       if d % 64:
         return f"{what}={d} is not a multiple of 64 (TPU lanes)"
@@ -843,6 +941,13 @@ def supported(q_shape, k_shape, v_shape, dtype, *,
 # ----------------------------------------------------------------------------
 # References (plain jnp, f32).
 # ----------------------------------------------------------------------------
+
+
+def _dequant_reference(x, scale):
+  """f32 `x * scale[..., None]` for a quantized operand, else `x` unchanged."""
+  if scale is None:
+    return x
+  return x.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
 
 
 def _reference_core(logits, values, lengths, window):
@@ -870,6 +975,8 @@ def decode_attention_reference(
     *,
     sm_scale: float | None = None,
     window: int | None = None,
+    k_scale: jax.Array | None = None,  # f32[B, K, S]
+    v_scale: jax.Array | None = None,  # f32[B, K, S]
     return_lse: bool = False,
     **unused_tunables: Any,
 ):
@@ -877,12 +984,14 @@ def decode_attention_reference(
 
   Materialises the `[B, N, S]` logits, masks slots outside `[max(0, L - W),
   L)` by replacement and zeroes masked value rows, so garbage cannot leak.
+  A quantized cache is dequantized up front (`k * k_scale[..., None]` in f32).
   Returns `[B, N, Hv]` in q's dtype (and `f32[B, N]` lse with `return_lse`).
   """
   del unused_tunables
   batch, num_kv, capacity, head_dim = k.shape
   num_heads = q.shape[1]
   sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+  k, v = _dequant_reference(k, k_scale), _dequant_reference(v, v_scale)
   kh = jnp.repeat(k.astype(jnp.float32), num_heads // num_kv, axis=1)  # [B, N, S, H]
   vh = jnp.repeat(v.astype(jnp.float32), num_heads // num_kv, axis=1)
   logits = jnp.einsum("BNH,BNSH->BNS", q.astype(jnp.float32), kh,
@@ -903,15 +1012,19 @@ def mla_decode_attention_reference(
     *,
     sm_scale: float,
     window: int | None = None,
+    c_kv_scale: jax.Array | None = None,  # f32[B, S]
+    k_rope_scale: jax.Array | None = None,  # f32[B, S]
     return_lse: bool = False,
     **unused_tunables: Any,
 ):
   """Plain-jnp f32 `mla_decode_attention` (tunables are ignored).
 
-  Logits `(q_latent . c_kv + q_rope . k_rope) * sm_scale`, value `c_kv`.
-  Returns `[B, N, C]` in q_latent's dtype (and `f32[B, N]` lse).
+  Logits `(q_latent . c_kv + q_rope . k_rope) * sm_scale`, value `c_kv`; a
+  quantized cache is dequantized up front. Returns `[B, N, C]` in q_latent's
+  dtype (and `f32[B, N]` lse).
   """
   del unused_tunables
+  c_kv, k_rope = _dequant_reference(c_kv, c_kv_scale), _dequant_reference(k_rope, k_rope_scale)
   f32 = jnp.float32
   hi = lax.Precision.HIGHEST
   logits = (jnp.einsum("BNC,BSC->BNS", q_latent.astype(f32), c_kv.astype(f32), precision=hi)

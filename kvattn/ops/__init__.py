@@ -6,20 +6,24 @@ from kvattn.ops.reference import (attention, decode_attention_xla, mla_attention
                                   mla_decode_attention_xla)
 from kvattn.ops.paged import paged_decode_attention, paged_decode_attention_xla
 from kvattn.ops.rope import apply_rope, rope_frequencies
+from kvattn.ops.quant import QUANT_DTYPES, dequantize_kv, quantize_kv
 from kvattn.ops import xla_blocked  # registers "xla_blocked" (CPU, f32, long caches)
 from kvattn.ops import pallas_backend  # registers the "pallas" decode backends
 
 __all__ = [
+    "QUANT_DTYPES",
     "apply_rope",
     "attention",
     "available_implementations",
     "decode_attention",
     "decode_attention_xla",
+    "dequantize_kv",
     "mla_attention",
     "mla_decode_attention",
     "mla_decode_attention_xla",
     "paged_decode_attention",
     "paged_decode_attention_xla",
+    "quantize_kv",
     "register_implementation",
     "rope_frequencies",
 ]

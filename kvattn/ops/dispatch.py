@@ -11,6 +11,14 @@ Operations registered here: `"decode_attention"` (dense cache) and
 `"mla_decode_attention"` (absorbed MLA against a latent cache). Other modules
 add operations and backends with `register_implementation` (e.g. the Pallas
 kernels, or the paged cache's gather path).
+
+Quantized caches (int8 / fp8 values, `kvattn.ops.quant`): the public functions
+take the per-slot scales as `k_scale=, v_scale=` (dense) and `c_kv_scale=,
+k_rope_scale=` (MLA). They are handed to a backend only when given, so a call
+without scales reaches every backend exactly as before; a backend that cannot
+apply scales raises NotImplementedError when it gets them and the dispatcher
+moves on (every backend registered here, "xla", "xla_blocked" and "pallas",
+supports them).
 """
 
 from __future__ import annotations
@@ -88,6 +96,8 @@ def decode_attention(
     sm_scale: float | None = None,
     window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: jax.Array | None = None,  # f32[B, K, S]
+    v_scale: jax.Array | None = None,  # f32[B, K, S]
     implementation: str | None = None,
 ) -> jax.Array:
   """Attention of one new token per sequence against a dense KV cache.
@@ -99,11 +109,15 @@ def decode_attention(
   Args:
     q: `[B, N, H]` queries.
     k: `[B, K, S, H]` keys; slots at or past `lengths[b]` may hold anything.
+      Float, or int8 / float8_e4m3fn / float8_e5m2 with `k_scale`.
     v: `[B, K, S, Hv]` values (same dtype as k).
     lengths: `i32[B]` valid slots per sequence, in `[0, S]`.
     sm_scale: logit scale, default `1/sqrt(H)`.
     window: sliding-window size in tokens, or None.
     soft_cap: logit soft cap, or None.
+    k_scale, v_scale: `f32[B, K, S]` per-slot scales of a quantized cache
+      (key `k[b, h, s] * k_scale[b, h, s]`), applied inside the attention
+      computation (no dequantized copy of the cache); None for float caches.
     implementation: `"xla"`, `"pallas"` (when registered) or None to pick the
       first registered backend that supports the device and shapes.
 
@@ -112,13 +126,15 @@ def decode_attention(
 
   Raises:
     ValueError: unknown `implementation`, or shapes/options that do not fit.
-    TypeError: non-float inputs, k/v dtype mismatch, non-integer lengths.
+    TypeError: non-float inputs, k/v dtype mismatch, non-integer lengths, a
+      quantized cache without scales (or scales for a float cache).
     NotImplementedError: the named implementation cannot run these shapes.
   """
-  _reference.validate_args(q, k, v, 1, window, soft_cap, sm_scale)
+  _reference.validate_args(q, k, v, 1, window, soft_cap, sm_scale, k_scale, v_scale)
   _reference.check_lengths("lengths", lengths, k.shape[0], k.shape[2])
+  scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
   return dispatch("decode_attention", implementation, q, k, v, lengths,
-                  sm_scale=sm_scale, window=window, soft_cap=soft_cap)
+                  sm_scale=sm_scale, window=window, soft_cap=soft_cap, **scales)
 
 
 def mla_decode_attention(
@@ -130,6 +146,8 @@ def mla_decode_attention(
     *,
     sm_scale: float,
     window: int | None = None,
+    c_kv_scale: jax.Array | None = None,  # f32[B, S]
+    k_rope_scale: jax.Array | None = None,  # f32[B, S]
     implementation: str | None = None,
 ) -> jax.Array:
   """Absorbed MLA decode (DeepSeek-V2 appendix C) against a latent cache.
@@ -146,6 +164,8 @@ def mla_decode_attention(
     lengths: `i32[B]` valid slots per sequence.
     sm_scale: required, `1/sqrt(qk_nope_head_dim + qk_rope_head_dim)`.
     window: sliding-window size in tokens, or None.
+    c_kv_scale, k_rope_scale: `f32[B, S]` per-token scales of a quantized
+      (int8/fp8) latent cache, applied inside the computation; None for float.
     implementation: `"xla"`, `"pallas"` (when registered) or None.
 
   Returns:
@@ -155,8 +175,11 @@ def mla_decode_attention(
   Raises:
     ValueError/TypeError: as `decode_attention`, naming the argument.
   """
-  _reference.validate_mla_args(q_latent, q_rope, c_kv, k_rope, 1, sm_scale)
+  _reference.validate_mla_args(q_latent, q_rope, c_kv, k_rope, 1, sm_scale, c_kv_scale,
+                               k_rope_scale)
   _reference.check_options(window, None, sm_scale)
   _reference.check_lengths("lengths", lengths, c_kv.shape[0], c_kv.shape[1])
+  scales = ({} if c_kv_scale is None else
+            {"c_kv_scale": c_kv_scale, "k_rope_scale": k_rope_scale})
   return dispatch("mla_decode_attention", implementation, q_latent, q_rope, c_kv, k_rope,
-                  lengths, sm_scale=sm_scale, window=window)
+                  lengths, sm_scale=sm_scale, window=window, **scales)

@@ -7,7 +7,9 @@ lowering) and TPU (Mosaic) for the shapes it supports and raises
 `NotImplementedError` everywhere else (CPU, soft caps, unsupported shapes or
 dtypes), so the dispatcher falls through to XLA. Named explicitly
 (`implementation="pallas"`) on CPU it runs in interpret mode, which is exact
-but slow (for tests and debugging).
+but slow (for tests and debugging). Quantized caches (int8/fp8 with per-slot
+scales) go to the kernel, which dequantizes each block after loading it; where
+it compiles for them is `pallas_kernels.decode_attention.supported`.
 """
 
 from __future__ import annotations
@@ -43,17 +45,18 @@ def _mode(explicit: bool, why_not) -> bool:
   return interpret
 
 
-def _decode(q, k, v, lengths, *, explicit, sm_scale=None, window=None, soft_cap=None):
+def _decode(q, k, v, lengths, *, explicit, sm_scale=None, window=None, soft_cap=None,
+            k_scale=None, v_scale=None):
   if soft_cap is not None:
     raise NotImplementedError("pallas: soft_cap is not supported by the decode kernel")
   interpret = _mode(explicit, lambda platform: _kernels.supported(
       q.shape, k.shape, v.shape, k.dtype, platform=platform))
   return _kernels.decode_attention(q, k, v, lengths, sm_scale=sm_scale, window=window,
-                                   interpret=interpret)
+                                   k_scale=k_scale, v_scale=v_scale, interpret=interpret)
 
 
 def _mla_decode(q_latent, q_rope, c_kv, k_rope, lengths, *, explicit, sm_scale,
-                window=None):
+                window=None, c_kv_scale=None, k_rope_scale=None):
   batch, capacity, latent = c_kv.shape
   # The kernel's dot widths are C and R separately; check both as head dims.
   def why_not(platform):
@@ -64,7 +67,8 @@ def _mla_decode(q_latent, q_rope, c_kv, k_rope, lengths, *, explicit, sm_scale,
 
   interpret = _mode(explicit, why_not)
   return _kernels.mla_decode_attention(q_latent, q_rope, c_kv, k_rope, lengths,
-                                       sm_scale=sm_scale, window=window, interpret=interpret)
+                                       sm_scale=sm_scale, window=window, c_kv_scale=c_kv_scale,
+                                       k_rope_scale=k_rope_scale, interpret=interpret)
 
 
 dispatch.register_implementation("decode_attention", "pallas", _decode, preferred=True)

@@ -16,12 +16,18 @@ in unused slots cannot leak: masked logits are replaced by -inf, their
 probabilities are exact zeros and masked value rows are zeroed in the block
 before the weighted sum.
 
+Quantized caches (int8 / fp8 values with f32 per-slot scales): each block is
+converted to f32 as it is read and its scales multiply the block's logits and
+probabilities, so the cache is dequantized block by block and no f32 copy of
+it exists (the plain path's dots make XLA:CPU convert the whole cache first).
+
 Registered as implementation `"xla_blocked"` of `decode_attention` and
 `mla_decode_attention`, tried before `"xla"`. With `implementation=None` it
-declines (NotImplementedError) off CPU, for non-f32 caches (XLA:CPU's bf16/f16
-dots are slow enough that blocking does not help), for short caches and for
-fewer than 4 (sequence, KV head) rows, where the plain path was as fast or
-faster. Named explicitly it runs anywhere.
+declines (NotImplementedError) off CPU, for bf16/f16 caches (XLA:CPU's
+bf16/f16 dots are slow enough that blocking does not help), for short caches
+and for fewer than 4 (sequence, KV head) rows, where the plain path was as
+fast or faster (for quantized caches: below `MIN_CONVERTED_BYTES_QUANT` of
+converted cache). Named explicitly it runs anywhere.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvattn.ops import dispatch
+from kvattn.ops import quant
 
 # Below this many slots the plain path's few fused ops beat the loop overhead.
 MIN_CAPACITY = 2048
@@ -46,6 +53,12 @@ MIN_ROWS = 4
 # with B = 4, C + R = 576 (128): enough work per loop iteration to hide its
 # overhead, little enough to stay in cache between the two dots.
 _BLOCK_BYTES = 2 << 20
+# Quantized caches: the plain path's dots make XLA:CPU convert the whole int8/fp8 cache to
+# an f32 copy of B * K * S * (H + Hv) * 4 bytes every step. Measured on the 2-core CPU (int8,
+# B = 4, N = 8): with a 4 MiB copy the plain path was 15% faster (K = 2, H = 16, S = 4096),
+# from 8 MiB on the blocked one was 2x (K = 8, H = 128, S = 256) to 6x (H = 32, S = 4096)
+# faster. So for quantized caches the blocked path is picked from 8 MiB of converted cache.
+MIN_CONVERTED_BYTES_QUANT = 8 << 20
 _M_INIT = -0.7 * float(np.finfo(np.float32).max)
 
 
@@ -71,12 +84,17 @@ def blocked_decode(
     window: int | None,
     soft_cap: float | None,
     block_k: int,
+    scales: tuple[jax.Array | None, jax.Array | None, jax.Array | None] = (None, None, None),
 ) -> jax.Array:
   """Returns f32 `[B, K, G, Hv]`: attention over slots `[max(0, L - W), L)`.
 
   Three-axis caches (MLA's `[B, S, C]`) are sliced as they are and given
   their unit K axis per block: reshaping the whole cache outside the loop
   made XLA:CPU copy it into the loop state on every call.
+
+  `scales = (s1, s2, sv)`: per-slot scales (`f32[B, K, S]`, or `[B, S]` for
+  three-axis caches) of a quantized k1, k2 and v (sv is ignored when the
+  value is k1, which then uses s1), or None for float operands.
   """
   slot_axis = k1.ndim - 2
   batch, capacity = k1.shape[0], k1.shape[slot_axis]
@@ -87,18 +105,28 @@ def blocked_decode(
   last = (jnp.max(lengths) + block_k - 1) // block_k
   values = k1 if v is None else v
   groups, hv = q1.shape[2], values.shape[-1]
+  s1, s2, sv = scales
+  if v is None:
+    sv = s1
 
   def block(x, offset):  # [B, K, bk, X] f32
     x = lax.dynamic_slice_in_dim(x, offset, block_k, axis=slot_axis).astype(jnp.float32)
     return x if x.ndim == 4 else x[:, None]
 
+  def scale_block(x, offset):  # [B, K, 1, bk] f32 (broadcasts over G)
+    x = lax.dynamic_slice_in_dim(x, offset, block_k, axis=x.ndim - 1).astype(jnp.float32)
+    return (x if x.ndim == 3 else x[:, None])[:, :, None, :]
+
+  def scaled(s, scale, offset):
+    return s if scale is None else s * scale_block(scale, offset)
+
   def body(i, carry):
     m, l, acc = carry
     offset = i * block_k
     kb = block(k1, offset)
-    s = jnp.einsum("BKGH,BKSH->BKGS", q1, kb)
+    s = scaled(jnp.einsum("BKGH,BKSH->BKGS", q1, kb), s1, offset)
     if k2 is not None:
-      s = s + jnp.einsum("BKGR,BKSR->BKGS", q2, block(k2, offset))
+      s = s + scaled(jnp.einsum("BKGR,BKSR->BKGS", q2, block(k2, offset)), s2, offset)
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
     slots = offset + jnp.arange(block_k, dtype=jnp.int32)
@@ -109,7 +137,9 @@ def blocked_decode(
     p = jnp.exp(s - m_next[..., None])
     vb = kb if v is None else block(v, offset)
     vb = jnp.where(valid[:, None, :, None], vb, 0.0)
-    acc = alpha[..., None] * acc + jnp.einsum("BKGS,BKSV->BKGV", p, vb)
+    pv = p if sv is None else p * jnp.where(valid[:, None, None, :],
+                                            scale_block(sv, offset), 0.0)
+    acc = alpha[..., None] * acc + jnp.einsum("BKGS,BKSV->BKGV", pv, vb)
     return m_next, alpha * l + jnp.sum(p, axis=-1), acc
 
   init = (jnp.full((batch, num_kv, groups), _M_INIT, jnp.float32),
@@ -119,15 +149,26 @@ def blocked_decode(
   return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
 
-def _fits(dtype, capacity: int, rows: int) -> None:
+def _fits(dtype, capacity: int, rows: int, width: int) -> None:
+  """Raises NotImplementedError where the plain path is as fast (see the constants).
+
+  `rows` is B * K, `width` the elements read per slot (H + Hv; MLA C + R).
+  """
   if jax.default_backend() != "cpu":
     raise NotImplementedError("xla_blocked: tuned for XLA:CPU only")
-  if rows < MIN_ROWS:
-    raise NotImplementedError(f"xla_blocked: B * K = {rows} < {MIN_ROWS}")
-  if dtype != jnp.float32:
-    raise NotImplementedError(f"xla_blocked: f32 caches only; got {dtype}")
-  if capacity < MIN_CAPACITY:
-    raise NotImplementedError(f"xla_blocked: S={capacity} < {MIN_CAPACITY}")
+  if quant.is_quantized(dtype):
+    converted = rows * capacity * width * 4
+    if converted < MIN_CONVERTED_BYTES_QUANT:
+      raise NotImplementedError(
+          f"xla_blocked: quantized cache whose f32 conversion ({converted} bytes) is below "
+          f"{MIN_CONVERTED_BYTES_QUANT}")
+  else:
+    if rows < MIN_ROWS:
+      raise NotImplementedError(f"xla_blocked: B * K = {rows} < {MIN_ROWS}")
+    if dtype != jnp.float32:
+      raise NotImplementedError(f"xla_blocked: f32 and int8/fp8 caches only; got {dtype}")
+    if capacity < MIN_CAPACITY:
+      raise NotImplementedError(f"xla_blocked: S={capacity} < {MIN_CAPACITY}")
   if capacity % 16:
     raise NotImplementedError(f"xla_blocked: S={capacity} is not a multiple of 16")
 
@@ -142,11 +183,14 @@ def decode_attention_blocked(
     window: int | None = None,
     soft_cap: float | None = None,
     block_k: int | None = None,
+    k_scale: jax.Array | None = None,  # f32[B, K, S]
+    v_scale: jax.Array | None = None,  # f32[B, K, S]
 ) -> jax.Array:
   """`decode_attention_xla` semantics computed block by block.
 
   `block_k` (slots per loop iteration, must divide S) defaults to a size
-  tuned for XLA:CPU. Returns `[B, N, Hv]` in q's dtype.
+  tuned for XLA:CPU. `k_scale, v_scale` are the scales of a quantized
+  (int8/fp8) cache, applied per block. Returns `[B, N, Hv]` in q's dtype.
   """
   batch, num_kv, capacity, head_dim = k.shape
   width = head_dim + v.shape[-1]
@@ -154,7 +198,7 @@ def decode_attention_blocked(
   scale = head_dim ** -0.5 if sm_scale is None else sm_scale
   qg = q.astype(jnp.float32).reshape(batch, num_kv, -1, head_dim) * scale
   out = blocked_decode(qg, None, k, None, v, lengths, window=window, soft_cap=soft_cap,
-                       block_k=block_k)
+                       block_k=block_k, scales=(k_scale, None, v_scale))
   return out.reshape(batch, q.shape[1], v.shape[-1]).astype(q.dtype)
 
 
@@ -168,10 +212,13 @@ def mla_decode_attention_blocked(
     sm_scale: float,
     window: int | None = None,
     block_k: int | None = None,
+    c_kv_scale: jax.Array | None = None,  # f32[B, S]
+    k_rope_scale: jax.Array | None = None,  # f32[B, S]
 ) -> jax.Array:
   """`mla_decode_attention_xla` semantics, blocked: key `[c_kv | k_rope]`, value c_kv.
 
-  The two key parts are read in place (no concatenation). Returns `[B, N, C]`.
+  The two key parts are read in place (no concatenation); a quantized cache's
+  scales are applied per block. Returns `[B, N, C]`.
   """
   batch, capacity, latent = c_kv.shape
   block_k = block_k or _block_size(capacity, batch, latent + k_rope.shape[-1]) or capacity
@@ -179,19 +226,19 @@ def mla_decode_attention_blocked(
   out = blocked_decode((q_latent.astype(f32) * sm_scale)[:, None],
                        (q_rope.astype(f32) * sm_scale)[:, None], c_kv, k_rope, None,
                        lengths, window=window, soft_cap=None,
-                       block_k=block_k)
+                       block_k=block_k, scales=(c_kv_scale, k_rope_scale, None))
   return out[:, 0].astype(q_latent.dtype)
 
 
 def _decode(q, k, v, lengths, *, explicit, **options):
   if not explicit:
-    _fits(k.dtype, k.shape[2], k.shape[0] * k.shape[1])
+    _fits(k.dtype, k.shape[2], k.shape[0] * k.shape[1], k.shape[3] + v.shape[3])
   return decode_attention_blocked(q, k, v, lengths, **options)
 
 
 def _mla_decode(q_latent, q_rope, c_kv, k_rope, lengths, *, explicit, **options):
   if not explicit:
-    _fits(c_kv.dtype, c_kv.shape[1], c_kv.shape[0])
+    _fits(c_kv.dtype, c_kv.shape[1], c_kv.shape[0], c_kv.shape[2] + k_rope.shape[2])
   return mla_decode_attention_blocked(q_latent, q_rope, c_kv, k_rope, lengths, **options)
 
 

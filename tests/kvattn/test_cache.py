@@ -98,7 +98,8 @@ def test_jit_overflow_is_a_checkify_error():
 def test_validation():
   with pytest.raises(ValueError, match="max_len must be a positive int; got 0"):
     KVCache.init(1, 0, 1, 4)
-  with pytest.raises(TypeError, match="dtype must be a floating dtype; got int32"):
+  with pytest.raises(TypeError,
+                     match=r"dtype must be a floating dtype or a quantized KV format .*; got int32"):
     KVCache.init(1, 4, 1, 4, jnp.int32)
   c = KVCache.init(2, 4, 2, 4)
   with pytest.raises(ValueError, match=r"k_new must have shape \[B, T, K, H\] = \(2, T, 2, 4\); "

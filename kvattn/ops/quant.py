@@ -1,0 +1,211 @@
+"""KV-cache quantization: int8 and fp8 values with f32 scales.
+
+A quantized cache stores each token's key (and value) of one head as `H`
+numbers in a 1-byte format plus one f32 scale, `x ~= values * scale`:
+
+  * symmetric absmax scaling per token per head (as in LLM.int8(), Dettmers
+    et al. 2022, and the fp8 KV caches of TensorRT-LLM / vLLM): `scale =
+    max_h |x_h| / format_max`, so the largest entry maps onto the format's
+    largest finite value (int8: 127, float8_e4m3fn: 448, float8_e5m2: 57344)
+    and the format's whole range serves every token whatever its magnitude;
+  * or a static per-tensor scale (`scale=`: e.g. calibrated offline, the
+    `k_scale`/`v_scale` of fp8 checkpoints); values beyond `scale * max`
+    are clamped.
+
+Formats (`QUANT_DTYPES`):
+  * int8: `round(x / scale)` (round half to even) in [-127, 127] (symmetric:
+    -128 is never used). Error per entry <= scale / 2 = absmax / 254.
+  * float8_e4m3fn (3 mantissa bits, max 448, no inf) and float8_e5m2 (2
+    mantissa bits, max 57344): `x / scale` clamped to [-max, max] and rounded
+    to nearest by the cast. Relative error <= 2^-4 (e4m3) / 2^-3 (e5m2) of
+    the entry (half a step of 2^-3 / 2^-2) for entries in the normal range;
+    entries below the normal range (< 2^-6 / 2^-14 of `max * scale`) have an
+    absolute error of at most half a subnormal step times the scale.
+
+Guarantees: values are clamped to the format's range before the cast, so
+finite inputs never give inf/NaN; an all-zero token gets scale 1 and stays
+exactly zero; a token with a tiny absmax (0.05, 1e-30) keeps the format's
+full resolution (the scale is never clamped to >= 1); the scale returned is
+the one a reader must use (`dequantize_kv(values, scales)` and the decode
+paths multiply by exactly it). Scales are f32: 4 bytes per token per head,
+counted by `kvattn.memory`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvattn import _checks
+
+# Largest finite value of each storage format: the absmax of a token maps onto it.
+FORMAT_MAX: dict[Any, float] = {
+    jnp.dtype(jnp.int8): 127.0,
+    jnp.dtype(jnp.float8_e4m3fn): float(jnp.finfo(jnp.float8_e4m3fn).max),  # 448
+    jnp.dtype(jnp.float8_e5m2): float(jnp.finfo(jnp.float8_e5m2).max),  # 57344
+}
+QUANT_DTYPES = tuple(FORMAT_MAX)
+QUANT_NAMES = tuple(d.name for d in QUANT_DTYPES)
+SCALE_DTYPE = jnp.dtype(jnp.float32)
+
+
+def _as_dtype(name: str, dtype: Any) -> jnp.dtype:
+  try:
+    return jnp.dtype(dtype)
+  except TypeError as e:
+    raise TypeError(f"{name} must be a JAX dtype; got {dtype!r}") from e
+
+
+def is_quantized(dtype: Any) -> bool:
+  """True for the storage dtypes that carry scales (int8, float8_e4m3fn, float8_e5m2)."""
+  try:
+    return jnp.dtype(dtype) in FORMAT_MAX
+  except TypeError:
+    return False
+
+
+def check_quant_dtype(dtype: Any, name: str = "dtype") -> jnp.dtype:
+  """Returns `dtype` as a jnp.dtype if it is a quantized KV format.
+
+  Raises:
+    TypeError: `dtype` is not a dtype, or not one of `QUANT_NAMES`.
+  """
+  dtype = _as_dtype(name, dtype)
+  if dtype not in FORMAT_MAX:
+    raise TypeError(f"{name} must be one of the quantized KV formats {QUANT_NAMES}; got "
+                    f"{dtype.name}")
+  return dtype
+
+
+def format_max(dtype: Any) -> float:
+  """Largest finite value of a quantized format: 127, 448 or 57344."""
+  return FORMAT_MAX[check_quant_dtype(dtype)]
+
+
+def _check_static_scale(scale: Any, batch_shape: tuple[int, ...]) -> jax.Array:
+  if isinstance(scale, bool):
+    raise TypeError(f"scale must be a positive float or array; got {scale!r}")
+  try:
+    scale = jnp.asarray(scale)
+  except TypeError:
+    raise TypeError(f"scale must be a positive float or array; got {scale!r}") from None
+  if not (jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)):
+    raise TypeError(f"scale must be a positive float or array; got dtype {scale.dtype}")
+  try:
+    fits = np.broadcast_shapes(scale.shape, batch_shape) == tuple(batch_shape)
+  except ValueError:
+    fits = False
+  if not fits:
+    raise ValueError(f"scale must broadcast to x.shape[:-1] = {batch_shape}; got shape "
+                     f"{tuple(scale.shape)}")
+  if _checks.is_concrete(scale):
+    host = np.asarray(scale, np.float64)
+    if not (np.all(host > 0) and np.all(np.isfinite(host))):
+      raise ValueError(f"scale must be positive and finite; got {host.ravel()[:8].tolist()}")
+  return jnp.broadcast_to(scale.astype(SCALE_DTYPE), batch_shape)
+
+
+def quantize_kv(
+    x: jax.Array,  # [..., H]
+    dtype: Any,
+    *,
+    scale: Any = None,  # f32 scalar or broadcastable to x.shape[:-1]
+) -> tuple[jax.Array, jax.Array]:
+  """Quantizes keys/values to a 1-byte format with one scale per vector.
+
+  Args:
+    x: `[..., H]` floating keys, values or latents; the last axis (head dim,
+      MLA's C or R) shares one scale, every other axis (token, head) gets its
+      own. Must be finite.
+    dtype: `int8`, `float8_e4m3fn` or `float8_e5m2`.
+    scale: None for dynamic absmax scaling (`max_h |x_h| / format_max`, 1 for
+      an all-zero vector), or a static positive scale -- a scalar (per
+      tensor) or an array broadcastable to `x.shape[:-1]` (e.g. per head) --
+      with which values beyond `scale * format_max` are clamped.
+
+  Returns:
+    `(values, scales)`: `values` in `dtype` with x's shape, `scales`
+    `f32[x.shape[:-1]]`, such that `dequantize_kv(values, scales)` ~= x.
+
+  Raises:
+    TypeError: `dtype` is not a quantized format, x is not floating, or a
+      non-numeric scale.
+    ValueError: x has rank 0, or a scale that is not positive and finite or
+      does not broadcast to `x.shape[:-1]`.
+  """
+  dtype = check_quant_dtype(dtype)
+  if not hasattr(x, "ndim"):
+    x = jnp.asarray(x)
+  if x.ndim < 1:
+    raise ValueError(f"x must have rank >= 1 [..., H]; got shape {tuple(x.shape)}")
+  _checks.floating("x", x)
+  top = FORMAT_MAX[dtype]
+  xf = x.astype(jnp.float32)
+  if scale is None:
+    absmax = jnp.max(jnp.abs(xf), axis=-1)
+    scales = absmax / top
+    # An all-zero vector (or one whose scale underflows f32) would divide by 0: scale 1 keeps
+    # it exactly zero (0 / 1 = 0). Tiny nonzero scales are kept as they are (full resolution).
+    scales = jnp.where(scales > 0, scales, 1.0).astype(SCALE_DTYPE)
+  else:
+    scales = _check_static_scale(scale, tuple(x.shape[:-1]))
+  scaled = jnp.clip(xf / scales[..., None], -top, top)  # never beyond the format: no inf/NaN
+  if dtype == jnp.int8:
+    scaled = jnp.round(scaled)
+  return scaled.astype(dtype), scales
+
+
+def dequantize_kv(
+    values: jax.Array,  # [..., H] int8 / fp8
+    scales: jax.Array,  # f32[...]
+    dtype: Any = jnp.float32,
+) -> jax.Array:
+  """`values * scales[..., None]` computed in f32, returned in `dtype` (`[..., H]`).
+
+  Raises:
+    TypeError: `values` is not a quantized format, or `dtype` is not floating.
+    ValueError: `scales` is not `values.shape[:-1]`.
+  """
+  if not hasattr(values, "dtype"):
+    raise TypeError(f"values must be an array; got {type(values).__name__}")
+  check_quant_dtype(values.dtype, "values.dtype")
+  dtype = _as_dtype("dtype", dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"dtype must be a floating dtype; got {dtype.name}")
+  if tuple(scales.shape) != tuple(values.shape[:-1]):
+    raise ValueError(f"scales must have shape values.shape[:-1] = {tuple(values.shape[:-1])}; "
+                     f"got {tuple(scales.shape)}")
+  return (values.astype(jnp.float32) * scales.astype(jnp.float32)[..., None]).astype(dtype)
+
+
+def check_scales(names: tuple[str, str], values: jax.Array, scales: jax.Array | None,
+                 slot_shape: tuple[int, ...], doc: str) -> None:
+  """Validates a (values, scales) pair of an attention op.
+
+  A quantized `values` needs `scales` of `slot_shape` (f32); float values must
+  come without scales.
+
+  Raises:
+    TypeError: a quantized cache without scales, scales for a float cache,
+      non-float scales.
+    ValueError: scales of the wrong shape.
+  """
+  vname, sname = names
+  if scales is None:
+    if is_quantized(values.dtype):
+      raise TypeError(f"{vname} has the quantized dtype {values.dtype.name}: pass its per-slot "
+                      f"scales {sname} {doc}")
+    return
+  if not hasattr(scales, "shape"):
+    raise TypeError(f"{sname} must be an array {doc}; got {type(scales).__name__}")
+  if not is_quantized(values.dtype):
+    raise TypeError(f"{sname} is only for quantized caches {QUANT_NAMES}; {vname} has dtype "
+                    f"{values.dtype.name}")
+  if not jnp.issubdtype(scales.dtype, jnp.floating):
+    raise TypeError(f"{sname} must have a floating dtype (f32); got {scales.dtype}")
+  if tuple(scales.shape) != tuple(slot_shape):
+    raise ValueError(f"{sname} must have shape {doc} = {tuple(slot_shape)}; got "
+                     f"{tuple(scales.shape)}")
