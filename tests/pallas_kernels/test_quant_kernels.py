@@ -1,0 +1,175 @@
+"""The fused decode kernel over quantized (int8 / fp8) caches, in interpret mode.
+
+Both schedules ("loop" = Triton GPU, "grid" = Mosaic TPU) against the kernel's
+own f32 reference (which dequantizes up front), over length edges, windows,
+splits, a bf16 query and garbage in unused slots; MLA's two-part key with a
+scale per part. Only jax is needed (quantization is written out here).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+da = importlib.import_module("pallas_kernels.decode_attention")
+
+FORMATS = {"int8": (jnp.int8, 127.0), "e4m3": (jnp.float8_e4m3fn, 448.0),
+           "e5m2": (jnp.float8_e5m2, 57344.0)}
+BLOCK = 32  # a multiple of the "grid" schedule's 1-byte sublane granule (32)
+S = 4 * BLOCK
+EDGES = (0, 1, BLOCK - 1, BLOCK, BLOCK + 1, S)
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
+
+
+def _quantize(x, name):
+  """Per-vector absmax quantization (as kvattn.ops.quantize_kv): (values, f32 scales)."""
+  dtype, top = FORMATS[name]
+  absmax = jnp.max(jnp.abs(x), axis=-1)
+  scale = jnp.where(absmax > 0, absmax / top, 1.0)
+  y = jnp.clip(x / scale[..., None], -top, top)
+  if dtype == jnp.int8:
+    y = jnp.round(y)
+  return y.astype(dtype), scale
+
+
+def _poison(values, scales, lengths, window, slot_axis):
+  """Garbage (NaN scales; NaN or -128 values) outside `[max(0, L - W), L)` of each row."""
+  slots = jnp.arange(values.shape[slot_axis])
+  starts = 0 if window is None else jnp.maximum(lengths - window, 0)
+  unused = (slots[None] >= lengths[:, None]) | (slots[None] < jnp.reshape(starts, (-1, 1)))
+  s_shape = [1] * scales.ndim
+  s_shape[0], s_shape[-1] = unused.shape
+  v_shape = [1] * values.ndim
+  v_shape[0], v_shape[slot_axis] = unused.shape
+  junk = jnp.asarray(-128 if values.dtype == jnp.int8 else jnp.nan, values.dtype)
+  return (jnp.where(unused.reshape(v_shape), junk, values),
+          jnp.where(unused.reshape(s_shape), jnp.nan, scales))
+
+
+def _dense(num_heads, num_kv, head_dim, seed=0):
+  rng = np.random.default_rng(seed)
+  b = len(EDGES)
+  return tuple(jnp.asarray(rng.standard_normal(s), jnp.float32) for s in (
+      (b, num_heads, head_dim), (b, num_kv, S, head_dim), (b, num_kv, S, head_dim)))
+
+
+CASES = [  # (format, schedule, N, K, window, q dtype)
+    ("int8", "loop", 8, 2, None, jnp.float32),
+    ("int8", "grid", 8, 1, 40, jnp.float32),
+    ("e4m3", "loop", 8, 8, 40, jnp.bfloat16),
+    ("e4m3", "grid", 8, 2, None, jnp.float32),
+    ("e5m2", "loop", 4, 1, None, jnp.float32),
+    ("e5m2", "grid", 8, 2, None, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("name,schedule,num_heads,num_kv,window,q_dtype", CASES)
+def test_dense_kernel_matches_reference_over_edges(name, schedule, num_heads, num_kv, window,
+                                                   q_dtype):
+  q, k, v = _dense(num_heads, num_kv, 16)
+  q = q.astype(q_dtype)
+  kq, ks = _quantize(k, name)
+  vq, vs = _quantize(v, name)
+  lengths = jnp.asarray(EDGES, jnp.int32)
+  out, lse = da.decode_attention(q, kq, vq, lengths, k_scale=ks, v_scale=vs, window=window,
+                                 interpret=True, schedule=schedule, block_k=BLOCK,
+                                 num_splits=2, return_lse=True)
+  ref, ref_lse = da.decode_attention_reference(q, kq, vq, lengths, k_scale=ks, v_scale=vs,
+                                               window=window, return_lse=True)
+  assert out.dtype == q_dtype
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                             atol=TOL[q_dtype], rtol=TOL[q_dtype])
+  finite = np.isfinite(np.asarray(ref_lse))
+  np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(ref_lse)[finite],
+                             atol=10 * TOL[q_dtype], rtol=TOL[q_dtype])
+  np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)  # length 0
+  # Garbage outside the attended range changes nothing.
+  kp, ksp = _poison(kq, ks, lengths, window, 2)
+  vp, vsp = _poison(vq, vs, lengths, window, 2)
+  dirty = da.decode_attention(q, kp, vp, lengths, k_scale=ksp, v_scale=vsp, window=window,
+                              interpret=True, schedule=schedule, block_k=BLOCK, num_splits=2)
+  np.testing.assert_array_equal(np.asarray(dirty, np.float32), np.asarray(out, np.float32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("schedule", ["loop", "grid"])
+@pytest.mark.parametrize("num_heads,num_kv", [(8, 8), (8, 2), (8, 1), (48, 2)])
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
+def test_dense_kernel_full_grid(name, schedule, num_heads, num_kv, window, q_dtype):
+  test_dense_kernel_matches_reference_over_edges(name, schedule, num_heads, num_kv, window,
+                                                 q_dtype)
+
+
+def test_reference_dequantizes_with_the_scales():
+  q, k, v = _dense(2, 1, 16)
+  kq, ks = _quantize(k, "int8")
+  vq, vs = _quantize(v, "int8")
+  lengths = jnp.asarray(EDGES, jnp.int32)
+  ref = da.decode_attention_reference(q, kq, vq, lengths, k_scale=ks, v_scale=vs)
+  by_hand = da.decode_attention_reference(q, kq.astype(jnp.float32) * ks[..., None],
+                                          vq.astype(jnp.float32) * vs[..., None], lengths)
+  np.testing.assert_array_equal(ref, by_hand)
+  # And it is the f32 result up to int8's error (unit-normal data, H = 16).
+  exact = da.decode_attention_reference(q, k, v, lengths)
+  assert 0 < float(jnp.abs(ref - exact).max()) < 0.03
+
+
+def test_result_independent_of_blocks_and_splits():
+  q, k, v = _dense(8, 2, 16, seed=3)
+  kq, ks = _quantize(k, "e4m3")
+  vq, vs = _quantize(v, "e4m3")
+  lengths = jnp.asarray(EDGES, jnp.int32)
+  outs = [da.decode_attention(q, kq, vq, lengths, k_scale=ks, v_scale=vs, interpret=True,
+                              block_k=bk, num_splits=ns)
+          for bk, ns in ((16, 1), (32, 3), (128, 1))]
+  for out in outs[1:]:
+    np.testing.assert_allclose(out, outs[0], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("name,schedule", [("int8", "grid"), ("e4m3", "loop"),
+                                           ("e5m2", "loop")])
+def test_mla_kernel_scales_each_part(name, schedule):
+  rng = np.random.default_rng(5)
+  b = len(EDGES)
+  q_lat, q_rope, c_kv, k_rope = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in (
+      (b, 4, 32), (b, 4, 16), (b, S, 32), (b, S, 16)))
+  k_rope = k_rope * 50.0  # another magnitude than c_kv: one scale each
+  cq, cs = _quantize(c_kv, name)
+  rq, rs = _quantize(k_rope, name)
+  lengths = jnp.asarray(EDGES, jnp.int32)
+  out = da.mla_decode_attention(q_lat, q_rope, cq, rq, lengths, sm_scale=0.02, c_kv_scale=cs,
+                                k_rope_scale=rs, interpret=True, schedule=schedule,
+                                block_k=BLOCK, num_splits=2)
+  ref = da.mla_decode_attention_reference(q_lat, q_rope, cq, rq, lengths, sm_scale=0.02,
+                                          c_kv_scale=cs, k_rope_scale=rs)
+  np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
+  cp, csp = _poison(cq, cs, lengths, None, 1)
+  rp, rsp = _poison(rq, rs, lengths, None, 1)
+  dirty = da.mla_decode_attention(q_lat, q_rope, cp, rp, lengths, sm_scale=0.02,
+                                  c_kv_scale=csp, k_rope_scale=rsp, interpret=True,
+                                  schedule=schedule, block_k=BLOCK, num_splits=2)
+  np.testing.assert_array_equal(dirty, out)
+
+
+def test_validation_names_the_scales():
+  q, k, v = _dense(2, 1, 16)
+  kq, ks = _quantize(k, "int8")
+  lengths = jnp.asarray(EDGES, jnp.int32)
+  with pytest.raises(TypeError, match="k has the quantized dtype int8: pass its per-slot scales "
+                     "k_scale"):
+    da.decode_attention(q, kq, kq, lengths, interpret=True)
+  with pytest.raises(TypeError, match="k_scale is only for quantized caches"):
+    da.decode_attention(q, k, v, lengths, k_scale=ks, v_scale=ks, interpret=True)
+  with pytest.raises(ValueError, match=r"v_scale must have shape f32\[B, K, S\]"):
+    da.decode_attention(q, kq, kq, lengths, k_scale=ks, v_scale=ks[:, :, :5], interpret=True)
+  assert da.supported((1, 8, 64), (1, 2, 128, 64), None, jnp.int8, platform="gpu") is None
+  assert da.supported((1, 8, 64), (1, 2, 128, 64), None, jnp.float8_e4m3fn,
+                      platform="gpu") is None
+  assert "not f32/bf16/int8 on TPU" in da.supported((1, 8, 64), (1, 2, 128, 64), None,
+                                                    jnp.float8_e5m2, platform="tpu")
