@@ -291,7 +291,11 @@ def decode_attention_xla(
   if sm_scale is None:
     sm_scale = head_dim ** -0.5
   qg = q.reshape(batch, num_kv_heads, groups, head_dim)
-  logits = jnp.einsum("BKGH,BKSH->BKGS", qg, k, preferred_element_type=jnp.float32) * sm_scale
+  # Keys as the left operand (BKSH,BKGH->BKSG), then a transpose of the small logits: with
+  # G > 1, XLA:CPU's library dot ran this orientation markedly faster (measured: 17% of a
+  # K = 1 decode step of the bench_generate model; no change at G = 1).
+  logits = jnp.swapaxes(jnp.einsum("BKSH,BKGH->BKSG", k, qg, preferred_element_type=jnp.float32),
+                        -1, -2) * sm_scale
   logits = scale_logits(logits, k_scale)
   if soft_cap is not None:
     logits = soft_cap * jnp.tanh(logits / soft_cap)
