@@ -61,7 +61,8 @@ class GroupedQueryAttention(nnx.Module):
   `kvattn.PagedKVCache` (`k_pages, v_pages: [K, P, page_size, H]`, block
   tables) works too: T == 1 then goes through
   `kvattn.ops.paged_decode_attention`, a longer T attends the cache gathered
-  to dense through the block table.
+  to dense through the block table (int8 / fp8 pools with their scale pools
+  alike).
 
   Call: `y, cache = attn(x, cache=None, positions=None, new_lengths=None)`
     * `x: [B, T, D]`. Without a cache the T tokens attend causally to each
@@ -139,9 +140,11 @@ class GroupedQueryAttention(nnx.Module):
     if q.shape[1] == 1:
       return ops.paged_decode_attention(
           q[:, 0], new_cache.k_pages, new_cache.v_pages, new_cache.block_tables,
-          new_cache.lengths, implementation=self.decode_implementation, **opts)[:, None]
+          new_cache.lengths, implementation=self.decode_implementation, **opts,
+          **new_cache.scale_kwargs())[:, None]
     k, v = new_cache.dense_kv()  # [B, K, pages_per_seq * page_size, H]
-    return ops.attention(q, k, v, q_offsets=old_lengths, kv_lengths=new_cache.lengths, **opts)
+    return ops.attention(q, k, v, q_offsets=old_lengths, kv_lengths=new_cache.lengths, **opts,
+                         **new_cache.dense_scale_kwargs())
 
   def _project(self, x, spec, w):
     dtype = self.dtype or x.dtype

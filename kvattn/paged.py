@@ -62,12 +62,18 @@ class PagedKVCache:
       outside `[0, P)` (`NO_PAGE`) are unassigned.
     lengths: `i32[B]` valid tokens per sequence; exceeds the capacity
       `pages_per_seq * page_size` only after an overflow under jit.
+    k_scale_pages: `f32[K, P, page_size]` per-slot key scales when the pools
+      are int8/fp8 (`kvattn.ops.quant`; slot s of a page holds `k_pages[...,
+      s, :] * k_scale_pages[..., s]`), written with the values; else None.
+    v_scale_pages: `f32[K, P, page_size]` value scales likewise, else None.
   """
 
   k_pages: jax.Array
   v_pages: jax.Array
   block_tables: jax.Array
   lengths: jax.Array
+  k_scale_pages: jax.Array | None = None
+  v_scale_pages: jax.Array | None = None
 
   @classmethod
   def init(cls, batch: int, *, num_pages: int, page_size: int, pages_per_seq: int,
@@ -82,7 +88,8 @@ class PagedKVCache:
       pages_per_seq: block-table width; the per-sequence capacity is
         `pages_per_seq * page_size` tokens.
       num_kv_heads, head_dim: K and H.
-      dtype: floating storage dtype.
+      dtype: storage dtype: floating, or int8 / float8_e4m3fn / float8_e5m2
+        (quantized on write, with `f32[K, P, page_size]` scale pools).
       block_tables: optional `int[B, pages_per_seq]` initial table (default
         all `NO_PAGE`; fill rows with `assign_slot` from a `PageAllocator`).
 
@@ -97,7 +104,7 @@ class PagedKVCache:
     pages_per_seq = _checks.positive_int("pages_per_seq", pages_per_seq)
     num_kv_heads = _checks.positive_int("num_kv_heads", num_kv_heads)
     head_dim = _checks.positive_int("head_dim", head_dim)
-    dtype = cache_lib._check_dtype(dtype)
+    dtype = cache_lib.check_storage_dtype(dtype)
     if block_tables is None:
       block_tables = jnp.full((batch, pages_per_seq), NO_PAGE, jnp.int32)
     else:
@@ -110,7 +117,9 @@ class PagedKVCache:
       block_tables = block_tables.astype(jnp.int32)
     shape = (num_kv_heads, num_pages, page_size, head_dim)
     return cls(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype),
-               block_tables=block_tables, lengths=jnp.zeros((batch,), jnp.int32))
+               block_tables=block_tables, lengths=jnp.zeros((batch,), jnp.int32),
+               k_scale_pages=cache_lib.scale_init(shape[:3], dtype),
+               v_scale_pages=cache_lib.scale_init(shape[:3], dtype))
 
   @classmethod
   def contiguous(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
@@ -162,6 +171,11 @@ class PagedKVCache:
     return self.k_pages.dtype
 
   @property
+  def quantized(self) -> bool:
+    """True when the pools hold int8/fp8 values with scale pools."""
+    return self.k_scale_pages is not None
+
+  @property
   def overflowed(self) -> jax.Array:
     """`bool[B]`: sequences written past `max_len` (or into unassigned pages
     whose tokens were dropped) under jit; sticky."""
@@ -173,8 +187,17 @@ class PagedKVCache:
     return self.num_pages * self.page_size
 
   def storage_arrays(self) -> tuple[jax.Array, ...]:
-    """The arrays whose size grows with the token slots (for `kvattn.memory`)."""
-    return (self.k_pages, self.v_pages)
+    """The arrays whose size grows with the token slots (for `kvattn.memory`),
+    scale pools included when quantized."""
+    return (self.k_pages, self.v_pages) + (
+        (self.k_scale_pages, self.v_scale_pages) if self.quantized else ())
+
+  def scale_kwargs(self) -> dict[str, jax.Array]:
+    """`{"k_scale": k_scale_pages, "v_scale": v_scale_pages}` for
+    `kvattn.ops.paged_decode_attention`, or `{}` for float pools."""
+    if not self.quantized:
+      return {}
+    return {"k_scale": self.k_scale_pages, "v_scale": self.v_scale_pages}
 
   # Pure updates.
   def update(self, k_new: jax.Array, v_new: jax.Array,
@@ -188,7 +211,8 @@ class PagedKVCache:
     `lengths` still advances, as for `KVCache` (`overflowed` is sticky).
 
     Args:
-      k_new: `[B, T, K, H]` keys (RoPE applied), cast to the cache dtype.
+      k_new: `[B, T, K, H]` keys (RoPE applied), cast to the cache dtype
+        (quantized, one scale per token and head, for int8/fp8 pools).
       v_new: `[B, T, K, H]` values.
       new_lengths: `i32[B]` real tokens per sequence among the T (default T).
 
@@ -226,13 +250,18 @@ class PagedKVCache:
                          "paged cache: a token was written to an unassigned page")
     page = jnp.where(in_range & assigned, page, num_pages)  # num_pages = dropped
     offset = slots % page_size
-    # k_pages[:, page, offset] is [K, B, T, H]: the new tokens in head-major order.
-    k_pages = self.k_pages.at[:, page, offset].set(
-        jnp.moveaxis(k_new, 2, 0).astype(self.dtype), mode="drop")
-    v_pages = self.v_pages.at[:, page, offset].set(
-        jnp.moveaxis(v_new, 2, 0).astype(self.dtype), mode="drop")
-    return PagedKVCache(k_pages=k_pages, v_pages=v_pages, block_tables=self.block_tables,
-                        lengths=lengths)
+    (k_new, k_s), (v_new, v_s) = (cache_lib.encode(k_new, self.dtype),
+                                  cache_lib.encode(v_new, self.dtype))
+
+    def write(pool, new):  # pool[:, page, offset] is [K, B, T, ...]: head-major new tokens
+      return pool.at[:, page, offset].set(jnp.moveaxis(new, 2, 0).astype(pool.dtype),
+                                          mode="drop")
+
+    return PagedKVCache(
+        k_pages=write(self.k_pages, k_new), v_pages=write(self.v_pages, v_new),
+        block_tables=self.block_tables, lengths=lengths,
+        k_scale_pages=None if k_s is None else write(self.k_scale_pages, k_s),
+        v_scale_pages=None if v_s is None else write(self.v_scale_pages, v_s))
 
   def _check_pages_assigned(self, new_lengths) -> None:
     if not all(_checks.is_concrete(x) for x in (self.lengths, new_lengths, self.block_tables)):
@@ -281,13 +310,28 @@ class PagedKVCache:
     return (paged_ops.gather_pages(self.k_pages, self.block_tables),
             paged_ops.gather_pages(self.v_pages, self.block_tables))
 
+  def dense_scale_kwargs(self) -> dict[str, jax.Array]:
+    """The scales gathered like `dense_kv` (`f32[B, K, S]` each, as `k_scale=`,
+    `v_scale=` for `kvattn.ops.attention`), or `{}` for float pools."""
+    if not self.quantized:
+      return {}
+    return {name: paged_ops.gather_pages(pool[..., None], self.block_tables)[..., 0]
+            for name, pool in (("k_scale", self.k_scale_pages),
+                               ("v_scale", self.v_scale_pages))}
+
   def to_dense(self) -> cache_lib.KVCache:
     """The equivalent dense `KVCache` (capacity `pages_per_seq * page_size`),
-    unassigned logical pages zeroed. For tests and inspection."""
+    unassigned logical pages zeroed (their scales set to 1). For tests and inspection."""
+    scales = {}
+    if self.quantized:
+      assigned = (self.block_tables >= 0) & (self.block_tables < self.num_pages)
+      assigned = jnp.repeat(assigned, self.page_size, axis=1)[:, None, :]  # [B, 1, S]
+      scales = {name: jnp.where(assigned, gathered, 1.0)
+                for name, gathered in self.dense_scale_kwargs().items()}
     return cache_lib.KVCache(
         k=paged_ops.gather_pages_zeroed(self.k_pages, self.block_tables),
         v=paged_ops.gather_pages_zeroed(self.v_pages, self.block_tables),
-        lengths=self.lengths)
+        lengths=self.lengths, **scales)
 
 
 class OutOfPagesError(RuntimeError):

@@ -26,6 +26,12 @@ Backends of the `"paged_decode_attention"` op, in the order None tries them:
   * `"xla"` — gathers each sequence's pages into a dense `[B, K, S, H]` view
     (S = pages_per_seq * page_size) and runs `decode_attention_xla`. Reads
     every page of the block table whatever the length; always available.
+
+Quantized pools (int8 / fp8 values with `f32[K, P, page_size]` scale pools,
+passed as `k_scale=`, `v_scale=`): both XLA paths apply the scales to the
+logits and probabilities (`kvattn.ops.reference`); the Pallas paged kernel
+does not read scales yet and declines them (NotImplementedError), so the
+dispatcher falls back to XLA.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import numpy as np
 
 from kvattn import _checks
 from kvattn.ops import dispatch as _dispatch
+from kvattn.ops import quant as _quant
 from kvattn.ops import reference as _reference
 from pallas_kernels import paged_attention as _kernel
 
@@ -44,13 +51,14 @@ _COMPILED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
 
 def validate_paged_args(q, k_pages, v_pages, block_tables, lengths, *, window=None,
-                        soft_cap=None, sm_scale=None) -> None:
+                        soft_cap=None, sm_scale=None, k_scale=None, v_scale=None) -> None:
   """Checks paged decode arguments; raises ValueError/TypeError naming them.
 
   Raises:
     ValueError: wrong ranks, mismatched sizes, N not a multiple of K,
       non-positive window / soft_cap / sm_scale.
-    TypeError: non-float q/k_pages/v_pages, k_pages and v_pages of different
+    TypeError: non-float q/k_pages/v_pages (int8/fp8 pools need `k_scale`,
+      `v_scale: f32[K, P, page_size]`), k_pages and v_pages of different
       dtypes, non-integer block_tables or lengths.
   """
   _checks.rank("q", q, 3, "[B, N, H]")
@@ -58,9 +66,14 @@ def validate_paged_args(q, k_pages, v_pages, block_tables, lengths, *, window=No
   _checks.rank("v_pages", v_pages, 4, "[K, P, page_size, Hv]")
   _checks.rank("block_tables", block_tables, 2, "[B, pages_per_seq]")
   _checks.rank("lengths", lengths, 1, "[B]")
-  for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
-    _checks.floating(name, x)
+  _checks.floating("q", q)
+  _reference._cache_dtype("k_pages", k_pages)  # pylint: disable=protected-access
+  _reference._cache_dtype("v_pages", v_pages)  # pylint: disable=protected-access
   _checks.same_dtype(("k_pages", "v_pages"), (k_pages, v_pages))
+  _quant.check_scales(("k_pages", "k_scale"), k_pages, k_scale, k_pages.shape[:3],
+                      "f32[K, P, page_size]")
+  _quant.check_scales(("v_pages", "v_scale"), v_pages, v_scale, k_pages.shape[:3],
+                      "f32[K, P, page_size]")
   _checks.integer("block_tables", block_tables)
   _checks.integer("lengths", lengths)
   batch, num_heads, _ = q.shape
@@ -113,6 +126,8 @@ def paged_decode_attention_xla(
     sm_scale: float | None = None,
     window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: jax.Array | None = None,  # f32[K, P, page_size]
+    v_scale: jax.Array | None = None,  # f32[K, P, page_size]
 ) -> jax.Array:  # [B, N, Hv]
   """The XLA paged path: gather through the block table, then dense decode.
 
@@ -121,9 +136,15 @@ def paged_decode_attention_xla(
   kernel reads only those below `lengths[b]`). Slots past `lengths[b]`, pages
   the block table does not assign and free pages never reach the output;
   length-0 rows are zeros. Returns `[B, N, Hv]` in q's dtype, f32-accumulated.
+  Quantized pools: the scale pools are gathered alike (`[B, K, S]`, S floats
+  per row) and applied by `decode_attention_xla`.
   """
   k = gather_pages(k_pages, block_tables)
   v = gather_pages(v_pages, block_tables)
+  scales = {}
+  if k_scale is not None:
+    scales = {"k_scale": gather_pages(k_scale[..., None], block_tables)[..., 0],
+              "v_scale": gather_pages(v_scale[..., None], block_tables)[..., 0]}
   if window is not None:
     # The dense reference zeroes the value rows past the length; also zero
     # those before the window start, so pages a scheduler has already
@@ -132,8 +153,10 @@ def paged_decode_attention_xla(
     slots = jnp.arange(v.shape[2], dtype=jnp.int32)
     keep = slots[None, :] >= (lengths - window)[:, None]  # [B, S]
     v = jnp.where(keep[:, None, :, None], v, jnp.zeros((), v.dtype))
+    if scales:
+      scales["v_scale"] = jnp.where(keep[:, None, :], scales["v_scale"], 0.0)
   return _reference.decode_attention_xla(q, k, v, lengths.astype(jnp.int32), sm_scale=sm_scale,
-                                         window=window, soft_cap=soft_cap)
+                                         window=window, soft_cap=soft_cap, **scales)
 
 
 def paged_decode_attention_pool_xla(
@@ -146,6 +169,8 @@ def paged_decode_attention_pool_xla(
     sm_scale: float | None = None,
     window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: jax.Array | None = None,  # f32[K, P, page_size]
+    v_scale: jax.Array | None = None,  # f32[K, P, page_size]
 ) -> jax.Array:  # [B, N, Hv]
   """The XLA pool-scan path: attention computed page by page over the pool.
 
@@ -165,7 +190,8 @@ def paged_decode_attention_pool_xla(
   `[max(0, L - window), L)`, unassigned entries and free pages never reach the
   output (masked logits replaced, masked values zeroed); length-0 rows are
   zeros. Same semantics as `paged_decode_attention_xla`; `[B, N, Hv]` in q's
-  dtype, f32-accumulated.
+  dtype, f32-accumulated. Quantized pools: each page's scales multiply its
+  logits and (masked slots zeroed) its probabilities.
   """
   batch, num_heads, head_dim = q.shape
   num_kv, num_pages, page_size, _ = k_pages.shape
@@ -193,9 +219,15 @@ def paged_decode_attention_pool_xla(
       slot < lengths[safe_owner][:, None])  # [P, ps]
 
   qg = q.reshape(batch, num_kv, groups, head_dim)[safe_owner]  # [P, K, G, H]
+  if k_scale is not None:  # a quantized pool: dot in q's dtype, scales on the logits
+    qg = qg.astype(jnp.promote_types(q.dtype, jnp.bfloat16))
+  else:
+    qg = qg.astype(k_pages.dtype)
   # 'S' here runs over the page_size slots of each page.
-  logits = jnp.einsum("PKGH,KPSH->PKGS", qg.astype(k_pages.dtype), k_pages,
+  logits = jnp.einsum("PKGH,KPSH->PKGS", qg, k_pages,
                       preferred_element_type=jnp.float32) * scale
+  if k_scale is not None:
+    logits = logits * jnp.moveaxis(k_scale, 0, 1)[:, :, None, :].astype(jnp.float32)
   if soft_cap is not None:
     logits = soft_cap * jnp.tanh(logits / soft_cap)
   logits = jnp.where(keep[:, None, None, :], logits, -jnp.inf)
@@ -204,6 +236,9 @@ def paged_decode_attention_pool_xla(
   row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
   probs = jnp.where(keep[:, None, None, :], jnp.exp(logits - row_max[safe_owner][..., None]), 0.0)
   denom = jax.ops.segment_sum(jnp.sum(probs, axis=-1), segment, num_segments=batch)  # [B, K, G]
+  if v_scale is not None:  # masked slots' scales zeroed: probs stay exactly 0 there
+    probs = probs * jnp.where(keep[:, None, :], jnp.moveaxis(v_scale, 0, 1).astype(jnp.float32),
+                              0.0)[:, :, None, :]
   values = jnp.where(keep[None, :, :, None], v_pages,
                      jnp.zeros((), v_pages.dtype))  # [K, P, ps, Hv], masked slots zeroed
   weighted = jnp.einsum("PKGS,KPSV->PKGV", probs, values, preferred_element_type=jnp.float32)
@@ -228,10 +263,13 @@ def _xla_pool(q, k_pages, v_pages, block_tables, lengths, *, explicit, **options
 
 
 def _pallas_paged(q, k_pages, v_pages, block_tables, lengths, *, explicit, sm_scale=None,
-                  window=None, soft_cap=None):
+                  window=None, soft_cap=None, k_scale=None, v_scale=None):
   """The "pallas" backend: compiled on GPU/TPU for supported shapes; on CPU
   only when named, in interpret mode (which emulates the GPU "loop" schedule,
-  so the GPU shape constraints apply)."""
+  so the GPU shape constraints apply). Declines quantized pools (scales)."""
+  if k_scale is not None or v_scale is not None:
+    raise NotImplementedError("pallas: the paged kernel does not read quantized (int8/fp8) "
+                              "pools; the XLA paths do")
   platform = jax.default_backend()
   interpret = platform not in _COMPILED_PLATFORMS
   if interpret and not explicit:
@@ -262,6 +300,8 @@ def paged_decode_attention(
     sm_scale: float | None = None,
     window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: jax.Array | None = None,  # f32[K, P, page_size]
+    v_scale: jax.Array | None = None,  # f32[K, P, page_size]
     implementation: str | None = None,
 ) -> jax.Array:
   """Attention of one new token per sequence against a paged KV cache.
@@ -284,6 +324,9 @@ def paged_decode_attention(
     sm_scale: logit scale, default `1/sqrt(H)`.
     window: sliding-window size in tokens, or None.
     soft_cap: logit soft cap (`cap * tanh(s / cap)`), or None.
+    k_scale, v_scale: `f32[K, P, page_size]` scale pools of int8/fp8 page
+      pools (`PagedKVCache.scale_kwargs()`), applied inside the attention
+      computation; None for float pools.
     implementation: `"xla"`, `"pallas"` or None (the first backend that fits
       the device: the Pallas kernel on GPU/TPU, the XLA gather path on CPU).
 
@@ -296,9 +339,10 @@ def paged_decode_attention(
     NotImplementedError: the named implementation cannot run these shapes here.
   """
   validate_paged_args(q, k_pages, v_pages, block_tables, lengths, window=window,
-                      soft_cap=soft_cap, sm_scale=sm_scale)
+                      soft_cap=soft_cap, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
+  scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
   return _dispatch.dispatch(OP, implementation, q, k_pages, v_pages, block_tables, lengths,
-                            sm_scale=sm_scale, window=window, soft_cap=soft_cap)
+                            sm_scale=sm_scale, window=window, soft_cap=soft_cap, **scales)
 
 
 def check_block_tables(block_tables, lengths, num_pages: int, page_size: int) -> None:

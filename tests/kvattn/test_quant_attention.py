@@ -233,3 +233,96 @@ def test_generate_runs_unchanged_on_quantized_caches():
   np.testing.assert_array_equal(tokens["int8"], tokens["f32"])
   for name in FORMATS:
     assert tokens[name].shape == (2, 8) and int(tokens[name].max()) < 64
+
+
+# ----------------------------------------------------------------------------------------------
+# Paged caches.
+
+
+# Jitted once per shape (eager op-by-op dispatch compiles every primitive of every call).
+_paged_decode = jax.jit(ops.paged_decode_attention, static_argnames=("window", "implementation"))
+_decode = jax.jit(ops.decode_attention, static_argnames=("window", "implementation"))
+_update = jax.jit(lambda c, k, v, n: c.update(k, v, n))
+
+
+def _junk(dtype):
+  return jnp.asarray(-128 if dtype == jnp.int8 else jnp.nan, dtype)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_paged_quantized_cache_equals_the_dense_one(name):
+  dtype = FORMATS[name]
+  page, pages_per_seq, num_pages = 4, 5, 16
+  lengths = jnp.array([0, 1, 4, 5, 20], jnp.int32)  # empty, one token, a full page, a fresh page
+  batch, num_kv, head_dim = len(lengths), 2, 16
+  rng = np.random.default_rng(7)
+  perm = rng.permutation(num_pages)
+  tables = np.full((batch, pages_per_seq), -1, np.int32)
+  at = 0
+  for b, n in enumerate(-(-np.asarray(lengths) // page)):  # random distinct pages per sequence
+    tables[b, :n] = perm[at:at + n]
+    at += n
+  k = jnp.asarray(rng.standard_normal((batch, page * pages_per_seq, num_kv, head_dim)),
+                  jnp.float32) * 3.0
+  v = jnp.asarray(rng.standard_normal(k.shape), jnp.float32)
+  paged = kvattn.PagedKVCache.init(batch, num_pages=num_pages, page_size=page,
+                                   pages_per_seq=pages_per_seq, num_kv_heads=num_kv,
+                                   head_dim=head_dim, dtype=dtype, block_tables=tables)
+  assert paged.quantized and paged.k_scale_pages.shape == (num_kv, num_pages, page)
+  assert kvattn.memory.measured_bytes_per_token(paged) == kvattn.memory.gqa_bytes_per_token(
+      num_kv, head_dim, dtype)
+  # Garbage everywhere first: free pages and the tails of last pages keep it.
+  paged = paged.replace(k_pages=jnp.full_like(paged.k_pages, _junk(dtype)),
+                        v_pages=jnp.full_like(paged.v_pages, _junk(dtype)),
+                        k_scale_pages=jnp.full_like(paged.k_scale_pages, jnp.nan),
+                        v_scale_pages=jnp.full_like(paged.v_scale_pages, jnp.nan))
+  paged = _update(paged, k, v, lengths)
+  dense = _update(KVCache.init(batch, page * pages_per_seq, num_kv, head_dim, dtype), k, v,
+                  lengths)
+  as_dense = jax.jit(lambda c: c.to_dense())(paged)
+  for b, n in enumerate(np.asarray(lengths)):  # same values and scales in the valid slots
+    np.testing.assert_array_equal(np.asarray(as_dense.k[b, :, :n].astype(jnp.float32)),
+                                  np.asarray(dense.k[b, :, :n].astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(as_dense.v_scale[b, :, :n]),
+                                  np.asarray(dense.v_scale[b, :, :n]))
+  q = jnp.asarray(rng.standard_normal((batch, 8, head_dim)), jnp.float32)
+  expected = _decode(q, dense.k, dense.v, lengths, implementation="xla", **dense.scale_kwargs())
+  for impl in ("xla", "xla_pool", None):
+    out = _paged_decode(q, paged.k_pages, paged.v_pages, paged.block_tables,
+                                     lengths, implementation=impl, **paged.scale_kwargs())
+    np.testing.assert_allclose(out, expected, atol=EXACT, rtol=EXACT, err_msg=str(impl))
+  windowed = _decode(q, dense.k, dense.v, lengths, window=3, implementation="xla",
+                     **dense.scale_kwargs())
+  for impl in ("xla", "xla_pool"):
+    out = _paged_decode(q, paged.k_pages, paged.v_pages, paged.block_tables,
+                                     lengths, window=3, implementation=impl,
+                                     **paged.scale_kwargs())
+    np.testing.assert_allclose(out, windowed, atol=EXACT, rtol=EXACT, err_msg=str(impl))
+  exact = kernels.decode_attention_reference(q, jnp.moveaxis(k, 1, 2), jnp.moveaxis(v, 1, 2),
+                                             lengths)
+  np.testing.assert_allclose(out := _paged_decode(
+      q, paged.k_pages, paged.v_pages, paged.block_tables, lengths, **paged.scale_kwargs()),
+      exact, atol=3 * TOL[name])  # keys at 3x the unit scale
+  np.testing.assert_array_equal(out[0], 0.0)
+  with pytest.raises(NotImplementedError, match="paged kernel does not read quantized"):
+    ops.paged_decode_attention(q, paged.k_pages, paged.v_pages, paged.block_tables, lengths,
+                               implementation="pallas", **paged.scale_kwargs())
+  with pytest.raises(TypeError, match="k_pages has the quantized dtype"):
+    ops.paged_decode_attention(q, paged.k_pages, paged.v_pages, paged.block_tables, lengths)
+
+
+def test_paged_layer_prefills_and_decodes_through_quantized_pools():
+  attn = _gqa(2)
+  x = jax.random.normal(jax.random.key(4), (2, 9, 32))
+  dense, paged = attn.init_cache(2, 12, jnp.int8), kvattn.PagedKVCache.contiguous(
+      2, 12, 2, 16, jnp.int8, page_size=4)
+  outs = {}
+  step = jax.jit(lambda xt, c: attn(xt, cache=c))
+  for kind, cache in (("dense", dense), ("paged", paged)):
+    y, cache = step(x[:, :6], cache)  # prefill: gathered dense view + scales
+    ys = [y]
+    for t in range(6, 9):
+      y, cache = step(x[:, t:t + 1], cache)  # decode: paged dispatch with scale pools
+      ys.append(y)
+    outs[kind] = jnp.concatenate(ys, axis=1)
+  np.testing.assert_allclose(outs["paged"], outs["dense"], atol=1e-5, rtol=1e-5)
