@@ -316,8 +316,9 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
                   f"{k} {v:.4f}" for k, v in no_cache.items()) + ".", "",
               "Reading: `vs bf16` is the cache size over the bf16 cache of the same variant "
               "(1-byte values are half of bf16's; the f32 scales add 4 bytes per token per KV "
-              "head, i.e. 4/H of the values: 25% at H = 16, 3% at H = 128). `Δ vs bf16`: bits/byte "
-              "through this cache minus through the bf16 cache. `greedy agreement`: share of the "
+              "head, i.e. 4/H of the values: 25% at H = 16, 3% at H = 128). `Δ vs bf16`: "
+              "bits/byte through this cache minus through the bf16 cache. `greedy agreement`: "
+              "share of the "
               "generated positions equal to the bf16 cache's (after the first difference the "
               "two continuations are different texts, so this falls quickly once they part); "
               "`first divergence`: mean position of the first differing token "

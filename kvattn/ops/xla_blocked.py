@@ -26,8 +26,8 @@ Registered as implementation `"xla_blocked"` of `decode_attention` and
 declines (NotImplementedError) off CPU, for bf16/f16 caches (XLA:CPU's
 bf16/f16 dots are slow enough that blocking does not help), for short caches
 and for fewer than 4 (sequence, KV head) rows, where the plain path was as
-fast or faster (for quantized caches: below `MIN_CONVERTED_BYTES_QUANT` of
-converted cache). Named explicitly it runs anywhere.
+fast or faster (for quantized caches: below `MIN_CONVERTED_BYTES_QUANT[format]`
+bytes of converted cache). Named explicitly it runs anywhere.
 """
 
 from __future__ import annotations
@@ -54,11 +54,14 @@ MIN_ROWS = 4
 # overhead, little enough to stay in cache between the two dots.
 _BLOCK_BYTES = 2 << 20
 # Quantized caches: the plain path's dots make XLA:CPU convert the whole int8/fp8 cache to
-# an f32 copy of B * K * S * (H + Hv) * 4 bytes every step. Measured on the 2-core CPU (int8,
-# B = 4, N = 8): with a 4 MiB copy the plain path was 15% faster (K = 2, H = 16, S = 4096),
-# from 8 MiB on the blocked one was 2x (K = 8, H = 128, S = 256) to 6x (H = 32, S = 4096)
-# faster. So for quantized caches the blocked path is picked from 8 MiB of converted cache.
-MIN_CONVERTED_BYTES_QUANT = 8 << 20
+# an f32 copy of B * K * S * (H + Hv) * 4 bytes every step. Measured on the 2-core CPU
+# (experiments/bench_quant_decode.py, docs/benchmarks.md "Quantized cache"), int8: plain was
+# as fast or faster up to a 4 MiB copy; from 16 MiB the blocked path was 1.6x (H = 64, S =
+# 1024) to 6-8x (H = 128, S = 2048 / 32768) faster. fp8 (converted in software on CPU): a
+# 16 MiB copy ran 2.5x slower blocked, 32-64 MiB 1.1-1.4x faster. So the blocked path is
+# picked from these many bytes of converted cache, per format.
+MIN_CONVERTED_BYTES_QUANT = {"int8": 8 << 20, "float8_e4m3fn": 32 << 20,
+                             "float8_e5m2": 32 << 20}
 _M_INIT = -0.7 * float(np.finfo(np.float32).max)
 
 
@@ -157,11 +160,11 @@ def _fits(dtype, capacity: int, rows: int, width: int) -> None:
   if jax.default_backend() != "cpu":
     raise NotImplementedError("xla_blocked: tuned for XLA:CPU only")
   if quant.is_quantized(dtype):
-    converted = rows * capacity * width * 4
-    if converted < MIN_CONVERTED_BYTES_QUANT:
+    converted, needed = rows * capacity * width * 4, MIN_CONVERTED_BYTES_QUANT[dtype.name]
+    if converted < needed:
       raise NotImplementedError(
           f"xla_blocked: quantized cache whose f32 conversion ({converted} bytes) is below "
-          f"{MIN_CONVERTED_BYTES_QUANT}")
+          f"{needed} for {dtype.name}")
   else:
     if rows < MIN_ROWS:
       raise NotImplementedError(f"xla_blocked: B * K = {rows} < {MIN_ROWS}")

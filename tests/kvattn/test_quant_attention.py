@@ -177,6 +177,10 @@ def test_cpu_dispatch_blocks_quantized_caches_whose_f32_copy_is_large():
   auto = ops.decode_attention(q, kq, kq, lengths, k_scale=ks, v_scale=ks)
   np.testing.assert_array_equal(auto, ops.decode_attention(
       q, kq, kq, lengths, k_scale=ks, v_scale=ks, implementation="xla_blocked"))
+  # fp8 (software conversion on CPU) is blocked only from 32 MiB.
+  with pytest.raises(NotImplementedError, match="below 33554432 for float8_e4m3fn"):
+    xla_blocked._decode(q, kq.astype(jnp.float8_e4m3fn), kq.astype(jnp.float8_e4m3fn), lengths,
+                        explicit=False, k_scale=ks, v_scale=ks)
 
 
 # ----------------------------------------------------------------------------------------------
