@@ -55,10 +55,10 @@ MIN_ROWS = 4
 _BLOCK_BYTES = 2 << 20
 # Quantized caches: the plain path's dots make XLA:CPU convert the whole int8/fp8 cache to
 # an f32 copy of B * K * S * (H + Hv) * 4 bytes every step. Measured on the 2-core CPU
-# (experiments/bench_quant_decode.py, docs/benchmarks.md "Quantized cache"), int8: plain was
-# as fast or faster up to a 4 MiB copy; from 16 MiB the blocked path was 1.6x (H = 64, S =
-# 1024) to 6-8x (H = 128, S = 2048 / 32768) faster. fp8 (converted in software on CPU): a
-# 16 MiB copy ran 2.5x slower blocked, 32-64 MiB 1.1-1.4x faster. So the blocked path is
+# (experiments/bench_quant_decode.py, two runs; docs/benchmarks.md "Quantized cache"), int8:
+# plain was as fast or faster up to a 4 MiB copy; at 16 MiB (H = 64, S = 1024) blocked was
+# 0.9-1.6x the plain speed, at 32-64 MiB (H = 128) 3-7x. fp8 (converted in software on CPU):
+# at 16 MiB blocked was 2x slower, at 32-64 MiB 1.0-1.4x faster. So the blocked path is
 # picked from these many bytes of converted cache, per format.
 MIN_CONVERTED_BYTES_QUANT = {"int8": 8 << 20, "float8_e4m3fn": 32 << 20,
                              "float8_e5m2": 32 << 20}
