@@ -173,3 +173,20 @@ def test_validation_names_the_scales():
                       platform="gpu") is None
   assert "not f32/bf16/int8 on TPU" in da.supported((1, 8, 64), (1, 2, 128, 64), None,
                                                     jnp.float8_e5m2, platform="tpu")
+
+
+@pytest.mark.skipif(jax.default_backend() not in ("gpu", "cuda", "rocm", "tpu"),
+                    reason="compiled Pallas kernels need a GPU or TPU")
+@pytest.mark.parametrize("name", ["int8", "e4m3", "e5m2"])
+def test_compiled_kernel_matches_reference(name):
+  """The compiled kernel (GPU: Triton; TPU: Mosaic, int8 only) on the same edges."""
+  reason = da.supported((1, 8, 64), (1, 2, S, 64), None, FORMATS[name][0])
+  if reason is not None:
+    pytest.skip(reason)
+  q, k, v = _dense(8, 2, 64)
+  kq, ks = _quantize(k, name)
+  vq, vs = _quantize(v, name)
+  lengths = jnp.asarray(EDGES, jnp.int32)
+  out = da.decode_attention(q, kq, vq, lengths, k_scale=ks, v_scale=vs)
+  ref = da.decode_attention_reference(q, kq, vq, lengths, k_scale=ks, v_scale=vs)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-4, rtol=2e-4)
