@@ -229,7 +229,8 @@ def _setup_lines(config: Mapping[str, Any] | None, records) -> list[str]:
         f"Model: D = {m['d_model']}, L = {m['num_layers']}, F = {m['mlp_dim']}, N = "
         f"{a['num_heads']} query heads; GQA/MQA/MHA head width H = {a['head_dim']}; MLA C = "
         f"{a['kv_lora_rank']}, R = {a['qk_rope_head_dim']}, qk_nope = {a['qk_nope_head_dim']}, "
-        f"v = {a['v_head_dim']}; {m['dtype']}.")
+        f"v = {a['v_head_dim']}; compute {m['dtype']}, cache {c['dtype'] or m['dtype']} "
+        f"(quantized caches store f32 per-token scales, counted in the cache bytes).")
     lines.append(
         f"Training per variant: {t['steps']} steps of batch {t['batch_size']} x "
         f"{config['data']['seq_len']} bytes (default corpus: CPython stdlib + pydoc topics), "

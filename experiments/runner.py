@@ -75,9 +75,11 @@ from ml_collections import config_dict
 
 from experiments import report as report_lib
 from experiments import results
+from kvattn import cache as cache_lib
 from kvattn import data as data_lib
 from kvattn import memory
 from kvattn import train as train_lib
+from kvattn.ops import quant
 from kvattn import transformer as transformer_lib
 from kvattn.generate import Sampling, decode, prefill
 
@@ -532,11 +534,10 @@ class VariantsFamily:
     cache, dec = d["cache"], d["decode"]
     if cache["dtype"] is not None:
       try:
-        if not jnp.issubdtype(jnp.dtype(cache["dtype"]), jnp.floating):
-          raise TypeError
+        cache_lib.check_storage_dtype(cache["dtype"])
       except TypeError:
-        raise ValueError(f"{where}: cache.dtype must name a floating dtype or be None; got "
-                         f"{cache['dtype']!r}") from None
+        raise ValueError(f"{where}: cache.dtype must name a floating dtype, a quantized KV "
+                         f"format {quant.QUANT_NAMES} or None; got {cache['dtype']!r}") from None
     _positive_int(f"{where}: cache.batch", cache["batch"])
     seq_lens = cache["seq_lens"]
     if not isinstance(seq_lens, (tuple, list)) or not seq_lens:
