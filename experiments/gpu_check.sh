@@ -44,9 +44,9 @@ fi
 # ---------------------------------------------------------------- 1. tests
 echo "== 1. compiled kernel tests"
 if python -c "import pytest, chex" 2>/dev/null; then
-  TESTS="tests/pallas_kernels/test_decode_attention.py tests/pallas_kernels/test_paged_attention.py"
+  TESTS="tests/pallas_kernels/test_decode_attention.py tests/pallas_kernels/test_paged_attention.py tests/pallas_kernels/test_quant_kernels.py"
   if python -c "import flax" 2>/dev/null; then TESTS="$TESTS tests/kvattn/test_pallas_dispatch.py"; fi
-  timeout 130 python -m pytest -q -p no:cacheprovider -k "not Interpret" $TESTS \
+  timeout 150 python -m pytest -q -p no:cacheprovider -k "not Interpret and (compiled or not test_quant_kernels)" $TESTS \
     > "$OUT_DIR/tests.txt" 2>&1
   TESTS_RC=$?
   TESTS_KIND="pytest (compiled class)"
