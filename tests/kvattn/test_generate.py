@@ -246,3 +246,42 @@ def test_invalid_inputs_raise_before_compute():
     kvattn.generate(model, prompts, lengths, 2, caches=used)
   with pytest.raises(TypeError, match="prompts must have an integer dtype"):
     kvattn.generate(model, prompts.astype(np.float32), lengths, 2)
+
+
+def _while_body_arrays(hlo_text):
+  """(instruction, op, element count) of every array made in the decode while loop's body."""
+  import re  # pylint: disable=g-import-not-at-top
+  body = re.search(r"while\(.*?body=(%[\w.\-]+)", hlo_text).group(1)
+  start = hlo_text.index("\n" + body + " ")
+  text = hlo_text[start:hlo_text.index("\n}\n", start)]
+  out = []
+  for m in re.finditer(r"\n\s*(?:ROOT )?(%[\w.\-]+) = \w+\[([\d,]*)\]\{[^}]*\} ([\w\-]+)\(", text):
+    name, shape, op = m.groups()
+    out.append((name, op, int(np.prod([int(d) for d in shape.split(",") if d]))))
+  return out
+
+
+@pytest.mark.parametrize("attention", [GQA, MQA, MLA])
+def test_decode_loop_updates_caches_in_place(attention):
+  """The compiled decode loop never makes a cache-sized array other than the cache update.
+
+  Structural check of the optimized HLO: inside the while body the only instructions whose
+  result is as large as a layer's cache buffer are the scatters writing the new token (which
+  XLA performs in place on the loop-carried, donated buffer). A per-step copy or transpose of
+  a cache (as XLA once made for the PV product) would show up here.
+  """
+  from kvattn.generate import _decode  # pylint: disable=g-import-not-at-top
+  model = tiny_model(attention)
+  caches = model.init_caches(3, 64)
+  graphdef, state = nnx.split(model)
+  hlo = _decode.lower(graphdef, state, caches, jnp.zeros((3,), jnp.int32), jax.random.key(0),
+                      sampling=Sampling(), max_new_tokens=8, eos_id=None,
+                      pad_id=data.PAD_ID).compile().as_text()
+  largest_buffer = max(a.size for c in caches for a in c.storage_arrays())  # MLA: c_kv
+  arrays = _while_body_arrays(hlo)
+  assert arrays, "expected the decode loop to compile to an XLA while loop"
+  big = [(name, op) for name, op, size in arrays
+         if size >= largest_buffer and op not in ("get-tuple-element", "parameter", "tuple",
+                                                   "bitcast")]
+  assert big, "the cache updates must be in the loop body"
+  assert all("scatter" in name or "dynamic-update-slice" in name for name, _ in big), big
