@@ -288,7 +288,8 @@ class BatchIterator:
       ValueError: a state from a different seed or out of range.
     """
     if int(state["seed"]) != self.seed:
-      raise ValueError(f"state['seed'] must be this iterator's seed {self.seed}; got {state['seed']}")
+      raise ValueError(
+          f"state['seed'] must be this iterator's seed {self.seed}; got {state['seed']}")
     index = int(state["index"])
     if not 0 <= index <= self.batches_per_epoch:
       raise ValueError(f"state['index'] must lie in [0, {self.batches_per_epoch}]; got {index}")

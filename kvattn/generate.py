@@ -77,7 +77,8 @@ class Sampling:
       raise ValueError(f"temperature must be a finite float >= 0; got {t!r}")
     _checks.optional_positive_int("top_k", self.top_k)
     p = self.top_p
-    if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0):
+    if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float))
+                          or not 0.0 < p <= 1.0):
       raise ValueError(f"top_p must lie in (0, 1] or be None; got {p!r}")
 
   @property
@@ -306,7 +307,8 @@ def generate(
                      f"at [{b}, {t}]")
   for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
-      raise TypeError(f"{name} must be an int{' or None' if name == 'eos_id' else ''}; got {value!r}")
+      or_none = " or None" if name == "eos_id" else ""
+      raise TypeError(f"{name} must be an int{or_none}; got {value!r}")
   if eos_id is not None and not 0 <= eos_id < vocab:
     raise ValueError(f"eos_id must lie in [0, {vocab}); got {eos_id}")
   eos_id = None if eos_id is None else int(eos_id)
@@ -327,7 +329,8 @@ def generate(
       if lengths.shape != (batch,):
         raise ValueError(f"caches[{i}].lengths must have shape ({batch},); got {lengths.shape}")
       if lengths.any():
-        raise ValueError(f"caches must be empty (lengths 0); caches[{i}].lengths = {lengths.tolist()}")
+        raise ValueError(
+            f"caches must be empty (lengths 0); caches[{i}].lengths = {lengths.tolist()}")
   else:
     capacity = width + max_new_tokens - 1 if max_len is None else _checks.positive_int(
         "max_len", max_len)

@@ -107,7 +107,8 @@ def check_train_config(cfg: Any) -> dict[str, Any]:
   for key in ("steps", "batch_size"):
     if isinstance(d[key], bool) or not isinstance(d[key], int) or d[key] <= 0:
       raise ValueError(f"train.{key} must be a positive int; got {d[key]!r}")
-  for key in ("warmup_steps", "log_every", "eval_every", "eval_batches", "checkpoint_every", "seed"):
+  for key in ("warmup_steps", "log_every", "eval_every", "eval_batches", "checkpoint_every",
+              "seed"):
     if isinstance(d[key], bool) or not isinstance(d[key], int) or d[key] < 0:
       raise ValueError(f"train.{key} must be a non-negative int; got {d[key]!r}")
   if d["warmup_steps"] >= d["steps"]:
@@ -342,7 +343,8 @@ def train_and_evaluate(config: Any, workdir: str | None = None) -> TrainResult:
       logging.info("step %d loss %.4f grad_norm %.3f lr %.2e", trainer.step, metrics["loss"],
                    metrics["grad_norm"], metrics["learning_rate"])
       history.append({"step": trainer.step, **metrics})
-    if tcfg["eval_every"] and trainer.step % tcfg["eval_every"] == 0 and trainer.step < tcfg["steps"]:
+    if (tcfg["eval_every"] and trainer.step % tcfg["eval_every"] == 0
+        and trainer.step < tcfg["steps"]):
       ev = evaluate()
       logging.info("step %d validation loss %.4f bits/byte %.4f", trainer.step, ev["loss"],
                    ev["bits_per_byte"])

@@ -220,7 +220,8 @@ def _dtype(where: str, value: Any):
   try:
     dtype = jnp.dtype(value)
   except TypeError:
-    raise ValueError(f"{where} must name a floating dtype such as 'float32'; got {value!r}") from None
+    raise ValueError(
+        f"{where} must name a floating dtype such as 'float32'; got {value!r}") from None
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"{where} must name a floating dtype such as 'float32'; got {value!r}")
   return dtype
@@ -397,7 +398,8 @@ def make_attention(spec: AttentionSpec, *, d_model: int, dtype: Any, param_dtype
     try:
       cls = importlib.import_module("kvattn.mla").MultiHeadLatentAttention
     except (ImportError, AttributeError) as e:
-      raise ValueError(f"attention kind 'mla' needs kvattn.mla.MultiHeadLatentAttention: {e}") from e
+      raise ValueError(
+          f"attention kind 'mla' needs kvattn.mla.MultiHeadLatentAttention: {e}") from e
     kwargs = dict(num_heads=spec.num_heads, kv_lora_rank=spec.kv_lora_rank,
                   qk_nope_head_dim=spec.qk_nope_head_dim, qk_rope_head_dim=spec.qk_rope_head_dim,
                   v_head_dim=spec.v_head_dim, q_lora_rank=spec.q_lora_rank,

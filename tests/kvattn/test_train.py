@@ -91,7 +91,8 @@ def test_train_and_evaluate_resumes_exactly_from_the_workdir(tmp_path):
   resumed = train.train_and_evaluate(cfg, str(tmp_path / "b"))
   assert [h["step"] for h in resumed.history if "loss" in h] == [4, 5, 6]
   assert resumed.metrics["validation_loss"] == straight.metrics["validation_loss"]
-  for a, b in zip(jax.tree.leaves(nnx.state(resumed.model)), jax.tree.leaves(nnx.state(straight.model))):
+  for a, b in zip(jax.tree.leaves(nnx.state(resumed.model)),
+                  jax.tree.leaves(nnx.state(straight.model))):
     np.testing.assert_array_equal(a, b)
 
 
@@ -105,8 +106,8 @@ def test_evaluate_masks_padding_and_reports_bits_per_byte():
   assert part["tokens"] == 4 * 19  # targets 1..19 of each row; PAD targets are masked
   # All targets here are bytes or BOS/EOS; bits per byte = nats / ln 2 / byte targets.
   nll, mask, is_byte = jax.jit(train.token_losses)(trainer.model, jnp.asarray(batch))
-  assert full["bits_per_byte"] == pytest.approx(float(nll.sum()) / math.log(2) / float(is_byte.sum()),
-                                                rel=1e-5)
+  expected_bpb = float(nll.sum()) / math.log(2) / float(is_byte.sum())
+  assert full["bits_per_byte"] == pytest.approx(expected_bpb, rel=1e-5)
   assert full["loss"] == pytest.approx(float(nll.sum() / mask.sum()), rel=1e-5)
   assert trainer.loss(batch) == pytest.approx(full["loss"], rel=1e-5)
   assert 5.0 < full["loss"] < 6.0  # untrained: close to ln(259) = 5.56

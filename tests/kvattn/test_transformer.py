@@ -133,7 +133,8 @@ def test_model_config_rejects_unknown_keys(where, overrides, message):
     (lambda c: setattr(c, "layers", ({}, {}, {})), r"model\.layers must be empty or have"),
     (lambda c: setattr(c, "layers", ({}, {"kind": "mla", "qk_rope_head_dim": 3})),
      r"model\.layers\[1\]\.qk_rope_head_dim must be even"),
-    (lambda c: setattr(c, "layers", ({"windw": 3}, {})), r"model\.layers\[0\]\.windw is not a known"),
+    (lambda c: setattr(c, "layers", ({"windw": 3}, {})),
+     r"model\.layers\[0\]\.windw is not a known"),
 ])
 def test_invalid_values_name_the_key(mutate, message):
   cfg = small_config()
