@@ -55,131 +55,19 @@ pure-jnp references.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
-try:  # The Triton lowering is deprecated in JAX 0.11 and may go away.
-  from jax.experimental.pallas import triton as plgpu
-except ImportError:  # pragma: no cover - depends on the JAX build.
-  plgpu = None
-try:
-  from jax.experimental.pallas import tpu as pltpu
-except ImportError:  # pragma: no cover - depends on the JAX build.
-  pltpu = None
-
-# Running max before any key is seen. Finite (unlike -inf) so that
-# `exp(m_prev - m_next)` is 0 or 1, never NaN, even for a tile whose every
-# logit is masked; a masked logit is -inf and contributes exp(-inf) = 0.
-_M_INIT = -0.7 * float(np.finfo(np.float32).max)
-# TPU vregs are 8 sublanes x 128 lanes; per-row statistics live replicated
-# over one vreg row of 128 lanes in VMEM scratch, as in Pallas TPU flash
-# attention.
-_TPU_LANES = 128
-_SCHEDULES = ("loop", "grid")
-
-
-# Storage formats that come with per-slot scales (pallas_kernels imports only jax, so the
-# list is kept here; kvattn.ops.quant has the same three).
-QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-
+from pallas_kernels import _common
+from pallas_kernels._common import QUANT_DTYPES  # noqa: F401  (a public name of this module)
 
 # ----------------------------------------------------------------------------
-# Kernel math shared by both schedules (values, not refs).
-# ----------------------------------------------------------------------------
-
-
-def _dequant(x, scale, dtype):
-  """A loaded block `[bk, X]`, dequantized with its `[bk, 1]` scales into `dtype`
-  when `scale` is given (quantized cache), else returned as it is."""
-  if scale is None:
-    return x
-  return (x.astype(jnp.float32) * scale).astype(dtype)
-
-
-def _block_bounds(start, length, block_k: int):
-  """First and one-past-last key block holding a slot of `[start, length)`."""
-  lo = lax.div(start, block_k)
-  hi = lax.div(length + (block_k - 1), block_k)
-  return lo, hi
-
-
-def _kv_block_index(split, step, lo, hi, blocks_per_split: int):
-  """Key block fetched at grid step (split, step) of the "grid" schedule.
-
-  The natural block `split * blocks_per_split + step` is clamped into the
-  needed range `[lo, hi)`. Steps before the range fetch block `lo` (which the
-  first needed step then reuses), steps after it repeat block `hi - 1` (which
-  the last needed step already fetched), so the pipeline, which skips the copy
-  when consecutive steps name the same block, reads each needed block once and
-  nothing else. A length-0 row (`hi == lo == 0`) names block 0 throughout.
-  """
-  blk = split * blocks_per_split + step
-  return jnp.minimum(jnp.maximum(blk, lo), jnp.maximum(hi - 1, lo))
-
-
-def _dot(a, b, *, contract_b: int, precision):
-  """f32 `a @ b` (contract_b=0) or `a @ b.T` (contract_b=1) of 2-D tiles.
-
-  A plain dot_general with f32 accumulation: Triton lowers the transposed
-  operand with `tt.trans`, Mosaic supports the NT form natively. `precision`
-  HIGHEST makes Triton use IEEE f32 instead of TF32 for f32 inputs.
-  """
-  return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), precision=precision,
-                         preferred_element_type=jnp.float32)
-
-
-def _logits(q1, k1, q2, k2, *, sm_scale: float, precision):
-  """f32 `[Gb, bk]` logits `(q1 . k1 + q2 . k2) * sm_scale`."""
-  s = _dot(q1, k1, contract_b=1, precision=precision)
-  if q2 is not None:
-    s = s + _dot(q2, k2, contract_b=1, precision=precision)
-  return s * sm_scale
-
-
-def _online_softmax_step(m_prev, l_prev, acc_prev, s, v, slot0, start, length, precision):
-  """One FlashAttention-2 update with a key block at slots `slot0 + [0, bk)`.
-
-  Args:
-    m_prev, l_prev: f32[Gb, 1] running max and running sum of exp.
-    acc_prev: f32[Gb, Hv] running unnormalised output.
-    s: f32[Gb, bk] logits of this block (unmasked).
-    v: [bk, Hv] values of this block (may hold garbage past the length).
-    slot0: i32 scalar, slot of the block's first key.
-    start, length: i32 scalars, the attended slot range `[start, length)`.
-
-  Returns:
-    `(m_next, l_next, acc_next)`.
-  """
-  bk = s.shape[1]
-  cols = slot0 + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-  s = jnp.where((cols >= start) & (cols < length), s, -jnp.inf)
-  m_cur = jnp.max(s, axis=1)[:, None]
-  m_next = jnp.maximum(m_prev, m_cur)
-  alpha = jnp.exp(m_prev - m_next)
-  p = jnp.exp(s - m_next)  # exact 0 where masked
-  l_next = alpha * l_prev + jnp.sum(p, axis=1)[:, None]
-  rows = slot0 + lax.broadcasted_iota(jnp.int32, (bk, v.shape[1]), 0)
-  v = jnp.where((rows >= start) & (rows < length), v, jnp.zeros((), v.dtype))
-  pv = _dot(p.astype(v.dtype), v, contract_b=0, precision=precision)
-  return m_next, l_next, alpha * acc_prev + pv
-
-
-def _finalize(m, l, acc):
-  """Normalised f32 output and log-sum-exp (-inf where nothing was attended)."""
-  nonempty = l > 0.0
-  out = acc / jnp.where(nonempty, l, 1.0)
-  lse = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
-  return out, lse
-
-
-# ----------------------------------------------------------------------------
-# Kernels.
+# Kernels. The online-softmax math, the "loop" block walk and the "grid"
+# scratch handling are shared with the paged kernel (`_common`).
 # ----------------------------------------------------------------------------
 
 
@@ -220,18 +108,13 @@ def _loop_kernel(
    _) = _split_refs(refs, has_rope, has_v, count, scaled)
   split = pl.program_id(3)
   start, length = start_ref[()], length_ref[()]
-  lo, hi = _block_bounds(start, length, block_k)
-  first = jnp.maximum(lo, split * blocks_per_split)
-  last = jnp.minimum(hi, (split + 1) * blocks_per_split)
-  num_blocks = jnp.maximum(last - first, 0)
-
+  first, num_blocks = _common.split_blocks(split, start, length, block_k, blocks_per_split)
   q1 = q1_ref[...]
   q2 = q2_ref[...] if has_rope else None
-  block_g = q1.shape[0]
-  hv = o_ref.shape[-1]
 
   def load(ref, scale_ref, rows):  # [bk, X] block, dequantized when the cache is quantized
-    return _dequant(ref[rows, :], None if scale_ref is None else scale_ref[rows, :], q1.dtype)
+    return _common.dequant(ref[rows, :], None if scale_ref is None else scale_ref[rows, :],
+                           q1.dtype)
 
   def body(i, carry):
     m, l, acc = carry
@@ -240,16 +123,10 @@ def _loop_kernel(
     k1 = load(k1_ref, s1_ref, rows)
     k2 = load(k2_ref, s2_ref, rows) if has_rope else None
     v = load(v_ref, sv_ref, rows) if has_v else k1
-    s = _logits(q1, k1, q2, k2, sm_scale=sm_scale, precision=precision)
-    return _online_softmax_step(m, l, acc, s, v, slot0, start, length, precision)
+    s = _common.logits(q1, k1, q2, k2, sm_scale=sm_scale, precision=precision)
+    return _common.online_softmax_step(m, l, acc, s, v, slot0, start, length, precision)
 
-  init = (jnp.full((block_g, 1), _M_INIT, jnp.float32),
-          jnp.zeros((block_g, 1), jnp.float32),
-          jnp.zeros((block_g, hv), jnp.float32))
-  m, l, acc = lax.fori_loop(0, num_blocks, body, init)
-  out, lse = _finalize(m, l, acc)
-  o_ref[...] = out
-  lse_ref[...] = lse
+  _common.loop_blocks(num_blocks, body, o_ref, lse_ref)
   if count:
     cnt_ref[...] = jnp.full(cnt_ref.shape, num_blocks, jnp.int32)
 
@@ -277,45 +154,27 @@ def _grid_kernel(
   cnt_sc = scratch[3] if count else None
   b, split, step = pl.program_id(0), pl.program_id(3), pl.program_id(4)
   start, length = starts_ref[b], lengths_ref[b]
-  lo, hi = _block_bounds(start, length, block_k)
+  lo, hi = _common.block_bounds(start, length, block_k)
   blk = split * blocks_per_split + step
-
-  @pl.when(step == 0)
-  def _init():
-    m_sc[...] = jnp.full(m_sc.shape, _M_INIT, jnp.float32)
-    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-    if count:
-      cnt_sc[...] = jnp.zeros(cnt_sc.shape, jnp.int32)
+  _common.grid_init(step, m_sc, l_sc, acc_sc, cnt_sc)
 
   @pl.when((blk >= lo) & (blk < hi))
   def _compute():
     q1 = q1_ref[...]
 
     def load(ref, scale_ref):  # [bk, X] block, dequantized when the cache is quantized
-      return _dequant(ref[...], None if scale_ref is None else scale_ref[...], q1.dtype)
+      return _common.dequant(ref[...], None if scale_ref is None else scale_ref[...], q1.dtype)
 
     k1 = load(k1_ref, s1_ref)
     k2 = load(k2_ref, s2_ref) if has_rope else None
     v = load(v_ref, sv_ref) if has_v else k1
     q2 = q2_ref[...] if has_rope else None
-    s = _logits(q1, k1, q2, k2, sm_scale=sm_scale, precision=precision)
-    m_prev, l_prev = m_sc[...], l_sc[...]  # [Gb, 128], lane-replicated
-    m, l, acc = _online_softmax_step(m_prev[:, :1], l_prev[:, :1], acc_sc[...], s, v,
-                                     blk * block_k, start, length, precision)
-    m_sc[...] = jnp.broadcast_to(m, m_sc.shape)
-    l_sc[...] = jnp.broadcast_to(l, l_sc.shape)
-    acc_sc[...] = acc
-    if count:
-      cnt_sc[...] += 1
+    s = _common.logits(q1, k1, q2, k2, sm_scale=sm_scale, precision=precision)
+    _common.grid_update(m_sc, l_sc, acc_sc, cnt_sc, s, v, blk, block_k, start, length,
+                        precision)
 
-  @pl.when(step == blocks_per_split - 1)
-  def _write():
-    out, lse = _finalize(m_sc[...][:, :1], l_sc[...][:, :1], acc_sc[...])
-    o_ref[...] = out
-    lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
-    if count:
-      cnt_ref[...] = cnt_sc[...]
+  _common.grid_write(step, blocks_per_split, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref,
+                     cnt_ref)
 
 
 # ----------------------------------------------------------------------------
@@ -323,31 +182,23 @@ def _grid_kernel(
 # ----------------------------------------------------------------------------
 
 
-def _next_pow2(x: int) -> int:
-  return 1 << max(0, (x - 1).bit_length())
+def _kv_block_index(split, step, lo, hi, blocks_per_split: int):
+  """Key block fetched at grid step (split, step) of the "grid" schedule.
 
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
-def _platform() -> str:
-  return jax.default_backend()
-
-
-def _default_schedule() -> str:
-  """"grid" on TPU, "loop" elsewhere (GPU, and the interpreter on CPU)."""
-  return "grid" if _platform() == "tpu" else "loop"
-
-
-def _sublanes(dtype) -> int:
-  """Rows of one TPU vreg for `dtype`: 8 for 32-bit, 16 for 16-bit types."""
-  return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+  The natural block `split * blocks_per_split + step` is clamped into the
+  needed range `[lo, hi)`. Steps before the range fetch block `lo` (which the
+  first needed step then reuses), steps after it repeat block `hi - 1` (which
+  the last needed step already fetched), so the pipeline, which skips the copy
+  when consecutive steps name the same block, reads each needed block once and
+  nothing else. A length-0 row (`hi == lo == 0`) names block 0 throughout.
+  """
+  blk = split * blocks_per_split + step
+  return jnp.minimum(jnp.maximum(blk, lo), jnp.maximum(hi - 1, lo))
 
 
 def _pick_block_k(capacity: int, target: int, granule: int) -> int | None:
   """Largest power-of-two multiple of `granule` <= target that divides S."""
-  bk = _next_pow2(target) if target & (target - 1) else target
+  bk = _common.next_pow2(target) if target & (target - 1) else target
   while bk >= granule:
     if capacity % bk == 0:
       return bk
@@ -363,15 +214,12 @@ def _tiles(schedule: str, num_groups: int, capacity: int, read_width: int, value
   `value_width` the accumulator width (Hv; MLA C).
   "loop" (Triton): tiles are powers of two and every dot dimension >= 16.
   "grid" (Mosaic): the key block is a multiple of the sublane count (or all
-  of S) and the G tile a multiple of it.
+  of S) and the G tile a multiple of it (`_common.g_tile`).
   """
   if schedule == "loop":
     granule = 16
     if block_k is None:
-      # Keep one K block plus one V block around 32 KiB of 16-bit data so a
-      # 4-warp program has registers/shared memory to double-buffer them.
-      target = max(16, min(128, _next_pow2(max(1, 16384 // read_width))))
-      block_k = _pick_block_k(capacity, target, granule)
+      block_k = _pick_block_k(capacity, _common.loop_block_target(read_width), granule)
       if block_k is None:
         raise ValueError(
             f"S (cache slots) must be a multiple of {granule} for the Triton decode "
@@ -380,15 +228,8 @@ def _tiles(schedule: str, num_groups: int, capacity: int, read_width: int, value
       raise ValueError(
           f"block_k must be a power of two >= {granule} dividing S={capacity} for the "
           f"\"loop\" schedule; got {block_k}")
-    g_min = max(16, _next_pow2(num_groups))
-    if block_g is None:
-      # A [Gb, Hv] f32 accumulator of up to 8192 elements (32 KiB) per program.
-      block_g = min(g_min, max(16, 8192 // _next_pow2(value_width)))
-    elif block_g < 16 or block_g & (block_g - 1):
-      raise ValueError(f"block_g must be a power of two >= 16 for the \"loop\" schedule; "
-                       f"got {block_g}")
   else:
-    granule = _sublanes(dtype)
+    granule = _common.sublanes(dtype)
     if block_k is None:
       # 512 keys per step amortise the ~0.35 us per-grid-step overhead on TPU.
       block_k = _pick_block_k(capacity, 512, granule) or capacity
@@ -396,20 +237,8 @@ def _tiles(schedule: str, num_groups: int, capacity: int, read_width: int, value
       raise ValueError(
           f"block_k must divide S={capacity} and be a multiple of {granule} (or S) for "
           f"the \"grid\" schedule and dtype {jnp.dtype(dtype).name}; got {block_k}")
-    if block_g is None:
-      block_g = _round_up(num_groups, granule)
-    elif block_g % granule:
-      raise ValueError(f"block_g must be a multiple of {granule} for the \"grid\" schedule "
-                       f"and dtype {jnp.dtype(dtype).name}; got {block_g}")
-  return block_k, block_g, _round_up(num_groups, block_g)
-
-
-def _default_splits(schedule: str, programs: int, num_blocks: int) -> int:
-  if schedule == "loop":
-    # Aim for ~2 waves of programs on a 132-SM H100/H200 (and plenty for fewer SMs).
-    return max(1, min(num_blocks, -(-256 // programs)))
-  # TPU: splits only help when B*K*G-tiles cannot keep both megacore cores busy.
-  return max(1, min(num_blocks, 2 if programs < 2 else 1))
+  block_g = _common.g_tile(schedule, num_groups, value_width, dtype, block_g)
+  return block_k, block_g, _common.round_up(num_groups, block_g)
 
 
 def _decode_partials(
@@ -450,12 +279,8 @@ def _decode_partials(
   precision = (lax.Precision.HIGHEST if q1.dtype == jnp.float32 else None)
   kernel_kw = dict(has_rope=has_rope, has_v=has_v, count=count, scaled=scaled,
                    sm_scale=sm_scale, block_k=block_k, blocks_per_split=bps, precision=precision)
-  lanes = _TPU_LANES if schedule == "grid" else 1
-  out_shape = [jax.ShapeDtypeStruct((batch, num_kv, num_splits, gp, hv), jnp.float32),
-               jax.ShapeDtypeStruct((batch, num_kv, num_splits, gp, lanes), jnp.float32)]
-  if count:
-    out_shape.append(
-        jax.ShapeDtypeStruct((batch, num_kv, num_splits, gp, lanes), jnp.int32))
+  out_shape, out_specs = _common.partial_outputs(schedule, batch, num_kv, num_splits, gp,
+                                                 block_g, hv, count)
   operands = [q1] + ([q2] if has_rope else []) + [k1] + ([k2] if has_rope else []) + (
       [v] if has_v else [])
   scale_ops = [] if not scaled else [x for x in scales if x is not None]
@@ -474,27 +299,18 @@ def _decode_partials(
     in_specs += [kv_spec(h1)] + ([kv_spec(k2.shape[-1])] if has_rope else [])
     in_specs += [kv_spec(hv)] if has_v else []
     in_specs += [kv_spec(1) for _ in scale_ops]
-    row_spec = pl.BlockSpec((None, None, None, block_g, lanes),
-                            lambda b, h, g, j: (b, h, j, g, 0))
-    out_specs = [pl.BlockSpec((None, None, None, block_g, hv),
-                              lambda b, h, g, j: (b, h, j, g, 0)), row_spec]
-    out_specs += [row_spec] if count else []
-    compiler_params = None
-    if not interpret and plgpu is not None:
-      compiler_params = plgpu.CompilerParams(num_warps=num_warps or 4,
-                                             num_stages=num_stages or 2)
     outs = pl.pallas_call(
         functools.partial(_loop_kernel, **kernel_kw),
         grid=(batch, num_kv, num_gt, num_splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=compiler_params,
+        compiler_params=_common.loop_compiler_params(interpret, num_warps, num_stages),
         interpret=interpret,
         name=name,
     )(starts, lengths, *operands)
   else:
-    if pltpu is None:  # pragma: no cover
+    if _common.pltpu is None:  # pragma: no cover
       raise NotImplementedError("the \"grid\" schedule needs jax.experimental.pallas.tpu")
 
     def q_spec(width):
@@ -503,7 +319,7 @@ def _decode_partials(
 
     def kv_spec(width):
       def index(b, h, g, j, i, st, ln):
-        lo, hi = _block_bounds(st[b], ln[b], block_k)
+        lo, hi = _common.block_bounds(st[b], ln[b], block_k)
         return b, h, _kv_block_index(j, i, lo, hi, bps), 0
       return pl.BlockSpec((None, None, block_k, width), index)
 
@@ -511,160 +327,21 @@ def _decode_partials(
     in_specs += [kv_spec(h1)] + ([kv_spec(k2.shape[-1])] if has_rope else [])
     in_specs += [kv_spec(hv)] if has_v else []
     in_specs += [kv_spec(1) for _ in scale_ops]
-    row_spec = pl.BlockSpec((None, None, None, block_g, lanes),
-                            lambda b, h, g, j, i, st, ln: (b, h, j, g, 0))
-    out_specs = [pl.BlockSpec((None, None, None, block_g, hv),
-                              lambda b, h, g, j, i, st, ln: (b, h, j, g, 0)), row_spec]
-    out_specs += [row_spec] if count else []
-    scratch = [pltpu.VMEM((block_g, _TPU_LANES), jnp.float32),
-               pltpu.VMEM((block_g, _TPU_LANES), jnp.float32),
-               pltpu.VMEM((block_g, hv), jnp.float32)]
-    scratch += [pltpu.VMEM((block_g, _TPU_LANES), jnp.int32)] if count else []
-    compiler_params = None
-    if not interpret:
-      compiler_params = pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "parallel", "parallel", "arbitrary"))
     outs = pl.pallas_call(
         functools.partial(_grid_kernel, **kernel_kw),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
+        grid_spec=_common.pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(batch, num_kv, num_gt, num_splits, bps),
             in_specs=in_specs,
             out_specs=out_specs,
-            scratch_shapes=scratch,
+            scratch_shapes=_common.grid_scratch(block_g, hv, count),
         ),
         out_shape=out_shape,
-        compiler_params=compiler_params,
+        compiler_params=_common.grid_compiler_params(interpret),
         interpret=interpret,
         name=name,
     )(starts, lengths, *operands)
-  outs = list(outs)
-  outs[1] = outs[1][..., 0]
-  if count:
-    outs[2] = outs[2][..., 0]
-  return tuple(outs)
-
-
-def _merge_splits(out, lse):
-  """Flash-decoding merge of `P` partials over axis 2.
-
-  Args:
-    out: f32[B, K, P, Gp, Hv] normalised partial outputs (zeros when empty).
-    lse: f32[B, K, P, Gp] their log-sum-exp (-inf when empty).
-
-  Returns:
-    `(f32[B, K, Gp, Hv], f32[B, K, Gp])`; rows with nothing attended give
-    zeros and -inf.
-  """
-  top = jnp.max(lse, axis=2, keepdims=True)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
-  w = jnp.exp(lse - top)  # 0 for empty partials, also when all are empty
-  denom = jnp.sum(w, axis=2)
-  merged = jnp.sum(w[..., None] * out, axis=2) / jnp.where(denom > 0, denom, 1.0)[..., None]
-  total = jnp.where(denom > 0, top[:, :, 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)),
-                    -jnp.inf)
-  return merged, total
-
-
-# ----------------------------------------------------------------------------
-# Argument checks (kept here: pallas_kernels imports only jax).
-# ----------------------------------------------------------------------------
-
-
-def _check_rank(name, x, rank, doc):
-  if not hasattr(x, "ndim"):
-    raise TypeError(f"{name} must be an array {doc}; got {type(x).__name__}")
-  if x.ndim != rank:
-    raise ValueError(f"{name} must have rank {rank} {doc}; got shape {tuple(x.shape)}")
-
-
-def _check_float(name, x):
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"{name} must have a floating dtype; got {x.dtype}")
-
-
-def _check_dim(name, x, axis, expected, what):
-  if x.shape[axis] != expected:
-    raise ValueError(
-        f"{name}.shape[{axis}] ({what}) must be {expected}; got shape {tuple(x.shape)}")
-
-
-def _check_positive_int(name, value, optional=True):
-  if value is None and optional:
-    return
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"{name} must be a positive int; got {value!r}")
-  if value <= 0:
-    raise ValueError(f"{name} must be a positive int; got {value}")
-
-
-def _check_scale(sm_scale, required=False):
-  if sm_scale is None:
-    if required:
-      raise ValueError("sm_scale is required for MLA: 1/sqrt(qk_nope_head_dim + "
-                       "qk_rope_head_dim)")
-    return
-  if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.number)):
-    raise TypeError(f"sm_scale must be a positive float; got {sm_scale!r}")
-  if not (sm_scale > 0 and math.isfinite(sm_scale)):
-    raise ValueError(f"sm_scale must be a positive finite float; got {sm_scale}")
-
-
-def _check_lengths(lengths, batch):
-  if not hasattr(lengths, "shape"):
-    lengths = np.asarray(lengths)
-  if not jnp.issubdtype(lengths.dtype, jnp.integer):
-    raise TypeError(f"lengths must have an integer dtype; got {lengths.dtype}")
-  if tuple(lengths.shape) != (batch,):
-    raise ValueError(f"lengths must have shape [B] = ({batch},); got {tuple(lengths.shape)}")
-  return lengths
-
-
-def _dot_dtype(q_dtype, cache_dtype):
-  """The dtype of the kernel's dots: the cache dtype for a float cache (q is cast to
-  it, as before); for a quantized cache, q's dtype when it is bf16/f16, else f32."""
-  if jnp.dtype(cache_dtype) not in QUANT_DTYPES:
-    return jnp.dtype(cache_dtype)
-  q_dtype = jnp.dtype(q_dtype)
-  return q_dtype if q_dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
-
-
-def _check_cache(names, values, scales, slot_shape, doc):
-  """A cache operand: floating without scales, or int8/fp8 with f32 scales of `slot_shape`."""
-  vname, sname = names
-  if scales is None:
-    if jnp.dtype(values.dtype) in QUANT_DTYPES:
-      raise TypeError(f"{vname} has the quantized dtype {values.dtype}: pass its per-slot scales "
-                      f"{sname} {doc}")
-    _check_float(vname, values)
-    return
-  if jnp.dtype(values.dtype) not in QUANT_DTYPES:
-    raise TypeError(f"{sname} is only for quantized caches (int8, float8_e4m3fn, float8_e5m2); "
-                    f"{vname} has dtype {values.dtype}")
-  _check_rank(sname, scales, len(slot_shape), doc)
-  _check_float(sname, scales)
-  if tuple(scales.shape) != tuple(slot_shape):
-    raise ValueError(f"{sname} must have shape {doc} = {tuple(slot_shape)}; got "
-                     f"{tuple(scales.shape)}")
-
-
-def _check_tunables(schedule, interpret, block_k, block_g, num_splits):
-  if schedule is not None and schedule not in _SCHEDULES:
-    raise ValueError(f"schedule must be one of {_SCHEDULES} or None; got {schedule!r}")
-  _check_positive_int("block_k", block_k)
-  _check_positive_int("block_g", block_g)
-  _check_positive_int("num_splits", num_splits)
-  schedule = schedule or _default_schedule()
-  if not interpret:
-    platform = _platform()
-    wanted = {"gpu": "loop", "cuda": "loop", "rocm": "loop", "tpu": "grid"}.get(platform)
-    if wanted is None:
-      raise ValueError(f"interpret=False needs a GPU or TPU; the default backend is "
-                       f"{platform!r} (pass interpret=True to run on CPU)")
-    if schedule != wanted:
-      raise ValueError(f"schedule {schedule!r} does not compile on {platform}; use "
-                       f"{wanted!r} (or interpret=True)")
-  return schedule
+  return _common.drop_lanes(outs, count)
 
 
 # ----------------------------------------------------------------------------
@@ -687,35 +364,19 @@ def _decode_impl(q1, q2, k1, k2, v, lengths, scales, *, sm_scale, window, interp
                                 block_k, block_g)
   num_blocks = capacity // block_k
   if num_splits is None:
-    num_splits = _default_splits(schedule, batch * num_kv * (gp // block_g), num_blocks)
+    num_splits = _common.default_splits(schedule, batch * num_kv * (gp // block_g), num_blocks)
   num_splits = min(num_splits, num_blocks)
-
-  # Sticky overflow under jit may leave lengths > S: clamp, never read past S.
-  lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
-  starts = (jnp.zeros_like(lengths) if window is None
-            else jnp.maximum(lengths - window, 0))
-
-  dot_dtype = _dot_dtype(q1.dtype, k1.dtype)
-
-  def group(q):  # [B, N, X] -> [B, K, Gp, X] in the dot dtype, zero padding rows
-    q = q.astype(dot_dtype).reshape(batch, num_kv, groups, q.shape[-1])
-    return jnp.pad(q, ((0, 0), (0, 0), (0, gp - groups), (0, 0)))
-
-  if scales is not None:  # [B, K, S] -> [B, K, S, 1]: a block's scales are a [bk, 1] column
-    scales = tuple(None if x is None else x.astype(jnp.float32)[..., None] for x in scales)
+  starts, lengths = _common.clamp_lengths(lengths, capacity, window)
+  dot_dtype = _common.dot_dtype(q1.dtype, k1.dtype)
+  if scales is not None:
+    scales = _common.scale_columns(scales)
   outs = _decode_partials(
-      group(q1), None if q2 is None else group(q2), k1, k2, v, starts, lengths, scales,
-      sm_scale=sm_scale, block_k=block_k, block_g=block_g, num_splits=num_splits,
-      schedule=schedule, interpret=interpret, count=count_blocks, num_warps=num_warps,
-      num_stages=num_stages)
-  out, lse = _merge_splits(outs[0], outs[1])
-  out = out[:, :, :groups].reshape(batch, num_heads, out.shape[-1]).astype(q1.dtype)
-  lse = lse[:, :, :groups].reshape(batch, num_heads)
-  result = (out, lse) if return_lse else out
-  if count_blocks:
-    # Blocks processed per (b, k, split), summed over splits, from G tile 0.
-    return result, jnp.sum(outs[2][:, :, :, 0], axis=2)
-  return result
+      _common.group_queries(q1, num_kv, gp, dot_dtype),
+      None if q2 is None else _common.group_queries(q2, num_kv, gp, dot_dtype),
+      k1, k2, v, starts, lengths, scales, sm_scale=sm_scale, block_k=block_k, block_g=block_g,
+      num_splits=num_splits, schedule=schedule, interpret=interpret, count=count_blocks,
+      num_warps=num_warps, num_stages=num_stages)
+  return _common.finish(outs, num_heads, groups, q1.dtype, return_lse, count_blocks)
 
 
 def decode_attention(
@@ -784,27 +445,26 @@ def decode_attention(
       schedule supports, a bad tunable, or `interpret=False` without a GPU/TPU.
     TypeError: non-float q/k/v, k/v dtype mismatch, non-integer lengths.
   """
-  _check_rank("q", q, 3, "[B, N, H]")
-  _check_rank("k", k, 4, "[B, K, S, H]")
-  _check_rank("v", v, 4, "[B, K, S, Hv]")
-  _check_float("q", q)
-  _check_cache(("k", "k_scale"), k, k_scale, k.shape[:3], "f32[B, K, S]")
-  _check_cache(("v", "v_scale"), v, v_scale, k.shape[:3], "f32[B, K, S]")
+  _common.check_rank("q", q, 3, "[B, N, H]")
+  _common.check_rank("k", k, 4, "[B, K, S, H]")
+  _common.check_rank("v", v, 4, "[B, K, S, Hv]")
+  _common.check_float("q", q)
+  _common.check_cache(("k", "k_scale"), k, k_scale, k.shape[:3], "f32[B, K, S]")
+  _common.check_cache(("v", "v_scale"), v, v_scale, k.shape[:3], "f32[B, K, S]")
   if k.dtype != v.dtype:
     raise TypeError(f"k and v must share one dtype; got k={k.dtype}, v={v.dtype}")
   batch, num_kv, capacity, head_dim = k.shape
-  _check_dim("q", q, 0, batch, "batch B, from k")
-  _check_dim("q", q, 2, head_dim, "head dim H, from k")
-  _check_dim("v", v, 0, batch, "batch B, from k")
-  _check_dim("v", v, 1, num_kv, "KV heads K, from k")
-  _check_dim("v", v, 2, capacity, "slots S, from k")
-  if q.shape[1] % num_kv:
-    raise ValueError(f"num_heads must be divisible by num_kv_heads; got {q.shape[1]} and "
-                     f"{num_kv}")
-  lengths = _check_lengths(lengths, batch)
-  _check_scale(sm_scale)
-  _check_positive_int("window", window)
-  schedule = _check_tunables(schedule, interpret, block_k, block_g, num_splits)
+  _common.check_dim("q", q, 0, batch, "batch B, from k")
+  _common.check_dim("q", q, 2, head_dim, "head dim H, from k")
+  _common.check_dim("v", v, 0, batch, "batch B, from k")
+  _common.check_dim("v", v, 1, num_kv, "KV heads K, from k")
+  _common.check_dim("v", v, 2, capacity, "slots S, from k")
+  _common.check_head_layout(q.shape[1], num_kv)
+  lengths = _common.check_lengths(lengths, batch)
+  _common.check_positive_float("sm_scale", sm_scale)
+  _common.check_positive_int("window", window)
+  schedule = _common.check_schedule(schedule, interpret, (
+      ("block_k", block_k), ("block_g", block_g), ("num_splits", num_splits)))
   sm_scale = float(head_dim ** -0.5 if sm_scale is None else sm_scale)
   # Resolve tiles now so an unfit S or tunable raises here, before tracing.
   _tiles(schedule, q.shape[1] // num_kv, capacity, head_dim + v.shape[-1], v.shape[-1],
@@ -864,30 +524,34 @@ def mla_decode_attention(
   Raises:
     ValueError/TypeError: as `decode_attention`, naming the argument.
   """
-  _check_rank("q_latent", q_latent, 3, "[B, N, C]")
-  _check_rank("q_rope", q_rope, 3, "[B, N, R]")
-  _check_rank("c_kv", c_kv, 3, "[B, S, C]")
-  _check_rank("k_rope", k_rope, 3, "[B, S, R]")
+  _common.check_rank("q_latent", q_latent, 3, "[B, N, C]")
+  _common.check_rank("q_rope", q_rope, 3, "[B, N, R]")
+  _common.check_rank("c_kv", c_kv, 3, "[B, S, C]")
+  _common.check_rank("k_rope", k_rope, 3, "[B, S, R]")
   for name, x in (("q_latent", q_latent), ("q_rope", q_rope)):
-    _check_float(name, x)
-  _check_cache(("c_kv", "c_kv_scale"), c_kv, c_kv_scale, c_kv.shape[:2], "f32[B, S]")
-  _check_cache(("k_rope", "k_rope_scale"), k_rope, k_rope_scale, c_kv.shape[:2], "f32[B, S]")
+    _common.check_float(name, x)
+  _common.check_cache(("c_kv", "c_kv_scale"), c_kv, c_kv_scale, c_kv.shape[:2], "f32[B, S]")
+  _common.check_cache(("k_rope", "k_rope_scale"), k_rope, k_rope_scale, c_kv.shape[:2], "f32[B, S]")
   if c_kv.dtype != k_rope.dtype:
     raise TypeError(f"c_kv and k_rope must share one dtype; got c_kv={c_kv.dtype}, "
                     f"k_rope={k_rope.dtype}")
   batch, capacity, latent = c_kv.shape
-  _check_dim("k_rope", k_rope, 0, batch, "batch B, from c_kv")
-  _check_dim("k_rope", k_rope, 1, capacity, "slots S, from c_kv")
-  _check_dim("q_latent", q_latent, 0, batch, "batch B, from c_kv")
-  _check_dim("q_latent", q_latent, 2, latent, "latent C, from c_kv")
+  _common.check_dim("k_rope", k_rope, 0, batch, "batch B, from c_kv")
+  _common.check_dim("k_rope", k_rope, 1, capacity, "slots S, from c_kv")
+  _common.check_dim("q_latent", q_latent, 0, batch, "batch B, from c_kv")
+  _common.check_dim("q_latent", q_latent, 2, latent, "latent C, from c_kv")
   if q_rope.shape[:2] != q_latent.shape[:2]:
     raise ValueError(f"q_rope must match q_latent in [B, N]; got {tuple(q_rope.shape)} and "
                      f"{tuple(q_latent.shape)}")
-  _check_dim("q_rope", q_rope, 2, k_rope.shape[-1], "rope dim R, from k_rope")
-  lengths = _check_lengths(lengths, batch)
-  _check_scale(sm_scale, required=True)
-  _check_positive_int("window", window)
-  schedule = _check_tunables(schedule, interpret, block_k, block_g, num_splits)
+  _common.check_dim("q_rope", q_rope, 2, k_rope.shape[-1], "rope dim R, from k_rope")
+  lengths = _common.check_lengths(lengths, batch)
+  if sm_scale is None:
+    raise ValueError("sm_scale is required for MLA: 1/sqrt(qk_nope_head_dim + "
+                     "qk_rope_head_dim)")
+  _common.check_positive_float("sm_scale", sm_scale)
+  _common.check_positive_int("window", window)
+  schedule = _common.check_schedule(schedule, interpret, (
+      ("block_k", block_k), ("block_g", block_g), ("num_splits", num_splits)))
   _tiles(schedule, q_latent.shape[1], capacity, latent + k_rope.shape[-1], latent,
          c_kv.dtype, block_k, block_g)
   # [B, S, X] -> [B, 1, S, X] is a free reshape (no copy).
@@ -913,58 +577,23 @@ def supported(q_shape, k_shape, v_shape, dtype, *,
   tests only).
   """
   del q_shape  # q's shape follows from k's (checked by the wrappers).
-  platform = platform or _platform()
-  dtype = jnp.dtype(dtype)
+  platform = platform or _common.platform()
   capacity, head_dim = k_shape[2], k_shape[3]
   hv = v_shape[3] if v_shape is not None else head_dim
-  if platform in ("gpu", "cuda", "rocm"):
-    for what, d in (("head dim H", head_dim), ("value width Hv", hv)):
-      if d < 16 or d & (d - 1):
-        return f"{what}={d} is not a power of two >= 16 (Triton dot)"
-    if dtype not in (jnp.float32, jnp.bfloat16, jnp.float16) + QUANT_DTYPES:
-      return f"dtype {dtype} is not f32/bf16/f16 or a quantized format (int8/fp8)"
-    if capacity % 16:
-      return f"S={capacity} is not a multiple of 16"
-    return None
-  if platform == "tpu":
-    if dtype not in (jnp.float32, jnp.bfloat16, jnp.int8):
-      return f"dtype {dtype} is not f32/bf16/int8 on TPU"
-    for what, d in (("head dim H", head_dim), ("value width Hv", hv)):
-      if d % 64:
-        return f"{what}={d} is not a multiple of 64 (TPU lanes)"
-    if capacity % _sublanes(dtype):
-      return f"S={capacity} is not a multiple of {_sublanes(dtype)}"
-    return None
-  return f"no compiled Pallas backend on {platform!r}"
+  reason = _common.compiled_reason(platform, dtype,
+                                   (("head dim H", head_dim), ("value width Hv", hv)))
+  if reason is not None:
+    return reason
+  # Key blocks: multiples of 16 slots (Triton dots), of the sublane count (Mosaic).
+  granule = 16 if platform in _common.GPU_PLATFORMS else _common.sublanes(dtype)
+  if capacity % granule:
+    return f"S={capacity} is not a multiple of {granule}"
+  return None
 
 
 # ----------------------------------------------------------------------------
 # References (plain jnp, f32).
 # ----------------------------------------------------------------------------
-
-
-def _dequant_reference(x, scale):
-  """f32 `x * scale[..., None]` for a quantized operand, else `x` unchanged."""
-  if scale is None:
-    return x
-  return x.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
-
-
-def _reference_core(logits, values, lengths, window):
-  """Masked softmax attention of f32 `logits [B, N, S]` over `values [B, S', ...]`."""
-  capacity = logits.shape[-1]
-  lengths = jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 0, capacity)
-  slots = jnp.arange(capacity)
-  starts = 0 if window is None else jnp.maximum(lengths - window, 0)
-  mask = (slots[None] >= jnp.reshape(starts, (-1, 1))) & (slots[None] < lengths[:, None])
-  logits = jnp.where(mask[:, None], logits, -jnp.inf)
-  top = jnp.max(logits, axis=-1, keepdims=True)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
-  probs = jnp.where(mask[:, None], jnp.exp(logits - top), 0.0)
-  denom = jnp.sum(probs, axis=-1)
-  lse = jnp.where(denom > 0, top[..., 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)),
-                  -jnp.inf)
-  return probs / jnp.where(denom > 0, denom, 1.0)[..., None], mask, lse
 
 
 def decode_attention_reference(
@@ -988,17 +617,9 @@ def decode_attention_reference(
   Returns `[B, N, Hv]` in q's dtype (and `f32[B, N]` lse with `return_lse`).
   """
   del unused_tunables
-  batch, num_kv, capacity, head_dim = k.shape
-  num_heads = q.shape[1]
-  sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
-  k, v = _dequant_reference(k, k_scale), _dequant_reference(v, v_scale)
-  kh = jnp.repeat(k.astype(jnp.float32), num_heads // num_kv, axis=1)  # [B, N, S, H]
-  vh = jnp.repeat(v.astype(jnp.float32), num_heads // num_kv, axis=1)
-  logits = jnp.einsum("BNH,BNSH->BNS", q.astype(jnp.float32), kh,
-                      precision=lax.Precision.HIGHEST) * sm_scale
-  probs, mask, lse = _reference_core(logits, vh, lengths, window)
-  vh = jnp.where(mask[:, None, :, None], vh, 0.0)
-  out = jnp.einsum("BNS,BNSV->BNV", probs, vh, precision=lax.Precision.HIGHEST)
+  sm_scale = k.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+  k, v = _common.dequant_reference(k, k_scale), _common.dequant_reference(v, v_scale)
+  out, lse = _common.reference_gqa(q, k, v, lengths, sm_scale=sm_scale, window=window)
   out = out.astype(q.dtype)
   return (out, lse) if return_lse else out
 
@@ -1024,13 +645,14 @@ def mla_decode_attention_reference(
   dtype (and `f32[B, N]` lse).
   """
   del unused_tunables
-  c_kv, k_rope = _dequant_reference(c_kv, c_kv_scale), _dequant_reference(k_rope, k_rope_scale)
+  c_kv = _common.dequant_reference(c_kv, c_kv_scale)
+  k_rope = _common.dequant_reference(k_rope, k_rope_scale)
   f32 = jnp.float32
   hi = lax.Precision.HIGHEST
   logits = (jnp.einsum("BNC,BSC->BNS", q_latent.astype(f32), c_kv.astype(f32), precision=hi)
             + jnp.einsum("BNR,BSR->BNS", q_rope.astype(f32), k_rope.astype(f32),
                          precision=hi)) * sm_scale
-  probs, mask, lse = _reference_core(logits, None, lengths, window)
+  probs, mask, lse = _common.reference_softmax(logits, lengths, window)
   values = jnp.where(mask[:, :, None], c_kv.astype(f32), 0.0)
   out = jnp.einsum("BNS,BSC->BNC", probs, values, precision=hi).astype(q_latent.dtype)
   return (out, lse) if return_lse else out

@@ -22,6 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import _common
+from tests.pallas_kernels._helpers import (DTYPES, KernelTest, assert_errors, close, close_lse,
+                                           lengths_sets)
+
 # The module (the package attribute `pallas_kernels.decode_attention` is the function).
 da = importlib.import_module("pallas_kernels.decode_attention")
 
@@ -33,18 +37,6 @@ except ImportError:  # pragma: no cover - depends on the machine
 BLOCK = 16  # block_k used by the grids below; S = 4 blocks.
 S = 4 * BLOCK
 EDGES = (0, 1, BLOCK - 1, BLOCK, BLOCK + 1, S)
-# Tolerances against the f32 reference, by dtype: the kernel rounds q to the
-# cache dtype and the probabilities to it before the PV dot (as flash kernels do).
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
-DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
-
-
-def _lengths_sets(batch):
-  """Length vectors for a batch that together cover every edge."""
-  if batch == 1:
-    return [np.array([e], np.int32) for e in EDGES]
-  return [np.array(EDGES[i:i + batch] + EDGES[:max(0, i + batch - len(EDGES))],
-                   np.int32)[:batch] for i in range(0, len(EDGES), batch)]
 
 
 def _inputs(batch, num_heads, num_kv, head_dim, v_dim, dtype, capacity=S, seed=0):
@@ -70,20 +62,6 @@ def _fill_unused(x, lengths, window, value, slot_axis=2):
     return jnp.asarray(x.astype(dtype))
 
 
-def _close(actual, expected, dtype, what=""):
-  tol = TOL[dtype]
-  np.testing.assert_allclose(np.asarray(actual, np.float32), np.asarray(expected, np.float32),
-                             atol=tol, rtol=tol, err_msg=what)
-
-
-def _close_lse(actual, expected, dtype):
-  actual, expected = np.asarray(actual), np.asarray(expected)
-  np.testing.assert_array_equal(np.isneginf(actual), np.isneginf(expected))
-  fin = np.isfinite(expected)
-  # lse is f32 in both; the kernel's logits use q rounded to the cache dtype.
-  np.testing.assert_allclose(actual[fin], expected[fin], atol=4 * TOL[dtype], rtol=TOL[dtype])
-
-
 # Default cases: (B, N, K, H, Hv, dtype, window, schedule). Together they cover
 # B in {1, 3}, (N, K) in {(8, 8), (8, 2), (8, 1), (48, 2)}, H in {64, 128},
 # Hv != H both ways, every dtype, windows and both schedules.
@@ -105,23 +83,8 @@ SLOW_CASES = [
 ]
 
 
-class TestDecodeAttention:
+class TestDecodeAttention(KernelTest):
   """Compiled kernel (GPU/TPU); the Interpret subclass runs it on CPU."""
-
-  INTERPRET = False
-
-  @pytest.fixture(autouse=True)
-  def _backend(self):
-    if not self.INTERPRET and jax.default_backend() not in ("gpu", "cuda", "rocm", "tpu"):
-      pytest.skip("compiled Pallas kernels need a GPU or TPU")
-
-  def _schedule(self, schedule):
-    if self.INTERPRET:
-      return schedule
-    native = "grid" if jax.default_backend() == "tpu" else "loop"
-    if schedule != native:
-      pytest.skip(f"schedule {schedule!r} does not compile on {jax.default_backend()}")
-    return schedule
 
   def _kernel(self, *args, **kwargs):
     kwargs.setdefault("block_k", BLOCK)
@@ -132,7 +95,7 @@ class TestDecodeAttention:
                   schedule, num_splits=2):
     dtype = DTYPES[dtype_name]
     q, k, v = _inputs(batch, num_heads, num_kv, head_dim, v_dim, dtype)
-    for lengths in _lengths_sets(batch):
+    for lengths in lengths_sets(batch, EDGES):
       out, lse = self._kernel(q, k, v, lengths, window=window, schedule=schedule,
                               num_splits=num_splits, return_lse=True)
       ref, ref_lse = da.decode_attention_reference(q, k, v, lengths, window=window,
@@ -140,12 +103,12 @@ class TestDecodeAttention:
       chex.assert_shape(out, (batch, num_heads, v_dim))
       assert out.dtype == q.dtype and lse.dtype == jnp.float32
       what = f"lengths={lengths.tolist()}"
-      _close(out, ref, dtype, what)
+      close(out, ref, dtype, what)
       if kvattn_ops is not None:
         xla = kvattn_ops.decode_attention(q, k, v, jnp.asarray(lengths), window=window,
                                           implementation="xla")
-        _close(xla, ref, dtype, "xla path " + what)
-      _close_lse(lse, ref_lse, dtype)
+        close(xla, ref, dtype, "xla path " + what)
+      close_lse(lse, ref_lse, dtype)
       empty = lengths == 0
       np.testing.assert_array_equal(np.asarray(out, np.float32)[empty], 0.0)
 
@@ -235,7 +198,7 @@ class TestDecodeAttention:
                         for d in (latent, rope))
     c_kv = jnp.asarray(rng.randn(batch, S, latent), dtype)
     k_rope = jnp.asarray(rng.randn(batch, S, rope), dtype)
-    for lengths in _lengths_sets(batch):
+    for lengths in lengths_sets(batch, EDGES):
       dirty_c = _fill_unused(c_kv, lengths, window, np.nan, 1)
       dirty_r = _fill_unused(k_rope, lengths, window, 1e30, 1)
       out, lse = da.mla_decode_attention(
@@ -246,13 +209,13 @@ class TestDecodeAttention:
           q_latent, q_rope, c_kv, k_rope, lengths, sm_scale=0.125, window=window,
           return_lse=True)
       chex.assert_shape(out, (batch, num_heads, latent))
-      _close(out, ref, dtype, f"lengths={lengths.tolist()}")
+      close(out, ref, dtype, f"lengths={lengths.tolist()}")
       if kvattn_ops is not None:
         xla = kvattn_ops.mla_decode_attention(q_latent, q_rope, c_kv, k_rope,
                                               jnp.asarray(lengths), sm_scale=0.125,
                                               window=window, implementation="xla")
-        _close(xla, ref, dtype)
-      _close_lse(lse, ref_lse, dtype)
+        close(xla, ref, dtype)
+      close_lse(lse, ref_lse, dtype)
 
   def test_jitted_step_compiles_once(self):
     q, k, v = (jnp.concatenate([x, x]) for x in _inputs(1, 8, 2, 64, 64, jnp.float32))
@@ -350,7 +313,7 @@ def test_grid_schedule_fetches_only_needed_blocks(blocks_per_split, num_splits):
   # differs from the previous step's, so count index changes.
   num_blocks = blocks_per_split * num_splits
   for start, length in [(0, 0), (0, 1), (0, 16 * num_blocks), (20, 37), (33, 33 + 16)]:
-    lo, hi = (int(x) for x in da._block_bounds(jnp.int32(start), jnp.int32(length), 16))
+    lo, hi = (int(x) for x in _common.block_bounds(jnp.int32(start), jnp.int32(length), 16))
     hi = min(hi, num_blocks)
     visited = [int(da._kv_block_index(j, i, lo, hi, blocks_per_split))
                for j in range(num_splits) for i in range(blocks_per_split)]
@@ -383,12 +346,7 @@ def test_validation_errors_name_the_argument():
        {"sm_scale": -1.0}),
       (ValueError, "num_splits must be a positive int", (q, k, v, lengths), {"num_splits": 0}),
   ]
-  if jax.default_backend() == "cpu":
-    cases.append((ValueError, "interpret=False needs a GPU or TPU", (q, k, v, lengths),
-                  {"interpret": False}))
-  for error, message, args, kwargs in cases:
-    with pytest.raises(error, match=message):
-      call(*args, **kwargs)
+  assert_errors(call, cases, (q, k, v, lengths))
   with pytest.raises(ValueError, match="sm_scale is required for MLA"):
     da.mla_decode_attention(q, q[..., :8], k[:, 0], k[:, 0, :, :8], lengths, sm_scale=None,
                             interpret=True)

@@ -3,7 +3,7 @@
 Both schedules ("loop" = Triton GPU, "grid" = Mosaic TPU) against the kernel's
 own f32 reference (which dequantizes up front), over length edges, windows,
 splits, a bf16 query and garbage in unused slots; MLA's two-part key with a
-scale per part. Only jax is needed (quantization is written out here).
+scale per part. Only jax is needed (quantization is written out in _helpers.py).
 """
 
 from __future__ import annotations
@@ -15,39 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.pallas_kernels._helpers import FORMATS, TOL, poison, quantize
+
 da = importlib.import_module("pallas_kernels.decode_attention")
 
-FORMATS = {"int8": (jnp.int8, 127.0), "e4m3": (jnp.float8_e4m3fn, 448.0),
-           "e5m2": (jnp.float8_e5m2, 57344.0)}
 BLOCK = 32  # a multiple of the "grid" schedule's 1-byte sublane granule (32)
 S = 4 * BLOCK
 EDGES = (0, 1, BLOCK - 1, BLOCK, BLOCK + 1, S)
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
-
-
-def _quantize(x, name):
-  """Per-vector absmax quantization (as kvattn.ops.quantize_kv): (values, f32 scales)."""
-  dtype, top = FORMATS[name]
-  absmax = jnp.max(jnp.abs(x), axis=-1)
-  scale = jnp.where(absmax > 0, absmax / top, 1.0)
-  y = jnp.clip(x / scale[..., None], -top, top)
-  if dtype == jnp.int8:
-    y = jnp.round(y)
-  return y.astype(dtype), scale
-
-
-def _poison(values, scales, lengths, window, slot_axis):
-  """Garbage (NaN scales; NaN or -128 values) outside `[max(0, L - W), L)` of each row."""
-  slots = jnp.arange(values.shape[slot_axis])
-  starts = 0 if window is None else jnp.maximum(lengths - window, 0)
-  unused = (slots[None] >= lengths[:, None]) | (slots[None] < jnp.reshape(starts, (-1, 1)))
-  s_shape = [1] * scales.ndim
-  s_shape[0], s_shape[-1] = unused.shape
-  v_shape = [1] * values.ndim
-  v_shape[0], v_shape[slot_axis] = unused.shape
-  junk = jnp.asarray(-128 if values.dtype == jnp.int8 else jnp.nan, values.dtype)
-  return (jnp.where(unused.reshape(v_shape), junk, values),
-          jnp.where(unused.reshape(s_shape), jnp.nan, scales))
 
 
 def _dense(num_heads, num_kv, head_dim, seed=0):
@@ -72,8 +46,8 @@ def test_dense_kernel_matches_reference_over_edges(name, schedule, num_heads, nu
                                                    q_dtype):
   q, k, v = _dense(num_heads, num_kv, 16)
   q = q.astype(q_dtype)
-  kq, ks = _quantize(k, name)
-  vq, vs = _quantize(v, name)
+  kq, ks = quantize(k, name)
+  vq, vs = quantize(v, name)
   lengths = jnp.asarray(EDGES, jnp.int32)
   out, lse = da.decode_attention(q, kq, vq, lengths, k_scale=ks, v_scale=vs, window=window,
                                  interpret=True, schedule=schedule, block_k=BLOCK,
@@ -88,8 +62,8 @@ def test_dense_kernel_matches_reference_over_edges(name, schedule, num_heads, nu
                              atol=10 * TOL[q_dtype], rtol=TOL[q_dtype])
   np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)  # length 0
   # Garbage outside the attended range changes nothing.
-  kp, ksp = _poison(kq, ks, lengths, window, 2)
-  vp, vsp = _poison(vq, vs, lengths, window, 2)
+  kp, ksp = poison(kq, ks, lengths, window, 2)
+  vp, vsp = poison(vq, vs, lengths, window, 2)
   dirty = da.decode_attention(q, kp, vp, lengths, k_scale=ksp, v_scale=vsp, window=window,
                               interpret=True, schedule=schedule, block_k=BLOCK, num_splits=2)
   np.testing.assert_array_equal(np.asarray(dirty, np.float32), np.asarray(out, np.float32))
@@ -108,8 +82,8 @@ def test_dense_kernel_full_grid(name, schedule, num_heads, num_kv, window, q_dty
 
 def test_reference_dequantizes_with_the_scales():
   q, k, v = _dense(2, 1, 16)
-  kq, ks = _quantize(k, "int8")
-  vq, vs = _quantize(v, "int8")
+  kq, ks = quantize(k, "int8")
+  vq, vs = quantize(v, "int8")
   lengths = jnp.asarray(EDGES, jnp.int32)
   ref = da.decode_attention_reference(q, kq, vq, lengths, k_scale=ks, v_scale=vs)
   by_hand = da.decode_attention_reference(q, kq.astype(jnp.float32) * ks[..., None],
@@ -122,8 +96,8 @@ def test_reference_dequantizes_with_the_scales():
 
 def test_result_independent_of_blocks_and_splits():
   q, k, v = _dense(8, 2, 16, seed=3)
-  kq, ks = _quantize(k, "e4m3")
-  vq, vs = _quantize(v, "e4m3")
+  kq, ks = quantize(k, "e4m3")
+  vq, vs = quantize(v, "e4m3")
   lengths = jnp.asarray(EDGES, jnp.int32)
   outs = [da.decode_attention(q, kq, vq, lengths, k_scale=ks, v_scale=vs, interpret=True,
                               block_k=bk, num_splits=ns)
@@ -140,8 +114,8 @@ def test_mla_kernel_scales_each_part(name, schedule):
   q_lat, q_rope, c_kv, k_rope = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in (
       (b, 4, 32), (b, 4, 16), (b, S, 32), (b, S, 16)))
   k_rope = k_rope * 50.0  # another magnitude than c_kv: one scale each
-  cq, cs = _quantize(c_kv, name)
-  rq, rs = _quantize(k_rope, name)
+  cq, cs = quantize(c_kv, name)
+  rq, rs = quantize(k_rope, name)
   lengths = jnp.asarray(EDGES, jnp.int32)
   out = da.mla_decode_attention(q_lat, q_rope, cq, rq, lengths, sm_scale=0.02, c_kv_scale=cs,
                                 k_rope_scale=rs, interpret=True, schedule=schedule,
@@ -149,8 +123,8 @@ def test_mla_kernel_scales_each_part(name, schedule):
   ref = da.mla_decode_attention_reference(q_lat, q_rope, cq, rq, lengths, sm_scale=0.02,
                                           c_kv_scale=cs, k_rope_scale=rs)
   np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
-  cp, csp = _poison(cq, cs, lengths, None, 1)
-  rp, rsp = _poison(rq, rs, lengths, None, 1)
+  cp, csp = poison(cq, cs, lengths, None, 1)
+  rp, rsp = poison(rq, rs, lengths, None, 1)
   dirty = da.mla_decode_attention(q_lat, q_rope, cp, rp, lengths, sm_scale=0.02,
                                   c_kv_scale=csp, k_rope_scale=rsp, interpret=True,
                                   schedule=schedule, block_k=BLOCK, num_splits=2)
@@ -159,7 +133,7 @@ def test_mla_kernel_scales_each_part(name, schedule):
 
 def test_validation_names_the_scales():
   q, k, v = _dense(2, 1, 16)
-  kq, ks = _quantize(k, "int8")
+  kq, ks = quantize(k, "int8")
   lengths = jnp.asarray(EDGES, jnp.int32)
   with pytest.raises(TypeError, match="k has the quantized dtype int8: pass its per-slot scales "
                      "k_scale"):
@@ -184,8 +158,8 @@ def test_compiled_kernel_matches_reference(name):
   if reason is not None:
     pytest.skip(reason)
   q, k, v = _dense(8, 2, 64)
-  kq, ks = _quantize(k, name)
-  vq, vs = _quantize(v, name)
+  kq, ks = quantize(k, name)
+  vq, vs = quantize(v, name)
   lengths = jnp.asarray(EDGES, jnp.int32)
   out = da.decode_attention(q, kq, vq, lengths, k_scale=ks, v_scale=vs)
   ref = da.decode_attention_reference(q, kq, vq, lengths, k_scale=ks, v_scale=vs)

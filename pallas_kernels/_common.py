@@ -1,0 +1,587 @@
+"""Pieces shared by the fused decode kernels (`decode_attention.py`, `paged_attention.py`).
+
+Both kernels compute the same math -- GQA-grouped online softmax over key
+blocks (FlashAttention-2, Dao 2023, algorithm 1), split into partitions merged
+by their log-sum-exp (flash-decoding, Dao, Haziza, Massa, Sizov 2023), with
+per-slot dequantization of int8/fp8 caches -- and differ only in where a key
+block comes from (a slice of a dense row, or pages named by a block table).
+This module holds what does not depend on that, in the order of a kernel
+file: kernel-side helpers (values, and the refs of the "grid" schedule's
+scratch), launcher helpers (tiles, splits, output BlockSpecs, compiler
+parameters, the merge of split partials), wrapper helpers (query grouping,
+length clamping, argument checks raising ValueError/TypeError naming the
+argument) and the f32 reference core. Imports only jax.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+try:  # The Triton lowering is deprecated in JAX 0.11 and may go away.
+  from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover - depends on the JAX build.
+  plgpu = None
+try:
+  from jax.experimental.pallas import tpu as pltpu
+except ImportError:  # pragma: no cover - depends on the JAX build.
+  pltpu = None
+
+# Running max before any key is seen. Finite (unlike -inf) so that
+# `exp(m_prev - m_next)` is 0 or 1, never NaN, even for a tile whose every
+# logit is masked; a masked logit is -inf and contributes exp(-inf) = 0.
+M_INIT = -0.7 * float(np.finfo(np.float32).max)
+# TPU vregs are 8 sublanes x 128 lanes; per-row statistics live replicated
+# over one vreg row of 128 lanes in VMEM scratch, as in Pallas TPU flash
+# attention.
+TPU_LANES = 128
+SCHEDULES = ("loop", "grid")
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+# Storage formats that come with per-slot scales (pallas_kernels imports only jax, so the
+# list is kept here; kvattn.ops.quant has the same three).
+QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+# Cache dtypes each compiled backend takes (Triton needs sm_89+ for fp8 loads; Mosaic has no
+# fp8 -> f32 conversion on the TPU generations we target, so int8 only there).
+_GPU_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) + (
+    QUANT_DTYPES)
+_TPU_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))
+
+
+# ----------------------------------------------------------------------------
+# Kernel math shared by both schedules (values, not refs).
+# ----------------------------------------------------------------------------
+
+
+def dequant(x, scale, dtype):
+  """A loaded block `[bk, X]`, dequantized with its `[bk, 1]` scales into `dtype`
+  when `scale` is given (quantized cache: `x.astype(f32) * scale`), else `x` as it is."""
+  if scale is None:
+    return x
+  return (x.astype(jnp.float32) * scale).astype(dtype)
+
+
+def block_bounds(start, length, block: int):
+  """First and one-past-last block of `block` slots holding a slot of `[start, length)`."""
+  return lax.div(start, block), lax.div(length + (block - 1), block)
+
+
+def split_blocks(split, start, length, block_k: int, blocks_per_split: int):
+  """("loop" schedule) First key block of `split` and how many it processes: the
+  blocks of `[split * bps, (split + 1) * bps)` that overlap `[start, length)`."""
+  lo, hi = block_bounds(start, length, block_k)
+  first = jnp.maximum(lo, split * blocks_per_split)
+  last = jnp.minimum(hi, (split + 1) * blocks_per_split)
+  return first, jnp.maximum(last - first, 0)
+
+
+def dot(a, b, *, trans_b: bool = False, precision=None):
+  """f32 `a @ b` (or `a @ b.T`) of 2-D tiles.
+
+  A plain dot_general with f32 accumulation: Triton lowers the transposed
+  operand with `tt.trans`, Mosaic supports the NT form natively. `precision`
+  HIGHEST makes Triton use IEEE f32 instead of TF32 for f32 inputs.
+  """
+  dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+  return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def logits(q1, k1, q2=None, k2=None, *, sm_scale: float, soft_cap: float | None = None,
+           precision):
+  """f32 `[Gb, bk]` logits `(q1 . k1 + q2 . k2) * sm_scale` (second part optional),
+  soft-capped (`cap * tanh(s / cap)`) when asked."""
+  s = dot(q1, k1, trans_b=True, precision=precision)
+  if q2 is not None:
+    s = s + dot(q2, k2, trans_b=True, precision=precision)
+  s = s * sm_scale
+  if soft_cap is not None:
+    s = soft_cap * jnp.tanh(s / soft_cap)
+  return s
+
+
+def online_softmax_step(m_prev, l_prev, acc_prev, s, v, slot0, start, length, precision):
+  """One FlashAttention-2 update with a key block at slots `slot0 + [0, bk)`.
+
+  Masked logits are replaced (not added to), so their probabilities are exact
+  zeros, and masked value rows are zeroed before the product (0 * NaN would
+  be NaN): garbage in slots outside the range never reaches the result.
+
+  Args:
+    m_prev, l_prev: f32[Gb, 1] running max and running sum of exp.
+    acc_prev: f32[Gb, Hv] running unnormalised output.
+    s: f32[Gb, bk] logits of this block (unmasked).
+    v: [bk, Hv] values of this block (may hold garbage outside the range).
+    slot0: i32 scalar, (logical) slot of the block's first key.
+    start, length: i32 scalars, the attended slot range `[start, length)`.
+
+  Returns:
+    `(m_next, l_next, acc_next)`.
+  """
+  bk = s.shape[1]
+  cols = slot0 + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+  s = jnp.where((cols >= start) & (cols < length), s, -jnp.inf)
+  m_next = jnp.maximum(m_prev, jnp.max(s, axis=1)[:, None])
+  alpha = jnp.exp(m_prev - m_next)
+  p = jnp.exp(s - m_next)  # exact 0 where masked
+  l_next = alpha * l_prev + jnp.sum(p, axis=1)[:, None]
+  rows = slot0 + lax.broadcasted_iota(jnp.int32, (bk, v.shape[1]), 0)
+  v = jnp.where((rows >= start) & (rows < length), v, jnp.zeros((), v.dtype))
+  pv = dot(p.astype(v.dtype), v, precision=precision)
+  return m_next, l_next, alpha * acc_prev + pv
+
+
+def finalize(m, l, acc):
+  """Normalised f32 output and log-sum-exp (-inf where nothing was attended)."""
+  nonempty = l > 0.0
+  out = acc / jnp.where(nonempty, l, 1.0)
+  lse = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
+  return out, lse
+
+
+# ----------------------------------------------------------------------------
+# Kernel bodies shared by both kernels (refs).
+# ----------------------------------------------------------------------------
+
+
+def loop_blocks(num_blocks, body, o_ref, lse_ref):
+  """"loop" schedule: `fori_loop(0, num_blocks, body)` over the online-softmax state
+  `(m, l, acc)` from empty, then writes the normalised `o_ref [Gb, Hv]` and
+  `lse_ref [Gb, 1]`."""
+  block_g, hv = o_ref.shape
+  init = (jnp.full((block_g, 1), M_INIT, jnp.float32),
+          jnp.zeros((block_g, 1), jnp.float32),
+          jnp.zeros((block_g, hv), jnp.float32))
+  m, l, acc = lax.fori_loop(0, num_blocks, body, init)
+  out, lse = finalize(m, l, acc)
+  o_ref[...] = out
+  lse_ref[...] = lse
+
+
+def grid_init(step, m_sc, l_sc, acc_sc, cnt_sc):
+  """"grid" schedule: resets the scratch state at the first block step of a split."""
+
+  @pl.when(step == 0)
+  def _init():
+    m_sc[...] = jnp.full(m_sc.shape, M_INIT, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    if cnt_sc is not None:
+      cnt_sc[...] = jnp.zeros(cnt_sc.shape, jnp.int32)
+
+
+def grid_update(m_sc, l_sc, acc_sc, cnt_sc, s, v, block, block_size: int, start, length,
+                precision):
+  """"grid" schedule: one `online_softmax_step` on the scratch state (statistics
+  lane-replicated `[Gb, 128]`) with the key block `block` of `block_size` slots
+  (first slot `block * block_size`), counting it when `cnt_sc` is given."""
+  m_prev, l_prev = m_sc[...], l_sc[...]
+  m, l, acc = online_softmax_step(m_prev[:, :1], l_prev[:, :1], acc_sc[...], s, v,
+                                  block * block_size, start, length, precision)
+  m_sc[...] = jnp.broadcast_to(m, m_sc.shape)
+  l_sc[...] = jnp.broadcast_to(l, l_sc.shape)
+  acc_sc[...] = acc
+  if cnt_sc is not None:
+    cnt_sc[...] += 1
+
+
+def grid_write(step, blocks_per_split: int, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref,
+               cnt_ref):
+  """"grid" schedule: writes the split's normalised output, lse (and block count)
+  at its last block step."""
+
+  @pl.when(step == blocks_per_split - 1)
+  def _write():
+    out, lse = finalize(m_sc[...][:, :1], l_sc[...][:, :1], acc_sc[...])
+    o_ref[...] = out
+    lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
+    if cnt_ref is not None:
+      cnt_ref[...] = cnt_sc[...]
+
+
+# ----------------------------------------------------------------------------
+# Launcher helpers.
+# ----------------------------------------------------------------------------
+
+
+def next_pow2(x: int) -> int:
+  return 1 << max(0, (x - 1).bit_length())
+
+
+def round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def is_pow2(x: int) -> bool:
+  return x > 0 and not x & (x - 1)
+
+
+def platform() -> str:
+  return jax.default_backend()
+
+
+def default_schedule() -> str:
+  """"grid" on TPU, "loop" elsewhere (GPU, and the interpreter on CPU)."""
+  return "grid" if platform() == "tpu" else "loop"
+
+
+def sublanes(dtype) -> int:
+  """Rows of one TPU vreg for `dtype`: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit types."""
+  return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def loop_block_target(read_width: int) -> int:
+  """"loop" schedule: keys per block so that one K block plus one V block is
+  around 32 KiB of 16-bit data (a 4-warp program then has registers/shared
+  memory to double-buffer them): 64 keys at H = Hv = 128, 128 at 64; a power
+  of two in [16, 128]. `read_width` is the elements read per slot (H + Hv)."""
+  return max(16, min(128, next_pow2(max(1, 16384 // read_width))))
+
+
+def g_tile(schedule: str, num_groups: int, value_width: int, dtype, block_g: int | None) -> int:
+  """Resolves and checks the G tile (query heads per program); ValueError if unfit.
+
+  "loop" (Triton): a power of two >= 16 (every dot dimension >= 16), by
+  default G rounded up to one, capped so the `[Gb, Hv]` f32 accumulator stays
+  within 8192 elements (32 KiB). "grid" (Mosaic): a multiple of the sublane
+  count of `dtype` (the cache dtype), by default G rounded up to one.
+  """
+  if schedule == "loop":
+    if block_g is None:
+      return min(max(16, next_pow2(num_groups)), max(16, 8192 // next_pow2(value_width)))
+    if block_g < 16 or not is_pow2(block_g):
+      raise ValueError(f"block_g must be a power of two >= 16 for the \"loop\" schedule; "
+                       f"got {block_g}")
+    return block_g
+  granule = sublanes(dtype)
+  if block_g is None:
+    return round_up(num_groups, granule)
+  if block_g % granule:
+    raise ValueError(f"block_g must be a multiple of {granule} for the \"grid\" schedule "
+                     f"and dtype {jnp.dtype(dtype).name}; got {block_g}")
+  return block_g
+
+
+def default_splits(schedule: str, programs: int, num_blocks: int) -> int:
+  """Key-axis partitions when `num_splits` is not given (results do not depend on it)."""
+  if schedule == "loop":
+    # Aim for ~2 waves of programs on a 132-SM H100/H200 (and plenty for fewer SMs).
+    return max(1, min(num_blocks, -(-256 // programs)))
+  # TPU: splits only help when B * K * G tiles cannot keep both megacore cores busy.
+  return max(1, min(num_blocks, 2 if programs < 2 else 1))
+
+
+def partial_outputs(schedule: str, batch: int, num_kv: int, num_splits: int, gp: int,
+                    block_g: int, hv: int, count: bool):
+  """`(out_shape, out_specs)` of the per-split partials, for either schedule.
+
+  Outputs `f32[B, K, splits, Gp, Hv]` (normalised partial output), `f32[B, K,
+  splits, Gp, lanes]` (log-sum-exp) and, with `count`, `i32[B, K, splits, Gp,
+  lanes]` (blocks or pages processed); lanes is 128 on "grid" (lane-replicated
+  rows, as Mosaic stores them) and 1 on "loop". The index maps take the grid
+  indices `(b, h, g, split, ...)` and ignore the rest (the "grid" schedule's
+  block step and scalar-prefetch refs).
+  """
+  lanes = TPU_LANES if schedule == "grid" else 1
+  out_shape = [jax.ShapeDtypeStruct((batch, num_kv, num_splits, gp, hv), jnp.float32),
+               jax.ShapeDtypeStruct((batch, num_kv, num_splits, gp, lanes), jnp.float32)]
+  if count:
+    out_shape.append(jax.ShapeDtypeStruct((batch, num_kv, num_splits, gp, lanes), jnp.int32))
+  row_spec = pl.BlockSpec((None, None, None, block_g, lanes),
+                          lambda b, h, g, j, *_: (b, h, j, g, 0))
+  out_specs = [pl.BlockSpec((None, None, None, block_g, hv),
+                            lambda b, h, g, j, *_: (b, h, j, g, 0)), row_spec]
+  out_specs += [row_spec] if count else []
+  return out_shape, out_specs
+
+
+def loop_compiler_params(interpret, num_warps: int | None, num_stages: int | None):
+  """Triton options of the "loop" schedule (None when interpreting)."""
+  if interpret or plgpu is None:
+    return None
+  return plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages or 2)
+
+
+def grid_compiler_params(interpret):
+  """Mosaic options of the "grid" schedule: the block axis (last) is sequential."""
+  if interpret:
+    return None
+  return pltpu.CompilerParams(
+      dimension_semantics=("parallel", "parallel", "parallel", "parallel", "arbitrary"))
+
+
+def grid_scratch(block_g: int, hv: int, count: bool):
+  """VMEM scratch of the "grid" schedule: m, l (lane-replicated), acc, (block count)."""
+  scratch = [pltpu.VMEM((block_g, TPU_LANES), jnp.float32),
+             pltpu.VMEM((block_g, TPU_LANES), jnp.float32),
+             pltpu.VMEM((block_g, hv), jnp.float32)]
+  scratch += [pltpu.VMEM((block_g, TPU_LANES), jnp.int32)] if count else []
+  return scratch
+
+
+def drop_lanes(outs, count: bool):
+  """The pallas_call's outputs with the lane axis of the lse (and count) rows dropped."""
+  outs = list(outs)
+  outs[1] = outs[1][..., 0]
+  if count:
+    outs[2] = outs[2][..., 0]
+  return tuple(outs)
+
+
+def merge_splits(out, lse):
+  """Flash-decoding merge of `P` partials over axis 2:
+  `out = sum_j exp(lse_j - lse) out_j`, `lse = logsumexp_j lse_j`.
+
+  Args:
+    out: f32[B, K, P, Gp, Hv] normalised partial outputs (zeros when empty).
+    lse: f32[B, K, P, Gp] their log-sum-exp (-inf when empty).
+
+  Returns:
+    `(f32[B, K, Gp, Hv], f32[B, K, Gp])`; rows with nothing attended give
+    zeros and -inf.
+  """
+  top = jnp.max(lse, axis=2, keepdims=True)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  w = jnp.exp(lse - top)  # 0 for empty partials, also when all are empty
+  denom = jnp.sum(w, axis=2)
+  merged = jnp.sum(w[..., None] * out, axis=2) / jnp.where(denom > 0, denom, 1.0)[..., None]
+  total = jnp.where(denom > 0, top[:, :, 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)),
+                    -jnp.inf)
+  return merged, total
+
+
+# ----------------------------------------------------------------------------
+# Wrapper helpers (inside the jitted implementations).
+# ----------------------------------------------------------------------------
+
+
+def clamp_lengths(lengths, capacity: int, window: int | None):
+  """`(starts, lengths)` as i32[B]: lengths clamped to `[0, capacity]` (a sticky
+  overflow under jit may leave them larger: never read past the cache) and
+  `starts = max(0, lengths - window)` (0 without a window)."""
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
+  starts = jnp.zeros_like(lengths) if window is None else jnp.maximum(lengths - window, 0)
+  return starts, lengths
+
+
+def dot_dtype(q_dtype, cache_dtype):
+  """The dtype of the kernel's dots: the cache dtype for a float cache (q is cast to
+  it); for a quantized cache, q's dtype when it is bf16/f16, else f32."""
+  if jnp.dtype(cache_dtype) not in QUANT_DTYPES:
+    return jnp.dtype(cache_dtype)
+  q_dtype = jnp.dtype(q_dtype)
+  return q_dtype if q_dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
+
+
+def group_queries(q, num_kv: int, gp: int, dtype):
+  """`[B, N, X]` -> `[B, K, Gp, X]` in `dtype`, G zero-padded to the tile multiple Gp."""
+  batch, num_heads, width = q.shape
+  groups = num_heads // num_kv
+  q = q.astype(dtype).reshape(batch, num_kv, groups, width)
+  return jnp.pad(q, ((0, 0), (0, 0), (0, gp - groups), (0, 0)))
+
+
+def scale_columns(scales):
+  """Per-slot scales `f32[..., S]` (None entries kept) as `f32[..., S, 1]`, so a
+  loaded block's scales are a `[bk, 1]` column broadcasting over its width."""
+  return tuple(None if x is None else x.astype(jnp.float32)[..., None] for x in scales)
+
+
+def finish(outs, num_heads: int, groups: int, out_dtype, return_lse: bool, count: bool):
+  """Merges the per-split partials into `[B, N, Hv]` (and `f32[B, N]` lse), dropping
+  the G padding rows; with `count`, also the `i32[B, K]` blocks processed (summed
+  over splits, from G tile 0)."""
+  out, lse = merge_splits(outs[0], outs[1])
+  batch = out.shape[0]
+  out = out[:, :, :groups].reshape(batch, num_heads, out.shape[-1]).astype(out_dtype)
+  lse = lse[:, :, :groups].reshape(batch, num_heads)
+  result = (out, lse) if return_lse else out
+  if count:
+    return result, jnp.sum(outs[2][:, :, :, 0], axis=2)
+  return result
+
+
+# ----------------------------------------------------------------------------
+# Argument checks (kept here: pallas_kernels imports only jax).
+# ----------------------------------------------------------------------------
+
+
+def check_rank(name, x, rank, doc):
+  if not hasattr(x, "ndim"):
+    raise TypeError(f"{name} must be an array {doc}; got {type(x).__name__}")
+  if x.ndim != rank:
+    raise ValueError(f"{name} must have rank {rank} {doc}; got shape {tuple(x.shape)}")
+
+
+def check_float(name, x):
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"{name} must have a floating dtype; got {x.dtype}")
+
+
+def check_dim(name, x, axis, expected, what):
+  if x.shape[axis] != expected:
+    raise ValueError(
+        f"{name}.shape[{axis}] ({what}) must be {expected}; got shape {tuple(x.shape)}")
+
+
+def check_positive_int(name, value):
+  """None, or a positive int (TypeError for non-ints and bools, ValueError for <= 0)."""
+  if value is None:
+    return
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name} must be a positive int; got {value!r}")
+  if value <= 0:
+    raise ValueError(f"{name} must be a positive int; got {value}")
+
+
+def check_positive_float(name, value):
+  """None, or a positive finite number."""
+  if value is None:
+    return
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+    raise TypeError(f"{name} must be a positive float; got {value!r}")
+  if not (value > 0 and math.isfinite(value)):
+    raise ValueError(f"{name} must be a positive finite float; got {value}")
+
+
+def check_lengths(lengths, batch):
+  """`lengths` as an array of integer dtype and shape `[B]` (host sequences accepted)."""
+  if not hasattr(lengths, "shape"):
+    lengths = np.asarray(lengths)
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise TypeError(f"lengths must have an integer dtype; got {lengths.dtype}")
+  if tuple(lengths.shape) != (batch,):
+    raise ValueError(f"lengths must have shape [B] = ({batch},); got {tuple(lengths.shape)}")
+  return lengths
+
+
+def check_head_layout(num_heads: int, num_kv: int):
+  if num_heads % num_kv:
+    raise ValueError(f"num_heads must be divisible by num_kv_heads; got {num_heads} and "
+                     f"{num_kv}")
+
+
+def check_cache(names, values, scales, slot_shape, doc):
+  """A cache operand: floating without scales, or int8/fp8 with f32 scales of `slot_shape`."""
+  vname, sname = names
+  if scales is None:
+    if jnp.dtype(values.dtype) in QUANT_DTYPES:
+      raise TypeError(f"{vname} has the quantized dtype {values.dtype}: pass its per-slot scales "
+                      f"{sname} {doc}")
+    check_float(vname, values)
+    return
+  if jnp.dtype(values.dtype) not in QUANT_DTYPES:
+    raise TypeError(f"{sname} is only for quantized caches (int8, float8_e4m3fn, float8_e5m2); "
+                    f"{vname} has dtype {values.dtype}")
+  check_rank(sname, scales, len(slot_shape), doc)
+  check_float(sname, scales)
+  if tuple(scales.shape) != tuple(slot_shape):
+    raise ValueError(f"{sname} must have shape {doc} = {tuple(slot_shape)}; got "
+                     f"{tuple(scales.shape)}")
+
+
+def check_schedule(schedule, interpret, tunables=()):
+  """Checks `schedule` and the positive-int `tunables` (`(name, value)` pairs) and
+  returns the schedule to run: the given one, or the backend's default. Compiled
+  runs (`interpret=False`) need a GPU ("loop") or a TPU ("grid")."""
+  if schedule is not None and schedule not in SCHEDULES:
+    raise ValueError(f"schedule must be one of {SCHEDULES} or None; got {schedule!r}")
+  for name, value in tunables:
+    check_positive_int(name, value)
+  schedule = schedule or default_schedule()
+  if not interpret:
+    where = platform()
+    wanted = dict.fromkeys(GPU_PLATFORMS, "loop") | {"tpu": "grid"}
+    if where not in wanted:
+      raise ValueError(f"interpret=False needs a GPU or TPU; the default backend is "
+                       f"{where!r} (pass interpret=True to run on CPU)")
+    if schedule != wanted[where]:
+      raise ValueError(f"schedule {schedule!r} does not compile on {where}; use "
+                       f"{wanted[where]!r} (or interpret=True)")
+  return schedule
+
+
+def compiled_reason(platform_name: str, dtype, widths) -> str | None:
+  """Why a compiled kernel cannot take this cache dtype and these dot widths
+  (`(what, size)` pairs), or None: GPU (Triton) needs powers of two >= 16 and
+  f32/bf16/f16/int8/fp8; TPU (Mosaic) multiples of 64 (lanes) and f32/bf16/int8."""
+  dtype = jnp.dtype(dtype)
+  if platform_name in GPU_PLATFORMS:
+    for what, d in widths:
+      if d < 16 or not is_pow2(d):
+        return f"{what}={d} is not a power of two >= 16 (Triton dot)"
+    if dtype not in _GPU_DTYPES:
+      return f"dtype {dtype} is not f32/bf16/f16 or a quantized format (int8/fp8)"
+    return None
+  if platform_name == "tpu":
+    if dtype not in _TPU_DTYPES:
+      return f"dtype {dtype} is not f32/bf16/int8 on TPU"
+    for what, d in widths:
+      if d % 64:
+        return f"{what}={d} is not a multiple of 64 (TPU lanes)"
+    return None
+  return f"no compiled Pallas backend on {platform_name!r}"
+
+
+# ----------------------------------------------------------------------------
+# Reference core (plain jnp, f32).
+# ----------------------------------------------------------------------------
+
+
+def dequant_reference(x, scale):
+  """f32 `x * scale[..., None]` for a quantized operand, else `x` unchanged."""
+  if scale is None:
+    return x
+  return x.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
+
+
+def reference_softmax(logits, lengths, window):
+  """Masked softmax of f32 `logits [B, N, S]` over slots `[max(0, L - W), L)`.
+
+  Masked logits are replaced by -inf and their probabilities are exact zeros.
+  Returns `(probs [B, N, S] normalised, mask bool[B, S], lse f32[B, N])`
+  (lse -inf and probabilities 0 where nothing is attended).
+  """
+  capacity = logits.shape[-1]
+  lengths = jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 0, capacity)
+  slots = jnp.arange(capacity)
+  starts = 0 if window is None else jnp.maximum(lengths - window, 0)
+  mask = (slots[None] >= jnp.reshape(starts, (-1, 1))) & (slots[None] < lengths[:, None])
+  logits = jnp.where(mask[:, None], logits, -jnp.inf)
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  probs = jnp.where(mask[:, None], jnp.exp(logits - top), 0.0)
+  denom = jnp.sum(probs, axis=-1)
+  lse = jnp.where(denom > 0, top[..., 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)),
+                  -jnp.inf)
+  return probs / jnp.where(denom > 0, denom, 1.0)[..., None], mask, lse
+
+
+def reference_gqa(q, k, v, lengths, *, sm_scale, window, soft_cap=None):
+  """f32 GQA decode attention over a dense head-major cache, as `(out, lse)`.
+
+  Args:
+    q: `[B, N, H]`; k: `[B, K, S, H]`; v: `[B, K, S, Hv]` (any float dtype, or
+      already dequantized); query head n reads KV head `n // (N // K)`.
+    lengths: `i32[B]`; slots `[max(0, L - W), L)` are attended, the rest may
+      hold anything (masked logits replaced, masked value rows zeroed).
+    sm_scale: logit scale; soft_cap: `cap * tanh(s / cap)` on the logits, or None.
+
+  Returns:
+    `(f32[B, N, Hv], f32[B, N])`: output and log-sum-exp of the scaled logits.
+  """
+  num_kv, num_heads = k.shape[1], q.shape[1]
+  kh = jnp.repeat(k.astype(jnp.float32), num_heads // num_kv, axis=1)  # [B, N, S, H]
+  vh = jnp.repeat(v.astype(jnp.float32), num_heads // num_kv, axis=1)
+  logits = jnp.einsum("BNH,BNSH->BNS", q.astype(jnp.float32), kh,
+                      precision=lax.Precision.HIGHEST) * sm_scale
+  if soft_cap is not None:
+    logits = soft_cap * jnp.tanh(logits / soft_cap)
+  probs, mask, lse = reference_softmax(logits, lengths, window)
+  vh = jnp.where(mask[:, None, :, None], vh, 0.0)
+  out = jnp.einsum("BNS,BNSV->BNV", probs, vh, precision=lax.Precision.HIGHEST)
+  return out, lse
