@@ -491,10 +491,13 @@ class Transformer(nnx.Module):
     Args:
       batch: B.
       max_len: capacity S in tokens.
-      dtype: cache dtype; default the model's compute dtype.
+      dtype: cache storage dtype; default the model's compute dtype. A float
+        dtype, or a quantized KV format (int8, float8_e4m3fn, float8_e5m2)
+        stored with f32 per-token scales (`kvattn.ops.quantize_kv`).
 
     Raises:
-      ValueError/TypeError: non-positive sizes or a non-floating dtype.
+      ValueError: non-positive sizes.
+      TypeError: a dtype that is neither floating nor a quantized KV format.
     """
     dtype = self.dtype if dtype is None else dtype
     return tuple(layer.attn.init_cache(batch, max_len, dtype) for layer in self.layers)
