@@ -16,9 +16,10 @@ order, on what unused slots of a sequence's last page hold, or on what free
 pages hold (DESIGN.md, invariant 2).
 
 Backends of the `"paged_decode_attention"` op, in the order None tries them:
-  * `"pallas"` — `pallas_kernels.paged_decode_attention`: reads only the pages
-    a sequence uses, GQA-grouped, split over pages. Picked on GPU/TPU; on CPU
-    it runs only when named (`implementation="pallas"`), in interpret mode.
+  * `"pallas"` — `pallas_kernels.paged_decode_attention` (registered by
+    `kvattn.ops.pallas_backend`): reads only the pages a sequence uses,
+    GQA-grouped, split over pages. Picked on GPU/TPU; on CPU it runs only when
+    named (`implementation="pallas"`), in interpret mode.
   * `"xla_pool"` — scans the page pool in place (each page scored against its
     owner's query, softmax as segmented reductions over the pool): work
     follows the pool size P. Picked when the pool is smaller than the gathered
@@ -30,8 +31,8 @@ Backends of the `"paged_decode_attention"` op, in the order None tries them:
 Quantized pools (int8 / fp8 values with `f32[K, P, page_size]` scale pools,
 passed as `k_scale=`, `v_scale=`): both XLA paths apply the scales to the
 logits and probabilities (`kvattn.ops.reference`); the Pallas paged kernel
-does not read scales yet and declines them (NotImplementedError), so the
-dispatcher falls back to XLA.
+gathers the scale pages with the value pages and dequantizes each block after
+loading it.
 """
 
 from __future__ import annotations
@@ -44,10 +45,8 @@ from kvattn import _checks
 from kvattn.ops import dispatch as _dispatch
 from kvattn.ops import quant as _quant
 from kvattn.ops import reference as _reference
-from pallas_kernels import paged_attention as _kernel
 
 OP = "paged_decode_attention"
-_COMPILED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
 
 def validate_paged_args(q, k_pages, v_pages, block_tables, lengths, *, window=None,
@@ -262,32 +261,8 @@ def _xla_pool(q, k_pages, v_pages, block_tables, lengths, *, explicit, **options
   return paged_decode_attention_pool_xla(q, k_pages, v_pages, block_tables, lengths, **options)
 
 
-def _pallas_paged(q, k_pages, v_pages, block_tables, lengths, *, explicit, sm_scale=None,
-                  window=None, soft_cap=None, k_scale=None, v_scale=None):
-  """The "pallas" backend: compiled on GPU/TPU for supported shapes; on CPU
-  only when named, in interpret mode (which emulates the GPU "loop" schedule,
-  so the GPU shape constraints apply). Declines quantized pools (scales)."""
-  if k_scale is not None or v_scale is not None:
-    raise NotImplementedError("pallas: the paged kernel does not read quantized (int8/fp8) "
-                              "pools; the XLA paths do")
-  platform = jax.default_backend()
-  interpret = platform not in _COMPILED_PLATFORMS
-  if interpret and not explicit:
-    raise NotImplementedError(
-        f"pallas: no compiled paged kernel on {platform!r} (name implementation='pallas' to "
-        "run it in interpret mode)")
-  reason = _kernel.supported(q.shape, k_pages.shape, v_pages.shape, k_pages.dtype,
-                             platform="gpu" if interpret else platform)
-  if reason is not None:
-    raise NotImplementedError(f"pallas: {reason}")
-  return _kernel.paged_decode_attention(q, k_pages, v_pages, block_tables, lengths,
-                                        sm_scale=sm_scale, window=window, soft_cap=soft_cap,
-                                        interpret=interpret)
-
-
 _dispatch.register_implementation(OP, "xla", _xla_paged)
 _dispatch.register_implementation(OP, "xla_pool", _xla_pool, preferred=True)
-_dispatch.register_implementation(OP, "pallas", _pallas_paged, preferred=True)
 
 
 def paged_decode_attention(
@@ -327,8 +302,10 @@ def paged_decode_attention(
     k_scale, v_scale: `f32[K, P, page_size]` scale pools of int8/fp8 page
       pools (`PagedKVCache.scale_kwargs()`), applied inside the attention
       computation; None for float pools.
-    implementation: `"xla"`, `"pallas"` or None (the first backend that fits
-      the device: the Pallas kernel on GPU/TPU, the XLA gather path on CPU).
+    implementation: `"xla"`, `"xla_pool"`, `"pallas"` or None (the first
+      backend that fits the device: the Pallas kernel on GPU/TPU; on CPU the
+      pool scan when the pool is smaller than the gathered view, else the XLA
+      gather path).
 
   Returns:
     `[B, N, Hv]` in q's dtype, f32-accumulated; length-0 rows are zeros.

@@ -1,15 +1,17 @@
 """The "pallas" backend of the decode dispatch points (fused Pallas kernels).
 
-Registers `pallas_kernels.decode_attention` for `"decode_attention"` and
-`pallas_kernels.mla_decode_attention` for `"mla_decode_attention"`, first in
-line. With `implementation=None` the kernel runs compiled on GPU (Triton
+Registers `pallas_kernels.decode_attention` for `"decode_attention"`,
+`pallas_kernels.mla_decode_attention` for `"mla_decode_attention"` and
+`pallas_kernels.paged_decode_attention` for `"paged_decode_attention"`, first
+in line. With `implementation=None` a kernel runs compiled on GPU (Triton
 lowering) and TPU (Mosaic) for the shapes it supports and raises
-`NotImplementedError` everywhere else (CPU, soft caps, unsupported shapes or
-dtypes), so the dispatcher falls through to XLA. Named explicitly
-(`implementation="pallas"`) on CPU it runs in interpret mode, which is exact
-but slow (for tests and debugging). Quantized caches (int8/fp8 with per-slot
-scales) go to the kernel, which dequantizes each block after loading it; where
-it compiles for them is `pallas_kernels.decode_attention.supported`.
+`NotImplementedError` everywhere else (CPU, soft caps for the dense kernel,
+unsupported shapes or dtypes), so the dispatcher falls through to XLA. Named
+explicitly (`implementation="pallas"`) on CPU it runs in interpret mode, which
+is exact but slow (for tests and debugging). Quantized caches (int8/fp8 with
+per-slot scales, dense or paged) go to the kernels, which dequantize each block
+after loading it; where they compile for them is each kernel module's
+`supported`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kvattn.ops import dispatch
 
 # The module, not the package-level function of the same name.
 _kernels = importlib.import_module("pallas_kernels.decode_attention")
+_paged_kernel = importlib.import_module("pallas_kernels.paged_attention")
 
 _COMPILED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
@@ -71,6 +74,17 @@ def _mla_decode(q_latent, q_rope, c_kv, k_rope, lengths, *, explicit, sm_scale,
                                        k_rope_scale=k_rope_scale, interpret=interpret)
 
 
+def _paged_decode(q, k_pages, v_pages, block_tables, lengths, *, explicit, sm_scale=None,
+                  window=None, soft_cap=None, k_scale=None, v_scale=None):
+  interpret = _mode(explicit, lambda platform: _paged_kernel.supported(
+      q.shape, k_pages.shape, v_pages.shape, k_pages.dtype, platform=platform))
+  return _paged_kernel.paged_decode_attention(
+      q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, window=window,
+      soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, interpret=interpret)
+
+
 dispatch.register_implementation("decode_attention", "pallas", _decode, preferred=True)
 dispatch.register_implementation("mla_decode_attention", "pallas", _mla_decode,
+                                 preferred=True)
+dispatch.register_implementation("paged_decode_attention", "pallas", _paged_decode,
                                  preferred=True)

@@ -24,59 +24,52 @@ import numpy as np
 import pytest
 
 from pallas_kernels import paged_attention as pa
+from tests.pallas_kernels._helpers import (DTYPES, FORMATS, KernelTest, assert_errors, close,
+                                           close_lse, junk, lengths_sets, quantize)
 
-import kvattn.ops
+try:  # The XLA-path comparisons need kvattn (and so flax); a bare GPU image may lack it.
+  import kvattn.ops as kvattn_ops
+except ImportError:  # pragma: no cover - depends on the machine
+  kvattn_ops = None
 
 PAGE = 16  # page_size: a multiple of the TPU sublane count for f32 and 16-bit types
 PAGES_PER_SEQ = 4
 S = PAGE * PAGES_PER_SEQ  # per-sequence capacity
 FREE_PAGES = 3  # pages no sequence owns
 EDGES = (0, 1, PAGE - 1, PAGE, PAGE + 1, S)  # PAGE + 1: one token into a fresh page
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
-DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
-
-
-def _lengths_sets(batch):
-  """Length vectors for a batch that together cover every edge."""
-  if batch == 1:
-    return [np.array([e], np.int32) for e in EDGES]
-  return [np.array((EDGES[i:] + EDGES)[:batch], np.int32) for i in range(0, len(EDGES), batch)]
 
 
 def _inputs(batch, num_heads, num_kv, head_dim, v_dim, dtype, pages_per_seq=PAGES_PER_SEQ,
-            seed=0):
+            seed=0, page_size=PAGE):
   """Random q, pools and a block table giving each sequence its own random pages."""
   rng = np.random.RandomState(seed)
   num_pages = batch * pages_per_seq + FREE_PAGES
   q = jnp.asarray(rng.randn(batch, num_heads, head_dim), dtype)
-  k = rng.randn(num_kv, num_pages, PAGE, head_dim)
-  v = rng.randn(num_kv, num_pages, PAGE, v_dim)
+  k = rng.randn(num_kv, num_pages, page_size, head_dim)
+  v = rng.randn(num_kv, num_pages, page_size, v_dim)
   tables = rng.permutation(num_pages)[:batch * pages_per_seq].reshape(batch, pages_per_seq)
   return q, k, v, tables.astype(np.int32)
 
 
 def _dirty(pages, tables, lengths, window, value):
-  """`pages` with `value` in every slot no sequence attends, as `dtype` later.
+  """`pages` (a `[K, P, page_size, ...]` pool, values or scales) with `value` in
+  every slot no sequence attends (pages before the window, the tail of each
+  last page, free pages), as f32 (cast to the pool's dtype later).
 
   Also returns the block table with -1 (unassigned) past each sequence's last
   used page, as an allocator would leave it.
   """
   pages = np.array(pages, np.float32)
+  page_size = pages.shape[2]
   keep = np.zeros(pages.shape[1:3], bool)  # [P, page_size]
   tables = np.array(tables)
   for b, length in enumerate(lengths):
     start = 0 if window is None else max(0, int(length) - window)
     for slot in range(start, int(length)):
-      keep[tables[b, slot // PAGE], slot % PAGE] = True
-    tables[b, -(-int(length) // PAGE):] = -1
+      keep[tables[b, slot // page_size], slot % page_size] = True
+    tables[b, -(-int(length) // page_size):] = -1
   pages[:, ~keep] = value
   return pages, tables
-
-
-def _close(actual, expected, dtype, what=""):
-  tol = TOL[dtype]
-  np.testing.assert_allclose(np.asarray(actual, np.float32), np.asarray(expected, np.float32),
-                             atol=tol, rtol=tol, err_msg=what)
 
 
 # Default cases: (B, N, K, H, Hv, dtype, window, schedule). Together they cover
@@ -99,24 +92,29 @@ SLOW_CASES = [
     for h in ((128,) if dt == "bf16" else (64,))
 ]
 
+# Quantized pools: int8 / fp8 values with f32[K, P, page_size] scale pools.
+QPAGE = 32  # a multiple of the "grid" schedule's 1-byte sublane granule (32)
+QEDGES = (0, 1, QPAGE - 1, QPAGE, QPAGE + 1, QPAGE * PAGES_PER_SEQ)  # one row each: B = 6
+# (format, schedule, N, K, window, q dtype): every format on "loop" (compiled on a GPU),
+# int8 on "grid" (compiled on a TPU), G in {1, 4, 8}, windows, f32 and bf16 queries.
+QUANT_CASES = [
+    ("int8", "loop", 8, 2, None, "f32"),
+    ("int8", "grid", 8, 1, QPAGE + 3, "bf16"),
+    ("e4m3", "loop", 8, 8, QPAGE + 3, "bf16"),
+    ("e5m2", "loop", 8, 2, None, "f32"),
+    ("e5m2", "grid", 8, 2, 2 * QPAGE + 1, "f32"),
+]
+QUANT_SLOW_CASES = [
+    (name, sch, n, k, w, qd)
+    for name, sch, (n, k), w, qd in itertools.product(
+        FORMATS, ("loop", "grid"), ((8, 8), (8, 2), (8, 1), (48, 2)), (None, QPAGE + 3),
+        ("f32", "bf16"))
+    if (name, sch, n, k, w, qd) not in QUANT_CASES
+]
 
-class TestPagedAttention:
+
+class TestPagedAttention(KernelTest):
   """Compiled kernel (GPU/TPU); the Interpret subclass runs it on CPU."""
-
-  INTERPRET = False
-
-  @pytest.fixture(autouse=True)
-  def _backend(self):
-    if not self.INTERPRET and jax.default_backend() not in ("gpu", "cuda", "rocm", "tpu"):
-      pytest.skip("compiled Pallas kernels need a GPU or TPU")
-
-  def _schedule(self, schedule):
-    if self.INTERPRET:
-      return schedule
-    native = "grid" if jax.default_backend() == "tpu" else "loop"
-    if schedule != native:
-      pytest.skip(f"schedule {schedule!r} does not compile on {jax.default_backend()}")
-    return schedule
 
   def _kernel(self, *args, **kwargs):
     kwargs["schedule"] = self._schedule(kwargs.get("schedule", "loop"))
@@ -126,7 +124,7 @@ class TestPagedAttention:
                   schedule, num_splits=2, pages_per_block=2):
     dtype = DTYPES[dtype_name]
     q, k, v, tables = _inputs(batch, num_heads, num_kv, head_dim, v_dim, dtype)
-    for lengths in _lengths_sets(batch):
+    for lengths in lengths_sets(batch, EDGES):
       dk, dtables = _dirty(k, tables, lengths, window, np.nan)
       dv, _ = _dirty(v, tables, lengths, window, np.nan)
       dk, dv = jnp.asarray(dk, dtype), jnp.asarray(dv, dtype)
@@ -137,18 +135,16 @@ class TestPagedAttention:
       ref, ref_lse = pa.paged_decode_attention_reference(
           q, jnp.asarray(k, dtype), jnp.asarray(v, dtype), tables, lengths, window=window,
           return_lse=True)
-      xla = kvattn.ops.paged_decode_attention(q, dk, dv, jnp.asarray(dtables),
-                                              jnp.asarray(lengths), window=window,
-                                              implementation="xla")
       chex.assert_shape(out, (batch, num_heads, v_dim))
       assert out.dtype == q.dtype and lse.dtype == jnp.float32
       what = f"lengths={lengths.tolist()}"
-      _close(out, ref, dtype, what)
-      _close(xla, ref, dtype, "xla path " + what)
-      np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
-      fin = np.isfinite(np.asarray(ref_lse))
-      np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin],
-                                 atol=4 * TOL[dtype], rtol=TOL[dtype])
+      close(out, ref, dtype, what)
+      if kvattn_ops is not None:
+        xla = kvattn_ops.paged_decode_attention(q, dk, dv, jnp.asarray(dtables),
+                                                jnp.asarray(lengths), window=window,
+                                                implementation="xla")
+        close(xla, ref, dtype, "xla path " + what)
+      close_lse(lse, ref_lse, dtype)
       np.testing.assert_array_equal(np.asarray(out, np.float32)[lengths == 0], 0.0)
 
   @pytest.mark.parametrize("case", CASES, ids=str)
@@ -240,7 +236,7 @@ class TestPagedAttention:
                                               lengths, soft_cap=2.0)
     uncapped = pa.paged_decode_attention_reference(q, jnp.asarray(k), jnp.asarray(v), tables,
                                                    lengths)
-    _close(out, ref, jnp.float32)
+    close(out, ref, jnp.float32)
     assert np.abs(np.asarray(ref) - np.asarray(uncapped)).max() > 1e-2
 
   def test_jitted_step_compiles_once(self):
@@ -256,29 +252,92 @@ class TestPagedAttention:
     second = step(q[::-1], k, v, tables[::-1], jnp.array([S, 3], jnp.int32))
     np.testing.assert_allclose(first[0], second[1], atol=1e-6)
 
+  def _check_quantized(self, name, schedule, num_heads, num_kv, window, q_dtype_name):
+    """Quantized pools: kernel == reference (which dequantizes up front) == XLA path,
+    with the sequences' pages in random order; garbage in the values AND scales of
+    every slot nothing attends (pages before the window, the tail of each last page,
+    free pages) and moving every page to another position change nothing, bit for bit."""
+    dtype, _ = FORMATS[name]
+    q_dtype = DTYPES[q_dtype_name]
+    self._require(pa.supported(None, (num_kv, 1, QPAGE, 64), (num_kv, 1, QPAGE, 64), dtype))
+    batch = len(QEDGES)
+    q, k, v, tables = _inputs(batch, num_heads, num_kv, 64, 64, q_dtype, seed=12,
+                              page_size=QPAGE)
+    (kq, ks), (vq, vs) = (quantize(jnp.asarray(x, jnp.float32), name) for x in (k, v))
+    lengths = np.array(QEDGES, np.int32)
+
+    def kernel(kq, vq, tables, ks, vs):  # one compile: every call has the same shapes
+      return self._kernel(q, kq, vq, tables, lengths, k_scale=ks, v_scale=vs, window=window,
+                          schedule=schedule, num_splits=2, pages_per_block=2, return_lse=True)
+
+    out, lse = kernel(kq, vq, tables, ks, vs)
+    ref, ref_lse = pa.paged_decode_attention_reference(
+        q, kq, vq, tables, lengths, window=window, k_scale=ks, v_scale=vs, return_lse=True)
+    chex.assert_shape(out, (batch, num_heads, 64))
+    assert out.dtype == q_dtype and lse.dtype == jnp.float32
+    close(out, ref, q_dtype)
+    close_lse(lse, ref_lse, q_dtype)
+    np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)  # length 0
+    dirty = []
+    for pool, value in ((kq, float(junk(dtype))), (vq, float(junk(dtype))), (ks, np.nan),
+                        (vs, np.nan)):
+      pool_dirty, dtables = _dirty(pool, tables, lengths, window, value)
+      dirty.append(jnp.asarray(pool_dirty, pool.dtype))
+    dkq, dvq, dks, dvs = dirty
+    dout, _ = kernel(dkq, dvq, dtables, dks, dvs)
+    np.testing.assert_array_equal(np.asarray(dout, np.float32), np.asarray(out, np.float32))
+    if kvattn_ops is not None:
+      xla = kvattn_ops.paged_decode_attention(q, dkq, dvq, jnp.asarray(dtables),
+                                              jnp.asarray(lengths), window=window, k_scale=dks,
+                                              v_scale=dvs, implementation="xla")
+      close(xla, ref, q_dtype, "xla path")
+    perm = np.random.RandomState(1).permutation(kq.shape[1])  # new position of page p
+    inv = np.argsort(perm)
+    moved, _ = kernel(kq[:, inv], vq[:, inv], perm[tables], ks[:, inv], vs[:, inv])
+    np.testing.assert_array_equal(np.asarray(moved, np.float32), np.asarray(out, np.float32))
+
+  @pytest.mark.parametrize("case", QUANT_CASES, ids=str)
+  def test_quantized_pools_match_reference_and_xla(self, case):
+    self._check_quantized(*case)
+
+  @pytest.mark.slow
+  @pytest.mark.parametrize("case", QUANT_SLOW_CASES, ids=str)
+  def test_quantized_pools_full_grid(self, case):
+    self._check_quantized(*case)
+
 
 class TestPagedAttentionInterpret(TestPagedAttention):
   INTERPRET = True
+
+  @pytest.mark.parametrize("name", [None, "int8"])
+  def test_grid_schedule_under_tpu_interpreter(self, name):
+    # pltpu.InterpretParams interprets with TPU semantics (VMEM/SMEM, DMAs,
+    # scalar prefetch, block shapes), closer to Mosaic than the generic
+    # interpreter; int8: the page pools with their [page_size, 1] scale pages.
+    from jax.experimental.pallas import tpu as pltpu
+    page = PAGE if name is None else QPAGE
+    q, k, v, tables = _inputs(2, 8, 2, 64, 64, jnp.float32, seed=6, page_size=page)
+    lengths = np.array([page + 1, page * PAGES_PER_SEQ], np.int32)
+    pools = [jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32)]
+    scales = {}
+    if name is not None:
+      (kq, ks), (vq, vs) = (quantize(x, name) for x in pools)
+      pools, scales = [kq, vq], {"k_scale": ks, "v_scale": vs}
+    dirty = {}
+    for key, x in [("k", pools[0]), ("v", pools[1])] + list(scales.items()):
+      value = np.nan if x.dtype != jnp.int8 else float(junk(jnp.int8))
+      x_dirty, dtables = _dirty(x, tables, lengths, None, value)
+      dirty[key] = jnp.asarray(x_dirty, x.dtype)
+    out = pa.paged_decode_attention(
+        q, dirty.pop("k"), dirty.pop("v"), dtables, lengths, schedule="grid", pages_per_block=2,
+        interpret=pltpu.InterpretParams(), **dirty)
+    ref = pa.paged_decode_attention_reference(q, *pools, tables, lengths, **scales)
+    close(out, ref, jnp.float32)
 
 
 # ----------------------------------------------------------------------------
 # Interpret-only and backend-independent checks.
 # ----------------------------------------------------------------------------
-
-
-def test_grid_schedule_under_tpu_interpreter():
-  # pltpu.InterpretParams interprets with TPU semantics (VMEM/SMEM, DMAs,
-  # scalar prefetch), closer to Mosaic than the generic interpreter.
-  from jax.experimental.pallas import tpu as pltpu
-  q, k, v, tables = _inputs(2, 8, 2, 64, 64, jnp.float32, seed=6)
-  lengths = np.array([PAGE + 1, S], np.int32)
-  dk, dtables = _dirty(k, tables, lengths, None, np.nan)
-  dv, _ = _dirty(v, tables, lengths, None, np.nan)
-  out = pa.paged_decode_attention(q, jnp.asarray(dk), jnp.asarray(dv), dtables, lengths,
-                                  schedule="grid", pages_per_block=2,
-                                  interpret=pltpu.InterpretParams())
-  ref = pa.paged_decode_attention_reference(q, jnp.asarray(k), jnp.asarray(v), tables, lengths)
-  _close(out, ref, jnp.float32)
 
 
 def test_reference_on_hand_computed_case():
@@ -321,24 +380,24 @@ def test_grid_index_map_fetches_only_needed_pages(pages_per_block, num_blocks):
 
 
 def test_dispatch_runs_pallas_by_name_and_xla_by_default_on_cpu():
-  if jax.default_backend() != "cpu":
-    pytest.skip("CPU dispatch policy")
+  if jax.default_backend() != "cpu" or kvattn_ops is None:
+    pytest.skip("CPU dispatch policy (needs kvattn)")
   q, k, v, tables = _inputs(2, 8, 2, 64, 64, jnp.float32, seed=8)
   k, v = jnp.asarray(k), jnp.asarray(v)
   lengths = jnp.array([S - 1, PAGE], jnp.int32)
   ref = pa.paged_decode_attention_reference(q, k, v, tables, lengths)
   for impl in (None, "xla", "pallas"):
-    out = kvattn.ops.paged_decode_attention(q, k, v, jnp.asarray(tables), lengths,
+    out = kvattn_ops.paged_decode_attention(q, k, v, jnp.asarray(tables), lengths,
                                             implementation=impl)
-    _close(out, ref, jnp.float32, str(impl))
-  assert kvattn.ops.available_implementations("paged_decode_attention")[0] == "pallas"
+    close(out, ref, jnp.float32, str(impl))
+  assert kvattn_ops.available_implementations("paged_decode_attention")[0] == "pallas"
   # Shapes the GPU kernel cannot tile: named "pallas" refuses, None falls back to XLA.
   small_q = q[..., :12]
   small = jnp.zeros((2, k.shape[1], PAGE, 12))
   with pytest.raises(NotImplementedError, match="head dim H=12 is not a power of two"):
-    kvattn.ops.paged_decode_attention(small_q, small, small, jnp.asarray(tables), lengths,
+    kvattn_ops.paged_decode_attention(small_q, small, small, jnp.asarray(tables), lengths,
                                       implementation="pallas")
-  out = kvattn.ops.paged_decode_attention(small_q, small, small, jnp.asarray(tables), lengths)
+  out = kvattn_ops.paged_decode_attention(small_q, small, small, jnp.asarray(tables), lengths)
   np.testing.assert_array_equal(np.asarray(out), 0.0)
 
 
@@ -346,6 +405,8 @@ def test_validation_errors_name_the_argument():
   q, k, v, tables = _inputs(2, 8, 2, 64, 32, jnp.float32)
   k, v = jnp.asarray(k), jnp.asarray(v)
   lengths = np.array([1, 2], np.int32)
+  kq, vq = jnp.zeros(k.shape, jnp.int8), jnp.zeros(v.shape, jnp.int8)
+  scales = jnp.ones(k.shape[:3], jnp.float32)
   call = lambda *a, **kw: pa.paged_decode_attention(*a, **{"interpret": True, **kw})
   cases = [
       (ValueError, "q must have rank 3", (q[0], k, v, tables, lengths), {}),
@@ -376,10 +437,31 @@ def test_validation_errors_name_the_argument():
        {"soft_cap": -1.0}),
       (ValueError, "num_splits must be a positive int", (q, k, v, tables, lengths),
        {"num_splits": 0}),
+      (TypeError, r"k_pages has the quantized dtype int8: pass its per-slot scales k_scale "
+       r"f32\[K, P, page_size\]", (q, kq, vq, tables, lengths), {}),
+      (TypeError, "v_pages has the quantized dtype int8: pass its per-slot scales v_scale",
+       (q, kq, vq, tables, lengths), {"k_scale": scales}),
+      (TypeError, "k_scale is only for quantized caches", (q, k, v, tables, lengths),
+       {"k_scale": scales, "v_scale": scales}),
+      (ValueError, r"v_scale must have shape f32\[K, P, page_size\] = \(2, 11, 16\); got "
+       r"\(2, 11, 8\)", (q, kq, vq, tables, lengths),
+       {"k_scale": scales, "v_scale": scales[..., :8]}),
   ]
-  if jax.default_backend() == "cpu":
-    cases.append((ValueError, "interpret=False needs a GPU or TPU",
-                  (q, k, v, tables, lengths), {"interpret": False}))
-  for error, message, args, kwargs in cases:
-    with pytest.raises(error, match=message):
-      call(*args, **kwargs)
+  assert_errors(call, cases, (q, k, v, tables, lengths))
+
+
+def test_supported_names_what_a_compiled_backend_cannot_take():
+  pool = (2, 9, QPAGE, 64)
+  for dtype in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16):
+    assert pa.supported(None, pool, pool, dtype, platform="gpu") is None, dtype
+  assert pa.supported(None, pool, pool, jnp.int8, platform="tpu") is None
+  assert "not f32/bf16/int8 on TPU" in pa.supported(None, pool, pool, jnp.float8_e5m2,
+                                                    platform="tpu")
+  assert "page_size=16 is not a multiple of 32" in pa.supported(
+      None, (2, 9, 16, 64), (2, 9, 16, 64), jnp.int8, platform="tpu")
+  assert "page_size=24 is not a power of two" in pa.supported(
+      None, (2, 9, 24, 64), (2, 9, 24, 64), jnp.float32, platform="gpu")
+  assert "value width Hv=8 is not a power of two >= 16" in pa.supported(
+      None, pool, (2, 9, QPAGE, 8), jnp.float32, platform="gpu")
+  assert "no compiled Pallas backend on 'cpu'" in pa.supported(None, pool, pool, jnp.float32,
+                                                               platform="cpu")
