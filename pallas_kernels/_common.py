@@ -275,17 +275,26 @@ def default_splits(schedule: str, programs: int, num_blocks: int) -> int:
   return max(1, min(num_blocks, 2 if programs < 2 else 1))
 
 
-def partial_outputs(schedule: str, batch: int, num_kv: int, num_splits: int, gp: int,
-                    block_g: int, hv: int, count: bool):
-  """`(out_shape, out_specs)` of the per-split partials, for either schedule.
+def launch(kernel, operands, *, schedule: str, grid, in_specs, block_g: int, hv: int,
+           count: bool, num_scalar_prefetch: int, interpret, num_warps: int | None,
+           num_stages: int | None, name: str):
+  """Runs `kernel` over `grid` with the schedule's launch configuration.
 
-  Outputs `f32[B, K, splits, Gp, Hv]` (normalised partial output), `f32[B, K,
-  splits, Gp, lanes]` (log-sum-exp) and, with `count`, `i32[B, K, splits, Gp,
-  lanes]` (blocks or pages processed); lanes is 128 on "grid" (lane-replicated
-  rows, as Mosaic stores them) and 1 on "loop". The index maps take the grid
-  indices `(b, h, g, split, ...)` and ignore the rest (the "grid" schedule's
-  block step and scalar-prefetch refs).
+  `grid` is `(B, K, G tiles, splits)` ("loop") or `(B, K, G tiles, splits,
+  blocks per split)` ("grid"; the last axis sequential). "loop" passes every
+  operand through `in_specs` (scalars included) and takes Triton options;
+  "grid" scalar-prefetches the first `num_scalar_prefetch` operands into SMEM
+  (`in_specs` cover the rest) and keeps the running statistics in VMEM scratch.
+
+  Returns the per-split partials: `out f32[B, K, splits, Gp, Hv]`, `lse
+  f32[B, K, splits, Gp]` and, with `count`, `i32[B, K, splits, Gp]` (blocks or
+  pages processed); on "grid" the lse and count rows are written
+  lane-replicated (`[Gb, 128]`, as Mosaic stores them) and the lanes dropped
+  here. The output index maps take the grid indices `(b, h, g, split, ...)`
+  and ignore the rest (block step, scalar-prefetch refs).
   """
+  batch, num_kv, num_gt, num_splits = grid[:4]
+  gp = num_gt * block_g
   lanes = TPU_LANES if schedule == "grid" else 1
   out_shape = [jax.ShapeDtypeStruct((batch, num_kv, num_splits, gp, hv), jnp.float32),
                jax.ShapeDtypeStruct((batch, num_kv, num_splits, gp, lanes), jnp.float32)]
@@ -296,35 +305,28 @@ def partial_outputs(schedule: str, batch: int, num_kv: int, num_splits: int, gp:
   out_specs = [pl.BlockSpec((None, None, None, block_g, hv),
                             lambda b, h, g, j, *_: (b, h, j, g, 0)), row_spec]
   out_specs += [row_spec] if count else []
-  return out_shape, out_specs
-
-
-def loop_compiler_params(interpret, num_warps: int | None, num_stages: int | None):
-  """Triton options of the "loop" schedule (None when interpreting)."""
-  if interpret or plgpu is None:
-    return None
-  return plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages or 2)
-
-
-def grid_compiler_params(interpret):
-  """Mosaic options of the "grid" schedule: the block axis (last) is sequential."""
-  if interpret:
-    return None
-  return pltpu.CompilerParams(
-      dimension_semantics=("parallel", "parallel", "parallel", "parallel", "arbitrary"))
-
-
-def grid_scratch(block_g: int, hv: int, count: bool):
-  """VMEM scratch of the "grid" schedule: m, l (lane-replicated), acc, (block count)."""
-  scratch = [pltpu.VMEM((block_g, TPU_LANES), jnp.float32),
-             pltpu.VMEM((block_g, TPU_LANES), jnp.float32),
-             pltpu.VMEM((block_g, hv), jnp.float32)]
-  scratch += [pltpu.VMEM((block_g, TPU_LANES), jnp.int32)] if count else []
-  return scratch
-
-
-def drop_lanes(outs, count: bool):
-  """The pallas_call's outputs with the lane axis of the lse (and count) rows dropped."""
+  if schedule == "loop":
+    compiler_params = None
+    if not interpret and plgpu is not None:
+      compiler_params = plgpu.CompilerParams(num_warps=num_warps or 4,
+                                             num_stages=num_stages or 2)
+    grid_kw = dict(grid=grid, in_specs=in_specs, out_specs=out_specs)
+  else:
+    if pltpu is None:  # pragma: no cover
+      raise NotImplementedError("the \"grid\" schedule needs jax.experimental.pallas.tpu")
+    scratch = [pltpu.VMEM((block_g, TPU_LANES), jnp.float32),
+               pltpu.VMEM((block_g, TPU_LANES), jnp.float32),
+               pltpu.VMEM((block_g, hv), jnp.float32)]
+    scratch += [pltpu.VMEM((block_g, TPU_LANES), jnp.int32)] if count else []
+    compiler_params = None
+    if not interpret:
+      compiler_params = pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "parallel", "parallel", "arbitrary"))
+    grid_kw = dict(grid_spec=pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=num_scalar_prefetch, grid=grid, in_specs=in_specs,
+        out_specs=out_specs, scratch_shapes=scratch))
+  outs = pl.pallas_call(kernel, out_shape=out_shape, compiler_params=compiler_params,
+                        interpret=interpret, name=name, **grid_kw)(*operands)
   outs = list(outs)
   outs[1] = outs[1][..., 0]
   if count:

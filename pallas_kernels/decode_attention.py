@@ -49,7 +49,9 @@ Both run on CPU with `interpret=True` (what the tests do).
 
 Layout follows jax/experimental/pallas/ops/gpu/decode_attention.py: kernels
 (refs only), then the launcher, then the public jitted wrappers, then the
-pure-jnp references.
+pure-jnp references. What this kernel shares with the paged one (the
+online-softmax math, the schedules' launch configuration, argument checks, the
+reference core) is in `_common.py`.
 """
 
 from __future__ import annotations
@@ -279,13 +281,10 @@ def _decode_partials(
   precision = (lax.Precision.HIGHEST if q1.dtype == jnp.float32 else None)
   kernel_kw = dict(has_rope=has_rope, has_v=has_v, count=count, scaled=scaled,
                    sm_scale=sm_scale, block_k=block_k, blocks_per_split=bps, precision=precision)
-  out_shape, out_specs = _common.partial_outputs(schedule, batch, num_kv, num_splits, gp,
-                                                 block_g, hv, count)
   operands = [q1] + ([q2] if has_rope else []) + [k1] + ([k2] if has_rope else []) + (
       [v] if has_v else [])
   scale_ops = [] if not scaled else [x for x in scales if x is not None]
   operands += scale_ops
-  name = "kvattn_decode_attention"
 
   if schedule == "loop":
     def q_spec(width):
@@ -296,23 +295,8 @@ def _decode_partials(
 
     scalar = pl.BlockSpec((None,), lambda b, h, g, j: (b,))
     in_specs = [scalar, scalar, q_spec(h1)] + ([q_spec(q2.shape[-1])] if has_rope else [])
-    in_specs += [kv_spec(h1)] + ([kv_spec(k2.shape[-1])] if has_rope else [])
-    in_specs += [kv_spec(hv)] if has_v else []
-    in_specs += [kv_spec(1) for _ in scale_ops]
-    outs = pl.pallas_call(
-        functools.partial(_loop_kernel, **kernel_kw),
-        grid=(batch, num_kv, num_gt, num_splits),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=_common.loop_compiler_params(interpret, num_warps, num_stages),
-        interpret=interpret,
-        name=name,
-    )(starts, lengths, *operands)
+    kernel, grid = _loop_kernel, (batch, num_kv, num_gt, num_splits)
   else:
-    if _common.pltpu is None:  # pragma: no cover
-      raise NotImplementedError("the \"grid\" schedule needs jax.experimental.pallas.tpu")
-
     def q_spec(width):
       return pl.BlockSpec((None, None, block_g, width),
                           lambda b, h, g, j, i, st, ln: (b, h, g, 0))
@@ -324,24 +308,15 @@ def _decode_partials(
       return pl.BlockSpec((None, None, block_k, width), index)
 
     in_specs = [q_spec(h1)] + ([q_spec(q2.shape[-1])] if has_rope else [])
-    in_specs += [kv_spec(h1)] + ([kv_spec(k2.shape[-1])] if has_rope else [])
-    in_specs += [kv_spec(hv)] if has_v else []
-    in_specs += [kv_spec(1) for _ in scale_ops]
-    outs = pl.pallas_call(
-        functools.partial(_grid_kernel, **kernel_kw),
-        grid_spec=_common.pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            grid=(batch, num_kv, num_gt, num_splits, bps),
-            in_specs=in_specs,
-            out_specs=out_specs,
-            scratch_shapes=_common.grid_scratch(block_g, hv, count),
-        ),
-        out_shape=out_shape,
-        compiler_params=_common.grid_compiler_params(interpret),
-        interpret=interpret,
-        name=name,
-    )(starts, lengths, *operands)
-  return _common.drop_lanes(outs, count)
+    kernel, grid = _grid_kernel, (batch, num_kv, num_gt, num_splits, bps)
+  in_specs += [kv_spec(h1)] + ([kv_spec(k2.shape[-1])] if has_rope else [])
+  in_specs += [kv_spec(hv)] if has_v else []
+  in_specs += [kv_spec(1) for _ in scale_ops]
+  return _common.launch(
+      functools.partial(kernel, **kernel_kw), [starts, lengths] + operands, schedule=schedule,
+      grid=grid, in_specs=in_specs, block_g=block_g, hv=hv, count=count, num_scalar_prefetch=2,
+      interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+      name="kvattn_decode_attention")
 
 
 # ----------------------------------------------------------------------------

@@ -283,9 +283,6 @@ def _paged_partials(
   precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
   kernel_kw = dict(scaled=scaled, count=count, sm_scale=sm_scale, soft_cap=soft_cap,
                    pages_per_block=pages_per_block, blocks_per_split=bps, precision=precision)
-  out_shape, out_specs = _common.partial_outputs(schedule, batch, num_kv, num_splits, gp,
-                                                 block_g, hv, count)
-  name = "kvattn_paged_decode_attention"
 
   if schedule == "loop":
     def pool_spec(width):  # the whole pool of KV head h; the kernel gathers pages from it
@@ -298,20 +295,9 @@ def _paged_partials(
         pl.BlockSpec((None, None, block_g, head_dim), lambda b, h, g, j: (b, h, g, 0)),
         pool_spec(head_dim), pool_spec(hv),
     ] + [pool_spec(1) for _ in scale_pools]
-    outs = pl.pallas_call(
-        functools.partial(_loop_kernel, **kernel_kw),
-        grid=(batch, num_kv, num_gt, num_splits),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=_common.loop_compiler_params(interpret, num_warps, num_stages),
-        interpret=interpret,
-        name=name,
-    )(starts, lengths, block_tables, q, k_pages, v_pages, *scale_pools)
+    kernel, grid = _loop_kernel, (batch, num_kv, num_gt, num_splits)
+    operands = [starts, lengths, block_tables, q, k_pages, v_pages] + scale_pools
   else:
-    if _common.pltpu is None:  # pragma: no cover
-      raise NotImplementedError("the \"grid\" schedule needs jax.experimental.pallas.tpu")
-
     def page_spec(j, width):
       def index(b, h, g, sp, st, starts_ref, lengths_ref, tables_ref):
         lo, hi = _common.block_bounds(starts_ref[b], lengths_ref[b], page_size)
@@ -324,22 +310,15 @@ def _paged_partials(
                              lambda b, h, g, sp, st, *_: (b, h, g, 0))]
     for width in [head_dim, hv] + [1 for _ in scale_pools]:
       in_specs += [page_spec(j, width) for j in range(pages_per_block)]
-    outs = pl.pallas_call(
-        functools.partial(_grid_kernel, **kernel_kw),
-        grid_spec=_common.pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
-            grid=(batch, num_kv, num_gt, num_splits, bps),
-            in_specs=in_specs,
-            out_specs=out_specs,
-            scratch_shapes=_common.grid_scratch(block_g, hv, count),
-        ),
-        out_shape=out_shape,
-        compiler_params=_common.grid_compiler_params(interpret),
-        interpret=interpret,
-        name=name,
-    )(starts, lengths, block_tables.reshape(-1), q,
-      *[x for x in [k_pages, v_pages] + scale_pools for _ in range(pages_per_block)])
-  return _common.drop_lanes(outs, count)
+    kernel, grid = _grid_kernel, (batch, num_kv, num_gt, num_splits, bps)
+    # Page operand j of each pool is the whole pool; its index map picks the page.
+    operands = [starts, lengths, block_tables.reshape(-1), q] + [
+        x for x in [k_pages, v_pages] + scale_pools for _ in range(pages_per_block)]
+  return _common.launch(
+      functools.partial(kernel, **kernel_kw), operands, schedule=schedule, grid=grid,
+      in_specs=in_specs, block_g=block_g, hv=hv, count=count, num_scalar_prefetch=3,
+      interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+      name="kvattn_paged_decode_attention")
 
 
 # ----------------------------------------------------------------------------
