@@ -130,8 +130,7 @@ def decode_attention(
       quantized cache without scales (or scales for a float cache).
     NotImplementedError: the named implementation cannot run these shapes.
   """
-  _reference.validate_args(q, k, v, 1, window, soft_cap, sm_scale, k_scale, v_scale)
-  _reference.check_lengths("lengths", lengths, k.shape[0], k.shape[2])
+  _reference.validate_decode_args(q, k, v, lengths, window, soft_cap, sm_scale, k_scale, v_scale)
   scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
   return dispatch("decode_attention", implementation, q, k, v, lengths,
                   sm_scale=sm_scale, window=window, soft_cap=soft_cap, **scales)
@@ -175,10 +174,8 @@ def mla_decode_attention(
   Raises:
     ValueError/TypeError: as `decode_attention`, naming the argument.
   """
-  _reference.validate_mla_args(q_latent, q_rope, c_kv, k_rope, 1, sm_scale, c_kv_scale,
-                               k_rope_scale)
-  _reference.check_options(window, None, sm_scale)
-  _reference.check_lengths("lengths", lengths, c_kv.shape[0], c_kv.shape[1])
+  _reference.validate_mla_decode_args(q_latent, q_rope, c_kv, k_rope, lengths, sm_scale, window,
+                                      c_kv_scale, k_rope_scale)
   scales = ({} if c_kv_scale is None else
             {"c_kv_scale": c_kv_scale, "k_rope_scale": k_rope_scale})
   return dispatch("mla_decode_attention", implementation, q_latent, q_rope, c_kv, k_rope,

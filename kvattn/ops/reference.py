@@ -71,6 +71,14 @@ def validate_args(q, k, v, num_q_axes: int, window, soft_cap, sm_scale, k_scale=
   check_options(window, soft_cap, sm_scale)
 
 
+def validate_decode_args(q, k, v, lengths, window, soft_cap, sm_scale, k_scale=None,
+                         v_scale=None) -> jax.Array:
+  """`validate_args` for one decode query per sequence (`q: [B, N, H]`) and its
+  `lengths: i32[B]`; returns the lengths as i32 (not clamped)."""
+  validate_args(q, k, v, 1, window, soft_cap, sm_scale, k_scale, v_scale)
+  return check_lengths("lengths", lengths, k.shape[0], k.shape[2])
+
+
 def check_options(window, soft_cap, sm_scale):
   _checks.optional_positive_int("window", window)
   _checks.optional_positive_float("soft_cap", soft_cap)
@@ -282,12 +290,10 @@ def decode_attention_xla(
   A quantized cache (int8/fp8 k, v with `k_scale, v_scale: f32[B, K, S]`)
   is read with the scales applied to logits and probabilities (module doc).
   """
-  _checks.rank("q", q, 3, "[B, N, H]")
-  validate_args(q, k, v, 1, window, soft_cap, sm_scale, k_scale, v_scale)
+  lengths = validate_decode_args(q, k, v, lengths, window, soft_cap, sm_scale, k_scale, v_scale)
   batch, num_kv_heads, capacity, head_dim = k.shape
   num_heads = q.shape[1]
   groups = num_heads // num_kv_heads
-  lengths = check_lengths("lengths", lengths, batch, capacity)
   if sm_scale is None:
     sm_scale = head_dim ** -0.5
   qg = q.reshape(batch, num_kv_heads, groups, head_dim)
@@ -309,11 +315,11 @@ def decode_attention_xla(
 
 
 def validate_mla_args(q_latent, q_rope, c_kv, k_rope, num_q_axes: int, sm_scale,
-                      c_kv_scale=None, k_rope_scale=None):
+                      c_kv_scale=None, k_rope_scale=None, window=None):
   """Checks absorbed-MLA attention arguments (see `mla_attention`).
 
   A quantized latent cache (int8/fp8 `c_kv`, `k_rope`) needs `c_kv_scale` and
-  `k_rope_scale`, each `f32[B, S]`.
+  `k_rope_scale`, each `f32[B, S]`; `sm_scale` is required, `window` optional.
   """
   q_doc = "[B, T, N, {}]" if num_q_axes == 2 else "[B, N, {}]"
   _checks.rank("q_latent", q_latent, 2 + num_q_axes, q_doc.format("C"))
@@ -341,6 +347,16 @@ def validate_mla_args(q_latent, q_rope, c_kv, k_rope, num_q_axes: int, sm_scale,
   if sm_scale is None:
     raise ValueError("sm_scale is required for MLA: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim)")
   _checks.positive_float("sm_scale", sm_scale)
+  _checks.optional_positive_int("window", window)
+
+
+def validate_mla_decode_args(q_latent, q_rope, c_kv, k_rope, lengths, sm_scale, window,
+                             c_kv_scale=None, k_rope_scale=None) -> jax.Array:
+  """`validate_mla_args` for one decode query per sequence (`q_latent: [B, N, C]`)
+  and its `lengths: i32[B]`; returns the lengths as i32 (not clamped)."""
+  validate_mla_args(q_latent, q_rope, c_kv, k_rope, 1, sm_scale, c_kv_scale, k_rope_scale,
+                    window)
+  return check_lengths("lengths", lengths, c_kv.shape[0], c_kv.shape[1])
 
 
 def mla_attention(
@@ -378,8 +394,8 @@ def mla_attention(
   Returns:
     `[B, T, N, C]` in q_latent's dtype, f32-accumulated; empty rows are zeros.
   """
-  validate_mla_args(q_latent, q_rope, c_kv, k_rope, 2, sm_scale, c_kv_scale, k_rope_scale)
-  check_options(window, None, sm_scale)
+  validate_mla_args(q_latent, q_rope, c_kv, k_rope, 2, sm_scale, c_kv_scale, k_rope_scale,
+                    window)
   batch, capacity, _ = c_kv.shape
   num_tokens = q_latent.shape[1]
   q_offsets = check_lengths("q_offsets", q_offsets, batch, 0)
@@ -415,13 +431,9 @@ def mla_decode_attention_xla(
   is read in place by plain batched matrix products; a quantized cache's
   scales multiply logits and probabilities (module doc).
   """
-  _checks.rank("q_latent", q_latent, 3, "[B, N, C]")
-  _checks.rank("q_rope", q_rope, 3, "[B, N, R]")
-  _checks.rank("c_kv", c_kv, 3, "[B, S, C]")
-  validate_mla_args(q_latent, q_rope, c_kv, k_rope, 1, sm_scale, c_kv_scale, k_rope_scale)
-  check_options(window, None, sm_scale)
-  batch, capacity, _ = c_kv.shape
-  lengths = check_lengths("lengths", lengths, batch, capacity)
+  lengths = validate_mla_decode_args(q_latent, q_rope, c_kv, k_rope, lengths, sm_scale, window,
+                                     c_kv_scale, k_rope_scale)
+  capacity = c_kv.shape[1]
   logits = (scale_logits(jnp.einsum("BNC,BSC->BNS", q_latent, c_kv,
                                     preferred_element_type=jnp.float32), c_kv_scale)
             + scale_logits(jnp.einsum("BNR,BSR->BNS", q_rope, k_rope,
