@@ -8,10 +8,13 @@
 * length vectors covering a grid of edges;
 * per-vector absmax quantization (as kvattn.ops.quantize_kv) and garbage for
   the unused slots of a quantized cache;
-* the table-driven check of argument errors.
+* the table-driven check of argument errors;
+* `jitted`: a reference or XLA path compiled as one program.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +92,27 @@ def assert_errors(call, cases, valid_args):
       call(*args, **kwargs)
 
 
+def jitted(fn):
+  """`fn` (a kernel's `*_reference`, or a kvattn XLA path) under `jax.jit`, its
+  non-array keyword arguments static (one compiled program per set of them).
+
+  Run op by op, every new shape compiles each of the function's ops on its
+  own: that was most of these tests' runtime, several times the cost of one
+  compiled program. (The kernels' own wrappers are jitted already.)
+  """
+  programs = {}
+
+  def call(*args, **kwargs):
+    static = tuple(sorted((k, v) for k, v in kwargs.items() if not hasattr(v, "shape")))
+    arrays = {k: v for k, v in kwargs.items() if hasattr(v, "shape")}
+    if static not in programs:
+      programs[static] = jax.jit(functools.partial(fn, **dict(static)))
+    return programs[static](*args, **arrays)
+
+  return call
+
+
+@functools.partial(jax.jit, static_argnames="name")
 def quantize(x, name):
   """Per-vector absmax quantization (as kvattn.ops.quantize_kv): (values, f32 scales)."""
   dtype, top = FORMATS[name]

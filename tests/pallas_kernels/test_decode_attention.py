@@ -24,7 +24,7 @@ import pytest
 
 from pallas_kernels import _common
 from tests.pallas_kernels._helpers import (DTYPES, KernelTest, assert_errors, close, close_lse,
-                                           lengths_sets)
+                                           jitted, lengths_sets)
 
 # The module (the package attribute `pallas_kernels.decode_attention` is the function).
 da = importlib.import_module("pallas_kernels.decode_attention")
@@ -33,6 +33,12 @@ try:  # The XLA-path comparisons need kvattn (and so flax); a bare GPU image may
   import kvattn.ops as kvattn_ops
 except ImportError:  # pragma: no cover - depends on the machine
   kvattn_ops = None
+
+_reference = jitted(da.decode_attention_reference)
+_mla_reference = jitted(da.mla_decode_attention_reference)
+if kvattn_ops is not None:
+  _xla = jitted(kvattn_ops.decode_attention)
+  _mla_xla = jitted(kvattn_ops.mla_decode_attention)
 
 BLOCK = 16  # block_k used by the grids below; S = 4 blocks.
 S = 4 * BLOCK
@@ -98,15 +104,13 @@ class TestDecodeAttention(KernelTest):
     for lengths in lengths_sets(batch, EDGES):
       out, lse = self._kernel(q, k, v, lengths, window=window, schedule=schedule,
                               num_splits=num_splits, return_lse=True)
-      ref, ref_lse = da.decode_attention_reference(q, k, v, lengths, window=window,
-                                                   return_lse=True)
+      ref, ref_lse = _reference(q, k, v, lengths, window=window, return_lse=True)
       chex.assert_shape(out, (batch, num_heads, v_dim))
       assert out.dtype == q.dtype and lse.dtype == jnp.float32
       what = f"lengths={lengths.tolist()}"
       close(out, ref, dtype, what)
       if kvattn_ops is not None:
-        xla = kvattn_ops.decode_attention(q, k, v, jnp.asarray(lengths), window=window,
-                                          implementation="xla")
+        xla = _xla(q, k, v, jnp.asarray(lengths), window=window, implementation="xla")
         close(xla, ref, dtype, "xla path " + what)
       close_lse(lse, ref_lse, dtype)
       empty = lengths == 0
@@ -205,15 +209,14 @@ class TestDecodeAttention(KernelTest):
           q_latent, q_rope, dirty_c, dirty_r, lengths, sm_scale=0.125, window=window,
           interpret=self.INTERPRET, schedule=self._schedule(schedule), block_k=BLOCK,
           num_splits=3, return_lse=True)
-      ref, ref_lse = da.mla_decode_attention_reference(
+      ref, ref_lse = _mla_reference(
           q_latent, q_rope, c_kv, k_rope, lengths, sm_scale=0.125, window=window,
           return_lse=True)
       chex.assert_shape(out, (batch, num_heads, latent))
       close(out, ref, dtype, f"lengths={lengths.tolist()}")
       if kvattn_ops is not None:
-        xla = kvattn_ops.mla_decode_attention(q_latent, q_rope, c_kv, k_rope,
-                                              jnp.asarray(lengths), sm_scale=0.125,
-                                              window=window, implementation="xla")
+        xla = _mla_xla(q_latent, q_rope, c_kv, k_rope, jnp.asarray(lengths), sm_scale=0.125,
+                       window=window, implementation="xla")
         close(xla, ref, dtype)
       close_lse(lse, ref_lse, dtype)
 

@@ -25,12 +25,16 @@ import pytest
 
 from pallas_kernels import paged_attention as pa
 from tests.pallas_kernels._helpers import (DTYPES, FORMATS, KernelTest, assert_errors, close,
-                                           close_lse, junk, lengths_sets, quantize)
+                                           close_lse, jitted, junk, lengths_sets, quantize)
 
 try:  # The XLA-path comparisons need kvattn (and so flax); a bare GPU image may lack it.
   import kvattn.ops as kvattn_ops
 except ImportError:  # pragma: no cover - depends on the machine
   kvattn_ops = None
+
+_reference = jitted(pa.paged_decode_attention_reference)
+if kvattn_ops is not None:
+  _xla = jitted(kvattn_ops.paged_decode_attention)
 
 PAGE = 16  # page_size: a multiple of the TPU sublane count for f32 and 16-bit types
 PAGES_PER_SEQ = 4
@@ -132,17 +136,15 @@ class TestPagedAttention(KernelTest):
                               num_splits=num_splits, pages_per_block=pages_per_block,
                               return_lse=True)
       # The reference sees the clean pools and the full table.
-      ref, ref_lse = pa.paged_decode_attention_reference(
-          q, jnp.asarray(k, dtype), jnp.asarray(v, dtype), tables, lengths, window=window,
-          return_lse=True)
+      ref, ref_lse = _reference(q, jnp.asarray(k, dtype), jnp.asarray(v, dtype), tables, lengths,
+                                window=window, return_lse=True)
       chex.assert_shape(out, (batch, num_heads, v_dim))
       assert out.dtype == q.dtype and lse.dtype == jnp.float32
       what = f"lengths={lengths.tolist()}"
       close(out, ref, dtype, what)
       if kvattn_ops is not None:
-        xla = kvattn_ops.paged_decode_attention(q, dk, dv, jnp.asarray(dtables),
-                                                jnp.asarray(lengths), window=window,
-                                                implementation="xla")
+        xla = _xla(q, dk, dv, jnp.asarray(dtables), jnp.asarray(lengths), window=window,
+                   implementation="xla")
         close(xla, ref, dtype, "xla path " + what)
       close_lse(lse, ref_lse, dtype)
       np.testing.assert_array_equal(np.asarray(out, np.float32)[lengths == 0], 0.0)
@@ -232,10 +234,8 @@ class TestPagedAttention(KernelTest):
     q = 4.0 * q  # large logits, so the cap matters
     lengths = np.array([S, PAGE + 1], np.int32)
     out = self._kernel(q, jnp.asarray(k), jnp.asarray(v), tables, lengths, soft_cap=2.0)
-    ref = pa.paged_decode_attention_reference(q, jnp.asarray(k), jnp.asarray(v), tables,
-                                              lengths, soft_cap=2.0)
-    uncapped = pa.paged_decode_attention_reference(q, jnp.asarray(k), jnp.asarray(v), tables,
-                                                   lengths)
+    ref = _reference(q, jnp.asarray(k), jnp.asarray(v), tables, lengths, soft_cap=2.0)
+    uncapped = _reference(q, jnp.asarray(k), jnp.asarray(v), tables, lengths)
     close(out, ref, jnp.float32)
     assert np.abs(np.asarray(ref) - np.asarray(uncapped)).max() > 1e-2
 
@@ -271,8 +271,8 @@ class TestPagedAttention(KernelTest):
                           schedule=schedule, num_splits=2, pages_per_block=2, return_lse=True)
 
     out, lse = kernel(kq, vq, tables, ks, vs)
-    ref, ref_lse = pa.paged_decode_attention_reference(
-        q, kq, vq, tables, lengths, window=window, k_scale=ks, v_scale=vs, return_lse=True)
+    ref, ref_lse = _reference(q, kq, vq, tables, lengths, window=window, k_scale=ks, v_scale=vs,
+                              return_lse=True)
     chex.assert_shape(out, (batch, num_heads, 64))
     assert out.dtype == q_dtype and lse.dtype == jnp.float32
     close(out, ref, q_dtype)
@@ -287,9 +287,8 @@ class TestPagedAttention(KernelTest):
     dout, _ = kernel(dkq, dvq, dtables, dks, dvs)
     np.testing.assert_array_equal(np.asarray(dout, np.float32), np.asarray(out, np.float32))
     if kvattn_ops is not None:
-      xla = kvattn_ops.paged_decode_attention(q, dkq, dvq, jnp.asarray(dtables),
-                                              jnp.asarray(lengths), window=window, k_scale=dks,
-                                              v_scale=dvs, implementation="xla")
+      xla = _xla(q, dkq, dvq, jnp.asarray(dtables), jnp.asarray(lengths), window=window,
+                 k_scale=dks, v_scale=dvs, implementation="xla")
       close(xla, ref, q_dtype, "xla path")
     perm = np.random.RandomState(1).permutation(kq.shape[1])  # new position of page p
     inv = np.argsort(perm)
@@ -331,7 +330,7 @@ class TestPagedAttentionInterpret(TestPagedAttention):
     out = pa.paged_decode_attention(
         q, dirty.pop("k"), dirty.pop("v"), dtables, lengths, schedule="grid", pages_per_block=2,
         interpret=pltpu.InterpretParams(), **dirty)
-    ref = pa.paged_decode_attention_reference(q, *pools, tables, lengths, **scales)
+    ref = _reference(q, *pools, tables, lengths, **scales)
     close(out, ref, jnp.float32)
 
 

@@ -15,9 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.pallas_kernels._helpers import FORMATS, TOL, poison, quantize
+from tests.pallas_kernels._helpers import FORMATS, TOL, jitted, poison, quantize
 
 da = importlib.import_module("pallas_kernels.decode_attention")
+_reference = jitted(da.decode_attention_reference)
+_mla_reference = jitted(da.mla_decode_attention_reference)
 
 BLOCK = 32  # a multiple of the "grid" schedule's 1-byte sublane granule (32)
 S = 4 * BLOCK
@@ -52,8 +54,8 @@ def test_dense_kernel_matches_reference_over_edges(name, schedule, num_heads, nu
   out, lse = da.decode_attention(q, kq, vq, lengths, k_scale=ks, v_scale=vs, window=window,
                                  interpret=True, schedule=schedule, block_k=BLOCK,
                                  num_splits=2, return_lse=True)
-  ref, ref_lse = da.decode_attention_reference(q, kq, vq, lengths, k_scale=ks, v_scale=vs,
-                                               window=window, return_lse=True)
+  ref, ref_lse = _reference(q, kq, vq, lengths, k_scale=ks, v_scale=vs, window=window,
+                            return_lse=True)
   assert out.dtype == q_dtype
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                              atol=TOL[q_dtype], rtol=TOL[q_dtype])
@@ -120,8 +122,8 @@ def test_mla_kernel_scales_each_part(name, schedule):
   out = da.mla_decode_attention(q_lat, q_rope, cq, rq, lengths, sm_scale=0.02, c_kv_scale=cs,
                                 k_rope_scale=rs, interpret=True, schedule=schedule,
                                 block_k=BLOCK, num_splits=2)
-  ref = da.mla_decode_attention_reference(q_lat, q_rope, cq, rq, lengths, sm_scale=0.02,
-                                          c_kv_scale=cs, k_rope_scale=rs)
+  ref = _mla_reference(q_lat, q_rope, cq, rq, lengths, sm_scale=0.02, c_kv_scale=cs,
+                       k_rope_scale=rs)
   np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
   cp, csp = poison(cq, cs, lengths, None, 1)
   rp, rsp = poison(rq, rs, lengths, None, 1)
@@ -162,5 +164,5 @@ def test_compiled_kernel_matches_reference(name):
   vq, vs = quantize(v, name)
   lengths = jnp.asarray(EDGES, jnp.int32)
   out = da.decode_attention(q, kq, vq, lengths, k_scale=ks, v_scale=vs)
-  ref = da.decode_attention_reference(q, kq, vq, lengths, k_scale=ks, v_scale=vs)
+  ref = _reference(q, kq, vq, lengths, k_scale=ks, v_scale=vs)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-4, rtol=2e-4)
