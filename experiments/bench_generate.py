@@ -56,6 +56,9 @@ flags.DEFINE_integer("qk_rope_head_dim", 16, "MLA RoPE width R.")
 flags.DEFINE_integer("vocab_size", 259, "Vocabulary size V (259: kvattn.data bytes + specials).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"],
                   "Compute, parameter and cache dtype.")
+flags.DEFINE_enum("cache_dtype", None,
+                  ["float32", "bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2"],
+                  "KV-cache storage dtype (default --dtype; int8/fp8 store f32 per-token scales).")
 flags.DEFINE_string("decode_implementation", None, "kvattn.ops decode backend (None: best).")
 flags.DEFINE_integer("warmup", 1, "Untimed runs (the first compiles).")
 flags.DEFINE_integer("repeats", 10, "Timed decode loops (each on a copy of the prefilled caches).")
@@ -93,7 +96,7 @@ def run() -> dict:
   sampling = Sampling()
 
   def fresh_caches():
-    caches = model.init_caches(batch, max_len, FLAGS.dtype)
+    caches = model.init_caches(batch, max_len, FLAGS.cache_dtype or FLAGS.dtype)
     jax.block_until_ready(caches)
     return caches
 
@@ -146,9 +149,11 @@ def run() -> dict:
       "repeats": FLAGS.repeats, "prefill_repeats": FLAGS.prefill_repeats, "max_len": max_len,
       "decode_implementation": FLAGS.decode_implementation,
       "cache_bytes": cache_bytes,
-      "cache_bytes_per_token": transformer_lib.cache_bytes_per_token(cfg, FLAGS.dtype),
+      "cache_bytes_per_token": transformer_lib.cache_bytes_per_token(
+          cfg, FLAGS.cache_dtype or FLAGS.dtype),
       "cache_bytes_analytic": batch * max_len * transformer_lib.cache_bytes_per_token(
-          cfg, FLAGS.dtype),
+          cfg, FLAGS.cache_dtype or FLAGS.dtype),
+      "cache_dtype": FLAGS.cache_dtype or FLAGS.dtype,
       "jax": jax.__version__, "backend": jax.default_backend(),
       "device": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
       "machine": platform.machine(),

@@ -118,8 +118,12 @@ def decode_attention(
     k_scale, v_scale: `f32[B, K, S]` per-slot scales of a quantized cache
       (key `k[b, h, s] * k_scale[b, h, s]`), applied inside the attention
       computation (no dequantized copy of the cache); None for float caches.
-    implementation: `"xla"`, `"pallas"` (when registered) or None to pick the
-      first registered backend that supports the device and shapes.
+    implementation: `"pallas"` (the fused kernel; picked by None on GPU/TPU
+      for the shapes it supports, interpreted on CPU when named),
+      `"xla_blocked"` (flash-decoding as an XLA loop; picked by None on CPU
+      for large int8/fp8 caches only), `"xla"` (the plain reference path),
+      or None to take the first of these that supports the device, dtypes
+      and shapes (`available_implementations()` gives the order).
 
   Returns:
     `[B, N, Hv]` in q's dtype, accumulated in f32; length-0 rows are zeros.
@@ -165,7 +169,8 @@ def mla_decode_attention(
     window: sliding-window size in tokens, or None.
     c_kv_scale, k_rope_scale: `f32[B, S]` per-token scales of a quantized
       (int8/fp8) latent cache, applied inside the computation; None for float.
-    implementation: `"xla"`, `"pallas"` (when registered) or None.
+    implementation: `"pallas"`, `"xla_blocked"`, `"xla"` or None, as in
+      `decode_attention`.
 
   Returns:
     `[B, N, C]` attention-weighted latent in q_latent's dtype (apply W_UV

@@ -101,9 +101,15 @@ def attention_mask(q_offsets, kv_lengths, num_tokens: int, capacity: int, window
 
   Query t of sequence b sits at slot `p = q_offsets[b] + t` and attends slot s
   iff `s <= p`, `s < kv_lengths[b]` and (with a window W) `s > p - W`.
+
+  After an overflow under jit (`kv_lengths > S`, see `kvattn.cache`) the
+  tokens past S were dropped: lengths are clamped to S and query slots to
+  S - 1, as every kernel does, so all backends agree on what is attended.
   """
   slots = jnp.arange(capacity, dtype=jnp.int32)  # [S]
   q_slots = q_offsets[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)  # [B, T]
+  q_slots = jnp.minimum(q_slots, capacity - 1)
+  kv_lengths = jnp.minimum(kv_lengths, capacity)
   valid = slots[None, :] < kv_lengths[:, None]  # [B, S]
   mask = valid[:, None, :] & (slots[None, None, :] <= q_slots[:, :, None])  # [B, T, S]
   if window is not None:
@@ -254,8 +260,10 @@ def decode_mask(lengths: jax.Array, capacity: int, window) -> tuple[jax.Array, j
   """(`bool[B, S]` attend mask, `bool[B, S]` valid-slot mask) of one decode query per sequence.
 
   The query sits at slot `lengths[b] - 1` and attends `[max(0, lengths[b] - W), lengths[b])`:
-  `attention_mask` with T = 1 and `q_offsets = lengths - 1`, without the T axis.
+  `attention_mask` with T = 1 and `q_offsets = lengths - 1`, without the T axis;
+  lengths past S (an overflow under jit) are clamped to S, as in every kernel.
   """
+  lengths = jnp.minimum(lengths, capacity)
   slots = jnp.arange(capacity, dtype=jnp.int32)[None, :]  # [1, S]
   valid = slots < lengths[:, None]  # [B, S]
   mask = valid if window is None else valid & (slots >= lengths[:, None] - window)

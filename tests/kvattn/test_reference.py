@@ -210,3 +210,23 @@ def test_mla_decode_equals_single_kv_head_attention_over_concatenated_key():
   np.testing.assert_allclose(np.asarray(out), np.asarray(dense), atol=1e-6)
   with pytest.raises(ValueError, match="sm_scale is required for MLA"):
     ops.mla_decode_attention(ql, qr, c_kv, k_rope, lengths, sm_scale=None)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_lengths_past_capacity_are_clamped_like_the_kernels(window):
+  # After an overflow under jit, lengths may exceed S (the sticky flag of
+  # kvattn.cache); the dropped tokens are not attended and every backend
+  # treats the row as full: the same result as lengths == S.
+  B, N, K, S, H = 2, 4, 2, 32, 16
+  q, k, v = _rand(0, (B, N, H)), _rand(1, (B, K, S, H)), _rand(2, (B, K, S, H))
+  over = jnp.array([40, 33])
+  full = jnp.array([S, S])
+  for impl in ("xla", "xla_blocked"):
+    out = ops.decode_attention(q, k, v, over, window=window, implementation=impl)
+    ref = ops.decode_attention(q, k, v, full, window=window, implementation="xla")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-6)
+    assert np.abs(np.asarray(out)).sum() > 0
+  # Multi-token form: queries whose slots fell past S sit at the last slot.
+  out = ops.attention(q[:, None], k, v, q_offsets=over - 1, kv_lengths=over, window=window)
+  ref = ops.attention(q[:, None], k, v, q_offsets=full - 1, kv_lengths=full, window=window)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-6)

@@ -68,20 +68,18 @@ def test_mla_matches_plain_xla_path():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU-only backend")
-def test_dispatch_uses_it_for_long_f32_caches_only():
+def test_dispatch_picks_it_for_float_caches_only_when_named():
+  # Inside the compiled generate loop the plain path is faster for float
+  # caches (docs/benchmarks.md), so None never picks it for them.
   assert ops.available_implementations()[:3] == ("pallas", "xla_blocked", "xla")
-  q, k, v = _dense(8, 2, 32, 32, jnp.float32, capacity=xla_blocked.MIN_CAPACITY, seed=3)
+  q, k, v = _dense(8, 2, 32, 32, jnp.float32, capacity=4096, seed=3)
   lengths = jnp.array([0, 700, 2048])
   auto = ops.decode_attention(q, k, v, lengths, window=1000)
   np.testing.assert_array_equal(
-      auto, ops.decode_attention(q, k, v, lengths, window=1000, implementation="xla_blocked"))
+      auto, ops.decode_attention(q, k, v, lengths, window=1000, implementation="xla"))
   np.testing.assert_allclose(
-      auto, ops.decode_attention(q, k, v, lengths, window=1000, implementation="xla"),
+      auto, ops.decode_attention(q, k, v, lengths, window=1000, implementation="xla_blocked"),
       atol=1e-5, rtol=1e-5)
-  for dtype, capacity, rows in ((jnp.bfloat16, 2048, 3), (jnp.float32, 1024, 3),
-                                (jnp.float32, 2048, 1)):
-    with pytest.raises(NotImplementedError):
-      xla_blocked._decode(q[:rows], k[:rows, :, :capacity].astype(dtype),
-                          v[:rows, :, :capacity].astype(dtype), lengths[:rows], explicit=False)
-  with pytest.raises(NotImplementedError, match="B \\* K = 2 < 4"):
-    xla_blocked._decode(q[:1], k[:1], v[:1], lengths[:1], explicit=False)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    with pytest.raises(NotImplementedError, match="not picked automatically"):
+      xla_blocked._decode(q, k.astype(dtype), v.astype(dtype), lengths, explicit=False)
