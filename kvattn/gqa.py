@@ -143,7 +143,10 @@ class GroupedQueryAttention(nnx.Module):
           new_cache.lengths, implementation=self.decode_implementation, **opts,
           **new_cache.scale_kwargs())[:, None]
     k, v = new_cache.dense_kv()  # [B, K, pages_per_seq * page_size, H]
-    return ops.attention(q, k, v, q_offsets=old_lengths, kv_lengths=new_cache.lengths, **opts,
+    # As paged_decode_attention: read only the slots the row's assigned pages hold (tokens an
+    # overflow under jit dropped are not attended; an unassigned page is never resolved).
+    kv_lengths = jnp.minimum(new_cache.lengths, new_cache.assigned_slots)
+    return ops.attention(q, k, v, q_offsets=old_lengths, kv_lengths=kv_lengths, **opts,
                          **new_cache.dense_scale_kwargs())
 
   def _project(self, x, spec, w):

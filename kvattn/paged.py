@@ -60,8 +60,9 @@ class PagedKVCache:
     block_tables: `i32[B, pages_per_seq]`: slot s of sequence b is slot
       `s % page_size` of page `block_tables[b, s // page_size]`; entries
       outside `[0, P)` (`NO_PAGE`) are unassigned.
-    lengths: `i32[B]` valid tokens per sequence; exceeds the capacity
-      `pages_per_seq * page_size` only after an overflow under jit.
+    lengths: `i32[B]` tokens written per sequence; exceeds what the row's
+      assigned pages hold (`assigned_slots`) only after an overflow under jit
+      (see `overflowed`).
     k_scale_pages: `f32[K, P, page_size]` per-slot key scales when the pools
       are int8/fp8 (`kvattn.ops.quant`; slot s of a page holds `k_pages[...,
       s, :] * k_scale_pages[..., s]`), written with the values; else None.
@@ -176,10 +177,31 @@ class PagedKVCache:
     return self.k_scale_pages is not None
 
   @property
+  def assigned_slots(self) -> jax.Array:
+    """`i32[B]`: tokens each sequence's assigned pages can hold: `page_size`
+    times the leading block-table entries in `[0, P)` (at most `max_len`)."""
+    return paged_ops.assigned_slots(self.block_tables, self.num_pages, self.page_size)
+
+  @property
   def overflowed(self) -> jax.Array:
-    """`bool[B]`: sequences written past `max_len` (or into unassigned pages
-    whose tokens were dropped) under jit; sticky."""
-    return self.lengths > self.max_len
+    """`bool[B]`: sequences whose `lengths` exceed what their assigned pages
+    hold (`lengths > assigned_slots`, which covers `lengths > max_len`).
+
+    Only an update under jit gets there (eagerly it raises): tokens past the
+    assigned pages (past `max_len`, or on a logical page the block table does
+    not assign) are dropped while `lengths` still advances. Attention
+    (`kvattn.ops.paged_decode_attention`) then reads only the assigned pages,
+    so the dropped tokens are simply not attended.
+
+    The flag is derived from the current block table and lengths: it stays
+    set while the row stays as it is (lengths never decrease), and
+    `assign_slot` / `release_slot` reset it with the row. Giving the row more
+    pages after tokens were dropped clears it too, although the dropped
+    tokens are not restored: grow a row *before* writing into a new page (as
+    `kvattn.ContinuousBatcher` does), and check `overflowed` after a jitted
+    loop.
+    """
+    return self.lengths > self.assigned_slots
 
   @property
   def num_slots(self) -> int:
@@ -206,9 +228,11 @@ class PagedKVCache:
 
     Token t of sequence b (t < new_lengths[b]) goes to slot `s = lengths[b]
     + t`, i.e. to slot `s % page_size` of page `block_tables[b, s //
-    page_size]`. Tokens past the capacity or on an unassigned logical page
-    are dropped (scatter `mode='drop'`, never wrapped onto another page);
-    `lengths` still advances, as for `KVCache` (`overflowed` is sticky).
+    page_size]`. Under jit, tokens at or past the slots the row's assigned
+    pages hold (`assigned_slots`: past the capacity, or at or after the
+    row's first unassigned logical page) are dropped (scatter `mode='drop'`,
+    never wrapped onto another page); `lengths` still advances, as for
+    `KVCache`, and `overflowed` flags the row.
 
     Args:
       k_new: `[B, T, K, H]` keys (RoPE applied), cast to the cache dtype
@@ -222,7 +246,8 @@ class PagedKVCache:
     Raises:
       ValueError: wrong shapes; `new_lengths` outside [0, T]; and, when the
         lengths and block table are concrete (eager calls), a write past the
-        capacity or onto a logical page the block table does not assign.
+        capacity or onto (or past) a logical page the block table does not
+        assign.
     """
     expected = (self.batch, None, self.num_kv_heads, self.head_dim)
     for name, x in (("k_new", k_new), ("v_new", v_new)):
@@ -242,13 +267,14 @@ class PagedKVCache:
     t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
     slots = self.lengths[:, None] + t  # [B, T]
     logical = slots // page_size
-    in_range = (t < new_lengths[:, None]) & (logical < self.pages_per_seq)
+    real = t < new_lengths[:, None]
+    # Only slots the row's leading assigned pages hold are written (what attention reads).
+    fits = slots < self.assigned_slots[:, None]
+    checkify.debug_check(jnp.all(fits | ~real),
+                         "paged cache: a token was written past the assigned pages")
     page = jnp.take_along_axis(self.block_tables,
                                jnp.clip(logical, 0, self.pages_per_seq - 1), axis=1)
-    assigned = (page >= 0) & (page < num_pages)
-    checkify.debug_check(jnp.all(assigned | ~in_range),
-                         "paged cache: a token was written to an unassigned page")
-    page = jnp.where(in_range & assigned, page, num_pages)  # num_pages = dropped
+    page = jnp.where(real & fits, page, num_pages)  # num_pages = dropped
     offset = slots % page_size
     (k_new, k_s), (v_new, v_s) = (cache_lib.encode(k_new, self.dtype),
                                   cache_lib.encode(v_new, self.dtype))
@@ -264,13 +290,14 @@ class PagedKVCache:
         v_scale_pages=None if v_s is None else write(self.v_scale_pages, v_s))
 
   def _check_pages_assigned(self, new_lengths) -> None:
+    """Eager check: every logical page up to the last one written is assigned."""
     if not all(_checks.is_concrete(x) for x in (self.lengths, new_lengths, self.block_tables)):
       return
     tables = np.asarray(self.block_tables)
     start = np.asarray(self.lengths)
     end = start + np.asarray(new_lengths)
-    for b in range(self.batch):
-      for j in range(int(start[b]) // self.page_size, pages_for(end[b], self.page_size)):
+    for b in np.flatnonzero(np.asarray(new_lengths) > 0):
+      for j in range(pages_for(end[b], self.page_size)):
         page = int(tables[b, j])
         if not 0 <= page < self.num_pages:
           raise ValueError(
@@ -306,7 +333,8 @@ class PagedKVCache:
   # Views.
   def dense_kv(self) -> tuple[jax.Array, jax.Array]:
     """`(k, v)`, each `[B, K, pages_per_seq * page_size, H]`, gathered through
-    the block table (unassigned pages read an arbitrary page; mask by lengths)."""
+    the block table (unassigned pages read an arbitrary page; mask by
+    `min(lengths, assigned_slots)`)."""
     return (paged_ops.gather_pages(self.k_pages, self.block_tables),
             paged_ops.gather_pages(self.v_pages, self.block_tables))
 

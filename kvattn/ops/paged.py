@@ -28,6 +28,18 @@ Backends of the `"paged_decode_attention"` op, in the order None tries them:
     (S = pages_per_seq * page_size) and runs `decode_attention_xla`. Reads
     every page of the block table whatever the length; always available.
 
+Lengths past the assigned pages: a sequence can only hold the tokens of the
+leading assigned entries of its block-table row (`assigned_slots`: the
+entries before its first one outside `[0, P)`, times `page_size`). Under
+`jit`, a `PagedKVCache.update` past them drops the tokens but still advances
+`lengths` (`PagedKVCache.overflowed` flags the row), so `paged_decode_attention`
+clamps every row's length to `[0, assigned_slots]` before any backend runs:
+every backend then reads only pages the row owns and they all agree; the
+dropped tokens are simply not attended. With concrete lengths and block tables
+(eager calls) such lengths raise ValueError instead (`check_block_tables`).
+Pages released behind a sliding window (a -1 before live entries) are
+therefore not supported: a row must be a prefix of assigned pages.
+
 Quantized pools (int8 / fp8 values with `f32[K, P, page_size]` scale pools,
 passed as `k_scale=`, `v_scale=`): both XLA paths apply the scales to the
 logits and probabilities (`kvattn.ops.reference`); the Pallas paged kernel
@@ -105,6 +117,23 @@ def gather_pages(
   return jnp.moveaxis(gathered, 0, 1).reshape(b, k, n * ps, h)
 
 
+def assigned_slots(
+    block_tables: jax.Array,  # i32[B, pages_per_seq]
+    num_pages: int,
+    page_size: int,
+) -> jax.Array:  # i32[B]
+  """Token slots each sequence's assigned pages hold: `page_size` times the
+  number of leading block-table entries in `[0, num_pages)` (the entries
+  before a row's first unassigned one; at most `pages_per_seq * page_size`).
+
+  A sequence whose `lengths[b]` exceeds this lost tokens (an update under
+  jit dropped them); `paged_decode_attention` clamps its length to it.
+  """
+  assigned = (block_tables >= 0) & (block_tables < num_pages)  # [B, pages_per_seq]
+  leading = jnp.sum(jnp.cumprod(assigned.astype(jnp.int32), axis=1), axis=1)
+  return (leading * page_size).astype(jnp.int32)
+
+
 def gather_pages_zeroed(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
   """`gather_pages` with the slots of unassigned logical pages (entries outside
   `[0, P)`) set to zero: `[B, K, pages_per_seq * page_size, H]`."""
@@ -146,8 +175,8 @@ def paged_decode_attention_xla(
               "v_scale": gather_pages(v_scale[..., None], block_tables)[..., 0]}
   if window is not None:
     # The dense reference zeroes the value rows past the length; also zero
-    # those before the window start, so pages a scheduler has already
-    # released behind a sliding window (and anything they hold) cannot leak.
+    # those before the window start, so whatever pages there hold (a page
+    # the table does not assign is gathered from page 0) cannot leak.
     lengths = lengths.astype(jnp.int32)
     slots = jnp.arange(v.shape[2], dtype=jnp.int32)
     keep = slots[None, :] >= (lengths - window)[:, None]  # [B, S]
@@ -307,46 +336,75 @@ def paged_decode_attention(
       pool scan when the pool is smaller than the gathered view, else the XLA
       gather path).
 
+  Lengths the block table does not cover: every row's length is clamped to
+  `[0, assigned_slots(block_tables, P, page_size)[b]]` (the leading assigned
+  pages) before any backend runs, so no backend ever reads a page the row
+  does not own (an unassigned entry is never resolved to another sequence's
+  page) and all backends agree. This only matters under jit after an update
+  past the assigned pages dropped tokens: those tokens are not attended, and
+  `PagedKVCache.overflowed` tells which rows lost some. With concrete
+  (eager) lengths and block tables such inputs raise instead.
+
   Returns:
     `[B, N, Hv]` in q's dtype, f32-accumulated; length-0 rows are zeros.
 
   Raises:
-    ValueError: unknown `implementation`; shapes or options that do not fit.
+    ValueError: unknown `implementation`; shapes or options that do not fit;
+      and, when `lengths` and `block_tables` are concrete, a length outside
+      `[0, pages_per_seq * page_size]`, a page a sequence uses that the table
+      does not assign, or one page used twice (`check_block_tables`).
     TypeError: non-float q/pages, k/v dtype mismatch, non-integer tables/lengths.
     NotImplementedError: the named implementation cannot run these shapes here.
   """
   validate_paged_args(q, k_pages, v_pages, block_tables, lengths, window=window,
                       soft_cap=soft_cap, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
+  num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
+  check_block_tables(block_tables, lengths, num_pages, page_size)
+  # Under jit the lengths may run past the assigned pages (dropped tokens): read only those.
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0,
+                     assigned_slots(block_tables, num_pages, page_size))
   scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
   return _dispatch.dispatch(OP, implementation, q, k_pages, v_pages, block_tables, lengths,
                             sm_scale=sm_scale, window=window, soft_cap=soft_cap, **scales)
 
 
 def check_block_tables(block_tables, lengths, num_pages: int, page_size: int) -> None:
-  """Host check that every page a sequence uses is assigned and no page is shared.
+  """Host check that lengths fit, every page a sequence uses is assigned and none is shared.
 
   For concrete `block_tables: i32[B, pages_per_seq]` and `lengths: i32[B]`:
-  logical pages `[0, ceil(lengths[b] / page_size))` of every sequence must map
-  into `[0, num_pages)`, and no physical page may be used by two sequences (or
-  twice by one). Skipped for traced values.
+  every length must lie in `[0, pages_per_seq * page_size]`; logical pages
+  `[0, ceil(lengths[b] / page_size))` of every sequence must map into
+  `[0, num_pages)`; and no physical page may be used by two sequences (or
+  twice by one). Skipped for traced values (under jit,
+  `paged_decode_attention` clamps the lengths to the assigned pages instead).
 
   Raises:
-    ValueError: naming the sequence and page that break the rule.
+    ValueError: naming the sequence and page (or length) that break the rule.
   """
   if not (_checks.is_concrete(block_tables) and _checks.is_concrete(lengths)):
     return
   tables = np.asarray(block_tables)
-  used = -(-np.asarray(lengths).astype(np.int64) // page_size)
-  owner: dict[int, tuple[int, int]] = {}
-  for b in range(tables.shape[0]):
-    for j in range(min(int(used[b]), tables.shape[1])):
-      page = int(tables[b, j])
-      if not 0 <= page < num_pages:
-        raise ValueError(
-            f"block_tables[{b}, {j}] must be a page in [0, {num_pages}) since sequence {b} "
-            f"has {int(np.asarray(lengths)[b])} tokens; got {page}")
-      if page in owner:
-        raise ValueError(
-            f"block_tables must not give page {page} to two live slots; got it at "
-            f"{owner[page]} and ({b}, {j})")
-      owner[page] = (b, j)
+  host_lengths = np.asarray(lengths).astype(np.int64)
+  capacity = tables.shape[1] * page_size
+  bad = (host_lengths < 0) | (host_lengths > capacity)
+  if bad.any():
+    b = int(np.flatnonzero(bad)[0])
+    raise ValueError(
+        f"lengths must lie in [0, pages_per_seq * page_size] = [0, {capacity}]; got "
+        f"lengths[{b}] = {int(host_lengths[b])} (all: {host_lengths.tolist()})")
+  used = -(-host_lengths // page_size)
+  in_use = np.arange(tables.shape[1])[None, :] < used[:, None]  # [B, pages_per_seq]
+  unassigned = in_use & ((tables < 0) | (tables >= num_pages))
+  if unassigned.any():
+    b, j = (int(x) for x in np.argwhere(unassigned)[0])
+    raise ValueError(
+        f"block_tables[{b}, {j}] must be a page in [0, {num_pages}) since sequence {b} "
+        f"has {int(host_lengths[b])} tokens; got {int(tables[b, j])}")
+  pages, counts = np.unique(tables[in_use], return_counts=True)
+  if (counts > 1).any():
+    page = int(pages[counts > 1][0])
+    first, second = (tuple(int(x) for x in loc)
+                     for loc in np.argwhere(in_use & (tables == page))[:2])
+    raise ValueError(
+        f"block_tables must not give page {page} to two live slots; got it at "
+        f"{first} and {second}")

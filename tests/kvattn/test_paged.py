@@ -278,6 +278,71 @@ def test_xla_path_under_jit_with_overflowed_lengths_stays_in_bounds():
                                err_msg=impl)
 
 
+def test_jit_overflow_into_an_unassigned_page_is_flagged_and_no_backend_reads_other_pages():
+  # Sequence 0 owns page 1 only (2 slots), sequence 1 owns page 0 and holds 100s. A jitted
+  # update writes 3 tokens of ones into sequence 0: the third has no page and is dropped.
+  c = PagedKVCache.init(2, num_pages=4, page_size=2, pages_per_seq=3, num_kv_heads=1,
+                        head_dim=16, block_tables=np.array([[1, -1, -1], [0, -1, -1]], np.int32))
+  hundreds = jnp.zeros((2, 1, 1, 16)).at[1].set(100.0)
+  c = c.update(hundreds, hundreds, jnp.array([0, 1]))
+  c2 = jax.jit(lambda c, k: c.update(k, k, jnp.array([3, 0])))(c, jnp.ones((2, 3, 1, 16)))
+  np.testing.assert_array_equal(np.asarray(c2.lengths), [3, 1])
+  np.testing.assert_array_equal(np.asarray(c2.assigned_slots), [2, 2])
+  np.testing.assert_array_equal(np.asarray(c2.overflowed), [True, False])  # tokens were dropped
+  assert not np.asarray(c.overflowed).any()
+  # Every backend reads only sequence 0's own page (the dropped token is not attended): all
+  # ones, never sequence 1's 100s; sequence 1 is unaffected.
+  q = jnp.ones((2, 1, 16))
+  args = (q, c2.k_pages, c2.v_pages, c2.block_tables, c2.lengths)
+  for impl in ("xla", "xla_pool", "pallas"):
+    out = np.asarray(_paged_decode(*args, implementation=impl))
+    np.testing.assert_array_equal(out[0], 1.0, err_msg=impl)
+    np.testing.assert_array_equal(out[1], 100.0, err_msg=impl)
+  # Eagerly the same lengths are an error, not a silent clamp.
+  with pytest.raises(ValueError, match=r"block_tables\[0, 1\] must be a page in \[0, 4\) since "
+                     r"sequence 0 has 3 tokens; got -1"):
+    ops.paged_decode_attention(*args)
+  # Past the capacity, too: flagged under jit, an error eagerly.
+  full = c.replace(block_tables=jnp.array([[1, 2, 3], [0, -1, -1]], jnp.int32))
+  over = jax.jit(lambda c, k: c.update(k, k, jnp.array([7, 0])))(full, jnp.ones((2, 7, 1, 16)))
+  np.testing.assert_array_equal(np.asarray(over.overflowed), [True, False])
+  with pytest.raises(ValueError, match=r"lengths must lie in \[0, pages_per_seq \* page_size\] = "
+                     r"\[0, 6\]; got lengths\[0\] = 7"):
+    ops.paged_decode_attention(q, over.k_pages, over.v_pages, over.block_tables, over.lengths)
+  with pytest.raises(ValueError, match=r"lengths must lie in .* got lengths\[1\] = -1"):
+    ops.paged_decode_attention(q, c.k_pages, c.v_pages, c.block_tables, jnp.array([0, -1]))
+
+
+def test_jit_update_writes_nothing_past_the_first_unassigned_page():
+  # Row [0, -1, 2]: only page 0's slots count; the token that would land on page 2 (after the
+  # gap) is dropped too, so what attention reads (the leading pages) is all that is written.
+  c = PagedKVCache.init(1, num_pages=3, page_size=2, pages_per_seq=3, num_kv_heads=1,
+                        head_dim=4, block_tables=np.array([[0, -1, 2]], np.int32))
+  new = jax.jit(lambda c, k: c.update(k, k))(c, jnp.ones((1, 6, 1, 4)))
+  k = np.asarray(new.k_pages)
+  assert np.all(k[:, 0] == 1) and np.all(k[:, 1:] == 0)
+  assert bool(new.overflowed[0]) and int(new.assigned_slots[0]) == 2
+  with pytest.raises(ValueError, match=r"block_tables\[0, 1\] must be a page in \[0, 3\) to write "
+                     r"tokens \[0, 6\) of sequence 0; got -1"):
+    c.update(jnp.ones((1, 6, 1, 4)), jnp.ones((1, 6, 1, 4)))
+
+
+def test_gqa_prefill_after_a_dropped_write_never_reads_another_sequences_page():
+  # Sequence 0 owns one page (4 slots) but prefills 6 tokens under jit; sequence 1 owns page 0,
+  # which an unassigned entry would be clamped to. Sequence 0's outputs must not depend on
+  # sequence 1's tokens (invariant 2: batch composition).
+  from flax import nnx
+  layer = kvattn.GroupedQueryAttention(d_model=16, num_heads=4, num_kv_heads=2, head_dim=8,
+                                       rngs=nnx.Rngs(0))
+  cache = PagedKVCache.init(2, num_pages=2, page_size=PAGE, pages_per_seq=2, num_kv_heads=2,
+                            head_dim=8, block_tables=np.array([[1, -1], [0, -1]], np.int32))
+  run = jax.jit(lambda x: layer(x, cache=cache, new_lengths=jnp.array([6, 4]))[0])
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 6, 16)), jnp.float32)
+  a = np.asarray(run(x))
+  b = np.asarray(run(x.at[1].multiply(-50.0)))
+  np.testing.assert_array_equal(a[0], b[0])
+
+
 def test_pool_scan_is_picked_only_for_a_pool_smaller_than_the_gathered_view():
   # Right-sized pool (only the pages in use, shuffled): None picks "xla_pool" on CPU.
   lengths = np.array([9, 0, 20, 1], np.int32)
@@ -325,8 +390,15 @@ def test_check_block_tables():
   with pytest.raises(ValueError, match=r"block_tables\[1, 0\] must be a page in \[0, 3\) since "
                      r"sequence 1 has 2 tokens; got -1"):
     paged_ops.check_block_tables(np.array([[0, 1], [-1, -1]]), np.array([5, 2]), 3, PAGE)
-  with pytest.raises(ValueError, match="must not give page 1 to two live slots"):
+  with pytest.raises(ValueError, match=r"must not give page 1 to two live slots; got it at "
+                     r"\(0, 1\) and \(1, 0\)"):
     paged_ops.check_block_tables(np.array([[0, 1], [1, -1]]), np.array([5, 2]), 3, PAGE)
+  with pytest.raises(ValueError, match=r"lengths must lie in \[0, pages_per_seq \* page_size\] = "
+                     r"\[0, 8\]; got lengths\[0\] = 9"):
+    paged_ops.check_block_tables(np.array([[0, 1], [2, -1]]), np.array([9, 2]), 3, PAGE)
+  np.testing.assert_array_equal(
+      np.asarray(paged_ops.assigned_slots(jnp.array([[0, 1], [2, -1], [-1, 1], [0, 3]]), 3, PAGE)),
+      [8, 4, 0, 4])
 
 
 # Model level: the GQA module and generate with paged caches.
