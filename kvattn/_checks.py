@@ -79,6 +79,22 @@ def dim(name: str, x: Any, axis: int, expected: int, what: str) -> None:
         f"{name}.shape[{axis}] ({what}) must be {expected}; got shape {tuple(x.shape)}")
 
 
+def implementation(name: str, value: Any, choices: Sequence[str]) -> str | None:
+  """Returns `value` if it is None or one of `choices` (backend names), else raises.
+
+  Raises:
+    TypeError: a value that is neither a str nor None.
+    ValueError: a str that is not one of `choices`.
+  """
+  if value is None:
+    return None
+  if not isinstance(value, str):
+    raise TypeError(f"{name} must be a str or None; got {value!r} of type {type(value).__name__}")
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {sorted(choices)} or None; got {value!r}")
+  return value
+
+
 def is_concrete(x: Any) -> bool:
   """True when `x` holds values known on the host (not a tracer)."""
   return not isinstance(x, jax.core.Tracer)

@@ -21,6 +21,16 @@ from kvattn import ops
 from kvattn import paged as paged_lib
 
 
+DECODE_OPS = ("decode_attention", "paged_decode_attention")
+"""The `kvattn.ops` dispatch points a GQA layer decodes through (dense, paged cache)."""
+
+
+def decode_implementations() -> tuple[str, ...]:
+  """Backend names `decode_implementation` may take: those registered for a dense
+  or a paged cache (`kvattn.ops.available_implementations`), sorted."""
+  return tuple(sorted({name for op in DECODE_OPS for name in ops.available_implementations(op)}))
+
+
 def _init(in_axis, out_axis):
   return nnx.initializers.variance_scaling(
       1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
@@ -107,12 +117,18 @@ class GroupedQueryAttention(nnx.Module):
       soft_cap: logit soft cap (Gemma 2), or None.
       dtype: compute dtype (None: the input's dtype).
       param_dtype: parameter storage dtype.
-      decode_implementation: passed to `kvattn.ops.decode_attention`.
+      decode_implementation: backend for T == 1 steps, passed to
+        `kvattn.ops.decode_attention` (dense cache) or
+        `kvattn.ops.paged_decode_attention` (paged cache): one of
+        `decode_implementations()` or None (the best available). A backend
+        that cannot run a call's shapes raises NotImplementedError then.
       rngs: `nnx.Rngs` with a `params` stream.
 
     Raises:
       ValueError: non-positive sizes, K not dividing N, odd head_dim,
-        non-positive window / rope_theta / soft_cap.
+        non-positive window / rope_theta / soft_cap, an unknown
+        decode_implementation.
+      TypeError: a decode_implementation that is not a str or None.
     """
     self.d_model = _checks.positive_int("d_model", d_model)
     self.num_heads, self.num_kv_heads, self.num_groups = _checks.head_layout(num_heads, num_kv_heads)
@@ -123,7 +139,8 @@ class GroupedQueryAttention(nnx.Module):
     self.window = _checks.optional_positive_int("window", window)
     self.soft_cap = _checks.optional_positive_float("soft_cap", soft_cap)
     self.dtype = None if dtype is None else jnp.dtype(dtype)
-    self.decode_implementation = decode_implementation
+    self.decode_implementation = _checks.implementation(
+        "decode_implementation", decode_implementation, decode_implementations())
     D, N, K, H = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
     key = rngs.params
     self.q_proj = nnx.Param(_init(0, (1, 2))(key(), (D, N, H), param_dtype))

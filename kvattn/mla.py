@@ -39,6 +39,14 @@ from kvattn import ops
 from kvattn.gqa import check_input, check_positions, default_positions
 
 PATHS = ("auto", "naive", "absorbed")
+DECODE_OP = "mla_decode_attention"
+"""The `kvattn.ops` dispatch point an MLA layer decodes through (absorbed path)."""
+
+
+def decode_implementations() -> tuple[str, ...]:
+  """Backend names `decode_implementation` may take (`kvattn.ops.available_implementations`
+  of the MLA decode op), sorted."""
+  return tuple(sorted(ops.available_implementations(DECODE_OP)))
 
 
 def _init(in_axis, out_axis):
@@ -140,13 +148,16 @@ class MultiHeadLatentAttention(nnx.Module):
       path: `"auto"`, `"naive"` or `"absorbed"` (see the class docstring).
       dtype: compute dtype (None: the input's dtype).
       param_dtype: parameter storage dtype.
-      decode_implementation: passed to `kvattn.ops.mla_decode_attention`.
+      decode_implementation: backend for T == 1 absorbed steps, passed to
+        `kvattn.ops.mla_decode_attention`: one of `decode_implementations()`
+        or None (the best available).
       rngs: `nnx.Rngs` with a `params` stream.
 
     Raises:
       ValueError: a non-positive size, an odd qk_rope_head_dim, non-positive
-        rope_theta / rms_eps / window, or an unknown path.
-      TypeError: a size that is not an int.
+        rope_theta / rms_eps / window, an unknown path or decode_implementation.
+      TypeError: a size that is not an int; a decode_implementation that is
+        not a str or None.
     """
     self.d_model = _checks.positive_int("d_model", d_model)
     self.num_heads = _checks.positive_int("num_heads", num_heads)
@@ -164,7 +175,8 @@ class MultiHeadLatentAttention(nnx.Module):
       raise ValueError(f"path must be one of {PATHS}; got {path!r}")
     self.path = path
     self.dtype = None if dtype is None else jnp.dtype(dtype)
-    self.decode_implementation = decode_implementation
+    self.decode_implementation = _checks.implementation(
+        "decode_implementation", decode_implementation, decode_implementations())
     # DeepSeek-V2 eq. 18: the scale of the trained per-head width.
     self.sm_scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
 

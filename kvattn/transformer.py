@@ -29,7 +29,10 @@ bad values raise ValueError naming the dotted key):
     window                int|None  sliding window in tokens (both kinds;
                                 the cache keeps full capacity).
     decode_implementation str|None  `kvattn.ops` backend for T == 1 decode
-                                ("xla", "pallas", None = best available).
+                                (None = best available; else a registered
+                                name: "gqa" `kvattn.gqa.decode_implementations()`,
+                                "mla" `kvattn.mla.decode_implementations()`,
+                                e.g. "xla", "pallas").
     -- "gqa" only --
     num_kv_heads          int   KV heads K, divides N (N: MHA, 1: MQA).
     head_dim              int   H, even.
@@ -65,6 +68,7 @@ from ml_collections import config_dict
 
 from kvattn import _checks
 from kvattn import memory
+from kvattn import gqa as gqa_lib
 from kvattn.gqa import GroupedQueryAttention
 
 ATTENTION_KINDS = ("gqa", "mla")
@@ -235,6 +239,14 @@ def _attention_spec(d: Mapping[str, Any], where: str) -> AttentionSpec:
   impl = d.get("decode_implementation")
   if impl is not None and not isinstance(impl, str):
     raise ValueError(f"{where}.decode_implementation must be a str or None; got {impl!r}")
+  if impl is not None:
+    if kind == "gqa":
+      choices = gqa_lib.decode_implementations()
+    else:
+      choices = importlib.import_module("kvattn.mla").decode_implementations()
+    if impl not in choices:
+      raise ValueError(f"{where}.decode_implementation must be one of {list(choices)} or None "
+                       f"for attention kind {kind!r}; got {impl!r}")
   common = dict(kind=kind, num_heads=_int(f"{where}.num_heads", d.get("num_heads")),
                 rope_theta=_float(f"{where}.rope_theta", d.get("rope_theta")),
                 window=_opt_int(f"{where}.window", d.get("window")),

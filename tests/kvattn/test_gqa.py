@@ -131,6 +131,15 @@ def test_construction_and_call_validation():
   with pytest.raises(TypeError, match="num_kv_heads must be a positive int; got 2.0"):
     kvattn.GroupedQueryAttention(d_model=8, num_heads=2, num_kv_heads=2.0, head_dim=8,
                                  rngs=nnx.Rngs(0))
+  # The decode backend is checked at construction, not at the first decode step.
+  with pytest.raises(ValueError, match=r"decode_implementation must be one of \['pallas', 'xla', "
+                     r"'xla_blocked', 'xla_pool'\] or None; got 'bogus'"):
+    kvattn.GroupedQueryAttention(d_model=8, num_heads=2, num_kv_heads=1, head_dim=8,
+                                 decode_implementation="bogus", rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match="decode_implementation must be a str or None; got 3"):
+    kvattn.GroupedQueryAttention(d_model=8, num_heads=2, num_kv_heads=1, head_dim=8,
+                                 decode_implementation=3, rngs=nnx.Rngs(0))
+  assert kvattn.gqa.decode_implementations() == ("pallas", "xla", "xla_blocked", "xla_pool")
   layer = _layer(2)
   with pytest.raises(ValueError, match=r"x must have rank 3 \[B, T, D\]; got shape \(4, 32\)"):
     layer(jnp.zeros((4, D)))

@@ -405,6 +405,9 @@ def test_overflow_under_jit_is_flagged_and_does_not_corrupt_other_rows():
     (dict(window=0), "window"),
     (dict(rms_eps=-1.0), "rms_eps"),
     (dict(path="fast"), "path must be one of"),
+    (dict(decode_implementation="xla_pool"),  # a paged-cache backend: MLA has no paged cache
+     r"decode_implementation must be one of \['pallas', 'xla', 'xla_blocked'\] or None; got "
+     r"'xla_pool'"),
 ])
 def test_impossible_dimensions_raise_value_error_naming_them(bad, name):
   with pytest.raises(ValueError, match=name):

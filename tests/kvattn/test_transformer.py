@@ -135,6 +135,12 @@ def test_model_config_rejects_unknown_keys(where, overrides, message):
      r"model\.layers\[1\]\.qk_rope_head_dim must be even"),
     (lambda c: setattr(c, "layers", ({"windw": 3}, {})),
      r"model\.layers\[0\]\.windw is not a known"),
+    (lambda c: setattr(c.attention, "decode_implementation", "bogus"),
+     r"model\.attention\.decode_implementation must be one of \[.*'xla'.*\] or None for "
+     r"attention kind 'gqa'; got 'bogus'"),
+    (lambda c: setattr(c, "layers", ({}, {"kind": "mla", "decode_implementation": "xla_pool"})),
+     r"model\.layers\[1\]\.decode_implementation must be one of \['pallas', 'xla', "
+     r"'xla_blocked'\] or None for attention kind 'mla'; got 'xla_pool'"),
 ])
 def test_invalid_values_name_the_key(mutate, message):
   cfg = small_config()
