@@ -115,6 +115,7 @@ class PagedFamily:
     self._title = "kvattn: paged vs dense KV cache"
     self._config: dict[str, Any] | None = None
     self._model: tuple[str, nnx.Module] | None = None
+    self._preflighted: set[tuple[Any, ...]] = set()
 
   # -- points and validation -------------------------------------------------------------------
 
@@ -167,6 +168,7 @@ class PagedFamily:
     """
     base = runner.to_dict(config)
     runner.check_schema(base, self.schema)
+    self._check(base, "config")  # the config as given (command-line overrides included)
     self._config = base
     self._title = base["experiment"]["name"] or self._title
     points, seen = [], {}
@@ -193,6 +195,30 @@ class PagedFamily:
           "num_kv_heads": spec.layers[0].num_kv_heads, "head_dim": spec.layers[0].head_dim,
           "num_layers": spec.num_layers}))
     return points
+
+  def preflight(self, point: runner.Point) -> None:
+    """Traces one decode step of the point's model against the caches `measure` builds
+    (paged: the pool for the workload's lengths; and the dense cache, which every point
+    decodes through), abstractly (`runner.check_decode_step`), before any work."""
+    d = point.config
+    spec = transformer_lib.resolve_config(runner.model_section(d))
+    cache_cfg, work = d["cache"], d["workload"]
+    batch, max_len = work["num_sequences"], cache_cfg["max_len"]
+    dtype = jnp.dtype(cache_cfg["dtype"] or d["model"]["dtype"])
+    final = draw_lengths(work, max_len, batch).tolist()
+    builders = {("dense", repr(spec), batch, max_len, str(dtype)):
+                lambda model: model.init_caches(batch, max_len, dtype)}
+    if cache_cfg["kind"] == "paged":
+      builders[("paged", repr(spec), tuple(final), cache_cfg["page_size"], max_len,
+                str(dtype))] = lambda model: paged_lib.init_paged_caches(
+                    model, final, page_size=cache_cfg["page_size"], max_len=max_len,
+                    dtype=dtype)[0]
+    for key, build in builders.items():
+      if key not in self._preflighted:
+        runner.check_decode_step(spec, build, batch,
+                                 implementation=d["kernel"]["decode_implementation"],
+                                 where=f"{point.label} ({key[0]} cache)")
+        self._preflighted.add(key)
 
   # -- measurement ----------------------------------------------------------------------------
 

@@ -211,6 +211,17 @@ def digest(obj: Any, length: int = 8) -> str:
   return hashlib.sha1(text.encode("utf-8")).hexdigest()[:length]
 
 
+def _config_module(config_file: str) -> tuple[Any, list[str], str]:
+  """`(module, [arg] or [], path)` of a `--config=path.py[:arg]` value (the file imported)."""
+  path, *arg = config_file.split(":", 1)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"config file {path!r} does not exist")
+  spec = importlib.util.spec_from_file_location(f"_kvattn_sweep_{digest(path)}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module, arg, path
+
+
 def load_sweep(config_file: str | None) -> list[dict[str, Any]]:
   """`get_sweep(arg)` of the config file named as in `--config=path.py[:arg]`.
 
@@ -224,12 +235,7 @@ def load_sweep(config_file: str | None) -> list[dict[str, Any]]:
   """
   if not config_file:
     return [{}]
-  path, *arg = config_file.split(":", 1)
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"config file {path!r} does not exist")
-  spec = importlib.util.spec_from_file_location(f"_kvattn_sweep_{digest(path)}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module, arg, path = _config_module(config_file)
   if not hasattr(module, "get_sweep"):
     return [{}]
   sweep = module.get_sweep(*arg)
@@ -237,6 +243,50 @@ def load_sweep(config_file: str | None) -> list[dict[str, Any]]:
     raise TypeError(f"{path}: get_sweep() must return a list of dicts of dotted-key overrides; "
                     f"got {sweep!r}")
   return [dict(s) for s in sweep] or [{}]
+
+
+def load_config_defaults(config_file: str | None) -> dict[str, Any] | None:
+  """`get_config(arg)` of the config file of `--config=path.py[:arg]` as a plain dict:
+  the config before any command-line override (None without a file)."""
+  if not config_file:
+    return None
+  module, arg, _ = _config_module(config_file)
+  return to_dict(module.get_config(*arg))
+
+
+def check_overrides_kept(config: Any, sweep: Sequence[Mapping[str, Any]],
+                         defaults: Mapping[str, Any] | None, config_file: str | None = None
+                         ) -> None:
+  """Fails when a command-line override would be silently replaced by the sweep.
+
+  Every sweep entry's dotted keys replace the base config's values, so an
+  override such as `--config.attention.num_kv_heads=4` of a key the sweep
+  sets would be discarded for every point. Compares `config` (as given on the
+  command line) with `defaults` (`get_config(arg)` of the same file) on each
+  key some sweep entry sets.
+
+  Raises:
+    ValueError: naming the key, its value on the command line and in the
+      file, and the values the sweep gives it.
+  """
+  if defaults is None:
+    return
+  d = to_dict(config)
+  keys = []
+  for entry in sweep:
+    keys += [k for k in entry if k not in keys]
+  for dotted in keys:
+    section, _, key = str(dotted).partition(".")
+    given = d.get(section, {}).get(key)
+    default = defaults.get(section, {}).get(key)
+    if given != default:
+      values = list(dict.fromkeys(repr(entry[dotted]) for entry in sweep if dotted in entry))
+      source = f" of {config_file}" if config_file else ""
+      raise ValueError(
+          f"config: {dotted} = {given!r} overrides the config file's {default!r}, but the sweep"
+          f"{source} sets {dotted} for its points ({', '.join(values)}), so the override would "
+          f"be silently discarded; drop the override, or change the sweep (get_sweep) / the "
+          f"keys it sets instead")
 
 
 @dataclasses.dataclass
@@ -249,8 +299,17 @@ class RunResult:
 
 
 def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *,
-        config_file: str | None = None, max_points: int | None = None) -> RunResult:
+        config_file: str | None = None, max_points: int | None = None,
+        defaults: Mapping[str, Any] | None = None) -> RunResult:
   """Runs (or resumes) the experiment of `config` over `sweep` in `workdir`.
+
+  Before any work (nothing is written, nothing trained): the family validates
+  the base config as given, then every point (`Family.points`); a
+  command-line override of a key the sweep sets fails
+  (`check_overrides_kept`, when `defaults` are known); and, for families with
+  a `preflight(point)`, each point's model and caches are built abstractly
+  and one decode step is traced, so a decode backend that cannot run a
+  point's shapes fails then, naming `kernel.decode_implementation`.
 
   Args:
     config: the full config (ConfigDict or nested mapping); `experiment.kind`
@@ -261,12 +320,17 @@ def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *
     config_file: recorded with the run (`--config` value).
     max_points: measure at most this many new points in this invocation
       (None: `config.experiment.max_points`, where 0/None means all).
+    defaults: the config file's own `get_config(arg)` (plain dict), to tell
+      command-line overrides from the file's values; None: `config_file`'s
+      (`load_config_defaults`), or no check without a file.
 
   Returns:
     A RunResult (the report is written even when points remain).
 
   Raises:
-    ValueError: invalid config or sweep (before any training or measurement).
+    ValueError: invalid config or sweep, an override the sweep would discard,
+      or a decode backend that cannot run a point (before any training or
+      measurement).
   """
   d = to_dict(config)
   kind = d.get("experiment", {}).get("kind")
@@ -280,6 +344,13 @@ def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *
   workdir = os.path.abspath(workdir)
   family = factory(workdir)
   points = family.points(d, list(sweep))  # validates everything before any work
+  if defaults is None:
+    defaults = load_config_defaults(config_file)
+  check_overrides_kept(d, sweep, defaults, config_file)
+  preflight = getattr(family, "preflight", None)
+  if preflight is not None:
+    for point in points:
+      preflight(point)
   os.makedirs(workdir, exist_ok=True)
   results.atomic_write_text(os.path.join(workdir, "config.json"), json.dumps(
       {"config_file": config_file, "config": d, "sweep": list(sweep),
@@ -333,6 +404,38 @@ def cpu_model() -> str:
   except OSError:
     pass
   return platform.machine()
+
+
+def check_decode_step(spec: transformer_lib.ModelSpec, make_caches: Callable[[Any], Any],
+                      batch: int, *, implementation: str | None, where: str) -> None:
+  """Traces one T = 1 decode step of the model of `spec`, abstractly.
+
+  The model (`nnx.eval_shape`) and its caches (`make_caches(model)`, built
+  inside `jax.eval_shape`) are shapes only: nothing of their size is
+  allocated and nothing runs. Tracing the step goes through the decode
+  dispatch points with the point's shapes, so a backend named by
+  `kernel.decode_implementation` that cannot run them (NotImplementedError,
+  e.g. a Pallas kernel's head-dim or block constraints, or a name the
+  cache's dispatch point does not know) fails here, before any training.
+
+  Raises:
+    ValueError: naming `kernel.decode_implementation`, its value, the point
+      and the backend's reason.
+  """
+  abstract = nnx.eval_shape(lambda: transformer_lib.Transformer(spec, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+
+  def step(state):
+    model = nnx.merge(graphdef, state)
+    logits, _ = model(jnp.zeros((batch, 1), jnp.int32), make_caches(model))
+    return logits
+
+  try:
+    jax.eval_shape(step, state)
+  except (NotImplementedError, ValueError, TypeError) as e:
+    raise ValueError(
+        f"{where}: kernel.decode_implementation = {implementation!r} cannot run this point's "
+        f"decode step (checked before any training): {type(e).__name__}: {e}") from None
 
 
 def main(config: Any, workdir: str, config_file: str | None = None) -> RunResult:
@@ -517,6 +620,7 @@ class VariantsFamily:
     self._trained: tuple[str, nnx.Module, dict[str, Any]] | None = None
     self._title = "kvattn: attention variants compared"
     self._config: dict[str, Any] | None = None
+    self._preflighted: set[tuple[Any, ...]] = set()
 
   # -- points and validation -------------------------------------------------------------------
 
@@ -590,6 +694,7 @@ class VariantsFamily:
     """
     base = to_dict(config)
     check_schema(base, self.schema)
+    self._check(base, "config")  # the config as given (command-line overrides included)
     self._config = base
     self._title = base["experiment"]["name"] or self._title
     available = available_memory_bytes()
@@ -637,6 +742,21 @@ class VariantsFamily:
     for i, p in enumerate(points):
       first.setdefault(p.group, i)
     return sorted(points, key=lambda p: (first[p.group], p.params["seq_len"]))
+
+  def preflight(self, point: Point) -> None:
+    """Traces one decode step of the point's model against its caches (batch
+    `cache.batch`, capacity S, the cache dtype), abstractly (`check_decode_step`);
+    points with the same shapes are checked once."""
+    d = point.config
+    spec = transformer_lib.resolve_config(model_section(d))
+    batch, seq_len = d["cache"]["batch"], point.params["seq_len"]
+    dtype = jnp.dtype(d["cache"]["dtype"] or d["model"]["dtype"])
+    key = (repr(spec), batch, seq_len, str(dtype))
+    if key in self._preflighted:
+      return
+    check_decode_step(spec, lambda model: model.init_caches(batch, seq_len, dtype), batch,
+                      implementation=d["kernel"]["decode_implementation"], where=point.label)
+    self._preflighted.add(key)
 
   # -- training (shared by the points of a group, cached in the workdir) ------------------------
 

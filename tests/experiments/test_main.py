@@ -305,6 +305,7 @@ def test_config_arguments():
 def parse_flags(monkeypatch):
   """Parses main's flags as the command line would (config_flags reads sys.argv)."""
   parsed = []
+  before = set(flags.FLAGS)
 
   def parse(*args):
     argv = ["experiments.main", *args]
@@ -314,6 +315,8 @@ def parse_flags(monkeypatch):
 
   yield parse
   flags.FLAGS.unparse_flags()
+  for name in set(flags.FLAGS) - before:  # the --config.<field> flags config_flags defined
+    delattr(flags.FLAGS, name)
 
 
 def test_main_command_line(tmp_path, parse_flags, capsys, default_run, train_dir):
@@ -336,6 +339,49 @@ def test_main_unknown_override_names_the_key(tmp_path, parse_flags):
   with pytest.raises((flags.Error, AttributeError, KeyError), match=r"stepz"):
     parse_flags("--config=configs/default.py:smoke", f"--workdir={tmp_path}",
                 "--config.train.stepz=3")
+
+
+@pytest.mark.parametrize("override, match", [
+    # Bad values in the config as given fail naming the key, even where the sweep sets it.
+    ("attention.num_kv_heads=3",
+     r"config: attention\.num_kv_heads must divide attention\.num_heads; got 3 and 8"),
+    ("attention.kind=foo", r"config: attention\.kind must be one of \('gqa', 'mla'\); got 'foo'"),
+    # A valid override of a key the sweep sets would be discarded for every point: an error.
+    ("attention.num_kv_heads=4",
+     r"config: attention\.num_kv_heads = 4 overrides the config file's 8, but the sweep of "
+     r"configs/default\.py:smoke sets attention\.num_kv_heads for its points \(8, 4, 2, 1\), so "
+     r"the override would be silently discarded"),
+    ("attention.kind=mla", r"config: attention\.kind = 'mla' overrides the config file's 'gqa'"),
+    # Decode backends: unknown names at validation, unfit shapes at the pre-flight decode step.
+    ("kernel.decode_implementation=bogus",
+     r"config: kernel\.decode_implementation must be one of \[.*'xla'.*\] or None for "
+     r"attention kind 'gqa'; got 'bogus'"),
+    ("kernel.decode_implementation=xla_pool",  # a paged-cache backend: no MLA backend has it
+     r"sweep\[4\] .*kernel\.decode_implementation must be one of .* for attention kind 'mla'"),
+    ("kernel.decode_implementation=pallas",  # smoke: H = 4 is below the kernel's minimum
+     r"MHA-K8-S16: kernel\.decode_implementation = 'pallas' cannot run this point's decode step "
+     r"\(checked before any training\): NotImplementedError: pallas: head dim H=4"),
+])
+def test_command_line_override_fails_before_training(tmp_path, parse_flags, no_training,
+                                                     override, match):
+  workdir = str(tmp_path / "cli")
+  parse_flags("--config=configs/default.py:smoke", f"--workdir={workdir}", f"--config.{override}")
+  with pytest.raises(ValueError, match=match):
+    main_lib.main(["experiments.main"])
+  assert not os.path.exists(workdir)  # nothing written, nothing trained
+
+
+def test_overrides_of_keys_the_sweep_does_not_set_are_kept():
+  sweep = default.get_sweep("smoke")
+  defaults = runner.load_config_defaults("configs/default.py:smoke")
+  config = default.get_config("smoke")
+  config.model.num_layers = 2  # not a sweep key
+  config.attention.kind = "gqa"  # a sweep key, set to the file's own value
+  runner.check_overrides_kept(config, sweep, defaults, "configs/default.py:smoke")
+  runner.check_overrides_kept(default.get_config("smoke"), sweep, None)  # no file: no check
+  config.attention.num_kv_heads = 2
+  with pytest.raises(ValueError, match=r"attention\.num_kv_heads = 2 overrides"):
+    runner.check_overrides_kept(config, sweep, defaults)
 
 
 def test_cache_accounting_mismatch_stops(tmp_path, monkeypatch, default_run, train_dir):

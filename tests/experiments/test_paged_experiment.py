@@ -50,6 +50,25 @@ def test_bad_points_fail_before_any_work(overrides, message, tmp_path):
   assert not os.path.exists(tmp_path / "results.jsonl")
 
 
+@pytest.mark.parametrize("overrides,message", [
+    ({"cache.page_size": 32}, r"config: cache\.page_size = 32 overrides the config file's 16, but "
+                              r"the sweep of configs/paged\.py:smoke sets cache\.page_size"),
+    ({"cache.kind": "paged"}, r"config: cache\.kind = 'paged' overrides"),
+    ({"attention.num_kv_heads": 3}, r"config: attention\.num_kv_heads must divide"),
+    ({"kernel.decode_implementation": "pallas"},  # smoke: H = 8 is below the kernel's minimum
+     r"dense \(dense cache\): kernel\.decode_implementation = 'pallas' cannot run this point's "
+     r"decode step .*NotImplementedError: pallas"),
+])
+def test_command_line_overrides_fail_before_any_work(overrides, message, tmp_path):
+  # As `--config=configs/paged.py:smoke --config.<key>=<value>` would: the config as given is
+  # validated, an override the sweep would discard fails, and so does a decode backend that
+  # cannot run a point (traced abstractly before any work).
+  with pytest.raises(ValueError, match=message):
+    runner.run(_smoke(**overrides), str(tmp_path / "run"), paged_config.get_sweep("smoke"),
+               config_file="configs/paged.py:smoke")
+  assert not os.path.exists(tmp_path / "run")
+
+
 def test_run_measures_waste_and_resumes(tmp_path):
   cfg = _smoke()
   sweep = [{"cache.kind": "dense"}, {"cache.kind": "paged", "cache.page_size": 8}]

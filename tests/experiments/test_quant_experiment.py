@@ -60,6 +60,20 @@ def test_bad_points_fail_before_any_work(overrides, message, tmp_path):
   assert not os.path.exists(tmp_path / "results.jsonl")
 
 
+@pytest.mark.parametrize("overrides,message", [
+    ({"cache.dtype": "int8"}, r"config: cache\.dtype = 'int8' overrides the config file's "
+                              r"'bfloat16', but the sweep of configs/quant_sweep\.py:smoke"),
+    ({"cache.dtype": "int16"}, r"config: cache\.dtype must name a floating dtype"),
+    ({"kernel.decode_implementation": "pallas"},
+     r"MHA-K8-bf16: kernel\.decode_implementation = 'pallas' cannot run"),
+])
+def test_command_line_overrides_fail_before_any_work(overrides, message, tmp_path):
+  with pytest.raises(ValueError, match=message):
+    runner.run(_smoke(**overrides), str(tmp_path / "run"), quant_sweep.get_sweep("smoke"),
+               config_file="configs/quant_sweep.py:smoke")
+  assert not os.path.exists(tmp_path / "run")
+
+
 def test_agreement_and_bits_per_byte_by_hand():
   ref = np.array([[1, 2, 3, 4], [5, 6, 7, 8]])
   out = qe.agreement(np.array([[1, 2, 9, 4], [5, 6, 7, 8]]), ref)
