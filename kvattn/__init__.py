@@ -1,7 +1,26 @@
 """kvattn: attention variants and their KV caches in JAX, Flax NNX and Pallas.
 
-Public names (DESIGN.md): `KVCache`, `GroupedQueryAttention`, the `ops`
-(reference attention, RoPE, decode dispatch) and `memory` modules.
+Public names (`__all__`; DESIGN.md has the contract):
+
+  Attention modules (flax.nnx):
+    `GroupedQueryAttention`     MHA / GQA / MQA through `num_kv_heads`.
+    `MultiHeadLatentAttention`  DeepSeek-V2 MLA (latent cache, absorbed decode).
+  Caches (registered pytrees, pure updates):
+    `KVCache`          dense cache of one layer, `k, v: [B, K, S, H]`.
+    `LatentCache`      MLA cache of one layer, `c_kv: [B, S, C]`, `k_rope: [B, S, R]`.
+    `PagedKVCache`     paged cache of one layer, page pools + block tables.
+    `PageAllocator`    host-side page allocator of a paged pool.
+    `OutOfPagesError`  raised when the pool has too few free pages.
+  Model, generation, serving:
+    `Transformer`         decoder-only LM, attention variant per layer from a config.
+    `generate`            batched prefill + one compiled decode loop.
+    `ContinuousBatcher`   continuous batching over paged caches.
+  Modules:
+    `ops`          reference attention, RoPE, quantization, decode dispatch points.
+    `memory`       analytic and measured KV-cache bytes.
+    `data`         byte tokenizer and the default text corpus.
+    `train`        training loop, evaluation, checkpoints (imported on first use).
+    `transformer`  model config schema (`model_config`, `resolve_config`).
 """
 
 from kvattn import memory, ops

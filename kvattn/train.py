@@ -197,12 +197,32 @@ def _compiled_steps(graphdef, config: dict[str, Any], tx):
 class Trainer:
   """Holds params and optimiser state of a model and runs jitted train/eval steps.
 
-  `trainer.model` rebuilds the `nnx` model from the current params (share
-  nothing with the trainer: later steps donate the old param buffers).
+  The trainer takes over the model it is given: it keeps the model's param
+  arrays and every `train_step` donates them to XLA (updated in place), so
+  after the first step the model object passed in refers to deleted buffers
+  (using it raises "Array has been deleted"). Read the trained model from
+  `trainer.model` instead: it rebuilds the `nnx` model from copies of the
+  current params, sharing nothing with the trainer (later steps do not
+  touch it).
+
+  Example:
+    trainer = Trainer(model, cfg)   # `model` belongs to the trainer now
+    for batch in batches:
+      trainer.train_step(batch)
+    model = trainer.model           # the trained model, safe to keep
   """
 
   def __init__(self, model: transformer_lib.Transformer, cfg: Any):
-    """Args: model: the LM to train (its params are taken over); cfg: `train` section."""
+    """Builds the optimiser and the jitted steps.
+
+    Args:
+      model: the LM to train. Its params are taken over (donated by every
+        train step): do not use `model` afterwards; use `trainer.model`.
+      cfg: the `train` section (`train_config()` schema).
+
+    Raises:
+      ValueError: a bad `train` config (naming the key).
+    """
     self.config = check_train_config(cfg)
     self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
     self.tx = make_optimizer(self.config)
@@ -215,6 +235,7 @@ class Trainer:
 
   @property
   def model(self) -> transformer_lib.Transformer:
+    """The model with the current params (copies: later train steps leave it intact)."""
     params = jax.tree.map(jnp.copy, self.params)
     return nnx.merge(self.graphdef, params, self.rest)
 

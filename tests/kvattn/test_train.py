@@ -128,3 +128,22 @@ def test_bad_train_config_names_the_key(key, value, message):
     train.train_config(lr=1.0)
   with pytest.raises(ValueError, match=r"train\.lr is not a known key"):
     train.check_train_config({"lr": 1.0})
+
+
+def test_trainer_takes_over_the_models_params_and_trainer_model_is_the_way_out():
+  cfg = tiny_config()
+  model = transformer.Transformer.from_config(cfg.model, rngs=nnx.Rngs(0))
+  trainer = train.Trainer(model, cfg.train)
+  _, (first, second) = batches(2)
+  trainer.train_step(first)
+  # As documented: the model passed in gave its param buffers to the trainer (donated).
+  assert any(x.is_deleted() for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert "trainer.model" in train.Trainer.__doc__
+  assert "donate" in train.Trainer.__doc__ and "donate" in train.Trainer.__init__.__doc__
+  # trainer.model is a copy: later steps leave it intact.
+  trained = trainer.model
+  before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(trained, nnx.Param))]
+  trainer.train_step(second)
+  after = jax.tree.leaves(nnx.state(trained, nnx.Param))
+  for a, b in zip(before, after):
+    np.testing.assert_array_equal(a, np.asarray(b))
