@@ -17,6 +17,8 @@ computed from the defaults of `get_config(arg)`, not from command-line
 overrides: `--config.attention.num_heads=16` keeps K in {8, 4, 2, 1}, so
 there is no MHA point (the report says "n/a" in the "vs MHA" columns), and a
 K that does not divide N fails validation naming `attention.num_kv_heads`.
+Overriding a key the sweep sets (`attention.kind`, `attention.num_kv_heads`)
+fails before any training, naming the key: the sweep would discard it.
 """
 
 from ml_collections import config_dict

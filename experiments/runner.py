@@ -15,7 +15,15 @@ things:
     the point id, the environment and the time);
   * `report(records) -> str`: writes the report files (markdown, plots) into
     the workdir from the records of this run's points and returns the
-    markdown.
+    markdown;
+  * optionally `preflight(point)`: cheap checks of a point that need more
+    than its config (the shipped families trace one decode step against
+    abstract model and caches, `check_decode_step`), run for every point
+    before any work.
+
+`run` also refuses a command-line override of a key the sweep sets (the sweep
+would silently replace it for every point): `check_overrides_kept` compares
+the config with the config file's own `get_config(arg)`.
 
 `run` owns the bookkeeping shared by all families (experiments/results.py):
 `results.jsonl` is append-only, one JSON object per finished point with a
