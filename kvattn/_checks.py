@@ -79,6 +79,23 @@ def dim(name: str, x: Any, axis: int, expected: int, what: str) -> None:
         f"{name}.shape[{axis}] ({what}) must be {expected}; got shape {tuple(x.shape)}")
 
 
+def float_dtype(name: str, value: Any) -> jnp.dtype:
+  """Returns `value` as a floating jnp.dtype (e.g. a compute or parameter dtype).
+
+  Raises:
+    TypeError: `value` does not name a dtype, or names a non-floating one.
+  """
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError:
+    raise TypeError(f"{name} must be a floating dtype such as jnp.float32 or 'bfloat16'; got "
+                    f"{value!r}") from None
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{name} must be a floating dtype such as jnp.float32 or 'bfloat16'; got "
+                    f"{dtype.name}")
+  return dtype
+
+
 def implementation(name: str, value: Any, choices: Sequence[str]) -> str | None:
   """Returns `value` if it is None or one of `choices` (backend names), else raises.
 

@@ -244,6 +244,9 @@ class ContinuousBatcher:
       OutOfPagesError: too few free pages for the prompt (nothing changes).
     """
     prompt = np.asarray(prompt)
+    if prompt.ndim == 1 and prompt.shape[0] == 0:  # np.asarray([]) is float64: check first
+      raise ValueError(f"prompt of {request_id!r} must hold at least one token (an empty prompt "
+                       f"cannot be continued; start it with BOS); got []")
     if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
       raise TypeError(f"prompt must be a 1-D sequence of int token ids; got "
                       f"{prompt.dtype}{list(prompt.shape)}")

@@ -254,6 +254,7 @@ class KVCache:
     Raises:
       ValueError: wrong shapes, `new_lengths` outside [0, T], or (when lengths
         are concrete) a write past `max_len`.
+      TypeError: non-floating `k_new` / `v_new`.
     """
     expected = (self.batch, None, self.num_kv_heads, self.head_dim)
     for name, x in (("k_new", k_new), ("v_new", v_new)):
@@ -264,9 +265,8 @@ class KVCache:
             f"{self.head_dim}); got {tuple(x.shape)}")
     if k_new.shape != v_new.shape:
       raise ValueError(f"k_new and v_new must have one shape; got {k_new.shape} and {v_new.shape}")
-    if self.quantized:
-      for name, x in (("k_new", k_new), ("v_new", v_new)):
-        _checks.floating(name, x)
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+      _checks.floating(name, x)  # an int key would be cast silently
     new_lengths = resolve_new_lengths(new_lengths, self.batch, k_new.shape[1])
     lengths = advance_lengths(self.lengths, new_lengths, self.max_len)  # raises first
     (k_new, k_s), (v_new, v_s) = encode(k_new, self.dtype), encode(v_new, self.dtype)

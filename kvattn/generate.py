@@ -33,7 +33,9 @@ divided by the temperature, restricted to the `top_k` largest (Fan et al.
 Compilation: `prefill` and `decode` are `jax.jit` functions of (graphdef,
 state) from `nnx.split`, with the graphdef, shapes and sampling settings
 static, so a later call with the same shapes and settings reuses both
-executables (no tracing, no compilation).
+executables (no tracing, no compilation). `eos_id` and `pad_id` are traced
+values: a different EOS or pad token reuses them too (only switching
+between `eos_id=None` and an int compiles a second decode program).
 
 Cache kinds: the caches come from `cache_factory(batch, max_len, dtype)`
 (default `model.init_caches`), or are passed prebuilt via `caches=`; any
@@ -54,6 +56,7 @@ from flax import nnx
 
 from kvattn import _checks
 from kvattn import data as data_lib
+from kvattn import memory
 
 CacheFactory = Callable[[int, int, Any], Sequence[Any]]
 
@@ -75,6 +78,11 @@ class Sampling:
     t = self.temperature
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t < float("inf"):
       raise ValueError(f"temperature must be a finite float >= 0; got {t!r}")
+    if t > 0 and not (float(np.finfo(np.float32).tiny) <= t <= float(np.finfo(np.float32).max)):
+      # The logits are divided by the temperature in f32: inf or 0 there gives NaN/inf logits.
+      raise ValueError(f"temperature must be 0 or within f32's positive range "
+                       f"[{float(np.finfo(np.float32).tiny):.3g}, "
+                       f"{float(np.finfo(np.float32).max):.3g}]; got {t!r}")
     _checks.optional_positive_int("top_k", self.top_k)
     p = self.top_p
     if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float))
@@ -121,9 +129,11 @@ def _prefill(graphdef, state, caches, prompts, prompt_lengths, rng, *, sampling)
   return first, caches, rng
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "max_new_tokens", "eos_id",
-                                             "pad_id"), donate_argnames=("caches",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "max_new_tokens"),
+                   donate_argnames=("caches",))
 def _decode(graphdef, state, caches, first, rng, *, sampling, max_new_tokens, eos_id, pad_id):
+  # eos_id / pad_id are traced (i32 scalars): a new value does not recompile. eos_id=None is an
+  # empty pytree, so "no EOS" is its own (static) program.
   batch = first.shape[0]
   tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
   done = (first == eos_id) if eos_id is not None else jnp.zeros((batch,), bool)
@@ -157,10 +167,13 @@ def _decode(graphdef, state, caches, first, rng, *, sampling, max_new_tokens, eo
 
 
 def _key(rng: Any) -> jax.Array:
+  """A jax key from None (key(0)), an int seed (Python or numpy, 0-d arrays too) or a key."""
   if rng is None:
     return jax.random.key(0)
-  if isinstance(rng, int) and not isinstance(rng, bool):
-    return jax.random.key(rng)
+  if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
+    return jax.random.key(int(rng))
+  if (isinstance(rng, np.ndarray) and rng.shape == () and np.issubdtype(rng.dtype, np.integer)):
+    return jax.random.key(int(rng))
   if not isinstance(rng, jax.Array):
     raise TypeError(f"rng must be a jax.random key, an int seed or None; got {type(rng).__name__}")
   if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
@@ -168,6 +181,24 @@ def _key(rng: Any) -> jax.Array:
   if rng.shape == (2,) and rng.dtype == jnp.uint32:
     return jax.random.wrap_key_data(rng)
   raise TypeError(f"rng must be a jax.random key; got an array {rng.dtype}{list(rng.shape)}")
+
+
+def _host_float(name: str, value: Any) -> Any:
+  """A Python float from a Python/numpy number or a concrete 0-d numpy/jax array
+  (None and other values are passed through for `Sampling` to reject)."""
+  if value is None or isinstance(value, bool):
+    return value
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(f"{name} must be concrete (generate validates on the host); got a tracer")
+  if isinstance(value, (int, float, np.integer, np.floating)):
+    return float(value)
+  if isinstance(value, (np.ndarray, jax.Array)):
+    if value.shape != () or not (np.issubdtype(value.dtype, np.floating)
+                                 or np.issubdtype(value.dtype, np.integer)):
+      raise TypeError(f"{name} must be a number or a 0-d numeric array; got "
+                      f"{value.dtype}{list(value.shape)}")
+    return float(value)
+  raise TypeError(f"{name} must be a number; got {type(value).__name__}")
 
 
 def _vocab_size(model) -> int:
@@ -216,7 +247,8 @@ def decode(model: nnx.Module, first_tokens: jax.Array, caches: Sequence[Any],
   """
   graphdef, state = nnx.split(model)
   return _decode(graphdef, state, tuple(caches), jnp.asarray(first_tokens, jnp.int32), _key(rng),
-                 sampling=sampling, max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id)
+                 sampling=sampling, max_new_tokens=max_new_tokens,
+                 eos_id=None if eos_id is None else np.int32(eos_id), pad_id=np.int32(pad_id))
 
 
 def _host_ints(name: str, x: Any, rank: int, shape_doc: str) -> np.ndarray:
@@ -228,6 +260,26 @@ def _host_ints(name: str, x: Any, rank: int, shape_doc: str) -> np.ndarray:
   if not np.issubdtype(arr.dtype, np.integer):
     raise TypeError(f"{name} must have an integer dtype; got {arr.dtype}")
   return arr
+
+
+def _check_fits_memory(model, batch: int, capacity: int, max_new_tokens: int, cache_dtype: Any,
+                       name: str, *, default_caches: bool) -> None:
+  """Raises ValueError naming `name` if the caches (`batch * capacity *
+  model.cache_bytes_per_token`, when generate builds them) and the token buffer
+  (`i32[B, max_new_tokens]`) would not fit the memory available now."""
+  available = memory.available_bytes()
+  if available is None:
+    return
+  need = 4 * batch * max_new_tokens
+  per_token = getattr(model, "cache_bytes_per_token", None)
+  if default_caches and per_token is not None:
+    need += batch * capacity * int(per_token(cache_dtype))
+  if need > available:
+    value = capacity if name == "max_len" else max_new_tokens
+    raise ValueError(
+        f"{name} = {value} needs about {need / 2**30:.2f} GiB (caches of capacity {capacity} "
+        f"for {batch} sequences plus the output tokens) but only {available / 2**30:.2f} GiB "
+        f"is available; use a smaller {name}")
 
 
 def generate(
@@ -255,12 +307,15 @@ def generate(
       tokens (padding may hold anything).
     prompt_lengths: `i32[B]` real tokens per prompt, in `[1, T]`.
     max_new_tokens: tokens to generate per sequence (>= 1).
-    temperature: 0.0 = greedy; > 0 samples from softmax(logits / temperature).
+    temperature: 0.0 = greedy; > 0 samples from softmax(logits / temperature)
+      (a Python/numpy number or a concrete 0-d array; must be representable
+      in f32: at most ~3.4e38 and, if nonzero, at least ~1.2e-38).
     top_k: restrict sampling to the k most likely tokens (None: off).
-    top_p: nucleus sampling mass in (0, 1] (None: off).
-    eos_id: token that ends a sequence (None: never stop early).
-    rng: jax.random key or int seed for sampling (None: key(0), so sampling
-      is reproducible by default).
+    top_p: nucleus sampling mass in (0, 1] (None: off; a number or 0-d array).
+    eos_id: token that ends a sequence (None: never stop early). Traced: a
+      new value does not recompile the decode loop.
+    rng: jax.random key, or an int seed (Python or numpy integer) for
+      sampling (None: key(0), so sampling is reproducible by default).
     pad_id: token written after a sequence's EOS (default `kvattn.data.PAD_ID`).
     max_len: cache capacity S in tokens; default `T + max_new_tokens - 1`
       (or the capacity of `caches`).
@@ -279,11 +334,17 @@ def generate(
     ValueError: an empty prompt (`prompt_lengths` 0), `prompt_lengths`
       outside `[1, T]`, a prompt longer than the cache, `max_new_tokens` that
       would overflow the cache, token ids outside `[0, V)`, bad sampling
-      settings, or caches that are not empty / do not match the batch.
-    TypeError: non-integer prompts/lengths, traced inputs, a bad rng.
+      settings, caches that are not empty / do not match the batch, or a
+      `max_new_tokens` / `max_len` whose caches (`B * max_len *
+      model.cache_bytes_per_token`, when generate builds them) and output
+      tokens would not fit the memory available now
+      (`kvattn.memory.available_bytes`), before anything is allocated.
+    TypeError: non-integer prompts/lengths, traced inputs, a bad rng, a
+      non-numeric temperature / top_p.
   """
-  sampling = Sampling(float(temperature) if isinstance(temperature, int) and
-                      not isinstance(temperature, bool) else temperature, top_k, top_p)
+  sampling = Sampling(_host_float("temperature", temperature),
+                      top_k if not isinstance(top_k, np.integer) else int(top_k),
+                      _host_float("top_p", top_p))
   max_new_tokens = _checks.positive_int("max_new_tokens", max_new_tokens)
   prompts_np = _host_ints("prompts", prompts, 2, "[B, T]")
   lengths_np = _host_ints("prompt_lengths", prompt_lengths, 1, "[B]")
@@ -342,6 +403,9 @@ def generate(
         f"max_new_tokens = {max_new_tokens} would overflow the cache: the longest prompt "
         f"({int(lengths_np.max())}) + max_new_tokens - 1 = {needed} > max_len = {capacity}")
   if caches is None:
+    _check_fits_memory(model, batch, capacity, max_new_tokens, cache_dtype,
+                       "max_len" if max_len is not None else "max_new_tokens",
+                       default_caches=cache_factory is None)
     factory = cache_factory or model.init_caches
     caches = tuple(factory(batch, capacity, cache_dtype))
 

@@ -128,7 +128,8 @@ class GroupedQueryAttention(nnx.Module):
       ValueError: non-positive sizes, K not dividing N, odd head_dim,
         non-positive window / rope_theta / soft_cap, an unknown
         decode_implementation.
-      TypeError: a decode_implementation that is not a str or None.
+      TypeError: a decode_implementation that is not a str or None; a dtype
+        or param_dtype that is not a floating dtype.
     """
     self.d_model = _checks.positive_int("d_model", d_model)
     self.num_heads, self.num_kv_heads, self.num_groups = _checks.head_layout(num_heads, num_kv_heads)
@@ -138,7 +139,8 @@ class GroupedQueryAttention(nnx.Module):
     self.rope_theta = _checks.positive_float("rope_theta", rope_theta)
     self.window = _checks.optional_positive_int("window", window)
     self.soft_cap = _checks.optional_positive_float("soft_cap", soft_cap)
-    self.dtype = None if dtype is None else jnp.dtype(dtype)
+    self.dtype = None if dtype is None else _checks.float_dtype("dtype", dtype)
+    param_dtype = _checks.float_dtype("param_dtype", param_dtype)
     self.decode_implementation = _checks.implementation(
         "decode_implementation", decode_implementation, decode_implementations())
     D, N, K, H = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim

@@ -18,6 +18,7 @@ caller can check the analytic model against what is actually allocated.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -73,6 +74,34 @@ def mla_to_mha_cache_ratio(kv_lora_rank: int, qk_rope_head_dim: int, num_heads: 
   """
   mla = mla_bytes_per_token(kv_lora_rank, qk_rope_head_dim, jnp.float32)
   return mla / mha_bytes_per_token(num_heads, head_dim, jnp.float32)
+
+
+def available_bytes(device: Any = None) -> int | None:
+  """Bytes free for new arrays on `device` (default `jax.devices()[0]`), or None if unknown.
+
+  Accelerators: `bytes_limit - bytes_in_use` of `device.memory_stats()`. CPU
+  (or no stats): the host's available RAM (Linux `MemAvailable`, else
+  `os.sysconf` free pages).
+  """
+  device = jax.devices()[0] if device is None else device
+  if device.platform != "cpu":
+    try:
+      stats = device.memory_stats() or {}
+    except Exception:  # pylint: disable=broad-except  (backends without stats)
+      stats = {}
+    if "bytes_limit" in stats:
+      return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+  try:
+    with open("/proc/meminfo", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return None
 
 
 def tree_bytes(tree: Any) -> int:

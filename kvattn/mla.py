@@ -157,7 +157,7 @@ class MultiHeadLatentAttention(nnx.Module):
       ValueError: a non-positive size, an odd qk_rope_head_dim, non-positive
         rope_theta / rms_eps / window, an unknown path or decode_implementation.
       TypeError: a size that is not an int; a decode_implementation that is
-        not a str or None.
+        not a str or None; a dtype or param_dtype that is not a floating dtype.
     """
     self.d_model = _checks.positive_int("d_model", d_model)
     self.num_heads = _checks.positive_int("num_heads", num_heads)
@@ -174,7 +174,8 @@ class MultiHeadLatentAttention(nnx.Module):
     if path not in PATHS:
       raise ValueError(f"path must be one of {PATHS}; got {path!r}")
     self.path = path
-    self.dtype = None if dtype is None else jnp.dtype(dtype)
+    self.dtype = None if dtype is None else _checks.float_dtype("dtype", dtype)
+    param_dtype = _checks.float_dtype("param_dtype", param_dtype)
     self.decode_implementation = _checks.implementation(
         "decode_implementation", decode_implementation, decode_implementations())
     # DeepSeek-V2 eq. 18: the scale of the trained per-head width.

@@ -248,6 +248,7 @@ class PagedKVCache:
         lengths and block table are concrete (eager calls), a write past the
         capacity or onto (or past) a logical page the block table does not
         assign.
+      TypeError: non-floating `k_new` / `v_new`.
     """
     expected = (self.batch, None, self.num_kv_heads, self.head_dim)
     for name, x in (("k_new", k_new), ("v_new", v_new)):
@@ -258,6 +259,8 @@ class PagedKVCache:
             f"{self.head_dim}); got {tuple(x.shape)}")
     if k_new.shape != v_new.shape:
       raise ValueError(f"k_new and v_new must have one shape; got {k_new.shape} and {v_new.shape}")
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+      _checks.floating(name, x)
     batch, num_tokens = k_new.shape[:2]
     new_lengths = cache_lib.resolve_new_lengths(new_lengths, batch, num_tokens)
     lengths = cache_lib.advance_lengths(self.lengths, new_lengths, self.max_len)  # raises first

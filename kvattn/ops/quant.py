@@ -22,6 +22,11 @@ Formats (`QUANT_DTYPES`):
     entries below the normal range (< 2^-6 / 2^-14 of `max * scale`) have an
     absolute error of at most half a subnormal step times the scale.
 
+Non-finite inputs: a vector (one token of one head) with any NaN or inf
+entry is not representable; it gets scale NaN and values 0, so it
+dequantizes to all-NaN and a reader sees NaN where a float cache would have
+held NaN/inf (never a plausible finite vector). Other vectors are unaffected.
+
 Guarantees: values are clamped to the format's range before the cast, so
 finite inputs never give inf/NaN; an all-zero token gets scale 1 and stays
 exactly zero; a token with a tiny absmax (0.05, 1e-30) keeps the format's
@@ -119,7 +124,9 @@ def quantize_kv(
   Args:
     x: `[..., H]` floating keys, values or latents; the last axis (head dim,
       MLA's C or R) shares one scale, every other axis (token, head) gets its
-      own. Must be finite.
+      own. A vector with a NaN or inf entry gets scale NaN and values 0
+      (it dequantizes to NaN; see the module doc); no error is raised, so
+      this works under jit.
     dtype: `int8`, `float8_e4m3fn` or `float8_e5m2`.
     scale: None for dynamic absmax scaling (`max_h |x_h| / format_max`, 1 for
       an all-zero vector), or a static positive scale -- a scalar (per
@@ -155,6 +162,10 @@ def quantize_kv(
   scaled = jnp.clip(xf / scales[..., None], -top, top)  # never beyond the format: no inf/NaN
   if dtype == jnp.int8:
     scaled = jnp.round(scaled)
+  # Non-finite vectors: values 0 and scale NaN (dequantize to NaN, whatever the cast of NaN).
+  finite = jnp.all(jnp.isfinite(xf), axis=-1)
+  scaled = jnp.where(finite[..., None], scaled, 0.0)
+  scales = jnp.where(finite, scales, jnp.nan).astype(SCALE_DTYPE)
   return scaled.astype(dtype), scales
 
 
@@ -165,13 +176,25 @@ def dequantize_kv(
 ) -> jax.Array:
   """`values * scales[..., None]` computed in f32, returned in `dtype` (`[..., H]`).
 
+  `scales` may be any array-like of numbers (a list, numpy array, scalar
+  array); it is converted with `jnp.asarray`.
+
   Raises:
-    TypeError: `values` is not a quantized format, or `dtype` is not floating.
+    TypeError: `values` is not a quantized format, `dtype` is not floating,
+      or `scales` is not numeric.
     ValueError: `scales` is not `values.shape[:-1]`.
   """
   if not hasattr(values, "dtype"):
     raise TypeError(f"values must be an array; got {type(values).__name__}")
   check_quant_dtype(values.dtype, "values.dtype")
+  if not hasattr(scales, "shape") or not hasattr(scales, "dtype"):
+    try:
+      scales = jnp.asarray(scales)
+    except (TypeError, ValueError):
+      raise TypeError(f"scales must be an array of numbers [values.shape[:-1]]; got "
+                      f"{type(scales).__name__} {scales!r:.60}") from None
+  if not (jnp.issubdtype(scales.dtype, jnp.floating) or jnp.issubdtype(scales.dtype, jnp.integer)):
+    raise TypeError(f"scales must be an array of numbers; got dtype {scales.dtype}")
   dtype = _as_dtype("dtype", dtype)
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(f"dtype must be a floating dtype; got {dtype.name}")

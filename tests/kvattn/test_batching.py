@@ -146,6 +146,8 @@ def test_bad_requests_raise_before_anything_changes():
     batcher.add("a", _prompt(1, 3), 1)
   with pytest.raises(ValueError, match=r"prompt must hold token ids in \[0, 259\)"):
     batcher.add("c", np.array([1, 300]), 1)
+  with pytest.raises(ValueError, match="prompt of 'e' must hold at least one token"):
+    batcher.add("e", [], 1)
   assert batcher.active == {"a": 0} and batcher.traces["join"] == 1
   with pytest.raises(ValueError, match="max_prompt_len must be <= max_len"):
     _batcher(max_len=4)

@@ -107,6 +107,8 @@ def test_validation():
     c.update(jnp.zeros((2, 1, 3, 4)), jnp.zeros((2, 1, 3, 4)))
   with pytest.raises(ValueError, match=r"new_lengths must lie in \[0, T\] = \[0, 1\]; got \[2, 0\]"):
     c.update(jnp.zeros((2, 1, 2, 4)), jnp.zeros((2, 1, 2, 4)), new_lengths=jnp.array([2, 0]))
+  with pytest.raises(TypeError, match="k_new must have a floating dtype; got int32"):
+    c.update(jnp.ones((2, 1, 2, 4), jnp.int32), jnp.zeros((2, 1, 2, 4)))  # not cast silently
 
 
 def test_memory_measured_equals_analytic():

@@ -285,3 +285,48 @@ def test_decode_loop_updates_caches_in_place(attention):
                                                    "bitcast")]
   assert big, "the cache updates must be in the loop body"
   assert all("scatter" in name or "dynamic-update-slice" in name for name, _ in big), big
+
+
+def test_eos_and_pad_are_traced_a_new_value_does_not_recompile():
+  model = tiny_model(GQA)
+  prompts, lengths = right_padded(PROMPTS, 8)
+  free = np.asarray(kvattn.generate(model, prompts, lengths, NEW)[0])
+  kvattn.generate(model, prompts, lengths, NEW, eos_id=int(free[0, 2]))  # compiles the EOS program
+  with _COUNTER as counter:
+    tokens, out_lengths = kvattn.generate(model, prompts, lengths, NEW, eos_id=int(free[1, 1]),
+                                          pad_id=-5)
+    jax.block_until_ready(tokens)
+  assert counter.events == []
+  tokens = np.asarray(tokens)
+  n = int(np.nonzero(free[1] == free[1, 1])[0][0]) + 1
+  assert int(out_lengths[1]) == n and (tokens[1, n:] == -5).all()
+  np.testing.assert_array_equal(tokens[1, :n], free[1, :n])
+
+
+def test_numpy_and_0d_sampling_settings_equal_python_ones():
+  model = tiny_model(GQA)
+  prompts, lengths = right_padded(PROMPTS, 8)
+  want, _ = kvattn.generate(model, prompts, lengths, NEW, temperature=0.8, top_p=0.9, top_k=30,
+                            rng=3)
+  for t, p, k, seed in ((np.float32(0.8), np.float64(0.9), np.int64(30), np.int64(3)),
+                        (jnp.asarray(0.8), jnp.asarray(0.9), 30, np.array(3))):
+    got, _ = kvattn.generate(model, prompts, lengths, NEW, temperature=t, top_p=p, top_k=k,
+                             rng=seed)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_bad_sampling_values_and_oversized_caches_raise_before_compute():
+  model = tiny_model(GQA)
+  prompts, lengths = right_padded(PROMPTS, 8)
+  with pytest.raises(ValueError, match="f32"):
+    kvattn.generate(model, prompts, lengths, 2, temperature=1e300)  # inf once cast to f32
+  with pytest.raises(ValueError, match="f32"):
+    kvattn.generate(model, prompts, lengths, 2, temperature=1e-300)  # 0 in f32: logits / 0
+  with pytest.raises(TypeError, match="temperature"):
+    kvattn.generate(model, prompts, lengths, 2, temperature="hot")
+  with pytest.raises(TypeError, match="top_p"):
+    kvattn.generate(model, prompts, lengths, 2, temperature=1.0, top_p=np.ones(2))
+  with pytest.raises(ValueError, match=r"max_len = .* GiB"):
+    kvattn.generate(model, prompts, lengths, 2, max_len=2**40)  # petabytes of cache
+  with pytest.raises(ValueError, match=r"max_new_tokens = .* GiB"):
+    kvattn.generate(model, prompts, lengths, 2**40)

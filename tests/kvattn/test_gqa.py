@@ -140,6 +140,12 @@ def test_construction_and_call_validation():
     kvattn.GroupedQueryAttention(d_model=8, num_heads=2, num_kv_heads=1, head_dim=8,
                                  decode_implementation=3, rngs=nnx.Rngs(0))
   assert kvattn.gqa.decode_implementations() == ("pallas", "xla", "xla_blocked", "xla_pool")
+  with pytest.raises(TypeError, match="dtype must be a floating dtype .*; got int32"):
+    kvattn.GroupedQueryAttention(d_model=8, num_heads=2, num_kv_heads=1, head_dim=8,
+                                 dtype=jnp.int32, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match="param_dtype must be a floating dtype .*; got 'f32'"):
+    kvattn.GroupedQueryAttention(d_model=8, num_heads=2, num_kv_heads=1, head_dim=8,
+                                 param_dtype="f32", rngs=nnx.Rngs(0))
   layer = _layer(2)
   with pytest.raises(ValueError, match=r"x must have rank 3 \[B, T, D\]; got shape \(4, 32\)"):
     layer(jnp.zeros((4, D)))

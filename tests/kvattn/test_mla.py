@@ -145,6 +145,8 @@ def test_latent_cache_update_and_overflow():
     kvattn.LatentCache.init(2, 4, 0, 2)
   with pytest.raises(TypeError, match="dtype"):
     kvattn.LatentCache.init(2, 4, 3, 2, jnp.int32)
+  with pytest.raises(TypeError, match="c_kv_new must have a floating dtype; got int32"):
+    cache.update(jnp.ones((2, 1, 3), jnp.int32), r_new[:, :1])
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 16])
@@ -412,6 +414,13 @@ def test_overflow_under_jit_is_flagged_and_does_not_corrupt_other_rows():
 def test_impossible_dimensions_raise_value_error_naming_them(bad, name):
   with pytest.raises(ValueError, match=name):
     make(**bad)
+
+
+def test_non_floating_dtypes_raise_type_error_at_construction():
+  with pytest.raises(TypeError, match="dtype must be a floating dtype .*; got int32"):
+    make(dtype=jnp.int32)
+  with pytest.raises(TypeError, match="param_dtype must be a floating dtype .*; got int8"):
+    make(param_dtype=jnp.int8)
 
 
 def test_bad_call_arguments_raise_before_compute():

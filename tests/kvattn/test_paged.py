@@ -107,6 +107,10 @@ def test_init_rejects_bad_arguments():
   with pytest.raises(TypeError, match="dtype must be a floating dtype"):
     PagedKVCache.init(1, num_pages=1, page_size=4, pages_per_seq=1, num_kv_heads=1, head_dim=4,
                       dtype=jnp.int32)
+  cache = PagedKVCache.init(1, num_pages=1, page_size=4, pages_per_seq=1, num_kv_heads=1,
+                            head_dim=4)
+  with pytest.raises(TypeError, match="v_new must have a floating dtype; got int8"):
+    cache.update(jnp.zeros((1, 1, 1, 4)), jnp.ones((1, 1, 1, 4), jnp.int8))
 
 
 @pytest.mark.parametrize("lengths", [

@@ -151,6 +151,27 @@ def test_errors_name_the_argument():
     ops.dequantize_kv(values, scales[:1])
   with pytest.raises(TypeError, match="values.dtype must be one of the quantized KV formats"):
     ops.dequantize_kv(x, scales)
+  with pytest.raises(TypeError, match="scales must be an array of numbers"):
+    ops.dequantize_kv(values, [None, None])
+
+
+def test_scales_as_a_list_equal_scales_as_an_array():
+  x = jnp.array([[1.0, -2.0], [0.5, 0.25]])
+  values, scales = ops.quantize_kv(x, jnp.int8)
+  from_list = ops.dequantize_kv(values, [float(s) for s in np.asarray(scales)])
+  np.testing.assert_array_equal(np.asarray(from_list), np.asarray(ops.dequantize_kv(values, scales)))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_non_finite_token_reads_back_as_nan_and_leaves_the_others_alone(name):
+  x = jnp.array([[1.0, 2.0], [jnp.nan, 1.0], [jnp.inf, 0.0], [-3.0, 0.5]])
+  values, scales = ops.quantize_kv(x, FORMATS[name])
+  back = np.asarray(ops.dequantize_kv(values, scales))
+  assert np.isnan(back[1:3]).all()  # never a plausible finite vector
+  assert np.isnan(np.asarray(scales)[1:3]).all()
+  clean_values, clean_scales = ops.quantize_kv(x[jnp.array([0, 3])], FORMATS[name])
+  np.testing.assert_array_equal(back[[0, 3]],
+                                np.asarray(ops.dequantize_kv(clean_values, clean_scales)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -114,6 +114,13 @@ def test_length_zero_row_is_exact_zeros():
   assert np.isfinite(out[1]).all() and np.abs(out[1]).sum() > 0
 
 
+def test_zero_query_tokens_give_an_empty_output():
+  k = _rand(1, (2, 2, 5, 8))
+  out = ops.attention(jnp.zeros((2, 0, 4, 8)), k, k, q_offsets=jnp.array([3, 0]),
+                      kv_lengths=jnp.array([3, 0]))
+  assert out.shape == (2, 0, 4, 8) and out.dtype == jnp.float32
+
+
 @pytest.mark.parametrize("window", [1, 2, 5])
 def test_window_attends_exactly_min_t_plus_1_w_keys(window):
   # With all-zero queries the weights are uniform over attended keys; values
