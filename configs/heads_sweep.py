@@ -21,6 +21,9 @@ def get_config(arg=None):
   config = default.get_config(arg)
   if (arg or "") != "smoke":
     config.attention.num_heads = 12  # Query heads N: divisors 1, 2, 3, 4, 6, 12 give six K.
+    # KV heads K of the config as given (MHA); every sweep entry sets its own. The runner
+    # validates the base config too, so it must divide N.
+    config.attention.num_kv_heads = 12
     config.cache.seq_lens = (256, 1024)  # Capacities S measured (tokens).
   config.experiment.name = "kvattn: every K dividing N, plus MLA"  # Report title.
   return config

@@ -7,6 +7,7 @@ programs compiled by the first run are reused by the later ones (same shapes).
 
 import collections
 import csv
+import importlib
 import json
 import math
 import os
@@ -422,3 +423,21 @@ def test_variant_rows_against_quoted_ranges():
   assert mla[1] == "—" and mla[-2].startswith('"adaptive"') and mla[-1] == "n/a"
   no_baseline = report_lib.variant_rows([rec("GQA", 2, 256, 200.0, 2.1)])[64][0]
   assert no_baseline[3] == "n/a" and no_baseline[-1] == "n/a (no MHA point)"
+
+
+@pytest.mark.parametrize("name", ["default", "heads_sweep", "seqlen_sweep", "quant_sweep", "paged"])
+@pytest.mark.parametrize("arg", ["", "smoke"])
+def test_every_shipped_config_validates_and_preflights(tmp_path, no_training, name, arg):
+  """Each config file as shipped (full size and smoke) passes the runner's validation and the
+  abstract decode-step pre-flight of every point, without training (a base config whose own
+  values do not validate would stop the real run before its first point)."""
+  module = importlib.import_module(f"configs.{name}")
+  config, sweep = module.get_config(arg), module.get_sweep(arg)
+  family = runner.family_factory(config.experiment.kind)(str(tmp_path))
+  points = family.points(runner.to_dict(config), sweep)
+  assert len(points) >= len(sweep) >= 1
+  assert len({p.id for p in points}) == len(points)
+  preflight = getattr(family, "preflight", None)
+  for point in points if preflight else ():
+    preflight(point)
+  assert not os.listdir(tmp_path)  # nothing written before the run proper
