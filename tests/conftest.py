@@ -1,0 +1,35 @@
+"""Suite-wide fixtures.
+
+XLA:CPU maps a few memory regions per compiled executable and keeps every
+executable of every jitted function alive in JAX's caches. The interpret-mode
+kernel grids compile thousands of programs, and a process has at most
+`vm.max_map_count` (65530 by default) mappings: past that, the next compile
+segfaults inside LLVM (seen in `pytest -m slow`, ~62k mappings after the
+decode-kernel grid alone). After any test that leaves the process above
+`_MAX_MAPS`, the compiled-program caches are dropped (`jax.clear_caches()`),
+which unmaps them; later tests recompile what they need.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import jax
+import pytest
+
+_MAPS = "/proc/self/maps"
+_MAX_MAPS = 30_000  # about half the default vm.max_map_count
+
+
+def _num_maps() -> int:
+  with open(_MAPS, "rb") as f:
+    return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+
+
+@pytest.fixture(autouse=True)
+def _bounded_compiled_programs():
+  yield
+  if os.path.exists(_MAPS) and _num_maps() > _MAX_MAPS:
+    jax.clear_caches()
+    gc.collect()
