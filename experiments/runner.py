@@ -461,15 +461,12 @@ def main(config: Any, workdir: str, config_file: str | None = None) -> RunResult
 
 
 def available_memory_bytes() -> int:
-  """Bytes of RAM available to new allocations (Linux `MemAvailable`, else free pages)."""
-  try:
-    with open("/proc/meminfo", encoding="ascii") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+  """Bytes of host RAM available to new allocations (`kvattn.memory.host_available_bytes`;
+  the points run on the host's RAM). Raises RuntimeError if it cannot be read."""
+  available = memory.host_available_bytes()
+  if available is None:
+    raise RuntimeError("cannot read the available RAM (/proc/meminfo or os.sysconf)")
+  return available
 
 
 _PARAM_BYTES: dict[str, int] = {}
@@ -577,7 +574,8 @@ def variant_name(spec: transformer_lib.ModelSpec) -> tuple[str, int | None]:
   return ("MQA" if k == 1 else "GQA"), k
 
 
-def _positive_int(where: str, value: Any, minimum: int = 1) -> int:
+def check_int(where: str, value: Any, minimum: int = 1) -> int:
+  """`value` if it is an int >= `minimum` (not a bool), else ValueError naming `where`."""
   if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
     raise ValueError(f"{where} must be an int >= {minimum}; got {value!r}")
   return value
@@ -650,24 +648,24 @@ class VariantsFamily:
       except TypeError:
         raise ValueError(f"{where}: cache.dtype must name a floating dtype, a quantized KV "
                          f"format {quant.QUANT_NAMES} or None; got {cache['dtype']!r}") from None
-    _positive_int(f"{where}: cache.batch", cache["batch"])
+    check_int(f"{where}: cache.batch", cache["batch"])
     seq_lens = cache["seq_lens"]
     if not isinstance(seq_lens, (tuple, list)) or not seq_lens:
       raise ValueError(f"{where}: cache.seq_lens must be a non-empty tuple of ints; got "
                        f"{seq_lens!r}")
-    new_tokens = _positive_int(f"{where}: decode.new_tokens", dec["new_tokens"], 2)
+    new_tokens = check_int(f"{where}: decode.new_tokens", dec["new_tokens"], 2)
     for s in seq_lens:
-      _positive_int(f"{where}: cache.seq_lens", s, new_tokens)  # the prompt needs >= 1 token
+      check_int(f"{where}: cache.seq_lens", s, new_tokens)  # the prompt needs >= 1 token
     if len(set(seq_lens)) != len(seq_lens):
       raise ValueError(f"{where}: cache.seq_lens must not repeat a value; got {seq_lens!r}")
     fraction = cache["memory_fraction"]
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or \
         not 0 < fraction <= 1:
       raise ValueError(f"{where}: cache.memory_fraction must lie in (0, 1]; got {fraction!r}")
-    _positive_int(f"{where}: decode.warmup", dec["warmup"], 0)
-    _positive_int(f"{where}: decode.repeats", dec["repeats"], 1)
-    _positive_int(f"{where}: decode.decode_repeats", dec["decode_repeats"], 1)
-    _positive_int(f"{where}: decode.seed", dec["seed"], 0)
+    check_int(f"{where}: decode.warmup", dec["warmup"], 0)
+    check_int(f"{where}: decode.repeats", dec["repeats"], 1)
+    check_int(f"{where}: decode.decode_repeats", dec["decode_repeats"], 1)
+    check_int(f"{where}: decode.seed", dec["seed"], 0)
     if d["data"]["seq_len"] is None:
       raise ValueError(f"{where}: data.seq_len must be a positive int; got None")
     train_dir = d["experiment"]["train_dir"]

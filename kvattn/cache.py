@@ -44,17 +44,6 @@ from kvattn import _checks
 from kvattn.ops import quant
 
 
-def _check_dtype(dtype) -> jnp.dtype:
-  """A floating storage dtype (no scales)."""
-  try:
-    dtype = jnp.dtype(dtype)
-  except TypeError as e:
-    raise TypeError(f"dtype must be a JAX dtype; got {dtype!r}") from e
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(f"dtype must be a floating dtype; got {dtype}")
-  return dtype
-
-
 def check_storage_dtype(dtype) -> jnp.dtype:
   """A cache storage dtype: floating, or a quantized format (int8, float8_e4m3fn,
   float8_e5m2) that is stored with scales.

@@ -76,21 +76,9 @@ def mla_to_mha_cache_ratio(kv_lora_rank: int, qk_rope_head_dim: int, num_heads: 
   return mla / mha_bytes_per_token(num_heads, head_dim, jnp.float32)
 
 
-def available_bytes(device: Any = None) -> int | None:
-  """Bytes free for new arrays on `device` (default `jax.devices()[0]`), or None if unknown.
-
-  Accelerators: `bytes_limit - bytes_in_use` of `device.memory_stats()`. CPU
-  (or no stats): the host's available RAM (Linux `MemAvailable`, else
-  `os.sysconf` free pages).
-  """
-  device = jax.devices()[0] if device is None else device
-  if device.platform != "cpu":
-    try:
-      stats = device.memory_stats() or {}
-    except Exception:  # pylint: disable=broad-except  (backends without stats)
-      stats = {}
-    if "bytes_limit" in stats:
-      return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+def host_available_bytes() -> int | None:
+  """Bytes of host RAM available to new allocations (Linux `MemAvailable`, else
+  `os.sysconf` free pages), or None if neither can be read."""
   try:
     with open("/proc/meminfo", encoding="ascii") as f:
       for line in f:
@@ -102,6 +90,23 @@ def available_bytes(device: Any = None) -> int | None:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
   except (ValueError, OSError, AttributeError):
     return None
+
+
+def available_bytes(device: Any = None) -> int | None:
+  """Bytes free for new arrays on `device` (default `jax.devices()[0]`), or None if unknown.
+
+  Accelerators: `bytes_limit - bytes_in_use` of `device.memory_stats()`. CPU
+  (or no stats): `host_available_bytes()`.
+  """
+  device = jax.devices()[0] if device is None else device
+  if device.platform != "cpu":
+    try:
+      stats = device.memory_stats() or {}
+    except Exception:  # pylint: disable=broad-except  (backends without stats)
+      stats = {}
+    if "bytes_limit" in stats:
+      return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+  return host_available_bytes()
 
 
 def tree_bytes(tree: Any) -> int:
