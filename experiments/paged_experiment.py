@@ -89,11 +89,6 @@ def schema() -> dict[str, tuple[str, ...]]:
   }
 
 
-def _int(where: str, value: Any, minimum: int = 1) -> int:
-  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-    raise ValueError(f"{where} must be an int >= {minimum}; got {value!r}")
-  return value
-
 
 def draw_lengths(workload: Mapping[str, Any], max_len: int, count: int, seed_offset: int = 0
                  ) -> np.ndarray:
@@ -132,9 +127,9 @@ class PagedFamily:
     cache, work, dec = d["cache"], d["workload"], d["decode"]
     if cache["kind"] not in CACHE_KINDS:
       raise ValueError(f"{where}: cache.kind must be one of {CACHE_KINDS}; got {cache['kind']!r}")
-    _int(f"{where}: cache.page_size", cache["page_size"])
-    max_len = _int(f"{where}: cache.max_len", cache["max_len"])
-    _int(f"{where}: cache.seed", cache["seed"], 0)
+    runner.check_int(f"{where}: cache.page_size", cache["page_size"])
+    max_len = runner.check_int(f"{where}: cache.max_len", cache["max_len"])
+    runner.check_int(f"{where}: cache.seed", cache["seed"], 0)
     if cache["dtype"] is not None:
       try:
         if not jnp.issubdtype(jnp.dtype(cache["dtype"]), jnp.floating):
@@ -142,9 +137,9 @@ class PagedFamily:
       except TypeError:
         raise ValueError(f"{where}: cache.dtype must name a floating dtype or be None; got "
                          f"{cache['dtype']!r}") from None
-    _int(f"{where}: workload.num_sequences", work["num_sequences"])
-    new_tokens = _int(f"{where}: decode.new_tokens", dec["new_tokens"], 2)
-    min_len = _int(f"{where}: workload.min_len", work["min_len"], new_tokens)  # prompt >= 1
+    runner.check_int(f"{where}: workload.num_sequences", work["num_sequences"])
+    new_tokens = runner.check_int(f"{where}: decode.new_tokens", dec["new_tokens"], 2)
+    min_len = runner.check_int(f"{where}: workload.min_len", work["min_len"], new_tokens)  # prompt >= 1
     if min_len > max_len:
       raise ValueError(f"{where}: workload.min_len must be <= cache.max_len = {max_len}; got "
                        f"{min_len}")
@@ -154,10 +149,10 @@ class PagedFamily:
     sigma = work["sigma"]
     if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or sigma < 0:
       raise ValueError(f"{where}: workload.sigma must be a number >= 0; got {sigma!r}")
-    _int(f"{where}: workload.budget_sequences", work["budget_sequences"])
-    _int(f"{where}: workload.seed", work["seed"], 0)
-    _int(f"{where}: decode.warmup", dec["warmup"], 0)
-    _int(f"{where}: decode.repeats", dec["repeats"], 1)
+    runner.check_int(f"{where}: workload.budget_sequences", work["budget_sequences"])
+    runner.check_int(f"{where}: workload.seed", work["seed"], 0)
+    runner.check_int(f"{where}: decode.warmup", dec["warmup"], 0)
+    runner.check_int(f"{where}: decode.repeats", dec["repeats"], 1)
     return spec
 
   def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:

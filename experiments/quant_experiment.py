@@ -58,7 +58,7 @@ from experiments import results
 from experiments import runner
 from kvattn import data as data_lib
 from kvattn import memory
-from kvattn.cache import check_storage_dtype
+from kvattn import train as train_lib
 from kvattn.generate import generate
 from kvattn.ops import quant
 
@@ -74,11 +74,6 @@ def schema() -> dict[str, tuple[str, ...]]:
           "quality": ("rows", "prefix", "agreement_tokens", "agreement_prompts",
                       "agreement_prompt_len")}
 
-
-def _int(where: str, value: Any, minimum: int = 1) -> int:
-  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-    raise ValueError(f"{where} must be an int >= {minimum}; got {value!r}")
-  return value
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "prefix"))
@@ -105,8 +100,8 @@ def _teacher_forced(graphdef, state, rows, caches, *, prefix: int):
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _no_cache(graphdef, state, rows):
   """Per-target nll `f32[B, L]` of one causal forward pass without a cache."""
-  logits, _ = nnx.merge(graphdef, state)(rows[:, :-1])
-  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), rows[:, 1:])
+  nll, _, _ = train_lib.token_losses(nnx.merge(graphdef, state), rows)
+  return nll
 
 
 def bits_per_byte(nll: np.ndarray, targets: np.ndarray) -> float:
@@ -138,32 +133,25 @@ class QuantFamily(runner.VariantsFamily):
     self.schema = schema()
     self._title = "kvattn: quantized KV caches"
     self._reference_tokens: dict[str, np.ndarray] = {}
+    self._no_cache_bpb: dict[str, float] = {}
 
   # -- points and validation -------------------------------------------------------------------
 
   def _check(self, d: Mapping[str, Any], where: str):
-    """The variants family's checks with the cache dtype set aside, then the dtype (float or
-    int8/fp8) and the `quality` section; ValueError naming the key."""
-    dtype = d["cache"]["dtype"]
-    try:
-      if dtype is not None:
-        check_storage_dtype(dtype)
-    except TypeError:
-      raise ValueError(f"{where}: cache.dtype must name a floating dtype, a quantized KV format "
-                       f"{quant.QUANT_NAMES} or None; got {dtype!r}") from None
-    spec = super()._check({**d, "cache": {**d["cache"], "dtype": None}}, where)
+    """The variants family's checks, then the `quality` section; ValueError naming the key."""
+    spec = super()._check(d, where)  # cache.dtype included (float or int8/fp8)
     if len(d["cache"]["seq_lens"]) != 1:
       raise ValueError(f"{where}: cache.seq_lens must hold one S for the quant family; got "
                        f"{d['cache']['seq_lens']!r}")
     q, seq_len = d["quality"], d["data"]["seq_len"]
-    _int(f"{where}: quality.rows", q["rows"])
-    prefix = _int(f"{where}: quality.prefix", q["prefix"])
+    runner.check_int(f"{where}: quality.rows", q["rows"])
+    prefix = runner.check_int(f"{where}: quality.prefix", q["prefix"])
     if prefix >= seq_len:
       raise ValueError(f"{where}: quality.prefix must be < data.seq_len = {seq_len} (at least one "
                        f"decode step); got {prefix}")
-    _int(f"{where}: quality.agreement_tokens", q["agreement_tokens"])
-    _int(f"{where}: quality.agreement_prompts", q["agreement_prompts"])
-    _int(f"{where}: quality.agreement_prompt_len", q["agreement_prompt_len"])
+    runner.check_int(f"{where}: quality.agreement_tokens", q["agreement_tokens"])
+    runner.check_int(f"{where}: quality.agreement_prompts", q["agreement_prompts"])
+    runner.check_int(f"{where}: quality.agreement_prompt_len", q["agreement_prompt_len"])
     return spec
 
   def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
@@ -196,18 +184,28 @@ class QuantFamily(runner.VariantsFamily):
   def _rows(self, d: Mapping[str, Any]) -> np.ndarray:
     return self._dataset(d, "quality").validation_rows[:d["quality"]["rows"]]
 
-  def teacher_forced(self, model, d: Mapping[str, Any], dtype) -> dict[str, float]:
-    """Teacher-forced bits/byte through a cache of `dtype`, and without a cache."""
+  def _variant_key(self, point: runner.Point) -> str:
+    """Points of one trained model and one quality setup share it (the cache dtype aside)."""
+    return runner.digest({"group": point.group, "quality": point.config["quality"],
+                          "decode_seed": point.config["decode"]["seed"]})
+
+  def teacher_forced(self, point: runner.Point, model, dtype) -> dict[str, float]:
+    """Teacher-forced bits/byte through a cache of `dtype`, and without a cache (the latter
+    does not depend on the cache: computed once per variant)."""
+    d = point.config
     rows = self._rows(d)
     seq_len = rows.shape[1] - 1
     graphdef, state = nnx.split(model)
     caches = model.init_caches(rows.shape[0], seq_len, dtype)
     nll = _teacher_forced(graphdef, state, jnp.asarray(rows), caches,
                              prefix=d["quality"]["prefix"])
-    reference = _no_cache(graphdef, state, jnp.asarray(rows))
     targets = rows[:, 1:]
+    key = self._variant_key(point)
+    if key not in self._no_cache_bpb:
+      reference = _no_cache(graphdef, state, jnp.asarray(rows))
+      self._no_cache_bpb = {key: bits_per_byte(np.asarray(reference), targets)}
     return {"teacher_forced_bits_per_byte": bits_per_byte(np.asarray(nll), targets),
-            "no_cache_bits_per_byte": bits_per_byte(np.asarray(reference), targets),
+            "no_cache_bits_per_byte": self._no_cache_bpb[key],
             "quality_rows": int(rows.shape[0]), "quality_prefix": d["quality"]["prefix"]}
 
   def greedy(self, model, d: Mapping[str, Any], dtype) -> np.ndarray:
@@ -219,8 +217,7 @@ class QuantFamily(runner.VariantsFamily):
 
   def reference_tokens(self, point: runner.Point, model) -> np.ndarray:
     """The bf16-cache greedy tokens of the point's variant (computed once per variant)."""
-    key = runner.digest({"group": point.group, "quality": point.config["quality"],
-                         "decode_seed": point.config["decode"]["seed"]})
+    key = self._variant_key(point)
     if key not in self._reference_tokens:
       self._reference_tokens = {key: self.greedy(model, point.config, jnp.bfloat16)}
     return self._reference_tokens[key]
@@ -231,9 +228,10 @@ class QuantFamily(runner.VariantsFamily):
     d = point.config
     model, _ = self.trained_model(point)
     dtype = jnp.dtype(d["cache"]["dtype"] or d["model"]["dtype"])
-    record.update(self.teacher_forced(model, d, dtype))
-    tokens = self.greedy(model, d, dtype)
-    record.update(agreement(tokens, self.reference_tokens(point, model)))
+    record.update(self.teacher_forced(point, model, dtype))
+    reference = self.reference_tokens(point, model)
+    tokens = reference if dtype == jnp.dtype(BASELINE_DTYPE) else self.greedy(model, d, dtype)
+    record.update(agreement(tokens, reference))
     record.update({
         "agreement_tokens": int(tokens.shape[1]), "agreement_prompts": int(tokens.shape[0]),
         "scale_bytes_per_token": int(sum(
@@ -255,16 +253,12 @@ runner.register_family("quant", QuantFamily)
 # Report.
 
 
-def _variant_key(r: Mapping[str, Any]) -> str:
-  return f"{r['variant']}{'' if r['num_kv_heads'] is None else '-K' + str(r['num_kv_heads'])}"
-
-
 def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list[str]]:
   """One row per point; ratios and deltas against the bf16 point of the same variant."""
-  base = {_variant_key(r): r for r in records if r["cache_dtype"] == BASELINE_DTYPE}
+  base = {report_lib.variant_key(r): r for r in records if r["cache_dtype"] == BASELINE_DTYPE}
   rows = []
   for r in records:
-    b = base.get(_variant_key(r))
+    b = base.get(report_lib.variant_key(r))
     bytes_ratio = f"{r['cache_bytes_per_token'] / b['cache_bytes_per_token']:.1%}" if b else "n/a"
     speed = f"{r['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}×" if b else "n/a"
     delta = (f"{r['teacher_forced_bits_per_byte'] - b['teacher_forced_bits_per_byte']:+.4f}"
@@ -310,7 +304,7 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
   if records:
     no_cache = {}
     for r in records:
-      no_cache.setdefault(_variant_key(r), r["no_cache_bits_per_byte"])
+      no_cache.setdefault(report_lib.variant_key(r), r["no_cache_bits_per_byte"])
     lines += ["", "No-cache bits/byte of the same rows (one causal forward pass, "
               f"{records[0]['config']['model']['dtype']}): " + ", ".join(
                   f"{k} {v:.4f}" for k, v in no_cache.items()) + ".", "",
@@ -339,8 +333,8 @@ def _plot(records, path: str) -> None:
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
   markers = {"bfloat16": "o", "int8": "s", "float8_e4m3fn": "^", "float8_e5m2": "v"}
-  for i, key in enumerate(dict.fromkeys(_variant_key(r) for r in records)):
-    rs = [r for r in records if _variant_key(r) == key]
+  for i, key in enumerate(dict.fromkeys(report_lib.variant_key(r) for r in records)):
+    rs = [r for r in records if report_lib.variant_key(r) == key]
     for r in rs:
       m = markers.get(r["cache_dtype"], "x")
       ax1.scatter(r["cache_bytes_per_token"], r["teacher_forced_bits_per_byte"], color=f"C{i}",
