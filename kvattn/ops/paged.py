@@ -173,16 +173,8 @@ def paged_decode_attention_xla(
   if k_scale is not None:
     scales = {"k_scale": gather_pages(k_scale[..., None], block_tables)[..., 0],
               "v_scale": gather_pages(v_scale[..., None], block_tables)[..., 0]}
-  if window is not None:
-    # The dense reference zeroes the value rows past the length; also zero
-    # those before the window start, so whatever pages there hold (a page
-    # the table does not assign is gathered from page 0) cannot leak.
-    lengths = lengths.astype(jnp.int32)
-    slots = jnp.arange(v.shape[2], dtype=jnp.int32)
-    keep = slots[None, :] >= (lengths - window)[:, None]  # [B, S]
-    v = jnp.where(keep[:, None, :, None], v, jnp.zeros((), v.dtype))
-    if scales:
-      scales["v_scale"] = jnp.where(keep[:, None, :], scales["v_scale"], 0.0)
+  # Slots outside the window (and past the length) cannot leak: the dense path keeps only the
+  # attended slots' values and scales (no zeroed copy of the gathered V needed here).
   return _reference.decode_attention_xla(q, k, v, lengths.astype(jnp.int32), sm_scale=sm_scale,
                                          window=window, soft_cap=soft_cap, **scales)
 

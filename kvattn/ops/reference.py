@@ -256,8 +256,8 @@ def attention(
   return out.reshape(batch, num_tokens, num_heads, v.shape[-1]).astype(q.dtype)
 
 
-def decode_mask(lengths: jax.Array, capacity: int, window) -> tuple[jax.Array, jax.Array]:
-  """(`bool[B, S]` attend mask, `bool[B, S]` valid-slot mask) of one decode query per sequence.
+def decode_mask(lengths: jax.Array, capacity: int, window) -> jax.Array:
+  """`bool[B, S]`: the slots one decode query per sequence attends.
 
   The query sits at slot `lengths[b] - 1` and attends `[max(0, lengths[b] - W), lengths[b])`:
   `attention_mask` with T = 1 and `q_offsets = lengths - 1`, without the T axis;
@@ -265,9 +265,8 @@ def decode_mask(lengths: jax.Array, capacity: int, window) -> tuple[jax.Array, j
   """
   lengths = jnp.minimum(lengths, capacity)
   slots = jnp.arange(capacity, dtype=jnp.int32)[None, :]  # [1, S]
-  valid = slots < lengths[:, None]  # [B, S]
-  mask = valid if window is None else valid & (slots >= lengths[:, None] - window)
-  return mask, valid
+  mask = slots < lengths[:, None]  # [B, S]
+  return mask if window is None else mask & (slots >= lengths[:, None] - window)
 
 
 def decode_attention_xla(
@@ -314,9 +313,11 @@ def decode_attention_xla(
   logits = scale_logits(logits, k_scale)
   if soft_cap is not None:
     logits = soft_cap * jnp.tanh(logits / soft_cap)
-  mask, valid = decode_mask(lengths, capacity, window)
+  # One query per row: the attended slots (`mask`, window applied) are the only ones whose
+  # values and scales may reach the output, so a NaN before the window start cannot either.
+  mask = decode_mask(lengths, capacity, window)
   probs, denom = masked_softmax(logits, mask[:, None, None])  # [B, K, G, S]
-  out = weighted_values("BKGS,BKSV->BKGV", scale_probs(probs, v_scale, valid), v, valid,
+  out = weighted_values("BKGS,BKSV->BKGV", scale_probs(probs, v_scale, mask), v, mask,
                         slot_axis=2)
   out = out / jnp.where(denom > 0, denom, 1.0)
   return out.reshape(batch, num_heads, v.shape[-1]).astype(q.dtype)
@@ -447,9 +448,9 @@ def mla_decode_attention_xla(
             + scale_logits(jnp.einsum("BNR,BSR->BNS", q_rope, k_rope,
                                       preferred_element_type=jnp.float32), k_rope_scale))
   logits = logits * sm_scale
-  mask, valid = decode_mask(lengths, capacity, window)
+  mask = decode_mask(lengths, capacity, window)  # attended slots only (as decode_attention_xla)
   probs, denom = masked_softmax(logits, mask[:, None])  # [B, N, S]
-  out = weighted_values("BNS,BSC->BNC", scale_probs(probs, c_kv_scale, valid), c_kv, valid,
+  out = weighted_values("BNS,BSC->BNC", scale_probs(probs, c_kv_scale, mask), c_kv, mask,
                         slot_axis=1)
   out = out / jnp.where(denom > 0, denom, 1.0)
   return out.astype(q_latent.dtype)

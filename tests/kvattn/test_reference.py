@@ -237,3 +237,24 @@ def test_lengths_past_capacity_are_clamped_like_the_kernels(window):
   out = ops.attention(q[:, None], k, v, q_offsets=over - 1, kv_lengths=over, window=window)
   ref = ops.attention(q[:, None], k, v, q_offsets=full - 1, kv_lengths=full, window=window)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "xla_blocked"])
+def test_nan_before_the_window_start_does_not_leak(implementation):
+  B, N, K, S, H, W = 2, 4, 2, 32, 8, 5
+  q, k, v = _rand(0, (B, N, H)), _rand(1, (B, K, S, H)), _rand(2, (B, K, S, H))
+  lengths = jnp.array([20, 9])
+  want = ops.decode_attention(q, k, v, lengths, window=W, implementation=implementation)
+  # Slots 0..3 lie before both rows' windows ([15, 20) and [4, 9)): attended by neither.
+  dirty = dict(k=k.at[:, :, :4].set(jnp.nan), v=v.at[:, :, :4].set(jnp.nan))
+  got = ops.decode_attention(q, dirty["k"], dirty["v"], lengths, window=W,
+                             implementation=implementation)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # MLA's decode likewise (the latent is also the value).
+  c, r = _rand(3, (B, S, 16)), _rand(4, (B, S, 4))
+  ql, qr = _rand(5, (B, N, 16)), _rand(6, (B, N, 4))
+  want = ops.mla_decode_attention(ql, qr, c, r, lengths, sm_scale=0.3, window=W,
+                                  implementation="xla")
+  got = ops.mla_decode_attention(ql, qr, c.at[:, :4].set(jnp.nan), r.at[:, :4].set(jnp.nan),
+                                 lengths, sm_scale=0.3, window=W, implementation="xla")
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
