@@ -346,7 +346,7 @@ class PagedKVCache:
     `v_scale=` for `kvattn.ops.attention`), or `{}` for float pools."""
     if not self.quantized:
       return {}
-    return {name: paged_ops.gather_pages(pool[..., None], self.block_tables)[..., 0]
+    return {name: paged_ops.gather_pages(pool, self.block_tables)
             for name, pool in (("k_scale", self.k_scale_pages),
                                ("v_scale", self.v_scale_pages))}
 
@@ -355,10 +355,9 @@ class PagedKVCache:
     unassigned logical pages zeroed (their scales set to 1). For tests and inspection."""
     scales = {}
     if self.quantized:
-      assigned = (self.block_tables >= 0) & (self.block_tables < self.num_pages)
-      assigned = jnp.repeat(assigned, self.page_size, axis=1)[:, None, :]  # [B, 1, S]
-      scales = {name: jnp.where(assigned, gathered, 1.0)
-                for name, gathered in self.dense_scale_kwargs().items()}
+      scales = {name: paged_ops.gather_pages_zeroed(pool, self.block_tables, fill=1.0)
+                for name, pool in (("k_scale", self.k_scale_pages),
+                                   ("v_scale", self.v_scale_pages))}
     return cache_lib.KVCache(
         k=paged_ops.gather_pages_zeroed(self.k_pages, self.block_tables),
         v=paged_ops.gather_pages_zeroed(self.v_pages, self.block_tables),

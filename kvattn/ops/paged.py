@@ -100,16 +100,19 @@ def validate_paged_args(q, k_pages, v_pages, block_tables, lengths, *, window=No
 
 
 def gather_pages(
-    pages: jax.Array,  # [K, P, page_size, H]
+    pages: jax.Array,  # [K, P, page_size, H] (or a scale pool f32[K, P, page_size])
     block_tables: jax.Array,  # i32[B, pages_per_seq]
-) -> jax.Array:  # [B, K, pages_per_seq * page_size, H]
+) -> jax.Array:  # [B, K, pages_per_seq * page_size, H] (scales: [B, K, S])
   """Dense head-major view of each sequence's pages: slot s of sequence b is
-  slot `s % page_size` of page `block_tables[b, s // page_size]`.
+  slot `s % page_size` of page `block_tables[b, s // page_size]`. A scale
+  pool `[K, P, page_size]` gives `[B, K, pages_per_seq * page_size]`.
 
   Entries outside `[0, P)` are clamped into range, so the slots of an
   unassigned logical page hold an arbitrary page's contents; callers mask
   them with the lengths (or use `gather_pages_zeroed`).
   """
+  if pages.ndim == 3:  # a scale pool: one number per slot
+    return gather_pages(pages[..., None], block_tables)[..., 0]
   num_pages = pages.shape[1]
   ids = jnp.clip(block_tables, 0, num_pages - 1)
   gathered = jnp.take(pages, ids, axis=1)  # [K, B, pages_per_seq, page_size, H]
@@ -134,14 +137,17 @@ def assigned_slots(
   return (leading * page_size).astype(jnp.int32)
 
 
-def gather_pages_zeroed(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
+def gather_pages_zeroed(pages: jax.Array, block_tables: jax.Array, fill: float = 0) -> jax.Array:
   """`gather_pages` with the slots of unassigned logical pages (entries outside
-  `[0, P)`) set to zero: `[B, K, pages_per_seq * page_size, H]`."""
+  `[0, P)`) set to `fill` (default zero): `[B, K, pages_per_seq * page_size, H]`
+  (a scale pool: `[B, K, S]`)."""
   num_pages, page_size = pages.shape[1], pages.shape[2]
   dense = gather_pages(pages, block_tables)
   assigned = (block_tables >= 0) & (block_tables < num_pages)  # [B, pages_per_seq]
   assigned = jnp.repeat(assigned, page_size, axis=1)  # [B, S]
-  return jnp.where(assigned[:, None, :, None], dense, jnp.zeros((), dense.dtype))
+  assigned = assigned.reshape(assigned.shape[:1] + (1,) + assigned.shape[1:]
+                              + (1,) * (dense.ndim - 3))
+  return jnp.where(assigned, dense, jnp.asarray(fill, dense.dtype))
 
 
 def paged_decode_attention_xla(
@@ -171,8 +177,8 @@ def paged_decode_attention_xla(
   v = gather_pages(v_pages, block_tables)
   scales = {}
   if k_scale is not None:
-    scales = {"k_scale": gather_pages(k_scale[..., None], block_tables)[..., 0],
-              "v_scale": gather_pages(v_scale[..., None], block_tables)[..., 0]}
+    scales = {"k_scale": gather_pages(k_scale, block_tables),
+              "v_scale": gather_pages(v_scale, block_tables)}
   # Slots outside the window (and past the length) cannot leak: the dense path keeps only the
   # attended slots' values and scales (no zeroed copy of the gathered V needed here).
   return _reference.decode_attention_xla(q, k, v, lengths.astype(jnp.int32), sm_scale=sm_scale,
