@@ -851,8 +851,9 @@ class VariantsFamily:
       first, caches, key = prefill(model, prompts, lengths, caches, sampling=sampling)
       jax.block_until_ready((first, caches))
       prefill_time = time.perf_counter() - t0
-      for j in range(loops):  # each loop decodes from its own copy of the prefilled caches
-        loop_caches = caches if j == loops - 1 else jax.tree.map(jnp.copy, caches)
+      timed_loops = loops if i >= warmup else 1  # a warm-up run needs one decode to compile
+      for j in range(timed_loops):  # each loop decodes from its own copy of the prefilled caches
+        loop_caches = caches if j == timed_loops - 1 else jax.tree.map(jnp.copy, caches)
         jax.block_until_ready(loop_caches)
         t1 = time.perf_counter()
         tokens, out_lengths, loop_caches = decode(model, first, loop_caches, new_tokens,
