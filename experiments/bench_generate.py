@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +35,8 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from kvattn import memory
+from experiments import runner
 from kvattn import transformer as transformer_lib
-from kvattn.generate import Sampling, decode, prefill
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("batch", 4, "Sequences per batch B.")
@@ -93,7 +91,6 @@ def run() -> dict:
   rng = np.random.default_rng(FLAGS.seed)
   prompts = jnp.asarray(rng.integers(0, 256, (batch, prompt_len)), jnp.int32)
   lengths = jnp.full((batch,), prompt_len, jnp.int32)
-  sampling = Sampling()
 
   def fresh_caches():
     caches = model.init_caches(batch, max_len, FLAGS.cache_dtype or FLAGS.dtype)
@@ -101,19 +98,12 @@ def run() -> dict:
     return caches
 
   def timed_prefill():
-    caches = fresh_caches()
-    t0 = time.perf_counter()
-    first, caches, key = prefill(model, prompts, lengths, caches, sampling=sampling)
-    jax.block_until_ready((first, caches))
-    return time.perf_counter() - t0, first, caches, key
+    return runner.timed_prefill(model, prompts, lengths, fresh_caches())
 
   def timed_decode(first, caches, key):
     caches = jax.tree.map(jnp.copy, caches)  # decode donates its caches: work on a copy
-    jax.block_until_ready(caches)
-    t0 = time.perf_counter()
-    tokens, out_lengths, _ = decode(model, first, caches, new_tokens, sampling=sampling, rng=key)
-    jax.block_until_ready((tokens, out_lengths))
-    return time.perf_counter() - t0, out_lengths
+    seconds, _, _, out_lengths, _ = runner.timed_decode(model, first, caches, new_tokens, key)
+    return seconds, out_lengths
 
   for _ in range(FLAGS.warmup):  # compiles both programs
     _, first, prefilled, key = timed_prefill()

@@ -47,10 +47,8 @@ import copy
 import json
 import os
 import statistics
-import time
 from typing import Any, Mapping, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
@@ -63,7 +61,6 @@ from experiments import runner
 from kvattn import memory
 from kvattn import paged as paged_lib
 from kvattn import transformer as transformer_lib
-from kvattn.generate import Sampling, decode, prefill
 
 # Kwon et al., "Efficient Memory Management for Large Language Model Serving with
 # PagedAttention", SOSP 2023 (abstract and §1): existing systems waste 60-80% of the KV cache
@@ -291,7 +288,12 @@ class PagedFamily:
     for i in range(dec["warmup"] + dec["repeats"]):
       for name in (list(builders) if i % 2 == 0 else list(builders)[::-1]):
         caches, _ = builders[name]()
-        timing, filled = _timed_generate(model, caches, prompts, prompt_lengths, new_tokens)
+        prefill_s, first, caches, key = runner.timed_prefill(model, prompts, prompt_lengths,
+                                                             caches)
+        decode_s, decode_cpu_s, _, _, caches = runner.timed_decode(model, first, caches,
+                                                                   new_tokens, key)
+        timing = (prefill_s, decode_s, decode_cpu_s)
+        filled = [np.asarray(c.lengths).tolist() for c in caches]
         if i >= dec["warmup"]:
           times[name].append(timing)
         if any(f != final.tolist() for f in filled):
@@ -344,28 +346,6 @@ class PagedFamily:
 
   def report(self, records: Sequence[Mapping[str, Any]]) -> str:
     return write_report(self.workdir, records, title=self._title, config=self._config)
-
-
-def _timed_generate(model, caches, prompts, prompt_lengths, new_tokens
-                    ) -> tuple[tuple[float, float, float], list[list[int]]]:
-  """Times kvattn.generate's compiled prefill and decode on `caches` (donated).
-
-  Returns `((prefill_s, decode_s, decode_cpu_s), lengths per layer after
-  decoding)`: wall-clock seconds, and the CPU seconds this process (all its
-  threads) spent in the decode loop -- the work done, which other processes
-  sharing the machine do not inflate the way they inflate wall time.
-  """
-  sampling = Sampling()
-  jax.block_until_ready(caches)
-  t0 = time.perf_counter()
-  first, caches, key = prefill(model, prompts, prompt_lengths, caches, sampling=sampling)
-  jax.block_until_ready((first, caches))
-  t1, c1 = time.perf_counter(), time.process_time()
-  tokens, out_lengths, caches = decode(model, first, caches, new_tokens, sampling=sampling,
-                                       rng=key)
-  jax.block_until_ready((tokens, out_lengths, caches))
-  t2, c2 = time.perf_counter(), time.process_time()
-  return (t1 - t0, t2 - t1, c2 - c1), [np.asarray(c.lengths).tolist() for c in caches]
 
 
 def _backends(paged: bool) -> tuple[str, ...]:

@@ -402,6 +402,38 @@ def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *
                    len(records) == len(points))
 
 
+def timed_prefill(model: nnx.Module, prompts: jax.Array, lengths: jax.Array, caches: Any
+                  ) -> tuple[float, jax.Array, Any, jax.Array]:
+  """Runs `kvattn.generate`'s compiled prefill (greedy) on `caches`, which it donates.
+
+  Returns `(wall seconds, first tokens i32[B], prefilled caches, rng key)`; the
+  clock stops when the results are ready.
+  """
+  jax.block_until_ready((prompts, caches))
+  t0 = time.perf_counter()
+  first, caches, key = prefill(model, prompts, lengths, caches, sampling=Sampling())
+  jax.block_until_ready((first, caches))
+  return time.perf_counter() - t0, first, caches, key
+
+
+def timed_decode(model: nnx.Module, first: jax.Array, caches: Any, new_tokens: int,
+                 key: jax.Array) -> tuple[float, float, jax.Array, jax.Array, Any]:
+  """Runs `kvattn.generate`'s compiled greedy decode loop on `caches`, which it donates
+  (pass a copy to decode the same prefilled caches again).
+
+  Returns `(wall seconds, process CPU seconds, tokens i32[B, new_tokens], lengths
+  i32[B], caches)`. The CPU seconds (all of this process's threads) measure the
+  work done, which other processes sharing the machine do not inflate the way
+  they inflate wall time.
+  """
+  jax.block_until_ready(caches)
+  t0, c0 = time.perf_counter(), time.process_time()
+  tokens, out_lengths, caches = decode(model, first, caches, new_tokens, sampling=Sampling(),
+                                       rng=key)
+  jax.block_until_ready((tokens, out_lengths, caches))
+  return time.perf_counter() - t0, time.process_time() - c0, tokens, out_lengths, caches
+
+
 def cpu_model() -> str:
   """The CPU's model name (Linux /proc/cpuinfo; else `platform.machine()`)."""
   try:
@@ -839,28 +871,20 @@ class VariantsFamily:
     prompts = jnp.asarray(self.prompts(d, batch, prompt_len))
     lengths = jnp.full((batch,), prompt_len, jnp.int32)
     analytic = transformer_lib.cache_bytes_per_token(spec, cache_dtype)
-    sampling = Sampling()
     cache_record, prefill_times, decode_times = None, [], []
     loops = d["decode"]["decode_repeats"]
     for i in range(warmup + repeats):
       caches = model.init_caches(batch, seq_len, cache_dtype)
       if cache_record is None:
         cache_record = check_cache_bytes(caches, analytic, batch, seq_len)
-      jax.block_until_ready(caches)
-      t0 = time.perf_counter()
-      first, caches, key = prefill(model, prompts, lengths, caches, sampling=sampling)
-      jax.block_until_ready((first, caches))
-      prefill_time = time.perf_counter() - t0
+      prefill_time, first, caches, key = timed_prefill(model, prompts, lengths, caches)
       timed_loops = loops if i >= warmup else 1  # a warm-up run needs one decode to compile
       for j in range(timed_loops):  # each loop decodes from its own copy of the prefilled caches
         loop_caches = caches if j == timed_loops - 1 else jax.tree.map(jnp.copy, caches)
-        jax.block_until_ready(loop_caches)
-        t1 = time.perf_counter()
-        tokens, out_lengths, loop_caches = decode(model, first, loop_caches, new_tokens,
-                                                  sampling=sampling, rng=key)
-        jax.block_until_ready((tokens, out_lengths, loop_caches))
+        seconds, _, tokens, out_lengths, loop_caches = timed_decode(model, first, loop_caches,
+                                                                    new_tokens, key)
         if i >= warmup:
-          decode_times.append(time.perf_counter() - t1)
+          decode_times.append(seconds)
       if i >= warmup:
         prefill_times.append(prefill_time)
       filled = {int(x) for c in loop_caches for x in np.asarray(c.lengths)}
