@@ -18,6 +18,8 @@ from configs import default
 
 
 def get_config(arg=None):
+  """configs/default.py's config with N = 12 query heads and S in (256, 1024) (""), or its smoke
+  config unchanged ("smoke"); see the module docstring."""
   config = default.get_config(arg)
   if (arg or "") != "smoke":
     config.attention.num_heads = 12  # Query heads N: divisors 1, 2, 3, 4, 6, 12 give six K.

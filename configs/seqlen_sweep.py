@@ -25,6 +25,8 @@ _STOP = {"": None, "smoke": 32}  # Largest S tried (None: memory decides).
 
 
 def get_config(arg=None):
+  """configs/default.py's config, batch 1, with `cache.seq_lens` the powers of two that fit this
+  machine's RAM ("") or a short smoke list ("smoke"); see the module docstring."""
   config = default.get_config(arg)
   arg = arg or ""
   if arg != "smoke":

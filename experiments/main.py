@@ -26,6 +26,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
+  """Runs (or resumes) the experiment of `--config` in `--workdir` (`runner.main`)."""
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   runner.main(FLAGS.config, FLAGS.workdir, config_flags.get_config_filename(FLAGS["config"]))

@@ -38,6 +38,7 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 
 
 def atomic_write_text(path: str, text: str) -> None:
+  """Writes `text` (UTF-8) to `path` atomically (`atomic_write_bytes`: temp file + rename)."""
   atomic_write_bytes(path, text.encode("utf-8"))
 
 
@@ -71,15 +72,18 @@ class ResultStore:
     os.makedirs(workdir, exist_ok=True)
 
   def records(self) -> list[dict[str, Any]]:
+    """Every record of the store, in append order ([] before the first append)."""
     if not os.path.exists(self.path):
       return []
     with open(self.path, encoding="utf-8") as f:
       return [json.loads(line) for line in f if line.strip()]
 
   def done(self) -> set[str]:
+    """The `"point"` ids already recorded (a rerun skips them)."""
     return {r["point"] for r in self.records() if "point" in r}
 
   def append(self, record: Mapping[str, Any]) -> None:
+    """Appends one JSON record atomically. Raises ValueError without a `"point"` key."""
     if "point" not in record:
       raise ValueError(f"record must have a 'point' key; got keys {sorted(record)}")
     existing = b""

@@ -299,6 +299,7 @@ def check_overrides_kept(config: Any, sweep: Sequence[Mapping[str, Any]],
 
 @dataclasses.dataclass
 class RunResult:
+  """What `run` returns: the report (path and markdown) and the records of the config's points."""
   report_path: str
   report: str  # the markdown
   records: list[dict[str, Any]]  # the records of this config's points
@@ -799,6 +800,7 @@ class VariantsFamily:
   # -- training (shared by the points of a group, cached in the workdir) ------------------------
 
   def train_dir(self, point: Point) -> str:
+    """Where the point's training group keeps its params and metrics (shared by its S)."""
     root = point.config["experiment"]["train_dir"] or os.path.join(self.workdir, "train")
     return os.path.join(os.path.abspath(root), point.group)
 
@@ -926,6 +928,7 @@ class VariantsFamily:
   # -- report ---------------------------------------------------------------------------------
 
   def report(self, records: Sequence[Mapping[str, Any]]) -> str:
+    """Writes report.md and the plots of the variants family; returns the markdown."""
     return report_lib.write_variants_report(self.workdir, records, title=self._title,
                                             config=self._config)
 

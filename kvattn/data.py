@@ -99,6 +99,7 @@ def decode(ids: Any, *, stop_at_eos: bool = True) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Document:
+  """One corpus document: its name and its UTF-8 bytes."""
   name: str  # a path, or "pydoc_data.topics:<topic>"
   data: bytes  # UTF-8 text
 
@@ -333,6 +334,7 @@ class Dataset:
   num_validation_documents: int
 
   def train_iterator(self, batch_size: int, seed: int = 0) -> BatchIterator:
+    """A seeded iterator over `i32[batch_size, L + 1]` batches of the training rows."""
     return BatchIterator(self.train_rows, batch_size, seed=seed)
 
 

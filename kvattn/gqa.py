@@ -45,6 +45,7 @@ def default_positions(lengths: jax.Array | None, batch: int, num_tokens: int) ->
 
 
 def check_positions(positions: Any, batch: int, num_tokens: int) -> jax.Array:
+  """`positions` as `i32[B, T]`; ValueError/TypeError naming it on a bad shape or dtype."""
   positions = jnp.asarray(positions)
   _checks.integer("positions", positions)
   if positions.shape != (batch, num_tokens):
@@ -54,6 +55,7 @@ def check_positions(positions: Any, batch: int, num_tokens: int) -> jax.Array:
 
 
 def check_input(x: Any, d_model: int) -> None:
+  """Raises ValueError/TypeError unless `x` is a floating `[B, T, d_model]` array."""
   _checks.rank("x", x, 3, "[B, T, D]")
   _checks.floating("x", x)
   if x.shape[-1] != d_model:

@@ -479,6 +479,7 @@ class PageAllocator:
     return tuple(self._owned(seq_id))
 
   def num_tokens(self, seq_id: Hashable) -> int:
+    """Tokens written for live sequence `seq_id` (ValueError if it is not live)."""
     self._owned(seq_id)
     return self._tokens[seq_id]
 

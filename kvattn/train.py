@@ -306,6 +306,7 @@ def checkpoint_manager(directory: str, max_to_keep: int = 2) -> ocp.CheckpointMa
 
 @dataclasses.dataclass
 class TrainResult:
+  """What `train_and_evaluate` returns: the trained model, final metrics and the history."""
   model: transformer_lib.Transformer
   metrics: dict[str, float]  # final train_loss, validation_loss, validation_bits_per_byte, ...
   history: list[dict[str, float]]  # one entry per logged step / evaluation

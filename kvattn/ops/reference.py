@@ -80,6 +80,8 @@ def validate_decode_args(q, k, v, lengths, window, soft_cap, sm_scale, k_scale=N
 
 
 def check_options(window, soft_cap, sm_scale):
+  """ValueError unless `window` is a positive int and `soft_cap` / `sm_scale` positive
+  numbers (each may be None)."""
   _checks.optional_positive_int("window", window)
   _checks.optional_positive_float("soft_cap", soft_cap)
   _checks.optional_positive_float("sm_scale", sm_scale)
