@@ -16,7 +16,7 @@ and the paged cache at each page size. Every point serves the same workload:
     long-tailed mix, as request lengths are in serving traces.
   * dense: `model.init_caches(B, cache.max_len)`, the contiguous
     per-request cache that must reserve the longest length for everyone.
-    paged: `kvattn.paged.init_paged_caches` with each sequence's own L_b,
+    paged: `kvattn.cache_factories.init_paged_caches` with each sequence's own L_b,
     pages from a `PageAllocator` (shuffled free list), the pool exactly the
     pages handed out.
 
@@ -59,7 +59,8 @@ from experiments import report as report_lib
 from experiments import results
 from experiments import runner
 from kvattn import memory
-from kvattn import paged as paged_lib
+from kvattn import allocator as allocator_lib
+from kvattn import cache_factories
 from kvattn import transformer as transformer_lib
 
 # Kwon et al., "Efficient Memory Management for Large Language Model Serving with
@@ -68,7 +69,7 @@ from kvattn import transformer as transformer_lib
 PAPER = {"contiguous_waste": (0.60, 0.80), "paged_waste_max": 0.04,
          "source": "Kwon et al., SOSP 2023 (PagedAttention)"}
 
-CACHE_KINDS = paged_lib.CACHE_KINDS
+CACHE_KINDS = cache_factories.CACHE_KINDS
 FILES = {"waste_md": "waste.md", "waste_json": "waste.json", "plot": "paged_waste.png"}
 
 
@@ -202,7 +203,7 @@ class PagedFamily:
                 lambda model: model.init_caches(batch, max_len, dtype)}
     if cache_cfg["kind"] == "paged":
       builders[("paged", repr(spec), tuple(final), cache_cfg["page_size"], max_len,
-                str(dtype))] = lambda model: paged_lib.init_paged_caches(
+                str(dtype))] = lambda model: cache_factories.init_paged_caches(
                     model, final, page_size=cache_cfg["page_size"], max_len=max_len,
                     dtype=dtype)[0]
     for key, build in builders.items():
@@ -241,9 +242,9 @@ class PagedFamily:
 
     def build():
       if paged:
-        return paged_lib.init_paged_caches(model, final.tolist(), page_size=page_size,
-                                           max_len=max_len, dtype=cache_dtype,
-                                           seed=cache_cfg["seed"])
+        return cache_factories.init_paged_caches(model, final.tolist(), page_size=page_size,
+                                                 max_len=max_len, dtype=cache_dtype,
+                                                 seed=cache_cfg["seed"])
       return model.init_caches(batch, max_len, cache_dtype), None
 
     caches, allocator = build()
@@ -331,13 +332,13 @@ class PagedFamily:
     `budget_bytes` admits, in order, until the allocator refuses one."""
     cache, work = d["cache"], d["workload"]
     pages = budget_bytes // (cache["page_size"] * bytes_per_token)
-    pps = paged_lib.pages_for(cache["max_len"], cache["page_size"])
-    alloc = paged_lib.PageAllocator(max(1, pages), cache["page_size"], pps)
+    pps = allocator_lib.pages_for(cache["max_len"], cache["page_size"])
+    alloc = allocator_lib.PageAllocator(max(1, pages), cache["page_size"], pps)
     stream = draw_lengths(work, cache["max_len"], work["budget_sequences"], seed_offset=2)
     for i, length in enumerate(stream):
       try:
         alloc.allocate(i, int(length))
-      except paged_lib.OutOfPagesError:
+      except allocator_lib.OutOfPagesError:
         return i
     raise ValueError(f"workload.budget_sequences = {work['budget_sequences']} all fit in the "
                      f"dense cache's memory; raise it to measure the paged capacity")

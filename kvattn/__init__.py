@@ -5,7 +5,7 @@ Public names (`__all__`; DESIGN.md has the contract):
   Attention modules (flax.nnx):
     `GroupedQueryAttention`     MHA / GQA / MQA through `num_kv_heads`.
     `MultiHeadLatentAttention`  DeepSeek-V2 MLA (latent cache, absorbed decode).
-  Caches (registered pytrees, pure updates):
+  Caches (registered pytrees, pure updates; `kvattn.cache_protocol` is their interface):
     `KVCache`          dense cache of one layer, `k, v: [B, K, S, H]`.
     `LatentCache`      MLA cache of one layer, `c_kv: [B, S, C]`, `k_rope: [B, S, R]`.
     `PagedKVCache`     paged cache of one layer, page pools + block tables.
@@ -27,7 +27,8 @@ from kvattn import memory, ops
 from kvattn.cache import KVCache, LatentCache
 from kvattn.gqa import GroupedQueryAttention
 from kvattn.mla import MultiHeadLatentAttention
-from kvattn.paged import OutOfPagesError, PageAllocator, PagedKVCache
+from kvattn.allocator import OutOfPagesError, PageAllocator
+from kvattn.paged import PagedKVCache
 from kvattn import data, transformer
 from kvattn.transformer import Transformer
 from kvattn.generate import generate  # the function; helpers: `from kvattn.generate import ...`

@@ -52,8 +52,10 @@ from flax import nnx
 
 from kvattn import _checks
 from kvattn import data as data_lib
-from kvattn import paged as paged_lib
+from kvattn.allocator import OutOfPagesError, PageAllocator, pages_for
+from kvattn.cache_factories import gqa_layers
 from kvattn.generate import Sampling, sample_logits
+from kvattn.paged import PagedKVCache
 
 FINISH_REASONS = ("eos", "length", "out_of_pages")
 
@@ -139,12 +141,12 @@ class ContinuousBatcher:
       raise ValueError(f"eos_id must lie in [0, {self.vocab_size}); got {eos_id}")
     self.eos_id = None if eos_id is None else int(eos_id)
     self.pad_id = int(pad_id)
-    attns = paged_lib._gqa_layers(model)
-    pps = paged_lib.pages_for(self.max_len, self.page_size)
-    self.allocator = paged_lib.PageAllocator(num_pages, self.page_size, pps, seed=seed)
+    attns = gqa_layers(model)
+    pps = pages_for(self.max_len, self.page_size)
+    self.allocator = PageAllocator(num_pages, self.page_size, pps, seed=seed)
     dtype = getattr(model, "dtype", jnp.float32) if dtype is None else dtype
     self.caches = tuple(
-        paged_lib.PagedKVCache.init(self.num_slots, num_pages=self.allocator.num_pages,
+        PagedKVCache.init(self.num_slots, num_pages=self.allocator.num_pages,
                                     page_size=self.page_size, pages_per_seq=pps,
                                     num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
                                     dtype=dtype)
@@ -169,7 +171,7 @@ class ContinuousBatcher:
       caches = tuple(c.assign_slot(slot, row, 0) for c in caches)
       # A batch-1 view: the slot's row and length over the shared pools.
       views = tuple(
-          paged_lib.PagedKVCache(
+          PagedKVCache(
               k_pages=c.k_pages, v_pages=c.v_pages,
               block_tables=jax.lax.dynamic_index_in_dim(c.block_tables, slot, keepdims=True),
               lengths=jax.lax.dynamic_index_in_dim(c.lengths, slot, keepdims=True))
@@ -287,7 +289,7 @@ class ContinuousBatcher:
         continue
       try:  # the token fed this step lands in slot live.cache_len
         added = self.allocator.grow(live.request_id, live.cache_len + 1)
-      except paged_lib.OutOfPagesError:
+      except OutOfPagesError:
         finished.append(self._finish(slot, "out_of_pages"))
         continue
       if added:
@@ -333,7 +335,7 @@ class ContinuousBatcher:
           done[rid] = result
       if queue and not self.active:
         rid, prompt, _ = queue[0]
-        raise paged_lib.OutOfPagesError(rid, self.allocator.pages_needed(len(prompt)),
+        raise OutOfPagesError(rid, self.allocator.pages_needed(len(prompt)),
                                         self.allocator.num_free)
       for f in self.step():
         done[f.request_id] = f

@@ -41,6 +41,8 @@ from flax import struct
 from jax.experimental import checkify
 
 from kvattn import _checks
+from kvattn import ops
+from kvattn.cache_protocol import Expand
 from kvattn.ops import quant
 
 
@@ -131,6 +133,13 @@ def advance_lengths(lengths: jax.Array, new_lengths: jax.Array, capacity: int) -
   return end
 
 
+def slot_positions(lengths: jax.Array, capacity: int) -> jax.Array:
+  """`i32[B, capacity]`: slot s holds token s where `s < lengths[b]`, else -1
+  (the `slot_positions()` of a cache that keeps token t in slot t)."""
+  slots = jnp.arange(capacity, dtype=jnp.int32)[None, :]
+  return jnp.where(slots < lengths[:, None], slots, -1)
+
+
 @struct.dataclass
 class KVCache:
   """Dense KV cache of one attention layer (MHA, GQA or MQA).
@@ -205,9 +214,18 @@ class KVCache:
     return self.lengths > self.max_len
 
   @property
-  def num_slots(self) -> int:
-    """Token slots the cache reserves: B * S."""
+  def capacity(self) -> int:
+    """Tokens one sequence can hold: S (`max_len`)."""
+    return self.max_len
+
+  @property
+  def storage_slots(self) -> int:
+    """Token slots the storage arrays hold: B * S."""
     return self.batch * self.max_len
+
+  def slot_positions(self) -> jax.Array:
+    """`i32[B, S]`: slot s holds token s below `lengths[b]`, else -1."""
+    return slot_positions(self.lengths, self.max_len)
 
   def storage_arrays(self) -> tuple[jax.Array, ...]:
     """The arrays whose size grows with the token slots (for `kvattn.memory`):
@@ -268,6 +286,32 @@ class KVCache:
         k_scale=None if k_s is None else write(self.k_scale, k_s),
         v_scale=None if v_s is None else write(self.v_scale, v_s),
     )
+
+  def attend(
+      self,
+      q: jax.Array,  # [B, T, N, H]
+      *,
+      q_offsets: jax.Array,  # i32[B]
+      sm_scale: float | None = None,
+      window: int | None = None,
+      soft_cap: float | None = None,
+      implementation: str | None = None,
+  ) -> jax.Array:
+    """Causal attention of `q` against this cache, after `update` wrote the same
+    T tokens (`kvattn.cache_protocol.GQACache.attend`).
+
+    T == 1: `kvattn.ops.decode_attention` (backend `implementation`); T > 1:
+    `kvattn.ops.attention` with `q_offsets` (the lengths before the update).
+    Scales of a quantized cache are applied inside the ops.
+
+    Returns:
+      `[B, T, N, H]` in q's dtype.
+    """
+    opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap, **self.scale_kwargs())
+    if q.shape[1] == 1:
+      return ops.decode_attention(q[:, 0], self.k, self.v, self.lengths,
+                                  implementation=implementation, **opts)[:, None]
+    return ops.attention(q, self.k, self.v, q_offsets=q_offsets, kv_lengths=self.lengths, **opts)
 
 
 @struct.dataclass
@@ -352,9 +396,18 @@ class LatentCache:
     return self.lengths > self.max_len
 
   @property
-  def num_slots(self) -> int:
-    """Token slots the cache reserves: B * S."""
+  def capacity(self) -> int:
+    """Tokens one sequence can hold: S (`max_len`)."""
+    return self.max_len
+
+  @property
+  def storage_slots(self) -> int:
+    """Token slots the storage arrays hold: B * S."""
     return self.batch * self.max_len
+
+  def slot_positions(self) -> jax.Array:
+    """`i32[B, S]`: slot s holds token s below `lengths[b]`, else -1."""
+    return slot_positions(self.lengths, self.max_len)
 
   def storage_arrays(self) -> tuple[jax.Array, ...]:
     """The arrays whose size grows with the token slots (for `kvattn.memory`):
@@ -418,3 +471,54 @@ class LatentCache:
         c_kv_scale=None if c_s is None else write(self.c_kv_scale, c_s),
         k_rope_scale=None if r_s is None else write(self.k_rope_scale, r_s),
     )
+
+  def attend(
+      self,
+      q_latent: jax.Array,  # [B, T, N, C]
+      q_rope: jax.Array,  # [B, T, N, R]
+      *,
+      q_offsets: jax.Array,  # i32[B]
+      sm_scale: float,
+      window: int | None = None,
+      implementation: str | None = None,
+  ) -> jax.Array:
+    """Absorbed MLA attention against the latents, after `update` wrote the same
+    T tokens (`kvattn.cache_protocol.MLACache.attend`).
+
+    T == 1: `kvattn.ops.mla_decode_attention` (backend `implementation`);
+    T > 1: `kvattn.ops.mla_attention` with `q_offsets` (the lengths before the
+    update). Scales of a quantized cache are applied inside the ops.
+
+    Returns:
+      `[B, T, N, C]`.
+    """
+    opts = dict(sm_scale=sm_scale, window=window, **self.scale_kwargs())
+    if q_latent.shape[1] == 1:
+      return ops.mla_decode_attention(q_latent[:, 0], q_rope[:, 0], self.c_kv, self.k_rope,
+                                      self.lengths, implementation=implementation,
+                                      **opts)[:, None]
+    return ops.mla_attention(q_latent, q_rope, self.c_kv, self.k_rope, q_offsets=q_offsets,
+                             kv_lengths=self.lengths, **opts)
+
+  def attend_expanded(
+      self,
+      q: jax.Array,  # [B, T, N, Hk]
+      expand: Expand,
+      *,
+      dtype,
+      q_offsets: jax.Array,  # i32[B]
+      sm_scale: float,
+      window: int | None = None,
+  ) -> jax.Array:
+    """Attention against per-head keys and values expanded from every latent
+    (`kvattn.cache_protocol.MLACache.attend_expanded`), through
+    `kvattn.ops.attention`. A quantized cache's latents are dequantized to
+    `dtype` first; a float cache's are passed as stored.
+
+    Returns:
+      `[B, T, N, Hv]`.
+    """
+    c_kv, k_rope = self.dequantized(dtype) if self.quantized else (self.c_kv, self.k_rope)
+    k, v = expand(c_kv, k_rope)
+    return ops.attention(q, k, v, q_offsets=q_offsets, kv_lengths=self.lengths,
+                         sm_scale=sm_scale, window=window)

@@ -38,16 +38,17 @@ values: a different EOS or pad token reuses them too (only switching
 between `eos_id=None` and an int compiles a second decode program).
 
 Cache kinds: the caches come from `cache_factory(batch, max_len, dtype)`
-(default `model.init_caches`), or are passed prebuilt via `caches=`; any
-per-layer cache pytree with `lengths` and `max_len` that the model's layers
-accept works, so other cache kinds plug in without changing this loop.
+(default `model.init_caches`; paged ones in `kvattn.cache_factories`), or are
+passed prebuilt via `caches=`; any per-layer cache that implements the
+layer's `kvattn.cache_protocol` works (this loop reads only `lengths` and
+`capacity`), so other cache kinds plug in without changing it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -57,8 +58,7 @@ from flax import nnx
 from kvattn import _checks
 from kvattn import data as data_lib
 from kvattn import memory
-
-CacheFactory = Callable[[int, int, Any], Sequence[Any]]
+from kvattn.cache_factories import CacheFactory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,9 +379,9 @@ def generate(
   needed = int(lengths_np.max()) + max_new_tokens - 1
   if caches is not None:
     caches = tuple(caches)
-    capacities = {int(c.max_len) for c in caches}
+    capacities = {int(c.capacity) for c in caches}
     if len(capacities) != 1:
-      raise ValueError(f"caches must share one max_len; got {sorted(capacities)}")
+      raise ValueError(f"caches must share one capacity (max_len); got {sorted(capacities)}")
     capacity = capacities.pop()
     if max_len is not None and max_len != capacity:
       raise ValueError(f"max_len must match the caches' max_len {capacity}; got {max_len}")

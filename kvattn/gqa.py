@@ -18,7 +18,7 @@ from flax import nnx
 from kvattn import _checks
 from kvattn import cache as cache_lib
 from kvattn import ops
-from kvattn import paged as paged_lib
+from kvattn.cache_protocol import GQACache, type_error
 
 
 DECODE_OPS = ("decode_attention", "paged_decode_attention")
@@ -54,6 +54,14 @@ def check_positions(positions: Any, batch: int, num_tokens: int) -> jax.Array:
   return positions.astype(jnp.int32)
 
 
+def resolve_positions(positions: Any, cache: Any, batch: int, num_tokens: int) -> jax.Array:
+  """`positions` checked as `i32[B, T]`, or when None the default: the cache's
+  lengths + arange(T) (arange(T) without a cache)."""
+  if positions is None:
+    return default_positions(None if cache is None else cache.lengths, batch, num_tokens)
+  return check_positions(positions, batch, num_tokens)
+
+
 def check_input(x: Any, d_model: int) -> None:
   """Raises ValueError/TypeError unless `x` is a floating `[B, T, d_model]` array."""
   _checks.rank("x", x, 3, "[B, T, D]")
@@ -65,16 +73,15 @@ def check_input(x: Any, d_model: int) -> None:
 class GroupedQueryAttention(nnx.Module):
   """Causal self-attention with K KV heads shared by groups of G query heads.
 
-  Cache schema (`kvattn.KVCache`): `k, v: [B, K, S, H]` in the cache dtype,
-  RoPE applied to k before it is written; `lengths: i32[B]`; for an int8 /
-  fp8 cache also `k_scale, v_scale: f32[B, K, S]` (keys and values are
-  quantized on write, and the attention ops apply the scales as they read:
-  decode and prefill alike, no dequantized copy of the cache). A
-  `kvattn.PagedKVCache` (`k_pages, v_pages: [K, P, page_size, H]`, block
-  tables) works too: T == 1 then goes through
-  `kvattn.ops.paged_decode_attention`, a longer T attends the cache gathered
-  to dense through the block table (int8 / fp8 pools with their scale pools
-  alike).
+  Caches: any `kvattn.cache_protocol.GQACache`; the module writes the new
+  keys and values with `cache.update` and attends with `cache.attend`, which
+  routes to the dispatch point of the cache's layout. `kvattn.KVCache`: `k,
+  v: [B, K, S, H]` in the cache dtype, RoPE applied to k before it is
+  written, `lengths: i32[B]`, for an int8 / fp8 cache also `k_scale, v_scale:
+  f32[B, K, S]` (quantized on write; the attention ops apply the scales as
+  they read, no dequantized copy). `kvattn.PagedKVCache`: page pools `[K, P,
+  page_size, H]` and block tables, decoded through
+  `kvattn.ops.paged_decode_attention`.
 
   Call: `y, cache = attn(x, cache=None, positions=None, new_lengths=None)`
     * `x: [B, T, D]`. Without a cache the T tokens attend causally to each
@@ -82,7 +89,8 @@ class GroupedQueryAttention(nnx.Module):
     * With a cache, token t of sequence b is written to slot
       `cache.lengths[b] + t` and attends slots `[0, cache.lengths[b] + t]`
       (the last `window` of them when a window is set). T == 1 goes through
-      `kvattn.ops.decode_attention`, the dispatch point for decode kernels.
+      the cache's decode dispatch point (`kvattn.ops.decode_attention` for a
+      `KVCache`) with `decode_implementation`.
     * `positions: i32[B, T]` drive RoPE only; default cache length + arange(T).
     * `new_lengths: i32[B]` real tokens per sequence (right padding; default
       T); padded tokens are not written and their outputs are unspecified.
@@ -153,22 +161,8 @@ class GroupedQueryAttention(nnx.Module):
     self.o_proj = nnx.Param(_init((0, 1), 2)(key(), (N, H, D), param_dtype))
 
   def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> cache_lib.KVCache:
-    """An empty `KVCache` shaped for this layer."""
+    """An empty `KVCache` shaped for this layer (any other `GQACache` works too)."""
     return cache_lib.KVCache.init(batch, max_len, self.num_kv_heads, self.head_dim, dtype)
-
-  def _paged_attention(self, q, old_lengths, new_cache, opts):
-    """Attention against a `PagedKVCache` after the new tokens were written."""
-    if q.shape[1] == 1:
-      return ops.paged_decode_attention(
-          q[:, 0], new_cache.k_pages, new_cache.v_pages, new_cache.block_tables,
-          new_cache.lengths, implementation=self.decode_implementation, **opts,
-          **new_cache.scale_kwargs())[:, None]
-    k, v = new_cache.dense_kv()  # [B, K, pages_per_seq * page_size, H]
-    # As paged_decode_attention: read only the slots the row's assigned pages hold (tokens an
-    # overflow under jit dropped are not attended; an unassigned page is never resolved).
-    kv_lengths = jnp.minimum(new_cache.lengths, new_cache.assigned_slots)
-    return ops.attention(q, k, v, q_offsets=old_lengths, kv_lengths=kv_lengths, **opts,
-                         **new_cache.dense_scale_kwargs())
 
   def _project(self, x, spec, w):
     dtype = self.dtype or x.dtype
@@ -176,51 +170,45 @@ class GroupedQueryAttention(nnx.Module):
                      preferred_element_type=jnp.float32)
     return out.astype(dtype)
 
-  def __call__(
-      self,
-      x: jax.Array,  # [B, T, D]
-      cache: cache_lib.KVCache | None = None,
-      positions: jax.Array | None = None,  # i32[B, T]
-      new_lengths: jax.Array | None = None,  # i32[B]
-  ) -> tuple[jax.Array, cache_lib.KVCache | None]:
-    check_input(x, self.d_model)
-    batch, num_tokens, _ = x.shape
-    if cache is not None:
-      if not isinstance(cache, (cache_lib.KVCache, paged_lib.PagedKVCache)):
-        raise TypeError(f"cache must be a kvattn.KVCache, kvattn.PagedKVCache or None; got "
-                        f"{type(cache).__name__}")
-      if (cache.batch, cache.num_kv_heads, cache.head_dim) != (batch, self.num_kv_heads, self.head_dim):
-        raise ValueError(
-            "cache must have batch, num_kv_heads, head_dim = "
-            f"({batch}, {self.num_kv_heads}, {self.head_dim}); got "
-            f"({cache.batch}, {cache.num_kv_heads}, {cache.head_dim})")
-    if positions is None:
-      positions = default_positions(None if cache is None else cache.lengths, batch, num_tokens)
-    else:
-      positions = check_positions(positions, batch, num_tokens)
-    new_lengths = cache_lib.resolve_new_lengths(new_lengths, batch, num_tokens)
-
+  def _qkv(self, x, positions):
+    """`q [B, T, N, H]`, `k, v [B, T, K, H]` of `x`, RoPE applied to q and k."""
     q = self._project(x, "BTD,DNH->BTNH", self.q_proj)
     k = self._project(x, "BTD,DKH->BTKH", self.k_proj)
     v = self._project(x, "BTD,DKH->BTKH", self.v_proj)
     q = ops.apply_rope(q, positions, rope_theta=self.rope_theta)
     k = ops.apply_rope(k, positions, rope_theta=self.rope_theta)
+    return q, k, v
 
+  def __call__(
+      self,
+      x: jax.Array,  # [B, T, D]
+      cache: GQACache | None = None,
+      positions: jax.Array | None = None,  # i32[B, T]
+      new_lengths: jax.Array | None = None,  # i32[B]
+  ) -> tuple[jax.Array, GQACache | None]:
+    check_input(x, self.d_model)
+    batch, num_tokens, _ = x.shape
+    if cache is not None:
+      if not isinstance(cache, GQACache):
+        raise type_error("GroupedQueryAttention", GQACache,
+                         "kvattn.KVCache, kvattn.PagedKVCache", cache)
+      if (cache.batch, cache.num_kv_heads, cache.head_dim) != (batch, self.num_kv_heads, self.head_dim):
+        raise ValueError(
+            "cache must have batch, num_kv_heads, head_dim = "
+            f"({batch}, {self.num_kv_heads}, {self.head_dim}); got "
+            f"({cache.batch}, {cache.num_kv_heads}, {cache.head_dim})")
+    positions = resolve_positions(positions, cache, batch, num_tokens)
+    new_lengths = cache_lib.resolve_new_lengths(new_lengths, batch, num_tokens)
+
+    q, k, v = self._qkv(x, positions)
     opts = dict(window=self.window, soft_cap=self.soft_cap)
     if cache is None:
-      new_cache = None
       out = ops.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
                           kv_lengths=new_lengths, **opts)
+      new_cache = None
     else:
       new_cache = cache.update(k, v, new_lengths)
-      if isinstance(new_cache, paged_lib.PagedKVCache):
-        out = self._paged_attention(q, cache.lengths, new_cache, opts)
-      elif num_tokens == 1:
-        out = ops.decode_attention(q[:, 0], new_cache.k, new_cache.v, new_cache.lengths,
-                                   implementation=self.decode_implementation, **opts,
-                                   **new_cache.scale_kwargs())[:, None]
-      else:
-        out = ops.attention(q, new_cache.k, new_cache.v, q_offsets=cache.lengths,
-                            kv_lengths=new_cache.lengths, **opts, **new_cache.scale_kwargs())
+      out = new_cache.attend(q, q_offsets=cache.lengths,
+                             implementation=self.decode_implementation, **opts)
     y = self._project(out, "BTNH,NHD->BTD", self.o_proj)
     return y, new_cache

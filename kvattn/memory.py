@@ -119,14 +119,15 @@ def measured_bytes_per_token(cache: Any) -> float:
   """Bytes per token slot of one layer's cache, read from its real arrays.
 
   Counts the arrays that grow with the number of token slots (keys, values,
-  latents, and scales when a cache stores them) and divides by the slots it
-  reserves (`cache.num_slots`, e.g. B * S for a dense cache). Bookkeeping such
-  as `lengths` is left out; `tree_bytes` counts everything.
+  latents, and scales when a cache stores them: `cache.storage_arrays()`) and
+  divides by the token slots they hold (`cache.storage_slots`: B * S for a
+  dense cache, P * page_size for a page pool; `kvattn.cache_protocol.Cache`).
+  Bookkeeping such as `lengths` is left out; `tree_bytes` counts everything.
 
   Raises:
-    TypeError: `cache` does not implement `storage_arrays()`/`num_slots`.
+    TypeError: `cache` does not implement `storage_arrays()`/`storage_slots`.
   """
-  if not hasattr(cache, "storage_arrays") or not hasattr(cache, "num_slots"):
-    raise TypeError(
-        f"cache must be a kvattn cache with storage_arrays() and num_slots; got {type(cache).__name__}")
-  return sum(a.nbytes for a in cache.storage_arrays()) / cache.num_slots
+  if not hasattr(cache, "storage_arrays") or not hasattr(cache, "storage_slots"):
+    raise TypeError(f"cache must be a kvattn cache with storage_arrays() and storage_slots; "
+                    f"got {type(cache).__name__}")
+  return sum(a.nbytes for a in cache.storage_arrays()) / cache.storage_slots

@@ -27,6 +27,7 @@ of the expanded per-head keys and values.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -36,7 +37,8 @@ from flax import nnx
 from kvattn import _checks
 from kvattn import cache as cache_lib
 from kvattn import ops
-from kvattn.gqa import check_input, check_positions, default_positions
+from kvattn.cache_protocol import MLACache, type_error
+from kvattn.gqa import check_input, resolve_positions
 
 PATHS = ("auto", "naive", "absorbed")
 DECODE_OP = "mla_decode_attention"
@@ -67,7 +69,10 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 class MultiHeadLatentAttention(nnx.Module):
   """DeepSeek-V2 Multi-head Latent Attention with a latent KV cache.
 
-  Cache schema (`kvattn.LatentCache`): `c_kv: [B, S, C]` (RMSNorm applied),
+  Caches: any `kvattn.cache_protocol.MLACache`; the module writes with
+  `cache.update` and reads with `cache.attend` (absorbed path) or
+  `cache.attend_expanded` (naive path). Schema of `kvattn.LatentCache`:
+  `c_kv: [B, S, C]` (RMSNorm applied),
   `k_rope: [B, S, R]` (RoPE applied, one key shared by all heads), `lengths:
   i32[B]`, in the cache dtype. An int8 / fp8 cache also holds `c_kv_scale,
   k_rope_scale: f32[B, S]` (one scale per token for each part; the parts are
@@ -95,9 +100,9 @@ class MultiHeadLatentAttention(nnx.Module):
       large compared with S (training, prefill).
     * `"absorbed"`: fold W_UK into the query (`q_latent = q_nope W_UK^T`,
       `[B, T, N, C]`) and W_UV into the output, and attend the latent cache
-      directly (`kvattn.ops.mla_decode_attention` for T == 1, the dispatch
-      point of the decode kernels; `kvattn.ops.mla_attention` otherwise). The
-      cache is never expanded or copied.
+      directly (`cache.attend`: `kvattn.ops.mla_decode_attention` for T == 1,
+      the dispatch point of the decode kernels; `kvattn.ops.mla_attention`
+      otherwise). The cache is never expanded or copied.
     * `"auto"` (default): absorbed for one-token decode steps with a cache
       (T == 1), naive for everything else (no cache, multi-token prefill).
 
@@ -225,96 +230,84 @@ class MultiHeadLatentAttention(nnx.Module):
     c_kv = rms_norm(c_kv, self.kv_norm[...], self.rms_eps)
     return c_kv, ops.apply_rope(k_rope, positions, rope_theta=self.rope_theta)
 
-  def _naive(self, q_nope, q_rope, c_kv, k_rope, q_offsets, kv_lengths, dtype):
-    """Expanded per-head attention; returns `[B, T, N, Hv]`."""
+  def _expand(self, c_kv, k_rope, dtype):
+    """Per-head keys `[B, N, S, Hn + R]` and values `[B, N, S, Hv]` from latents
+    `c_kv [B, S, C]` and shared rope keys `k_rope [B, S, R]` (the naive path)."""
     k_nope = self._einsum("BSC,CNH->BNSH", c_kv, self.k_up_proj, dtype)  # [B, N, S, Hn]
     v = self._einsum("BSC,CNV->BNSV", c_kv, self.v_up_proj, dtype)  # [B, N, S, Hv]
     k_rope = jnp.broadcast_to(k_rope.astype(dtype)[:, None],
                               k_nope.shape[:3] + (self.qk_rope_head_dim,))  # [B, N, S, R]
-    k = jnp.concatenate([k_nope, k_rope], axis=-1)  # [B, N, S, Hn + R]
+    return jnp.concatenate([k_nope, k_rope], axis=-1), v
+
+  def _naive(self, q_nope, q_rope, c_kv, k_rope, new_cache, q_offsets, new_lengths, dtype):
+    """Expanded per-head attention, against `new_cache` when there is one (its
+    latents, dequantized when quantized), else the T new tokens; `[B, T, N, Hv]`."""
     q = jnp.concatenate([q_nope, q_rope], axis=-1)  # [B, T, N, Hn + R]
-    return ops.attention(q, k, v, q_offsets=q_offsets, kv_lengths=kv_lengths,
-                         sm_scale=self.sm_scale, window=self.window)
+    expand = functools.partial(self._expand, dtype=dtype)
+    opts = dict(sm_scale=self.sm_scale, window=self.window)
+    if new_cache is None:
+      return ops.attention(q, *expand(c_kv, k_rope), kv_lengths=new_lengths, **opts)
+    return new_cache.attend_expanded(q, expand, dtype=dtype, q_offsets=q_offsets, **opts)
 
-  def _absorbed(self, q_nope, q_rope, c_kv, k_rope, q_offsets, kv_lengths, dtype, decode,
-                scales):
-    """Attention against the latent with W_UK / W_UV absorbed; returns `[B, T, N, Hv]`.
-
-    `scales`: the cache's `scale_kwargs()` (`{}` for a float cache)."""
+  def _absorbed(self, q_nope, q_rope, c_kv, k_rope, new_cache, q_offsets, new_lengths, dtype):
+    """Attention against the latents with W_UK / W_UV absorbed, through
+    `new_cache.attend` when there is a cache; returns `[B, T, N, Hv]`."""
     # Appendix C: q_nope . (W_UK c) == (q_nope W_UK^T) . c, f32-accumulated.
     q_latent = self._einsum("BTNH,CNH->BTNC", q_nope, self.k_up_proj, dtype)  # [B, T, N, C]
-    if decode:
-      out = ops.mla_decode_attention(
-          q_latent[:, 0], q_rope[:, 0], c_kv, k_rope, kv_lengths, sm_scale=self.sm_scale,
-          window=self.window, implementation=self.decode_implementation, **scales)[:, None]
+    opts = dict(sm_scale=self.sm_scale, window=self.window)
+    if new_cache is None:
+      out = ops.mla_attention(q_latent, q_rope, c_kv, k_rope, kv_lengths=new_lengths, **opts)
     else:
-      out = ops.mla_attention(q_latent, q_rope, c_kv, k_rope, sm_scale=self.sm_scale,
-                              q_offsets=q_offsets, kv_lengths=kv_lengths, window=self.window,
-                              **scales)
+      out = new_cache.attend(q_latent, q_rope, q_offsets=q_offsets,
+                             implementation=self.decode_implementation, **opts)
     return self._einsum("BTNC,CNV->BTNV", out, self.v_up_proj, dtype)  # [B, T, N, Hv]
 
   def attend_heads(
       self,
       x: jax.Array,  # [B, T, D]
-      cache: cache_lib.LatentCache | None = None,
+      cache: MLACache | None = None,
       positions: jax.Array | None = None,  # i32[B, T]
       new_lengths: jax.Array | None = None,  # i32[B]
-  ) -> tuple[jax.Array, cache_lib.LatentCache | None]:
+  ) -> tuple[jax.Array, MLACache | None]:
     """Like `__call__` but stops before `o_proj`: returns per-head outputs `[B, T, N, Hv]`.
 
     Raises:
       ValueError/TypeError: `x` not `[B, T, D]` floating, a cache that is not
-        a `LatentCache` of this layer's shape, bad positions or new_lengths,
-        or (eager) a cache overflow.
+        an `MLACache` (e.g. a `LatentCache`) of this layer's shape, bad
+        positions or new_lengths, or (eager) a cache overflow.
     """
     check_input(x, self.d_model)
     batch, num_tokens, _ = x.shape
     if cache is not None:
-      if not isinstance(cache, cache_lib.LatentCache):
-        raise TypeError(f"cache must be a kvattn.LatentCache or None; got {type(cache).__name__}")
+      if not isinstance(cache, MLACache):
+        raise type_error("MultiHeadLatentAttention", MLACache, "kvattn.LatentCache", cache)
       got = (cache.batch, cache.kv_lora_rank, cache.qk_rope_head_dim)
       want = (batch, self.kv_lora_rank, self.qk_rope_head_dim)
       if got != want:
         raise ValueError(
             f"cache must have batch, kv_lora_rank, qk_rope_head_dim = {want}; got {got}")
-    if positions is None:
-      positions = default_positions(None if cache is None else cache.lengths, batch, num_tokens)
-    else:
-      positions = check_positions(positions, batch, num_tokens)
+    positions = resolve_positions(positions, cache, batch, num_tokens)
     new_lengths = cache_lib.resolve_new_lengths(new_lengths, batch, num_tokens)
 
     dtype = self.dtype or x.dtype
     q_nope, q_rope = self._queries(x, positions, dtype)
     c_kv, k_rope = self._latents(x, positions, dtype)
-    scales = {}
-    if cache is None:
-      new_cache, q_offsets, kv_lengths = None, None, new_lengths
-    else:
-      new_cache = cache.update(c_kv, k_rope, new_lengths)
-      c_kv, k_rope = new_cache.c_kv, new_cache.k_rope
-      q_offsets, kv_lengths = cache.lengths, new_cache.lengths
-      scales = new_cache.scale_kwargs()
-
-    decode = cache is not None and num_tokens == 1
     path = self.path
     if path == "auto":
-      path = "absorbed" if decode else "naive"
-    if path == "naive":
-      if scales:  # the expansion reads every latent: dequantize them (prefill, T > 1)
-        c_kv, k_rope = new_cache.dequantized(dtype)
-      out = self._naive(q_nope, q_rope, c_kv, k_rope, q_offsets, kv_lengths, dtype)
-    else:
-      out = self._absorbed(q_nope, q_rope, c_kv, k_rope, q_offsets, kv_lengths, dtype, decode,
-                           scales)
+      path = "absorbed" if cache is not None and num_tokens == 1 else "naive"
+    new_cache = None if cache is None else cache.update(c_kv, k_rope, new_lengths)
+    q_offsets = None if cache is None else cache.lengths
+    attend = self._absorbed if path == "absorbed" else self._naive
+    out = attend(q_nope, q_rope, c_kv, k_rope, new_cache, q_offsets, new_lengths, dtype)
     return out, new_cache
 
   def __call__(
       self,
       x: jax.Array,  # [B, T, D]
-      cache: cache_lib.LatentCache | None = None,
+      cache: MLACache | None = None,
       positions: jax.Array | None = None,  # i32[B, T]
       new_lengths: jax.Array | None = None,  # i32[B]
-  ) -> tuple[jax.Array, cache_lib.LatentCache | None]:
+  ) -> tuple[jax.Array, MLACache | None]:
     """Returns `(y [B, T, D] in the compute dtype, updated cache or None)`.
 
     Raises:

@@ -451,12 +451,14 @@ class Transformer(nnx.Module):
   Call: `logits, caches = model(tokens, caches=None, positions=None, new_lengths=None)`
     * `tokens: i32[B, T]`.
     * `caches`: None (training: causal over T, returned caches are None) or a
-      sequence of L per-layer caches from `init_caches` (one `KVCache` per GQA
-      layer, one `LatentCache` per MLA layer); a tuple of updated caches is
-      returned.
+      sequence of L per-layer caches, e.g. from `init_caches` (one `KVCache`
+      per GQA layer, one `LatentCache` per MLA layer) or a cache factory
+      (`kvattn.cache_factories`; any `kvattn.cache_protocol` implementer of
+      the layer's kind); a tuple of updated caches is returned.
     * `positions: i32[B, T]`, `new_lengths: i32[B]`: as in the attention
-      modules (DESIGN.md) -- RoPE positions (default: cache length +
-      arange(T)) and real tokens per sequence (right padding).
+      modules (DESIGN.md) -- RoPE positions (default: the first cache's
+      length + arange(T), computed once for all layers) and real tokens per
+      sequence (right padding).
     * `logits: f32[B, T, V]` (computed in f32 whatever the compute dtype).
 
   `hidden(...)` returns the final-normed hidden states `[B, T, D]` instead of
@@ -531,6 +533,9 @@ class Transformer(nnx.Module):
     if caches is not None and len(caches) != self.num_layers:
       raise ValueError(f"caches must hold one cache per layer ({self.num_layers}); got "
                        f"{len(caches)}")
+    # Positions once for every layer: each layer's cache holds the same tokens.
+    first = caches[0] if caches and hasattr(caches[0], "lengths") else None
+    positions = gqa_lib.resolve_positions(positions, first, *tokens.shape)
     x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)  # [B, T, D]
     new_caches = []
     for i, layer in enumerate(self.layers):

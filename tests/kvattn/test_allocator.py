@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvattn import OutOfPagesError, PageAllocator
-from kvattn.paged import NO_PAGE, pages_for
+from kvattn.allocator import NO_PAGE, pages_for
 
 
 class AllocatorMachine(RuleBasedStateMachine):

@@ -116,7 +116,7 @@ def prefill_decode(layer, x, prompt_lengths, steps, capacity, fill=None, cache_d
 def test_latent_cache_update_and_overflow():
   cache = kvattn.LatentCache.init(2, 4, 3, 2)
   assert (cache.batch, cache.max_len, cache.kv_lora_rank, cache.qk_rope_head_dim) == (2, 4, 3, 2)
-  assert cache.num_slots == 8 and cache.dtype == jnp.float32
+  assert cache.storage_slots == 8 and cache.dtype == jnp.float32
   c_new = jnp.arange(2 * 3 * 3, dtype=jnp.float32).reshape(2, 3, 3) + 1
   r_new = -jnp.arange(2 * 3 * 2, dtype=jnp.float32).reshape(2, 3, 2) - 1
   cache = cache.update(c_new, r_new, new_lengths=jnp.array([3, 1]))

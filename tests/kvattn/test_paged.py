@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kvattn
-from kvattn import KVCache, PagedKVCache, memory, ops
+from kvattn import KVCache, PagedKVCache, cache_factories, memory, ops
 from kvattn.ops import paged as paged_ops
 
 PAGE = 4
@@ -459,22 +459,22 @@ def test_generate_cache_kind_switch_gives_identical_tokens():
   new = 10
   dense_tokens, dense_lengths = generate(
       model, prompts, lengths, new,
-      cache_factory=kvattn.paged.cache_factory_from_config(
+      cache_factory=cache_factories.cache_factory_from_config(
           model, config_dict.ConfigDict(dict(kind="dense", page_size=4))))
   # Paged: each sequence gets only the pages it needs, from a shuffled free list.
   cfg = config_dict.ConfigDict(dict(kind="paged", page_size=4, seed=3))
   paged_tokens, paged_lengths = generate(
       model, prompts, lengths, new,
-      cache_factory=kvattn.paged.cache_factory_from_config(model, cfg,
-                                                           tokens_per_seq=lengths + new - 1))
+      cache_factory=cache_factories.cache_factory_from_config(
+          model, cfg, tokens_per_seq=lengths + new - 1))
   np.testing.assert_array_equal(np.asarray(paged_tokens), np.asarray(dense_tokens))
   np.testing.assert_array_equal(np.asarray(paged_lengths), np.asarray(dense_lengths))
 
 
 def test_init_paged_caches_allocates_per_sequence():
   model = _tiny_model()
-  caches, alloc = kvattn.paged.init_paged_caches(model, [9, 1, 0, 17], page_size=4, seed=0,
-                                                 extra_pages=2)
+  caches, alloc = cache_factories.init_paged_caches(model, [9, 1, 0, 17], page_size=4,
+                                                    seed=0, extra_pages=2)
   assert len(caches) == 2
   c = caches[0]
   # 3 + 1 + 0 + 5 pages for the sequences, 2 spare: the pool is what they need.
@@ -484,7 +484,7 @@ def test_init_paged_caches_allocates_per_sequence():
   np.testing.assert_array_equal(tables, np.asarray(caches[1].block_tables))
   paged_ops.check_block_tables(tables, np.array([9, 1, 0, 17]), c.num_pages, 4)
   with pytest.raises(ValueError, match="cache.kind must be one of"):
-    kvattn.paged.cache_factory_from_config(model, {"kind": "ring"})
+    cache_factories.cache_factory_from_config(model, {"kind": "ring"})
   mla = _tiny_model(layers=({}, {"kind": "mla"}))
   with pytest.raises(ValueError, match="layer 1 is MultiHeadLatentAttention"):
-    kvattn.paged.init_paged_caches(mla, [4], page_size=4)
+    cache_factories.init_paged_caches(mla, [4], page_size=4)

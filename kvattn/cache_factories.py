@@ -1,0 +1,136 @@
+"""Cache factories: the caches of a whole model, for `kvattn.generate(cache_factory=)`.
+
+A cache factory is `(batch, max_len, dtype) -> per-layer caches`
+(`CacheFactory`); `generate` calls it instead of `model.init_caches` (the
+dense default). Here: paged caches for every layer of a model
+(`init_paged_caches`, `paged_cache_factory`) and the `cache.kind` switch of
+the experiment configs (`cache_factory_from_config`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+import jax.numpy as jnp
+
+from kvattn import _checks
+from kvattn.allocator import PageAllocator, pages_for
+from kvattn.paged import PagedKVCache
+
+CacheFactory = Callable[[int, int, Any], Sequence[Any]]
+"""`(batch, max_len, dtype) -> one cache per layer` (dtype None: the model's)."""
+
+CACHE_KINDS = ("dense", "paged")
+
+
+def gqa_layers(model) -> list[Any]:
+  """The attention modules of `model.layers[i].attn`; ValueError for non-GQA layers."""
+  layers = getattr(model, "layers", None)
+  if layers is None:
+    raise TypeError(f"model must have .layers with an .attn each (a kvattn.Transformer); got "
+                    f"{type(model).__name__}")
+  attns = []
+  for i, layer in enumerate(layers):
+    attn = layer.attn
+    if not (hasattr(attn, "num_kv_heads") and hasattr(attn, "head_dim")):
+      raise ValueError(
+          f"paged caches hold K-head keys and values (MHA/GQA/MQA); layer {i} is "
+          f"{type(attn).__name__}: use cache kind 'dense' for it")
+    attns.append(attn)
+  return attns
+
+
+def init_paged_caches(model, tokens_per_seq: Iterable[int], *, page_size: int = 16,
+                      max_len: int | None = None, dtype: Any = None, extra_pages: int = 0,
+                      seed: int | None = None) -> tuple[tuple[PagedKVCache, ...], PageAllocator]:
+  """Empty paged caches for every layer of `model`, pages allocated per sequence.
+
+  Sequence b gets `ceil(tokens_per_seq[b] / page_size)` pages from a
+  `PageAllocator` (seq ids 0..B-1), not the worst case of the batch: this is
+  where paging saves memory. All layers share the page ids (one block table),
+  each has its own pool of `P = sum of pages + extra_pages` pages.
+
+  Args:
+    model: a `kvattn.Transformer` whose layers are all GQA-family attention.
+    tokens_per_seq: tokens each sequence will hold (e.g. prompt length +
+      max_new_tokens - 1 in `generate`).
+    page_size: tokens per page.
+    max_len: per-sequence capacity (block-table width * page_size, rounded up
+      to whole pages); default the largest `tokens_per_seq`.
+    dtype: cache dtype (default the model's compute dtype).
+    extra_pages: free pages left in the pool (for growth, e.g. in batching).
+    seed: shuffles the free list (non-contiguous pages); None = ascending.
+
+  Returns:
+    `(caches, allocator)`: one `PagedKVCache` per layer (lengths 0) and the
+    allocator that owns their pages.
+
+  Raises:
+    ValueError: an MLA layer, a sequence longer than `max_len`, bad sizes.
+  """
+  attns = gqa_layers(model)
+  tokens = [int(t) for t in tokens_per_seq]
+  if not tokens or min(tokens) < 0:
+    raise ValueError(f"tokens_per_seq must be a non-empty list of ints >= 0; got {tokens}")
+  page_size = _checks.positive_int("page_size", page_size)
+  max_len = max(max(tokens), 1) if max_len is None else _checks.positive_int("max_len", max_len)
+  if max(tokens) > max_len:
+    raise ValueError(f"tokens_per_seq must be <= max_len = {max_len}; got {tokens}")
+  if isinstance(extra_pages, bool) or not isinstance(extra_pages, int) or extra_pages < 0:
+    raise ValueError(f"extra_pages must be an int >= 0; got {extra_pages!r}")
+  pps = pages_for(max_len, page_size)
+  num_pages = max(1, sum(pages_for(t, page_size) for t in tokens) + extra_pages)
+  allocator = PageAllocator(num_pages, page_size, pps, seed=seed)
+  for b, t in enumerate(tokens):
+    allocator.allocate(b, t)
+  tables = allocator.block_tables(range(len(tokens)), pps)
+  dtype = getattr(model, "dtype", jnp.float32) if dtype is None else dtype
+  caches = tuple(
+      PagedKVCache.init(len(tokens), num_pages=num_pages, page_size=page_size,
+                        pages_per_seq=pps, num_kv_heads=attn.num_kv_heads,
+                        head_dim=attn.head_dim, dtype=dtype, block_tables=tables)
+      for attn in attns)
+  return caches, allocator
+
+
+def paged_cache_factory(model, *, page_size: int = 16, tokens_per_seq: Iterable[int] | None = None,
+                        seed: int | None = None):
+  """A `cache_factory(batch, max_len, dtype)` for `kvattn.generate` that builds
+  paged caches (`init_paged_caches`).
+
+  With `tokens_per_seq` each sequence gets only its own pages; without it
+  every sequence gets `ceil(max_len / page_size)` pages.
+  """
+  page_size = _checks.positive_int("page_size", page_size)
+  wanted = None if tokens_per_seq is None else [int(t) for t in tokens_per_seq]
+
+  def factory(batch: int, max_len: int, dtype: Any = None) -> tuple[PagedKVCache, ...]:
+    tokens = [max_len] * batch if wanted is None else wanted
+    if len(tokens) != batch:
+      raise ValueError(f"tokens_per_seq must have one entry per sequence ({batch}); got "
+                       f"{len(tokens)}")
+    return init_paged_caches(model, tokens, page_size=page_size, max_len=max_len, dtype=dtype,
+                             seed=seed)[0]
+
+  return factory
+
+
+def cache_factory_from_config(model, cache_config, *, tokens_per_seq: Iterable[int] | None = None):
+  """The cache-kind switch: `cache_config.kind` "dense" -> None (generate's
+  default dense caches), "paged" -> `paged_cache_factory(model,
+  page_size=cache_config.page_size, seed=cache_config.get("seed"))`.
+
+  Usage: `kvattn.generate(model, prompts, lengths, n,
+  cache_factory=cache_factory_from_config(model, config.cache))`.
+
+  Raises:
+    ValueError: an unknown kind.
+  """
+  kind = cache_config.kind if hasattr(cache_config, "kind") else cache_config["kind"]
+  if kind not in CACHE_KINDS:
+    raise ValueError(f"cache.kind must be one of {CACHE_KINDS}; got {kind!r}")
+  if kind == "dense":
+    return None
+  get = cache_config.get if hasattr(cache_config, "get") else (lambda k, d=None: d)
+  return paged_cache_factory(model, page_size=get("page_size", 16),
+                             tokens_per_seq=tokens_per_seq, seed=get("seed", None))
