@@ -15,15 +15,16 @@ them apart. Implementers here: `kvattn.KVCache` and `kvattn.PagedKVCache`
 (`GQACache`), `kvattn.LatentCache` (`MLACache`).
 
 Contract every implementer keeps (DESIGN.md, "Cache protocol"):
-  * Logical slots: sequence b's token t (0-based, in write order) sits in
-    logical slot t; `lengths[b]` tokens have been written. Where a kind stores
-    a slot (which array index, which page) is its own business, and
-    `slot_positions()` says which token each storage slot holds.
+  * Tokens and slots: sequence b's token t (0-based, in write order) is the
+    t-th token written for it; `lengths[b]` tokens have been written. Which
+    of the sequence's `capacity` slots holds a token (which array index,
+    which page) is the kind's own business; `slot_positions()` reports it.
   * `update` is pure: it returns a new cache, writes only tokens
     `t < new_lengths[b]` (right padding is neither written nor counted) and
     raises ValueError eagerly (concrete lengths) on a write past `capacity`;
-    under jit such tokens are dropped (never wrapped onto other slots),
-    `lengths` still advances and the row reads as overflowed.
+    under jit such tokens are dropped (never written over another token),
+    `lengths` still advances and the row reads as overflowed. (A kind that
+    overwrites old tokens by design, such as a ring buffer, says so.)
   * `attend` reads only the slots that hold the sequence's tokens: whatever
     the other slots hold (zeros, 1e30, NaN) never changes a result, and a row
     of length 0 gives zeros.
@@ -64,10 +65,11 @@ class Cache(Protocol):
     when quantized); bookkeeping such as `lengths` is not storage."""
 
   def slot_positions(self) -> jax.Array:
-    """`i32[B, capacity]`: the token index (0-based position in the sequence)
-    held by logical slot s of sequence b, or -1 where the slot holds no token.
-    Dense and paged caches hold token s in slot s (`arange` below `lengths`);
-    kinds that evict or wrap tokens report what each slot really holds."""
+    """`i32[B, capacity]`: the token index held by slot s of sequence b (its
+    s-th slot in storage order; through the block table for a paged cache),
+    or -1 where the slot holds no token. Dense and paged caches hold token s
+    in slot s (`arange` below `lengths`); kinds that reorder, evict or wrap
+    tokens report what each slot really holds."""
 
 
 @runtime_checkable
