@@ -21,6 +21,9 @@ Public names (`__all__`; DESIGN.md has the contract):
     `data`         byte tokenizer and the default text corpus.
     `train`        training loop, evaluation, checkpoints (imported on first use).
     `transformer`  model config schema (`model_config`, `resolve_config`).
+  Submodules to import by name: `kvattn.cache_protocol` (the interface every
+  cache kind implements), `kvattn.cache_factories` (caches of a whole model
+  for `generate(cache_factory=)`), `kvattn.allocator` (host-side pages).
 """
 
 from kvattn import memory, ops

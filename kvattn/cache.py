@@ -3,7 +3,10 @@
 Every cache here is a `flax.struct.dataclass`: its arrays are pytree leaves and
 its sizes and dtypes are read from those arrays, so a cache passes through
 `jax.jit`, `lax.scan` and `lax.while_loop` as data, and a jitted step that
-donates the old cache lets XLA write the new one in place.
+donates the old cache lets XLA write the new one in place. `KVCache`
+implements `kvattn.cache_protocol.GQACache` and `LatentCache` `MLACache`: the
+attention modules write with `update` and read with `attend`, which calls the
+`kvattn.ops` dispatch point of the layout.
 
 Slot convention (DESIGN.md): sequence b occupies slots `[0, lengths[b])`;
 slots past that may hold anything (zeros, 1e30, NaN) and never change a
@@ -297,15 +300,11 @@ class KVCache:
       soft_cap: float | None = None,
       implementation: str | None = None,
   ) -> jax.Array:
-    """Causal attention of `q` against this cache, after `update` wrote the same
-    T tokens (`kvattn.cache_protocol.GQACache.attend`).
+    """`GQACache.attend` (`kvattn.cache_protocol`): `[B, T, N, H]` in q's dtype.
 
-    T == 1: `kvattn.ops.decode_attention` (backend `implementation`); T > 1:
-    `kvattn.ops.attention` with `q_offsets` (the lengths before the update).
-    Scales of a quantized cache are applied inside the ops.
-
-    Returns:
-      `[B, T, N, H]` in q's dtype.
+    T == 1 through `kvattn.ops.decode_attention` (backend `implementation`),
+    T > 1 through `kvattn.ops.attention`; a quantized cache's scales are
+    applied inside the ops.
     """
     opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap, **self.scale_kwargs())
     if q.shape[1] == 1:
@@ -482,15 +481,11 @@ class LatentCache:
       window: int | None = None,
       implementation: str | None = None,
   ) -> jax.Array:
-    """Absorbed MLA attention against the latents, after `update` wrote the same
-    T tokens (`kvattn.cache_protocol.MLACache.attend`).
+    """`MLACache.attend` (`kvattn.cache_protocol`), absorbed: `[B, T, N, C]`.
 
-    T == 1: `kvattn.ops.mla_decode_attention` (backend `implementation`);
-    T > 1: `kvattn.ops.mla_attention` with `q_offsets` (the lengths before the
-    update). Scales of a quantized cache are applied inside the ops.
-
-    Returns:
-      `[B, T, N, C]`.
+    T == 1 through `kvattn.ops.mla_decode_attention` (backend
+    `implementation`), T > 1 through `kvattn.ops.mla_attention`; a quantized
+    cache's scales are applied inside the ops.
     """
     opts = dict(sm_scale=sm_scale, window=window, **self.scale_kwargs())
     if q_latent.shape[1] == 1:
@@ -510,14 +505,9 @@ class LatentCache:
       sm_scale: float,
       window: int | None = None,
   ) -> jax.Array:
-    """Attention against per-head keys and values expanded from every latent
-    (`kvattn.cache_protocol.MLACache.attend_expanded`), through
-    `kvattn.ops.attention`. A quantized cache's latents are dequantized to
-    `dtype` first; a float cache's are passed as stored.
-
-    Returns:
-      `[B, T, N, Hv]`.
-    """
+    """`MLACache.attend_expanded` (`kvattn.cache_protocol`): `[B, T, N, Hv]`
+    through `kvattn.ops.attention`. A quantized cache's latents are
+    dequantized to `dtype` before `expand`; a float cache's go as stored."""
     c_kv, k_rope = self.dequantized(dtype) if self.quantized else (self.c_kv, self.k_rope)
     k, v = expand(c_kv, k_rope)
     return ops.attention(q, k, v, q_offsets=q_offsets, kv_lengths=self.lengths,

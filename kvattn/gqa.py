@@ -192,11 +192,10 @@ class GroupedQueryAttention(nnx.Module):
       if not isinstance(cache, GQACache):
         raise type_error("GroupedQueryAttention", GQACache,
                          "kvattn.KVCache, kvattn.PagedKVCache", cache)
-      if (cache.batch, cache.num_kv_heads, cache.head_dim) != (batch, self.num_kv_heads, self.head_dim):
-        raise ValueError(
-            "cache must have batch, num_kv_heads, head_dim = "
-            f"({batch}, {self.num_kv_heads}, {self.head_dim}); got "
-            f"({cache.batch}, {cache.num_kv_heads}, {cache.head_dim})")
+      got = (cache.batch, cache.num_kv_heads, cache.head_dim)
+      want = (batch, self.num_kv_heads, self.head_dim)
+      if got != want:
+        raise ValueError(f"cache must have batch, num_kv_heads, head_dim = {want}; got {got}")
     positions = resolve_positions(positions, cache, batch, num_tokens)
     new_lengths = cache_lib.resolve_new_lengths(new_lengths, batch, num_tokens)
 

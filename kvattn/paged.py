@@ -291,17 +291,12 @@ class PagedKVCache:
       soft_cap: float | None = None,
       implementation: str | None = None,
   ) -> jax.Array:
-    """Causal attention of `q` against this cache, after `update` wrote the same
-    T tokens (`kvattn.cache_protocol.GQACache.attend`).
+    """`GQACache.attend` (`kvattn.cache_protocol`): `[B, T, N, H]` in q's dtype.
 
-    T == 1: `kvattn.ops.paged_decode_attention` over the pools (backend
-    `implementation`); T > 1: `kvattn.ops.attention` over the cache gathered
-    to dense through the block table, reading `readable_lengths` tokens per
-    row (as the decode op does: an unassigned page is never resolved). Scale
-    pools of a quantized cache go with the values.
-
-    Returns:
-      `[B, T, N, H]` in q's dtype.
+    T == 1 through `kvattn.ops.paged_decode_attention` over the pools
+    (backend `implementation`); T > 1 through `kvattn.ops.attention` over the
+    pools gathered through the block table, reading `readable_lengths` tokens
+    per row, as the decode op does. Scale pools go with the values.
     """
     opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap)
     if q.shape[1] == 1:
