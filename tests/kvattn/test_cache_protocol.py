@@ -1,9 +1,10 @@
 """The cache protocol: every cache kind implements it, and a new kind plugs into the modules.
 
-`ReversedKVCache` below is a cache kind that exists only in this file: it stores
-token t of a sequence in slot S - 1 - t. Nothing in kvattn knows it, yet
-`GroupedQueryAttention`, `Transformer` and `generate` run over it and give the
-results of `KVCache` (DESIGN.md, "Cache protocol").
+`ReversedKVCache` and `ReversedLatentCache` below are cache kinds that exist
+only in this file: they store token t of a sequence in slot S - 1 - t. Nothing
+in kvattn knows them, yet `GroupedQueryAttention`, `Transformer` and `generate`
+run over the first, `MultiHeadLatentAttention` over the second, and give the
+results of `KVCache` / `LatentCache` (DESIGN.md, "Cache protocol").
 """
 
 from __future__ import annotations
@@ -17,6 +18,24 @@ from flax import nnx, struct
 import kvattn
 from kvattn import cache as cache_lib
 from kvattn import cache_protocol, memory, ops, transformer
+
+
+def _write_reversed(buffer, new, lengths, new_lengths, *, slot_axis):
+  """Writes token `lengths[b] + t` of `new: [B, T, ...]` to slot `S - 1 - (lengths[b] + t)`."""
+  batch, num_tokens = new.shape[:2]
+  capacity = buffer.shape[slot_axis]
+  t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+  token = lengths[:, None] + t  # [B, T]
+  keep = (t < new_lengths[:, None]) & (token < capacity)
+  slots = jnp.where(keep, capacity - 1 - token, capacity)  # capacity = dropped
+  rows = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], slots.shape)
+  index = (rows,) + (slice(None),) * (slot_axis - 1) + (slots,)
+  return buffer.at[index].set(new.astype(buffer.dtype), mode="drop")
+
+
+def _reversed_slot_positions(lengths, capacity):
+  token = capacity - 1 - jnp.arange(capacity, dtype=jnp.int32)[None, :]
+  return jnp.where(token < lengths[:, None], token, -1)
 
 
 @struct.dataclass
@@ -58,23 +77,13 @@ class ReversedKVCache:
     return self.k, self.v
 
   def slot_positions(self):
-    token = self.capacity - 1 - jnp.arange(self.capacity, dtype=jnp.int32)[None, :]
-    return jnp.where(token < self.lengths[:, None], token, -1)
+    return _reversed_slot_positions(self.lengths, self.capacity)
 
   def update(self, k_new, v_new, new_lengths=None):
-    batch, num_tokens = k_new.shape[:2]
-    new_lengths = cache_lib.resolve_new_lengths(new_lengths, batch, num_tokens)
-    t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
-    token = self.lengths[:, None] + t  # [B, T]
-    keep = (t < new_lengths[:, None]) & (token < self.capacity)
-    slots = jnp.where(keep, self.capacity - 1 - token, self.capacity)  # capacity = dropped
-    rows = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], slots.shape)
-
-    def write(buffer, new):  # buffer[rows, :, slots] is [B, T, K, H]
-      return buffer.at[rows, :, slots].set(new.astype(buffer.dtype), mode="drop")
-
+    new_lengths = cache_lib.resolve_new_lengths(new_lengths, *k_new.shape[:2])
     return ReversedKVCache(
-        k=write(self.k, k_new), v=write(self.v, v_new),
+        k=_write_reversed(self.k, k_new, self.lengths, new_lengths, slot_axis=2),
+        v=_write_reversed(self.v, v_new, self.lengths, new_lengths, slot_axis=2),
         lengths=cache_lib.advance_lengths(self.lengths, new_lengths, self.capacity))
 
   def attend(self, q, *, q_offsets, sm_scale=None, window=None, soft_cap=None,
@@ -87,6 +96,55 @@ class ReversedKVCache:
     return ops.attention(q, k, v, q_offsets=q_offsets, kv_lengths=self.lengths, **opts)
 
 
+@struct.dataclass
+class ReversedLatentCache:
+  """Test-only `MLACache`: token t of sequence b sits in slot `S - 1 - t` of
+  `c_kv: [B, S, C]` and `k_rope: [B, S, R]`."""
+
+  c_kv: jax.Array
+  k_rope: jax.Array
+  lengths: jax.Array
+
+  @classmethod
+  def init(cls, batch, max_len, kv_lora_rank, qk_rope_head_dim, fill=0.0):
+    return cls(c_kv=jnp.full((batch, max_len, kv_lora_rank), fill),
+               k_rope=jnp.full((batch, max_len, qk_rope_head_dim), fill),
+               lengths=jnp.zeros((batch,), jnp.int32))
+
+  batch = property(lambda self: self.c_kv.shape[0])
+  capacity = property(lambda self: self.c_kv.shape[1])
+  kv_lora_rank = property(lambda self: self.c_kv.shape[2])
+  qk_rope_head_dim = property(lambda self: self.k_rope.shape[2])
+  storage_slots = property(lambda self: self.batch * self.capacity)
+
+  def storage_arrays(self):
+    return self.c_kv, self.k_rope
+
+  def slot_positions(self):
+    return _reversed_slot_positions(self.lengths, self.capacity)
+
+  def update(self, c_kv_new, k_rope_new, new_lengths=None):
+    new_lengths = cache_lib.resolve_new_lengths(new_lengths, *c_kv_new.shape[:2])
+    return ReversedLatentCache(
+        c_kv=_write_reversed(self.c_kv, c_kv_new, self.lengths, new_lengths, slot_axis=1),
+        k_rope=_write_reversed(self.k_rope, k_rope_new, self.lengths, new_lengths, slot_axis=1),
+        lengths=cache_lib.advance_lengths(self.lengths, new_lengths, self.capacity))
+
+  def attend(self, q_latent, q_rope, *, q_offsets, sm_scale, window=None, implementation=None):
+    c_kv, k_rope = self.c_kv[:, ::-1], self.k_rope[:, ::-1]  # token order
+    if q_latent.shape[1] == 1:
+      return ops.mla_decode_attention(q_latent[:, 0], q_rope[:, 0], c_kv, k_rope, self.lengths,
+                                      sm_scale=sm_scale, window=window,
+                                      implementation=implementation)[:, None]
+    return ops.mla_attention(q_latent, q_rope, c_kv, k_rope, sm_scale=sm_scale,
+                             q_offsets=q_offsets, kv_lengths=self.lengths, window=window)
+
+  def attend_expanded(self, q, expand, *, dtype, q_offsets, sm_scale, window=None):
+    k, v = expand(self.c_kv[:, ::-1], self.k_rope[:, ::-1])
+    return ops.attention(q, k, v, q_offsets=q_offsets, kv_lengths=self.lengths,
+                         sm_scale=sm_scale, window=window)
+
+
 def test_every_cache_kind_implements_its_protocol():
   dense = kvattn.KVCache.init(2, 8, 2, 4)
   paged = kvattn.PagedKVCache.contiguous(2, 8, 2, 4, page_size=4)
@@ -94,8 +152,8 @@ def test_every_cache_kind_implements_its_protocol():
   toy = ReversedKVCache.init(2, 8, 2, 4)
   for c in (dense, paged, toy, kvattn.KVCache.init(2, 8, 2, 4, jnp.int8)):
     assert isinstance(c, cache_protocol.GQACache) and not isinstance(c, cache_protocol.MLACache)
-  assert isinstance(latent, cache_protocol.MLACache)
-  assert not isinstance(latent, cache_protocol.GQACache)
+  for c in (latent, ReversedLatentCache.init(2, 8, 6, 2)):
+    assert isinstance(c, cache_protocol.MLACache) and not isinstance(c, cache_protocol.GQACache)
   assert not isinstance({"k": 1}, cache_protocol.Cache)
   assert (dense.capacity, paged.capacity, latent.capacity) == (8, 8, 8)
   assert (dense.storage_slots, paged.storage_slots, latent.storage_slots) == (16, 16, 16)
@@ -168,6 +226,32 @@ def test_gqa_layer_over_the_toy_cache_equals_dense(window):
   np.testing.assert_allclose(np.asarray(toy[1]), np.asarray(dense[1]), atol=1e-5)
   np.testing.assert_array_equal(np.asarray(toy[2]), [8, 4, 9])
   np.testing.assert_array_equal(np.asarray(toy[2]), np.asarray(dense[2]))
+
+
+@pytest.mark.parametrize("path", ["auto", "naive", "absorbed"])
+def test_mla_layer_over_the_toy_latent_cache_equals_latent_cache(path):
+  layer = kvattn.MultiHeadLatentAttention(d_model=16, num_heads=2, kv_lora_rank=8,
+                                          qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4,
+                                          window=4, path=path, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(3), (2, 8, 16))
+  prompt_lengths = jnp.array([5, 2], jnp.int32)
+
+  @jax.jit
+  def run(cache):
+    y0, cache = layer(x[:, :5], cache=cache, new_lengths=prompt_lengths)  # prefill, T = 5
+    ys = []
+    for t in range(2):  # decode, T = 1
+      xt = jnp.take_along_axis(x, (prompt_lengths + t)[:, None, None], axis=1)
+      yt, cache = layer(xt, cache=cache)
+      ys.append(yt[:, 0])
+    return y0, jnp.stack(ys, 1), cache.lengths
+
+  toy = run(ReversedLatentCache.init(2, 10, 8, 2, fill=jnp.nan))
+  latent = run(layer.init_cache(2, 10))
+  real = np.arange(5)[None, :] < np.asarray(prompt_lengths)[:, None]
+  np.testing.assert_allclose(np.asarray(toy[0])[real], np.asarray(latent[0])[real], atol=1e-5)
+  np.testing.assert_allclose(np.asarray(toy[1]), np.asarray(latent[1]), atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(toy[2]), [7, 4])
 
 
 def _model():
