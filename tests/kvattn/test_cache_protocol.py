@@ -201,23 +201,30 @@ def test_a_cache_that_implements_no_protocol_is_a_type_error_naming_cache():
     mla(x, cache=ReversedKVCache.init(2, 4, 2, 8))
 
 
+def _prefill_then_decode(layer, x, prompt_lengths, *, prefill, steps):
+  """A jitted `cache -> (prefill outputs, decode outputs [B, steps, D], lengths)`:
+  one padded prefill of `x[:, :prefill]`, then `steps` one-token steps."""
+
+  @jax.jit
+  def run(cache):
+    y0, cache = layer(x[:, :prefill], cache=cache, new_lengths=prompt_lengths)
+    ys = []
+    for t in range(steps):
+      xt = jnp.take_along_axis(x, (prompt_lengths + t)[:, None, None], axis=1)
+      yt, cache = layer(xt, cache=cache)
+      ys.append(yt[:, 0])
+    return y0, jnp.stack(ys, 1), cache.lengths
+
+  return run
+
+
 @pytest.mark.parametrize("window", [None, 3])
 def test_gqa_layer_over_the_toy_cache_equals_dense(window):
   layer = kvattn.GroupedQueryAttention(d_model=16, num_heads=4, num_kv_heads=2, head_dim=8,
                                        window=window, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(1), (3, 10, 16))
   prompt_lengths = jnp.array([5, 1, 6], jnp.int32)
-
-  @jax.jit
-  def run(cache):
-    y0, cache = layer(x[:, :6], cache=cache, new_lengths=prompt_lengths)  # prefill, T = 6
-    ys = []
-    for t in range(3):  # decode, T = 1
-      xt = jnp.take_along_axis(x, (prompt_lengths + t)[:, None, None], axis=1)
-      yt, cache = layer(xt, cache=cache)
-      ys.append(yt[:, 0])
-    return y0, jnp.stack(ys, 1), cache.lengths
-
+  run = _prefill_then_decode(layer, x, prompt_lengths, prefill=6, steps=3)
   # The toy's unused slots hold NaN: they must never reach a result.
   toy = run(ReversedKVCache.init(3, 12, 2, 8, fill=jnp.nan))
   dense = run(layer.init_cache(3, 12))
@@ -235,17 +242,7 @@ def test_mla_layer_over_the_toy_latent_cache_equals_latent_cache(path):
                                           window=4, path=path, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(3), (2, 8, 16))
   prompt_lengths = jnp.array([5, 2], jnp.int32)
-
-  @jax.jit
-  def run(cache):
-    y0, cache = layer(x[:, :5], cache=cache, new_lengths=prompt_lengths)  # prefill, T = 5
-    ys = []
-    for t in range(2):  # decode, T = 1
-      xt = jnp.take_along_axis(x, (prompt_lengths + t)[:, None, None], axis=1)
-      yt, cache = layer(xt, cache=cache)
-      ys.append(yt[:, 0])
-    return y0, jnp.stack(ys, 1), cache.lengths
-
+  run = _prefill_then_decode(layer, x, prompt_lengths, prefill=5, steps=2)
   toy = run(ReversedLatentCache.init(2, 10, 8, 2, fill=jnp.nan))
   latent = run(layer.init_cache(2, 10))
   real = np.arange(5)[None, :] < np.asarray(prompt_lengths)[:, None]
