@@ -6,7 +6,7 @@ r"""Sequence length S over powers of two, up to what fits in this machine's memo
 The model, training and decode settings are those of configs/default.py (every
 field is documented there) except for the fields set below. `cache.seq_lens`
 is computed when the config is loaded: S = 256, 512, ... (smoke: 16, 32)
-while `experiments.runner.point_memory_bytes` -- the cache from
+while `experiments.variants_experiment.point_memory_bytes` -- the cache from
 `kvattn.transformer.cache_bytes_per_token` plus the prefill's attention
 scores, activations and parameters -- stays within `cache.memory_fraction` of
 the RAM available now (`experiments.runner.available_memory_bytes`). The
@@ -18,7 +18,7 @@ argument as `get_config(arg)` ("" or "smoke").
 """
 
 from configs import default
-from experiments import runner
+from experiments import variants_experiment
 
 _START = {"": 256, "smoke": 16}  # Smallest S.
 _STOP = {"": None, "smoke": 32}  # Largest S tried (None: memory decides).
@@ -32,8 +32,9 @@ def get_config(arg=None):
   if arg != "smoke":
     config.cache.batch = 1  # Sequences B: one, so S can grow furthest.
     config.decode.repeats = 2  # Timed prefills (the long prefills dominate the time).
-  config.cache.seq_lens = runner.fitting_seq_lens(config, _START[arg], _STOP[arg])  # S values:
-  # powers of two from _START while a point fits in cache.memory_fraction of the available RAM.
+  # S values: powers of two from _START while a point fits in cache.memory_fraction of the
+  # available RAM.
+  config.cache.seq_lens = variants_experiment.fitting_seq_lens(config, _START[arg], _STOP[arg])
   config.experiment.name = "kvattn: decode speed and cache size vs sequence length"  # Title.
   return config
 

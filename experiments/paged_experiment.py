@@ -58,6 +58,7 @@ from ml_collections import config_flags
 from experiments import report as report_lib
 from experiments import results
 from experiments import runner
+from experiments import timing
 from kvattn import memory
 from kvattn import paged as paged_lib
 from kvattn import transformer as transformer_lib
@@ -110,10 +111,7 @@ class PagedFamily:
 
   def _check(self, d: Mapping[str, Any], where: str) -> transformer_lib.ModelSpec:
     """Validates one point config; returns its ModelSpec (ValueError naming the key)."""
-    try:
-      spec = transformer_lib.resolve_config(d["model"])
-    except ValueError as e:
-      raise ValueError(f"{where}: {e}") from None
+    spec = runner.model_spec(d, where)
     if any(layer.kind != "gqa" for layer in spec.layers):
       raise ValueError(f"{where}: model.attention.kind must be 'gqa' (paged caches hold K-head "
                        f"keys and values); got {d['model']['attention']['kind']!r}")
@@ -285,14 +283,14 @@ class PagedFamily:
     for i in range(dec["warmup"] + dec["repeats"]):
       for name in (list(builders) if i % 2 == 0 else list(builders)[::-1]):
         caches, _ = builders[name]()
-        prefill_s, first, caches, key = runner.timed_prefill(model, prompts, prompt_lengths,
+        prefill_s, first, caches, key = timing.timed_prefill(model, prompts, prompt_lengths,
                                                              caches)
-        decode_s, decode_cpu_s, _, _, caches = runner.timed_decode(model, first, caches,
+        decode_s, decode_cpu_s, _, _, caches = timing.timed_decode(model, first, caches,
                                                                    new_tokens, key)
-        timing = (prefill_s, decode_s, decode_cpu_s)
+        seconds = (prefill_s, decode_s, decode_cpu_s)
         filled = [np.asarray(c.lengths).tolist() for c in caches]
         if i >= dec["warmup"]:
-          times[name].append(timing)
+          times[name].append(seconds)
         if any(f != final.tolist() for f in filled):
           raise RuntimeError(f"{point.label} ({name}): caches hold {filled[0]} tokens after "
                              f"decoding, expected {final.tolist()}")
@@ -459,9 +457,7 @@ def _waste_markdown(figures: Mapping[str, Any]) -> str:
 
 
 def _plot(records, path: str) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = report_lib.pyplot()
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
   paged = sorted((r for r in records if r["cache_kind"] == "paged"), key=lambda r: r["page_size"])
   dense = [r for r in records if r["cache_kind"] == "dense"]

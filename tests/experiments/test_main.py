@@ -1,8 +1,13 @@
-"""The main job end to end: every config's smoke run, resume, validation before training.
+"""The main job end to end: the smoke run, the command line, validation before training.
 
-The smoke runs share one directory of trained params (`experiment.train_dir`),
-so each variant is trained once for the whole module; the prefill/decode
-programs compiled by the first run are reused by the later ones (same shapes).
+The fast suite runs the README's main job once (`configs/default.py:smoke`,
+`default_run`); the runner's own bookkeeping (resume, skipping finished
+points, atomic writes, refusals before work) is tested with a stand-in family
+in test_runner.py. The other configs' smoke runs and the end-to-end resume
+with training are `slow`. The smoke runs share one directory of trained params
+(`experiment.train_dir`), so each variant is trained once for the whole
+module; the prefill/decode programs compiled by the first run are reused by
+the later ones (same shapes).
 """
 
 import collections
@@ -18,15 +23,15 @@ from absl import flags
 
 from configs import default, heads_sweep, seqlen_sweep
 from experiments import main as main_lib
-from experiments import report as report_lib
 from experiments import runner
+from experiments import variants_experiment as variants
 import kvattn
 from kvattn import memory
 from kvattn import train as train_lib
 from kvattn import transformer as transformer_lib
 
 FILES = ("results.jsonl", "results.csv", "report.md", "config.json",
-         *report_lib.PLOTS.values())
+         *variants.PLOTS.values())
 FIELDS = ("point", "label", "variant", "num_kv_heads", "seq_len", "batch",
           "cache_bytes_per_token", "cache_bytes_per_token_analytic", "cache_bytes",
           "prefill_s", "prefill_s_min", "prefill_s_max",
@@ -69,7 +74,7 @@ def check_outputs(workdir, result, config, expected_kv_heads):
   """Files, fields and sane values of a finished run; returns records by (variant, K, S)."""
   for name in FILES:
     assert os.path.getsize(os.path.join(workdir, name)) > 0, name
-  for name in report_lib.PLOTS.values():
+  for name in variants.PLOTS.values():
     with open(os.path.join(workdir, name), "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
   assert not [n for n in os.listdir(workdir) if n.startswith(".tmp-")]  # no torn writes left
@@ -107,7 +112,7 @@ def check_outputs(workdir, result, config, expected_kv_heads):
     assert 0.5 < r["validation_bits_per_byte"] < math.log2(259) + 1
     assert r["train_steps"] == config.train.steps
     assert r["environment"]["backend"] and r["environment"]["cpu_count"] >= 1
-    assert set(r["config"]) == set(runner.variants_schema())
+    assert set(r["config"]) == set(variants.variants_schema())
   assert {k for (v, k, _) in by if v != "MLA"} == set(expected_kv_heads)
 
   n = config.model.attention.num_heads
@@ -121,7 +126,7 @@ def check_outputs(workdir, result, config, expected_kv_heads):
   with open(os.path.join(workdir, "report.md")) as f:
     report = f.read()
   assert report == result.report
-  assert "| " + " | ".join(report_lib.VARIANT_COLUMNS) + " |" in report
+  assert "| " + " | ".join(variants.VARIANT_COLUMNS) + " |" in report
   for s in seq_lens:
     assert f"## S = {s}" in report
   assert report.count("| MQA | 1 | ") == len(seq_lens)
@@ -133,6 +138,12 @@ def test_default_smoke(default_run):
   workdir, result = default_run
   n = default.get_config("smoke").model.attention.num_heads
   by = check_outputs(workdir, result, default.get_config("smoke"), {n, n // 2, n // 4, 1})
+  # The report's rows carry each point's measured cache bytes and bits/byte.
+  for r in result.records:
+    k = "—" if r["num_kv_heads"] is None else r["num_kv_heads"]
+    row = f"| {r['variant']} | {k} | {r['cache_bytes_per_token']:,} | "
+    assert row in result.report, row
+    assert f" | {r['validation_bits_per_byte']:.3f} | " in result.report
   assert {v for v, _, _ in by} == {"MHA", "GQA", "MQA", "MLA"}
   first_s = default.get_config("smoke").cache.seq_lens[0]
   for (v, k, _), r in by.items():  # the variant's training is shared across S
@@ -140,6 +151,7 @@ def test_default_smoke(default_run):
   assert len({r["train_group"] for r in result.records}) == 5
 
 
+@pytest.mark.slow
 def test_heads_sweep_smoke(tmp_path, default_run, train_dir):
   result = runner.run(smoke_config(heads_sweep, train_dir), str(tmp_path),
                       runner.load_sweep("configs/heads_sweep.py:smoke"))
@@ -152,6 +164,7 @@ def test_heads_sweep_smoke(tmp_path, default_run, train_dir):
     assert r["train_seconds"] == trained[(v, k)]
 
 
+@pytest.mark.slow
 def test_seqlen_sweep_smoke(tmp_path, default_run, train_dir):
   config = smoke_config(seqlen_sweep, train_dir)
   seq_lens = tuple(config.cache.seq_lens)
@@ -169,11 +182,12 @@ def test_seqlen_sweep_stops_where_memory_ends(monkeypatch):
   seq_lens = config.cache.seq_lens
   assert seq_lens[0] == 256 and all(b == 2 * a for a, b in zip(seq_lens, seq_lens[1:]))
   spec = transformer_lib.resolve_config(config.to_dict()["model"])
-  need = lambda s: runner.point_memory_bytes(spec, config.cache.batch, s, "float32",
+  need = lambda s: variants.point_memory_bytes(spec, config.cache.batch, s, "float32",
                                             config.train.batch_size, config.data.seq_len)["total"]
   assert need(seq_lens[-1]) <= 2**29 < need(2 * seq_lens[-1])
 
 
+@pytest.mark.slow  # the runner's resume is tested without training in test_runner.py
 def test_resume_after_stop_and_interrupt(tmp_path, monkeypatch, default_run):
   """Stop after k points, interrupt one, rerun: every point exactly once; no retraining."""
   workdir = str(tmp_path)
@@ -197,7 +211,7 @@ def test_resume_after_stop_and_interrupt(tmp_path, monkeypatch, default_run):
   assert os.path.exists(os.path.join(workdir, "report.md"))
 
   # An interrupt during the third point (before its record) loses only that point.
-  real_measure = runner.VariantsFamily.measure
+  real_measure = variants.VariantsFamily.measure
   calls = []
 
   def interrupted(self, point):
@@ -206,14 +220,14 @@ def test_resume_after_stop_and_interrupt(tmp_path, monkeypatch, default_run):
       raise KeyboardInterrupt
     return real_measure(self, point)
 
-  monkeypatch.setattr(runner.VariantsFamily, "measure", interrupted)
+  monkeypatch.setattr(variants.VariantsFamily, "measure", interrupted)
   with pytest.raises(KeyboardInterrupt):
     runner.run(config, workdir, sweep)
   assert calls == ["MHA-K8-S24", "MHA-K8-S32"]
   assert len(store()) == 2 and trainings == [n]  # restored from WORKDIR/train, not retrained
   assert not [name for name in os.listdir(workdir) if name.startswith(".tmp-")]
 
-  monkeypatch.setattr(runner.VariantsFamily, "measure", real_measure)
+  monkeypatch.setattr(variants.VariantsFamily, "measure", real_measure)
   third = runner.run(config, workdir, sweep)
   assert third.complete and len(third.measured) == 1 and trainings == [n]
   fourth = runner.run(config, workdir, sweep)
@@ -250,7 +264,7 @@ def no_training(monkeypatch):
     raise AssertionError("training started before validation finished")
 
   monkeypatch.setattr(train_lib, "train_and_evaluate", fail)
-  monkeypatch.setattr(runner.VariantsFamily, "measure", fail)
+  monkeypatch.setattr(variants.VariantsFamily, "measure", fail)
 
 
 @pytest.mark.parametrize("mutate, sweep, match", [
@@ -300,7 +314,7 @@ def test_config_arguments():
   # Every field of every config is in the runner's schema (and vice versa).
   for module in (default, heads_sweep, seqlen_sweep):
     for arg in ("", "smoke"):
-      runner.check_schema(module.get_config(arg).to_dict(), runner.variants_schema())
+      runner.check_schema(module.get_config(arg).to_dict(), variants.variants_schema())
 
 
 @pytest.fixture
@@ -330,7 +344,7 @@ def test_main_command_line(tmp_path, parse_flags, capsys, default_run, train_dir
   main_lib.main(["experiments.main"])
   out = capsys.readouterr().out
   assert f"Report: {os.path.join(workdir, 'report.md')}" in out
-  assert "| " + " | ".join(report_lib.VARIANT_COLUMNS) + " |" in out
+  assert "| " + " | ".join(variants.VARIANT_COLUMNS) + " |" in out
   # Same config as the default smoke run: the same points, trained params reused.
   with open(os.path.join(workdir, "results.jsonl")) as f:
     assert {json.loads(l)["point"] for l in f} == {r["point"] for r in default_run[1].records}
@@ -419,7 +433,7 @@ def test_variant_rows_against_quoted_ranges():
   def rec(variant, k, bpt, tps, bpb):
     return {"variant": variant, "num_kv_heads": k, "seq_len": 64, "cache_bytes_per_token": bpt,
             "decode_tokens_per_s": tps, "validation_bits_per_byte": bpb}
-  rows = report_lib.variant_rows([
+  rows = variants.variant_rows([
       rec("MHA", 8, 1024, 100.0, 2.0), rec("GQA", 2, 256, 200.0, 2.1),
       rec("MQA", 1, 128, 600.0, 2.25), rec("MLA", None, 288, 90.0, 1.9)])
   mha, gqa, mqa, mla = rows[64]
@@ -428,7 +442,7 @@ def test_variant_rows_against_quoted_ranges():
   assert gqa[-1] == "cache yes, speed yes"
   assert mqa[3] == "12.5%" and mqa[5] == "6.00×" and mqa[-1] == "cache yes, speed no"
   assert mla[1] == "—" and mla[-2].startswith('"adaptive"') and mla[-1] == "n/a"
-  no_baseline = report_lib.variant_rows([rec("GQA", 2, 256, 200.0, 2.1)])[64][0]
+  no_baseline = variants.variant_rows([rec("GQA", 2, 256, 200.0, 2.1)])[64][0]
   assert no_baseline[3] == "n/a" and no_baseline[-1] == "n/a (no MHA point)"
 
 
@@ -469,7 +483,7 @@ def test_sweep_overrides_go_through_ml_collections_on_a_locked_copy():
 
 def test_one_path_per_setting():
   """`model.attention.<field>` is the same key in the file, on the command line and in a sweep."""
-  schema = runner.variants_schema()
+  schema = variants.variants_schema()
   assert "attention" not in schema and "kernel" not in schema
   assert {"attention.kind", "attention.num_kv_heads", "attention.decode_implementation",
           "num_layers"} <= set(schema["model"])

@@ -9,6 +9,7 @@ import pytest
 from configs import quant_sweep
 from experiments import quant_experiment as qe
 from experiments import runner
+from experiments import variants_experiment
 from kvattn import data as data_lib
 from kvattn import memory
 
@@ -40,7 +41,8 @@ def test_configs_and_sweep():
   assert len({p.group for p in points}) == 4  # one training per variant
   # The trainings are the main job's (same hash), so its train dir can be shared.
   from configs import default  # pylint: disable=g-import-not-at-top
-  main = runner.VariantsFamily("/nonexistent").points(default.get_config(), default.get_sweep())
+  main = variants_experiment.VariantsFamily("/nonexistent").points(default.get_config(),
+                                                                   default.get_sweep())
   assert {p.group for p in points} <= {p.group for p in main}
 
 
@@ -83,6 +85,7 @@ def test_agreement_and_bits_per_byte_by_hand():
   assert qe.bits_per_byte(nll, targets) == pytest.approx(2.0)
 
 
+@pytest.mark.slow  # trains; the runner's resume is tested without training in test_runner.py
 def test_run_measures_bytes_speed_quality_and_resumes(tmp_path):
   cfg = _smoke()
   sweep = [{"model.attention.kind": "gqa", "model.attention.num_kv_heads": 1, "cache.dtype": d}
