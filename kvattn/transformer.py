@@ -20,7 +20,9 @@ in code, config files, on the command line (`--config.model.attention.kind=mla`)
 and in sweeps (`{"model.attention.num_kv_heads": 2}`): `model.<field>` or
 `model.attention.<field>`. Adding a field is one line in its dataclass (an
 `AttentionSpec` field is also a keyword of the attention modules of the kinds
-that use it).
+that use it). Field types: bool, int (checked positive), float (positive and
+finite), str, each optionally `| None` (None: off); a field of another type
+needs its check in `_check_field`.
 
 `model.layers` is empty (every layer uses `model.attention`) or has one entry
 per layer: None / {} (use `model.attention`) or a dict of `AttentionSpec`
