@@ -35,7 +35,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from experiments import runner
+from experiments import timing
 from kvattn import transformer as transformer_lib
 
 FLAGS = flags.FLAGS
@@ -98,11 +98,11 @@ def run() -> dict:
     return caches
 
   def timed_prefill():
-    return runner.timed_prefill(model, prompts, lengths, fresh_caches())
+    return timing.timed_prefill(model, prompts, lengths, fresh_caches())
 
   def timed_decode(first, caches, key):
     caches = jax.tree.map(jnp.copy, caches)  # decode donates its caches: work on a copy
-    seconds, _, _, out_lengths, _ = runner.timed_decode(model, first, caches, new_tokens, key)
+    seconds, _, _, out_lengths, _ = timing.timed_decode(model, first, caches, new_tokens, key)
     return seconds, out_lengths
 
   for _ in range(FLAGS.warmup):  # compiles both programs

@@ -43,7 +43,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +52,7 @@ from flax import nnx
 
 import kvattn
 from experiments import results
+from experiments import timing
 from kvattn import memory
 
 FLAGS = flags.FLAGS
@@ -143,11 +143,7 @@ class Timed:
     self.y = None
 
   def __call__(self, x, record: bool) -> None:
-    jax.block_until_ready(self.cache)
-    t0 = time.perf_counter()
-    self.y, self.cache = self.step(self.state, x, self.cache)
-    jax.block_until_ready((self.y, self.cache))
-    elapsed = time.perf_counter() - t0
+    elapsed, _, (self.y, self.cache) = timing.timed(self.step, self.state, x, self.cache)
     if record:
       self.times.append(elapsed)
     # The same step again next time (never an overflow); a scalar replace, no cache copy.
