@@ -52,6 +52,7 @@ from absl import app, flags
 from flax import nnx
 
 import kvattn
+from experiments import cli
 from experiments import results
 from kvattn import memory
 
@@ -239,4 +240,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)
