@@ -370,6 +370,14 @@ def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *
       raise ValueError(f"experiment.max_points must be a non-negative int or None; got "
                        f"{max_points!r}")
     workdir = os.path.abspath(workdir)
+    # One run per workdir (and per training directory, which other workdirs may share): a
+    # busy one fails now, before the validation below (seconds: data, pre-flight traces).
+    lock_dirs = {workdir: "workdir"}
+    train_dir = d["experiment"].get("train_dir", False)  # False: the family has no such key
+    if train_dir is None or isinstance(train_dir, str):  # else validation names the bad value
+      lock_dirs[train_dir or os.path.join(workdir, "train")] = "training directory"
+    if not wait:
+      workdir_lib.check_free(lock_dirs)
     family = factory(workdir)
     points = family.points(d, list(sweep))  # validates everything before any work
     if defaults is None:
@@ -379,11 +387,6 @@ def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *
     if preflight is not None:
       for point in points:
         preflight(point)
-  # One run per workdir (and per training directory, which other workdirs may share).
-  lock_dirs = {workdir: "workdir"}
-  if "train_dir" in d["experiment"]:
-    lock_dirs[d["experiment"]["train_dir"] or os.path.join(workdir, "train")] = (
-        "training directory")
   with workdir_lib.locked(lock_dirs, wait=wait):
     results.atomic_write_text(os.path.join(workdir, "config.json"), json.dumps(
         {"config_file": config_file, "config": d, "sweep": list(sweep),

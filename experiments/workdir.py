@@ -89,9 +89,7 @@ class DirLock:
           raise
         holder = _holder(fd)
         if not wait:
-          raise WorkdirBusyError(
-              f"{self.label} {self.directory} is in use by another run (pid {holder}); wait "
-              f"for it to finish, or pass --wait to start when it does") from None
+          raise WorkdirBusyError(self._busy_message(holder)) from None
         logging.warning("%s %s is in use by another run (pid %s); waiting for it to finish",
                         self.label, self.directory, holder)
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -112,6 +110,29 @@ class DirLock:
     finally:
       os.close(fd)  # closing the last descriptor releases the flock
 
+  def check_free(self) -> None:
+    """Raises WorkdirBusyError now if another process holds the lock; creates nothing (a run
+    probes before its validation, so a busy workdir fails at once, not after it).
+
+    Only a probe: the lock is free again when this returns, and `acquire` decides.
+    """
+    try:
+      fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+      return  # no run has ever locked it
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        raise
+      raise WorkdirBusyError(self._busy_message(_holder(fd))) from None
+    finally:
+      os.close(fd)
+
+  def _busy_message(self, holder: str) -> str:
+    return (f"{self.label} {self.directory} is in use by another run (pid {holder}); wait for "
+            f"it to finish, or pass --wait to start when it does")
+
   @property
   def held(self) -> bool:
     """Whether this DirLock holds its lock."""
@@ -123,6 +144,24 @@ class DirLock:
 
   def __exit__(self, *exc) -> None:
     self.release()
+
+
+def _labelled(directories: Sequence[str] | Mapping[str, str]) -> dict[str, tuple[str, str]]:
+  """real path -> (path as given, label), None entries dropped, one entry per directory."""
+  labels = dict(directories) if isinstance(directories, Mapping) else {
+      d: "workdir" for d in directories}
+  real = {}
+  for directory, label in labels.items():
+    if directory is not None:
+      real.setdefault(os.path.realpath(os.path.abspath(directory)), (directory, label))
+  return real
+
+
+def check_free(directories: Sequence[str] | Mapping[str, str]) -> None:
+  """Raises WorkdirBusyError if another process holds one of `directories` (as `locked`
+  takes them); creates nothing. A probe for failing early: `locked` still decides."""
+  for path, (directory, label) in sorted(_labelled(directories).items()):
+    DirLock(directory, label).check_free()
 
 
 @contextlib.contextmanager
@@ -142,12 +181,7 @@ def locked(directories: Sequence[str] | Mapping[str, str], *, wait: bool = False
   Raises:
     WorkdirBusyError: a directory is held by another process (not `wait`).
   """
-  labels = dict(directories) if isinstance(directories, Mapping) else {
-      d: "workdir" for d in directories}
-  real = {}
-  for directory, label in labels.items():
-    if directory is not None:
-      real.setdefault(os.path.realpath(os.path.abspath(directory)), (directory, label))
+  real = _labelled(directories)
   with contextlib.ExitStack() as stack:
     held = []
     for path in sorted(real):

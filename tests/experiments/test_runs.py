@@ -134,6 +134,15 @@ def test_a_shared_training_directory_is_locked_too(tmp_path):
     runner.run(config, str(tmp_path / "other"), standin.get_sweep())
 
 
+def test_a_busy_workdir_fails_before_validation(tmp_path, monkeypatch):
+  monkeypatch.setattr(standin.StandinFamily, "points",
+                      lambda *a: pytest.fail("validated although the workdir is busy"))
+  with workdir_lib.locked([str(tmp_path)]):
+    with pytest.raises(workdir_lib.WorkdirBusyError, match=rf"^workdir {tmp_path} is in use"):
+      run(tmp_path)
+  assert os.listdir(tmp_path) == [workdir_lib.LOCK_NAME]
+
+
 def wait_for(predicate, what, timeout=120.0):
   deadline = time.monotonic() + timeout
   while not predicate():

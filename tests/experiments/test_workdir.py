@@ -31,6 +31,18 @@ def test_second_holder_is_refused_with_the_pid(tmp_path):
   second.release()
 
 
+def test_check_free_probes_without_creating(tmp_path):
+  directory = str(tmp_path / "run")
+  workdir.check_free([directory])
+  assert not os.path.exists(directory)  # nothing created
+  with workdir.locked({directory: "workdir"}):
+    with pytest.raises(workdir.WorkdirBusyError, match=rf"\(pid {os.getpid()}\)"):
+      workdir.check_free({directory: "workdir"})
+  workdir.check_free([directory])  # free again, and the probe did not take it
+  with workdir.locked([directory]):
+    pass
+
+
 def test_wait_blocks_until_the_holder_releases(tmp_path):
   first = workdir.DirLock(str(tmp_path))
   first.acquire()
