@@ -2,7 +2,7 @@
 
     if __name__ == "__main__":
       cli.run(main)          # absl entry points (app.run with these rules)
-      cli.run_plain(main)    # argparse entry points: main(sys.argv[1:]), parser = cli.ArgumentParser
+      cli.run_plain(main)    # argparse: main(sys.argv[1:]), parser cli.ArgumentParser
 
 A *user error* is something the person at the command line can fix: an
 unknown flag or config key (`--config.model.nonexistent=3`), a value of the

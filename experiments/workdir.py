@@ -16,8 +16,11 @@ Directories are locked in one order (sorted real paths, duplicates
 dropped), so two waiting runs never deadlock. A directory inside another
 locked one is still locked itself: another run may name it directly (the
 quant sweep's `experiment.train_dir=runs/default/train` is the main job's
-training directory), and only its own lock file keeps the two apart. The lock file is never deleted: deleting it would let a third run
-lock a new file while the second still waits on the old one.
+training directory), and only its own lock file keeps the two apart. The
+lock file is never deleted: deleting it would let a third run lock a new
+file while the second still waits on the old one. A run probes the lock
+before its validation (`check_free`, which creates nothing) so that a busy
+workdir fails at once; the probe holds the lock for an instant.
 
 Limits: flock is advisory (only runs that use this module are kept out); it
 is per open file description, so a second `locked` on the same directory in

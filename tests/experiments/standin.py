@@ -9,7 +9,8 @@ it. Point i (id `p<i>`) writes `<workdir>/measuring-p<i>` when it starts;
 points with i >= `standin.wait_from` then wait until the file
 `standin.wait_file` exists (a gate the test opens, or never: the test kills
 the run), and point `standin.fail_at` raises ValueError (a fault of the program,
-not a user error: not raised by validation). The record is `value = i**2` and the measuring process's PID.
+not a user error: not raised by validation). The record is `value = i**2`
+and the measuring process's PID.
 """
 
 import os

@@ -25,7 +25,8 @@ CASES = {
                     r"error: --config\.model\.nonexistent=3: no such key in "
                     r"configs/default\.py:smoke; nearest: --config\.model\.\w+$"),
     "typo_key": ("experiments.main", subproc.main_args("{workdir}", "train.stepz=3", config=SMOKE),
-                 r"error: --config\.train\.stepz=3: no such key .*; nearest: --config\.train\.steps$"),
+                 r"error: --config\.train\.stepz=3: no such key .*; "
+                 r"nearest: --config\.train\.steps$"),
     "key_in_wrong_section": ("experiments.main",
                              subproc.main_args("{workdir}", "decode.num_layers=2", config=SMOKE),
                              r"no such key .*; nearest: --config\.model\.num_layers$"),

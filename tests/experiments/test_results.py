@@ -111,7 +111,8 @@ def test_valid_final_line_without_newline_is_kept(tmp_path):
   assert not os.path.exists(store.corrupt_path)
 
 
-@pytest.mark.parametrize("bad", [b'{"point": "x", "v":', b"[1, 2]", b'{"no_point": 1}', b"\xff\xfe"])
+@pytest.mark.parametrize("bad", [b'{"point": "x", "v":', b"[1, 2]", b'{"no_point": 1}',
+                                 b"\xff\xfe"])
 def test_unreadable_line_before_the_last_names_file_and_line(tmp_path, bad):
   store = _store(tmp_path, "a")
   with open(store.path, "ab") as f:
