@@ -51,12 +51,12 @@ import functools
 import importlib
 import itertools
 import json
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import cli
 from experiments import timing
 
 # The module (the package attribute `pallas_kernels.decode_attention` is the function).
@@ -71,7 +71,7 @@ except ImportError:  # pragma: no cover - depends on the machine
 def _parser() -> argparse.ArgumentParser:
   # argparse rather than absl: experiments/gpu_check.sh runs this on machines
   # that may have nothing but JAX installed.
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = cli.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--preset", choices=["cpu", "gpu", "gpu_quick"], default=None,
                  help="Shape list; default: 'gpu' on GPU/TPU, 'cpu' otherwise.")
   p.add_argument("--length_fraction", type=float, default=1.0,
@@ -366,4 +366,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  cli.run_plain(main)

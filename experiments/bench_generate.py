@@ -35,6 +35,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
+from experiments import cli
 from experiments import timing
 from kvattn import transformer as transformer_lib
 
@@ -157,4 +158,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

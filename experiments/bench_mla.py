@@ -51,6 +51,7 @@ from absl import app, flags
 from flax import nnx
 
 import kvattn
+from experiments import cli
 from experiments import results
 from experiments import timing
 from kvattn import memory
@@ -235,4 +236,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

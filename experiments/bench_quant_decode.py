@@ -25,6 +25,7 @@ import json
 import jax
 import jax.numpy as jnp
 
+from experiments import cli
 from experiments import timing
 from kvattn import ops
 from kvattn.ops import dispatch, quant
@@ -42,7 +43,7 @@ IMPLS = ("xla", "xla_blocked", None)
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = cli.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--repeats", type=int, default=15, help="timed samples per (dtype, path)")
   p.add_argument("--calls", type=int, default=5, help="back-to-back calls per sample")
   p.add_argument("--out", default=None, help="also write the markdown table here")
@@ -116,4 +117,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  cli.run_plain(main)

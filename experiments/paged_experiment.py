@@ -55,6 +55,7 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
+from experiments import cli
 from experiments import report as report_lib
 from experiments import results
 from experiments import runner
@@ -507,4 +508,4 @@ def main(argv):
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(main)
+  cli.run(main)

@@ -65,7 +65,9 @@ from absl import logging
 from flax import nnx
 from ml_collections import config_dict
 
+from experiments import cli
 from experiments import results
+from experiments import workdir as workdir_lib
 from kvattn import memory
 from kvattn import transformer as transformer_lib
 
@@ -334,7 +336,7 @@ class RunResult:
 
 def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *,
         config_file: str | None = None, max_points: int | None = None,
-        defaults: Mapping[str, Any] | None = None) -> RunResult:
+        defaults: Mapping[str, Any] | None = None, wait: bool = False) -> RunResult:
   """Runs (or resumes) the experiment of `config` over `sweep` in `workdir`.
 
   Before any work (nothing is written, nothing trained): the family validates
@@ -357,82 +359,105 @@ def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *
     defaults: the config file's own `get_config(arg)` (plain dict), to tell
       command-line overrides from the file's values; None: `config_file`'s
       (`load_config_defaults`), or no check without a file.
+    wait: when another run holds the workdir (or the training directory),
+      wait for it instead of raising `WorkdirBusyError`.
+
+  After validation, the run holds an OS lock on `workdir` and, for a config
+  with `experiment.train_dir`, on the training directory (default
+  `<workdir>/train`) until it returns (experiments/workdir.py): a second run
+  on either stops at once, or waits with `wait`. The records are read with
+  `results.ResultStore` (a torn final line is set aside and its point
+  measured again; duplicates resolve to the newest); `results.csv` is
+  written once, when the run ends (normally or by an exception), from every
+  record of the store.
 
   Returns:
     A RunResult (the report is written even when points remain).
 
   Raises:
-    ValueError: invalid config or sweep, an override the sweep would discard,
-      or a decode backend that cannot run a point (before any training or
-      measurement).
+    ValueError: (`cli.ConfigError`) invalid config or sweep, an override the
+      sweep would discard, or a decode backend that cannot run a point
+      (before any training or measurement).
+    experiments.workdir.WorkdirBusyError: another process holds the workdir
+      or the training directory and `wait` is False.
+    experiments.results.RecordsError: an unreadable line in results.jsonl
+      other than a torn final line.
   """
-  d = to_dict(config)
-  kind = d.get("experiment", {}).get("kind")
-  factory = family_factory(kind)
-  if max_points is None:
-    max_points = d["experiment"].get("max_points")
-  if max_points is not None and (isinstance(max_points, bool) or not isinstance(max_points, int)
-                                 or max_points < 0):
-    raise ValueError(f"experiment.max_points must be a non-negative int or None; got "
-                     f"{max_points!r}")
-  workdir = os.path.abspath(workdir)
-  family = factory(workdir)
-  points = family.points(config, list(sweep))  # validates everything before any work
-  if defaults is None:
-    defaults = load_config_defaults(config_file)
-  check_overrides_kept(d, sweep, defaults, config_file)
-  preflight = getattr(family, "preflight", None)
-  if preflight is not None:
-    for point in points:
-      preflight(point)
-  os.makedirs(workdir, exist_ok=True)
-  results.atomic_write_text(os.path.join(workdir, "config.json"), json.dumps(
-      {"config_file": config_file, "config": d, "sweep": list(sweep),
-       "points": [p.id for p in points],
-       "environment_info": jax.print_environment_info(return_string=True).splitlines()},
-      indent=2, sort_keys=True, default=str) + "\n")
-
-  store = results.ResultStore(workdir)
-  done = store.done()
-  todo = [p for p in points if p.id not in done]
-  if len(todo) < len(points):
-    logging.info("resuming: %d of %d points already in %s", len(points) - len(todo), len(points),
-                 store.path)
-  if max_points:
-    todo = todo[:max_points]
-  measured = []
-  bar = tqdm.tqdm(total=len(todo), desc="points", unit="point",
-                  dynamic_ncols=True)
-  try:
-    for point in todo:
-      bar.set_postfix_str(point.label)
-      start = time.perf_counter()
-      record = family.measure(point)
-      record = {"point": point.id, "label": point.label, "family": kind, **point.params,
-                **record, "point_seconds": time.perf_counter() - start,
-                "load_avg_1min": os.getloadavg()[0], "measured_at": time.strftime(
-                    "%Y-%m-%dT%H:%M:%S%z"), "environment": results.environment(),
-                "cpu_model": cpu_model(),
-                "config": point.config}
-      store.append(record)
+  with cli.config_errors():  # validation: its ValueErrors are the user's (exit 2 on the CLI)
+    d = to_dict(config)
+    kind = d.get("experiment", {}).get("kind")
+    factory = family_factory(kind)
+    if max_points is None:
+      max_points = d["experiment"].get("max_points")
+    if max_points is not None and (isinstance(max_points, bool) or not isinstance(max_points, int)
+                                   or max_points < 0):
+      raise ValueError(f"experiment.max_points must be a non-negative int or None; got "
+                       f"{max_points!r}")
+    workdir = os.path.abspath(workdir)
+    # One run per workdir (and per training directory, which other workdirs may share): a
+    # busy one fails now, before the validation below (seconds: data, pre-flight traces).
+    lock_dirs = {workdir: "workdir"}
+    train_dir = d["experiment"].get("train_dir", False)  # False: the family has no such key
+    if train_dir is None or isinstance(train_dir, str):  # else validation names the bad value
+      lock_dirs[train_dir or os.path.join(workdir, "train")] = "training directory"
+    if not wait:
+      workdir_lib.check_free(lock_dirs)
+    family = factory(workdir)
+    points = family.points(config, list(sweep))  # validates everything before any work
+    if defaults is None:
+      defaults = load_config_defaults(config_file)
+    check_overrides_kept(d, sweep, defaults, config_file)
+    preflight = getattr(family, "preflight", None)
+    if preflight is not None:
+      for point in points:
+        preflight(point)
+  with workdir_lib.locked(lock_dirs, wait=wait):
+    results.atomic_write_text(os.path.join(workdir, "config.json"), json.dumps(
+        {"config_file": config_file, "config": d, "sweep": list(sweep),
+         "points": [p.id for p in points],
+         "environment_info": jax.print_environment_info(return_string=True).splitlines()},
+        indent=2, sort_keys=True, default=str) + "\n")
+    store = results.ResultStore(workdir)
+    store.recover()  # a torn final line (killed mid-append) is set aside; its point reruns
+    done = store.done()
+    todo = [p for p in points if p.id not in done]
+    if len(todo) < len(points):
+      logging.info("resuming: %d of %d points already in %s", len(points) - len(todo),
+                   len(points), store.path)
+    if max_points:
+      todo = todo[:max_points]
+    measured = []
+    bar = tqdm.tqdm(total=len(todo), desc="points", unit="point", dynamic_ncols=True)
+    try:
+      for point in todo:
+        bar.set_postfix_str(point.label)
+        start = time.perf_counter()
+        record = family.measure(point)
+        record = {"point": point.id, "label": point.label, "family": kind, **point.params,
+                  **record, "point_seconds": time.perf_counter() - start,
+                  "load_avg_1min": os.getloadavg()[0], "measured_at": time.strftime(
+                      "%Y-%m-%dT%H:%M:%S%z"), "environment": results.environment(),
+                  "cpu_model": cpu_model(),
+                  "config": point.config}
+        store.append(record)
+        measured.append(point.id)
+        bar.update(1)
+    finally:  # results.csv: every point of the store, once per run, also after an exception
+      bar.close()
       results.write_csv(os.path.join(workdir, "results.csv"), store.records())
-      measured.append(point.id)
-      bar.update(1)
-  finally:
-    bar.close()
-  ids = {p.id for p in points}
-  order = {p.id: i for i, p in enumerate(points)}
-  records = sorted((r for r in store.records() if r["point"] in ids),
-                   key=lambda r: order[r["point"]])
-  results.write_csv(os.path.join(workdir, "results.csv"), store.records())
-  markdown = family.report(records)
+    ids = {p.id for p in points}
+    order = {p.id: i for i, p in enumerate(points)}
+    records = sorted((r for r in store.records() if r["point"] in ids),
+                     key=lambda r: order[r["point"]])
+    markdown = family.report(records)
   return RunResult(os.path.join(workdir, "report.md"), markdown, records, measured,
                    len(records) == len(points))
 
 
-def main(config: Any, workdir: str, config_file: str | None = None) -> RunResult:
+def main(config: Any, workdir: str, config_file: str | None = None, *, wait: bool = False
+         ) -> RunResult:
   """`experiments.main`: loads the sweep of `config_file`, runs, prints the report."""
-  result = run(config, workdir, load_sweep(config_file), config_file=config_file)
+  result = run(config, workdir, load_sweep(config_file), config_file=config_file, wait=wait)
   status = "" if result.complete else (
       f" ({len(result.records)} points measured so far; rerun to continue)")
   print(f"\nReport: {result.report_path}{status}\n")

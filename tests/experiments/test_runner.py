@@ -28,7 +28,7 @@ class StandIn:
   KeyboardInterrupt at that label, as a Ctrl-C in the middle of a point would.
   """
 
-  kind = "standin"
+  kind = "grid_standin"
   LOG: list[tuple[str, object]] = []
   INTERRUPT_AT: str | None = None
 
@@ -86,7 +86,7 @@ def _config(xs=(1, 2, 3), scale=2.0):
   config = config_dict.ConfigDict()
   config.grid = config_dict.ConfigDict({"xs": tuple(xs), "scale": scale})
   config.experiment = config_dict.ConfigDict(
-      {"kind": "standin", "name": "stand-in", "max_points": config_dict.placeholder(int)})
+      {"kind": "grid_standin", "name": "stand-in", "max_points": config_dict.placeholder(int)})
   return config
 
 
@@ -109,7 +109,7 @@ def test_every_point_is_measured_once_recorded_and_reported(tmp_path):
   assert [r["y"] for r in result.records] == [2.0, 4.0, 6.0, 3.0, 6.0, 9.0]
   assert [r["point"] for r in _stored(workdir)] == result.measured
   r = result.records[0]
-  assert (r["label"], r["family"], r["x"]) == ("x1-s2.0", "standin", 1)
+  assert (r["label"], r["family"], r["x"]) == ("x1-s2.0", "grid_standin", 1)
   assert r["config"]["grid"]["scale"] == 2.0 and list(r["config"]["grid"]["xs"]) == [1, 2, 3]
   assert r["environment"]["backend"] and r["cpu_model"] and r["point_seconds"] >= 0
   with open(os.path.join(workdir, "results.csv"), encoding="utf-8") as f:
@@ -190,8 +190,8 @@ def test_bad_sections_and_keys_fail_before_any_work(tmp_path):
   with pytest.raises(ValueError, match=r"config: grid\.step is not a known key"):
     runner.run(config, str(tmp_path / "run"))
   del config["grid"]["step"]
-  config["experiment"]["kind"] = "standin_typo"
-  with pytest.raises(ValueError, match=r"experiment\.kind must be one of .*'standin'"):
+  config["experiment"]["kind"] = "grid_standin_typo"
+  with pytest.raises(ValueError, match=r"experiment\.kind must be one of .*'grid_standin'"):
     runner.run(config, str(tmp_path / "run"))
   assert _measured() == [] and not os.path.exists(tmp_path / "run")
 
