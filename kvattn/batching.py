@@ -55,7 +55,9 @@ from kvattn import data as data_lib
 from kvattn.allocator import OutOfPagesError, PageAllocator, pages_for
 from kvattn.cache_factories import gqa_layers
 from kvattn.generate import Sampling, sample_logits
+from kvattn.offload import PageCodec
 from kvattn.paged import PagedKVCache
+from kvattn.prefix_cache import PrefixCachingAllocator
 
 FINISH_REASONS = ("eos", "length", "out_of_pages")
 
@@ -92,6 +94,7 @@ class _Live:
   max_new_tokens: int
   cache_len: int  # tokens in the cache (host mirror of lengths[slot])
   joined_step: int
+  prompt: Any = None  # the prompt's token ids (kept for the prefix cache)
 
 
 class ContinuousBatcher:
@@ -108,7 +111,8 @@ class ContinuousBatcher:
                max_len: int, max_prompt_len: int, temperature: float = 0.0,
                top_k: int | None = None, top_p: float | None = None,
                eos_id: int | None = None, pad_id: int = data_lib.PAD_ID, dtype: Any = None,
-               seed: int | None = None, rng: Any = None):
+               seed: int | None = None, rng: Any = None, prefix_cache: bool = False,
+               offload: Any = None):
     """Builds the caches, the allocator and the jitted programs.
 
     Args:
@@ -124,6 +128,13 @@ class ContinuousBatcher:
       dtype: cache dtype (default the model's compute dtype).
       seed: shuffles the allocator's free list (None: ascending pages).
       rng: jax key (`jax.random.key`) or int seed for sampling (None: 0).
+      prefix_cache: share cached prompt prefixes between requests
+        (`kvattn.prefix_cache.PrefixCachingAllocator`): a prompt whose first
+        whole pages are cached prefills only the rest; prefills are padded
+        to power-of-two buckets instead of `max_prompt_len` (one compile per
+        bucket).
+      offload: a `kvattn.offload.TieredStore` where evicted cached pages go
+        (host memory, disk) and come back from on a hit; needs `prefix_cache`.
 
     Raises:
       ValueError/TypeError: bad sizes, an MLA layer, `max_prompt_len > max_len`.
@@ -143,7 +154,15 @@ class ContinuousBatcher:
     self.pad_id = int(pad_id)
     attns = gqa_layers(model)
     pps = pages_for(self.max_len, self.page_size)
-    self.allocator = PageAllocator(num_pages, self.page_size, pps, seed=seed)
+    if offload is not None and not prefix_cache:
+      raise ValueError("offload needs prefix_cache=True (only cached prefixes are offloaded)")
+    self.prefix_cache = bool(prefix_cache)
+    if self.prefix_cache:
+      self.allocator = PrefixCachingAllocator(num_pages, self.page_size, pps, seed=seed,
+                                              offload=offload)
+    else:
+      self.allocator = PageAllocator(num_pages, self.page_size, pps, seed=seed)
+    self.prefill_tokens = 0  # prompt tokens run through the model (the rest came from the cache)
     dtype = getattr(model, "dtype", jnp.float32) if dtype is None else dtype
     self.caches = tuple(
         PagedKVCache.init(self.num_slots, num_pages=self.allocator.num_pages,
@@ -160,15 +179,25 @@ class ContinuousBatcher:
     self.steps = 0
     self.traces: collections.Counter = collections.Counter()
     self._build_programs()
+    if offload is not None:
+      codec = PageCodec(self.caches)
+      self.allocator.bind_device(lambda pages: codec.read(self.caches, pages),
+                                 self._offload_writer(codec))
+
+  def _offload_writer(self, codec):
+    def write(pages, payloads):
+      self.caches = codec.write(self.caches, pages, payloads)
+    return write
 
   # Jitted programs (each traced once: shapes are static, the slot is traced).
   def _build_programs(self):
     graphdef, sampling, pad_id, traces = self._graphdef, self.sampling, self.pad_id, self.traces
 
-    def join(state, caches, slot, row, prompt, prompt_len, rng):
+    def join(state, caches, slot, row, prompt, prompt_len, rng, start):
+      # prompt: the tokens after the `start` already cached (0 without a prefix cache).
       traces["join"] += 1
       model = nnx.merge(graphdef, state)
-      caches = tuple(c.assign_slot(slot, row, 0) for c in caches)
+      caches = tuple(c.assign_slot(slot, row, start) for c in caches)
       # A batch-1 view: the slot's row and length over the shared pools.
       views = tuple(
           PagedKVCache(
@@ -224,6 +253,7 @@ class ContinuousBatcher:
   def stats(self) -> dict[str, Any]:
     """Slot occupancy and the allocator's `PoolStats` as a dict."""
     return {"steps": self.steps, "active_slots": self.num_slots - len(self.free_slots),
+            "prefill_tokens": self.prefill_tokens,
             **dataclasses.asdict(self.allocator.stats())}
 
   # Scheduling.
@@ -269,14 +299,23 @@ class ContinuousBatcher:
     if not free:
       raise NoFreeSlotError(f"no free slot for {request_id!r}: all {self.num_slots} are busy")
     slot = free[0]
-    self.allocator.allocate(request_id, n)  # raises OutOfPagesError before any change
+    if self.prefix_cache:  # both raise OutOfPagesError before any change
+      start = self.allocator.allocate_prompt(request_id, prompt)
+    else:
+      start = 0
+      self.allocator.allocate(request_id, n)
     row = self.allocator.block_table_row(request_id)
-    padded = np.zeros((self.max_prompt_len,), np.int32)
-    padded[:n] = prompt
+    rest = prompt[start:]
+    padded = np.zeros((self._bucket(len(rest)),), np.int32)
+    padded[:len(rest)] = rest
     self.caches, first, self._rng = self._join(self._state, self.caches, np.int32(slot), row,
-                                               padded, np.int32(n), self._rng)
+                                               padded, np.int32(len(rest)), self._rng,
+                                               np.int32(start))
+    self.prefill_tokens += len(rest)
+    if self.prefix_cache:
+      self.allocator.register(request_id, prompt)
     first = int(first)
-    self._slots[slot] = _Live(request_id, [first], max_new_tokens, n, self.steps)
+    self._slots[slot] = _Live(request_id, [first], max_new_tokens, n, self.steps, prompt)
     self._last[slot] = first
     reason = self._reason(self._slots[slot], first)
     return self._finish(slot, reason) if reason else slot
@@ -342,6 +381,13 @@ class ContinuousBatcher:
     return done
 
   # Helpers.
+  def _bucket(self, n: int) -> int:
+    """Padded prefill width: `max_prompt_len`, or with the prefix cache the
+    next power of two >= n (at most `max_prompt_len`)."""
+    if not self.prefix_cache:
+      return self.max_prompt_len
+    return min(self.max_prompt_len, 1 << max(0, int(n) - 1).bit_length())
+
   def _reason(self, live: _Live, token: int) -> str | None:
     if self.eos_id is not None and token == self.eos_id:
       return "eos"
@@ -351,7 +397,12 @@ class ContinuousBatcher:
 
   def _finish(self, slot: int, reason: str) -> Finished:
     live = self._slots[slot]
-    self.allocator.free(live.request_id)
+    if self.prefix_cache:  # the cache holds the prompt and the generated tokens fed back
+      held = np.concatenate([live.prompt, np.asarray(live.tokens[:live.cache_len - len(
+          live.prompt)], np.int64)])
+      self.allocator.free(live.request_id, tokens=held)
+    else:
+      self.allocator.free(live.request_id)
     self.caches = self._release(self.caches, np.int32(slot))
     self._slots[slot] = None
     self._last[slot] = self.pad_id
