@@ -129,6 +129,15 @@ class MultiHeadLatentAttention(nnx.Module):
       dtype: Any = None,
       param_dtype: Any = jnp.float32,
       decode_implementation: str | None = None,
+      softmax_scale_factor: float = 1.0,
+      rope_scaling: str | None = None,
+      rope_factor: float | None = None,
+      rope_original_max_position: int | None = None,
+      rope_low_freq_factor: float | None = None,
+      rope_high_freq_factor: float | None = None,
+      rope_beta_fast: float | None = None,
+      rope_beta_slow: float | None = None,
+      rope_attention_factor: float | None = None,
       rngs: nnx.Rngs,
   ):
     """Builds the projections.
@@ -151,11 +160,19 @@ class MultiHeadLatentAttention(nnx.Module):
       decode_implementation: backend for T == 1 absorbed steps, passed to
         `kvattn.ops.mla_decode_attention`: one of `decode_implementations()`
         or None (the best available).
+      softmax_scale_factor: multiplies the eq. 18 softmax scale
+        `(qk_nope_head_dim + R)^-0.5` (DeepSeek's YaRN: `yarn_mscale(factor,
+        mscale_all_dim)^2`, as transformers' `yarn_apply_mscale`).
+      rope_scaling: None (plain RoPE) or a context-extension scaling of the
+        frequencies of the R rope dims, "linear", "llama3" or "yarn", with its
+        `rope_*` parameters (`kvattn.GroupedQueryAttention` has the list;
+        `kvattn.ops.RopeScaling`).
       rngs: `nnx.Rngs` with a `params` stream.
 
     Raises:
       ValueError: a non-positive size, an odd qk_rope_head_dim, non-positive
-        rope_theta / rms_eps / window, an unknown path or decode_implementation.
+        rope_theta / rms_eps / window / softmax_scale_factor, an unknown path
+        or decode_implementation, an invalid rope scaling.
       TypeError: a size that is not an int; a decode_implementation that is
         not a str or None; a dtype or param_dtype that is not a floating dtype.
     """
@@ -169,6 +186,11 @@ class MultiHeadLatentAttention(nnx.Module):
     self.v_head_dim = _checks.positive_int("v_head_dim", v_head_dim)
     self.q_lora_rank = _checks.optional_positive_int("q_lora_rank", q_lora_rank)
     self.rope_theta = _checks.positive_float("rope_theta", rope_theta)
+    self.rope_scaling = ops.rope_scaling_from_fields(
+        rope_scaling, rope_factor=rope_factor, rope_original_max_position=rope_original_max_position,
+        rope_low_freq_factor=rope_low_freq_factor, rope_high_freq_factor=rope_high_freq_factor,
+        rope_beta_fast=rope_beta_fast, rope_beta_slow=rope_beta_slow,
+        rope_attention_factor=rope_attention_factor)
     self.window = _checks.optional_positive_int("window", window)
     self.rms_eps = _checks.positive_float("rms_eps", rms_eps)
     if path not in PATHS:
@@ -178,8 +200,11 @@ class MultiHeadLatentAttention(nnx.Module):
     param_dtype = _checks.float_dtype("param_dtype", param_dtype)
     self.decode_implementation = _checks.implementation(
         "decode_implementation", decode_implementation, decode_implementations())
-    # DeepSeek-V2 eq. 18: the scale of the trained per-head width.
-    self.sm_scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+    # DeepSeek-V2 eq. 18: the scale of the trained per-head width (times the YaRN correction).
+    self.softmax_scale_factor = _checks.positive_float("softmax_scale_factor",
+                                                       softmax_scale_factor)
+    self.sm_scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5 * \
+        self.softmax_scale_factor
 
     D, N, C, R = self.d_model, self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
     Hn, Hv, Hq = self.qk_nope_head_dim, self.v_head_dim, self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -216,14 +241,16 @@ class MultiHeadLatentAttention(nnx.Module):
       c_q = rms_norm(c_q, self.q_norm[...], self.rms_eps)
       q = self._einsum("BTQ,QNH->BTNH", c_q, self.q_up_proj, dtype)
     q_nope, q_rope = jnp.split(q, [self.qk_nope_head_dim], axis=-1)
-    return q_nope, ops.apply_rope(q_rope, positions, rope_theta=self.rope_theta)
+    return q_nope, ops.apply_rope(q_rope, positions, rope_theta=self.rope_theta,
+                                  scaling=self.rope_scaling)
 
   def _latents(self, x, positions, dtype):
     """Returns `(c_kv [B, T, C], k_rope [B, T, R])`: normalised latent, roped shared key."""
     ckr = self._einsum("BTD,DE->BTE", x, self.kv_down_proj, dtype)
     c_kv, k_rope = jnp.split(ckr, [self.kv_lora_rank], axis=-1)
     c_kv = rms_norm(c_kv, self.kv_norm[...], self.rms_eps)
-    return c_kv, ops.apply_rope(k_rope, positions, rope_theta=self.rope_theta)
+    return c_kv, ops.apply_rope(k_rope, positions, rope_theta=self.rope_theta,
+                                scaling=self.rope_scaling)
 
   def _naive(self, q_nope, q_rope, c_kv, k_rope, q_offsets, kv_lengths, dtype):
     """Expanded per-head attention; returns `[B, T, N, Hv]`."""

@@ -55,6 +55,7 @@ from flax import nnx
 from ml_collections import config_dict
 
 from kvattn import transformer as transformer_lib
+from kvattn.ops import rope as rope_lib
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "deepseek_v2")
 CONFIG_FILE = "config.json"
@@ -119,35 +120,40 @@ def _rope_scaling_fields(scaling: Mapping[str, Any] | None, allowed: Sequence[st
   if kind not in allowed:
     raise _unsupported("rope_scaling.rope_type", kind,
                        f"model_type {config.get('model_type')!r} supports {list(allowed)}")
+
+  def need(key):
+    if scaling.get(key) is None:
+      raise ValueError(f"config rope_scaling.{key} is missing (rope_type {kind!r} needs it)")
+    return scaling[key]
+
   factor = scaling.get("factor")
   if kind == "yarn" and factor is None:  # DeepSeek-V3 style: the ratio of the contexts
-    factor = (_get(config, "max_position_embeddings")
-              / _get(scaling, "original_max_position_embeddings"))
-  fields = dict(rope_scaling=kind, rope_factor=float(_get(scaling, "factor", factor)))
+    factor = _get(config, "max_position_embeddings") / need("original_max_position_embeddings")
+  fields = dict(rope_scaling=kind, rope_factor=float(need("factor") if factor is None else factor))
   if kind == "llama3":
     fields.update(
-        rope_low_freq_factor=float(_get(scaling, "low_freq_factor")),
-        rope_high_freq_factor=float(_get(scaling, "high_freq_factor")),
-        rope_original_max_position=int(_get(scaling, "original_max_position_embeddings")))
+        rope_low_freq_factor=float(need("low_freq_factor")),
+        rope_high_freq_factor=float(need("high_freq_factor")),
+        rope_original_max_position=int(need("original_max_position_embeddings")))
   elif kind == "yarn":
-    if scaling.get("attention_factor") is not None:
-      raise _unsupported("rope_scaling.attention_factor", scaling["attention_factor"],
-                         "an explicit YaRN attention factor")
     if scaling.get("truncate", True) is not True:
       raise _unsupported("rope_scaling.truncate", scaling["truncate"],
                          "an untruncated YaRN correction range")
+    f = fields["rope_factor"]
+    attention_factor = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention_factor is None:  # as transformers' _compute_yarn_parameters
+      if mscale and mscale_all_dim:
+        attention_factor = rope_lib.yarn_mscale(f, mscale) / rope_lib.yarn_mscale(
+            f, mscale_all_dim)
+      else:
+        attention_factor = rope_lib.yarn_mscale(f)
     fields.update(
-        rope_original_max_position=int(_get(scaling, "original_max_position_embeddings")),
+        rope_original_max_position=int(need("original_max_position_embeddings")),
         rope_beta_fast=float(scaling.get("beta_fast") or 32.0),
         rope_beta_slow=float(scaling.get("beta_slow") or 1.0),
-        rope_mscale=float(scaling.get("mscale") or 0.0),
-        rope_mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0))
+        rope_attention_factor=float(attention_factor))
   return fields
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-  """YaRN's magnitude correction `0.1 * mscale * ln(factor) + 1` (1 for factor <= 1)."""
-  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _check_common(config: Mapping[str, Any]) -> None:
@@ -241,10 +247,10 @@ def model_config_from_hf(config: Mapping[str, Any], *, dtype: Any = None,
         v_head_dim=int(_get(config, "v_head_dim")),
         q_lora_rank=None if config.get("q_lora_rank") is None else int(config["q_lora_rank"]))
     attention.update(_rope_scaling_fields(scaling, ("linear", "yarn"), config))
-    mscale_all_dim = attention.get("rope_mscale_all_dim")
+    mscale_all_dim = (scaling or {}).get("mscale_all_dim")
     if mscale_all_dim:  # transformers' yarn_apply_mscale: the softmax scale times mscale^2
-      attention["softmax_scale_factor"] = yarn_mscale(attention["rope_factor"],
-                                                      mscale_all_dim) ** 2
+      attention["softmax_scale_factor"] = rope_lib.yarn_mscale(attention["rope_factor"],
+                                                               mscale_all_dim) ** 2
   else:
     if model_type != "qwen2" and config.get("attention_bias"):
       raise _unsupported("attention_bias", config["attention_bias"],

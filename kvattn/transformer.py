@@ -33,16 +33,29 @@ bad values raise ValueError naming the dotted key):
                                 name: "gqa" `kvattn.gqa.decode_implementations()`,
                                 "mla" `kvattn.mla.decode_implementations()`,
                                 e.g. "xla", "pallas").
+    rope_scaling          str|None  RoPE context extension (both kinds):
+                                None, "linear", "llama3" or "yarn"
+                                (`kvattn.ops.RopeScaling`); its parameters
+                                (None when the kind does not use them):
+    rope_factor           float|None  extension factor (every kind).
+    rope_original_max_position int|None  pretraining context ("llama3", "yarn").
+    rope_low_freq_factor  float|None  "llama3" band edge.
+    rope_high_freq_factor float|None  "llama3" band edge (> low).
+    rope_beta_fast        float|None  "yarn" ramp bound (None: 32).
+    rope_beta_slow        float|None  "yarn" ramp bound (None: 1).
+    rope_attention_factor float|None  "yarn" cos/sin factor (None: 0.1 ln f + 1).
     -- "gqa" only --
     num_kv_heads          int   KV heads K, divides N (N: MHA, 1: MQA).
     head_dim              int   H, even.
     soft_cap              float|None  attention logit soft cap.
+    qkv_bias              bool  biases on the q/k/v projections (Qwen2).
     -- "mla" only (DeepSeek-V2 names) --
     kv_lora_rank          int   latent width C.
     qk_nope_head_dim      int   no-RoPE query/key head width.
     qk_rope_head_dim      int   decoupled RoPE width R, even.
     v_head_dim            int   value head width.
     q_lora_rank           int|None  query low-rank width (None: full-rank).
+    softmax_scale_factor  float multiplies the softmax scale (DeepSeek YaRN mscale^2).
   model.layers            tuple, empty (every layer uses `attention`) or one
                           entry per layer: None / {} (use `attention`) or a
                           dict of `attention` keys overriding it for that
@@ -69,12 +82,18 @@ from ml_collections import config_dict
 from kvattn import _checks
 from kvattn import memory
 from kvattn import gqa as gqa_lib
+from kvattn.ops import rope as ops_rope
 from kvattn.gqa import GroupedQueryAttention
 
 ATTENTION_KINDS = ("gqa", "mla")
-_COMMON_ATTENTION_KEYS = ("kind", "num_heads", "rope_theta", "window", "decode_implementation")
-_GQA_KEYS = ("num_kv_heads", "head_dim", "soft_cap")
-_MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank")
+_ROPE_SCALING_KEYS = ("rope_scaling", "rope_factor", "rope_original_max_position",
+                      "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
+                      "rope_beta_slow", "rope_attention_factor")
+_COMMON_ATTENTION_KEYS = ("kind", "num_heads", "rope_theta", "window",
+                          "decode_implementation") + _ROPE_SCALING_KEYS
+_GQA_KEYS = ("num_kv_heads", "head_dim", "soft_cap", "qkv_bias")
+_MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank",
+             "softmax_scale_factor")
 _MODEL_KEYS = ("vocab_size", "d_model", "num_layers", "mlp_dim", "tie_embeddings", "norm_eps",
                "dtype", "param_dtype", "attention", "layers")
 
@@ -91,14 +110,24 @@ def attention_config(**overrides: Any) -> config_dict.ConfigDict:
   cfg.rope_theta = 10000.0  # RoPE base.
   cfg.window = config_dict.placeholder(int)  # Sliding window in tokens; None = full.
   cfg.decode_implementation = config_dict.placeholder(str)  # kvattn.ops backend; None = best.
+  cfg.rope_scaling = config_dict.placeholder(str)  # None, "linear", "llama3" or "yarn".
+  cfg.rope_factor = config_dict.placeholder(float)  # Context extension factor.
+  cfg.rope_original_max_position = config_dict.placeholder(int)  # Pretraining context.
+  cfg.rope_low_freq_factor = config_dict.placeholder(float)  # "llama3" band edge.
+  cfg.rope_high_freq_factor = config_dict.placeholder(float)  # "llama3" band edge.
+  cfg.rope_beta_fast = config_dict.placeholder(float)  # "yarn" ramp bound; None = 32.
+  cfg.rope_beta_slow = config_dict.placeholder(float)  # "yarn" ramp bound; None = 1.
+  cfg.rope_attention_factor = config_dict.placeholder(float)  # "yarn" cos/sin factor.
   cfg.num_kv_heads = 8  # GQA: KV heads K (N: MHA, 1: MQA).
   cfg.head_dim = 32  # GQA: head width H (even).
   cfg.soft_cap = config_dict.placeholder(float)  # GQA: logit soft cap; None = off.
+  cfg.qkv_bias = False  # GQA: biases on the q/k/v projections (Qwen2).
   cfg.kv_lora_rank = 64  # MLA: latent width C.
   cfg.qk_nope_head_dim = 32  # MLA: no-RoPE query/key head width.
   cfg.qk_rope_head_dim = 16  # MLA: decoupled RoPE width R (even).
   cfg.v_head_dim = 32  # MLA: value head width.
   cfg.q_lora_rank = config_dict.placeholder(int)  # MLA: query low rank; None = full rank.
+  cfg.softmax_scale_factor = 1.0  # MLA: multiplies the softmax scale (DeepSeek YaRN mscale^2).
   _apply_overrides(cfg, overrides, "model.attention")
   return cfg
 
@@ -163,6 +192,20 @@ class AttentionSpec:
   qk_rope_head_dim: int | None = None
   v_head_dim: int | None = None
   q_lora_rank: int | None = None
+  qkv_bias: bool | None = None
+  softmax_scale_factor: float | None = None
+  rope_scaling: str | None = None
+  rope_factor: float | None = None
+  rope_original_max_position: int | None = None
+  rope_low_freq_factor: float | None = None
+  rope_high_freq_factor: float | None = None
+  rope_beta_fast: float | None = None
+  rope_beta_slow: float | None = None
+  rope_attention_factor: float | None = None
+
+  def rope_kwargs(self) -> dict[str, Any]:
+    """The `rope_*` keywords of the attention modules."""
+    return {k: getattr(self, k) for k in _ROPE_SCALING_KEYS}
 
   def bytes_per_token(self, dtype: Any) -> int:
     """Analytic cache bytes per token of this layer (`kvattn.memory`)."""
@@ -213,6 +256,27 @@ def _opt_int(where: str, value: Any) -> int | None:
   return None if value is None else _int(where, value)
 
 
+def _opt_float(where: str, value: Any) -> float | None:
+  return None if value is None else _float(where, value)
+
+
+def _rope_scaling(d: Mapping[str, Any], where: str) -> dict[str, Any]:
+  """The validated `rope_*` keys of an attention section (ValueError naming the dotted key)."""
+  kind = d.get("rope_scaling")
+  if kind is not None and kind not in ops_rope.ROPE_SCALINGS:
+    raise ValueError(f"{where}.rope_scaling must be one of {ops_rope.ROPE_SCALINGS} or None; "
+                     f"got {kind!r}")
+  values = {"rope_scaling": kind}
+  for key in _ROPE_SCALING_KEYS[1:]:
+    check = _opt_int if key == "rope_original_max_position" else _opt_float
+    values[key] = check(f"{where}.{key}", d.get(key))
+  try:
+    ops_rope.rope_scaling_from_fields(**values)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
+  return values
+
+
 def _float(where: str, value: Any) -> float:
   if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
       or value == float("inf"):
@@ -250,7 +314,7 @@ def _attention_spec(d: Mapping[str, Any], where: str) -> AttentionSpec:
   common = dict(kind=kind, num_heads=_int(f"{where}.num_heads", d.get("num_heads")),
                 rope_theta=_float(f"{where}.rope_theta", d.get("rope_theta")),
                 window=_opt_int(f"{where}.window", d.get("window")),
-                decode_implementation=impl)
+                decode_implementation=impl, **_rope_scaling(d, where))
   if kind == "gqa":
     num_kv_heads = _int(f"{where}.num_kv_heads", d.get("num_kv_heads"))
     if common["num_heads"] % num_kv_heads:
@@ -258,17 +322,23 @@ def _attention_spec(d: Mapping[str, Any], where: str) -> AttentionSpec:
           f"{where}.num_kv_heads must divide {where}.num_heads; got {num_kv_heads} and "
           f"{common['num_heads']}")
     soft_cap = d.get("soft_cap")
+    qkv_bias = d.get("qkv_bias", False)
+    if not isinstance(qkv_bias, bool):
+      raise ValueError(f"{where}.qkv_bias must be a bool; got {qkv_bias!r}")
     return AttentionSpec(
         **common, num_kv_heads=num_kv_heads,
         head_dim=_int(f"{where}.head_dim", d.get("head_dim"), even=True),
-        soft_cap=None if soft_cap is None else _float(f"{where}.soft_cap", soft_cap))
+        soft_cap=None if soft_cap is None else _float(f"{where}.soft_cap", soft_cap),
+        qkv_bias=qkv_bias)
   return AttentionSpec(
       **common,
       kv_lora_rank=_int(f"{where}.kv_lora_rank", d.get("kv_lora_rank")),
       qk_nope_head_dim=_int(f"{where}.qk_nope_head_dim", d.get("qk_nope_head_dim")),
       qk_rope_head_dim=_int(f"{where}.qk_rope_head_dim", d.get("qk_rope_head_dim"), even=True),
       v_head_dim=_int(f"{where}.v_head_dim", d.get("v_head_dim")),
-      q_lora_rank=_opt_int(f"{where}.q_lora_rank", d.get("q_lora_rank")))
+      q_lora_rank=_opt_int(f"{where}.q_lora_rank", d.get("q_lora_rank")),
+      softmax_scale_factor=_float(f"{where}.softmax_scale_factor",
+                                  d.get("softmax_scale_factor", 1.0)))
 
 
 def resolve_config(cfg: Any) -> ModelSpec:
@@ -405,7 +475,7 @@ def make_attention(spec: AttentionSpec, *, d_model: int, dtype: Any, param_dtype
     cls = GroupedQueryAttention
     kwargs = dict(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
                   head_dim=spec.head_dim, rope_theta=spec.rope_theta, window=spec.window,
-                  soft_cap=spec.soft_cap)
+                  soft_cap=spec.soft_cap, qkv_bias=spec.qkv_bias, **spec.rope_kwargs())
   else:
     try:
       cls = importlib.import_module("kvattn.mla").MultiHeadLatentAttention
@@ -415,7 +485,8 @@ def make_attention(spec: AttentionSpec, *, d_model: int, dtype: Any, param_dtype
     kwargs = dict(num_heads=spec.num_heads, kv_lora_rank=spec.kv_lora_rank,
                   qk_nope_head_dim=spec.qk_nope_head_dim, qk_rope_head_dim=spec.qk_rope_head_dim,
                   v_head_dim=spec.v_head_dim, q_lora_rank=spec.q_lora_rank,
-                  rope_theta=spec.rope_theta, window=spec.window)
+                  rope_theta=spec.rope_theta, window=spec.window,
+                  softmax_scale_factor=spec.softmax_scale_factor, **spec.rope_kwargs())
   optional = dict(dtype=dtype, param_dtype=param_dtype,
                   decode_implementation=spec.decode_implementation)
   for name, value in optional.items():
