@@ -108,14 +108,7 @@ class GroupedQueryAttention(nnx.Module):
       param_dtype: Any = jnp.float32,
       decode_implementation: str | None = None,
       qkv_bias: bool = False,
-      rope_scaling: str | None = None,
-      rope_factor: float | None = None,
-      rope_original_max_position: int | None = None,
-      rope_low_freq_factor: float | None = None,
-      rope_high_freq_factor: float | None = None,
-      rope_beta_fast: float | None = None,
-      rope_beta_slow: float | None = None,
-      rope_attention_factor: float | None = None,
+      rope_scaling: ops.RopeScaling | None = None,
       rngs: nnx.Rngs,
   ):
     """Builds the projections.
@@ -136,19 +129,17 @@ class GroupedQueryAttention(nnx.Module):
         `decode_implementations()` or None (the best available). A backend
         that cannot run a call's shapes raises NotImplementedError then.
       qkv_bias: learn biases of the q/k/v projections (initialised to 0).
-      rope_scaling: None (plain RoPE) or a context-extension scaling of the
-        frequencies, "linear", "llama3" or "yarn", with its parameters
-        `rope_factor`, `rope_original_max_position`, `rope_low_freq_factor`,
-        `rope_high_freq_factor`, `rope_beta_fast`, `rope_beta_slow`,
-        `rope_attention_factor` (`kvattn.ops.RopeScaling`; None when unused).
+      rope_scaling: a `kvattn.ops.RopeScaling` context extension of the RoPE
+        frequencies ("linear", "llama3", "yarn"), or None for plain RoPE.
       rngs: `nnx.Rngs` with a `params` stream.
 
     Raises:
       ValueError: non-positive sizes, K not dividing N, odd head_dim,
         non-positive window / rope_theta / soft_cap, an unknown
-        decode_implementation, an invalid rope scaling.
+        decode_implementation.
       TypeError: a decode_implementation that is not a str or None; a dtype
-        or param_dtype that is not a floating dtype.
+        or param_dtype that is not a floating dtype; a rope_scaling that is
+        not a RopeScaling or None; a qkv_bias that is not a bool.
     """
     self.d_model = _checks.positive_int("d_model", d_model)
     self.num_heads, self.num_kv_heads, self.num_groups = _checks.head_layout(num_heads, num_kv_heads)
@@ -156,11 +147,7 @@ class GroupedQueryAttention(nnx.Module):
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for RoPE; got {head_dim}")
     self.rope_theta = _checks.positive_float("rope_theta", rope_theta)
-    self.rope_scaling = ops.rope_scaling_from_fields(
-        rope_scaling, rope_factor=rope_factor, rope_original_max_position=rope_original_max_position,
-        rope_low_freq_factor=rope_low_freq_factor, rope_high_freq_factor=rope_high_freq_factor,
-        rope_beta_fast=rope_beta_fast, rope_beta_slow=rope_beta_slow,
-        rope_attention_factor=rope_attention_factor)
+    self.rope_scaling = _checks.rope_scaling(rope_scaling)
     self.window = _checks.optional_positive_int("window", window)
     self.soft_cap = _checks.optional_positive_float("soft_cap", soft_cap)
     self.dtype = None if dtype is None else _checks.float_dtype("dtype", dtype)

@@ -130,14 +130,7 @@ class MultiHeadLatentAttention(nnx.Module):
       param_dtype: Any = jnp.float32,
       decode_implementation: str | None = None,
       softmax_scale_factor: float = 1.0,
-      rope_scaling: str | None = None,
-      rope_factor: float | None = None,
-      rope_original_max_position: int | None = None,
-      rope_low_freq_factor: float | None = None,
-      rope_high_freq_factor: float | None = None,
-      rope_beta_fast: float | None = None,
-      rope_beta_slow: float | None = None,
-      rope_attention_factor: float | None = None,
+      rope_scaling: ops.RopeScaling | None = None,
       rngs: nnx.Rngs,
   ):
     """Builds the projections.
@@ -163,18 +156,17 @@ class MultiHeadLatentAttention(nnx.Module):
       softmax_scale_factor: multiplies the eq. 18 softmax scale
         `(qk_nope_head_dim + R)^-0.5` (DeepSeek's YaRN: `yarn_mscale(factor,
         mscale_all_dim)^2`, as transformers' `yarn_apply_mscale`).
-      rope_scaling: None (plain RoPE) or a context-extension scaling of the
-        frequencies of the R rope dims, "linear", "llama3" or "yarn", with its
-        `rope_*` parameters (`kvattn.GroupedQueryAttention` has the list;
-        `kvattn.ops.RopeScaling`).
+      rope_scaling: a `kvattn.ops.RopeScaling` context extension of the
+        frequencies of the R rope dims, or None for plain RoPE.
       rngs: `nnx.Rngs` with a `params` stream.
 
     Raises:
       ValueError: a non-positive size, an odd qk_rope_head_dim, non-positive
         rope_theta / rms_eps / window / softmax_scale_factor, an unknown path
-        or decode_implementation, an invalid rope scaling.
+        or decode_implementation.
       TypeError: a size that is not an int; a decode_implementation that is
-        not a str or None; a dtype or param_dtype that is not a floating dtype.
+        not a str or None; a dtype or param_dtype that is not a floating dtype;
+        a rope_scaling that is not a RopeScaling or None.
     """
     self.d_model = _checks.positive_int("d_model", d_model)
     self.num_heads = _checks.positive_int("num_heads", num_heads)
@@ -186,11 +178,7 @@ class MultiHeadLatentAttention(nnx.Module):
     self.v_head_dim = _checks.positive_int("v_head_dim", v_head_dim)
     self.q_lora_rank = _checks.optional_positive_int("q_lora_rank", q_lora_rank)
     self.rope_theta = _checks.positive_float("rope_theta", rope_theta)
-    self.rope_scaling = ops.rope_scaling_from_fields(
-        rope_scaling, rope_factor=rope_factor, rope_original_max_position=rope_original_max_position,
-        rope_low_freq_factor=rope_low_freq_factor, rope_high_freq_factor=rope_high_freq_factor,
-        rope_beta_fast=rope_beta_fast, rope_beta_slow=rope_beta_slow,
-        rope_attention_factor=rope_attention_factor)
+    self.rope_scaling = _checks.rope_scaling(rope_scaling)
     self.window = _checks.optional_positive_int("window", window)
     self.rms_eps = _checks.positive_float("rms_eps", rms_eps)
     if path not in PATHS:

@@ -203,9 +203,10 @@ class AttentionSpec:
   rope_beta_slow: float | None = None
   rope_attention_factor: float | None = None
 
-  def rope_kwargs(self) -> dict[str, Any]:
-    """The `rope_*` keywords of the attention modules."""
-    return {k: getattr(self, k) for k in _ROPE_SCALING_KEYS}
+  def rope(self) -> ops_rope.RopeScaling | None:
+    """The `rope_*` fields as the attention modules' `rope_scaling` (None: plain RoPE)."""
+    return ops_rope.rope_scaling_from_fields(
+        **{k: getattr(self, k) for k in _ROPE_SCALING_KEYS})
 
   def bytes_per_token(self, dtype: Any) -> int:
     """Analytic cache bytes per token of this layer (`kvattn.memory`)."""
@@ -475,7 +476,7 @@ def make_attention(spec: AttentionSpec, *, d_model: int, dtype: Any, param_dtype
     cls = GroupedQueryAttention
     kwargs = dict(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
                   head_dim=spec.head_dim, rope_theta=spec.rope_theta, window=spec.window,
-                  soft_cap=spec.soft_cap, qkv_bias=spec.qkv_bias, **spec.rope_kwargs())
+                  soft_cap=spec.soft_cap, qkv_bias=spec.qkv_bias, rope_scaling=spec.rope())
   else:
     try:
       cls = importlib.import_module("kvattn.mla").MultiHeadLatentAttention
@@ -486,7 +487,7 @@ def make_attention(spec: AttentionSpec, *, d_model: int, dtype: Any, param_dtype
                   qk_nope_head_dim=spec.qk_nope_head_dim, qk_rope_head_dim=spec.qk_rope_head_dim,
                   v_head_dim=spec.v_head_dim, q_lora_rank=spec.q_lora_rank,
                   rope_theta=spec.rope_theta, window=spec.window,
-                  softmax_scale_factor=spec.softmax_scale_factor, **spec.rope_kwargs())
+                  softmax_scale_factor=spec.softmax_scale_factor, rope_scaling=spec.rope())
   optional = dict(dtype=dtype, param_dtype=param_dtype,
                   decode_implementation=spec.decode_implementation)
   for name, value in optional.items():
