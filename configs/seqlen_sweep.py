@@ -40,6 +40,6 @@ def get_config(arg=None):
 
 def get_sweep(arg=None):
   """MHA, GQA (K = N/4), MQA (K = 1) and MLA."""
-  n = get_config(arg).attention.num_heads
-  return [{"attention.kind": "gqa", "attention.num_kv_heads": k} for k in (n, n // 4, 1)] + [
-      {"attention.kind": "mla"}]
+  n = get_config(arg).model.attention.num_heads
+  return [{"model.attention.kind": "gqa", "model.attention.num_kv_heads": k}
+          for k in (n, n // 4, 1)] + [{"model.attention.kind": "mla"}]

@@ -236,7 +236,7 @@ class QuantFamily(runner.VariantsFamily):
         "agreement_tokens": int(tokens.shape[1]), "agreement_prompts": int(tokens.shape[0]),
         "scale_bytes_per_token": int(sum(
             memory.tree_bytes(c.storage_arrays()[2:]) for c in model.init_caches(1, 1, dtype))),
-        "decode_implementation": d["kernel"]["decode_implementation"],
+        "decode_implementation": d["model"]["attention"]["decode_implementation"],
     })
     return record
 
@@ -278,7 +278,7 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
   lines = [f"# {title}", ""]
   if records:
     r0, cfg = records[0], records[0]["config"]
-    att, mod = cfg["attention"], cfg["model"]
+    att, mod = cfg["model"]["attention"], cfg["model"]
     env = r0["environment"]
     lines += [
         f"Model: D = {mod['d_model']}, L = {mod['num_layers']}, N = {att['num_heads']} query "

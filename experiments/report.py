@@ -223,8 +223,8 @@ def plot_quality(records, path: str) -> None:
 def _setup_lines(config: Mapping[str, Any] | None, records) -> list[str]:
   lines = []
   if config:
-    m, a, t, c, dec = (config["model"], config["attention"], config["train"], config["cache"],
-                       config["decode"])
+    m, t, c, dec = config["model"], config["train"], config["cache"], config["decode"]
+    a = m["attention"]
     lines.append(
         f"Model: D = {m['d_model']}, L = {m['num_layers']}, F = {m['mlp_dim']}, N = "
         f"{a['num_heads']} query heads; GQA/MQA/MHA head width H = {a['head_dim']}; MLA C = "

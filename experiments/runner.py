@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -167,12 +168,34 @@ def to_dict(config: Any) -> dict[str, Any]:
   raise TypeError(f"config must be a ConfigDict or a mapping; got {type(config).__name__}")
 
 
+def flat_keys(d: Mapping[str, Any], prefix: str = "") -> list[str]:
+  """The dotted keys of the leaves of a nested mapping (`{"a": {"b": 1}}` -> `["a.b"]`)."""
+  out = []
+  for key, value in d.items():
+    if isinstance(value, Mapping):
+      out += flat_keys(value, f"{prefix}{key}.")
+    else:
+      out.append(f"{prefix}{key}")
+  return out
+
+
+def _nearest(key: str, keys: Sequence[str]) -> str:
+  close = difflib.get_close_matches(key, keys, n=1)
+  return f" (did you mean {close[0]}?)" if close else ""
+
+
 def check_schema(d: Mapping[str, Any], schema: Mapping[str, Sequence[str]], where: str = "config"
                  ) -> None:
   """Checks that `d` has exactly the sections and keys of `schema`.
 
+  Args:
+    d: the config as a nested plain dict.
+    schema: section -> the dotted keys below it (`"model"` -> `("d_model", ...,
+      "attention.kind", ...)`).
+    where: prefix of the error messages.
+
   Raises:
-    ValueError: an unknown or missing section or key, named as `section.key`.
+    ValueError: an unknown or missing section or key, named by its dotted path.
   """
   for section in d:
     if section not in schema:
@@ -183,34 +206,61 @@ def check_schema(d: Mapping[str, Any], schema: Mapping[str, Sequence[str]], wher
       raise ValueError(f"{where}: section {section} is missing; expected keys {sorted(keys)}")
     if not isinstance(d[section], Mapping):
       raise ValueError(f"{where}: {section} must be a section (ConfigDict); got {d[section]!r}")
-    for key in d[section]:
+    given = flat_keys(d[section])
+    for key in given:
       if key not in keys:
-        raise ValueError(f"{where}: {section}.{key} is not a known key; expected one of "
-                         f"{sorted(keys)}")
+        raise ValueError(f"{where}: {section}.{key} is not a known key"
+                         f"{_nearest(key, keys)}; expected one of {sorted(keys)}")
     for key in keys:
-      if key not in d[section]:
+      if key not in given:
         raise ValueError(f"{where}: {section}.{key} is missing")
 
 
-def apply_overrides(d: Mapping[str, Any], overrides: Mapping[str, Any],
-                    schema: Mapping[str, Sequence[str]], where: str) -> dict[str, Any]:
-  """A copy of `d` with dotted-key `overrides` (`{"attention.num_kv_heads": 2}`) applied.
+def apply_overrides(config: Any, overrides: Mapping[str, Any], where: str) -> dict[str, Any]:
+  """`config` with dotted-key `overrides` (`{"model.attention.num_kv_heads": 2}`) applied.
+
+  The overrides go through ml_collections' `update_from_flattened_dict` on a
+  locked deep copy of `config`, so a key that is not in the config is refused
+  and a value is type-checked against the field (typed placeholders of a
+  ConfigDict included) exactly as a `--config.<key>=` override would be.
+
+  Returns:
+    The overridden config as a nested plain dict (`config` is not changed).
 
   Raises:
-    ValueError: a key that is not `section.key` of the schema, named.
+    ValueError: a key that is not in the config or a value of the wrong type,
+      named with `where`.
     TypeError: `overrides` is not a mapping.
   """
   if not isinstance(overrides, Mapping):
     raise TypeError(f"{where} must be a dict of dotted-key overrides; got {overrides!r}")
-  out = copy.deepcopy(dict(d))
+  if isinstance(config, config_dict.ConfigDict):
+    cfg = copy.deepcopy(config)
+  else:
+    cfg = config_dict.ConfigDict(to_dict(config))
+  cfg.lock()
   for dotted, value in overrides.items():
-    parts = str(dotted).split(".")
-    if len(parts) != 2 or parts[0] not in schema or parts[1] not in schema[parts[0]]:
-      raise ValueError(f"{where}: {dotted} is not a known key; expected 'section.key' with "
-                       f"section in {sorted(schema)}")
-    out[parts[0]] = dict(out[parts[0]])
-    out[parts[0]][parts[1]] = copy.deepcopy(value)
-  return out
+    try:
+      cfg.update_from_flattened_dict({str(dotted): copy.deepcopy(value)})
+    except (KeyError, AttributeError):
+      keys = flat_keys(cfg.to_dict())
+      raise ValueError(f"{where}: {dotted} is not a known key{_nearest(str(dotted), keys)}"
+                       ) from None
+    except TypeError as e:
+      raise ValueError(f"{where}: {dotted} = {value!r} has the wrong type: {e}") from None
+  return cfg.to_dict()
+
+
+_MISSING = object()
+
+
+def _get(d: Mapping[str, Any], dotted: str) -> Any:
+  """The value at a dotted path of a nested mapping (`_MISSING` if it is not there)."""
+  for part in dotted.split("."):
+    if not isinstance(d, Mapping) or part not in d:
+      return _MISSING
+    d = d[part]
+  return d
 
 
 def digest(obj: Any, length: int = 8) -> str:
@@ -268,7 +318,7 @@ def check_overrides_kept(config: Any, sweep: Sequence[Mapping[str, Any]],
   """Fails when a command-line override would be silently replaced by the sweep.
 
   Every sweep entry's dotted keys replace the base config's values, so an
-  override such as `--config.attention.num_kv_heads=4` of a key the sweep
+  override such as `--config.model.attention.num_kv_heads=4` of a key the sweep
   sets would be discarded for every point. Compares `config` (as given on the
   command line) with `defaults` (`get_config(arg)` of the same file) on each
   key some sweep entry sets.
@@ -282,11 +332,9 @@ def check_overrides_kept(config: Any, sweep: Sequence[Mapping[str, Any]],
   d = to_dict(config)
   keys = []
   for entry in sweep:
-    keys += [k for k in entry if k not in keys]
+    keys += [str(k) for k in entry if k not in keys]
   for dotted in keys:
-    section, _, key = str(dotted).partition(".")
-    given = d.get(section, {}).get(key)
-    default = defaults.get(section, {}).get(key)
+    given, default = _get(d, dotted), _get(defaults, dotted)
     if given != default:
       values = list(dict.fromkeys(repr(entry[dotted]) for entry in sweep if dotted in entry))
       source = f" of {config_file}" if config_file else ""
@@ -318,7 +366,7 @@ def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *
   (`check_overrides_kept`, when `defaults` are known); and, for families with
   a `preflight(point)`, each point's model and caches are built abstractly
   and one decode step is traced, so a decode backend that cannot run a
-  point's shapes fails then, naming `kernel.decode_implementation`.
+  point's shapes fails then, naming `model.attention.decode_implementation`.
 
   Args:
     config: the full config (ConfigDict or nested mapping); `experiment.kind`
@@ -352,7 +400,7 @@ def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *
                      f"{max_points!r}")
   workdir = os.path.abspath(workdir)
   family = factory(workdir)
-  points = family.points(d, list(sweep))  # validates everything before any work
+  points = family.points(config, list(sweep))  # validates everything before any work
   if defaults is None:
     defaults = load_config_defaults(config_file)
   check_overrides_kept(d, sweep, defaults, config_file)
@@ -455,12 +503,12 @@ def check_decode_step(spec: transformer_lib.ModelSpec, make_caches: Callable[[An
   inside `jax.eval_shape`) are shapes only: nothing of their size is
   allocated and nothing runs. Tracing the step goes through the decode
   dispatch points with the point's shapes, so a backend named by
-  `kernel.decode_implementation` that cannot run them (NotImplementedError,
+  `model.attention.decode_implementation` that cannot run them (NotImplementedError,
   e.g. a Pallas kernel's head-dim or block constraints, or a name the
   cache's dispatch point does not know) fails here, before any training.
 
   Raises:
-    ValueError: naming `kernel.decode_implementation`, its value, the point
+    ValueError: naming `model.attention.decode_implementation`, its value, the point
       and the backend's reason.
   """
   abstract = nnx.eval_shape(lambda: transformer_lib.Transformer(spec, rngs=nnx.Rngs(0)))
@@ -475,8 +523,8 @@ def check_decode_step(spec: transformer_lib.ModelSpec, make_caches: Callable[[An
     jax.eval_shape(step, state)
   except (NotImplementedError, ValueError, TypeError) as e:
     raise ValueError(
-        f"{where}: kernel.decode_implementation = {implementation!r} cannot run this point's "
-        f"decode step (checked before any training): {type(e).__name__}: {e}") from None
+        f"{where}: model.attention.decode_implementation = {implementation!r} cannot run this "
+        f"point's decode step (checked before any training): {type(e).__name__}: {e}") from None
 
 
 def main(config: Any, workdir: str, config_file: str | None = None) -> RunResult:
@@ -562,10 +610,7 @@ class CacheAccountingError(RuntimeError):
 def variants_schema() -> dict[str, tuple[str, ...]]:
   """Sections and keys of a "variants" config (see configs/default.py for each field)."""
   return {
-      "model": tuple(k for k in transformer_lib.model_config().keys() if k != "attention"),
-      "attention": tuple(k for k in transformer_lib.attention_config().keys()
-                         if k != "decode_implementation"),
-      "kernel": ("decode_implementation",),
+      "model": tuple(flat_keys(transformer_lib.model_config().to_dict())),
       "cache": ("dtype", "batch", "seq_lens", "memory_fraction"),
       "decode": ("new_tokens", "warmup", "repeats", "decode_repeats", "seed"),
       "train": tuple(train_lib.train_config().keys()),
@@ -585,13 +630,6 @@ _BOOKKEEPING = {
 def _measured_part(d: Mapping[str, Any], sections: Sequence[str]) -> dict[str, Any]:
   return {s: {k: v for k, v in d[s].items() if k not in _BOOKKEEPING.get(s, ())}
           for s in sections}
-
-
-def model_section(d: Mapping[str, Any]) -> dict[str, Any]:
-  """The `kvattn.transformer` model config of a point: `model` + `attention` + `kernel`."""
-  attention = dict(d["attention"])
-  attention["decode_implementation"] = d["kernel"]["decode_implementation"]
-  return {**d["model"], "attention": attention}
 
 
 def variant_name(spec: transformer_lib.ModelSpec) -> tuple[str, int | None]:
@@ -666,10 +704,9 @@ class VariantsFamily:
   def _check(self, d: Mapping[str, Any], where: str) -> transformer_lib.ModelSpec:
     """Validates one point config's values; returns its ModelSpec."""
     try:
-      spec = transformer_lib.resolve_config(model_section(d))
-    except ValueError as e:  # name the keys as they are in this config
-      msg = str(e).replace("model.attention.decode_implementation", "kernel.decode_implementation")
-      raise ValueError(f"{where}: {msg.replace('model.attention.', 'attention.')}") from None
+      spec = transformer_lib.resolve_config(d["model"])
+    except ValueError as e:
+      raise ValueError(f"{where}: {e}") from None
     try:
       train_lib.check_train_config(d["train"])
     except ValueError as e:
@@ -740,7 +777,7 @@ class VariantsFamily:
     points, seen = [], {}
     for i, overrides in enumerate(sweep or [{}]):
       where = f"sweep[{i}] {dict(overrides)}" if overrides else "config"
-      d = apply_overrides(base, overrides, self.schema, where)
+      d = apply_overrides(config, overrides, where)
       spec = self._check(d, where)
       variant, k = variant_name(spec)
       cache_dtype = d["cache"]["dtype"] or d["model"]["dtype"]
@@ -787,14 +824,15 @@ class VariantsFamily:
     `cache.batch`, capacity S, the cache dtype), abstractly (`check_decode_step`);
     points with the same shapes are checked once."""
     d = point.config
-    spec = transformer_lib.resolve_config(model_section(d))
+    spec = transformer_lib.resolve_config(d["model"])
     batch, seq_len = d["cache"]["batch"], point.params["seq_len"]
     dtype = jnp.dtype(d["cache"]["dtype"] or d["model"]["dtype"])
     key = (repr(spec), batch, seq_len, str(dtype))
     if key in self._preflighted:
       return
     check_decode_step(spec, lambda model: model.init_caches(batch, seq_len, dtype), batch,
-                      implementation=d["kernel"]["decode_implementation"], where=point.label)
+                      implementation=d["model"]["attention"]["decode_implementation"],
+                      where=point.label)
     self._preflighted.add(key)
 
   # -- training (shared by the points of a group, cached in the workdir) ------------------------
@@ -812,7 +850,7 @@ class VariantsFamily:
     d = point.config
     directory = self.train_dir(point)
     metrics_path = os.path.join(directory, "metrics.json")
-    cfg = config_dict.ConfigDict({"model": model_section(d), "data": d["data"],
+    cfg = config_dict.ConfigDict({"model": d["model"], "data": d["data"],
                                   "train": d["train"]})
     if os.path.exists(metrics_path):
       with open(metrics_path, encoding="utf-8") as f:
@@ -861,7 +899,7 @@ class VariantsFamily:
     """Trains (or restores), checks the cache bytes and times prefill and decode."""
     d = point.config
     model, train_metrics = self.trained_model(point)
-    spec = transformer_lib.resolve_config(model_section(d))
+    spec = transformer_lib.resolve_config(d["model"])
     batch, seq_len = d["cache"]["batch"], point.params["seq_len"]
     new_tokens, warmup, repeats = (d["decode"]["new_tokens"], d["decode"]["warmup"],
                                    d["decode"]["repeats"])
@@ -949,9 +987,10 @@ def fitting_seq_lens(config: Any, start: int, stop: int | None = None) -> tuple[
   """
   d = to_dict(config)
   allowed = available_memory_bytes() * d["cache"]["memory_fraction"]
-  mha = dict(model_section(d), attention={**model_section(d)["attention"], "kind": "gqa",
-                                            "num_kv_heads": d["attention"]["num_heads"]})
-  specs = [transformer_lib.resolve_config(model_section(d)), transformer_lib.resolve_config(mha)]
+  attention = d["model"]["attention"]
+  mha = dict(d["model"], attention={**attention, "kind": "gqa",
+                                    "num_kv_heads": attention["num_heads"]})
+  specs = [transformer_lib.resolve_config(d["model"]), transformer_lib.resolve_config(mha)]
   cache_dtype = d["cache"]["dtype"] or d["model"]["dtype"]
   out, s = [], start
   while stop is None or s <= stop:
