@@ -111,7 +111,8 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
   infos = {t.name: t for t in reader.tensors}
   if len(infos) != len(reader.tensors):
     raise ValueError(f"{path}: a tensor name appears twice")
-  config = gguf_config(metadata, tuple(infos), where=str(path))
+  shapes = {name: tuple(int(n) for n in reversed(info.shape)) for name, info in infos.items()}
+  config = gguf_config(metadata, shapes, where=str(path))
   names = {name: hf_tensor_name(name, config["num_hidden_layers"], where=str(path))
            for name in infos}
   tensors = {}
@@ -141,14 +142,14 @@ def read_metadata(reader) -> dict[str, Any]:
           if not key.startswith("GGUF.")}
 
 
-def gguf_config(metadata: Mapping[str, Any], tensor_names: tuple[str, ...], *,
+def gguf_config(metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]], *,
                 where: str = "GGUF") -> dict[str, Any]:
   """HF `config.json`-style hyperparameters from GGUF metadata (llama.cpp key names).
 
   Args:
     metadata: GGUF key -> value (`read_metadata`).
-    tensor_names: the file's tensor names (decides `tie_word_embeddings` and,
-      as a fallback, `vocab_size`).
+    tensor_shapes: the file's tensor names -> numpy-order shapes (decide
+      `tie_word_embeddings` and, as a fallback, `vocab_size`).
     where: what to name in error messages (the file).
 
   Raises:
@@ -190,12 +191,12 @@ def gguf_config(metadata: Mapping[str, Any], tensor_names: tuple[str, ...], *,
   if rope_dim != head_dim:
     raise NotImplementedError(f"{where}: {arch}.rope.dimension_count={rope_dim}: partial RoPE "
                               f"(head_dim {head_dim}) is not supported")
-  vocab = metadata.get(f"{arch}.vocab_size")
-  if vocab is None:
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    if tokens is None:
-      raise ValueError(f"{where}: neither {arch}.vocab_size nor tokenizer.ggml.tokens is set")
-    vocab = len(tokens)
+  if f"{arch}.vocab_size" in metadata:
+    vocab = get("vocab_size")
+  elif "token_embd.weight" in tensor_shapes:  # llama.cpp writes the key only sometimes.
+    vocab = tensor_shapes["token_embd.weight"][0]
+  else:
+    raise ValueError(f"{where}: neither {arch}.vocab_size nor tensor token_embd.weight is present")
   config = {
       "model_type": arch,
       "hidden_size": hidden,
@@ -207,7 +208,7 @@ def gguf_config(metadata: Mapping[str, Any], tensor_names: tuple[str, ...], *,
       "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", kind=float)),
       "rope_theta": float(get("rope.freq_base", 10000.0, kind=float)),
       "vocab_size": vocab,
-      "tie_word_embeddings": "output.weight" not in tensor_names,
+      "tie_word_embeddings": "output.weight" not in tensor_shapes,
       "max_position_embeddings": get("context_length"),
   }
   scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
@@ -217,7 +218,7 @@ def gguf_config(metadata: Mapping[str, Any], tensor_names: tuple[str, ...], *,
   elif scaling != "none":
     raise NotImplementedError(f"{where}: {arch}.rope.scaling.type={scaling!r} is not supported; "
                               "expected 'none' or 'linear'")
-  if "rope_freqs.weight" in tensor_names:
+  if "rope_freqs.weight" in tensor_shapes:
     raise NotImplementedError(f"{where}: tensor 'rope_freqs.weight' (per-frequency RoPE factors, "
                               "llama3 rope scaling) is not supported in GGUF files")
   window = metadata.get(f"{arch}.attention.sliding_window")
