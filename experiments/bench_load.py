@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 from typing import Sequence
 
 import jax
@@ -30,7 +29,6 @@ import numpy as np
 from absl import app, flags
 
 from experiments import chat
-from kvattn import pretrained
 
 # --model, --cache, --page_size and --dtype are experiments.chat's flags.
 FLAGS = flags.FLAGS
@@ -49,11 +47,7 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if FLAGS.new_tokens < 2:
     raise app.UsageError(f"--new_tokens must be >= 2; got {FLAGS.new_tokens}")
-  t0 = time.perf_counter()
-  model, tok = pretrained.from_pretrained(FLAGS.model, dtype=FLAGS.dtype)
-  load_s = time.perf_counter() - t0
-  if tok is None:
-    raise app.UsageError(f"{FLAGS.model} ships no tokenizer")
+  model, tok, load_s = chat.load(FLAGS.model, FLAGS.dtype)
   ids = tok.encode(TEXT)
   ids = (ids * (FLAGS.prompt_len // len(ids) + 1))[:FLAGS.prompt_len]
   for batch in (int(b) for b in FLAGS.batches):

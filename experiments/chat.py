@@ -121,6 +121,20 @@ def run(model, prompts: np.ndarray, lengths: np.ndarray, max_new_tokens: int, *,
   return Timing(np.asarray(tokens), np.asarray(out_lengths), t1 - t0, t2 - t1, cache_bytes)
 
 
+def load(source: str, dtype: str) -> tuple[Any, Any, float]:
+  """`(model, tokenizer, wall seconds)` of `kvattn.pretrained.from_pretrained(source)`.
+
+  Raises:
+    app.UsageError: the checkpoint ships no tokenizer.
+  """
+  t0 = time.perf_counter()
+  model, tok = pretrained.from_pretrained(source, dtype=dtype)
+  load_s = time.perf_counter() - t0
+  if tok is None:
+    raise app.UsageError(f"{source} ships no tokenizer; text in and out needs one")
+  return model, tok, load_s
+
+
 def chat_prompt(tok, prompt: str, system: str | None = None) -> str:
   """The prompt text: the chat template applied when the tokenizer has one."""
   if tok.chat_template is None:
@@ -153,11 +167,7 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError("--prompt is required, e.g. --prompt 'What is the capital of France?'")
   if FLAGS.max_new_tokens < 1:
     raise app.UsageError(f"--max_new_tokens must be >= 1; got {FLAGS.max_new_tokens}")
-  t0 = time.perf_counter()
-  model, tok = pretrained.from_pretrained(FLAGS.model, dtype=FLAGS.dtype)
-  load_s = time.perf_counter() - t0
-  if tok is None:
-    raise app.UsageError(f"{FLAGS.model} ships no tokenizer; chat needs one")
+  model, tok, load_s = load(FLAGS.model, FLAGS.dtype)
   ids = tok.encode(chat_prompt(tok, FLAGS.prompt, FLAGS.system))
   prompts, lengths = np.asarray([ids], np.int32), np.asarray([len(ids)], np.int32)
   sampling = Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)

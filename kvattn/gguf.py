@@ -15,7 +15,9 @@
     `lm_head.weight` is present only when the file has `output.weight`
     (otherwise the head is tied to the embedding).
   * `tokenizer`: a `kvattn.tokenizer.Tokenizer` from the file's metadata, or
-    None when the file has none.
+    None when the file has none or one `kvattn.tokenizer` cannot build (a
+    sentencepiece vocabulary, `tokenizer.ggml.model == "llama"`: a warning
+    says so; pass a `tokenizer.json` to `Tokenizer.from_file` instead).
 
 The file is untrusted: its header is parsed inside a guard, every tensor's
 byte extent is checked against the file size and against its shape and type
@@ -27,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import warnings
 from typing import Any, Mapping
 
 import numpy as np
@@ -66,7 +69,8 @@ class GGUFCheckpoint:
     config: HF `config.json`-style hyperparameters (see the module docstring).
     tensors: HF parameter name -> f32 array, torch layout `[out, in]` for
       matrices, `[D]` for norms.
-    tokenizer: the file's tokenizer, or None when it has none.
+    tokenizer: the file's tokenizer, or None when it has none or an
+      unsupported kind (with a warning).
     path: the file read.
   """
 
@@ -131,8 +135,8 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
       tok = tokenizer_lib.Tokenizer.from_gguf_metadata(metadata)
     except ValueError as e:
       raise ValueError(f"{path}: {e}") from e
-    except NotImplementedError as e:
-      raise NotImplementedError(f"{path}: {e}") from e
+    except NotImplementedError as e:  # e.g. a sentencepiece vocabulary: the model still loads.
+      warnings.warn(f"{path}: no tokenizer: {e}", stacklevel=2)
   return GGUFCheckpoint(config=config, tensors=tensors, tokenizer=tok, path=path)
 
 

@@ -13,7 +13,8 @@ cached file, fetching it on first use:
      holds either nothing or a verified file.
 
 The cache directory is `$KVATTN_CACHE`, default `~/.cache/kvattn`; a file
-lives at `<cache>/<name>/<basename of member>`. Offline users pass a path,
+lives at `<cache>/<name>/<basename of member>`. A cached file is trusted
+(it was verified before it was renamed into place). Offline users pass a path,
 which `resolve` returns unchanged. Users add checkpoints with `register`.
 """
 

@@ -56,10 +56,15 @@ def test_run_paged_equals_dense_and_stops_at_eos(model):
 
 def test_chat_command_on_a_tiny_gguf(tmp_path, capsys):
   path = test_gguf.write_tiny_gguf(tmp_path / "tiny.gguf", test_gguf._hf_tensors())
+  parsed = flags.FLAGS.is_parsed()
   flags.FLAGS.mark_as_parsed()
-  with flagsaver.flagsaver(model=str(path), prompt="ab ab", max_new_tokens=3, cache="paged-int8",
-                           page_size=4, warmup=False):
-    chat.main(["chat"])
+  try:
+    with flagsaver.flagsaver(model=str(path), prompt="ab ab", max_new_tokens=3,
+                             cache="paged-int8", page_size=4, warmup=False):
+      chat.main(["chat"])
+  finally:
+    if not parsed:
+      flags.FLAGS.unparse_flags()
   reply, line = capsys.readouterr().out.strip().split("\n")[-2:]
   assert "load" in line and "prefill" in line and "cache paged int8" in line
   # The tiny vocabulary decodes to a string made of its tokens (or nothing after eos).

@@ -239,7 +239,7 @@ def test_tiny_llama_gguf_loads(tmp_path):
   for name, expected in tensors.items():
     got = ck.tensors[name]
     assert got.dtype == np.float32 and got.shape == expected.shape, name
-    if _gguf_name(name) in q8:  # Q8_0: half a step (absmax / 127), plus the f16 rounding of the step.
+    if _gguf_name(name) in q8:  # Q8_0: half a step (absmax / 127) + the step's f16 rounding.
       step = np.abs(expected).max(axis=-1, keepdims=True) / 127
       assert np.all(np.abs(got - expected) <= 0.6 * step), name
     else:
@@ -256,6 +256,14 @@ def test_untied_head_and_no_tokenizer(tmp_path):
   assert ck.config["tie_word_embeddings"] is False
   np.testing.assert_array_equal(ck.tensors["lm_head.weight"], tensors["lm_head.weight"])
   assert ck.tokenizer is None
+
+
+def test_unsupported_tokenizer_warns_and_loads(tmp_path):
+  extra = {"tokenizer.ggml.model": ("llama", gguf.GGUFValueType.STRING)}
+  path = write_tiny_gguf(tmp_path / "sp.gguf", _hf_tensors(), tokenizer=False, extra=extra)
+  with pytest.warns(UserWarning, match=r"sp.gguf: no tokenizer.*tokenizer.ggml.model='llama'"):
+    ck = gguf_lib.load_gguf(path)
+  assert ck.tokenizer is None and len(ck.tensors) == len(_hf_tensors())
 
 
 def test_qwen2_rows_are_not_permuted(tmp_path):
