@@ -15,6 +15,8 @@ line per batch size: medians of
   decode_tokens_per_s    batch * (new_tokens - 1) / decode seconds
   load_s                 from_pretrained wall seconds
   cache_bytes            bytes of every cache array (`kvattn.memory.tree_bytes`)
+  *_cpu_s                process CPU seconds (the work, which a busy machine's
+                         other processes do not inflate)
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def main(argv: Sequence[str]) -> None:
         "model": FLAGS.model, "batch": batch, "prompt_len": FLAGS.prompt_len,
         "new_tokens": FLAGS.new_tokens, "cache": FLAGS.cache, "dtype": FLAGS.dtype,
         "load_s": round(load_s, 2), "prefill_s": prefill_s, "decode_s": decode_s,
+        "prefill_cpu_s": statistics.median(r.prefill_cpu_s for r in runs),
+        "decode_cpu_s": statistics.median(r.decode_cpu_s for r in runs),
         "prefill_tokens_per_s": batch * FLAGS.prompt_len / prefill_s,
         "decode_tokens_per_s": batch * (FLAGS.new_tokens - 1) / decode_s,
         "cache_bytes": runs[0].cache_bytes, "repeats": FLAGS.repeats,

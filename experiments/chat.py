@@ -72,12 +72,18 @@ flags.DEFINE_bool("warmup", True, "Run once untimed first, so the rates exclude 
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-  """One prefill + decode run: its tokens and wall seconds."""
+  """One prefill + decode run: its tokens, wall seconds and process CPU seconds.
+
+  CPU seconds (all of this process's threads) measure the work done; other
+  processes sharing the machine inflate wall time but not them.
+  """
 
   tokens: np.ndarray  # i32[B, max_new_tokens]
   lengths: np.ndarray  # i32[B] generated tokens, eos included
   prefill_s: float
   decode_s: float
+  prefill_cpu_s: float
+  decode_cpu_s: float
   cache_bytes: int
 
 
@@ -102,7 +108,7 @@ def run(model, prompts: np.ndarray, lengths: np.ndarray, max_new_tokens: int, *,
   """Prefill `prompts` (`i32[B, T]`, right-padded to `lengths`) then decode, timing each.
 
   The same two compiled programs as `kvattn.generate` (`prefill`, `decode`);
-  wall seconds are measured around `jax.block_until_ready`.
+  wall and CPU seconds are measured around `jax.block_until_ready`.
   """
   batch = prompts.shape[0]
   max_len = int(lengths.max()) + max_new_tokens - 1
@@ -110,15 +116,16 @@ def run(model, prompts: np.ndarray, lengths: np.ndarray, max_new_tokens: int, *,
   cache_bytes = memory.tree_bytes(caches)
   prompts, lengths = jnp.asarray(prompts, jnp.int32), jnp.asarray(lengths, jnp.int32)
   jax.block_until_ready((prompts, lengths, caches))
-  t0 = time.perf_counter()
+  t0, c0 = time.perf_counter(), time.process_time()
   first, caches, key = prefill(model, prompts, lengths, caches, sampling=sampling, rng=seed)
   jax.block_until_ready((first, caches))
-  t1 = time.perf_counter()
+  t1, c1 = time.perf_counter(), time.process_time()
   tokens, out_lengths, caches = decode(model, first, caches, max_new_tokens, sampling=sampling,
                                        eos_id=eos_id, rng=key)
   jax.block_until_ready((tokens, out_lengths))
-  t2 = time.perf_counter()
-  return Timing(np.asarray(tokens), np.asarray(out_lengths), t1 - t0, t2 - t1, cache_bytes)
+  t2, c2 = time.perf_counter(), time.process_time()
+  return Timing(np.asarray(tokens), np.asarray(out_lengths), t1 - t0, t2 - t1, c1 - c0, c2 - c1,
+                cache_bytes)
 
 
 def load(source: str, dtype: str) -> tuple[Any, Any, float]:
