@@ -175,7 +175,9 @@ def main(argv: Sequence[str]) -> None:
   if FLAGS.max_new_tokens < 1:
     raise app.UsageError(f"--max_new_tokens must be >= 1; got {FLAGS.max_new_tokens}")
   model, tok, load_s = load(FLAGS.model, FLAGS.dtype)
-  ids = tok.encode(chat_prompt(tok, FLAGS.prompt, FLAGS.system))
+  # A rendered chat template carries its own special tokens (transformers encodes it so too).
+  ids = tok.encode(chat_prompt(tok, FLAGS.prompt, FLAGS.system),
+                   add_special_tokens=tok.chat_template is None)
   prompts, lengths = np.asarray([ids], np.int32), np.asarray([len(ids)], np.int32)
   sampling = Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
 

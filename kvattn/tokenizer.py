@@ -78,7 +78,8 @@ class Tokenizer:
     bos_id: beginning-of-sequence id, or None.
     eos_id: end-of-sequence id, or None (generation stops there).
     chat_template: the jinja2 chat template source, or None.
-    add_bos: whether `encode` prepends `bos_id` (llama.cpp's `add_bos_token`).
+    add_bos: whether `encode` prepends `bos_id` (`add_bos_token` of the GGUF or
+      of tokenizer_config.json, unless the tokenizer.json adds BOS itself).
   """
 
   def __init__(self, backend: tokenizers.Tokenizer, *, bos_id: int | None = None,
@@ -154,8 +155,11 @@ class Tokenizer:
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
       named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
       template = named.get("default")
+    # A tokenizer.json whose post-processor already adds BOS needs no second one.
+    add_bos = (bool(config.get("add_bos_token", False)) and ids["bos_token"] is not None
+               and ids["bos_token"] not in backend.encode("", add_special_tokens=True).ids)
     return cls(backend, bos_id=ids["bos_token"], eos_id=ids["eos_token"],
-               chat_template=template, add_bos=bool(config.get("add_bos_token", False)))
+               chat_template=template, add_bos=add_bos)
 
   @classmethod
   def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> "Tokenizer":
@@ -240,8 +244,10 @@ class Tokenizer:
   # Use.
 
   def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-    """Token ids of `text`; `bos_id` first when `add_bos` and `add_special_tokens`.
+    """Token ids of `text`.
 
+    With `add_special_tokens`, the tokenizer.json's post-processor adds what it
+    adds (e.g. Llama 3's BOS) and `bos_id` is prepended when `add_bos`.
     Special tokens written in the text (e.g. "<|im_start|>") map to their ids.
 
     Raises:
@@ -249,7 +255,7 @@ class Tokenizer:
     """
     if not isinstance(text, str):
       raise TypeError(f"text must be a str; got {type(text).__name__}")
-    ids = self.backend.encode(text, add_special_tokens=False).ids
+    ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
     if add_special_tokens and self.add_bos:
       ids = [self.bos_id, *ids]
     return ids

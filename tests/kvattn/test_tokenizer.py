@@ -7,7 +7,7 @@ import json
 import jinja2
 import pytest
 import tokenizers
-from tokenizers import pre_tokenizers
+from tokenizers import pre_tokenizers, processors
 
 from kvattn import tokenizer as tokenizer_lib
 from kvattn.tokenizer import Tokenizer
@@ -105,6 +105,19 @@ def test_from_file_reads_tokenizer_config(tmp_path):
   assert (loaded.bos_id, loaded.eos_id, loaded.add_bos) == (0, 0, True)
   assert loaded.encode("ab ab") == [0, 3, 5]
   assert loaded.apply_chat_template([{"role": "user", "content": "hey"}]) == "hey!"
+
+
+def test_from_file_post_processor_bos_is_not_doubled(tmp_path):
+  tok = Tokenizer.from_gguf_metadata(_metadata())
+  tok.backend.post_processor = processors.TemplateProcessing(
+      single="<|end|> $A", special_tokens=[("<|end|>", 0)])
+  tok.backend.save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+      {"bos_token": "<|end|>", "add_bos_token": True}))
+  loaded = Tokenizer.from_file(tmp_path / "tokenizer.json")
+  assert not loaded.add_bos
+  assert loaded.encode("ab") == [0, 3]
+  assert loaded.encode("ab", add_special_tokens=False) == [3]
 
 
 def test_from_file_without_config(tmp_path):
