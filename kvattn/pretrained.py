@@ -364,7 +364,7 @@ def _gqa_entries(layer, D: int, pre: str, at: tuple) -> list[WeightEntry]:
       WeightEntry(at + ("v_proj",), pre + "v_proj.weight", *_linear((D,), (K, H))),
       WeightEntry(at + ("o_proj",), pre + "o_proj.weight", *_linear((N, H), (D,))),
   ]
-  if getattr(layer, "qkv_bias", False):
+  if layer.qkv_bias:
     for name, heads in (("q", N), ("k", K), ("v", K)):
       entries.append(WeightEntry(at + (f"{name}_bias",), pre + f"{name}_proj.bias",
                                  (heads * H,), lambda b, s=(heads, H): b.reshape(s)))
@@ -612,12 +612,12 @@ def from_pretrained(source: str | os.PathLike, *, dtype: Any = None,
     when the checkpoint ships none.
 
   Raises:
-    FileNotFoundError: a path that does not exist, a directory without
-      config.json or safetensors files (names the path).
+    FileNotFoundError: a path that does not exist and is no registered name,
+      a directory without config.json or safetensors files (names the path).
     NotImplementedError: an architecture or setting the model cannot
       represent (names the config key and value).
     ValueError: a missing tensor, a tensor of the wrong shape (names the file
-      and the tensor), an unknown registered name.
+      and the tensor); a file that is not a .gguf file; a bad GGUF file.
     TypeError: `source` is not a str or path.
   """
   if not isinstance(source, (str, os.PathLike)):

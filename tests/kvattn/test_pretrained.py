@@ -212,6 +212,11 @@ def test_missing_files_name_the_path(tmp_path):
     kvattn.from_pretrained(tmp_path)
   with pytest.raises(FileNotFoundError, match=r"nope\.gguf: no such file"):
     kvattn.from_pretrained(tmp_path / "nope.gguf")
+  with pytest.raises(FileNotFoundError, match=r"'no-such-model' is neither an existing file nor "
+                                              r"a registered checkpoint"):
+    kvattn.from_pretrained("no-such-model")
+  with pytest.raises(ValueError, match=r"config\.json' is a file but not a \.gguf file"):
+    kvattn.from_pretrained(tmp_path / "config.json")
   with pytest.raises(TypeError, match="source must be a path"):
     kvattn.from_pretrained(3)
 
@@ -310,3 +315,24 @@ def test_missing_required_config_key_is_named():
   del config["rope_parameters"]["low_freq_factor"]
   with pytest.raises(ValueError, match=r"rope_scaling.low_freq_factor is missing"):
     pretrained.model_config_from_hf(config)
+
+
+def test_tokenizer_json_next_to_the_checkpoint_is_loaded(tmp_path):
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  from kvattn import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  vocab = {f"w{i}": i for i in range(128)}
+  backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+  backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  backend.decoder = tokenizers.decoders.WordPiece(prefix="##")
+  path = _copy_checkpoint(tmp_path)
+  backend.save(str(path / "tokenizer.json"))
+  model, tokenizer = kvattn.from_pretrained(path)
+  assert isinstance(tokenizer, tokenizer_lib.Tokenizer)
+  tokens, _, meta = _expected("llama_gqa")
+  prompt = tokens[1][:meta["prompt_lengths"][1]]
+  ids = tokenizer.encode(" ".join(f"w{i}" for i in prompt))
+  assert ids == prompt.tolist()
+  out, _ = kvattn.generate(model, np.asarray([ids], np.int32), np.asarray([len(ids)]), 3)
+  assert np.asarray(out[0]).tolist() == tokens[1][len(ids):len(ids) + 3].tolist()
+  assert tokenizer.decode(np.asarray(out[0]).tolist()) == " ".join(
+      f"w{i}" for i in np.asarray(out[0]).tolist())
