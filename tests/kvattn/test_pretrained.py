@@ -336,3 +336,26 @@ def test_tokenizer_json_next_to_the_checkpoint_is_loaded(tmp_path):
   assert np.asarray(out[0]).tolist() == tokens[1][len(ids):len(ids) + 3].tolist()
   assert tokenizer.decode(np.asarray(out[0]).tolist()) == " ".join(
       f"w{i}" for i in np.asarray(out[0]).tolist())
+
+
+def test_new_attention_keys_are_validated_with_the_dotted_key():
+  from kvattn import transformer  # pylint: disable=g-import-not-at-top
+  cfg = transformer.model_config(d_model=32, num_layers=2, mlp_dim=64, attention=dict(
+      num_heads=4, num_kv_heads=2, head_dim=8, rope_scaling="llama3", rope_factor=8.0))
+  with pytest.raises(ValueError, match=r"model\.attention: rope_original_max_position must be "
+                                       r"set for rope_scaling 'llama3'"):
+    transformer.resolve_config(cfg)
+  cfg.attention.rope_scaling = "ntk"
+  with pytest.raises(ValueError, match=r"model\.attention\.rope_scaling must be one of"):
+    transformer.resolve_config(cfg)
+  cfg.attention.rope_scaling = "linear"
+  cfg.attention.qkv_bias = True
+  cfg.layers = ({}, {"kind": "mla", "softmax_scale_factor": 1.5})
+  model = kvattn.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
+  gqa, mla = model.layers[0].attn, model.layers[1].attn
+  assert gqa.rope_scaling == kvattn.ops.RopeScaling("linear", 8.0) == mla.rope_scaling
+  assert gqa.q_bias.shape == (4, 8) and gqa.k_bias.shape == (2, 8)
+  assert mla.sm_scale == pytest.approx(1.5 * (32 + 16) ** -0.5)
+  with pytest.raises(TypeError, match=r"rope_scaling must be a kvattn.ops.RopeScaling"):
+    kvattn.GroupedQueryAttention(d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                                 rope_scaling="linear", rngs=nnx.Rngs(0))
