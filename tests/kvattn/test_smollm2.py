@@ -78,7 +78,8 @@ def test_logits_match_transformers(smollm2):
 
 def test_batched_greedy_matches_transformers_alone(smollm2):
   # Three right-padded prompts of different lengths in one batch; each gets the greedy tokens
-  # transformers produced for it alone (no eos stop, so all 20 steps run).
+  # transformers produced for it alone (no eos stop, so all 20 steps run). The smallest recorded
+  # top-1/top-2 gap (0.005, prompt 1 step 15) is ~70x the largest logit difference seen (7e-5).
   model, _ = smollm2
   chats = REFERENCE["chats"]
   lengths = [len(c["ids"]) for c in chats]
