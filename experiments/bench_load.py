@@ -31,6 +31,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments import chat
+from experiments import cli
 
 # --model, --cache, --page_size and --dtype are experiments.chat's flags.
 FLAGS = flags.FLAGS
@@ -76,4 +77,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -32,13 +32,15 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments import cli
+from experiments import timing as timing_lib
+
 from kvattn import memory
-from kvattn import paged
+from kvattn import cache_factories
 from kvattn import pretrained
 from kvattn.generate import Sampling, decode, prefill
 
@@ -99,7 +101,7 @@ def make_caches(model, cache: str, batch: int, max_len: int, *, page_size: int =
   kind, dtype = CACHE_CHOICES[cache]
   if kind == "dense":
     return model.init_caches(batch, max_len, dtype)
-  return paged.paged_cache_factory(model, page_size=page_size)(batch, max_len, dtype)
+  return cache_factories.paged_cache_factory(model, page_size=page_size)(batch, max_len, dtype)
 
 
 def run(model, prompts: np.ndarray, lengths: np.ndarray, max_new_tokens: int, *,
@@ -108,24 +110,19 @@ def run(model, prompts: np.ndarray, lengths: np.ndarray, max_new_tokens: int, *,
   """Prefill `prompts` (`i32[B, T]`, right-padded to `lengths`) then decode, timing each.
 
   The same two compiled programs as `kvattn.generate` (`prefill`, `decode`);
-  wall and CPU seconds are measured around `jax.block_until_ready`.
+  wall and CPU seconds from `experiments.timing.timed`.
   """
   batch = prompts.shape[0]
   max_len = int(lengths.max()) + max_new_tokens - 1
   caches = make_caches(model, cache, batch, max_len, page_size=page_size)
   cache_bytes = memory.tree_bytes(caches)
   prompts, lengths = jnp.asarray(prompts, jnp.int32), jnp.asarray(lengths, jnp.int32)
-  jax.block_until_ready((prompts, lengths, caches))
-  t0, c0 = time.perf_counter(), time.process_time()
-  first, caches, key = prefill(model, prompts, lengths, caches, sampling=sampling, rng=seed)
-  jax.block_until_ready((first, caches))
-  t1, c1 = time.perf_counter(), time.process_time()
-  tokens, out_lengths, caches = decode(model, first, caches, max_new_tokens, sampling=sampling,
-                                       eos_id=eos_id, rng=key)
-  jax.block_until_ready((tokens, out_lengths))
-  t2, c2 = time.perf_counter(), time.process_time()
-  return Timing(np.asarray(tokens), np.asarray(out_lengths), t1 - t0, t2 - t1, c1 - c0, c2 - c1,
-                cache_bytes)
+  prefill_s, prefill_cpu, (first, caches, key) = timing_lib.timed(
+      prefill, model, prompts, lengths, caches, sampling=sampling, rng=seed)
+  decode_s, decode_cpu, (tokens, out_lengths, caches) = timing_lib.timed(
+      decode, model, first, caches, max_new_tokens, sampling=sampling, eos_id=eos_id, rng=key)
+  return Timing(np.asarray(tokens), np.asarray(out_lengths), prefill_s, decode_s, prefill_cpu,
+                decode_cpu, cache_bytes)
 
 
 def load(source: str, dtype: str) -> tuple[Any, Any, float]:
@@ -197,4 +194,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)
