@@ -220,6 +220,7 @@ class TieredStore:
       pending = spill
     for b, _ in pending:
       self.moves[("last", "drop")] += 1
+      b.tier = "dropped"
       self.on_drop(b)
 
   def take(self, block):
@@ -263,6 +264,10 @@ def make_store(mode: str, *, host_bytes: int = 0, disk_bytes: int = 0,
   return TieredStore(tiers)
 
 
+def _uint(width: int):
+  return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[width]
+
+
 class PageCodec:
   """Page payloads of a model's `PagedKVCache`s: the bytes of one page in every pool.
 
@@ -286,13 +291,15 @@ class PageCodec:
       return jnp.concatenate(parts, axis=1)
 
     def write(caches, pages, payload):
+      # The scatter runs on unsigned-integer views of the pools: a float scatter may quiet
+      # signalling NaNs (XLA:CPU does for bf16), an integer one moves bits as they are.
       offsets = np.cumsum([0] + sizes)
       new = []
       for i, (shape, dtype) in enumerate(layouts):
         raw = payload[:, offsets[i]:offsets[i + 1]]
         width = jnp.dtype(dtype).itemsize
         raw = raw.reshape((raw.shape[0],) + shape + ((width,) if width > 1 else ()))
-        new.append(jnp.moveaxis(jax.lax.bitcast_convert_type(raw, dtype), 0, 1))
+        new.append(jnp.moveaxis(jax.lax.bitcast_convert_type(raw, _uint(width)), 0, 1))
       it = iter(new)
       out = []
       for c in caches:
@@ -300,7 +307,9 @@ class PageCodec:
         for name in ("k_pages", "v_pages", "k_scale_pages", "v_scale_pages"):
           pool = getattr(c, name)
           if pool is not None:
-            fields[name] = pool.at[:, pages].set(next(it))
+            bits = jax.lax.bitcast_convert_type(pool, _uint(pool.dtype.itemsize))
+            fields[name] = jax.lax.bitcast_convert_type(bits.at[:, pages].set(next(it)),
+                                                        pool.dtype)
         out.append(c.replace(**fields))
       return tuple(out)
 
