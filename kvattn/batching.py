@@ -170,10 +170,13 @@ class ContinuousBatcher:
                                     num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
                                     dtype=dtype)
         for a in attns)
+    # Committed, as the jitted programs' outputs are: the first call then reuses the executable
+    # later calls run, instead of compiling once more for uncommitted inputs.
+    self.caches = jax.device_put(self.caches, jax.devices()[0])
     self._graphdef, self._state = nnx.split(model)
     if rng is None or (isinstance(rng, int) and not isinstance(rng, bool)):
       rng = jax.random.key(0 if rng is None else rng)
-    self._rng = rng
+    self._rng = jax.device_put(rng, jax.devices()[0])  # committed, like self.caches
     self._slots: list[_Live | None] = [None] * self.num_slots
     self._last = np.full((self.num_slots,), self.pad_id, np.int32)
     self.steps = 0

@@ -130,8 +130,8 @@ class HostTier(_LruTier):
       self._sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
 
   def _store(self, block, payload):
-    if self.pinned:
-      return jax.device_put(payload, self._sharding)
+    if self.pinned:  # waits for the copy, so the device page may be overwritten at once
+      return jax.device_put(payload, self._sharding).block_until_ready()
     return np.array(payload, copy=True)
 
   def _load(self, block, stored):
@@ -264,6 +264,13 @@ def make_store(mode: str, *, host_bytes: int = 0, disk_bytes: int = 0,
   return TieredStore(tiers)
 
 
+def _pad_pow2(pages: np.ndarray) -> np.ndarray:
+  """`pages` padded to the next power of two by repeating its last entry, so the jitted
+  reads and writes compile once per size bucket, not once per page count."""
+  size = 1 << max(0, len(pages) - 1).bit_length()
+  return np.concatenate([pages, np.full((size - len(pages),), pages[-1], pages.dtype)])
+
+
 def _uint(width: int):
   return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[width]
 
@@ -323,11 +330,25 @@ class PageCodec:
 
   def read(self, caches: Sequence[Any], pages: Sequence[int]) -> jax.Array:
     """`u8[len(pages), page_bytes]` the contents of `pages` in every pool."""
-    return self._read(tuple(caches), jnp.asarray(pages, jnp.int32))
+    padded = _pad_pow2(np.asarray(pages, np.int32).reshape(-1))
+    return self._read(tuple(caches), jnp.asarray(padded))[:len(pages)]
 
   def write(self, caches: Sequence[Any], pages: Sequence[int], payload: Any) -> tuple[Any, ...]:
     """`caches` with `pages` overwritten by `payload` (`u8[len(pages), page_bytes]`);
     `caches` are donated."""
-    payload = jnp.asarray(np.stack([np.asarray(p) for p in payload])
-                          if isinstance(payload, (list, tuple)) else payload, jnp.uint8)
-    return self._write(tuple(caches), jnp.asarray(pages, jnp.int32), payload)
+    if isinstance(payload, (list, tuple)):  # host (pinned) arrays move straight to the device
+      device = jax.devices()[0]
+      home = jax.sharding.SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
+      payload = jnp.stack([jax.device_put(p, home) if isinstance(p, jax.Array)
+                           else jnp.asarray(p) for p in payload])
+    payload = jnp.asarray(payload, jnp.uint8)
+    pages = np.asarray(pages, np.int32).reshape(-1)
+    if payload.shape != (len(pages), self.page_bytes):
+      raise ValueError(f"payload must have shape [len(pages), page_bytes] = ({len(pages)}, "
+                       f"{self.page_bytes}); got {tuple(payload.shape)}")
+    # Padding repeats the last page and its payload: a duplicate write of equal bits.
+    padded = _pad_pow2(pages)
+    payload = jnp.concatenate([payload, jnp.broadcast_to(
+        payload[-1:], (len(padded) - len(pages), self.page_bytes))]) if len(padded) > len(
+            pages) else payload
+    return self._write(tuple(caches), jnp.asarray(padded), payload)

@@ -348,6 +348,31 @@ class PrefixCachingAllocator(PageAllocator):
     self.counters["cow_copies"] += len(copies)
     return copies
 
+  def offload_cached(self) -> int:
+    """Moves every unreferenced cached device page to the offload store now
+    (one batched read), freeing its page: what a scheduler does with cold
+    prefixes before it needs the room. Without a store they are forgotten.
+
+    Returns:
+      Pages moved (or forgotten).
+    """
+    pages = list(self._lru)
+    if not pages:
+      return 0
+    payloads = (self._reader(pages) if self.offload is not None and self._reader is not None
+                else None)
+    for i, page in enumerate(pages):
+      del self._lru[page]
+      block = self._page_block.pop(page)
+      if payloads is None:
+        self._forget(block)
+      else:
+        block.page, block.tier = None, "offloading"
+        self.offload.put(block, payloads[i])
+        self.counters["pages_offloaded"] += 1
+      self._free.append(page)
+    return len(pages)
+
   def check(self) -> None:
     """`PageAllocator.check`'s partition for shared pages, plus the refcounts,
     the LRU list and the index (for tests).
