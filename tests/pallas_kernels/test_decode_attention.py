@@ -1,4 +1,4 @@
-"""Tests for pallas_kernels.decode_attention (fused GQA/MLA decode kernel).
+"""Tests for pallas_kernels.dense_decode (fused GQA/MLA decode kernel).
 
 `TestDecodeAttention` runs the kernel compiled and is skipped on CPU;
 `TestDecodeAttentionInterpret` runs every case with `interpret=True` (both
@@ -13,7 +13,6 @@ the full product is `@pytest.mark.slow`.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 
 import chex
@@ -23,11 +22,10 @@ import numpy as np
 import pytest
 
 from pallas_kernels import _common
+from pallas_kernels import dense_decode as da
 from tests.pallas_kernels._helpers import (DTYPES, KernelTest, assert_errors, close, close_lse,
                                            jitted, lengths_sets)
 
-# The module (the package attribute `pallas_kernels.decode_attention` is the function).
-da = importlib.import_module("pallas_kernels.decode_attention")
 
 try:  # The XLA-path comparisons need kvattn (and so flax); a bare GPU image may lack it.
   import kvattn.ops as kvattn_ops

@@ -1,4 +1,4 @@
-"""Tests for pallas_kernels.paged_attention (fused paged GQA decode kernel).
+"""Tests for pallas_kernels.paged_decode (fused paged GQA decode kernel).
 
 `TestPagedAttention` runs the kernel compiled and is skipped on CPU;
 `TestPagedAttentionInterpret` runs every case with `interpret=True` (both
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import paged_attention as pa
+from pallas_kernels import paged_decode as pa
 from tests.pallas_kernels._helpers import (DTYPES, FORMATS, KernelTest, assert_errors, close,
                                            close_lse, jitted, junk, lengths_sets, quantize)
 
@@ -259,7 +259,8 @@ class TestPagedAttention(KernelTest):
     free pages) and moving every page to another position change nothing, bit for bit."""
     dtype, _ = FORMATS[name]
     q_dtype = DTYPES[q_dtype_name]
-    self._require(pa.supported(None, (num_kv, 1, QPAGE, 64), (num_kv, 1, QPAGE, 64), dtype))
+    self._require(pa.unsupported_reason(None, (num_kv, 1, QPAGE, 64), (num_kv, 1, QPAGE, 64),
+                                        dtype))
     batch = len(QEDGES)
     q, k, v, tables = _inputs(batch, num_heads, num_kv, 64, 64, q_dtype, seed=12,
                               page_size=QPAGE)
@@ -449,18 +450,18 @@ def test_validation_errors_name_the_argument():
   assert_errors(call, cases, (q, k, v, tables, lengths))
 
 
-def test_supported_names_what_a_compiled_backend_cannot_take():
+def test_unsupported_reason_names_what_a_compiled_backend_cannot_take():
   pool = (2, 9, QPAGE, 64)
   for dtype in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16):
-    assert pa.supported(None, pool, pool, dtype, platform="gpu") is None, dtype
-  assert pa.supported(None, pool, pool, jnp.int8, platform="tpu") is None
-  assert "not f32/bf16/int8 on TPU" in pa.supported(None, pool, pool, jnp.float8_e5m2,
-                                                    platform="tpu")
-  assert "page_size=16 is not a multiple of 32" in pa.supported(
+    assert pa.unsupported_reason(None, pool, pool, dtype, platform="gpu") is None, dtype
+  assert pa.unsupported_reason(None, pool, pool, jnp.int8, platform="tpu") is None
+  assert "not f32/bf16/int8 on TPU" in pa.unsupported_reason(
+      None, pool, pool, jnp.float8_e5m2, platform="tpu")
+  assert "page_size=16 is not a multiple of 32" in pa.unsupported_reason(
       None, (2, 9, 16, 64), (2, 9, 16, 64), jnp.int8, platform="tpu")
-  assert "page_size=24 is not a power of two" in pa.supported(
+  assert "page_size=24 is not a power of two" in pa.unsupported_reason(
       None, (2, 9, 24, 64), (2, 9, 24, 64), jnp.float32, platform="gpu")
-  assert "value width Hv=8 is not a power of two >= 16" in pa.supported(
+  assert "value width Hv=8 is not a power of two >= 16" in pa.unsupported_reason(
       None, pool, (2, 9, QPAGE, 8), jnp.float32, platform="gpu")
-  assert "no compiled Pallas backend on 'cpu'" in pa.supported(None, pool, pool, jnp.float32,
-                                                               platform="cpu")
+  assert "no compiled Pallas backend on 'cpu'" in pa.unsupported_reason(
+      None, pool, pool, jnp.float32, platform="cpu")
