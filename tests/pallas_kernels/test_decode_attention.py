@@ -23,6 +23,7 @@ import pytest
 
 from pallas_kernels import _common
 from pallas_kernels import dense_decode as da
+from pallas_kernels.attention_common import attended_range, decode_mask
 from tests.pallas_kernels._helpers import (DTYPES, KernelTest, assert_errors, close, close_lse,
                                            jitted, lengths_sets)
 
@@ -53,17 +54,13 @@ def _inputs(batch, num_heads, num_kv, head_dim, v_dim, dtype, capacity=S, seed=0
 
 def _fill_unused(x, lengths, window, value, slot_axis=2):
   """Copy of `x` with `value` in every slot outside `[max(0, L - W), L)` of each row."""
+  unused = ~np.asarray(decode_mask(lengths, x.shape[slot_axis], window))  # [B, S]
+  shape = [1] * x.ndim
+  shape[0], shape[slot_axis] = unused.shape
   dtype = x.dtype
-  x = np.array(x.astype(jnp.float32))
-  for b, length in enumerate(np.asarray(lengths)):
-    start = 0 if window is None else max(0, int(length) - window)
-    idx = [slice(None)] * x.ndim
-    idx[0] = b
-    for sl in (slice(0, start), slice(min(int(length), x.shape[slot_axis]), None)):
-      idx[slot_axis] = sl
-      x[tuple(idx)] = value
   with np.errstate(over="ignore"):  # 1e30 becomes inf in f16, as it would in a real cache
-    return jnp.asarray(x.astype(dtype))
+    return jnp.asarray(np.where(unused.reshape(shape), value,
+                                np.asarray(x.astype(jnp.float32))).astype(dtype))
 
 
 # Default cases: (B, N, K, H, Hv, dtype, window, schedule). Together they cover
@@ -179,7 +176,7 @@ class TestDecodeAttention(KernelTest):
                       np.array([BLOCK - 1, BLOCK, 2 * BLOCK + 5, capacity], np.int32)):
         _, counts = self._kernel(q, k, v, lengths, window=window, schedule=schedule,
                                  num_splits=3, count_blocks=True)
-        starts = np.zeros_like(lengths) if window is None else np.maximum(lengths - window, 0)
+        starts = np.asarray(attended_range(lengths, capacity, window)[0])
         expected = -(-lengths // BLOCK) - starts // BLOCK
         np.testing.assert_array_equal(np.asarray(counts), np.repeat(expected[:, None], 2, 1),
                                       err_msg=f"S={capacity} window={window} L={lengths}")

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import paged_decode as pa
+from pallas_kernels.attention_common import attended_range
 from tests.pallas_kernels._helpers import (DTYPES, FORMATS, KernelTest, assert_errors, close,
                                            close_lse, jitted, junk, lengths_sets, quantize)
 
@@ -67,9 +68,9 @@ def _dirty(pages, tables, lengths, window, value):
   page_size = pages.shape[2]
   keep = np.zeros(pages.shape[1:3], bool)  # [P, page_size]
   tables = np.array(tables)
+  starts, _ = attended_range(np.asarray(lengths), tables.shape[1] * page_size, window)
   for b, length in enumerate(lengths):
-    start = 0 if window is None else max(0, int(length) - window)
-    for slot in range(start, int(length)):
+    for slot in range(int(starts[b]), int(length)):
       keep[tables[b, slot // page_size], slot % page_size] = True
     tables[b, -(-int(length) // page_size):] = -1
   pages[:, ~keep] = value
@@ -217,7 +218,7 @@ class TestPagedAttention(KernelTest):
       _, counts = self._kernel(q, jnp.asarray(k), jnp.asarray(v), tables, lengths,
                                window=window, schedule=schedule, num_splits=3,
                                pages_per_block=1, count_pages=True)
-      starts = np.zeros_like(lengths) if window is None else np.maximum(lengths - window, 0)
+      starts = np.asarray(attended_range(lengths, pages_per_seq * PAGE, window)[0])
       expected = -(-lengths // PAGE) - starts // PAGE
       np.testing.assert_array_equal(np.asarray(counts), np.repeat(expected[:, None], 2, 1),
                                     err_msg=f"pages_per_seq={pages_per_seq} window={window}")
