@@ -4,6 +4,8 @@
   (GPU/TPU; skipped on CPU) and, in an `...Interpret` subclass setting
   `INTERPRET = True`, with the Pallas interpreter on CPU. On a GPU,
   `pytest -k "not Interpret"` selects the compiled cases only.
+  `fast_when_interpreted` keeps a subset of a case list in the default
+  interpreted selection (the rest is `slow` there, default when compiled).
 * dtype-dependent tolerances and comparisons against the f32 references;
 * length vectors covering a grid of edges;
 * per-vector absmax quantization (as kvattn.ops.quantize_kv) and garbage for
@@ -78,9 +80,17 @@ class KernelTest:
     return schedule
 
   def _require(self, reason):
-    """Skips a compiled case the backend does not support (`supported(...)`'s reason)."""
+    """Skips a compiled case the backend does not support (`unsupported_reason(...)`)."""
     if not self.INTERPRET and reason is not None:
       pytest.skip(reason)
+
+
+def fast_when_interpreted(cases, fast):
+  """`cases` as pytest params, all but those in `fast` marked `slow_when_interpreted`
+  (see tests/pallas_kernels/conftest.py): the default selection interprets only
+  `fast` on CPU and compiles every case on a GPU/TPU."""
+  return [case if case in fast else pytest.param(case, marks=pytest.mark.slow_when_interpreted)
+          for case in cases]
 
 
 def assert_errors(call, cases, valid_args):

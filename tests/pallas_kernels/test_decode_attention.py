@@ -8,7 +8,11 @@ On a GPU, `pytest -k "not Interpret"` runs the compiled cases only.
 Every call compiles a kernel, which dominates the runtime in interpret mode,
 so each case loops over many `lengths` vectors (traced values: no recompile)
 and the default grid is a subset chosen so each edge appears at least once;
-the full product is `@pytest.mark.slow`.
+the full product is `@pytest.mark.slow`. Interpreted, the default selection
+keeps one case per edge class (every length edge, G = 1 and G > the G tile,
+garbage in unused slots, block skipping) and marks the repeats
+`slow_when_interpreted` (tests/pallas_kernels/conftest.py); compiled, every
+default case runs.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from pallas_kernels import _common
 from pallas_kernels import dense_decode as da
 from pallas_kernels.attention_common import attended_range, decode_mask
 from tests.pallas_kernels._helpers import (DTYPES, KernelTest, assert_errors, close, close_lse,
-                                           jitted, lengths_sets)
+                                           fast_when_interpreted, jitted, lengths_sets)
 
 
 try:  # The XLA-path comparisons need kvattn (and so flax); a bare GPU image may lack it.
@@ -111,7 +115,10 @@ class TestDecodeAttention(KernelTest):
       empty = lengths == 0
       np.testing.assert_array_equal(np.asarray(out, np.float32)[empty], 0.0)
 
-  @pytest.mark.parametrize("case", CASES, ids=str)
+  # Interpreted by default: G = 24 > the 16-row G tile ("loop") and G = 1 ("grid"); both
+  # cover every length edge (EDGES).
+  @pytest.mark.parametrize("case", fast_when_interpreted(CASES, (
+      (3, 48, 2, 64, 64, "bf16", 5, "loop"), (3, 8, 8, 128, 64, "bf16", None, "grid"))), ids=str)
   def test_matches_reference_and_xla(self, case):
     self._check_case(*case)
 
@@ -120,7 +127,7 @@ class TestDecodeAttention(KernelTest):
   def test_matches_reference_full_grid(self, case):
     self._check_case(*case)
 
-  @pytest.mark.parametrize("schedule", ["loop", "grid"])
+  @pytest.mark.parametrize("schedule", fast_when_interpreted(["loop", "grid"], ["loop"]))
   def test_independent_of_blocks_splits_and_tiles(self, schedule):
     # G = 48 > any G tile below: several tiles per KV head.
     q, k, v = _inputs(2, 48, 1, 64, 64, jnp.float32, capacity=128, seed=3)
@@ -138,7 +145,8 @@ class TestDecodeAttention(KernelTest):
       np.testing.assert_allclose(lse, base_lse, atol=2e-6, rtol=2e-6, err_msg=what)
 
   @pytest.mark.parametrize("schedule,dtype_name,window", [
-      ("loop", "f32", None), ("grid", "bf16", 2 * BLOCK + 1), ("loop", "f16", BLOCK)])
+      ("loop", "f32", None), ("grid", "bf16", 2 * BLOCK + 1),
+      pytest.param("loop", "f16", BLOCK, marks=pytest.mark.slow_when_interpreted)])
   def test_garbage_in_unused_slots_does_not_leak(self, schedule, dtype_name, window):
     dtype = DTYPES[dtype_name]
     q, k, v = _inputs(3, 8, 2, 64, 64, dtype, seed=5)
@@ -153,7 +161,7 @@ class TestDecodeAttention(KernelTest):
       np.testing.assert_array_equal(np.asarray(out, np.float32),
                                     np.asarray(clean, np.float32), err_msg=str(value))
 
-  @pytest.mark.parametrize("schedule", ["loop", "grid"])
+  @pytest.mark.parametrize("schedule", fast_when_interpreted(["loop", "grid"], ["loop"]))
   def test_lse_is_logsumexp_of_scaled_logits(self, schedule):
     q, k, v = _inputs(3, 8, 2, 64, 32, jnp.float32, seed=7)
     lengths = np.array([0, 1, 50], np.int32)
@@ -166,7 +174,7 @@ class TestDecodeAttention(KernelTest):
                   np.log(np.sum(np.exp(logits[b, :, :length].astype(np.float64)), -1)))
       np.testing.assert_allclose(np.asarray(lse[b]), expected, rtol=1e-5, atol=1e-5)
 
-  @pytest.mark.parametrize("schedule", ["loop", "grid"])
+  @pytest.mark.parametrize("schedule", fast_when_interpreted(["loop", "grid"], ["loop"]))
   def test_work_grows_with_the_real_length(self, schedule):
     # count_blocks reports how many key blocks each program actually ran its
     # body on; it must be the blocks overlapping [max(0, L - W), L), whatever S.
@@ -188,7 +196,8 @@ class TestDecodeAttention(KernelTest):
     np.testing.assert_array_equal(over, at_s)
 
   @pytest.mark.parametrize("schedule,dtype_name,window", [
-      ("loop", "f32", None), ("grid", "bf16", BLOCK + 2)])
+      ("loop", "f32", None),
+      pytest.param("grid", "bf16", BLOCK + 2, marks=pytest.mark.slow_when_interpreted)])
   def test_mla_matches_reference_and_xla(self, schedule, dtype_name, window):
     dtype = DTYPES[dtype_name]
     rng = np.random.RandomState(11)

@@ -10,7 +10,9 @@ permutation, and everything no sequence attends (the tail of each last page,
 pages before the window, free pages) holds NaN, so kernel == reference ==
 XLA path also shows that garbage never leaks. Each case loops over several
 `lengths` vectors (traced values: no recompile); the full grid is
-`@pytest.mark.slow`.
+`@pytest.mark.slow`. Interpreted, the default selection keeps one case per
+edge class and marks the repeats `slow_when_interpreted`
+(tests/pallas_kernels/conftest.py); compiled, every default case runs.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import pytest
 from pallas_kernels import paged_decode as pa
 from pallas_kernels.attention_common import attended_range
 from tests.pallas_kernels._helpers import (DTYPES, FORMATS, KernelTest, assert_errors, close,
-                                           close_lse, jitted, junk, lengths_sets, quantize)
+                                           close_lse, fast_when_interpreted, jitted, junk,
+                                           lengths_sets, quantize)
 
 try:  # The XLA-path comparisons need kvattn (and so flax); a bare GPU image may lack it.
   import kvattn.ops as kvattn_ops
@@ -150,7 +153,11 @@ class TestPagedAttention(KernelTest):
       close_lse(lse, ref_lse, dtype)
       np.testing.assert_array_equal(np.asarray(out, np.float32)[lengths == 0], 0.0)
 
-  @pytest.mark.parametrize("case", CASES, ids=str)
+  # Interpreted by default: G = 24 > the 16-row G tile ("loop") and G = 1 ("grid"); both
+  # cover every length edge (EDGES).
+  @pytest.mark.parametrize("case", fast_when_interpreted(CASES, (
+      (3, 48, 2, 64, 32, "bf16", 5, "loop"), (3, 8, 8, 128, 128, "bf16", None, "grid"))),
+                           ids=str)
   def test_matches_reference_and_xla(self, case):
     self._check_case(*case)
 
@@ -159,7 +166,7 @@ class TestPagedAttention(KernelTest):
   def test_matches_reference_full_grid(self, case):
     self._check_case(*case)
 
-  @pytest.mark.parametrize("schedule", ["loop", "grid"])
+  @pytest.mark.parametrize("schedule", fast_when_interpreted(["loop", "grid"], ["loop"]))
   def test_independent_of_pages_per_block_splits_and_tiles(self, schedule):
     # G = 48 > any G tile below: several tiles per KV head.
     q, k, v, tables = _inputs(2, 48, 1, 64, 64, jnp.float32, pages_per_seq=8, seed=3)
@@ -195,7 +202,7 @@ class TestPagedAttention(KernelTest):
       np.testing.assert_array_equal(np.asarray(out, np.float32),
                                     np.asarray(clean, np.float32), err_msg=str(value))
 
-  @pytest.mark.parametrize("schedule", ["loop", "grid"])
+  @pytest.mark.parametrize("schedule", fast_when_interpreted(["loop", "grid"], ["grid"]))
   def test_result_independent_of_page_order(self, schedule):
     q, k, v, tables = _inputs(3, 8, 2, 64, 64, jnp.float32, seed=9)
     lengths = np.array([PAGE, 1, S - 5], np.int32)
@@ -207,7 +214,7 @@ class TestPagedAttention(KernelTest):
                          lengths, schedule=schedule)
     np.testing.assert_array_equal(np.asarray(moved), np.asarray(out))
 
-  @pytest.mark.parametrize("schedule", ["loop", "grid"])
+  @pytest.mark.parametrize("schedule", fast_when_interpreted(["loop", "grid"], ["loop"]))
   def test_work_grows_with_the_real_length(self, schedule):
     # count_pages reports the pages each program read; it must follow the
     # attended range [max(0, L - W), L), whatever the table width.
@@ -297,7 +304,9 @@ class TestPagedAttention(KernelTest):
     moved, _ = kernel(kq[:, inv], vq[:, inv], perm[tables], ks[:, inv], vs[:, inv])
     np.testing.assert_array_equal(np.asarray(moved, np.float32), np.asarray(out, np.float32))
 
-  @pytest.mark.parametrize("case", QUANT_CASES, ids=str)
+  @pytest.mark.parametrize("case", fast_when_interpreted(QUANT_CASES, (
+      ("int8", "grid", 8, 1, QPAGE + 3, "bf16"), ("e4m3", "loop", 8, 8, QPAGE + 3, "bf16"))),
+                           ids=str)
   def test_quantized_pools_match_reference_and_xla(self, case):
     self._check_quantized(*case)
 

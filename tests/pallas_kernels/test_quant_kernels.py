@@ -41,7 +41,10 @@ CASES = [  # (format, schedule, N, K, window, q dtype)
 ]
 
 
-@pytest.mark.parametrize("name,schedule,num_heads,num_kv,window,q_dtype", CASES)
+# Interpreted by default: one case per format (the rest, and the full grid, are slow).
+@pytest.mark.parametrize("name,schedule,num_heads,num_kv,window,q_dtype", [
+    case if case[:2] in (("int8", "grid"), ("e4m3", "loop"), ("e5m2", "loop"))
+    else pytest.param(*case, marks=pytest.mark.slow) for case in CASES])
 def test_dense_kernel_matches_reference_over_edges(name, schedule, num_heads, num_kv, window,
                                                    q_dtype):
   q, k, v = _dense(num_heads, num_kv, 16)
@@ -106,8 +109,9 @@ def test_result_independent_of_blocks_and_splits():
     np.testing.assert_allclose(out, outs[0], atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("name,schedule", [("int8", "grid"), ("e4m3", "loop"),
-                                           ("e5m2", "loop")])
+@pytest.mark.parametrize("name,schedule", [
+    pytest.param("int8", "grid", marks=pytest.mark.slow), ("e4m3", "loop"),
+    pytest.param("e5m2", "loop", marks=pytest.mark.slow)])
 def test_mla_kernel_scales_each_part(name, schedule):
   rng = np.random.default_rng(5)
   b = len(EDGES)
