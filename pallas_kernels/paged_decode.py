@@ -459,10 +459,8 @@ def paged_decode_attention_unchecked(q, k_pages, v_pages, block_tables, lengths,
   """`paged_decode_attention` without the argument checks, for callers that ran them
   (`attention_common.check_paged_args`; kvattn's dispatch point). The tunables are
   still checked: they are resolved here."""
-  for name, value in (("pages_per_block", pages_per_block), ("block_g", block_g),
-                      ("num_splits", num_splits)):
-    common.optional_positive_int(name, value)
-  schedule = _common.check_schedule(schedule, interpret)
+  schedule = _common.check_schedule(schedule, interpret, (
+      ("pages_per_block", pages_per_block), ("block_g", block_g), ("num_splits", num_splits)))
   head_dim = q.shape[2]
   # Resolve tiles now so an unfit page size or tunable raises before tracing.
   _tiles(schedule, q.shape[1] // k_pages.shape[0], k_pages.shape[2], block_tables.shape[1],
