@@ -11,6 +11,8 @@ Public names (`__all__`; DESIGN.md has the contract):
     `PagedKVCache`     paged cache of one layer, page pools + block tables.
     `PageAllocator`    host-side page allocator of a paged pool.
     `OutOfPagesError`  raised when the pool has too few free pages.
+    `PrefixCachingAllocator`  a `PageAllocator` that shares cached prompt prefixes
+                       (refcounted pages, chained sha256 keys, LRU eviction, offload tiers).
   Model, generation, serving:
     `Transformer`         decoder-only LM, attention variant per layer from a config.
     `generate`            batched prefill + one compiled decode loop.
@@ -25,7 +27,9 @@ Public names (`__all__`; DESIGN.md has the contract):
     `transformer`  model config schema (`model_config`, `resolve_config`).
   Submodules to import by name: `kvattn.cache_protocol` (the interface every
   cache kind implements), `kvattn.cache_factories` (caches of a whole model
-  for `generate(cache_factory=)`), `kvattn.allocator` (host-side pages).
+  for `generate(cache_factory=)`), `kvattn.allocator` (host-side pages),
+  `kvattn.cache_io` (save / restore any cache with orbax, resume generation),
+  `kvattn.prefix_cache` (prefix sharing), `kvattn.offload` (host and disk tiers).
 """
 
 from kvattn import memory, ops
@@ -34,6 +38,7 @@ from kvattn.gqa import GroupedQueryAttention
 from kvattn.mla import MultiHeadLatentAttention
 from kvattn.allocator import OutOfPagesError, PageAllocator
 from kvattn.paged import PagedKVCache
+from kvattn.prefix_cache import PrefixCachingAllocator
 from kvattn import data, transformer
 from kvattn.transformer import Transformer
 from kvattn.generate import generate  # the function; helpers: `from kvattn.generate import ...`
@@ -51,6 +56,7 @@ __all__ = [
     "OutOfPagesError",
     "PageAllocator",
     "PagedKVCache",
+    "PrefixCachingAllocator",
     "Transformer",
     "data",
     "from_pretrained",

@@ -32,6 +32,16 @@ Greedy decoding gives each sequence exactly the tokens it gets alone
 (`kvattn.generate`), whatever joins or leaves around it; with sampling one
 key per step is shared by the batch, so samples depend on the schedule.
 
+Prefix cache (`prefix_cache=True`, opt-in): the allocator is a
+`kvattn.prefix_cache.PrefixCachingAllocator`. A joining prompt takes the
+cached pages of its longest cached prefix of whole pages (never the whole
+prompt: its last token is always evaluated) and prefills only the rest,
+right-padded to a power-of-two bucket (one compile per bucket used); its
+full prompt pages are registered right after its prefill, so requests that
+join later share them, and the pages it filled while decoding when it
+retires. With `offload=` (a `kvattn.offload.TieredStore`) evicted cached
+pages move to host memory / disk and are copied back on a hit.
+
 Exhaustion: `add` raises `OutOfPagesError` (or `NoFreeSlotError`) before
 anything changes; check `can_add` first. If a running sequence cannot get its
 next page it is finished early with reason "out_of_pages" (its pages are

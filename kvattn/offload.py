@@ -8,11 +8,13 @@ them (the allocator then forgets the block: the prefix is recomputed, never
 served stale). A hit takes the page back out (`take`) into a fresh device page.
 
 Tiers (capacity in bytes, `>= 0`; 0 passes everything through):
-  * `HostTier`: host memory. Where the backend offers the `pinned_host`
-    memory kind (`jax.devices()[0].addressable_memories()`: GPUs and TPUs,
-    and this CPU backend too), pages are `jax.Array`s placed there with
-    `jax.device_put` (page-locked, so device<->host copies are DMA);
-    otherwise numpy buffers.
+  * `HostTier`: host memory. Where an accelerator offers the `pinned_host`
+    memory kind (`jax.devices()[0].addressable_memories()`), pages are
+    `jax.Array`s placed there with `jax.device_put` (page-locked, so
+    device<->host copies are DMA); otherwise numpy buffers. The CPU backend
+    offers `pinned_host` too, but there device memory is host memory, so by
+    default it gets numpy rows (one copy per batch instead of a transfer per
+    page); `pinned=True` forces the memory kind.
   * `DiskTier`: one `numpy.memmap` file per page in a directory, with its
     sha256 kept in memory: a file that is missing, truncated or altered is
     detected on `take` and reported as a miss.
@@ -124,7 +126,10 @@ class HostTier(_LruTier):
     available = pinned_host_available()
     if pinned and not available:
       raise ValueError("pinned must be False or None: the device offers no pinned_host memory")
-    self.pinned = available if pinned is None else bool(pinned)
+    # On a CPU backend device memory is host memory already: numpy rows cost one copy, while
+    # pinned_host arrays add a transfer dispatch per page. Elsewhere pinned pages are DMA'd.
+    default = available and jax.devices()[0].platform != "cpu"
+    self.pinned = default if pinned is None else bool(pinned)
     if self.pinned:
       device = jax.devices()[0]
       self._sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
@@ -132,7 +137,7 @@ class HostTier(_LruTier):
   def _store(self, block, payload):
     if self.pinned:  # waits for the copy, so the device page may be overwritten at once
       return jax.device_put(payload, self._sharding).block_until_ready()
-    return np.array(payload, copy=True)
+    return np.array(payload, copy=True)  # a copy: never a view into a batch or device buffer
 
   def _load(self, block, stored):
     return stored
@@ -222,6 +227,13 @@ class TieredStore:
       self.moves[("last", "drop")] += 1
       b.tier = "dropped"
       self.on_drop(b)
+
+  def rows(self, payloads: jax.Array) -> Sequence[Any]:
+    """Splits a batch of page payloads (`u8[n, page_bytes]` on the device) into what `put`
+    takes: jax rows for a pinned first tier, else numpy rows of one device-to-host copy."""
+    if isinstance(self.tiers[0], HostTier) and self.tiers[0].pinned:
+      return [payloads[i] for i in range(payloads.shape[0])]
+    return list(np.asarray(payloads))
 
   def take(self, block):
     """Removes `block` from its tier; returns its payload, or None (then the caller forgets it)."""
@@ -336,11 +348,14 @@ class PageCodec:
   def write(self, caches: Sequence[Any], pages: Sequence[int], payload: Any) -> tuple[Any, ...]:
     """`caches` with `pages` overwritten by `payload` (`u8[len(pages), page_bytes]`);
     `caches` are donated."""
-    if isinstance(payload, (list, tuple)):  # host (pinned) arrays move straight to the device
-      device = jax.devices()[0]
-      home = jax.sharding.SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
-      payload = jnp.stack([jax.device_put(p, home) if isinstance(p, jax.Array)
-                           else jnp.asarray(p) for p in payload])
+    if isinstance(payload, (list, tuple)):
+      if all(isinstance(p, np.ndarray) for p in payload):  # one host-to-device copy
+        payload = np.stack(payload)
+      else:  # host (pinned) arrays move straight to the device
+        device = jax.devices()[0]
+        home = jax.sharding.SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
+        payload = jnp.stack([jax.device_put(p, home) if isinstance(p, jax.Array)
+                             else jnp.asarray(p) for p in payload])
     payload = jnp.asarray(payload, jnp.uint8)
     pages = np.asarray(pages, np.int32).reshape(-1)
     if payload.shape != (len(pages), self.page_bytes):

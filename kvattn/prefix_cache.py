@@ -359,8 +359,8 @@ class PrefixCachingAllocator(PageAllocator):
     pages = list(self._lru)
     if not pages:
       return 0
-    payloads = (self._reader(pages) if self.offload is not None and self._reader is not None
-                else None)
+    payloads = (self.offload.rows(self._reader(pages))
+                if self.offload is not None and self._reader is not None else None)
     for i, page in enumerate(pages):
       del self._lru[page]
       block = self._page_block.pop(page)
@@ -456,7 +456,7 @@ class PrefixCachingAllocator(PageAllocator):
     self.counters["evictions"] += 1
     if self.offload is not None and self._reader is not None:
       block.page, block.tier = None, "offloading"
-      self.offload.put(block, self._reader([page])[0])  # sets block.tier
+      self.offload.put(block, self.offload.rows(self._reader([page]))[0])  # sets block.tier
       self.counters["pages_offloaded"] += 1
     else:
       self._forget(block)

@@ -23,7 +23,10 @@ def _payload(seed, size=24):
   return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
-@pytest.mark.parametrize("pinned", [False, None])
+PINNED = [False, None] + ([True] if offload.pinned_host_available() else [])
+
+
+@pytest.mark.parametrize("pinned", PINNED)
 def test_host_tier_round_trip_is_bit_exact(pinned):
   tier = HostTier(100, pinned=pinned)
   block, data = _Block(), _payload(0)
@@ -33,10 +36,12 @@ def test_host_tier_round_trip_is_bit_exact(pinned):
   assert tier.used_bytes == 0 and len(tier) == 0
 
 
-def test_pinned_host_is_used_where_the_device_offers_it():
+def test_pinned_host_is_the_default_on_accelerators_that_offer_it():
+  import jax  # pylint: disable=g-import-not-at-top
   tier = HostTier(100)
-  assert tier.pinned == offload.pinned_host_available()
-  if tier.pinned:
+  assert tier.pinned == (offload.pinned_host_available() and jax.devices()[0].platform != "cpu")
+  if offload.pinned_host_available():
+    tier = HostTier(100, pinned=True)
     tier.put(b := _Block(), _payload(1))
     assert tier.take(b).sharding.memory_kind == "pinned_host"
 
@@ -190,10 +195,14 @@ def _serve(batcher):
   return out
 
 
-@pytest.mark.parametrize("mode", ["device", "host", "disk"])
+@pytest.mark.parametrize("mode", ["device", "host", "disk"] + (
+    ["pinned"] if offload.pinned_host_available() else []))
 def test_generation_with_offload_equals_generation_without(mode, tmp_path):
-  store = make_store(mode, host_bytes=10**6 if mode == "host" else 0, disk_bytes=10**6,
-                     directory=tmp_path)
+  if mode == "pinned":
+    store = TieredStore([HostTier(10**6, pinned=True)])
+  else:
+    store = make_store(mode, host_bytes=10**6 if mode == "host" else 0, disk_bytes=10**6,
+                       directory=tmp_path)
   batcher = _batcher(store)
   out = _serve(batcher)
   for rid, prompt, _ in _requests():

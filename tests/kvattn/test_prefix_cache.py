@@ -146,7 +146,7 @@ def test_referenced_pages_are_never_evicted():
 
 class AllocatorMachine(RuleBasedStateMachine):
   """Random joins (prompts from a small alphabet, so prefixes repeat), growth, forks,
-  copy-on-write and retirements: no page is leaked or double-freed."""
+  copy-on-write, retirements and evictions: no page is leaked or double-freed."""
 
   def __init__(self):
     super().__init__()
@@ -191,6 +191,12 @@ class AllocatorMachine(RuleBasedStateMachine):
     seq = data.draw(st.sampled_from(sorted(self.live)))
     tokens = self.live.pop(seq)
     self.alloc.free(seq, tokens=tokens if register else None)
+
+  @rule()
+  def evict(self):
+    cached = self.alloc.num_cached
+    assert self.alloc.offload_cached() == cached  # no store: the cached pages are forgotten
+    assert self.alloc.num_cached == 0
 
   @invariant()
   def consistent(self):
