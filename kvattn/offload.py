@@ -228,11 +228,8 @@ class TieredStore:
       b.tier = "dropped"
       self.on_drop(b)
 
-  def rows(self, payloads: jax.Array) -> Sequence[Any]:
-    """Splits a batch of page payloads (`u8[n, page_bytes]` on the device) into what `put`
-    takes: jax rows for a pinned first tier, else numpy rows of one device-to-host copy."""
-    if isinstance(self.tiers[0], HostTier) and self.tiers[0].pinned:
-      return [payloads[i] for i in range(payloads.shape[0])]
+  def rows(self, payloads: Any) -> Sequence[Any]:
+    """Splits a batch of page payloads (`u8[n, page_bytes]`) into what `put` takes."""
     return list(np.asarray(payloads))
 
   def take(self, block):
@@ -276,10 +273,14 @@ def make_store(mode: str, *, host_bytes: int = 0, disk_bytes: int = 0,
   return TieredStore(tiers)
 
 
-def _pad_pow2(pages: np.ndarray) -> np.ndarray:
-  """`pages` padded to the next power of two by repeating its last entry, so the jitted
-  reads and writes compile once per size bucket, not once per page count."""
-  size = 1 << max(0, len(pages) - 1).bit_length()
+def _pad_bucket(pages: np.ndarray) -> np.ndarray:
+  """`pages` padded by repeating its last entry to the next of 1, 2, 3, 4, 6, 8, 12, 16,
+  24, ... (powers of two and their halfway points: at most a third wasted), so the jitted
+  reads and writes compile once per bucket, not once per page count."""
+  n = len(pages)
+  size = 1 << max(0, n - 1).bit_length()
+  if size >= 4 and n <= size * 3 // 4:
+    size = size * 3 // 4
   return np.concatenate([pages, np.full((size - len(pages),), pages[-1], pages.dtype)])
 
 
@@ -290,9 +291,10 @@ def _uint(width: int):
 class PageCodec:
   """Page payloads of a model's `PagedKVCache`s: the bytes of one page in every pool.
 
-  `read(caches, pages) -> u8[n, page_bytes]` and `write(caches, pages,
-  u8[n, page_bytes]) -> caches` are jitted; values and scales are bitcast,
-  so a round trip is bit-exact.
+  `read(caches, pages) -> u8[n, page_bytes]` (one jitted gather per pool,
+  bytes packed on the host) and `write(caches, pages, u8[n, page_bytes]) ->
+  caches` (one jitted scatter per pool, donated); values and scales move as
+  raw bits, so a round trip is bit-exact.
   """
 
   def __init__(self, caches: Sequence[Any]):
@@ -302,33 +304,28 @@ class PageCodec:
     self.page_bytes = sum(self.sizes)
     layouts, sizes = self.layouts, self.sizes
 
-    def read(caches, pages):
-      parts = []
-      for pool in self._pools(caches):
-        x = jnp.moveaxis(pool[:, pages], 1, 0)  # [n, K, page_size, ...]
-        parts.append(jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(x.shape[0], -1))
-      return jnp.concatenate(parts, axis=1)
+    def read(caches, pages):  # the pages of every pool, native dtype: [K, n, page_size, ...]
+      return [pool[:, pages] for pool in self._pools(caches)]
 
-    def write(caches, pages, payload):
-      # The scatter runs on unsigned-integer views of the pools: a float scatter may quiet
-      # signalling NaNs (XLA:CPU does for bf16), an integer one moves bits as they are.
-      offsets = np.cumsum([0] + sizes)
-      new = []
-      for i, (shape, dtype) in enumerate(layouts):
-        raw = payload[:, offsets[i]:offsets[i + 1]]
-        width = jnp.dtype(dtype).itemsize
-        raw = raw.reshape((raw.shape[0],) + shape + ((width,) if width > 1 else ()))
-        new.append(jnp.moveaxis(jax.lax.bitcast_convert_type(raw, _uint(width)), 0, 1))
-      it = iter(new)
+    def write(caches, pages, parts):
+      # parts: per pool, [K, n, page_size, ...] as unsigned ints of the pool's width. Floats
+      # narrower than 32 bits are scattered as those ints (XLA:CPU computes bf16/fp8 in f32
+      # and would quiet signalling NaNs); wider ones and ints are bitcast first and scattered
+      # in their own dtype (a plain data move, and in place under donation).
+      it = iter(parts)
       out = []
       for c in caches:
         fields = {}
         for name in ("k_pages", "v_pages", "k_scale_pages", "v_scale_pages"):
           pool = getattr(c, name)
-          if pool is not None:
-            bits = jax.lax.bitcast_convert_type(pool, _uint(pool.dtype.itemsize))
-            fields[name] = jax.lax.bitcast_convert_type(bits.at[:, pages].set(next(it)),
-                                                        pool.dtype)
+          if pool is None:
+            continue
+          new = next(it)
+          if jnp.issubdtype(pool.dtype, jnp.floating) and pool.dtype.itemsize < 4:
+            bits = jax.lax.bitcast_convert_type(pool, new.dtype)
+            fields[name] = jax.lax.bitcast_convert_type(bits.at[:, pages].set(new), pool.dtype)
+          else:
+            fields[name] = pool.at[:, pages].set(jax.lax.bitcast_convert_type(new, pool.dtype))
         out.append(c.replace(**fields))
       return tuple(out)
 
@@ -340,30 +337,37 @@ class PageCodec:
     return [p for c in caches for p in (c.k_pages, c.v_pages, c.k_scale_pages, c.v_scale_pages)
             if p is not None]
 
-  def read(self, caches: Sequence[Any], pages: Sequence[int]) -> jax.Array:
-    """`u8[len(pages), page_bytes]` the contents of `pages` in every pool."""
-    padded = _pad_pow2(np.asarray(pages, np.int32).reshape(-1))
-    return self._read(tuple(caches), jnp.asarray(padded))[:len(pages)]
+  def read(self, caches: Sequence[Any], pages: Sequence[int]) -> np.ndarray:
+    """`u8[len(pages), page_bytes]` (host) the contents of `pages` in every pool: one
+    gather per pool on the device, the bytes packed on the host."""
+    n = len(pages)
+    padded = _pad_bucket(np.asarray(pages, np.int32).reshape(-1))
+    parts = self._read(tuple(caches), jnp.asarray(padded))
+    rows = [np.moveaxis(np.asarray(p)[:, :n], 1, 0).reshape(n, -1).view(np.uint8)
+            for p in parts]
+    return np.concatenate(rows, axis=1)
 
   def write(self, caches: Sequence[Any], pages: Sequence[int], payload: Any) -> tuple[Any, ...]:
-    """`caches` with `pages` overwritten by `payload` (`u8[len(pages), page_bytes]`);
-    `caches` are donated."""
+    """`caches` with `pages` overwritten by `payload` (`u8[len(pages), page_bytes]`, or
+    a list of `u8[page_bytes]` rows); `caches` are donated.
+
+    Raises:
+      ValueError: a payload of the wrong shape.
+    """
     if isinstance(payload, (list, tuple)):
-      if all(isinstance(p, np.ndarray) for p in payload):  # one host-to-device copy
-        payload = np.stack(payload)
-      else:  # host (pinned) arrays move straight to the device
-        device = jax.devices()[0]
-        home = jax.sharding.SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
-        payload = jnp.stack([jax.device_put(p, home) if isinstance(p, jax.Array)
-                             else jnp.asarray(p) for p in payload])
-    payload = jnp.asarray(payload, jnp.uint8)
+      payload = np.stack([np.asarray(p) for p in payload])
+    payload = np.asarray(payload, np.uint8)
     pages = np.asarray(pages, np.int32).reshape(-1)
     if payload.shape != (len(pages), self.page_bytes):
       raise ValueError(f"payload must have shape [len(pages), page_bytes] = ({len(pages)}, "
                        f"{self.page_bytes}); got {tuple(payload.shape)}")
     # Padding repeats the last page and its payload: a duplicate write of equal bits.
-    padded = _pad_pow2(pages)
-    payload = jnp.concatenate([payload, jnp.broadcast_to(
-        payload[-1:], (len(padded) - len(pages), self.page_bytes))]) if len(padded) > len(
-            pages) else payload
-    return self._write(tuple(caches), jnp.asarray(padded), payload)
+    padded = _pad_bucket(pages)
+    payload = np.concatenate([payload, np.repeat(payload[-1:], len(padded) - len(pages), 0)])
+    parts, offset = [], 0
+    for (shape, dtype), size in zip(self.layouts, self.sizes):
+      width = jnp.dtype(dtype).itemsize
+      raw = np.ascontiguousarray(payload[:, offset:offset + size]).view(f"u{width}")
+      parts.append(np.moveaxis(raw.reshape((len(padded),) + shape), 0, 1))
+      offset += size
+    return self._write(tuple(caches), jnp.asarray(padded), parts)
