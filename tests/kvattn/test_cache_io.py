@@ -188,7 +188,8 @@ def test_restore_then_continue_equals_an_uninterrupted_run(factory, tmp_path):
   np.testing.assert_array_equal(np.concatenate([generated, out]), _reference(PROMPT, 10))
 
 
-@pytest.mark.parametrize("cut", [1, 2, 4, 6])
+@pytest.mark.parametrize("cut", [1, pytest.param(2, marks=pytest.mark.slow),
+                                 pytest.param(4, marks=pytest.mark.slow), 6])
 def test_prompt_that_is_a_strict_prefix_truncates_and_reevaluates_its_last_token(cut, tmp_path):
   held, _ = _saved_after_decoding(tmp_path, 3, _dense)
   caches, _, tokens = cache_io.restore_caches(tmp_path / "ckpt", _dense())

@@ -196,7 +196,7 @@ def _serve(batcher):
 
 
 @pytest.mark.parametrize("mode", ["device", "host", "disk"] + (
-    ["pinned"] if offload.pinned_host_available() else []))
+    [pytest.param("pinned", marks=pytest.mark.slow)] if offload.pinned_host_available() else []))
 def test_generation_with_offload_equals_generation_without(mode, tmp_path):
   if mode == "pinned":
     store = TieredStore([HostTier(10**6, pinned=True)])
