@@ -3,8 +3,10 @@
 `save_caches(path, caches, allocator=, tokens=)` writes any pytree of caches
 (a model's tuple of per-layer `KVCache`, `PagedKVCache`, `LatentCache`,
 quantized ones with their scales, or any other registered cache kind) and,
-optionally, the `PageAllocator` that hands out a paged pool's pages and the
-token ids the caches hold. `restore_caches(path, like)` reads it back into
+optionally, the `PageAllocator` that hands out a paged pool's pages (a
+`PrefixCachingAllocator` keeps its shared pages and refcounts; its
+unreferenced cached pages are saved as free and its prefix index is rebuilt
+by `register`) and the token ids the caches hold. `restore_caches(path, like)` reads it back into
 the structure of `like` (a template: freshly built caches of the same kinds
 and shapes).
 
@@ -45,6 +47,7 @@ from kvattn.allocator import PageAllocator
 from kvattn.cache import KVCache, LatentCache
 from kvattn.generate import Sampling, decode, prefill
 from kvattn.paged import PagedKVCache
+from kvattn.prefix_cache import PrefixCachingAllocator
 
 FORMAT_VERSION = 1
 COMMIT_MARKER = "commit_success.txt"
@@ -94,20 +97,28 @@ def allocator_state(allocator: PageAllocator) -> dict[str, Any]:
       raise TypeError(f"seq_id must be a str or int to be saved; got {seq_id!r}")
     live.append([seq_id if isinstance(seq_id, str) else int(seq_id),
                  [int(p) for p in allocator.pages(seq_id)], allocator.num_tokens(seq_id)])
-  return {"num_pages": allocator.num_pages, "page_size": allocator.page_size,
-          "max_pages_per_seq": allocator.max_pages_per_seq,
-          "free": [int(p) for p in allocator._free],  # pylint: disable=protected-access
-          "live": live}
+  free = [int(p) for p in allocator._free]  # pylint: disable=protected-access
+  prefix = isinstance(allocator, PrefixCachingAllocator)
+  if prefix:  # unreferenced cached pages are saved as free (the prefix index is not saved)
+    free = [int(p) for p in allocator._lru][::-1] + free  # pylint: disable=protected-access
+  return {"kind": "prefix" if prefix else "plain", "num_pages": allocator.num_pages,
+          "page_size": allocator.page_size, "max_pages_per_seq": allocator.max_pages_per_seq,
+          "free": free, "live": live}
 
 
 def allocator_from_state(state: dict[str, Any]) -> PageAllocator:
-  """The `PageAllocator` `allocator_state` described (same free-list order,
-  pages and token counts), checked with `PageAllocator.check`."""
-  alloc = PageAllocator(state["num_pages"], state["page_size"], state["max_pages_per_seq"])
+  """The allocator `allocator_state` described (same kind, free-list order,
+  pages and token counts; a `PrefixCachingAllocator` with its refcounts and
+  an empty prefix index), checked with its `check`."""
+  cls = PrefixCachingAllocator if state.get("kind") == "prefix" else PageAllocator
+  alloc = cls(state["num_pages"], state["page_size"], state["max_pages_per_seq"])
   alloc._free = [int(p) for p in state["free"]]  # pylint: disable=protected-access
   for seq_id, pages, tokens in state["live"]:
     alloc._pages[seq_id] = [int(p) for p in pages]  # pylint: disable=protected-access
     alloc._tokens[seq_id] = int(tokens)  # pylint: disable=protected-access
+    if cls is PrefixCachingAllocator:
+      alloc._ref[pages] += 1  # pylint: disable=protected-access
+      alloc._registered[seq_id] = (0, None)  # pylint: disable=protected-access
   alloc.check()
   return alloc
 

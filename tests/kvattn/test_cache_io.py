@@ -12,6 +12,7 @@ from flax import nnx, struct
 
 from kvattn import KVCache, LatentCache, PageAllocator, PagedKVCache, cache_io, transformer
 from kvattn.generate import decode, generate, prefill
+from kvattn.prefix_cache import PrefixCachingAllocator
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,6 +102,24 @@ def test_paged_round_trip_keeps_allocator_state(tmp_path):
   assert tokens == {"b": [4, 5, 6]}
   # The free list order is kept: the next allocation gets the same pages.
   assert back.allocate("c", 4) == alloc.allocate("c", 4)
+
+
+def test_prefix_caching_allocator_round_trip_keeps_shared_pages_and_refcounts(tmp_path):
+  alloc = PrefixCachingAllocator(10, 4)
+  shared = list(range(8))
+  alloc.allocate_prompt("a", shared + [1])
+  alloc.register("a", shared + [1])
+  alloc.allocate_prompt("b", shared + [2])
+  alloc.allocate_prompt("gone", [7, 7, 7, 7, 7])
+  alloc.free("gone", tokens=[7, 7, 7, 7, 7])  # one cached unreferenced page
+  cache_io.save_caches(tmp_path / "p", KINDS["paged"](), allocator=alloc)
+  _, back, _ = cache_io.restore_caches(tmp_path / "p", KINDS["paged"]())
+  assert isinstance(back, PrefixCachingAllocator)
+  assert back.pages("a") == alloc.pages("a") and back.pages("b") == alloc.pages("b")
+  assert [back.refcount(p) for p in back.pages("b")] == [2, 2, 1]
+  assert back.num_free == alloc.num_free and back.num_cached == 0  # the cached page is free
+  back.register("a", shared + [1])  # the index is rebuilt from live sequences on demand
+  assert back.match(shared + [5]) == 8
 
 
 def test_interrupted_save_leaves_nothing_that_restores(tmp_path):
