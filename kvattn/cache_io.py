@@ -152,6 +152,7 @@ def save_caches(path: str | os.PathLike, caches: Any, *, allocator: PageAllocato
   elif tokens is not None:
     tokens = {"by_row": [[int(t) for t in row] for row in tokens]}
   meta = {"format_version": FORMAT_VERSION, "kinds": [_kind(c) for c in caches],
+          "structures": [str(jax.tree_util.tree_structure(c)) for c in caches],
           "leaves": _leaf_specs(caches), "tokens": tokens,
           "allocator": None if allocator is None else allocator_state(allocator),
           "extra": extra or {}}
@@ -205,6 +206,11 @@ def _check_template(meta: dict[str, Any], like: tuple[Any, ...], path: str) -> N
       if saved[key][field] != spec[field]:
         raise ValueError(f"cache {key[0]}{key[1]}: {field} mismatch: checkpoint {path} has "
                          f"{saved[key][field]}, template has {spec[field]}")
+  for i, (want, cache) in enumerate(zip(meta.get("structures", []), like)):
+    got = str(jax.tree_util.tree_structure(cache))
+    if want != got:  # same arrays, other static fields (e.g. a policy or a RoPE setting)
+      raise ValueError(f"cache {i}: static fields differ: checkpoint {path} has {want}, "
+                       f"template has {got}")
 
 
 def restore_caches(path: str | os.PathLike, like: Any

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx, struct
 
+import kvattn
 from kvattn import KVCache, LatentCache, PageAllocator, PagedKVCache, cache_io, transformer
 from kvattn.generate import decode, generate, prefill
 from kvattn.prefix_cache import PrefixCachingAllocator
@@ -68,6 +69,16 @@ KINDS = {
     "generic": lambda: _ToyRingCache(jnp.zeros((2, 5, 3)), jnp.zeros((2,), jnp.int32),
                                      jnp.zeros((2,), jnp.int32)),
 }
+
+
+# The long-context kinds (kvattn.long_context), when that module is present.
+if hasattr(kvattn, "RingKVCache"):
+  KINDS.update({
+      "ring": lambda: kvattn.RingKVCache.init(2, 5, 2, 4),
+      "ring_int8": lambda: kvattn.RingKVCache.init(2, 5, 2, 4, jnp.int8),
+      "sink": lambda: kvattn.SinkKVCache.init(2, 2, 4, 2, 4),
+      "evicting": lambda: kvattn.EvictingKVCache.init(2, 6, 2, 4, policy="h2o"),
+  })
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -143,6 +154,22 @@ def test_interrupted_save_leaves_nothing_that_restores(tmp_path):
   assert not cache_io.is_complete(torn)
   with pytest.raises(ValueError, match="never finalized"):
     cache_io.restore_caches(torn, KINDS["dense_f32"]())
+
+
+@struct.dataclass
+class _WithPolicy:
+  x: jax.Array
+  lengths: jax.Array
+  policy: str = struct.field(pytree_node=False, default="h2o")
+
+
+def test_restoring_into_other_static_fields_names_them(tmp_path):
+  cache = _WithPolicy(jnp.ones((2, 3)), jnp.zeros((2,), jnp.int32))
+  cache_io.save_caches(tmp_path / "c", cache)
+  with pytest.raises(ValueError, match="static fields differ: .*h2o.*template has .*tova"):
+    cache_io.restore_caches(tmp_path / "c", cache.replace(policy="tova"))
+  restored, _, _ = cache_io.restore_caches(tmp_path / "c", cache)
+  _bits_equal(restored, cache)
 
 
 def test_save_never_overwrites(tmp_path):
