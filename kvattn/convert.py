@@ -39,10 +39,11 @@ Transformer-based LLMs", arXiv 2502.14837) in two steps:
        M = [W_k,nope[0] .. W_k,nope[K-1] | W_v[0] .. W_v[K-1]]     D x F,
        F = K (H - w) + K H,   w = 2r (rope dims per head)
 
-   and factor `M = U S V^T` (f64). With rank C: `W_DKV = U_C S_C^(1/2)`
-   `[D, C]` (the latent `c = x W_DKV`, cached) and `[W_UK | W_UV] = S_C^(1/2)
-   V_C^T` `[C, F]`, sliced per KV head and copied to the query heads of its
-   group. At C = F the product is M exactly (zero-padded where F > D), so the
+   and factor `M = U S V^T` (f64). With rank C: `W_DKV = M V_C = U_C S_C`
+   `[D, C]` (the latent `c = x W_DKV`, cached) and `[W_UK | W_UV] = V_C^T`
+   `[C, F]` (orthonormal rows), sliced per KV head and copied to the query
+   heads of its group. `W_DKV W_UKV = M V_C V_C^T` is the best rank-C
+   approximation of M (Eckart-Young) and M itself at C = F, so the full-rank
    MLA model equals the partial-RoPE model; lower C truncates the spectrum.
    `method="split"` (SVD_split) factors the K and V blocks separately, with
    ranks in proportion to their widths (`C_k = round(C K (H - w) / F)`,
@@ -295,15 +296,16 @@ def partial_rope(model: transformer_lib.Transformer, qk_rope_head_dim: int, *,
 
 
 def _svd_factors(m: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
-  """`(A [D, rank], B [rank, F])` with `A B` the best rank-`rank` approximation of `m`
-  (`A = U S^1/2`, `B = S^1/2 V^T`; zero columns/rows past the rank of the SVD)."""
-  u, s, vt = np.linalg.svd(m, full_matrices=False)
-  r = min(rank, s.size)
-  a = np.zeros((m.shape[0], rank))
-  b = np.zeros((rank, m.shape[1]))
-  a[:, :r] = u[:, :r] * np.sqrt(s[:r])
-  b[:r] = np.sqrt(s[:r])[:, None] * vt[:r]
-  return a, b
+  """`(A [D, rank], B [rank, F])` with `A B` the best rank-`rank` approximation of `m [D, F]`.
+
+  `m = U S V^T`; `B = V_rank^T` (orthonormal rows, the top right singular
+  vectors, from the eigendecomposition of `m^T m` in f64) and `A = m V_rank =
+  U_rank S_rank`, so `A B = m V V^T` is `m` itself at rank F whatever the
+  precision of the eigenvalues.
+  """
+  eigvals, vecs = np.linalg.eigh(m.T @ m)  # ascending
+  v = vecs[:, np.argsort(eigvals)[::-1][:rank]]  # [F, rank]
+  return m @ v, v.T
 
 
 def mla_full_rank(model: transformer_lib.Transformer, qk_rope_head_dim: int) -> int:
