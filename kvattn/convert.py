@@ -135,6 +135,24 @@ def _replace_layers(spec: transformer_lib.ModelSpec, layers: Sequence[Any],
 # Regrouping KV heads (GQA paper §2.1).
 
 
+def check_regroup(model: transformer_lib.Transformer, num_kv_heads: int, *,
+                  method: str = "mean") -> list[GroupedQueryAttention]:
+  """The checks of `regroup_kv_heads` (same errors), without converting; returns the layers."""
+  if method not in REGROUP_METHODS:
+    raise ValueError(f"method must be one of {REGROUP_METHODS}; got {method!r}")
+  if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads <= 0:
+    raise ValueError(f"num_kv_heads must be a positive int; got {num_kv_heads!r}")
+  attns = _gqa_layers(model, "regroup_kv_heads")
+  for i, attn in enumerate(attns):
+    K, N = attn.num_kv_heads, attn.num_heads
+    if N % num_kv_heads:
+      raise ValueError(f"num_kv_heads must divide num_heads = {N} (layer {i}); got {num_kv_heads}")
+    if num_kv_heads % K and K % num_kv_heads:
+      raise ValueError(f"num_kv_heads must be a multiple or a divisor of the current number of "
+                       f"KV heads {K} (layer {i}); got {num_kv_heads}")
+  return attns
+
+
 def regroup_kv_heads(model: transformer_lib.Transformer, num_kv_heads: int, *,
                      method: str = "mean") -> transformer_lib.Transformer:
   """A copy of `model` with `num_kv_heads` KV heads per layer (see the module doc).
@@ -156,27 +174,18 @@ def regroup_kv_heads(model: transformer_lib.Transformer, num_kv_heads: int, *,
       neither a multiple nor a divisor of a layer's K, or not dividing N; an
       unknown method.
   """
-  if method not in REGROUP_METHODS:
-    raise ValueError(f"method must be one of {REGROUP_METHODS}; got {method!r}")
-  if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads <= 0:
-    raise ValueError(f"num_kv_heads must be a positive int; got {num_kv_heads!r}")
-  attns = _gqa_layers(model, "regroup_kv_heads")
+  attns = check_regroup(model, num_kv_heads, method=method)
   layers, params = [], []
-  for i, (attn, layer_spec) in enumerate(zip(attns, model.spec.layers)):
-    K, N = attn.num_kv_heads, attn.num_heads
-    if N % num_kv_heads:
-      raise ValueError(f"num_kv_heads must divide num_heads = {N} (layer {i}); got {num_kv_heads}")
+  for attn, layer_spec in zip(attns, model.spec.layers):
+    K = attn.num_kv_heads
     if num_kv_heads % K == 0:
       f = num_kv_heads // K
       merge = lambda w, f=f: np.repeat(w, f, axis=-2)  # [..., K, H] -> [..., K f, H]
-    elif K % num_kv_heads == 0:
+    else:
       f = K // num_kv_heads
-      def merge(w, f=f):  # [..., K, H] -> [..., K / f, H]
+      def merge(w, f=f, K=K):  # [..., K, H] -> [..., K / f, H]
         groups = w.reshape(w.shape[:-2] + (K // f, f, w.shape[-1]))
         return groups.mean(axis=-2) if method == "mean" else groups[..., 0, :]
-    else:
-      raise ValueError(f"num_kv_heads must be a multiple or a divisor of the current number of "
-                       f"KV heads {K} (layer {i}); got {num_kv_heads}")
     p = {"q_proj": _value(attn.q_proj), "o_proj": _value(attn.o_proj),
          "k_proj": merge(_value(attn.k_proj)), "v_proj": merge(_value(attn.v_proj))}
     if attn.qkv_bias:
@@ -348,6 +357,42 @@ def _mla_layer(attn: GroupedQueryAttention, kv_lora_rank: int, w: int, pairs: np
           "o_proj": _value(attn.o_proj)}
 
 
+def check_to_mla(model: transformer_lib.Transformer, kv_lora_rank: int, qk_rope_head_dim: int,
+                 *, method: str = "joint", rope_selection: str = "high"
+                 ) -> list[tuple[GroupedQueryAttention, int, np.ndarray, float]]:
+  """The checks of `to_mla` (same errors), without converting; returns per layer `(attn, w,
+  kept pairs, RoPE base of the chunks)`."""
+  if method not in MLA_METHODS:
+    raise ValueError(f"method must be one of {MLA_METHODS}; got {method!r}")
+  attns = _gqa_layers(model, "to_mla")
+  full = mla_full_rank(model, qk_rope_head_dim)  # validates qk_rope_head_dim
+  C = kv_lora_rank
+  if isinstance(C, bool) or not isinstance(C, int) or C <= 0:
+    raise ValueError(f"kv_lora_rank must be a positive int; got {C!r}")
+  if C > full:
+    raise ValueError(f"kv_lora_rank must be at most the full rank (the stacked no-RoPE K/V width "
+                     f"K (2 head_dim - qk_rope_head_dim / K)) = {full}; got {C}")
+  plan = []
+  for i, attn in enumerate(attns):
+    if attn.qkv_bias:
+      raise NotImplementedError(f"to_mla: layer {i} has qkv biases, which MLA's projections lack")
+    if attn.soft_cap is not None:
+      raise NotImplementedError(f"to_mla: layer {i} has a soft cap, which MLA lacks")
+    H = attn.head_dim
+    w = _per_head_rope_width(qk_rope_head_dim, attn)
+    pairs = rope_pairs(H, w // 2, rope_selection)
+    stride = int(pairs[1] - pairs[0]) if pairs.size > 1 else 1
+    theta = float(attn.rope_theta) ** (stride * w / H)
+    want = np.asarray(rope_lib.rope_frequencies(H, attn.rope_theta, attn.rope_scaling))[pairs]
+    got = np.asarray(rope_lib.rope_frequencies(w, theta, attn.rope_scaling))
+    if not np.allclose(got, want, rtol=1e-5, atol=0):
+      raise NotImplementedError(
+          f"to_mla: layer {i}'s rope scaling {attn.rope_scaling} gives the kept pairs frequencies "
+          f"that a RoPE base of width {w} cannot reproduce (rope_selection {rope_selection!r})")
+    plan.append((attn, w, pairs, theta))
+  return plan
+
+
 def to_mla(model: transformer_lib.Transformer, kv_lora_rank: int, qk_rope_head_dim: int, *,
            method: str = "joint", rope_selection: str = "high") -> transformer_lib.Transformer:
   """A copy of `model` whose layers are `MultiHeadLatentAttention` (MHA2MLA; module doc).
@@ -378,33 +423,12 @@ def to_mla(model: transformer_lib.Transformer, kv_lora_rank: int, qk_rope_head_d
     NotImplementedError: qkv biases or a soft cap (MLA has neither), or a rope
       scaling whose frequencies the chunked RoPE base cannot reproduce.
   """
-  if method not in MLA_METHODS:
-    raise ValueError(f"method must be one of {MLA_METHODS}; got {method!r}")
-  attns = _gqa_layers(model, "to_mla")
-  full = mla_full_rank(model, qk_rope_head_dim)  # validates qk_rope_head_dim
   C = kv_lora_rank
-  if isinstance(C, bool) or not isinstance(C, int) or C <= 0:
-    raise ValueError(f"kv_lora_rank must be a positive int; got {C!r}")
-  if C > full:
-    raise ValueError(f"kv_lora_rank must be at most the full rank (the stacked no-RoPE K/V width "
-                     f"K (2 head_dim - qk_rope_head_dim / K)) = {full}; got {C}")
   layers, params = [], []
-  for i, (attn, layer_spec) in enumerate(zip(attns, model.spec.layers)):
-    if attn.qkv_bias:
-      raise NotImplementedError(f"to_mla: layer {i} has qkv biases, which MLA's projections lack")
-    if attn.soft_cap is not None:
-      raise NotImplementedError(f"to_mla: layer {i} has a soft cap, which MLA lacks")
-    K, H = attn.num_kv_heads, attn.head_dim
-    w = _per_head_rope_width(qk_rope_head_dim, attn)
-    pairs = rope_pairs(H, w // 2, rope_selection)
-    stride = int(pairs[1] - pairs[0]) if pairs.size > 1 else 1
-    theta = float(attn.rope_theta) ** (stride * w / H)
-    want = np.asarray(rope_lib.rope_frequencies(H, attn.rope_theta, attn.rope_scaling))[pairs]
-    got = np.asarray(rope_lib.rope_frequencies(w, theta, attn.rope_scaling))
-    if not np.allclose(got, want, rtol=1e-5, atol=0):
-      raise NotImplementedError(
-          f"to_mla: layer {i}'s rope scaling {attn.rope_scaling} gives the kept pairs frequencies "
-          f"that a RoPE base of width {w} cannot reproduce (rope_selection {rope_selection!r})")
+  plan = check_to_mla(model, kv_lora_rank, qk_rope_head_dim, method=method,
+                      rope_selection=rope_selection)
+  for (attn, w, pairs, theta), layer_spec in zip(plan, model.spec.layers):
+    H, K = attn.head_dim, attn.num_kv_heads
     params.append(_mla_layer(attn, C, w, pairs, method))
     layers.append(transformer_lib.AttentionSpec(
         kind="mla", num_heads=attn.num_heads, rope_theta=theta, window=attn.window,
