@@ -169,7 +169,7 @@ def test_mla_conversion_sizes_and_cache_bytes():
   attn = mla.layers[0].attn
   assert (attn.kv_lora_rank, attn.qk_rope_head_dim, attn.qk_nope_head_dim, attn.v_head_dim,
           attn.num_rope_heads, attn.latent_norm) == (10, 8, 4, 8, 2, False)
-  assert mla.cache_bytes_per_token() == 2 * (10 + 8) * 4
+  assert mla.cache_bytes_per_token() == mla.num_layers * (10 + 8) * 4  # (C + R) f32 per layer
   assert attn.sm_scale == pytest.approx(8 ** -0.5)  # the source's 1 / sqrt(H)
 
 
