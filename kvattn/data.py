@@ -30,7 +30,7 @@ import glob as glob_lib
 import hashlib
 import os
 import sysconfig
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 from ml_collections import config_dict
@@ -241,6 +241,33 @@ def pack(docs: Sequence[Document], seq_len: int) -> np.ndarray:
   return out.reshape(num_rows, row)
 
 
+def pack_token_ids(docs: Sequence[Document], seq_len: int, encode: Callable[[str], Sequence[int]],
+                   *, eos_id: int | None = None) -> np.ndarray:
+  """Packs documents tokenized by a subword tokenizer into rows `i32[num_rows, seq_len + 1]`.
+
+  Each document becomes `encode(text)` (its UTF-8 bytes decoded with
+  replacement; the tokenizer adds BOS if it does) followed by `eos_id` (when
+  not None); the documents are concatenated in order and cut into full rows.
+  The last partial row is dropped, so no padding id is needed and every
+  target is a real token (a subword vocabulary has no free id for PAD_ID).
+
+  Raises:
+    ValueError: `seq_len` not a positive int, no documents, or too few tokens
+      for one row.
+  """
+  if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+    raise ValueError(f"seq_len must be a positive int; got {seq_len!r}")
+  if not docs:
+    raise ValueError("docs must hold at least one document; got none")
+  tail = [] if eos_id is None else [eos_id]
+  stream = np.concatenate([np.asarray(list(encode(d.data.decode("utf-8", "replace"))) + tail,
+                                      np.int32) for d in docs])
+  row = seq_len + 1
+  if stream.size < row:
+    raise ValueError(f"docs must hold at least seq_len + 1 = {row} tokens; got {stream.size}")
+  return stream[:stream.size // row * row].reshape(-1, row)
+
+
 class BatchIterator:
   """Seeded, resumable iterator over batches of packed rows.
 
@@ -360,3 +387,20 @@ def dataset_from_config(cfg: Any) -> Dataset:
   d = {**data_config().to_dict(), **d}
   return load_dataset(d["path"], seq_len=d["seq_len"], validation_fraction=d["validation_fraction"],
                       max_bytes=d["max_bytes"], include_tests=d["include_tests"])
+
+
+def load_token_dataset(encode: Callable[[str], Sequence[int]], *, seq_len: int,
+                       eos_id: int | None = None, path: str | None = None,
+                       validation_fraction: float = 0.05,
+                       max_bytes: int | None = DEFAULT_MAX_BYTES,
+                       include_tests: bool = False) -> Dataset:
+  """`load_dataset` for a subword tokenizer: corpus -> split -> `pack_token_ids` rows.
+
+  `encode` is e.g. `kvattn.tokenizer.Tokenizer.encode` and `eos_id` its
+  `eos_id` (the default corpus, tokenized the way a pretrained model reads
+  text, for evaluating and uptraining it).
+  """
+  docs = load_corpus(path, max_bytes=max_bytes, include_tests=include_tests)
+  train, val = split_documents(docs, validation_fraction)
+  return Dataset(pack_token_ids(train, seq_len, encode, eos_id=eos_id),
+                 pack_token_ids(val, seq_len, encode, eos_id=eos_id), len(train), len(val))

@@ -110,8 +110,9 @@ class MultiHeadLatentAttention(nnx.Module):
   Cq: `q_down_proj [D, Cq]`, `q_norm [Cq]`, `q_up_proj [Cq, N, Hn + R]`;
   `kv_down_proj [D, C + R]` (first C columns the latent W_DKV, last R the
   rope-key projection W_KR, as DeepSeek's `kv_a_proj_with_mqa`); `kv_norm
-  [C]`; `k_up_proj [C, N, Hn]` (W_UK); `v_up_proj [C, N, Hv]` (W_UV);
-  `o_proj [N, Hv, D]`; here Hn = qk_nope_head_dim and Hv = v_head_dim.
+  [C]` (unless `latent_norm=False`); `k_up_proj [C, N, Hn]` (W_UK);
+  `v_up_proj [C, N, Hv]` (W_UV); `o_proj [N, Hv, D]`; here Hn =
+  qk_nope_head_dim and Hv = v_head_dim.
   Products of low-precision inputs, including the absorbed `q_nope W_UK^T`,
   accumulate in f32 (`preferred_element_type`); RMSNorm, RoPE and softmax
   run in f32.
@@ -136,6 +137,8 @@ class MultiHeadLatentAttention(nnx.Module):
       decode_implementation: str | None = None,
       softmax_scale_factor: float = 1.0,
       rope_scaling: ops.RopeScaling | None = None,
+      num_rope_heads: int = 1,
+      latent_norm: bool = True,
       rngs: nnx.Rngs,
   ):
     """Builds the projections.
@@ -163,15 +166,28 @@ class MultiHeadLatentAttention(nnx.Module):
         mscale_all_dim)^2`, as transformers' `yarn_apply_mscale`).
       rope_scaling: a `kvattn.ops.RopeScaling` context extension of the
         frequencies of the R rope dims, or None for plain RoPE.
+      num_rope_heads: RoPE is applied to the R rope dims (of the query and of the
+        cached rope key) as `num_rope_heads` independent chunks of width
+        R / num_rope_heads, each with the frequencies of a RoPE head of that
+        width. 1 (default) is DeepSeek-V2. A GQA checkpoint converted by
+        `kvattn.convert.to_mla` keeps one rope-key chunk per source KV head
+        (MHA2MLA keeps per-head rope keys) and zeroes the other chunks of
+        each query head's rope part.
+      latent_norm: apply the RMSNorm `kv_norm` to the latent (DeepSeek-V2,
+        default). False caches the linear latent `x W_DKV` (no `kv_norm`
+        parameter), which is what an SVD factorisation of a checkpoint's
+        K/V projections produces (`kvattn.convert.to_mla`).
       rngs: `nnx.Rngs` with a `params` stream.
 
     Raises:
       ValueError: a non-positive size, an odd qk_rope_head_dim, non-positive
         rope_theta / rms_eps / window / softmax_scale_factor, an unknown path
-        or decode_implementation.
+        or decode_implementation, a num_rope_heads that does not split R into
+        chunks of even width.
       TypeError: a size that is not an int; a decode_implementation that is
         not a str or None; a dtype or param_dtype that is not a floating dtype;
-        a rope_scaling that is not a RopeScaling or None.
+        a rope_scaling that is not a RopeScaling or None; a latent_norm that
+        is not a bool.
     """
     self.d_model = _checks.positive_int("d_model", d_model)
     self.num_heads = _checks.positive_int("num_heads", num_heads)
@@ -181,6 +197,13 @@ class MultiHeadLatentAttention(nnx.Module):
     if self.qk_rope_head_dim % 2:
       raise ValueError(f"qk_rope_head_dim must be even for RoPE; got {qk_rope_head_dim}")
     self.v_head_dim = _checks.positive_int("v_head_dim", v_head_dim)
+    self.num_rope_heads = _checks.positive_int("num_rope_heads", num_rope_heads)
+    if self.qk_rope_head_dim % (2 * self.num_rope_heads):
+      raise ValueError(f"qk_rope_head_dim must split into num_rope_heads chunks of even width; "
+                       f"got {qk_rope_head_dim} and {num_rope_heads}")
+    if not isinstance(latent_norm, bool):
+      raise TypeError(f"latent_norm must be a bool; got {latent_norm!r}")
+    self.latent_norm = latent_norm
     self.q_lora_rank = _checks.optional_positive_int("q_lora_rank", q_lora_rank)
     self.rope_theta = _checks.positive_float("rope_theta", rope_theta)
     self.rope_scaling = _checks.rope_scaling(rope_scaling)
@@ -210,7 +233,8 @@ class MultiHeadLatentAttention(nnx.Module):
       self.q_norm = nnx.Param(jnp.ones((Cq,), param_dtype))
       self.q_up_proj = nnx.Param(_init(0, (1, 2))(key(), (Cq, N, Hq), param_dtype))
     self.kv_down_proj = nnx.Param(_init(0, 1)(key(), (D, C + R), param_dtype))
-    self.kv_norm = nnx.Param(jnp.ones((C,), param_dtype))
+    if latent_norm:
+      self.kv_norm = nnx.Param(jnp.ones((C,), param_dtype))
     self.k_up_proj = nnx.Param(_init(0, (1, 2))(key(), (C, N, Hn), param_dtype))
     self.v_up_proj = nnx.Param(_init(0, (1, 2))(key(), (C, N, Hv), param_dtype))
     self.o_proj = nnx.Param(_init((0, 1), 2)(key(), (N, Hv, D), param_dtype))
@@ -234,16 +258,22 @@ class MultiHeadLatentAttention(nnx.Module):
       c_q = rms_norm(c_q, self.q_norm[...], self.rms_eps)
       q = self._einsum("BTQ,QNH->BTNH", c_q, self.q_up_proj, dtype)
     q_nope, q_rope = jnp.split(q, [self.qk_nope_head_dim], axis=-1)
-    return q_nope, ops.apply_rope(q_rope, positions, rope_theta=self.rope_theta,
-                                  scaling=self.rope_scaling)
+    return q_nope, self._rope(q_rope, positions)
+
+  def _rope(self, x, positions):
+    """RoPE of `[B, T, ..., R]` rope parts, as `num_rope_heads` chunks of R / num_rope_heads."""
+    heads = self.num_rope_heads
+    chunks = x.reshape(x.shape[:-1] + (heads, x.shape[-1] // heads))
+    out = ops.apply_rope(chunks, positions, rope_theta=self.rope_theta, scaling=self.rope_scaling)
+    return out.reshape(x.shape)
 
   def _latents(self, x, positions, dtype):
     """Returns `(c_kv [B, T, C], k_rope [B, T, R])`: normalised latent, roped shared key."""
     ckr = self._einsum("BTD,DE->BTE", x, self.kv_down_proj, dtype)
     c_kv, k_rope = jnp.split(ckr, [self.kv_lora_rank], axis=-1)
-    c_kv = rms_norm(c_kv, self.kv_norm[...], self.rms_eps)
-    return c_kv, ops.apply_rope(k_rope, positions, rope_theta=self.rope_theta,
-                                scaling=self.rope_scaling)
+    if self.latent_norm:
+      c_kv = rms_norm(c_kv, self.kv_norm[...], self.rms_eps)
+    return c_kv, self._rope(k_rope, positions)
 
   def _expand(self, c_kv, k_rope, dtype):
     """Per-head keys `[B, N, S, Hn + R]` and values `[B, N, S, Hv]` from latents

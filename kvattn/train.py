@@ -137,42 +137,44 @@ def make_optimizer(cfg: Any) -> optax.GradientTransformation:
       optax.adamw(schedule, b1=d["b1"], b2=d["b2"], weight_decay=d["weight_decay"]))
 
 
-def token_losses(model: transformer_lib.Transformer, batch: jax.Array
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def token_losses(model: transformer_lib.Transformer, batch: jax.Array,
+                 pad_id: int = data_lib.PAD_ID) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Per-target cross-entropy of packed rows.
 
   Args:
     model: the LM.
     batch: `i32[B, L + 1]` packed rows; inputs `batch[:, :-1]`, targets
       `batch[:, 1:]`.
+    pad_id: targets equal to it are masked out (`kvattn.data.PAD_ID` for the
+      byte tokenizer; -1 masks none, for rows of `kvattn.data.pack_token_ids`).
 
   Returns:
-    `(nll f32[B, L] in nats, mask f32[B, L] (target != PAD), is_byte f32[B, L]
+    `(nll f32[B, L] in nats, mask f32[B, L] (target != pad_id), is_byte f32[B, L]
     (target < 256))`.
   """
   inputs, targets = batch[:, :-1], batch[:, 1:]
   logits, _ = model(inputs)
   nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-  mask = (targets != data_lib.PAD_ID).astype(jnp.float32)
+  mask = (targets != pad_id).astype(jnp.float32)
   is_byte = (targets < data_lib.NUM_BYTES).astype(jnp.float32)
   return nll * mask, mask, is_byte * mask
 
 
-def _loss(params, graphdef, rest, batch):
+def _loss(params, graphdef, rest, batch, pad_id):
   model = nnx.merge(graphdef, params, rest)
-  nll, mask, _ = token_losses(model, batch)
+  nll, mask, _ = token_losses(model, batch, pad_id)
   return jnp.sum(nll) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def _train_step(graphdef, tx, params, rest, opt_state, batch):
-  loss, grads = jax.value_and_grad(_loss)(params, graphdef, rest, batch)
+def _train_step(graphdef, tx, pad_id, params, rest, opt_state, batch):
+  loss, grads = jax.value_and_grad(_loss)(params, graphdef, rest, batch, pad_id)
   updates, opt_state = tx.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
   return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
 
-def _eval_step(graphdef, params, rest, batch):
-  nll, mask, is_byte = token_losses(nnx.merge(graphdef, params, rest), batch)
+def _eval_step(graphdef, pad_id, params, rest, batch):
+  nll, mask, is_byte = token_losses(nnx.merge(graphdef, params, rest), batch, pad_id)
   return jnp.sum(nll), jnp.sum(mask), jnp.sum(is_byte)
 
 
@@ -181,16 +183,16 @@ def _eval_step(graphdef, params, rest, batch):
 _STEP_CACHE: dict[Any, tuple[Any, Any]] = {}
 
 
-def _compiled_steps(graphdef, config: dict[str, Any], tx):
+def _compiled_steps(graphdef, config: dict[str, Any], tx, pad_id: int):
   opt_keys = ("steps", "learning_rate", "warmup_steps", "end_learning_rate_ratio",
               "weight_decay", "b1", "b2", "grad_clip_norm")
-  key = (graphdef, tuple(config[k] for k in opt_keys))
+  key = (graphdef, tuple(config[k] for k in opt_keys), pad_id)
   if key not in _STEP_CACHE:
     if len(_STEP_CACHE) > 32:
       _STEP_CACHE.clear()
     _STEP_CACHE[key] = (
-        jax.jit(functools.partial(_train_step, graphdef, tx), donate_argnums=(0, 2)),
-        jax.jit(functools.partial(_eval_step, graphdef)))
+        jax.jit(functools.partial(_train_step, graphdef, tx, pad_id), donate_argnums=(0, 2)),
+        jax.jit(functools.partial(_eval_step, graphdef, pad_id)))
   return _STEP_CACHE[key]
 
 
@@ -212,26 +214,36 @@ class Trainer:
     model = trainer.model           # the trained model, safe to keep
   """
 
-  def __init__(self, model: transformer_lib.Transformer, cfg: Any):
+  def __init__(self, model: transformer_lib.Transformer, cfg: Any, *,
+               trainable: Any = nnx.Param, pad_id: int = data_lib.PAD_ID):
     """Builds the optimiser and the jitted steps.
 
     Args:
       model: the LM to train. Its params are taken over (donated by every
         train step): do not use `model` afterwards; use `trainer.model`.
       cfg: the `train` section (`train_config()` schema).
+      trainable: an `nnx` filter of the variables to train (default every
+        `nnx.Param`; `ATTENTION_PARAMS` trains the attention layers only).
+        The others stay fixed (no gradients, no optimiser state) and are not
+        checkpointed: `restore` takes them from `model`.
+      pad_id: targets to mask out (`token_losses`).
 
     Raises:
-      ValueError: a bad `train` config (naming the key).
+      ValueError: a bad `train` config (naming the key); a filter that
+        selects no parameter.
     """
     self.config = check_train_config(cfg)
-    self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
+    self.pad_id = int(pad_id)
+    self.graphdef, self.params, self.rest = nnx.split(model, trainable, ...)
+    if not jax.tree.leaves(self.params):
+      raise ValueError(f"trainable must select at least one parameter; {trainable!r} selects none")
     self.tx = make_optimizer(self.config)
     self.opt_state = self.tx.init(self.params)
     self.step = 0
     self.schedule = optax.warmup_cosine_decay_schedule(
         0.0, self.config["learning_rate"], self.config["warmup_steps"], self.config["steps"],
         self.config["learning_rate"] * self.config["end_learning_rate_ratio"])
-    self._train, self._eval = _compiled_steps(self.graphdef, self.config, self.tx)
+    self._train, self._eval = _compiled_steps(self.graphdef, self.config, self.tx, self.pad_id)
 
   @property
   def model(self) -> transformer_lib.Transformer:
@@ -267,6 +279,21 @@ class Trainer:
       raise ValueError("batches must contain byte targets to evaluate; got none")
     return {"loss": total / count, "bits_per_byte": total / math.log(2) / num_bytes,
             "tokens": count}
+
+  def evaluate_tokens(self, batches: Iterable[Any]) -> dict[str, float]:
+    """Loss (nats per target token), perplexity `exp(loss)` and target count over `batches`
+    (for subword tokenizers, where bits per byte need the text's byte count).
+
+    Raises:
+      ValueError: the batches hold no targets.
+    """
+    total = count = 0.0
+    for batch in batches:
+      s, c, _ = self._eval(self.params, self.rest, jnp.asarray(batch, jnp.int32))
+      total, count = total + float(s), count + float(c)
+    if count == 0:
+      raise ValueError("batches must contain targets to evaluate; got none")
+    return {"loss": total / count, "perplexity": math.exp(total / count), "tokens": count}
 
   # -- checkpoints ------------------------------------------------------------------------------
 
@@ -312,6 +339,44 @@ class TrainResult:
   history: list[dict[str, float]]  # one entry per logged step / evaluation
 
 
+def _validation(ev: dict[str, float]) -> dict[str, float]:
+  """An evaluation's metrics as history entries (`validation_<name>`; the count left out)."""
+  return {f"validation_{k}": v for k, v in ev.items() if k != "tokens"}
+
+
+def _train_loop(trainer: Trainer, iterator: Any, tcfg: dict[str, Any],
+                manager: ocp.CheckpointManager | None, evaluate: Any
+                ) -> tuple[list[dict[str, float]], list[float], float]:
+  """Steps `trainer` to `train.steps` (logging, periodic evaluation, checkpoints with the
+  iterator position); returns the history, the last `log_every` losses and the seconds."""
+  history, recent = [], []
+  start = time.perf_counter()
+  bar = tqdm.tqdm(total=tcfg["steps"], initial=trainer.step, desc="train", unit="step",
+                  disable=not tcfg["progress"], leave=False)
+  while trainer.step < tcfg["steps"]:
+    metrics = trainer.train_step(next(iterator))
+    recent = (recent + [metrics["loss"]])[-max(tcfg["log_every"], 1):]
+    bar.update(1)
+    bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+    if tcfg["log_every"] and trainer.step % tcfg["log_every"] == 0:
+      logging.info("step %d loss %.4f grad_norm %.3f lr %.2e", trainer.step, metrics["loss"],
+                   metrics["grad_norm"], metrics["learning_rate"])
+      history.append({"step": trainer.step, **metrics})
+    if (tcfg["eval_every"] and trainer.step % tcfg["eval_every"] == 0
+        and trainer.step < tcfg["steps"]):
+      ev = evaluate()
+      logging.info("step %d validation %s", trainer.step, ev)
+      history.append({"step": trainer.step, **_validation(ev)})
+    if manager is not None and tcfg["checkpoint_every"] and \
+        trainer.step % tcfg["checkpoint_every"] == 0:
+      trainer.save(manager, {"data": iterator.state()})
+  bar.close()
+  train_seconds = time.perf_counter() - start
+  if manager is not None and manager.latest_step() != trainer.step:
+    trainer.save(manager, {"data": iterator.state()})
+  return history, recent, train_seconds
+
+
 def train_and_evaluate(config: Any, workdir: str | None = None) -> TrainResult:
   """Trains `Transformer.from_config(config.model)` on `config.data` per `config.train`.
 
@@ -352,33 +417,7 @@ def train_and_evaluate(config: Any, workdir: str | None = None) -> TrainResult:
     n = tcfg["eval_batches"] or None
     return trainer.evaluate(data_lib.eval_batches(dataset.validation_rows, tcfg["batch_size"], n))
 
-  history, recent = [], []
-  start = time.perf_counter()
-  bar = tqdm.tqdm(total=tcfg["steps"], initial=trainer.step, desc="train", unit="step",
-                  disable=not tcfg["progress"], leave=False)
-  while trainer.step < tcfg["steps"]:
-    metrics = trainer.train_step(next(iterator))
-    recent = (recent + [metrics["loss"]])[-max(tcfg["log_every"], 1):]
-    bar.update(1)
-    bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-    if tcfg["log_every"] and trainer.step % tcfg["log_every"] == 0:
-      logging.info("step %d loss %.4f grad_norm %.3f lr %.2e", trainer.step, metrics["loss"],
-                   metrics["grad_norm"], metrics["learning_rate"])
-      history.append({"step": trainer.step, **metrics})
-    if (tcfg["eval_every"] and trainer.step % tcfg["eval_every"] == 0
-        and trainer.step < tcfg["steps"]):
-      ev = evaluate()
-      logging.info("step %d validation loss %.4f bits/byte %.4f", trainer.step, ev["loss"],
-                   ev["bits_per_byte"])
-      history.append({"step": trainer.step, "validation_loss": ev["loss"],
-                      "validation_bits_per_byte": ev["bits_per_byte"]})
-    if manager is not None and tcfg["checkpoint_every"] and \
-        trainer.step % tcfg["checkpoint_every"] == 0:
-      trainer.save(manager, {"data": iterator.state()})
-  bar.close()
-  train_seconds = time.perf_counter() - start
-  if manager is not None and manager.latest_step() != trainer.step:
-    trainer.save(manager, {"data": iterator.state()})
+  history, recent, train_seconds = _train_loop(trainer, iterator, tcfg, manager, evaluate)
   ev = evaluate()
   logging.info("final validation loss %.4f bits/byte %.4f", ev["loss"], ev["bits_per_byte"])
   metrics = {"steps": trainer.step, "train_loss": float(np.mean(recent)) if recent else math.nan,
@@ -396,3 +435,70 @@ def default_config(**model_overrides: Any) -> config_dict.ConfigDict:
   cfg.data = data_lib.data_config()
   cfg.train = train_config()
   return cfg
+
+
+ATTENTION_PARAMS = nnx.All(nnx.Param, nnx.PathContains("attn"))
+"""`Trainer(trainable=)` filter of the attention layers' parameters (`layers[i].attn`)."""
+
+
+def token_eval_batches(rows: np.ndarray, batch_size: int, max_batches: int | None = None
+                       ) -> Iterable[np.ndarray]:
+  """`rows` in order in batches of `batch_size` (the last one may be smaller, never padded:
+  a subword vocabulary has no free padding id)."""
+  stop = rows.shape[0] if not max_batches else min(rows.shape[0], max_batches * batch_size)
+  return (rows[i:min(i + batch_size, stop)] for i in range(0, stop, batch_size))
+
+
+def uptrain(model: transformer_lib.Transformer, dataset: data_lib.Dataset, cfg: Any, *,
+            attention_only: bool = False, checkpoint_dir: str | None = None,
+            pad_id: int = -1) -> TrainResult:
+  """Continues training a (pretrained or converted) model on `dataset`, resumably.
+
+  The uptraining of Ainslie et al. 2023 (§2.1) and Ji et al. 2025 (MHA2MLA):
+  the model's own weights, the optimiser of `cfg` (`train_config()` schema;
+  `train.seed` orders the batches), next-token loss on every target of rows
+  such as `kvattn.data.load_token_dataset`'s (subword ids; `pad_id` -1 masks
+  none). With `checkpoint_dir`, params, optimiser state, step and data
+  position are saved there (orbax) and a rerun resumes from the latest
+  checkpoint, applied to `model`'s structure (the frozen parameters come
+  from `model`, which must be the same starting point).
+
+  Args:
+    model: the LM; taken over by the trainer (use the result's `model`).
+    dataset: `train_rows` to train on, `validation_rows` to evaluate.
+    cfg: the `train` section.
+    attention_only: train only `ATTENTION_PARAMS` (the converted layers).
+    checkpoint_dir: orbax checkpoint directory, or None.
+    pad_id: masked target id (see `token_losses`).
+
+  Returns:
+    A TrainResult: the trained model; `metrics` with `steps`, `train_loss`,
+    `validation_loss`, `validation_perplexity`, `train_seconds`.
+
+  Raises:
+    ValueError: a bad `train` config or a batch larger than the train rows.
+  """
+  tcfg = check_train_config(cfg)
+  if tcfg["batch_size"] > dataset.train_rows.shape[0]:
+    raise ValueError(f"train.batch_size must be at most the {dataset.train_rows.shape[0]} training "
+                     f"rows; got {tcfg['batch_size']}")
+  trainer = Trainer(model, tcfg, trainable=ATTENTION_PARAMS if attention_only else nnx.Param,
+                    pad_id=pad_id)
+  iterator = dataset.train_iterator(tcfg["batch_size"], seed=tcfg["seed"])
+  manager = None
+  if checkpoint_dir is not None:
+    manager = checkpoint_manager(checkpoint_dir)
+    if manager.latest_step() is not None:
+      iterator.restore(trainer.restore(manager)["data"])
+      logging.info("resumed from step %d", trainer.step)
+
+  def evaluate():
+    return trainer.evaluate_tokens(token_eval_batches(
+        dataset.validation_rows, tcfg["batch_size"], tcfg["eval_batches"]))
+
+  history, recent, train_seconds = _train_loop(trainer, iterator, tcfg, manager, evaluate)
+  ev = evaluate()
+  history.append({"step": trainer.step, **_validation(ev)})
+  metrics = {"steps": trainer.step, "train_loss": float(np.mean(recent)) if recent else math.nan,
+             **_validation(ev), "train_seconds": train_seconds}
+  return TrainResult(trainer.model, metrics, history)

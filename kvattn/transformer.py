@@ -104,6 +104,10 @@ class AttentionSpec:
   q_lora_rank: int | None = _field(None, kinds=("mla",))  # Query low-rank width; None = full.
   # Multiplies the MLA softmax scale (DeepSeek's YaRN: mscale(factor, mscale_all_dim)^2).
   softmax_scale_factor: float = _field(1.0, kinds=("mla",))
+  # RoPE on the R rope dims as this many chunks of width R / num_rope_heads (1: DeepSeek-V2; > 1:
+  # one rope key per source KV head of a GQA checkpoint converted by kvattn.convert.to_mla).
+  num_rope_heads: int = _field(1, kinds=("mla",))
+  latent_norm: bool = _field(True, kinds=("mla",))  # RMSNorm on the MLA latent (DeepSeek-V2).
   qkv_bias: bool = _field(False, kinds=("gqa",))  # Biases on the q/k/v projections (Qwen2).
   # RoPE context extension (`kvattn.ops.RopeScaling`, as transformers computes it): None or
   # "linear", "llama3", "yarn"; the modules get the rope_* fields as one `rope_scaling` object.
