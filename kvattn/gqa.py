@@ -18,7 +18,7 @@ from flax import nnx
 from kvattn import _checks
 from kvattn import cache as cache_lib
 from kvattn import ops
-from kvattn.cache_protocol import GQACache, type_error
+from kvattn.cache_protocol import GQACache, type_error, update_attend
 
 
 DECODE_OPS = ("decode_attention", "paged_decode_attention")
@@ -170,13 +170,11 @@ class GroupedQueryAttention(nnx.Module):
                      preferred_element_type=jnp.float32)
     return out.astype(dtype)
 
-  def _qkv(self, x, positions):
-    """`q [B, T, N, H]`, `k, v [B, T, K, H]` of `x`, RoPE applied to q and k."""
+  def _qkv(self, x):
+    """`q [B, T, N, H]`, `k, v [B, T, K, H]` of `x`, before RoPE."""
     q = self._project(x, "BTD,DNH->BTNH", self.q_proj)
     k = self._project(x, "BTD,DKH->BTKH", self.k_proj)
     v = self._project(x, "BTD,DKH->BTKH", self.v_proj)
-    q = ops.apply_rope(q, positions, rope_theta=self.rope_theta)
-    k = ops.apply_rope(k, positions, rope_theta=self.rope_theta)
     return q, k, v
 
   def __call__(
@@ -199,15 +197,17 @@ class GroupedQueryAttention(nnx.Module):
     positions = resolve_positions(positions, cache, batch, num_tokens)
     new_lengths = cache_lib.resolve_new_lengths(new_lengths, batch, num_tokens)
 
-    q, k, v = self._qkv(x, positions)
+    q, k, v = self._qkv(x)
     opts = dict(window=self.window, soft_cap=self.soft_cap)
     if cache is None:
+      q = ops.apply_rope(q, positions, rope_theta=self.rope_theta)
+      k = ops.apply_rope(k, positions, rope_theta=self.rope_theta)
       out = ops.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
                           kv_lengths=new_lengths, **opts)
       new_cache = None
-    else:
-      new_cache = cache.update(k, v, new_lengths)
-      out = new_cache.attend(q, q_offsets=cache.lengths,
-                             implementation=self.decode_implementation, **opts)
+    else:  # RoPE, update, attend -- or the cache's own update_attend (cache_protocol)
+      out, new_cache = update_attend(cache, q, k, v, positions=positions,
+                                     rope_theta=self.rope_theta, new_lengths=new_lengths,
+                                     implementation=self.decode_implementation, **opts)
     y = self._project(out, "BTNH,NHD->BTD", self.o_proj)
     return y, new_cache
