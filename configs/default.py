@@ -4,6 +4,8 @@ r"""The main job: MHA, GQA, MQA and MLA compared on cache memory, decode speed a
     python -m experiments.main --config=configs/default.py:smoke --workdir=/tmp/smoke
     python -m experiments.main --config=configs/default.py --workdir=runs/l4 \
         --config.model.num_layers=4 --config.cache.seq_lens='(512, 2048)'
+    python -m experiments.main --config=configs/default.py --workdir=runs/window \
+        --config.model.attention.window=128
 
 Points: every entry of `get_sweep()` (one attention variant each: MHA K = N,
 GQA K = N/2 and N/4, MQA K = 1, MLA) at every S in `cache.seq_lens`. Each
@@ -14,14 +16,18 @@ trained params serve all its sequence lengths. Sized to finish in well under
 `get_config(arg)` and `get_sweep(arg)` take the same argument: "" (the full
 run) or "smoke" (tiny sizes for tests and a quick look). The sweep is
 computed from the defaults of `get_config(arg)`, not from command-line
-overrides: `--config.attention.num_heads=16` keeps K in {8, 4, 2, 1}, so
-there is no MHA point (the report says "n/a" in the "vs MHA" columns), and a
-K that does not divide N fails validation naming `attention.num_kv_heads`.
-Overriding a key the sweep sets (`attention.kind`, `attention.num_kv_heads`)
-fails before any training, naming the key: the sweep would discard it.
+overrides: `--config.model.attention.num_heads=16` keeps K in {8, 4, 2, 1},
+so there is no MHA point (the report says "n/a" in the "vs MHA" columns), and
+a K that does not divide N fails validation naming
+`model.attention.num_kv_heads`. Overriding a key the sweep sets
+(`model.attention.kind`, `model.attention.num_kv_heads`) fails before any
+training, naming the key: the sweep would discard it. Every setting has one
+dotted path, the same in this file, on the command line and in the sweep.
 """
 
 from ml_collections import config_dict
+
+from kvattn import transformer
 
 ARGS = ("", "smoke")
 
@@ -39,41 +45,26 @@ def get_config(arg=None):
   smoke = _check_arg(arg) == "smoke"
   config = config_dict.ConfigDict()
 
-  # Transformer without its attention (kvattn.transformer schema; `attention` is its own section).
-  config.model = config_dict.ConfigDict()
-  model = config.model
-  model.vocab_size = 259  # V: 256 bytes + BOS/EOS/PAD (kvattn.data's byte tokenizer).
-  model.d_model = 32 if smoke else 128  # Model width D.
-  model.num_layers = 1 if smoke else 2  # Transformer blocks L.
-  model.mlp_dim = 64 if smoke else 384  # SwiGLU hidden width F (3 D).
-  model.tie_embeddings = True  # LM head shares the embedding matrix.
-  model.norm_eps = 1e-6  # RMSNorm epsilon.
-  model.dtype = "float32"  # Compute dtype (and the cache dtype unless cache.dtype is set).
-  model.param_dtype = "float32"  # Parameter storage dtype.
-  model.layers = ()  # Per-layer attention overrides (kvattn.transformer); () = all layers alike.
-
-  # Attention shared by every variant; the sweep sets `kind` and `num_kv_heads`.
-  config.attention = config_dict.ConfigDict()
-  attention = config.attention
-  attention.kind = "gqa"  # "gqa" (MHA/GQA/MQA through num_kv_heads) or "mla".
-  attention.num_heads = 8  # Query heads N (all variants).
-  attention.num_kv_heads = 8  # GQA: KV heads K; N = MHA, 1 = MQA (set by the sweep).
-  attention.head_dim = 4 if smoke else 16  # GQA: head width H (even).
-  attention.rope_theta = 10000.0  # RoPE base.
-  attention.window = config_dict.placeholder(int)  # Sliding window in tokens; None = full.
-  attention.soft_cap = config_dict.placeholder(float)  # GQA: logit soft cap; None = off.
-  # MLA sizes follow DeepSeek-V2's proportions (arXiv 2405.04434 §3.1.1: C = 4 H, R = H / 2),
-  # so the MLA cache is (C + R) / (2 N H) = 2.25 / N of MHA's.
-  attention.kv_lora_rank = 16 if smoke else 64  # MLA: latent width C.
-  attention.qk_rope_head_dim = 2 if smoke else 8  # MLA: decoupled RoPE key width R (even).
-  attention.qk_nope_head_dim = 4 if smoke else 16  # MLA: no-RoPE query/key head width.
-  attention.v_head_dim = 4 if smoke else 16  # MLA: value head width.
-  attention.q_lora_rank = config_dict.placeholder(int)  # MLA: query low rank; None = full rank.
-
-  # Kernels.
-  config.kernel = config_dict.ConfigDict()
-  config.kernel.decode_implementation = config_dict.placeholder(str)  # kvattn.ops decode
-  # backend for T = 1 steps: "xla", "pallas" or None (the best one for the device and shapes).
+  # The model (kvattn.transformer schema: `ModelSpec` and `AttentionSpec` list every field, its
+  # default and meaning); only the values that differ from those defaults are set here.
+  config.model = transformer.model_config(
+      d_model=32 if smoke else 128,  # Model width D.
+      num_layers=1 if smoke else 2,  # Transformer blocks L.
+      mlp_dim=64 if smoke else 384,  # SwiGLU hidden width F (3 D).
+      attention=dict(  # Shared by every variant; the sweep sets `kind` and `num_kv_heads`.
+          num_heads=8,  # Query heads N (all variants).
+          num_kv_heads=8,  # GQA: KV heads K; N = MHA, 1 = MQA (set by the sweep).
+          head_dim=4 if smoke else 16,  # GQA: head width H (even).
+          # MLA sizes follow DeepSeek-V2's proportions (arXiv 2405.04434 §3.1.1: C = 4 H,
+          # R = H / 2), so the MLA cache is (C + R) / (2 N H) = 2.25 / N of MHA's.
+          kv_lora_rank=16 if smoke else 64,  # MLA: latent width C.
+          qk_rope_head_dim=2 if smoke else 8,  # MLA: decoupled RoPE key width R (even).
+          qk_nope_head_dim=4 if smoke else 16,  # MLA: no-RoPE query/key head width.
+          v_head_dim=4 if smoke else 16,  # MLA: value head width.
+      ))
+  # Also in the model: `model.dtype` (compute dtype, and the cache dtype unless cache.dtype is
+  # set) and `model.attention.decode_implementation` (the kvattn.ops decode backend: "xla",
+  # "pallas" or None, the best one for the device and shapes).
 
   # KV cache built and measured at each point.
   config.cache = config_dict.ConfigDict()
@@ -82,7 +73,8 @@ def get_config(arg=None):
   cache.batch = 2 if smoke else 4  # Sequences B decoded together (and cached).
   cache.seq_lens = (16, 32) if smoke else (256, 512, 1024)  # Capacities S measured (tokens).
   cache.memory_fraction = 0.5  # A point may plan to use this fraction of the available RAM;
-  # a larger S fails validation before any training (experiments.runner.point_memory_bytes).
+  # a larger S fails validation before any training
+  # (experiments.variants_experiment.point_memory_bytes).
 
   # Decode timing through kvattn.generate's compiled prefill + decode loop.
   config.decode = config_dict.ConfigDict()
@@ -127,7 +119,7 @@ def get_config(arg=None):
   # Experiment bookkeeping.
   config.experiment = config_dict.ConfigDict()
   experiment = config.experiment
-  experiment.kind = "variants"  # Family in experiments.runner.FAMILIES.
+  experiment.kind = "variants"  # Family: experiments/variants_experiment.py.
   experiment.name = "kvattn: MHA vs GQA vs MQA vs MLA"  # Report title.
   experiment.max_points = config_dict.placeholder(int)  # Measure at most this many new points
   # in one invocation (None: all); a rerun continues.
@@ -138,11 +130,11 @@ def get_config(arg=None):
 
 def get_sweep(arg=None):
   """The variants compared: MHA (K = N), GQA (K = N/2, N/4), MQA (K = 1), MLA."""
-  n = get_config(arg).attention.num_heads
+  n = get_config(arg).model.attention.num_heads
   return [
-      {"attention.kind": "gqa", "attention.num_kv_heads": n},
-      {"attention.kind": "gqa", "attention.num_kv_heads": n // 2},
-      {"attention.kind": "gqa", "attention.num_kv_heads": n // 4},
-      {"attention.kind": "gqa", "attention.num_kv_heads": 1},
-      {"attention.kind": "mla"},
+      {"model.attention.kind": "gqa", "model.attention.num_kv_heads": n},
+      {"model.attention.kind": "gqa", "model.attention.num_kv_heads": n // 2},
+      {"model.attention.kind": "gqa", "model.attention.num_kv_heads": n // 4},
+      {"model.attention.kind": "gqa", "model.attention.num_kv_heads": 1},
+      {"model.attention.kind": "mla"},
   ]

@@ -22,10 +22,10 @@ def get_config(arg=None):
   config unchanged ("smoke"); see the module docstring."""
   config = default.get_config(arg)
   if (arg or "") != "smoke":
-    config.attention.num_heads = 12  # Query heads N: divisors 1, 2, 3, 4, 6, 12 give six K.
+    config.model.attention.num_heads = 12  # Query heads N: divisors 1, 2, 3, 4, 6, 12: six K.
     # KV heads K of the config as given (MHA); every sweep entry sets its own. The runner
     # validates the base config too, so it must divide N.
-    config.attention.num_kv_heads = 12
+    config.model.attention.num_kv_heads = 12
     config.cache.seq_lens = (256, 1024)  # Capacities S measured (tokens).
   config.experiment.name = "kvattn: every K dividing N, plus MLA"  # Report title.
   return config
@@ -33,7 +33,7 @@ def get_config(arg=None):
 
 def get_sweep(arg=None):
   """One entry per divisor K of N (descending: MHA first), then MLA."""
-  n = get_config(arg).attention.num_heads
+  n = get_config(arg).model.attention.num_heads
   divisors = [k for k in range(n, 0, -1) if n % k == 0]
-  return [{"attention.kind": "gqa", "attention.num_kv_heads": k} for k in divisors] + [
-      {"attention.kind": "mla"}]
+  return [{"model.attention.kind": "gqa", "model.attention.num_kv_heads": k}
+          for k in divisors] + [{"model.attention.kind": "mla"}]

@@ -24,6 +24,8 @@ on a 2-core CPU) or "smoke" (seconds).
 
 from ml_collections import config_dict
 
+from kvattn import transformer
+
 ARGS = ("", "smoke")
 PAGE_SIZES = (8, 16, 32, 64, 128)  # The page-size sweep.
 
@@ -41,41 +43,21 @@ def get_config(arg=None):
   smoke = _check_arg(arg) == "smoke"
   config = config_dict.ConfigDict()
 
-  # Transformer without its attention (kvattn.transformer schema). Weights are random: decode
-  # speed and cache bytes do not depend on them.
-  config.model = config_dict.ConfigDict()
-  model = config.model
-  model.vocab_size = 259  # V: 256 bytes + BOS/EOS/PAD (kvattn.data's byte tokenizer).
-  model.d_model = 32 if smoke else 128  # Model width D.
-  model.num_layers = 1 if smoke else 2  # Transformer blocks L.
-  model.mlp_dim = 64 if smoke else 384  # SwiGLU hidden width F.
-  model.tie_embeddings = True  # LM head shares the embedding matrix.
-  model.norm_eps = 1e-6  # RMSNorm epsilon.
-  model.dtype = "float32"  # Compute dtype (and the cache dtype unless cache.dtype is set).
-  model.param_dtype = "float32"  # Parameter storage dtype.
-  model.layers = ()  # Per-layer attention overrides; () = all layers alike.
-
-  # Attention (GQA family only: paged caches hold K-head keys and values).
-  config.attention = config_dict.ConfigDict()
-  attention = config.attention
-  attention.kind = "gqa"  # Must be "gqa" (MHA/GQA/MQA through num_kv_heads).
-  attention.num_heads = 4 if smoke else 8  # Query heads N.
-  attention.num_kv_heads = 2  # KV heads K.
-  attention.head_dim = 8 if smoke else 32  # Head width H (even).
-  attention.rope_theta = 10000.0  # RoPE base.
-  attention.window = config_dict.placeholder(int)  # Sliding window in tokens; None = full.
-  attention.soft_cap = config_dict.placeholder(float)  # Logit soft cap; None = off.
-  # MLA fields exist so the attention section has the kvattn.transformer schema; unused here.
-  attention.kv_lora_rank = 64  # MLA latent width C (unused).
-  attention.qk_nope_head_dim = 32  # MLA no-RoPE head width (unused).
-  attention.qk_rope_head_dim = 16  # MLA RoPE width R (unused).
-  attention.v_head_dim = 32  # MLA value head width (unused).
-  attention.q_lora_rank = config_dict.placeholder(int)  # MLA query low rank (unused).
-
-  # Kernels.
-  config.kernel = config_dict.ConfigDict()
-  config.kernel.decode_implementation = config_dict.placeholder(str)  # kvattn.ops backend of the
-  # decode steps (dense and paged): "xla", "pallas" or None (the best for the device and shapes).
+  # The model (kvattn.transformer schema: `ModelSpec` and `AttentionSpec` list every field, its
+  # default and meaning); only the values that differ from those defaults are set here. Weights
+  # are random: decode speed and cache bytes do not depend on them.
+  config.model = transformer.model_config(
+      d_model=32 if smoke else 128,  # Model width D.
+      num_layers=1 if smoke else 2,  # Transformer blocks L.
+      mlp_dim=64 if smoke else 384,  # SwiGLU hidden width F.
+      attention=dict(  # Must be kind "gqa": paged caches hold K-head keys and values.
+          num_heads=4 if smoke else 8,  # Query heads N.
+          num_kv_heads=2,  # KV heads K.
+          head_dim=8 if smoke else 32,  # Head width H (even).
+      ))
+  # Also in the model: `model.dtype` (compute dtype, and the cache dtype unless cache.dtype is
+  # set) and `model.attention.decode_implementation` (the kvattn.ops backend of the decode steps,
+  # dense and paged: "xla", "pallas" or None, the best one for the device and shapes).
 
   # The cache measured at each point.
   config.cache = config_dict.ConfigDict()

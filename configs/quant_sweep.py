@@ -66,12 +66,12 @@ def get_config(arg=None):
 
 def variants(arg=None):
   """The attention variants compared: MHA (K = N), GQA (K = N/4), MQA (K = 1), MLA."""
-  n = get_config(arg).attention.num_heads
+  n = get_config(arg).model.attention.num_heads
   return [
-      {"attention.kind": "gqa", "attention.num_kv_heads": n},
-      {"attention.kind": "gqa", "attention.num_kv_heads": max(1, n // 4)},
-      {"attention.kind": "gqa", "attention.num_kv_heads": 1},
-      {"attention.kind": "mla"},
+      {"model.attention.kind": "gqa", "model.attention.num_kv_heads": n},
+      {"model.attention.kind": "gqa", "model.attention.num_kv_heads": max(1, n // 4)},
+      {"model.attention.kind": "gqa", "model.attention.num_kv_heads": 1},
+      {"model.attention.kind": "mla"},
   ]
 
 

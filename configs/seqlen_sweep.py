@@ -6,7 +6,7 @@ r"""Sequence length S over powers of two, up to what fits in this machine's memo
 The model, training and decode settings are those of configs/default.py (every
 field is documented there) except for the fields set below. `cache.seq_lens`
 is computed when the config is loaded: S = 256, 512, ... (smoke: 16, 32)
-while `experiments.runner.point_memory_bytes` -- the cache from
+while `experiments.variants_experiment.point_memory_bytes` -- the cache from
 `kvattn.transformer.cache_bytes_per_token` plus the prefill's attention
 scores, activations and parameters -- stays within `cache.memory_fraction` of
 the RAM available now (`experiments.runner.available_memory_bytes`). The
@@ -18,7 +18,7 @@ argument as `get_config(arg)` ("" or "smoke").
 """
 
 from configs import default
-from experiments import runner
+from experiments import variants_experiment
 
 _START = {"": 256, "smoke": 16}  # Smallest S.
 _STOP = {"": None, "smoke": 32}  # Largest S tried (None: memory decides).
@@ -32,14 +32,15 @@ def get_config(arg=None):
   if arg != "smoke":
     config.cache.batch = 1  # Sequences B: one, so S can grow furthest.
     config.decode.repeats = 2  # Timed prefills (the long prefills dominate the time).
-  config.cache.seq_lens = runner.fitting_seq_lens(config, _START[arg], _STOP[arg])  # S values:
-  # powers of two from _START while a point fits in cache.memory_fraction of the available RAM.
+  # S values: powers of two from _START while a point fits in cache.memory_fraction of the
+  # available RAM.
+  config.cache.seq_lens = variants_experiment.fitting_seq_lens(config, _START[arg], _STOP[arg])
   config.experiment.name = "kvattn: decode speed and cache size vs sequence length"  # Title.
   return config
 
 
 def get_sweep(arg=None):
   """MHA, GQA (K = N/4), MQA (K = 1) and MLA."""
-  n = get_config(arg).attention.num_heads
-  return [{"attention.kind": "gqa", "attention.num_kv_heads": k} for k in (n, n // 4, 1)] + [
-      {"attention.kind": "mla"}]
+  n = get_config(arg).model.attention.num_heads
+  return [{"model.attention.kind": "gqa", "model.attention.num_kv_heads": k}
+          for k in (n, n // 4, 1)] + [{"model.attention.kind": "mla"}]

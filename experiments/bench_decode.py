@@ -51,13 +51,13 @@ import functools
 import importlib
 import itertools
 import json
-import statistics
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from experiments import cli
+from experiments import timing
 
 # The module (the package attribute `pallas_kernels.decode_attention` is the function).
 pk = importlib.import_module("pallas_kernels.decode_attention")
@@ -71,7 +71,7 @@ except ImportError:  # pragma: no cover - depends on the machine
 def _parser() -> argparse.ArgumentParser:
   # argparse rather than absl: experiments/gpu_check.sh runs this on machines
   # that may have nothing but JAX installed.
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = cli.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--preset", choices=["cpu", "gpu", "gpu_quick"], default=None,
                  help="Shape list; default: 'gpu' on GPU/TPU, 'cpu' otherwise.")
   p.add_argument("--length_fraction", type=float, default=1.0,
@@ -144,54 +144,27 @@ PRESETS = {
 }
 
 
-class _Timer:
-  """Per-call seconds of a jitted `fn(*args)`, sampled on demand.
-
-  `warm()` runs the untimed calls (the first compiles) and sizes one sample
-  at about 50 ms of calls; `sample()` then times one batch of back-to-back
-  calls. Callers interleave samples of several timers so that load from
-  other processes hits them alike (ratios within one run stay meaningful).
-  """
-
-  def __init__(self, fn, *args):
-    self.fn, self.args, self.samples, self.calls = fn, args, [], FLAGS.calls
-
-  def warm(self):
-    out = None
-    for _ in range(max(1, FLAGS.warmup)):
-      out = jax.block_until_ready(self.fn(*self.args))
-    if self.calls <= 0:
-      start = time.perf_counter()
-      jax.block_until_ready(self.fn(*self.args))
-      self.calls = max(1, min(200, int(0.05 / max(time.perf_counter() - start, 1e-6))))
-    return out
-
-  def sample(self):
-    start = time.perf_counter()
-    out = None
-    for _ in range(self.calls):
-      out = self.fn(*self.args)
-    jax.block_until_ready(out)
-    self.samples.append((time.perf_counter() - start) / self.calls)
-
-  def median(self) -> float:
-    return statistics.median(self.samples)
+def _timer(fn, *args) -> timing.Timer:
+  """A timer of jitted `fn(*args)` with the command line's --calls and --warmup
+  (`--calls 0`: about 50 ms of calls per sample). Callers interleave samples of
+  several timers (`timing.round_robin`) so that load from other processes hits
+  them alike (ratios within one run stay meaningful)."""
+  return timing.Timer(fn, *args, calls=FLAGS.calls, warmup=FLAGS.warmup)
 
 
 def _time(fn, *args) -> float:
   """Median seconds per call of jitted `fn(*args)` (one timer on its own)."""
-  timer = _Timer(fn, *args)
+  timer = _timer(fn, *args)
   timer.warm()
-  for _ in range(FLAGS.repeats):
-    timer.sample()
+  timing.round_robin([timer], FLAGS.repeats)
   return timer.median()
 
 
-def _ceiling_timers(num_bytes: int) -> dict[str, tuple[_Timer, float]]:
+def _ceiling_timers(num_bytes: int) -> dict[str, tuple[timing.Timer, float]]:
   """Timers of a copy and a read of `num_bytes` bytes, with the bytes each moves."""
   x = jnp.ones((max(num_bytes // 4, 1),), jnp.float32)
-  return {"copy_gbps": (_Timer(jax.jit(lambda x: -x), x), 2 * x.nbytes),
-          "read_gbps": (_Timer(jax.jit(jnp.sum), x), x.nbytes)}
+  return {"copy_gbps": (_timer(jax.jit(lambda x: -x), x), 2 * x.nbytes),
+          "read_gbps": (_timer(jax.jit(jnp.sum), x), x.nbytes)}
 
 
 def ceilings(num_bytes: int) -> dict[str, float]:
@@ -199,8 +172,7 @@ def ceilings(num_bytes: int) -> dict[str, float]:
   out = {}
   for name, (timer, moved) in _ceiling_timers(num_bytes).items():
     timer.warm()
-    for _ in range(FLAGS.repeats):
-      timer.sample()
+    timing.round_robin([timer], FLAGS.repeats)
     out[name] = moved / timer.median() / 1e9
   return out
 
@@ -284,7 +256,7 @@ def run_shape(shape: Shape, key) -> list[dict]:
     if isinstance(impl, tuple):  # JAX's gqa takes [B, S, K, H] (made outside the timing)
       fn = impl[0]
       call_args = (args[0], jnp.swapaxes(args[1], 1, 2), jnp.swapaxes(args[2], 1, 2), args[3])
-    timer = _Timer(fn, *call_args)
+    timer = _timer(fn, *call_args)
     try:
       outs[name] = np.asarray(timer.warm(), np.float32)
     except Exception as e:  # pylint: disable=broad-except
@@ -294,9 +266,9 @@ def run_shape(shape: Shape, key) -> list[dict]:
     timers[name] = timer
   for timer, _ in ceiling_timers.values():
     timer.warm()
-  for _ in range(FLAGS.repeats):  # round-robin: every timer sees the same background load
-    for timer in [t for t, _ in ceiling_timers.values()] + list(timers.values()):
-      timer.sample()
+  # Round-robin: every timer sees the same background load.
+  timing.round_robin([t for t, _ in ceiling_timers.values()] + list(timers.values()),
+                     FLAGS.repeats)
   ceil = {name: moved / timer.median() / 1e9 for name, (timer, moved) in ceiling_timers.items()}
   ceiling = max(ceil.values())
   reference = outs.get("xla", outs.get("jnp_reference"))
@@ -394,4 +366,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  cli.run_plain(main)

@@ -35,7 +35,8 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from experiments import runner
+from experiments import cli
+from experiments import timing
 from kvattn import transformer as transformer_lib
 
 FLAGS = flags.FLAGS
@@ -98,11 +99,11 @@ def run() -> dict:
     return caches
 
   def timed_prefill():
-    return runner.timed_prefill(model, prompts, lengths, fresh_caches())
+    return timing.timed_prefill(model, prompts, lengths, fresh_caches())
 
   def timed_decode(first, caches, key):
     caches = jax.tree.map(jnp.copy, caches)  # decode donates its caches: work on a copy
-    seconds, _, _, out_lengths, _ = runner.timed_decode(model, first, caches, new_tokens, key)
+    seconds, _, _, out_lengths, _ = timing.timed_decode(model, first, caches, new_tokens, key)
     return seconds, out_lengths
 
   for _ in range(FLAGS.warmup):  # compiles both programs
@@ -157,4 +158,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -43,7 +43,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +51,9 @@ from absl import app, flags
 from flax import nnx
 
 import kvattn
+from experiments import cli
 from experiments import results
+from experiments import timing
 from kvattn import memory
 
 FLAGS = flags.FLAGS
@@ -143,11 +144,7 @@ class Timed:
     self.y = None
 
   def __call__(self, x, record: bool) -> None:
-    jax.block_until_ready(self.cache)
-    t0 = time.perf_counter()
-    self.y, self.cache = self.step(self.state, x, self.cache)
-    jax.block_until_ready((self.y, self.cache))
-    elapsed = time.perf_counter() - t0
+    elapsed, _, (self.y, self.cache) = timing.timed(self.step, self.state, x, self.cache)
     if record:
       self.times.append(elapsed)
     # The same step again next time (never an overflow); a scalar replace, no cache copy.
@@ -239,4 +236,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

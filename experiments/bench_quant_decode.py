@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from experiments import cli
+from experiments import timing
 from kvattn import ops
 from kvattn.ops import dispatch, quant
 
@@ -44,7 +43,7 @@ IMPLS = ("xla", "xla_blocked", None)
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = cli.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--repeats", type=int, default=15, help="timed samples per (dtype, path)")
   p.add_argument("--calls", type=int, default=5, help="back-to-back calls per sample")
   p.add_argument("--out", default=None, help="also write the markdown table here")
@@ -81,20 +80,15 @@ def run(args) -> list[dict]:
       for impl in IMPLS:
         fn = jax.jit(lambda q, k, v, l, sc, impl=impl: ops.decode_attention(
             q, k, v, l, implementation=impl, **sc))
-        jax.block_until_ready(fn(q, kq, vq, lengths, scales))  # compile
-        timers[(name, impl)] = (fn, (q, kq, vq, lengths, scales), [],
+        timer = timing.Timer(fn, q, kq, vq, lengths, scales, calls=args.calls)
+        timer.warm()  # compiles
+        timers[(name, impl)] = (timer,
                                 _picked(q, kq, vq, lengths, scales) if impl is None else impl,
                                 int(sum(x.nbytes for x in (kq, vq, *scales.values()))))
-    for _ in range(args.repeats):  # round-robin
-      for fn, fargs, samples, _, _ in timers.values():
-        t0 = time.perf_counter()
-        for _ in range(args.calls):
-          out = fn(*fargs)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / args.calls)
-    base = statistics.median(timers[("f32", "xla")][2])
-    for (name, impl), (_, _, samples, picked, nbytes) in timers.items():
-      us = 1e6 * statistics.median(samples)
+    timing.round_robin([t for t, _, _ in timers.values()], args.repeats)
+    base = timers[("f32", "xla")][0].median()
+    for (name, impl), (timer, picked, nbytes) in timers.items():
+      us = 1e6 * timer.median()
       row = {"B": b, "N": n, "K": kh, "H": h, "S": s, "cache": name,
              "implementation": "auto" if impl is None else impl, "runs": picked,
              "cache_bytes": nbytes, "us_per_call": us, "vs_f32_xla": base * 1e6 / us}
@@ -123,4 +117,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  cli.run_plain(main)

@@ -15,10 +15,11 @@ import json
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
+from absl import flags
 from flax import nnx
 
 import kvattn
+from experiments import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("d_model", 256, "Model width D.")
@@ -83,4 +84,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -10,27 +10,39 @@ loads `get_sweep(ARG)` of the same file with the same ARG. The workdir gets
 results.jsonl (append-only), results.csv, report.md, PNG plots and the
 trained params; rerunning the same command skips finished points. See
 experiments/runner.py.
+
+One run at a time holds a workdir (and its training directory): a second
+run stops at once with exit status 2, or with `--wait` waits for the first
+(experiments/workdir.py). Mistakes on the command line -- an unknown flag or
+config key, a value of the wrong type, a missing config file, an invalid
+config, a busy workdir -- print one `error: ...` line and exit with status 2
+(`--verbosity=1` adds the traceback; experiments/cli.py).
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from experiments import runner
+from experiments import cli
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, e.g. configs/default.py or configs/default.py:smoke.",
     lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for results, report, plots and trained params.")
+flags.DEFINE_bool("wait", False, "If another run holds the workdir or its training directory, "
+                  "wait for it to finish instead of stopping with an error.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
   """Runs (or resumes) the experiment of `--config` in `--workdir` (`runner.main`)."""
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  runner.main(FLAGS.config, FLAGS.workdir, config_flags.get_config_filename(FLAGS["config"]))
+    raise cli.UserError(f"unexpected arguments: {' '.join(argv[1:])} (flags are --name=value)")
+  # Imported here so that a mistake on the command line is reported before JAX loads.
+  from experiments import runner  # pylint: disable=g-import-not-at-top
+  runner.main(FLAGS.config, FLAGS.workdir, config_flags.get_config_filename(FLAGS["config"]),
+              wait=FLAGS.wait)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

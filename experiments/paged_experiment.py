@@ -55,9 +55,11 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
+from experiments import cli
 from experiments import report as report_lib
 from experiments import results
 from experiments import runner
+from experiments import timing
 from kvattn import memory
 from kvattn import allocator as allocator_lib
 from kvattn import cache_factories
@@ -76,10 +78,7 @@ FILES = {"waste_md": "waste.md", "waste_json": "waste.json", "plot": "paged_wast
 def schema() -> dict[str, tuple[str, ...]]:
   """Sections and keys of a "paged" config (see configs/paged.py for each field)."""
   return {
-      "model": tuple(k for k in transformer_lib.model_config().keys() if k != "attention"),
-      "attention": tuple(k for k in transformer_lib.attention_config().keys()
-                         if k != "decode_implementation"),
-      "kernel": ("decode_implementation",),
+      "model": tuple(runner.flat_keys(transformer_lib.model_config().to_dict())),
       "cache": ("kind", "page_size", "max_len", "dtype", "seed"),
       "workload": ("num_sequences", "median_len", "sigma", "min_len", "budget_sequences", "seed"),
       "decode": ("new_tokens", "warmup", "repeats"),
@@ -114,14 +113,10 @@ class PagedFamily:
 
   def _check(self, d: Mapping[str, Any], where: str) -> transformer_lib.ModelSpec:
     """Validates one point config; returns its ModelSpec (ValueError naming the key)."""
-    try:
-      spec = transformer_lib.resolve_config(runner.model_section(d))
-    except ValueError as e:
-      msg = str(e).replace("model.attention.decode_implementation", "kernel.decode_implementation")
-      raise ValueError(f"{where}: {msg.replace('model.attention.', 'attention.')}") from None
+    spec = runner.model_spec(d, where)
     if any(layer.kind != "gqa" for layer in spec.layers):
-      raise ValueError(f"{where}: attention.kind must be 'gqa' (paged caches hold K-head keys "
-                       f"and values); got {d['attention']['kind']!r}")
+      raise ValueError(f"{where}: model.attention.kind must be 'gqa' (paged caches hold K-head "
+                       f"keys and values); got {d['model']['attention']['kind']!r}")
     cache, work, dec = d["cache"], d["workload"], d["decode"]
     if cache["kind"] not in CACHE_KINDS:
       raise ValueError(f"{where}: cache.kind must be one of {CACHE_KINDS}; got {cache['kind']!r}")
@@ -137,7 +132,8 @@ class PagedFamily:
                          f"{cache['dtype']!r}") from None
     runner.check_int(f"{where}: workload.num_sequences", work["num_sequences"])
     new_tokens = runner.check_int(f"{where}: decode.new_tokens", dec["new_tokens"], 2)
-    min_len = runner.check_int(f"{where}: workload.min_len", work["min_len"], new_tokens)  # prompt >= 1
+    # Every prompt needs at least one token.
+    min_len = runner.check_int(f"{where}: workload.min_len", work["min_len"], new_tokens)
     if min_len > max_len:
       raise ValueError(f"{where}: workload.min_len must be <= cache.max_len = {max_len}; got "
                        f"{min_len}")
@@ -167,12 +163,12 @@ class PagedFamily:
     points, seen = [], {}
     for i, overrides in enumerate(sweep or [{}]):
       where = f"sweep[{i}] {dict(overrides)}" if overrides else "config"
-      d = runner.apply_overrides(base, overrides, self.schema, where)
+      d = runner.apply_overrides(config, overrides, where)
       spec = self._check(d, where)
       cache = d["cache"]
       paged = cache["kind"] == "paged"
       label = f"paged-P{cache['page_size']}" if paged else "dense"
-      measured = {s: d[s] for s in ("model", "attention", "kernel", "workload", "decode")}
+      measured = {s: d[s] for s in ("model", "workload", "decode")}
       # The page size and allocator seed do not change a dense point.
       measured["cache"] = {k: v for k, v in cache.items()
                            if paged or k not in ("page_size", "seed")}
@@ -181,7 +177,7 @@ class PagedFamily:
         raise ValueError(f"{where}: gives the same point {label} as {seen[pid]}; remove the "
                          f"duplicate sweep entry")
       seen[pid] = where
-      model_key = runner.digest({s: d[s] for s in ("model", "attention", "kernel")}, 12)
+      model_key = runner.digest(d["model"], 12)
       points.append(runner.Point(pid, label, copy.deepcopy(d), model_key, {
           "cache_kind": cache["kind"], "page_size": cache["page_size"] if paged else None,
           "max_len": cache["max_len"], "num_sequences": d["workload"]["num_sequences"],
@@ -194,7 +190,7 @@ class PagedFamily:
     (paged: the pool for the workload's lengths; and the dense cache, which every point
     decodes through), abstractly (`runner.check_decode_step`), before any work."""
     d = point.config
-    spec = transformer_lib.resolve_config(runner.model_section(d))
+    spec = transformer_lib.resolve_config(d["model"])
     cache_cfg, work = d["cache"], d["workload"]
     batch, max_len = work["num_sequences"], cache_cfg["max_len"]
     dtype = jnp.dtype(cache_cfg["dtype"] or d["model"]["dtype"])
@@ -209,7 +205,7 @@ class PagedFamily:
     for key, build in builders.items():
       if key not in self._preflighted:
         runner.check_decode_step(spec, build, batch,
-                                 implementation=d["kernel"]["decode_implementation"],
+                                 implementation=d["model"]["attention"]["decode_implementation"],
                                  where=f"{point.label} ({key[0]} cache)")
         self._preflighted.add(key)
 
@@ -218,7 +214,7 @@ class PagedFamily:
   def model(self, point: runner.Point) -> nnx.Module:
     """The point's model with random weights (seed 0), built once per model config."""
     if self._model is None or self._model[0] != point.group:
-      spec = transformer_lib.resolve_config(runner.model_section(point.config))
+      spec = transformer_lib.resolve_config(point.config["model"])
       self._model = (point.group, transformer_lib.Transformer(spec, rngs=nnx.Rngs(0)))
     return self._model[1]
 
@@ -289,14 +285,14 @@ class PagedFamily:
     for i in range(dec["warmup"] + dec["repeats"]):
       for name in (list(builders) if i % 2 == 0 else list(builders)[::-1]):
         caches, _ = builders[name]()
-        prefill_s, first, caches, key = runner.timed_prefill(model, prompts, prompt_lengths,
+        prefill_s, first, caches, key = timing.timed_prefill(model, prompts, prompt_lengths,
                                                              caches)
-        decode_s, decode_cpu_s, _, _, caches = runner.timed_decode(model, first, caches,
+        decode_s, decode_cpu_s, _, _, caches = timing.timed_decode(model, first, caches,
                                                                    new_tokens, key)
-        timing = (prefill_s, decode_s, decode_cpu_s)
+        seconds = (prefill_s, decode_s, decode_cpu_s)
         filled = [np.asarray(c.lengths).tolist() for c in caches]
         if i >= dec["warmup"]:
-          times[name].append(timing)
+          times[name].append(seconds)
         if any(f != final.tolist() for f in filled):
           raise RuntimeError(f"{point.label} ({name}): caches hold {filled[0]} tokens after "
                              f"decoding, expected {final.tolist()}")
@@ -305,7 +301,7 @@ class PagedFamily:
     own = tokens_per_s["self"]
     record.update({
         "decode_backends": list(_backends(paged)),
-        "decode_implementation": d["kernel"]["decode_implementation"],
+        "decode_implementation": d["model"]["attention"]["decode_implementation"],
         "new_tokens": new_tokens, "decode_steps": steps,
         "prefill_s": statistics.median(t[0] for t in times["self"]),
         "decode_s": statistics.median(t[1] for t in times["self"]),
@@ -463,9 +459,7 @@ def _waste_markdown(figures: Mapping[str, Any]) -> str:
 
 
 def _plot(records, path: str) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = report_lib.pyplot()
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
   paged = sorted((r for r in records if r["cache_kind"] == "paged"), key=lambda r: r["page_size"])
   dense = [r for r in records if r["cache_kind"] == "dense"]
@@ -514,4 +508,4 @@ def main(argv):
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(main)
+  cli.run(main)

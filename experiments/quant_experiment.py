@@ -4,7 +4,8 @@ r"""Quantized KV caches: memory, decode speed and quality of int8 / fp8 caches p
     python -m experiments.main --config=configs/quant_sweep.py:smoke --workdir=/tmp/quant
 
 The "quant" experiment family of experiments/runner.py (`experiment.kind =
-"quant"`). It extends the main job's "variants" family: the same config
+"quant"`). It extends the main job's "variants" family
+(experiments/variants_experiment.py): the same config
 sections (plus `quality`), the same training per variant (cached in
 `<workdir>/train/<hash>/` or `experiment.train_dir`, with the same hash as the
 main job's, so `--config.experiment.train_dir=runs/default/train` reuses its
@@ -56,6 +57,7 @@ from flax import nnx
 from experiments import report as report_lib
 from experiments import results
 from experiments import runner
+from experiments import variants_experiment
 from kvattn import data as data_lib
 from kvattn import memory
 from kvattn import train as train_lib
@@ -70,7 +72,7 @@ SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "int8",
 
 def schema() -> dict[str, tuple[str, ...]]:
   """The "variants" schema plus `quality` (see configs/quant_sweep.py for each field)."""
-  return {**runner.variants_schema(),
+  return {**variants_experiment.variants_schema(),
           "quality": ("rows", "prefix", "agreement_tokens", "agreement_prompts",
                       "agreement_prompt_len")}
 
@@ -123,7 +125,7 @@ def agreement(tokens: np.ndarray, reference: np.ndarray) -> dict[str, Any]:
           "greedy_first_divergence_mean": float(np.mean(first))}
 
 
-class QuantFamily(runner.VariantsFamily):
+class QuantFamily(variants_experiment.VariantsFamily):
   """Each variant x each cache dtype: bytes, decode speed, quality (module doc)."""
 
   kind = "quant"
@@ -236,7 +238,7 @@ class QuantFamily(runner.VariantsFamily):
         "agreement_tokens": int(tokens.shape[1]), "agreement_prompts": int(tokens.shape[0]),
         "scale_bytes_per_token": int(sum(
             memory.tree_bytes(c.storage_arrays()[2:]) for c in model.init_caches(1, 1, dtype))),
-        "decode_implementation": d["kernel"]["decode_implementation"],
+        "decode_implementation": d["model"]["attention"]["decode_implementation"],
     })
     return record
 
@@ -255,10 +257,11 @@ runner.register_family("quant", QuantFamily)
 
 def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list[str]]:
   """One row per point; ratios and deltas against the bf16 point of the same variant."""
-  base = {report_lib.variant_key(r): r for r in records if r["cache_dtype"] == BASELINE_DTYPE}
+  base = {variants_experiment.variant_key(r): r for r in records
+          if r["cache_dtype"] == BASELINE_DTYPE}
   rows = []
   for r in records:
-    b = base.get(report_lib.variant_key(r))
+    b = base.get(variants_experiment.variant_key(r))
     bytes_ratio = f"{r['cache_bytes_per_token'] / b['cache_bytes_per_token']:.1%}" if b else "n/a"
     speed = f"{r['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}×" if b else "n/a"
     delta = (f"{r['teacher_forced_bits_per_byte'] - b['teacher_forced_bits_per_byte']:+.4f}"
@@ -278,7 +281,7 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
   lines = [f"# {title}", ""]
   if records:
     r0, cfg = records[0], records[0]["config"]
-    att, mod = cfg["attention"], cfg["model"]
+    att, mod = cfg["model"]["attention"], cfg["model"]
     env = r0["environment"]
     lines += [
         f"Model: D = {mod['d_model']}, L = {mod['num_layers']}, N = {att['num_heads']} query "
@@ -304,7 +307,7 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
   if records:
     no_cache = {}
     for r in records:
-      no_cache.setdefault(report_lib.variant_key(r), r["no_cache_bits_per_byte"])
+      no_cache.setdefault(variants_experiment.variant_key(r), r["no_cache_bits_per_byte"])
     lines += ["", "No-cache bits/byte of the same rows (one causal forward pass, "
               f"{records[0]['config']['model']['dtype']}): " + ", ".join(
                   f"{k} {v:.4f}" for k, v in no_cache.items()) + ".", "",
@@ -328,13 +331,11 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
 
 
 def _plot(records, path: str) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = report_lib.pyplot()
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
   markers = {"bfloat16": "o", "int8": "s", "float8_e4m3fn": "^", "float8_e5m2": "v"}
-  for i, key in enumerate(dict.fromkeys(report_lib.variant_key(r) for r in records)):
-    rs = [r for r in records if report_lib.variant_key(r) == key]
+  for i, key in enumerate(dict.fromkeys(variants_experiment.variant_key(r) for r in records)):
+    rs = [r for r in records if variants_experiment.variant_key(r) == key]
     for r in rs:
       m = markers.get(r["cache_dtype"], "x")
       ax1.scatter(r["cache_bytes_per_token"], r["teacher_forced_bits_per_byte"], color=f"C{i}",

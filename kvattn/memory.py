@@ -18,11 +18,11 @@ caller can check the analytic model against what is actually allocated.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import psutil
 
 from kvattn import _checks
 from kvattn.ops import quant
@@ -76,20 +76,10 @@ def mla_to_mha_cache_ratio(kv_lora_rank: int, qk_rope_head_dim: int, num_heads: 
   return mla / mha_bytes_per_token(num_heads, head_dim, jnp.float32)
 
 
-def host_available_bytes() -> int | None:
-  """Bytes of host RAM available to new allocations (Linux `MemAvailable`, else
-  `os.sysconf` free pages), or None if neither can be read."""
-  try:
-    with open("/proc/meminfo", encoding="ascii") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  try:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-  except (ValueError, OSError, AttributeError):
-    return None
+def host_available_bytes() -> int:
+  """Bytes of host RAM available to new allocations without swapping
+  (`psutil.virtual_memory().available`; Linux: `MemAvailable`)."""
+  return int(psutil.virtual_memory().available)
 
 
 def available_bytes(device: Any = None) -> int | None:

@@ -9,57 +9,35 @@ head (optionally tied to the embedding). Each layer's attention is a
 `kvattn.MultiHeadLatentAttention` (DeepSeek-V2 MLA), chosen per layer by the
 config, so a model may mix variants.
 
-Config schema (`model` section of an ml_collections config; build one with
-`model_config(...)`; every key is checked by `resolve_config`, unknown keys and
-bad values raise ValueError naming the dotted key):
+Config schema: the `model` section of an ml_collections config. Its single
+source is two frozen dataclasses, `ModelSpec` (sizes, dtypes, per-layer
+overrides) and `AttentionSpec` (its `attention` subsection), each field with
+its type, default and a comment. `model_config(...)` derives the ConfigDict
+from them and `resolve_config` validates a config against them, naming the
+dotted key (e.g. "model.attention.num_kv_heads must divide
+model.attention.num_heads; got 3 and 4"). A setting has one path everywhere --
+in code, config files, on the command line (`--config.model.attention.kind=mla`)
+and in sweeps (`{"model.attention.num_kv_heads": 2}`): `model.<field>` or
+`model.attention.<field>`. Adding a field is one line in its dataclass (an
+`AttentionSpec` field is also a keyword of the attention modules of the kinds
+that use it). Field types: bool, int (checked positive), float (positive and
+finite), str, each optionally `| None` (None: off); a field of another type
+needs its check in `_check_field`.
 
-  model.vocab_size        int   vocabulary size V (259: kvattn.data's bytes
-                                + BOS/EOS/PAD).
-  model.d_model           int   model width D.
-  model.num_layers        int   number of blocks L.
-  model.mlp_dim           int   SwiGLU hidden width F.
-  model.tie_embeddings    bool  LM head = embedding transposed.
-  model.norm_eps          float RMSNorm epsilon.
-  model.dtype             str   compute dtype ("float32", "bfloat16", ...).
-  model.param_dtype       str   parameter storage dtype.
-  model.attention         ConfigDict, the attention of every layer:
-    kind                  str   "gqa" (MHA/GQA/MQA) or "mla".
-    num_heads             int   query heads N (both kinds).
-    rope_theta            float RoPE base (both kinds).
-    window                int|None  sliding window in tokens (both kinds;
-                                the cache keeps full capacity).
-    decode_implementation str|None  `kvattn.ops` backend for T == 1 decode
-                                (None = best available; else a registered
-                                name: "gqa" `kvattn.gqa.decode_implementations()`,
-                                "mla" `kvattn.mla.decode_implementations()`,
-                                e.g. "xla", "pallas").
-    -- "gqa" only --
-    num_kv_heads          int   KV heads K, divides N (N: MHA, 1: MQA).
-    head_dim              int   H, even.
-    soft_cap              float|None  attention logit soft cap.
-    -- "mla" only (DeepSeek-V2 names) --
-    kv_lora_rank          int   latent width C.
-    qk_nope_head_dim      int   no-RoPE query/key head width.
-    qk_rope_head_dim      int   decoupled RoPE width R, even.
-    v_head_dim            int   value head width.
-    q_lora_rank           int|None  query low-rank width (None: full-rank).
-  model.layers            tuple, empty (every layer uses `attention`) or one
-                          entry per layer: None / {} (use `attention`) or a
-                          dict of `attention` keys overriding it for that
-                          layer, e.g. `({}, {"kind": "mla"})` or
-                          `({"window": 128}, {})`.
-
-Fields of the variant a layer does not use are ignored (they stay in the
-config so that command-line overrides such as
-`--config.model.attention.kind=mla` find every key).
+`model.layers` is empty (every layer uses `model.attention`) or has one entry
+per layer: None / {} (use `model.attention`) or a dict of `AttentionSpec`
+fields overriding it for that layer, e.g. `({}, {"kind": "mla"})` or
+`({"window": 128}, {})`. Fields of the kind a layer does not use are ignored
+(they stay in the config so that an override such as
+`--config.model.attention.kind=mla` finds every key).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import inspect
-from typing import Any, Callable, Mapping, Sequence
+import math
+import typing
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -69,100 +47,60 @@ from ml_collections import config_dict
 from kvattn import _checks
 from kvattn import memory
 from kvattn import gqa as gqa_lib
+from kvattn import mla as mla_lib
 from kvattn.gqa import GroupedQueryAttention
+from kvattn.mla import MultiHeadLatentAttention
 
 ATTENTION_KINDS = ("gqa", "mla")
-_COMMON_ATTENTION_KEYS = ("kind", "num_heads", "rope_theta", "window", "decode_implementation")
-_GQA_KEYS = ("num_kv_heads", "head_dim", "soft_cap")
-_MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank")
-_MODEL_KEYS = ("vocab_size", "d_model", "num_layers", "mlp_dim", "tie_embeddings", "norm_eps",
-               "dtype", "param_dtype", "attention", "layers")
+_ATTENTION_MODULES = {"gqa": GroupedQueryAttention, "mla": MultiHeadLatentAttention}
+_DECODE_IMPLEMENTATIONS = {"gqa": gqa_lib.decode_implementations,
+                           "mla": mla_lib.decode_implementations}
 
 
-def attention_config(**overrides: Any) -> config_dict.ConfigDict:
-  """The default `model.attention` ConfigDict (GQA, N = K = 8, H = 32) with overrides.
+def _field(default: Any, *, kinds: Sequence[str] = ATTENTION_KINDS, even: bool = False,
+           choices: Sequence[str] | None = None, dtype: bool = False) -> Any:
+  """A schema field: its default and what `resolve_config` checks beyond the field's type.
 
-  Raises:
-    ValueError: an override names a key that is not in the schema.
+  Args:
+    default: the default value (None: the field is optional and None turns it off).
+    kinds: attention kinds whose layers use the field (AttentionSpec only); the
+      resolved spec of a layer of another kind holds None.
+    even: an int that must be even (RoPE rotates pairs).
+    choices: the allowed values of a str field.
+    dtype: a str naming a floating dtype; resolved to a `jnp.dtype`.
   """
-  cfg = config_dict.ConfigDict()
-  cfg.kind = "gqa"  # "gqa" (MHA/GQA/MQA through num_kv_heads) or "mla".
-  cfg.num_heads = 8  # Query heads N.
-  cfg.rope_theta = 10000.0  # RoPE base.
-  cfg.window = config_dict.placeholder(int)  # Sliding window in tokens; None = full.
-  cfg.decode_implementation = config_dict.placeholder(str)  # kvattn.ops backend; None = best.
-  cfg.num_kv_heads = 8  # GQA: KV heads K (N: MHA, 1: MQA).
-  cfg.head_dim = 32  # GQA: head width H (even).
-  cfg.soft_cap = config_dict.placeholder(float)  # GQA: logit soft cap; None = off.
-  cfg.kv_lora_rank = 64  # MLA: latent width C.
-  cfg.qk_nope_head_dim = 32  # MLA: no-RoPE query/key head width.
-  cfg.qk_rope_head_dim = 16  # MLA: decoupled RoPE width R (even).
-  cfg.v_head_dim = 32  # MLA: value head width.
-  cfg.q_lora_rank = config_dict.placeholder(int)  # MLA: query low rank; None = full rank.
-  _apply_overrides(cfg, overrides, "model.attention")
-  return cfg
-
-
-def model_config(**overrides: Any) -> config_dict.ConfigDict:
-  """The default `model` ConfigDict, with top-level overrides.
-
-  `attention=` takes a dict of `model.attention` overrides (merged into the
-  defaults of `attention_config`) or a full ConfigDict. Example:
-
-      model_config(d_model=64, num_layers=2, mlp_dim=128,
-                   attention=dict(num_heads=4, num_kv_heads=1, head_dim=16))
-
-  Raises:
-    ValueError: an override names a key that is not in the schema.
-  """
-  cfg = config_dict.ConfigDict()
-  cfg.vocab_size = 259  # V: 256 bytes + BOS/EOS/PAD (kvattn.data).
-  cfg.d_model = 256  # Model width D.
-  cfg.num_layers = 4  # Blocks L.
-  cfg.mlp_dim = 768  # SwiGLU hidden width F.
-  cfg.tie_embeddings = True  # LM head shares the embedding matrix.
-  cfg.norm_eps = 1e-6  # RMSNorm epsilon.
-  cfg.dtype = "float32"  # Compute dtype.
-  cfg.param_dtype = "float32"  # Parameter dtype.
-  attention = overrides.pop("attention", None)
-  if isinstance(attention, config_dict.ConfigDict):
-    cfg.attention = attention
-  else:
-    cfg.attention = attention_config(**dict(attention or {}))
-  cfg.layers = ()  # Per-layer attention overrides: () or one dict/None per layer.
-  _apply_overrides(cfg, overrides, "model")
-  return cfg
-
-
-def _apply_overrides(cfg: config_dict.ConfigDict, overrides: Mapping[str, Any], where: str):
-  for key, value in overrides.items():
-    if key not in cfg:
-      raise ValueError(f"{where}.{key} is not a known key; expected one of {sorted(cfg.keys())}")
-    # Placeholders are typed; assigning through the FieldReference keeps the type check.
-    setattr(cfg, key, value)
-
-
-# ----------------------------------------------------------------------------------------------
-# Validation: config -> ModelSpec (plain, hashable, validated values).
+  return dataclasses.field(default=default, metadata=dict(
+      kinds=tuple(kinds), even=even, choices=None if choices is None else tuple(choices),
+      dtype=dtype))
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
-  """One layer's validated attention settings (fields of the other kind are None)."""
+  """The `model.attention` section (and a `model.layers[i]` override): one layer's attention.
 
-  kind: str
-  num_heads: int
-  rope_theta: float
+  A field whose type admits None is optional (None turns it off); the others
+  must be set for the kinds that use them. The defaults are the default
+  config: GQA with N = K = 8, H = 32. `resolve_config` returns validated
+  instances, one per layer, in which the fields of the kind the layer does not
+  use are None.
+  """
+
+  kind: str = _field("gqa", choices=ATTENTION_KINDS)  # "gqa" (MHA/GQA/MQA) or "mla".
+  num_heads: int = 8  # Query heads N.
+  rope_theta: float = 10000.0  # RoPE base.
+  window: int | None = None  # Sliding window in tokens (the cache keeps full capacity).
+  # kvattn.ops backend of T = 1 decode steps, a name of `kvattn.gqa.decode_implementations()`
+  # or `kvattn.mla.decode_implementations()` (e.g. "xla", "pallas"); None = the best available.
   decode_implementation: str | None = None
-  num_kv_heads: int | None = None
-  head_dim: int | None = None
-  window: int | None = None
-  soft_cap: float | None = None
-  kv_lora_rank: int | None = None
-  qk_nope_head_dim: int | None = None
-  qk_rope_head_dim: int | None = None
-  v_head_dim: int | None = None
-  q_lora_rank: int | None = None
+  num_kv_heads: int = _field(8, kinds=("gqa",))  # KV heads K, divides N (N: MHA, 1: MQA).
+  head_dim: int = _field(32, kinds=("gqa",), even=True)  # Head width H.
+  soft_cap: float | None = _field(None, kinds=("gqa",))  # Attention logit soft cap.
+  # MLA sizes (DeepSeek-V2 names).
+  kv_lora_rank: int = _field(64, kinds=("mla",))  # Latent width C.
+  qk_nope_head_dim: int = _field(32, kinds=("mla",))  # No-RoPE query/key head width.
+  qk_rope_head_dim: int = _field(16, kinds=("mla",), even=True)  # Decoupled RoPE width R.
+  v_head_dim: int = _field(32, kinds=("mla",))  # Value head width.
+  q_lora_rank: int | None = _field(None, kinds=("mla",))  # Query low-rank width; None = full.
 
   def bytes_per_token(self, dtype: Any) -> int:
     """Analytic cache bytes per token of this layer (`kvattn.memory`)."""
@@ -173,32 +111,118 @@ class AttentionSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-  """A validated `model` config: sizes, dtypes and one AttentionSpec per layer."""
+  """The `model` section: sizes, dtypes and the attention of every layer.
 
-  vocab_size: int
-  d_model: int
-  num_layers: int
-  mlp_dim: int
-  tie_embeddings: bool
-  norm_eps: float
-  dtype: Any
-  param_dtype: Any
-  layers: tuple[AttentionSpec, ...]
+  The defaults are the default config. `resolve_config` returns a validated
+  instance whose dtypes are `jnp.dtype`s, whose `attention` is resolved and
+  whose `layers` holds one resolved AttentionSpec per layer (`attention` with
+  that layer's override applied).
+  """
+
+  vocab_size: int = 259  # V: 256 bytes + BOS/EOS/PAD (kvattn.data).
+  d_model: int = 256  # Model width D.
+  num_layers: int = 4  # Blocks L.
+  mlp_dim: int = 768  # SwiGLU hidden width F.
+  tie_embeddings: bool = True  # LM head shares the embedding matrix.
+  norm_eps: float = 1e-6  # RMSNorm epsilon.
+  dtype: str = _field("float32", dtype=True)  # Compute dtype (and default cache dtype).
+  param_dtype: str = _field("float32", dtype=True)  # Parameter storage dtype.
+  attention: AttentionSpec = AttentionSpec()  # The attention of every layer.
+  # Per-layer overrides of `attention`: () or one entry per layer, each None / {} (no change) or
+  # a dict of AttentionSpec fields, e.g. `({}, {"kind": "mla"})`.
+  layers: tuple[Any, ...] = ()
+
+
+_HINTS = {cls: typing.get_type_hints(cls) for cls in (AttentionSpec, ModelSpec)}
+
+
+def attention_fields(kind: str) -> tuple[str, ...]:
+  """The `AttentionSpec` fields that layers of attention `kind` use (`kind` itself included)."""
+  return tuple(f.name for f in dataclasses.fields(AttentionSpec)
+               if kind in f.metadata.get("kinds", ATTENTION_KINDS))
+
+
+def _optional_type(hint: Any) -> tuple[Any, bool]:
+  """`(T, True)` for `T | None`, `(hint, False)` otherwise."""
+  args = typing.get_args(hint)
+  if type(None) in args:
+    return next(a for a in args if a is not type(None)), True
+  return hint, False
+
+
+def _config_dict(spec: Any) -> config_dict.ConfigDict:
+  """The ConfigDict of a schema dataclass: every field, None defaults as typed placeholders."""
+  cfg = config_dict.ConfigDict()
+  hints = _HINTS[type(spec)]
+  for f in dataclasses.fields(spec):
+    value = getattr(spec, f.name)
+    if dataclasses.is_dataclass(value):
+      value = _config_dict(value)
+    elif value is None:
+      value = config_dict.placeholder(_optional_type(hints[f.name])[0])
+    setattr(cfg, f.name, value)
+  return cfg
+
+
+def _replace(cls: type, defaults: Any, overrides: Mapping[str, Any], where: str) -> Any:
+  names = [f.name for f in dataclasses.fields(cls)]
+  for key in overrides:
+    if key not in names:
+      raise ValueError(f"{where}.{key} is not a known key; expected one of {sorted(names)}")
+  return dataclasses.replace(defaults, **overrides)
+
+
+def attention_config(**overrides: Any) -> config_dict.ConfigDict:
+  """The `model.attention` ConfigDict of `AttentionSpec`'s defaults with `overrides`.
+
+  Raises:
+    ValueError: an override names a key that is not an `AttentionSpec` field.
+  """
+  return _config_dict(_replace(AttentionSpec, AttentionSpec(), overrides, "model.attention"))
+
+
+def model_config(**overrides: Any) -> config_dict.ConfigDict:
+  """The `model` ConfigDict of `ModelSpec`'s defaults with top-level overrides.
+
+  `attention=` takes a dict of `model.attention` overrides (applied to the
+  defaults of `AttentionSpec`), an AttentionSpec or a full ConfigDict. Example:
+
+      model_config(d_model=64, num_layers=2, mlp_dim=128,
+                   attention=dict(num_heads=4, num_kv_heads=1, head_dim=16))
+
+  Raises:
+    ValueError: an override names a key that is not a `ModelSpec` /
+      `AttentionSpec` field.
+  """
+  attention = overrides.pop("attention", None)
+  cfg = _config_dict(_replace(ModelSpec, ModelSpec(), overrides, "model"))
+  if isinstance(attention, (config_dict.ConfigDict, AttentionSpec)):
+    cfg.attention = attention if isinstance(attention, config_dict.ConfigDict) else \
+        _config_dict(attention)
+  elif attention is not None:
+    cfg.attention = attention_config(**dict(attention))
+  return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: config -> ModelSpec (plain, hashable, validated values), driven by the fields.
 
 
 def _as_dict(cfg: Any, where: str) -> dict[str, Any]:
   if isinstance(cfg, (config_dict.ConfigDict, config_dict.FrozenConfigDict)):
     return cfg.to_dict()
+  if isinstance(cfg, (AttentionSpec, ModelSpec)):
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
   if isinstance(cfg, Mapping):
     return dict(cfg)
   raise TypeError(f"{where} must be a ConfigDict or a mapping; got {type(cfg).__name__}")
 
 
-def _check_keys(d: Mapping[str, Any], allowed: Sequence[str], where: str):
-  unknown = sorted(set(d) - set(allowed))
+def _check_keys(d: Mapping[str, Any], cls: type, where: str):
+  names = [f.name for f in dataclasses.fields(cls)]
+  unknown = sorted(set(d) - set(names))
   if unknown:
-    raise ValueError(
-        f"{where}.{unknown[0]} is not a known key; expected one of {sorted(allowed)}")
+    raise ValueError(f"{where}.{unknown[0]} is not a known key; expected one of {sorted(names)}")
 
 
 def _int(where: str, value: Any, *, even: bool = False) -> int:
@@ -209,13 +233,9 @@ def _int(where: str, value: Any, *, even: bool = False) -> int:
   return value
 
 
-def _opt_int(where: str, value: Any) -> int | None:
-  return None if value is None else _int(where, value)
-
-
 def _float(where: str, value: Any) -> float:
   if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
-      or value == float("inf"):
+      or not math.isfinite(value):
     raise ValueError(f"{where} must be a positive finite float; got {value!r}")
   return float(value)
 
@@ -224,72 +244,81 @@ def _dtype(where: str, value: Any):
   try:
     dtype = jnp.dtype(value)
   except TypeError:
-    raise ValueError(
-        f"{where} must name a floating dtype such as 'float32'; got {value!r}") from None
-  if not jnp.issubdtype(dtype, jnp.floating):
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"{where} must name a floating dtype such as 'float32'; got {value!r}")
   return dtype
 
 
+def _check_field(f: dataclasses.Field, hint: Any, value: Any, where: str) -> Any:
+  """`value` checked against the field's type and metadata (ValueError naming `where`)."""
+  if f.metadata.get("dtype"):
+    return _dtype(where, value)
+  hint, optional = _optional_type(hint)
+  if value is None and optional:
+    return None
+  if hint is bool:
+    if not isinstance(value, bool):
+      raise ValueError(f"{where} must be a bool; got {value!r}")
+    return value
+  if hint is int:
+    return _int(where, value, even=f.metadata.get("even", False))
+  if hint is float:
+    return _float(where, value)
+  if hint is str:
+    choices = f.metadata.get("choices")
+    if choices is not None and value not in choices:
+      raise ValueError(f"{where} must be one of {choices}; got {value!r}")
+    if not isinstance(value, str):
+      raise ValueError(f"{where} must be a str{' or None' if optional else ''}; got {value!r}")
+    return value
+  raise TypeError(f"{where}: the schema has no check for type {hint!r}")  # a schema bug
+
+
 def _attention_spec(d: Mapping[str, Any], where: str) -> AttentionSpec:
-  _check_keys(d, _COMMON_ATTENTION_KEYS + _GQA_KEYS + _MLA_KEYS, where)
-  kind = d.get("kind")
-  if kind not in ATTENTION_KINDS:
-    raise ValueError(f"{where}.kind must be one of {ATTENTION_KINDS}; got {kind!r}")
-  impl = d.get("decode_implementation")
-  if impl is not None and not isinstance(impl, str):
-    raise ValueError(f"{where}.decode_implementation must be a str or None; got {impl!r}")
-  if impl is not None:
-    if kind == "gqa":
-      choices = gqa_lib.decode_implementations()
-    else:
-      choices = importlib.import_module("kvattn.mla").decode_implementations()
-    if impl not in choices:
-      raise ValueError(f"{where}.decode_implementation must be one of {list(choices)} or None "
-                       f"for attention kind {kind!r}; got {impl!r}")
-  common = dict(kind=kind, num_heads=_int(f"{where}.num_heads", d.get("num_heads")),
-                rope_theta=_float(f"{where}.rope_theta", d.get("rope_theta")),
-                window=_opt_int(f"{where}.window", d.get("window")),
-                decode_implementation=impl)
-  if kind == "gqa":
-    num_kv_heads = _int(f"{where}.num_kv_heads", d.get("num_kv_heads"))
-    if common["num_heads"] % num_kv_heads:
-      raise ValueError(
-          f"{where}.num_kv_heads must divide {where}.num_heads; got {num_kv_heads} and "
-          f"{common['num_heads']}")
-    soft_cap = d.get("soft_cap")
-    return AttentionSpec(
-        **common, num_kv_heads=num_kv_heads,
-        head_dim=_int(f"{where}.head_dim", d.get("head_dim"), even=True),
-        soft_cap=None if soft_cap is None else _float(f"{where}.soft_cap", soft_cap))
-  return AttentionSpec(
-      **common,
-      kv_lora_rank=_int(f"{where}.kv_lora_rank", d.get("kv_lora_rank")),
-      qk_nope_head_dim=_int(f"{where}.qk_nope_head_dim", d.get("qk_nope_head_dim")),
-      qk_rope_head_dim=_int(f"{where}.qk_rope_head_dim", d.get("qk_rope_head_dim"), even=True),
-      v_head_dim=_int(f"{where}.v_head_dim", d.get("v_head_dim")),
-      q_lora_rank=_opt_int(f"{where}.q_lora_rank", d.get("q_lora_rank")))
+  """A validated AttentionSpec of one layer from its merged `attention` fields."""
+  _check_keys(d, AttentionSpec, where)
+  hints = _HINTS[AttentionSpec]
+  fields = {f.name: f for f in dataclasses.fields(AttentionSpec)}
+  kind = _check_field(fields["kind"], hints["kind"], d.get("kind", "gqa"), f"{where}.kind")
+  used = attention_fields(kind)
+  values = {name: _check_field(f, hints[name], d.get(name, f.default), f"{where}.{name}")
+                  if name in used else None for name, f in fields.items()}
+  impl = values["decode_implementation"]
+  if impl is not None and impl not in _DECODE_IMPLEMENTATIONS[kind]():
+    raise ValueError(
+        f"{where}.decode_implementation must be one of {list(_DECODE_IMPLEMENTATIONS[kind]())} "
+        f"or None for attention kind {kind!r}; got {impl!r}")
+  if kind == "gqa" and values["num_heads"] % values["num_kv_heads"]:
+    raise ValueError(
+        f"{where}.num_kv_heads must divide {where}.num_heads; got {values['num_kv_heads']} and "
+        f"{values['num_heads']}")
+  return AttentionSpec(**values)
 
 
 def resolve_config(cfg: Any) -> ModelSpec:
-  """Validates a `model` config (ConfigDict or mapping) and returns its ModelSpec.
+  """Validates a `model` config and returns its resolved ModelSpec.
+
+  Args:
+    cfg: a ConfigDict (`model_config()`), a mapping of `ModelSpec` fields
+      (missing fields take their defaults) or a ModelSpec.
 
   Raises:
     ValueError: an unknown key or an invalid value, naming the dotted key
       (e.g. "model.layers[1].num_kv_heads must divide ...").
-    TypeError: `cfg` is not a ConfigDict or mapping.
+    TypeError: `cfg` is not a ConfigDict, mapping or ModelSpec.
   """
   d = _as_dict(cfg, "model")
-  _check_keys(d, _MODEL_KEYS, "model")
-  missing = [k for k in _MODEL_KEYS if k not in d]
-  if missing:
-    raise ValueError(f"model.{missing[0]} is missing; build the config with model_config()")
-  base = _as_dict(d["attention"], "model.attention")
-  _attention_spec(base, "model.attention")  # the shared section must be valid on its own
-  num_layers = _int("model.num_layers", d["num_layers"])
-  per_layer = d["layers"]
-  if per_layer is None:
-    per_layer = ()
+  _check_keys(d, ModelSpec, "model")
+  hints = _HINTS[ModelSpec]
+  values = {}
+  for f in dataclasses.fields(ModelSpec):
+    if f.name not in ("attention", "layers"):
+      values[f.name] = _check_field(f, hints[f.name], d.get(f.name, f.default), f"model.{f.name}")
+  base = _as_dict(d.get("attention", AttentionSpec()), "model.attention")
+  values["attention"] = _attention_spec(base, "model.attention")  # valid on its own too
+  num_layers = values["num_layers"]
+  per_layer = d.get("layers") or ()
   if not isinstance(per_layer, (tuple, list)):
     raise ValueError(f"model.layers must be a tuple of per-layer overrides; got {per_layer!r}")
   if per_layer and len(per_layer) != num_layers:
@@ -300,22 +329,10 @@ def resolve_config(cfg: Any) -> ModelSpec:
   for i in range(num_layers):
     override = per_layer[i] if per_layer else None
     override = {} if override is None else _as_dict(override, f"model.layers[{i}]")
-    _check_keys(override, _COMMON_ATTENTION_KEYS + _GQA_KEYS + _MLA_KEYS, f"model.layers[{i}]")
+    _check_keys(override, AttentionSpec, f"model.layers[{i}]")
     where = f"model.layers[{i}]" if override else "model.attention"
     layers.append(_attention_spec({**base, **override}, where))
-  tie = d["tie_embeddings"]
-  if not isinstance(tie, bool):
-    raise ValueError(f"model.tie_embeddings must be a bool; got {tie!r}")
-  return ModelSpec(
-      vocab_size=_int("model.vocab_size", d["vocab_size"]),
-      d_model=_int("model.d_model", d["d_model"]),
-      num_layers=num_layers,
-      mlp_dim=_int("model.mlp_dim", d["mlp_dim"]),
-      tie_embeddings=tie,
-      norm_eps=_float("model.norm_eps", d["norm_eps"]),
-      dtype=_dtype("model.dtype", d["dtype"]),
-      param_dtype=_dtype("model.param_dtype", d["param_dtype"]),
-      layers=tuple(layers))
+  return ModelSpec(**values, layers=tuple(layers))
 
 
 def cache_bytes_per_token(cfg: Any, dtype: Any = None) -> int:
@@ -332,7 +349,7 @@ def cache_bytes_per_token(cfg: Any, dtype: Any = None) -> int:
   Raises:
     ValueError: an invalid config (see `resolve_config`).
   """
-  spec = cfg if isinstance(cfg, ModelSpec) else resolve_config(cfg)
+  spec = resolve_config(cfg)
   dtype = spec.dtype if dtype is None else dtype
   return sum(layer.bytes_per_token(dtype) for layer in spec.layers)
 
@@ -385,45 +402,17 @@ class SwiGLU(nnx.Module):
                       preferred_element_type=jnp.float32).astype(dt)
 
 
-def _accepts(cls, name: str) -> bool:
-  params = inspect.signature(cls.__init__).parameters
-  return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
 def make_attention(spec: AttentionSpec, *, d_model: int, dtype: Any, param_dtype: Any,
                    rngs: nnx.Rngs) -> nnx.Module:
-  """Builds one layer's attention module from its AttentionSpec (the layer factory).
+  """Builds one layer's attention module from its resolved AttentionSpec (the layer factory).
 
-  "gqa" -> `kvattn.GroupedQueryAttention`; "mla" -> `kvattn.MultiHeadLatentAttention`
-  (imported lazily from `kvattn.mla`). `dtype`, `param_dtype` and
-  `decode_implementation` are passed when the module's constructor takes them.
-
-  Raises:
-    ValueError: "mla" requested but `kvattn.mla` is not available.
+  "gqa" -> `kvattn.GroupedQueryAttention`, "mla" ->
+  `kvattn.MultiHeadLatentAttention`; every field the kind uses (`kind` aside)
+  is passed as the keyword of the same name.
   """
-  if spec.kind == "gqa":
-    cls = GroupedQueryAttention
-    kwargs = dict(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-                  head_dim=spec.head_dim, rope_theta=spec.rope_theta, window=spec.window,
-                  soft_cap=spec.soft_cap)
-  else:
-    try:
-      cls = importlib.import_module("kvattn.mla").MultiHeadLatentAttention
-    except (ImportError, AttributeError) as e:
-      raise ValueError(
-          f"attention kind 'mla' needs kvattn.mla.MultiHeadLatentAttention: {e}") from e
-    kwargs = dict(num_heads=spec.num_heads, kv_lora_rank=spec.kv_lora_rank,
-                  qk_nope_head_dim=spec.qk_nope_head_dim, qk_rope_head_dim=spec.qk_rope_head_dim,
-                  v_head_dim=spec.v_head_dim, q_lora_rank=spec.q_lora_rank,
-                  rope_theta=spec.rope_theta, window=spec.window)
-  optional = dict(dtype=dtype, param_dtype=param_dtype,
-                  decode_implementation=spec.decode_implementation)
-  for name, value in optional.items():
-    if _accepts(cls, name):
-      kwargs[name] = value
-    elif name == "decode_implementation" and value is not None:
-      raise ValueError(f"{cls.__name__} does not take decode_implementation; got {value!r}")
-  return cls(d_model=d_model, **kwargs, rngs=rngs)
+  kwargs = {name: getattr(spec, name) for name in attention_fields(spec.kind) if name != "kind"}
+  return _ATTENTION_MODULES[spec.kind](d_model=d_model, dtype=dtype, param_dtype=param_dtype,
+                                       rngs=rngs, **kwargs)
 
 
 class Block(nnx.Module):
@@ -471,6 +460,7 @@ class Transformer(nnx.Module):
     if not isinstance(spec, ModelSpec):
       raise TypeError(f"spec must be a ModelSpec (use Transformer.from_config); got "
                       f"{type(spec).__name__}")
+    spec = resolve_config(spec)  # idempotent; resolves a ModelSpec built by hand
     self.spec = spec
     self.vocab_size = spec.vocab_size
     self.d_model = spec.d_model

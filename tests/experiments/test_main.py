@@ -1,8 +1,13 @@
-"""The main job end to end: every config's smoke run, resume, validation before training.
+"""The main job end to end: the smoke run, the command line, validation before training.
 
-The smoke runs share one directory of trained params (`experiment.train_dir`),
-so each variant is trained once for the whole module; the prefill/decode
-programs compiled by the first run are reused by the later ones (same shapes).
+The fast suite runs the README's main job once (`configs/default.py:smoke`,
+`default_run`); the runner's own bookkeeping (resume, skipping finished
+points, atomic writes, refusals before work) is tested with a stand-in family
+in test_runner.py. The other configs' smoke runs and the end-to-end resume
+with training are `slow`. The smoke runs share one directory of trained params
+(`experiment.train_dir`), so each variant is trained once for the whole
+module; the prefill/decode programs compiled by the first run are reused by
+the later ones (same shapes).
 """
 
 import collections
@@ -18,15 +23,15 @@ from absl import flags
 
 from configs import default, heads_sweep, seqlen_sweep
 from experiments import main as main_lib
-from experiments import report as report_lib
 from experiments import runner
+from experiments import variants_experiment as variants
 import kvattn
 from kvattn import memory
 from kvattn import train as train_lib
 from kvattn import transformer as transformer_lib
 
 FILES = ("results.jsonl", "results.csv", "report.md", "config.json",
-         *report_lib.PLOTS.values())
+         *variants.PLOTS.values())
 FIELDS = ("point", "label", "variant", "num_kv_heads", "seq_len", "batch",
           "cache_bytes_per_token", "cache_bytes_per_token_analytic", "cache_bytes",
           "prefill_s", "prefill_s_min", "prefill_s_max",
@@ -43,9 +48,7 @@ def train_dir(tmp_path_factory):
 def smoke_config(module, train_dir, **overrides):
   config = module.get_config("smoke")
   config.experiment.train_dir = train_dir
-  for dotted, value in overrides.items():
-    section, key = dotted.split(".")
-    setattr(config[section], key, value)
+  config.update_from_flattened_dict(overrides)
   return config
 
 
@@ -60,7 +63,7 @@ def default_run(tmp_path_factory, train_dir):
 def analytic_bytes_per_token(record):
   """Independent arithmetic: GQA 2 K H itemsize per layer, MLA (C + R) itemsize per layer."""
   cfg = record["config"]
-  layers, att = cfg["model"]["num_layers"], cfg["attention"]
+  layers, att = cfg["model"]["num_layers"], cfg["model"]["attention"]
   itemsize = 4  # float32 caches in every config
   if record["variant"] == "MLA":
     return layers * (att["kv_lora_rank"] + att["qk_rope_head_dim"]) * itemsize
@@ -71,7 +74,7 @@ def check_outputs(workdir, result, config, expected_kv_heads):
   """Files, fields and sane values of a finished run; returns records by (variant, K, S)."""
   for name in FILES:
     assert os.path.getsize(os.path.join(workdir, name)) > 0, name
-  for name in report_lib.PLOTS.values():
+  for name in variants.PLOTS.values():
     with open(os.path.join(workdir, name), "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
   assert not [n for n in os.listdir(workdir) if n.startswith(".tmp-")]  # no torn writes left
@@ -94,7 +97,7 @@ def check_outputs(workdir, result, config, expected_kv_heads):
       assert field in r, field
     by[(r["variant"], r["num_kv_heads"], r["seq_len"])] = r
     batch, s = r["batch"], r["seq_len"]
-    spec = transformer_lib.resolve_config(runner.model_section(r["config"]))
+    spec = transformer_lib.resolve_config(r["config"]["model"])
     assert r["cache_bytes_per_token"] == r["cache_bytes_per_token_analytic"] \
         == transformer_lib.cache_bytes_per_token(spec) == analytic_bytes_per_token(r)
     assert r["cache_bytes"] == batch * s * r["cache_bytes_per_token"]
@@ -109,10 +112,10 @@ def check_outputs(workdir, result, config, expected_kv_heads):
     assert 0.5 < r["validation_bits_per_byte"] < math.log2(259) + 1
     assert r["train_steps"] == config.train.steps
     assert r["environment"]["backend"] and r["environment"]["cpu_count"] >= 1
-    assert set(r["config"]) == set(runner.variants_schema())
+    assert set(r["config"]) == set(variants.variants_schema())
   assert {k for (v, k, _) in by if v != "MLA"} == set(expected_kv_heads)
 
-  n = config.attention.num_heads
+  n = config.model.attention.num_heads
   for s in seq_lens:
     mha, mqa = by[("MHA", n, s)], by[("MQA", 1, s)]
     assert mqa["cache_bytes_per_token"] * n == mha["cache_bytes_per_token"]  # MQA is 1/N of MHA
@@ -123,7 +126,7 @@ def check_outputs(workdir, result, config, expected_kv_heads):
   with open(os.path.join(workdir, "report.md")) as f:
     report = f.read()
   assert report == result.report
-  assert "| " + " | ".join(report_lib.VARIANT_COLUMNS) + " |" in report
+  assert "| " + " | ".join(variants.VARIANT_COLUMNS) + " |" in report
   for s in seq_lens:
     assert f"## S = {s}" in report
   assert report.count("| MQA | 1 | ") == len(seq_lens)
@@ -133,8 +136,14 @@ def check_outputs(workdir, result, config, expected_kv_heads):
 
 def test_default_smoke(default_run):
   workdir, result = default_run
-  n = default.get_config("smoke").attention.num_heads
+  n = default.get_config("smoke").model.attention.num_heads
   by = check_outputs(workdir, result, default.get_config("smoke"), {n, n // 2, n // 4, 1})
+  # The report's rows carry each point's measured cache bytes and bits/byte.
+  for r in result.records:
+    k = "—" if r["num_kv_heads"] is None else r["num_kv_heads"]
+    row = f"| {r['variant']} | {k} | {r['cache_bytes_per_token']:,} | "
+    assert row in result.report, row
+    assert f" | {r['validation_bits_per_byte']:.3f} | " in result.report
   assert {v for v, _, _ in by} == {"MHA", "GQA", "MQA", "MLA"}
   first_s = default.get_config("smoke").cache.seq_lens[0]
   for (v, k, _), r in by.items():  # the variant's training is shared across S
@@ -142,10 +151,11 @@ def test_default_smoke(default_run):
   assert len({r["train_group"] for r in result.records}) == 5
 
 
+@pytest.mark.slow
 def test_heads_sweep_smoke(tmp_path, default_run, train_dir):
   result = runner.run(smoke_config(heads_sweep, train_dir), str(tmp_path),
                       runner.load_sweep("configs/heads_sweep.py:smoke"))
-  n = heads_sweep.get_config("smoke").attention.num_heads
+  n = heads_sweep.get_config("smoke").model.attention.num_heads
   divisors = {k for k in range(1, n + 1) if n % k == 0}
   by = check_outputs(str(tmp_path), result, heads_sweep.get_config("smoke"), divisors)
   # Same model and training as the default smoke run: its trained params were reused, not retrained.
@@ -154,12 +164,13 @@ def test_heads_sweep_smoke(tmp_path, default_run, train_dir):
     assert r["train_seconds"] == trained[(v, k)]
 
 
+@pytest.mark.slow
 def test_seqlen_sweep_smoke(tmp_path, default_run, train_dir):
   config = smoke_config(seqlen_sweep, train_dir)
   seq_lens = tuple(config.cache.seq_lens)
   assert seq_lens == (16, 32)  # powers of two up to the smoke cap (memory allows far more)
   result = runner.run(config, str(tmp_path), runner.load_sweep("configs/seqlen_sweep.py:smoke"))
-  n = config.attention.num_heads
+  n = config.model.attention.num_heads
   by = check_outputs(str(tmp_path), result, config, {n, n // 4, 1})
   for (v, k, s), r in by.items():  # cache bytes grow linearly in S
     assert r["cache_bytes"] * seq_lens[0] == by[(v, k, seq_lens[0])]["cache_bytes"] * s
@@ -170,19 +181,20 @@ def test_seqlen_sweep_stops_where_memory_ends(monkeypatch):
   config = seqlen_sweep.get_config("")
   seq_lens = config.cache.seq_lens
   assert seq_lens[0] == 256 and all(b == 2 * a for a, b in zip(seq_lens, seq_lens[1:]))
-  spec = transformer_lib.resolve_config(runner.model_section(config.to_dict()))
-  need = lambda s: runner.point_memory_bytes(spec, config.cache.batch, s, "float32",
+  spec = transformer_lib.resolve_config(config.to_dict()["model"])
+  need = lambda s: variants.point_memory_bytes(spec, config.cache.batch, s, "float32",
                                             config.train.batch_size, config.data.seq_len)["total"]
   assert need(seq_lens[-1]) <= 2**29 < need(2 * seq_lens[-1])
 
 
+@pytest.mark.slow  # the runner's resume is tested without training in test_runner.py
 def test_resume_after_stop_and_interrupt(tmp_path, monkeypatch, default_run):
   """Stop after k points, interrupt one, rerun: every point exactly once; no retraining."""
   workdir = str(tmp_path)
   config = default.get_config("smoke")  # trains into WORKDIR/train
   config.cache.seq_lens = (16, 24, 32)
-  n = config.attention.num_heads
-  sweep = [{"attention.num_kv_heads": n}]  # MHA at three S: one training
+  n = config.model.attention.num_heads
+  sweep = [{"model.attention.num_kv_heads": n}]  # MHA at three S: one training
   trainings = []
   real_train = train_lib.train_and_evaluate
 
@@ -199,7 +211,7 @@ def test_resume_after_stop_and_interrupt(tmp_path, monkeypatch, default_run):
   assert os.path.exists(os.path.join(workdir, "report.md"))
 
   # An interrupt during the third point (before its record) loses only that point.
-  real_measure = runner.VariantsFamily.measure
+  real_measure = variants.VariantsFamily.measure
   calls = []
 
   def interrupted(self, point):
@@ -208,14 +220,14 @@ def test_resume_after_stop_and_interrupt(tmp_path, monkeypatch, default_run):
       raise KeyboardInterrupt
     return real_measure(self, point)
 
-  monkeypatch.setattr(runner.VariantsFamily, "measure", interrupted)
+  monkeypatch.setattr(variants.VariantsFamily, "measure", interrupted)
   with pytest.raises(KeyboardInterrupt):
     runner.run(config, workdir, sweep)
   assert calls == ["MHA-K8-S24", "MHA-K8-S32"]
   assert len(store()) == 2 and trainings == [n]  # restored from WORKDIR/train, not retrained
   assert not [name for name in os.listdir(workdir) if name.startswith(".tmp-")]
 
-  monkeypatch.setattr(runner.VariantsFamily, "measure", real_measure)
+  monkeypatch.setattr(variants.VariantsFamily, "measure", real_measure)
   third = runner.run(config, workdir, sweep)
   assert third.complete and len(third.measured) == 1 and trainings == [n]
   fourth = runner.run(config, workdir, sweep)
@@ -239,7 +251,7 @@ def test_full_size_configs(tmp_path, module, seq_lens):
   config.cache.seq_lens = seq_lens
   config.decode.repeats = config.decode.decode_repeats = 1
   result = runner.run(config, str(tmp_path), module.get_sweep(""))
-  n = config.attention.num_heads
+  n = config.model.attention.num_heads
   kv_heads = {k for k in (n, n // 2, n // 4, 1) if module is default} | (
       {k for k in range(1, n + 1) if n % k == 0} if module is heads_sweep else set()) | (
           {n, n // 4, 1} if module is seqlen_sweep else set())
@@ -252,24 +264,25 @@ def no_training(monkeypatch):
     raise AssertionError("training started before validation finished")
 
   monkeypatch.setattr(train_lib, "train_and_evaluate", fail)
-  monkeypatch.setattr(runner.VariantsFamily, "measure", fail)
+  monkeypatch.setattr(variants.VariantsFamily, "measure", fail)
 
 
 @pytest.mark.parametrize("mutate, sweep, match", [
     (lambda d: d["cache"].update(seq_lenz=(16,)), None, r"cache\.seq_lenz is not a known key"),
     (lambda d: d.update(optimizer={}), None, r"optimizer is not a known section"),
     (lambda d: d["model"].pop("d_model"), None, r"model\.d_model is missing"),
-    (None, [{"attention.num_kv_hedas": 2}], r"attention\.num_kv_hedas is not a known key"),
-    (None, [{"attention.num_kv_heads": 3}],
-     r"attention\.num_kv_heads must divide attention\.num_heads; got 3 and 8"),
+    (None, [{"model.attention.num_kv_hedas": 2}],
+     r"model\.attention\.num_kv_hedas is not a known key"),
+    (None, [{"model.attention.num_kv_heads": 3}],
+     r"model\.attention\.num_kv_heads must divide model\.attention\.num_heads; got 3 and 8"),
     (lambda d: d["cache"].update(seq_lens=(16, 2**22)), None,
      r"cache\.seq_lens = 4194304 is larger than memory allows"),
     (lambda d: d["cache"].update(seq_lens=(3,)), None, r"cache\.seq_lens must be an int >= 4"),
     (lambda d: d["cache"].update(batch=0), None, r"cache\.batch must be an int >= 1"),
     (lambda d: d["decode"].update(repeats=0), None, r"decode\.repeats must be an int >= 1"),
     (lambda d: d["train"].update(warmup_steps=5), None, r"train\.warmup_steps must be less"),
-    (lambda d: d["kernel"].update(decode_implementation=3), None,
-     r"kernel\.decode_implementation must be a str or None"),
+    (lambda d: d["model"]["attention"].update(decode_implementation=3), None,
+     r"model\.attention\.decode_implementation must be a str or None"),
     (lambda d: d["experiment"].update(kind="paged_typo"), None, r"experiment\.kind must be one of"),
 ])
 def test_bad_config_fails_before_training(tmp_path, no_training, mutate, sweep, match):
@@ -283,23 +296,25 @@ def test_bad_config_fails_before_training(tmp_path, no_training, mutate, sweep, 
 
 
 def test_bad_sweep_entry_is_named(tmp_path, no_training):
-  sweep = default.get_sweep("smoke") + [{"attention.num_kv_heads": 5}]
+  sweep = default.get_sweep("smoke") + [{"model.attention.num_kv_heads": 5}]
   with pytest.raises(ValueError, match=r"sweep\[5\] .*attention\.num_kv_heads must divide"):
     runner.run(default.get_config("smoke"), str(tmp_path), sweep)
   with pytest.raises(ValueError, match=r"sweep\[1\] .*same point MHA-K8-S16"):
-    runner.run(default.get_config("smoke"), str(tmp_path), [{}, {"attention.num_kv_heads": 8}])
+    runner.run(default.get_config("smoke"), str(tmp_path),
+               [{}, {"model.attention.num_kv_heads": 8}])
 
 
 def test_config_arguments():
   assert runner.load_sweep("configs/default.py:smoke") == default.get_sweep("smoke")
   assert runner.load_sweep("configs/default.py") == default.get_sweep()
-  assert [e["attention.num_kv_heads"] for e in heads_sweep.get_sweep()[:-1]] == [12, 6, 4, 3, 2, 1]
+  assert [e["model.attention.num_kv_heads"] for e in heads_sweep.get_sweep()[:-1]] == [
+      12, 6, 4, 3, 2, 1]
   with pytest.raises(ValueError, match=r"config argument must be one of"):
     default.get_config("tiny")
   # Every field of every config is in the runner's schema (and vice versa).
   for module in (default, heads_sweep, seqlen_sweep):
     for arg in ("", "smoke"):
-      runner.check_schema(module.get_config(arg).to_dict(), runner.variants_schema())
+      runner.check_schema(module.get_config(arg).to_dict(), variants.variants_schema())
 
 
 @pytest.fixture
@@ -329,7 +344,7 @@ def test_main_command_line(tmp_path, parse_flags, capsys, default_run, train_dir
   main_lib.main(["experiments.main"])
   out = capsys.readouterr().out
   assert f"Report: {os.path.join(workdir, 'report.md')}" in out
-  assert "| " + " | ".join(report_lib.VARIANT_COLUMNS) + " |" in out
+  assert "| " + " | ".join(variants.VARIANT_COLUMNS) + " |" in out
   # Same config as the default smoke run: the same points, trained params reused.
   with open(os.path.join(workdir, "results.jsonl")) as f:
     assert {json.loads(l)["point"] for l in f} == {r["point"] for r in default_run[1].records}
@@ -344,23 +359,29 @@ def test_main_unknown_override_names_the_key(tmp_path, parse_flags):
 
 @pytest.mark.parametrize("override, match", [
     # Bad values in the config as given fail naming the key, even where the sweep sets it.
-    ("attention.num_kv_heads=3",
-     r"config: attention\.num_kv_heads must divide attention\.num_heads; got 3 and 8"),
-    ("attention.kind=foo", r"config: attention\.kind must be one of \('gqa', 'mla'\); got 'foo'"),
+    ("model.attention.num_kv_heads=3",
+     r"config: model\.attention\.num_kv_heads must divide model\.attention\.num_heads; got 3 "
+     r"and 8"),
+    ("model.attention.kind=foo",
+     r"config: model\.attention\.kind must be one of \('gqa', 'mla'\); got 'foo'"),
     # A valid override of a key the sweep sets would be discarded for every point: an error.
-    ("attention.num_kv_heads=4",
-     r"config: attention\.num_kv_heads = 4 overrides the config file's 8, but the sweep of "
-     r"configs/default\.py:smoke sets attention\.num_kv_heads for its points \(8, 4, 2, 1\), so "
+    ("model.attention.num_kv_heads=4",
+     r"config: model\.attention\.num_kv_heads = 4 overrides the config file's 8, but the sweep of "
+     r"configs/default\.py:smoke sets model\.attention\.num_kv_heads for its points "
+     r"\(8, 4, 2, 1\), so "
      r"the override would be silently discarded"),
-    ("attention.kind=mla", r"config: attention\.kind = 'mla' overrides the config file's 'gqa'"),
+    ("model.attention.kind=mla",
+     r"config: model\.attention\.kind = 'mla' overrides the config file's 'gqa'"),
     # Decode backends: unknown names at validation, unfit shapes at the pre-flight decode step.
-    ("kernel.decode_implementation=bogus",
-     r"config: kernel\.decode_implementation must be one of \[.*'xla'.*\] or None for "
+    ("model.attention.decode_implementation=bogus",
+     r"config: model\.attention\.decode_implementation must be one of \[.*'xla'.*\] or None for "
      r"attention kind 'gqa'; got 'bogus'"),
-    ("kernel.decode_implementation=xla_pool",  # a paged-cache backend: no MLA backend has it
-     r"sweep\[4\] .*kernel\.decode_implementation must be one of .* for attention kind 'mla'"),
-    ("kernel.decode_implementation=pallas",  # smoke: H = 4 is below the kernel's minimum
-     r"MHA-K8-S16: kernel\.decode_implementation = 'pallas' cannot run this point's decode step "
+    ("model.attention.decode_implementation=xla_pool",  # a paged-cache backend: not an MLA one
+     r"sweep\[4\] .*model\.attention\.decode_implementation must be one of .* for attention "
+     r"kind 'mla'"),
+    ("model.attention.decode_implementation=pallas",  # smoke: H = 4 is below the kernel's minimum
+     r"MHA-K8-S16: model\.attention\.decode_implementation = 'pallas' cannot run this point's "
+     r"decode step "
      r"\(checked before any training\): NotImplementedError: pallas: head dim H=4"),
 ])
 def test_command_line_override_fails_before_training(tmp_path, parse_flags, no_training,
@@ -377,11 +398,11 @@ def test_overrides_of_keys_the_sweep_does_not_set_are_kept():
   defaults = runner.load_config_defaults("configs/default.py:smoke")
   config = default.get_config("smoke")
   config.model.num_layers = 2  # not a sweep key
-  config.attention.kind = "gqa"  # a sweep key, set to the file's own value
+  config.model.attention.kind = "gqa"  # a sweep key, set to the file's own value
   runner.check_overrides_kept(config, sweep, defaults, "configs/default.py:smoke")
   runner.check_overrides_kept(default.get_config("smoke"), sweep, None)  # no file: no check
-  config.attention.num_kv_heads = 2
-  with pytest.raises(ValueError, match=r"attention\.num_kv_heads = 2 overrides"):
+  config.model.attention.num_kv_heads = 2
+  with pytest.raises(ValueError, match=r"model\.attention\.num_kv_heads = 2 overrides"):
     runner.check_overrides_kept(config, sweep, defaults)
 
 
@@ -412,7 +433,7 @@ def test_variant_rows_against_quoted_ranges():
   def rec(variant, k, bpt, tps, bpb):
     return {"variant": variant, "num_kv_heads": k, "seq_len": 64, "cache_bytes_per_token": bpt,
             "decode_tokens_per_s": tps, "validation_bits_per_byte": bpb}
-  rows = report_lib.variant_rows([
+  rows = variants.variant_rows([
       rec("MHA", 8, 1024, 100.0, 2.0), rec("GQA", 2, 256, 200.0, 2.1),
       rec("MQA", 1, 128, 600.0, 2.25), rec("MLA", None, 288, 90.0, 1.9)])
   mha, gqa, mqa, mla = rows[64]
@@ -421,7 +442,7 @@ def test_variant_rows_against_quoted_ranges():
   assert gqa[-1] == "cache yes, speed yes"
   assert mqa[3] == "12.5%" and mqa[5] == "6.00×" and mqa[-1] == "cache yes, speed no"
   assert mla[1] == "—" and mla[-2].startswith('"adaptive"') and mla[-1] == "n/a"
-  no_baseline = report_lib.variant_rows([rec("GQA", 2, 256, 200.0, 2.1)])[64][0]
+  no_baseline = variants.variant_rows([rec("GQA", 2, 256, 200.0, 2.1)])[64][0]
   assert no_baseline[3] == "n/a" and no_baseline[-1] == "n/a (no MHA point)"
 
 
@@ -441,3 +462,35 @@ def test_every_shipped_config_validates_and_preflights(tmp_path, no_training, na
   for point in points if preflight else ():
     preflight(point)
   assert not os.listdir(tmp_path)  # nothing written before the run proper
+
+
+def test_sweep_overrides_go_through_ml_collections_on_a_locked_copy():
+  config = default.get_config("smoke")
+  d = runner.apply_overrides(config, {"model.attention.window": 8, "cache.batch": 3}, "sweep[0]")
+  assert d["model"]["attention"]["window"] == 8 and d["cache"]["batch"] == 3
+  assert config.model.attention.window is None and config.cache.batch == 2  # a copy
+  assert not config.is_locked
+  with pytest.raises(ValueError, match=r"sweep\[0\]: model\.attention\.windw is not a known key "
+                                       r"\(did you mean model\.attention\.window\?\)"):
+    runner.apply_overrides(config, {"model.attention.windw": 8}, "sweep[0]")
+  # A typed placeholder refuses a value of another type, as `--config.<key>=` does.
+  with pytest.raises(ValueError, match=r"sweep\[0\]: model\.attention\.window = 'wide' has the "
+                                       r"wrong type"):
+    runner.apply_overrides(config, {"model.attention.window": "wide"}, "sweep[0]")
+  with pytest.raises(ValueError, match=r"attention\.kind is not a known key"):
+    runner.apply_overrides(config, {"attention.kind": "mla"}, "sweep[0]")  # the one path: model.
+
+
+def test_one_path_per_setting():
+  """`model.attention.<field>` is the same key in the file, on the command line and in a sweep."""
+  schema = variants.variants_schema()
+  assert "attention" not in schema and "kernel" not in schema
+  assert {"attention.kind", "attention.num_kv_heads", "attention.decode_implementation",
+          "num_layers"} <= set(schema["model"])
+  for name in ("default", "heads_sweep", "seqlen_sweep", "quant_sweep", "paged"):
+    module = importlib.import_module(f"configs.{name}")
+    config = module.get_config("smoke")
+    for entry in module.get_sweep("smoke"):
+      for dotted in entry:
+        runner.apply_overrides(config, {dotted: entry[dotted]}, name)  # every sweep key exists
+    assert transformer_lib.resolve_config(config.model).num_layers == config.model.num_layers

@@ -16,9 +16,7 @@ from experiments import runner
 def _smoke(**overrides):
   cfg = paged_config.get_config("smoke")
   cfg.decode.warmup = 0  # the one timed run compiles: fine for a test, not for a figure
-  for dotted, value in overrides.items():
-    section, key = dotted.split(".")
-    setattr(cfg[section], key, value)
+  cfg.update_from_flattened_dict(overrides)
   return cfg
 
 
@@ -39,7 +37,7 @@ def test_configs_and_sweep():
 
 @pytest.mark.parametrize("overrides,message", [
     ({"cache.kind": "ring"}, r"sweep\[0\] .*cache.kind must be one of \('dense', 'paged'\)"),
-    ({"attention.kind": "mla"}, "attention.kind must be 'gqa'"),
+    ({"model.attention.kind": "mla"}, "model.attention.kind must be 'gqa'"),
     ({"cache.page_size": 0}, "cache.page_size must be an int >= 1; got 0"),
     ({"workload.min_len": 2}, "workload.min_len must be an int >= 4"),
     ({"cache.nope": 1}, "cache.nope is not a known key"),
@@ -54,9 +52,10 @@ def test_bad_points_fail_before_any_work(overrides, message, tmp_path):
     ({"cache.page_size": 32}, r"config: cache\.page_size = 32 overrides the config file's 16, but "
                               r"the sweep of configs/paged\.py:smoke sets cache\.page_size"),
     ({"cache.kind": "paged"}, r"config: cache\.kind = 'paged' overrides"),
-    ({"attention.num_kv_heads": 3}, r"config: attention\.num_kv_heads must divide"),
-    ({"kernel.decode_implementation": "pallas"},  # smoke: H = 8 is below the kernel's minimum
-     r"dense \(dense cache\): kernel\.decode_implementation = 'pallas' cannot run this point's "
+    ({"model.attention.num_kv_heads": 3}, r"config: model\.attention\.num_kv_heads must divide"),
+    ({"model.attention.decode_implementation": "pallas"},  # smoke: H = 8 is below the minimum
+     r"dense \(dense cache\): model\.attention\.decode_implementation = 'pallas' cannot run "
+     r"this point's "
      r"decode step .*NotImplementedError: pallas"),
 ])
 def test_command_line_overrides_fail_before_any_work(overrides, message, tmp_path):

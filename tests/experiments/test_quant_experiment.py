@@ -9,6 +9,7 @@ import pytest
 from configs import quant_sweep
 from experiments import quant_experiment as qe
 from experiments import runner
+from experiments import variants_experiment
 from kvattn import data as data_lib
 from kvattn import memory
 
@@ -17,9 +18,7 @@ def _smoke(**overrides):
   cfg = quant_sweep.get_config("smoke")
   cfg.decode.warmup = 0  # the one timed run compiles: fine for a test, not for a figure
   cfg.decode.repeats = cfg.decode.decode_repeats = 1
-  for dotted, value in overrides.items():
-    section, key = dotted.split(".")
-    setattr(cfg[section], key, value)
+  cfg.update_from_flattened_dict(overrides)
   return cfg
 
 
@@ -30,7 +29,7 @@ def test_configs_and_sweep():
   assert len(sweep) == 16
   assert [s["cache.dtype"] for s in sweep[:4]] == ["bfloat16", "int8", "float8_e4m3fn",
                                                     "float8_e5m2"]
-  assert {s.get("attention.num_kv_heads") for s in sweep} == {8, 2, 1, None}
+  assert {s.get("model.attention.num_kv_heads") for s in sweep} == {8, 2, 1, None}
   with pytest.raises(ValueError, match="config argument must be one of"):
     quant_sweep.get_config("huge")
   # Every point of the full sweep validates before any work, with the dtype in its label.
@@ -42,7 +41,8 @@ def test_configs_and_sweep():
   assert len({p.group for p in points}) == 4  # one training per variant
   # The trainings are the main job's (same hash), so its train dir can be shared.
   from configs import default  # pylint: disable=g-import-not-at-top
-  main = runner.VariantsFamily("/nonexistent").points(default.get_config(), default.get_sweep())
+  main = variants_experiment.VariantsFamily("/nonexistent").points(default.get_config(),
+                                                                   default.get_sweep())
   assert {p.group for p in points} <= {p.group for p in main}
 
 
@@ -64,8 +64,8 @@ def test_bad_points_fail_before_any_work(overrides, message, tmp_path):
     ({"cache.dtype": "int8"}, r"config: cache\.dtype = 'int8' overrides the config file's "
                               r"'bfloat16', but the sweep of configs/quant_sweep\.py:smoke"),
     ({"cache.dtype": "int16"}, r"config: cache\.dtype must name a floating dtype"),
-    ({"kernel.decode_implementation": "pallas"},
-     r"MHA-K8-bf16: kernel\.decode_implementation = 'pallas' cannot run"),
+    ({"model.attention.decode_implementation": "pallas"},
+     r"MHA-K8-bf16: model\.attention\.decode_implementation = 'pallas' cannot run"),
 ])
 def test_command_line_overrides_fail_before_any_work(overrides, message, tmp_path):
   with pytest.raises(ValueError, match=message):
@@ -85,16 +85,17 @@ def test_agreement_and_bits_per_byte_by_hand():
   assert qe.bits_per_byte(nll, targets) == pytest.approx(2.0)
 
 
+@pytest.mark.slow  # trains; the runner's resume is tested without training in test_runner.py
 def test_run_measures_bytes_speed_quality_and_resumes(tmp_path):
   cfg = _smoke()
-  sweep = [{"attention.kind": "gqa", "attention.num_kv_heads": 1, "cache.dtype": d}
+  sweep = [{"model.attention.kind": "gqa", "model.attention.num_kv_heads": 1, "cache.dtype": d}
            for d in ("bfloat16", "int8")]
   result = runner.run(cfg, str(tmp_path), sweep)
   assert result.complete and len(result.measured) == 2
   for name in ("results.jsonl", "results.csv", "report.md", "config.json", qe.FILES["plot"]):
     assert os.path.getsize(tmp_path / name) > 0, name
   bf16, int8 = result.records
-  layers, h = cfg.model.num_layers, cfg.attention.head_dim
+  layers, h = cfg.model.num_layers, cfg.model.attention.head_dim
   # Bytes from the arrays == analytic; int8 values are 1 byte plus a 4-byte scale per head.
   assert bf16["cache_bytes_per_token"] == layers * 2 * 1 * h * 2
   assert int8["cache_bytes_per_token"] == layers * 2 * 1 * (h + 4)

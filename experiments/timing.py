@@ -1,0 +1,136 @@
+"""Timing of compiled JAX programs, shared by the experiment families and the benchmarks.
+
+JAX dispatches asynchronously, so a clock read right after a call measures
+the dispatch, not the work. Every timer here waits for its inputs before
+starting the clock (`jax.block_until_ready`) and for its outputs before
+stopping it:
+
+  * `timed(fn, *args)`: one call; wall and process CPU seconds and the output.
+  * `Timer(fn, *args)`: per-call seconds sampled in batches of back-to-back
+    calls (for calls too short to time one by one); `round_robin` samples
+    several timers in turn, so load from other processes hits them alike and
+    ratios measured within one run stay meaningful.
+  * `timed_prefill` / `timed_decode`: `kvattn.generate`'s compiled prefill and
+    greedy decode loop.
+  * `stats(name, values)`: median, min and max under `name`, `name_min`,
+    `name_max`.
+
+Only JAX is imported at module level: the kernel benchmarks run on machines
+that have JAX but not kvattn's other dependencies.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+
+
+def _ready(tree: Any) -> None:
+  """Waits for the jax.Arrays among the leaves of `tree` (other leaves are skipped)."""
+  jax.block_until_ready([x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)])
+
+
+def timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[float, float, Any]:
+  """Calls `fn(*args, **kwargs)` once; returns `(wall seconds, process CPU seconds, output)`.
+
+  The clocks start once the array arguments are ready and stop once the
+  output is. Process CPU seconds count all of this process's threads: the
+  work done, which other processes sharing the machine do not inflate the way
+  they inflate wall time.
+  """
+  _ready((args, kwargs))
+  t0, c0 = time.perf_counter(), time.process_time()
+  out = fn(*args, **kwargs)
+  _ready(out)
+  return time.perf_counter() - t0, time.process_time() - c0, out
+
+
+class Timer:
+  """Per-call wall seconds of `fn(*args)`, sampled on demand.
+
+  `warm()` runs `warmup` untimed calls (the first compiles) and, when
+  `calls <= 0`, sizes one sample at about `target_s` seconds of calls (1 to
+  200 calls); `sample()` then times `calls` back-to-back calls and records
+  the seconds per call.
+  """
+
+  def __init__(self, fn: Callable[..., Any], *args: Any, calls: int = 1, warmup: int = 1,
+               target_s: float = 0.05):
+    self.fn, self.args, self.calls, self.warmup, self.target_s = fn, args, calls, warmup, target_s
+    self.samples: list[float] = []
+
+  def warm(self) -> Any:
+    """Runs the untimed calls; returns the last output."""
+    out = None
+    for _ in range(max(1, self.warmup)):
+      out = jax.block_until_ready(self.fn(*self.args))
+    if self.calls <= 0:
+      seconds, _, _ = timed(self.fn, *self.args)
+      self.calls = max(1, min(200, int(self.target_s / max(seconds, 1e-6))))
+    return out
+
+  def sample(self) -> float:
+    """Times one batch of `calls` calls; records and returns the seconds per call."""
+    _ready(self.args)
+    start = time.perf_counter()
+    out = None
+    for _ in range(self.calls):
+      out = self.fn(*self.args)
+    jax.block_until_ready(out)
+    self.samples.append((time.perf_counter() - start) / self.calls)
+    return self.samples[-1]
+
+  def median(self) -> float:
+    """Median seconds per call over the samples taken so far."""
+    return statistics.median(self.samples)
+
+
+def round_robin(timers: Iterable[Timer], repeats: int) -> None:
+  """Takes `repeats` samples of every timer, one of each in turn."""
+  timers = list(timers)
+  for _ in range(repeats):
+    for timer in timers:
+      timer.sample()
+
+
+def stats(name: str, values: Sequence[float]) -> dict[str, float]:
+  """`{name: median, name_min: min, name_max: max}` of `values`."""
+  return {name: statistics.median(values), f"{name}_min": min(values),
+          f"{name}_max": max(values)}
+
+
+def timed_prefill(model: Any, prompts: jax.Array, lengths: jax.Array, caches: Any
+                  ) -> tuple[float, jax.Array, Any, jax.Array]:
+  """Runs `kvattn.generate`'s compiled greedy prefill on `caches`, which it donates.
+
+  Args:
+    model: a `kvattn.Transformer`.
+    prompts: `i32[B, P]` prompt tokens (right-padded).
+    lengths: `i32[B]` prompt lengths.
+    caches: the model's empty caches.
+
+  Returns:
+    `(wall seconds, first tokens i32[B], prefilled caches, rng key)`.
+  """
+  from kvattn.generate import Sampling, prefill  # pylint: disable=g-import-not-at-top
+  seconds, _, (first, caches, key) = timed(prefill, model, prompts, lengths, caches,
+                                           sampling=Sampling())
+  return seconds, first, caches, key
+
+
+def timed_decode(model: Any, first: jax.Array, caches: Any, new_tokens: int, key: jax.Array
+                 ) -> tuple[float, float, jax.Array, jax.Array, Any]:
+  """Runs `kvattn.generate`'s compiled greedy decode loop on `caches`, which it donates
+  (pass a copy to decode the same prefilled caches again).
+
+  Returns:
+    `(wall seconds, process CPU seconds, tokens i32[B, new_tokens], lengths
+    i32[B], caches)`.
+  """
+  from kvattn.generate import Sampling, decode  # pylint: disable=g-import-not-at-top
+  seconds, cpu, (tokens, lengths, caches) = timed(decode, model, first, caches, new_tokens,
+                                                  sampling=Sampling(), rng=key)
+  return seconds, cpu, tokens, lengths, caches
