@@ -520,7 +520,7 @@ def _policy_options(policy: str, budget: int, options: dict[str, Any]) -> tuple:
               "window_size": min(32, budget // 2), "kernel_size": 5, "seed": 0}
   resolved = {name: options.get(name, defaults[name]) for name in allowed}
   for name, value in resolved.items():
-    minimum = 1 if name == "kernel_size" else 0
+    minimum = 1 if name in ("kernel_size", "window_size") else 0
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
       raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
   if budget < resolved["num_sinks"] + 1:
