@@ -19,6 +19,8 @@ Public names (`__all__`; DESIGN.md has the contract):
     `Transformer`         decoder-only LM, attention variant per layer from a config.
     `generate`            batched prefill + one compiled decode loop.
     `ContinuousBatcher`   continuous batching over paged caches.
+    `from_pretrained`     a pretrained checkpoint (HF safetensors directory, .gguf file or
+                          registered name) as `(Transformer, tokenizer or None)`.
   Modules:
     `ops`          reference attention, RoPE, quantization, decode dispatch points.
     `memory`       analytic and measured KV-cache bytes.
@@ -41,6 +43,7 @@ from kvattn import data, transformer
 from kvattn.transformer import Transformer
 from kvattn.generate import generate  # the function; helpers: `from kvattn.generate import ...`
 from kvattn.batching import ContinuousBatcher
+from kvattn.pretrained import from_pretrained
 
 __version__ = "0.1.0"
 
@@ -58,6 +61,7 @@ __all__ = [
     "SinkKVCache",
     "Transformer",
     "data",
+    "from_pretrained",
     "generate",
     "memory",
     "ops",

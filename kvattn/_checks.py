@@ -115,3 +115,11 @@ def implementation(name: str, value: Any, choices: Sequence[str]) -> str | None:
 def is_concrete(x: Any) -> bool:
   """True when `x` holds values known on the host (not a tracer)."""
   return not isinstance(x, jax.core.Tracer)
+
+
+def rope_scaling(value: Any) -> Any:
+  """`value` if it is a `kvattn.ops.RopeScaling` or None; TypeError naming `rope_scaling` else."""
+  from kvattn.ops import rope  # pylint: disable=g-import-not-at-top  (ops imports _checks)
+  if value is not None and not isinstance(value, rope.RopeScaling):
+    raise TypeError(f"rope_scaling must be a kvattn.ops.RopeScaling or None; got {value!r}")
+  return value

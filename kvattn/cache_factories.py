@@ -198,7 +198,8 @@ def policy_caches(model, batch: int, max_len: int, dtype: Any, policy: Any) -> t
   if kind == "sink":
     num_sinks, window = _policy_keys(policy, ("num_sinks", "window"))
     return tuple(long_context.SinkKVCache.init(batch, num_sinks, window, a.num_kv_heads,
-                                               a.head_dim, dtype, rope_theta=a.rope_theta)
+                                               a.head_dim, dtype, rope_theta=a.rope_theta,
+                                               rope_scaling=a.rope_scaling)
                  for a in attns)
   options = dict(policy)
   del options["kind"]

@@ -104,12 +104,13 @@ class GQACache(Cache, Protocol):
 
 
 def update_attend(cache: GQACache, q: jax.Array, k: jax.Array, v: jax.Array, *,
-                  positions: jax.Array, rope_theta: float, new_lengths: jax.Array,
-                  **options: Any) -> tuple[jax.Array, GQACache]:
+                  positions: jax.Array, rope_theta: float, rope_scaling: Any = None,
+                  new_lengths: jax.Array, **options: Any) -> tuple[jax.Array, GQACache]:
   """One attention step of a GQA module against `cache`; returns `(out, new_cache)`.
 
   `q: [B, T, N, H]` and `k, v: [B, T, K, H]` come BEFORE RoPE; `positions:
-  i32[B, T]` are the module's RoPE positions. A cache with its own
+  i32[B, T]` are the module's RoPE positions, `rope_theta` / `rope_scaling`
+  (a `kvattn.ops.RopeScaling` or None) its RoPE. A cache with its own
   `update_attend` member (same arguments; the optional protocol member of
   kinds that place tokens themselves: `kvattn.long_context`) gets the whole
   step: it may rotate at positions of its own choosing (attention sinks), score
@@ -120,10 +121,11 @@ def update_attend(cache: GQACache, q: jax.Array, k: jax.Array, v: jax.Array, *,
   """
   step = getattr(cache, "update_attend", None)
   if step is not None:
-    return step(q, k, v, positions=positions, rope_theta=rope_theta, new_lengths=new_lengths,
-                **options)
-  q = apply_rope(q, positions, rope_theta=rope_theta)
-  new_cache = cache.update(apply_rope(k, positions, rope_theta=rope_theta), v, new_lengths)
+    return step(q, k, v, positions=positions, rope_theta=rope_theta, rope_scaling=rope_scaling,
+                new_lengths=new_lengths, **options)
+  rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
+  q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
+  new_cache = cache.update(k, v, new_lengths)
   return new_cache.attend(q, q_offsets=cache.lengths, **options), new_cache
 
 

@@ -96,8 +96,10 @@ class GroupedQueryAttention(nnx.Module):
       T); padded tokens are not written and their outputs are unspecified.
 
   Parameters: `q_proj [D, N, H]`, `k_proj [D, K, H]`, `v_proj [D, K, H]`,
-  `o_proj [N, H, D]` (no biases, as in Llama). Projections and attention
-  accumulate in f32 (`preferred_element_type`) for low-precision inputs.
+  `o_proj [N, H, D]` (no biases, as in Llama); with `qkv_bias` also
+  `q_bias [N, H]`, `k_bias [K, H]`, `v_bias [K, H]` (Qwen2), added before
+  RoPE. Projections and attention accumulate in f32
+  (`preferred_element_type`) for low-precision inputs.
   """
 
   def __init__(
@@ -113,6 +115,8 @@ class GroupedQueryAttention(nnx.Module):
       dtype: Any = None,
       param_dtype: Any = jnp.float32,
       decode_implementation: str | None = None,
+      qkv_bias: bool = False,
+      rope_scaling: ops.RopeScaling | None = None,
       rngs: nnx.Rngs,
   ):
     """Builds the projections.
@@ -132,6 +136,9 @@ class GroupedQueryAttention(nnx.Module):
         `kvattn.ops.paged_decode_attention` (paged cache): one of
         `decode_implementations()` or None (the best available). A backend
         that cannot run a call's shapes raises NotImplementedError then.
+      qkv_bias: learn biases of the q/k/v projections (initialised to 0).
+      rope_scaling: a `kvattn.ops.RopeScaling` context extension of the RoPE
+        frequencies ("linear", "llama3", "yarn"), or None for plain RoPE.
       rngs: `nnx.Rngs` with a `params` stream.
 
     Raises:
@@ -139,7 +146,8 @@ class GroupedQueryAttention(nnx.Module):
         non-positive window / rope_theta / soft_cap, an unknown
         decode_implementation.
       TypeError: a decode_implementation that is not a str or None; a dtype
-        or param_dtype that is not a floating dtype.
+        or param_dtype that is not a floating dtype; a rope_scaling that is
+        not a RopeScaling or None; a qkv_bias that is not a bool.
     """
     self.d_model = _checks.positive_int("d_model", d_model)
     self.num_heads, self.num_kv_heads, self.num_groups = _checks.head_layout(num_heads, num_kv_heads)
@@ -147,6 +155,7 @@ class GroupedQueryAttention(nnx.Module):
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for RoPE; got {head_dim}")
     self.rope_theta = _checks.positive_float("rope_theta", rope_theta)
+    self.rope_scaling = _checks.rope_scaling(rope_scaling)
     self.window = _checks.optional_positive_int("window", window)
     self.soft_cap = _checks.optional_positive_float("soft_cap", soft_cap)
     self.dtype = None if dtype is None else _checks.float_dtype("dtype", dtype)
@@ -159,22 +168,33 @@ class GroupedQueryAttention(nnx.Module):
     self.k_proj = nnx.Param(_init(0, (1, 2))(key(), (D, K, H), param_dtype))
     self.v_proj = nnx.Param(_init(0, (1, 2))(key(), (D, K, H), param_dtype))
     self.o_proj = nnx.Param(_init((0, 1), 2)(key(), (N, H, D), param_dtype))
+    if not isinstance(qkv_bias, bool):
+      raise TypeError(f"qkv_bias must be a bool; got {qkv_bias!r}")
+    self.qkv_bias = qkv_bias
+    if qkv_bias:
+      self.q_bias = nnx.Param(jnp.zeros((N, H), param_dtype))
+      self.k_bias = nnx.Param(jnp.zeros((K, H), param_dtype))
+      self.v_bias = nnx.Param(jnp.zeros((K, H), param_dtype))
 
   def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> cache_lib.KVCache:
     """An empty `KVCache` shaped for this layer (any other `GQACache` works too)."""
     return cache_lib.KVCache.init(batch, max_len, self.num_kv_heads, self.head_dim, dtype)
 
-  def _project(self, x, spec, w):
+  def _project(self, x, spec, w, bias=None):
     dtype = self.dtype or x.dtype
     out = jnp.einsum(spec, x.astype(dtype), w[...].astype(dtype),
                      preferred_element_type=jnp.float32)
+    if bias is not None:
+      out = out + bias[...].astype(jnp.float32)
     return out.astype(dtype)
 
   def _qkv(self, x):
-    """`q [B, T, N, H]`, `k, v [B, T, K, H]` of `x`, before RoPE."""
-    q = self._project(x, "BTD,DNH->BTNH", self.q_proj)
-    k = self._project(x, "BTD,DKH->BTKH", self.k_proj)
-    v = self._project(x, "BTD,DKH->BTKH", self.v_proj)
+    """`q [B, T, N, H]`, `k, v [B, T, K, H]` of `x` (biases added when `qkv_bias`),
+    before RoPE."""
+    biases = (self.q_bias, self.k_bias, self.v_bias) if self.qkv_bias else (None,) * 3
+    q = self._project(x, "BTD,DNH->BTNH", self.q_proj, biases[0])
+    k = self._project(x, "BTD,DKH->BTKH", self.k_proj, biases[1])
+    v = self._project(x, "BTD,DKH->BTKH", self.v_proj, biases[2])
     return q, k, v
 
   def __call__(
@@ -200,14 +220,15 @@ class GroupedQueryAttention(nnx.Module):
     q, k, v = self._qkv(x)
     opts = dict(window=self.window, soft_cap=self.soft_cap)
     if cache is None:
-      q = ops.apply_rope(q, positions, rope_theta=self.rope_theta)
-      k = ops.apply_rope(k, positions, rope_theta=self.rope_theta)
+      rope = dict(rope_theta=self.rope_theta, scaling=self.rope_scaling)
+      q, k = ops.apply_rope(q, positions, **rope), ops.apply_rope(k, positions, **rope)
       out = ops.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
                           kv_lengths=new_lengths, **opts)
       new_cache = None
     else:  # RoPE, update, attend -- or the cache's own update_attend (cache_protocol)
       out, new_cache = update_attend(cache, q, k, v, positions=positions,
-                                     rope_theta=self.rope_theta, new_lengths=new_lengths,
+                                     rope_theta=self.rope_theta,
+                                     rope_scaling=self.rope_scaling, new_lengths=new_lengths,
                                      implementation=self.decode_implementation, **opts)
     y = self._project(out, "BTNH,NHD->BTD", self.o_proj)
     return y, new_cache

@@ -307,8 +307,9 @@ class RingKVCache(_Common):
                                   **_scale_kwargs(self.k_scale, self.v_scale))
     return out
 
-  def update_attend(self, q, k, v, *, positions, rope_theta, new_lengths=None, sm_scale=None,
-                    window=None, soft_cap=None, implementation=None):
+  def update_attend(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
+                    new_lengths=None, sm_scale=None, window=None, soft_cap=None,
+                    implementation=None):
     """`cache_protocol.update_attend`: RoPE at `positions`, then the chunk attends the
     ring as it was plus its own tokens (exact window-W attention for any T), and is
     written. Returns `(out [B, T, N, H], new cache)`."""
@@ -317,8 +318,8 @@ class RingKVCache(_Common):
     _check_q(self, q, num_tokens)
     _check_implementation(self, implementation)
     new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, num_tokens)
-    q = apply_rope(q, positions, rope_theta=rope_theta)
-    k = apply_rope(k, positions, rope_theta=rope_theta)
+    rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
+    q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
     opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap)
     if num_tokens == 1:
       new = self.update(k, v, new_lengths)
@@ -357,8 +358,9 @@ class SinkKVCache(_Common):
     lengths: `i32[B]` tokens written per sequence (grows past S).
     k_scale, v_scale: `f32[B, K, S]` scales of an int8/fp8 cache, else None.
     num_sinks: static, the sink tokens kept.
-    rope_theta: static, the RoPE base used at read (the attention module
-      checks that it matches its own).
+    rope_theta, rope_scaling: static, the RoPE used at read (base and
+      `kvattn.ops.RopeScaling` or None); `update_attend` checks that the
+      module's are the same.
   """
 
   k: jax.Array
@@ -369,10 +371,12 @@ class SinkKVCache(_Common):
   v_scale: jax.Array | None = None
   num_sinks: int = struct.field(pytree_node=False, default=4)
   rope_theta: float = struct.field(pytree_node=False, default=10000.0)
+  rope_scaling: Any = struct.field(pytree_node=False, default=None)
 
   @classmethod
   def init(cls, batch: int, num_sinks: int, window: int, num_kv_heads: int, head_dim: int,
-           dtype=jnp.float32, *, rope_theta: float = 10000.0) -> "SinkKVCache":
+           dtype=jnp.float32, *, rope_theta: float = 10000.0,
+           rope_scaling: Any = None) -> "SinkKVCache":
     """An empty sink cache of `num_sinks + window` slots per sequence.
 
     Raises:
@@ -391,7 +395,12 @@ class SinkKVCache(_Common):
     capacity = int(num_sinks) + window
     storage = _empty_storage(batch, capacity, num_kv_heads, head_dim, dtype)
     return cls(pos=jnp.full((storage["k"].shape[0], capacity), -1, jnp.int32),
-               num_sinks=int(num_sinks), rope_theta=rope_theta, **storage)
+               num_sinks=int(num_sinks), rope_theta=rope_theta,
+               rope_scaling=_checks.rope_scaling(rope_scaling), **storage)
+
+  @property
+  def _rope(self) -> dict[str, Any]:
+    return dict(rope_theta=self.rope_theta, scaling=self.rope_scaling)
 
   @property
   def window(self) -> int:
@@ -418,7 +427,7 @@ class SinkKVCache(_Common):
     """`f32[B, K, S, H]`: the keys as attention reads them, RoPE'd at `cache_positions()`
     (scales not applied; an empty slot is rotated at 0)."""
     keys = jnp.swapaxes(_float_keys(self.k), 1, 2)  # [B, S, K, H]
-    rotated = apply_rope(keys, jnp.maximum(self.cache_positions(), 0), rope_theta=self.rope_theta)
+    rotated = apply_rope(keys, jnp.maximum(self.cache_positions(), 0), **self._rope)
     return jnp.swapaxes(rotated, 1, 2)
 
   def _slots(self, new_lengths: jax.Array, num_tokens: int) -> jax.Array:
@@ -454,12 +463,12 @@ class SinkKVCache(_Common):
     shift = self._shift(lengths)[:, None]  # the chunk's last query's shift
     is_sink = (kv_pos >= 0) & (kv_pos < self.num_sinks)
     k_at = jnp.where(is_sink, kv_pos, kv_pos - shift)
-    keys = apply_rope(jnp.swapaxes(_float_keys(k), 1, 2), k_at, rope_theta=self.rope_theta)
-    q_recent = apply_rope(q, q_pos - shift, rope_theta=self.rope_theta)
+    keys = apply_rope(jnp.swapaxes(_float_keys(k), 1, 2), k_at, **self._rope)
+    q_recent = apply_rope(q, q_pos - shift, **self._rope)
     q_sinks = None
     if q.shape[1] > 1:  # each query's own shift against the sinks (equal for one query)
       own = q_pos - jnp.maximum(q_pos + 1 - self.capacity, 0)
-      q_sinks = apply_rope(q, own, rope_theta=self.rope_theta)
+      q_sinks = apply_rope(q, own, **self._rope)
     out, _ = positional_attention(
         q_recent, jnp.swapaxes(keys, 1, 2), v, q_pos, kv_pos, sm_scale=sm_scale,
         window=_min_window(window, self.window), soft_cap=soft_cap, always_visible=is_sink,
@@ -476,8 +485,9 @@ class SinkKVCache(_Common):
     return self._attend(q, self.k, self.v, self.k_scale, self.v_scale, self.pos, q_pos,
                         self.lengths, sm_scale=sm_scale, window=window, soft_cap=soft_cap)
 
-  def update_attend(self, q, k, v, *, positions, rope_theta, new_lengths=None, sm_scale=None,
-                    window=None, soft_cap=None, implementation=None):
+  def update_attend(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
+                    new_lengths=None, sm_scale=None, window=None, soft_cap=None,
+                    implementation=None):
     """`cache_protocol.update_attend`: the module's `positions` are not used (the cache
     assigns RoPE positions); `rope_theta` must be the cache's. A chunk attends the cache
     as it was plus its own tokens, then is written."""
@@ -486,9 +496,10 @@ class SinkKVCache(_Common):
     num_tokens = k.shape[1]
     _check_q(self, q, num_tokens)
     _check_implementation(self, implementation)
-    if float(rope_theta) != self.rope_theta:
-      raise ValueError(f"rope_theta must be the cache's {self.rope_theta} (SinkKVCache.init("
-                       f"rope_theta=)); got {rope_theta}")
+    if (float(rope_theta), rope_scaling) != (self.rope_theta, self.rope_scaling):
+      raise ValueError(f"rope_theta, rope_scaling must be the cache's {self.rope_theta}, "
+                       f"{self.rope_scaling} (SinkKVCache.init(rope_theta=, rope_scaling=)); got "
+                       f"{rope_theta}, {rope_scaling}")
     new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, num_tokens)
     opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap)
     if num_tokens == 1:
@@ -682,8 +693,9 @@ class EvictingKVCache(_Common):
                                   **_scale_kwargs(self.k_scale, self.v_scale))
     return out
 
-  def update_attend(self, q, k, v, *, positions, rope_theta, new_lengths=None, sm_scale=None,
-                    window=None, soft_cap=None, implementation=None):
+  def update_attend(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
+                    new_lengths=None, sm_scale=None, window=None, soft_cap=None,
+                    implementation=None):
     """`cache_protocol.update_attend`: RoPE at `positions`; the chunk attends the kept
     slots plus its own tokens (returning the per-slot mass its scoring queries gave),
     then the budget is chosen among them. Returns `(out [B, T, N, H], new cache)`."""
@@ -692,8 +704,8 @@ class EvictingKVCache(_Common):
     _check_q(self, q, num_tokens)
     _check_implementation(self, implementation)
     new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, num_tokens)
-    q = apply_rope(q, positions, rope_theta=rope_theta)
-    k = apply_rope(k, positions, rope_theta=rope_theta)
+    rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
+    q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
     kq, vq, ks, vs = _encode(self, k, v)
     new_pos = _new_positions(self.lengths, new_lengths, num_tokens)
     cand_pos = _concat(self.pos, jnp.broadcast_to(new_pos[:, None], kq.shape[:3]))

@@ -134,6 +134,8 @@ class MultiHeadLatentAttention(nnx.Module):
       dtype: Any = None,
       param_dtype: Any = jnp.float32,
       decode_implementation: str | None = None,
+      softmax_scale_factor: float = 1.0,
+      rope_scaling: ops.RopeScaling | None = None,
       rngs: nnx.Rngs,
   ):
     """Builds the projections.
@@ -156,13 +158,20 @@ class MultiHeadLatentAttention(nnx.Module):
       decode_implementation: backend for T == 1 absorbed steps, passed to
         `kvattn.ops.mla_decode_attention`: one of `decode_implementations()`
         or None (the best available).
+      softmax_scale_factor: multiplies the eq. 18 softmax scale
+        `(qk_nope_head_dim + R)^-0.5` (DeepSeek's YaRN: `yarn_mscale(factor,
+        mscale_all_dim)^2`, as transformers' `yarn_apply_mscale`).
+      rope_scaling: a `kvattn.ops.RopeScaling` context extension of the
+        frequencies of the R rope dims, or None for plain RoPE.
       rngs: `nnx.Rngs` with a `params` stream.
 
     Raises:
       ValueError: a non-positive size, an odd qk_rope_head_dim, non-positive
-        rope_theta / rms_eps / window, an unknown path or decode_implementation.
+        rope_theta / rms_eps / window / softmax_scale_factor, an unknown path
+        or decode_implementation.
       TypeError: a size that is not an int; a decode_implementation that is
-        not a str or None; a dtype or param_dtype that is not a floating dtype.
+        not a str or None; a dtype or param_dtype that is not a floating dtype;
+        a rope_scaling that is not a RopeScaling or None.
     """
     self.d_model = _checks.positive_int("d_model", d_model)
     self.num_heads = _checks.positive_int("num_heads", num_heads)
@@ -174,6 +183,7 @@ class MultiHeadLatentAttention(nnx.Module):
     self.v_head_dim = _checks.positive_int("v_head_dim", v_head_dim)
     self.q_lora_rank = _checks.optional_positive_int("q_lora_rank", q_lora_rank)
     self.rope_theta = _checks.positive_float("rope_theta", rope_theta)
+    self.rope_scaling = _checks.rope_scaling(rope_scaling)
     self.window = _checks.optional_positive_int("window", window)
     self.rms_eps = _checks.positive_float("rms_eps", rms_eps)
     if path not in PATHS:
@@ -183,8 +193,11 @@ class MultiHeadLatentAttention(nnx.Module):
     param_dtype = _checks.float_dtype("param_dtype", param_dtype)
     self.decode_implementation = _checks.implementation(
         "decode_implementation", decode_implementation, decode_implementations())
-    # DeepSeek-V2 eq. 18: the scale of the trained per-head width.
-    self.sm_scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+    # DeepSeek-V2 eq. 18: the scale of the trained per-head width (times the YaRN correction).
+    self.softmax_scale_factor = _checks.positive_float("softmax_scale_factor",
+                                                       softmax_scale_factor)
+    self.sm_scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5 * \
+        self.softmax_scale_factor
 
     D, N, C, R = self.d_model, self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
     Hn, Hv, Hq = self.qk_nope_head_dim, self.v_head_dim, self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -221,14 +234,16 @@ class MultiHeadLatentAttention(nnx.Module):
       c_q = rms_norm(c_q, self.q_norm[...], self.rms_eps)
       q = self._einsum("BTQ,QNH->BTNH", c_q, self.q_up_proj, dtype)
     q_nope, q_rope = jnp.split(q, [self.qk_nope_head_dim], axis=-1)
-    return q_nope, ops.apply_rope(q_rope, positions, rope_theta=self.rope_theta)
+    return q_nope, ops.apply_rope(q_rope, positions, rope_theta=self.rope_theta,
+                                  scaling=self.rope_scaling)
 
   def _latents(self, x, positions, dtype):
     """Returns `(c_kv [B, T, C], k_rope [B, T, R])`: normalised latent, roped shared key."""
     ckr = self._einsum("BTD,DE->BTE", x, self.kv_down_proj, dtype)
     c_kv, k_rope = jnp.split(ckr, [self.kv_lora_rank], axis=-1)
     c_kv = rms_norm(c_kv, self.kv_norm[...], self.rms_eps)
-    return c_kv, ops.apply_rope(k_rope, positions, rope_theta=self.rope_theta)
+    return c_kv, ops.apply_rope(k_rope, positions, rope_theta=self.rope_theta,
+                                scaling=self.rope_scaling)
 
   def _expand(self, c_kv, k_rope, dtype):
     """Per-head keys `[B, N, S, Hn + R]` and values `[B, N, S, Hv]` from latents

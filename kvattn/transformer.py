@@ -50,6 +50,7 @@ from kvattn import gqa as gqa_lib
 from kvattn import mla as mla_lib
 from kvattn.gqa import GroupedQueryAttention
 from kvattn.mla import MultiHeadLatentAttention
+from kvattn.ops import rope as rope_lib
 
 ATTENTION_KINDS = ("gqa", "mla")
 _ATTENTION_MODULES = {"gqa": GroupedQueryAttention, "mla": MultiHeadLatentAttention}
@@ -101,6 +102,28 @@ class AttentionSpec:
   qk_rope_head_dim: int = _field(16, kinds=("mla",), even=True)  # Decoupled RoPE width R.
   v_head_dim: int = _field(32, kinds=("mla",))  # Value head width.
   q_lora_rank: int | None = _field(None, kinds=("mla",))  # Query low-rank width; None = full.
+  # Multiplies the MLA softmax scale (DeepSeek's YaRN: mscale(factor, mscale_all_dim)^2).
+  softmax_scale_factor: float = _field(1.0, kinds=("mla",))
+  qkv_bias: bool = _field(False, kinds=("gqa",))  # Biases on the q/k/v projections (Qwen2).
+  # RoPE context extension (`kvattn.ops.RopeScaling`, as transformers computes it): None or
+  # "linear", "llama3", "yarn"; the modules get the rope_* fields as one `rope_scaling` object.
+  rope_scaling: str | None = _field(None, choices=rope_lib.ROPE_SCALINGS)
+  rope_factor: float | None = None  # Context extension factor (every scaling).
+  rope_original_max_position: int | None = None  # Pretraining context ("llama3", "yarn").
+  rope_low_freq_factor: float | None = None  # "llama3" low band edge.
+  rope_high_freq_factor: float | None = None  # "llama3" high band edge (> low).
+  rope_beta_fast: float | None = None  # "yarn" ramp bound in rotations; None = 32.
+  rope_beta_slow: float | None = None  # "yarn" ramp bound in rotations; None = 1.
+  rope_attention_factor: float | None = None  # "yarn" cos/sin factor; None = 0.1 ln(f) + 1.
+
+  def rope(self) -> rope_lib.RopeScaling | None:
+    """The `rope_*` fields as the modules' `rope_scaling` (None: plain RoPE).
+
+    Raises:
+      ValueError: a parameter the scaling needs missing, or one it does not use set.
+    """
+    return rope_lib.rope_scaling_from_fields(
+        **{name: getattr(self, name) for name in ROPE_SCALING_FIELDS})
 
   def bytes_per_token(self, dtype: Any) -> int:
     """Analytic cache bytes per token of this layer (`kvattn.memory`)."""
@@ -134,6 +157,8 @@ class ModelSpec:
 
 
 _HINTS = {cls: typing.get_type_hints(cls) for cls in (AttentionSpec, ModelSpec)}
+ROPE_SCALING_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionSpec)
+                             if f.name.startswith("rope_") and f.name != "rope_theta")
 
 
 def attention_fields(kind: str) -> tuple[str, ...]:
@@ -293,7 +318,12 @@ def _attention_spec(d: Mapping[str, Any], where: str) -> AttentionSpec:
     raise ValueError(
         f"{where}.num_kv_heads must divide {where}.num_heads; got {values['num_kv_heads']} and "
         f"{values['num_heads']}")
-  return AttentionSpec(**values)
+  spec = AttentionSpec(**values)
+  try:
+    spec.rope()
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
+  return spec
 
 
 def resolve_config(cfg: Any) -> ModelSpec:
@@ -408,9 +438,12 @@ def make_attention(spec: AttentionSpec, *, d_model: int, dtype: Any, param_dtype
 
   "gqa" -> `kvattn.GroupedQueryAttention`, "mla" ->
   `kvattn.MultiHeadLatentAttention`; every field the kind uses (`kind` aside)
-  is passed as the keyword of the same name.
+  is passed as the keyword of the same name, but the `rope_*` scaling fields,
+  which are passed as one `rope_scaling=spec.rope()`.
   """
-  kwargs = {name: getattr(spec, name) for name in attention_fields(spec.kind) if name != "kind"}
+  kwargs = {name: getattr(spec, name) for name in attention_fields(spec.kind)
+            if name != "kind" and name not in ROPE_SCALING_FIELDS}
+  kwargs["rope_scaling"] = spec.rope()
   return _ATTENTION_MODULES[spec.kind](d_model=d_model, dtype=dtype, param_dtype=param_dtype,
                                        rngs=rngs, **kwargs)
 

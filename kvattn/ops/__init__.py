@@ -5,13 +5,14 @@ from kvattn.ops.dispatch import (available_implementations, decode_attention,
 from kvattn.ops.reference import (attention, decode_attention_xla, mla_attention,
                                   mla_decode_attention_xla)
 from kvattn.ops.paged import paged_decode_attention, paged_decode_attention_xla
-from kvattn.ops.rope import apply_rope, rope_frequencies
+from kvattn.ops.rope import RopeScaling, apply_rope, rope_frequencies, rope_scaling_from_fields
 from kvattn.ops.quant import QUANT_DTYPES, dequantize_kv, quantize_kv
 from kvattn.ops import xla_blocked  # registers "xla_blocked" (CPU, f32, long caches)
 from kvattn.ops import pallas_backend  # registers the "pallas" decode backends
 
 __all__ = [
     "QUANT_DTYPES",
+    "RopeScaling",
     "apply_rope",
     "attention",
     "available_implementations",
@@ -26,4 +27,5 @@ __all__ = [
     "quantize_kv",
     "register_implementation",
     "rope_frequencies",
+    "rope_scaling_from_fields",
 ]

@@ -4,18 +4,161 @@ Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding"
 (arXiv 2104.09864), eq. 34, in the *rotate-half* layout used by Llama-family
 checkpoints (HF `LlamaRotaryEmbedding`): the head dim is split into two halves
 (x1, x2) and pair i is (x1[i], x2[i]) rotated by angle pos * theta^(-2i/H).
+
+Context-extension scalings of the frequencies (`RopeScaling`), as
+transformers' `modeling_rope_utils` computes them:
+
+  "linear"  position interpolation (Chen et al. 2023, arXiv 2306.15595):
+            every frequency divided by `factor`.
+  "llama3"  Llama 3.1: wavelengths below original_max / high_freq_factor
+            kept, above original_max / low_freq_factor divided by `factor`,
+            a smooth interpolation between.
+  "yarn"    YaRN (Peng et al. 2023, arXiv 2309.00071, eq. 17-20): a linear
+            ramp between interpolated and original frequencies over the dims
+            whose rotation counts within original_max lie between beta_slow
+            and beta_fast (bounds floored/ceiled), and cos/sin multiplied by
+            the attention factor (default `yarn_mscale(factor)`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvattn import _checks
 
+ROPE_SCALINGS = ("linear", "llama3", "yarn")
 
-def rope_frequencies(head_dim: int, rope_theta: float = 10000.0) -> jax.Array:
-  """Inverse frequencies `f32[H // 2]`: theta^(-2i / H) for i in [0, H/2).
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN's magnitude correction `0.1 * mscale * ln(factor) + 1` (1.0 when factor <= 1)."""
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """A context-extension scaling of the RoPE frequencies (module docstring).
+
+  kind: one of `ROPE_SCALINGS`.
+  factor: context extension factor (> 0).
+  original_max_position: pretraining context in tokens ("llama3", "yarn").
+  low_freq_factor, high_freq_factor: "llama3" band edges (high > low).
+  beta_fast, beta_slow: "yarn" ramp bounds in rotations (default 32, 1).
+  attention_factor: "yarn" cos/sin multiplier (default `yarn_mscale(factor)`).
+
+  Raises (at construction):
+    ValueError: an unknown kind, a non-positive value, a parameter the kind
+      needs missing or one it does not use set (naming the keyword).
+  """
+
+  kind: str
+  factor: float
+  original_max_position: int | None = None
+  low_freq_factor: float | None = None
+  high_freq_factor: float | None = None
+  beta_fast: float | None = None
+  beta_slow: float | None = None
+  attention_factor: float | None = None
+
+  def __post_init__(self):
+    if self.kind not in ROPE_SCALINGS:
+      raise ValueError(f"rope_scaling must be one of {ROPE_SCALINGS} or None; got {self.kind!r}")
+    needs = {"linear": (), "llama3": ("original_max_position", "low_freq_factor",
+                                      "high_freq_factor"),
+             "yarn": ("original_max_position",)}[self.kind]
+    uses = needs + {"yarn": ("beta_fast", "beta_slow", "attention_factor")}.get(self.kind, ())
+    _checks.positive_float("rope_factor", self.factor)
+    for name in ("original_max_position", "low_freq_factor", "high_freq_factor", "beta_fast",
+                 "beta_slow", "attention_factor"):
+      value = getattr(self, name)
+      if value is None:
+        if name in needs:
+          raise ValueError(f"rope_{name} must be set for rope_scaling {self.kind!r}")
+        continue
+      if name not in uses:
+        raise ValueError(f"rope_{name} is not used by rope_scaling {self.kind!r}; got {value!r} "
+                         f"(set it to None)")
+      if name == "original_max_position":
+        _checks.positive_int(f"rope_{name}", value)
+      else:
+        _checks.positive_float(f"rope_{name}", value)
+    if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+      raise ValueError(f"rope_high_freq_factor must exceed rope_low_freq_factor; got "
+                       f"{self.high_freq_factor} and {self.low_freq_factor}")
+
+  @property
+  def cos_sin_factor(self) -> float:
+    """The multiplier of cos and sin (YaRN's attention factor; 1.0 for the other kinds)."""
+    if self.kind != "yarn":
+      return 1.0
+    return yarn_mscale(self.factor) if self.attention_factor is None else self.attention_factor
+
+  def scale(self, inv_freq: np.ndarray, head_dim: int, rope_theta: float) -> np.ndarray:
+    """The scaled inverse frequencies `f32[H // 2]` of plain ones `inv_freq`."""
+    f = self.factor
+    if self.kind == "linear":
+      return (inv_freq / f).astype(np.float32)
+    if self.kind == "llama3":
+      old = self.original_max_position
+      low_wavelen, high_wavelen = old / self.low_freq_factor, old / self.high_freq_factor
+      wavelen = 2 * math.pi / inv_freq
+      scaled = np.where(wavelen > low_wavelen, inv_freq / f, inv_freq)
+      smooth = (old / wavelen - self.low_freq_factor) / (
+          self.high_freq_factor - self.low_freq_factor)
+      smoothed = (1 - smooth) * scaled / f + smooth * scaled
+      medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+      return np.where(medium, smoothed, scaled).astype(np.float32)
+    # yarn: the dims whose rotations within the original context fall between the betas ramp.
+    beta_fast = 32.0 if self.beta_fast is None else self.beta_fast
+    beta_slow = 1.0 if self.beta_slow is None else self.beta_slow
+
+    def correction_dim(rotations):
+      return (head_dim * math.log(self.original_max_position / (rotations * 2 * math.pi))
+              / (2 * math.log(rope_theta)))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), head_dim - 1)
+    if low == high:
+      high += 0.001  # as transformers: avoid a zero-width ramp
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate (divide by f)
+    return (inv_freq / f * (1 - extrapolation) + inv_freq * extrapolation).astype(np.float32)
+
+
+def rope_scaling_from_fields(rope_scaling: str | None, *, rope_factor: float | None = None,
+                             rope_original_max_position: int | None = None,
+                             rope_low_freq_factor: float | None = None,
+                             rope_high_freq_factor: float | None = None,
+                             rope_beta_fast: float | None = None,
+                             rope_beta_slow: float | None = None,
+                             rope_attention_factor: float | None = None) -> RopeScaling | None:
+  """A `RopeScaling` from the attention modules' flat `rope_*` keywords (None: plain RoPE).
+
+  Raises:
+    ValueError: as `RopeScaling`; a `rope_*` parameter set without `rope_scaling`.
+  """
+  params = dict(factor=rope_factor, original_max_position=rope_original_max_position,
+                low_freq_factor=rope_low_freq_factor, high_freq_factor=rope_high_freq_factor,
+                beta_fast=rope_beta_fast, beta_slow=rope_beta_slow,
+                attention_factor=rope_attention_factor)
+  if rope_scaling is None:
+    set_ = [k for k, v in params.items() if v is not None]
+    if set_:
+      raise ValueError(f"rope_{set_[0]} is set but rope_scaling is None; got "
+                       f"{params[set_[0]]!r}")
+    return None
+  if rope_factor is None:
+    raise ValueError(f"rope_factor must be set for rope_scaling {rope_scaling!r}")
+  return RopeScaling(rope_scaling, **params)
+
+
+def rope_frequencies(head_dim: int, rope_theta: float = 10000.0,
+                     scaling: RopeScaling | None = None) -> jax.Array:
+  """Inverse frequencies `f32[H // 2]`: theta^(-2i / H) for i in [0, H/2), then `scaling`.
 
   Raises:
     ValueError: if `head_dim` is not a positive even int or `rope_theta` <= 0.
@@ -24,11 +167,16 @@ def rope_frequencies(head_dim: int, rope_theta: float = 10000.0) -> jax.Array:
   if head_dim % 2:
     raise ValueError(f"head_dim must be even for RoPE; got {head_dim}")
   rope_theta = _checks.positive_float("rope_theta", rope_theta)
-  exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
-  return 1.0 / (rope_theta ** exponents)
+  if scaling is None:
+    exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+    return 1.0 / (rope_theta ** exponents)
+  exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+  inv_freq = (1.0 / (np.float32(rope_theta) ** exponents)).astype(np.float32)
+  return jnp.asarray(scaling.scale(inv_freq, head_dim, rope_theta))
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, *, rope_theta: float = 10000.0) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, *, rope_theta: float = 10000.0,
+               scaling: RopeScaling | None = None) -> jax.Array:
   """Rotates `x` by RoPE at integer `positions` (rotate-half convention).
 
   Args:
@@ -36,6 +184,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, rope_theta: float = 10000.
       `[B, T, R]` MLA rope keys). H must be even.
     positions: `i32[B, T]` absolute token positions.
     rope_theta: base of the geometric frequency progression.
+    scaling: a context-extension `RopeScaling` (frequencies, and YaRN's cos/sin
+      factor), or None.
 
   Returns:
     Array of `x`'s shape and dtype; the rotation is computed in f32.
@@ -51,10 +201,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, rope_theta: float = 10000.
         "positions must have shape x.shape[:2] = [B, T]; got positions "
         f"{tuple(positions.shape)} for x {tuple(x.shape)}")
   head_dim = x.shape[-1]
-  inv_freq = rope_frequencies(head_dim, rope_theta)  # [H/2]
+  inv_freq = rope_frequencies(head_dim, rope_theta, scaling)  # [H/2]
   angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
   angles = angles.reshape(angles.shape[:2] + (1,) * (x.ndim - 3) + angles.shape[-1:])
   cos, sin = jnp.cos(angles), jnp.sin(angles)
+  if scaling is not None and scaling.cos_sin_factor != 1.0:
+    cos, sin = cos * scaling.cos_sin_factor, sin * scaling.cos_sin_factor
   xf = x.astype(jnp.float32)
   x1, x2 = jnp.split(xf, 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

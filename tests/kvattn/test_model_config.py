@@ -35,12 +35,15 @@ def test_config_dict_has_exactly_the_dataclass_fields_and_defaults():
 
 
 def test_every_field_a_kind_uses_is_a_keyword_of_its_module():
-  """The schema's fields are the attention modules' keywords (make_attention passes them)."""
+  """The schema's fields are the attention modules' keywords (make_attention passes them); the
+  rope_* scaling fields are grouped into one `rope_scaling` keyword (AttentionSpec.rope())."""
   modules = {"gqa": kvattn.GroupedQueryAttention, "mla": kvattn.MultiHeadLatentAttention}
   for kind, cls in modules.items():
     params = inspect.signature(cls.__init__).parameters
-    used = [name for name in transformer.attention_fields(kind) if name != "kind"]
+    used = [name for name in transformer.attention_fields(kind)
+            if name != "kind" and name not in transformer.ROPE_SCALING_FIELDS]
     assert len(used) >= 5 and all(name in params for name in used), (kind, used)
+    assert "rope_scaling" in params
   assert "head_dim" in transformer.attention_fields("gqa")
   assert "head_dim" not in transformer.attention_fields("mla")
 

@@ -70,3 +70,64 @@ def test_validation():
     ops.apply_rope(jnp.ones((1, 2, 1, 5)), jnp.array([[1, 2]]))
   with pytest.raises(ValueError, match="rope_theta must be a positive finite float; got -1.0"):
     ops.apply_rope(x, jnp.array([[1, 2]]), rope_theta=-1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Context-extension scalings (their values against transformers: tests/kvattn/test_pretrained.py).
+
+
+def test_linear_scaling_divides_every_frequency():
+  plain = np.asarray(ops.rope_frequencies(16, 500.0))
+  scaled = ops.rope_frequencies(16, 500.0, ops.RopeScaling("linear", 4.0))
+  np.testing.assert_allclose(np.asarray(scaled), plain / 4.0, rtol=1e-6)
+
+
+def test_llama3_keeps_high_frequencies_divides_low_ones_and_interpolates_between():
+  H, theta, old = 16, 10000.0, 64
+  s = ops.RopeScaling("llama3", 8.0, original_max_position=old, low_freq_factor=1.0,
+                      high_freq_factor=4.0)
+  plain = np.asarray(ops.rope_frequencies(H, theta))
+  scaled = np.asarray(ops.rope_frequencies(H, theta, s))
+  wavelen = 2 * np.pi / plain
+  high, low = wavelen < old / 4.0, wavelen > old / 1.0
+  assert high.any() and low.any() and (~high & ~low).any()  # all three bands present
+  np.testing.assert_allclose(scaled[high], plain[high], rtol=1e-6)
+  np.testing.assert_allclose(scaled[low], plain[low] / 8.0, rtol=1e-6)
+  mid = ~high & ~low
+  smooth = (old / wavelen[mid] - 1.0) / 3.0
+  np.testing.assert_allclose(scaled[mid], (1 - smooth) * plain[mid] / 8 + smooth * plain[mid],
+                             rtol=1e-5)
+
+
+def test_yarn_ramps_between_kept_and_interpolated_frequencies_and_scales_cos_sin():
+  H, theta, f = 32, 10000.0, 4.0
+  s = ops.RopeScaling("yarn", f, original_max_position=64)
+  plain = np.asarray(ops.rope_frequencies(H, theta))
+  scaled = np.asarray(ops.rope_frequencies(H, theta, s))
+  ratio = scaled / plain  # 1 for the fast (kept) dims, 1/f for the slow (interpolated) ones
+  assert np.isclose(ratio[0], 1.0) and np.isclose(ratio[-1], 1 / f)
+  assert np.all(np.diff(ratio) <= 1e-7)  # monotone ramp in between
+  assert s.cos_sin_factor == pytest.approx(0.1 * np.log(f) + 1.0)
+  x = jax.random.normal(jax.random.key(5), (1, 3, 2, H))
+  out = ops.apply_rope(x, jnp.array([[0, 7, 300]]), scaling=s)
+  np.testing.assert_allclose(np.linalg.norm(out, axis=-1),
+                             s.cos_sin_factor * np.linalg.norm(x, axis=-1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(rope_scaling="ntk", rope_factor=2.0), r"rope_scaling must be one of"),
+    (dict(rope_scaling="linear"), r"rope_factor must be set"),
+    (dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_position=64,
+          rope_low_freq_factor=1.0), r"rope_high_freq_factor must be set"),
+    (dict(rope_scaling="linear", rope_factor=2.0, rope_beta_fast=32.0),
+     r"rope_beta_fast is not used by rope_scaling 'linear'"),
+    (dict(rope_scaling=None, rope_factor=2.0), r"rope_factor is set but rope_scaling is None"),
+    (dict(rope_scaling="yarn", rope_factor=-1.0, rope_original_max_position=64),
+     r"rope_factor must be a positive finite float"),
+    (dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_position=64,
+          rope_low_freq_factor=4.0, rope_high_freq_factor=1.0),
+     r"rope_high_freq_factor must exceed rope_low_freq_factor"),
+])
+def test_bad_rope_scaling_is_named(fields, match):
+  with pytest.raises(ValueError, match=match):
+    ops.rope_scaling_from_fields(**fields)

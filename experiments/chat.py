@@ -1,0 +1,197 @@
+"""Chat with a pretrained model through kvattn's caches.
+
+    python -m experiments.chat --model smollm2-135m-instruct \\
+        --prompt "What is the capital of France?"
+
+Loads `--model` with `kvattn.pretrained.from_pretrained` (a registered name,
+fetched and cached on first use, a `.gguf` file or a HF checkpoint directory),
+renders the prompt with the checkpoint's chat template, generates with
+`kvattn.generate`'s compiled prefill and decode loop (greedy unless
+`--temperature` > 0; stops at the tokenizer's eos) and prints the reply, then
+one line of measurements:
+
+  load        seconds to fetch (if needed), read and build the model;
+  prefill     prompt tokens / seconds of the prefill call;
+  decode      generated tokens after the first / seconds of the decode loop;
+  cache       the cache kind and dtype, and the bytes of every cache array
+              (keys, values, scales, lengths, block tables) at the capacity
+              prompt + max_new_tokens - 1.
+
+The first run compiles both programs; with `--warmup` (default) the timed run
+is a second one, so the rates exclude compilation (its time is reported too).
+
+`--cache` picks the cache: `dense` (the model's compute dtype), `bf16`,
+`int8`, `fp8` (float8_e4m3fn; int8/fp8 store one f32 scale per token per
+head), or `paged` and `paged-bf16` / `paged-int8` / `paged-fp8` (a page pool
+and block tables, `--page_size` tokens per page).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from experiments import cli
+from experiments import timing as timing_lib
+
+from kvattn import memory
+from kvattn import cache_factories
+from kvattn import pretrained
+from kvattn.generate import Sampling, decode, prefill
+
+# --cache value -> (kind, storage dtype or None for the model's compute dtype).
+CACHE_CHOICES = {
+    "dense": ("dense", None),
+    "bf16": ("dense", "bfloat16"),
+    "int8": ("dense", "int8"),
+    "fp8": ("dense", "float8_e4m3fn"),
+    "paged": ("paged", None),
+    "paged-bf16": ("paged", "bfloat16"),
+    "paged-int8": ("paged", "int8"),
+    "paged-fp8": ("paged", "float8_e4m3fn"),
+}
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "smollm2-135m-instruct",
+                    "Registered name (kvattn.hub), .gguf file or HF checkpoint directory.")
+flags.DEFINE_string("prompt", None, "The user's message.")
+flags.DEFINE_string("system", None, "A system message (default: the template's own, if any).")
+flags.DEFINE_integer("max_new_tokens", 128, "Most tokens to generate (eos stops earlier).")
+flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples from softmax(logits / t).")
+flags.DEFINE_integer("top_k", None, "Sample among the k most likely tokens.")
+flags.DEFINE_float("top_p", None, "Nucleus sampling mass in (0, 1].")
+flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_enum("cache", "dense", list(CACHE_CHOICES), "KV-cache kind and storage dtype.")
+flags.DEFINE_integer("page_size", 16, "Tokens per page of the paged caches.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute and parameter dtype.")
+flags.DEFINE_bool("warmup", True, "Run once untimed first, so the rates exclude compilation.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """One prefill + decode run: its tokens, wall seconds and process CPU seconds.
+
+  CPU seconds (all of this process's threads) measure the work done; other
+  processes sharing the machine inflate wall time but not them.
+  """
+
+  tokens: np.ndarray  # i32[B, max_new_tokens]
+  lengths: np.ndarray  # i32[B] generated tokens, eos included
+  prefill_s: float
+  decode_s: float
+  prefill_cpu_s: float
+  decode_cpu_s: float
+  cache_bytes: int
+
+
+def make_caches(model, cache: str, batch: int, max_len: int, *, page_size: int = 16
+                ) -> tuple[Any, ...]:
+  """Empty per-layer caches of the `--cache` choice `cache` for `batch` x `max_len` tokens.
+
+  Raises:
+    ValueError: an unknown choice (or what the cache constructors reject).
+  """
+  if cache not in CACHE_CHOICES:
+    raise ValueError(f"cache must be one of {sorted(CACHE_CHOICES)}; got {cache!r}")
+  kind, dtype = CACHE_CHOICES[cache]
+  if kind == "dense":
+    return model.init_caches(batch, max_len, dtype)
+  return cache_factories.paged_cache_factory(model, page_size=page_size)(batch, max_len, dtype)
+
+
+def run(model, prompts: np.ndarray, lengths: np.ndarray, max_new_tokens: int, *,
+        cache: str = "dense", page_size: int = 16, sampling=Sampling(),
+        eos_id: int | None = None, seed: int = 0) -> Timing:
+  """Prefill `prompts` (`i32[B, T]`, right-padded to `lengths`) then decode, timing each.
+
+  The same two compiled programs as `kvattn.generate` (`prefill`, `decode`);
+  wall and CPU seconds from `experiments.timing.timed`.
+  """
+  batch = prompts.shape[0]
+  max_len = int(lengths.max()) + max_new_tokens - 1
+  caches = make_caches(model, cache, batch, max_len, page_size=page_size)
+  cache_bytes = memory.tree_bytes(caches)
+  prompts, lengths = jnp.asarray(prompts, jnp.int32), jnp.asarray(lengths, jnp.int32)
+  prefill_s, prefill_cpu, (first, caches, key) = timing_lib.timed(
+      prefill, model, prompts, lengths, caches, sampling=sampling, rng=seed)
+  decode_s, decode_cpu, (tokens, out_lengths, caches) = timing_lib.timed(
+      decode, model, first, caches, max_new_tokens, sampling=sampling, eos_id=eos_id, rng=key)
+  return Timing(np.asarray(tokens), np.asarray(out_lengths), prefill_s, decode_s, prefill_cpu,
+                decode_cpu, cache_bytes)
+
+
+def load(source: str, dtype: str) -> tuple[Any, Any, float]:
+  """`(model, tokenizer, wall seconds)` of `kvattn.pretrained.from_pretrained(source)`.
+
+  Raises:
+    app.UsageError: the checkpoint ships no tokenizer.
+  """
+  t0 = time.perf_counter()
+  model, tok = pretrained.from_pretrained(source, dtype=dtype)
+  load_s = time.perf_counter() - t0
+  if tok is None:
+    raise app.UsageError(f"{source} ships no tokenizer; text in and out needs one")
+  return model, tok, load_s
+
+
+def chat_prompt(tok, prompt: str, system: str | None = None) -> str:
+  """The prompt text: the chat template applied when the tokenizer has one."""
+  if tok.chat_template is None:
+    return prompt
+  messages = ([{"role": "system", "content": system}] if system else []) + [
+      {"role": "user", "content": prompt}]
+  return tok.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def summary(load_s: float, prompt_len: int, timing: Timing, cache: str,
+            compile_s: float | None) -> str:
+  """The measurement line printed after the reply."""
+  steps = int(timing.lengths[0]) - 1
+  decode = (f"decode {steps} tok in {timing.decode_s:.3f} s = "
+            f"{steps / timing.decode_s:.1f} tok/s" if steps > 0 else "decode 0 tok")
+  kind, dtype = CACHE_CHOICES[cache]
+  parts = [f"load {load_s:.1f} s",
+           f"prefill {prompt_len} tok in {timing.prefill_s:.3f} s = "
+           f"{prompt_len / timing.prefill_s:.1f} tok/s", decode,
+           f"cache {kind} {dtype or 'model dtype'} {timing.cache_bytes:,} bytes"]
+  if compile_s is not None:
+    parts.append(f"first run (compiles) {compile_s:.1f} s")
+  return " | ".join(parts)
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not FLAGS.prompt:
+    raise app.UsageError("--prompt is required, e.g. --prompt 'What is the capital of France?'")
+  if FLAGS.max_new_tokens < 1:
+    raise app.UsageError(f"--max_new_tokens must be >= 1; got {FLAGS.max_new_tokens}")
+  model, tok, load_s = load(FLAGS.model, FLAGS.dtype)
+  # A rendered chat template carries its own special tokens (transformers encodes it so too).
+  ids = tok.encode(chat_prompt(tok, FLAGS.prompt, FLAGS.system),
+                   add_special_tokens=tok.chat_template is None)
+  prompts, lengths = np.asarray([ids], np.int32), np.asarray([len(ids)], np.int32)
+  sampling = Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
+
+  def once():
+    return run(model, prompts, lengths, FLAGS.max_new_tokens, cache=FLAGS.cache,
+               page_size=FLAGS.page_size, sampling=sampling, eos_id=tok.eos_id, seed=FLAGS.seed)
+
+  compile_s = None
+  if FLAGS.warmup:
+    t0 = time.perf_counter()
+    once()
+    compile_s = time.perf_counter() - t0
+  timing = once()
+  reply = tok.decode(timing.tokens[0, :timing.lengths[0]], skip_special_tokens=True)
+  print(reply.strip())
+  print(summary(load_s, len(ids), timing, FLAGS.cache, compile_s))
+
+
+if __name__ == "__main__":
+  cli.run(main)

@@ -1,0 +1,71 @@
+"""experiments.chat: cache choices, the timed prefill + decode, and the command on a tiny GGUF."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from absl import flags
+from absl.testing import flagsaver
+from flax import nnx
+
+from experiments import chat
+from kvattn import paged
+from kvattn import transformer as transformer_lib
+from tests.kvattn import test_gguf
+
+
+@pytest.fixture(scope="module")
+def model():
+  cfg = transformer_lib.model_config(
+      vocab_size=32, d_model=32, num_layers=2, mlp_dim=64,
+      attention=dict(num_heads=4, num_kv_heads=2, head_dim=8))
+  return transformer_lib.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
+
+
+def test_cache_choices(model):
+  sizes = {}
+  for name, (kind, dtype) in chat.CACHE_CHOICES.items():
+    caches = chat.make_caches(model, name, 2, 20, page_size=4)
+    assert len(caches) == 2
+    assert isinstance(caches[0], paged.PagedKVCache) == (kind == "paged"), name
+    storage = caches[0].storage_arrays()[0]
+    assert storage.dtype == np.dtype(dtype or "float32"), name
+    sizes[name] = sum(a.nbytes for c in caches for a in c.storage_arrays())
+  # 2 layers x (K + V) x B=2 x 20 slots x K=2 heads x H=8, plus f32 scales per token per head.
+  assert sizes["dense"] == 2 * 2 * 2 * 20 * 2 * 8 * 4
+  assert sizes["bf16"] == sizes["dense"] // 2
+  assert sizes["int8"] == sizes["dense"] // 4 + 2 * 2 * 2 * 20 * 2 * 4
+  with pytest.raises(ValueError, match="cache must be one of"):
+    chat.make_caches(model, "dense-int3", 1, 4)
+
+
+def test_run_paged_equals_dense_and_stops_at_eos(model):
+  prompts = np.array([[3, 4, 5, 6], [7, 8, 0, 0]], np.int32)
+  lengths = np.array([4, 2], np.int32)
+  dense = chat.run(model, prompts, lengths, 6, cache="dense")
+  pages = chat.run(model, prompts, lengths, 6, cache="paged", page_size=2)
+  np.testing.assert_array_equal(dense.tokens, pages.tokens)
+  assert dense.lengths.tolist() == [6, 6]
+  assert dense.prefill_s > 0 and dense.decode_s > 0 and dense.cache_bytes > 0
+  eos = int(dense.tokens[0, 2])  # stop sequence 0 at its third token
+  stopped = chat.run(model, prompts, lengths, 6, eos_id=eos)
+  first = list(dense.tokens[0]).index(eos) + 1
+  assert stopped.lengths[0] == first
+  np.testing.assert_array_equal(stopped.tokens[0, :first], dense.tokens[0, :first])
+
+
+def test_chat_command_on_a_tiny_gguf(tmp_path, capsys):
+  path = test_gguf.write_tiny_gguf(tmp_path / "tiny.gguf", test_gguf._hf_tensors())
+  parsed = flags.FLAGS.is_parsed()
+  flags.FLAGS.mark_as_parsed()
+  try:
+    with flagsaver.flagsaver(model=str(path), prompt="ab ab", max_new_tokens=3,
+                             cache="paged-int8", page_size=4, warmup=False):
+      chat.main(["chat"])
+  finally:
+    if not parsed:
+      flags.FLAGS.unparse_flags()
+  reply, line = capsys.readouterr().out.strip().split("\n")[-2:]
+  assert "load" in line and "prefill" in line and "cache paged int8" in line
+  # The tiny vocabulary decodes to a string made of its tokens (or nothing after eos).
+  assert set(reply) <= set("ab <|end|>")
