@@ -360,8 +360,9 @@ def claims(records: Sequence[Mapping[str, Any]]) -> list[str]:
   base = full["ppl"]
   budgets = sorted({b for (_, b) in by if b is not None})
   lines = []
-  window = [(b, by[("window", b)]["ppl"] / base) for b in budgets if ("window", b) in by]
-  sink = [(b, by[("sink", b)]["ppl"] / base) for b in budgets if ("sink", b) in by]
+  paired = [b for b in budgets if ("window", b) in by and ("sink", b) in by]
+  window = [(b, by[("window", b)]["ppl"] / base) for b in paired]
+  sink = [(b, by[("sink", b)]["ppl"] / base) for b in paired]
   if window and sink:
     explodes = all(w > 2 for _, w in window)
     near = all(s < 1.25 for _, s in sink)
