@@ -116,6 +116,14 @@ def _check_implementation(cache, implementation) -> None:
                      f"attention is the XLA positional path); got {implementation!r}")
 
 
+def _prelude(cache, q, k, v, new_lengths, implementation) -> jax.Array:
+  """The checks every `update_attend` starts with; returns `new_lengths` as `i32[B]`."""
+  _check_new_kv(cache, k, v)
+  _check_q(cache, q, k.shape[1])
+  _check_implementation(cache, implementation)
+  return cache_lib.resolve_new_lengths(new_lengths, cache.batch, k.shape[1])
+
+
 def _new_positions(lengths: jax.Array, new_lengths: jax.Array, num_tokens: int) -> jax.Array:
   """`i32[B, T]`: token index `lengths[b] + t` of each new token, -1 for padding."""
   t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
@@ -210,6 +218,57 @@ class _Common:
             quant.dequantize_kv(self.v, self.v_scale, dtype))
 
 
+class _Wrapping(_Common):
+  """Ring and sinks: new tokens overwrite slots chosen by `_slots`; no scoring."""
+
+  def _write(self, k, v, ks, vs, new_lengths):
+    """Scatters encoded new tokens (`[B, K, T, ...]`) into their `_slots`."""
+    num_tokens = k.shape[2]
+    slots = self._slots(new_lengths, num_tokens)
+    new_pos = _new_positions(self.lengths, new_lengths, num_tokens)
+    scatter = lambda buf, new: None if buf is None else _scatter_slots(buf, new, slots)
+    rows = jnp.broadcast_to(jnp.arange(self.batch, dtype=jnp.int32)[:, None], slots.shape)
+    return self.replace(k=scatter(self.k, k), v=scatter(self.v, v),
+                        pos=self.pos.at[rows, slots].set(new_pos, mode="drop"),
+                        lengths=self.lengths + new_lengths,
+                        k_scale=scatter(self.k_scale, ks), v_scale=scatter(self.v_scale, vs))
+
+  def update(self, k_new: jax.Array, v_new: jax.Array, new_lengths: jax.Array | None = None):
+    """Writes `k_new, v_new: [B, T, K, H]` for `t < new_lengths[b]` into the slots the
+    kind assigns (only the tokens no later token of the chunk overwrites)."""
+    _check_new_kv(self, k_new, v_new)
+    new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, k_new.shape[1])
+    return self._write(*_encode(self, k_new, v_new), new_lengths)
+
+  def attend(self, q: jax.Array, *, q_offsets: jax.Array, sm_scale: float | None = None,
+             window: int | None = None, soft_cap: float | None = None,
+             implementation: str | None = None) -> jax.Array:
+    """Queries at tokens `q_offsets[b] + t` against the stored slots: exact for T == 1
+    after `update`; a chunk's queries see only what the cache still holds (the module
+    goes through `update_attend`, which is exact for chunks)."""
+    _check_implementation(self, implementation)
+    q_pos = q_offsets[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
+    return self._attend(q, self.k, self.v, self.k_scale, self.v_scale, self.pos, q_pos,
+                        self.lengths, sm_scale=sm_scale, window=window, soft_cap=soft_cap)
+
+  def _step(self, q, k, v, new_lengths, opts):
+    """One token: write, then attend the stored slots. A chunk: attend the stored slots
+    plus the chunk's own tokens, then write (the chunk may overwrite its own window)."""
+    num_tokens = k.shape[1]
+    if num_tokens == 1:
+      new = self.update(k, v, new_lengths)
+      return new.attend(q, q_offsets=self.lengths, **opts), new
+    kq, vq, ks, vs = _encode(self, k, v)
+    q_pos = self.lengths[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+    cand_pos = jnp.concatenate([self.pos, _new_positions(self.lengths, new_lengths,
+                                                         num_tokens)], axis=1)
+    out = self._attend(q, _concat(self.k, kq), _concat(self.v, vq), _concat(self.k_scale, ks),
+                       _concat(self.v_scale, vs), cand_pos, q_pos, self.lengths + new_lengths,
+                       sm_scale=opts["sm_scale"], window=opts["window"],
+                       soft_cap=opts["soft_cap"])
+    return out, self._write(kq, vq, ks, vs, new_lengths)
+
+
 def _empty_storage(batch, capacity, num_kv_heads, head_dim, dtype):
   """Zeros `[B, K, S, H]` keys and values, their scales (quantized dtypes) and
   `pos = -1`, `lengths = 0`."""
@@ -229,7 +288,7 @@ def _empty_storage(batch, capacity, num_kv_heads, head_dim, dtype):
 
 
 @struct.dataclass
-class RingKVCache(_Common):
+class RingKVCache(_Wrapping):
   """Sliding-window cache: W slots, token p in slot p % W (writes wrap).
 
   Attributes:
@@ -275,36 +334,13 @@ class RingKVCache(_Common):
     keep = (t < new_lengths[:, None]) & (t >= new_lengths[:, None] - self.window)
     return jnp.where(keep, (self.lengths[:, None] + t) % self.window, self.window)
 
-  def _write(self, k, v, ks, vs, new_lengths) -> "RingKVCache":
-    num_tokens = k.shape[2]
-    slots = self._slots(new_lengths, num_tokens)
-    new_pos = _new_positions(self.lengths, new_lengths, num_tokens)
-    scatter = lambda buf, new: None if buf is None else _scatter_slots(buf, new, slots)
-    rows = jnp.broadcast_to(jnp.arange(self.batch, dtype=jnp.int32)[:, None], slots.shape)
-    return RingKVCache(k=scatter(self.k, k), v=scatter(self.v, v),
-                       pos=self.pos.at[rows, slots].set(new_pos, mode="drop"),
-                       lengths=self.lengths + new_lengths,
-                       k_scale=scatter(self.k_scale, ks), v_scale=scatter(self.v_scale, vs))
-
-  def update(self, k_new: jax.Array, v_new: jax.Array,
-             new_lengths: jax.Array | None = None) -> "RingKVCache":
-    """Writes `k_new, v_new: [B, T, K, H]` (keys RoPE'd) for `t < new_lengths[b]`;
-    token p goes to slot p % W (only the last W of a longer chunk stay)."""
-    _check_new_kv(self, k_new, v_new)
-    new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, k_new.shape[1])
-    return self._write(*_encode(self, k_new, v_new), new_lengths)
-
-  def attend(self, q: jax.Array, *, q_offsets: jax.Array, sm_scale: float | None = None,
-             window: int | None = None, soft_cap: float | None = None,
-             implementation: str | None = None) -> jax.Array:
-    """Queries at tokens `q_offsets[b] + t` (RoPE'd) against the stored slots, window
-    `min(W, window)`: exact for T == 1 after `update`; a chunk's queries see only
-    the tokens the ring still holds (use `update_attend` for chunks)."""
-    _check_implementation(self, implementation)
-    q_pos = q_offsets[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
-    out, _ = positional_attention(q, self.k, self.v, q_pos, self.pos, sm_scale=sm_scale,
+  def _attend(self, q, k, v, ks, vs, kv_pos, q_pos, lengths, *, sm_scale, window, soft_cap):
+    """RoPE'd queries at tokens `q_pos` against keys at tokens `kv_pos`, window
+    `min(W, window)`."""
+    del lengths  # the ring's positions are the tokens' own
+    out, _ = positional_attention(q, k, v, q_pos, kv_pos, sm_scale=sm_scale,
                                   window=_min_window(window, self.window), soft_cap=soft_cap,
-                                  **_scale_kwargs(self.k_scale, self.v_scale))
+                                  **_scale_kwargs(ks, vs))
     return out
 
   def update_attend(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
@@ -312,27 +348,12 @@ class RingKVCache(_Common):
                     implementation=None):
     """`cache_protocol.update_attend`: RoPE at `positions`, then the chunk attends the
     ring as it was plus its own tokens (exact window-W attention for any T), and is
-    written. Returns `(out [B, T, N, H], new cache)`."""
-    _check_new_kv(self, k, v)
-    num_tokens = k.shape[1]
-    _check_q(self, q, num_tokens)
-    _check_implementation(self, implementation)
-    new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, num_tokens)
+    written (keys RoPE'd). Returns `(out [B, T, N, H], new cache)`."""
+    new_lengths = _prelude(self, q, k, v, new_lengths, implementation)
     rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
     q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
-    opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap)
-    if num_tokens == 1:
-      new = self.update(k, v, new_lengths)
-      return new.attend(q, q_offsets=self.lengths, **opts), new
-    kq, vq, ks, vs = _encode(self, k, v)
-    q_pos = self.lengths[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
-    cand_pos = jnp.concatenate([self.pos, _new_positions(self.lengths, new_lengths,
-                                                         num_tokens)], axis=1)
-    out, _ = positional_attention(
-        q, _concat(self.k, kq), _concat(self.v, vq), q_pos, cand_pos, sm_scale=sm_scale,
-        window=_min_window(window, self.window), soft_cap=soft_cap,
-        **_scale_kwargs(_concat(self.k_scale, ks), _concat(self.v_scale, vs)))
-    return out, self._write(kq, vq, ks, vs, new_lengths)
+    return self._step(q, k, v, new_lengths,
+                      dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,7 +361,7 @@ class RingKVCache(_Common):
 
 
 @struct.dataclass
-class SinkKVCache(_Common):
+class SinkKVCache(_Wrapping):
   """StreamingLLM cache: `num_sinks` first tokens plus a ring of the W most recent.
 
   Slots `[0, num_sinks)` hold tokens `0..num_sinks-1`; token p >= num_sinks
@@ -439,24 +460,6 @@ class SinkKVCache(_Common):
     ring = self.num_sinks + (p - self.num_sinks) % self.window
     return jnp.where(keep, jnp.where(sink, p, ring), self.capacity)
 
-  def _write(self, k, v, ks, vs, new_lengths) -> "SinkKVCache":
-    num_tokens = k.shape[2]
-    slots = self._slots(new_lengths, num_tokens)
-    new_pos = _new_positions(self.lengths, new_lengths, num_tokens)
-    scatter = lambda buf, new: None if buf is None else _scatter_slots(buf, new, slots)
-    rows = jnp.broadcast_to(jnp.arange(self.batch, dtype=jnp.int32)[:, None], slots.shape)
-    return self.replace(k=scatter(self.k, k), v=scatter(self.v, v),
-                        pos=self.pos.at[rows, slots].set(new_pos, mode="drop"),
-                        lengths=self.lengths + new_lengths,
-                        k_scale=scatter(self.k_scale, ks), v_scale=scatter(self.v_scale, vs))
-
-  def update(self, k_new: jax.Array, v_new: jax.Array,
-             new_lengths: jax.Array | None = None) -> "SinkKVCache":
-    """Writes `k_new, v_new: [B, T, K, H]` -- keys BEFORE RoPE -- for `t < new_lengths[b]`."""
-    _check_new_kv(self, k_new, v_new)
-    new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, k_new.shape[1])
-    return self._write(*_encode(self, k_new, v_new), new_lengths)
-
   def _attend(self, q, k, v, ks, vs, kv_pos, q_pos, lengths, *, sm_scale, window, soft_cap):
     """Raw queries at tokens `q_pos [B, T]` against raw candidate keys `[B, K, S', H]`
     at tokens `kv_pos [B, S']`, `lengths` tokens written once the chunk is in."""
@@ -475,16 +478,6 @@ class SinkKVCache(_Common):
         q_always_visible=q_sinks, **_scale_kwargs(ks, vs))
     return out
 
-  def attend(self, q: jax.Array, *, q_offsets: jax.Array, sm_scale: float | None = None,
-             window: int | None = None, soft_cap: float | None = None,
-             implementation: str | None = None) -> jax.Array:
-    """Raw queries (before RoPE) at tokens `q_offsets[b] + t` against the stored slots,
-    rotated at the cache positions: exact for T == 1 after `update`."""
-    _check_implementation(self, implementation)
-    q_pos = q_offsets[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
-    return self._attend(q, self.k, self.v, self.k_scale, self.v_scale, self.pos, q_pos,
-                        self.lengths, sm_scale=sm_scale, window=window, soft_cap=soft_cap)
-
   def update_attend(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
                     new_lengths=None, sm_scale=None, window=None, soft_cap=None,
                     implementation=None):
@@ -492,27 +485,13 @@ class SinkKVCache(_Common):
     assigns RoPE positions); `rope_theta` must be the cache's. A chunk attends the cache
     as it was plus its own tokens, then is written."""
     del positions  # StreamingLLM: positions inside the cache, not in the text
-    _check_new_kv(self, k, v)
-    num_tokens = k.shape[1]
-    _check_q(self, q, num_tokens)
-    _check_implementation(self, implementation)
+    new_lengths = _prelude(self, q, k, v, new_lengths, implementation)
     if (float(rope_theta), rope_scaling) != (self.rope_theta, self.rope_scaling):
       raise ValueError(f"rope_theta, rope_scaling must be the cache's {self.rope_theta}, "
                        f"{self.rope_scaling} (SinkKVCache.init(rope_theta=, rope_scaling=)); got "
                        f"{rope_theta}, {rope_scaling}")
-    new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, num_tokens)
-    opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap)
-    if num_tokens == 1:
-      new = self.update(k, v, new_lengths)
-      return new.attend(q, q_offsets=self.lengths, **opts), new
-    kq, vq, ks, vs = _encode(self, k, v)
-    q_pos = self.lengths[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
-    cand_pos = jnp.concatenate([self.pos, _new_positions(self.lengths, new_lengths,
-                                                         num_tokens)], axis=1)
-    out = self._attend(q, _concat(self.k, kq), _concat(self.v, vq), _concat(self.k_scale, ks),
-                       _concat(self.v_scale, vs), cand_pos, q_pos, self.lengths + new_lengths,
-                       **opts)
-    return out, self._write(kq, vq, ks, vs, new_lengths)
+    return self._step(q, k, v, new_lengths,
+                      dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -699,11 +678,8 @@ class EvictingKVCache(_Common):
     """`cache_protocol.update_attend`: RoPE at `positions`; the chunk attends the kept
     slots plus its own tokens (returning the per-slot mass its scoring queries gave),
     then the budget is chosen among them. Returns `(out [B, T, N, H], new cache)`."""
-    _check_new_kv(self, k, v)
+    new_lengths = _prelude(self, q, k, v, new_lengths, implementation)
     num_tokens = k.shape[1]
-    _check_q(self, q, num_tokens)
-    _check_implementation(self, implementation)
-    new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, num_tokens)
     rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
     q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
     kq, vq, ks, vs = _encode(self, k, v)
