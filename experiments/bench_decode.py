@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import importlib
 import itertools
 import json
 
@@ -58,9 +57,7 @@ import numpy as np
 
 from experiments import cli
 from experiments import timing
-
-# The module (the package attribute `pallas_kernels.decode_attention` is the function).
-pk = importlib.import_module("pallas_kernels.decode_attention")
+from pallas_kernels import dense_decode as pk
 
 try:  # kvattn needs flax; a bare GPU image may only have JAX.
   import kvattn.ops as kvattn_ops

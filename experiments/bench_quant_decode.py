@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
 def _picked(q, k, v, lengths, scales) -> str:
   """The backend `implementation=None` runs for these inputs (the dispatcher's first fit)."""
   for name in dispatch.available_implementations("decode_attention"):
-    fn = dispatch._REGISTRY["decode_attention"][name]  # pylint: disable=protected-access
+    fn = dispatch.IMPLEMENTATIONS["decode_attention"][name]
     try:
       jax.eval_shape(lambda *a: fn(*a, explicit=False, **scales), q, k, v, lengths)
       return name

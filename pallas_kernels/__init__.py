@@ -1,11 +1,12 @@
 """Fused Pallas kernels with pure-jnp references. Imports only jax.
 
-`pallas_kernels.decode_attention` is the function (DESIGN.md); the module of
-the same name is `importlib.import_module("pallas_kernels.decode_attention")`.
+Modules: `dense_decode` (GQA/MHA/MQA and absorbed-MLA decode against a dense
+cache), `paged_decode` (decode against a page pool), `attention_common` (the
+attended range, constants and argument checks every attention path shares,
+kvattn's included) and `_common` (what the two kernels share).
 """
 
-from pallas_kernels.paged_attention import (paged_decode_attention,
-                                            paged_decode_attention_reference)
-from pallas_kernels.decode_attention import (decode_attention, decode_attention_reference,
-                                             mla_decode_attention,
-                                             mla_decode_attention_reference)
+from pallas_kernels.dense_decode import (decode_attention, decode_attention_reference,
+                                         mla_decode_attention, mla_decode_attention_reference)
+from pallas_kernels.paged_decode import (paged_decode_attention,
+                                         paged_decode_attention_reference)

@@ -1,4 +1,4 @@
-"""Pieces shared by the fused decode kernels (`decode_attention.py`, `paged_attention.py`).
+"""Pieces shared by the fused decode kernels (`dense_decode.py`, `paged_decode.py`).
 
 Both kernels compute the same math -- GQA-grouped online softmax over key
 blocks (FlashAttention-2, Dao 2023, algorithm 1), split into partitions merged
@@ -9,19 +9,21 @@ This module holds what does not depend on that, in the order of a kernel
 file: kernel-side helpers (values, and the refs of the "grid" schedule's
 scratch), launcher helpers (tiles, splits, output BlockSpecs, compiler
 parameters, the merge of split partials), wrapper helpers (query grouping,
-length clamping, argument checks raising ValueError/TypeError naming the
-argument) and the f32 reference core. Imports only jax.
+scale columns, the merge into the output) and the schedule/platform checks.
+The attended ranges, constants and argument checks every attention path
+shares are in `attention_common`; the f32 references sit next to their
+kernels. Imports only jax.
 """
 
 from __future__ import annotations
 
-import math
-
 import jax
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
+
+from pallas_kernels import attention_common
+from pallas_kernels.attention_common import M_INIT, QUANT_DTYPES
 
 try:  # The Triton lowering is deprecated in JAX 0.11 and may go away.
   from jax.experimental.pallas import triton as plgpu
@@ -32,10 +34,6 @@ try:
 except ImportError:  # pragma: no cover - depends on the JAX build.
   pltpu = None
 
-# Running max before any key is seen. Finite (unlike -inf) so that
-# `exp(m_prev - m_next)` is 0 or 1, never NaN, even for a tile whose every
-# logit is masked; a masked logit is -inf and contributes exp(-inf) = 0.
-M_INIT = -0.7 * float(np.finfo(np.float32).max)
 # TPU vregs are 8 sublanes x 128 lanes; per-row statistics live replicated
 # over one vreg row of 128 lanes in VMEM scratch, as in Pallas TPU flash
 # attention.
@@ -43,9 +41,6 @@ TPU_LANES = 128
 SCHEDULES = ("loop", "grid")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
-# Storage formats that come with per-slot scales (pallas_kernels imports only jax, so the
-# list is kept here; kvattn.ops.quant has the same three).
-QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 # Cache dtypes each compiled backend takes (Triton needs sm_89+ for fp8 loads; Mosaic has no
 # fp8 -> f32 conversion on the TPU generations we target, so int8 only there).
 _GPU_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) + (
@@ -361,15 +356,6 @@ def merge_splits(out, lse):
 # ----------------------------------------------------------------------------
 
 
-def clamp_lengths(lengths, capacity: int, window: int | None):
-  """`(starts, lengths)` as i32[B]: lengths clamped to `[0, capacity]` (a sticky
-  overflow under jit may leave them larger: never read past the cache) and
-  `starts = max(0, lengths - window)` (0 without a window)."""
-  lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
-  starts = jnp.zeros_like(lengths) if window is None else jnp.maximum(lengths - window, 0)
-  return starts, lengths
-
-
 def dot_dtype(q_dtype, cache_dtype):
   """The dtype of the kernel's dots: the cache dtype for a float cache (q is cast to
   it); for a quantized cache, q's dtype when it is bf16/f16, else f32."""
@@ -408,82 +394,8 @@ def finish(outs, num_heads: int, groups: int, out_dtype, return_lse: bool, count
 
 
 # ----------------------------------------------------------------------------
-# Argument checks (kept here: pallas_kernels imports only jax).
+# Schedule and platform checks (the argument checks are in `attention_common`).
 # ----------------------------------------------------------------------------
-
-
-def check_rank(name, x, rank, doc):
-  if not hasattr(x, "ndim"):
-    raise TypeError(f"{name} must be an array {doc}; got {type(x).__name__}")
-  if x.ndim != rank:
-    raise ValueError(f"{name} must have rank {rank} {doc}; got shape {tuple(x.shape)}")
-
-
-def check_float(name, x):
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"{name} must have a floating dtype; got {x.dtype}")
-
-
-def check_dim(name, x, axis, expected, what):
-  if x.shape[axis] != expected:
-    raise ValueError(
-        f"{name}.shape[{axis}] ({what}) must be {expected}; got shape {tuple(x.shape)}")
-
-
-def check_positive_int(name, value):
-  """None, or a positive int (TypeError for non-ints and bools, ValueError for <= 0)."""
-  if value is None:
-    return
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"{name} must be a positive int; got {value!r}")
-  if value <= 0:
-    raise ValueError(f"{name} must be a positive int; got {value}")
-
-
-def check_positive_float(name, value):
-  """None, or a positive finite number."""
-  if value is None:
-    return
-  if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-    raise TypeError(f"{name} must be a positive float; got {value!r}")
-  if not (value > 0 and math.isfinite(value)):
-    raise ValueError(f"{name} must be a positive finite float; got {value}")
-
-
-def check_lengths(lengths, batch):
-  """`lengths` as an array of integer dtype and shape `[B]` (host sequences accepted)."""
-  if not hasattr(lengths, "shape"):
-    lengths = np.asarray(lengths)
-  if not jnp.issubdtype(lengths.dtype, jnp.integer):
-    raise TypeError(f"lengths must have an integer dtype; got {lengths.dtype}")
-  if tuple(lengths.shape) != (batch,):
-    raise ValueError(f"lengths must have shape [B] = ({batch},); got {tuple(lengths.shape)}")
-  return lengths
-
-
-def check_head_layout(num_heads: int, num_kv: int):
-  if num_heads % num_kv:
-    raise ValueError(f"num_heads must be divisible by num_kv_heads; got {num_heads} and "
-                     f"{num_kv}")
-
-
-def check_cache(names, values, scales, slot_shape, doc):
-  """A cache operand: floating without scales, or int8/fp8 with f32 scales of `slot_shape`."""
-  vname, sname = names
-  if scales is None:
-    if jnp.dtype(values.dtype) in QUANT_DTYPES:
-      raise TypeError(f"{vname} has the quantized dtype {values.dtype}: pass its per-slot scales "
-                      f"{sname} {doc}")
-    check_float(vname, values)
-    return
-  if jnp.dtype(values.dtype) not in QUANT_DTYPES:
-    raise TypeError(f"{sname} is only for quantized caches (int8, float8_e4m3fn, float8_e5m2); "
-                    f"{vname} has dtype {values.dtype}")
-  check_rank(sname, scales, len(slot_shape), doc)
-  check_float(sname, scales)
-  if tuple(scales.shape) != tuple(slot_shape):
-    raise ValueError(f"{sname} must have shape {doc} = {tuple(slot_shape)}; got "
-                     f"{tuple(scales.shape)}")
 
 
 def check_schedule(schedule, interpret, tunables=()):
@@ -493,7 +405,7 @@ def check_schedule(schedule, interpret, tunables=()):
   if schedule is not None and schedule not in SCHEDULES:
     raise ValueError(f"schedule must be one of {SCHEDULES} or None; got {schedule!r}")
   for name, value in tunables:
-    check_positive_int(name, value)
+    attention_common.optional_positive_int(name, value)
   schedule = schedule or default_schedule()
   if not interpret:
     where = platform()
@@ -527,63 +439,3 @@ def compiled_reason(platform_name: str, dtype, widths) -> str | None:
         return f"{what}={d} is not a multiple of 64 (TPU lanes)"
     return None
   return f"no compiled Pallas backend on {platform_name!r}"
-
-
-# ----------------------------------------------------------------------------
-# Reference core (plain jnp, f32).
-# ----------------------------------------------------------------------------
-
-
-def dequant_reference(x, scale):
-  """f32 `x * scale[..., None]` for a quantized operand, else `x` unchanged."""
-  if scale is None:
-    return x
-  return x.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
-
-
-def reference_softmax(logits, lengths, window):
-  """Masked softmax of f32 `logits [B, N, S]` over slots `[max(0, L - W), L)`.
-
-  Masked logits are replaced by -inf and their probabilities are exact zeros.
-  Returns `(probs [B, N, S] normalised, mask bool[B, S], lse f32[B, N])`
-  (lse -inf and probabilities 0 where nothing is attended).
-  """
-  capacity = logits.shape[-1]
-  lengths = jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 0, capacity)
-  slots = jnp.arange(capacity)
-  starts = 0 if window is None else jnp.maximum(lengths - window, 0)
-  mask = (slots[None] >= jnp.reshape(starts, (-1, 1))) & (slots[None] < lengths[:, None])
-  logits = jnp.where(mask[:, None], logits, -jnp.inf)
-  top = jnp.max(logits, axis=-1, keepdims=True)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
-  probs = jnp.where(mask[:, None], jnp.exp(logits - top), 0.0)
-  denom = jnp.sum(probs, axis=-1)
-  lse = jnp.where(denom > 0, top[..., 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)),
-                  -jnp.inf)
-  return probs / jnp.where(denom > 0, denom, 1.0)[..., None], mask, lse
-
-
-def reference_gqa(q, k, v, lengths, *, sm_scale, window, soft_cap=None):
-  """f32 GQA decode attention over a dense head-major cache, as `(out, lse)`.
-
-  Args:
-    q: `[B, N, H]`; k: `[B, K, S, H]`; v: `[B, K, S, Hv]` (any float dtype, or
-      already dequantized); query head n reads KV head `n // (N // K)`.
-    lengths: `i32[B]`; slots `[max(0, L - W), L)` are attended, the rest may
-      hold anything (masked logits replaced, masked value rows zeroed).
-    sm_scale: logit scale; soft_cap: `cap * tanh(s / cap)` on the logits, or None.
-
-  Returns:
-    `(f32[B, N, Hv], f32[B, N])`: output and log-sum-exp of the scaled logits.
-  """
-  num_kv, num_heads = k.shape[1], q.shape[1]
-  kh = jnp.repeat(k.astype(jnp.float32), num_heads // num_kv, axis=1)  # [B, N, S, H]
-  vh = jnp.repeat(v.astype(jnp.float32), num_heads // num_kv, axis=1)
-  logits = jnp.einsum("BNH,BNSH->BNS", q.astype(jnp.float32), kh,
-                      precision=lax.Precision.HIGHEST) * sm_scale
-  if soft_cap is not None:
-    logits = soft_cap * jnp.tanh(logits / soft_cap)
-  probs, mask, lse = reference_softmax(logits, lengths, window)
-  vh = jnp.where(mask[:, None, :, None], vh, 0.0)
-  out = jnp.einsum("BNS,BNSV->BNV", probs, vh, precision=lax.Precision.HIGHEST)
-  return out, lse

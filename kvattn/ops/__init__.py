@@ -1,14 +1,16 @@
-"""Reference attention ops, RoPE and the decode-attention dispatch points."""
+"""Attention ops: the decode dispatch points, the XLA paths, RoPE and KV quantization.
+
+`kvattn.ops.dispatch` declares every decode backend and its default order.
+"""
 
 from kvattn.ops.dispatch import (available_implementations, decode_attention,
-                                 mla_decode_attention, register_implementation)
-from kvattn.ops.reference import (attention, decode_attention_xla, mla_attention,
-                                  mla_decode_attention_xla)
-from kvattn.ops.paged import paged_decode_attention, paged_decode_attention_xla
+                                 mla_decode_attention, paged_decode_attention,
+                                 register_implementation)
+from kvattn.ops.xla import (attention, decode_attention_xla, mla_attention,
+                            mla_decode_attention_xla)
+from kvattn.ops.paged import paged_decode_attention_xla
 from kvattn.ops.rope import RopeScaling, apply_rope, rope_frequencies, rope_scaling_from_fields
 from kvattn.ops.quant import QUANT_DTYPES, dequantize_kv, quantize_kv
-from kvattn.ops import xla_blocked  # registers "xla_blocked" (CPU, f32, long caches)
-from kvattn.ops import pallas_backend  # registers the "pallas" decode backends
 
 __all__ = [
     "QUANT_DTYPES",

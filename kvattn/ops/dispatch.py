@@ -1,90 +1,146 @@
-"""Dispatch points for decode attention: one public function per operation.
+"""The decode-attention dispatch points: one public function per operation and its backend table.
 
-Modelled on openxla/tokamax's attention API: one public function whose
-`implementation=` names a backend, or, when None, tries an ordered list of the
-backends that imported and fit the device. A backend that cannot handle the
-given device, shapes or options raises `NotImplementedError` and the
-dispatcher moves on; a caller error raises `ValueError`/`TypeError` before any
-backend runs (the public function validates first).
+Modelled on openxla/tokamax's attention API. `IMPLEMENTATIONS` states, for
+each operation, every backend and -- by its order -- the order in which
+`implementation=None` tries them:
 
-Operations registered here: `"decode_attention"` (dense cache) and
-`"mla_decode_attention"` (absorbed MLA against a latent cache). Other modules
-add operations and backends with `register_implementation` (e.g. the Pallas
-kernels, or the paged cache's gather path).
+| operation                  | backends, in the default order                   |
+|----------------------------|--------------------------------------------------|
+| `decode_attention`         | `"pallas"`, `"xla_blocked"`, `"xla"`             |
+| `paged_decode_attention`   | `"pallas"`, `"xla_pool"`, `"xla"`                |
+| `mla_decode_attention`     | `"pallas"`, `"xla_blocked"`, `"xla"`             |
 
-Quantized caches (int8 / fp8 values, `kvattn.ops.quant`): the public functions
-take the per-slot scales as `k_scale=, v_scale=` (dense) and `c_kv_scale=,
-k_rope_scale=` (MLA). They are handed to a backend only when given, so a call
-without scales reaches every backend exactly as before; a backend that cannot
-apply scales raises NotImplementedError when it gets them and the dispatcher
-moves on (every backend registered here, "xla", "xla_blocked" and "pallas",
-supports them).
+* `"pallas"` (`pallas_backend`): the fused kernels, compiled on GPU/TPU for
+  the shapes they support; on CPU only when named (interpret mode).
+* `"xla_blocked"` (`xla_blocked`): flash-decoding as an XLA loop; picked on
+  CPU for large int8/fp8 caches only.
+* `"xla_pool"` (`paged`): scans the page pool in place; picked when the pool
+  is smaller than the gathered view (P < B * pages_per_seq).
+* `"xla"` (`xla`, `paged`): the plain XLA path; runs everywhere.
+
+The public function checks its arguments once
+(`pallas_kernels.attention_common`) and raises `ValueError`/`TypeError` before
+any backend runs; backends trust them. `implementation=` is a backend name, a
+sequence of names to try in that order, or None for the default order. A
+backend that cannot handle the device, shapes or options raises
+`NotImplementedError` and the next one is tried; when none is left, the
+`NotImplementedError` says why each declined (a single name: its own error).
+
+A backend is `fn(*args, explicit: bool, **options)` with the operation's
+arguments; `explicit` is True when the caller named it, and a backend may then
+run where it would not be picked by default (a Pallas kernel in interpret mode
+on CPU). Options with value None (no quantization scales) are not passed.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
-from kvattn.ops import reference as _reference
+from kvattn.ops import paged
+from kvattn.ops import pallas_backend
+from kvattn.ops import xla
+from kvattn.ops import xla_blocked
+from pallas_kernels import attention_common as common
 
-# An implementation is fn(*args, explicit: bool, **options). `explicit` is True
-# when the caller named it; a backend may then run where it would not be picked
-# automatically (a Pallas kernel in interpret mode on CPU, say).
 Implementation = Callable[..., jax.Array]
 
-_REGISTRY: dict[str, dict[str, Implementation]] = {}
-_PREFERENCE: dict[str, list[str]] = {}
+
+def _runs_anywhere(fn: Callable[..., jax.Array]) -> Implementation:
+  """A backend for `fn`, which takes every device, shape and option."""
+
+  def backend(*args, explicit: bool, **options):
+    del explicit
+    return fn(*args, **options)
+
+  backend.__name__ = backend.__qualname__ = fn.__name__
+  return backend
+
+
+IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {
+    "decode_attention": {
+        "pallas": pallas_backend._decode,  # pylint: disable=protected-access
+        "xla_blocked": xla_blocked._decode,  # pylint: disable=protected-access
+        "xla": _runs_anywhere(xla.decode_attention_xla),
+    },
+    "paged_decode_attention": {
+        "pallas": pallas_backend._paged_decode,  # pylint: disable=protected-access
+        "xla_pool": paged._xla_pool,  # pylint: disable=protected-access
+        "xla": _runs_anywhere(paged.paged_decode_attention_xla),
+    },
+    "mla_decode_attention": {
+        "pallas": pallas_backend._mla_decode,  # pylint: disable=protected-access
+        "xla_blocked": xla_blocked._mla_decode,  # pylint: disable=protected-access
+        "xla": _runs_anywhere(xla.mla_decode_attention_xla),
+    },
+}
+
+
+def _backends(op: str) -> dict[str, Implementation]:
+  if op not in IMPLEMENTATIONS:
+    raise ValueError(f"op must be one of {sorted(IMPLEMENTATIONS)}; got {op!r}")
+  return IMPLEMENTATIONS[op]
+
+
+def available_implementations(op: str = "decode_attention") -> tuple[str, ...]:
+  """Backend names of `op`, in the order `implementation=None` tries them."""
+  return tuple(_backends(op))
 
 
 def register_implementation(op: str, name: str, fn: Implementation, *,
                             preferred: bool = False) -> None:
-  """Adds backend `name` for operation `op`; `preferred` puts it first in line."""
-  impls = _REGISTRY.setdefault(op, {})
-  order = _PREFERENCE.setdefault(op, [])
-  impls[name] = fn
-  if name in order:
-    order.remove(name)
-  order.insert(0, name) if preferred else order.append(name)
+  """Adds (or replaces) backend `name` of operation `op` in `IMPLEMENTATIONS`.
+
+  For backends outside kvattn (kvattn's own are declared in the table). `fn`
+  follows the backend contract of the module doc. The new backend goes first
+  in the default order with `preferred=True`, else last (where None reaches
+  it only if every other backend declines).
+
+  Raises:
+    ValueError: `op` is not one of the operations above.
+  """
+  impls = {k: v for k, v in _backends(op).items() if k != name}
+  IMPLEMENTATIONS[op] = {name: fn, **impls} if preferred else {**impls, name: fn}
 
 
-def available_implementations(op: str = "decode_attention") -> tuple[str, ...]:
-  """Registered implementation names for `op`, in the order `None` tries them."""
-  if op not in _REGISTRY:
-    raise ValueError(f"op must be one of {sorted(_REGISTRY)}; got {op!r}")
-  return tuple(_PREFERENCE[op])
+def _names(op: str, implementation: Any) -> tuple[str, ...] | None:
+  """Checks `implementation` (None, a name, or a sequence of names) against `op`'s table."""
+  impls = _backends(op)
+  if implementation is None:
+    return None
+  names = ((implementation,) if isinstance(implementation, str) or
+           not isinstance(implementation, Sequence) else tuple(implementation))
+  if not names or any(not isinstance(n, str) or n not in impls for n in names):
+    raise ValueError(f"implementation must be one of {sorted(impls)}, a sequence of them, or "
+                     f"None; got {implementation!r}")
+  return names
 
 
-def dispatch(op: str, implementation: str | None, *args: Any, **options: Any) -> jax.Array:
-  """Runs `op` with the named implementation, or the first that fits."""
-  impls = _REGISTRY[op]
-  if implementation is not None:
-    if implementation not in impls:
-      raise ValueError(
-          f"implementation must be one of {sorted(impls)} or None; got {implementation!r}")
+def dispatch(op: str, implementation: str | Sequence[str] | None, *args: Any,
+             **options: Any) -> jax.Array:
+  """Runs `op` with the named backend(s), or the first in the default order that fits.
+
+  Arguments are not checked here (the public functions do that first).
+  """
+  impls = _backends(op)
+  names = _names(op, implementation)
+  if isinstance(implementation, str):
     return impls[implementation](*args, explicit=True, **options)
+  explicit = names is not None
   errors = []
-  for name in _PREFERENCE[op]:
+  for name in names or impls:
     try:
-      return impls[name](*args, explicit=False, **options)
+      return impls[name](*args, explicit=explicit, **options)
     except NotImplementedError as e:
       errors.append(f"{name}: {e}")
   raise NotImplementedError(f"no {op} implementation fits: " + "; ".join(errors))
 
 
-def _xla_decode(q, k, v, lengths, *, explicit, **options):
-  del explicit
-  return _reference.decode_attention_xla(q, k, v, lengths, **options)
-
-
-def _xla_mla_decode(q_latent, q_rope, c_kv, k_rope, lengths, *, explicit, **options):
-  del explicit
-  return _reference.mla_decode_attention_xla(q_latent, q_rope, c_kv, k_rope, lengths, **options)
-
-
-register_implementation("decode_attention", "xla", _xla_decode)
-register_implementation("mla_decode_attention", "xla", _xla_mla_decode)
+def _given(**options: Any) -> dict[str, Any]:
+  """The scale options that were given (a float cache passes none to a backend)."""
+  return {k: v for k, v in options.items() if v is not None}
 
 
 def decode_attention(
@@ -98,7 +154,7 @@ def decode_attention(
     soft_cap: float | None = None,
     k_scale: jax.Array | None = None,  # f32[B, K, S]
     v_scale: jax.Array | None = None,  # f32[B, K, S]
-    implementation: str | None = None,
+    implementation: str | Sequence[str] | None = None,
 ) -> jax.Array:
   """Attention of one new token per sequence against a dense KV cache.
 
@@ -121,9 +177,10 @@ def decode_attention(
     implementation: `"pallas"` (the fused kernel; picked by None on GPU/TPU
       for the shapes it supports, interpreted on CPU when named),
       `"xla_blocked"` (flash-decoding as an XLA loop; picked by None on CPU
-      for large int8/fp8 caches only), `"xla"` (the plain reference path),
-      or None to take the first of these that supports the device, dtypes
-      and shapes (`available_implementations()` gives the order).
+      for large int8/fp8 caches only), `"xla"` (the plain XLA path), a
+      sequence of these to try in order, or None to take the first in
+      `available_implementations()` that supports the device, dtypes and
+      shapes.
 
   Returns:
     `[B, N, Hv]` in q's dtype, accumulated in f32; length-0 rows are zeros.
@@ -132,12 +189,86 @@ def decode_attention(
     ValueError: unknown `implementation`, or shapes/options that do not fit.
     TypeError: non-float inputs, k/v dtype mismatch, non-integer lengths, a
       quantized cache without scales (or scales for a float cache).
-    NotImplementedError: the named implementation cannot run these shapes.
+    NotImplementedError: the named implementation(s) cannot run these shapes.
   """
-  _reference.validate_decode_args(q, k, v, lengths, window, soft_cap, sm_scale, k_scale, v_scale)
-  scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
-  return dispatch("decode_attention", implementation, q, k, v, lengths,
-                  sm_scale=sm_scale, window=window, soft_cap=soft_cap, **scales)
+  lengths = common.check_decode_args(q, k, v, lengths, window, soft_cap, sm_scale, k_scale,
+                                     v_scale)
+  return dispatch("decode_attention", implementation, q, k, v, lengths, sm_scale=sm_scale,
+                  window=window, soft_cap=soft_cap, **_given(k_scale=k_scale, v_scale=v_scale))
+
+
+def paged_decode_attention(
+    q: jax.Array,  # [B, N, H]
+    k_pages: jax.Array,  # [K, P, page_size, H]
+    v_pages: jax.Array,  # [K, P, page_size, Hv]
+    block_tables: jax.Array,  # i32[B, pages_per_seq]
+    lengths: jax.Array,  # i32[B]
+    *,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: jax.Array | None = None,  # f32[K, P, page_size]
+    v_scale: jax.Array | None = None,  # f32[K, P, page_size]
+    implementation: str | Sequence[str] | None = None,
+) -> jax.Array:
+  """Attention of one new token per sequence against a paged KV cache.
+
+  PagedAttention (Kwon et al., SOSP 2023, §4.1): sequence b's slot s lives in
+  slot `s % page_size` of page `block_tables[b, s // page_size]`. The query
+  sits at slot `lengths[b] - 1` (its token already written) and attends slots
+  `[max(0, lengths[b] - window), lengths[b])` with scaled dot-product
+  attention (Vaswani et al. 2017, eq. 1); query head n reads KV head
+  `n // (N // K)`.
+
+  Args:
+    q: `[B, N, H]` queries.
+    k_pages: `[K, P, page_size, H]` key page pool.
+    v_pages: `[K, P, page_size, Hv]` value page pool (same dtype as k_pages).
+    block_tables: `i32[B, pages_per_seq]` physical page of each logical page;
+      entries outside `[0, P)` mean "no page" (only allowed at or past
+      `ceil(lengths[b] / page_size)`).
+    lengths: `i32[B]` valid tokens per sequence.
+    sm_scale: logit scale, default `1/sqrt(H)`.
+    window: sliding-window size in tokens, or None.
+    soft_cap: logit soft cap (`cap * tanh(s / cap)`), or None.
+    k_scale, v_scale: `f32[K, P, page_size]` scale pools of int8/fp8 page
+      pools (`PagedKVCache.scale_kwargs()`), applied inside the attention
+      computation; None for float pools.
+    implementation: `"pallas"`, `"xla_pool"`, `"xla"`, a sequence of them, or
+      None (the first backend that fits the device: the Pallas kernel on
+      GPU/TPU; on CPU the pool scan when the pool is smaller than the
+      gathered view, else the XLA gather path).
+
+  Lengths the block table does not cover: every row's length is clamped to
+  `[0, paged.assigned_slots(block_tables, P, page_size)[b]]` (the leading assigned
+  pages) before any backend runs, so no backend ever reads a page the row
+  does not own (an unassigned entry is never resolved to another sequence's
+  page) and all backends agree. This only matters under jit after an update
+  past the assigned pages dropped tokens: those tokens are not attended, and
+  `PagedKVCache.overflowed` tells which rows lost some. With concrete
+  (eager) lengths and block tables such inputs raise instead.
+
+  Returns:
+    `[B, N, Hv]` in q's dtype, f32-accumulated; length-0 rows are zeros.
+
+  Raises:
+    ValueError: unknown `implementation`; shapes or options that do not fit;
+      and, when `lengths` and `block_tables` are concrete, a length outside
+      `[0, pages_per_seq * page_size]`, a page a sequence uses that the table
+      does not assign, or one page used twice (`check_block_tables`).
+    TypeError: non-float q/pages, k/v dtype mismatch, non-integer tables/lengths.
+    NotImplementedError: the named implementation cannot run these shapes here.
+  """
+  lengths = common.check_paged_args(q, k_pages, v_pages, block_tables, lengths, window=window,
+                                    soft_cap=soft_cap, sm_scale=sm_scale, k_scale=k_scale,
+                                    v_scale=v_scale)
+  num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
+  paged.check_block_tables(block_tables, lengths, num_pages, page_size)
+  # Under jit the lengths may run past the assigned pages (dropped tokens): read only those.
+  lengths = jnp.clip(lengths, 0, paged.assigned_slots(block_tables, num_pages, page_size))
+  return dispatch("paged_decode_attention", implementation, q, k_pages, v_pages, block_tables,
+                  lengths, sm_scale=sm_scale, window=window, soft_cap=soft_cap,
+                  **_given(k_scale=k_scale, v_scale=v_scale))
 
 
 def mla_decode_attention(
@@ -151,7 +282,7 @@ def mla_decode_attention(
     window: int | None = None,
     c_kv_scale: jax.Array | None = None,  # f32[B, S]
     k_rope_scale: jax.Array | None = None,  # f32[B, S]
-    implementation: str | None = None,
+    implementation: str | Sequence[str] | None = None,
 ) -> jax.Array:
   """Absorbed MLA decode (DeepSeek-V2 appendix C) against a latent cache.
 
@@ -169,8 +300,8 @@ def mla_decode_attention(
     window: sliding-window size in tokens, or None.
     c_kv_scale, k_rope_scale: `f32[B, S]` per-token scales of a quantized
       (int8/fp8) latent cache, applied inside the computation; None for float.
-    implementation: `"pallas"`, `"xla_blocked"`, `"xla"` or None, as in
-      `decode_attention`.
+    implementation: `"pallas"`, `"xla_blocked"`, `"xla"`, a sequence of
+      them or None, as in `decode_attention`.
 
   Returns:
     `[B, N, C]` attention-weighted latent in q_latent's dtype (apply W_UV
@@ -178,10 +309,10 @@ def mla_decode_attention(
 
   Raises:
     ValueError/TypeError: as `decode_attention`, naming the argument.
+    NotImplementedError: the named implementation(s) cannot run these shapes.
   """
-  _reference.validate_mla_decode_args(q_latent, q_rope, c_kv, k_rope, lengths, sm_scale, window,
-                                      c_kv_scale, k_rope_scale)
-  scales = ({} if c_kv_scale is None else
-            {"c_kv_scale": c_kv_scale, "k_rope_scale": k_rope_scale})
+  lengths = common.check_mla_decode_args(q_latent, q_rope, c_kv, k_rope, lengths, sm_scale,
+                                         window, c_kv_scale, k_rope_scale)
   return dispatch("mla_decode_attention", implementation, q_latent, q_rope, c_kv, k_rope,
-                  lengths, sm_scale=sm_scale, window=window, **scales)
+                  lengths, sm_scale=sm_scale, window=window,
+                  **_given(c_kv_scale=c_kv_scale, k_rope_scale=k_rope_scale))

@@ -1,4 +1,4 @@
-"""Paged decode attention: the XLA gather path and the `paged_decode_attention` dispatch point.
+"""Paged decode attention: the XLA backends, the page gather and the block-table checks.
 
 A paged KV cache (PagedAttention, Kwon et al., SOSP 2023, §4.1) stores keys and
 values in a pool of fixed-size pages shared by all sequences, `k_pages,
@@ -15,34 +15,18 @@ sequence b sits at slot `lengths[b] - 1` and attends
 order, on what unused slots of a sequence's last page hold, or on what free
 pages hold (DESIGN.md, invariant 2).
 
-Backends of the `"paged_decode_attention"` op, in the order None tries them:
-  * `"pallas"` — `pallas_kernels.paged_decode_attention` (registered by
-    `kvattn.ops.pallas_backend`): reads only the pages a sequence uses,
-    GQA-grouped, split over pages. Picked on GPU/TPU; on CPU it runs only when
-    named (`implementation="pallas"`), in interpret mode.
-  * `"xla_pool"` — scans the page pool in place (each page scored against its
-    owner's query, softmax as segmented reductions over the pool): work
-    follows the pool size P. Picked when the pool is smaller than the gathered
-    view (P < B * pages_per_seq), i.e. whenever the pool is sized to demand.
-  * `"xla"` — gathers each sequence's pages into a dense `[B, K, S, H]` view
-    (S = pages_per_seq * page_size) and runs `decode_attention_xla`. Reads
-    every page of the block table whatever the length; always available.
-
-Lengths past the assigned pages: a sequence can only hold the tokens of the
-leading assigned entries of its block-table row (`assigned_slots`: the
-entries before its first one outside `[0, P)`, times `page_size`). Under
-`jit`, a `PagedKVCache.update` past them drops the tokens but still advances
-`lengths` (`PagedKVCache.overflowed` flags the row), so `paged_decode_attention`
-clamps every row's length to `[0, assigned_slots]` before any backend runs:
-every backend then reads only pages the row owns and they all agree; the
-dropped tokens are simply not attended. With concrete lengths and block tables
-(eager calls) such lengths raise ValueError instead (`check_block_tables`).
-Pages released behind a sliding window (a -1 before live entries) are
-therefore not supported: a row must be a prefix of assigned pages.
+The XLA backends of `kvattn.ops.paged_decode_attention` (`kvattn.ops.dispatch`
+lists every backend and the order None tries them in; the public function
+checks the arguments once and clamps every row's length to its assigned pages,
+`assigned_slots`, so these trust them):
+  * `paged_decode_attention_pool_xla` (`"xla_pool"`) scans the page pool in
+    place; work follows the pool size P.
+  * `paged_decode_attention_xla` (`"xla"`) gathers each sequence's pages into a
+    dense `[B, K, S, H]` view and runs `decode_attention_xla`.
 
 Quantized pools (int8 / fp8 values with `f32[K, P, page_size]` scale pools,
 passed as `k_scale=`, `v_scale=`): both XLA paths apply the scales to the
-logits and probabilities (`kvattn.ops.reference`); the Pallas paged kernel
+logits and probabilities (`kvattn.ops.xla`); the Pallas paged kernel
 gathers the scale pages with the value pages and dequantizes each block after
 loading it.
 """
@@ -54,49 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvattn import _checks
-from kvattn.ops import dispatch as _dispatch
-from kvattn.ops import quant as _quant
-from kvattn.ops import reference as _reference
-
-OP = "paged_decode_attention"
-
-
-def validate_paged_args(q, k_pages, v_pages, block_tables, lengths, *, window=None,
-                        soft_cap=None, sm_scale=None, k_scale=None, v_scale=None) -> None:
-  """Checks paged decode arguments; raises ValueError/TypeError naming them.
-
-  Raises:
-    ValueError: wrong ranks, mismatched sizes, N not a multiple of K,
-      non-positive window / soft_cap / sm_scale.
-    TypeError: non-float q/k_pages/v_pages (int8/fp8 pools need `k_scale`,
-      `v_scale: f32[K, P, page_size]`), k_pages and v_pages of different
-      dtypes, non-integer block_tables or lengths.
-  """
-  _checks.rank("q", q, 3, "[B, N, H]")
-  _checks.rank("k_pages", k_pages, 4, "[K, P, page_size, H]")
-  _checks.rank("v_pages", v_pages, 4, "[K, P, page_size, Hv]")
-  _checks.rank("block_tables", block_tables, 2, "[B, pages_per_seq]")
-  _checks.rank("lengths", lengths, 1, "[B]")
-  _checks.floating("q", q)
-  _reference._cache_dtype("k_pages", k_pages)  # pylint: disable=protected-access
-  _reference._cache_dtype("v_pages", v_pages)  # pylint: disable=protected-access
-  _checks.same_dtype(("k_pages", "v_pages"), (k_pages, v_pages))
-  _quant.check_scales(("k_pages", "k_scale"), k_pages, k_scale, k_pages.shape[:3],
-                      "f32[K, P, page_size]")
-  _quant.check_scales(("v_pages", "v_scale"), v_pages, v_scale, k_pages.shape[:3],
-                      "f32[K, P, page_size]")
-  _checks.integer("block_tables", block_tables)
-  _checks.integer("lengths", lengths)
-  batch, num_heads, _ = q.shape
-  num_kv_heads, num_pages, page_size, _ = k_pages.shape
-  _checks.dim("q", q, 2, k_pages.shape[3], "head dim H, from k_pages")
-  _checks.dim("v_pages", v_pages, 0, num_kv_heads, "KV heads K, from k_pages")
-  _checks.dim("v_pages", v_pages, 1, num_pages, "pages P, from k_pages")
-  _checks.dim("v_pages", v_pages, 2, page_size, "page_size, from k_pages")
-  _checks.dim("block_tables", block_tables, 0, batch, "batch B, from q")
-  _checks.dim("lengths", lengths, 0, batch, "batch B, from q")
-  _checks.head_layout(num_heads, num_kv_heads)
-  _reference.check_options(window, soft_cap, sm_scale)
+from kvattn.ops import xla as _xla
+from pallas_kernels import attention_common as _common
 
 
 def gather_pages(
@@ -181,8 +124,8 @@ def paged_decode_attention_xla(
               "v_scale": gather_pages(v_scale, block_tables)}
   # Slots outside the window (and past the length) cannot leak: the dense path keeps only the
   # attended slots' values and scales (no zeroed copy of the gathered V needed here).
-  return _reference.decode_attention_xla(q, k, v, lengths.astype(jnp.int32), sm_scale=sm_scale,
-                                         window=window, soft_cap=soft_cap, **scales)
+  return _xla.decode_attention_xla(q, k, v, lengths, sm_scale=sm_scale, window=window,
+                                   soft_cap=soft_cap, **scales)
 
 
 def paged_decode_attention_pool_xla(
@@ -224,8 +167,7 @@ def paged_decode_attention_pool_xla(
   pages_per_seq = block_tables.shape[1]
   groups = num_heads // num_kv
   scale = head_dim ** -0.5 if sm_scale is None else sm_scale
-  lengths = jnp.clip(lengths.astype(jnp.int32), 0, pages_per_seq * page_size)
-  starts = jnp.zeros_like(lengths) if window is None else jnp.maximum(lengths - window, 0)
+  starts, lengths = _common.attended_range(lengths, pages_per_seq * page_size, window)
 
   # Invert the tables: page -> (owner, logical index). Entries a sequence does
   # not use (past its length, unassigned) are scattered out of range (dropped).
@@ -286,84 +228,6 @@ def _xla_pool(q, k_pages, v_pages, block_tables, lengths, *, explicit, **options
         f"xla_pool: the pool ({k_pages.shape[1]} pages) is not smaller than the gathered view "
         f"({block_tables.shape[0]} x {block_tables.shape[1]} pages)")
   return paged_decode_attention_pool_xla(q, k_pages, v_pages, block_tables, lengths, **options)
-
-
-_dispatch.register_implementation(OP, "xla", _xla_paged)
-_dispatch.register_implementation(OP, "xla_pool", _xla_pool, preferred=True)
-
-
-def paged_decode_attention(
-    q: jax.Array,  # [B, N, H]
-    k_pages: jax.Array,  # [K, P, page_size, H]
-    v_pages: jax.Array,  # [K, P, page_size, Hv]
-    block_tables: jax.Array,  # i32[B, pages_per_seq]
-    lengths: jax.Array,  # i32[B]
-    *,
-    sm_scale: float | None = None,
-    window: int | None = None,
-    soft_cap: float | None = None,
-    k_scale: jax.Array | None = None,  # f32[K, P, page_size]
-    v_scale: jax.Array | None = None,  # f32[K, P, page_size]
-    implementation: str | None = None,
-) -> jax.Array:
-  """Attention of one new token per sequence against a paged KV cache.
-
-  PagedAttention (Kwon et al., SOSP 2023, §4.1): sequence b's slot s lives in
-  slot `s % page_size` of page `block_tables[b, s // page_size]`. The query
-  sits at slot `lengths[b] - 1` (its token already written) and attends slots
-  `[max(0, lengths[b] - window), lengths[b])` with scaled dot-product
-  attention (Vaswani et al. 2017, eq. 1); query head n reads KV head
-  `n // (N // K)`.
-
-  Args:
-    q: `[B, N, H]` queries.
-    k_pages: `[K, P, page_size, H]` key page pool.
-    v_pages: `[K, P, page_size, Hv]` value page pool (same dtype as k_pages).
-    block_tables: `i32[B, pages_per_seq]` physical page of each logical page;
-      entries outside `[0, P)` mean "no page" (only allowed at or past
-      `ceil(lengths[b] / page_size)`).
-    lengths: `i32[B]` valid tokens per sequence.
-    sm_scale: logit scale, default `1/sqrt(H)`.
-    window: sliding-window size in tokens, or None.
-    soft_cap: logit soft cap (`cap * tanh(s / cap)`), or None.
-    k_scale, v_scale: `f32[K, P, page_size]` scale pools of int8/fp8 page
-      pools (`PagedKVCache.scale_kwargs()`), applied inside the attention
-      computation; None for float pools.
-    implementation: `"xla"`, `"xla_pool"`, `"pallas"` or None (the first
-      backend that fits the device: the Pallas kernel on GPU/TPU; on CPU the
-      pool scan when the pool is smaller than the gathered view, else the XLA
-      gather path).
-
-  Lengths the block table does not cover: every row's length is clamped to
-  `[0, assigned_slots(block_tables, P, page_size)[b]]` (the leading assigned
-  pages) before any backend runs, so no backend ever reads a page the row
-  does not own (an unassigned entry is never resolved to another sequence's
-  page) and all backends agree. This only matters under jit after an update
-  past the assigned pages dropped tokens: those tokens are not attended, and
-  `PagedKVCache.overflowed` tells which rows lost some. With concrete
-  (eager) lengths and block tables such inputs raise instead.
-
-  Returns:
-    `[B, N, Hv]` in q's dtype, f32-accumulated; length-0 rows are zeros.
-
-  Raises:
-    ValueError: unknown `implementation`; shapes or options that do not fit;
-      and, when `lengths` and `block_tables` are concrete, a length outside
-      `[0, pages_per_seq * page_size]`, a page a sequence uses that the table
-      does not assign, or one page used twice (`check_block_tables`).
-    TypeError: non-float q/pages, k/v dtype mismatch, non-integer tables/lengths.
-    NotImplementedError: the named implementation cannot run these shapes here.
-  """
-  validate_paged_args(q, k_pages, v_pages, block_tables, lengths, window=window,
-                      soft_cap=soft_cap, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
-  num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
-  check_block_tables(block_tables, lengths, num_pages, page_size)
-  # Under jit the lengths may run past the assigned pages (dropped tokens): read only those.
-  lengths = jnp.clip(lengths.astype(jnp.int32), 0,
-                     assigned_slots(block_tables, num_pages, page_size))
-  scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
-  return _dispatch.dispatch(OP, implementation, q, k_pages, v_pages, block_tables, lengths,
-                            sm_scale=sm_scale, window=window, soft_cap=soft_cap, **scales)
 
 
 def check_block_tables(block_tables, lengths, num_pages: int, page_size: int) -> None:

@@ -1,30 +1,22 @@
 """The "pallas" backend of the decode dispatch points (fused Pallas kernels).
 
-Registers `pallas_kernels.decode_attention` for `"decode_attention"`,
-`pallas_kernels.mla_decode_attention` for `"mla_decode_attention"` and
-`pallas_kernels.paged_decode_attention` for `"paged_decode_attention"`, first
-in line. With `implementation=None` a kernel runs compiled on GPU (Triton
-lowering) and TPU (Mosaic) for the shapes it supports and raises
-`NotImplementedError` everywhere else (CPU, soft caps for the dense kernel,
-unsupported shapes or dtypes), so the dispatcher falls through to XLA. Named
-explicitly (`implementation="pallas"`) on CPU it runs in interpret mode, which
-is exact but slow (for tests and debugging). Quantized caches (int8/fp8 with
-per-slot scales, dense or paged) go to the kernels, which dequantize each block
-after loading it; where they compile for them is each kernel module's
-`supported`.
+Adapters from `kvattn.ops.dispatch` to `pallas_kernels.dense_decode` (dense
+and MLA) and `pallas_kernels.paged_decode`. The dispatch point has checked the
+arguments, so they call the kernels' `*_unchecked` entry points. With
+`implementation=None` a kernel runs compiled on GPU (Triton lowering) and TPU
+(Mosaic) for the shapes its `unsupported_reason` accepts, and raises
+`NotImplementedError` everywhere else (CPU, a soft cap for the dense kernel,
+unsupported shapes or dtypes), so the dispatcher moves on. Named explicitly on
+CPU it runs in interpret mode (exact but slow; for tests and debugging), where
+the GPU constraints apply.
 """
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 
-from kvattn.ops import dispatch
-
-# The module, not the package-level function of the same name.
-_kernels = importlib.import_module("pallas_kernels.decode_attention")
-_paged_kernel = importlib.import_module("pallas_kernels.paged_attention")
+from pallas_kernels import dense_decode as _kernels
+from pallas_kernels import paged_decode as _paged_kernel
 
 _COMPILED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
@@ -52,10 +44,11 @@ def _decode(q, k, v, lengths, *, explicit, sm_scale=None, window=None, soft_cap=
             k_scale=None, v_scale=None):
   if soft_cap is not None:
     raise NotImplementedError("pallas: soft_cap is not supported by the decode kernel")
-  interpret = _mode(explicit, lambda platform: _kernels.supported(
+  interpret = _mode(explicit, lambda platform: _kernels.unsupported_reason(
       q.shape, k.shape, v.shape, k.dtype, platform=platform))
-  return _kernels.decode_attention(q, k, v, lengths, sm_scale=sm_scale, window=window,
-                                   k_scale=k_scale, v_scale=v_scale, interpret=interpret)
+  return _kernels.decode_attention_unchecked(q, k, v, lengths, sm_scale=sm_scale, window=window,
+                                             k_scale=k_scale, v_scale=v_scale,
+                                             interpret=interpret)
 
 
 def _mla_decode(q_latent, q_rope, c_kv, k_rope, lengths, *, explicit, sm_scale,
@@ -63,28 +56,21 @@ def _mla_decode(q_latent, q_rope, c_kv, k_rope, lengths, *, explicit, sm_scale,
   batch, capacity, latent = c_kv.shape
   # The kernel's dot widths are C and R separately; check both as head dims.
   def why_not(platform):
-    return (_kernels.supported(q_latent.shape, (batch, 1, capacity, latent), None,
-                               c_kv.dtype, platform=platform)
-            or _kernels.supported(q_rope.shape, (batch, 1, capacity, k_rope.shape[-1]), None,
-                                  c_kv.dtype, platform=platform))
+    return (_kernels.unsupported_reason(q_latent.shape, (batch, 1, capacity, latent), None,
+                                        c_kv.dtype, platform=platform)
+            or _kernels.unsupported_reason(q_rope.shape, (batch, 1, capacity, k_rope.shape[-1]),
+                                           None, c_kv.dtype, platform=platform))
 
   interpret = _mode(explicit, why_not)
-  return _kernels.mla_decode_attention(q_latent, q_rope, c_kv, k_rope, lengths,
-                                       sm_scale=sm_scale, window=window, c_kv_scale=c_kv_scale,
-                                       k_rope_scale=k_rope_scale, interpret=interpret)
+  return _kernels.mla_decode_attention_unchecked(
+      q_latent, q_rope, c_kv, k_rope, lengths, sm_scale=sm_scale, window=window,
+      c_kv_scale=c_kv_scale, k_rope_scale=k_rope_scale, interpret=interpret)
 
 
 def _paged_decode(q, k_pages, v_pages, block_tables, lengths, *, explicit, sm_scale=None,
                   window=None, soft_cap=None, k_scale=None, v_scale=None):
-  interpret = _mode(explicit, lambda platform: _paged_kernel.supported(
+  interpret = _mode(explicit, lambda platform: _paged_kernel.unsupported_reason(
       q.shape, k_pages.shape, v_pages.shape, k_pages.dtype, platform=platform))
-  return _paged_kernel.paged_decode_attention(
+  return _paged_kernel.paged_decode_attention_unchecked(
       q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, window=window,
       soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, interpret=interpret)
-
-
-dispatch.register_implementation("decode_attention", "pallas", _decode, preferred=True)
-dispatch.register_implementation("mla_decode_attention", "pallas", _mla_decode,
-                                 preferred=True)
-dispatch.register_implementation("paged_decode_attention", "pallas", _paged_decode,
-                                 preferred=True)

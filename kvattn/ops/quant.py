@@ -45,15 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvattn import _checks
+from pallas_kernels.attention_common import (FORMAT_MAX, QUANT_DTYPES,  # noqa: F401
+                                             QUANT_NAMES, is_quantized)
 
-# Largest finite value of each storage format: the absmax of a token maps onto it.
-FORMAT_MAX: dict[Any, float] = {
-    jnp.dtype(jnp.int8): 127.0,
-    jnp.dtype(jnp.float8_e4m3fn): float(jnp.finfo(jnp.float8_e4m3fn).max),  # 448
-    jnp.dtype(jnp.float8_e5m2): float(jnp.finfo(jnp.float8_e5m2).max),  # 57344
-}
-QUANT_DTYPES = tuple(FORMAT_MAX)
-QUANT_NAMES = tuple(d.name for d in QUANT_DTYPES)
 SCALE_DTYPE = jnp.dtype(jnp.float32)
 
 
@@ -62,14 +56,6 @@ def _as_dtype(name: str, dtype: Any) -> jnp.dtype:
     return jnp.dtype(dtype)
   except TypeError as e:
     raise TypeError(f"{name} must be a JAX dtype; got {dtype!r}") from e
-
-
-def is_quantized(dtype: Any) -> bool:
-  """True for the storage dtypes that carry scales (int8, float8_e4m3fn, float8_e5m2)."""
-  try:
-    return jnp.dtype(dtype) in FORMAT_MAX
-  except TypeError:
-    return False
 
 
 def check_quant_dtype(dtype: Any, name: str = "dtype") -> jnp.dtype:
@@ -202,33 +188,3 @@ def dequantize_kv(
     raise ValueError(f"scales must have shape values.shape[:-1] = {tuple(values.shape[:-1])}; "
                      f"got {tuple(scales.shape)}")
   return (values.astype(jnp.float32) * scales.astype(jnp.float32)[..., None]).astype(dtype)
-
-
-def check_scales(names: tuple[str, str], values: jax.Array, scales: jax.Array | None,
-                 slot_shape: tuple[int, ...], doc: str) -> None:
-  """Validates a (values, scales) pair of an attention op.
-
-  A quantized `values` needs `scales` of `slot_shape` (f32); float values must
-  come without scales.
-
-  Raises:
-    TypeError: a quantized cache without scales, scales for a float cache,
-      non-float scales.
-    ValueError: scales of the wrong shape.
-  """
-  vname, sname = names
-  if scales is None:
-    if is_quantized(values.dtype):
-      raise TypeError(f"{vname} has the quantized dtype {values.dtype.name}: pass its per-slot "
-                      f"scales {sname} {doc}")
-    return
-  if not hasattr(scales, "shape"):
-    raise TypeError(f"{sname} must be an array {doc}; got {type(scales).__name__}")
-  if not is_quantized(values.dtype):
-    raise TypeError(f"{sname} is only for quantized caches {QUANT_NAMES}; {vname} has dtype "
-                    f"{values.dtype.name}")
-  if not jnp.issubdtype(scales.dtype, jnp.floating):
-    raise TypeError(f"{sname} must have a floating dtype (f32); got {scales.dtype}")
-  if tuple(scales.shape) != tuple(slot_shape):
-    raise ValueError(f"{sname} must have shape {doc} = {tuple(slot_shape)}; got "
-                     f"{tuple(scales.shape)}")

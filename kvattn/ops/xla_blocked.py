@@ -1,34 +1,24 @@
 """Blocked XLA decode attention: the flash-decoding recurrence as an XLA while loop.
 
-The plain XLA path (`reference.decode_attention_xla`) materialises `[B, N, S]`
-logits and a zeroed copy of V: on a CPU that is several passes over the cache
-per step. This path walks the key axis in blocks of `block_k` slots with
-`lax.fori_loop`, keeping the running max, sum and f32 accumulator of the
+The `"xla_blocked"` backend of `kvattn.ops.decode_attention` and
+`mla_decode_attention`. It walks the key axis in blocks of `block_k` slots
+with `lax.fori_loop`, keeping the running max, sum and f32 accumulator of the
 online softmax (FlashAttention-2, Dao 2023, algorithm 1), so each K/V block is
-read from memory once and everything else stays in cache. The loop runs only
-over the blocks that some sequence of the batch attends
-(`[min_b start_b, max_b length_b)`), so the step's work follows the longest
-real length, not the capacity.
+read once and no `[B, N, S]` logits exist. The loop runs only over the blocks
+some sequence of the batch attends (`[min_b start_b, max_b length_b)`), so the
+work follows the longest real length, not the capacity.
 
 Semantics are `decode_attention_xla`'s (query at slot `lengths[b] - 1`,
-window, soft cap, zeros for length-0 rows, lengths clamped to S) and garbage
-in unused slots cannot leak: masked logits are replaced by -inf, their
-probabilities are exact zeros and masked value rows are zeroed in the block
-before the weighted sum.
+window, soft cap, zeros for length-0 rows, lengths clamped to S); masked
+logits are replaced by -inf, their probabilities are exact zeros and masked
+value rows are zeroed in the block, so garbage in unused slots cannot leak.
+Quantized caches (int8 / fp8 with f32 per-slot scales) are converted to f32
+block by block, the scales multiplying the block's logits and probabilities.
 
-Quantized caches (int8 / fp8 values with f32 per-slot scales): each block is
-converted to f32 as it is read and its scales multiply the block's logits and
-probabilities, so the cache is dequantized block by block and no f32 copy of
-it exists (the plain path's dots make XLA:CPU convert the whole cache first).
-
-Registered as implementation `"xla_blocked"` of `decode_attention` and
-`mla_decode_attention`, tried before `"xla"`. With `implementation=None` it
-declines (NotImplementedError) off CPU and for float caches: although one
-decode call on a long f32 cache is faster blocked (`experiments/bench_decode.py`),
-inside the compiled generate loop the plain path was faster in same-session
-A/B runs (`experiments/bench_generate.py`), so only int8/fp8 caches whose f32
-conversion would reach `MIN_CONVERTED_BYTES_QUANT[format]` bytes pick it
-automatically. Named explicitly it runs anywhere.
+With `implementation=None` it runs only on CPU and only for int8/fp8 caches
+whose f32 conversion reaches `MIN_CONVERTED_BYTES_QUANT[format]` bytes
+(`_fits`; the measurements behind this are in docs/benchmarks.md, "Design
+notes from measurements"). Named explicitly it runs anywhere.
 """
 
 from __future__ import annotations
@@ -36,10 +26,9 @@ from __future__ import annotations
 import jax
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
 
-from kvattn.ops import dispatch
 from kvattn.ops import quant
+from pallas_kernels import attention_common as common
 
 # Bytes of one f32 K/V block (B * K * block_k * (H + Hv) * 4). Measured on a
 # 2-core CPU (experiments/bench_decode.py): 1-4 MiB blocks were fastest for
@@ -56,7 +45,6 @@ _BLOCK_BYTES = 2 << 20
 # picked from these many bytes of converted cache, per format.
 MIN_CONVERTED_BYTES_QUANT = {"int8": 8 << 20, "float8_e4m3fn": 32 << 20,
                              "float8_e5m2": 32 << 20}
-_M_INIT = -0.7 * float(np.finfo(np.float32).max)
 
 
 def _block_size(capacity: int, rows: int, width: int) -> int | None:
@@ -96,8 +84,7 @@ def blocked_decode(
   slot_axis = k1.ndim - 2
   batch, capacity = k1.shape[0], k1.shape[slot_axis]
   num_kv = k1.shape[1] if k1.ndim == 4 else 1
-  lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
-  starts = jnp.zeros_like(lengths) if window is None else jnp.maximum(lengths - window, 0)
+  starts, lengths = common.attended_range(lengths, capacity, window)
   first = jnp.min(starts) // block_k
   last = (jnp.max(lengths) + block_k - 1) // block_k
   values = k1 if v is None else v
@@ -139,7 +126,7 @@ def blocked_decode(
     acc = alpha[..., None] * acc + jnp.einsum("BKGS,BKSV->BKGV", pv, vb)
     return m_next, alpha * l + jnp.sum(p, axis=-1), acc
 
-  init = (jnp.full((batch, num_kv, groups), _M_INIT, jnp.float32),
+  init = (jnp.full((batch, num_kv, groups), common.M_INIT, jnp.float32),
           jnp.zeros((batch, num_kv, groups), jnp.float32),
           jnp.zeros((batch, num_kv, groups, hv), jnp.float32))
   _, l, acc = lax.fori_loop(first, last, body, init)
@@ -160,12 +147,6 @@ def _fits(dtype, capacity: int, rows: int, width: int) -> None:
           f"xla_blocked: quantized cache whose f32 conversion ({converted} bytes) is below "
           f"{needed} for {dtype.name}")
   else:
-    # Float caches: a single decode call on a long f32 cache is faster blocked
-    # (bench_decode), but inside the compiled generate loop -- where decode
-    # actually runs -- the plain path was faster in same-session A/B runs
-    # (bench_generate, B = 4, K = 8, S = 4096 half full: 8.5-9.0 vs 11.3-11.5
-    # ms/step; S = 2112: 4.2 vs 14.1; docs/benchmarks.md, "Generate"). So
-    # float caches use it only when named.
     raise NotImplementedError(
         f"xla_blocked: not picked automatically for {dtype} caches (slower than the plain "
         "path inside the compiled generate loop); name it to use it")
@@ -241,7 +222,3 @@ def _mla_decode(q_latent, q_rope, c_kv, k_rope, lengths, *, explicit, **options)
     _fits(c_kv.dtype, c_kv.shape[1], c_kv.shape[0], c_kv.shape[2] + k_rope.shape[2])
   return mla_decode_attention_blocked(q_latent, q_rope, c_kv, k_rope, lengths, **options)
 
-
-dispatch.register_implementation("decode_attention", "xla_blocked", _decode, preferred=True)
-dispatch.register_implementation("mla_decode_attention", "xla_blocked", _mla_decode,
-                                 preferred=True)

@@ -110,9 +110,9 @@ def test_auto_picks_the_compiled_kernel_on_accelerators(monkeypatch, platform):
   # compiled (interpret=False) kernel for supported shapes, and decline the rest.
   calls = []
   monkeypatch.setattr(pallas_backend.jax, "default_backend", lambda: platform)
-  monkeypatch.setattr(pallas_backend._kernels, "decode_attention",
+  monkeypatch.setattr(pallas_backend._kernels, "decode_attention_unchecked",
                       lambda *a, **kw: calls.append(kw) or jnp.zeros(()))
-  monkeypatch.setattr(pallas_backend._kernels, "mla_decode_attention",
+  monkeypatch.setattr(pallas_backend._kernels, "mla_decode_attention_unchecked",
                       lambda *a, **kw: calls.append(kw) or jnp.zeros(()))
   q, k, v = _dense(capacity=64, head_dim=64, v_dim=128)
   pallas_backend._decode(q, k, v, jnp.array([1, 2, 3]), explicit=False, window=4)

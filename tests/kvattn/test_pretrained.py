@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import kvattn
-from kvattn import paged, pretrained
+from kvattn import cache_factories, pretrained
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf"
 GQA_CASES = ("llama_gqa", "llama_mqa", "llama_rope3", "mistral_window", "qwen2_bias")
@@ -104,7 +104,7 @@ def test_gqa_architectures_match_transformers(name):
   _check_generate(model, tokens, lengths, new)  # dense KVCache
   if name in PAGED_CASES:
     _check_generate(model, tokens, lengths, new,
-                    cache_factory=paged.paged_cache_factory(model, page_size=4))
+                    cache_factory=cache_factories.paged_cache_factory(model, page_size=4))
 
 
 @pytest.mark.parametrize("name", MLA_CASES)

@@ -10,8 +10,9 @@ import pytest
 
 from kvattn import KVCache, LatentCache, memory, ops
 from kvattn.ops import quant
+from tests.pallas_kernels import _helpers
 
-FORMATS = {"int8": jnp.int8, "e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+FORMATS = {name: dtype for name, (dtype, _) in _helpers.FORMATS.items()}  # short name -> dtype
 MAX = {"int8": 127.0, "e4m3": 448.0, "e5m2": 57344.0}
 # Round to nearest: half a step. int8: the step is the scale (absmax / 127). fp8: half the
 # relative step (2^-3 for e4m3's 3 mantissa bits, 2^-2 for e5m2's 2) above the normal range,

@@ -7,7 +7,6 @@ Two comparisons per path:
     tolerance -- the quantization error itself (unit-normal q, k, v; H = 16).
 """
 
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +17,10 @@ from flax import nnx
 import kvattn
 from kvattn import KVCache, LatentCache, ops
 from kvattn.ops import xla_blocked
+from pallas_kernels import dense_decode as kernels
+from tests.pallas_kernels import _helpers
 
-kernels = importlib.import_module("pallas_kernels.decode_attention")
-
-FORMATS = {"int8": jnp.int8, "e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+FORMATS = {name: dtype for name, (dtype, _) in _helpers.FORMATS.items()}  # short name -> dtype
 # Max abs error of attention over the quantized cache vs the f32 cache, unit-normal inputs.
 # Measured maxima over these grids: int8 0.013, e4m3 0.08, e5m2 0.22; about 2x margin.
 TOL = {"int8": 0.03, "e4m3": 0.15, "e5m2": 0.4}
@@ -29,6 +28,14 @@ EXACT = 2e-5  # vs attention over the dequantized cache: f32 rounding only
 S = 64
 LENGTHS = jnp.array([0, 1, 15, 17, 63, 64], jnp.int32)  # B = 6 rows, edges of 16-slot blocks
 DENSE_IMPLS = ("xla", "xla_blocked", "pallas")  # "pallas" runs interpreted on CPU
+
+
+def _formats_and_impls(fast_pallas_format):
+  """(format, backend) pairs; the Pallas kernel runs interpreted on CPU, so by default only
+  for `fast_pallas_format` (tests/pallas_kernels cover the kernels on every format)."""
+  return [pytest.param(name, impl, marks=pytest.mark.slow)
+          if impl == "pallas" and name != fast_pallas_format else (name, impl)
+          for impl in DENSE_IMPLS for name in FORMATS]
 
 
 def _dense(num_heads=8, num_kv=2, head_dim=16, seed=0):
@@ -51,22 +58,10 @@ def _latent(num_heads=4, latent=32, rope=16, seed=1):
 def _poison(values, scales, lengths, slot_axis):
   """Garbage in every slot at or past each length: NaN scales and the format's extreme
   (NaN where the format has one) as values."""
-  slots = jnp.arange(values.shape[slot_axis])
-  unused = slots[None, :] >= lengths[:, None]  # [B, S]
-  s_shape = [1] * scales.ndim
-  s_shape[0], s_shape[-1] = unused.shape
-  v_shape = [1] * values.ndim
-  v_shape[0], v_shape[slot_axis] = unused.shape
-  if values.dtype == jnp.int8:
-    junk = jnp.asarray(-128, jnp.int8)
-  else:
-    junk = jnp.asarray(jnp.nan, values.dtype)
-  return (jnp.where(unused.reshape(v_shape), junk, values),
-          jnp.where(unused.reshape(s_shape), jnp.nan, scales))
+  return _helpers.poison(values, scales, lengths, None, slot_axis)
 
 
-@pytest.mark.parametrize("impl", DENSE_IMPLS)
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name,impl", _formats_and_impls("int8"))
 def test_dense_decode_paths_apply_the_scales(name, impl):
   dtype = FORMATS[name]
   q, k, v = _dense()
@@ -89,8 +84,7 @@ def test_dense_decode_paths_apply_the_scales(name, impl):
   np.testing.assert_array_equal(dirty, out)
 
 
-@pytest.mark.parametrize("impl", DENSE_IMPLS)
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name,impl", _formats_and_impls("e4m3"))
 def test_latent_decode_paths_apply_the_scales(name, impl):
   dtype = FORMATS[name]
   q_lat, q_rope, c_kv, k_rope = _latent()

@@ -9,6 +9,7 @@ import pytest
 
 from kvattn import ops
 from kvattn.ops import xla_blocked
+from pallas_kernels import attention_common
 
 # Jitted once per static configuration; lengths are traced (no recompiles).
 _blocked = jax.jit(xla_blocked.decode_attention_blocked,
@@ -46,8 +47,7 @@ def test_garbage_in_unused_slots_does_not_leak():
   q, k, v = _dense(8, 2, 32, 32, jnp.float32, seed=1)
   lengths, window = np.array([0, BLOCK + 1, S - 2], np.int32), BLOCK
   clean = _blocked(q, k, v, lengths, window=window, block_k=BLOCK)
-  slots = np.arange(S)
-  unused = (slots[None] >= lengths[:, None]) | (slots[None] < lengths[:, None] - window)
+  unused = ~np.asarray(attention_common.decode_mask(lengths, S, window))  # [B, S]
   for value in (np.nan, 1e30, np.inf):
     dirty = jnp.where(unused[:, None, :, None], value, k), jnp.where(
         unused[:, None, :, None], value, v)

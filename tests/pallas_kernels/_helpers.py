@@ -4,6 +4,8 @@
   (GPU/TPU; skipped on CPU) and, in an `...Interpret` subclass setting
   `INTERPRET = True`, with the Pallas interpreter on CPU. On a GPU,
   `pytest -k "not Interpret"` selects the compiled cases only.
+  `fast_when_interpreted` keeps a subset of a case list in the default
+  interpreted selection (the rest is `slow` there, default when compiled).
 * dtype-dependent tolerances and comparisons against the f32 references;
 * length vectors covering a grid of edges;
 * per-vector absmax quantization (as kvattn.ops.quantize_kv) and garbage for
@@ -21,15 +23,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import attention_common
+
 # Tolerances against the f32 reference, by the dtype the kernel computes in: the kernel
 # rounds q to the cache dtype and the probabilities to it before the PV dot (as flash
 # kernels do).
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 COMPILED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
-# Quantized storage formats: (dtype, largest finite value a token's absmax maps onto).
-FORMATS = {"int8": (jnp.int8, 127.0), "e4m3": (jnp.float8_e4m3fn, 448.0),
-           "e5m2": (jnp.float8_e5m2, 57344.0)}
+# Quantized storage formats by short name: (dtype, largest finite value a token's absmax
+# maps onto), from the one list (`attention_common.FORMAT_MAX`).
+FORMATS = {dtype.name.replace("float8_", "").replace("fn", ""): (dtype, top)
+           for dtype, top in attention_common.FORMAT_MAX.items()}
 
 
 def lengths_sets(batch, edges):
@@ -75,9 +80,17 @@ class KernelTest:
     return schedule
 
   def _require(self, reason):
-    """Skips a compiled case the backend does not support (`supported(...)`'s reason)."""
+    """Skips a compiled case the backend does not support (`unsupported_reason(...)`)."""
     if not self.INTERPRET and reason is not None:
       pytest.skip(reason)
+
+
+def fast_when_interpreted(cases, fast):
+  """`cases` as pytest params, all but those in `fast` marked `slow_when_interpreted`
+  (see tests/pallas_kernels/conftest.py): the default selection interprets only
+  `fast` on CPU and compiles every case on a GPU/TPU."""
+  return [case if case in fast else pytest.param(case, marks=pytest.mark.slow_when_interpreted)
+          for case in cases]
 
 
 def assert_errors(call, cases, valid_args):
@@ -131,9 +144,7 @@ def junk(dtype):
 
 def poison(values, scales, lengths, window, slot_axis):
   """Garbage (NaN scales; NaN or -128 values) outside `[max(0, L - W), L)` of each row."""
-  slots = jnp.arange(values.shape[slot_axis])
-  starts = 0 if window is None else jnp.maximum(lengths - window, 0)
-  unused = (slots[None] >= lengths[:, None]) | (slots[None] < jnp.reshape(starts, (-1, 1)))
+  unused = ~attention_common.decode_mask(lengths, values.shape[slot_axis], window)  # [B, S]
   s_shape = [1] * scales.ndim
   s_shape[0], s_shape[-1] = unused.shape
   v_shape = [1] * values.ndim

@@ -1,4 +1,4 @@
-"""Tests for pallas_kernels.decode_attention (fused GQA/MLA decode kernel).
+"""Tests for pallas_kernels.dense_decode (fused GQA/MLA decode kernel).
 
 `TestDecodeAttention` runs the kernel compiled and is skipped on CPU;
 `TestDecodeAttentionInterpret` runs every case with `interpret=True` (both
@@ -8,12 +8,15 @@ On a GPU, `pytest -k "not Interpret"` runs the compiled cases only.
 Every call compiles a kernel, which dominates the runtime in interpret mode,
 so each case loops over many `lengths` vectors (traced values: no recompile)
 and the default grid is a subset chosen so each edge appears at least once;
-the full product is `@pytest.mark.slow`.
+the full product is `@pytest.mark.slow`. Interpreted, the default selection
+keeps one case per edge class (every length edge, G = 1 and G > the G tile,
+garbage in unused slots, block skipping) and marks the repeats
+`slow_when_interpreted` (tests/pallas_kernels/conftest.py); compiled, every
+default case runs.
 """
 
 from __future__ import annotations
 
-import importlib
 import itertools
 
 import chex
@@ -23,11 +26,11 @@ import numpy as np
 import pytest
 
 from pallas_kernels import _common
+from pallas_kernels import dense_decode as da
+from pallas_kernels.attention_common import attended_range, decode_mask
 from tests.pallas_kernels._helpers import (DTYPES, KernelTest, assert_errors, close, close_lse,
-                                           jitted, lengths_sets)
+                                           fast_when_interpreted, jitted, lengths_sets)
 
-# The module (the package attribute `pallas_kernels.decode_attention` is the function).
-da = importlib.import_module("pallas_kernels.decode_attention")
 
 try:  # The XLA-path comparisons need kvattn (and so flax); a bare GPU image may lack it.
   import kvattn.ops as kvattn_ops
@@ -55,17 +58,13 @@ def _inputs(batch, num_heads, num_kv, head_dim, v_dim, dtype, capacity=S, seed=0
 
 def _fill_unused(x, lengths, window, value, slot_axis=2):
   """Copy of `x` with `value` in every slot outside `[max(0, L - W), L)` of each row."""
+  unused = ~np.asarray(decode_mask(lengths, x.shape[slot_axis], window))  # [B, S]
+  shape = [1] * x.ndim
+  shape[0], shape[slot_axis] = unused.shape
   dtype = x.dtype
-  x = np.array(x.astype(jnp.float32))
-  for b, length in enumerate(np.asarray(lengths)):
-    start = 0 if window is None else max(0, int(length) - window)
-    idx = [slice(None)] * x.ndim
-    idx[0] = b
-    for sl in (slice(0, start), slice(min(int(length), x.shape[slot_axis]), None)):
-      idx[slot_axis] = sl
-      x[tuple(idx)] = value
   with np.errstate(over="ignore"):  # 1e30 becomes inf in f16, as it would in a real cache
-    return jnp.asarray(x.astype(dtype))
+    return jnp.asarray(np.where(unused.reshape(shape), value,
+                                np.asarray(x.astype(jnp.float32))).astype(dtype))
 
 
 # Default cases: (B, N, K, H, Hv, dtype, window, schedule). Together they cover
@@ -116,7 +115,10 @@ class TestDecodeAttention(KernelTest):
       empty = lengths == 0
       np.testing.assert_array_equal(np.asarray(out, np.float32)[empty], 0.0)
 
-  @pytest.mark.parametrize("case", CASES, ids=str)
+  # Interpreted by default: G = 24 > the 16-row G tile ("loop") and G = 1 ("grid"); both
+  # cover every length edge (EDGES).
+  @pytest.mark.parametrize("case", fast_when_interpreted(CASES, (
+      (3, 48, 2, 64, 64, "bf16", 5, "loop"), (3, 8, 8, 128, 64, "bf16", None, "grid"))), ids=str)
   def test_matches_reference_and_xla(self, case):
     self._check_case(*case)
 
@@ -125,7 +127,7 @@ class TestDecodeAttention(KernelTest):
   def test_matches_reference_full_grid(self, case):
     self._check_case(*case)
 
-  @pytest.mark.parametrize("schedule", ["loop", "grid"])
+  @pytest.mark.parametrize("schedule", fast_when_interpreted(["loop", "grid"], ["loop"]))
   def test_independent_of_blocks_splits_and_tiles(self, schedule):
     # G = 48 > any G tile below: several tiles per KV head.
     q, k, v = _inputs(2, 48, 1, 64, 64, jnp.float32, capacity=128, seed=3)
@@ -143,7 +145,8 @@ class TestDecodeAttention(KernelTest):
       np.testing.assert_allclose(lse, base_lse, atol=2e-6, rtol=2e-6, err_msg=what)
 
   @pytest.mark.parametrize("schedule,dtype_name,window", [
-      ("loop", "f32", None), ("grid", "bf16", 2 * BLOCK + 1), ("loop", "f16", BLOCK)])
+      ("loop", "f32", None), ("grid", "bf16", 2 * BLOCK + 1),
+      pytest.param("loop", "f16", BLOCK, marks=pytest.mark.slow_when_interpreted)])
   def test_garbage_in_unused_slots_does_not_leak(self, schedule, dtype_name, window):
     dtype = DTYPES[dtype_name]
     q, k, v = _inputs(3, 8, 2, 64, 64, dtype, seed=5)
@@ -158,7 +161,7 @@ class TestDecodeAttention(KernelTest):
       np.testing.assert_array_equal(np.asarray(out, np.float32),
                                     np.asarray(clean, np.float32), err_msg=str(value))
 
-  @pytest.mark.parametrize("schedule", ["loop", "grid"])
+  @pytest.mark.parametrize("schedule", fast_when_interpreted(["loop", "grid"], ["loop"]))
   def test_lse_is_logsumexp_of_scaled_logits(self, schedule):
     q, k, v = _inputs(3, 8, 2, 64, 32, jnp.float32, seed=7)
     lengths = np.array([0, 1, 50], np.int32)
@@ -171,7 +174,7 @@ class TestDecodeAttention(KernelTest):
                   np.log(np.sum(np.exp(logits[b, :, :length].astype(np.float64)), -1)))
       np.testing.assert_allclose(np.asarray(lse[b]), expected, rtol=1e-5, atol=1e-5)
 
-  @pytest.mark.parametrize("schedule", ["loop", "grid"])
+  @pytest.mark.parametrize("schedule", fast_when_interpreted(["loop", "grid"], ["loop"]))
   def test_work_grows_with_the_real_length(self, schedule):
     # count_blocks reports how many key blocks each program actually ran its
     # body on; it must be the blocks overlapping [max(0, L - W), L), whatever S.
@@ -181,7 +184,7 @@ class TestDecodeAttention(KernelTest):
                       np.array([BLOCK - 1, BLOCK, 2 * BLOCK + 5, capacity], np.int32)):
         _, counts = self._kernel(q, k, v, lengths, window=window, schedule=schedule,
                                  num_splits=3, count_blocks=True)
-        starts = np.zeros_like(lengths) if window is None else np.maximum(lengths - window, 0)
+        starts = np.asarray(attended_range(lengths, capacity, window)[0])
         expected = -(-lengths // BLOCK) - starts // BLOCK
         np.testing.assert_array_equal(np.asarray(counts), np.repeat(expected[:, None], 2, 1),
                                       err_msg=f"S={capacity} window={window} L={lengths}")
@@ -193,7 +196,8 @@ class TestDecodeAttention(KernelTest):
     np.testing.assert_array_equal(over, at_s)
 
   @pytest.mark.parametrize("schedule,dtype_name,window", [
-      ("loop", "f32", None), ("grid", "bf16", BLOCK + 2)])
+      ("loop", "f32", None),
+      pytest.param("grid", "bf16", BLOCK + 2, marks=pytest.mark.slow_when_interpreted)])
   def test_mla_matches_reference_and_xla(self, schedule, dtype_name, window):
     dtype = DTYPES[dtype_name]
     rng = np.random.RandomState(11)

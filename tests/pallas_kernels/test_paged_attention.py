@@ -1,4 +1,4 @@
-"""Tests for pallas_kernels.paged_attention (fused paged GQA decode kernel).
+"""Tests for pallas_kernels.paged_decode (fused paged GQA decode kernel).
 
 `TestPagedAttention` runs the kernel compiled and is skipped on CPU;
 `TestPagedAttentionInterpret` runs every case with `interpret=True` (both
@@ -10,7 +10,9 @@ permutation, and everything no sequence attends (the tail of each last page,
 pages before the window, free pages) holds NaN, so kernel == reference ==
 XLA path also shows that garbage never leaks. Each case loops over several
 `lengths` vectors (traced values: no recompile); the full grid is
-`@pytest.mark.slow`.
+`@pytest.mark.slow`. Interpreted, the default selection keeps one case per
+edge class and marks the repeats `slow_when_interpreted`
+(tests/pallas_kernels/conftest.py); compiled, every default case runs.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import paged_attention as pa
+from pallas_kernels import paged_decode as pa
+from pallas_kernels.attention_common import attended_range
 from tests.pallas_kernels._helpers import (DTYPES, FORMATS, KernelTest, assert_errors, close,
-                                           close_lse, jitted, junk, lengths_sets, quantize)
+                                           close_lse, fast_when_interpreted, jitted, junk,
+                                           lengths_sets, quantize)
 
 try:  # The XLA-path comparisons need kvattn (and so flax); a bare GPU image may lack it.
   import kvattn.ops as kvattn_ops
@@ -67,9 +71,9 @@ def _dirty(pages, tables, lengths, window, value):
   page_size = pages.shape[2]
   keep = np.zeros(pages.shape[1:3], bool)  # [P, page_size]
   tables = np.array(tables)
+  starts, _ = attended_range(np.asarray(lengths), tables.shape[1] * page_size, window)
   for b, length in enumerate(lengths):
-    start = 0 if window is None else max(0, int(length) - window)
-    for slot in range(start, int(length)):
+    for slot in range(int(starts[b]), int(length)):
       keep[tables[b, slot // page_size], slot % page_size] = True
     tables[b, -(-int(length) // page_size):] = -1
   pages[:, ~keep] = value
@@ -149,7 +153,11 @@ class TestPagedAttention(KernelTest):
       close_lse(lse, ref_lse, dtype)
       np.testing.assert_array_equal(np.asarray(out, np.float32)[lengths == 0], 0.0)
 
-  @pytest.mark.parametrize("case", CASES, ids=str)
+  # Interpreted by default: G = 24 > the 16-row G tile ("loop") and G = 1 ("grid"); both
+  # cover every length edge (EDGES).
+  @pytest.mark.parametrize("case", fast_when_interpreted(CASES, (
+      (3, 48, 2, 64, 32, "bf16", 5, "loop"), (3, 8, 8, 128, 128, "bf16", None, "grid"))),
+                           ids=str)
   def test_matches_reference_and_xla(self, case):
     self._check_case(*case)
 
@@ -158,7 +166,7 @@ class TestPagedAttention(KernelTest):
   def test_matches_reference_full_grid(self, case):
     self._check_case(*case)
 
-  @pytest.mark.parametrize("schedule", ["loop", "grid"])
+  @pytest.mark.parametrize("schedule", fast_when_interpreted(["loop", "grid"], ["loop"]))
   def test_independent_of_pages_per_block_splits_and_tiles(self, schedule):
     # G = 48 > any G tile below: several tiles per KV head.
     q, k, v, tables = _inputs(2, 48, 1, 64, 64, jnp.float32, pages_per_seq=8, seed=3)
@@ -194,7 +202,7 @@ class TestPagedAttention(KernelTest):
       np.testing.assert_array_equal(np.asarray(out, np.float32),
                                     np.asarray(clean, np.float32), err_msg=str(value))
 
-  @pytest.mark.parametrize("schedule", ["loop", "grid"])
+  @pytest.mark.parametrize("schedule", fast_when_interpreted(["loop", "grid"], ["grid"]))
   def test_result_independent_of_page_order(self, schedule):
     q, k, v, tables = _inputs(3, 8, 2, 64, 64, jnp.float32, seed=9)
     lengths = np.array([PAGE, 1, S - 5], np.int32)
@@ -206,7 +214,7 @@ class TestPagedAttention(KernelTest):
                          lengths, schedule=schedule)
     np.testing.assert_array_equal(np.asarray(moved), np.asarray(out))
 
-  @pytest.mark.parametrize("schedule", ["loop", "grid"])
+  @pytest.mark.parametrize("schedule", fast_when_interpreted(["loop", "grid"], ["loop"]))
   def test_work_grows_with_the_real_length(self, schedule):
     # count_pages reports the pages each program read; it must follow the
     # attended range [max(0, L - W), L), whatever the table width.
@@ -217,7 +225,7 @@ class TestPagedAttention(KernelTest):
       _, counts = self._kernel(q, jnp.asarray(k), jnp.asarray(v), tables, lengths,
                                window=window, schedule=schedule, num_splits=3,
                                pages_per_block=1, count_pages=True)
-      starts = np.zeros_like(lengths) if window is None else np.maximum(lengths - window, 0)
+      starts = np.asarray(attended_range(lengths, pages_per_seq * PAGE, window)[0])
       expected = -(-lengths // PAGE) - starts // PAGE
       np.testing.assert_array_equal(np.asarray(counts), np.repeat(expected[:, None], 2, 1),
                                     err_msg=f"pages_per_seq={pages_per_seq} window={window}")
@@ -259,7 +267,8 @@ class TestPagedAttention(KernelTest):
     free pages) and moving every page to another position change nothing, bit for bit."""
     dtype, _ = FORMATS[name]
     q_dtype = DTYPES[q_dtype_name]
-    self._require(pa.supported(None, (num_kv, 1, QPAGE, 64), (num_kv, 1, QPAGE, 64), dtype))
+    self._require(pa.unsupported_reason(None, (num_kv, 1, QPAGE, 64), (num_kv, 1, QPAGE, 64),
+                                        dtype))
     batch = len(QEDGES)
     q, k, v, tables = _inputs(batch, num_heads, num_kv, 64, 64, q_dtype, seed=12,
                               page_size=QPAGE)
@@ -295,7 +304,9 @@ class TestPagedAttention(KernelTest):
     moved, _ = kernel(kq[:, inv], vq[:, inv], perm[tables], ks[:, inv], vs[:, inv])
     np.testing.assert_array_equal(np.asarray(moved, np.float32), np.asarray(out, np.float32))
 
-  @pytest.mark.parametrize("case", QUANT_CASES, ids=str)
+  @pytest.mark.parametrize("case", fast_when_interpreted(QUANT_CASES, (
+      ("int8", "grid", 8, 1, QPAGE + 3, "bf16"), ("e4m3", "loop", 8, 8, QPAGE + 3, "bf16"))),
+                           ids=str)
   def test_quantized_pools_match_reference_and_xla(self, case):
     self._check_quantized(*case)
 
@@ -449,18 +460,18 @@ def test_validation_errors_name_the_argument():
   assert_errors(call, cases, (q, k, v, tables, lengths))
 
 
-def test_supported_names_what_a_compiled_backend_cannot_take():
+def test_unsupported_reason_names_what_a_compiled_backend_cannot_take():
   pool = (2, 9, QPAGE, 64)
   for dtype in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16):
-    assert pa.supported(None, pool, pool, dtype, platform="gpu") is None, dtype
-  assert pa.supported(None, pool, pool, jnp.int8, platform="tpu") is None
-  assert "not f32/bf16/int8 on TPU" in pa.supported(None, pool, pool, jnp.float8_e5m2,
-                                                    platform="tpu")
-  assert "page_size=16 is not a multiple of 32" in pa.supported(
+    assert pa.unsupported_reason(None, pool, pool, dtype, platform="gpu") is None, dtype
+  assert pa.unsupported_reason(None, pool, pool, jnp.int8, platform="tpu") is None
+  assert "not f32/bf16/int8 on TPU" in pa.unsupported_reason(
+      None, pool, pool, jnp.float8_e5m2, platform="tpu")
+  assert "page_size=16 is not a multiple of 32" in pa.unsupported_reason(
       None, (2, 9, 16, 64), (2, 9, 16, 64), jnp.int8, platform="tpu")
-  assert "page_size=24 is not a power of two" in pa.supported(
+  assert "page_size=24 is not a power of two" in pa.unsupported_reason(
       None, (2, 9, 24, 64), (2, 9, 24, 64), jnp.float32, platform="gpu")
-  assert "value width Hv=8 is not a power of two >= 16" in pa.supported(
+  assert "value width Hv=8 is not a power of two >= 16" in pa.unsupported_reason(
       None, pool, (2, 9, QPAGE, 8), jnp.float32, platform="gpu")
-  assert "no compiled Pallas backend on 'cpu'" in pa.supported(None, pool, pool, jnp.float32,
-                                                               platform="cpu")
+  assert "no compiled Pallas backend on 'cpu'" in pa.unsupported_reason(
+      None, pool, pool, jnp.float32, platform="cpu")

@@ -8,16 +8,14 @@ scale per part. Only jax is needed (quantization is written out in _helpers.py).
 
 from __future__ import annotations
 
-import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import dense_decode as da
 from tests.pallas_kernels._helpers import FORMATS, TOL, jitted, poison, quantize
-
-da = importlib.import_module("pallas_kernels.decode_attention")
 _reference = jitted(da.decode_attention_reference)
 _mla_reference = jitted(da.mla_decode_attention_reference)
 
@@ -43,7 +41,10 @@ CASES = [  # (format, schedule, N, K, window, q dtype)
 ]
 
 
-@pytest.mark.parametrize("name,schedule,num_heads,num_kv,window,q_dtype", CASES)
+# Interpreted by default: one case per format (the rest, and the full grid, are slow).
+@pytest.mark.parametrize("name,schedule,num_heads,num_kv,window,q_dtype", [
+    case if case[:2] in (("int8", "grid"), ("e4m3", "loop"), ("e5m2", "loop"))
+    else pytest.param(*case, marks=pytest.mark.slow) for case in CASES])
 def test_dense_kernel_matches_reference_over_edges(name, schedule, num_heads, num_kv, window,
                                                    q_dtype):
   q, k, v = _dense(num_heads, num_kv, 16)
@@ -108,8 +109,9 @@ def test_result_independent_of_blocks_and_splits():
     np.testing.assert_allclose(out, outs[0], atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("name,schedule", [("int8", "grid"), ("e4m3", "loop"),
-                                           ("e5m2", "loop")])
+@pytest.mark.parametrize("name,schedule", [
+    pytest.param("int8", "grid", marks=pytest.mark.slow), ("e4m3", "loop"),
+    pytest.param("e5m2", "loop", marks=pytest.mark.slow)])
 def test_mla_kernel_scales_each_part(name, schedule):
   rng = np.random.default_rng(5)
   b = len(EDGES)
@@ -144,11 +146,12 @@ def test_validation_names_the_scales():
     da.decode_attention(q, k, v, lengths, k_scale=ks, v_scale=ks, interpret=True)
   with pytest.raises(ValueError, match=r"v_scale must have shape f32\[B, K, S\]"):
     da.decode_attention(q, kq, kq, lengths, k_scale=ks, v_scale=ks[:, :, :5], interpret=True)
-  assert da.supported((1, 8, 64), (1, 2, 128, 64), None, jnp.int8, platform="gpu") is None
-  assert da.supported((1, 8, 64), (1, 2, 128, 64), None, jnp.float8_e4m3fn,
-                      platform="gpu") is None
-  assert "not f32/bf16/int8 on TPU" in da.supported((1, 8, 64), (1, 2, 128, 64), None,
-                                                    jnp.float8_e5m2, platform="tpu")
+  assert da.unsupported_reason((1, 8, 64), (1, 2, 128, 64), None, jnp.int8,
+                               platform="gpu") is None
+  assert da.unsupported_reason((1, 8, 64), (1, 2, 128, 64), None, jnp.float8_e4m3fn,
+                               platform="gpu") is None
+  assert "not f32/bf16/int8 on TPU" in da.unsupported_reason(
+      (1, 8, 64), (1, 2, 128, 64), None, jnp.float8_e5m2, platform="tpu")
 
 
 @pytest.mark.skipif(jax.default_backend() not in ("gpu", "cuda", "rocm", "tpu"),
@@ -156,7 +159,7 @@ def test_validation_names_the_scales():
 @pytest.mark.parametrize("name", ["int8", "e4m3", "e5m2"])
 def test_compiled_kernel_matches_reference(name):
   """The compiled kernel (GPU: Triton; TPU: Mosaic, int8 only) on the same edges."""
-  reason = da.supported((1, 8, 64), (1, 2, S, 64), None, FORMATS[name][0])
+  reason = da.unsupported_reason((1, 8, 64), (1, 2, S, 64), None, FORMATS[name][0])
   if reason is not None:
     pytest.skip(reason)
   q, k, v = _dense(8, 2, 64)

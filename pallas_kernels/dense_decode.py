@@ -50,8 +50,9 @@ Both run on CPU with `interpret=True` (what the tests do).
 Layout follows jax/experimental/pallas/ops/gpu/decode_attention.py: kernels
 (refs only), then the launcher, then the public jitted wrappers, then the
 pure-jnp references. What this kernel shares with the paged one (the
-online-softmax math, the schedules' launch configuration, argument checks, the
-reference core) is in `_common.py`.
+online-softmax math, the schedules' launch configuration) is in `_common.py`;
+the attended range, constants and argument checks of every attention path are
+in `attention_common.py`.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _common
-from pallas_kernels._common import QUANT_DTYPES  # noqa: F401  (a public name of this module)
+from pallas_kernels import attention_common as common
+from pallas_kernels.attention_common import QUANT_DTYPES  # noqa: F401  (a public name)
 
 # ----------------------------------------------------------------------------
 # Kernels. The online-softmax math, the "loop" block walk and the "grid"
@@ -341,7 +343,7 @@ def _decode_impl(q1, q2, k1, k2, v, lengths, scales, *, sm_scale, window, interp
   if num_splits is None:
     num_splits = _common.default_splits(schedule, batch * num_kv * (gp // block_g), num_blocks)
   num_splits = min(num_splits, num_blocks)
-  starts, lengths = _common.clamp_lengths(lengths, capacity, window)
+  starts, lengths = common.attended_range(lengths, capacity, window)
   dot_dtype = _common.dot_dtype(q1.dtype, k1.dtype)
   if scales is not None:
     scales = _common.scale_columns(scales)
@@ -420,24 +422,22 @@ def decode_attention(
       schedule supports, a bad tunable, or `interpret=False` without a GPU/TPU.
     TypeError: non-float q/k/v, k/v dtype mismatch, non-integer lengths.
   """
-  _common.check_rank("q", q, 3, "[B, N, H]")
-  _common.check_rank("k", k, 4, "[B, K, S, H]")
-  _common.check_rank("v", v, 4, "[B, K, S, Hv]")
-  _common.check_float("q", q)
-  _common.check_cache(("k", "k_scale"), k, k_scale, k.shape[:3], "f32[B, K, S]")
-  _common.check_cache(("v", "v_scale"), v, v_scale, k.shape[:3], "f32[B, K, S]")
-  if k.dtype != v.dtype:
-    raise TypeError(f"k and v must share one dtype; got k={k.dtype}, v={v.dtype}")
-  batch, num_kv, capacity, head_dim = k.shape
-  _common.check_dim("q", q, 0, batch, "batch B, from k")
-  _common.check_dim("q", q, 2, head_dim, "head dim H, from k")
-  _common.check_dim("v", v, 0, batch, "batch B, from k")
-  _common.check_dim("v", v, 1, num_kv, "KV heads K, from k")
-  _common.check_dim("v", v, 2, capacity, "slots S, from k")
-  _common.check_head_layout(q.shape[1], num_kv)
-  lengths = _common.check_lengths(lengths, batch)
-  _common.check_positive_float("sm_scale", sm_scale)
-  _common.check_positive_int("window", window)
+  lengths = common.check_decode_args(q, k, v, lengths, window, None, sm_scale, k_scale, v_scale)
+  return decode_attention_unchecked(
+      q, k, v, lengths, sm_scale=sm_scale, window=window, k_scale=k_scale, v_scale=v_scale,
+      interpret=interpret, block_k=block_k, block_g=block_g, num_splits=num_splits,
+      schedule=schedule, num_warps=num_warps, num_stages=num_stages, return_lse=return_lse,
+      count_blocks=count_blocks)
+
+
+def decode_attention_unchecked(q, k, v, lengths, *, sm_scale=None, window=None, k_scale=None,
+                               v_scale=None, interpret=False, block_k=None, block_g=None,
+                               num_splits=None, schedule=None, num_warps=None, num_stages=None,
+                               return_lse=False, count_blocks=False):
+  """`decode_attention` without the argument checks, for callers that ran them
+  (`attention_common.check_decode_args`; kvattn's dispatch point). The tunables
+  are still checked: they are resolved here."""
+  _, num_kv, capacity, head_dim = k.shape
   schedule = _common.check_schedule(schedule, interpret, (
       ("block_k", block_k), ("block_g", block_g), ("num_splits", num_splits)))
   sm_scale = float(head_dim ** -0.5 if sm_scale is None else sm_scale)
@@ -499,32 +499,23 @@ def mla_decode_attention(
   Raises:
     ValueError/TypeError: as `decode_attention`, naming the argument.
   """
-  _common.check_rank("q_latent", q_latent, 3, "[B, N, C]")
-  _common.check_rank("q_rope", q_rope, 3, "[B, N, R]")
-  _common.check_rank("c_kv", c_kv, 3, "[B, S, C]")
-  _common.check_rank("k_rope", k_rope, 3, "[B, S, R]")
-  for name, x in (("q_latent", q_latent), ("q_rope", q_rope)):
-    _common.check_float(name, x)
-  _common.check_cache(("c_kv", "c_kv_scale"), c_kv, c_kv_scale, c_kv.shape[:2], "f32[B, S]")
-  _common.check_cache(("k_rope", "k_rope_scale"), k_rope, k_rope_scale, c_kv.shape[:2], "f32[B, S]")
-  if c_kv.dtype != k_rope.dtype:
-    raise TypeError(f"c_kv and k_rope must share one dtype; got c_kv={c_kv.dtype}, "
-                    f"k_rope={k_rope.dtype}")
-  batch, capacity, latent = c_kv.shape
-  _common.check_dim("k_rope", k_rope, 0, batch, "batch B, from c_kv")
-  _common.check_dim("k_rope", k_rope, 1, capacity, "slots S, from c_kv")
-  _common.check_dim("q_latent", q_latent, 0, batch, "batch B, from c_kv")
-  _common.check_dim("q_latent", q_latent, 2, latent, "latent C, from c_kv")
-  if q_rope.shape[:2] != q_latent.shape[:2]:
-    raise ValueError(f"q_rope must match q_latent in [B, N]; got {tuple(q_rope.shape)} and "
-                     f"{tuple(q_latent.shape)}")
-  _common.check_dim("q_rope", q_rope, 2, k_rope.shape[-1], "rope dim R, from k_rope")
-  lengths = _common.check_lengths(lengths, batch)
-  if sm_scale is None:
-    raise ValueError("sm_scale is required for MLA: 1/sqrt(qk_nope_head_dim + "
-                     "qk_rope_head_dim)")
-  _common.check_positive_float("sm_scale", sm_scale)
-  _common.check_positive_int("window", window)
+  lengths = common.check_mla_decode_args(q_latent, q_rope, c_kv, k_rope, lengths, sm_scale,
+                                         window, c_kv_scale, k_rope_scale)
+  return mla_decode_attention_unchecked(
+      q_latent, q_rope, c_kv, k_rope, lengths, sm_scale=sm_scale, window=window,
+      c_kv_scale=c_kv_scale, k_rope_scale=k_rope_scale, interpret=interpret, block_k=block_k,
+      block_g=block_g, num_splits=num_splits, schedule=schedule, num_warps=num_warps,
+      num_stages=num_stages, return_lse=return_lse, count_blocks=count_blocks)
+
+
+def mla_decode_attention_unchecked(q_latent, q_rope, c_kv, k_rope, lengths, *, sm_scale,
+                                   window=None, c_kv_scale=None, k_rope_scale=None,
+                                   interpret=False, block_k=None, block_g=None, num_splits=None,
+                                   schedule=None, num_warps=None, num_stages=None,
+                                   return_lse=False, count_blocks=False):
+  """`mla_decode_attention` without the argument checks, for callers that ran them
+  (`attention_common.check_mla_decode_args`; kvattn's dispatch point)."""
+  capacity, latent = c_kv.shape[1], c_kv.shape[2]
   schedule = _common.check_schedule(schedule, interpret, (
       ("block_k", block_k), ("block_g", block_g), ("num_splits", num_splits)))
   _tiles(schedule, q_latent.shape[1], capacity, latent + k_rope.shape[-1], latent,
@@ -539,11 +530,11 @@ def mla_decode_attention(
                       num_warps=num_warps, num_stages=num_stages)
 
 
-def supported(q_shape, k_shape, v_shape, dtype, *,
-              platform: str | None = None) -> str | None:
+def unsupported_reason(q_shape, k_shape, v_shape, dtype, *,
+                       platform: str | None = None) -> str | None:
   """Why the compiled kernel cannot run these shapes, or None if it can.
 
-  Used by kvattn's dispatcher to fall back to XLA. `k_shape` is
+  Used by kvattn's dispatch to fall back to XLA. `k_shape` is
   `[B, K, S, H]`, `v_shape` `[B, K, S, Hv]` or None when the value is the key
   (MLA: check `c_kv` and `k_rope` each as a `[B, 1, S, width]` key).
   `platform` defaults to the JAX default backend. Quantized caches are
@@ -571,6 +562,31 @@ def supported(q_shape, k_shape, v_shape, dtype, *,
 # ----------------------------------------------------------------------------
 
 
+def _reference_softmax(logits, lengths, window):
+  """Masked softmax of f32 `logits [B, N, S]` over the attended slots (`decode_mask`).
+
+  Masked logits are replaced by -inf and their probabilities are exact zeros.
+  Returns `(probs [B, N, S] normalised, mask bool[B, S], lse f32[B, N])`
+  (lse -inf and probabilities 0 where nothing is attended).
+  """
+  mask = common.decode_mask(lengths, logits.shape[-1], window)
+  logits = jnp.where(mask[:, None], logits, -jnp.inf)
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  probs = jnp.where(mask[:, None], jnp.exp(logits - top), 0.0)
+  denom = jnp.sum(probs, axis=-1)
+  lse = jnp.where(denom > 0, top[..., 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)),
+                  -jnp.inf)
+  return probs / jnp.where(denom > 0, denom, 1.0)[..., None], mask, lse
+
+
+def _dequant_reference(x, scale):
+  """f32 `x * scale[..., None]` for a quantized operand, else `x` unchanged."""
+  if scale is None:
+    return x
+  return x.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
+
+
 def decode_attention_reference(
     q: jax.Array,        # [B, N, H]
     k: jax.Array,        # [B, K, S, H]
@@ -579,6 +595,7 @@ def decode_attention_reference(
     *,
     sm_scale: float | None = None,
     window: int | None = None,
+    soft_cap: float | None = None,
     k_scale: jax.Array | None = None,  # f32[B, K, S]
     v_scale: jax.Array | None = None,  # f32[B, K, S]
     return_lse: bool = False,
@@ -586,15 +603,27 @@ def decode_attention_reference(
 ):
   """Plain-jnp f32 `decode_attention` (same signature; tunables are ignored).
 
-  Materialises the `[B, N, S]` logits, masks slots outside `[max(0, L - W),
-  L)` by replacement and zeroes masked value rows, so garbage cannot leak.
-  A quantized cache is dequantized up front (`k * k_scale[..., None]` in f32).
-  Returns `[B, N, Hv]` in q's dtype (and `f32[B, N]` lse with `return_lse`).
+  Materialises the `[B, N, S]` logits (soft-capped, `cap * tanh(s / cap)`, when
+  `soft_cap` is given: the paged reference uses that), masks slots outside
+  `[max(0, L - W), L)` by replacement and zeroes masked value rows, so garbage
+  cannot leak. A quantized cache is dequantized up front (`k * k_scale[...,
+  None]` in f32). Query head n reads KV head `n // (N // K)`. Returns `[B, N,
+  Hv]` in q's dtype (and the `f32[B, N]` log-sum-exp of the scaled logits with
+  `return_lse`).
   """
   del unused_tunables
   sm_scale = k.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-  k, v = _common.dequant_reference(k, k_scale), _common.dequant_reference(v, v_scale)
-  out, lse = _common.reference_gqa(q, k, v, lengths, sm_scale=sm_scale, window=window)
+  k, v = _dequant_reference(k, k_scale), _dequant_reference(v, v_scale)
+  num_kv, num_heads = k.shape[1], q.shape[1]
+  kh = jnp.repeat(k.astype(jnp.float32), num_heads // num_kv, axis=1)  # [B, N, S, H]
+  vh = jnp.repeat(v.astype(jnp.float32), num_heads // num_kv, axis=1)
+  logits = jnp.einsum("BNH,BNSH->BNS", q.astype(jnp.float32), kh,
+                      precision=lax.Precision.HIGHEST) * sm_scale
+  if soft_cap is not None:
+    logits = soft_cap * jnp.tanh(logits / soft_cap)
+  probs, mask, lse = _reference_softmax(logits, lengths, window)
+  vh = jnp.where(mask[:, None, :, None], vh, 0.0)
+  out = jnp.einsum("BNS,BNSV->BNV", probs, vh, precision=lax.Precision.HIGHEST)
   out = out.astype(q.dtype)
   return (out, lse) if return_lse else out
 
@@ -620,14 +649,14 @@ def mla_decode_attention_reference(
   dtype (and `f32[B, N]` lse).
   """
   del unused_tunables
-  c_kv = _common.dequant_reference(c_kv, c_kv_scale)
-  k_rope = _common.dequant_reference(k_rope, k_rope_scale)
+  c_kv = _dequant_reference(c_kv, c_kv_scale)
+  k_rope = _dequant_reference(k_rope, k_rope_scale)
   f32 = jnp.float32
   hi = lax.Precision.HIGHEST
   logits = (jnp.einsum("BNC,BSC->BNS", q_latent.astype(f32), c_kv.astype(f32), precision=hi)
             + jnp.einsum("BNR,BSR->BNS", q_rope.astype(f32), k_rope.astype(f32),
                          precision=hi)) * sm_scale
-  probs, mask, lse = _common.reference_softmax(logits, lengths, window)
+  probs, mask, lse = _reference_softmax(logits, lengths, window)
   values = jnp.where(mask[:, :, None], c_kv.astype(f32), 0.0)
   out = jnp.einsum("BNS,BSC->BNC", probs, values, precision=hi).astype(q_latent.dtype)
   return (out, lse) if return_lse else out

@@ -30,7 +30,7 @@ page. This kernel computes the decode step's attention directly from the pool:
   `k_scale, v_scale: f32[K, P, page_size]`, `k[s] = k_q[s] * k_scale[s]`, as
   `PagedKVCache` stores them): the scale pages travel with the value pages
   (same gather, same index maps) and each block is dequantized in the kernel
-  right after it is loaded, exactly as in `decode_attention.py` (`k_q.astype(f32)
+  right after it is loaded, exactly as in `dense_decode.py` (`k_q.astype(f32)
   * scale`, cast to the dot's dtype: f32, or q's dtype when q is bf16/f16).
   The pool is read in its 1-byte form; garbage scales of unused slots and free
   pages are masked like garbage values.
@@ -50,8 +50,9 @@ Two schedules of the same math, chosen by `schedule=`:
   issues no DMA for them, and `pl.when` skips their compute.
 
 Both run on CPU with `interpret=True` (what the tests do). Layout as in
-`decode_attention.py`: kernels (refs only), launcher, public wrapper,
-pure-jnp reference; the math both kernels share is in `_common.py`.
+`dense_decode.py`: kernels (refs only), launcher, public wrapper,
+pure-jnp reference; the math both kernels share is in `_common.py`, the
+attended range and argument checks in `attention_common.py`.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _common
+from pallas_kernels import attention_common as common
+from pallas_kernels import dense_decode
 
 # ----------------------------------------------------------------------------
 # Kernels. The online-softmax math, the "loop" block walk and the "grid"
@@ -326,31 +329,6 @@ def _paged_partials(
 # ----------------------------------------------------------------------------
 
 
-def _check_args(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale):
-  _common.check_rank("q", q, 3, "[B, N, H]")
-  _common.check_rank("k_pages", k_pages, 4, "[K, P, page_size, H]")
-  _common.check_rank("v_pages", v_pages, 4, "[K, P, page_size, Hv]")
-  _common.check_rank("block_tables", block_tables, 2, "[B, pages_per_seq]")
-  _common.check_rank("lengths", lengths, 1, "[B]")
-  _common.check_float("q", q)
-  for names, pool, scales in ((("k_pages", "k_scale"), k_pages, k_scale),
-                              (("v_pages", "v_scale"), v_pages, v_scale)):
-    _common.check_cache(names, pool, scales, k_pages.shape[:3], "f32[K, P, page_size]")
-  for name, x in (("block_tables", block_tables), ("lengths", lengths)):
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-      raise TypeError(f"{name} must have an integer dtype; got {x.dtype}")
-  if k_pages.dtype != v_pages.dtype:
-    raise TypeError(f"k_pages and v_pages must share one dtype; got k_pages={k_pages.dtype}, "
-                    f"v_pages={v_pages.dtype}")
-  batch, num_heads, _ = q.shape
-  _common.check_dim("q", q, 2, k_pages.shape[3], "head dim H, from k_pages")
-  for axis, what in ((0, "KV heads K"), (1, "pages P"), (2, "page_size")):
-    _common.check_dim("v_pages", v_pages, axis, k_pages.shape[axis], f"{what}, from k_pages")
-  _common.check_dim("block_tables", block_tables, 0, batch, "batch B, from q")
-  _common.check_dim("lengths", lengths, 0, batch, "batch B, from q")
-  _common.check_head_layout(num_heads, k_pages.shape[0])
-
-
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "window", "soft_cap", "interpret", "pages_per_block", "block_g", "num_splits",
     "schedule", "return_lse", "count_pages", "num_warps", "num_stages"))
@@ -373,7 +351,7 @@ def _paged_impl(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *,
   # (clamped) by a block straddling the end of the table, and masked.
   tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pages_padded - pages_per_seq)),
                    constant_values=-1)
-  starts, lengths = _common.clamp_lengths(lengths, pages_per_seq * page_size, window)
+  starts, lengths = common.attended_range(lengths, pages_per_seq * page_size, window)
   qg = _common.group_queries(q, num_kv, gp, _common.dot_dtype(q.dtype, k_pages.dtype))
   scale_pools = () if k_scale is None else _common.scale_columns((k_scale, v_scale))
   outs = _paged_partials(
@@ -461,13 +439,28 @@ def paged_decode_attention(
     TypeError: non-float q/pages, k/v dtype mismatch, non-integer tables/lengths,
       a quantized pool without its scales or scales for a float pool.
   """
-  _check_args(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale)
-  _common.check_positive_float("sm_scale", sm_scale)
-  _common.check_positive_float("soft_cap", soft_cap)
-  for name, value in (("window", window), ("pages_per_block", pages_per_block),
-                      ("block_g", block_g), ("num_splits", num_splits)):
-    _common.check_positive_int(name, value)
-  schedule = _common.check_schedule(schedule, interpret)
+  lengths = common.check_paged_args(q, k_pages, v_pages, block_tables, lengths, window=window,
+                                    soft_cap=soft_cap, sm_scale=sm_scale, k_scale=k_scale,
+                                    v_scale=v_scale)
+  return paged_decode_attention_unchecked(
+      q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, window=window,
+      soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, interpret=interpret,
+      pages_per_block=pages_per_block, block_g=block_g, num_splits=num_splits,
+      schedule=schedule, num_warps=num_warps, num_stages=num_stages, return_lse=return_lse,
+      count_pages=count_pages)
+
+
+def paged_decode_attention_unchecked(q, k_pages, v_pages, block_tables, lengths, *,
+                                     sm_scale=None, window=None, soft_cap=None, k_scale=None,
+                                     v_scale=None, interpret=False, pages_per_block=None,
+                                     block_g=None, num_splits=None, schedule=None,
+                                     num_warps=None, num_stages=None, return_lse=False,
+                                     count_pages=False):
+  """`paged_decode_attention` without the argument checks, for callers that ran them
+  (`attention_common.check_paged_args`; kvattn's dispatch point). The tunables are
+  still checked: they are resolved here."""
+  schedule = _common.check_schedule(schedule, interpret, (
+      ("pages_per_block", pages_per_block), ("block_g", block_g), ("num_splits", num_splits)))
   head_dim = q.shape[2]
   # Resolve tiles now so an unfit page size or tunable raises before tracing.
   _tiles(schedule, q.shape[1] // k_pages.shape[0], k_pages.shape[2], block_tables.shape[1],
@@ -481,11 +474,11 @@ def paged_decode_attention(
                      num_warps=num_warps, num_stages=num_stages)
 
 
-def supported(q_shape, k_pages_shape, v_pages_shape, dtype, *,
-              platform: str | None = None) -> str | None:
+def unsupported_reason(q_shape, k_pages_shape, v_pages_shape, dtype, *,
+                       platform: str | None = None) -> str | None:
   """Why the compiled kernel cannot run these shapes, or None if it can.
 
-  Used by kvattn's dispatcher to fall back to the XLA path.
+  Used by kvattn's dispatch to fall back to the XLA path.
   `k_pages_shape` is `[K, P, page_size, H]`, `v_pages_shape` `[K, P,
   page_size, Hv]`; `dtype` the pools' dtype. Quantized pools are accepted on
   GPU (int8 and both fp8 formats; Triton needs sm_89+ for fp8) and, int8
@@ -538,16 +531,13 @@ def paged_decode_attention_reference(
   lse with `return_lse`).
   """
   del unused_tunables
-  sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
   ids = jnp.clip(block_tables, 0, k_pages.shape[1] - 1)
 
   def dense(pool):  # [K, P, page_size, ...] -> [B, K, S, ...]
     x = jnp.moveaxis(jnp.take(pool, ids, axis=1), 0, 1)  # [B, K, pages_per_seq, ps, ...]
     return x.reshape(x.shape[:2] + (-1,) + x.shape[4:])
 
-  k = _common.dequant_reference(dense(k_pages), None if k_scale is None else dense(k_scale))
-  v = _common.dequant_reference(dense(v_pages), None if v_scale is None else dense(v_scale))
-  out, lse = _common.reference_gqa(q, k, v, lengths, sm_scale=sm_scale, window=window,
-                                   soft_cap=soft_cap)
-  out = out.astype(q.dtype)
-  return (out, lse) if return_lse else out
+  return dense_decode.decode_attention_reference(
+      q, dense(k_pages), dense(v_pages), lengths, sm_scale=sm_scale, window=window,
+      soft_cap=soft_cap, k_scale=None if k_scale is None else dense(k_scale),
+      v_scale=None if v_scale is None else dense(v_scale), return_lse=return_lse)
