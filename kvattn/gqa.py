@@ -75,7 +75,9 @@ class GroupedQueryAttention(nnx.Module):
 
   Caches: any `kvattn.cache_protocol.GQACache`; the module writes the new
   keys and values with `cache.update` and attends with `cache.attend`, which
-  routes to the dispatch point of the cache's layout. `kvattn.KVCache`: `k,
+  routes to the dispatch point of the cache's layout (through
+  `cache_protocol.update_attend`: a cache with its own `update_attend`, such as
+  the long-context kinds, takes q and k before RoPE and does the whole step). `kvattn.KVCache`: `k,
   v: [B, K, S, H]` in the cache dtype, RoPE applied to k before it is
   written, `lengths: i32[B]`, for an int8 / fp8 cache also `k_scale, v_scale:
   f32[B, K, S]` (quantized on write; the attention ops apply the scales as
