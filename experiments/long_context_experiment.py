@@ -61,7 +61,8 @@ from kvattn import long_context
 from kvattn import transformer as transformer_lib
 
 KINDS = ("full", "window", "sink") + long_context.POLICIES
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
+          "There and back again. ")
 QUESTION = "What is the pass key? The pass key is"
 FILES = {"plot": "ppl_vs_position.png", "heatmap": "passkey_{kind}.png"}
 
