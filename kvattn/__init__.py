@@ -10,6 +10,10 @@ Public names (`__all__`; DESIGN.md has the contract):
     `LatentCache`      MLA cache of one layer, `c_kv: [B, S, C]`, `k_rope: [B, S, R]`.
     `PagedKVCache`     paged cache of one layer, page pools + block tables.
     `PageAllocator`    host-side page allocator of a paged pool.
+    `RingKVCache`      sliding-window cache of one layer: W slots, writes wrap.
+    `SinkKVCache`      StreamingLLM cache: attention sinks + a ring of recent tokens.
+    `EvictingKVCache`  fixed-budget cache filled by an eviction policy (H2O,
+                       SnapKV, TOVA, recent, random, key norm).
     `OutOfPagesError`  raised when the pool has too few free pages.
   Model, generation, serving:
     `Transformer`         decoder-only LM, attention variant per layer from a config.
@@ -34,6 +38,7 @@ from kvattn.gqa import GroupedQueryAttention
 from kvattn.mla import MultiHeadLatentAttention
 from kvattn.allocator import OutOfPagesError, PageAllocator
 from kvattn.paged import PagedKVCache
+from kvattn.long_context import EvictingKVCache, RingKVCache, SinkKVCache
 from kvattn import data, transformer
 from kvattn.transformer import Transformer
 from kvattn.generate import generate  # the function; helpers: `from kvattn.generate import ...`
@@ -44,6 +49,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ContinuousBatcher",
+    "EvictingKVCache",
     "GroupedQueryAttention",
     "KVCache",
     "LatentCache",
@@ -51,6 +57,8 @@ __all__ = [
     "OutOfPagesError",
     "PageAllocator",
     "PagedKVCache",
+    "RingKVCache",
+    "SinkKVCache",
     "Transformer",
     "data",
     "from_pretrained",
