@@ -10,6 +10,10 @@ Public names (`__all__`; DESIGN.md has the contract):
     `LatentCache`      MLA cache of one layer, `c_kv: [B, S, C]`, `k_rope: [B, S, R]`.
     `PagedKVCache`     paged cache of one layer, page pools + block tables.
     `PageAllocator`    host-side page allocator of a paged pool.
+    `RingKVCache`      sliding-window cache of one layer: W slots, writes wrap.
+    `SinkKVCache`      StreamingLLM cache: attention sinks + a ring of recent tokens.
+    `EvictingKVCache`  fixed-budget cache filled by an eviction policy (H2O,
+                       SnapKV, TOVA, recent, random, key norm).
     `OutOfPagesError`  raised when the pool has too few free pages.
     `PrefixCachingAllocator`  a `PageAllocator` that shares cached prompt prefixes
                        (refcounted pages, chained sha256 keys, LRU eviction, offload tiers).
@@ -39,6 +43,7 @@ from kvattn.mla import MultiHeadLatentAttention
 from kvattn.allocator import OutOfPagesError, PageAllocator
 from kvattn.paged import PagedKVCache
 from kvattn.prefix_cache import PrefixCachingAllocator
+from kvattn.long_context import EvictingKVCache, RingKVCache, SinkKVCache
 from kvattn import data, transformer
 from kvattn.transformer import Transformer
 from kvattn.generate import generate  # the function; helpers: `from kvattn.generate import ...`
@@ -49,6 +54,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ContinuousBatcher",
+    "EvictingKVCache",
     "GroupedQueryAttention",
     "KVCache",
     "LatentCache",
@@ -57,6 +63,8 @@ __all__ = [
     "PageAllocator",
     "PagedKVCache",
     "PrefixCachingAllocator",
+    "RingKVCache",
+    "SinkKVCache",
     "Transformer",
     "data",
     "from_pretrained",

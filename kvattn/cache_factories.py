@@ -4,16 +4,19 @@ A cache factory is `(batch, max_len, dtype) -> per-layer caches`
 (`CacheFactory`); `generate` calls it instead of `model.init_caches` (the
 dense default). Here: paged caches for every layer of a model
 (`init_paged_caches`, `paged_cache_factory`) and the `cache.kind` switch of
-the experiment configs (`cache_factory_from_config`).
+the experiment configs (`cache_factory_from_config`); bounded long-context
+caches chosen by a policy dict (`policy_caches`, `policy_cache_factory`:
+`kvattn.long_context`'s ring, sink and eviction kinds).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax.numpy as jnp
 
 from kvattn import _checks
+from kvattn import long_context
 from kvattn.allocator import PageAllocator, pages_for
 from kvattn.paged import PagedKVCache
 
@@ -134,3 +137,87 @@ def cache_factory_from_config(model, cache_config, *, tokens_per_seq: Iterable[i
   get = cache_config.get if hasattr(cache_config, "get") else (lambda k, d=None: d)
   return paged_cache_factory(model, page_size=get("page_size", 16),
                              tokens_per_seq=tokens_per_seq, seed=get("seed", None))
+
+
+# ----------------------------------------------------------------------------------------------
+# Long-context policies (kvattn.long_context): bounded caches chosen by name.
+
+POLICY_KINDS = ("full", "window", "sink") + long_context.POLICIES
+"""`policy["kind"]` values: "full" (dense `KVCache` of max_len), "window"
+(`RingKVCache`, key `window`), "sink" (`SinkKVCache`, keys `num_sinks`,
+`window`), or an eviction policy name (`EvictingKVCache`, key `budget` plus the
+policy's options)."""
+
+
+def _policy_dict(policy: Any) -> dict[str, Any]:
+  if hasattr(policy, "to_dict"):  # an ml_collections ConfigDict
+    policy = policy.to_dict()
+  if not isinstance(policy, Mapping):
+    raise TypeError(f"policy must be a dict with a 'kind' (one of {POLICY_KINDS}); got "
+                    f"{type(policy).__name__}")
+  policy = dict(policy)
+  kind = policy.pop("kind", None)
+  if kind not in POLICY_KINDS:
+    raise ValueError(f"policy['kind'] must be one of {POLICY_KINDS}; got {kind!r}")
+  return {"kind": kind, **policy}
+
+
+def _policy_keys(policy: dict[str, Any], required: tuple[str, ...]) -> list[Any]:
+  kind = policy["kind"]
+  extra = sorted(set(policy) - set(required) - {"kind"})
+  missing = [key for key in required if key not in policy]
+  if missing or extra:
+    raise ValueError(f"policy kind {kind!r} takes exactly the keys {required}; missing "
+                     f"{missing}, unknown {extra}")
+  return [policy[key] for key in required]
+
+
+def policy_caches(model, batch: int, max_len: int, dtype: Any, policy: Any) -> tuple[Any, ...]:
+  """One empty cache per layer of `model` for a long-context `policy` dict.
+
+  `policy`: `{"kind": "full"}` (dense caches of `max_len`), `{"kind": "window",
+  "window": W}`, `{"kind": "sink", "num_sinks": s, "window": W}`, or
+  `{"kind": <eviction policy>, "budget": n, **options}` (`kvattn.long_context`).
+  The bounded kinds ignore `max_len`: their capacity is the window / budget.
+
+  Raises:
+    ValueError: an unknown kind, missing or unknown keys, bad sizes, an MLA layer.
+    TypeError: a policy that is not a dict.
+  """
+  policy = _policy_dict(policy)
+  kind = policy["kind"]
+  dtype = getattr(model, "dtype", jnp.float32) if dtype is None else dtype
+  if kind == "full":
+    _policy_keys(policy, ())
+    return tuple(layer.attn.init_cache(batch, max_len, dtype) for layer in model.layers)
+  attns = gqa_layers(model)
+  if kind == "window":
+    (window,) = _policy_keys(policy, ("window",))
+    return tuple(long_context.RingKVCache.init(batch, window, a.num_kv_heads, a.head_dim, dtype)
+                 for a in attns)
+  if kind == "sink":
+    num_sinks, window = _policy_keys(policy, ("num_sinks", "window"))
+    return tuple(long_context.SinkKVCache.init(batch, num_sinks, window, a.num_kv_heads,
+                                               a.head_dim, dtype, rope_theta=a.rope_theta,
+                                               rope_scaling=a.rope_scaling)
+                 for a in attns)
+  options = dict(policy)
+  del options["kind"]
+  if "budget" not in options:
+    raise ValueError(f"policy kind {kind!r} needs a 'budget'; got keys {sorted(policy)}")
+  budget = options.pop("budget")
+  return tuple(long_context.EvictingKVCache.init(batch, budget, a.num_kv_heads, a.head_dim,
+                                                 dtype, policy=kind, **options)
+               for a in attns)
+
+
+def policy_cache_factory(model, policy: Any) -> CacheFactory:
+  """A `cache_factory(batch, max_len, dtype)` for `kvattn.generate` that builds
+  `policy_caches(model, ..., policy)`; the policy is validated now (ValueError)."""
+  checked = _policy_dict(policy)
+  policy_caches(model, 1, 1, None, checked)  # validates sizes and options up front
+
+  def factory(batch: int, max_len: int, dtype: Any = None) -> tuple[Any, ...]:
+    return policy_caches(model, batch, max_len, dtype, checked)
+
+  return factory

@@ -38,6 +38,8 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import jax
 
+from kvattn.ops.rope import apply_rope
+
 
 @runtime_checkable
 class Cache(Protocol):
@@ -99,6 +101,32 @@ class GQACache(Cache, Protocol):
     T == 1 goes through the layout's decode dispatch point with
     `implementation`; T > 1 through `kvattn.ops.attention`. Returns
     `[B, T, N, H]` in q's dtype."""
+
+
+def update_attend(cache: GQACache, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                  positions: jax.Array, rope_theta: float, rope_scaling: Any = None,
+                  new_lengths: jax.Array, **options: Any) -> tuple[jax.Array, GQACache]:
+  """One attention step of a GQA module against `cache`; returns `(out, new_cache)`.
+
+  `q: [B, T, N, H]` and `k, v: [B, T, K, H]` come BEFORE RoPE; `positions:
+  i32[B, T]` are the module's RoPE positions, `rope_theta` / `rope_scaling`
+  (a `kvattn.ops.RopeScaling` or None) its RoPE. A cache with its own
+  `update_attend` member (same arguments; the optional protocol member of
+  kinds that place tokens themselves: `kvattn.long_context`) gets the whole
+  step: it may rotate at positions of its own choosing (attention sinks), score
+  its slots with the queries (eviction) or attend a chunk before the chunk
+  overwrites anything (a ring). Any other `GQACache`: RoPE at `positions`,
+  `update`, then `attend` with `q_offsets` = the lengths before the update.
+  `options`: `sm_scale`, `window`, `soft_cap`, `implementation`.
+  """
+  step = getattr(cache, "update_attend", None)
+  if step is not None:
+    return step(q, k, v, positions=positions, rope_theta=rope_theta, rope_scaling=rope_scaling,
+                new_lengths=new_lengths, **options)
+  rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
+  q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
+  new_cache = cache.update(k, v, new_lengths)
+  return new_cache.attend(q, q_offsets=cache.lengths, **options), new_cache
 
 
 Expand = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]

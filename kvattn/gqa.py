@@ -18,7 +18,7 @@ from flax import nnx
 from kvattn import _checks
 from kvattn import cache as cache_lib
 from kvattn import ops
-from kvattn.cache_protocol import GQACache, type_error
+from kvattn.cache_protocol import GQACache, type_error, update_attend
 
 
 DECODE_OPS = ("decode_attention", "paged_decode_attention")
@@ -75,7 +75,9 @@ class GroupedQueryAttention(nnx.Module):
 
   Caches: any `kvattn.cache_protocol.GQACache`; the module writes the new
   keys and values with `cache.update` and attends with `cache.attend`, which
-  routes to the dispatch point of the cache's layout. `kvattn.KVCache`: `k,
+  routes to the dispatch point of the cache's layout (through
+  `cache_protocol.update_attend`: a cache with its own `update_attend`, such as
+  the long-context kinds, takes q and k before RoPE and does the whole step). `kvattn.KVCache`: `k,
   v: [B, K, S, H]` in the cache dtype, RoPE applied to k before it is
   written, `lengths: i32[B]`, for an int8 / fp8 cache also `k_scale, v_scale:
   f32[B, K, S]` (quantized on write; the attention ops apply the scales as
@@ -188,15 +190,13 @@ class GroupedQueryAttention(nnx.Module):
       out = out + bias[...].astype(jnp.float32)
     return out.astype(dtype)
 
-  def _qkv(self, x, positions):
-    """`q [B, T, N, H]`, `k, v [B, T, K, H]` of `x` (biases added when `qkv_bias`), RoPE
-    applied to q and k."""
+  def _qkv(self, x):
+    """`q [B, T, N, H]`, `k, v [B, T, K, H]` of `x` (biases added when `qkv_bias`),
+    before RoPE."""
     biases = (self.q_bias, self.k_bias, self.v_bias) if self.qkv_bias else (None,) * 3
     q = self._project(x, "BTD,DNH->BTNH", self.q_proj, biases[0])
     k = self._project(x, "BTD,DKH->BTKH", self.k_proj, biases[1])
     v = self._project(x, "BTD,DKH->BTKH", self.v_proj, biases[2])
-    q = ops.apply_rope(q, positions, rope_theta=self.rope_theta, scaling=self.rope_scaling)
-    k = ops.apply_rope(k, positions, rope_theta=self.rope_theta, scaling=self.rope_scaling)
     return q, k, v
 
   def __call__(
@@ -219,15 +219,18 @@ class GroupedQueryAttention(nnx.Module):
     positions = resolve_positions(positions, cache, batch, num_tokens)
     new_lengths = cache_lib.resolve_new_lengths(new_lengths, batch, num_tokens)
 
-    q, k, v = self._qkv(x, positions)
+    q, k, v = self._qkv(x)
     opts = dict(window=self.window, soft_cap=self.soft_cap)
     if cache is None:
+      rope = dict(rope_theta=self.rope_theta, scaling=self.rope_scaling)
+      q, k = ops.apply_rope(q, positions, **rope), ops.apply_rope(k, positions, **rope)
       out = ops.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
                           kv_lengths=new_lengths, **opts)
       new_cache = None
-    else:
-      new_cache = cache.update(k, v, new_lengths)
-      out = new_cache.attend(q, q_offsets=cache.lengths,
-                             implementation=self.decode_implementation, **opts)
+    else:  # RoPE, update, attend -- or the cache's own update_attend (cache_protocol)
+      out, new_cache = update_attend(cache, q, k, v, positions=positions,
+                                     rope_theta=self.rope_theta,
+                                     rope_scaling=self.rope_scaling, new_lengths=new_lengths,
+                                     implementation=self.decode_implementation, **opts)
     y = self._project(out, "BTNH,NHD->BTD", self.o_proj)
     return y, new_cache

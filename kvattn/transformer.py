@@ -526,7 +526,8 @@ class Transformer(nnx.Module):
     """Analytic cache bytes per token summed over layers (see `cache_bytes_per_token`)."""
     return cache_bytes_per_token(self.spec, dtype)
 
-  def init_caches(self, batch: int, max_len: int, dtype: Any = None) -> tuple[Any, ...]:
+  def init_caches(self, batch: int, max_len: int, dtype: Any = None, *,
+                  policy: Any = None) -> tuple[Any, ...]:
     """One empty cache per layer (`layer.attn.init_cache`), as a tuple pytree.
 
     Args:
@@ -535,11 +536,18 @@ class Transformer(nnx.Module):
       dtype: cache storage dtype; default the model's compute dtype. A float
         dtype, or a quantized KV format (int8, float8_e4m3fn, float8_e5m2)
         stored with f32 per-token scales (`kvattn.ops.quantize_kv`).
+      policy: None (dense caches of `max_len`), or a long-context policy dict
+        such as `{"kind": "sink", "num_sinks": 4, "window": 252}` or
+        `{"kind": "h2o", "budget": 256}` (`kvattn.cache_factories.policy_caches`:
+        bounded caches whose capacity is the window / budget).
 
     Raises:
-      ValueError: non-positive sizes.
+      ValueError: non-positive sizes; a bad policy.
       TypeError: a dtype that is neither floating nor a quantized KV format.
     """
+    if policy is not None:
+      from kvattn import cache_factories  # pylint: disable=g-import-not-at-top (a cycle)
+      return cache_factories.policy_caches(self, batch, max_len, dtype, policy)
     dtype = self.dtype if dtype is None else dtype
     return tuple(layer.attn.init_cache(batch, max_len, dtype) for layer in self.layers)
 

@@ -50,8 +50,12 @@ def _max_err(a, b):
 # regroup_kv_heads
 
 
-@pytest.mark.parametrize("qkv_bias", [False, True])
-@pytest.mark.parametrize("heads,target", [((4, 2), 4), ((4, 1), 2), ((4, 1), 4), ((6, 3), 6)])
+# The default suite keeps one bias case and one plain case; the rest of the grid is slow.
+@pytest.mark.parametrize("heads,target,qkv_bias", [
+    ((4, 1), 4, True), ((6, 3), 6, False),
+    *[pytest.param(h, t, b, marks=pytest.mark.slow) for h, t, b in [
+        ((4, 2), 4, False), ((4, 2), 4, True), ((4, 1), 2, False), ((4, 1), 2, True),
+        ((4, 1), 4, False), ((6, 3), 6, True)]]])
 def test_duplicating_kv_heads_leaves_logits_unchanged(heads, target, qkv_bias):
   model = _model(*heads, qkv_bias=qkv_bias)
   tokens = _tokens()
@@ -135,8 +139,9 @@ def test_partial_rope_reference_with_every_pair_is_the_source_model():
 
 
 @pytest.mark.parametrize("heads,method,selection", [
-    ((4, 2), "joint", "high"), ((4, 2), "split", "uniform"), ((4, 4), "joint", "uniform"),
-    ((4, 1), "split", "high")])
+    ((4, 2), "joint", "high"), ((4, 1), "split", "uniform"),
+    pytest.param((4, 4), "joint", "uniform", marks=pytest.mark.slow),
+    pytest.param((4, 2), "split", "high", marks=pytest.mark.slow)])
 def test_full_rank_mla_reproduces_the_partial_rope_model(heads, method, selection):
   model = _model(*heads)
   tokens = _tokens()
@@ -194,8 +199,12 @@ def _converted(kind):
   return convert.regroup_kv_heads(model, {"K4": 4, "K1-mean": 1}[kind])
 
 
-@pytest.mark.parametrize("kind", ["K4", "K1-mean", "mla"])
-@pytest.mark.parametrize("cache", ["dense", "paged", "int8"])
+# One cache kind per converted kind in the default suite; the full grid is slow.
+@pytest.mark.parametrize("kind,cache", [
+    ("K1-mean", "paged"), ("mla", "int8"), ("K4", "dense"),
+    *[pytest.param(k, c, marks=pytest.mark.slow) for k, c in [
+        ("K4", "paged"), ("K4", "int8"), ("K1-mean", "dense"), ("K1-mean", "int8"),
+        ("mla", "dense"), ("mla", "paged")]]])
 def test_converted_models_decode_through_every_cache_kind(kind, cache):
   model = _converted(kind)
   if kind == "mla" and cache == "paged":
@@ -213,7 +222,9 @@ def test_converted_models_decode_through_every_cache_kind(kind, cache):
   np.testing.assert_allclose(got, full, atol=1e-4 if cache != "int8" else 0.15)
 
 
-@pytest.mark.parametrize("kind", ["K4", "K1-mean", "mla"])
+@pytest.mark.parametrize("kind", [
+    "mla", pytest.param("K4", marks=pytest.mark.slow), pytest.param("K1-mean",
+                                                                    marks=pytest.mark.slow)])
 def test_converted_models_generate_their_greedy_tokens(kind):
   model = _converted(kind)
   prompts = _tokens(batch=2, length=5)

@@ -1,0 +1,88 @@
+r"""Long-context caches on a real model: streaming perplexity, passkey retrieval, cost.
+
+    python -m experiments.long_context_experiment --config=configs/long_context.py:smoke \
+        --workdir=/tmp/long_context
+    python -m experiments.long_context_experiment --config=configs/long_context.py \
+        --workdir=runs/long_context
+
+Points (`get_sweep()`): the full cache, then at each budget of BUDGETS a plain
+sliding window without sinks ("window"), StreamingLLM with 4 sinks ("sink")
+and every eviction policy of `kvattn.long_context.POLICIES`, on
+SmolLM2-135M-Instruct (`kvattn.from_pretrained`). Each point measures the
+streaming perplexity of `text.num_tokens` tokens of the default corpus of
+`kvattn.data`, fed `text.chunk` tokens at a time (1 = exact token by token),
+passkey retrieval over `passkey.contexts` x `passkey.depths`, cache bytes per
+sequence, decode tokens/s and the eviction overhead per step
+(experiments/long_context_experiment.py).
+
+`get_config(arg)` and `get_sweep(arg)` take "" (the full run) or "smoke".
+"""
+
+from ml_collections import config_dict
+
+ARGS = ("", "smoke")
+BUDGETS = (256, 512, 1024)  # Cache budgets (tokens per sequence) of the full run.
+SMOKE_BUDGETS = (64,)
+NUM_SINKS = 4  # StreamingLLM's sink count.
+EVICTION = ("h2o", "snapkv", "tova", "recent", "random", "knorm")
+SMOKE_KINDS = ("window", "sink", "h2o")
+
+
+def _check_arg(arg):
+  arg = arg or ""
+  if arg not in ARGS:
+    raise ValueError(f"config argument must be one of {ARGS} (':smoke' selects the small run); "
+                     f"got {arg!r}")
+  return arg
+
+
+def get_config(arg=None):
+  """The full config; `arg="smoke"` shrinks it to about a minute."""
+  smoke = _check_arg(arg) == "smoke"
+  config = config_dict.ConfigDict()
+
+  config.model = config_dict.ConfigDict()
+  config.model.name = "smollm2-135m-instruct"  # kvattn.from_pretrained name, or "random-tiny"
+  # (a 2-layer random GQA model with the byte tokenizer, for tests).
+  config.model.dtype = "float32"  # Compute and cache dtype.
+
+  # The cache of the point: kind "full" (dense, capacity = everything), "window" (RingKVCache of
+  # `budget` slots), "sink" (SinkKVCache: num_sinks + budget - num_sinks), or an eviction policy
+  # (EvictingKVCache of `budget` slots per KV head, policy defaults of kvattn.long_context).
+  config.policy = config_dict.ConfigDict()
+  config.policy.kind = "full"
+  config.policy.budget = 256  # Tokens per sequence (ignored by "full").
+  config.policy.num_sinks = NUM_SINKS  # Sinks of kind "sink".
+
+  # Streaming perplexity (StreamingLLM's evaluation) over the default corpus of kvattn.data.
+  config.text = config_dict.ConfigDict()
+  config.text.num_tokens = 256 if smoke else 4096  # Tokens scored (each predicted from the
+  # tokens before it through the cache).
+  config.text.chunk = 64  # Tokens fed per forward pass; 1 = exact token-by-token streaming.
+  config.text.bins = 4 if smoke else 16  # Position bins of the perplexity-vs-position plot.
+
+  # Passkey retrieval: filler text with "The pass key is NNNNN. Remember it." at a depth.
+  config.passkey = config_dict.ConfigDict()
+  config.passkey.contexts = (192,) if smoke else (1024, 2048, 4096)  # Prompt lengths (tokens).
+  config.passkey.depths = (0.5,) if smoke else (0.1, 0.5, 0.9)  # Needle depth (fraction).
+  config.passkey.new_tokens = 8  # Greedy tokens decoded after the question.
+  config.passkey.seed = 0  # Draws the pass keys.
+
+  # Decode speed after the perplexity run (the cache is at its budget): batch 1.
+  config.decode = config_dict.ConfigDict()
+  config.decode.steps = 8 if smoke else 32  # Timed decode steps.
+
+  config.experiment = config_dict.ConfigDict()
+  config.experiment.kind = "long_context"
+  config.experiment.name = "kvattn: long-context caches on SmolLM2-135M-Instruct"
+  config.experiment.max_points = config_dict.placeholder(int)
+  return config
+
+
+def get_sweep(arg=None):
+  """The full cache, then every bounded kind at every budget."""
+  smoke = _check_arg(arg) == "smoke"
+  kinds = SMOKE_KINDS if smoke else ("window", "sink") + EVICTION
+  budgets = SMOKE_BUDGETS if smoke else BUDGETS
+  return [{"policy.kind": "full"}] + [
+      {"policy.kind": kind, "policy.budget": budget} for budget in budgets for kind in kinds]

@@ -1,0 +1,78 @@
+"""The long-context experiment: configs, validation before work, a measured run on a tiny model."""
+
+import json
+import os
+
+import pytest
+
+from configs import long_context as lc_config
+from experiments import long_context_experiment as lce
+from experiments import runner
+
+
+def _tiny(**overrides):
+  cfg = lc_config.get_config("smoke")
+  cfg.update_from_flattened_dict({
+      "model.name": "random-tiny", "text.num_tokens": 40, "text.chunk": 8, "text.bins": 2,
+      "passkey.contexts": (48,), "passkey.depths": (0.0, 1.0), "passkey.new_tokens": 3,
+      "decode.steps": 2, **overrides})
+  return cfg
+
+
+def test_configs_and_sweeps_validate():
+  full, smoke = lc_config.get_config(), lc_config.get_config("smoke")
+  assert full.experiment.kind == smoke.experiment.kind == "long_context"
+  assert full.text.num_tokens > smoke.text.num_tokens
+  points = lce.LongContextFamily("/nonexistent").points(full, lc_config.get_sweep())
+  assert len(points) == 1 + 3 * 8 and len({p.id for p in points}) == len(points)
+  assert points[0].label == "full" and points[1].label == "window-256"
+  with pytest.raises(ValueError, match="config argument"):
+    lc_config.get_config("huge")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"policy.kind": "lru"}, "policy.kind must be one of"),
+    ({"policy.kind": "sink", "policy.budget": 4}, "policy.budget must be >= policy.num_sinks"),
+    ({"text.chunk": 0}, "text.chunk must be an int >= 1"),
+])
+def test_bad_points_fail_before_any_work(overrides, message, tmp_path):
+  with pytest.raises(ValueError, match=message):
+    runner.run(_tiny(), str(tmp_path), [overrides])
+  assert not os.path.exists(tmp_path / "results.jsonl")
+
+
+def test_policy_dicts():
+  assert lce.policy_dict({"kind": "sink", "budget": 256, "num_sinks": 4}) == {
+      "kind": "sink", "num_sinks": 4, "window": 252}
+  assert lce.policy_dict({"kind": "window", "budget": 8, "num_sinks": 4}) == {
+      "kind": "window", "window": 8}
+  assert lce.policy_dict({"kind": "tova", "budget": 8, "num_sinks": 4}) == {
+      "kind": "tova", "budget": 8}
+
+
+def test_tiny_run_measures_reports_and_bounded_caches_with_room_equal_the_full_cache(tmp_path):
+  sweep = [{"policy.kind": "full"}, {"policy.kind": "h2o", "policy.budget": 64},
+           {"policy.kind": "window", "policy.budget": 8},
+           {"policy.kind": "tova", "policy.budget": 8}]
+  result = runner.run(_tiny(), str(tmp_path), sweep)
+  assert result.complete and len(result.records) == 4
+  by = {r["label"]: r for r in result.records}
+  full = by["full"]
+  # Room for all 40 + 3 tokens: the same perplexity as the full cache.
+  assert by["h2o-64"]["ppl"] == pytest.approx(full["ppl"], rel=1e-5)
+  assert by["window-8"]["ppl"] != pytest.approx(full["ppl"], rel=1e-5)
+  # Memory is the budget: 2 layers x 8 slots x 2 (k, v) x 2 KV heads x 8 dims x 4 bytes.
+  assert by["window-8"]["cache_bytes_per_seq"] == 2 * 8 * 2 * 2 * 8 * 4
+  assert by["tova-8"]["cache_bytes_per_seq"] == by["window-8"]["cache_bytes_per_seq"]
+  assert by["tova-8"]["bookkeeping_bytes_per_seq"] > by["window-8"]["bookkeeping_bytes_per_seq"]
+  for r in result.records:
+    assert len(r["ppl_bins"]) == 2 and r["chunk"] == 8
+    assert set(r["passkey_correct"]) == {"48"} and len(r["passkey_correct"]["48"]) == 2
+    assert r["decode_tokens_per_s"] > 0
+  report = (tmp_path / "report.md").read_text()
+  assert "## Published claims" in report and "StreamingLLM" not in report  # no window-vs-sink pair
+  assert "kvpress" in report and "chunk length 8" in report
+  for name in ("ppl_vs_position.png", "passkey_h2o.png", "passkey_tova.png"):
+    assert (tmp_path / name).stat().st_size > 0
+  lines = (tmp_path / "results.jsonl").read_text().splitlines()
+  assert len(lines) == 4 and json.loads(lines[0])["family"] == "long_context"
