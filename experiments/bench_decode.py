@@ -286,6 +286,7 @@ def run_shape(shape: Shape, key) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
+  """The markdown table of the measured rows."""
   lines = ["| shape | B | N | K | S | L | dtype | impl | K/V MiB | ms | GB/s | copy GB/s | "
            "read GB/s | of ceiling | max diff vs xla |",
            "|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -340,6 +341,7 @@ def tune(shape: Shape, key) -> str:
 
 
 def main(argv=None):
+  """Command-line entry point (`python -m experiments.bench_decode --help`)."""
   global FLAGS
   FLAGS = _parser().parse_args(argv)
   preset = FLAGS.preset or ("gpu" if jax.default_backend() != "cpu" else "cpu")

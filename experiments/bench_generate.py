@@ -67,6 +67,7 @@ flags.DEFINE_integer("seed", 0, "Weights and prompts.")
 
 
 def model_config():
+  """The model config of the `--variant` flag."""
   if FLAGS.variant == "gqa":
     attention = dict(kind="gqa", num_heads=FLAGS.num_heads, num_kv_heads=FLAGS.num_kv_heads,
                      head_dim=FLAGS.head_dim)
@@ -81,6 +82,7 @@ def model_config():
 
 
 def run() -> dict:
+  """Times the prefill and decode loop of `--variant`; returns the JSON row."""
   cfg = model_config()
   model = transformer_lib.Transformer.from_config(cfg, rngs=nnx.Rngs(FLAGS.seed))
   batch, prompt_len, new_tokens = FLAGS.batch, FLAGS.prompt_len, FLAGS.new_tokens
@@ -153,6 +155,7 @@ def run() -> dict:
 
 
 def main(argv):
+  """absl entry point: prints one JSON line."""
   del argv
   print(json.dumps(run()))
 

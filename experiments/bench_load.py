@@ -46,6 +46,7 @@ TEXT = ("The history of the city begins with a small settlement on an island in 
 
 
 def main(argv: Sequence[str]) -> None:
+  """absl entry point: one JSON line per batch size."""
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if FLAGS.new_tokens < 2:

@@ -82,6 +82,7 @@ VARIANTS = ("mla_absorbed", "mla_naive", "mha")
 
 
 def build(variant: str, dtype):
+  """The attention module of one benchmark row."""
   rngs = nnx.Rngs(FLAGS.seed)  # one seed: both MLA paths get identical weights
   if variant == "mha":
     return kvattn.GroupedQueryAttention(
@@ -97,6 +98,7 @@ def build(variant: str, dtype):
 
 
 def mha_implementation() -> str | None:
+  """The decode backend the MHA comparison row uses."""
   return FLAGS.mha_decode_implementation or FLAGS.decode_implementation
 
 
@@ -113,6 +115,7 @@ def filled_cache(layer, seq_len: int, dtype):
 
 
 def read_elems_per_token(variant: str) -> int:
+  """Cache elements read per token by one decode step of the row."""
   n, r = FLAGS.num_heads, FLAGS.qk_rope_head_dim
   if variant == "mla_absorbed":
     return FLAGS.kv_lora_rank + r
@@ -169,6 +172,7 @@ def time_variants(seq_len: int, x, dtype) -> tuple[dict, dict]:
 
 
 def settings(dtype) -> dict:
+  """The sizes and options of this run (from the flags), recorded with every row."""
   return {
       "d_model": FLAGS.d_model, "num_heads": FLAGS.num_heads,
       "kv_lora_rank": FLAGS.kv_lora_rank, "qk_nope_head_dim": FLAGS.qk_nope_head_dim,
@@ -185,6 +189,7 @@ def settings(dtype) -> dict:
 
 
 def run() -> list[dict]:
+  """Times every variant at every `--seq_lens` value; returns one dict per measurement."""
   dtype = jnp.dtype(FLAGS.dtype)
   seq_lens = [int(s) for s in FLAGS.seq_lens]
   if min(seq_lens) < 1:
@@ -231,6 +236,7 @@ def run() -> list[dict]:
 
 
 def main(argv):
+  """absl entry point: prints the table of decode timings."""
   del argv
   run()
 

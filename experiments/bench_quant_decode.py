@@ -63,6 +63,7 @@ def _picked(q, k, v, lengths, scales) -> str:
 
 
 def run(args) -> list[dict]:
+  """Times decode for every cache dtype; returns the rows."""
   rows = []
   for b, n, kh, h, s in SHAPES:
     key = jax.random.key(0)
@@ -98,6 +99,7 @@ def run(args) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
+  """The markdown table of the measured rows."""
   lines = ["| B | N | K | H | S | cache | path | ran | cache MiB | µs/call | speed vs f32 xla |",
            "|---:|---:|---:|---:|---:|---|---|---|---:|---:|---:|"]
   for r in rows:
@@ -108,6 +110,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None):
+  """Command-line entry point (`--help` lists the flags)."""
   args = _parser().parse_args(argv)
   markdown = table(run(args))
   print(markdown)

@@ -165,6 +165,7 @@ def summary(load_s: float, prompt_len: int, timing: Timing, cache: str,
 
 
 def main(argv: Sequence[str]) -> None:
+  """absl entry point: prints the reply, then the measurement line."""
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not FLAGS.prompt:

@@ -31,6 +31,7 @@ flags.DEFINE_integer("decode_steps", 8, "Tokens decoded one at a time after the 
 
 
 def run_variant(name: str, num_kv_heads: int) -> dict:
+  """Prefills and decodes one attention variant through a KVCache; returns its summary row."""
   layer = kvattn.GroupedQueryAttention(
       d_model=FLAGS.d_model, num_heads=FLAGS.num_heads, num_kv_heads=num_kv_heads,
       head_dim=FLAGS.head_dim, rngs=nnx.Rngs(0))
@@ -68,6 +69,7 @@ def run_variant(name: str, num_kv_heads: int) -> dict:
 
 
 def main(argv):
+  """absl entry point of the demo."""
   del argv
   n = FLAGS.num_heads
   variants = [("MHA", n), ("GQA", max(1, n // 4)), ("MQA", 1)]

@@ -489,6 +489,7 @@ def _define_flags():
 
 
 def main(argv):
+  """Runs configs/long_context.py as `experiments.main` would."""
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   runner.main(FLAGS.config, FLAGS.workdir, config_flags.get_config_filename(FLAGS["config"]))

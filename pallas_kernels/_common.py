@@ -204,18 +204,22 @@ def grid_write(step, blocks_per_split: int, m_sc, l_sc, acc_sc, cnt_sc, o_ref, l
 
 
 def next_pow2(x: int) -> int:
+  """The smallest power of two >= `x` (1 for x <= 1)."""
   return 1 << max(0, (x - 1).bit_length())
 
 
 def round_up(x: int, m: int) -> int:
+  """`x` rounded up to a multiple of `m`."""
   return -(-x // m) * m
 
 
 def is_pow2(x: int) -> bool:
+  """True when `x` is a positive power of two."""
   return x > 0 and not x & (x - 1)
 
 
 def platform() -> str:
+  """The default JAX backend name ("cpu", "gpu", "tpu")."""
   return jax.default_backend()
 
 

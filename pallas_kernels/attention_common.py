@@ -107,10 +107,12 @@ def positive_int(name: str, value: Any) -> int:
 
 
 def optional_positive_int(name: str, value: Any) -> int | None:
+  """None, or `value` checked by `positive_int`."""
   return None if value is None else positive_int(name, value)
 
 
 def positive_float(name: str, value: Any) -> float:
+  """`value` as a float; TypeError unless a real number, ValueError unless > 0 and finite."""
   if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
     raise TypeError(f"{name} must be a positive float; got {value!r}")
   if not (value > 0 and math.isfinite(value)):
@@ -119,6 +121,7 @@ def positive_float(name: str, value: Any) -> float:
 
 
 def optional_positive_float(name: str, value: Any) -> float | None:
+  """None, or `value` checked by `positive_float`."""
   return None if value is None else positive_float(name, value)
 
 
@@ -132,6 +135,7 @@ def head_layout(num_heads: Any, num_kv_heads: Any) -> tuple[int, int, int]:
 
 
 def rank(name: str, x: Any, expected: int, shape_doc: str) -> None:
+  """Raises TypeError unless `x` is an array, ValueError unless it has rank `expected`."""
   if not hasattr(x, "ndim"):
     raise TypeError(f"{name} must be an array {shape_doc}; got {type(x).__name__}")
   if x.ndim != expected:
@@ -139,16 +143,19 @@ def rank(name: str, x: Any, expected: int, shape_doc: str) -> None:
 
 
 def floating(name: str, x: Any) -> None:
+  """Raises TypeError unless `x` has a floating dtype."""
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"{name} must have a floating dtype; got {x.dtype}")
 
 
 def integer(name: str, x: Any) -> None:
+  """Raises TypeError unless `x` has an integer dtype."""
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must have an integer dtype; got {x.dtype}")
 
 
 def same_dtype(names: Sequence[str], arrays: Sequence[Any]) -> None:
+  """Raises TypeError naming every array unless all `arrays` share one dtype."""
   dtypes = [a.dtype for a in arrays]
   if any(d != dtypes[0] for d in dtypes):
     listing = ", ".join(f"{n}={d}" for n, d in zip(names, dtypes))
@@ -156,6 +163,7 @@ def same_dtype(names: Sequence[str], arrays: Sequence[Any]) -> None:
 
 
 def dim(name: str, x: Any, axis: int, expected: int, what: str) -> None:
+  """Raises ValueError unless `x.shape[axis] == expected` (`what` names the axis)."""
   if x.shape[axis] != expected:
     raise ValueError(
         f"{name}.shape[{axis}] ({what}) must be {expected}; got shape {tuple(x.shape)}")
