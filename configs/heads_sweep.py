@@ -3,7 +3,7 @@ r"""Every K that divides N (MHA ... GQA ... MQA), plus MLA, at two sequence leng
     python -m experiments.main --config=configs/heads_sweep.py --workdir=runs/heads
     python -m experiments.main --config=configs/heads_sweep.py:smoke --workdir=/tmp/heads
 
-The model, training, cache and decode settings are those of configs/default.py
+The model, training, cache and decode settings are those of configs/toy.py
 (every field is documented there) except for the fields set below. The full
 run uses N = 12 query heads, so K runs over 1, 2, 3, 4, 6 and 12; the smoke
 run keeps default.py's smoke model (N = 8: K in 1, 2, 4, 8), so the two smoke
@@ -14,11 +14,11 @@ runs can share trained params (`--config.experiment.train_dir`).
 from command-line overrides.
 """
 
-from configs import default
+from configs import toy as default
 
 
 def get_config(arg=None):
-  """configs/default.py's config with N = 12 query heads and S in (256, 1024) (""), or its smoke
+  """configs/toy.py's config with N = 12 query heads and S in (256, 1024) (""), or its smoke
   config unchanged ("smoke"); see the module docstring."""
   config = default.get_config(arg)
   if (arg or "") != "smoke":

@@ -3,11 +3,11 @@ r"""Quantized KV caches: MHA, GQA, MQA and MLA x cache dtype {bf16, int8, fp8 e4
     python -m experiments.main --config=configs/quant_sweep.py --workdir=runs/quant
     python -m experiments.main --config=configs/quant_sweep.py:smoke --workdir=/tmp/quant
     python -m experiments.main --config=configs/quant_sweep.py --workdir=runs/quant \
-        --config.experiment.train_dir=runs/default/train   # reuse the main job's trainings
+        --config.experiment.train_dir=runs/toy/train   # reuse the main job's trainings
 
 Points: every variant of `VARIANTS` (MHA K = N, GQA K = N/4, MQA K = 1, MLA)
 with every cache dtype of `CACHE_DTYPES`. Each variant is trained once (the
-model, training and data settings are those of configs/default.py, where
+model, training and data settings are those of configs/toy.py, where
 every inherited field is documented, so `experiment.train_dir` can point at
 the main job's trained params) and every point of that variant measures, with
 its cache dtype (experiments/quant_experiment.py):
@@ -28,7 +28,7 @@ its cache dtype (experiments/quant_experiment.py):
 
 from ml_collections import config_dict
 
-from configs import default
+from configs import toy as default
 
 ARGS = default.ARGS
 # Storage dtypes compared; bf16 is the baseline of every "vs bf16" column.
@@ -36,7 +36,7 @@ CACHE_DTYPES = ("bfloat16", "int8", "float8_e4m3fn", "float8_e5m2")
 
 
 def get_config(arg=None):
-  """configs/default.py's model, training and data, plus the `quality` section."""
+  """configs/toy.py's model, training and data, plus the `quality` section."""
   smoke = default._check_arg(arg) == "smoke"  # pylint: disable=protected-access
   config = default.get_config(arg)
   config.cache.dtype = "bfloat16"  # Cache storage dtype (set by the sweep): a float dtype, or

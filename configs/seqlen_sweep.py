@@ -3,7 +3,7 @@ r"""Sequence length S over powers of two, up to what fits in this machine's memo
     python -m experiments.main --config=configs/seqlen_sweep.py --workdir=runs/seqlen
     python -m experiments.main --config=configs/seqlen_sweep.py:smoke --workdir=/tmp/seqlen
 
-The model, training and decode settings are those of configs/default.py (every
+The model, training and decode settings are those of configs/toy.py (every
 field is documented there) except for the fields set below. `cache.seq_lens`
 is computed when the config is loaded: S = 256, 512, ... (smoke: 16, 32)
 while `experiments.variants_experiment.point_memory_bytes` -- the cache from
@@ -17,7 +17,7 @@ Variants: MHA, GQA K = N/4, MQA and MLA. `get_sweep(arg)` takes the same
 argument as `get_config(arg)` ("" or "smoke").
 """
 
-from configs import default
+from configs import toy as default
 from experiments import variants_experiment
 
 _START = {"": 256, "smoke": 16}  # Smallest S.
@@ -25,7 +25,7 @@ _STOP = {"": None, "smoke": 32}  # Largest S tried (None: memory decides).
 
 
 def get_config(arg=None):
-  """configs/default.py's config, batch 1, with `cache.seq_lens` the powers of two that fit this
+  """configs/toy.py's config, batch 1, with `cache.seq_lens` the powers of two that fit this
   machine's RAM ("") or a short smoke list ("smoke"); see the module docstring."""
   config = default.get_config(arg)
   arg = arg or ""

@@ -171,6 +171,78 @@ def _ready(x):
   return x
 
 
+def streaming_nll(step, state, caches, ids: np.ndarray, chunk: int
+                  ) -> tuple[np.ndarray, Any]:
+  """Streams `ids` through `caches`, `chunk` tokens per forward pass (StreamingLLM's evaluation).
+
+  Args:
+    step: `_step_fn(graphdef)` of the model.
+    state: the model's nnx state.
+    caches: empty per-layer caches of batch 1 (any kind of the cache protocol).
+    ids: `i32[n + 1]` token ids; token i + 1 is predicted from tokens 0..i.
+    chunk: tokens fed per forward pass (1 = exact token-by-token streaming).
+
+  Returns:
+    `(nll f64[n], caches)`: each token's negative log-likelihood (nats) and the caches after.
+  """
+  num_tokens = len(ids) - 1
+  nll = np.zeros(num_tokens, np.float64)
+  for s in range(0, num_tokens, chunk):
+    e = min(num_tokens, s + chunk)
+    toks = np.zeros((1, chunk), np.int32)
+    tgts = np.zeros((1, chunk), np.int32)
+    toks[0, :e - s], tgts[0, :e - s] = ids[s:e], ids[s + 1:e + 1]
+    out, _, caches = step(state, caches, jnp.asarray(toks), jnp.array([e - s], jnp.int32),
+                          jnp.asarray(tgts))
+    nll[s:e] = np.asarray(out[0, :e - s])
+  return nll, caches
+
+
+def passkey_correct(model, make_caches, prompts: Sequence[Sequence[int]], keys: Sequence[int],
+                    chunk: int, new_tokens: int, tokenizer) -> list[int]:
+  """Chunked prefill of the prompts (one row each), greedy decode; 1 where the key appears.
+
+  Args:
+    model: the model (`kvattn.Transformer`).
+    make_caches: `(batch, capacity) -> caches`: empty per-layer caches of any kind.
+    prompts: token ids of each row's prompt (`passkey_prompt`).
+    keys: the pass key hidden in each prompt.
+    chunk: prompt tokens per forward pass.
+    new_tokens: greedy tokens decoded after the prompt.
+    tokenizer: decodes the generated ids (`decode(ids) -> str`).
+
+  Returns:
+    Per row, 1 if the key's digits appear in the decoded tokens, else 0.
+  """
+  graphdef, state = nnx.split(model)
+  step = _step_fn(graphdef)
+  batch, width = len(prompts), max(len(p) for p in prompts)
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  padded = -(-width // chunk) * chunk
+  toks = np.zeros((batch, padded), np.int32)
+  for b, p in enumerate(prompts):
+    toks[b, :len(p)] = p
+  caches = make_caches(batch, padded + new_tokens)
+  last = np.zeros(batch, np.int32)
+  for s in range(0, padded, chunk):
+    new = np.clip(lengths - s, 0, chunk).astype(np.int32)
+    blk = jnp.asarray(toks[:, s:s + chunk])
+    _, arg, caches = step(state, caches, blk, jnp.asarray(new), blk)
+    arg = np.asarray(arg)
+    for b in range(batch):
+      if 0 < lengths[b] - s <= chunk:
+        last[b] = arg[b, lengths[b] - s - 1]
+  out = [last.copy()]
+  nxt = jnp.asarray(last[:, None])
+  ones = jnp.ones((batch,), jnp.int32)
+  for _ in range(new_tokens - 1):
+    _, nxt, caches = step(state, caches, nxt, ones, nxt)
+    out.append(np.asarray(nxt[:, 0]))
+  generated = np.stack(out, axis=1)
+  return [int(str(key) in tokenizer.decode(generated[b].tolist()))
+          for b, key in enumerate(keys)]
+
+
 class LongContextFamily:
   """Cache policies x budgets on one real model (module doc)."""
 
@@ -252,16 +324,8 @@ class LongContextFamily:
     ids = corpus_tokens(tokenizer, text["num_tokens"] + 1)
     total = text["num_tokens"] + dec["steps"] + 1
     caches = model.init_caches(1, total, dtype, policy=policy)
-    nll = np.zeros(text["num_tokens"], np.float64)
     start_time = time.perf_counter()
-    for s in range(0, text["num_tokens"], chunk):
-      e = min(text["num_tokens"], s + chunk)
-      toks = np.zeros((1, chunk), np.int32)
-      tgts = np.zeros((1, chunk), np.int32)
-      toks[0, :e - s], tgts[0, :e - s] = ids[s:e], ids[s + 1:e + 1]
-      out, _, caches = step(state, caches, jnp.asarray(toks), jnp.array([e - s], jnp.int32),
-                            jnp.asarray(tgts))
-      nll[s:e] = np.asarray(out[0, :e - s])
+    nll, caches = streaming_nll(step, state, caches, ids, chunk)
     ppl_s = time.perf_counter() - start_time
     bins = np.array_split(nll, text["bins"])
     storage = sum(a.nbytes for c in caches for a in c.storage_arrays())
@@ -289,8 +353,9 @@ class LongContextFamily:
       keys = rng.integers(10000, 100000, len(passkey["depths"])).tolist()
       prompts = [passkey_prompt(tokenizer, context, depth, key)
                  for depth, key in zip(passkey["depths"], keys)]
-      correct[str(context)] = self._passkey(model, state, step, policy, dtype, prompts, keys,
-                                            chunk, passkey["new_tokens"], tokenizer)
+      correct[str(context)] = passkey_correct(
+          model, lambda b, n: model.init_caches(b, n, dtype, policy=policy), prompts, keys,
+          chunk, passkey["new_tokens"], tokenizer)
     return {
         "ppl": float(math.exp(nll.mean())),
         "ppl_second_half": float(math.exp(nll[len(nll) // 2:].mean())),
@@ -307,35 +372,6 @@ class LongContextFamily:
         "passkey_depths": [float(x) for x in passkey["depths"]],
         "passkey_accuracy": float(np.mean([v for row in correct.values() for v in row])),
     }
-
-  def _passkey(self, model, state, step, policy, dtype, prompts, keys, chunk, new_tokens,
-               tokenizer) -> list[int]:
-    """Chunked prefill of the prompts (one row each), greedy decode; 1 where the key appears."""
-    batch, width = len(prompts), max(len(p) for p in prompts)
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    padded = -(-width // chunk) * chunk
-    toks = np.zeros((batch, padded), np.int32)
-    for b, p in enumerate(prompts):
-      toks[b, :len(p)] = p
-    caches = model.init_caches(batch, padded + new_tokens, dtype, policy=policy)
-    last = np.zeros(batch, np.int32)
-    for s in range(0, padded, chunk):
-      new = np.clip(lengths - s, 0, chunk).astype(np.int32)
-      blk = jnp.asarray(toks[:, s:s + chunk])
-      _, arg, caches = step(state, caches, blk, jnp.asarray(new), blk)
-      arg = np.asarray(arg)
-      for b in range(batch):
-        if 0 < lengths[b] - s <= chunk:
-          last[b] = arg[b, lengths[b] - s - 1]
-    out = [last.copy()]
-    nxt = jnp.asarray(last[:, None])
-    ones = jnp.ones((batch,), jnp.int32)
-    for _ in range(new_tokens - 1):
-      _, nxt, caches = step(state, caches, nxt, ones, nxt)
-      out.append(np.asarray(nxt[:, 0]))
-    generated = np.stack(out, axis=1)
-    return [int(str(key) in tokenizer.decode(generated[b].tolist()))
-            for b, key in enumerate(keys)]
 
   def report(self, records: Sequence[Mapping[str, Any]]) -> str:
     return write_report(self.workdir, records, title=self._title, config=self._config)

@@ -30,14 +30,16 @@ the config with the config file's own `get_config(arg)`.
 `"point"` id; a rerun with the same config skips the points already there;
 every file is written atomically, so an interrupt loses at most the point in
 progress; `results.csv` mirrors `results.jsonl`; a tqdm bar runs over the
-points with an ETA.
+points with an ETA; every log record of the run goes to `<workdir>/log.txt`
+(under `main` the terminal shows warnings and the summary only).
 
 Point ids are `<label>-<hash>`: the hash covers every config field that can
 change a measurement (not bookkeeping such as `experiment.max_points`), so a
 rerun with a changed config measures new points instead of reusing stale ones,
 and the report only shows the points of the current config.
 
-The families: `experiments/variants_experiment.py` ("variants", the main job),
+The families: `experiments/real_model_experiment.py` ("real_model", the main job),
+`experiments/variants_experiment.py` ("variants", the byte-level toy comparison),
 `experiments/quant_experiment.py` ("quant") and `experiments/paged_experiment.py`
 ("paged").
 """
@@ -45,17 +47,19 @@ The families: `experiments/variants_experiment.py` ("variants", the main job),
 from __future__ import annotations
 
 import copy
+import contextlib
 import dataclasses
 import difflib
 import hashlib
 import importlib
 import importlib.util
 import json
+import logging as std_logging
 import os
 import platform
 import sys
 import time
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -411,7 +415,8 @@ def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *
     if preflight is not None:
       for point in points:
         preflight(point)
-  with workdir_lib.locked(lock_dirs, wait=wait):
+  with workdir_lib.locked(lock_dirs, wait=wait), workdir_log(workdir):
+    report_start = time.time()
     results.atomic_write_text(os.path.join(workdir, "config.json"), json.dumps(
         {"config_file": config_file, "config": d, "sweep": list(sweep),
          "points": [p.id for p in points],
@@ -449,19 +454,147 @@ def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *
     order = {p.id: i for i, p in enumerate(points)}
     records = sorted((r for r in store.records() if r["point"] in ids),
                      key=lambda r: order[r["point"]])
-    markdown = family.report(records)
+    markdown = link_plots(workdir, family.report(records), since=report_start)
   return RunResult(os.path.join(workdir, "report.md"), markdown, records, measured,
                    len(records) == len(points))
 
 
-def main(config: Any, workdir: str, config_file: str | None = None, *, wait: bool = False
-         ) -> RunResult:
-  """`experiments.main`: loads the sweep of `config_file`, runs, prints the report."""
-  result = run(config, workdir, load_sweep(config_file), config_file=config_file, wait=wait)
+LOG_FILE = "log.txt"  # In the workdir: every log record of a run (absl, orbax, jax, ...).
+
+
+class _WorkdirLog(std_logging.Handler):
+  """Keeps log records until `open(path)`, then appends them and every later one to the file."""
+
+  def __init__(self):
+    super().__init__(std_logging.DEBUG)
+    self.setFormatter(std_logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    self._held: list[std_logging.LogRecord] = []
+    self._file = None
+
+  def open(self, path: str) -> None:
+    self._file = open(path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+    held, self._held = self._held, []
+    for record in held:
+      self.emit(record)
+
+  def emit(self, record: std_logging.LogRecord) -> None:
+    if self._file is None:
+      if len(self._held) < 100_000:
+        self._held.append(record)
+      return
+    try:
+      self._file.write(self.format(record) + "\n")
+      self._file.flush()
+    except Exception:  # pylint: disable=broad-except
+      self.handleError(record)
+
+  def close(self) -> None:
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+    super().close()
+
+
+_ACTIVE_LOG: _WorkdirLog | None = None
+
+
+@contextlib.contextmanager
+def workdir_log(workdir: str) -> Iterator[None]:
+  """Writes the log records of the block (and those `quiet_terminal` held before it) to
+  `<workdir>/log.txt` (appended: a resumed run adds to it)."""
+  global _ACTIVE_LOG  # pylint: disable=global-statement
+  own = _ACTIVE_LOG is None
+  handler = _WorkdirLog() if own else _ACTIVE_LOG
+  if own:
+    std_logging.getLogger().addHandler(handler)
+    _ACTIVE_LOG = handler
+  handler.open(os.path.join(workdir, LOG_FILE))
+  try:
+    yield
+  finally:
+    if own:
+      std_logging.getLogger().removeHandler(handler)
+      handler.close()
+      _ACTIVE_LOG = None
+
+
+@contextlib.contextmanager
+def quiet_terminal(verbose: bool) -> Iterator[None]:
+  """Library INFO logging (absl, orbax, jax) goes to the workdir's log.txt, not the terminal.
+
+  For the block: every record from INFO up is held until `run` opens
+  `<workdir>/log.txt` (`workdir_log`) and written there; the terminal's
+  handlers (absl's, and any other on the root logger) show WARNING and above
+  only, unless `verbose` (absl's `--verbosity` >= 1), which leaves them as
+  they were.
+  """
+  global _ACTIVE_LOG  # pylint: disable=global-statement
+  root = std_logging.getLogger()
+  handler = _WorkdirLog()
+  saved_level = root.level
+  saved = [(h, h.level) for h in root.handlers]
+  if not verbose:
+    for h, _ in saved:
+      h.setLevel(max(h.level, std_logging.WARNING))
+  root.setLevel(min(root.level or std_logging.WARNING, std_logging.INFO))
+  root.addHandler(handler)
+  _ACTIVE_LOG = handler
+  try:
+    yield
+  finally:
+    root.removeHandler(handler)
+    handler.close()
+    _ACTIVE_LOG = None
+    root.setLevel(saved_level)
+    for h, level in saved:
+      h.setLevel(level)
+
+
+def link_plots(workdir: str, markdown: str, *, since: float) -> str:
+  """`markdown` with an image link for each PNG the report wrote (modified at or after
+  `since`) that it does not link yet; report.md is rewritten when one was added."""
+  names = sorted(n for n in os.listdir(workdir) if n.endswith(".png")
+                 and os.path.getmtime(os.path.join(workdir, n)) >= since - 1
+                 and f"]({n})" not in markdown)
+  if not names:
+    return markdown
+  markdown = markdown.rstrip("\n") + "\n\n## Plots\n\n" + "\n".join(
+      f"![{n[:-4]}]({n})" for n in names) + "\n"
+  results.atomic_write_text(os.path.join(workdir, "report.md"), markdown)
+  return markdown
+
+
+def summary(result: RunResult, workdir: str) -> str:
+  """What a run prints at its end: the report's first table, where the report, the plots and
+  the log are, and whether points remain."""
+  lines, table = result.report.splitlines(), []
+  for line in lines:
+    if line.startswith("|"):
+      table.append(line)
+    elif table:
+      break
+  plots = sorted(n for n in os.listdir(workdir) if n.endswith(".png"))
   status = "" if result.complete else (
       f" ({len(result.records)} points measured so far; rerun to continue)")
-  print(f"\nReport: {result.report_path}{status}\n")
-  print(result.report)
+  out = [""] + table + ["", f"Report: {result.report_path}{status}"]
+  if plots:
+    out.append(f"Plots:  {', '.join(os.path.join(workdir, p) for p in plots)}")
+  out.append(f"Log:    {os.path.join(workdir, LOG_FILE)}")
+  return "\n".join(out)
+
+
+def main(config: Any, workdir: str, config_file: str | None = None, *, wait: bool = False
+         ) -> RunResult:
+  """`experiments.main`: loads the sweep of `config_file`, runs, prints a short summary.
+
+  Library INFO logging goes to `<workdir>/log.txt` (`quiet_terminal`; absl's
+  `--verbosity=1` also shows it on the terminal).
+  """
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  verbose = flags.FLAGS.is_parsed() and flags.FLAGS["verbosity"].value >= 1
+  with quiet_terminal(verbose):
+    result = run(config, workdir, load_sweep(config_file), config_file=config_file, wait=wait)
+  print(summary(result, os.path.abspath(workdir)))
   return result
 
 

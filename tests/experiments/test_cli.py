@@ -16,14 +16,14 @@ from ml_collections import config_dict
 from experiments import cli
 from tests.experiments import subproc
 
-SMOKE = "configs/default.py:smoke"
+SMOKE = "configs/toy.py:smoke"
 
 # name -> (module, args, regex the error line must match); {workdir} is a fresh directory.
 CASES = {
     "unknown_key": ("experiments.main", subproc.main_args("{workdir}", "model.nonexistent=3",
                                                           config=SMOKE),
                     r"error: --config\.model\.nonexistent=3: no such key in "
-                    r"configs/default\.py:smoke; nearest: --config\.model\.\w+$"),
+                    r"configs/toy\.py:smoke; nearest: --config\.model\.\w+$"),
     "typo_key": ("experiments.main", subproc.main_args("{workdir}", "train.stepz=3", config=SMOKE),
                  r"error: --config\.train\.stepz=3: no such key .*; "
                  r"nearest: --config\.train\.steps$"),
@@ -40,9 +40,9 @@ CASES = {
                             ["--config=configs/nofile.py", "--workdir={workdir}"],
                             r"error: --config=configs/nofile\.py: config file "
                             r"'configs/nofile\.py' does not exist"),
-    "bad_config_argument": ("experiments.main", [f"--config=configs/default.py:tiny",
+    "bad_config_argument": ("experiments.main", [f"--config=configs/toy.py:tiny",
                                                  "--workdir={workdir}"],
-                            r"error: --config=configs/default\.py:tiny: config argument must be "
+                            r"error: --config=configs/toy\.py:tiny: config argument must be "
                             r"one of .*; got 'tiny'$"),
     "unknown_flag": ("experiments.main", [f"--config={SMOKE}", "--worksdir={workdir}"],
                      r"error: --worksdir=.*: no such flag; nearest: --workdir$"),

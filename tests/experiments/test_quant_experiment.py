@@ -40,7 +40,7 @@ def test_configs_and_sweep():
   assert len({p.id for p in points}) == 16
   assert len({p.group for p in points}) == 4  # one training per variant
   # The trainings are the main job's (same hash), so its train dir can be shared.
-  from configs import default  # pylint: disable=g-import-not-at-top
+  from configs import toy as default  # pylint: disable=g-import-not-at-top
   main = variants_experiment.VariantsFamily("/nonexistent").points(default.get_config(),
                                                                    default.get_sweep())
   assert {p.group for p in points} <= {p.group for p in main}

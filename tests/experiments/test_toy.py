@@ -1,6 +1,6 @@
 """The main job end to end: the smoke run, the command line, validation before training.
 
-The fast suite runs the README's main job once (`configs/default.py:smoke`,
+The fast suite runs the README's main job once (`configs/toy.py:smoke`,
 `default_run`); the runner's own bookkeeping (resume, skipping finished
 points, atomic writes, refusals before work) is tested with a stand-in family
 in test_runner.py. The other configs' smoke runs and the end-to-end resume
@@ -21,7 +21,8 @@ import sys
 import pytest
 from absl import flags
 
-from configs import default, heads_sweep, seqlen_sweep
+from configs import heads_sweep, seqlen_sweep
+from configs import toy as default
 from experiments import main as main_lib
 from experiments import runner
 from experiments import variants_experiment as variants
@@ -56,7 +57,7 @@ def smoke_config(module, train_dir, **overrides):
 def default_run(tmp_path_factory, train_dir):
   workdir = str(tmp_path_factory.mktemp("default"))
   result = runner.run(smoke_config(default, train_dir), workdir, default.get_sweep("smoke"),
-                      config_file="configs/default.py:smoke")
+                      config_file="configs/toy.py:smoke")
   return workdir, result
 
 
@@ -305,8 +306,8 @@ def test_bad_sweep_entry_is_named(tmp_path, no_training):
 
 
 def test_config_arguments():
-  assert runner.load_sweep("configs/default.py:smoke") == default.get_sweep("smoke")
-  assert runner.load_sweep("configs/default.py") == default.get_sweep()
+  assert runner.load_sweep("configs/toy.py:smoke") == default.get_sweep("smoke")
+  assert runner.load_sweep("configs/toy.py") == default.get_sweep()
   assert [e["model.attention.num_kv_heads"] for e in heads_sweep.get_sweep()[:-1]] == [
       12, 6, 4, 3, 2, 1]
   with pytest.raises(ValueError, match=r"config argument must be one of"):
@@ -337,7 +338,7 @@ def parse_flags(monkeypatch):
 
 def test_main_command_line(tmp_path, parse_flags, capsys, default_run, train_dir):
   workdir = str(tmp_path / "cli")
-  parse_flags("--config=configs/default.py:smoke", f"--workdir={workdir}",
+  parse_flags("--config=configs/toy.py:smoke", f"--workdir={workdir}",
               "--config.model.num_layers=1", f"--config.experiment.train_dir={train_dir}")
   config = flags.FLAGS.config
   assert config.model.num_layers == 1 and config.is_locked
@@ -353,7 +354,7 @@ def test_main_command_line(tmp_path, parse_flags, capsys, default_run, train_dir
 def test_main_unknown_override_names_the_key(tmp_path, parse_flags):
   # config_flags reports the unknown field (and suggests "steps") while parsing the flags.
   with pytest.raises((flags.Error, AttributeError, KeyError), match=r"stepz"):
-    parse_flags("--config=configs/default.py:smoke", f"--workdir={tmp_path}",
+    parse_flags("--config=configs/toy.py:smoke", f"--workdir={tmp_path}",
                 "--config.train.stepz=3")
 
 
@@ -367,7 +368,7 @@ def test_main_unknown_override_names_the_key(tmp_path, parse_flags):
     # A valid override of a key the sweep sets would be discarded for every point: an error.
     ("model.attention.num_kv_heads=4",
      r"config: model\.attention\.num_kv_heads = 4 overrides the config file's 8, but the sweep of "
-     r"configs/default\.py:smoke sets model\.attention\.num_kv_heads for its points "
+     r"configs/toy\.py:smoke sets model\.attention\.num_kv_heads for its points "
      r"\(8, 4, 2, 1\), so "
      r"the override would be silently discarded"),
     ("model.attention.kind=mla",
@@ -387,7 +388,7 @@ def test_main_unknown_override_names_the_key(tmp_path, parse_flags):
 def test_command_line_override_fails_before_training(tmp_path, parse_flags, no_training,
                                                      override, match):
   workdir = str(tmp_path / "cli")
-  parse_flags("--config=configs/default.py:smoke", f"--workdir={workdir}", f"--config.{override}")
+  parse_flags("--config=configs/toy.py:smoke", f"--workdir={workdir}", f"--config.{override}")
   with pytest.raises(ValueError, match=match):
     main_lib.main(["experiments.main"])
   assert not os.path.exists(workdir)  # nothing written, nothing trained
@@ -395,11 +396,11 @@ def test_command_line_override_fails_before_training(tmp_path, parse_flags, no_t
 
 def test_overrides_of_keys_the_sweep_does_not_set_are_kept():
   sweep = default.get_sweep("smoke")
-  defaults = runner.load_config_defaults("configs/default.py:smoke")
+  defaults = runner.load_config_defaults("configs/toy.py:smoke")
   config = default.get_config("smoke")
   config.model.num_layers = 2  # not a sweep key
   config.model.attention.kind = "gqa"  # a sweep key, set to the file's own value
-  runner.check_overrides_kept(config, sweep, defaults, "configs/default.py:smoke")
+  runner.check_overrides_kept(config, sweep, defaults, "configs/toy.py:smoke")
   runner.check_overrides_kept(default.get_config("smoke"), sweep, None)  # no file: no check
   config.model.attention.num_kv_heads = 2
   with pytest.raises(ValueError, match=r"model\.attention\.num_kv_heads = 2 overrides"):
@@ -446,7 +447,7 @@ def test_variant_rows_against_quoted_ranges():
   assert no_baseline[3] == "n/a" and no_baseline[-1] == "n/a (no MHA point)"
 
 
-@pytest.mark.parametrize("name", ["default", "heads_sweep", "seqlen_sweep", "quant_sweep", "paged"])
+@pytest.mark.parametrize("name", ["toy", "heads_sweep", "seqlen_sweep", "quant_sweep", "paged"])
 @pytest.mark.parametrize("arg", ["", "smoke"])
 def test_every_shipped_config_validates_and_preflights(tmp_path, no_training, name, arg):
   """Each config file as shipped (full size and smoke) passes the runner's validation and the
@@ -487,7 +488,7 @@ def test_one_path_per_setting():
   assert "attention" not in schema and "kernel" not in schema
   assert {"attention.kind", "attention.num_kv_heads", "attention.decode_implementation",
           "num_layers"} <= set(schema["model"])
-  for name in ("default", "heads_sweep", "seqlen_sweep", "quant_sweep", "paged"):
+  for name in ("toy", "heads_sweep", "seqlen_sweep", "quant_sweep", "paged"):
     module = importlib.import_module(f"configs.{name}")
     config = module.get_config("smoke")
     for entry in module.get_sweep("smoke"):

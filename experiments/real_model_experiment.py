@@ -1,0 +1,354 @@
+r"""The main job: KV-cache dtype x cache policy x head grouping on a pretrained model.
+
+    python -m experiments.main --config=configs/default.py --workdir=runs/default
+
+The "real_model" family of experiments/runner.py (`experiment.kind =
+"real_model"`). One point per sweep entry of configs/default.py: a cache
+storage dtype (`cache.dtype`), a cache policy (`cache.policy`: "full" or a
+bounded kind of `kvattn.cache_factories.policy_caches`) and a head grouping
+(`heads.num_kv_heads`: 0 = the model as released, else
+`kvattn.convert.regroup_kv_heads` without uptraining) on the model
+`model.name` (`kvattn.from_pretrained`). Measured per point, batch 1:
+
+  * cache bytes per token (every layer's storage arrays, scales included,
+    over the token slots they hold) and per sequence after the held-out text;
+  * perplexity of `text.num_tokens` held-out tokens (the validation
+    documents of kvattn.data's default corpus, tokenized with the model's
+    tokenizer), streamed through the cache `text.chunk` tokens per forward
+    pass (`experiments.long_context_experiment.streaming_nll`);
+  * a greedy continuation of `text.new_tokens` tokens after the
+    `text.prompt_tokens` held-out tokens that follow the scored text: decode
+    tokens/s over its steps after the first (which compiles), and greedy
+    agreement = the fraction of positions equal to the reference's (the
+    float32 full cache of the released model; 1 for the reference itself).
+
+The report (report.md) has one table (ratios against the reference point)
+and two plots, quality_vs_cache.png and decode_speed.png, linked from it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments import long_context_experiment as lce
+from experiments import report as report_lib
+from experiments import results
+from experiments import runner
+from kvattn import data as data_lib
+from kvattn import long_context
+from kvattn import memory
+from kvattn.ops import quant
+
+POLICIES = ("full", "window", "sink") + long_context.POLICIES
+REFERENCE = {"dtype": "float32", "policy": "full", "num_kv_heads": 0}
+PLOTS = {"quality": "quality_vs_cache.png", "speed": "decode_speed.png"}
+
+
+def schema() -> dict[str, tuple[str, ...]]:
+  """Sections and keys of a "real_model" config (configs/default.py documents each)."""
+  return {
+      "model": ("name", "dtype"),
+      "cache": ("dtype", "policy", "budget", "num_sinks"),
+      "heads": ("num_kv_heads", "method"),
+      "text": ("num_tokens", "chunk", "prompt_tokens", "new_tokens"),
+      "experiment": ("kind", "name", "max_points"),
+  }
+
+
+def held_out_tokens(tokenizer, count: int) -> np.ndarray:
+  """The first `count` tokens of the validation documents of kvattn.data's default corpus.
+
+  Raises:
+    ValueError: the corpus holds fewer than `count` held-out tokens.
+  """
+  budget, ids = 2**20, []
+  while len(ids) < count:
+    docs = data_lib.load_corpus(max_bytes=budget)
+    _, val = data_lib.split_documents(docs)
+    ids = tokenizer.encode("\n\n".join(d.data.decode("utf-8") for d in val))
+    if budget >= 2**26:
+      raise ValueError(f"the default corpus holds {len(ids)} held-out tokens; asked {count}")
+    budget *= 4
+  return np.asarray(ids[:count], np.int32)
+
+
+def greedy(step, state, caches, prompt: np.ndarray, new_tokens: int, chunk: int
+           ) -> tuple[np.ndarray, float]:
+  """Greedy continuation of one prompt through `caches` (batch 1).
+
+  The prompt goes in `chunk` tokens per forward pass, then `new_tokens - 1`
+  single-token steps; the first step compiles and is not timed.
+
+  Returns:
+    `(i32[new_tokens] tokens, seconds of the timed steps)` (0.0 when fewer than 2 steps).
+  """
+  last = None
+  for s in range(0, len(prompt), chunk):
+    part = prompt[s:s + chunk]
+    toks = np.zeros((1, chunk), np.int32)
+    toks[0, :len(part)] = part
+    blk = jnp.asarray(toks)
+    _, arg, caches = step(state, caches, blk, jnp.array([len(part)], jnp.int32), blk)
+    last = int(arg[0, len(part) - 1])
+  out = [last]
+  nxt = jnp.full((1, 1), last, jnp.int32)
+  one = jnp.ones((1,), jnp.int32)
+  seconds = 0.0
+  for i in range(new_tokens - 1):
+    if i == 1:
+      jax.block_until_ready(nxt)
+      start = time.perf_counter()
+    _, nxt, caches = step(state, caches, nxt, one, nxt)
+    out.append(nxt[0, 0])
+  if new_tokens > 2:
+    jax.block_until_ready(nxt)
+    seconds = time.perf_counter() - start
+  return np.asarray([int(t) for t in out], np.int32), seconds
+
+
+def _is_reference(d: Mapping[str, Any]) -> bool:
+  return (d["cache"]["dtype"], d["cache"]["policy"], d["heads"]["num_kv_heads"]) == tuple(
+      REFERENCE.values())
+
+
+def _label(d: Mapping[str, Any]) -> str:
+  k = d["heads"]["num_kv_heads"]
+  policy = d["cache"]["policy"]
+  policy = policy if policy == "full" else f"{policy}{d['cache']['budget']}"
+  return f"K{k or 'rel'}-{policy}-{d['cache']['dtype']}"
+
+
+class RealModelFamily:
+  """Cache dtype x policy x head grouping on one pretrained model (module doc)."""
+
+  kind = "real_model"
+
+  def __init__(self, workdir: str):
+    self.workdir = workdir
+    self._title = "kvattn: KV-cache choices on a pretrained model"
+    self._model: dict[Any, Any] = {}
+    self._tokens: dict[tuple[str, int], np.ndarray] = {}
+    self._reference: dict[str, np.ndarray] = {}
+
+  def _check(self, d: Mapping[str, Any], where: str) -> None:
+    cache, heads, text = d["cache"], d["heads"], d["text"]
+    if cache["policy"] not in POLICIES:
+      raise ValueError(f"{where}: cache.policy must be one of {POLICIES}; got "
+                       f"{cache['policy']!r}")
+    try:
+      dtype = jnp.dtype(cache["dtype"])
+    except TypeError:
+      raise ValueError(f"{where}: cache.dtype must name a dtype; got {cache['dtype']!r}"
+                       ) from None
+    if not (jnp.issubdtype(dtype, jnp.floating) or dtype in quant.QUANT_DTYPES):
+      raise ValueError(f"{where}: cache.dtype must be a float dtype or one of "
+                       f"{[str(jnp.dtype(q)) for q in quant.QUANT_DTYPES]}; got {cache['dtype']!r}")
+    runner.check_int(f"{where}: cache.budget", cache["budget"], 2)
+    runner.check_int(f"{where}: cache.num_sinks", cache["num_sinks"], 0)
+    runner.check_int(f"{where}: heads.num_kv_heads", heads["num_kv_heads"], 0)
+    if heads["method"] not in ("mean", "first"):
+      raise ValueError(f"{where}: heads.method must be 'mean' or 'first'; got "
+                       f"{heads['method']!r}")
+    runner.check_int(f"{where}: text.num_tokens", text["num_tokens"], 2)
+    runner.check_int(f"{where}: text.chunk", text["chunk"])
+    runner.check_int(f"{where}: text.prompt_tokens", text["prompt_tokens"])
+    runner.check_int(f"{where}: text.new_tokens", text["new_tokens"], 2)
+    if cache["policy"] == "sink" and cache["budget"] < cache["num_sinks"] + 1:
+      raise ValueError(f"{where}: cache.budget must be >= cache.num_sinks + 1 = "
+                       f"{cache['num_sinks'] + 1} for policy 'sink'; got {cache['budget']}")
+
+  def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
+    """One point per sweep entry; all validated before any work (ValueError naming the key)."""
+    base = runner.to_dict(config)
+    runner.check_schema(base, schema())
+    self._check(base, "config")
+    self._title = base["experiment"]["name"] or self._title
+    points, seen = [], {}
+    for i, overrides in enumerate(sweep or [{}]):
+      where = f"sweep[{i}] {dict(overrides)}" if overrides else "config"
+      d = runner.apply_overrides(config, overrides, where)
+      self._check(d, where)
+      label = _label(d)
+      measured = {s: d[s] for s in ("model", "cache", "heads", "text")}
+      pid = f"{label}-{runner.digest(measured)}"
+      if pid in seen:
+        raise ValueError(f"{where}: gives the same point {label} as {seen[pid]}")
+      seen[pid] = where
+      points.append(runner.Point(pid, label, copy.deepcopy(d), f"K{d['heads']['num_kv_heads']}", {
+          "cache_dtype": d["cache"]["dtype"], "policy": d["cache"]["policy"],
+          "budget": None if d["cache"]["policy"] == "full" else d["cache"]["budget"],
+          "num_kv_heads_setting": d["heads"]["num_kv_heads"],
+          "reference": _is_reference(d)}))
+    return points
+
+  # -- measurement ----------------------------------------------------------------------------
+
+  def model(self, d: Mapping[str, Any]):
+    """`(model, tokenizer)` of the point: loaded once, regrouped once per K'."""
+    name, dtype = d["model"]["name"], d["model"]["dtype"]
+    k = d["heads"]["num_kv_heads"]
+    released, key = (name, dtype, 0, ""), (name, dtype, k, d["heads"]["method"] if k else "")
+    if released not in self._model:
+      self._model = {released: lce.load_model(name, dtype)}  # one pretrained model at a time
+    if key not in self._model:
+      from kvattn import convert  # pylint: disable=g-import-not-at-top
+      model, tokenizer = self._model[released]
+      self._model[key] = (convert.regroup_kv_heads(model, k, method=key[3]), tokenizer)
+    return self._model[key]
+
+  def tokens(self, tokenizer, name: str, count: int) -> np.ndarray:
+    if (name, count) not in self._tokens:
+      self._tokens[(name, count)] = held_out_tokens(tokenizer, count)
+    return self._tokens[(name, count)]
+
+  def _greedy(self, d: Mapping[str, Any]) -> tuple[np.ndarray, float]:
+    """The greedy run of point config `d`: `(i32[new_tokens] tokens, timed decode seconds)`."""
+    model, tokenizer = self.model(d)
+    text, cache = d["text"], d["cache"]
+    ids = self.tokens(tokenizer, d["model"]["name"], text["num_tokens"] + 1 +
+                      text["prompt_tokens"])
+    prompt = ids[text["num_tokens"] + 1:]
+    graphdef, state = nnx.split(model)
+    policy = lce.policy_dict({"kind": cache["policy"], "budget": cache["budget"],
+                              "num_sinks": cache["num_sinks"]})
+    capacity = -(-len(prompt) // text["chunk"]) * text["chunk"] + text["new_tokens"]
+    caches = model.init_caches(1, capacity, jnp.dtype(cache["dtype"]), policy=policy)
+    tokens, seconds = greedy(lce._step_fn(graphdef), state, caches, prompt,  # pylint: disable=protected-access
+                             text["new_tokens"], text["chunk"])
+    return tokens, seconds
+
+  def reference_tokens(self, d: Mapping[str, Any]) -> np.ndarray:
+    """Greedy tokens of the reference (float32 full cache, released heads) for `d`'s texts."""
+    ref = runner.apply_overrides(d, {"cache.dtype": REFERENCE["dtype"],
+                                     "cache.policy": REFERENCE["policy"],
+                                     "heads.num_kv_heads": REFERENCE["num_kv_heads"]}, "reference")
+    key = runner.digest({s: ref[s] for s in ("model", "text")})
+    if key not in self._reference:
+      self._reference[key] = self._greedy(ref)[0]
+    return self._reference[key]
+
+  def measure(self, point: runner.Point) -> dict[str, Any]:
+    cpu_start = time.process_time()
+    d = point.config
+    model, tokenizer = self.model(d)
+    text, cache = d["text"], d["cache"]
+    dtype = jnp.dtype(cache["dtype"])
+    graphdef, state = nnx.split(model)
+    step = lce._step_fn(graphdef)  # pylint: disable=protected-access
+    policy = lce.policy_dict({"kind": cache["policy"], "budget": cache["budget"],
+                              "num_sinks": cache["num_sinks"]})
+
+    ids = self.tokens(tokenizer, d["model"]["name"], text["num_tokens"] + 1 +
+                      text["prompt_tokens"])[:text["num_tokens"] + 1]
+    caches = model.init_caches(1, text["num_tokens"], dtype, policy=policy)
+    start = time.perf_counter()
+    nll, caches = lce.streaming_nll(step, state, caches, ids, text["chunk"])
+    ppl_s = time.perf_counter() - start
+    per_token = sum(memory.measured_bytes_per_token(c) for c in caches)
+    per_seq = sum(memory.tree_bytes(c.storage_arrays()) for c in caches)
+
+    tokens, decode_s = self._greedy(d)
+    if _is_reference(d):
+      self._reference.setdefault(runner.digest({s: d[s] for s in ("model", "text")}), tokens)
+    reference = self.reference_tokens(d)
+    steps = text["new_tokens"] - 2
+    attn = model.layers[0].attn
+    return {
+        "num_kv_heads": int(attn.num_kv_heads),
+        "num_heads": int(attn.num_heads),
+        "num_layers": int(model.num_layers),
+        "ppl": float(math.exp(nll.mean())),
+        "ppl_seconds": ppl_s,
+        "num_tokens": text["num_tokens"],
+        "cache_bytes_per_token": float(per_token),
+        "cache_bytes_per_seq": int(per_seq),
+        "cache_slots_per_seq": int(caches[0].capacity),
+        "decode_steps_timed": steps,
+        "decode_s": decode_s,
+        "decode_tokens_per_s": steps / decode_s if decode_s > 0 else float("nan"),
+        "greedy_tokens": tokens.tolist(),
+        "greedy_agreement": float(np.mean(tokens == reference)),
+        "point_cpu_s": time.process_time() - cpu_start,
+    }
+
+  def report(self, records: Sequence[Mapping[str, Any]]) -> str:
+    return write_report(self.workdir, records, title=self._title)
+
+
+runner.register_family("real_model", RealModelFamily)
+
+
+# ----------------------------------------------------------------------------------------------
+# Report.
+
+
+def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
+  """One row per record: the columns of the report's table (ratios vs the reference point)."""
+  ref = next((r for r in records if r.get("reference")), None)
+  rows = []
+  for r in records:
+    vs = lambda key: f"{r[key] / ref[key]:.2f}x" if ref else "n/a"  # pylint: disable=cell-var-from-loop
+    rows.append([r["label"], r["num_kv_heads"],
+                 r["policy"] if r["budget"] is None else f"{r['policy']} {r['budget']}",
+                 r["cache_dtype"], f"{r['cache_bytes_per_token']:,.0f}",
+                 vs("cache_bytes_per_token"), f"{r['cache_bytes_per_seq'] / 2**10:,.0f}",
+                 f"{r['decode_tokens_per_s']:.1f}", f"{r['ppl']:.3f}", vs("ppl"),
+                 f"{r['greedy_agreement']:.2f}"])
+  return rows
+
+
+def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: str) -> str:
+  """report.md and the two plots (linked from it); returns the markdown."""
+  first = records[0] if records else None
+  headers = ["point", "K", "policy", "cache dtype", "cache B/token", "vs ref",
+             "cache KiB/seq", "decode tok/s", "ppl", "vs ref", "greedy agreement"]
+  md = [f"# {title}", ""]
+  if first:
+    cfg = first["config"]
+    md += [f"Model `{cfg['model']['name']}` ({first['num_layers']} layers, "
+           f"{first['num_heads']} query heads; compute {cfg['model']['dtype']}), batch 1. "
+           f"Perplexity: {first['num_tokens']} held-out tokens (validation documents of the "
+           f"default corpus) streamed {cfg['text']['chunk']} tokens per forward pass. Greedy "
+           f"agreement: {cfg['text']['new_tokens']} greedy tokens after the next "
+           f"{cfg['text']['prompt_tokens']} held-out tokens, position by position against the "
+           f"reference (float32 full cache, KV heads as released); decode tok/s over the "
+           f"{first['decode_steps_timed']} steps after the first. Cache KiB/seq: the storage "
+           f"after the scored text (a bounded policy keeps its budget). K = 1 points are "
+           f"mean-pooled from the released heads without uptraining.", ""]
+  md += [report_lib.markdown_table(headers, table_rows(records)), "",
+         f"![quality vs cache bytes]({PLOTS['quality']})", "",
+         f"![decode speed]({PLOTS['speed']})", ""]
+  text = "\n".join(md)
+  results.atomic_write_text(os.path.join(workdir, "report.md"), text)
+  if records:
+    _plots(workdir, records)
+  return text
+
+
+def _plots(workdir: str, records: Sequence[Mapping[str, Any]]) -> None:
+  plt = report_lib.pyplot()
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for r in records:
+    marker = "o" if r["policy"] == "full" else "s"
+    ax.scatter(r["cache_bytes_per_seq"] / 2**10, r["ppl"], marker=marker)
+    ax.annotate(r["label"], (r["cache_bytes_per_seq"] / 2**10, r["ppl"]), fontsize=6)
+  ax.set_xscale("log")
+  ax.set_xlabel("cache KiB per sequence (log)")
+  ax.set_ylabel("held-out perplexity")
+  ax.set_title("quality vs cache size (o full, s bounded policy)")
+  report_lib.save_figure(fig, os.path.join(workdir, PLOTS["quality"]))
+  fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(records)), 4))
+  ax.bar(range(len(records)), [r["decode_tokens_per_s"] for r in records])
+  ax.set_xticks(range(len(records)), [r["label"] for r in records], rotation=60, ha="right",
+                fontsize=7)
+  ax.set_ylabel("decode tokens/s (batch 1)")
+  report_lib.save_figure(fig, os.path.join(workdir, PLOTS["speed"]))
