@@ -171,13 +171,11 @@ def _ready(x):
   return x
 
 
-def streaming_nll(step, state, caches, ids: np.ndarray, chunk: int
-                  ) -> tuple[np.ndarray, Any]:
+def streaming_nll(model, caches, ids: np.ndarray, chunk: int) -> tuple[np.ndarray, Any]:
   """Streams `ids` through `caches`, `chunk` tokens per forward pass (StreamingLLM's evaluation).
 
   Args:
-    step: `_step_fn(graphdef)` of the model.
-    state: the model's nnx state.
+    model: the model (`kvattn.Transformer`).
     caches: empty per-layer caches of batch 1 (any kind of the cache protocol).
     ids: `i32[n + 1]` token ids; token i + 1 is predicted from tokens 0..i.
     chunk: tokens fed per forward pass (1 = exact token-by-token streaming).
@@ -185,6 +183,8 @@ def streaming_nll(step, state, caches, ids: np.ndarray, chunk: int
   Returns:
     `(nll f64[n], caches)`: each token's negative log-likelihood (nats) and the caches after.
   """
+  graphdef, state = nnx.split(model)
+  step = _step_fn(graphdef)
   num_tokens = len(ids) - 1
   nll = np.zeros(num_tokens, np.float64)
   for s in range(0, num_tokens, chunk):
@@ -325,7 +325,7 @@ class LongContextFamily:
     total = text["num_tokens"] + dec["steps"] + 1
     caches = model.init_caches(1, total, dtype, policy=policy)
     start_time = time.perf_counter()
-    nll, caches = streaming_nll(step, state, caches, ids, chunk)
+    nll, caches = streaming_nll(model, caches, ids, chunk)
     ppl_s = time.perf_counter() - start_time
     bins = np.array_split(nll, text["bins"])
     storage = sum(a.nbytes for c in caches for a in c.storage_arrays())

@@ -242,16 +242,13 @@ class RealModelFamily:
     model, tokenizer = self.model(d)
     text, cache = d["text"], d["cache"]
     dtype = jnp.dtype(cache["dtype"])
-    graphdef, state = nnx.split(model)
-    step = lce._step_fn(graphdef)  # pylint: disable=protected-access
     policy = lce.policy_dict({"kind": cache["policy"], "budget": cache["budget"],
                               "num_sinks": cache["num_sinks"]})
-
     ids = self.tokens(tokenizer, d["model"]["name"], text["num_tokens"] + 1 +
                       text["prompt_tokens"])[:text["num_tokens"] + 1]
     caches = model.init_caches(1, text["num_tokens"], dtype, policy=policy)
     start = time.perf_counter()
-    nll, caches = lce.streaming_nll(step, state, caches, ids, text["chunk"])
+    nll, caches = lce.streaming_nll(model, caches, ids, text["chunk"])
     ppl_s = time.perf_counter() - start
     per_token = sum(memory.measured_bytes_per_token(c) for c in caches)
     per_seq = sum(memory.tree_bytes(c.storage_arrays()) for c in caches)
