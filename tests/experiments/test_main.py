@@ -1,0 +1,123 @@
+"""The main job (configs/default.py, experiments/real_model_experiment.py) end to end.
+
+The fast suite runs `python -m experiments.main --config=configs/default.py:smoke` as a
+person would (a subprocess from the repo root) on the 2-layer random model
+(`--config.model.name=random-tiny`: the same family code without the seconds of loading and
+compiling the 30-layer SmolLM2), counts its terminal lines and checks its files and numbers;
+the same command on SmolLM2 itself is `slow`. The runner's bookkeeping is tested with a
+stand-in family (test_runner.py, test_runs.py); the byte-level toy comparison in test_toy.py.
+"""
+
+import json
+import math
+import os
+import re
+
+import pytest
+
+from configs import default
+from experiments import real_model_experiment as rme
+from experiments import runner
+from tests.experiments import subproc
+
+MAX_TERMINAL_LINES = 60
+
+
+def run_main(workdir, *overrides):
+  proc = subproc.popen("experiments.main", *subproc.main_args(
+      str(workdir), *overrides, config="configs/default.py:smoke"))
+  out, err = proc.communicate(timeout=900)
+  return proc.returncode, out, err
+
+
+def check_run(workdir, rc, out, err, num_layers):
+  assert rc == 0, err
+  # tqdm redraws its bar with carriage returns: a terminal shows each bar as one line.
+  lines = (out + err).replace("\r", "\n").splitlines()
+  shown = [line for line in (out + err).splitlines() if line.strip()]
+  assert len(shown) < MAX_TERMINAL_LINES, out + err
+  assert not [line for line in lines if re.match(r"^[IW]\d{4} |INFO", line)], err  # no INFO
+  for name in ("results.jsonl", "results.csv", "report.md", "config.json", runner.LOG_FILE,
+               *rme.PLOTS.values()):
+    assert os.path.getsize(os.path.join(workdir, name)) > 0, name
+  with open(os.path.join(workdir, runner.LOG_FILE)) as f:
+    assert "INFO" in f.read()  # the library logging went to log.txt
+  with open(os.path.join(workdir, "report.md")) as f:
+    report = f.read()
+  for png in rme.PLOTS.values():
+    assert f"]({png})" in report
+    with open(os.path.join(workdir, png), "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  # The summary: the table, then where the report, the plots and the log are.
+  assert "| point |" in out and f"Report: {workdir}/report.md" in out
+  assert f"Log:    {workdir}/{runner.LOG_FILE}" in out and "quality_vs_cache.png" in out
+  with open(os.path.join(workdir, "results.jsonl")) as f:
+    records = {r["label"]: r for r in map(json.loads, f)}
+  assert len(records) == len(default.get_sweep("smoke"))
+  ref, other = records["Krel-full-float32"], records["K1-h2o48-int8"]
+  assert ref["reference"] and not other["reference"]
+  assert ref["greedy_agreement"] == 1.0 and 0.0 <= other["greedy_agreement"] <= 1.0
+  assert ref["num_layers"] == other["num_layers"] == num_layers and other["num_kv_heads"] == 1
+  # f32: 2 (K and V) x K x H x 4 bytes per layer; int8 K = 1: 2 x (H + 4-byte scale) per layer.
+  head_dim = ref["cache_bytes_per_token"] / (num_layers * 2 * ref["num_kv_heads"] * 4)
+  assert other["cache_bytes_per_token"] == num_layers * 2 * (head_dim + 4)
+  assert other["cache_slots_per_seq"] == 48 and ref["cache_slots_per_seq"] == 64
+  for r in records.values():
+    assert r["decode_tokens_per_s"] > 0 and math.isfinite(r["ppl"]) and r["ppl"] > 1
+    assert len(r["greedy_tokens"]) == 8
+
+
+def test_main_smoke_reads_well(tmp_path):
+  """The README's main command at `:smoke`: < 60 terminal lines, INFO logging in log.txt."""
+  rc, out, err = run_main(tmp_path, "model.name=random-tiny")
+  check_run(str(tmp_path), rc, out, err, num_layers=2)
+
+
+@pytest.mark.slow
+def test_main_smoke_on_smollm2(tmp_path):
+  rc, out, err = run_main(tmp_path)
+  check_run(str(tmp_path), rc, out, err, num_layers=30)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"cache.policy": "lru"}, r"cache\.policy must be one of"),
+    ({"cache.dtype": "int4"}, r"cache\.dtype must"),
+    ({"cache.dtype": "int32"}, r"cache\.dtype must be a float dtype or one of"),
+    ({"heads.method": "max"}, r"heads\.method must be 'mean' or 'first'"),
+    ({"heads.num_kv_heads": -1}, r"heads\.num_kv_heads must be an int >= 0"),
+    ({"text.new_tokens": 1}, r"text\.new_tokens must be an int >= 2"),
+    ({"cache.policy": "sink", "cache.budget": 4}, r"cache\.budget must be >= cache\.num_sinks"),
+])
+def test_bad_point_is_named_before_any_work(tmp_path, overrides, match):
+  family = rme.RealModelFamily(str(tmp_path))
+  with pytest.raises(ValueError, match=r"sweep\[0\].*" + match):
+    family.points(default.get_config("smoke"), [overrides])
+  assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("arg", ["", "smoke"])
+def test_shipped_config_validates(tmp_path, arg):
+  points = rme.RealModelFamily(str(tmp_path)).points(default.get_config(arg),
+                                                     default.get_sweep(arg))
+  assert len({p.id for p in points}) == len(points) == len(default.get_sweep(arg))
+  assert sum(p.params["reference"] for p in points) == 1
+  if not arg:  # cache dtype x policy x head grouping
+    assert {(p.params["cache_dtype"], p.params["policy"], p.params["num_kv_heads_setting"])
+            for p in points} == {(d, p, k) for d in default.CACHE_DTYPES
+                                 for p in default.POLICIES for k in default.KV_HEADS}
+
+
+def test_summary_and_plot_links(tmp_path):
+  """`runner.summary` shows the first table and the paths; `link_plots` links unlinked PNGs."""
+  (tmp_path / "a.png").write_bytes(b"png")
+  (tmp_path / "b.png").write_bytes(b"png")
+  md = runner.link_plots(str(tmp_path), "# t\n\n![a](a.png)\n", since=0.0)
+  assert md.endswith("## Plots\n\n![b](b.png)\n") and md.count("(a.png)") == 1
+  with open(tmp_path / "report.md") as f:
+    assert f.read() == md
+  report = "# t\n\n| x | y |\n|---|---:|\n| 1 | 2 |\n\nmore\n\n| second | table |\n"
+  result = runner.RunResult(str(tmp_path / "report.md"), report, [{}], ["p"], False)
+  text = runner.summary(result, str(tmp_path))
+  assert "| 1 | 2 |" in text and "second" not in text
+  assert "rerun to continue" in text and str(tmp_path / "b.png") in text
+  assert len(text.splitlines()) < 10
