@@ -1,15 +1,17 @@
 r"""The main job: runs one experiment config and writes results, report and plots.
 
     python -m experiments.main --config=configs/default.py --workdir=runs/default
-    python -m experiments.main --config=configs/default.py:smoke --workdir=/tmp/smoke \
-        --config.model.num_layers=2
+    python -m experiments.main --config=configs/default.py:smoke --workdir=/tmp/smoke
+    python -m experiments.main --config=configs/toy.py --workdir=runs/toy --config.model.num_layers=4
 
 `--config=FILE[:ARG]` loads `get_config(ARG)` of FILE (ml_collections; the
 config is locked, so an override of an unknown key fails), and the runner
 loads `get_sweep(ARG)` of the same file with the same ARG. The workdir gets
-results.jsonl (append-only), results.csv, report.md, PNG plots and the
-trained params; rerunning the same command skips finished points. See
-experiments/runner.py.
+results.jsonl (append-only), results.csv, report.md (its plots embedded),
+PNG plots, log.txt (the libraries' log records) and, for families that train,
+the trained params; rerunning the same command skips finished points. The
+terminal shows a progress bar and a short summary (`--verbosity=1` adds the
+log records). See experiments/runner.py.
 
 One run at a time holds a workdir (and its training directory): a second
 run stops at once with exit status 2, or with `--wait` waits for the first
