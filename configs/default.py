@@ -25,6 +25,8 @@ import itertools
 
 from ml_collections import config_dict
 
+import configs
+
 ARGS = ("", "smoke")
 CACHE_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3fn")
 POLICIES = ("full", "h2o")  # Issue 21's length-switch kind joins here once it lands.
@@ -32,11 +34,7 @@ KV_HEADS = (0, 1)  # 0 = as released (SmolLM2-135M: 3).
 
 
 def _check_arg(arg):
-  arg = arg or ""
-  if arg not in ARGS:
-    raise ValueError(f"config argument must be one of {ARGS} (':smoke' selects the small run); "
-                     f"got {arg!r}")
-  return arg
+  return configs.check_arg(arg, ARGS)
 
 
 def get_config(arg=None):

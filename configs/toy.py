@@ -28,17 +28,15 @@ dotted path, the same in this file, on the command line and in the sweep.
 
 from ml_collections import config_dict
 
+import configs
+
 from kvattn import transformer
 
 ARGS = ("", "smoke")
 
 
 def _check_arg(arg):
-  arg = arg or ""
-  if arg not in ARGS:
-    raise ValueError(f"config argument must be one of {ARGS} (':smoke' selects the small run); "
-                     f"got {arg!r}")
-  return arg
+  return configs.check_arg(arg, ARGS)
 
 
 def get_config(arg=None):

@@ -2,7 +2,8 @@ r"""The main job: runs one experiment config and writes results, report and plot
 
     python -m experiments.main --config=configs/default.py --workdir=runs/default
     python -m experiments.main --config=configs/default.py:smoke --workdir=/tmp/smoke
-    python -m experiments.main --config=configs/toy.py --workdir=runs/toy --config.model.num_layers=4
+    python -m experiments.main --config=configs/toy.py --workdir=runs/toy \
+        --config.model.num_layers=4
 
 `--config=FILE[:ARG]` loads `get_config(ARG)` of FILE (ml_collections; the
 config is locked, so an override of an unknown key fails), and the runner

@@ -161,7 +161,7 @@ class RealModelFamily:
     runner.check_int(f"{where}: text.num_tokens", text["num_tokens"], 2)
     runner.check_int(f"{where}: text.chunk", text["chunk"])
     runner.check_int(f"{where}: text.prompt_tokens", text["prompt_tokens"])
-    runner.check_int(f"{where}: text.new_tokens", text["new_tokens"], 2)
+    runner.check_int(f"{where}: text.new_tokens", text["new_tokens"], 3)
     if cache["policy"] == "sink" and cache["budget"] < cache["num_sinks"] + 1:
       raise ValueError(f"{where}: cache.budget must be >= cache.num_sinks + 1 = "
                        f"{cache['num_sinks'] + 1} for policy 'sink'; got {cache['budget']}")
@@ -222,9 +222,8 @@ class RealModelFamily:
                               "num_sinks": cache["num_sinks"]})
     capacity = -(-len(prompt) // text["chunk"]) * text["chunk"] + text["new_tokens"]
     caches = model.init_caches(1, capacity, jnp.dtype(cache["dtype"]), policy=policy)
-    tokens, seconds = greedy(lce._step_fn(graphdef), state, caches, prompt,  # pylint: disable=protected-access
-                             text["new_tokens"], text["chunk"])
-    return tokens, seconds
+    step = lce._step_fn(graphdef)  # pylint: disable=protected-access
+    return greedy(step, state, caches, prompt, text["new_tokens"], text["chunk"])
 
   def reference_tokens(self, d: Mapping[str, Any]) -> np.ndarray:
     """Greedy tokens of the reference (float32 full cache, released heads) for `d`'s texts."""
@@ -293,7 +292,7 @@ def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
   ref = next((r for r in records if r.get("reference")), None)
   rows = []
   for r in records:
-    vs = lambda key: f"{r[key] / ref[key]:.2f}x" if ref else "n/a"  # pylint: disable=cell-var-from-loop
+    vs = lambda key, r=r: f"{r[key] / ref[key]:.2f}x" if ref else "n/a"
     rows.append([r["label"], r["num_kv_heads"],
                  r["policy"] if r["budget"] is None else f"{r['policy']} {r['budget']}",
                  r["cache_dtype"], f"{r['cache_bytes_per_token']:,.0f}",

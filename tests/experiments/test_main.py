@@ -85,7 +85,7 @@ def test_main_smoke_on_smollm2(tmp_path):
     ({"cache.dtype": "int32"}, r"cache\.dtype must be a float dtype or one of"),
     ({"heads.method": "max"}, r"heads\.method must be 'mean' or 'first'"),
     ({"heads.num_kv_heads": -1}, r"heads\.num_kv_heads must be an int >= 0"),
-    ({"text.new_tokens": 1}, r"text\.new_tokens must be an int >= 2"),
+    ({"text.new_tokens": 2}, r"text\.new_tokens must be an int >= 3"),
     ({"cache.policy": "sink", "cache.budget": 4}, r"cache\.budget must be >= cache\.num_sinks"),
 ])
 def test_bad_point_is_named_before_any_work(tmp_path, overrides, match):
