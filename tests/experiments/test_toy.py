@@ -1,6 +1,7 @@
-"""The main job end to end: the smoke run, the command line, validation before training.
+"""The toy comparison (configs/toy.py, the main job before SmolLM2) end to end: the smoke run,
+the command line, validation before training.
 
-The fast suite runs the README's main job once (`configs/toy.py:smoke`,
+The fast suite runs the toy comparison once (`configs/toy.py:smoke`,
 `default_run`); the runner's own bookkeeping (resume, skipping finished
 points, atomic writes, refusals before work) is tested with a stand-in family
 in test_runner.py. The other configs' smoke runs and the end-to-end resume
