@@ -426,9 +426,11 @@ def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *
     store.recover()  # a torn final line (killed mid-append) is set aside; its point reruns
     done = store.done()
     todo = [p for p in points if p.id not in done]
-    if len(todo) < len(points):
-      logging.info("resuming: %d of %d points already in %s", len(points) - len(todo),
-                   len(points), store.path)
+    if len(todo) < len(points):  # on the terminal too: a resumed run says so
+      resuming = (f"resuming: {len(points) - len(todo)} of {len(points)} points already in "
+                  f"{store.path}")
+      logging.info(resuming)
+      print(resuming, file=sys.stderr)
     if max_points:
       todo = todo[:max_points]
     measured = []
