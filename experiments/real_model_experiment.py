@@ -245,7 +245,8 @@ class RealModelFamily:
                               "num_sinks": cache["num_sinks"]})
     ids = self.tokens(tokenizer, d["model"]["name"], text["num_tokens"] + 1 +
                       text["prompt_tokens"])[:text["num_tokens"] + 1]
-    caches = model.init_caches(1, text["num_tokens"], dtype, policy=policy)
+    padded = -(-text["num_tokens"] // text["chunk"]) * text["chunk"]  # the last chunk is padded
+    caches = model.init_caches(1, padded, dtype, policy=policy)
     start = time.perf_counter()
     nll, caches = lce.streaming_nll(model, caches, ids, text["chunk"])
     ppl_s = time.perf_counter() - start
