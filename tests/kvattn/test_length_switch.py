@@ -58,16 +58,15 @@ TOKENS = jax.random.randint(jax.random.key(1), (2, 9), 0, V)
 
 
 def test_before_the_switch_outputs_equal_the_dense_cache_exactly(model, step):
-  """Bit for bit (eager) against a dense cache of switch_length slots (the same reductions;
-  against another capacity the sums are ordered differently: 1e-6)."""
+  """Bit for bit (jitted, the phase chosen by lax.switch) against a dense cache of
+  switch_length slots (the same reductions; against another capacity the sums are ordered
+  differently: 1e-6)."""
   sl = 3
-  dense, _ = _decode(model, model.init_caches(2, sl), TOKENS[:, :sl])
-  switch, caches = _decode(model, _switch_caches(model, 2, 9, sl), TOKENS[:, :sl])
-  np.testing.assert_array_equal(switch, dense)
-  assert not np.any(np.asarray(caches[0].switched))
+  dense, _ = _decode(model, model.init_caches(2, sl), TOKENS[:, :sl], step)
+  switch, caches = _decode(model, _switch_caches(model, 2, 9, sl), TOKENS, step)
+  np.testing.assert_array_equal(switch[:, :sl], dense)
   # Past the switch the outputs change (the pooled heads are an approximation).
   dense, _ = _decode(model, model.init_caches(2, 9), TOKENS, step)
-  switch, caches = _decode(model, _switch_caches(model, 2, 9, sl), TOKENS, step)
   np.testing.assert_allclose(switch[:, :sl], dense[:, :sl], atol=1e-6, rtol=0)
   assert np.max(np.abs(switch[:, sl:] - dense[:, sl:])) > 1e-3
   assert np.all(np.asarray(caches[0].switched))
@@ -103,8 +102,9 @@ def test_two_head_toy_after_the_switch_matches_a_hand_computation():
                                       rope_theta=100.0, rngs=nnx.Rngs(3))
   x = np.asarray(jax.random.normal(jax.random.key(4), (1, 3, 6)), np.float32)
   cache = LengthSwitchKVCache.init(1, 3, 2, 4, switch_length=2, num_kv_heads_after=1)
+  step = jax.jit(lambda c, x: attn(x, cache=c))
   for t in range(3):
-    y, cache = attn(jnp.asarray(x[:, t:t + 1]), cache=cache)
+    y, cache = step(cache, jnp.asarray(x[:, t:t + 1]))
   wq, wk, wv, wo = (np.asarray(p[...]) for p in (attn.q_proj, attn.k_proj, attn.v_proj,
                                                  attn.o_proj))
   pos = jnp.arange(3)[None]
@@ -243,6 +243,7 @@ def test_jitted_steps_take_the_branch_of_their_phase_and_never_recompile(model, 
   assert step._cache_size() == 1  # pylint: disable=protected-access  (one compilation)
 
 
+@pytest.mark.slow  # ~4 s of CPU: generate compiles its prefill and decode loop
 def test_generate_through_the_cache_kind_switch(model, step):
   """`generate` (one compiled decode loop) with `cache.kind = "length_switch"`: the greedy
   tokens of the step-by-step loop through the same caches (switch inside the decode)."""
