@@ -142,7 +142,7 @@ def test_sequences_of_one_batch_switch_at_their_own_lengths(model, step):
     np.testing.assert_allclose(got[b], alone[0, lengths[b]:], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("chunk", [3, 9])
+@pytest.mark.parametrize("chunk", [3, pytest.param(9, marks=pytest.mark.slow)])
 def test_chunks_crossing_the_switch_and_nan_in_unused_slots(model, step, chunk):
   """Prefill in chunks (the switch inside a chunk) equals token-by-token decode, with NaN in
   every slot no token was written to."""
@@ -158,6 +158,7 @@ def test_chunks_crossing_the_switch_and_nan_in_unused_slots(model, step, chunk):
   np.testing.assert_allclose(np.concatenate(out, axis=1), ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # two more compilations (int8 caches)
 def test_int8_storage_before_the_switch_equals_the_dense_int8_cache(model, step):
   dense, _ = _decode(model, model.init_caches(2, 9, jnp.int8), TOKENS, step)
   switch, caches = _decode(model, _switch_caches(model, 2, 9, 4, dtype=jnp.int8), TOKENS, step)
