@@ -1,7 +1,6 @@
 r"""The length-switch ("hybrid attention") cache on a real model: speed, bytes, quality.
 
-    python -m experiments.length_switch_experiment --config=configs/length_switch.py:smoke \
-        --workdir=/tmp/length_switch
+    python -m experiments.main --config=configs/length_switch.py:smoke --workdir=/tmp/ls
 
 The "length_switch" family of experiments/runner.py (`experiment.kind =
 "length_switch"`). One point per (context length, cache) of
@@ -47,11 +46,8 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
 from flax import nnx
-from ml_collections import config_flags
 
-from experiments import cli
 from experiments import long_context_experiment as lce
 from experiments import report as report_lib
 from experiments import results
@@ -369,29 +365,3 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
     ax.legend(fontsize=7)
     report_lib.save_figure(fig, os.path.join(workdir, "speed.png"))
   return text
-
-
-# ----------------------------------------------------------------------------------------------
-# Entry point.
-
-FLAGS = flags.FLAGS
-
-
-def _define_flags():
-  config_flags.DEFINE_config_file(
-      "config", None, "configs/length_switch.py or configs/length_switch.py:smoke.",
-      lock_config=True)
-  flags.DEFINE_string("workdir", None, "Directory for results.jsonl, report.md and plots.")
-  flags.mark_flags_as_required(["config", "workdir"])
-
-
-def main(argv):
-  """Runs configs/length_switch.py as `experiments.main` would."""
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  runner.main(FLAGS.config, FLAGS.workdir, config_flags.get_config_filename(FLAGS["config"]))
-
-
-if __name__ == "__main__":
-  _define_flags()
-  cli.run(main)

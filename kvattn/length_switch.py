@@ -63,6 +63,7 @@ from flax import struct
 
 from kvattn import _checks
 from kvattn import cache as cache_lib
+from kvattn.long_context import _check_new_kv  # the [B, T, K, H] checks its kinds share
 
 # Phases of a step (the lax.switch index): which segment the queries read.
 FULL, POOLED, MIXED = 0, 1, 2
@@ -277,15 +278,7 @@ class LengthSwitchKVCache:
         lengths) a write past `capacity`, before anything is written.
       TypeError: non-floating `k_new` / `v_new`.
     """
-    expected = (self.batch, self.num_kv_heads, self.head_dim)
-    for name, x in (("k_new", k_new), ("v_new", v_new)):
-      _checks.rank(name, x, 4, "[B, T, K, H]")
-      _checks.floating(name, x)
-      if (x.shape[0], x.shape[2], x.shape[3]) != expected:
-        raise ValueError(f"{name} must have shape [B, T, K, H] with B, K, H = {expected}; got "
-                         f"{tuple(x.shape)}")
-    if k_new.shape != v_new.shape:
-      raise ValueError(f"k_new and v_new must have one shape; got {k_new.shape} and {v_new.shape}")
+    _check_new_kv(self, k_new, v_new)
     num_tokens = k_new.shape[1]
     new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, num_tokens)
     lengths = cache_lib.advance_lengths(self.lengths, new_lengths, self.capacity)
