@@ -278,3 +278,12 @@ def test_bad_settings_raise_value_error(model, kwargs, match):
     cache_factories.cache_factory_from_config(model, {"kind": "length_switch", **settings})
   with pytest.raises(ValueError, match=match):
     _switch_caches(model, 1, 8, settings["switch_length"], settings["num_kv_heads_after"])
+
+
+def test_a_write_past_the_capacity_raises_before_writing():
+  cache = LengthSwitchKVCache.init(1, 4, 2, 8, switch_length=2, num_kv_heads_after=1)
+  kv = jnp.ones((1, 5, 2, 8))
+  with pytest.raises(ValueError, match="cache overflow"):
+    cache.update(kv, kv)
+  with pytest.raises(ValueError, match=r"k_new must have shape \[B, T, K, H\]"):
+    cache.update(jnp.ones((1, 1, 1, 8)), jnp.ones((1, 1, 1, 8)))
