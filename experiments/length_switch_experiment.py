@@ -377,3 +377,45 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
     ax.legend(fontsize=7)
     report_lib.save_figure(fig, os.path.join(workdir, "speed.png"))
   return text
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode speed alone (no text, no passkey): for a machine too busy for the family's runs.
+
+
+def decode_speed(model, contexts: Sequence[int], *, switch_length: int = 256,
+                 num_kv_heads_after: int = 1, steps: int = 8) -> list[dict[str, Any]]:
+  """Batch-1 decode steps of `model` with the dense cache and with the length-switch cache,
+  each holding `context` tokens (zeros: a step's cost does not depend on the values) so the
+  switch cache has switched: per context and cache, wall and CPU seconds per step
+  (`time.process_time`, all threads; the first step compiles, untimed)."""
+  graphdef, state = nnx.split(model)
+  step = _step_fn(graphdef)
+  tok, one = jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32)
+  rows = []
+  for context in contexts:
+    max_len = context + steps + 2
+    for kind in ("dense", "length_switch"):
+      caches = (model.init_caches(1, max_len) if kind == "dense" else
+                cache_factories.length_switch_caches(
+                    model, 1, max_len, switch_length=switch_length,
+                    num_kv_heads_after=num_kv_heads_after))
+      caches = tuple(c.replace(lengths=jnp.full((1,), context, jnp.int32)) for c in caches)
+      logits, caches = step(state, caches, tok, one)
+      jax.block_until_ready(logits)
+      wall, cpu = time.perf_counter(), time.process_time()
+      for _ in range(steps):
+        logits, caches = step(state, caches, tok, one)
+      jax.block_until_ready(logits)
+      rows.append({"context": context, "cache": kind, "steps": steps,
+                   "wall_s_per_step": (time.perf_counter() - wall) / steps,
+                   "cpu_s_per_step": (time.process_time() - cpu) / steps})
+  return rows
+
+
+if __name__ == "__main__":
+  # python -m experiments.length_switch_experiment [CONTEXT ...]: decode_speed on SmolLM2.
+  import sys  # pylint: disable=g-import-not-at-top
+  smol, _ = lce.load_model("smollm2-135m-instruct", "float32")
+  for row in decode_speed(smol, [int(c) for c in sys.argv[1:]] or [1024, 4096]):
+    print(row, flush=True)

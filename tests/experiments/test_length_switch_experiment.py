@@ -73,3 +73,10 @@ def test_tiny_run_measures_ratios_and_reports_the_claim(tmp_path, never):
   assert (tmp_path / "speed.png").stat().st_size > 0
   lines = (tmp_path / "results.jsonl").read_text().splitlines()
   assert len(lines) == len(sweep) and json.loads(lines[0])["family"] == "length_switch"
+
+
+def test_decode_speed_rows():
+  model, _ = lse.lce.load_model("random-tiny", "float32")
+  rows = lse.decode_speed(model, [24], switch_length=8, steps=1)
+  assert [(r["context"], r["cache"]) for r in rows] == [(24, "dense"), (24, "length_switch")]
+  assert all(r["wall_s_per_step"] > 0 and r["cpu_s_per_step"] >= 0 for r in rows)
