@@ -384,8 +384,9 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
 
 
 def decode_speed(model, contexts: Sequence[int], *, switch_length: int = 256,
-                 num_kv_heads_after: int = 1, steps: int = 8) -> list[dict[str, Any]]:
-  """Batch-1 decode steps of `model` with the dense cache and with the length-switch cache,
+                 num_kv_heads_after: int = 1, steps: int = 8,
+                 kinds: Sequence[str] = KINDS) -> list[dict[str, Any]]:
+  """Batch-1 decode steps of `model` with each cache of `kinds` ("dense", "length_switch"),
   each holding `context` tokens (zeros: a step's cost does not depend on the values) so the
   switch cache has switched: per context and cache, wall and CPU seconds per step
   (`time.process_time`, all threads; the first step compiles, untimed)."""
@@ -395,7 +396,7 @@ def decode_speed(model, contexts: Sequence[int], *, switch_length: int = 256,
   rows = []
   for context in contexts:
     max_len = context + steps + 2
-    for kind in ("dense", "length_switch"):
+    for kind in kinds:
       caches = (model.init_caches(1, max_len) if kind == "dense" else
                 cache_factories.length_switch_caches(
                     model, 1, max_len, switch_length=switch_length,
@@ -407,15 +408,24 @@ def decode_speed(model, contexts: Sequence[int], *, switch_length: int = 256,
       for _ in range(steps):
         logits, caches = step(state, caches, tok, one)
       jax.block_until_ready(logits)
-      rows.append({"context": context, "cache": kind, "steps": steps,
+      rows.append({"context": context, "cache": kind, "num_kv_heads": caches[0].num_kv_heads,
+                   "steps": steps,
                    "wall_s_per_step": (time.perf_counter() - wall) / steps,
                    "cpu_s_per_step": (time.process_time() - cpu) / steps})
   return rows
 
 
 if __name__ == "__main__":
-  # python -m experiments.length_switch_experiment [CONTEXT ...]: decode_speed on SmolLM2.
+  # python -m experiments.length_switch_experiment [mha] [CONTEXT ...]: decode_speed on
+  # SmolLM2 (K = 3), or with "mha" the dense cache of SmolLM2 with its KV heads duplicated to
+  # N = 9 (kvattn.convert.regroup_kv_heads: the same logits, an MHA cache).
   import sys  # pylint: disable=g-import-not-at-top
+  from kvattn import convert  # pylint: disable=g-import-not-at-top
+  args = sys.argv[1:]
+  mha = bool(args) and args[0] == "mha"
   smol, _ = lce.load_model("smollm2-135m-instruct", "float32")
-  for row in decode_speed(smol, [int(c) for c in sys.argv[1:]] or [1024, 4096]):
+  if mha:
+    smol = convert.regroup_kv_heads(smol, smol.layers[0].attn.num_heads)
+  for row in decode_speed(smol, [int(c) for c in args[mha:]] or [1024, 4096],
+                          kinds=("dense",) if mha else KINDS):
     print(row, flush=True)
