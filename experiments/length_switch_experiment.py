@@ -331,7 +331,7 @@ def claims(records: Sequence[Mapping[str, Any]]) -> list[str]:
         f"against this model's own GQA cache the switch saves only the pooled fraction of its "
         f"cache bytes (the limits above). Where the measured speedup exceeds the limit, the "
         f"attention over the cache costs more per byte than the weight products (XLA:CPU). "
-        f"Quality: pooling heads the model was 
+        f"Quality: pooling heads the model was "
         f"trained to keep apart, without uptraining, is the GQA paper's conversion before its "
         f"uptraining step.")
   return lines + [""] + verdict + [""] + why
