@@ -55,12 +55,13 @@ def get_config(arg=None):
   config.text = config_dict.ConfigDict()
   config.text.context = SMOKE_CONTEXTS[0] if smoke else CONTEXTS[0]  # Tokens of text scored
   # for perplexity, and the passkey prompts' length.
-  config.text.chunk = 128 if smoke else 512 if reduced else 256  # Tokens per forward pass (the switch cache is
-  # exact for any chunking).
+  # Tokens per forward pass (the switch cache is exact for any chunking).
+  config.text.chunk = 128 if smoke else 512 if reduced else 256
 
   # Passkey retrieval (prompts of experiments/long_context_experiment.py).
   config.passkey = config_dict.ConfigDict()
-  config.passkey.depths = (0.5,) if smoke or reduced else (0.1, 0.5, 0.9)  # Needle depth (fraction).
+  # Needle depths (fraction of the prompt).
+  config.passkey.depths = (0.5,) if smoke or reduced else (0.1, 0.5, 0.9)
   config.passkey.new_tokens = 8  # Greedy tokens decoded after the question.
   config.passkey.seed = 0  # Draws the pass keys.
 

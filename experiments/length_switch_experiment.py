@@ -297,10 +297,10 @@ def claims(records: Sequence[Mapping[str, Any]]) -> list[str]:
     speed = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
     loss = r["ppl"] / base["ppl"] - 1
     acc = r["passkey_accuracy"] - base["passkey_accuracy"]
+    limit = bound(r, base["cache_bytes_read_per_step"])
     lines.append(
         f"- context {r['context']}, switch at {r['switch_length']}: decode {speed:.2f}x the "
-        f"unswitched GQA cache (memory-bound limit {bound(r, base['cache_bytes_read_per_step']):.2f}x"
-        f"; against an MHA cache of N heads the limit is "
+        f"unswitched GQA cache (memory-bound limit {limit:.2f}x; against an MHA cache of N heads the limit is "
         f"{bound(r, r['mha_cache_bytes_read_per_step']):.2f}x); perplexity "
         f"{100 * loss:+.1f}%; passkey accuracy {acc:+.2f}.")
   if not lines:
