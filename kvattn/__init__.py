@@ -14,6 +14,8 @@ Public names (`__all__`; DESIGN.md has the contract):
     `SinkKVCache`      StreamingLLM cache: attention sinks + a ring of recent tokens.
     `EvictingKVCache`  fixed-budget cache filled by an eviction policy (H2O,
                        SnapKV, TOVA, recent, random, key norm).
+    `LengthSwitchKVCache`  K KV heads up to `switch_length` tokens, then heads pooled
+                       to `num_kv_heads_after` (mean of each group), per sequence.
     `OutOfPagesError`  raised when the pool has too few free pages.
     `PrefixCachingAllocator`  a `PageAllocator` that shares cached prompt prefixes
                        (refcounted pages, chained sha256 keys, LRU eviction, offload tiers).
@@ -44,6 +46,7 @@ from kvattn.allocator import OutOfPagesError, PageAllocator
 from kvattn.paged import PagedKVCache
 from kvattn.prefix_cache import PrefixCachingAllocator
 from kvattn.long_context import EvictingKVCache, RingKVCache, SinkKVCache
+from kvattn.length_switch import LengthSwitchKVCache
 from kvattn import data, transformer
 from kvattn.transformer import Transformer
 from kvattn.generate import generate  # the function; helpers: `from kvattn.generate import ...`
@@ -58,6 +61,7 @@ __all__ = [
     "GroupedQueryAttention",
     "KVCache",
     "LatentCache",
+    "LengthSwitchKVCache",
     "MultiHeadLatentAttention",
     "OutOfPagesError",
     "PageAllocator",

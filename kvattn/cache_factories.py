@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import jax.numpy as jnp
 
 from kvattn import _checks
+from kvattn import length_switch
 from kvattn import long_context
 from kvattn.allocator import PageAllocator, pages_for
 from kvattn.paged import PagedKVCache
@@ -23,7 +24,7 @@ from kvattn.paged import PagedKVCache
 CacheFactory = Callable[[int, int, Any], Sequence[Any]]
 """`(batch, max_len, dtype) -> one cache per layer` (dtype None: the model's)."""
 
-CACHE_KINDS = ("dense", "paged")
+CACHE_KINDS = ("dense", "paged", "length_switch")
 
 
 def gqa_layers(model) -> list[Any]:
@@ -121,7 +122,10 @@ def paged_cache_factory(model, *, page_size: int = 16, tokens_per_seq: Iterable[
 def cache_factory_from_config(model, cache_config, *, tokens_per_seq: Iterable[int] | None = None):
   """The cache-kind switch: `cache_config.kind` "dense" -> None (generate's
   default dense caches), "paged" -> `paged_cache_factory(model,
-  page_size=cache_config.page_size, seed=cache_config.get("seed"))`.
+  page_size=cache_config.page_size, seed=cache_config.get("seed"))`,
+  "length_switch" -> `length_switch_cache_factory(model,
+  switch_length=cache_config.switch_length,
+  num_kv_heads_after=cache_config.num_kv_heads_after)`.
 
   Usage: `kvattn.generate(model, prompts, lengths, n,
   cache_factory=cache_factory_from_config(model, config.cache))`.
@@ -135,6 +139,9 @@ def cache_factory_from_config(model, cache_config, *, tokens_per_seq: Iterable[i
   if kind == "dense":
     return None
   get = cache_config.get if hasattr(cache_config, "get") else (lambda k, d=None: d)
+  if kind == "length_switch":
+    return length_switch_cache_factory(model, switch_length=get("switch_length"),
+                                       num_kv_heads_after=get("num_kv_heads_after"))
   return paged_cache_factory(model, page_size=get("page_size", 16),
                              tokens_per_seq=tokens_per_seq, seed=get("seed", None))
 
@@ -142,11 +149,12 @@ def cache_factory_from_config(model, cache_config, *, tokens_per_seq: Iterable[i
 # ----------------------------------------------------------------------------------------------
 # Long-context policies (kvattn.long_context): bounded caches chosen by name.
 
-POLICY_KINDS = ("full", "window", "sink") + long_context.POLICIES
+POLICY_KINDS = ("full", "window", "sink") + long_context.POLICIES + ("length_switch",)
 """`policy["kind"]` values: "full" (dense `KVCache` of max_len), "window"
 (`RingKVCache`, key `window`), "sink" (`SinkKVCache`, keys `num_sinks`,
-`window`), or an eviction policy name (`EvictingKVCache`, key `budget` plus the
-policy's options)."""
+`window`), an eviction policy name (`EvictingKVCache`, key `budget` plus the
+policy's options), or "length_switch" (`kvattn.length_switch.LengthSwitchKVCache`
+of max_len, keys `switch_length`, `num_kv_heads_after`)."""
 
 
 def _policy_dict(policy: Any) -> dict[str, Any]:
@@ -190,6 +198,10 @@ def policy_caches(model, batch: int, max_len: int, dtype: Any, policy: Any) -> t
   if kind == "full":
     _policy_keys(policy, ())
     return tuple(layer.attn.init_cache(batch, max_len, dtype) for layer in model.layers)
+  if kind == "length_switch":
+    switch_length, after = _policy_keys(policy, ("switch_length", "num_kv_heads_after"))
+    return length_switch_caches(model, batch, max_len, dtype, switch_length=switch_length,
+                                num_kv_heads_after=after)
   attns = gqa_layers(model)
   if kind == "window":
     (window,) = _policy_keys(policy, ("window",))
@@ -219,5 +231,37 @@ def policy_cache_factory(model, policy: Any) -> CacheFactory:
 
   def factory(batch: int, max_len: int, dtype: Any = None) -> tuple[Any, ...]:
     return policy_caches(model, batch, max_len, dtype, checked)
+
+  return factory
+
+
+# ----------------------------------------------------------------------------------------------
+# Length switch (kvattn.length_switch): K KV heads up to a length, pooled heads after it.
+
+
+def length_switch_caches(model, batch: int, max_len: int, dtype: Any = None, *,
+                         switch_length: int, num_kv_heads_after: int):
+  """One empty `LengthSwitchKVCache` per layer of `model` (all layers GQA).
+
+  Raises:
+    ValueError: an MLA layer; `num_kv_heads_after` not dividing a layer's K;
+      `switch_length` not a positive int; bad sizes.
+  """
+  dtype = getattr(model, "dtype", jnp.float32) if dtype is None else dtype
+  return tuple(length_switch.LengthSwitchKVCache.init(
+      batch, max_len, a.num_kv_heads, a.head_dim, dtype, switch_length=switch_length,
+      num_kv_heads_after=num_kv_heads_after) for a in gqa_layers(model))
+
+
+def length_switch_cache_factory(model, *, switch_length: int,
+                                num_kv_heads_after: int) -> CacheFactory:
+  """A `cache_factory(batch, max_len, dtype)` for `kvattn.generate` building
+  `length_switch_caches`; the settings are checked now (ValueError)."""
+  for a in gqa_layers(model):
+    length_switch.check_switch(a.num_kv_heads, num_kv_heads_after, switch_length)
+
+  def factory(batch: int, max_len: int, dtype: Any = None):
+    return length_switch_caches(model, batch, max_len, dtype, switch_length=switch_length,
+                                num_kv_heads_after=num_kv_heads_after)
 
   return factory
