@@ -37,8 +37,8 @@ def _key_pos(batch, i):
   return jnp.broadcast_to(i * SLOT_LEN + jnp.arange(SLOT_LEN, dtype=jnp.int32), (batch, SLOT_LEN))
 
 
-@pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
-@pytest.mark.parametrize("window,soft_cap", [(None, None), (5, None), (None, 30.0)])
+@pytest.mark.parametrize("num_kv_heads,window,soft_cap",
+                         [(1, None, None), (2, 5, None), (4, None, 30.0)])
 def test_gqa_partials_merge_to_decode_attention(num_kv_heads, window, soft_cap):
   batch, num_heads, head_dim = len(LENGTHS), 4, 8
   kq, kk, kv = jax.random.split(jax.random.key(0), 3)
