@@ -743,6 +743,43 @@ def cache_factory(model, mesh: Mesh, *, rules: Mapping[str, Any] | None = None,
   return factory
 
 
+# Rules of `ContinuousBatcher(mesh=...)`: its allocator may hand a row any page of the pool,
+# so the pool is split over KV heads only (rows and pages stay whole on every device).
+HEADS_ONLY_RULES = {"cache_batch": None, "cache_sequence": None, "cache_pages": None}
+
+
+def place_caches(caches: Sequence[Any], mesh: Mesh, rules: Mapping[str, Any] | None = None
+                 ) -> tuple[Any, ...]:
+  """Existing `KVCache` / `PagedKVCache` / `LatentCache`s moved onto `mesh` as their
+  sharded kinds (`jax.device_put`; for caches built or restored elsewhere). A paged
+  cache's rows must use the pages of their data shard (or use `HEADS_ONLY_RULES`).
+
+  Raises:
+    TypeError: a cache of another kind.
+    ValueError: as `cache_layout`.
+  """
+  out = []
+  for c in caches:
+    if isinstance(c, paged_lib.PagedKVCache):
+      lay = cache_layout(mesh, rules, kind="paged", batch=c.batch, max_len=c.max_len,
+                         num_kv_heads=c.num_kv_heads, num_pages=c.num_pages)
+      cls = ShardedPagedKVCache
+    elif isinstance(c, cache_lib.KVCache):
+      lay = cache_layout(mesh, rules, kind="dense", batch=c.batch, max_len=c.max_len,
+                         num_kv_heads=c.num_kv_heads)
+      cls = ShardedKVCache
+    elif isinstance(c, cache_lib.LatentCache):
+      lay = cache_layout(mesh, rules, kind="latent", batch=c.batch, max_len=c.max_len)
+      cls = ShardedLatentCache
+    else:
+      raise TypeError(f"caches must be KVCache, PagedKVCache or LatentCache to shard; got "
+                      f"{type(c).__name__}")
+    fields = {k: v for k, v in _fields(c).items() if k != "layout"}
+    sharded = cls(**fields, layout=lay)
+    out.append(jax.device_put(sharded, sharded.shardings()))
+  return tuple(out)
+
+
 def per_device_bytes(arrays: Sequence[jax.Array]) -> dict[Any, int]:
   """Bytes each device holds of `arrays`, read from their `addressable_shards`."""
   out: dict[Any, int] = {}

@@ -199,6 +199,24 @@ def check_bad_meshes() -> dict:
   return dict(failures=failures, ok=not failures)
 
 
+def check_batcher(mesh_shape) -> dict:
+  """ContinuousBatcher on a mesh gives the single-device tokens; pools split over K."""
+  model = make_model_fn("gqa", 2)()
+  prompts, lengths = _prompts()
+  requests = [(i, np.asarray(prompts[i, :lengths[i]]).tolist(), 3) for i in range(3)]
+  opts = dict(num_slots=2, num_pages=16, page_size=PAGE_SIZE, max_len=16, max_prompt_len=8)
+  want = kvattn.ContinuousBatcher(model, **opts).run(requests)
+  batcher = kvattn.ContinuousBatcher(model, mesh=sharding.make_mesh(mesh_shape), **opts)
+  got = batcher.run(requests)
+  same = all(list(got[i].tokens) == list(want[i].tokens) for i in want)
+  cache = batcher.caches[0]
+  share = sum(a.nbytes for a in cache.storage_arrays()) // min(2, mesh_shape[1])
+  per_device = set(sharding.per_device_bytes(cache.storage_arrays()).values())
+  return dict(mesh=list(mesh_shape), tokens_equal=same, per_device=sorted(per_device),
+              share=share, ok=same and per_device == {share}
+              and isinstance(cache, sharding.ShardedPagedKVCache))
+
+
 def main(argv):
   grid = argv[1] if len(argv) > 1 else "fast"
   if grid == "fast":
@@ -212,7 +230,8 @@ def main(argv):
   checks = [("case", lambda c=c: check_case(c[0], c[1], c[2], with_generate=c[3]))
             for c in cases]
   checks += [("empty_shards", lambda: check_empty_shards("dense")),
-             ("bad_meshes", check_bad_meshes)]
+             ("bad_meshes", check_bad_meshes),
+             ("batcher", lambda: check_batcher((2, 2, 2)))]
   if grid == "full":
     checks.append(("empty_shards", lambda: check_empty_shards("mla")))
   failed = 0
