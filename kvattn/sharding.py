@@ -66,7 +66,9 @@ CACHE_KINDS = ("dense", "paged")  # GQA layers; MLA layers always get a latent c
 # Logical axis name -> mesh axis (str), axes (tuple) or None (replicated).
 DEFAULT_RULES: dict[str, Any] = {
     # Parameters.
-    "vocab": None, "embed": None, "norm": None, "mlp": "model",
+    # "mlp" is replicated by default: the SwiGLU concatenates gate and up along F, so an F
+    # split over `model` would reshuffle both weights (all-to-all) in every step.
+    "vocab": None, "embed": None, "norm": None, "mlp": None,
     "heads": "model", "kv_heads": "model", "head_dim": None,
     "latent": None, "q_latent": None,
     # Caches.

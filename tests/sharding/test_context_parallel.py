@@ -49,7 +49,8 @@ def test_gqa_partials_merge_to_decode_attention(num_kv_heads, window, soft_cap):
   want = ops.decode_attention(q, k, v, lengths, window=window, soft_cap=soft_cap,
                               implementation="xla")
   k, v = _poison(k, LENGTHS, 2), _poison(v, LENGTHS, 2)
-  parts = [cp.partial_attention(q[:, None], _split(k, 2, i), _split(v, 2, i), _key_pos(batch, i),
+  partial = jax.jit(cp.partial_attention, static_argnames=("window", "soft_cap"))
+  parts = [partial(q[:, None], _split(k, 2, i), _split(v, 2, i), _key_pos(batch, i),
                                 (lengths - 1)[:, None], lengths, window=window,
                                 soft_cap=soft_cap) for i in range(SHARDS)]
   o = jnp.stack([p[0] for p in parts])
@@ -73,7 +74,8 @@ def test_mla_partials_merge_to_mla_decode_attention():
   want = ops.mla_decode_attention(q_lat, q_rope, c_kv, k_rope, lengths, sm_scale=0.2,
                                   implementation="xla")
   c_kv, k_rope = _poison(c_kv, LENGTHS, 1), _poison(k_rope, LENGTHS, 1)
-  parts = [cp.partial_mla_attention(q_lat[:, None], q_rope[:, None], _split(c_kv, 1, i),
+  partial = jax.jit(cp.partial_mla_attention, static_argnames=("sm_scale",))
+  parts = [partial(q_lat[:, None], q_rope[:, None], _split(c_kv, 1, i),
                                     _split(k_rope, 1, i), _key_pos(batch, i),
                                     (lengths - 1)[:, None], lengths, sm_scale=0.2)
            for i in range(SHARDS)]
