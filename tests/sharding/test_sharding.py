@@ -5,7 +5,8 @@ The device count is fixed when JAX starts, so the checks run in a subprocess wit
 equal the single-device run, each device holds exactly its share of the cache bytes, the
 compiled decode step has no all-gather of the cache, the context-parallel merge survives
 empty shards with NaN in their buffers, and bad meshes raise ValueError naming the axis.
-The default suite runs a compact grid; the issue's full grid is `-m slow`.
+The default suite runs a compact grid; the issue's full grid (and `ContinuousBatcher` on a
+mesh) is `-m slow`.
 """
 
 import json
@@ -34,11 +35,11 @@ def _run(grid: str, timeout: int) -> list[dict]:
 def test_sharded_decode_compact_grid():
   results = _run("fast", timeout=900)
   cases = [r for r in results if r["check"] == "case"]
-  assert {r["kind"] for r in cases} == {"dense", "paged", "mla"}
+  assert {r["kind"] for r in cases} == {"dense", "paged"}
   assert any(r.get("tokens_equal") for r in cases)
-  seq_split = [r for r in cases if r["mesh"][2] > 1]
-  assert seq_split and all(r["all_reduces"] > 0 for r in seq_split)  # the LSE merge
-  assert {r["check"] for r in results} >= {"empty_shards", "bad_meshes"}
+  assert all(r["all_reduces"] > 0 for r in cases)  # the LSE merge over seq, o_proj over model
+  assert {r["kind"] for r in results if r["check"] == "empty_shards"} == {"dense", "mla"}
+  assert any(r["check"] == "bad_meshes" for r in results)
 
 
 @pytest.mark.slow
@@ -47,3 +48,4 @@ def test_sharded_decode_full_grid():
   cases = [r for r in results if r["check"] == "case"]
   assert len(cases) == 4 * 3 * 2 + 4
   assert all(r["tokens_equal"] for r in cases)
+  assert sum(r["check"] == "batcher" for r in results) == 2
