@@ -135,24 +135,28 @@ def mesh_config():
   from ml_collections import config_dict  # pylint: disable=g-import-not-at-top
   cfg = config_dict.ConfigDict()
   cfg.shape = config_dict.placeholder(tuple)  # None: single device; else (data, model, seq).
-  cfg.rules = config_dict.placeholder(dict)  # None: DEFAULT_RULES; else overrides of it.
+  # None: DEFAULT_RULES; else (logical name, mesh axis or None) pairs overriding them, e.g.
+  # (("mlp", "model"),).
+  cfg.rules = config_dict.placeholder(tuple)
   return cfg
 
 
-def mesh_from_config(cfg: Any) -> tuple[Mesh | None, dict[str, Any]]:
+def mesh_from_config(cfg: Mapping[str, Any] | None) -> tuple[Mesh | None, dict[str, Any]]:
   """`(mesh or None, rules)` from a config's `mesh` section (None or shape None: one
   device).
 
   Raises:
     ValueError: a bad shape or rule, naming `mesh.shape` / `mesh.rules`.
   """
+  rules = resolve_rules(None if cfg is None else cfg.get("rules"))
   if cfg is None or cfg.get("shape") is None:
-    return None, resolve_rules(None)
-  return make_mesh(tuple(cfg.shape)), resolve_rules(cfg.get("rules"))
+    return None, rules
+  return make_mesh(tuple(cfg["shape"])), rules
 
 
-def resolve_rules(rules: Mapping[str, Any] | None) -> dict[str, Any]:
-  """`DEFAULT_RULES` updated by `rules`, checked.
+def resolve_rules(rules: Mapping[str, Any] | Sequence[tuple[str, Any]] | None
+                  ) -> dict[str, Any]:
+  """`DEFAULT_RULES` updated by `rules` (a mapping or (name, axes) pairs), checked.
 
   Raises:
     ValueError: an unknown logical name, or a value that is not None, a mesh axis
