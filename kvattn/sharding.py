@@ -297,12 +297,16 @@ class CacheLayout:
                          check_vma=False)
 
 
-def _single_axis(rules, name) -> str | None:
+def _single_axis(rules, name, mesh: Mesh | None = None) -> str | None:
+  """The one mesh axis `rules[name]` names, or None (none, or of size 1 on `mesh`: a
+  size-1 axis splits nothing, so the cache takes the single-device path)."""
   axes = _axes(rules[name])
   if len(axes) > 1:
     raise ValueError(f"mesh.rules[{name!r}] must be one mesh axis or None for a cache; "
                      f"got {rules[name]!r}")
-  return axes[0] if axes else None
+  if not axes or (mesh is not None and mesh.shape[axes[0]] == 1):
+    return None
+  return axes[0]
 
 
 def _divides(mesh: Mesh, axes: Any, size: int, what: str) -> None:
@@ -342,13 +346,13 @@ def cache_layout(mesh: Mesh, rules: Mapping[str, Any] | None, *, kind: str, batc
       divides the other; a multi-axis rule for the batch, slots or KV heads.
   """
   rules = resolve_rules(rules)
-  batch_axis = _single_axis(rules, "cache_batch")
-  seq_axis = _single_axis(rules, "cache_sequence")
+  batch_axis = _single_axis(rules, "cache_batch", mesh)
+  seq_axis = _single_axis(rules, "cache_sequence", mesh)
   _divides(mesh, batch_axis, batch, "the batch B")
   if kind == "latent":
     _divides(mesh, seq_axis, max_len, "the cache slots S (max_len)")
     return CacheLayout(mesh=mesh, batch=batch_axis, seq=seq_axis)
-  head_axis = _single_axis(rules, "cache_kv_heads")
+  head_axis = _single_axis(rules, "cache_kv_heads", mesh)
   view, q_heads = (mesh, ()) if head_axis is None else _head_mesh(mesh, head_axis, num_kv_heads)
   if head_axis is not None and num_heads is not None and num_heads % axis_size(view, q_heads):
     q_heads = (head_axis,)
@@ -359,11 +363,12 @@ def cache_layout(mesh: Mesh, rules: Mapping[str, Any] | None, *, kind: str, batc
                        q_heads=q_heads)
   if kind != "paged":
     raise ValueError(f"kind must be one of {CACHE_KINDS + ('latent',)}; got {kind!r}")
-  pages = _axes(rules["cache_pages"])
-  if batch_axis is not None and (not pages or pages[0] != batch_axis):
-    raise ValueError(f"mesh.rules['cache_pages'] must start with the batch axis "
-                     f"{batch_axis!r} (each data shard's rows use its own pages); got "
-                     f"{rules['cache_pages']!r}")
+  pages = tuple(a for a in _axes(rules["cache_pages"]) if mesh.shape[a] > 1)
+  allowed = tuple(a for a in (batch_axis, seq_axis) if a is not None)
+  if any(a not in allowed for a in pages) or (batch_axis and pages[:1] != (batch_axis,)):
+    raise ValueError(f"mesh.rules['cache_pages'] must be the batch axis then optionally the "
+                     f"sequence axis of {allowed} (each data shard's rows use its own pages); "
+                     f"got {rules['cache_pages']!r}")
   _divides(mesh, pages, num_pages, "the page pool P (num_pages)")
   return CacheLayout(mesh=view, batch=batch_axis, seq=seq_axis if seq_axis in pages else None,
                      kv_heads=kv_heads, q_heads=q_heads, pages=pages)
@@ -393,6 +398,30 @@ def _encode_pair(a, b, dtype):
   return a, b, a_s, b_s
 
 
+def _write_slots(cache, names, new_a, new_b, new_lengths, buf_axes, new_axes, *, slot_axis):
+  """`update` of the dense and latent kinds: encodes `new_a, new_b` ([B, T, ...]) into the
+  fields `names` (values, then scales) and writes them per shard (`write_tokens`; a
+  sequence shard gets `lengths` minus its first slot, so it keeps the slots it holds)."""
+  new_lengths = cache_lib.resolve_new_lengths(new_lengths, cache.batch, new_a.shape[1])
+  lengths = cache_lib.advance_lengths(cache.lengths, new_lengths, cache.max_len)
+  lay = cache.layout
+  slot_len = cache.max_len // axis_size(lay.mesh, lay.seq)
+  new = dict(zip(names, _encode_pair(new_a, new_b, cache.dtype)))
+  bufs = {n: getattr(cache, n) for n in names if getattr(cache, n) is not None}
+  new = {n: new[n] for n in bufs}
+  buf_spec = {n: _spec(*buf_axes, ndim=bufs[n].ndim) for n in bufs}
+  new_spec = {n: _spec(*new_axes, ndim=new[n].ndim) for n in new}
+
+  def local(bufs, new, lengths, new_lengths):
+    first = 0 if lay.seq is None else jax.lax.axis_index(lay.seq) * slot_len
+    return {n: cache_lib.write_tokens(bufs[n], new[n], lengths - first, new_lengths,
+                                      slot_axis=slot_axis) for n in bufs}
+
+  written = lay.smap(local, (buf_spec, new_spec, P(lay.batch), P(lay.batch)), buf_spec)(
+      bufs, new, cache.lengths, new_lengths)
+  return cache.replace(lengths=lengths, **written)
+
+
 @struct.dataclass
 class ShardedKVCache(cache_lib.KVCache):
   """A `KVCache` whose arrays are sharded by `layout` (B over data, K over model, S over
@@ -417,24 +446,10 @@ class ShardedKVCache(cache_lib.KVCache):
     rest = (self.num_kv_heads, self.head_dim)
     for name, x in (("k_new", k_new), ("v_new", v_new)):
       _check_new(name, x, self.batch, rest, "[B, T, K, H]")
-    new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, k_new.shape[1])
-    lengths = cache_lib.advance_lengths(self.lengths, new_lengths, self.max_len)
     lay = self.layout
-    slot_len = self.max_len // axis_size(lay.mesh, lay.seq)
-    new = dict(zip(("k", "v", "k_scale", "v_scale"), _encode_pair(k_new, v_new, self.dtype)))
-    bufs = {n: getattr(self, n) for n in new if getattr(self, n) is not None}
-    new = {n: new[n] for n in bufs}
-    buf_spec = {n: _spec(lay.batch, lay.kv_heads, lay.seq, None, ndim=bufs[n].ndim) for n in bufs}
-    new_spec = {n: _spec(lay.batch, None, lay.kv_heads, None, ndim=new[n].ndim) for n in new}
-
-    def local(bufs, new, lengths, new_lengths):
-      first = 0 if lay.seq is None else jax.lax.axis_index(lay.seq) * slot_len
-      return {n: cache_lib.write_tokens(bufs[n], new[n], lengths - first, new_lengths,
-                                        slot_axis=2) for n in bufs}
-
-    written = lay.smap(local, (buf_spec, new_spec, P(lay.batch), P(lay.batch)), buf_spec)(
-        bufs, new, self.lengths, new_lengths)
-    return self.replace(lengths=lengths, **written)
+    return _write_slots(self, ("k", "v", "k_scale", "v_scale"), k_new, v_new, new_lengths,
+                        (lay.batch, lay.kv_heads, lay.seq, None),
+                        (lay.batch, None, lay.kv_heads, None), slot_axis=2)
 
   def attend(self, q, *, q_offsets, sm_scale=None, window=None, soft_cap=None,
              implementation=None):
@@ -592,25 +607,10 @@ class ShardedLatentCache(cache_lib.LatentCache):
     if c_kv_new.shape[1] != k_rope_new.shape[1]:
       raise ValueError(f"c_kv_new and k_rope_new must have the same T; got "
                        f"{tuple(c_kv_new.shape)} and {tuple(k_rope_new.shape)}")
-    new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, c_kv_new.shape[1])
-    lengths = cache_lib.advance_lengths(self.lengths, new_lengths, self.max_len)
     lay = self.layout
-    slot_len = self.max_len // axis_size(lay.mesh, lay.seq)
-    names = ("c_kv", "k_rope", "c_kv_scale", "k_rope_scale")
-    new = dict(zip(names, _encode_pair(c_kv_new, k_rope_new, self.dtype)))
-    bufs = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
-    new = {n: new[n] for n in bufs}
-    buf_spec = {n: _spec(lay.batch, lay.seq, None, ndim=bufs[n].ndim) for n in bufs}
-    new_spec = {n: _spec(lay.batch, None, None, ndim=new[n].ndim) for n in new}
-
-    def local(bufs, new, lengths, new_lengths):
-      first = 0 if lay.seq is None else jax.lax.axis_index(lay.seq) * slot_len
-      return {n: cache_lib.write_tokens(bufs[n], new[n], lengths - first, new_lengths,
-                                        slot_axis=1) for n in bufs}
-
-    written = lay.smap(local, (buf_spec, new_spec, P(lay.batch), P(lay.batch)), buf_spec)(
-        bufs, new, self.lengths, new_lengths)
-    return self.replace(lengths=lengths, **written)
+    return _write_slots(self, ("c_kv", "k_rope", "c_kv_scale", "k_rope_scale"), c_kv_new,
+                        k_rope_new, new_lengths, (lay.batch, lay.seq, None),
+                        (lay.batch, None, None), slot_axis=1)
 
   def attend(self, q_latent, q_rope, *, q_offsets, sm_scale, window=None,
              implementation=None):

@@ -63,6 +63,7 @@ def test_gqa_partials_merge_to_decode_attention(num_kv_heads, window, soft_cap):
   np.testing.assert_array_equal(got[0], 0.0)  # the empty row gives zeros
 
 
+@pytest.mark.slow  # the fast suite checks the MLA merge on 8 devices (test_sharding.py)
 def test_mla_partials_merge_to_mla_decode_attention():
   batch, num_heads, c, r = len(LENGTHS), 4, 16, 8
   keys = jax.random.split(jax.random.key(1), 4)
