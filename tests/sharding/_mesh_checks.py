@@ -227,6 +227,23 @@ def check_batcher(mesh_shape) -> dict:
               and isinstance(cache, sharding.ShardedPagedKVCache))
 
 
+def check_quantized() -> dict:
+  """int8 caches: sharded decode logits equal the single-device int8 run."""
+  diffs = {}
+  for kind, k, mesh_shape in (("dense", 2, (2, 2, 2)), ("paged", 2, (1, 2, 4)),
+                              ("mla", 1, (2, 1, 4))):
+    make = make_model_fn(kind, k)
+    ref = make()
+    want, _, _ = _decode_logits(ref, ref.init_caches(BATCH, MAX_LEN, dtype=jnp.int8))
+    mesh = sharding.make_mesh(mesh_shape)
+    model = sharding.shard_model(make, mesh)
+    caches = sharding.init_caches(model, BATCH, MAX_LEN, mesh, dtype=jnp.int8,
+                                  page_size=PAGE_SIZE, kind="paged" if kind == "paged" else "dense")
+    got, _, _ = _decode_logits(model, caches)
+    diffs[kind] = float(jnp.max(jnp.abs(got - want)))
+  return dict(max_abs_diff=diffs, ok=max(diffs.values()) <= 1e-5)
+
+
 def main(argv):
   grid = argv[1] if len(argv) > 1 else "fast"
   if grid == "fast":
@@ -242,7 +259,8 @@ def main(argv):
              ("empty_shards", lambda: check_empty_shards("mla")),
              ("bad_meshes", check_bad_meshes)]
   if grid == "full":
-    checks += [("batcher", lambda: check_batcher((2, 2, 2))),
+    checks += [("quantized", check_quantized),
+               ("batcher", lambda: check_batcher((2, 2, 2))),
                ("batcher", lambda: check_batcher((1, 8, 1)))]
   failed = 0
   for name, fn in checks:
