@@ -37,8 +37,10 @@ def _key_pos(batch, i):
   return jnp.broadcast_to(i * SLOT_LEN + jnp.arange(SLOT_LEN, dtype=jnp.int32), (batch, SLOT_LEN))
 
 
-@pytest.mark.parametrize("num_kv_heads,window,soft_cap",
-                         [(1, None, None), (2, 5, 30.0)])
+@pytest.mark.parametrize("num_kv_heads,window,soft_cap", [
+    pytest.param(1, None, None, marks=pytest.mark.slow),  # MQA, no window: slow grid only
+    (2, 5, 30.0),
+])
 def test_gqa_partials_merge_to_decode_attention(num_kv_heads, window, soft_cap):
   batch, num_heads, head_dim = len(LENGTHS), 4, 8
   kq, kk, kv = jax.random.split(jax.random.key(0), 3)
