@@ -30,6 +30,7 @@ from ml_collections import config_dict
 
 import configs
 
+from kvattn import sharding
 from kvattn import transformer
 
 ARGS = ("", "smoke")
@@ -85,6 +86,10 @@ def get_config(arg=None):
   decode.decode_repeats = 2 if smoke else 3  # Timed decode loops after each timed prefill, each
   # from its own copy of the prefilled caches (decode is cheap; more samples, steadier medians).
   decode.seed = 0  # Picks the validation documents the prompts start from.
+
+  # Device mesh (kvattn.sharding, docs/sharding.md): shape None = one device; (data, model, seq)
+  # sizes shard each point's params and caches, e.g. --config.mesh.shape="(1,2,1)".
+  config.mesh = sharding.mesh_config()
 
   # Training per variant (kvattn.train schema), shared by all sequence lengths.
   config.train = config_dict.ConfigDict()

@@ -55,6 +55,7 @@ from experiments import timing
 from kvattn import cache as cache_lib
 from kvattn import data as data_lib
 from kvattn import memory
+from kvattn import sharding
 from kvattn import train as train_lib
 from kvattn import transformer as transformer_lib
 from kvattn.ops import quant
@@ -139,6 +140,7 @@ def variants_schema() -> dict[str, tuple[str, ...]]:
       "train": tuple(train_lib.train_config().keys()),
       "data": tuple(data_lib.data_config().keys()),
       "experiment": ("kind", "name", "max_points", "train_dir"),
+      "mesh": ("shape", "rules"),
   }
 
 
@@ -218,6 +220,15 @@ class VariantsFamily:
     runner.check_int(f"{where}: decode.seed", dec["seed"], 0)
     if d["data"]["seq_len"] is None:
       raise ValueError(f"{where}: data.seq_len must be a positive int; got None")
+    try:
+      mesh, _ = sharding.mesh_from_config(d["mesh"])
+      for layer in spec.layers if mesh is not None else ():  # B, S, K must fit the mesh
+        for s in seq_lens:
+          sharding.cache_layout(mesh, d["mesh"]["rules"], batch=cache["batch"], max_len=s,
+                                kind="latent" if layer.kind == "mla" else "dense",
+                                num_kv_heads=layer.num_kv_heads, num_heads=layer.num_heads)
+    except ValueError as e:
+      raise ValueError(f"{where}: mesh: {e}") from None
     train_dir = d["experiment"]["train_dir"]
     if train_dir is not None and not isinstance(train_dir, str):
       raise ValueError(f"{where}: experiment.train_dir must be a path or None; got {train_dir!r}")
@@ -282,6 +293,8 @@ class VariantsFamily:
         point_cfg = copy.deepcopy(d)
         label = f"{variant}{'' if k is None else f'-K{k}'}-S{s}"
         measured = _measured_part(d, ("cache", "decode", "train", "data"))
+        if d["mesh"]["shape"] is not None:  # one device keeps the hashes of earlier runs
+          measured["mesh"] = d["mesh"]
         pid = f"{label}-{runner.digest({'model': spec_d, 'seq_len': s, **measured})}"
         if pid in seen:
           raise ValueError(f"{where}: gives the same point {label} as {seen[pid]}; remove the "
@@ -391,12 +404,22 @@ class VariantsFamily:
     prompts = jnp.asarray(self.prompts(d, batch, prompt_len))
     lengths = jnp.full((batch,), prompt_len, jnp.int32)
     analytic = transformer_lib.cache_bytes_per_token(spec, cache_dtype)
+    mesh, rules = sharding.mesh_from_config(d["mesh"])
+    if mesh is None:
+      init_caches = lambda: model.init_caches(batch, seq_len, cache_dtype)
+    else:  # params and caches sharded by the rules (kvattn.sharding)
+      model = sharding.place_model(model, mesh, rules)
+      init_caches = lambda: sharding.init_caches(model, batch, seq_len, mesh, rules=rules,
+                                                 dtype=cache_dtype)
     cache_record, prefill_times, decode_times = None, [], []
     loops = d["decode"]["decode_repeats"]
     for i in range(warmup + repeats):
-      caches = model.init_caches(batch, seq_len, cache_dtype)
+      caches = init_caches()
       if cache_record is None:
         cache_record = runner.check_cache_bytes(caches, analytic, batch, seq_len)
+        cache_record["mesh"] = None if mesh is None else list(d["mesh"]["shape"])
+        cache_record["per_device_cache_bytes"] = max(sharding.per_device_bytes(
+            [a for c in caches for a in c.storage_arrays()]).values())
       prefill_time, first, caches, key = timing.timed_prefill(model, prompts, lengths, caches)
       timed_loops = loops if i >= warmup else 1  # a warm-up run needs one decode to compile
       for j in range(timed_loops):  # each loop decodes from its own copy of the prefilled caches

@@ -122,7 +122,7 @@ class ContinuousBatcher:
                top_k: int | None = None, top_p: float | None = None,
                eos_id: int | None = None, pad_id: int = data_lib.PAD_ID, dtype: Any = None,
                seed: int | None = None, rng: Any = None, prefix_cache: bool = False,
-               offload: Any = None):
+               offload: Any = None, mesh: Any = None):
     """Builds the caches, the allocator and the jitted programs.
 
     Args:
@@ -145,6 +145,9 @@ class ContinuousBatcher:
         bucket).
       offload: a `kvattn.offload.TieredStore` where evicted cached pages go
         (host memory, disk) and come back from on a hit; needs `prefix_cache`.
+      mesh: a `kvattn.sharding.make_mesh` mesh, or None (one device): parameters
+        placed by the sharding rules, page pools split over KV heads on the
+        `model` axis (`kvattn.sharding.HEADS_ONLY_RULES`: any row may use any page).
 
     Raises:
       ValueError/TypeError: bad sizes, an MLA layer, `max_prompt_len > max_len`.
@@ -182,11 +185,18 @@ class ContinuousBatcher:
         for a in attns)
     # Committed, as the jitted programs' outputs are: the first call then reuses the executable
     # later calls run, instead of compiling once more for uncommitted inputs.
-    self.caches = jax.device_put(self.caches, jax.devices()[0])
+    home = jax.devices()[0]
+    if mesh is not None:
+      from kvattn import sharding  # pylint: disable=g-import-not-at-top
+      model = sharding.place_model(model, mesh)
+      self.caches = sharding.place_caches(self.caches, mesh, sharding.HEADS_ONLY_RULES)
+      home = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    else:
+      self.caches = jax.device_put(self.caches, home)
     self._graphdef, self._state = nnx.split(model)
     if rng is None or (isinstance(rng, int) and not isinstance(rng, bool)):
       rng = jax.random.key(0 if rng is None else rng)
-    self._rng = jax.device_put(rng, jax.devices()[0])  # committed, like self.caches
+    self._rng = jax.device_put(rng, home)  # committed, like self.caches
     self._slots: list[_Live | None] = [None] * self.num_slots
     self._last = np.full((self.num_slots,), self.pad_id, np.int32)
     self.steps = 0

@@ -107,7 +107,8 @@ def write_tokens(
   """Scatters T new tokens per sequence into slots `lengths[b] + t`.
 
   Tokens with `t >= new_lengths[b]` and tokens whose slot is `>= S` are
-  dropped (never wrapped or clamped). `new` is `[B, T, *rest]` where `rest` is
+  dropped (never wrapped or clamped), and so are negative slots (a shard of the
+  slot axis passes `lengths` minus its first slot). `new` is `[B, T, *rest]` where `rest` is
   buffer's shape without the batch and slot axes. The cast to buffer's dtype
   happens here.
   """
@@ -115,7 +116,8 @@ def write_tokens(
   capacity = buffer.shape[slot_axis]
   t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
   slots = lengths[:, None] + t
-  slots = jnp.where(t < new_lengths[:, None], slots, capacity)  # capacity = dropped
+  # capacity = dropped; a negative slot (a sequence shard's offset, kvattn.sharding) too.
+  slots = jnp.where((t < new_lengths[:, None]) & (slots >= 0), slots, capacity)
   rows = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], slots.shape)
   index = (rows,) + (slice(None),) * (slot_axis - 1) + (slots,)
   return buffer.at[index].set(new.astype(buffer.dtype), mode="drop")

@@ -286,6 +286,7 @@ def no_training(monkeypatch):
     (lambda d: d["model"]["attention"].update(decode_implementation=3), None,
      r"model\.attention\.decode_implementation must be a str or None"),
     (lambda d: d["experiment"].update(kind="paged_typo"), None, r"experiment\.kind must be one of"),
+    (lambda d: d["mesh"].update(shape=(2, 1, 1)), None, r"mesh: mesh\.shape \(2, 1, 1\) needs 2"),
 ])
 def test_bad_config_fails_before_training(tmp_path, no_training, mutate, sweep, match):
   d = default.get_config("smoke").to_dict()

@@ -1,0 +1,277 @@
+"""Checks of kvattn.sharding on 8 simulated CPU devices, run as their own process.
+
+    python -m tests.sharding._mesh_checks fast|full
+
+XLA reads `--xla_force_host_platform_device_count` once, when JAX starts, and the
+pytest process has started it with one device; test_sharding.py therefore runs this
+module in a subprocess. Each check prints one JSON line `{"check": ..., "ok": ...,
+...}`; the exit status is 1 if any failed. `fast` is the compact grid of the default
+suite, `full` the grid of issue 17 (meshes (1,8,1), (2,4,1), (2,2,2), (1,1,8) x K in
+{1, 2, 8} x dense / paged / MLA).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import functools
+import json
+import re
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import kvattn
+from kvattn import cache as cache_lib
+from kvattn import sharding
+from kvattn import transformer
+
+BATCH, MAX_LEN, PAGE_SIZE, NEW_TOKENS = 4, 64, 4, 4
+D_MODEL = 48  # no model dimension equals MAX_LEN or the page pool (64), see _cache_gathers
+MESHES = ((1, 8, 1), (2, 4, 1), (2, 2, 2), (1, 1, 8))
+
+
+def make_model_fn(kind: str, num_kv_heads: int = 2):
+  """A one-layer model constructor (GQA with N = 8, or MLA)."""
+  if kind == "mla":
+    attention = dict(kind="mla", num_heads=8, kv_lora_rank=32, qk_nope_head_dim=16,
+                     qk_rope_head_dim=8, v_head_dim=16)
+  else:
+    attention = dict(num_heads=8, num_kv_heads=num_kv_heads, head_dim=16)
+  cfg = transformer.model_config(d_model=D_MODEL, num_layers=1, mlp_dim=96, attention=attention)
+  return lambda: transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
+
+
+def _prompts():
+  tokens = jax.random.randint(jax.random.key(1), (BATCH, 6), 0, 259, dtype=jnp.int32)
+  return tokens, jnp.array([6, 3, 1, 5], jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _step(graphdef, state, tokens, caches, new_lengths):
+  model = nnx.merge(graphdef, state)
+  return model(tokens, caches, new_lengths=new_lengths)
+
+
+_LAST_HLO = [""]
+
+
+def _decode_logits(model, caches, inspect: bool = False):
+  """Logits of one decode step after a right-padded prefill; with `inspect` the decode
+  step is compiled once through `lower().compile()` and its HLO kept in `_LAST_HLO`."""
+  tokens, lengths = _prompts()
+  graphdef, state = nnx.split(model)
+  _, caches = _step(graphdef, state, tokens, caches, lengths)
+  args = (state, tokens[:, :1], caches, jnp.ones((BATCH,), jnp.int32))
+  if inspect:
+    compiled = _step.lower(graphdef, *args).compile()
+    _LAST_HLO[0] = compiled.as_text()
+    logits, caches = compiled(*args)
+  else:
+    logits, caches = _step(graphdef, *args)
+  return logits, caches, tokens[:, :1]
+
+
+def _cache_gathers(hlo: str) -> list[str]:
+  """all-gather instructions of `hlo` whose result has a cache-sized dimension."""
+  out = []
+  for line in hlo.splitlines():
+    if "all-gather(" not in line and "all-gather-start(" not in line:
+      continue
+    dims = [int(d) for shape in re.findall(r"\[([\d,]+)\]", line.split("=", 1)[-1][:200])
+            for d in shape.split(",") if d]
+    if MAX_LEN in dims:
+      out.append(line.strip()[:160])
+  return out
+
+
+def _expected_share(cache, mesh_shape) -> int:
+  """Bytes one device should hold of `cache`'s storage arrays."""
+  d, m, s = mesh_shape
+  total = sum(a.nbytes for a in cache.storage_arrays())
+  if isinstance(cache, cache_lib.LatentCache):
+    return total // (d * s)
+  heads = min(cache.num_kv_heads, m)  # KV-head shards; the rest of the axis replicates
+  return total // (d * s * heads)
+
+
+def check_case(mesh_shape, kind: str, num_kv_heads: int, *, with_generate: bool) -> dict:
+  make = make_model_fn(kind, num_kv_heads)
+  ref_model = make()
+  ref_logits, _, _ = _decode_logits(ref_model, ref_model.init_caches(BATCH, MAX_LEN))
+  mesh = sharding.make_mesh(mesh_shape)
+  model = sharding.shard_model(make, mesh)
+  caches = sharding.init_caches(model, BATCH, MAX_LEN, mesh, page_size=PAGE_SIZE,
+                                kind="paged" if kind == "paged" else "dense")
+  cache = caches[0]
+  per_device = sharding.per_device_bytes(cache.storage_arrays())
+  share = _expected_share(cache, mesh_shape)
+  logits, new_caches, nxt = _decode_logits(model, caches, inspect=True)
+  diff = float(jnp.max(jnp.abs(logits - ref_logits)))
+  hlo = _LAST_HLO[0]
+  gathers = _cache_gathers(hlo)
+  result = dict(mesh=list(mesh_shape), kind=kind, num_kv_heads=num_kv_heads,
+                max_abs_diff=diff, share=share, per_device=sorted(set(per_device.values())),
+                devices=len(per_device), cache_all_gathers=gathers,
+                all_reduces=hlo.count(" all-reduce("),
+                sharded_type=type(new_caches[0]).__name__)
+  ok = (diff <= 1e-5 and set(per_device.values()) == {share} and len(per_device) == 8
+        and not gathers and type(new_caches[0]) is type(cache))
+  if with_generate:
+    prompts, lengths = _prompts()
+    want, _ = kvattn.generate(ref_model, prompts, lengths, NEW_TOKENS)
+    factory = sharding.cache_factory(model, mesh, page_size=PAGE_SIZE,
+                                     kind="paged" if kind == "paged" else "dense")
+    got, _ = kvattn.generate(model, prompts, lengths, NEW_TOKENS, cache_factory=factory)
+    result["tokens_equal"] = bool(jnp.array_equal(got, want))
+    ok = ok and result["tokens_equal"]
+  result["ok"] = bool(ok)
+  return result
+
+
+def _poisoned(x, lengths, slot_axis):
+  slots = np.arange(x.shape[slot_axis])
+  shape = [1] * x.ndim
+  shape[0], shape[slot_axis] = len(lengths), x.shape[slot_axis]
+  unused = (slots[None, :] >= np.asarray(lengths)[:, None]).reshape(shape)
+  return jnp.where(unused, jnp.nan, x)
+
+
+def check_empty_shards(kind: str) -> dict:
+  """Context-parallel merge on (1, 1, 8): rows whose tokens sit in one shard (the other
+  seven empty), NaN in every unused slot, an all-empty row -> zeros."""
+  mesh = sharding.make_mesh((1, 1, 8))
+  lengths = jnp.array([0, 3, 9, MAX_LEN], jnp.int32)
+  keys = jax.random.split(jax.random.key(2), 5)
+  if kind == "dense":
+    shape = (BATCH, 2, MAX_LEN, 16)
+    k = _poisoned(jax.random.normal(keys[0], shape), lengths, 2)
+    v = _poisoned(jax.random.normal(keys[1], shape), lengths, 2)
+    single = cache_lib.KVCache(k=k, v=v, lengths=lengths)
+    layout = sharding.cache_layout(mesh, None, kind="dense", batch=BATCH, max_len=MAX_LEN,
+                                   num_kv_heads=2, num_heads=8)
+    cls, q = sharding.ShardedKVCache, (jax.random.normal(keys[2], (BATCH, 1, 8, 16)),)
+    opts = {}
+  else:
+    c_kv = _poisoned(jax.random.normal(keys[0], (BATCH, MAX_LEN, 32)), lengths, 1)
+    k_rope = _poisoned(jax.random.normal(keys[1], (BATCH, MAX_LEN, 8)), lengths, 1)
+    single = cache_lib.LatentCache(c_kv=c_kv, k_rope=k_rope, lengths=lengths)
+    layout = sharding.cache_layout(mesh, None, kind="latent", batch=BATCH, max_len=MAX_LEN)
+    cls = sharding.ShardedLatentCache
+    q = (jax.random.normal(keys[2], (BATCH, 1, 8, 32)),
+         jax.random.normal(keys[3], (BATCH, 1, 8, 8)))
+    opts = dict(sm_scale=0.25)
+  fields = {f: getattr(single, f) for f in ("k", "v", "c_kv", "k_rope", "lengths")
+            if hasattr(single, f)}
+  sharded = cls(**fields, layout=layout)
+  sharded = jax.device_put(sharded, sharded.shardings())
+  offsets = jnp.maximum(lengths - 1, 0)
+  want = single.attend(*q, q_offsets=offsets, implementation="xla", **opts)
+  got = jax.jit(lambda c, *q: c.attend(*q, q_offsets=offsets, **opts))(sharded, *q)
+  diff = float(jnp.max(jnp.abs(got - want)))
+  ok = (diff <= 1e-5 and bool(jnp.all(jnp.isfinite(got))) and bool(jnp.all(got[0] == 0)))
+  return dict(kind=kind, max_abs_diff=diff, finite=bool(jnp.all(jnp.isfinite(got))), ok=ok)
+
+
+def check_bad_meshes() -> dict:
+  """Axis sizes that do not divide B, S or the page pool -> ValueError naming the axis."""
+  model = make_model_fn("gqa")()
+  cases = {
+      "batch over data": (lambda: sharding.init_caches(
+          model, 3, MAX_LEN, sharding.make_mesh((2, 2, 2))), "'data'"),
+      "slots over seq": (lambda: sharding.init_caches(
+          model, BATCH, 60, sharding.make_mesh((1, 1, 8))), "'seq'"),
+      "pool over data, seq": (lambda: sharding.cache_layout(
+          sharding.make_mesh((2, 1, 4)), None, kind="paged", batch=BATCH, max_len=MAX_LEN,
+          num_kv_heads=2, num_pages=12), "('data', 'seq')"),
+      "kv heads over model": (lambda: sharding.cache_layout(
+          sharding.make_mesh((1, 8, 1)), None, kind="dense", batch=BATCH, max_len=MAX_LEN,
+          num_kv_heads=3), "'model'"),
+      "mesh shape": (lambda: sharding.make_mesh((2, 2, 4)), "16 devices"),
+  }
+  failures = {}
+  for name, (fn, needle) in cases.items():
+    try:
+      fn()
+      failures[name] = "no error"
+    except ValueError as e:
+      if needle not in str(e):
+        failures[name] = str(e)
+  return dict(failures=failures, ok=not failures)
+
+
+def check_batcher(mesh_shape) -> dict:
+  """ContinuousBatcher on a mesh gives the single-device tokens; pools split over K."""
+  model = make_model_fn("gqa", 2)()
+  prompts, lengths = _prompts()
+  requests = [(i, np.asarray(prompts[i, :lengths[i]]).tolist(), 3) for i in range(3)]
+  opts = dict(num_slots=2, num_pages=16, page_size=PAGE_SIZE, max_len=16, max_prompt_len=8)
+  want = kvattn.ContinuousBatcher(model, **opts).run(requests)
+  batcher = kvattn.ContinuousBatcher(model, mesh=sharding.make_mesh(mesh_shape), **opts)
+  got = batcher.run(requests)
+  same = all(list(got[i].tokens) == list(want[i].tokens) for i in want)
+  cache = batcher.caches[0]
+  share = sum(a.nbytes for a in cache.storage_arrays()) // min(2, mesh_shape[1])
+  per_device = set(sharding.per_device_bytes(cache.storage_arrays()).values())
+  return dict(mesh=list(mesh_shape), tokens_equal=same, per_device=sorted(per_device),
+              share=share, ok=same and per_device == {share}
+              and isinstance(cache, sharding.ShardedPagedKVCache))
+
+
+def check_quantized() -> dict:
+  """int8 caches: sharded decode logits equal the single-device int8 run."""
+  diffs = {}
+  for kind, k, mesh_shape in (("dense", 2, (2, 2, 2)), ("paged", 2, (1, 2, 4)),
+                              ("mla", 1, (2, 1, 4))):
+    make = make_model_fn(kind, k)
+    ref = make()
+    want, _, _ = _decode_logits(ref, ref.init_caches(BATCH, MAX_LEN, dtype=jnp.int8))
+    mesh = sharding.make_mesh(mesh_shape)
+    model = sharding.shard_model(make, mesh)
+    caches = sharding.init_caches(model, BATCH, MAX_LEN, mesh, dtype=jnp.int8,
+                                  page_size=PAGE_SIZE, kind="paged" if kind == "paged" else "dense")
+    got, _, _ = _decode_logits(model, caches)
+    diffs[kind] = float(jnp.max(jnp.abs(got - want)))
+  return dict(max_abs_diff=diffs, ok=max(diffs.values()) <= 1e-5)
+
+
+def main(argv):
+  grid = argv[1] if len(argv) > 1 else "fast"
+  if grid == "fast":
+    cases = [((2, 2, 2), "dense", 2, True), ((2, 2, 2), "paged", 1, False)]
+  elif grid == "full":
+    cases = [(mesh, kind, k, True) for mesh in MESHES for kind in ("dense", "paged")
+             for k in (1, 2, 8)] + [(mesh, "mla", 1, True) for mesh in MESHES]
+  else:
+    raise SystemExit(f"usage: python -m tests.sharding._mesh_checks fast|full; got {grid!r}")
+  checks = [("case", lambda c=c: check_case(c[0], c[1], c[2], with_generate=c[3]))
+            for c in cases]
+  checks += [("empty_shards", lambda: check_empty_shards("dense")),
+             ("empty_shards", lambda: check_empty_shards("mla")),
+             ("bad_meshes", check_bad_meshes)]
+  if grid == "full":
+    checks += [("quantized", check_quantized),
+               ("batcher", lambda: check_batcher((2, 2, 2))),
+               ("batcher", lambda: check_batcher((1, 8, 1)))]
+  failed = 0
+  for name, fn in checks:
+    try:
+      result = fn()
+    except Exception:  # pylint: disable=broad-except  (reported, and the run fails)
+      result = dict(ok=False, error=traceback.format_exc()[-2000:])
+    failed += not result["ok"]
+    print(json.dumps(dict(check=name, **result)), flush=True)
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))
