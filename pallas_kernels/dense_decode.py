@@ -449,9 +449,9 @@ def decode_attention(
 
 
 def decode_attention_unchecked(q, k, v, lengths, *, sm_scale=None, window=None, soft_cap=None,
-                               k_scale=None, v_scale=None, interpret=False, block_k=None, block_g=None,
-                               num_splits=None, schedule=None, num_warps=None, num_stages=None,
-                               return_lse=False, count_blocks=False):
+                               k_scale=None, v_scale=None, interpret=False, block_k=None,
+                               block_g=None, num_splits=None, schedule=None, num_warps=None,
+                               num_stages=None, return_lse=False, count_blocks=False):
   """`decode_attention` without the argument checks, for callers that ran them
   (`attention_common.check_decode_args`; kvattn's dispatch point). The tunables
   are still checked: they are resolved here."""

@@ -2,11 +2,11 @@
 
 The `"xla_blocked"` backend of `kvattn.ops.decode_attention` and
 `mla_decode_attention`, and what `implementation=None` runs on CPU for every
-cache of more than `MIN_CAPACITY` slots (float, 16-bit and quantized alike). It walks the key axis in blocks of `block_k`
-slots (with `lax.fori_loop` over long spans), keeping the running max, sum and f32 accumulator
-of the online softmax (FlashAttention-2, Dao 2023, algorithm 1), so each K/V
-block is read once and no `[B, N, S]` logits exist. The loop's trip count is
-dynamic: it covers the slots some sequence of the batch attends
+cache of more than `MIN_CAPACITY` slots (float, 16-bit and quantized alike).
+It walks the key axis in blocks of `block_k` slots (with `lax.fori_loop` over
+long spans), keeping the running max, sum and f32 accumulator of the online
+softmax (FlashAttention-2, Dao 2023, algorithm 1), so each K/V block is read
+once and no `[B, N, S]` logits exist. The trip count is dynamic: it covers the slots some sequence of the batch attends
 (`[min_b start_b, max_b length_b)`), so the work follows the longest live
 length, not the capacity, and one compiled program serves every length: each
 call reads its span as one block of the smallest of a few static sizes that
