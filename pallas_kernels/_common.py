@@ -53,6 +53,21 @@ _TPU_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.in
 # ----------------------------------------------------------------------------
 
 
+def load_rows(ref, rows, width: int):
+  """Rows `rows` (a `pl.ds` of bk slots) of a `[S, X]` ref as a `[bk, width]` block.
+
+  `width == X` is a plain load. A wider `width` (a head dim padded to a power of
+  two for Triton) is a masked load whose lanes past X are zeros, so dots with
+  zero-padded queries are unchanged (Triton's tensors must have power-of-two sizes).
+  """
+  if width == ref.shape[-1]:
+    return ref[rows, :]
+  if plgpu is None:  # pragma: no cover - depends on the JAX build.
+    raise NotImplementedError("padded head dims need jax.experimental.pallas.triton.load")
+  lanes = lax.broadcasted_iota(jnp.int32, (rows.size, width), 1)
+  return plgpu.load(ref.at[rows, pl.ds(0, width)], mask=lanes < ref.shape[-1], other=0)
+
+
 def dequant(x, scale, dtype):
   """A loaded block `[bk, X]`, dequantized with its `[bk, 1]` scales into `dtype`
   when `scale` is given (quantized cache: `x.astype(f32) * scale`), else `x` as it is."""
@@ -201,6 +216,12 @@ def grid_write(step, blocks_per_split: int, m_sc, l_sc, acc_sc, cnt_sc, o_ref, l
 # ----------------------------------------------------------------------------
 # Launcher helpers.
 # ----------------------------------------------------------------------------
+
+
+def padded_width(width: int, schedule: str) -> int:
+  """A dot width as the kernel computes it: "loop" (Triton) pads to a power of two
+  >= 16 (zero lanes); "grid" (Mosaic) keeps it."""
+  return max(16, next_pow2(width)) if schedule == "loop" else width
 
 
 def next_pow2(x: int) -> int:
@@ -369,12 +390,14 @@ def dot_dtype(q_dtype, cache_dtype):
   return q_dtype if q_dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
 
 
-def group_queries(q, num_kv: int, gp: int, dtype):
-  """`[B, N, X]` -> `[B, K, Gp, X]` in `dtype`, G zero-padded to the tile multiple Gp."""
+def group_queries(q, num_kv: int, gp: int, dtype, schedule: str = "grid"):
+  """`[B, N, X]` -> `[B, K, Gp, X']` in `dtype`, G zero-padded to the tile multiple Gp
+  and X to `padded_width(X, schedule)` (zero lanes)."""
   batch, num_heads, width = q.shape
   groups = num_heads // num_kv
   q = q.astype(dtype).reshape(batch, num_kv, groups, width)
-  return jnp.pad(q, ((0, 0), (0, 0), (0, gp - groups), (0, 0)))
+  return jnp.pad(q, ((0, 0), (0, 0), (0, gp - groups),
+                     (0, padded_width(width, schedule) - width)))
 
 
 def scale_columns(scales):
@@ -383,13 +406,16 @@ def scale_columns(scales):
   return tuple(None if x is None else x.astype(jnp.float32)[..., None] for x in scales)
 
 
-def finish(outs, num_heads: int, groups: int, out_dtype, return_lse: bool, count: bool):
+def finish(outs, num_heads: int, groups: int, out_dtype, return_lse: bool, count: bool,
+           value_width: int | None = None):
   """Merges the per-split partials into `[B, N, Hv]` (and `f32[B, N]` lse), dropping
-  the G padding rows; with `count`, also the `i32[B, K]` blocks processed (summed
-  over splits, from G tile 0)."""
+  the G padding rows and the value lanes past `value_width` (a padded head dim);
+  with `count`, also the `i32[B, K]` blocks processed (summed over splits, from G
+  tile 0)."""
   out, lse = merge_splits(outs[0], outs[1])
   batch = out.shape[0]
-  out = out[:, :, :groups].reshape(batch, num_heads, out.shape[-1]).astype(out_dtype)
+  out = out[:, :, :groups, :value_width]
+  out = out.reshape(batch, num_heads, out.shape[-1]).astype(out_dtype)
   lse = lse[:, :, :groups].reshape(batch, num_heads)
   result = (out, lse) if return_lse else out
   if count:
@@ -423,13 +449,15 @@ def check_schedule(schedule, interpret, tunables=()):
   return schedule
 
 
-def compiled_reason(platform_name: str, dtype, widths) -> str | None:
+def compiled_reason(platform_name: str, dtype, widths, *, pads_widths: bool = False
+                    ) -> str | None:
   """Why a compiled kernel cannot take this cache dtype and these dot widths
-  (`(what, size)` pairs), or None: GPU (Triton) needs powers of two >= 16 and
-  f32/bf16/f16/int8/fp8; TPU (Mosaic) multiples of 64 (lanes) and f32/bf16/int8."""
+  (`(what, size)` pairs), or None: GPU (Triton) needs powers of two >= 16 (any width
+  when the kernel pads them, `pads_widths`) and f32/bf16/f16/int8/fp8; TPU (Mosaic)
+  multiples of 64 (lanes) and f32/bf16/int8."""
   dtype = jnp.dtype(dtype)
   if platform_name in GPU_PLATFORMS:
-    for what, d in widths:
+    for what, d in () if pads_widths else widths:
       if d < 16 or not is_pow2(d):
         return f"{what}={d} is not a power of two >= 16 (Triton dot)"
     if dtype not in _GPU_DTYPES:

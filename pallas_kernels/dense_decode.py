@@ -103,11 +103,16 @@ def _loop_kernel(
     count: bool,
     scaled: bool,
     sm_scale: float,
+    soft_cap: float | None,
     block_k: int,
     blocks_per_split: int,
     precision,
 ):
-  """"loop" schedule: one program per (b, k, G tile, split), fori_loop over blocks."""
+  """"loop" schedule: one program per (b, k, G tile, split), fori_loop over blocks.
+
+  Widths that are not powers of two arrive padded in q (and in the output); their
+  K/V blocks are loaded at the padded width with zero lanes (`_common.load_rows`).
+  """
   (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, (s1_ref, s2_ref, sv_ref), o_ref, lse_ref, cnt_ref,
    _) = _split_refs(refs, has_rope, has_v, count, scaled)
   split = pl.program_id(3)
@@ -116,18 +121,19 @@ def _loop_kernel(
   q1 = q1_ref[...]
   q2 = q2_ref[...] if has_rope else None
 
-  def load(ref, scale_ref, rows):  # [bk, X] block, dequantized when the cache is quantized
-    return _common.dequant(ref[rows, :], None if scale_ref is None else scale_ref[rows, :],
-                           q1.dtype)
+  def load(ref, scale_ref, rows, width):  # [bk, width] block, dequantized when quantized
+    return _common.dequant(_common.load_rows(ref, rows, width),
+                           None if scale_ref is None else scale_ref[rows, :], q1.dtype)
 
   def body(i, carry):
     m, l, acc = carry
     slot0 = pl.multiple_of((first + i) * block_k, block_k)
     rows = pl.ds(slot0, block_k)
-    k1 = load(k1_ref, s1_ref, rows)
-    k2 = load(k2_ref, s2_ref, rows) if has_rope else None
-    v = load(v_ref, sv_ref, rows) if has_v else k1
-    s = _common.logits(q1, k1, q2, k2, sm_scale=sm_scale, precision=precision)
+    k1 = load(k1_ref, s1_ref, rows, q1.shape[-1])
+    k2 = load(k2_ref, s2_ref, rows, q2.shape[-1]) if has_rope else None
+    v = load(v_ref, sv_ref, rows, o_ref.shape[-1]) if has_v else k1
+    s = _common.logits(q1, k1, q2, k2, sm_scale=sm_scale, soft_cap=soft_cap,
+                       precision=precision)
     return _common.online_softmax_step(m, l, acc, s, v, slot0, start, length, precision)
 
   _common.loop_blocks(num_blocks, body, o_ref, lse_ref)
@@ -147,6 +153,7 @@ def _grid_kernel(
     count: bool,
     scaled: bool,
     sm_scale: float,
+    soft_cap: float | None,
     block_k: int,
     blocks_per_split: int,
     precision,
@@ -173,7 +180,8 @@ def _grid_kernel(
     k2 = load(k2_ref, s2_ref) if has_rope else None
     v = load(v_ref, sv_ref) if has_v else k1
     q2 = q2_ref[...] if has_rope else None
-    s = _common.logits(q1, k1, q2, k2, sm_scale=sm_scale, precision=precision)
+    s = _common.logits(q1, k1, q2, k2, sm_scale=sm_scale, soft_cap=soft_cap,
+                       precision=precision)
     _common.grid_update(m_sc, l_sc, acc_sc, cnt_sc, s, v, blk, block_k, start, length,
                         precision)
 
@@ -256,6 +264,7 @@ def _decode_partials(
     scales=None,  # (f32[B, K, S, 1] of k1, of k2 or None, of v or None), or None
     *,
     sm_scale: float,
+    soft_cap: float | None = None,
     block_k: int,
     block_g: int,
     num_splits: int,
@@ -275,14 +284,15 @@ def _decode_partials(
   batch, num_kv, gp, h1 = q1.shape
   capacity = k1.shape[2]
   has_rope, has_v = q2 is not None, v is not None
-  hv = v.shape[-1] if has_v else h1
+  hv = _common.padded_width(v.shape[-1], schedule) if has_v else h1
   num_blocks = capacity // block_k
   bps = -(-num_blocks // num_splits)  # key blocks per split
   num_gt = gp // block_g
   scaled = scales is not None
   precision = (lax.Precision.HIGHEST if q1.dtype == jnp.float32 else None)
   kernel_kw = dict(has_rope=has_rope, has_v=has_v, count=count, scaled=scaled,
-                   sm_scale=sm_scale, block_k=block_k, blocks_per_split=bps, precision=precision)
+                   sm_scale=sm_scale, soft_cap=soft_cap, block_k=block_k, blocks_per_split=bps,
+                   precision=precision)
   operands = [q1] + ([q2] if has_rope else []) + [k1] + ([k2] if has_rope else []) + (
       [v] if has_v else [])
   scale_ops = [] if not scaled else [x for x in scales if x is not None]
@@ -311,8 +321,8 @@ def _decode_partials(
 
     in_specs = [q_spec(h1)] + ([q_spec(q2.shape[-1])] if has_rope else [])
     kernel, grid = _grid_kernel, (batch, num_kv, num_gt, num_splits, bps)
-  in_specs += [kv_spec(h1)] + ([kv_spec(k2.shape[-1])] if has_rope else [])
-  in_specs += [kv_spec(hv)] if has_v else []
+  in_specs += [kv_spec(k1.shape[-1])] + ([kv_spec(k2.shape[-1])] if has_rope else [])
+  in_specs += [kv_spec(v.shape[-1])] if has_v else []
   in_specs += [kv_spec(1) for _ in scale_ops]
   return _common.launch(
       functools.partial(kernel, **kernel_kw), [starts, lengths] + operands, schedule=schedule,
@@ -327,18 +337,18 @@ def _decode_partials(
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "window", "interpret", "block_k", "block_g", "num_splits", "schedule",
-    "return_lse", "count_blocks", "num_warps", "num_stages"))
-def _decode_impl(q1, q2, k1, k2, v, lengths, scales, *, sm_scale, window, interpret, block_k,
-                 block_g, num_splits, schedule, return_lse, count_blocks, num_warps,
+    "sm_scale", "window", "soft_cap", "interpret", "block_k", "block_g", "num_splits",
+    "schedule", "return_lse", "count_blocks", "num_warps", "num_stages"))
+def _decode_impl(q1, q2, k1, k2, v, lengths, scales, *, sm_scale, window, soft_cap, interpret,
+                 block_k, block_g, num_splits, schedule, return_lse, count_blocks, num_warps,
                  num_stages):
   batch, num_heads, h1 = q1.shape
   _, num_kv, capacity, _ = k1.shape
   groups = num_heads // num_kv
   hv = h1 if v is None else v.shape[-1]
   read_width = h1 + (0 if q2 is None else q2.shape[-1]) + (0 if v is None else hv)
-  block_k, block_g, gp = _tiles(schedule, groups, capacity, read_width, hv, k1.dtype,
-                                block_k, block_g)
+  block_k, block_g, gp = _tiles(schedule, groups, capacity, read_width,
+                                _common.padded_width(hv, schedule), k1.dtype, block_k, block_g)
   num_blocks = capacity // block_k
   if num_splits is None:
     num_splits = _common.default_splits(schedule, batch * num_kv * (gp // block_g), num_blocks)
@@ -347,13 +357,16 @@ def _decode_impl(q1, q2, k1, k2, v, lengths, scales, *, sm_scale, window, interp
   dot_dtype = _common.dot_dtype(q1.dtype, k1.dtype)
   if scales is not None:
     scales = _common.scale_columns(scales)
+  # "loop" (Triton) widths are padded to powers of two >= 16: zero query lanes meet the
+  # zero lanes of the padded K blocks (q . k unchanged), zero V lanes give output lanes
+  # that are sliced off.
   outs = _decode_partials(
-      _common.group_queries(q1, num_kv, gp, dot_dtype),
-      None if q2 is None else _common.group_queries(q2, num_kv, gp, dot_dtype),
-      k1, k2, v, starts, lengths, scales, sm_scale=sm_scale, block_k=block_k, block_g=block_g,
-      num_splits=num_splits, schedule=schedule, interpret=interpret, count=count_blocks,
-      num_warps=num_warps, num_stages=num_stages)
-  return _common.finish(outs, num_heads, groups, q1.dtype, return_lse, count_blocks)
+      _common.group_queries(q1, num_kv, gp, dot_dtype, schedule),
+      None if q2 is None else _common.group_queries(q2, num_kv, gp, dot_dtype, schedule),
+      k1, k2, v, starts, lengths, scales, sm_scale=sm_scale, soft_cap=soft_cap,
+      block_k=block_k, block_g=block_g, num_splits=num_splits, schedule=schedule,
+      interpret=interpret, count=count_blocks, num_warps=num_warps, num_stages=num_stages)
+  return _common.finish(outs, num_heads, groups, q1.dtype, return_lse, count_blocks, hv)
 
 
 def decode_attention(
@@ -364,6 +377,7 @@ def decode_attention(
     *,
     sm_scale: float | None = None,
     window: int | None = None,
+    soft_cap: float | None = None,
     k_scale: jax.Array | None = None,  # f32[B, K, S]
     v_scale: jax.Array | None = None,  # f32[B, K, S]
     interpret: bool = False,
@@ -396,6 +410,8 @@ def decode_attention(
       (a sticky overflow under jit may exceed S).
     sm_scale: logit scale, default `1/sqrt(H)`.
     window: sliding-window size W in tokens (the W most recent keys), or None.
+    soft_cap: logit soft cap (Gemma 2: `cap * tanh(s / cap)` of the scaled logits),
+      or None.
     k_scale, v_scale: `f32[B, K, S]` per-slot scales of a quantized cache
       (`k[b, h, s] * k_scale[b, h, s]`); each block is dequantized in the
       kernel after it is loaded. None for float caches.
@@ -422,18 +438,20 @@ def decode_attention(
       schedule supports, a bad tunable, or `interpret=False` without a GPU/TPU.
     TypeError: non-float q/k/v, k/v dtype mismatch, non-integer lengths.
   """
-  lengths = common.check_decode_args(q, k, v, lengths, window, None, sm_scale, k_scale, v_scale)
+  lengths = common.check_decode_args(q, k, v, lengths, window, soft_cap, sm_scale, k_scale,
+                                     v_scale)
   return decode_attention_unchecked(
-      q, k, v, lengths, sm_scale=sm_scale, window=window, k_scale=k_scale, v_scale=v_scale,
+      q, k, v, lengths, sm_scale=sm_scale, window=window, soft_cap=soft_cap, k_scale=k_scale,
+      v_scale=v_scale,
       interpret=interpret, block_k=block_k, block_g=block_g, num_splits=num_splits,
       schedule=schedule, num_warps=num_warps, num_stages=num_stages, return_lse=return_lse,
       count_blocks=count_blocks)
 
 
-def decode_attention_unchecked(q, k, v, lengths, *, sm_scale=None, window=None, k_scale=None,
-                               v_scale=None, interpret=False, block_k=None, block_g=None,
-                               num_splits=None, schedule=None, num_warps=None, num_stages=None,
-                               return_lse=False, count_blocks=False):
+def decode_attention_unchecked(q, k, v, lengths, *, sm_scale=None, window=None, soft_cap=None,
+                               k_scale=None, v_scale=None, interpret=False, block_k=None,
+                               block_g=None, num_splits=None, schedule=None, num_warps=None,
+                               num_stages=None, return_lse=False, count_blocks=False):
   """`decode_attention` without the argument checks, for callers that ran them
   (`attention_common.check_decode_args`; kvattn's dispatch point). The tunables
   are still checked: they are resolved here."""
@@ -445,8 +463,9 @@ def decode_attention_unchecked(q, k, v, lengths, *, sm_scale=None, window=None, 
   _tiles(schedule, q.shape[1] // num_kv, capacity, head_dim + v.shape[-1], v.shape[-1],
          k.dtype, block_k, block_g)
   scales = None if k_scale is None else (k_scale, None, v_scale)
+  soft_cap = None if soft_cap is None else float(soft_cap)
   return _decode_impl(q, None, k, None, v, lengths, scales, sm_scale=sm_scale, window=window,
-                      interpret=interpret, block_k=block_k, block_g=block_g,
+                      soft_cap=soft_cap, interpret=interpret, block_k=block_k, block_g=block_g,
                       num_splits=num_splits, schedule=schedule, return_lse=return_lse,
                       count_blocks=count_blocks, num_warps=num_warps, num_stages=num_stages)
 
@@ -524,7 +543,8 @@ def mla_decode_attention_unchecked(q_latent, q_rope, c_kv, k_rope, lengths, *, s
   scales = (None if c_kv_scale is None else
             (c_kv_scale[:, None], k_rope_scale[:, None], None))
   return _decode_impl(q_latent, q_rope, c_kv[:, None], k_rope[:, None], None, lengths, scales,
-                      sm_scale=float(sm_scale), window=window, interpret=interpret,
+                      sm_scale=float(sm_scale), window=window, soft_cap=None,
+                      interpret=interpret,
                       block_k=block_k, block_g=block_g, num_splits=num_splits,
                       schedule=schedule, return_lse=return_lse, count_blocks=count_blocks,
                       num_warps=num_warps, num_stages=num_stages)
@@ -537,7 +557,9 @@ def unsupported_reason(q_shape, k_shape, v_shape, dtype, *,
   Used by kvattn's dispatch to fall back to XLA. `k_shape` is
   `[B, K, S, H]`, `v_shape` `[B, K, S, Hv]` or None when the value is the key
   (MLA: check `c_kv` and `k_rope` each as a `[B, 1, S, width]` key).
-  `platform` defaults to the JAX default backend. Quantized caches are
+  `platform` defaults to the JAX default backend. On GPU any head dim runs
+  (padded to a power of two >= 16 in the kernel; soft caps too); TPU needs
+  widths that are multiples of 64. Quantized caches are
   accepted on GPU (int8 and both fp8 formats; Triton needs sm_89+ for fp8)
   and, int8 only, on TPU; neither has been run compiled yet (interpret-mode
   tests only).
@@ -547,7 +569,8 @@ def unsupported_reason(q_shape, k_shape, v_shape, dtype, *,
   capacity, head_dim = k_shape[2], k_shape[3]
   hv = v_shape[3] if v_shape is not None else head_dim
   reason = _common.compiled_reason(platform, dtype,
-                                   (("head dim H", head_dim), ("value width Hv", hv)))
+                                   (("head dim H", head_dim), ("value width Hv", hv)),
+                                   pads_widths=True)
   if reason is not None:
     return reason
   # Key blocks: multiples of 16 slots (Triton dots), of the sublane count (Mosaic).

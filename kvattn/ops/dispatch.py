@@ -12,8 +12,9 @@ each operation, every backend and -- by its order -- the order in which
 
 * `"pallas"` (`pallas_backend`): the fused kernels, compiled on GPU/TPU for
   the shapes they support; on CPU only when named (interpret mode).
-* `"xla_blocked"` (`xla_blocked`): flash-decoding as an XLA loop; picked on
-  CPU for large int8/fp8 caches only.
+* `"xla_blocked"` (`xla_blocked`): flash-decoding in XLA whose work follows the
+  live length, not the capacity; picked on CPU for every cache of more than
+  256 slots (float, 16-bit or int8/fp8).
 * `"xla_pool"` (`paged`): scans the page pool in place; picked when the pool
   is smaller than the gathered view (P < B * pages_per_seq).
 * `"xla"` (`xla`, `paged`): the plain XLA path; runs everywhere.
@@ -176,8 +177,9 @@ def decode_attention(
       computation (no dequantized copy of the cache); None for float caches.
     implementation: `"pallas"` (the fused kernel; picked by None on GPU/TPU
       for the shapes it supports, interpreted on CPU when named),
-      `"xla_blocked"` (flash-decoding as an XLA loop; picked by None on CPU
-      for large int8/fp8 caches only), `"xla"` (the plain XLA path), a
+      `"xla_blocked"` (flash-decoding in XLA reading only the attended
+      span; picked by None on CPU for caches of more than 256 slots),
+      `"xla"` (the plain XLA path, reading every slot), a
       sequence of these to try in order, or None to take the first in
       `available_implementations()` that supports the device, dtypes and
       shapes.

@@ -5,8 +5,7 @@ and MLA) and `pallas_kernels.paged_decode`. The dispatch point has checked the
 arguments, so they call the kernels' `*_unchecked` entry points. With
 `implementation=None` a kernel runs compiled on GPU (Triton lowering) and TPU
 (Mosaic) for the shapes its `unsupported_reason` accepts, and raises
-`NotImplementedError` everywhere else (CPU, a soft cap for the dense kernel,
-unsupported shapes or dtypes), so the dispatcher moves on. Named explicitly on
+`NotImplementedError` everywhere else (CPU, unsupported shapes or dtypes), so the dispatcher moves on. Named explicitly on
 CPU it runs in interpret mode (exact but slow; for tests and debugging), where
 the GPU constraints apply.
 """
@@ -42,13 +41,11 @@ def _mode(explicit: bool, why_not) -> bool:
 
 def _decode(q, k, v, lengths, *, explicit, sm_scale=None, window=None, soft_cap=None,
             k_scale=None, v_scale=None):
-  if soft_cap is not None:
-    raise NotImplementedError("pallas: soft_cap is not supported by the decode kernel")
   interpret = _mode(explicit, lambda platform: _kernels.unsupported_reason(
       q.shape, k.shape, v.shape, k.dtype, platform=platform))
   return _kernels.decode_attention_unchecked(q, k, v, lengths, sm_scale=sm_scale, window=window,
-                                             k_scale=k_scale, v_scale=v_scale,
-                                             interpret=interpret)
+                                             soft_cap=soft_cap, k_scale=k_scale,
+                                             v_scale=v_scale, interpret=interpret)
 
 
 def _mla_decode(q_latent, q_rope, c_kv, k_rope, lengths, *, explicit, sm_scale,

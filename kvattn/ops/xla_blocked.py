@@ -1,61 +1,84 @@
 """Blocked XLA decode attention: the flash-decoding recurrence as an XLA while loop.
 
 The `"xla_blocked"` backend of `kvattn.ops.decode_attention` and
-`mla_decode_attention`. It walks the key axis in blocks of `block_k` slots
-with `lax.fori_loop`, keeping the running max, sum and f32 accumulator of the
-online softmax (FlashAttention-2, Dao 2023, algorithm 1), so each K/V block is
-read once and no `[B, N, S]` logits exist. The loop runs only over the blocks
-some sequence of the batch attends (`[min_b start_b, max_b length_b)`), so the
-work follows the longest real length, not the capacity.
+`mla_decode_attention`, and what `implementation=None` runs on CPU for every
+cache of more than `MIN_CAPACITY` slots (float, 16-bit and quantized alike).
+It walks the key axis in blocks of `block_k` slots (with `lax.fori_loop` over
+long spans), keeping the running max, sum and f32 accumulator of the online
+softmax (FlashAttention-2, Dao 2023, algorithm 1), so each K/V block is read
+once and no `[B, N, S]` logits exist. The trip count is dynamic: it covers the slots some sequence of the batch attends
+(`[min_b start_b, max_b length_b)`), so the work follows the longest live
+length, not the capacity, and one compiled program serves every length: each
+call reads its span as one block of the smallest of a few static sizes that
+holds it, or loops over big blocks (`block_sizes`, `tier`, `lax.switch`).
 
 Semantics are `decode_attention_xla`'s (query at slot `lengths[b] - 1`,
-window, soft cap, zeros for length-0 rows, lengths clamped to S); masked
-logits are replaced by -inf, their probabilities are exact zeros and masked
-value rows are zeroed in the block, so garbage in unused slots cannot leak.
-Quantized caches (int8 / fp8 with f32 per-slot scales) are converted to f32
-block by block, the scales multiplying the block's logits and probabilities.
+window, soft cap, zeros for length-0 rows, lengths clamped to S). Garbage in
+unused slots cannot leak: masked logits are replaced by -inf (their
+probabilities are exact zeros), scales of masked slots are zeroed, and a
+block's probability-weighted sum is recomputed from zeroed value rows when it
+is not finite (`xla.weighted_values` does the same for the whole cache), so
+clean and dirty caches give bit-identical results. Quantized (int8 / fp8 with
+f32 per-slot scales) and 16-bit caches are converted to f32 block by block,
+the scales multiplying the block's logits and probabilities.
 
-With `implementation=None` it runs only on CPU and only for int8/fp8 caches
-whose f32 conversion reaches `MIN_CONVERTED_BYTES_QUANT[format]` bytes
-(`_fits`; the measurements behind this are in docs/benchmarks.md, "Design
-notes from measurements"). Named explicitly it runs anywhere.
+S need not be a multiple of `block_k`: the last block is shifted back to end
+at slot S and the slots it shares with the previous block are masked.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Sequence
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
-from kvattn.ops import quant
 from pallas_kernels import attention_common as common
 
-# Bytes of one f32 K/V block (B * K * block_k * (H + Hv) * 4). Measured on a
-# 2-core CPU (experiments/bench_decode.py): 1-4 MiB blocks were fastest for
-# B * K = 32 (64-128 slots), B * K = 8 (256-512), B * K = 1 (2048) and MLA
-# with B = 4, C + R = 576 (128): enough work per loop iteration to hide its
-# overhead, little enough to stay in cache between the two dots.
-_BLOCK_BYTES = 2 << 20
-# Quantized caches: the plain path's dots make XLA:CPU convert the whole int8/fp8 cache to
-# an f32 copy of B * K * S * (H + Hv) * 4 bytes every step. Measured on the 2-core CPU
-# (experiments/bench_quant_decode.py, two runs; docs/benchmarks.md "Quantized cache"), int8:
-# plain was as fast or faster up to a 4 MiB copy; at 16 MiB (H = 64, S = 1024) blocked was
-# 0.9-1.6x the plain speed, at 32-64 MiB (H = 128) 3-7x. fp8 (converted in software on CPU):
-# at 16 MiB blocked was 2x slower, at 32-64 MiB 1.0-1.4x faster. So the blocked path is
-# picked from these many bytes of converted cache, per format.
-MIN_CONVERTED_BYTES_QUANT = {"int8": 8 << 20, "float8_e4m3fn": 32 << 20,
-                             "float8_e5m2": 32 << 20}
+# Block sizes. XLA:CPU pays a fixed cost per loop iteration (tens of microseconds for the ~15
+# small ops of the body, more than a short block's work), so a call reads the attended span
+# as ONE block whenever that block stays small: `block_sizes` offers single-block sizes
+# 64, 96, 128, 192, ... (each at most 1.5x the one before, so a span is read with at most
+# 1.5x its slots) up to `_MAX_BLOCK_BYTES` of f32 K/V; longer spans loop over blocks of half
+# that size (at most 1.5x their slots again, in >= 3 iterations whose fixed cost the big
+# blocks amortise). Measured on the 2-core CPU: docs/benchmarks.md, "Decode cost follows
+# the live length".
+MIN_BLOCK, MAX_BLOCK = 64, 8192
+_MAX_BLOCK_BYTES = 8 << 20
+# `implementation=None` reads caches of at most this many slots whole (`xla.py`): their
+# plain read costs about the blocked path's fixed cost.
+MIN_CAPACITY = 256
 
 
-def _block_size(capacity: int, rows: int, width: int) -> int | None:
-  """Slots per block: a power of two near 2 MiB / (rows * width * 4), dividing S."""
-  target = max(1, _BLOCK_BYTES // (rows * width * 4))
-  bk = min(2048, max(64, 1 << (target.bit_length() - 1)))
-  while bk >= 16:
-    if capacity % bk == 0:
-      return bk
-    bk //= 2
-  return None
+def block_sizes(capacity: int, rows: int, width: int) -> tuple[tuple[int, ...], int | None]:
+  """The block sizes for a cache of `capacity` slots.
+
+  Returns `(single, loop)`: ascending sizes `single` (64, 96, 128, 192, ..., each
+  <= 1.5x the previous; the last is `capacity` when a block of all of it fits in
+  `_MAX_BLOCK_BYTES` of f32, `rows * bk * width * 4` bytes, and `MAX_BLOCK` slots),
+  read as one block, and the
+  block size `loop` (a power of two, half the largest single size) of the loop that
+  serves longer spans, or None when the last single size is the capacity.
+
+  `rows` is B * K (MLA: B), `width` the elements read per slot (H + Hv; MLA C + R).
+  """
+  cap = min(MAX_BLOCK, max(MIN_BLOCK, _MAX_BLOCK_BYTES // (rows * width * 4)))
+  single, size = [], MIN_BLOCK
+  while size < capacity and size <= cap:
+    single.append(size)
+    size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3  # 64 96 128 192 256
+  if capacity <= cap:
+    return tuple(single) + (capacity,), None
+  loop = 1 << (single[-1].bit_length() - 2) if single[-1] > 1 else 1
+  return tuple(single), loop
+
+
+def tier(span: jax.Array, single: tuple[int, ...]) -> jax.Array:
+  """Index of the smallest size in `single` (ascending) holding `span` slots, or
+  `len(single)` (the loop) when none does."""
+  return sum((span > bk).astype(jnp.int32) for bk in single) + jnp.int32(0)
 
 
 def blocked_decode(
@@ -68,14 +91,20 @@ def blocked_decode(
     *,
     window: int | None,
     soft_cap: float | None,
-    block_k: int,
+    block_k: int | tuple[tuple[int, ...], int | None],
     scales: tuple[jax.Array | None, jax.Array | None, jax.Array | None] = (None, None, None),
 ) -> jax.Array:
   """Returns f32 `[B, K, G, Hv]`: attention over slots `[max(0, L - W), L)`.
 
-  Three-axis caches (MLA's `[B, S, C]`) are sliced as they are and given
-  their unit K axis per block: reshaping the whole cache outside the loop
-  made XLA:CPU copy it into the loop state on every call.
+  The attended span `[min_b start_b, max_b length_b)` is read in blocks from
+  its first slot on; a block running past S is shifted back to end at S, the
+  slots it shares with the block before masked. `block_k` is one block size
+  (in `[1, S]`; a loop over the span), or `block_sizes`' `(single, loop)`, of
+  which each call runs (`lax.switch` on `tier`) the smallest single size
+  holding the span as one block, else the loop. Three-axis caches (MLA's
+  `[B, S, C]`) are sliced as they are and given their unit K axis per block:
+  reshaping the whole cache outside the loop made XLA:CPU copy it into the
+  loop state on every call.
 
   `scales = (s1, s2, sv)`: per-slot scales (`f32[B, K, S]`, or `[B, S]` for
   three-axis caches) of a quantized k1, k2 and v (sv is ignored when the
@@ -85,73 +114,100 @@ def blocked_decode(
   batch, capacity = k1.shape[0], k1.shape[slot_axis]
   num_kv = k1.shape[1] if k1.ndim == 4 else 1
   starts, lengths = common.attended_range(lengths, capacity, window)
-  first = jnp.min(starts) // block_k
-  last = (jnp.max(lengths) + block_k - 1) // block_k
+  base = jnp.min(starts)
+  span = jnp.maximum(jnp.max(lengths) - base, 0)
   values = k1 if v is None else v
   groups, hv = q1.shape[2], values.shape[-1]
   s1, s2, sv = scales
   if v is None:
     sv = s1
 
-  def block(x, offset):  # [B, K, bk, X] f32
-    x = lax.dynamic_slice_in_dim(x, offset, block_k, axis=slot_axis).astype(jnp.float32)
-    return x if x.ndim == 4 else x[:, None]
+  def run(block_k: int, loop: bool) -> jax.Array:
+    def block(x, offset):  # [B, K, bk, X] f32
+      x = lax.dynamic_slice_in_dim(x, offset, block_k, axis=slot_axis).astype(jnp.float32)
+      return x if x.ndim == 4 else x[:, None]
 
-  def scale_block(x, offset):  # [B, K, 1, bk] f32 (broadcasts over G)
-    x = lax.dynamic_slice_in_dim(x, offset, block_k, axis=x.ndim - 1).astype(jnp.float32)
-    return (x if x.ndim == 3 else x[:, None])[:, :, None, :]
+    def scale_block(x, offset):  # [B, K, 1, bk] f32 (broadcasts over G)
+      x = lax.dynamic_slice_in_dim(x, offset, block_k, axis=x.ndim - 1).astype(jnp.float32)
+      return (x if x.ndim == 3 else x[:, None])[:, :, None, :]
 
-  def scaled(s, scale, offset):
-    return s if scale is None else s * scale_block(scale, offset)
+    def logits(q, kb, scale, offset):  # [B, K, G, bk]
+      # Keys as the left operand, then a transpose of the small logits (as in
+      # `xla.decode_attention_xla`; faster on XLA:CPU for G > 1).
+      s = jnp.swapaxes(jnp.einsum("BKSH,BKGH->BKSG", kb, q), -1, -2)
+      return s if scale is None else s * scale_block(scale, offset)
 
-  def body(i, carry):
-    m, l, acc = carry
-    offset = i * block_k
-    kb = block(k1, offset)
-    s = scaled(jnp.einsum("BKGH,BKSH->BKGS", q1, kb), s1, offset)
-    if k2 is not None:
-      s = s + scaled(jnp.einsum("BKGR,BKSR->BKGS", q2, block(k2, offset)), s2, offset)
-    if soft_cap is not None:
-      s = soft_cap * jnp.tanh(s / soft_cap)
-    slots = offset + jnp.arange(block_k, dtype=jnp.int32)
-    valid = (slots[None] >= starts[:, None]) & (slots[None] < lengths[:, None])  # [B, bk]
-    s = jnp.where(valid[:, None, None], s, -jnp.inf)
-    m_next = jnp.maximum(m, jnp.max(s, axis=-1))
-    alpha = jnp.exp(m - m_next)
-    p = jnp.exp(s - m_next[..., None])
-    vb = kb if v is None else block(v, offset)
-    vb = jnp.where(valid[:, None, :, None], vb, 0.0)
-    pv = p if sv is None else p * jnp.where(valid[:, None, None, :],
-                                            scale_block(sv, offset), 0.0)
-    acc = alpha[..., None] * acc + jnp.einsum("BKGS,BKSV->BKGV", pv, vb)
-    return m_next, alpha * l + jnp.sum(p, axis=-1), acc
+    def body(i, carry):
+      m, l, acc = carry
+      lo = base + i * block_k
+      offset = jnp.minimum(lo, capacity - block_k)
+      kb = block(k1, offset)
+      s = logits(q1, kb, s1, offset)
+      if k2 is not None:
+        s = s + logits(q2, block(k2, offset), s2, offset)
+      if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+      # Slots below `lo` belong to the previous block (a block shifted back to end at S).
+      slots = offset + jnp.arange(block_k, dtype=jnp.int32)
+      valid = ((slots[None] >= jnp.maximum(starts, lo)[:, None])
+               & (slots[None] < lengths[:, None]))  # [B, bk]
+      s = jnp.where(valid[:, None, None], s, -jnp.inf)
+      m_next = jnp.maximum(m, jnp.max(s, axis=-1))
+      alpha = jnp.exp(m - m_next)
+      p = jnp.exp(s - m_next[..., None])  # exact 0 where masked
+      p_v = p if sv is None else p * jnp.where(valid[:, None, None, :],
+                                               scale_block(sv, offset), 0.0)
+      vb = kb if v is None else block(v, offset)
 
-  init = (jnp.full((batch, num_kv, groups), common.M_INIT, jnp.float32),
-          jnp.zeros((batch, num_kv, groups), jnp.float32),
-          jnp.zeros((batch, num_kv, groups, hv), jnp.float32))
-  _, l, acc = lax.fori_loop(first, last, body, init)
-  return acc / jnp.where(l > 0, l, 1.0)[..., None]
+      def weighted(x):  # the barrier keeps both products compiled alike (bit-identical)
+        return jnp.einsum("BKGS,BKSV->BKGV", p_v, lax.optimization_barrier(x))
+
+      pv = weighted(vb)
+      # 0 * finite garbage is 0, so only NaN/inf in masked rows changes pv: recompute then.
+      pv = lax.cond(jnp.all(jnp.isfinite(pv)), lambda: pv,
+                    lambda: weighted(jnp.where(valid[:, None, :, None], vb, 0.0)))
+      return m_next, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
+
+    init = (jnp.full((batch, num_kv, groups), common.M_INIT, jnp.float32),
+            jnp.zeros((batch, num_kv, groups), jnp.float32),
+            jnp.zeros((batch, num_kv, groups, hv), jnp.float32))
+    if loop:
+      _, l, acc = lax.fori_loop(0, (span + block_k - 1) // block_k, body, init)
+    else:  # the span fits in one block (an empty span reads one block, all masked)
+      _, l, acc = body(0, init)
+    return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+  if isinstance(block_k, int):
+    return run(block_k, loop=True)
+  single, loop = block_k
+  branches = [functools.partial(run, bk, False) for bk in single]
+  if loop is not None:
+    branches.append(functools.partial(run, loop, True))
+  if len(branches) == 1:
+    return branches[0]()
+  return lax.switch(jnp.minimum(tier(span, single), len(branches) - 1), branches)
 
 
-def _fits(dtype, capacity: int, rows: int, width: int) -> None:
-  """Raises NotImplementedError where the plain path is as fast (see the constants).
-
-  `rows` is B * K, `width` the elements read per slot (H + Hv; MLA C + R).
-  """
+def _fits(capacity: int) -> None:
+  """Raises NotImplementedError where `implementation=None` should not pick this path:
+  off CPU (the loop is tuned for XLA:CPU), and for caches of at most `MIN_CAPACITY`
+  slots, where reading every slot costs little more than the loop's fixed cost."""
   if jax.default_backend() != "cpu":
     raise NotImplementedError("xla_blocked: tuned for XLA:CPU only")
-  if quant.is_quantized(dtype):
-    converted, needed = rows * capacity * width * 4, MIN_CONVERTED_BYTES_QUANT[dtype.name]
-    if converted < needed:
-      raise NotImplementedError(
-          f"xla_blocked: quantized cache whose f32 conversion ({converted} bytes) is below "
-          f"{needed} for {dtype.name}")
-  else:
+  if capacity <= MIN_CAPACITY:
     raise NotImplementedError(
-        f"xla_blocked: not picked automatically for {dtype} caches (slower than the plain "
-        "path inside the compiled generate loop); name it to use it")
-  if capacity % 16:
-    raise NotImplementedError(f"xla_blocked: S={capacity} is not a multiple of 16")
+        f"xla_blocked: S={capacity} <= {MIN_CAPACITY} slots (the plain path reads them all "
+        "for about the loop's fixed cost)")
+
+
+def _block_arg(block_k: int | None, capacity: int, rows: int, width: int
+               ) -> int | tuple[tuple[int, ...], int | None]:
+  """`block_k` checked against S, or the default sizes `block_sizes(S, rows, width)`."""
+  if block_k is None:
+    return block_sizes(capacity, rows, width)
+  if not isinstance(block_k, int) or isinstance(block_k, bool) or not 1 <= block_k <= capacity:
+    raise ValueError(f"block_k must be an int in [1, S={capacity}] or None; got {block_k!r}")
+  return block_k
 
 
 def decode_attention_blocked(
@@ -169,13 +225,16 @@ def decode_attention_blocked(
 ) -> jax.Array:
   """`decode_attention_xla` semantics computed block by block.
 
-  `block_k` (slots per loop iteration, must divide S) defaults to a size
-  tuned for XLA:CPU. `k_scale, v_scale` are the scales of a quantized
-  (int8/fp8) cache, applied per block. Returns `[B, N, Hv]` in q's dtype.
+  `block_k` (slots per loop iteration, in `[1, S]`) defaults to the sizes
+  `block_sizes(S, B * K, H + Hv)`, one picked per call by the attended span.
+  `k_scale, v_scale` are the scales of a quantized (int8/fp8) cache, applied
+  per block. Returns `[B, N, Hv]` in q's dtype.
+
+  Raises:
+    ValueError: `block_k` outside `[1, S]`.
   """
   batch, num_kv, capacity, head_dim = k.shape
-  width = head_dim + v.shape[-1]
-  block_k = block_k or _block_size(capacity, batch * num_kv, width) or capacity
+  block_k = _block_arg(block_k, capacity, batch * num_kv, head_dim + v.shape[-1])
   scale = head_dim ** -0.5 if sm_scale is None else sm_scale
   qg = q.astype(jnp.float32).reshape(batch, num_kv, -1, head_dim) * scale
   out = blocked_decode(qg, None, k, None, v, lengths, window=window, soft_cap=soft_cap,
@@ -199,10 +258,14 @@ def mla_decode_attention_blocked(
   """`mla_decode_attention_xla` semantics, blocked: key `[c_kv | k_rope]`, value c_kv.
 
   The two key parts are read in place (no concatenation); a quantized cache's
-  scales are applied per block. Returns `[B, N, C]`.
+  scales are applied per block. `block_k` defaults to the sizes
+  `block_sizes(S, B, C + R)`. Returns `[B, N, C]`.
+
+  Raises:
+    ValueError: `block_k` outside `[1, S]`.
   """
   batch, capacity, latent = c_kv.shape
-  block_k = block_k or _block_size(capacity, batch, latent + k_rope.shape[-1]) or capacity
+  block_k = _block_arg(block_k, capacity, batch, latent + k_rope.shape[-1])
   f32 = jnp.float32
   out = blocked_decode((q_latent.astype(f32) * sm_scale)[:, None],
                        (q_rope.astype(f32) * sm_scale)[:, None], c_kv, k_rope, None,
@@ -213,12 +276,11 @@ def mla_decode_attention_blocked(
 
 def _decode(q, k, v, lengths, *, explicit, **options):
   if not explicit:
-    _fits(k.dtype, k.shape[2], k.shape[0] * k.shape[1], k.shape[3] + v.shape[3])
+    _fits(k.shape[2])
   return decode_attention_blocked(q, k, v, lengths, **options)
 
 
 def _mla_decode(q_latent, q_rope, c_kv, k_rope, lengths, *, explicit, **options):
   if not explicit:
-    _fits(c_kv.dtype, c_kv.shape[1], c_kv.shape[0], c_kv.shape[2] + k_rope.shape[2])
+    _fits(c_kv.shape[1])
   return mla_decode_attention_blocked(q_latent, q_rope, c_kv, k_rope, lengths, **options)
-

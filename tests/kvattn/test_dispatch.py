@@ -41,7 +41,7 @@ def test_a_sequence_is_tried_in_order_and_a_name_runs_alone(monkeypatch):
   assert ops.available_implementations()[:2] == ("declines", "pallas")
   q, k, v, lengths = _dense()
   xla = ops.decode_attention(q, k, v, lengths, implementation="xla")
-  # None: "declines" and then "pallas" (CPU) decline, "xla_blocked" declines a float cache.
+  # None: "declines" and then "pallas" (CPU) decline, "xla_blocked" declines 32 slots (<= 256).
   np.testing.assert_array_equal(ops.decode_attention(q, k, v, lengths), xla)
   np.testing.assert_array_equal(
       ops.decode_attention(q, k, v, lengths, implementation=("declines", "xla")), xla)

@@ -84,16 +84,17 @@ def test_unsupported_options_and_shapes_fall_back():
   np.testing.assert_array_equal(
       ops.decode_attention(q, k, v, lengths),
       ops.decode_attention(q, k, v, lengths, implementation="xla"))
-  q, k, v = _dense()
-  with pytest.raises(NotImplementedError, match="soft_cap"):
-    ops.decode_attention(q, k, v, lengths, soft_cap=30.0, implementation="pallas")
-  np.testing.assert_array_equal(
-      ops.decode_attention(q, k, v, lengths, soft_cap=30.0),
-      ops.decode_attention(q, k, v, lengths, soft_cap=30.0, implementation="xla"))
-  q_latent, q_rope, c_kv, k_rope = _latent(rope=8)  # R = 8 < 16: not a Triton dot width
-  with pytest.raises(NotImplementedError, match="8"):
-    ops.mla_decode_attention(q_latent, q_rope, c_kv, k_rope, jnp.array([1, 2]), sm_scale=0.3,
-                             implementation="pallas")
+  q, k, v = _dense(head_dim=24)  # soft cap and a padded head dim run in the kernel now
+  np.testing.assert_allclose(
+      ops.decode_attention(q, k, v, lengths, soft_cap=3.0, implementation="pallas"),
+      ops.decode_attention(q, k, v, lengths, soft_cap=3.0, implementation="xla"),
+      atol=2e-5, rtol=2e-5)
+  q_latent, q_rope, c_kv, k_rope = _latent(rope=8)  # R = 8 < 16: padded to a Triton width
+  np.testing.assert_allclose(
+      ops.mla_decode_attention(q_latent, q_rope, c_kv, k_rope, jnp.array([1, 2]), sm_scale=0.3,
+                               implementation="pallas"),
+      ops.mla_decode_attention(q_latent, q_rope, c_kv, k_rope, jnp.array([1, 2]), sm_scale=0.3,
+                               implementation="xla"), atol=2e-5, rtol=2e-5)
 
 
 def test_caller_errors_are_value_errors_not_fallbacks():
@@ -121,10 +122,14 @@ def test_auto_picks_the_compiled_kernel_on_accelerators(monkeypatch, platform):
   pallas_backend._mla_decode(q_latent, q_rope, c_kv, k_rope, jnp.array([1, 2]),
                              explicit=False, sm_scale=0.1)
   assert calls[-1]["interpret"] is False and calls[-1]["sm_scale"] == 0.1
-  q, k, v = _dense(capacity=64, head_dim=48)  # 48: not a power of two / multiple of 64
-  with pytest.raises(NotImplementedError, match="head dim H=48"):
-    pallas_backend._decode(q, k, v, jnp.array([1, 2, 3]), explicit=False)
-  assert len(calls) == 2
+  q, k, v = _dense(capacity=64, head_dim=48)  # 48: padded to 64 on GPU; not a TPU width
+  if platform == "gpu":
+    pallas_backend._decode(q, k, v, jnp.array([1, 2, 3]), explicit=False, soft_cap=20.0)
+    assert calls[-1]["soft_cap"] == 20.0 and len(calls) == 3
+  else:
+    with pytest.raises(NotImplementedError, match="head dim H=48"):
+      pallas_backend._decode(q, k, v, jnp.array([1, 2, 3]), explicit=False)
+    assert len(calls) == 2
 
 
 @pytest.mark.skipif(not ON_CPU, reason="interpret mode is the CPU path")

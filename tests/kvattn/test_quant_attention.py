@@ -157,24 +157,20 @@ def test_float_calls_are_unchanged_and_errors_name_the_scales():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU dispatch rules")
-def test_cpu_dispatch_blocks_quantized_caches_whose_f32_copy_is_large():
-  small = (jnp.zeros((1, 8, 16)), jnp.zeros((1, 2, 64, 16), jnp.int8))
-  with pytest.raises(NotImplementedError, match="f32 conversion .* is below"):
-    xla_blocked._decode(small[0], small[1], small[1], jnp.array([3]), explicit=False,
-                        k_scale=jnp.ones((1, 2, 64)), v_scale=jnp.ones((1, 2, 64)))
-  # B * K * S * (H + Hv) * 4 = 1 * 2 * 8192 * 128 * 4 = 8 MiB: blocked; B * K = 2 does not
-  # disqualify it for quantized caches (for f32 caches it would).
+def test_cpu_dispatch_reads_quantized_caches_block_by_block():
+  # Quantized caches take the length-aware blocked path like float ones once S > 256.
   q = jax.random.normal(jax.random.key(0), (1, 8, 64))
-  k = jax.random.normal(jax.random.key(1), (1, 2, 8192, 64))
+  k = jax.random.normal(jax.random.key(1), (1, 2, 320, 64))
   kq, ks = ops.quantize_kv(k, jnp.int8)
-  lengths = jnp.array([5000])
-  auto = ops.decode_attention(q, kq, kq, lengths, k_scale=ks, v_scale=ks)
-  np.testing.assert_array_equal(auto, ops.decode_attention(
-      q, kq, kq, lengths, k_scale=ks, v_scale=ks, implementation="xla_blocked"))
-  # fp8 (software conversion on CPU) is blocked only from 32 MiB.
-  with pytest.raises(NotImplementedError, match="below 33554432 for float8_e4m3fn"):
-    xla_blocked._decode(q, kq.astype(jnp.float8_e4m3fn), kq.astype(jnp.float8_e4m3fn), lengths,
-                        explicit=False, k_scale=ks, v_scale=ks)
+  lengths = jnp.array([200])
+  step = jax.jit(lambda *a, **kw: ops.decode_attention(*a, **kw),
+                 static_argnames=("implementation",))
+  auto = step(q, kq, kq, lengths, k_scale=ks, v_scale=ks)
+  np.testing.assert_array_equal(auto, step(q, kq, kq, lengths, k_scale=ks, v_scale=ks,
+                                           implementation="xla_blocked"))
+  with pytest.raises(NotImplementedError, match="S=64 <= 256 slots"):
+    xla_blocked._decode(q, kq[:, :, :64], kq[:, :, :64], lengths, explicit=False,
+                        k_scale=ks[:, :, :64], v_scale=ks[:, :, :64])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -224,6 +224,26 @@ class TestDecodeAttention(KernelTest):
         close(xla, ref, dtype)
       close_lse(lse, ref_lse, dtype)
 
+  # Released models' head dims: the "loop" (Triton) kernel pads non-powers of two to the next
+  # power of two (zero lanes) and slices the output back. Interpreted by default: 80 (padded
+  # to 128, with a soft cap) and 112 with Hv = 96 (both padded); the rest is slow.
+  @pytest.mark.parametrize("case", fast_when_interpreted(
+      [(64, 64, None), (80, 80, 30.0), (96, 96, None), (112, 96, 2.0), (128, 128, 50.0),
+       (256, 256, None)], [(80, 80, 30.0), (112, 96, 2.0)]), ids=str)
+  def test_any_head_dim_and_soft_cap_match_reference(self, case):
+    head_dim, v_dim, soft_cap = case
+    q, k, v = _inputs(3, 8, 2, head_dim, v_dim, jnp.float32, seed=head_dim)
+    q = q * 3.0  # logits of a few units, so the soft cap bends them
+    for lengths in (np.array([0, BLOCK + 1, S], np.int32), np.array([1, BLOCK - 1, BLOCK])):
+      ref = _reference(q, k, v, lengths, soft_cap=soft_cap)
+      dirty = (_fill_unused(k, lengths, None, np.nan), _fill_unused(v, lengths, None, np.nan))
+      out = self._kernel(q, *dirty, lengths, soft_cap=soft_cap, num_splits=2)
+      chex.assert_shape(out, (3, 8, v_dim))
+      close(out, ref, jnp.float32, f"H={head_dim} Hv={v_dim} lengths={lengths.tolist()}")
+    if soft_cap is not None:  # the cap changed the result
+      assert not np.allclose(ref, _reference(q, k, v, lengths), atol=1e-3)
+    assert da.unsupported_reason(q.shape, k.shape, v.shape, k.dtype, platform="gpu") is None
+
   def test_jitted_step_compiles_once(self):
     q, k, v = (jnp.concatenate([x, x]) for x in _inputs(1, 8, 2, 64, 64, jnp.float32))
 
