@@ -8,6 +8,9 @@ segfaults inside LLVM (seen in `pytest -m slow`, ~62k mappings after the
 decode-kernel grid alone). After any test that leaves the process above
 `_MAX_MAPS`, the compiled-program caches are dropped (`jax.clear_caches()`),
 which unmaps them; later tests recompile what they need.
+
+`smollm2` is the one SmolLM2-135M-Instruct `(model, tokenizer)` of the session: every test that
+needs the real checkpoint shares it (loading costs ~5-15 s of CPU). Tests must not modify it.
 """
 
 from __future__ import annotations
@@ -33,3 +36,11 @@ def _bounded_compiled_programs():
   if os.path.exists(_MAPS) and _num_maps() > _MAX_MAPS:
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+  """`(model, tokenizer)` of SmolLM2-135M-Instruct, loaded once per session (fetched into
+  `$KVATTN_CACHE` once per machine)."""
+  from kvattn import pretrained  # pylint: disable=g-import-not-at-top
+  return pretrained.from_pretrained("smollm2-135m-instruct")

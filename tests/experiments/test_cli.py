@@ -61,11 +61,19 @@ VERBOSE = ("experiments.main", [*subproc.main_args("{workdir}", "train.stepz=3",
 FAULT = ("experiments.main", subproc.main_args("{workdir}", "standin.fail_at=1"))
 
 
+# Cases that repeat another's code path (the nearest-key search, tested in-process below by
+# test_missing_key_names_the_nearest_path): run only with `-m slow`.
+SLOW_CASES = ("unknown_key", "key_in_wrong_section")
+
+
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory):
-  """`(returncode, stdout, stderr, workdir)` of every case, run concurrently."""
+def outcomes(tmp_path_factory, request):
+  """`(returncode, stdout, stderr, workdir)` of every selected case, run concurrently."""
+  selected = {item.callspec.params.get("name") for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec")}
   runs = {}
-  for name, (module, args, *_) in {**CASES, "verbose": VERBOSE, "fault": FAULT}.items():
+  cases = {name: case for name, case in CASES.items() if name in selected}
+  for name, (module, args, *_) in {**cases, "verbose": VERBOSE, "fault": FAULT}.items():
     workdir = str(tmp_path_factory.mktemp(name) / "run")
     runs[name] = (subproc.popen(module, *[a.format(workdir=workdir) for a in args]), workdir)
   out = {}
@@ -75,7 +83,8 @@ def outcomes(tmp_path_factory):
   return out
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow)
+                                  if name in SLOW_CASES else name for name in sorted(CASES)])
 def test_user_error_is_one_line_and_exit_2(outcomes, name):
   returncode, _, stderr, workdir = outcomes[name]
   lines = stderr.splitlines()

@@ -107,6 +107,7 @@ def test_run_measures_waste_and_resumes(tmp_path):
   assert (tmp_path / "results.jsonl").read_text().splitlines() == lines
 
 
+@pytest.mark.slow  # the shared wrapper's missing-flag error is in test_cli.py (fast)
 def test_entry_point_requires_config_and_workdir():
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   out = subprocess.run([sys.executable, "-m", "experiments.paged_experiment",

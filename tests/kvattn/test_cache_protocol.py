@@ -218,7 +218,8 @@ def _prefill_then_decode(layer, x, prompt_lengths, *, prefill, steps):
   return run
 
 
-@pytest.mark.parametrize("window", [None, 3])
+# No window is layer 0 of the transformer tests below; the slow run adds it here.
+@pytest.mark.parametrize("window", [pytest.param(None, marks=pytest.mark.slow), 3])
 def test_gqa_layer_over_the_toy_cache_equals_dense(window):
   layer = kvattn.GroupedQueryAttention(d_model=16, num_heads=4, num_kv_heads=2, head_dim=8,
                                        window=window, rngs=nnx.Rngs(0))
@@ -235,7 +236,10 @@ def test_gqa_layer_over_the_toy_cache_equals_dense(window):
   np.testing.assert_array_equal(np.asarray(toy[2]), np.asarray(dense[2]))
 
 
-@pytest.mark.parametrize("path", ["auto", "naive", "absorbed"])
+# "auto" prefills through `attend_expanded` (naive) and decodes through `attend` (absorbed):
+# both protocol methods. The single-path runs are in the slow suite.
+@pytest.mark.parametrize("path", ["auto", pytest.param("naive", marks=pytest.mark.slow),
+                                  pytest.param("absorbed", marks=pytest.mark.slow)])
 def test_mla_layer_over_the_toy_latent_cache_equals_latent_cache(path):
   layer = kvattn.MultiHeadLatentAttention(d_model=16, num_heads=2, kv_lora_rank=8,
                                           qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4,

@@ -149,7 +149,9 @@ def test_latent_cache_update_and_overflow():
     cache.update(jnp.ones((2, 1, 3), jnp.int32), r_new[:, :1])
 
 
-@pytest.mark.parametrize("q_lora_rank", [None, 16])
+# q_lora_rank = 16 against the paper: slow here; the fast suite pins the q-LoRA path against
+# transformers (test_pretrained.py, deepseek_v2_qlora_yarn) and against itself (below).
+@pytest.mark.parametrize("q_lora_rank", [None, pytest.param(16, marks=pytest.mark.slow)])
 def test_matches_paper_reference_and_scale_uses_nope_plus_rope(q_lora_rank):
   x = inputs(2, 7, scale=2.0)
   right = DIMS["qk_nope_head_dim"] + DIMS["qk_rope_head_dim"]
@@ -166,7 +168,7 @@ def test_matches_paper_reference_and_scale_uses_nope_plus_rope(q_lora_rank):
     np.testing.assert_allclose(y, expected, atol=2e-5)
 
 
-@pytest.mark.parametrize("q_lora_rank", [None, 16])
+@pytest.mark.parametrize("q_lora_rank", [None, pytest.param(16, marks=pytest.mark.slow)])
 def test_absorbed_equals_naive_prefill_and_decode(q_lora_rank):
   x = inputs(len(PROMPT_LENGTHS), max(PROMPT_LENGTHS) + STEPS)
   results = {}
@@ -182,7 +184,10 @@ def test_absorbed_equals_naive_prefill_and_decode(q_lora_rank):
   # Without a cache both paths match the paper reference (test above).
 
 
-@pytest.mark.parametrize("path", ["auto", "naive", "absorbed"])
+# "auto" (q-LoRA) runs the naive prefill over the cache and the absorbed decode; "absorbed"
+# adds the absorbed multi-token prefill. The naive-only run is in the slow suite.
+@pytest.mark.parametrize("path", ["auto", pytest.param("naive", marks=pytest.mark.slow),
+                                  "absorbed"])
 def test_incremental_decode_matches_full_forward_and_ignores_unused_slots(path):
   layer = make(path, q_lora_rank=16 if path == "auto" else None)
   x = inputs(len(PROMPT_LENGTHS), max(PROMPT_LENGTHS) + STEPS)
@@ -201,7 +206,8 @@ def test_incremental_decode_matches_full_forward_and_ignores_unused_slots(path):
     np.testing.assert_allclose(dirty[1], clean[1], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("path", ["naive", "absorbed"])
+# The absorbed case also compares with the naive path's decode (slow: naive alone).
+@pytest.mark.parametrize("path", [pytest.param("naive", marks=pytest.mark.slow), "absorbed"])
 def test_window_and_empty_rows(path):
   layer = make(path, window=3)
   x = inputs(2, 9)
@@ -231,7 +237,9 @@ def _heads(graphdef, state, x):
   return jnp.concatenate([prefill, step, full], axis=1), cache
 
 
-@pytest.mark.parametrize("path, q_lora_rank", [("auto", None), ("absorbed", 16)])
+# "auto" traces the naive prefill and full forward and the absorbed decode step.
+@pytest.mark.parametrize("path, q_lora_rank", [
+    ("auto", None), pytest.param("absorbed", 16, marks=pytest.mark.slow)])
 def test_rope_key_is_shared_by_all_heads(path, q_lora_rank):
   hn, head = DIMS["qk_nope_head_dim"], 2
   x = inputs(2, 6)
@@ -280,7 +288,9 @@ def test_cache_bytes_per_token_and_ratio_to_mha(dtype):
   assert memory.measured_bytes_per_token(cache) == (c + r) * itemsize
 
 
-@pytest.mark.parametrize("path, q_lora_rank", [("auto", None), ("absorbed", 16)])
+# "auto" covers the naive prefill and absorbed decode, and adds the bf16-vs-f32 check.
+@pytest.mark.parametrize("path, q_lora_rank", [
+    ("auto", None), pytest.param("absorbed", 16, marks=pytest.mark.slow)])
 def test_bf16_large_inputs_stay_finite(path, q_lora_rank):
   # "auto" runs the naive prefill and the absorbed decode; "absorbed" both absorbed.
   layer = make(path, q_lora_rank)

@@ -121,7 +121,10 @@ def test_make_store_modes(tmp_path):
   assert [t.name for t in make_store("disk", directory=tmp_path).tiers] == ["host", "disk"]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn])
+# f32 (values only) and int8 (values + scale pages) in the fast suite.
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow),
+                                   jnp.int8, pytest.param(jnp.float8_e4m3fn,
+                                                          marks=pytest.mark.slow)])
 def test_page_codec_round_trip_is_bit_exact(dtype):
   def cache(seed):
     c = PagedKVCache.init(1, num_pages=6, page_size=4, pages_per_seq=2, num_kv_heads=2,
@@ -195,7 +198,10 @@ def _serve(batcher):
   return out
 
 
-@pytest.mark.parametrize("mode", ["device", "host", "disk"] + (
+# Intact disk pages are reloaded in test_a_corrupted_disk_prefix_is_recomputed_never_served
+# (r2 reuses r0's prefix from disk) too: the "disk" case here is in the slow suite.
+@pytest.mark.parametrize("mode", ["device", "host",
+                                  pytest.param("disk", marks=pytest.mark.slow)] + (
     [pytest.param("pinned", marks=pytest.mark.slow)] if offload.pinned_host_available() else []))
 def test_generation_with_offload_equals_generation_without(mode, tmp_path):
   if mode == "pinned":

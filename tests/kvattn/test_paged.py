@@ -113,11 +113,13 @@ def test_init_rejects_bad_arguments():
     cache.update(jnp.zeros((1, 1, 1, 4)), jnp.ones((1, 1, 1, 4), jnp.int8))
 
 
+# The fast cases share one batch size (one compilation of `_build`); a length-0 sequence is
+# test_padded_tokens_are_not_written_and_free_pages_untouched's. Other batch sizes: slow suite.
 @pytest.mark.parametrize("lengths", [
-    [0, 0],  # nothing written
+    pytest.param([0, 0], marks=pytest.mark.slow),  # nothing written
     [PAGE, 2 * PAGE, 5 * PAGE],  # exact page multiples, up to capacity
     [1, PAGE + 1, PAGE - 1],  # one token into a fresh page; a not-quite-full page
-    [7, 13, 0, 20],
+    pytest.param([7, 13, 0, 20], marks=pytest.mark.slow),
 ])
 def test_prefill_through_random_pages_equals_dense(lengths):
   paged, dense = _paged_and_dense(0, lengths)
@@ -239,8 +241,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("lengths,window", CASES)
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
+# Every window case on GQA (4, 2); MHA and MQA on the edge lengths without a window (the
+# other windows compile once more per head layout: slow suite).
+@pytest.mark.parametrize("lengths,window,num_heads,num_kv_heads", [
+    (lengths, window, n, k) if (n, k) == (4, 2) or i == 0 else
+    pytest.param(lengths, window, n, k, marks=pytest.mark.slow)
+    for n, k in [(4, 4), (4, 2), (6, 1)] for i, (lengths, window) in enumerate(CASES)])
 def test_xla_paged_decode_equals_dense(lengths, window, num_heads, num_kv_heads):
   for seed in range(2):  # two random page permutations
     paged, dense = _paged_and_dense(seed, lengths, K=num_kv_heads)

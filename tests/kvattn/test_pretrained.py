@@ -70,11 +70,15 @@ def _forward_and_cached(graphdef, state, tokens, prompt_lengths, steps, capacity
   return full, last, jnp.swapaxes(decoded, 0, 1)
 
 
-def _check_parity(name: str):
+def _case(name: str):
+  """`(model, tokens, logits, prompt_lengths i32[P], new_tokens)` of fixture `name`."""
   model, _ = _load(name)
   tokens, logits, meta = _expected(name)
-  lengths = np.asarray(meta["prompt_lengths"], np.int32)
-  new = meta["new_tokens"]
+  return model, tokens, logits, np.asarray(meta["prompt_lengths"], np.int32), meta["new_tokens"]
+
+
+def _check_parity(name: str):
+  model, tokens, logits, lengths, new = _case(name)
   steps = np.stack([t[n:n + new] for t, n in zip(tokens, lengths)]).astype(np.int32)
   graphdef, state = nnx.split(model)
   full, last, decoded = jax.device_get(_forward_and_cached(
@@ -87,7 +91,6 @@ def _check_parity(name: str):
                                err_msg=f"{name}: prefill through the cache, prompt {b}")
     np.testing.assert_allclose(decoded[b], want[n:n + new], atol=ATOL, rtol=0,
                                err_msg=f"{name}: decode steps through the cache, prompt {b}")
-  return model, tokens, lengths, new
 
 
 def _check_generate(model, tokens, lengths, new, **kwargs):
@@ -98,20 +101,28 @@ def _check_generate(model, tokens, lengths, new, **kwargs):
     assert np.asarray(out[b]).tolist() == t[n:n + new].tolist(), f"prompt {b}"
 
 
-@pytest.mark.parametrize("name", GQA_CASES)
-def test_gqa_architectures_match_transformers(name):
-  model, tokens, lengths, new = _check_parity(name)
-  _check_generate(model, tokens, lengths, new)  # dense KVCache
+@pytest.mark.parametrize("name", GQA_CASES + MLA_CASES)
+def test_logits_match_transformers(name):
+  """Full forward, cached prefill and cached decode steps of every fixture: its logits."""
+  _check_parity(name)
+
+
+# generate() adds its own compilation per fixture; the logits above already pin each
+# architecture, so the fast suite runs it on one GQA and one MLA fixture.
+GENERATE_FAST = ("llama_gqa", "deepseek_v2")
+
+
+@pytest.mark.parametrize("name", [name if name in GENERATE_FAST else
+                                  pytest.param(name, marks=pytest.mark.slow)
+                                  for name in GQA_CASES + MLA_CASES])
+def test_generate_gives_transformers_greedy_tokens(name):
+  model, tokens, _, lengths, new = _case(name)
+  _check_generate(model, tokens, lengths, new)  # dense KVCache / latent caches
+  if name in MLA_CASES:  # latent caches, absorbed decode
+    assert all(isinstance(c, kvattn.LatentCache) for c in model.init_caches(1, 4))
   if name in PAGED_CASES:
     _check_generate(model, tokens, lengths, new,
                     cache_factory=cache_factories.paged_cache_factory(model, page_size=4))
-
-
-@pytest.mark.parametrize("name", MLA_CASES)
-def test_deepseek_v2_mla_matches_transformers(name):
-  model, tokens, lengths, new = _check_parity(name)
-  assert all(isinstance(c, kvattn.LatentCache) for c in model.init_caches(1, 4))
-  _check_generate(model, tokens, lengths, new)  # latent caches, absorbed decode
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,17 +17,13 @@ import pytest
 
 import kvattn
 from kvattn import hub
-from kvattn import pretrained
 
 REFERENCE = json.loads((pathlib.Path(__file__).parents[1] / "fixtures" /
                         "smollm2_reference.json").read_text(encoding="utf-8"))
 NAME = "smollm2-135m-instruct"
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-  """(model, tokenizer), loaded once for the module (fetched once per machine)."""
-  return pretrained.from_pretrained(NAME)
+# `smollm2` (model, tokenizer) is the session fixture of tests/conftest.py.
 
 
 def test_cached_file_is_the_registered_one():
