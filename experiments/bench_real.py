@@ -201,7 +201,11 @@ class Peer:
     self.proc = subprocess.Popen(
         [python, "-m", PEERS[name], "--request", self._request.name], cwd=root,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    self.info = self._read()
+    try:
+      self.info = self._read()
+    except (RuntimeError, ValueError):
+      self.close()
+      raise
 
   def _read(self) -> dict[str, Any]:
     line = self.proc.stdout.readline()

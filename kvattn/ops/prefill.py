@@ -57,10 +57,13 @@ def blocked_attention(
     soft_cap: float | None = None,
     k_scale: jax.Array | None = None,  # f32[B, K, S]
     v_scale: jax.Array | None = None,  # f32[B, K, S]
-    block_q: int = BLOCK_Q,
-    block_k: int = BLOCK_K,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ) -> jax.Array:
   """`kvattn.ops.attention`'s result, blocked (module doc); arguments already checked.
+
+  `block_q` / `block_k`: query tokens and key slots per block (None: `BLOCK_Q`,
+  `BLOCK_K`; clipped to T and S).
 
   Returns:
     `[B, T, N, Hv]` in q's dtype, f32 logits, softmax and accumulation.
@@ -68,6 +71,8 @@ def blocked_attention(
   Raises:
     ValueError: `block_q` or `block_k` not positive.
   """
+  block_q = BLOCK_Q if block_q is None else block_q
+  block_k = BLOCK_K if block_k is None else block_k
   if block_q < 1 or block_k < 1:
     raise ValueError(f"block_q and block_k must be positive; got {block_q} and {block_k}")
   batch, num_tokens, num_heads, head_dim = q.shape

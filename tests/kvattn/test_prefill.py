@@ -27,8 +27,10 @@ def _poison(x, lengths):
   return jnp.where(slots < lengths[:, None, None, None], x, jnp.nan)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 1)])  # G = 1, G = 6 > BQ
-@pytest.mark.parametrize("window,soft_cap", [(None, None), (5, 3.0)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,window,soft_cap", [
+    (2, 2, None, None), (6, 1, 5, 3.0),  # G = 1; G = 6 > BQ with window and soft cap
+    pytest.param(2, 2, 5, 3.0, marks=pytest.mark.slow),
+    pytest.param(6, 1, None, None, marks=pytest.mark.slow)])
 def test_blocked_equals_plain_with_cache_offsets(num_heads, num_kv_heads, window, soft_cap):
   # Prefill T tokens after `offsets` cached ones; lengths 0, 1, BK - 1, BK + 1 and capacity.
   num_tokens = 2 * BQ + 1
@@ -60,7 +62,7 @@ def test_blocked_quantized_scales_equal_plain():
   np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-5)
 
 
-@pytest.mark.parametrize("num_tokens", [1, BQ + 1, S])
+@pytest.mark.parametrize("num_tokens", [pytest.param(1, marks=pytest.mark.slow), S])
 def test_blocked_causal_from_zero_values_and_grads(num_tokens):
   # Training-style call (no offsets): static loops, so reverse-mode works and matches.
   q, k, v = _inputs(2, 2, num_tokens, 4, 2, capacity=num_tokens)
@@ -100,3 +102,30 @@ def test_blocked_rejects_bad_blocks():
   with pytest.raises(ValueError, match="block_q and block_k must be positive; got 0"):
     prefill.blocked_attention(q, k, v, q_offsets=None, kv_lengths=jnp.array([S]), sm_scale=1.0,
                               block_q=0)
+
+
+def test_model_logits_unchanged_by_the_blocked_prefill(monkeypatch):
+  # A whole model's prefill through a cache: blocked (threshold lowered) == plain, f32.
+  from flax import nnx
+  from kvattn import transformer as transformer_lib
+  cfg = transformer_lib.model_config(vocab_size=40, d_model=16, num_layers=2, mlp_dim=32,
+                                     attention=dict(num_heads=4, num_kv_heads=2, head_dim=4))
+  model = transformer_lib.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
+  tokens = jnp.arange(2 * 19).reshape(2, 19) % 40
+  new_lengths = jnp.array([19, 11])
+
+  graphdef, state = nnx.split(model)
+
+  def logits():  # a new function each time: traced again after the patch
+    def run(state):
+      m = nnx.merge(graphdef, state)
+      return m(tokens, m.init_caches(2, 24), new_lengths=new_lengths)[0]
+    return jax.jit(run)(state)
+
+  want = logits()
+  monkeypatch.setattr(prefill, "MIN_LOGITS", 1)
+  monkeypatch.setattr(prefill, "BLOCK_Q", BQ)
+  monkeypatch.setattr(prefill, "BLOCK_K", BK)
+  got = logits()
+  np.testing.assert_allclose(got[0], want[0], atol=1e-5)
+  np.testing.assert_allclose(got[1, :11], want[1, :11], atol=1e-5)  # padding rows unspecified
