@@ -34,6 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvattn.ops import prefill
 from pallas_kernels import attention_common as common
 
 
@@ -171,10 +172,15 @@ def attention(
   batch, num_kv_heads, capacity, head_dim = k.shape
   _, num_tokens, num_heads, _ = q.shape
   groups = num_heads // num_kv_heads
+  causal_from_zero = q_offsets is None
   q_offsets = common.lengths_arg("q_offsets", q_offsets, batch, 0)
   kv_lengths = common.lengths_arg("kv_lengths", kv_lengths, batch, capacity)
   if sm_scale is None:
     sm_scale = head_dim ** -0.5
+  if num_tokens > 1 and num_tokens * capacity >= prefill.MIN_LOGITS:  # a long prefill
+    return prefill.blocked_attention(
+        q, k, v, q_offsets=None if causal_from_zero else q_offsets, kv_lengths=kv_lengths,
+        sm_scale=sm_scale, window=window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
   # Head-major query (a small transpose), so logits, probabilities and output are
   # [B, K, G, T, .] products of the cache in place (docs/benchmarks.md, design notes).
   qg = jnp.moveaxis(q.reshape(batch, num_tokens, num_kv_heads, groups, head_dim), 1, 3)

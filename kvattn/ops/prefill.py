@@ -1,0 +1,153 @@
+"""Blocked (flash-style) XLA attention for long prefills: no `[T, S]` logits.
+
+`blocked_attention` computes exactly what `kvattn.ops.attention` computes --
+T new query tokens per sequence at slots `q_offsets[b] + t` against S cache
+slots, causal, per-sequence `kv_lengths`, optional window and soft cap,
+optional int8/fp8 per-slot scales -- but walks the queries in blocks of
+`block_q` and, for each, the key slots in blocks of `block_k`, keeping the
+running max, sum and f32 accumulator of the online softmax (FlashAttention-2,
+Dao 2023, algorithm 1). Memory is `O(block_q * block_k)` per head instead of
+`O(T * S)`, and only the key blocks some query of the block can attend are
+visited (causality and the window skip the rest), so a 4,000-token prefill
+does about half the work of the plain path and never materialises its
+`B * N * T * S` logits.
+
+Key blocks are cut with `lax.dynamic_slice` at `min(j * block_k, S -
+block_k)` (no padding copy of the cache): the last block overlaps the one
+before it, and its slots below `j * block_k` are masked, so every slot counts
+once. Masked logits are -inf, their probabilities exact zeros, and value rows
+of slots no query may attend are zeroed in the block, so NaN or inf stored in
+unused slots cannot reach the output; a query with nothing to attend gets
+zeros.
+
+Loops: with `q_offsets` None (a causal pass from slot 0, as in training) the
+query blocks are a Python loop and each visits a static number of key blocks
+(a scan), so the function is reverse-differentiable. With traced
+`q_offsets` (a prefill into a cache) the query blocks are a `fori_loop` and
+each visits the key blocks between the first and the last slot its queries
+may attend, a dynamic trip count (forward only).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+# Defaults measured on the 2-core CPU with SmolLM2's shapes (docs/benchmarks.md, "bench_real").
+BLOCK_Q = 256
+BLOCK_K = 512
+# ops.attention switches to this path from this many logits per (sequence, query head).
+MIN_LOGITS = 1 << 20
+
+
+def _cap(logits: jax.Array, soft_cap: float | None) -> jax.Array:
+  return logits if soft_cap is None else soft_cap * jnp.tanh(logits / soft_cap)
+
+
+def blocked_attention(
+    q: jax.Array,  # [B, T, N, H]
+    k: jax.Array,  # [B, K, S, H]
+    v: jax.Array,  # [B, K, S, Hv]
+    *,
+    q_offsets: jax.Array | None,  # i32[B] or None (zeros, static)
+    kv_lengths: jax.Array,  # i32[B]
+    sm_scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: jax.Array | None = None,  # f32[B, K, S]
+    v_scale: jax.Array | None = None,  # f32[B, K, S]
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> jax.Array:
+  """`kvattn.ops.attention`'s result, blocked (module doc); arguments already checked.
+
+  `block_q` / `block_k`: query tokens and key slots per block (None: `BLOCK_Q`,
+  `BLOCK_K`; clipped to T and S).
+
+  Returns:
+    `[B, T, N, Hv]` in q's dtype, f32 logits, softmax and accumulation.
+
+  Raises:
+    ValueError: `block_q` or `block_k` not positive.
+  """
+  block_q = BLOCK_Q if block_q is None else block_q
+  block_k = BLOCK_K if block_k is None else block_k
+  if block_q < 1 or block_k < 1:
+    raise ValueError(f"block_q and block_k must be positive; got {block_q} and {block_k}")
+  batch, num_tokens, num_heads, head_dim = q.shape
+  _, num_kv_heads, capacity, _ = k.shape
+  groups, value_dim = num_heads // num_kv_heads, v.shape[-1]
+  if num_tokens == 0 or capacity == 0:
+    return jnp.zeros((batch, num_tokens, num_heads, value_dim), q.dtype)
+  bq, bk = min(block_q, num_tokens), min(block_k, capacity)
+  num_q_blocks = -(-num_tokens // bq)
+  num_k_blocks = -(-capacity // bk)
+  padded = num_q_blocks * bq
+  qf = q.astype(jnp.float32) * sm_scale
+  qf = jnp.pad(qf, ((0, 0), (0, padded - num_tokens), (0, 0), (0, 0)))
+  # [B, K, G, Tp, H]: head-major so each block's products are batched over (B, K).
+  qg = jnp.moveaxis(qf.reshape(batch, padded, num_kv_heads, groups, head_dim), 1, 3)
+  static = q_offsets is None
+  offsets = jnp.zeros((batch,), jnp.int32) if static else q_offsets.astype(jnp.int32)
+  kv_lengths = kv_lengths.astype(jnp.int32)
+
+  def key_block(j, q_blk, pos, carry):
+    """One online-softmax step of query block `q_blk` ([B, K, G, bq, H]) over key block j."""
+    m, l, acc = carry
+    start = jnp.minimum(j * bk, capacity - bk)
+    slots = start + jnp.arange(bk, dtype=jnp.int32)  # [bk]
+    cut = lambda x: lax.dynamic_slice_in_dim(x, start, bk, axis=2)
+    kb, vb = cut(k), cut(v)
+    # Slots of this block no query may read: before the block's nominal start (the overlap
+    # of a clamped last block) or at/after the sequence's length.
+    valid = (slots[None] >= j * bk) & (slots[None] < kv_lengths[:, None])  # [B, bk]
+    mask = valid[:, None, :] & (slots[None, None, :] <= pos[:, :, None])  # [B, bq, bk]
+    if window is not None:
+      mask &= slots[None, None, :] > pos[:, :, None] - window
+    mask = mask[:, None, None]  # [B, 1, 1, bq, bk]
+    logits = jnp.einsum("BKGTH,BKSH->BKGTS", q_blk, kb.astype(jnp.float32))
+    if k_scale is not None:
+      logits = logits * cut(k_scale).astype(jnp.float32)[:, :, None, None, :]
+    logits = jnp.where(mask, _cap(logits, soft_cap), -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(logits, axis=-1, keepdims=True))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    alpha = jnp.exp(m - m_safe)  # m = -inf (nothing seen yet) gives 0
+    p = jnp.where(mask, jnp.exp(logits - m_safe), 0.0)
+    l = l * alpha + jnp.sum(p, axis=-1, keepdims=True)
+    if v_scale is not None:
+      p = p * jnp.where(valid[:, None, :], cut(v_scale).astype(jnp.float32), 0.0)[:, :, None,
+                                                                                  None, :]
+    vb = jnp.where(valid[:, None, :, None], vb.astype(jnp.float32), 0.0)
+    acc = acc * alpha + jnp.einsum("BKGTS,BKSV->BKGTV", p, vb)
+    return m_new, l, acc
+
+  def query_block(i, lo, hi):
+    """`[B, K, G, bq, Hv]` of query block i over key blocks [lo, hi)."""
+    q_blk = lax.dynamic_slice_in_dim(qg, i * bq, bq, axis=3)
+    pos = offsets[:, None] + i * bq + jnp.arange(bq, dtype=jnp.int32)[None]  # [B, bq]
+    shape = (batch, num_kv_heads, groups, bq)
+    init = (jnp.full(shape + (1,), -jnp.inf, jnp.float32), jnp.zeros(shape + (1,), jnp.float32),
+            jnp.zeros(shape + (value_dim,), jnp.float32))
+    _, l, acc = lax.fori_loop(lo, hi, lambda j, c: key_block(j, q_blk, pos, c), init)
+    return acc / jnp.where(l > 0, l, 1.0)
+
+  if static:
+    blocks = []
+    for i in range(num_q_blocks):
+      last = min(capacity, (i + 1) * bq)  # slots < last may be attended (causal from 0)
+      first = 0 if window is None else max(0, i * bq - window + 1)
+      blocks.append(query_block(i, first // bk, -(-last // bk)))
+    out = jnp.concatenate(blocks, axis=3)
+  else:
+    def body(i, out):
+      first_pos = jnp.min(offsets) + i * bq
+      last_pos = jnp.max(jnp.minimum(offsets + (i + 1) * bq, kv_lengths))  # exclusive
+      lo = 0 if window is None else jnp.maximum(first_pos - window + 1, 0) // bk
+      hi = jnp.clip(-(-last_pos // bk), 0, num_k_blocks)
+      return lax.dynamic_update_slice_in_dim(out, query_block(i, lo, hi), i * bq, axis=3)
+
+    out = lax.fori_loop(0, num_q_blocks, body,
+                        jnp.zeros((batch, num_kv_heads, groups, padded, value_dim), jnp.float32))
+  out = jnp.moveaxis(out, 3, 1)[:, :num_tokens]  # [B, T, K, G, Hv]
+  return out.reshape(batch, num_tokens, num_heads, value_dim).astype(q.dtype)
