@@ -417,3 +417,40 @@ def test_init_caches_policy_builds_the_kind_and_rejects_bad_dicts():
     model.init_caches(B, 64, policy={"kind": "window", "window": 8, "budget": 8})
   with pytest.raises(TypeError, match="policy"):
     model.init_caches(B, 64, policy="h2o")
+
+
+def test_cache_kind_switch_selects_each_kind_from_a_config_and_names_bad_keys():
+  from ml_collections import config_dict  # pylint: disable=g-import-not-at-top
+  model = _model()
+  configs = {
+      "ring": (dict(window=8), kvattn.RingKVCache, 8),
+      "sink": (dict(num_sinks=2, window=6), kvattn.SinkKVCache, 8),
+      **{p: (dict(budget=8), kvattn.EvictingKVCache, 8) for p in long_context.POLICIES},
+  }
+  assert set(configs) | {"dense", "paged"} <= set(cache_factories.CACHE_KIND_TABLE)
+  for kind, (options, cls, capacity) in configs.items():
+    # A flat config section: keys of other kinds are None (unset).
+    cfg = config_dict.ConfigDict(dict(kind=kind, page_size=None, max_len=64, **options))
+    caches = cache_factories.cache_factory_from_config(model, cfg)(B, 64, None)
+    assert len(caches) == 2 and all(isinstance(c, cls) and c.capacity == capacity
+                                    for c in caches), kind
+  h2o = cache_factories.cache_factory_from_config(
+      model, {"kind": "h2o", "budget": 8, "recent_size": 2, "num_sinks": 1})(B, 64, None)[0]
+  assert h2o.policy == "h2o" and dict(h2o.options) == {"num_sinks": 1, "recent_size": 2}
+  assert cache_factories.cache_factory_from_config(model, {"kind": "dense"}) is None
+  for cfg, message in [
+      ({"kind": "lru"}, r"cache.kind must be one of \('dense', 'paged', 'ring'"),
+      ({"kind": "ring"}, r"cache.window must be set for cache.kind = 'ring'"),
+      ({"kind": "ring", "window": 8, "budget": 8}, r"cache.budget is not an option of "
+                                                   r"cache.kind = 'ring'"),
+      ({"kind": "dense", "page_size": 4}, r"cache.page_size is not an option"),
+      ({"kind": "tova", "budget": 8, "window_size": 2}, r"cache.window_size is not an option"),
+      ({"kind": "ring", "window": 0}, r"cache \(kind 'ring'.*window"),
+      ({"kind": "sink", "num_sinks": 4, "window": -1}, r"cache \(kind 'sink'.*window"),
+      ({"kind": "h2o", "budget": 8, "num_sinks": 8}, r"cache \(kind 'h2o'.*budget must be >= "
+                                                     r"num_sinks \+ 1"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      cache_factories.cache_factory_from_config(model, cfg)
+  with pytest.raises(ValueError, match="taken"):
+    cache_factories.register_cache_kind("ring", cache_factories.CACHE_KIND_TABLE["ring"])
