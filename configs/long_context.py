@@ -74,8 +74,8 @@ def get_config(arg=None):
   # cache holding text.num_tokens tokens, decoded at batch 1 in interleaved rounds; the report
   # gives medians of the per-round ratios to the full cache and to the ring of the same budget.
   config.speed = config_dict.ConfigDict()
-  config.speed.kinds = SMOKE_KINDS if smoke else ("window", "sink") + EVICTION  # Needs "window"
-  # for the eviction-overhead ratio.
+  config.speed.kinds = ("window", "h2o") if smoke else ("window", "sink") + EVICTION  # Needs
+  # "window" for the eviction-overhead ratio.
   config.speed.budgets = SMOKE_BUDGETS if smoke else BUDGETS
   config.speed.steps = 4 if smoke else 8  # Timed decode steps per cache and round.
   config.speed.repeats = 3 if smoke else 5  # Rounds (medians over them).

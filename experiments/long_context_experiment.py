@@ -27,7 +27,7 @@ ring without sinks, "sink" = StreamingLLM, or an eviction policy of
     eviction scores, lengths) beside them;
   * speed (one extra point, `policy.kind = "speed"`): every kind of
     `speed.kinds` at every budget of `speed.budgets`, and the full cache
-    holding `text.num_tokens` tokens, are filled (the bounded ones past their
+    holding (up to) `text.num_tokens` tokens, are filled (the bounded ones past their
     budget, so every decode step evicts), then decoded at batch 1 in
     `speed.repeats` interleaved rounds of `speed.steps` timed steps each (the
     order rotates every round). Per round the step times are turned into
@@ -265,6 +265,7 @@ class LongContextFamily:
     self._config: dict[str, Any] | None = None
     self._model: tuple[str, Any, Any] | None = None
     self._params: tuple[Any, Any, Any] | None = None  # (model, scan params, steps)
+    self._inputs_cache: dict[str, Any] = {}
 
   def _check(self, d: Mapping[str, Any], where: str) -> None:
     policy, text, passkey, speed = d["policy"], d["text"], d["passkey"], d["speed"]
@@ -348,6 +349,33 @@ class LongContextFamily:
     _, params, (nll_step, next_step) = self._params
     return model, tokenizer, params, nll_step, next_step
 
+  def _inputs(self, point: runner.Point, tokenizer) -> tuple[np.ndarray, dict[str, Any], int]:
+    """`(text ids, {context: (prompts, keys)}, full_len)` of a point's config, cached.
+
+    `full_len`: the one capacity of every full cache of the config (the text,
+    each padded passkey batch plus its decoded tokens; the speed point fills
+    its full cache to `full_len` minus its decode steps), so the full kind
+    compiles each step shape once; a dense cache with room to spare gives the
+    same outputs.
+    """
+    d = point.config
+    text, passkey, chunk = d["text"], d["passkey"], d["text"]["chunk"]
+    key = runner.digest({"model": d["model"]["name"], "text": text, "passkey": passkey})
+    if key not in self._inputs_cache:
+      ids = corpus_tokens(tokenizer, text["num_tokens"] + 1)
+      rng = np.random.default_rng(passkey["seed"])
+      prompts: dict[str, Any] = {}
+      full_len = text["num_tokens"]
+      for context in passkey["contexts"]:
+        keys = rng.integers(10000, 100000, len(passkey["depths"])).tolist()
+        rows = [passkey_prompt(tokenizer, context, depth, k)
+                for depth, k in zip(passkey["depths"], keys)]
+        prompts[str(context)] = (rows, keys)
+        width = -(-max(len(r) for r in rows) // chunk) * chunk
+        full_len = max(full_len, width + passkey["new_tokens"])
+      self._inputs_cache[key] = (ids, prompts, full_len)
+    return self._inputs_cache[key]
+
   def _caches(self, model, batch, max_len, dtype, policy):
     """`(stacked caches, storage bytes per sequence, bookkeeping bytes per sequence,
     capacity)`; the storage is checked equal to capacity x the model's bytes per token."""
@@ -392,23 +420,17 @@ class LongContextFamily:
     dtype = jnp.dtype(d["model"]["dtype"])
     chunk = text["chunk"]
 
-    ids = corpus_tokens(tokenizer, text["num_tokens"] + 1)
-    caches, storage, bookkeeping, capacity = self._caches(model, 1, text["num_tokens"], dtype,
-                                                          policy)
+    ids, prompts, full_len = self._inputs(point, tokenizer)
+    caches, storage, bookkeeping, capacity = self._caches(model, 1, full_len, dtype, policy)
     start_time = time.perf_counter()
     nll, caches = self._fill(params, nll_step, caches, ids, text["num_tokens"], chunk)
     ppl_s = time.perf_counter() - start_time
     del caches
     bins = np.array_split(nll, text["bins"])
 
-    rng = np.random.default_rng(passkey["seed"])
-    correct: dict[str, list[int]] = {}
-    for context in passkey["contexts"]:
-      keys = rng.integers(10000, 100000, len(passkey["depths"])).tolist()
-      prompts = [passkey_prompt(tokenizer, context, depth, key)
-                 for depth, key in zip(passkey["depths"], keys)]
-      correct[str(context)] = self._passkey(model, params, next_step, policy, dtype, prompts,
-                                            keys, chunk, passkey["new_tokens"], tokenizer)
+    correct = {context: self._passkey(model, params, next_step, policy, dtype, rows, keys, chunk,
+                                      passkey["new_tokens"], tokenizer, full_len)
+               for context, (rows, keys) in prompts.items()}
     return {
         "ppl": float(math.exp(nll.mean())),
         "ppl_second_half": float(math.exp(nll[len(nll) // 2:].mean())),
@@ -431,9 +453,13 @@ class LongContextFamily:
     text, speed = d["text"], d["speed"]
     dtype = jnp.dtype(d["model"]["dtype"])
     chunk, steps, repeats = text["chunk"], speed["steps"], speed["repeats"]
-    ids = corpus_tokens(tokenizer, text["num_tokens"] + 1)
+    ids, _, full_len = self._inputs(point, tokenizer)
     decoded = steps * repeats + 1
-    entries = {"full": ("full", None, {"kind": "full"}, text["num_tokens"])}
+    if full_len - decoded < 1:
+      raise ValueError(f"speed.steps x speed.repeats + 1 = {decoded} decode steps do not fit the "
+                       f"full cache of {full_len} tokens: lower them or raise text.num_tokens")
+    entries = {"full": ("full", None, {"kind": "full"},
+                        min(text["num_tokens"], full_len - decoded))}
     for budget in speed["budgets"]:
       for kind in speed["kinds"]:
         entries[f"{kind}-{budget}"] = (
@@ -442,7 +468,7 @@ class LongContextFamily:
     one, zero = jnp.ones((1,), jnp.int32), jnp.zeros((1,), jnp.int32)
     state = {}
     for name, (_, _, policy, fill) in entries.items():
-      caches = self._caches(model, 1, fill + decoded, dtype, policy)[0]
+      caches = self._caches(model, 1, full_len, dtype, policy)[0]
       _, caches = self._fill(params, nll_step, caches, ids, fill, chunk)
       nxt, caches = next_step(params, caches, jnp.asarray(ids[fill:fill + 1])[None], one, zero)
       state[name] = _ready((nxt, caches))  # the untimed first step compiles
@@ -474,7 +500,7 @@ class LongContextFamily:
             "num_tokens": text["num_tokens"]}
 
   def _passkey(self, model, params, next_step, policy, dtype, prompts, keys, chunk, new_tokens,
-               tokenizer) -> list[int]:
+               tokenizer, full_len) -> list[int]:
     """Chunked prefill of the prompts (one row each), greedy decode; 1 where the key appears."""
     batch, width = len(prompts), max(len(p) for p in prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)
@@ -482,7 +508,7 @@ class LongContextFamily:
     toks = np.zeros((batch, padded), np.int32)
     for b, p in enumerate(prompts):
       toks[b, :len(p)] = p
-    caches = self._caches(model, batch, padded + new_tokens, dtype, policy)[0]
+    caches = self._caches(model, batch, full_len, dtype, policy)[0]
     last = np.zeros(batch, np.int32)
     for s in range(0, padded, chunk):
       new = np.clip(lengths - s, 0, chunk).astype(np.int32)
