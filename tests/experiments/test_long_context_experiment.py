@@ -101,5 +101,6 @@ def test_scan_forward_equals_the_model(policy):
   for _ in range(2):  # the second call passes the budget of the bounded kinds
     want, caches = model(tokens, caches, new_lengths=new_lengths)
     h, stacked = lce.scan_forward(defs, params, stacked, tokens, new_lengths)
-    np.testing.assert_allclose(lce._logits(params, h), want, atol=1e-5)  # pylint: disable=protected-access
+    logits = lce._logits(params, h)  # pylint: disable=protected-access
+    np.testing.assert_allclose(logits, want, atol=1e-5)
   np.testing.assert_array_equal(stacked.lengths[1], caches[1].lengths)
