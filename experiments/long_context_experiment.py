@@ -639,8 +639,8 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
     md += ["## Decode speed", "",
            f"Batch 1, {r['speed_repeats']} interleaved rounds of {r['speed_steps']} timed steps "
            f"per cache; ratios are medians over the rounds of the per-round ratios (tok/s over "
-           f"the full cache holding {r['num_tokens']} tokens; step time over the plain ring of "
-           f"the same budget: the eviction overhead). Load average at the end: "
+           f"the full cache holding {r['speed']['full']['context']} tokens; step time over the "
+           f"plain ring of the same budget: the eviction overhead). Load average at the end: "
            f"{r.get('load_avg_1min', float('nan')):.1f}.", "", speed_table(r), ""]
   md += ["## Published claims", "", *claims(records), "",
          f"![perplexity vs position]({FILES['plot']})", ""]
