@@ -594,7 +594,8 @@ def claims(records: Sequence[Mapping[str, Any]]) -> list[str]:
 def speed_table(record: Mapping[str, Any]) -> str:
   """The markdown table of a speed record (medians of per-round ratios, module doc)."""
   rows = []
-  for v in record["speed"].values():
+  order = {kind: i for i, kind in enumerate(KINDS)}
+  for v in sorted(record["speed"].values(), key=lambda v: (v["budget"] or 0, order[v["kind"]])):
     rows.append([v["kind"], v["budget"] or "all", v["context"], _fmt(v["step_ms"], 1),
                  _fmt(v["tokens_per_s"], 1), _fmt(v["tokens_per_s_vs_full"]),
                  _fmt(v["step_vs_ring"]), _fmt(v["overhead_ms_vs_ring"], 2)])
