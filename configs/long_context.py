@@ -12,7 +12,8 @@ SmolLM2-135M-Instruct (`kvattn.from_pretrained`). Each point measures the
 streaming perplexity of `text.num_tokens` tokens of the default corpus of
 `kvattn.data`, fed `text.chunk` tokens at a time (1 = exact token by token),
 passkey retrieval over `passkey.contexts` x `passkey.depths`, cache bytes per
-sequence, decode tokens/s and the eviction overhead per step
+sequence; one "speed" point measures decode tokens/s and the eviction
+overhead per step of every kind and budget side by side
 (experiments/long_context_experiment.py).
 
 `get_config(arg)` and `get_sweep(arg)` take "" (the full run) or "smoke".
@@ -48,7 +49,8 @@ def get_config(arg=None):
 
   # The cache of the point: kind "full" (dense, capacity = everything), "window" (RingKVCache of
   # `budget` slots), "sink" (SinkKVCache: num_sinks + budget - num_sinks), or an eviction policy
-  # (EvictingKVCache of `budget` slots per KV head, policy defaults of kvattn.long_context).
+  # (EvictingKVCache of `budget` slots per KV head, policy defaults of kvattn.long_context);
+  # "speed" is the decode-speed point (section `speed`).
   config.policy = config_dict.ConfigDict()
   config.policy.kind = "full"
   config.policy.budget = 256  # Tokens per sequence (ignored by "full").
@@ -68,9 +70,15 @@ def get_config(arg=None):
   config.passkey.new_tokens = 8  # Greedy tokens decoded after the question.
   config.passkey.seed = 0  # Draws the pass keys.
 
-  # Decode speed after the perplexity run (the cache is at its budget): batch 1.
-  config.decode = config_dict.ConfigDict()
-  config.decode.steps = 8 if smoke else 32  # Timed decode steps.
+  # Decode speed (the point with policy.kind = "speed"): each kind at each budget and the full
+  # cache holding text.num_tokens tokens, decoded at batch 1 in interleaved rounds; the report
+  # gives medians of the per-round ratios to the full cache and to the ring of the same budget.
+  config.speed = config_dict.ConfigDict()
+  config.speed.kinds = ("window", "h2o") if smoke else ("window", "sink") + EVICTION  # Needs
+  # "window" for the eviction-overhead ratio.
+  config.speed.budgets = SMOKE_BUDGETS if smoke else BUDGETS
+  config.speed.steps = 4 if smoke else 8  # Timed decode steps per cache and round.
+  config.speed.repeats = 3 if smoke else 5  # Rounds (medians over them).
 
   config.experiment = config_dict.ConfigDict()
   config.experiment.kind = "long_context"
@@ -80,9 +88,9 @@ def get_config(arg=None):
 
 
 def get_sweep(arg=None):
-  """The full cache, then every bounded kind at every budget."""
+  """The full cache, the speed point, then every bounded kind at every budget."""
   smoke = _check_arg(arg) == "smoke"
   kinds = SMOKE_KINDS if smoke else ("window", "sink") + EVICTION
   budgets = SMOKE_BUDGETS if smoke else BUDGETS
-  return [{"policy.kind": "full"}] + [
+  return [{"policy.kind": "full"}, {"policy.kind": "speed"}] + [
       {"policy.kind": kind, "policy.budget": budget} for budget in budgets for kind in kinds]

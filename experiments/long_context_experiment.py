@@ -25,10 +25,22 @@ ring without sinks, "sink" = StreamingLLM, or an eviction policy of
   * cache bytes per sequence (the storage arrays, checked equal to capacity x
     the model's bytes per token) and the bookkeeping bytes (slot positions,
     eviction scores, lengths) beside them;
-  * decode: `decode.steps` timed single-token steps (batch 1) after the
-    perplexity run, when the cache is at its budget: tokens/s, and the
-    eviction overhead per step (this point's step time minus the ring's at the
-    same budget, in the report).
+  * speed (one extra point, `policy.kind = "speed"`): every kind of
+    `speed.kinds` at every budget of `speed.budgets`, and the full cache
+    holding (up to) `text.num_tokens` tokens, are filled (the bounded ones past their
+    budget, so every decode step evicts), then decoded at batch 1 in
+    `speed.repeats` interleaved rounds of `speed.steps` timed steps each (the
+    order rotates every round). Per round the step times are turned into
+    ratios -- tokens/s over the full cache's, step time over the plain ring's
+    at the same budget (the eviction overhead) -- and the report gives their
+    medians: ratios measured side by side survive a shared, noisy machine
+    where absolute times do not.
+
+Every forward pass goes through `scan_forward`: the model's layers in one
+`lax.scan` (the same Block modules, their states stacked), so a point compiles
+one layer body instead of the 30 unrolled layers of SmolLM2 (seconds instead of
+tens of seconds per compile, the bulk of a smoke run); the caches are donated
+and updated in place, as in `kvattn.generate`.
 
 The report (report.md) puts the numbers next to the published claims
 (StreamingLLM, H2O, SnapKV, kvpress) and says which hold on this model;
@@ -57,10 +69,13 @@ from experiments import results
 from experiments import runner
 from kvattn import cache_factories
 from kvattn import data as data_lib
+from kvattn import gqa as gqa_lib
 from kvattn import long_context
 from kvattn import transformer as transformer_lib
 
 KINDS = ("full", "window", "sink") + long_context.POLICIES
+BOUNDED = KINDS[1:]  # The kinds with a budget (all but "full").
+SPEED = "speed"  # policy.kind of the speed point (module doc).
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
 QUESTION = "What is the pass key? The pass key is"
@@ -87,7 +102,7 @@ def schema() -> dict[str, tuple[str, ...]]:
       "policy": ("kind", "budget", "num_sinks"),
       "text": ("num_tokens", "chunk", "bins"),
       "passkey": ("contexts", "depths", "new_tokens", "seed"),
-      "decode": ("steps",),
+      "speed": ("kinds", "budgets", "steps", "repeats"),
       "experiment": ("kind", "name", "max_points"),
   }
 
@@ -152,9 +167,96 @@ def passkey_prompt(tokenizer, context: int, depth: float, key: int) -> list[int]
   return tokenizer.encode(FILLER * before + needle + FILLER * (reps - before) + QUESTION)
 
 
+def scan_parts(model) -> tuple[Any, Any]:
+  """`(graphdefs, params)` of `scan_forward` for a `kvattn.Transformer` whose layers are alike.
+
+  `params = (stacked layer states [L, ...], final-norm state, embedding
+  [V, D], lm_head [D, V] or None when tied)`; the layer states are stacked
+  along a new leading axis L (a copy of the layer weights).
+
+  Raises:
+    ValueError: layers of different structure (e.g. mixed attention kinds),
+      which one scanned body cannot run.
+  """
+  parts = [nnx.split(layer) for layer in model.layers]
+  layer_def = parts[0][0]
+  for i, (g, _) in enumerate(parts):
+    if g != layer_def:
+      raise ValueError(f"the long-context experiment scans identical layers; layer {i} differs "
+                       f"from layer 0")
+  layers = jax.tree.map(lambda *xs: jnp.stack(xs), *[st for _, st in parts])
+  norm_def, norm = nnx.split(model.final_norm)
+  head = None if model.lm_head is None else model.lm_head[...]
+  return (layer_def, norm_def, jnp.dtype(model.dtype)), (layers, norm, model.embedding[...], head)
+
+
+def stack_caches(caches: Sequence[Any]) -> Any:
+  """Per-layer caches (a tuple of L alike pytrees) -> one pytree with leading axis L."""
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *caches)
+
+
+def scan_forward(defs, params, caches, tokens, new_lengths):
+  """`Transformer.hidden` with the layers in one `lax.scan`: `(h [B, T, D], caches)`.
+
+  The same computation as `model.hidden(tokens, caches, new_lengths=...)`
+  (default positions from the first layer's cache, embedding lookup, the
+  Block modules in order, the final norm); `caches` are `stack_caches` of the
+  model's per-layer caches. Tested equal to the model's own call.
+  """
+  layer_def, norm_def, dtype = defs
+  layers, norm, embedding, _ = params
+  first = jax.tree.map(lambda a: a[0], caches)
+  positions = gqa_lib.resolve_positions(None, first, *tokens.shape)
+  x = jnp.take(embedding, tokens, axis=0).astype(dtype)
+
+  def body(x, layer_and_cache):
+    state, cache = layer_and_cache
+    x, cache = nnx.merge(layer_def, state)(x, cache, positions, new_lengths)
+    return x, cache
+
+  x, caches = jax.lax.scan(body, x, (layers, caches))
+  return nnx.merge(norm_def, norm)(x), caches
+
+
+def _logits(params, h):
+  """`Transformer.logits_from_hidden`: f32 logits of hidden states `[..., D]`."""
+  _, _, embedding, head = params
+  if head is None:
+    return jnp.einsum("...D,VD->...V", h, embedding.astype(h.dtype),
+                      preferred_element_type=jnp.float32)
+  return jnp.einsum("...D,DV->...V", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+@functools.lru_cache(maxsize=8)
+def _steps(defs):
+  """Jitted steps (caches donated): `nll_step(params, caches, tokens, new_lengths, targets) ->
+  (nll f32[B, T], caches)` and `next_step(params, caches, tokens, new_lengths, pick) ->
+  (argmax i32[B] of the logits at position pick[b] of row b, caches)`."""
+
+  @functools.partial(jax.jit, donate_argnums=(1,))
+  def nll_step(params, caches, tokens, new_lengths, targets):
+    h, caches = scan_forward(defs, params, caches, tokens, new_lengths)
+    logp = jax.nn.log_softmax(_logits(params, h), axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], caches
+
+  @functools.partial(jax.jit, donate_argnums=(1,))
+  def next_step(params, caches, tokens, new_lengths, pick):
+    h, caches = scan_forward(defs, params, caches, tokens, new_lengths)
+    h = jnp.take_along_axis(h, pick[:, None, None], axis=1)[:, 0]  # [B, D]
+    return jnp.argmax(_logits(params, h), axis=-1).astype(jnp.int32), caches
+
+  return nll_step, next_step
+
+
+def _ready(x):
+  jax.block_until_ready(x)
+  return x
+
+
 @functools.lru_cache(maxsize=8)
 def _step_fn(graphdef):
-  """Jitted `(state, caches, tokens, new_lengths, targets) -> (nll, argmax, caches)`."""
+  """Jitted `(state, caches, tokens, new_lengths, targets) -> (nll, argmax, caches)` through the
+  model's own call (per-layer caches of any protocol kind; `streaming_nll`, `passkey_correct`)."""
 
   @jax.jit
   def step(state, caches, tokens, new_lengths, targets):
@@ -164,11 +266,6 @@ def _step_fn(graphdef):
     return nll, jnp.argmax(logits, axis=-1).astype(jnp.int32), caches
 
   return step
-
-
-def _ready(x):
-  jax.block_until_ready(x)
-  return x
 
 
 def streaming_nll(model, caches, ids: np.ndarray, chunk: int) -> tuple[np.ndarray, Any]:
@@ -254,11 +351,14 @@ class LongContextFamily:
     self._title = "kvattn: long-context caches"
     self._config: dict[str, Any] | None = None
     self._model: tuple[str, Any, Any] | None = None
+    self._params: tuple[Any, Any, Any] | None = None  # (model, scan params, steps)
+    self._inputs_cache: dict[str, Any] = {}
 
   def _check(self, d: Mapping[str, Any], where: str) -> None:
-    policy, text, passkey = d["policy"], d["text"], d["passkey"]
-    if policy["kind"] not in KINDS:
-      raise ValueError(f"{where}: policy.kind must be one of {KINDS}; got {policy['kind']!r}")
+    policy, text, passkey, speed = d["policy"], d["text"], d["passkey"], d["speed"]
+    if policy["kind"] not in KINDS + (SPEED,):
+      raise ValueError(f"{where}: policy.kind must be one of {KINDS + (SPEED,)}; got "
+                       f"{policy['kind']!r}")
     budget = runner.check_int(f"{where}: policy.budget", policy["budget"], 2)
     sinks = runner.check_int(f"{where}: policy.num_sinks", policy["num_sinks"], 0)
     if policy["kind"] == "sink" and budget < sinks + 1:
@@ -273,9 +373,19 @@ class LongContextFamily:
       if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 1:
         raise ValueError(f"{where}: passkey.depths must be numbers in [0, 1]; got {depth!r}")
     runner.check_int(f"{where}: passkey.new_tokens", passkey["new_tokens"])
-    runner.check_int(f"{where}: decode.steps", d["decode"]["steps"])
-    # Builds (and so validates) the policy's caches for a 1-layer stand-in.
-    cache_factories._policy_dict(policy_dict(policy))  # pylint: disable=protected-access
+    runner.check_int(f"{where}: speed.steps", speed["steps"])
+    runner.check_int(f"{where}: speed.repeats", speed["repeats"])
+    for kind in speed["kinds"]:
+      if kind not in BOUNDED:
+        raise ValueError(f"{where}: speed.kinds must hold kinds of {BOUNDED}; got {kind!r}")
+    for b in speed["budgets"]:
+      runner.check_int(f"{where}: speed.budgets", b, sinks + 1)
+    # Builds (and so validates) the policies' caches.
+    policies = ([policy_dict({**policy, "kind": k, "budget": b})
+                 for k in speed["kinds"] for b in speed["budgets"]]
+                if policy["kind"] == SPEED else [policy_dict(policy)])
+    for p in policies:
+      cache_factories._policy_dict(p)  # pylint: disable=protected-access
 
   def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
     """One point per sweep entry; all validated before any work (ValueError naming the key)."""
@@ -290,16 +400,23 @@ class LongContextFamily:
       d = runner.apply_overrides(config, overrides, where)
       self._check(d, where)
       policy = d["policy"]
-      label = "full" if policy["kind"] == "full" else f"{policy['kind']}-{policy['budget']}"
-      measured = {s: d[s] for s in ("model", "text", "passkey", "decode")}
-      measured["policy"] = policy_dict(policy)
+      if policy["kind"] in ("full", SPEED):
+        label = policy["kind"]
+      else:
+        label = f"{policy['kind']}-{policy['budget']}"
+      if policy["kind"] == SPEED:  # what changes the speed point's measurement
+        measured = {s: d[s] for s in ("model", "text", "speed")}
+        measured["num_sinks"] = policy["num_sinks"]
+      else:
+        measured = {s: d[s] for s in ("model", "text", "passkey")}
+        measured["policy"] = policy_dict(policy)
       pid = f"{label}-{runner.digest(measured)}"
       if pid in seen:
         raise ValueError(f"{where}: gives the same point {label} as {seen[pid]}")
       seen[pid] = where
       points.append(runner.Point(pid, label, copy.deepcopy(d), d["model"]["name"], {
           "kind": policy["kind"],
-          "budget": None if policy["kind"] == "full" else policy["budget"]}))
+          "budget": None if policy["kind"] in ("full", SPEED) else policy["budget"]}))
     return points
 
   def model(self, point: runner.Point):
@@ -310,52 +427,97 @@ class LongContextFamily:
 
   # -- measurement ----------------------------------------------------------------------------
 
-  def measure(self, point: runner.Point) -> dict[str, Any]:
-    d = point.config
+  def _forward(self, point: runner.Point):
+    """`(model, tokenizer, params, nll_step, next_step)` of the point's model."""
     model, tokenizer = self.model(point)
-    graphdef, state = nnx.split(model)
-    step = _step_fn(graphdef)
-    policy = policy_dict(d["policy"])
-    text, passkey, dec = d["text"], d["passkey"], d["decode"]
-    dtype = jnp.dtype(d["model"]["dtype"])
-    chunk = text["chunk"]
+    if self._params is None or self._params[0] is not model:
+      defs, params = scan_parts(model)
+      self._params = (model, params, _steps(defs))
+    _, params, (nll_step, next_step) = self._params
+    return model, tokenizer, params, nll_step, next_step
 
-    # Streaming perplexity.
-    ids = corpus_tokens(tokenizer, text["num_tokens"] + 1)
-    total = text["num_tokens"] + dec["steps"] + 1
-    caches = model.init_caches(1, total, dtype, policy=policy)
-    start_time = time.perf_counter()
-    nll, caches = streaming_nll(model, caches, ids, chunk)
-    ppl_s = time.perf_counter() - start_time
-    bins = np.array_split(nll, text["bins"])
+  def _inputs(self, point: runner.Point, tokenizer) -> tuple[np.ndarray, dict[str, Any], int]:
+    """`(text ids, {context: (prompts, keys)}, full_len)` of a point's config, cached.
+
+    `full_len`: the one capacity of every full cache of the config (the text,
+    each padded passkey batch plus its decoded tokens; the speed point fills
+    its full cache to `full_len` minus its decode steps), so the full kind
+    compiles each step shape once; a dense cache with room to spare gives the
+    same outputs.
+    """
+    d = point.config
+    text, passkey, chunk = d["text"], d["passkey"], d["text"]["chunk"]
+    key = runner.digest({"model": d["model"]["name"], "text": text, "passkey": passkey})
+    if key not in self._inputs_cache:
+      ids = corpus_tokens(tokenizer, text["num_tokens"] + 1)
+      rng = np.random.default_rng(passkey["seed"])
+      prompts: dict[str, Any] = {}
+      full_len = text["num_tokens"]
+      for context in passkey["contexts"]:
+        keys = rng.integers(10000, 100000, len(passkey["depths"])).tolist()
+        rows = [passkey_prompt(tokenizer, context, depth, k)
+                for depth, k in zip(passkey["depths"], keys)]
+        prompts[str(context)] = (rows, keys)
+        width = -(-max(len(r) for r in rows) // chunk) * chunk
+        full_len = max(full_len, width + passkey["new_tokens"])
+      self._inputs_cache[key] = (ids, prompts, full_len)
+    return self._inputs_cache[key]
+
+  def _caches(self, model, batch, max_len, dtype, policy):
+    """`(stacked caches, storage bytes per sequence, bookkeeping bytes per sequence,
+    capacity)`; the storage is checked equal to capacity x the model's bytes per token."""
+    caches = model.init_caches(batch, max_len, dtype, policy=policy)
     storage = sum(a.nbytes for c in caches for a in c.storage_arrays())
     every = sum(x.nbytes for x in jax.tree_util.tree_leaves(caches))
     capacity = caches[0].capacity
     per_token = transformer_lib.cache_bytes_per_token(model.spec, dtype)
-    if storage != capacity * per_token:
+    if storage != batch * capacity * per_token:
       raise runner.CacheAccountingError(
-          f"{point.label}: cache storage {storage} B != capacity {capacity} x {per_token} B/token")
+          f"{policy['kind']}: cache storage {storage} B != {batch} x capacity {capacity} x "
+          f"{per_token} B/token")
+    return stack_caches(caches), storage // batch, (every - storage) // batch, capacity
 
-    # Decode speed with the cache at its budget (the first step compiles, untimed).
-    tok = jnp.asarray(ids[-1:].reshape(1, 1))
-    one = jnp.ones((1,), jnp.int32)
-    _, nxt, caches = _ready(step(state, caches, tok, one, tok))
-    t0 = time.perf_counter()
-    for _ in range(dec["steps"]):
-      _, nxt, caches = step(state, caches, nxt, one, nxt)
-    _ready(nxt)
-    step_s = (time.perf_counter() - t0) / dec["steps"]
+  def _fill(self, params, nll_step, caches, ids, count, chunk):
+    """Feeds `ids[:count]` (batch 1) `chunk` tokens at a time; `(nll f64[count], caches)`."""
+    nll = np.zeros(count, np.float64)
+    for s in range(0, count, chunk):
+      e = min(count, s + chunk)
+      toks = np.zeros((1, chunk), np.int32)
+      tgts = np.zeros((1, chunk), np.int32)
+      toks[0, :e - s], tgts[0, :e - s] = ids[s:e], ids[s + 1:e + 1]
+      out, caches = nll_step(params, caches, jnp.asarray(toks), jnp.array([e - s], jnp.int32),
+                             jnp.asarray(tgts))
+      nll[s:e] = np.asarray(out[0, :e - s])
+    return nll, caches
 
-    # Passkey retrieval.
-    rng = np.random.default_rng(passkey["seed"])
-    correct: dict[str, list[int]] = {}
-    for context in passkey["contexts"]:
-      keys = rng.integers(10000, 100000, len(passkey["depths"])).tolist()
-      prompts = [passkey_prompt(tokenizer, context, depth, key)
-                 for depth, key in zip(passkey["depths"], keys)]
-      correct[str(context)] = passkey_correct(
-          model, lambda b, n: model.init_caches(b, n, dtype, policy=policy), prompts, keys,
-          chunk, passkey["new_tokens"], tokenizer)
+  def measure(self, point: runner.Point) -> dict[str, Any]:
+    cpu0 = time.process_time()
+    if point.config["policy"]["kind"] == SPEED:
+      record = self._speed(point)
+    else:
+      record = self._quality(point)
+    return {**record, "cpu_seconds": time.process_time() - cpu0}
+
+  def _quality(self, point: runner.Point) -> dict[str, Any]:
+    """Streaming perplexity, passkey retrieval and cache bytes of one policy point."""
+    d = point.config
+    model, tokenizer, params, nll_step, next_step = self._forward(point)
+    policy = policy_dict(d["policy"])
+    text, passkey = d["text"], d["passkey"]
+    dtype = jnp.dtype(d["model"]["dtype"])
+    chunk = text["chunk"]
+
+    ids, prompts, full_len = self._inputs(point, tokenizer)
+    caches, storage, bookkeeping, capacity = self._caches(model, 1, full_len, dtype, policy)
+    start_time = time.perf_counter()
+    nll, caches = self._fill(params, nll_step, caches, ids, text["num_tokens"], chunk)
+    ppl_s = time.perf_counter() - start_time
+    del caches
+    bins = np.array_split(nll, text["bins"])
+
+    correct = {context: self._passkey(model, params, next_step, policy, dtype, rows, keys, chunk,
+                                      passkey["new_tokens"], tokenizer, full_len)
+               for context, (rows, keys) in prompts.items()}
     return {
         "ppl": float(math.exp(nll.mean())),
         "ppl_second_half": float(math.exp(nll[len(nll) // 2:].mean())),
@@ -365,13 +527,91 @@ class LongContextFamily:
         "num_tokens": text["num_tokens"],
         "capacity": capacity,
         "cache_bytes_per_seq": storage,
-        "bookkeeping_bytes_per_seq": every - storage,
-        "decode_step_ms": step_s * 1e3,
-        "decode_tokens_per_s": 1.0 / step_s,
+        "bookkeeping_bytes_per_seq": bookkeeping,
         "passkey_correct": correct,
         "passkey_depths": [float(x) for x in passkey["depths"]],
         "passkey_accuracy": float(np.mean([v for row in correct.values() for v in row])),
     }
+
+  def _speed(self, point: runner.Point) -> dict[str, Any]:
+    """Decode speed of every kind x budget beside the full cache, interleaved (module doc)."""
+    d = point.config
+    model, tokenizer, params, nll_step, next_step = self._forward(point)
+    text, speed = d["text"], d["speed"]
+    dtype = jnp.dtype(d["model"]["dtype"])
+    chunk, steps, repeats = text["chunk"], speed["steps"], speed["repeats"]
+    ids, _, full_len = self._inputs(point, tokenizer)
+    decoded = steps * repeats + 1
+    if full_len - decoded < 1:
+      raise ValueError(f"speed.steps x speed.repeats + 1 = {decoded} decode steps do not fit the "
+                       f"full cache of {full_len} tokens: lower them or raise text.num_tokens")
+    entries = {"full": ("full", None, {"kind": "full"},
+                        min(text["num_tokens"], full_len - decoded))}
+    for budget in speed["budgets"]:
+      for kind in speed["kinds"]:
+        entries[f"{kind}-{budget}"] = (
+            kind, budget, policy_dict({**d["policy"], "kind": kind, "budget": budget}),
+            min(text["num_tokens"], budget + chunk))  # past the budget: every step evicts
+    one, zero = jnp.ones((1,), jnp.int32), jnp.zeros((1,), jnp.int32)
+    state = {}
+    for name, (_, _, policy, fill) in entries.items():
+      caches = self._caches(model, 1, full_len, dtype, policy)[0]
+      _, caches = self._fill(params, nll_step, caches, ids, fill, chunk)
+      nxt, caches = next_step(params, caches, jnp.asarray(ids[fill:fill + 1])[None], one, zero)
+      state[name] = _ready((nxt, caches))  # the untimed first step compiles
+    names = list(entries)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+      for name in names[r % len(names):] + names[:r % len(names)]:
+        nxt, caches = state[name]
+        t0 = time.perf_counter()
+        for _ in range(steps):
+          nxt, caches = next_step(params, caches, nxt[:, None], one, zero)
+        _ready(nxt)
+        times[name].append((time.perf_counter() - t0) / steps)
+        state[name] = (nxt, caches)
+    del state
+    out = {}
+    for name, (kind, budget, _, fill) in entries.items():
+      t = np.array(times[name])
+      ring = np.array(times[f"window-{budget}"]) if f"window-{budget}" in times else None
+      out[name] = {
+          "kind": kind, "budget": budget, "context": fill,
+          "step_ms": float(np.median(t) * 1e3),
+          "tokens_per_s": float(1.0 / np.median(t)),
+          "tokens_per_s_vs_full": float(np.median(np.array(times["full"]) / t)),
+          "step_vs_ring": None if ring is None else float(np.median(t / ring)),
+          "overhead_ms_vs_ring": None if ring is None else float(np.median(t - ring) * 1e3),
+      }
+    return {"speed": out, "speed_steps": steps, "speed_repeats": repeats, "chunk": chunk,
+            "num_tokens": text["num_tokens"]}
+
+  def _passkey(self, model, params, next_step, policy, dtype, prompts, keys, chunk, new_tokens,
+               tokenizer, full_len) -> list[int]:
+    """Chunked prefill of the prompts (one row each), greedy decode; 1 where the key appears."""
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    padded = -(-width // chunk) * chunk
+    toks = np.zeros((batch, padded), np.int32)
+    for b, p in enumerate(prompts):
+      toks[b, :len(p)] = p
+    caches = self._caches(model, batch, full_len, dtype, policy)[0]
+    last = np.zeros(batch, np.int32)
+    for s in range(0, padded, chunk):
+      new = np.clip(lengths - s, 0, chunk).astype(np.int32)
+      arg, caches = next_step(params, caches, jnp.asarray(toks[:, s:s + chunk]),
+                              jnp.asarray(new), jnp.asarray(np.maximum(new - 1, 0)))
+      ends = (new > 0) & (lengths - s <= chunk)  # rows whose last prompt token is here
+      last = np.where(ends, np.asarray(arg), last)
+    out = [last.copy()]
+    nxt = jnp.asarray(last)
+    ones, zeros = jnp.ones((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32)
+    for _ in range(new_tokens - 1):
+      nxt, caches = next_step(params, caches, nxt[:, None], ones, zeros)
+      out.append(np.asarray(nxt))
+    generated = np.stack(out, axis=1)
+    return [int(str(key) in tokenizer.decode(generated[b].tolist()))
+            for b, key in enumerate(keys)]
 
   def report(self, records: Sequence[Mapping[str, Any]]) -> str:
     return write_report(self.workdir, records, title=self._title, config=self._config)
@@ -438,38 +678,60 @@ def claims(records: Sequence[Mapping[str, Any]]) -> list[str]:
   return lines
 
 
+def speed_table(record: Mapping[str, Any]) -> str:
+  """The markdown table of a speed record (medians of per-round ratios, module doc)."""
+  rows = []
+  order = {kind: i for i, kind in enumerate(KINDS)}
+  for v in sorted(record["speed"].values(), key=lambda v: (v["budget"] or 0, order[v["kind"]])):
+    rows.append([v["kind"], v["budget"] or "all", v["context"], _fmt(v["step_ms"], 1),
+                 _fmt(v["tokens_per_s"], 1), _fmt(v["tokens_per_s_vs_full"]),
+                 _fmt(v["step_vs_ring"]), _fmt(v["overhead_ms_vs_ring"], 2)])
+  return report_lib.markdown_table(
+      ["policy", "budget", "tokens held", "step ms", "decode tok/s", "tok/s / full",
+       "step / ring (eviction overhead)", "ms/step over ring"], rows)
+
+
 def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: str,
                  config: Mapping[str, Any] | None) -> str:
   """report.md, ppl_vs_position.png and one passkey heat map per kind; returns the markdown."""
-  records = sorted(records, key=lambda r: (r["budget"] or 0, r["kind"]))
+  speed = [r for r in records if r["kind"] == SPEED]
+  records = sorted((r for r in records if r["kind"] != SPEED),
+                   key=lambda r: (r["budget"] or 0, r["kind"]))
   by = {(r["kind"], r["budget"]): r for r in records}
   full = by.get(("full", None))
-  ring = {b: r for (k, b), r in by.items() if k == "window"}
   rows = []
   for r in records:
-    kind, budget = r["kind"], r["budget"]
-    overhead = (r["decode_step_ms"] - ring[budget]["decode_step_ms"]) if budget in ring else None
     ctx = " / ".join(f"{np.mean(v):.2f}" for v in r["passkey_correct"].values())
-    rows.append([kind, budget or "all", _fmt(r["ppl"], 3),
+    rows.append([r["kind"], r["budget"] or "all", _fmt(r["ppl"], 3),
                  _fmt(r["ppl"] / full["ppl"]) if full else "-", _fmt(r["ppl_second_half"], 3),
                  ctx, f"{r['cache_bytes_per_seq'] / 2**20:.2f}",
-                 f"{r['bookkeeping_bytes_per_seq'] / 2**10:.1f}",
-                 _fmt(r["decode_tokens_per_s"], 1), _fmt(overhead)])
+                 f"{r['bookkeeping_bytes_per_seq'] / 2**10:.1f}"])
   contexts = " / ".join(next(iter(records))["passkey_correct"]) if records else ""
-  chunk = records[0]["chunk"] if records else None
-  num_tokens = records[0]["num_tokens"] if records else None
+  first = (records or speed or [{}])[0]
+  chunk, num_tokens = first.get("chunk"), first.get("num_tokens")
   table = report_lib.markdown_table(
       ["policy", "budget", "ppl", "ppl / full", "ppl 2nd half", f"passkey acc ({contexts})",
-       "cache MiB/seq", "bookkeeping KiB/seq", "decode tok/s", "eviction ms/step"], rows)
+       "cache MiB/seq", "bookkeeping KiB/seq"], rows)
+  cpu = sum(r.get("cpu_seconds", 0.0) for r in records + speed)
+  wall = sum(r.get("point_seconds", 0.0) for r in records + speed)
   md = [f"# {title}", "",
         f"Streaming perplexity over {num_tokens} tokens of the default corpus of kvattn.data, "
         f"fed {chunk} tokens per forward pass (chunk length {chunk}; 1 would be exact "
         f"token-by-token streaming). Passkey accuracy per context length (tokens), averaged "
         f"over depths. Cache MiB/seq: the storage arrays (checked equal to capacity x bytes per "
-        f"token); bookkeeping: slot positions, eviction scores, lengths. Eviction ms/step: "
-        f"the decode step time minus the ring's at the same budget.", "", table, "",
-        "## Published claims", "", *claims(records), "",
-        f"![perplexity vs position]({FILES['plot']})", ""]
+        f"token); bookkeeping: slot positions, eviction scores, lengths.", "", table, "",
+        f"Measured points: {len(records) + len(speed)}, {cpu:.0f} CPU-seconds and {wall:.0f} s "
+        f"wall in all.", ""]
+  if speed:
+    r = speed[-1]
+    md += ["## Decode speed", "",
+           f"Batch 1, {r['speed_repeats']} interleaved rounds of {r['speed_steps']} timed steps "
+           f"per cache; ratios are medians over the rounds of the per-round ratios (tok/s over "
+           f"the full cache holding {r['speed']['full']['context']} tokens; step time over the "
+           f"plain ring of the same budget: the eviction overhead). Load average at the end: "
+           f"{r.get('load_avg_1min', float('nan')):.1f}.", "", speed_table(r), ""]
+  md += ["## Published claims", "", *claims(records), "",
+         f"![perplexity vs position]({FILES['plot']})", ""]
   md += [f"![passkey {k}]({FILES['heatmap'].format(kind=k)})"
          for k in sorted({r["kind"] for r in records})]
   text = "\n".join(md) + "\n"

@@ -11,6 +11,7 @@ caches chosen by a policy dict (`policy_caches`, `policy_cache_factory`:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax.numpy as jnp
@@ -23,9 +24,6 @@ from kvattn.paged import PagedKVCache
 
 CacheFactory = Callable[[int, int, Any], Sequence[Any]]
 """`(batch, max_len, dtype) -> one cache per layer` (dtype None: the model's)."""
-
-CACHE_KINDS = ("dense", "paged", "length_switch")
-
 
 def gqa_layers(model) -> list[Any]:
   """The attention modules of `model.layers[i].attn`; ValueError for non-GQA layers."""
@@ -119,31 +117,145 @@ def paged_cache_factory(model, *, page_size: int = 16, tokens_per_seq: Iterable[
   return factory
 
 
-def cache_factory_from_config(model, cache_config, *, tokens_per_seq: Iterable[int] | None = None):
-  """The cache-kind switch: `cache_config.kind` "dense" -> None (generate's
-  default dense caches), "paged" -> `paged_cache_factory(model,
-  page_size=cache_config.page_size, seed=cache_config.get("seed"))`,
-  "length_switch" -> `length_switch_cache_factory(model,
-  switch_length=cache_config.switch_length,
-  num_kv_heads_after=cache_config.num_kv_heads_after)`.
+# ----------------------------------------------------------------------------------------------
+# The `cache.kind` switch of the configs: a table of kinds.
+
+REQUIRED = object()
+"""The default of a `CacheKind` option the config must set."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheKind:
+  """One `cache.kind` value: its options and how it builds a cache factory.
+
+  Attributes:
+    build: `(model, options, tokens_per_seq) -> CacheFactory | None` (None:
+      `generate`'s default dense caches); `options` holds every option of
+      `options` below, defaults filled in, None where the kind's own default
+      applies.
+    options: option name -> default (`REQUIRED`: the config must set it).
+    doc: one line for error messages and docs.
+  """
+
+  build: Callable[[Any, dict[str, Any], Sequence[int] | None], CacheFactory | None]
+  options: Mapping[str, Any]
+  doc: str
+
+
+def _policy_kind(kind: str) -> Callable[..., CacheFactory]:
+  """The `CacheKind.build` of a long-context kind: `policy_cache_factory` of its options."""
+
+  def build(model, options, tokens_per_seq):
+    del tokens_per_seq  # bounded kinds: the capacity is the window / budget
+    policy = {k: v for k, v in options.items() if v is not None}
+    return policy_cache_factory(model, {"kind": kind, **policy})
+
+  return build
+
+
+CACHE_KIND_TABLE: dict[str, CacheKind] = {
+    "dense": CacheKind(lambda model, options, tokens_per_seq: None, {},
+                       "model.init_caches: dense KVCache / LatentCache of max_len"),
+    "paged": CacheKind(
+        lambda model, o, tokens_per_seq: paged_cache_factory(
+            model, page_size=o["page_size"], tokens_per_seq=tokens_per_seq, seed=o["seed"]),
+        {"page_size": 16, "seed": None}, "PagedKVCache pages per sequence (paged_cache_factory)"),
+    "ring": CacheKind(_policy_kind("window"), {"window": REQUIRED},
+                      "RingKVCache: the last `window` tokens (sliding-window attention)"),
+    "sink": CacheKind(_policy_kind("sink"), {"num_sinks": 4, "window": REQUIRED},
+                      "SinkKVCache: StreamingLLM, `num_sinks` first tokens + a ring of `window`"),
+    **{policy: CacheKind(_policy_kind(policy),
+                         {"budget": REQUIRED, "num_sinks": None,
+                          **{o: None for o in long_context.POLICY_OPTIONS[policy]}},
+                         f"EvictingKVCache(policy={policy!r}): `budget` slots per KV head")
+       for policy in long_context.POLICIES},
+    "length_switch": CacheKind(
+        lambda model, o, tokens_per_seq: length_switch_cache_factory(
+            model, switch_length=o["switch_length"], num_kv_heads_after=o["num_kv_heads_after"]),
+        {"switch_length": REQUIRED, "num_kv_heads_after": REQUIRED},
+        "LengthSwitchKVCache: K heads up to switch_length, then num_kv_heads_after pooled heads"),
+}
+"""`cache.kind` -> `CacheKind`. "ring", "sink" and the eviction policies of
+`kvattn.long_context` take their sizes from the config (None: the policy's
+default, e.g. H2O's recent window of budget // 2). Add a kind with one entry
+(`register_cache_kind`)."""
+
+CACHE_KINDS = tuple(CACHE_KIND_TABLE)
+"""The `cache.kind` values when this module was imported (the table may grow)."""
+
+
+def register_cache_kind(name: str, kind: CacheKind) -> None:
+  """Adds `name` to `CACHE_KIND_TABLE`; ValueError when it is taken."""
+  if not isinstance(name, str) or not name or name in CACHE_KIND_TABLE:
+    raise ValueError(f"cache kind name must be a new non-empty string; got {name!r} (taken: "
+                     f"{tuple(CACHE_KIND_TABLE)})")
+  CACHE_KIND_TABLE[name] = kind
+
+
+def cache_options(cache_config: Any, where: str = "cache") -> tuple[str, dict[str, Any]]:
+  """`(kind, options)` of a `cache` config section, checked against `CACHE_KIND_TABLE`.
+
+  `cache_config`: a ConfigDict or mapping with `kind` and that kind's options;
+  a key set to None counts as unset (flat ml_collections schemas keep every
+  key), so defaults fill it. `max_len` and `dtype` are the experiments' own
+  keys and are ignored here.
+
+  Raises:
+    ValueError: an unknown kind, a key the kind does not take, a required
+      option unset -- naming `<where>.<key>`.
+  """
+  if hasattr(cache_config, "to_dict"):
+    cache_config = cache_config.to_dict()
+  if not isinstance(cache_config, Mapping):
+    raise TypeError(f"{where} must be a dict or ConfigDict with a 'kind'; got "
+                    f"{type(cache_config).__name__}")
+  kind = cache_config.get("kind")
+  if kind not in CACHE_KIND_TABLE:
+    raise ValueError(f"{where}.kind must be one of {tuple(CACHE_KIND_TABLE)}; got {kind!r}")
+  spec = CACHE_KIND_TABLE[kind]
+  given = {k: v for k, v in cache_config.items()
+           if k not in ("kind",) + EXPERIMENT_CACHE_KEYS and v is not None}
+  unknown = sorted(set(given) - set(spec.options))
+  if unknown:
+    raise ValueError(f"{where}.{unknown[0]} is not an option of {where}.kind = {kind!r} (it takes "
+                     f"{tuple(spec.options)}); got {where}.{unknown[0]} = {given[unknown[0]]!r}")
+  options = {**spec.options, **given}
+  missing = [k for k, v in options.items() if v is REQUIRED]
+  if missing:
+    raise ValueError(f"{where}.{missing[0]} must be set for {where}.kind = {kind!r} "
+                     f"({spec.doc})")
+  return kind, options
+
+
+EXPERIMENT_CACHE_KEYS = ("max_len", "dtype")
+"""Keys of experiment `cache` sections that are not options of a kind."""
+
+
+def cache_factory_from_config(model, cache_config, *, tokens_per_seq: Iterable[int] | None = None,
+                              where: str = "cache") -> CacheFactory | None:
+  """The `cache.kind` switch: the cache factory of a config's `cache` section.
+
+  `cache_config.kind` is a key of `CACHE_KIND_TABLE`: "dense" -> None
+  (`generate`'s default dense caches); "paged" -> `paged_cache_factory(model,
+  page_size=, seed=, tokens_per_seq=)`; "ring" (`window`), "sink" (`num_sinks`,
+  `window`) and each eviction policy of `kvattn.long_context` (`budget` and the
+  policy's options: `recent_size`, `window_size`, `kernel_size`, `seed`,
+  `num_sinks`) -> `policy_cache_factory`. The options are checked and the
+  caches' sizes validated now.
 
   Usage: `kvattn.generate(model, prompts, lengths, n,
   cache_factory=cache_factory_from_config(model, config.cache))`.
 
   Raises:
-    ValueError: an unknown kind.
+    ValueError: an unknown kind, an option the kind does not take, a missing
+      or bad option -- the message names `<where>.<key>`.
   """
-  kind = cache_config.kind if hasattr(cache_config, "kind") else cache_config["kind"]
-  if kind not in CACHE_KINDS:
-    raise ValueError(f"cache.kind must be one of {CACHE_KINDS}; got {kind!r}")
-  if kind == "dense":
-    return None
-  get = cache_config.get if hasattr(cache_config, "get") else (lambda k, d=None: d)
-  if kind == "length_switch":
-    return length_switch_cache_factory(model, switch_length=get("switch_length"),
-                                       num_kv_heads_after=get("num_kv_heads_after"))
-  return paged_cache_factory(model, page_size=get("page_size", 16),
-                             tokens_per_seq=tokens_per_seq, seed=get("seed", None))
+  kind, options = cache_options(cache_config, where)
+  tokens = None if tokens_per_seq is None else [int(t) for t in tokens_per_seq]
+  try:
+    return CACHE_KIND_TABLE[kind].build(model, options, tokens)
+  except ValueError as e:
+    raise ValueError(f"{where} (kind {kind!r}, options {options}): {e}") from e
 
 
 # ----------------------------------------------------------------------------------------------

@@ -73,8 +73,7 @@ from kvattn.ops.rope import apply_rope
 POLICIES = ("h2o", "snapkv", "tova", "recent", "random", "knorm")
 """Eviction policies of `EvictingKVCache`."""
 
-# The options each policy takes (besides num_sinks, which all take).
-_POLICY_OPTIONS = {
+POLICY_OPTIONS = {
     "h2o": ("recent_size",),
     "snapkv": ("window_size", "kernel_size"),
     "tova": ("recent_size",),
@@ -82,6 +81,7 @@ _POLICY_OPTIONS = {
     "random": ("seed",),
     "knorm": ("recent_size",),
 }
+"""The options each eviction policy takes besides `num_sinks` (which all take)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -502,7 +502,7 @@ def _policy_options(policy: str, budget: int, options: dict[str, Any]) -> tuple:
   """Validated options of `policy` as a sorted tuple of (name, value) (static, hashable)."""
   if not isinstance(policy, str) or policy not in POLICIES:
     raise ValueError(f"policy must be one of {POLICIES}; got {policy!r}")
-  allowed = _POLICY_OPTIONS[policy] + ("num_sinks",)
+  allowed = POLICY_OPTIONS[policy] + ("num_sinks",)
   unknown = sorted(set(options) - set(allowed))
   if unknown:
     raise ValueError(f"unknown option(s) {unknown} for policy {policy!r}; it takes {allowed}")

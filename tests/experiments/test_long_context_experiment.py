@@ -3,6 +3,8 @@
 import json
 import os
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from configs import long_context as lc_config
@@ -15,7 +17,8 @@ def _tiny(**overrides):
   cfg.update_from_flattened_dict({
       "model.name": "random-tiny", "text.num_tokens": 40, "text.chunk": 8, "text.bins": 2,
       "passkey.contexts": (48,), "passkey.depths": (0.0, 1.0), "passkey.new_tokens": 3,
-      "decode.steps": 2, **overrides})
+      "speed.steps": 2, "speed.repeats": 2, "speed.kinds": ("window", "tova"),
+      "speed.budgets": (8,), **overrides})
   return cfg
 
 
@@ -24,8 +27,8 @@ def test_configs_and_sweeps_validate():
   assert full.experiment.kind == smoke.experiment.kind == "long_context"
   assert full.text.num_tokens > smoke.text.num_tokens
   points = lce.LongContextFamily("/nonexistent").points(full, lc_config.get_sweep())
-  assert len(points) == 1 + 3 * 8 and len({p.id for p in points}) == len(points)
-  assert points[0].label == "full" and points[1].label == "window-256"
+  assert len(points) == 2 + 3 * 8 and len({p.id for p in points}) == len(points)
+  assert [p.label for p in points[:3]] == ["full", "speed", "window-256"]
   with pytest.raises(ValueError, match="config argument"):
     lc_config.get_config("huge")
 
@@ -34,6 +37,8 @@ def test_configs_and_sweeps_validate():
     ({"policy.kind": "lru"}, "policy.kind must be one of"),
     ({"policy.kind": "sink", "policy.budget": 4}, "policy.budget must be >= policy.num_sinks"),
     ({"text.chunk": 0}, "text.chunk must be an int >= 1"),
+    ({"policy.kind": "speed", "speed.kinds": ("full",)}, "speed.kinds must hold kinds of"),
+    ({"speed.repeats": 0}, "speed.repeats must be an int >= 1"),
 ])
 def test_bad_points_fail_before_any_work(overrides, message, tmp_path):
   with pytest.raises(ValueError, match=message):
@@ -53,10 +58,16 @@ def test_policy_dicts():
 def test_tiny_run_measures_reports_and_bounded_caches_with_room_equal_the_full_cache(tmp_path):
   sweep = [{"policy.kind": "full"}, {"policy.kind": "h2o", "policy.budget": 64},
            {"policy.kind": "window", "policy.budget": 8},
-           {"policy.kind": "tova", "policy.budget": 8}]
+           {"policy.kind": "tova", "policy.budget": 8}, {"policy.kind": "speed"}]
   result = runner.run(_tiny(), str(tmp_path), sweep)
-  assert result.complete and len(result.records) == 4
+  assert result.complete and len(result.records) == 5
   by = {r["label"]: r for r in result.records}
+  speed = by.pop("speed")["speed"]
+  assert set(speed) == {"full", "window-8", "tova-8"}
+  assert speed["window-8"]["step_vs_ring"] == 1.0 and speed["full"]["step_vs_ring"] is None
+  assert speed["tova-8"]["context"] == 8 + 8 and speed["full"]["context"] == 40
+  for v in speed.values():
+    assert v["tokens_per_s"] > 0 and v["tokens_per_s_vs_full"] > 0
   full = by["full"]
   # Room for all 40 + 3 tokens: the same perplexity as the full cache.
   assert by["h2o-64"]["ppl"] == pytest.approx(full["ppl"], rel=1e-5)
@@ -65,14 +76,32 @@ def test_tiny_run_measures_reports_and_bounded_caches_with_room_equal_the_full_c
   assert by["window-8"]["cache_bytes_per_seq"] == 2 * 8 * 2 * 2 * 8 * 4
   assert by["tova-8"]["cache_bytes_per_seq"] == by["window-8"]["cache_bytes_per_seq"]
   assert by["tova-8"]["bookkeeping_bytes_per_seq"] > by["window-8"]["bookkeeping_bytes_per_seq"]
-  for r in result.records:
+  for r in by.values():
     assert len(r["ppl_bins"]) == 2 and r["chunk"] == 8
     assert set(r["passkey_correct"]) == {"48"} and len(r["passkey_correct"]["48"]) == 2
-    assert r["decode_tokens_per_s"] > 0
+    assert r["cpu_seconds"] > 0
   report = (tmp_path / "report.md").read_text()
   assert "## Published claims" in report and "StreamingLLM" not in report  # no window-vs-sink pair
-  assert "kvpress" in report and "chunk length 8" in report
+  assert "kvpress" in report and "chunk length 8" in report and "## Decode speed" in report
   for name in ("ppl_vs_position.png", "passkey_h2o.png", "passkey_tova.png"):
     assert (tmp_path / name).stat().st_size > 0
   lines = (tmp_path / "results.jsonl").read_text().splitlines()
-  assert len(lines) == 4 and json.loads(lines[0])["family"] == "long_context"
+  assert len(lines) == 5 and json.loads(lines[0])["family"] == "long_context"
+
+
+# Dense and sinks (a cache that does its own RoPE); the evicting kinds through the scan equal the
+# full cache in the tiny run, hence the model too.
+@pytest.mark.parametrize("policy", [None, {"kind": "sink", "num_sinks": 2, "window": 4}])
+def test_scan_forward_equals_the_model(policy):
+  model, _ = lce.load_model("random-tiny", "float32")
+  defs, params = lce.scan_parts(model)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 8)), jnp.int32)
+  new_lengths = jnp.array([8, 5], jnp.int32)
+  caches = model.init_caches(2, 24, policy=policy)
+  stacked = lce.stack_caches(caches)
+  for _ in range(2):  # the second call passes the capacity of the sink cache
+    want, caches = model(tokens, caches, new_lengths=new_lengths)
+    h, stacked = lce.scan_forward(defs, params, stacked, tokens, new_lengths)
+    logits = lce._logits(params, h)  # pylint: disable=protected-access
+    np.testing.assert_allclose(logits, want, atol=1e-5)
+  np.testing.assert_array_equal(stacked.lengths[1], caches[1].lengths)

@@ -129,7 +129,7 @@ def test_ring_unrolled_oldest_to_newest_is_the_last_w_keys_at_every_step():
                                     np.asarray(dense.v[b][:, max(0, n - window):n]))
 
 
-@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 13])
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, pytest.param(13, marks=pytest.mark.slow)])
 def test_ring_equals_full_attention_with_window_w_for_any_chunking(chunk):
   window = 5
   q, k, v = _qkv(4, 13)
@@ -196,7 +196,7 @@ def test_sink_decode_attends_at_the_cache_positions():
   assert int(caches[-2].query_position()[0]) == 4
 
 
-@pytest.mark.parametrize("chunk", [2, 3, 9])
+@pytest.mark.parametrize("chunk", [2, pytest.param(3, marks=pytest.mark.slow), 9])
 def test_sink_chunks_equal_token_by_token(chunk):
   q, k, v = _qkv(8, 9)
   one, _ = _run_chunks(kvattn.SinkKVCache.init(B, 2, 3, K, H), q, k, v, 1)
@@ -204,7 +204,7 @@ def test_sink_chunks_equal_token_by_token(chunk):
   np.testing.assert_allclose(np.asarray(got), np.asarray(one), atol=1e-5)
 
 
-@pytest.mark.parametrize("chunk", [1, 4])
+@pytest.mark.parametrize("chunk", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_zero_sinks_reduce_to_the_window(chunk):
   q, k, v = _qkv(9, 11)
   sink, _ = _run_chunks(kvattn.SinkKVCache.init(B, 0, 4, K, H), q, k, v, chunk)
@@ -341,14 +341,11 @@ ALL_POLICIES = [{"kind": "sink", "num_sinks": 2, "window": 30}, {"kind": "window
 def test_every_kind_with_room_for_everything_gives_the_dense_logits():
   model = _model(num_layers=1)
   tokens = jax.random.randint(jax.random.key(2), (B, 20), 0, 256)
-  graphdef, state = nnx.split(model)
 
-  @jax.jit
-  def run(caches):
-    m = nnx.merge(graphdef, state)
+  def run(caches):  # eager: cheaper than compiling the four calls once per kind
     outs = []
     for start, end, new in [(0, 9, [9, 5]), (9, 10, [1, 1]), (10, 17, [7, 7]), (17, 18, [1, 0])]:
-      logits, caches = m(tokens[:, start:end], caches, new_lengths=jnp.array(new))
+      logits, caches = model(tokens[:, start:end], caches, new_lengths=jnp.array(new))
       outs.append(logits)
     return outs
 
@@ -389,8 +386,6 @@ def test_generate_with_each_kind_batched():
   got, _ = kvattn.generate(model, prompts, lengths, 8, cache_factory=ring)
   want, _ = kvattn.generate(_model(window=3), prompts, lengths, 8)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  _generate_tight(model, [{"kind": "sink", "num_sinks": 1, "window": 3},
-                         {"kind": "h2o", "budget": 4}])
 
 
 @pytest.mark.slow
@@ -401,7 +396,8 @@ def test_generate_every_policy_batched():
     factory = cache_factories.policy_cache_factory(model, policy)
     got, _ = kvattn.generate(model, PROMPTS, PROMPT_LENGTHS, 8, cache_factory=factory)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(dense), err_msg=str(policy))
-  _generate_tight(model, [{"kind": p, "budget": 4} for p in long_context.POLICIES])
+  _generate_tight(model, [{"kind": "sink", "num_sinks": 1, "window": 3}]
+                  + [{"kind": p, "budget": 4} for p in long_context.POLICIES])
 
 
 def test_init_caches_policy_builds_the_kind_and_rejects_bad_dicts():
@@ -417,3 +413,40 @@ def test_init_caches_policy_builds_the_kind_and_rejects_bad_dicts():
     model.init_caches(B, 64, policy={"kind": "window", "window": 8, "budget": 8})
   with pytest.raises(TypeError, match="policy"):
     model.init_caches(B, 64, policy="h2o")
+
+
+def test_cache_kind_switch_selects_each_kind_from_a_config_and_names_bad_keys():
+  from ml_collections import config_dict  # pylint: disable=g-import-not-at-top
+  model = _model()
+  configs = {
+      "ring": (dict(window=8), kvattn.RingKVCache, 8),
+      "sink": (dict(num_sinks=2, window=6), kvattn.SinkKVCache, 8),
+      **{p: (dict(budget=8), kvattn.EvictingKVCache, 8) for p in long_context.POLICIES},
+  }
+  assert set(configs) | {"dense", "paged"} <= set(cache_factories.CACHE_KIND_TABLE)
+  for kind, (options, cls, capacity) in configs.items():
+    # A flat config section: keys of other kinds are None (unset).
+    cfg = config_dict.ConfigDict(dict(kind=kind, page_size=None, max_len=64, **options))
+    caches = cache_factories.cache_factory_from_config(model, cfg)(B, 64, None)
+    assert len(caches) == 2 and all(isinstance(c, cls) and c.capacity == capacity
+                                    for c in caches), kind
+  h2o = cache_factories.cache_factory_from_config(
+      model, {"kind": "h2o", "budget": 8, "recent_size": 2, "num_sinks": 1})(B, 64, None)[0]
+  assert h2o.policy == "h2o" and dict(h2o.options) == {"num_sinks": 1, "recent_size": 2}
+  assert cache_factories.cache_factory_from_config(model, {"kind": "dense"}) is None
+  for cfg, message in [
+      ({"kind": "lru"}, r"cache.kind must be one of \('dense', 'paged', 'ring'"),
+      ({"kind": "ring"}, r"cache.window must be set for cache.kind = 'ring'"),
+      ({"kind": "ring", "window": 8, "budget": 8}, r"cache.budget is not an option of "
+                                                   r"cache.kind = 'ring'"),
+      ({"kind": "dense", "page_size": 4}, r"cache.page_size is not an option"),
+      ({"kind": "tova", "budget": 8, "window_size": 2}, r"cache.window_size is not an option"),
+      ({"kind": "ring", "window": 0}, r"cache \(kind 'ring'.*window"),
+      ({"kind": "sink", "num_sinks": 4, "window": -1}, r"cache \(kind 'sink'.*window"),
+      ({"kind": "h2o", "budget": 8, "num_sinks": 8}, r"cache \(kind 'h2o'.*budget must be >= "
+                                                     r"num_sinks \+ 1"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      cache_factories.cache_factory_from_config(model, cfg)
+  with pytest.raises(ValueError, match="taken"):
+    cache_factories.register_cache_kind("ring", cache_factories.CACHE_KIND_TABLE["ring"])

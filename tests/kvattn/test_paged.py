@@ -466,7 +466,7 @@ def test_generate_cache_kind_switch_gives_identical_tokens():
   dense_tokens, dense_lengths = generate(
       model, prompts, lengths, new,
       cache_factory=cache_factories.cache_factory_from_config(
-          model, config_dict.ConfigDict(dict(kind="dense", page_size=4))))
+          model, config_dict.ConfigDict(dict(kind="dense", page_size=None))))
   # Paged: each sequence gets only the pages it needs, from a shuffled free list.
   cfg = config_dict.ConfigDict(dict(kind="paged", page_size=4, seed=3))
   paged_tokens, paged_lengths = generate(
@@ -490,7 +490,7 @@ def test_init_paged_caches_allocates_per_sequence():
   np.testing.assert_array_equal(tables, np.asarray(caches[1].block_tables))
   paged_ops.check_block_tables(tables, np.array([9, 1, 0, 17]), c.num_pages, 4)
   with pytest.raises(ValueError, match="cache.kind must be one of"):
-    cache_factories.cache_factory_from_config(model, {"kind": "ring"})
+    cache_factories.cache_factory_from_config(model, {"kind": "lru"})
   mla = _tiny_model(layers=({}, {"kind": "mla"}))
   with pytest.raises(ValueError, match="layer 1 is MultiHeadLatentAttention"):
     cache_factories.init_paged_caches(mla, [4], page_size=4)
