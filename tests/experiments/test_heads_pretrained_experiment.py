@@ -18,9 +18,13 @@ def test_configs_and_sweeps():
   assert smoke.train.steps < hp_config.get_config("reduced").train.steps < full.train.steps
   assert full.passkey.context_len == 2048
   sweep = hp_config.get_sweep()
-  assert [s.get("convert.num_kv_heads") for s in sweep[:4]] == [9, 3, 1, 1]
+  regroup = sorted((s["convert.num_kv_heads"], s["convert.method"]) for s in sweep
+                   if "convert.kind" not in s)
+  assert regroup == [(1, "first"), (1, "mean"), (3, "mean"), (9, "mean")]
+  assert sweep[0] == {"convert.num_kv_heads": 3, "convert.method": "mean"}  # as released first
   # MLA cache sizes per token and layer (C + R) bracket K = 1 (128) and reach K = 3 (384).
-  sizes = [s["convert.kv_lora_rank"] + full.convert.qk_rope_head_dim for s in sweep[4:]]
+  sizes = sorted(s["convert.kv_lora_rank"] + full.convert.qk_rope_head_dim for s in sweep
+                 if s.get("convert.kind") == "mla")
   assert sizes[0] < 2 * 1 * 64 < sizes[1] < 2 * 3 * 64 == sizes[2]
   with pytest.raises(ValueError, match="config argument must be one of"):
     hp_config.get_config("huge")
