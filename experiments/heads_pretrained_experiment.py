@@ -230,8 +230,12 @@ class HeadsPretrainedFamily:
   # -- measurement ----------------------------------------------------------------------------
 
   def _evaluate(self, model, d) -> dict[str, float]:
+    """Loss and perplexity on the first `data.eval_rows` validation rows. The trainer splits
+    the model as `uptrain` does, so the converted model, uptrain's own final evaluation and
+    the uptrained model share one compiled eval step (no train step runs: nothing donated)."""
     rows = self.dataset(d).validation_rows[:d["data"]["eval_rows"]]
-    trainer = train_lib.Trainer(nnx.clone(model), d["train"], pad_id=-1)
+    trainable = train_lib.ATTENTION_PARAMS if d["uptrain"]["attention_only"] else nnx.Param
+    trainer = train_lib.Trainer(model, d["train"], trainable=trainable, pad_id=-1)
     return trainer.evaluate_tokens(train_lib.token_eval_batches(rows, d["train"]["batch_size"]))
 
   def _decode_speed(self, model, d) -> dict[str, float]:
