@@ -270,7 +270,9 @@ class HeadsPretrainedFamily:
     record.update(self._decode_speed(model, d))
     ckpt = os.path.join(self.workdir, "uptrain", point.id)
     cpu_train = time.process_time()
-    result = train_lib.uptrain(nnx.clone(model), self.dataset(d), d["train"],
+    # The converted model is not used after this: uptrain takes it over (no copy of 135M
+    # params on a memory-tight shared machine).
+    result = train_lib.uptrain(model, self.dataset(d), d["train"],
                                attention_only=d["uptrain"]["attention_only"],
                                checkpoint_dir=ckpt)
     cpu_train = time.process_time() - cpu_train
