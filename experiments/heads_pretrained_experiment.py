@@ -301,21 +301,32 @@ def _fmt(x: Any, spec: str = ".2f") -> str:
   return format(x, spec)
 
 
+def _seconds(x: float | None) -> str:
+  return "-" if x is None else f"{x:.0f}"
+
+
 def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: str) -> str:
   """Writes report.md and quality_vs_cache.png atomically; returns the markdown."""
   records = sorted(records, key=lambda r: r["cache_bytes_per_token"])
-  rows = [[r["label"], r["cache_bytes_per_token"],
+  rows = [[r["label"], r["cache_bytes_per_token"], r["cache_bytes_per_token_analytic"],
            f"{r['cache_bytes_per_token'] / r['source_cache_bytes_per_token']:.3f}",
            _fmt(r["perplexity_converted"]), _fmt(r["perplexity_uptrained"]),
+           f"{r['perplexity_uptrained'] / r['perplexity_converted']:.3f}",
            _fmt(r["passkey_converted"]), _fmt(r["passkey_uptrained"]),
-           f"{r['decode_tokens_per_s']:.1f}"] for r in records]
+           f"{r['decode_tokens_per_s']:.1f}", _seconds(r.get("point_cpu_seconds")),
+           _seconds(r.get("point_wall_seconds"))] for r in records]
   table = report_lib.markdown_table(
-      ["point", "cache B/token", "vs source", "ppl converted", "ppl uptrained",
-       "passkey converted", "passkey uptrained", "decode tok/s"], rows)
+      ["point", "cache B/token", "analytic", "vs source", "ppl converted", "ppl uptrained",
+       "uptrained / converted", "passkey converted", "passkey uptrained", "decode tok/s",
+       "CPU s", "wall s"], rows)
   lines = [f"# {title}", ""]
   if records:
     r0 = records[0]
     d = r0["config"]
+    cpu = sum(r.get("point_cpu_seconds", 0.0) for r in records)
+    wall = sum(r.get("point_wall_seconds", 0.0) for r in records)
+    loads = [r["load_avg_1min"] for r in records if "load_avg_1min" in r]
+    load = f", 1-min load {min(loads):.1f}-{max(loads):.1f}" if loads else ""
     lines += [
         f"Source: {r0['source']} ({r0['source_cache_bytes_per_token']} cache bytes/token). "
         f"Perplexity on {int(r0['eval_tokens'])} held-out tokens of the default corpus "
@@ -324,8 +335,11 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
         f"{d['data']['seq_len']} tokens, lr {d['train']['learning_rate']}, "
         f"{'attention parameters only' if d['uptrain']['attention_only'] else 'all parameters'}"
         f". Passkey: {d['passkey']['samples']} prompts of ~{d['passkey']['context_len']} tokens. "
-        f"Cache bytes measured from the arrays (equal to the analytic figure). Machine: "
-        f"{r0['environment']['device_kind']} ({r0['environment']['cpu_count']} CPUs).", ""]
+        f"Cache bytes measured from the arrays of a cache (`analytic`: "
+        f"`Transformer.cache_bytes_per_token`). Machine: {r0['environment']['device_kind']} "
+        f"({r0['environment']['cpu_count']} CPUs). {len(records)} points: {cpu:.0f} process "
+        f"CPU-seconds, {wall:.0f} s wall{load} (wall time grows with the machine's load, CPU "
+        f"time much less).", ""]
   lines += [table, "", "![quality vs cache](quality_vs_cache.png)", ""]
   markdown = "\n".join(lines)
   results.atomic_write_text(os.path.join(workdir, "report.md"), markdown)
