@@ -26,7 +26,7 @@ tiny random llama with the byte tokenizer, seconds).
 Budget (measured on SmolLM2-135M, 2 cores, CPU-seconds per point): conversion ~3, perplexity
 on 32 x 128 held-out tokens ~18 (x2), 4 passkey prompts of 2k tokens in one batch ~50 (x2),
 decode speed ~20, train-step compile ~30, one attention-only step of 4 x 128 tokens ~5 (the
-backward pass still runs through every layer below the first attention). Shorter rows buy
+backward pass still runs through every layer down to the first attention). Shorter rows buy
 more optimiser steps for the same tokens. The GQA paper uptrains with ~5% of the pretraining
 compute (SmolLM2: ~2T tokens, so ~100B) and MHA2MLA with 0.3-0.6% of the pretraining data;
 40,960 tokens is ~2e-8 of SmolLM2's pretraining, six orders of magnitude below either: the
