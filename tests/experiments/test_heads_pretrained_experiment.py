@@ -68,7 +68,8 @@ def test_passkey_prompts_hold_the_key_once_and_ask_for_it():
 def _record(label, kind, nbytes, before, after):
   return {"label": label, "convert_kind": kind, "source": "toy", "cache_bytes_per_token": nbytes,
           "cache_bytes_per_token_analytic": nbytes, "source_cache_bytes_per_token": 384,
-          "point_cpu_seconds": 12.4, "point_wall_seconds": 30.0, "load_avg_1min": 2.0, "perplexity_converted": before,
+          "point_cpu_seconds": 12.4, "point_wall_seconds": 30.0, "load_avg_1min": 2.0,
+          "perplexity_converted": before,
           "perplexity_uptrained": after, "passkey_converted": 0.5, "passkey_uptrained": 1.0,
           "decode_tokens_per_s": 100.0, "eval_tokens": 1024,
           "environment": {"device_kind": "cpu", "cpu_count": 2},
