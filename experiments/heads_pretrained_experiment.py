@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from typing import Any, Mapping, Sequence
 
 import jax.numpy as jnp
@@ -120,14 +121,19 @@ def passkey_prompts(tokenizer: Any, context_len: int, samples: int, seed: int
 
 
 def passkey_accuracy(model: Any, tokenizer: Any, passkey: Mapping[str, Any]) -> float:
-  """Fraction of passkey prompts whose greedy continuation (8 tokens) contains the key."""
+  """Fraction of passkey prompts whose greedy continuation (8 tokens) contains the key.
+
+  The prompts run one at a time (a batch of B 2k-token prefills would hold B x N x T^2
+  attention scores at once, ~0.6 GB per layer at B = 4 on SmolLM2), each right-padded to the
+  longest with its own length, so a model compiles one prefill and one decode program.
+  """
   from kvattn.generate import generate  # pylint: disable=g-import-not-at-top
   prompts, lengths, keys = passkey_prompts(tokenizer, passkey["context_len"], passkey["samples"],
                                            passkey["seed"])
   hits = 0
-  for b in range(len(keys)):  # one prompt at a time: the 2k-token prefill dominates anyway
-    tokens, n = generate(model, prompts[b:b + 1, :lengths[b]], lengths[b:b + 1], 8)
-    hits += keys[b] in tokenizer.decode(np.asarray(tokens[0, :int(n[0])]).tolist())
+  for b, key in enumerate(keys):
+    tokens, n = generate(model, prompts[b:b + 1], lengths[b:b + 1], 8)
+    hits += key in tokenizer.decode(np.asarray(tokens[0, :int(n[0])]).tolist())
   return hits / len(keys)
 
 
@@ -226,8 +232,12 @@ class HeadsPretrainedFamily:
   # -- measurement ----------------------------------------------------------------------------
 
   def _evaluate(self, model, d) -> dict[str, float]:
+    """Loss and perplexity on the first `data.eval_rows` validation rows. The trainer splits
+    the model as `uptrain` does, so the converted model, uptrain's own final evaluation and
+    the uptrained model share one compiled eval step (no train step runs: nothing donated)."""
     rows = self.dataset(d).validation_rows[:d["data"]["eval_rows"]]
-    trainer = train_lib.Trainer(nnx.clone(model), d["train"], pad_id=-1)
+    trainable = train_lib.ATTENTION_PARAMS if d["uptrain"]["attention_only"] else nnx.Param
+    trainer = train_lib.Trainer(model, d["train"], trainable=trainable, pad_id=-1)
     return trainer.evaluate_tokens(train_lib.token_eval_batches(rows, d["train"]["batch_size"]))
 
   def _decode_speed(self, model, d) -> dict[str, float]:
@@ -244,6 +254,7 @@ class HeadsPretrainedFamily:
 
   def measure(self, point: runner.Point) -> dict[str, Any]:
     d = point.config
+    cpu_start, wall_start = time.process_time(), time.perf_counter()
     source, tok = self.source(d)
     model = convert_model(source, d["convert"])
     analytic = model.cache_bytes_per_token()
@@ -258,16 +269,23 @@ class HeadsPretrainedFamily:
                   passkey_converted=passkey_accuracy(model, tok, d["passkey"]))
     record.update(self._decode_speed(model, d))
     ckpt = os.path.join(self.workdir, "uptrain", point.id)
-    result = train_lib.uptrain(nnx.clone(model), self.dataset(d), d["train"],
+    cpu_train = time.process_time()
+    # The converted model is not used after this: uptrain takes it over (no copy of 135M
+    # params on a memory-tight shared machine).
+    result = train_lib.uptrain(model, self.dataset(d), d["train"],
                                attention_only=d["uptrain"]["attention_only"],
                                checkpoint_dir=ckpt)
+    cpu_train = time.process_time() - cpu_train
     after = self._evaluate(result.model, d)
     record.update(perplexity_uptrained=after["perplexity"], loss_uptrained=after["loss"],
                   uptrain_steps=result.metrics["steps"],
                   uptrain_seconds=result.metrics["train_seconds"],
+                  uptrain_cpu_seconds=cpu_train, uptrain_train_loss=result.metrics["train_loss"],
                   uptrain_tokens=result.metrics["steps"] * d["train"]["batch_size"]
                   * d["data"]["seq_len"],
                   passkey_uptrained=passkey_accuracy(result.model, tok, d["passkey"]))
+    record.update(point_cpu_seconds=time.process_time() - cpu_start,
+                  point_wall_seconds=time.perf_counter() - wall_start)
     return record
 
   # -- report ---------------------------------------------------------------------------------
@@ -283,21 +301,32 @@ def _fmt(x: Any, spec: str = ".2f") -> str:
   return format(x, spec)
 
 
+def _seconds(x: float | None) -> str:
+  return "-" if x is None else f"{x:.0f}"
+
+
 def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: str) -> str:
   """Writes report.md and quality_vs_cache.png atomically; returns the markdown."""
   records = sorted(records, key=lambda r: r["cache_bytes_per_token"])
-  rows = [[r["label"], r["cache_bytes_per_token"],
+  rows = [[r["label"], r["cache_bytes_per_token"], r["cache_bytes_per_token_analytic"],
            f"{r['cache_bytes_per_token'] / r['source_cache_bytes_per_token']:.3f}",
            _fmt(r["perplexity_converted"]), _fmt(r["perplexity_uptrained"]),
+           f"{r['perplexity_uptrained'] / r['perplexity_converted']:.3f}",
            _fmt(r["passkey_converted"]), _fmt(r["passkey_uptrained"]),
-           f"{r['decode_tokens_per_s']:.1f}"] for r in records]
+           f"{r['decode_tokens_per_s']:.1f}", _seconds(r.get("point_cpu_seconds")),
+           _seconds(r.get("point_wall_seconds"))] for r in records]
   table = report_lib.markdown_table(
-      ["point", "cache B/token", "vs source", "ppl converted", "ppl uptrained",
-       "passkey converted", "passkey uptrained", "decode tok/s"], rows)
+      ["point", "cache B/token", "analytic", "vs source", "ppl converted", "ppl uptrained",
+       "uptrained / converted", "passkey converted", "passkey uptrained", "decode tok/s",
+       "CPU s", "wall s"], rows)
   lines = [f"# {title}", ""]
   if records:
     r0 = records[0]
     d = r0["config"]
+    cpu = sum(r.get("point_cpu_seconds", 0.0) for r in records)
+    wall = sum(r.get("point_wall_seconds", 0.0) for r in records)
+    loads = [r["load_avg_1min"] for r in records if "load_avg_1min" in r]
+    load = f", 1-min load {min(loads):.1f}-{max(loads):.1f}" if loads else ""
     lines += [
         f"Source: {r0['source']} ({r0['source_cache_bytes_per_token']} cache bytes/token). "
         f"Perplexity on {int(r0['eval_tokens'])} held-out tokens of the default corpus "
@@ -306,8 +335,11 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
         f"{d['data']['seq_len']} tokens, lr {d['train']['learning_rate']}, "
         f"{'attention parameters only' if d['uptrain']['attention_only'] else 'all parameters'}"
         f". Passkey: {d['passkey']['samples']} prompts of ~{d['passkey']['context_len']} tokens. "
-        f"Cache bytes measured from the arrays (equal to the analytic figure). Machine: "
-        f"{r0['environment']['device_kind']} ({r0['environment']['cpu_count']} CPUs).", ""]
+        f"Cache bytes measured from the arrays of a cache (`analytic`: "
+        f"`Transformer.cache_bytes_per_token`). Machine: {r0['environment']['device_kind']} "
+        f"({r0['environment']['cpu_count']} CPUs). {len(records)} points: {cpu:.0f} process "
+        f"CPU-seconds, {wall:.0f} s wall{load} (wall time grows with the machine's load, CPU "
+        f"time much less).", ""]
   lines += [table, "", "![quality vs cache](quality_vs_cache.png)", ""]
   markdown = "\n".join(lines)
   results.atomic_write_text(os.path.join(workdir, "report.md"), markdown)

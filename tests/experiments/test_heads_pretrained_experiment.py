@@ -18,9 +18,13 @@ def test_configs_and_sweeps():
   assert smoke.train.steps < hp_config.get_config("reduced").train.steps < full.train.steps
   assert full.passkey.context_len == 2048
   sweep = hp_config.get_sweep()
-  assert [s.get("convert.num_kv_heads") for s in sweep[:4]] == [9, 3, 1, 1]
+  regroup = sorted((s["convert.num_kv_heads"], s["convert.method"]) for s in sweep
+                   if "convert.kind" not in s)
+  assert regroup == [(1, "first"), (1, "mean"), (3, "mean"), (9, "mean")]
+  assert sweep[0] == {"convert.num_kv_heads": 3, "convert.method": "mean"}  # as released first
   # MLA cache sizes per token and layer (C + R) bracket K = 1 (128) and reach K = 3 (384).
-  sizes = [s["convert.kv_lora_rank"] + full.convert.qk_rope_head_dim for s in sweep[4:]]
+  sizes = sorted(s["convert.kv_lora_rank"] + full.convert.qk_rope_head_dim for s in sweep
+                 if s.get("convert.kind") == "mla")
   assert sizes[0] < 2 * 1 * 64 < sizes[1] < 2 * 3 * 64 == sizes[2]
   with pytest.raises(ValueError, match="config argument must be one of"):
     hp_config.get_config("huge")
@@ -63,7 +67,9 @@ def test_passkey_prompts_hold_the_key_once_and_ask_for_it():
 
 def _record(label, kind, nbytes, before, after):
   return {"label": label, "convert_kind": kind, "source": "toy", "cache_bytes_per_token": nbytes,
-          "source_cache_bytes_per_token": 384, "perplexity_converted": before,
+          "cache_bytes_per_token_analytic": nbytes, "source_cache_bytes_per_token": 384,
+          "point_cpu_seconds": 12.4, "point_wall_seconds": 30.0, "load_avg_1min": 2.0,
+          "perplexity_converted": before,
           "perplexity_uptrained": after, "passkey_converted": 0.5, "passkey_uptrained": 1.0,
           "decode_tokens_per_s": 100.0, "eval_tokens": 1024,
           "environment": {"device_kind": "cpu", "cpu_count": 2},
@@ -74,7 +80,9 @@ def test_report_table_and_plot(tmp_path):
   records = [_record("K3", "regroup", 384, 10.0, 9.0), _record("MLA-C10-R6", "mla", 128, 30.0,
                                                                  12.5)]
   md = hp.write_report(str(tmp_path), records, title="t")
-  assert "| MLA-C10-R6 | 128 | 0.333 | 30.00 | 12.50 | 0.50 | 1.00 | 100.0 |" in md
+  assert ("| MLA-C10-R6 | 128 | 128 | 0.333 | 30.00 | 12.50 | 0.417 | 0.50 | 1.00 | 100.0 | 12 "
+          "| 30 |") in md
+  assert "2 points: 25 process CPU-seconds, 60 s wall, 1-min load 2.0-2.0" in md
   assert md.index("MLA-C10-R6") < md.index("| K3 ")  # sorted by cache bytes
   assert (tmp_path / "quality_vs_cache.png").stat().st_size > 1000
 

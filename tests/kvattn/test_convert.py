@@ -38,8 +38,15 @@ def _tokens(batch=2, length=12, seed=1):
   return jax.random.randint(jax.random.key(seed), (batch, length), 0, V)
 
 
+@nnx.jit
+def _forward(model, tokens, caches=None):
+  """`model(tokens, caches=caches)` compiled once per shape (eager dispatch of every op of a
+  converted model costs more than compiling it)."""
+  return model(tokens, caches=caches)
+
+
 def _logits(model, tokens):
-  return np.asarray(model(tokens)[0])
+  return np.asarray(_forward(model, tokens)[0])
 
 
 def _max_err(a, b):
@@ -184,10 +191,10 @@ def test_mla_conversion_sizes_and_cache_bytes():
 
 def _decode_logits(model, tokens, caches, prompt_len):
   """Logits of tokens[:, prompt_len - 1:] via prefill of prompt_len tokens + one-token steps."""
-  logits, caches = model(tokens[:, :prompt_len], caches=caches)
+  logits, caches = _forward(model, tokens[:, :prompt_len], caches)
   out = [logits[:, -1]]
   for t in range(prompt_len, tokens.shape[1]):
-    logits, caches = model(tokens[:, t:t + 1], caches=caches)
+    logits, caches = _forward(model, tokens[:, t:t + 1], caches)
     out.append(logits[:, 0])
   return np.stack([np.asarray(o) for o in out], 1), caches
 
@@ -229,14 +236,30 @@ def test_converted_models_generate_their_greedy_tokens(kind):
   model = _converted(kind)
   prompts = _tokens(batch=2, length=5)
   tokens, _ = kvattn.generate(model, prompts, jnp.array([5, 5]), 4)
-  seq = prompts
-  for _ in range(4):  # greedy by full forward passes
-    seq = jnp.concatenate([seq, jnp.argmax(model(seq)[0][:, -1], -1)[:, None]], 1)
+  seq = jnp.concatenate([prompts, jnp.zeros((2, 4), prompts.dtype)], 1)
+  for t in range(5, 9):  # greedy by full causal forward passes (positions > t do not matter)
+    seq = seq.at[:, t].set(jnp.argmax(_forward(model, seq)[0][:, t - 1], -1))
   np.testing.assert_array_equal(np.asarray(tokens), np.asarray(seq[:, 5:]))
   if kind != "mla":
     factory = cache_factories.paged_cache_factory(model, page_size=4)
     paged, _ = kvattn.generate(model, prompts, jnp.array([5, 5]), 4, cache_factory=factory)
     np.testing.assert_array_equal(np.asarray(paged), np.asarray(tokens))
+
+
+def test_regrouped_models_decode_through_the_long_context_kinds():
+  """The bounded kinds of kvattn.long_context (ring, sink, an eviction policy) with room for
+  every token give the dense cache's greedy tokens on a regrouped model; an MLA model (latent
+  cache, no K-head keys) is refused with a ValueError naming its layer."""
+  model = _converted("K1-mean")
+  prompts, lengths = _tokens(batch=2, length=5), jnp.array([5, 3])
+  dense, _ = kvattn.generate(model, prompts, lengths, 4)
+  for policy in ({"kind": "window", "window": 9}, {"kind": "sink", "num_sinks": 2, "window": 7},
+                 {"kind": "h2o", "budget": 9}):
+    factory = cache_factories.policy_cache_factory(model, policy)
+    got, _ = kvattn.generate(model, prompts, lengths, 4, cache_factory=factory)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(dense), err_msg=str(policy))
+  with pytest.raises(ValueError, match="layer 0 is MultiHeadLatentAttention"):
+    cache_factories.policy_cache_factory(_converted("mla"), {"kind": "window", "window": 9})
 
 
 # ----------------------------------------------------------------------------------------------
