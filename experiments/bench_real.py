@@ -80,23 +80,29 @@ from kvattn import transformer as transformer_lib
 from kvattn.generate import decode, prefill
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "smollm2-135m-instruct",
-                    "Registered name (kvattn.hub) or .gguf file.")
-flags.DEFINE_integer("batch", 1, "Sequences B.")
-flags.DEFINE_integer("prompt_len", 512, "Prompt tokens per sequence P.")
-flags.DEFINE_integer("new_tokens", 64, "Tokens generated per sequence N (N - 1 decode steps).")
-flags.DEFINE_string("cache_dtype", None,
-                    "KV-cache dtype: float32, bfloat16, int8, float8_e4m3fn (default float32).")
-flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"],
-                  "Weight storage dtype (compute is f32).")
-flags.DEFINE_bool("peers", False, "Also run HF transformers and llama.cpp (subprocesses).")
-flags.DEFINE_string("peer_python", sys.executable, "Python interpreter that runs the peers.")
-flags.DEFINE_integer("threads", 2, "Threads of the peers.")
-flags.DEFINE_bool("random_weights", False,
-                  "Random weights of the model's architecture (no checkpoint needed).")
-flags.DEFINE_integer("repeats", 3, "Timed rounds (after one untimed round).")
-flags.DEFINE_integer("bandwidth_mib", 512, "Size of the bandwidth probe array in MiB.")
-flags.DEFINE_integer("quality_tokens", 0, "Held-out tokens for the perplexity (0: skip).")
+
+
+def _define_flags() -> None:
+  """Defines the command-line flags (at run time, not import, so tests and notebooks can
+  import this module beside other entry points that define `--model`)."""
+  flags.DEFINE_string("model", "smollm2-135m-instruct",
+                      "Registered name (kvattn.hub) or .gguf file.")
+  flags.DEFINE_integer("batch", 1, "Sequences B.")
+  flags.DEFINE_integer("prompt_len", 512, "Prompt tokens per sequence P.")
+  flags.DEFINE_integer("new_tokens", 64, "Tokens generated per sequence N (N - 1 decode steps).")
+  flags.DEFINE_string("cache_dtype", None,
+                      "KV-cache dtype: float32, bfloat16, int8, float8_e4m3fn (default float32).")
+  flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"],
+                    "Weight storage dtype (compute is f32).")
+  flags.DEFINE_bool("peers", False, "Also run HF transformers and llama.cpp (subprocesses).")
+  flags.DEFINE_string("peer_python", sys.executable, "Python interpreter that runs the peers.")
+  flags.DEFINE_integer("threads", 2, "Threads of the peers.")
+  flags.DEFINE_bool("random_weights", False,
+                    "Random weights of the model's architecture (no checkpoint needed).")
+  flags.DEFINE_integer("repeats", 3, "Timed rounds (after one untimed round).")
+  flags.DEFINE_integer("bandwidth_mib", 512, "Size of the bandwidth probe array in MiB.")
+  flags.DEFINE_integer("quality_tokens", 0, "Held-out tokens for the perplexity (0: skip).")
+
 
 # HF-style configs of the registered models, for --random_weights (the values the GGUF holds).
 RANDOM_CONFIGS = {
@@ -406,4 +412,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+  _define_flags()
   cli.run(main)

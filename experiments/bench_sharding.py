@@ -28,7 +28,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-import argparse
 import functools
 import json
 import math
@@ -38,9 +37,9 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
+from experiments import cli
 from kvattn import cache as cache_lib
 from kvattn import paged as paged_lib
 from kvattn import sharding
@@ -161,13 +160,14 @@ def measure(mesh_shape, kind: str, context: int, steps: int, repeats: int) -> di
       platform=jax.devices()[0].platform)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+def main(argv=None):
+  """Prints one JSON line per (cache kind, mesh) (module doc); `argv` without the program."""
+  parser = cli.ArgumentParser(description=__doc__.split("\n", 1)[0])
   parser.add_argument("--smoke", action="store_true", help="context 384, three meshes")
   parser.add_argument("--context", type=int, default=None, help="tokens per sequence")
   parser.add_argument("--steps", type=int, default=4, help="greedy decode steps compared")
   parser.add_argument("--repeats", type=int, default=3, help="timed decode steps")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   n = jax.device_count()
   if args.smoke:
     meshes = [(1, 1, 1), (2, 2, 2), (1, 1, 8)]
@@ -183,4 +183,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  cli.run_plain(main)

@@ -61,6 +61,7 @@ from experiments import variants_experiment
 from kvattn import data as data_lib
 from kvattn import memory
 from kvattn import train as train_lib
+from kvattn import transformer as transformer_lib
 from kvattn.generate import generate
 from kvattn.ops import quant
 
@@ -182,6 +183,26 @@ class QuantFamily(variants_experiment.VariantsFamily):
     return out
 
   # -- measurement ----------------------------------------------------------------------------
+
+  def preflight(self, point: runner.Point) -> None:
+    """The variants family's check (batch `cache.batch`, capacity S), then the same abstract
+    decode step at the shape of the greedy-agreement caches (`generate`'s capacity
+    `agreement_prompt_len + agreement_tokens - 1`, batch `agreement_prompts`), so a backend
+    that cannot run either shape fails before any training."""
+    super().preflight(point)
+    d = point.config
+    q = d["quality"]
+    spec = transformer_lib.resolve_config(d["model"])
+    batch = q["agreement_prompts"]
+    capacity = q["agreement_prompt_len"] + q["agreement_tokens"] - 1
+    implementation = d["model"]["attention"]["decode_implementation"]
+    for dtype in {jnp.dtype(d["cache"]["dtype"] or d["model"]["dtype"]), jnp.dtype(BASELINE_DTYPE)}:
+      key = ("agreement", repr(spec), batch, capacity, str(dtype))
+      if key not in self._preflighted:
+        runner.check_decode_step(
+            spec, lambda model, dtype=dtype: model.init_caches(batch, capacity, dtype), batch,
+            implementation=implementation, where=point.label)
+        self._preflighted.add(key)
 
   def _rows(self, d: Mapping[str, Any]) -> np.ndarray:
     return self._dataset(d, "quality").validation_rows[:d["quality"]["rows"]]
