@@ -101,12 +101,16 @@ class Family(Protocol):
   """An experiment family (see the module doc)."""
 
   def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[Point]:
+    """The validated points of `config` with each `sweep` entry's overrides applied; raises
+    ValueError naming the key before any work when a point is invalid."""
     ...
 
   def measure(self, point: Point) -> dict[str, Any]:
+    """Runs one point; its record (JSON-serialisable), appended to results.jsonl by the runner."""
     ...
 
   def report(self, records: Sequence[Mapping[str, Any]]) -> str:
+    """Writes report.md (and its plots) into the workdir from every record; returns the markdown."""
     ...
 
 

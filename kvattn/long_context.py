@@ -590,6 +590,7 @@ class EvictingKVCache(_Common):
     return self.capacity
 
   def option(self, name: str) -> int:
+    """The policy option `name` (e.g. `recent_size`) this cache was built with."""
     return dict(self.options)[name]
 
   def slot_positions(self) -> jax.Array:

@@ -283,6 +283,7 @@ class CacheLayout:
   pages: tuple[str, ...] = ()
 
   def sharding(self, *spec) -> NamedSharding:
+    """`NamedSharding` of this layout's mesh for the mesh axes `spec` (one per array axis)."""
     return NamedSharding(self.mesh, P(*spec))
 
   def shard_index(self, axes: tuple[str, ...]) -> jax.Array:
@@ -293,6 +294,7 @@ class CacheLayout:
     return index
 
   def smap(self, f, in_specs, out_specs):
+    """`jax.shard_map` of `f` over this layout's mesh (per-device code of the cache ops)."""
     return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
 
