@@ -459,7 +459,8 @@ class ShardedKVCache(cache_lib.KVCache):
     lay = self.layout
     slot_len = self.max_len // axis_size(lay.mesh, lay.seq)
     arrays = {"k": self.k, "v": self.v, **self.scale_kwargs()}
-    specs = {n: _spec(lay.batch, lay.kv_heads, lay.seq, None, ndim=a.ndim) for n, a in arrays.items()}
+    specs = {n: _spec(lay.batch, lay.kv_heads, lay.seq, None, ndim=a.ndim)
+             for n, a in arrays.items()}
     q_spec = _spec(lay.batch, None, lay.q_heads, None)
 
     def local(q, arrays, lengths, q_offsets):
