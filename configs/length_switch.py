@@ -68,6 +68,10 @@ def get_config(arg=None):
   # Decode speed after the perplexity text (batch 1).
   config.decode = config_dict.ConfigDict()
   config.decode.steps = 4 if smoke else 8 if reduced else 32  # Timed decode steps.
+  # A switch point also times its switched cache, the unswitched one and an MHA cache (the
+  # model's KV heads duplicated to N) in this many interleaved rounds of `steps` steps each:
+  # the speed ratios of the report, measured under one load.
+  config.decode.repeats = 2 if smoke else 3
 
   config.experiment = config_dict.ConfigDict()
   config.experiment.kind = "length_switch"

@@ -23,6 +23,12 @@ Measured per point, at batch 1:
     (the pooled segment after the switch) and the parameter bytes it reads,
     from which the report derives the best speedup a memory-bound step can
     get;
+  * for a switch point, the decode step of its switched cache, of the
+    unswitched cache and of an MHA cache (the model's KV heads duplicated to N
+    by `kvattn.convert.regroup_kv_heads`: the same logits), each holding
+    `context` tokens, timed in `decode.repeats` interleaved rounds of
+    `decode.steps` steps (`decode_speed`): the speedups the report sets
+    against the claim, each measured under one load;
   * passkey retrieval at `context` tokens, one prompt per depth of
     `passkey.depths` (prompts of `experiments.long_context_experiment`),
     `passkey.new_tokens` greedy tokens; correct when the 5 digits appear.
@@ -53,9 +59,13 @@ from experiments import report as report_lib
 from experiments import results
 from experiments import runner
 from kvattn import cache_factories
+from kvattn import convert
 from kvattn import memory
 
 KINDS = ("dense", "length_switch")
+# Caches `decode_speed` times: MHA (the model's KV heads duplicated to N), the model's own
+# dense cache, the switch cache.
+SPEED_KINDS = ("mha", "dense", "length_switch")
 CLAIM = ("the source's \"hybrid attention\" (full KV heads for short sequences, one shared KV "
          "head past a length): 1.8x faster than MHA at 1024 tokens, 3.5x at 4096, with under "
          "1% accuracy loss (a cloud provider's test, as quoted)")
@@ -68,7 +78,7 @@ def schema() -> dict[str, tuple[str, ...]]:
       "cache": ("kind", "switch_length", "num_kv_heads_after"),
       "text": ("context", "chunk"),
       "passkey": ("depths", "new_tokens", "seed"),
-      "decode": ("steps",),
+      "decode": ("steps", "repeats"),
       "experiment": ("kind", "name", "max_points"),
   }
 
@@ -102,6 +112,7 @@ class LengthSwitchFamily:
     self._title = "kvattn: length-switch cache"
     self._config: dict[str, Any] | None = None
     self._model: tuple[str, Any, Any] | None = None
+    self._mha: tuple[str, Any] | None = None
 
   def _check(self, d: Mapping[str, Any], where: str) -> None:
     cache = d["cache"]
@@ -120,6 +131,7 @@ class LengthSwitchFamily:
         raise ValueError(f"{where}: passkey.depths must be numbers in [0, 1]; got {depth!r}")
     runner.check_int(f"{where}: passkey.new_tokens", d["passkey"]["new_tokens"])
     runner.check_int(f"{where}: decode.steps", d["decode"]["steps"])
+    runner.check_int(f"{where}: decode.repeats", d["decode"]["repeats"])
 
   def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
     """One point per sweep entry; all validated before any work (ValueError naming the key)."""
@@ -152,6 +164,14 @@ class LengthSwitchFamily:
       m, tok = lce.load_model(point.config["model"]["name"], point.config["model"]["dtype"])
       self._model = (point.group, m, tok)
     return self._model[1], self._model[2]
+
+  def mha_model(self, point: runner.Point):
+    """The point's model with its KV heads duplicated to N (`convert.regroup_kv_heads`: the
+    same logits, an MHA cache), built once per model."""
+    if self._mha is None or self._mha[0] != point.group:
+      model, _ = self.model(point)
+      self._mha = (point.group, convert.regroup_kv_heads(model, model.layers[0].attn.num_heads))
+    return self._mha[1]
 
   def _caches(self, model, point: runner.Point, max_len: int, dtype):
     cache = point.config["cache"]
@@ -214,7 +234,24 @@ class LengthSwitchFamily:
         out.append(int(jnp.argmax(logits[0, -1])))
       correct.append(int(str(key) in tokenizer.decode(out)))
     params = memory.tree_bytes(nnx.state(model, nnx.Param))
+
+    # The switch against the unswitched and the MHA cache, timed in interleaved rounds (one
+    # run, one load): the ratios the report compares with the claim.
+    interleaved = {}
+    if point.params["switch_length"] is not None:
+      rows = decode_speed(model, [context], switch_length=point.params["switch_length"],
+                          num_kv_heads_after=point.params["num_kv_heads_after"], steps=steps,
+                          repeats=d["decode"]["repeats"], mha_model=self.mha_model(point))
+      by = {r["cache"]: r for r in rows}
+      switch_wall = by["length_switch"]["wall_s_per_step"]
+      interleaved = {
+          "interleaved_wall_s_per_step": {k: r["wall_s_per_step"] for k, r in by.items()},
+          "interleaved_cpu_s_per_step": {k: r["cpu_s_per_step"] for k, r in by.items()},
+          "speedup_vs_dense": by["dense"]["wall_s_per_step"] / switch_wall,
+          "speedup_vs_mha": by["mha"]["wall_s_per_step"] / switch_wall,
+      }
     return {
+        **interleaved,
         "ppl": float(math.exp(nll.mean())),
         "num_tokens": context,
         "chunk": chunk,
@@ -288,21 +325,30 @@ def _ratios(records):
   return [(r, dense.get(r["context"])) for r in records]
 
 
+def _speedups(r, base):
+  """(vs the unswitched cache, vs MHA): a switch point's interleaved wall-clock ratios, or
+  (its tokens/s over the unswitched point's, None) for a record without them."""
+  if "speedup_vs_dense" in r:
+    return r["speedup_vs_dense"], r["speedup_vs_mha"]
+  return r["decode_tokens_per_s"] / base["decode_tokens_per_s"], None
+
+
 def claims(records: Sequence[Mapping[str, Any]]) -> list[str]:
   """The source's claim beside the measurements, and whether it holds."""
   lines = []
   for r, base in _ratios(records):
     if r["switch_length"] is None or base is None:
       continue
-    speed = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+    vs_dense, vs_mha = _speedups(r, base)
     loss = r["ppl"] / base["ppl"] - 1
     acc = r["passkey_accuracy"] - base["passkey_accuracy"]
-    limit = bound(r, base["cache_bytes_read_per_step"])
     lines.append(
-        f"- context {r['context']}, switch at {r['switch_length']}: decode {speed:.2f}x the "
-        f"unswitched GQA cache (memory-bound limit {limit:.2f}x; against an MHA cache of N heads the limit is "
-        f"{bound(r, r['mha_cache_bytes_read_per_step']):.2f}x); perplexity "
-        f"{100 * loss:+.1f}%; passkey accuracy {acc:+.2f}.")
+        f"- context {r['context']}, switch at {r['switch_length']}: decode {vs_dense:.2f}x the "
+        f"unswitched GQA cache (memory-bound limit "
+        f"{bound(r, base['cache_bytes_read_per_step']):.2f}x)"
+        + ("" if vs_mha is None else f", {vs_mha:.2f}x an MHA cache") +
+        f" (memory-bound limit {bound(r, r['mha_cache_bytes_read_per_step']):.2f}x); "
+        f"perplexity {100 * loss:+.1f}%; passkey accuracy {acc:+.2f}.")
   if not lines:
     return ["(no switched point with an unswitched point at its context: nothing to compare)"]
   by_ctx = {}
@@ -312,11 +358,12 @@ def claims(records: Sequence[Mapping[str, Any]]) -> list[str]:
   verdict = []
   for ctx, want in ((1024, 1.8), (4096, 3.5)):
     for r, base in by_ctx.get(ctx, []):
-      speed = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+      vs_dense, vs_mha = _speedups(r, base)
+      speed, against = (vs_dense, "the unswitched cache") if vs_mha is None else (vs_mha, "MHA")
       loss = r["ppl"] / base["ppl"] - 1
       verdict.append(
-          f"- claim {want}x at {ctx} (switch at {r['switch_length']}): measured {speed:.2f}x vs "
-          f"the unswitched cache, {100 * loss:+.1f}% perplexity: speed "
+          f"- claim {want}x vs MHA at {ctx} (switch at {r['switch_length']}): measured "
+          f"{speed:.2f}x vs {against}, {100 * loss:+.1f}% perplexity: speed "
           f"{'holds' if speed >= want else 'does not hold'}, < 1% loss "
           f"{'holds' if loss < 0.01 else 'does not hold'}.")
   why = []
@@ -346,7 +393,10 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
     rows.append([r["context"], r["switch_length"] or "never", f"{r['ppl']:.3f}", ratio("ppl"),
                  f"{r['passkey_accuracy']:.2f}", "-" if base is None else
                  f"{r['passkey_accuracy'] - base['passkey_accuracy']:+.2f}",
-                 f"{r['decode_tokens_per_s']:.2f}", ratio("decode_tokens_per_s"),
+                 f"{r['decode_tokens_per_s']:.2f}",
+                 *("-" if x is None else f"{x:.2f}" for x in (
+                     _speedups(r, base) if "speedup_vs_dense" in r or base is not None
+                     else (None, None))),
                  f"{r['decode_cpu_s_per_step'] * 1e3:.0f}",
                  f"{r['cache_bytes_per_seq'] / 2**20:.1f}", ratio("cache_bytes_per_seq"),
                  f"{r['cache_bytes_read_per_step'] / 2**20:.1f}",
@@ -354,13 +404,17 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
                  "-" if base is None else f"{bound(r, base['cache_bytes_read_per_step']):.2f}"])
   table = report_lib.markdown_table(
       ["context", "switch at", "ppl", "ppl ratio", "passkey acc", "acc diff", "decode tok/s",
-       "speed ratio", "CPU ms/step", "cache MiB/seq", "bytes ratio", "MiB read/step",
+       "speedup", "vs MHA", "CPU ms/step", "cache MiB/seq", "bytes ratio", "MiB read/step",
        "read ratio", "speed limit"], rows)
   params = records[0]["param_bytes"] if records else 0
   md = [f"# {title}", "",
         "Ratios are to the unswitched (dense, K heads) cache at the same context. Perplexity: "
         "the first `context` tokens of kvattn.data's corpus; passkey: one prompt per depth; "
-        "decode: batch 1 after that text. MiB read/step: the cache bytes a decode step reads "
+        "decode: batch 1 after that text (tokens/s of the point's own run). Speedup and vs MHA: "
+        "a switch point's switched cache against the unswitched one and against an MHA cache "
+        "(the model's KV heads duplicated to N), timed in interleaved rounds within the point "
+        "(medians of the rounds' wall seconds per step), so each ratio is of one load. "
+        "MiB read/step: the cache bytes a decode step reads "
         "(the pooled segment after the switch). Speed limit: the speedup a memory-bound step "
         f"could reach, (params + baseline cache read) / (params + cache read), params = "
         f"{params / 2**20:.0f} MiB read per step.", "", table, "",
@@ -387,48 +441,77 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
 
 
 def decode_speed(model, contexts: Sequence[int], *, switch_length: int = 256,
-                 num_kv_heads_after: int = 1, steps: int = 8,
-                 kinds: Sequence[str] = KINDS) -> list[dict[str, Any]]:
-  """Batch-1 decode steps of `model` with each cache of `kinds` ("dense", "length_switch"),
-  each holding `context` tokens (zeros: a step's cost does not depend on the values) so the
-  switch cache has switched: per context and cache, wall and CPU seconds per step
-  (`time.process_time`, all threads; the first step compiles, untimed)."""
-  graphdef, state = nnx.split(model)
-  step = _step_fn(graphdef)
+                 num_kv_heads_after: int = 1, steps: int = 8, repeats: int = 3,
+                 kinds: Sequence[str] = SPEED_KINDS, mha_model=None) -> list[dict[str, Any]]:
+  """Batch-1 decode steps of `model` with each cache of `kinds`, timed in interleaved rounds.
+
+  Kinds: "dense" (the model's own K-head cache), "length_switch" (switched at
+  `switch_length` to `num_kv_heads_after` pooled heads) and "mha" (a dense cache of
+  `mha_model`, by default `model` with its KV heads duplicated to N by
+  `kvattn.convert.regroup_kv_heads`: the same logits, an MHA cache). Each cache holds
+  `context` tokens (zeros: a step's cost does not depend on the values), so the switch cache
+  has switched when `switch_length < context`. Every kind compiles first (one untimed step);
+  then each of `repeats` rounds times `steps` steps of every kind in turn, so all kinds see
+  the same machine load and their ratios are measured in one run.
+
+  Returns one row per (context, kind): `num_kv_heads` (the KV heads a step reads),
+  `wall_s_per_step` and `cpu_s_per_step`
+  (`time.process_time`, all threads), each the median over the rounds, and `wall_rounds`
+  (seconds per step of every round).
+  """
+  runner.check_int("steps", steps)
+  runner.check_int("repeats", repeats)
+  bad = [k for k in kinds if k not in SPEED_KINDS]
+  if bad or not kinds:
+    raise ValueError(f"kinds must be a non-empty subset of {SPEED_KINDS}; got {tuple(kinds)!r}")
+  if "mha" in kinds and mha_model is None:
+    mha_model = convert.regroup_kv_heads(model, model.layers[0].attn.num_heads)
   tok, one = jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32)
   rows = []
   for context in contexts:
-    max_len = context + steps + 2
+    max_len = context + steps * repeats + 2
+    runs = {}
     for kind in kinds:
-      caches = (model.init_caches(1, max_len) if kind == "dense" else
-                cache_factories.length_switch_caches(
-                    model, 1, max_len, switch_length=switch_length,
-                    num_kv_heads_after=num_kv_heads_after))
+      m = mha_model if kind == "mha" else model
+      graphdef, state = nnx.split(m)
+      step = _step_fn(graphdef)
+      caches = (cache_factories.length_switch_caches(
+          m, 1, max_len, switch_length=switch_length, num_kv_heads_after=num_kv_heads_after)
+                if kind == "length_switch" else m.init_caches(1, max_len))
       caches = tuple(c.replace(lengths=jnp.full((1,), context, jnp.int32)) for c in caches)
-      logits, caches = step(state, caches, tok, one)
+      logits, caches = step(state, caches, tok, one)  # compiles; untimed
       jax.block_until_ready(logits)
-      wall, cpu = time.perf_counter(), time.process_time()
-      for _ in range(steps):
-        logits, caches = step(state, caches, tok, one)
-      jax.block_until_ready(logits)
-      rows.append({"context": context, "cache": kind, "num_kv_heads": caches[0].num_kv_heads,
-                   "steps": steps,
-                   "wall_s_per_step": (time.perf_counter() - wall) / steps,
-                   "cpu_s_per_step": (time.process_time() - cpu) / steps})
+      runs[kind] = [step, state, caches]
+    walls = {kind: [] for kind in kinds}
+    cpus = {kind: [] for kind in kinds}
+    for _ in range(repeats):
+      for kind in kinds:
+        step, state, caches = runs[kind]
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+          logits, caches = step(state, caches, tok, one)
+        jax.block_until_ready(logits)
+        walls[kind].append((time.perf_counter() - wall) / steps)
+        cpus[kind].append((time.process_time() - cpu) / steps)
+        runs[kind][2] = caches
+    for kind in kinds:
+      heads = runs[kind][2][0].num_kv_heads
+      if kind == "length_switch" and context > switch_length:
+        heads = num_kv_heads_after  # the heads a step reads once the row has switched
+      rows.append({"context": context, "cache": kind, "num_kv_heads": heads, "steps": steps,
+                   "repeats": repeats, "wall_s_per_step": float(np.median(walls[kind])),
+                   "cpu_s_per_step": float(np.median(cpus[kind])),
+                   "wall_rounds": walls[kind]})
+    del runs
   return rows
 
 
 if __name__ == "__main__":
-  # python -m experiments.length_switch_experiment [mha] [CONTEXT ...]: decode_speed on
-  # SmolLM2 (K = 3), or with "mha" the dense cache of SmolLM2 with its KV heads duplicated to
-  # N = 9 (kvattn.convert.regroup_kv_heads: the same logits, an MHA cache).
+  # python -m experiments.length_switch_experiment [CONTEXT ...]: decode_speed on SmolLM2
+  # (MHA = its KV heads duplicated to N = 9, as released K = 3, switched at 256 to 1), the
+  # three interleaved, one JSON line per context and cache.
+  import json  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  from kvattn import convert  # pylint: disable=g-import-not-at-top
-  args = sys.argv[1:]
-  mha = bool(args) and args[0] == "mha"
   smol, _ = lce.load_model("smollm2-135m-instruct", "float32")
-  if mha:
-    smol = convert.regroup_kv_heads(smol, smol.layers[0].attn.num_heads)
-  for row in decode_speed(smol, [int(c) for c in args[mha:]] or [1024, 4096],
-                          kinds=("dense",) if mha else KINDS):
-    print(row, flush=True)
+  for row in decode_speed(smol, [int(c) for c in sys.argv[1:]] or [1024, 4096]):
+    print(json.dumps(row), flush=True)

@@ -40,7 +40,7 @@ CASES = {
                             ["--config=configs/nofile.py", "--workdir={workdir}"],
                             r"error: --config=configs/nofile\.py: config file "
                             r"'configs/nofile\.py' does not exist"),
-    "bad_config_argument": ("experiments.main", [f"--config=configs/toy.py:tiny",
+    "bad_config_argument": ("experiments.main", ["--config=configs/toy.py:tiny",
                                                  "--workdir={workdir}"],
                             r"error: --config=configs/toy\.py:tiny: config argument must be "
                             r"one of .*; got 'tiny'$"),

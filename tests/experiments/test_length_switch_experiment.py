@@ -67,9 +67,16 @@ def test_tiny_run_measures_ratios_and_reports_the_claim(tmp_path, never):
   assert lse.bound(switched, dense["cache_bytes_read_per_step"]) > 1
   for r in result.records:
     assert r["decode_tokens_per_s"] > 0 and len(r["passkey_correct"]) == 1
+  # The switch point's interleaved timing: its own, the unswitched and the MHA cache's.
+  assert "speedup_vs_mha" not in dense
+  walls = switched["interleaved_wall_s_per_step"]
+  assert set(walls) == {"mha", "dense", "length_switch"}
+  assert switched["speedup_vs_mha"] == pytest.approx(walls["mha"] / walls["length_switch"])
+  assert switched["speedup_vs_dense"] == pytest.approx(walls["dense"] / walls["length_switch"])
   report = (tmp_path / "report.md").read_text()
   assert "## The source's claim" in report and "1.8x faster than MHA" in report
-  assert "context 256, switch at 16: decode" in report
+  assert "context 256, switch at 16: decode" in report and "x an MHA cache" in report
+  assert "| speedup | vs MHA |" in report
   assert (tmp_path / "speed.png").stat().st_size > 0
   lines = (tmp_path / "results.jsonl").read_text().splitlines()
   assert len(lines) == len(sweep) and json.loads(lines[0])["family"] == "length_switch"
@@ -77,6 +84,15 @@ def test_tiny_run_measures_ratios_and_reports_the_claim(tmp_path, never):
 
 def test_decode_speed_rows():
   model, _ = lse.lce.load_model("random-tiny", "float32")
-  rows = lse.decode_speed(model, [24], switch_length=8, steps=1)
-  assert [(r["context"], r["cache"]) for r in rows] == [(24, "dense"), (24, "length_switch")]
-  assert all(r["wall_s_per_step"] > 0 and r["cpu_s_per_step"] >= 0 for r in rows)
+  rows = lse.decode_speed(model, [24], switch_length=8, steps=1, repeats=2)
+  assert [(r["context"], r["cache"]) for r in rows] == [
+      (24, "mha"), (24, "dense"), (24, "length_switch")]
+  heads = model.layers[0].attn
+  assert [r["num_kv_heads"] for r in rows] == [heads.num_heads, heads.num_kv_heads, 1]
+  for r in rows:
+    assert len(r["wall_rounds"]) == 2 and r["wall_s_per_step"] > 0 and r["cpu_s_per_step"] >= 0
+    assert min(r["wall_rounds"]) <= r["wall_s_per_step"] <= max(r["wall_rounds"])
+  with pytest.raises(ValueError, match="kinds must be"):
+    lse.decode_speed(model, [24], kinds=("ring",))
+  with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+    lse.decode_speed(model, [24], repeats=0)

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import kvattn
-from kvattn import KVCache, LatentCache, ops
+from kvattn import KVCache, ops
 from kvattn.ops import xla_blocked
 from pallas_kernels import dense_decode as kernels
 from tests.pallas_kernels import _helpers
