@@ -42,6 +42,16 @@ join later share them, and the pages it filled while decoding when it
 retires. With `offload=` (a `kvattn.offload.TieredStore`) evicted cached
 pages move to host memory / disk and are copied back on a hit.
 
+On a mesh (`mesh=`): parameters are placed by `kvattn.sharding`'s rules, each
+layer's pool is a `kvattn.sharding.ShardedPagedKVCache` split over KV heads on
+`model` and, data parallel, over `data`: the slots are split into `d` equal
+groups (slot s belongs to data shard `s // (num_slots / d)`) and the pool into
+`d` ranges of `num_pages / d` pages, one host allocator per range
+(`allocators[j]`), so a slot's rows only ever name pages its own devices hold.
+A joining prompt goes to the first data shard with a free slot that can take
+it (with the prefix cache: the shard holding its longest cached prefix). The
+`seq` axis is not used (the pool is replicated over it).
+
 Exhaustion: `add` raises `OutOfPagesError` (or `NoFreeSlotError`) before
 anything changes; check `can_add` first. If a running sequence cannot get its
 next page it is finished early with reason "out_of_pages" (its pages are
@@ -62,7 +72,7 @@ from flax import nnx
 
 from kvattn import _checks
 from kvattn import data as data_lib
-from kvattn.allocator import OutOfPagesError, PageAllocator, pages_for
+from kvattn.allocator import NO_PAGE, OutOfPagesError, PageAllocator, pages_for
 from kvattn.cache_factories import gqa_layers
 from kvattn.generate import Sampling, sample_logits
 from kvattn.offload import PageCodec
@@ -146,11 +156,14 @@ class ContinuousBatcher:
       offload: a `kvattn.offload.TieredStore` where evicted cached pages go
         (host memory, disk) and come back from on a hit; needs `prefix_cache`.
       mesh: a `kvattn.sharding.make_mesh` mesh, or None (one device): parameters
-        placed by the sharding rules, page pools split over KV heads on the
-        `model` axis (`kvattn.sharding.HEADS_ONLY_RULES`: any row may use any page).
+        placed by the sharding rules, page pools split over KV heads on `model`
+        and over `data` with the slots (`kvattn.sharding.BATCHER_RULES`; module
+        docstring).
 
     Raises:
-      ValueError/TypeError: bad sizes, an MLA layer, `max_prompt_len > max_len`.
+      ValueError/TypeError: bad sizes, an MLA layer, `max_prompt_len > max_len`;
+        a mesh whose `data` axis does not divide `num_slots` or `num_pages`, or
+        `offload` with more than one data shard.
     """
     self.num_slots = _checks.positive_int("num_slots", num_slots)
     self.page_size = _checks.positive_int("page_size", page_size)
@@ -170,18 +183,31 @@ class ContinuousBatcher:
     if offload is not None and not prefix_cache:
       raise ValueError("offload needs prefix_cache=True (only cached prefixes are offloaded)")
     self.prefix_cache = bool(prefix_cache)
+    num_pages = _checks.positive_int("num_pages", num_pages)
+    shards = 1 if mesh is None else int(mesh.shape["data"])  # data-parallel groups
+    for name, value in (("num_slots", self.num_slots), ("num_pages", num_pages)):
+      if value % shards:
+        raise ValueError(f"mesh axis 'data' of size {shards} must divide {name} (each data "
+                         f"shard holds an equal part); got {name} = {value}")
+    if offload is not None and shards > 1:
+      raise ValueError(f"offload needs one data shard (one page allocator); got mesh axis "
+                       f"'data' of size {shards}")
+    self._slots_per_shard = self.num_slots // shards
+    self._pages_per_shard = num_pages // shards
     if self.prefix_cache:
-      self.allocator = PrefixCachingAllocator(num_pages, self.page_size, pps, seed=seed,
-                                              offload=offload)
+      make = lambda: PrefixCachingAllocator(self._pages_per_shard, self.page_size, pps,
+                                            seed=seed, offload=offload)
     else:
-      self.allocator = PageAllocator(num_pages, self.page_size, pps, seed=seed)
+      make = lambda: PageAllocator(self._pages_per_shard, self.page_size, pps, seed=seed)
+    # allocators[j] hands out the pages [j * P / d, (j + 1) * P / d) of data shard j (its
+    # local ids; `_row` adds the offset).
+    self.allocators = tuple(make() for _ in range(shards))
     self.prefill_tokens = 0  # prompt tokens run through the model (the rest came from the cache)
     dtype = getattr(model, "dtype", jnp.float32) if dtype is None else dtype
     self.caches = tuple(
-        PagedKVCache.init(self.num_slots, num_pages=self.allocator.num_pages,
-                                    page_size=self.page_size, pages_per_seq=pps,
-                                    num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
-                                    dtype=dtype)
+        PagedKVCache.init(self.num_slots, num_pages=shards * self._pages_per_shard,
+                          page_size=self.page_size, pages_per_seq=pps,
+                          num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, dtype=dtype)
         for a in attns)
     # Committed, as the jitted programs' outputs are: the first call then reuses the executable
     # later calls run, instead of compiling once more for uncommitted inputs.
@@ -189,7 +215,7 @@ class ContinuousBatcher:
     if mesh is not None:
       from kvattn import sharding  # pylint: disable=g-import-not-at-top
       model = sharding.place_model(model, mesh)
-      self.caches = sharding.place_caches(self.caches, mesh, sharding.HEADS_ONLY_RULES)
+      self.caches = sharding.place_caches(self.caches, mesh, sharding.BATCHER_RULES)
       home = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     else:
       self.caches = jax.device_put(self.caches, home)
@@ -216,21 +242,30 @@ class ContinuousBatcher:
   def _build_programs(self):
     graphdef, sampling, pad_id, traces = self._graphdef, self.sampling, self.pad_id, self.traces
 
+    def row_view(c, slot):
+      """A batch-1 view: the slot's row and length over the shared pools. On a mesh the
+      row is replicated and the pool stays split: the data shard holding the row's
+      pages writes them, and attention merges the shards' partials (LSE) over `data`,
+      like a sequence split (the other shards see no key)."""
+      view = c.replace(
+          block_tables=jax.lax.dynamic_index_in_dim(c.block_tables, slot, keepdims=True),
+          lengths=jax.lax.dynamic_index_in_dim(c.lengths, slot, keepdims=True))
+      layout = getattr(c, "layout", None)
+      if layout is not None:
+        view = view.replace(layout=dataclasses.replace(
+            layout, batch=None, seq=layout.pages[0] if layout.pages else None))
+      return view
+
     def join(state, caches, slot, row, prompt, prompt_len, rng, start):
       # prompt: the tokens after the `start` already cached (0 without a prefix cache).
       traces["join"] += 1
       model = nnx.merge(graphdef, state)
       caches = tuple(c.assign_slot(slot, row, start) for c in caches)
-      # A batch-1 view: the slot's row and length over the shared pools.
-      views = tuple(
-          PagedKVCache(
-              k_pages=c.k_pages, v_pages=c.v_pages,
-              block_tables=jax.lax.dynamic_index_in_dim(c.block_tables, slot, keepdims=True),
-              lengths=jax.lax.dynamic_index_in_dim(c.lengths, slot, keepdims=True))
-          for c in caches)
+      views = tuple(row_view(c, slot) for c in caches)
       h, views = model.hidden(prompt[None], views, new_lengths=prompt_len[None])
       caches = tuple(
-          c.replace(k_pages=v.k_pages, v_pages=v.v_pages,
+          c.replace(k_pages=v.k_pages, v_pages=v.v_pages, k_scale_pages=v.k_scale_pages,
+                    v_scale_pages=v.v_scale_pages,
                     lengths=c.lengths.at[slot].set(v.lengths[0]))
           for c, v in zip(caches, views))
       rng, key = jax.random.split(rng)
@@ -269,15 +304,33 @@ class ContinuousBatcher:
     """Live request ids -> slot."""
     return {s.request_id: i for i, s in enumerate(self._slots) if s is not None}
 
+  @property
+  def allocator(self) -> PageAllocator:
+    """The page allocator of the whole pool (one data shard; else see `allocators`).
+
+    Raises:
+      AttributeError: the pool is split over a `data` axis of size > 1.
+    """
+    if len(self.allocators) > 1:
+      raise AttributeError(
+          f"the pool is split over mesh axis 'data' into {len(self.allocators)} shards: use "
+          f"allocators[j] (its page i is page j * {self._pages_per_shard} + i of the pool)")
+    return self.allocators[0]
+
   def can_add(self, prompt_len: int) -> bool:
     """True if a prompt of `prompt_len` tokens would be admitted now."""
-    return bool(self.free_slots) and self.allocator.can_allocate(int(prompt_len))
+    return any(self.allocators[self._shard(s)].can_allocate(int(prompt_len))
+               for s in self.free_slots)
 
   def stats(self) -> dict[str, Any]:
-    """Slot occupancy and the allocator's `PoolStats` as a dict."""
+    """Slot occupancy and the allocators' `PoolStats` (summed over data shards) as a dict."""
+    pools = [dataclasses.asdict(a.stats()) for a in self.allocators]
+    total = {k: v if k == "page_size" else sum(p[k] for p in pools)
+             for k, v in pools[0].items() if k != "waste_fraction"}
+    reserved = total["reserved_slots"]
+    total["waste_fraction"] = total["internal_waste_slots"] / reserved if reserved else 0.0
     return {"steps": self.steps, "active_slots": self.num_slots - len(self.free_slots),
-            "prefill_tokens": self.prefill_tokens,
-            **dataclasses.asdict(self.allocator.stats())}
+            "prefill_tokens": self.prefill_tokens, **total}
 
   # Scheduling.
   def add(self, request_id: Hashable, prompt: Sequence[int], max_new_tokens: int) -> int | Finished:
@@ -321,13 +374,15 @@ class ContinuousBatcher:
     free = self.free_slots
     if not free:
       raise NoFreeSlotError(f"no free slot for {request_id!r}: all {self.num_slots} are busy")
-    slot = free[0]
+    slot = self._choose_slot(free, prompt)
+    shard = self._shard(slot)
+    allocator = self.allocators[shard]
     if self.prefix_cache:  # both raise OutOfPagesError before any change
-      start = self.allocator.allocate_prompt(request_id, prompt)
+      start = allocator.allocate_prompt(request_id, prompt)
     else:
       start = 0
-      self.allocator.allocate(request_id, n)
-    row = self.allocator.block_table_row(request_id)
+      allocator.allocate(request_id, n)
+    row = self._row(request_id, shard)
     rest = prompt[start:]
     padded = np.zeros((self._bucket(len(rest)),), np.int32)
     padded[:len(rest)] = rest
@@ -336,7 +391,7 @@ class ContinuousBatcher:
                                                np.int32(start))
     self.prefill_tokens += len(rest)
     if self.prefix_cache:
-      self.allocator.register(request_id, prompt)
+      allocator.register(request_id, prompt)
     first = int(first)
     self._slots[slot] = _Live(request_id, [first], max_new_tokens, n, self.steps, prompt)
     self._last[slot] = first
@@ -349,14 +404,15 @@ class ContinuousBatcher:
     for slot, live in enumerate(self._slots):
       if live is None:
         continue
+      shard = self._shard(slot)
       try:  # the token fed this step lands in slot live.cache_len
-        added = self.allocator.grow(live.request_id, live.cache_len + 1)
+        added = self.allocators[shard].grow(live.request_id, live.cache_len + 1)
       except OutOfPagesError:
         finished.append(self._finish(slot, "out_of_pages"))
         continue
       if added:
         self.caches = self._set_row(self.caches, np.int32(slot),
-                                    self.allocator.block_table_row(live.request_id))
+                                    self._row(live.request_id, shard))
     active = np.array([s is not None for s in self._slots])
     if not active.any():
       return finished
@@ -397,13 +453,40 @@ class ContinuousBatcher:
           done[rid] = result
       if queue and not self.active:
         rid, prompt, _ = queue[0]
-        raise OutOfPagesError(rid, self.allocator.pages_needed(len(prompt)),
-                                        self.allocator.num_free)
+        raise OutOfPagesError(rid, self.allocators[0].pages_needed(len(prompt)),
+                              max(a.num_free for a in self.allocators))
       for f in self.step():
         done[f.request_id] = f
     return done
 
   # Helpers.
+  def _shard(self, slot: int) -> int:
+    """The data shard of `slot` (0 without a data-parallel mesh)."""
+    return slot // self._slots_per_shard
+
+  def _row(self, request_id: Hashable, shard: int) -> np.ndarray:
+    """`i32[pages_per_seq]`: the block-table row of `request_id` in pool page ids."""
+    row = self.allocators[shard].block_table_row(request_id)
+    return np.where(row == NO_PAGE, NO_PAGE, row + shard * self._pages_per_shard).astype(np.int32)
+
+  def _choose_slot(self, free: list[int], prompt: np.ndarray) -> int:
+    """The slot a joining prompt takes: the first free slot whose data shard can take it
+    (with the prefix cache, shards holding a longer cached prefix first); if none can,
+    the first free slot (whose allocator then raises OutOfPagesError). One data shard:
+    always `free[0]`."""
+    if len(self.allocators) == 1:
+      return free[0]
+    firsts = {}
+    for s in free:
+      firsts.setdefault(self._shard(s), s)
+    order = list(firsts)
+    if self.prefix_cache:
+      order.sort(key=lambda j: -self.allocators[j].match(prompt))
+    for j in order:
+      if self.allocators[j].can_allocate(len(prompt)):
+        return firsts[j]
+    return free[0]
+
   def _bucket(self, n: int) -> int:
     """Padded prefill width: `max_prompt_len`, or with the prefix cache the
     next power of two >= n (at most `max_prompt_len`)."""
@@ -423,9 +506,9 @@ class ContinuousBatcher:
     if self.prefix_cache:  # the cache holds the prompt and the generated tokens fed back
       held = np.concatenate([live.prompt, np.asarray(live.tokens[:live.cache_len - len(
           live.prompt)], np.int64)])
-      self.allocator.free(live.request_id, tokens=held)
+      self.allocators[self._shard(slot)].free(live.request_id, tokens=held)
     else:
-      self.allocator.free(live.request_id)
+      self.allocators[self._shard(slot)].free(live.request_id)
     self.caches = self._release(self.caches, np.int32(slot))
     self._slots[slot] = None
     self._last[slot] = self.pad_id

@@ -752,8 +752,13 @@ def cache_factory(model, mesh: Mesh, *, rules: Mapping[str, Any] | None = None,
   return factory
 
 
-# Rules of `ContinuousBatcher(mesh=...)`: its allocator may hand a row any page of the pool,
-# so the pool is split over KV heads only (rows and pages stay whole on every device).
+# Rules of `ContinuousBatcher(mesh=...)`: slots (rows) over `data`, the pool over KV heads
+# and over `data` (one host allocator per data shard hands out only that shard's pages),
+# no sequence split (the pool is replicated over `seq`).
+BATCHER_RULES = {"cache_sequence": None, "cache_pages": "data"}
+# Rules for a paged cache whose rows may use any page of the pool (e.g. one allocator for
+# the whole pool): the pool is split over KV heads only (rows and pages stay whole on every
+# device).
 HEADS_ONLY_RULES = {"cache_batch": None, "cache_sequence": None, "cache_pages": None}
 
 

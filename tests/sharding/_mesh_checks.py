@@ -1,12 +1,13 @@
 """Checks of kvattn.sharding on 8 simulated CPU devices, run as their own process.
 
-    python -m tests.sharding._mesh_checks fast|full
+    python -m tests.sharding._mesh_checks fast|full|batcher
 
 XLA reads `--xla_force_host_platform_device_count` once, when JAX starts, and the
 pytest process has started it with one device; test_sharding.py therefore runs this
 module in a subprocess. Each check prints one JSON line `{"check": ..., "ok": ...,
 ...}`; the exit status is 1 if any failed. `fast` is the compact grid of the default
-suite, `full` the grid of issue 17 (meshes (1,8,1), (2,4,1), (2,2,2), (1,1,8) x K in
+suite (with `ContinuousBatcher` on (2,2,1)), `batcher` the batcher on (2,1,1) and
+(2,2,1) alone, `full` the grid of issue 17 (meshes (1,8,1), (2,4,1), (2,2,2), (1,1,8) x K in
 {1, 2, 8} x dense / paged / MLA).
 """
 
@@ -209,21 +210,37 @@ def check_bad_meshes() -> dict:
   return dict(failures=failures, ok=not failures)
 
 
-def check_batcher(mesh_shape) -> dict:
-  """ContinuousBatcher on a mesh gives the single-device tokens; pools split over K."""
+def check_batcher(mesh_shape, prefix_cache: bool = False) -> dict:
+  """ContinuousBatcher on a mesh gives the single-device tokens; slots and pools split
+  over `data`, pools over K on `model`; each device holds its share of the pool bytes;
+  a `data` axis that does not divide the slots -> ValueError naming it."""
   model = make_model_fn("gqa", 2)()
   prompts, lengths = _prompts()
-  requests = [(i, np.asarray(prompts[i, :lengths[i]]).tolist(), 3) for i in range(3)]
-  opts = dict(num_slots=2, num_pages=16, page_size=PAGE_SIZE, max_len=16, max_prompt_len=8)
+  # Four requests on two slots: both data shards serve, and slots are reused.
+  requests = [(i, np.asarray(prompts[i, :lengths[i]]).tolist(), 3) for i in range(BATCH)]
+  opts = dict(num_slots=2, num_pages=16, page_size=PAGE_SIZE, max_len=16, max_prompt_len=8,
+              prefix_cache=prefix_cache)
   want = kvattn.ContinuousBatcher(model, **opts).run(requests)
-  batcher = kvattn.ContinuousBatcher(model, mesh=sharding.make_mesh(mesh_shape), **opts)
+  mesh = sharding.make_mesh(mesh_shape)
+  batcher = kvattn.ContinuousBatcher(model, mesh=mesh, **opts)
   got = batcher.run(requests)
   same = all(list(got[i].tokens) == list(want[i].tokens) for i in want)
+  d, m, _ = mesh_shape
+  slots_used = sorted({f.slot for f in got.values()})
   cache = batcher.caches[0]
-  share = sum(a.nbytes for a in cache.storage_arrays()) // min(2, mesh_shape[1])
+  share = sum(a.nbytes for a in cache.storage_arrays()) // (d * min(2, m))
   per_device = set(sharding.per_device_bytes(cache.storage_arrays()).values())
-  return dict(mesh=list(mesh_shape), tokens_equal=same, per_device=sorted(per_device),
-              share=share, ok=same and per_device == {share}
+  bad_error = ""
+  if d > 1:
+    try:
+      kvattn.ContinuousBatcher(model, mesh=mesh, **dict(opts, num_slots=d + 1))
+      bad_error = "no error"
+    except ValueError as e:
+      bad_error = "" if "'data'" in str(e) and "num_slots" in str(e) else str(e)
+  return dict(mesh=list(mesh_shape), prefix_cache=prefix_cache, tokens_equal=same,
+              slots_used=slots_used, per_device=sorted(per_device), share=share,
+              bad_mesh_error=bad_error, ok=same and per_device == {share} and not bad_error
+              and slots_used == [0, 1] and batcher.stats()["used_pages"] == 0
               and isinstance(cache, sharding.ShardedPagedKVCache))
 
 
@@ -246,22 +263,30 @@ def check_quantized() -> dict:
 
 def main(argv):
   grid = argv[1] if len(argv) > 1 else "fast"
+  # ContinuousBatcher, data parallel: the fast grid runs (2,2,1) with the prefix cache.
+  batchers = [("batcher", lambda: check_batcher((2, 2, 1), prefix_cache=True))]
+  more_batchers = [("batcher", lambda: check_batcher((2, 1, 1))),
+                   ("batcher", lambda: check_batcher((2, 2, 1)))]
   if grid == "fast":
     cases = [((2, 2, 2), "dense", 2, True), ((2, 2, 2), "paged", 1, False)]
   elif grid == "full":
     cases = [(mesh, kind, k, True) for mesh in MESHES for kind in ("dense", "paged")
              for k in (1, 2, 8)] + [(mesh, "mla", 1, True) for mesh in MESHES]
+  elif grid != "batcher":
+    raise SystemExit(f"usage: python -m tests.sharding._mesh_checks fast|full|batcher; "
+                     f"got {grid!r}")
+  if grid == "batcher":  # ContinuousBatcher only
+    checks = more_batchers + batchers
   else:
-    raise SystemExit(f"usage: python -m tests.sharding._mesh_checks fast|full; got {grid!r}")
-  checks = [("case", lambda c=c: check_case(c[0], c[1], c[2], with_generate=c[3]))
-            for c in cases]
-  checks += [("empty_shards", lambda: check_empty_shards("dense")),
-             ("empty_shards", lambda: check_empty_shards("mla")),
-             ("bad_meshes", check_bad_meshes)]
+    checks = [("case", lambda c=c: check_case(c[0], c[1], c[2], with_generate=c[3]))
+              for c in cases]
+    checks += [("empty_shards", lambda: check_empty_shards("dense")),
+               ("empty_shards", lambda: check_empty_shards("mla")),
+               ("bad_meshes", check_bad_meshes)] + batchers
   if grid == "full":
-    checks += [("quantized", check_quantized),
-               ("batcher", lambda: check_batcher((2, 2, 2))),
-               ("batcher", lambda: check_batcher((1, 8, 1)))]
+    checks += more_batchers + [("quantized", check_quantized),
+                               ("batcher", lambda: check_batcher((2, 2, 2))),
+                               ("batcher", lambda: check_batcher((1, 8, 1)))]
   failed = 0
   for name, fn in checks:
     try:

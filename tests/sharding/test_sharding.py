@@ -5,8 +5,9 @@ The device count is fixed when JAX starts, so the checks run in a subprocess wit
 equal the single-device run, each device holds exactly its share of the cache bytes, the
 compiled decode step has no all-gather of the cache, the context-parallel merge survives
 empty shards with NaN in their buffers, and bad meshes raise ValueError naming the axis.
-The default suite runs a compact grid; the issue's full grid (and `ContinuousBatcher` on a
-mesh) is `-m slow`.
+`ContinuousBatcher` on a mesh (data parallel over its slots and pool, KV heads over `model`)
+gives the single-device tokens with each device holding its share of the pool. The default
+suite runs a compact grid; the issue's full grid and the batcher's meshes are `-m slow`.
 """
 
 import json
@@ -40,6 +41,15 @@ def test_sharded_decode_compact_grid():
   assert all(r["all_reduces"] > 0 for r in cases)  # the LSE merge over seq, o_proj over model
   assert {r["kind"] for r in results if r["check"] == "empty_shards"} == {"dense", "mla"}
   assert any(r["check"] == "bad_meshes" for r in results)
+  assert [r["mesh"] for r in results if r["check"] == "batcher"] == [[2, 2, 1]]
+
+
+@pytest.mark.slow
+def test_batcher_data_parallel():
+  results = _run("batcher", timeout=900)
+  assert [(r["mesh"], r["prefix_cache"]) for r in results] == [
+      ([2, 1, 1], False), ([2, 2, 1], False), ([2, 2, 1], True)]
+  assert all(r["tokens_equal"] and r["per_device"] == [r["share"]] for r in results)
 
 
 @pytest.mark.slow
@@ -48,4 +58,4 @@ def test_sharded_decode_full_grid():
   cases = [r for r in results if r["check"] == "case"]
   assert len(cases) == 4 * 3 * 2 + 4
   assert all(r["tokens_equal"] for r in cases)
-  assert sum(r["check"] == "batcher" for r in results) == 2
+  assert sum(r["check"] == "batcher" for r in results) == 5
