@@ -19,6 +19,15 @@ agreement with the float32 full cache of the released model
 `get_config(arg)` and `get_sweep(arg)` take "" (the full run) or "smoke" (two
 points on short texts, for tests and a quick look). The byte-level
 train-from-scratch comparison of MHA/GQA/MQA/MLA is configs/toy.py.
+
+On several devices (docs/sharding.md; on a CPU host simulate them with
+XLA_FLAGS=--xla_force_host_platform_device_count=2):
+
+    python -m experiments.main --config=configs/default.py --workdir=runs/tp2 \
+        --config.mesh.shape="(1,1,2)"
+
+(SmolLM2-135M has 3 KV heads, so a `model` axis of 2 fits only the K = 1
+points; `seq` splits every point's full cache.)
 """
 
 import itertools
@@ -26,6 +35,7 @@ import itertools
 from ml_collections import config_dict
 
 import configs
+from kvattn import sharding
 
 ARGS = ("", "smoke")
 CACHE_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3fn")
@@ -69,6 +79,12 @@ def get_config(arg=None):
   config.text.prompt_tokens = 32 if smoke else 192  # Prompt of the greedy continuation.
   config.text.new_tokens = 8 if smoke else 32  # Greedy tokens (agreement; the decode steps
   # after the first are timed).
+
+  # Device mesh (kvattn.sharding, docs/sharding.md): shape None = one device; (data, model, seq)
+  # sizes run each point with params and caches sharded, e.g. --config.mesh.shape="(1,2,1)".
+  # The job decodes one sequence, so data must be 1; seq must divide text.chunk; the full
+  # cache is sharded, a bounded policy's cache is replicated over the mesh.
+  config.mesh = sharding.mesh_config()
 
   config.experiment = config_dict.ConfigDict()
   config.experiment.kind = "real_model"  # Family: experiments/real_model_experiment.py.

@@ -22,6 +22,15 @@ bounded kind of `kvattn.cache_factories.policy_caches`) and a head grouping
     agreement = the fraction of positions equal to the reference's (the
     float32 full cache of the released model; 1 for the reference itself).
 
+On a mesh (`mesh.shape`, kvattn.sharding): the parameters are placed by the
+sharding rules (`sharding.place_model`) and the full cache is created sharded
+(`sharding.init_caches`: KV heads over `model`, slots over `seq`); a bounded
+policy's cache has no sharded kind and is replicated over the mesh. Batch 1
+needs `data` = 1, `seq` must divide `text.chunk` and the point's KV heads must
+fit `model` (checked before any work, ValueError naming the key); records then
+add `mesh` and `per_device_cache_bytes`. One device (shape None) keeps the
+point ids of earlier runs.
+
 The report (report.md) has one table (ratios against the reference point)
 and two plots, quality_vs_cache.png and decode_speed.png, linked from it.
 """
@@ -46,6 +55,7 @@ from experiments import runner
 from kvattn import data as data_lib
 from kvattn import long_context
 from kvattn import memory
+from kvattn import sharding
 from kvattn.ops import quant
 
 POLICIES = ("full", "window", "sink") + long_context.POLICIES
@@ -60,6 +70,7 @@ def schema() -> dict[str, tuple[str, ...]]:
       "cache": ("dtype", "policy", "budget", "num_sinks"),
       "heads": ("num_kv_heads", "method"),
       "text": ("num_tokens", "chunk", "prompt_tokens", "new_tokens"),
+      "mesh": ("shape", "rules"),
       "experiment": ("kind", "name", "max_points"),
   }
 
@@ -124,7 +135,15 @@ def _label(d: Mapping[str, Any]) -> str:
   k = d["heads"]["num_kv_heads"]
   policy = d["cache"]["policy"]
   policy = policy if policy == "full" else f"{policy}{d['cache']['budget']}"
-  return f"K{k or 'rel'}-{policy}-{d['cache']['dtype']}"
+  label = f"K{k or 'rel'}-{policy}-{d['cache']['dtype']}"
+  shape = d["mesh"]["shape"]
+  return label if shape is None else f"{label}-mesh{'x'.join(map(str, shape))}"
+
+
+def _seq_capacity(capacity: int, mesh, rules) -> int:
+  """`capacity` rounded up to a multiple of the `seq` axis (the greedy run's cache)."""
+  step = 1 if mesh is None else sharding.axis_size(mesh, rules["cache_sequence"])
+  return -(-capacity // step) * step
 
 
 class RealModelFamily:
@@ -138,6 +157,7 @@ class RealModelFamily:
     self._model: dict[Any, Any] = {}
     self._tokens: dict[tuple[str, int], np.ndarray] = {}
     self._reference: dict[str, np.ndarray] = {}
+    self._placed: dict[Any, Any] = {}
 
   def _check(self, d: Mapping[str, Any], where: str) -> None:
     cache, heads, text = d["cache"], d["heads"], d["text"]
@@ -165,6 +185,65 @@ class RealModelFamily:
     if cache["policy"] == "sink" and cache["budget"] < cache["num_sinks"] + 1:
       raise ValueError(f"{where}: cache.budget must be >= cache.num_sinks + 1 = "
                        f"{cache['num_sinks'] + 1} for policy 'sink'; got {cache['budget']}")
+    self._check_mesh(d, where)
+
+  def _check_mesh(self, d: Mapping[str, Any], where: str) -> None:
+    """B = 1, S (whole chunks) and the point's KV heads against `mesh` (ValueError naming
+    the key). Loads the model (once, as the first point would) to read its heads."""
+    try:
+      mesh, rules = sharding.mesh_from_config(d["mesh"])
+    except ValueError as e:
+      raise ValueError(f"{where}: mesh: {e}") from None
+    if mesh is None:
+      return
+    shape = tuple(d["mesh"]["shape"])
+    data = sharding.axis_size(mesh, rules["cache_batch"])
+    if data != 1:
+      raise ValueError(f"{where}: mesh.shape {shape}: the batch axis {rules['cache_batch']!r} "
+                       f"must have size 1 (the main job decodes one sequence); got {data}")
+    seq = sharding.axis_size(mesh, rules["cache_sequence"])
+    if d["text"]["chunk"] % seq:
+      raise ValueError(f"{where}: text.chunk must be a multiple of the size {seq} of mesh axis "
+                       f"{rules['cache_sequence']!r} of mesh.shape {shape} (the cache holds "
+                       f"whole chunks); got {d['text']['chunk']}")
+    model, _ = self.model(dict(d, heads={"num_kv_heads": 0, "method": "mean"}))
+    k = d["heads"]["num_kv_heads"] or None
+    for i, layer in enumerate(model.layers):
+      attn = layer.attn
+      latent = hasattr(attn, "kv_lora_rank")
+      try:
+        sharding.cache_layout(mesh, rules, kind="latent" if latent else "dense", batch=1,
+                              max_len=d["text"]["chunk"],
+                              num_kv_heads=None if latent else k or attn.num_kv_heads,
+                              num_heads=attn.num_heads)
+      except ValueError as e:
+        key = "heads.num_kv_heads" if "num_kv_heads" in str(e) else "mesh"
+        raise ValueError(f"{where}: {key} (layer {i}) on mesh.shape {shape}: {e}") from None
+
+  def _on_mesh(self, d: Mapping[str, Any]):
+    """`(model, tokenizer, mesh, rules)`: the point's model, its parameters placed on the
+    mesh (once per model and mesh) when `mesh.shape` is set."""
+    model, tokenizer = self.model(d)
+    mesh, rules = sharding.mesh_from_config(d["mesh"])
+    if mesh is None:
+      return model, tokenizer, None, rules
+    key = runner.digest({"model": d["model"], "heads": d["heads"], "mesh": d["mesh"]})
+    if key not in self._placed:
+      if len(self._placed) >= 2:  # a point's model and the reference's
+        self._placed.clear()
+      self._placed[key] = sharding.place_model(model, mesh, rules)
+    return self._placed[key], tokenizer, mesh, rules
+
+  @staticmethod
+  def _caches(model, capacity: int, dtype, policy, mesh, rules):
+    """Empty batch-1 caches: sharded on a mesh for the full policy (`sharding.init_caches`),
+    replicated over it for a bounded one (no sharded kind), plain without a mesh."""
+    if mesh is None:
+      return model.init_caches(1, capacity, dtype, policy=policy)
+    if policy["kind"] == "full":
+      return sharding.init_caches(model, 1, capacity, mesh, rules=rules, dtype=dtype)
+    caches = model.init_caches(1, capacity, dtype, policy=policy)
+    return jax.device_put(caches, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
   def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
     """One point per sweep entry; all validated before any work (ValueError naming the key)."""
@@ -179,6 +258,8 @@ class RealModelFamily:
       self._check(d, where)
       label = _label(d)
       measured = {s: d[s] for s in ("model", "cache", "heads", "text")}
+      if d["mesh"]["shape"] is not None:  # one device keeps the ids of earlier runs
+        measured["mesh"] = d["mesh"]
       pid = f"{label}-{runner.digest(measured)}"
       if pid in seen:
         raise ValueError(f"{where}: gives the same point {label} as {seen[pid]}")
@@ -212,7 +293,7 @@ class RealModelFamily:
 
   def _greedy(self, d: Mapping[str, Any]) -> tuple[np.ndarray, float]:
     """The greedy run of point config `d`: `(i32[new_tokens] tokens, timed decode seconds)`."""
-    model, tokenizer = self.model(d)
+    model, tokenizer, mesh, rules = self._on_mesh(d)
     text, cache = d["text"], d["cache"]
     ids = self.tokens(tokenizer, d["model"]["name"], text["num_tokens"] + 1 +
                       text["prompt_tokens"])
@@ -220,8 +301,9 @@ class RealModelFamily:
     graphdef, state = nnx.split(model)
     policy = lce.policy_dict({"kind": cache["policy"], "budget": cache["budget"],
                               "num_sinks": cache["num_sinks"]})
-    capacity = -(-len(prompt) // text["chunk"]) * text["chunk"] + text["new_tokens"]
-    caches = model.init_caches(1, capacity, jnp.dtype(cache["dtype"]), policy=policy)
+    capacity = _seq_capacity(-(-len(prompt) // text["chunk"]) * text["chunk"]
+                             + text["new_tokens"], mesh, rules)
+    caches = self._caches(model, capacity, jnp.dtype(cache["dtype"]), policy, mesh, rules)
     step = lce._step_fn(graphdef)  # pylint: disable=protected-access
     return greedy(step, state, caches, prompt, text["new_tokens"], text["chunk"])
 
@@ -230,7 +312,7 @@ class RealModelFamily:
     ref = runner.apply_overrides(d, {"cache.dtype": REFERENCE["dtype"],
                                      "cache.policy": REFERENCE["policy"],
                                      "heads.num_kv_heads": REFERENCE["num_kv_heads"]}, "reference")
-    key = runner.digest({s: ref[s] for s in ("model", "text")})
+    key = runner.digest({s: ref[s] for s in ("model", "text", "mesh")})
     if key not in self._reference:
       self._reference[key] = self._greedy(ref)[0]
     return self._reference[key]
@@ -238,7 +320,7 @@ class RealModelFamily:
   def measure(self, point: runner.Point) -> dict[str, Any]:
     cpu_start = time.process_time()
     d = point.config
-    model, tokenizer = self.model(d)
+    model, tokenizer, mesh, rules = self._on_mesh(d)
     text, cache = d["text"], d["cache"]
     dtype = jnp.dtype(cache["dtype"])
     policy = lce.policy_dict({"kind": cache["policy"], "budget": cache["budget"],
@@ -246,16 +328,21 @@ class RealModelFamily:
     ids = self.tokens(tokenizer, d["model"]["name"], text["num_tokens"] + 1 +
                       text["prompt_tokens"])[:text["num_tokens"] + 1]
     padded = -(-text["num_tokens"] // text["chunk"]) * text["chunk"]  # the last chunk is padded
-    caches = model.init_caches(1, padded, dtype, policy=policy)
+    caches = self._caches(model, padded, dtype, policy, mesh, rules)
     start = time.perf_counter()
     nll, caches = lce.streaming_nll(model, caches, ids, text["chunk"])
     ppl_s = time.perf_counter() - start
     per_token = sum(memory.measured_bytes_per_token(c) for c in caches)
     per_seq = sum(memory.tree_bytes(c.storage_arrays()) for c in caches)
+    on_mesh = {} if mesh is None else {
+        "mesh": list(d["mesh"]["shape"]),
+        "per_device_cache_bytes": int(max(sharding.per_device_bytes(
+            [a for c in caches for a in c.storage_arrays()]).values()))}
 
     tokens, decode_s = self._greedy(d)
     if _is_reference(d):
-      self._reference.setdefault(runner.digest({s: d[s] for s in ("model", "text")}), tokens)
+      self._reference.setdefault(runner.digest({s: d[s] for s in ("model", "text", "mesh")}),
+                                 tokens)
     reference = self.reference_tokens(d)
     steps = text["new_tokens"] - 2
     attn = model.layers[0].attn
@@ -275,6 +362,7 @@ class RealModelFamily:
         "greedy_tokens": tokens.tolist(),
         "greedy_agreement": float(np.mean(tokens == reference)),
         "point_cpu_s": time.process_time() - cpu_start,
+        **on_mesh,
     }
 
   def report(self, records: Sequence[Mapping[str, Any]]) -> str:

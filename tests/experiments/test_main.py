@@ -87,6 +87,7 @@ def test_main_smoke_on_smollm2(tmp_path):
     ({"heads.num_kv_heads": -1}, r"heads\.num_kv_heads must be an int >= 0"),
     ({"text.new_tokens": 2}, r"text\.new_tokens must be an int >= 3"),
     ({"cache.policy": "sink", "cache.budget": 4}, r"cache\.budget must be >= cache\.num_sinks"),
+    ({"mesh.shape": (1, 1, 64)}, r"mesh: mesh\.shape \(1, 1, 64\) needs 64 devices"),
 ])
 def test_bad_point_is_named_before_any_work(tmp_path, overrides, match):
   family = rme.RealModelFamily(str(tmp_path))

@@ -1,14 +1,15 @@
 """Checks of kvattn.sharding on 8 simulated CPU devices, run as their own process.
 
-    python -m tests.sharding._mesh_checks fast|full|batcher
+    python -m tests.sharding._mesh_checks fast|full|batcher|real_model
 
 XLA reads `--xla_force_host_platform_device_count` once, when JAX starts, and the
 pytest process has started it with one device; test_sharding.py therefore runs this
 module in a subprocess. Each check prints one JSON line `{"check": ..., "ok": ...,
 ...}`; the exit status is 1 if any failed. `fast` is the compact grid of the default
 suite (with `ContinuousBatcher` on (2,2,1)), `batcher` the batcher on (2,1,1) and
-(2,2,1) alone, `full` the grid of issue 17 (meshes (1,8,1), (2,4,1), (2,2,2), (1,1,8) x K in
-{1, 2, 8} x dense / paged / MLA).
+(2,2,1) alone, `real_model` the main job's family on (1,2,1) and (1,1,2), `full` the
+grid of issue 17 (meshes (1,8,1), (2,4,1), (2,2,2), (1,1,8) x K in {1, 2, 8} x dense /
+paged / MLA) and the rest.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import functools
 import json
+import math
 import re
 import sys
 import traceback
@@ -244,6 +246,46 @@ def check_batcher(mesh_shape, prefix_cache: bool = False) -> dict:
               and isinstance(cache, sharding.ShardedPagedKVCache))
 
 
+def check_real_model(mesh_shape) -> dict:
+  """The main job's family (configs/default.py:smoke on "random-tiny") on a mesh: the
+  same perplexity (rel 1e-5) and greedy tokens as on one device, the full cache split;
+  meshes that do not fit raise ValueError naming the key before any work."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from configs import default
+  from experiments import real_model_experiment as rme
+  config = default.get_config("smoke")
+  config.model.name = "random-tiny"
+  sweep = default.get_sweep("smoke")  # f32 full cache (sharded); int8 H2O at K = 1 (replicated)
+  records = []
+  with tempfile.TemporaryDirectory() as workdir:
+    for shape in (None, mesh_shape):
+      config.mesh.shape = shape
+      family = rme.RealModelFamily(workdir)
+      records.append([family.measure(point) for point in family.points(config, sweep)])
+    errors = {}
+    for shape, needle in (((2, 1, 1), "mesh.shape (2, 1, 1): the batch axis 'data'"),
+                          ((1, 3, 1), "heads.num_kv_heads (layer 0)"),
+                          ((1, 1, 3), "text.chunk must be a multiple of the size 3")):
+      config.mesh.shape = shape
+      try:
+        rme.RealModelFamily(workdir).points(config, sweep)
+        errors[str(shape)] = "no error"
+      except ValueError as e:
+        if needle not in str(e):
+          errors[str(shape)] = str(e)
+  single, sharded = records
+  rel = max(abs(a["ppl"] - b["ppl"]) / a["ppl"] for a, b in zip(single, sharded))
+  tokens = all(a["greedy_tokens"] == b["greedy_tokens"] for a, b in zip(single, sharded))
+  full = sharded[0]  # one layer's K and V split over the model axis: half on each device
+  split = full["per_device_cache_bytes"] * math.prod(mesh_shape) == full["cache_bytes_per_seq"]
+  return dict(mesh=list(mesh_shape), ppl_max_rel_diff=rel, tokens_equal=tokens,
+              per_device_cache_bytes=[r["per_device_cache_bytes"] for r in sharded],
+              cache_bytes_per_seq=[r["cache_bytes_per_seq"] for r in sharded],
+              bad_mesh_errors=errors,
+              ok=rel <= 1e-5 and tokens and split and not errors
+              and [r["mesh"] for r in sharded] == [list(mesh_shape)] * 2)
+
+
 def check_quantized() -> dict:
   """int8 caches: sharded decode logits equal the single-device int8 run."""
   diffs = {}
@@ -272,11 +314,14 @@ def main(argv):
   elif grid == "full":
     cases = [(mesh, kind, k, True) for mesh in MESHES for kind in ("dense", "paged")
              for k in (1, 2, 8)] + [(mesh, "mla", 1, True) for mesh in MESHES]
-  elif grid != "batcher":
-    raise SystemExit(f"usage: python -m tests.sharding._mesh_checks fast|full|batcher; "
-                     f"got {grid!r}")
+  elif grid not in ("batcher", "real_model"):
+    raise SystemExit(f"usage: python -m tests.sharding._mesh_checks fast|full|batcher|"
+                     f"real_model; got {grid!r}")
   if grid == "batcher":  # ContinuousBatcher only
     checks = more_batchers + batchers
+  elif grid == "real_model":  # the main job's family
+    checks = [("real_model", lambda: check_real_model((1, 2, 1))),
+              ("real_model", lambda: check_real_model((1, 1, 2)))]
   else:
     checks = [("case", lambda c=c: check_case(c[0], c[1], c[2], with_generate=c[3]))
               for c in cases]
@@ -285,6 +330,7 @@ def main(argv):
                ("bad_meshes", check_bad_meshes)] + batchers
   if grid == "full":
     checks += more_batchers + [("quantized", check_quantized),
+                               ("real_model", lambda: check_real_model((1, 2, 1))),
                                ("batcher", lambda: check_batcher((2, 2, 2))),
                                ("batcher", lambda: check_batcher((1, 8, 1)))]
   failed = 0

@@ -6,8 +6,10 @@ equal the single-device run, each device holds exactly its share of the cache by
 compiled decode step has no all-gather of the cache, the context-parallel merge survives
 empty shards with NaN in their buffers, and bad meshes raise ValueError naming the axis.
 `ContinuousBatcher` on a mesh (data parallel over its slots and pool, KV heads over `model`)
-gives the single-device tokens with each device holding its share of the pool. The default
-suite runs a compact grid; the issue's full grid and the batcher's meshes are `-m slow`.
+gives the single-device tokens with each device holding its share of the pool; the main job's
+family (experiments/real_model_experiment.py on "random-tiny") gives the single-device
+perplexity and greedy tokens. The default suite runs a compact grid; the issue's full grid,
+the batcher's meshes and the main job are `-m slow`.
 """
 
 import json
@@ -59,3 +61,11 @@ def test_sharded_decode_full_grid():
   assert len(cases) == 4 * 3 * 2 + 4
   assert all(r["tokens_equal"] for r in cases)
   assert sum(r["check"] == "batcher" for r in results) == 5
+  assert sum(r["check"] == "real_model" for r in results) == 1
+
+
+@pytest.mark.slow
+def test_main_job_on_a_mesh():
+  results = _run("real_model", timeout=900)
+  assert [r["mesh"] for r in results] == [[1, 2, 1], [1, 1, 2]]
+  assert all(r["tokens_equal"] and r["ppl_max_rel_diff"] <= 1e-5 for r in results)
