@@ -14,6 +14,12 @@ the trained params; rerunning the same command skips finished points. The
 terminal shows a progress bar and a short summary (`--verbosity=1` adds the
 log records). See experiments/runner.py.
 
+On a multi-host slice (docs/sharding.md) every host runs the same command with
+`--distributed`, which calls `jax.distributed.initialize()` before anything
+else (its arguments are detected on Cloud TPU, SLURM and Open MPI; elsewhere
+pass `--coordinator_address=host0:1234 --num_processes=N --process_id=i`) and
+a config whose `mesh.shape` spans every host's devices.
+
 One run at a time holds a workdir (and its training directory): a second
 run stops at once with exit status 2, or with `--wait` waits for the first
 (experiments/workdir.py). Mistakes on the command line -- an unknown flag or
@@ -34,6 +40,14 @@ config_flags.DEFINE_config_file(
 flags.DEFINE_string("workdir", None, "Directory for results, report, plots and trained params.")
 flags.DEFINE_bool("wait", False, "If another run holds the workdir or its training directory, "
                   "wait for it to finish instead of stopping with an error.")
+flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() before anything else "
+                  "(one process per host of a multi-host slice; docs/sharding.md).")
+flags.DEFINE_string("coordinator_address", None, "With --distributed: host:port of process 0 "
+                    "(None: detected on Cloud TPU, SLURM, Open MPI).")
+flags.DEFINE_integer("num_processes", None, "With --distributed: number of processes (None: "
+                     "detected).")
+flags.DEFINE_integer("process_id", None, "With --distributed: this process's id in [0, "
+                     "num_processes) (None: detected).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -41,6 +55,9 @@ def main(argv):
   """Runs (or resumes) the experiment of `--config` in `--workdir` (`runner.main`)."""
   if len(argv) > 1:
     raise cli.UserError(f"unexpected arguments: {' '.join(argv[1:])} (flags are --name=value)")
+  if FLAGS.distributed:  # before any JAX call (loading the config touches no backend)
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   # Imported here so that a mistake on the command line is reported before JAX loads.
   from experiments import runner  # pylint: disable=g-import-not-at-top
   runner.main(FLAGS.config, FLAGS.workdir, config_flags.get_config_filename(FLAGS["config"]),

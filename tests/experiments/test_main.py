@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import socket
 
 import pytest
 
@@ -106,6 +107,22 @@ def test_shipped_config_validates(tmp_path, arg):
     assert {(p.params["cache_dtype"], p.params["policy"], p.params["num_kv_heads_setting"])
             for p in points} == {(d, p, k) for d in default.CACHE_DTYPES
                                  for p in default.POLICIES for k in default.KV_HEADS}
+
+
+def test_distributed_initialize_comes_first(tmp_path):
+  """`--distributed` calls jax.distributed.initialize() (here one process) before anything
+  else: loading configs/default.py and the runner touch no JAX backend, so the run reaches
+  the config's validation (a user error, exit 2) instead of JAX's RuntimeError."""
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  proc = subproc.popen("experiments.main", *subproc.main_args(
+      str(tmp_path / "run"), "model.name=random-tiny", "text.new_tokens=2",
+      config="configs/default.py:smoke"), "--distributed",
+      f"--coordinator_address=localhost:{port}", "--num_processes=1", "--process_id=0")
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 2, out + err
+  assert "text.new_tokens must be an int >= 3" in err and "must be called before" not in err
 
 
 def test_summary_and_plot_links(tmp_path):
