@@ -1,7 +1,7 @@
 r"""Sharded KV caches on a device mesh: bytes per device, communication, decode step time.
 
     python -m experiments.bench_sharding            # context 4096, 1..8 devices
-    python -m experiments.bench_sharding --smoke    # context 384, three meshes
+    python -m experiments.bench_sharding --smoke    # context 640, three meshes
 
 Prints one JSON line per (mesh, cache kind): `mesh` (data, model, seq sizes),
 `cache_kind` (dense, paged, mla), `context` (tokens held per sequence),
@@ -143,6 +143,8 @@ def measure(mesh_shape, kind: str, context: int, steps: int, repeats: int) -> di
   graphdef, state = nnx.split(model)
   first = jnp.zeros((BATCH,), jnp.int32)
   hlo = _step.lower(graphdef, state, first, caches).compile().as_text()
+  # Dimensions only a cache has: S and the pages of a pool. Both must differ from every model
+  # dimension (D = 384, F = 768, C = 256, ...), or e.g. the all-reduce of [B, 1, D] counts.
   comm, counts, cache_moves = collectives(hlo, {context, BATCH * context // PAGE_SIZE})
   times = []
   for _ in range(repeats):
@@ -163,7 +165,7 @@ def measure(mesh_shape, kind: str, context: int, steps: int, repeats: int) -> di
 def main(argv=None):
   """Prints one JSON line per (cache kind, mesh) (module doc); `argv` without the program."""
   parser = cli.ArgumentParser(description=__doc__.split("\n", 1)[0])
-  parser.add_argument("--smoke", action="store_true", help="context 384, three meshes")
+  parser.add_argument("--smoke", action="store_true", help="context 640, three meshes")
   parser.add_argument("--context", type=int, default=None, help="tokens per sequence")
   parser.add_argument("--steps", type=int, default=4, help="greedy decode steps compared")
   parser.add_argument("--repeats", type=int, default=3, help="timed decode steps")
@@ -175,7 +177,7 @@ def main(argv=None):
     meshes = [(1, 1, 1)] + [s for k in (2, 4, 8) for s in ((k, 1, 1), (1, k, 1), (1, 1, k))]
     meshes.append((2, 2, 2))
   meshes = [m for m in meshes if math.prod(m) <= n]
-  context = args.context or (384 if args.smoke else 4096)
+  context = args.context or (640 if args.smoke else 4096)  # 384 would equal D (see measure)
   for kind in ("dense", "paged", "mla"):
     for mesh_shape in meshes:
       print(json.dumps(measure(mesh_shape, kind, context, args.steps,
