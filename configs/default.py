@@ -83,7 +83,7 @@ def get_config(arg=None):
   # Device mesh (kvattn.sharding, docs/sharding.md): shape None = one device; (data, model, seq)
   # sizes run each point with params and caches sharded, e.g. --config.mesh.shape="(1,2,1)".
   # The job decodes one sequence, so data must be 1; seq must divide text.chunk; the full
-  # cache is sharded, a bounded policy's cache is replicated over the mesh.
+  # cache is sharded, a bounded policy's cache starts replicated (XLA lays out its updates).
   config.mesh = sharding.mesh_config()
 
   config.experiment = config_dict.ConfigDict()

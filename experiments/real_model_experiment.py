@@ -25,11 +25,12 @@ bounded kind of `kvattn.cache_factories.policy_caches`) and a head grouping
 On a mesh (`mesh.shape`, kvattn.sharding): the parameters are placed by the
 sharding rules (`sharding.place_model`) and the full cache is created sharded
 (`sharding.init_caches`: KV heads over `model`, slots over `seq`); a bounded
-policy's cache has no sharded kind and is replicated over the mesh. Batch 1
-needs `data` = 1, `seq` must divide `text.chunk` and the point's KV heads must
-fit `model` (checked before any work, ValueError naming the key); records then
-add `mesh` and `per_device_cache_bytes`. One device (shape None) keeps the
-point ids of earlier runs.
+policy's cache has no sharded kind: it starts replicated over the mesh and
+XLA's partitioner lays out its updates (`per_device_cache_bytes` records the
+result). Batch 1 needs `data` = 1, `seq` must divide `text.chunk` and the
+point's KV heads must fit `model` (checked before any work, ValueError naming
+the key); records then add `mesh` and `per_device_cache_bytes`. One device
+(shape None) keeps the point ids of earlier runs.
 
 The report (report.md) has one table (ratios against the reference point)
 and two plots, quality_vs_cache.png and decode_speed.png, linked from it.
@@ -237,7 +238,8 @@ class RealModelFamily:
   @staticmethod
   def _caches(model, capacity: int, dtype, policy, mesh, rules):
     """Empty batch-1 caches: sharded on a mesh for the full policy (`sharding.init_caches`),
-    replicated over it for a bounded one (no sharded kind), plain without a mesh."""
+    replicated over it for a bounded one (no sharded kind; XLA lays out the updated cache),
+    plain without a mesh."""
     if mesh is None:
       return model.init_caches(1, capacity, dtype, policy=policy)
     if policy["kind"] == "full":

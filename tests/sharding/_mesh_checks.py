@@ -255,7 +255,10 @@ def check_real_model(mesh_shape) -> dict:
   from experiments import real_model_experiment as rme
   config = default.get_config("smoke")
   config.model.name = "random-tiny"
-  sweep = default.get_sweep("smoke")  # f32 full cache (sharded); int8 H2O at K = 1 (replicated)
+  # f32 full cache (sharded); int8 H2O at K = 1 (no sharded kind); int8 full at K = 1 (the
+  # one KV head replicated over `model`).
+  sweep = default.get_sweep("smoke") + [
+      {"cache.dtype": "int8", "cache.policy": "full", "heads.num_kv_heads": 1}]
   records = []
   with tempfile.TemporaryDirectory() as workdir:
     for shape in (None, mesh_shape):
@@ -283,7 +286,7 @@ def check_real_model(mesh_shape) -> dict:
               cache_bytes_per_seq=[r["cache_bytes_per_seq"] for r in sharded],
               bad_mesh_errors=errors,
               ok=rel <= 1e-5 and tokens and split and not errors
-              and [r["mesh"] for r in sharded] == [list(mesh_shape)] * 2)
+              and [r["mesh"] for r in sharded] == [list(mesh_shape)] * 3)
 
 
 def check_quantized() -> dict:
