@@ -2,6 +2,7 @@
 
 import functools
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -70,6 +71,21 @@ def test_sequences_joining_and_leaving_get_what_they_get_alone():
   # Every page came back.
   assert batcher.allocator.num_free == 24 and batcher.free_slots == [0, 1, 2]
   batcher.allocator.check()
+
+
+@pytest.mark.slow  # ~10 CPU-seconds: compiles the batcher and generate for int8
+def test_int8_pools_give_the_int8_dense_cache_tokens():
+  """A quantized pool: the one-slot prefill writes the scale pages too (it once dropped them
+  and failed), and greedy tokens equal generate's through an int8 dense cache."""
+  model = _model()
+  requests = [("b", 1, 12, 4)]  # a 12-token prompt over 3 pages, then a 4th page
+  results = _batcher(dtype=jnp.int8).run([(r, _prompt(s, n), new) for r, s, n, new in requests])
+  factory = lambda b, s, dtype=None: model.init_caches(b, s, jnp.int8)
+  for rid, seed, n, new in requests:
+    padded = np.zeros((1, MAX_PROMPT), np.int32)
+    padded[0, :n] = _prompt(seed, n)
+    want, _ = generate(model, padded, np.array([n], np.int32), new, cache_factory=factory)
+    np.testing.assert_array_equal(results[rid].tokens, np.asarray(want)[0])
 
 
 def test_exhaustion_on_join_changes_nothing_and_running_sequences_continue():
