@@ -362,6 +362,10 @@ class KVCache:
     `q, k, v` come before RoPE; the other arguments are the module's
     (`cache_protocol.update_attend`). A subclass that overrides `update` or
     `attend` (a sharded cache) gets plain update-then-attend.
+
+    Raises:
+      ValueError, TypeError: as `update` and `ops.decode_attention` (shapes,
+        dtypes, `new_lengths`, an eager overflow, an unknown `implementation`).
     """
     rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
     q, k = ops.apply_rope(q, positions, **rope), ops.apply_rope(k, positions, **rope)
