@@ -37,6 +37,8 @@ pytree leaves are unchanged.
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,6 +138,23 @@ def advance_lengths(lengths: jax.Array, new_lengths: jax.Array, capacity: int) -
   checkify.debug_check(jnp.all(end <= capacity),
                        "cache overflow: lengths + new_lengths exceeds max_len")
   return end
+
+
+# Backends of `ops.decode_attention` that take the newest token apart (`k_new` / `v_new`).
+_APPENDING_BACKENDS = ("xla_blocked", "xla")
+
+
+def appends_newest(implementation: str | Sequence[str] | None) -> bool:
+  """Whether a decode step with `implementation` gives `ops.decode_attention` the newest
+  token apart from the cache (`KVCache.update_attend`): when every named backend is an XLA
+  one, or, for None, on CPU (where the Pallas kernel declines and the default order reaches
+  `"xla_blocked"` / `"xla"`) unless a backend from outside kvattn was registered."""
+  if implementation is None:
+    names = ops.available_implementations("decode_attention")
+    return (jax.default_backend() == "cpu"
+            and all(n in ("pallas",) + _APPENDING_BACKENDS for n in names))
+  names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+  return all(n in _APPENDING_BACKENDS for n in names)
 
 
 def slot_positions(lengths: jax.Array, capacity: int) -> jax.Array:
@@ -313,6 +332,69 @@ class KVCache:
       return ops.decode_attention(q[:, 0], self.k, self.v, self.lengths,
                                   implementation=implementation, **opts)[:, None]
     return ops.attention(q, self.k, self.v, q_offsets=q_offsets, kv_lengths=self.lengths, **opts)
+
+  def update_attend(
+      self,
+      q: jax.Array,  # [B, T, N, H]
+      k: jax.Array,  # [B, T, K, H]
+      v: jax.Array,  # [B, T, K, H]
+      *,
+      positions: jax.Array,  # i32[B, T]
+      rope_theta: float,
+      rope_scaling: Any = None,
+      new_lengths: jax.Array,  # i32[B]
+      sm_scale: float | None = None,
+      window: int | None = None,
+      soft_cap: float | None = None,
+      implementation: str | Sequence[str] | None = None,
+  ) -> tuple[jax.Array, "KVCache"]:
+    """One attention step (`cache_protocol.update_attend`): `(out [B, T, N, H], new_cache)`.
+
+    RoPE at `positions`, `update`, then `attend` -- except a decode step
+    (T == 1) on an XLA backend (`appends_newest`), which attends THIS cache,
+    from before the write, with the new token's key and value given apart
+    (`ops.decode_attention(..., k_new=, v_new=)`, one softmax over both, so
+    the same result). Nothing then reads the buffer the write updates in place:
+    at batch 1 XLA:CPU otherwise fused the write twice (once into the shape the
+    attention read, without the unit batch axis) and copied each layer's K and V
+    four times per step inside the decode loop (docs/benchmarks.md).
+
+    `q, k, v` come before RoPE; the other arguments are the module's
+    (`cache_protocol.update_attend`). A subclass that overrides `update` or
+    `attend` (a sharded cache) gets plain update-then-attend.
+
+    Raises:
+      ValueError, TypeError: as `update` and `ops.decode_attention` (shapes,
+        dtypes, `new_lengths`, an eager overflow, an unknown `implementation`).
+    """
+    rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
+    q, k = ops.apply_rope(q, positions, **rope), ops.apply_rope(k, positions, **rope)
+    opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap)
+    cls = type(self)
+    if (q.shape[1] != 1 or cls.update is not KVCache.update or cls.attend is not KVCache.attend
+        or not appends_newest(implementation)):
+      new_cache = self.update(k, v, new_lengths)
+      return new_cache.attend(q, q_offsets=self.lengths, implementation=implementation,
+                              **opts), new_cache
+    new_lengths = resolve_new_lengths(new_lengths, self.batch, 1)
+    lengths = jnp.asarray(self.lengths) + new_lengths
+    k_new, v_new = (self.stored_token(x[:, 0]) for x in (k, v))
+    out = ops.decode_attention(q[:, 0], self.k, self.v, lengths, k_new=k_new, v_new=v_new,
+                               implementation=implementation, **opts, **self.scale_kwargs())
+    # The written token depends on the output (plus an exact 0 XLA cannot fold away), so the
+    # write is ordered after every read of the old buffer; without that XLA:CPU cannot prove
+    # the reads done and copies the buffer (an optimization_barrier is removed before that).
+    tie = jnp.nan_to_num(out[0, 0, 0].astype(jnp.float32) * 0.0)
+    return out[:, None], self.update(k + tie.astype(k.dtype), v + tie.astype(v.dtype),
+                                     new_lengths)
+
+  def stored_token(self, x: jax.Array) -> jax.Array:
+    """`x: [B, K, H]` as this cache stores and reads it back: cast to its dtype, or
+    quantized and dequantized to f32 (`encode`, then values * scales)."""
+    values, scales = encode(x, self.dtype)
+    if scales is None:
+      return values.astype(self.dtype)
+    return values.astype(jnp.float32) * scales[..., None]
 
 
 @struct.dataclass

@@ -155,6 +155,8 @@ def decode_attention(
     soft_cap: float | None = None,
     k_scale: jax.Array | None = None,  # f32[B, K, S]
     v_scale: jax.Array | None = None,  # f32[B, K, S]
+    k_new: jax.Array | None = None,  # [B, K, H]
+    v_new: jax.Array | None = None,  # [B, K, Hv]
     implementation: str | Sequence[str] | None = None,
 ) -> jax.Array:
   """Attention of one new token per sequence against a dense KV cache.
@@ -175,6 +177,13 @@ def decode_attention(
     k_scale, v_scale: `f32[B, K, S]` per-slot scales of a quantized cache
       (key `k[b, h, s] * k_scale[b, h, s]`), applied inside the attention
       computation (no dequantized copy of the cache); None for float caches.
+    k_new, v_new: the newest token's key `[B, K, H]` and value `[B, K, Hv]`
+      (float; dequantized for a quantized cache), given apart from the cache:
+      slot `lengths[b] - 1` of k / v is then not read and may hold anything,
+      so a caller can pass the cache from before the token's write (XLA:CPU
+      then need not copy the written buffer; `KVCache.update_attend`). A row
+      with `lengths[b] > S` (overflowed: its token was dropped) attends the
+      cache alone. Both or neither; XLA backends only (`"pallas"` declines).
     implementation: `"pallas"` (the fused kernel; picked by None on GPU/TPU
       for the shapes it supports, interpreted on CPU when named),
       `"xla_blocked"` (flash-decoding in XLA reading only the attended
@@ -195,8 +204,21 @@ def decode_attention(
   """
   lengths = common.check_decode_args(q, k, v, lengths, window, soft_cap, sm_scale, k_scale,
                                      v_scale)
+  if (k_new is None) != (v_new is None):
+    raise ValueError("k_new and v_new must be given together; got "
+                     f"k_new={'None' if k_new is None else 'an array'} and "
+                     f"v_new={'None' if v_new is None else 'an array'}")
+  if k_new is not None:
+    batch, num_kv, _, head_dim = k.shape
+    for name, x, want in (("k_new", k_new, (batch, num_kv, head_dim)),
+                          ("v_new", v_new, (batch, num_kv, v.shape[-1]))):
+      common.floating(name, x)
+      if tuple(x.shape) != want:
+        raise ValueError(f"{name} must have shape [B, K, {name[0].upper()}] = {want}; "
+                         f"got {tuple(x.shape)}")
   return dispatch("decode_attention", implementation, q, k, v, lengths, sm_scale=sm_scale,
-                  window=window, soft_cap=soft_cap, **_given(k_scale=k_scale, v_scale=v_scale))
+                  window=window, soft_cap=soft_cap,
+                  **_given(k_scale=k_scale, v_scale=v_scale, k_new=k_new, v_new=v_new))
 
 
 def paged_decode_attention(

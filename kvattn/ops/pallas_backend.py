@@ -40,7 +40,10 @@ def _mode(explicit: bool, why_not) -> bool:
 
 
 def _decode(q, k, v, lengths, *, explicit, sm_scale=None, window=None, soft_cap=None,
-            k_scale=None, v_scale=None):
+            k_scale=None, v_scale=None, k_new=None, v_new=None):
+  if k_new is not None or v_new is not None:
+    raise NotImplementedError("pallas: the kernel reads the newest token from the cache "
+                              "(k_new / v_new are for the XLA backends)")
   interpret = _mode(explicit, lambda platform: _kernels.unsupported_reason(
       q.shape, k.shape, v.shape, k.dtype, platform=platform))
   return _kernels.decode_attention_unchecked(q, k, v, lengths, sm_scale=sm_scale, window=window,

@@ -192,6 +192,21 @@ def attention(
   return out.reshape(batch, num_tokens, num_heads, v.shape[-1]).astype(q.dtype)
 
 
+def newest_token(lengths: jax.Array, capacity: int) -> jax.Array:
+  """`bool[B]`: rows whose query token sits in a cache slot (`1 <= lengths[b] <= S`), the
+  slot `lengths[b] - 1` that `k_new` / `v_new` stand for in the decode backends. An
+  overflowed row (`lengths[b] > S`) had its token dropped and attends the cache alone."""
+  return (lengths >= 1) & (lengths <= capacity)
+
+
+def new_token_logits(qg: jax.Array, k_new: jax.Array, sm_scale: float,
+                     soft_cap: float | None) -> jax.Array:
+  """f32 `[B, K, G]` logits of the grouped queries `qg: [B, K, G, H]` against the newest
+  token's keys `k_new: [B, K, H]`, scaled and soft-capped like the cache's logits."""
+  logits = jnp.einsum("BKGH,BKH->BKG", qg.astype(jnp.float32), k_new.astype(jnp.float32))
+  return _soft_cap(logits * sm_scale, soft_cap)
+
+
 def decode_attention_xla(
     q: jax.Array,  # [B, N, H]
     k: jax.Array,  # [B, K, S, H]
@@ -203,6 +218,8 @@ def decode_attention_xla(
     soft_cap: float | None = None,
     k_scale: jax.Array | None = None,  # f32[B, K, S]
     v_scale: jax.Array | None = None,  # f32[B, K, S]
+    k_new: jax.Array | None = None,  # [B, K, H]
+    v_new: jax.Array | None = None,  # [B, K, Hv]
 ) -> jax.Array:
   """The `"xla"` backend of `kvattn.ops.decode_attention` (same arguments, unchecked).
 
@@ -211,6 +228,12 @@ def decode_attention_xla(
   T = 1 and `q_offsets = lengths - 1`, written without the T axis so both
   einsums are plain batched products of the cache in place. Length-0 rows
   return zeros. Returns `[B, N, Hv]` in q's dtype.
+
+  With `k_new, v_new` (the newest token's key and value, dequantized) slot
+  `lengths[b] - 1` is not read from the cache (`newest_token`): the token is one
+  more logit column of the same softmax and its value is added to the
+  probability-weighted sum. The cache may then be the one from before the
+  token's write, so nothing reads the buffer the write updates in place.
 
   The arguments are not checked here: call `kvattn.ops.decode_attention(...,
   implementation="xla")` for the checked entry point.
@@ -227,7 +250,20 @@ def decode_attention_xla(
   logits = jnp.swapaxes(jax.lax.optimization_barrier(logits_t), -1, -2) * sm_scale
   logits = _soft_cap(scale_logits(logits, k_scale), soft_cap)
   mask = common.decode_mask(lengths, capacity, window)  # [B, S]
-  out = attend(logits, mask[:, None, None], "BKGS,BKSV->BKGV", v, v_scale, mask, slot_axis=2)
+  if k_new is None:
+    out = attend(logits, mask[:, None, None], "BKGS,BKSV->BKGV", v, v_scale, mask, slot_axis=2)
+    return out.reshape(batch, num_heads, v.shape[-1]).astype(q.dtype)
+  has_new = newest_token(lengths, capacity)  # [B]
+  slots = jnp.arange(capacity, dtype=jnp.int32)[None, :]
+  mask &= ~(has_new[:, None] & (slots == lengths[:, None] - 1))  # the cache's part
+  logits = jnp.concatenate(
+      [logits, new_token_logits(qg, k_new, sm_scale, soft_cap)[..., None]], axis=-1)
+  full_mask = jnp.concatenate([mask, has_new[:, None]], axis=-1)[:, None, None]
+  probs, denom = masked_softmax(logits, full_mask)  # [B, K, G, S + 1]
+  out = weighted_values("BKGS,BKSV->BKGV", scale_probs(probs[..., :-1], v_scale, mask), v,
+                        mask, slot_axis=2)
+  out = out + probs[..., -1:] * v_new.astype(jnp.float32)[:, :, None, :]
+  out = out / jnp.where(denom > 0, denom, 1.0)
   return out.reshape(batch, num_heads, v.shape[-1]).astype(q.dtype)
 
 

@@ -35,6 +35,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from kvattn.ops import xla
 from pallas_kernels import attention_common as common
 
 # Block sizes. XLA:CPU pays a fixed cost per loop iteration (tens of microseconds for the ~15
@@ -93,6 +94,7 @@ def blocked_decode(
     soft_cap: float | None,
     block_k: int | tuple[tuple[int, ...], int | None],
     scales: tuple[jax.Array | None, jax.Array | None, jax.Array | None] = (None, None, None),
+    new: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
   """Returns f32 `[B, K, G, Hv]`: attention over slots `[max(0, L - W), L)`.
 
@@ -109,11 +111,20 @@ def blocked_decode(
   `scales = (s1, s2, sv)`: per-slot scales (`f32[B, K, S]`, or `[B, S]` for
   three-axis caches) of a quantized k1, k2 and v (sv is ignored when the
   value is k1, which then uses s1), or None for float operands.
+
+  `new = (s_new, v_new)`: the logits (`f32[B, K, G]`, scaled and soft-capped)
+  and value (`[B, K, Hv]`) of each row's newest token, slot `L - 1`, which is
+  then not read from the cache (`xla.newest_token`): the online softmax starts
+  from that one token instead of from nothing, so the result is exact and the
+  cache may be the one from before the token's write.
   """
   slot_axis = k1.ndim - 2
   batch, capacity = k1.shape[0], k1.shape[slot_axis]
   num_kv = k1.shape[1] if k1.ndim == 4 else 1
+  has_new = None if new is None else xla.newest_token(lengths, capacity)
   starts, lengths = common.attended_range(lengths, capacity, window)
+  if has_new is not None:  # the cache's part ends before the newest token
+    lengths = lengths - has_new.astype(jnp.int32)
   base = jnp.min(starts)
   span = jnp.maximum(jnp.max(lengths) - base, 0)
   values = k1 if v is None else v
@@ -171,6 +182,11 @@ def blocked_decode(
     init = (jnp.full((batch, num_kv, groups), common.M_INIT, jnp.float32),
             jnp.zeros((batch, num_kv, groups), jnp.float32),
             jnp.zeros((batch, num_kv, groups, hv), jnp.float32))
+    if new is not None:  # the newest token alone: max its logit, sum exp(0) = 1, acc its value
+      s_new, v_new = new
+      row = has_new[:, None, None]
+      init = (jnp.where(row, s_new, init[0]), jnp.where(row, 1.0, init[1]),
+              jnp.where(row[..., None], v_new.astype(jnp.float32)[:, :, None, :], init[2]))
     if loop:
       _, l, acc = lax.fori_loop(0, (span + block_k - 1) // block_k, body, init)
     else:  # the span fits in one block (an empty span reads one block, all masked)
@@ -222,13 +238,17 @@ def decode_attention_blocked(
     block_k: int | None = None,
     k_scale: jax.Array | None = None,  # f32[B, K, S]
     v_scale: jax.Array | None = None,  # f32[B, K, S]
+    k_new: jax.Array | None = None,  # [B, K, H]
+    v_new: jax.Array | None = None,  # [B, K, Hv]
 ) -> jax.Array:
   """`decode_attention_xla` semantics computed block by block.
 
   `block_k` (slots per loop iteration, in `[1, S]`) defaults to the sizes
   `block_sizes(S, B * K, H + Hv)`, one picked per call by the attended span.
   `k_scale, v_scale` are the scales of a quantized (int8/fp8) cache, applied
-  per block. Returns `[B, N, Hv]` in q's dtype.
+  per block. `k_new, v_new`: the newest token given apart from the cache, as
+  in `decode_attention_xla` (the online softmax starts from it). Returns
+  `[B, N, Hv]` in q's dtype.
 
   Raises:
     ValueError: `block_k` outside `[1, S]`.
@@ -237,8 +257,11 @@ def decode_attention_blocked(
   block_k = _block_arg(block_k, capacity, batch * num_kv, head_dim + v.shape[-1])
   scale = head_dim ** -0.5 if sm_scale is None else sm_scale
   qg = q.astype(jnp.float32).reshape(batch, num_kv, -1, head_dim) * scale
+  new = None
+  if k_new is not None:  # qg is already scaled
+    new = xla.new_token_logits(qg, k_new, 1.0, soft_cap), v_new
   out = blocked_decode(qg, None, k, None, v, lengths, window=window, soft_cap=soft_cap,
-                       block_k=block_k, scales=(k_scale, None, v_scale))
+                       block_k=block_k, scales=(k_scale, None, v_scale), new=new)
   return out.reshape(batch, q.shape[1], v.shape[-1]).astype(q.dtype)
 
 
