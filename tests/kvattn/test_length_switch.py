@@ -57,14 +57,21 @@ def _decode(model, caches, tokens, step=None):
 TOKENS = jax.random.randint(jax.random.key(1), (2, 9), 0, V)
 
 
-def test_before_the_switch_outputs_equal_the_dense_cache_exactly(model, step):
+def test_before_the_switch_outputs_equal_the_dense_cache_exactly(model, step, monkeypatch):
   """Bit for bit (jitted, the phase chosen by lax.switch) against a dense cache of
-  switch_length slots (the same reductions; against another capacity the sums are ordered
-  differently: 1e-6)."""
+  switch_length slots that writes, then attends (the same reductions; against another
+  capacity the sums are ordered differently: 1e-6). The dense cache's own decode step
+  attends the new token apart from the cache (`KVCache.update_attend`): the same softmax
+  summed in another order, 1e-6."""
   sl = 3
-  dense, _ = _decode(model, model.init_caches(2, sl), TOKENS[:, :sl], step)
   switch, caches = _decode(model, _switch_caches(model, 2, 9, sl), TOKENS, step)
+  dense, _ = _decode(model, model.init_caches(2, sl), TOKENS[:, :sl], step)
+  np.testing.assert_allclose(switch[:, :sl], dense, atol=1e-6, rtol=0)
+  monkeypatch.setattr(kvattn.cache, "appends_newest", lambda implementation: False)
+  write_then_attend = jax.jit(lambda c, t, n: model(t, caches=c, new_lengths=n))
+  dense, _ = _decode(model, model.init_caches(2, sl), TOKENS[:, :sl], write_then_attend)
   np.testing.assert_array_equal(switch[:, :sl], dense)
+  monkeypatch.undo()
   # Past the switch the outputs change (the pooled heads are an approximation).
   dense, _ = _decode(model, model.init_caches(2, 9), TOKENS, step)
   np.testing.assert_allclose(switch[:, :sl], dense[:, :sl], atol=1e-6, rtol=0)
