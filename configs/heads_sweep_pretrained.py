@@ -18,10 +18,10 @@ passkey accuracy before and after `train.steps` uptraining steps, decode tokens/
 (experiments/heads_pretrained_experiment.py).
 
 `get_config(arg)`: "" (the full run: every point, 80 attention-only uptraining steps of
-4 x 128 tokens = 40,960 tokens per point, peak lr 3e-4; estimated from per-phase
-measurements at ~70 CPU-minutes, i.e. under 45 minutes on an idle 2-core CPU; see "Budget"
-below), "reduced" (K3, K1-mean and
-MLA-C232 with 10 steps, 8 evaluation rows and 2 passkey prompts of 1k tokens) or "smoke" (a
+4 x 128 tokens = 40,960 tokens per point, peak lr 3e-4; measured at 67.5 CPU-minutes,
+about 54 minutes on an idle 2-core CPU since a step uses ~1.24 cores: over the issue's 45,
+which `--config.train.steps=56` would meet; docs/benchmarks.md "Head grouping"), "reduced"
+(K3, K1-mean and MLA-C232 with 10 steps, 8 evaluation rows and 2 passkey prompts of 1k tokens) or "smoke" (a
 tiny random llama with the byte tokenizer, seconds).
 
 Budget (measured on SmolLM2-135M, 2 cores, CPU-seconds per point): conversion ~3, perplexity
