@@ -130,6 +130,12 @@ def collectives(hlo: str, cache_dims: set[int]) -> tuple[int, dict[str, int], in
 
 
 def measure(mesh_shape, kind: str, context: int, steps: int, repeats: int) -> dict:
+  """One JSON row of the benchmark: a one-layer `kind` model ("dense", "paged", "mla") on a
+  mesh of `mesh_shape` `(data, model, seq)`, caches holding `context` tokens, against the
+  same model on one device: total and per-device cache bytes (addressable shards), the
+  compiled decode step's collectives and their bytes, cache all-gathers (0 expected), max
+  abs logit difference and greedy-token equality over `steps` steps, and the median decode
+  step time in ms of `repeats` runs (a sanity check only on simulated devices)."""
   make = model_fn(kind)
   mesh = sharding.make_mesh(mesh_shape)
   plain_model = make()

@@ -20,6 +20,11 @@ from experiments.peers import protocol
 
 
 def main() -> None:
+  """Runs the HF transformers peer: reads the request `experiments.bench_real` wrote
+  (`protocol.read_request`: GGUF path, prompts, new tokens, threads), loads the GGUF with
+  `AutoModelForCausalLM.from_pretrained(..., gguf_file=...)` in f32, and serves the rounds
+  `bench_real` asks for (`protocol.serve`): each times prefill and the cached greedy decode
+  loop directly and returns seconds, process CPU seconds, tokens and the bytes per step."""
   request = protocol.read_request(sys.argv)
   torch.set_num_threads(int(request["threads"]))
   path = request["gguf"]

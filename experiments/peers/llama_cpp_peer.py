@@ -20,6 +20,10 @@ from experiments.peers import protocol
 
 
 def main() -> None:
+  """Runs the llama.cpp peer (`llama-cpp-python`, the GGUF as shipped), batch 1 only
+  (SystemExit naming the batch otherwise): reads the request (`protocol.read_request`) and
+  serves the rounds `bench_real` asks for (`protocol.serve`), each timing prefill and greedy
+  decode and returning seconds, process CPU seconds and tokens."""
   request = protocol.read_request(sys.argv)
   prompts = request["prompts"]
   if len(prompts) != 1:
