@@ -9,6 +9,14 @@ decode-kernel grid alone). After any test that leaves the process above
 `_MAX_MAPS`, the compiled-program caches are dropped (`jax.clear_caches()`),
 which unmaps them; later tests recompile what they need.
 
+The suite compiles with most XLA optimizations off (`jax_disable_most_optimizations`,
+also exported as JAX_DISABLE_MOST_OPTIMIZATIONS so the subprocesses of the experiment, sharding
+and notebook tests inherit it): nearly every program here is tiny and its cost is compilation,
+so this cuts the suite's CPU time by about a quarter (12.3 -> 9.1 min on 2 cores, the same 825
+tests passing). The numerics tests compare a fast path with its reference compiled the same
+way; the HLO-structure tests (copies per decode step) hold either way. Set
+JAX_DISABLE_MOST_OPTIMIZATIONS=0 to test the programs exactly as users compile them.
+
 `smollm2` is the one SmolLM2-135M-Instruct `(model, tokenizer)` of the session: every test that
 needs the real checkpoint shares it (loading costs ~5-15 s of CPU). Tests must not modify it.
 """
@@ -18,8 +26,13 @@ from __future__ import annotations
 import gc
 import os
 
-import jax
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+import jax  # pylint: disable=g-import-not-at-top  (after the environment it reads)
 import pytest
+
+jax.config.update("jax_disable_most_optimizations",
+                  os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in ("1", "true", "yes", "on"))
 
 _MAPS = "/proc/self/maps"
 _MAX_MAPS = 30_000  # about half the default vm.max_map_count
