@@ -2,6 +2,7 @@ r"""How fast XLA:CPU streams a decode step's weights, by storage dtype and dot f
 
     python -m experiments.bench_weights                  # batch 1 and 8, default XLA flags
     python -m experiments.bench_weights --flag_sets=",--xla_cpu_use_xnnpack=true"
+    python -m experiments.bench_weights --decode_floor --batches=1,8   # the step vs its weights
 
 A decode step multiplies a few activation rows (one per sequence) by every
 weight matrix, so it is bound by how fast the weights are read. Issue 15 asks
@@ -29,7 +30,15 @@ timed). Each entry of `--flag_sets` runs in its own subprocess with that
 `XLA_FLAGS` (XLA reads it once per process), so ratios across flag sets come
 from back-to-back processes, not one.
 
-Raises (exit 2 via absl): `--batches` not positive integers.
+`--decode_floor` instead compares, in one process, kvattn's decode step on
+SmolLM2-135M's shapes (random weights, f32, `bench_real.ours`, a `--prompt_len`
+prompt then 16 tokens; best of 3 runs) with the same weights' matmuls alone:
+per layer the fused q/k/v, o, gate/up and down projections of the batch's rows,
+then the tied LM head, in one `fori_loop` (`weights_floor_ms`; no attention, no
+norms, no cache). `step_ms - weights_floor_ms` bounds what attention, norms and
+the cache cost; `floor_gbps` is the weight bytes over the floor's time.
+
+Raises (one line on stderr and exit 2, `experiments.cli`): `--batches` not positive integers.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import bench_real
+from experiments import cli
 
 FLAGS = flags.FLAGS
 D_MODEL, D_OUT, LAYERS = 576, 3072, 30  # SmolLM2-135M: d_model, 2 x intermediate, layers
@@ -60,6 +70,9 @@ def _define_flags() -> None:
   flags.DEFINE_integer("repeats", 5, "Timed samples per form and batch (best is kept).")
   flags.DEFINE_integer("calls", 5, "Back-to-back calls per sample.")
   flags.DEFINE_list("flag_sets", [""], "XLA_FLAGS values, one subprocess each ('' = default).")
+  flags.DEFINE_bool("decode_floor", False, "Compare kvattn's decode step with its weights' "
+                    "matmuls alone (module doc) instead of the weight forms.")
+  flags.DEFINE_integer("prompt_len", 512, "With --decode_floor: prompt tokens before decoding.")
   flags.DEFINE_bool("child", False, "Internal: measure in this process and print JSON lines.")
 
 
@@ -129,6 +142,42 @@ def measure(batches: Sequence[int], calls: int, repeats: int) -> list[dict]:
   return records
 
 
+def decode_floor(batch: int, prompt_len: int, repeats: int) -> dict:
+  """kvattn's decode step on SmolLM2's shapes vs its weights' matmuls alone (module doc)."""
+  model, _ = bench_real.load_model("smollm2-135m-instruct", random_weights=True)
+  new_tokens = 16
+  prompts = np.random.default_rng(0).integers(0, 40000, (batch, prompt_len)).astype(np.int32)
+  run = bench_real.ours(model, prompts, new_tokens, jnp.float32)
+  run()
+  step = min(run().decode_s for _ in range(3)) / (new_tokens - 1)
+  spec = model.spec
+  d, f, layers = spec.d_model, spec.mlp_dim, spec.num_layers
+  att = spec.attention
+  hq, hkv = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
+  rng = np.random.default_rng(1)
+  weights = [jnp.asarray(rng.standard_normal((layers,) + shape, np.float32) * 0.02)
+             for shape in [(d, hq + 2 * hkv), (hq, d), (d, 2 * f), (f, d)]]
+  table = jnp.asarray(rng.standard_normal((spec.vocab_size, d), np.float32) * 0.02)
+
+  @jax.jit
+  def floor(x, weights, table):
+    def layer(i, h):
+      h = h + (h @ weights[0][i])[:, :hq] @ weights[1][i]
+      gate_up = h @ weights[2][i]
+      return h + (jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]) @ weights[3][i]
+    return jnp.einsum("bd,vd->bv", lax.fori_loop(0, layers, layer, x), table)
+
+  x = jnp.full((batch, d), 0.01, jnp.float32)
+  nbytes = sum(w.nbytes for w in weights) + table.nbytes
+  floor_s = _time(lambda x, w: floor(x, w, table), x, weights, 10, repeats)
+  read = bench_real.read_bandwidth(nbytes)
+  return dict(batch=batch, prompt_len=prompt_len, step_ms=step * 1e3,
+              weights_floor_ms=floor_s * 1e3, floor_share=floor_s / step,
+              weight_bytes=int(nbytes), floor_gbps=nbytes / floor_s / 1e9,
+              floor_of_read=nbytes / floor_s / read, read_gbps=read / 1e9,
+              xla_flags=os.environ.get("XLA_FLAGS", ""))
+
+
 def main(argv: Sequence[str]) -> None:
   del argv
   try:
@@ -137,6 +186,10 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError(f"--batches must be integers; got {FLAGS.batches}") from None
   if any(b < 1 for b in batches):
     raise app.UsageError(f"--batches must be positive; got {batches}")
+  if FLAGS.decode_floor:
+    for batch in batches:
+      print(json.dumps(decode_floor(batch, FLAGS.prompt_len, FLAGS.repeats)), flush=True)
+    return
   if FLAGS.child:
     for record in measure(batches, FLAGS.calls, FLAGS.repeats):
       print(json.dumps(record), flush=True)
@@ -161,4 +214,4 @@ def main(argv: Sequence[str]) -> None:
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(main)
+  cli.run(main)
