@@ -47,7 +47,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from typing import Callable, Sequence
 
 from absl import app
@@ -59,6 +58,7 @@ import numpy as np
 
 from experiments import bench_real
 from experiments import cli
+from experiments import timing
 
 FLAGS = flags.FLAGS
 D_MODEL, D_OUT, LAYERS = 576, 3072, 30  # SmolLM2-135M: d_model, 2 x intermediate, layers
@@ -101,18 +101,6 @@ def stack(matmul: Callable) -> Callable:
   return jax.jit(run)
 
 
-def _time(fn, h, w, calls: int, repeats: int) -> float:
-  fn(h, w).block_until_ready()
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = fn(h, w)
-    out.block_until_ready()
-    best = min(best, (time.perf_counter() - start) / calls)
-  return best
-
-
 def measure(batches: Sequence[int], calls: int, repeats: int) -> list[dict]:
   """One record per (form, batch), forms timed round-robin within each batch."""
   rng = np.random.default_rng(0)
@@ -124,10 +112,11 @@ def measure(batches: Sequence[int], calls: int, repeats: int) -> list[dict]:
   for batch in batches:
     h = jnp.asarray(rng.standard_normal((batch, D_MODEL), np.float32) * 0.1)
     want = np.asarray(fns["f32_dot"](h, forms["f32_dot"][1]))
-    best = {name: float("inf") for name in forms}
-    for _ in range(repeats):
-      for name, (_, w) in forms.items():
-        best[name] = min(best[name], _time(fns[name], h, w, calls, 1))
+    timers = {name: timing.Timer(fns[name], h, w, calls=calls) for name, (_, w) in forms.items()}
+    for timer in timers.values():
+      timer.warm()
+    timing.round_robin(timers.values(), repeats)
+    best = {name: min(timer.samples) for name, timer in timers.items()}
     for name, (_, w) in forms.items():
       got = np.asarray(fns[name](h, w))
       err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
@@ -169,7 +158,10 @@ def decode_floor(batch: int, prompt_len: int, repeats: int) -> dict:
 
   x = jnp.full((batch, d), 0.01, jnp.float32)
   nbytes = sum(w.nbytes for w in weights) + table.nbytes
-  floor_s = _time(lambda x, w: floor(x, w, table), x, weights, 10, repeats)
+  timer = timing.Timer(floor, x, weights, table, calls=10)
+  timer.warm()
+  timing.round_robin([timer], repeats)
+  floor_s = min(timer.samples)
   read = bench_real.read_bandwidth(nbytes)
   return dict(batch=batch, prompt_len=prompt_len, step_ms=step * 1e3,
               weights_floor_ms=floor_s * 1e3, floor_share=floor_s / step,
@@ -179,6 +171,12 @@ def decode_floor(batch: int, prompt_len: int, repeats: int) -> dict:
 
 
 def main(argv: Sequence[str]) -> None:
+  """Prints the JSON lines and table of the module doc.
+
+  Raises:
+    app.UsageError: `--batches` not positive integers (one line, exit status 2).
+    subprocess.CalledProcessError: a `--flag_sets` child failed (e.g. XLA rejected a flag).
+  """
   del argv
   try:
     batches = [int(b) for b in FLAGS.batches]
