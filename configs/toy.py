@@ -31,7 +31,7 @@ from ml_collections import config_dict
 import configs
 
 from kvattn import sharding
-from kvattn import transformer
+from kvattn.models import transformer
 
 ARGS = ("", "smoke")
 
@@ -45,7 +45,7 @@ def get_config(arg=None):
   smoke = _check_arg(arg) == "smoke"
   config = config_dict.ConfigDict()
 
-  # The model (kvattn.transformer schema: `ModelSpec` and `AttentionSpec` list every field, its
+  # The model (kvattn.models.transformer schema: `ModelSpec` and `AttentionSpec` list every field, its
   # default and meaning); only the values that differ from those defaults are set here.
   config.model = transformer.model_config(
       d_model=32 if smoke else 128,  # Model width D.
@@ -91,7 +91,7 @@ def get_config(arg=None):
   # sizes shard each point's params and caches, e.g. --config.mesh.shape="(1,2,1)".
   config.mesh = sharding.mesh_config()
 
-  # Training per variant (kvattn.train schema), shared by all sequence lengths.
+  # Training per variant (kvattn.training.trainer schema), shared by all sequence lengths.
   config.train = config_dict.ConfigDict()
   train = config.train
   train.steps = 3 if smoke else 150  # Optimiser steps.
@@ -111,7 +111,7 @@ def get_config(arg=None):
   # resumes from there); 0 = only at the end.
   train.progress = True  # tqdm bar over training steps.
 
-  # Text (kvattn.data schema): the default corpus needs no download.
+  # Text (kvattn.training.data schema): the default corpus needs no download.
   config.data = config_dict.ConfigDict()
   data = config.data
   data.path = config_dict.placeholder(str)  # None = CPython stdlib sources + pydoc topics.

@@ -37,7 +37,7 @@ from flax import nnx
 
 from experiments import cli
 from experiments import timing
-from kvattn import transformer as transformer_lib
+from kvattn.models import transformer as transformer_lib
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("batch", 4, "Sequences per batch B.")
@@ -52,7 +52,7 @@ flags.DEFINE_integer("head_dim", 32, "GQA head width H; MLA qk_nope_head_dim and
 flags.DEFINE_integer("mlp_dim", 768, "SwiGLU hidden width F.")
 flags.DEFINE_integer("kv_lora_rank", 64, "MLA latent width C.")
 flags.DEFINE_integer("qk_rope_head_dim", 16, "MLA RoPE width R.")
-flags.DEFINE_integer("vocab_size", 259, "Vocabulary size V (259: kvattn.data bytes + specials).")
+flags.DEFINE_integer("vocab_size", 259, "Vocabulary size V (259: kvattn.training.data bytes + specials).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"],
                   "Compute, parameter and cache dtype.")
 flags.DEFINE_enum("cache_dtype", None,

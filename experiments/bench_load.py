@@ -4,7 +4,7 @@
         --prompt_len 512 --new_tokens 64
 
 Takes `--model`, `--cache`, `--page_size` and `--dtype` as `experiments.chat`
-does. Times `kvattn.pretrained.from_pretrained(--model)` (the checkpoint already in
+does. Times `kvattn.checkpoints.pretrained.from_pretrained(--model)` (the checkpoint already in
 the cache), then for each batch size builds `--prompt_len`-token prompts from
 real text (the tokenizer's ids of a paragraph, repeated), runs the prefill and
 the decode loop once to compile them, and times `--repeats` further runs (no

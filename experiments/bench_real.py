@@ -10,7 +10,7 @@ one untimed round (which compiles ours). The systems run interleaved, round by
 round -- ours, then each peer -- so a busy machine slows all of them alike and
 the ratios (`decode_vs_hf`, `prefill_vs_hf`, `decode_vs_llama_cpp`) are
 measured in one run. Prompts are real text (the default corpus of
-`kvattn.data`, the CPython standard library's sources, tokenized by the
+`kvattn.training.data`, the CPython standard library's sources, tokenized by the
 model's tokenizer), every sequence `--prompt_len` tokens; decoding is greedy
 and runs all `new_tokens - 1` steps (no eos).
 
@@ -73,11 +73,11 @@ from flax import nnx
 
 from experiments import cli
 from experiments import timing as timing_lib
-from kvattn import data as data_lib
+from kvattn.training import data as data_lib
 from kvattn import memory
-from kvattn import pretrained
-from kvattn import transformer as transformer_lib
-from kvattn.generate import decode, prefill
+from kvattn.checkpoints import pretrained
+from kvattn.models import transformer as transformer_lib
+from kvattn.inference.generation import decode, prefill
 
 FLAGS = flags.FLAGS
 
@@ -86,7 +86,7 @@ def _define_flags() -> None:
   """Defines the command-line flags (at run time, not import, so tests and notebooks can
   import this module beside other entry points that define `--model`)."""
   flags.DEFINE_string("model", "smollm2-135m-instruct",
-                      "Registered name (kvattn.hub) or .gguf file.")
+                      "Registered name (kvattn.checkpoints.hub) or .gguf file.")
   flags.DEFINE_integer("batch", 1, "Sequences B.")
   flags.DEFINE_integer("prompt_len", 512, "Prompt tokens per sequence P.")
   flags.DEFINE_integer("new_tokens", 64, "Tokens generated per sequence N (N - 1 decode steps).")
@@ -295,7 +295,7 @@ def load_model(name: str, random_weights: bool, seed: int = 0):
 def text_ids(tok, num_tokens: int, *, skip_tokens: int = 0) -> np.ndarray:
   """`i32[num_tokens]` ids of the default corpus's text from token `skip_tokens` on.
 
-  `tok` is the model's tokenizer, or None for byte-level ids (`kvattn.data.encode`).
+  `tok` is the model's tokenizer, or None for byte-level ids (`kvattn.training.data.encode`).
   """
   ids: list[int] = []
   for doc in data_lib.load_corpus(None, max_bytes=4 * 2**20):
@@ -347,7 +347,7 @@ def main(argv: Sequence[str]) -> None:
   skipped: dict[str, str] = {}
   peers: list[Peer] = []
   if FLAGS.peers:
-    from kvattn import hub  # pylint: disable=g-import-not-at-top
+    from kvattn.checkpoints import hub  # pylint: disable=g-import-not-at-top
     gguf_path = str(hub.resolve(FLAGS.model))
     request = {"gguf": gguf_path, "prompts": prompts.tolist(), "new_tokens": new_tokens,
                "threads": FLAGS.threads}

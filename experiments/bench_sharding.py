@@ -40,10 +40,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from experiments import cli
-from kvattn import cache as cache_lib
-from kvattn import paged as paged_lib
+from kvattn.caches import dense as cache_lib
+from kvattn.caches import paged as paged_lib
 from kvattn import sharding
-from kvattn import transformer
+from kvattn.models import transformer
 
 BATCH, PAGE_SIZE, HEADROOM = 8, 16, 16
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

@@ -3,7 +3,7 @@
     python -m experiments.chat --model smollm2-135m-instruct \\
         --prompt "What is the capital of France?"
 
-Loads `--model` with `kvattn.pretrained.from_pretrained` (a registered name,
+Loads `--model` with `kvattn.checkpoints.pretrained.from_pretrained` (a registered name,
 fetched and cached on first use, a `.gguf` file or a HF checkpoint directory),
 renders the prompt with the checkpoint's chat template, generates with
 `kvattn.generate`'s compiled prefill and decode loop (greedy unless
@@ -40,9 +40,9 @@ from experiments import cli
 from experiments import timing as timing_lib
 
 from kvattn import memory
-from kvattn import cache_factories
-from kvattn import pretrained
-from kvattn.generate import Sampling, decode, prefill
+from kvattn.caches import registry as cache_factories
+from kvattn.checkpoints import pretrained
+from kvattn.inference.generation import Sampling, decode, prefill
 
 # --cache value -> (kind, storage dtype or None for the model's compute dtype).
 CACHE_CHOICES = {
@@ -58,7 +58,7 @@ CACHE_CHOICES = {
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct",
-                    "Registered name (kvattn.hub), .gguf file or HF checkpoint directory.")
+                    "Registered name (kvattn.checkpoints.hub), .gguf file or HF checkpoint directory.")
 flags.DEFINE_string("prompt", None, "The user's message.")
 flags.DEFINE_string("system", None, "A system message (default: the template's own, if any).")
 flags.DEFINE_integer("max_new_tokens", 128, "Most tokens to generate (eos stops earlier).")
@@ -126,7 +126,7 @@ def run(model, prompts: np.ndarray, lengths: np.ndarray, max_new_tokens: int, *,
 
 
 def load(source: str, dtype: str) -> tuple[Any, Any, float]:
-  """`(model, tokenizer, wall seconds)` of `kvattn.pretrained.from_pretrained(source)`.
+  """`(model, tokenizer, wall seconds)` of `kvattn.checkpoints.pretrained.from_pretrained(source)`.
 
   Raises:
     app.UsageError: the checkpoint ships no tokenizer.

@@ -5,7 +5,7 @@ r"""Head grouping on a pretrained model: convert to fewer KV heads or to MLA, th
 
 Each point converts the source checkpoint (`source.name`: a `kvattn.from_pretrained` name or
 path, e.g. SmolLM2-135M-Instruct with N = 9 query and K = 3 KV heads; or "random": a random
-model of the `model` section with the byte tokenizer, for smoke runs) with `kvattn.convert`
+model of the `model` section with the byte tokenizer, for smoke runs) with `kvattn.models.convert`
 (`convert.kind`: "regroup" to `convert.num_kv_heads` heads by `convert.method` "mean" or
 "first"; "mla" to a latent of `convert.kv_lora_rank` plus `convert.qk_rope_head_dim` rope
 dims, MHA2MLA) and measures, on the default corpus tokenized with the model's tokenizer:
@@ -13,7 +13,7 @@ dims, MHA2MLA) and measures, on the default corpus tokenized with the model's to
 * cache bytes per token (read from the arrays of a dense / latent cache, checked against
   `Transformer.cache_bytes_per_token`);
 * validation perplexity on `data.eval_rows` held-out rows, converted and after `train.steps`
-  uptraining steps (`kvattn.train.uptrain`, attention parameters only when
+  uptraining steps (`kvattn.training.trainer.uptrain`, attention parameters only when
   `uptrain.attention_only`; orbax checkpoints under the workdir, so a rerun resumes);
 * passkey retrieval accuracy (Mohtashami & Jaggi 2023): a 5-digit key stated once inside
   filler text of `passkey.context_len` tokens at a random depth, then asked for; greedy
@@ -39,10 +39,10 @@ from experiments import report as report_lib
 from experiments import results
 from experiments import runner
 from experiments import timing
-from kvattn import convert
-from kvattn import data as data_lib
-from kvattn import train as train_lib
-from kvattn import transformer as transformer_lib
+from kvattn.models import convert
+from kvattn.training import data as data_lib
+from kvattn.training import trainer as train_lib
+from kvattn.models import transformer as transformer_lib
 
 CONVERT_KINDS = ("regroup", "mla")
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
@@ -66,7 +66,7 @@ def schema() -> dict[str, tuple[str, ...]]:
 
 
 class ByteTokenizer:
-  """The byte tokenizer of `kvattn.data` behind the `kvattn.tokenizer.Tokenizer` calls used
+  """The byte tokenizer of `kvattn.training.data` behind the `kvattn.checkpoints.tokenizer.Tokenizer` calls used
   here (the "random" source)."""
 
   bos_id, eos_id = data_lib.BOS_ID, data_lib.EOS_ID
@@ -90,7 +90,7 @@ def label(conv: Mapping[str, Any], source_kv_heads: int) -> str:
 
 def convert_model(model: transformer_lib.Transformer, conv: Mapping[str, Any]
                   ) -> transformer_lib.Transformer:
-  """The point's converted model (`kvattn.convert`); a copy even when nothing changes."""
+  """The point's converted model (`kvattn.models.convert`); a copy even when nothing changes."""
   if conv["kind"] == "mla":
     return convert.to_mla(model, conv["kv_lora_rank"], conv["qk_rope_head_dim"],
                           method=conv["method"], rope_selection=conv["rope_selection"])
@@ -127,7 +127,7 @@ def passkey_accuracy(model: Any, tokenizer: Any, passkey: Mapping[str, Any]) -> 
   attention scores at once, ~0.6 GB per layer at B = 4 on SmolLM2), each right-padded to the
   longest with its own length, so a model compiles one prefill and one decode program.
   """
-  from kvattn.generate import generate  # pylint: disable=g-import-not-at-top
+  from kvattn.inference.generation import generate  # pylint: disable=g-import-not-at-top
   prompts, lengths, keys = passkey_prompts(tokenizer, passkey["context_len"], passkey["samples"],
                                            passkey["seed"])
   hits = 0
@@ -159,7 +159,7 @@ class HeadsPretrainedFamily:
         spec = runner.model_spec(d, "config")
         model, tok = transformer_lib.Transformer(spec, rngs=nnx.Rngs(0)), ByteTokenizer()
       else:
-        from kvattn import pretrained  # pylint: disable=g-import-not-at-top
+        from kvattn.checkpoints import pretrained  # pylint: disable=g-import-not-at-top
         try:
           model, tok = pretrained.from_pretrained(name)
         except (FileNotFoundError, KeyError) as e:

@@ -11,7 +11,7 @@ configs/length_switch.py: the unswitched dense cache ("never") or a
 Measured per point, at batch 1:
 
   * perplexity of the first `context` tokens of the default corpus of
-    `kvattn.data` (held out: nothing here trains on it), fed `text.chunk`
+    `kvattn.training.data` (held out: nothing here trains on it), fed `text.chunk`
     tokens per forward pass (exact for this cache: a chunk's queries below
     the switch read the full heads, the others the pooled ones);
   * decode: `decode.steps` timed single-token steps after that text (every
@@ -25,7 +25,7 @@ Measured per point, at batch 1:
     get;
   * for a switch point, the decode step of its switched cache, of the
     unswitched cache and of an MHA cache (the model's KV heads duplicated to N
-    by `kvattn.convert.regroup_kv_heads`: the same logits), each holding
+    by `kvattn.models.convert.regroup_kv_heads`: the same logits), each holding
     `context` tokens, timed in `decode.repeats` interleaved rounds of
     `decode.steps` steps (`decode_speed`): the speedups the report sets
     against the claim, each measured under one load;
@@ -58,8 +58,8 @@ from experiments import long_context_experiment as lce
 from experiments import report as report_lib
 from experiments import results
 from experiments import runner
-from kvattn import cache_factories
-from kvattn import convert
+from kvattn.caches import registry as cache_factories
+from kvattn.models import convert
 from kvattn import memory
 
 KINDS = ("dense", "length_switch")
@@ -409,7 +409,7 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
   params = records[0]["param_bytes"] if records else 0
   md = [f"# {title}", "",
         "Ratios are to the unswitched (dense, K heads) cache at the same context. Perplexity: "
-        "the first `context` tokens of kvattn.data's corpus; passkey: one prompt per depth; "
+        "the first `context` tokens of kvattn.training.data's corpus; passkey: one prompt per depth; "
         "decode: batch 1 after that text (tokens/s of the point's own run). Speedup and vs MHA: "
         "a switch point's switched cache against the unswitched one and against an MHA cache "
         "(the model's KV heads duplicated to N), timed in interleaved rounds within the point "
@@ -448,7 +448,7 @@ def decode_speed(model, contexts: Sequence[int], *, switch_length: int = 256,
   Kinds: "dense" (the model's own K-head cache), "length_switch" (switched at
   `switch_length` to `num_kv_heads_after` pooled heads) and "mha" (a dense cache of
   `mha_model`, by default `model` with its KV heads duplicated to N by
-  `kvattn.convert.regroup_kv_heads`: the same logits, an MHA cache). Each cache holds
+  `kvattn.models.convert.regroup_kv_heads`: the same logits, an MHA cache). Each cache holds
   `context` tokens (zeros: a step's cost does not depend on the values), so the switch cache
   has switched when `switch_length < context`. Every kind compiles first (one untimed step);
   then each of `repeats` rounds times `steps` steps of every kind in turn, so all kinds see

@@ -5,13 +5,13 @@ r"""Long-context caches on a real model: streaming perplexity, passkey retrieval
 
 The "long_context" family of experiments/runner.py (`experiment.kind =
 "long_context"`). One point per sweep entry of configs/long_context.py: a
-cache policy (`kvattn.cache_factories.policy_caches`: "full", "window" = a
+cache policy (`kvattn.caches.registry.policy_caches`: "full", "window" = a
 ring without sinks, "sink" = StreamingLLM, or an eviction policy of
-`kvattn.long_context`) at a budget, on the model `model.name`
+`kvattn.caches.long_context`) at a budget, on the model `model.name`
 (`kvattn.from_pretrained`). Measured per point:
 
   * streaming perplexity: `text.num_tokens + 1` tokens of the default corpus
-    of `kvattn.data` (stdlib sources and pydoc topics, tokenized with the
+    of `kvattn.training.data` (stdlib sources and pydoc topics, tokenized with the
     model's tokenizer) go through the cache `text.chunk` tokens per forward
     pass; each token's negative log-likelihood is read from the logits of the
     token before it. Reported: perplexity overall, over the second half, and
@@ -67,11 +67,11 @@ from experiments import cli
 from experiments import report as report_lib
 from experiments import results
 from experiments import runner
-from kvattn import cache_factories
-from kvattn import data as data_lib
-from kvattn import gqa as gqa_lib
-from kvattn import long_context
-from kvattn import transformer as transformer_lib
+from kvattn.caches import registry as cache_factories
+from kvattn.training import data as data_lib
+from kvattn.models import gqa as gqa_lib
+from kvattn.caches import long_context
+from kvattn.models import transformer as transformer_lib
 
 KINDS = ("full", "window", "sink") + long_context.POLICIES
 BOUNDED = KINDS[1:]  # The kinds with a budget (all but "full").
@@ -108,7 +108,7 @@ def schema() -> dict[str, tuple[str, ...]]:
 
 
 def policy_dict(policy: Mapping[str, Any]) -> dict[str, Any]:
-  """The `kvattn.cache_factories.policy_caches` dict of a config's `policy` section."""
+  """The `kvattn.caches.registry.policy_caches` dict of a config's `policy` section."""
   kind, budget = policy["kind"], policy["budget"]
   if kind == "full":
     return {"kind": "full"}
@@ -128,7 +128,7 @@ def _tiny_model():
 
 
 class _ByteTokenizer:
-  """`kvattn.data`'s byte tokenizer with the encode/decode of `kvattn.Tokenizer`."""
+  """`kvattn.training.data`'s byte tokenizer with the encode/decode of `kvattn.Tokenizer`."""
 
   def encode(self, text: str) -> list[int]:
     return [int(i) for i in data_lib.encode(text)]
@@ -146,7 +146,7 @@ def load_model(name: str, dtype: str):
 
 
 def corpus_tokens(tokenizer, count: int) -> np.ndarray:
-  """The first `count` tokens of the default corpus of `kvattn.data` (documents joined)."""
+  """The first `count` tokens of the default corpus of `kvattn.training.data` (documents joined)."""
   ids: list[int] = []
   budget = 4096
   while len(ids) < count:
@@ -715,7 +715,7 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
   cpu = sum(r.get("cpu_seconds", 0.0) for r in records + speed)
   wall = sum(r.get("point_seconds", 0.0) for r in records + speed)
   md = [f"# {title}", "",
-        f"Streaming perplexity over {num_tokens} tokens of the default corpus of kvattn.data, "
+        f"Streaming perplexity over {num_tokens} tokens of the default corpus of kvattn.training.data, "
         f"fed {chunk} tokens per forward pass (chunk length {chunk}; 1 would be exact "
         f"token-by-token streaming). Passkey accuracy per context length (tokens), averaged "
         f"over depths. Cache MiB/seq: the storage arrays (checked equal to capacity x bytes per "

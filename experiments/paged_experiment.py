@@ -16,7 +16,7 @@ and the paged cache at each page size. Every point serves the same workload:
     long-tailed mix, as request lengths are in serving traces.
   * dense: `model.init_caches(B, cache.max_len)`, the contiguous
     per-request cache that must reserve the longest length for everyone.
-    paged: `kvattn.cache_factories.init_paged_caches` with each sequence's own L_b,
+    paged: `kvattn.caches.registry.init_paged_caches` with each sequence's own L_b,
     pages from a `PageAllocator` (shuffled free list), the pool exactly the
     pages handed out.
 
@@ -61,9 +61,9 @@ from experiments import results
 from experiments import runner
 from experiments import timing
 from kvattn import memory
-from kvattn import allocator as allocator_lib
-from kvattn import cache_factories
-from kvattn import transformer as transformer_lib
+from kvattn.paging import allocator as allocator_lib
+from kvattn.caches import registry as cache_factories
+from kvattn.models import transformer as transformer_lib
 
 # Kwon et al., "Efficient Memory Management for Large Language Model Serving with
 # PagedAttention", SOSP 2023 (abstract and §1): existing systems waste 60-80% of the KV cache

@@ -46,9 +46,9 @@ from flax import nnx
 from experiments import report as report_lib
 from experiments import results
 from experiments import runner
-from kvattn import offload
-from kvattn import transformer as transformer_lib
-from kvattn.batching import ContinuousBatcher
+from kvattn.paging import offload
+from kvattn.models import transformer as transformer_lib
+from kvattn.inference.batching import ContinuousBatcher
 
 MODES = offload.PREFIX_CACHE_MODES
 # Reported time-to-first-token gains for cached prompt prefixes (the range issue 16 quotes from
@@ -228,7 +228,7 @@ class PrefixReuseFamily:
   def _bandwidth(self, batcher: ContinuousBatcher, store: Any, prompt: np.ndarray,
                  system_pages: int) -> dict[str, Any]:
     """Offload / reload GB/s of the cached system prompt's pages, and a numpy copy's GB/s."""
-    from kvattn.offload import PageCodec  # pylint: disable=g-import-not-at-top
+    from kvattn.paging.offload import PageCodec  # pylint: disable=g-import-not-at-top
     page_bytes = PageCodec(batcher.caches).page_bytes
     nbytes = system_pages * page_bytes
     src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)

@@ -27,7 +27,7 @@ the bookkeeping (results.jsonl, resume, atomic files). One point per
     path), each step's logits scoring the next token. Every attention --
     prefill included -- reads keys and values back from the (quantized) cache,
     so the figure is the model's quality when decoding reads that cache. Bits
-    per byte as in kvattn.train (nats over non-PAD targets / ln 2 / byte
+    per byte as in kvattn.training.trainer (nats over non-PAD targets / ln 2 / byte
     targets). The same rows' no-cache figure (one causal forward pass in the
     model dtype) is recorded next to it;
   * greedy agreement with the bf16 cache: `quality.agreement_prompts` prompts
@@ -58,11 +58,11 @@ from experiments import report as report_lib
 from experiments import results
 from experiments import runner
 from experiments import variants_experiment
-from kvattn import data as data_lib
+from kvattn.training import data as data_lib
 from kvattn import memory
-from kvattn import train as train_lib
-from kvattn import transformer as transformer_lib
-from kvattn.generate import generate
+from kvattn.training import trainer as train_lib
+from kvattn.models import transformer as transformer_lib
+from kvattn.inference.generation import generate
 from kvattn.ops import quant
 
 BASELINE_DTYPE = "bfloat16"
@@ -108,7 +108,7 @@ def _no_cache(graphdef, state, rows):
 
 
 def bits_per_byte(nll: np.ndarray, targets: np.ndarray) -> float:
-  """kvattn.train's bits/byte: nats summed over non-PAD targets / ln 2 / byte targets."""
+  """kvattn.training.trainer's bits/byte: nats summed over non-PAD targets / ln 2 / byte targets."""
   mask = targets != data_lib.PAD_ID
   num_bytes = np.sum(mask & (targets < data_lib.NUM_BYTES))
   return float(np.sum(np.where(mask, nll, 0.0)) / math.log(2) / num_bytes)

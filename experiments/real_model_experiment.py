@@ -5,15 +5,15 @@ r"""The main job: KV-cache dtype x cache policy x head grouping on a pretrained 
 The "real_model" family of experiments/runner.py (`experiment.kind =
 "real_model"`). One point per sweep entry of configs/default.py: a cache
 storage dtype (`cache.dtype`), a cache policy (`cache.policy`: "full" or a
-bounded kind of `kvattn.cache_factories.policy_caches`) and a head grouping
+bounded kind of `kvattn.caches.registry.policy_caches`) and a head grouping
 (`heads.num_kv_heads`: 0 = the model as released, else
-`kvattn.convert.regroup_kv_heads` without uptraining) on the model
+`kvattn.models.convert.regroup_kv_heads` without uptraining) on the model
 `model.name` (`kvattn.from_pretrained`). Measured per point, batch 1:
 
   * cache bytes per token (every layer's storage arrays, scales included,
     over the token slots they hold) and per sequence after the held-out text;
   * perplexity of `text.num_tokens` held-out tokens (the validation
-    documents of kvattn.data's default corpus, tokenized with the model's
+    documents of kvattn.training.data's default corpus, tokenized with the model's
     tokenizer), streamed through the cache `text.chunk` tokens per forward
     pass (`experiments.long_context_experiment.streaming_nll`);
   * a greedy continuation of `text.new_tokens` tokens after the
@@ -53,8 +53,8 @@ from experiments import long_context_experiment as lce
 from experiments import report as report_lib
 from experiments import results
 from experiments import runner
-from kvattn import data as data_lib
-from kvattn import long_context
+from kvattn.training import data as data_lib
+from kvattn.caches import long_context
 from kvattn import memory
 from kvattn import sharding
 from kvattn.ops import quant
@@ -77,7 +77,7 @@ def schema() -> dict[str, tuple[str, ...]]:
 
 
 def held_out_tokens(tokenizer, count: int) -> np.ndarray:
-  """The first `count` tokens of the validation documents of kvattn.data's default corpus.
+  """The first `count` tokens of the validation documents of kvattn.training.data's default corpus.
 
   Raises:
     ValueError: the corpus holds fewer than `count` held-out tokens.
@@ -283,7 +283,7 @@ class RealModelFamily:
     if released not in self._model:
       self._model = {released: lce.load_model(name, dtype)}  # one pretrained model at a time
     if key not in self._model:
-      from kvattn import convert  # pylint: disable=g-import-not-at-top
+      from kvattn.models import convert  # pylint: disable=g-import-not-at-top
       model, tokenizer = self._model[released]
       self._model[key] = (convert.regroup_kv_heads(model, k, method=key[3]), tokenizer)
     return self._model[key]

@@ -73,7 +73,7 @@ from experiments import cli
 from experiments import results
 from experiments import workdir as workdir_lib
 from kvattn import memory
-from kvattn import transformer as transformer_lib
+from kvattn.models import transformer as transformer_lib
 
 # ----------------------------------------------------------------------------------------------
 # Generic part: points, families, the run loop.
@@ -618,7 +618,7 @@ def cpu_model() -> str:
 
 
 def model_spec(d: Mapping[str, Any], where: str) -> transformer_lib.ModelSpec:
-  """The resolved `model` section of a point config (`kvattn.transformer.resolve_config`).
+  """The resolved `model` section of a point config (`kvattn.models.transformer.resolve_config`).
 
   Raises:
     ValueError: an invalid `model` section, the message prefixed with `where`.
@@ -678,7 +678,7 @@ def check_cache_bytes(caches: Sequence[Any], analytic_per_token: int, batch: int
 
   Args:
     caches: one cache per layer (`storage_arrays()`, `num_slots`).
-    analytic_per_token: `kvattn.transformer.cache_bytes_per_token` (whole model).
+    analytic_per_token: `kvattn.models.transformer.cache_bytes_per_token` (whole model).
     batch, seq_len: B and S the caches were built for.
 
   Returns:
@@ -694,7 +694,7 @@ def check_cache_bytes(caches: Sequence[Any], analytic_per_token: int, batch: int
   if per_token != analytic_per_token or storage != batch * seq_len * analytic_per_token:
     raise CacheAccountingError(
         f"measured cache bytes differ from the analytic figure: {per_token} bytes/token measured "
-        f"vs {analytic_per_token} analytic (kvattn.transformer.cache_bytes_per_token); "
+        f"vs {analytic_per_token} analytic (kvattn.models.transformer.cache_bytes_per_token); "
         f"{storage} bytes in the arrays vs B * S * analytic = "
         f"{batch * seq_len * analytic_per_token}; stopping")
   return {"cache_bytes_per_token": int(per_token), "cache_bytes": int(storage),

@@ -115,7 +115,7 @@ def timed_prefill(model: Any, prompts: jax.Array, lengths: jax.Array, caches: An
   Returns:
     `(wall seconds, first tokens i32[B], prefilled caches, rng key)`.
   """
-  from kvattn.generate import Sampling, prefill  # pylint: disable=g-import-not-at-top
+  from kvattn.inference.generation import Sampling, prefill  # pylint: disable=g-import-not-at-top
   seconds, _, (first, caches, key) = timed(prefill, model, prompts, lengths, caches,
                                            sampling=Sampling())
   return seconds, first, caches, key
@@ -130,7 +130,7 @@ def timed_decode(model: Any, first: jax.Array, caches: Any, new_tokens: int, key
     `(wall seconds, process CPU seconds, tokens i32[B, new_tokens], lengths
     i32[B], caches)`.
   """
-  from kvattn.generate import Sampling, decode  # pylint: disable=g-import-not-at-top
+  from kvattn.inference.generation import Sampling, decode  # pylint: disable=g-import-not-at-top
   seconds, cpu, (tokens, lengths, caches) = timed(decode, model, first, caches, new_tokens,
                                                   sampling=Sampling(), rng=key)
   return seconds, cpu, tokens, lengths, caches

@@ -4,14 +4,14 @@ The main job (`experiment.kind = "variants"`, configs/default.py, heads_sweep.py
 seqlen_sweep.py; the runner is experiments/runner.py). For each sweep entry
 (an attention variant: MHA K = N, GQA, MQA K = 1, MLA) and each sequence
 length S in `cache.seq_lens`, `VariantsFamily`
-  (a) trains the model briefly on the default corpus (`kvattn.train`), once
+  (a) trains the model briefly on the default corpus (`kvattn.training.trainer`), once
       per variant -- points that differ only in S share the training, and the
       trained params are cached in `<workdir>/train/<hash>/` (or
       `experiment.train_dir`), so a rerun does not retrain;
   (b) builds the caches for batch `cache.batch` and capacity S, reads their
       bytes from the real arrays (`kvattn.memory`) and stops with
       `CacheAccountingError` if they differ from the analytic figure
-      (`kvattn.transformer.cache_bytes_per_token`);
+      (`kvattn.models.transformer.cache_bytes_per_token`);
   (c) times the compiled prefill and decode programs of `kvattn.generate`
       (prompts of real validation text filling the cache; `decode.warmup`
       untimed runs, then `decode.repeats` timed prefills, each followed by
@@ -52,12 +52,12 @@ from experiments import report as report_lib
 from experiments import results
 from experiments import runner
 from experiments import timing
-from kvattn import cache as cache_lib
-from kvattn import data as data_lib
+from kvattn.caches import dense as cache_lib
+from kvattn.training import data as data_lib
 from kvattn import memory
 from kvattn import sharding
-from kvattn import train as train_lib
-from kvattn import transformer as transformer_lib
+from kvattn.training import trainer as train_lib
+from kvattn.models import transformer as transformer_lib
 from kvattn.ops import quant
 
 # Figures commonly quoted for GQA and MQA relative to MHA (cache size as a fraction of MHA's,

@@ -1,88 +1,64 @@
 """kvattn: attention variants and their KV caches in JAX, Flax NNX and Pallas.
 
-Public names (`__all__`; DESIGN.md has the contract):
+DESIGN.md has the contract. Every name below is reachable after `import kvattn`.
 
-  Attention modules (flax.nnx):
-    `GroupedQueryAttention`     MHA / GQA / MQA through `num_kv_heads`.
-    `MultiHeadLatentAttention`  DeepSeek-V2 MLA (latent cache, absorbed decode).
-  Caches (registered pytrees, pure updates; `kvattn.cache_protocol` is their interface):
-    `KVCache`          dense cache of one layer, `k, v: [B, K, S, H]`.
-    `LatentCache`      MLA cache of one layer, `c_kv: [B, S, C]`, `k_rope: [B, S, R]`.
-    `PagedKVCache`     paged cache of one layer, page pools + block tables.
-    `PageAllocator`    host-side page allocator of a paged pool.
-    `RingKVCache`      sliding-window cache of one layer: W slots, writes wrap.
-    `SinkKVCache`      StreamingLLM cache: attention sinks + a ring of recent tokens.
-    `EvictingKVCache`  fixed-budget cache filled by an eviction policy (H2O,
-                       SnapKV, TOVA, recent, random, key norm).
-    `LengthSwitchKVCache`  K KV heads up to `switch_length` tokens, then heads pooled
-                       to `num_kv_heads_after` (mean of each group), per sequence.
-    `OutOfPagesError`  raised when the pool has too few free pages.
-    `PrefixCachingAllocator`  a `PageAllocator` that shares cached prompt prefixes
-                       (refcounted pages, chained sha256 keys, LRU eviction, offload tiers).
-  Model, generation, serving:
-    `Transformer`         decoder-only LM, attention variant per layer from a config.
-    `generate`            batched prefill + one compiled decode loop.
-    `ContinuousBatcher`   continuous batching over paged caches.
-    `from_pretrained`     a pretrained checkpoint (HF safetensors directory, .gguf file or
-                          registered name) as `(Transformer, tokenizer or None)`.
-  Modules:
-    `ops`          reference attention, RoPE, quantization, decode dispatch points.
-    `memory`       analytic and measured KV-cache bytes.
-    `data`         byte tokenizer and the default text corpus.
-    `train`        training loop, evaluation, checkpoints (imported on first use).
-    `transformer`  model config schema (`model_config`, `resolve_config`).
-  Submodules to import by name: `kvattn.cache_protocol` (the interface every
-  cache kind implements), `kvattn.cache_factories` (caches of a whole model
-  for `generate(cache_factory=)`), `kvattn.allocator` (host-side pages),
-  `kvattn.cache_io` (save / restore any cache with orbax, resume generation),
-  `kvattn.prefix_cache` (prefix sharing), `kvattn.offload` (host and disk tiers).
+  Subpackages: `caches` (cache kinds, their registry, save / restore), `paging`
+  (page allocator, prefix sharing, offload tiers), `models` (attention modules,
+  Transformer, conversions), `checkpoints` (`from_pretrained`, GGUF, tokenizer, hub),
+  `inference` (generate, batching, resume), `training` (corpus, training loop),
+  `ops` (attention ops and dispatch), `memory` (cache bytes), `sharding` (meshes).
+  Attention modules: `GroupedQueryAttention` (MHA / GQA / MQA), `MultiHeadLatentAttention`.
+  Model: `Transformer`; `transformer` (its config schema), `data` (the default corpus)
+  and `train` (the training loop) keep their earlier top-level names.
+  Caches: `KVCache`, `LatentCache`, `PagedKVCache`, `RingKVCache`, `SinkKVCache`,
+  `EvictingKVCache`, `LengthSwitchKVCache`; pages: `PageAllocator`,
+  `PrefixCachingAllocator`, `OutOfPagesError`.
+  Generation: `generate`, `ContinuousBatcher`; checkpoints: `from_pretrained`.
 """
 
-from kvattn import memory, ops
-from kvattn.cache import KVCache, LatentCache
-from kvattn.gqa import GroupedQueryAttention
-from kvattn.mla import MultiHeadLatentAttention
-from kvattn.allocator import OutOfPagesError, PageAllocator
-from kvattn.paged import PagedKVCache
-from kvattn.prefix_cache import PrefixCachingAllocator
-from kvattn.long_context import EvictingKVCache, RingKVCache, SinkKVCache
-from kvattn.length_switch import LengthSwitchKVCache
-from kvattn import data, transformer
-from kvattn.transformer import Transformer
-from kvattn.generate import generate  # the function; helpers: `from kvattn.generate import ...`
-from kvattn.batching import ContinuousBatcher
-from kvattn.pretrained import from_pretrained
+# ---- Subpackages, one job each ---------------------------------------------------------------
+from kvattn import ops          # attention ops, RoPE, quantization, decode dispatch points
+from kvattn import memory       # analytic and measured KV-cache bytes
+from kvattn import caches       # the cache kinds, their registry, save / restore
+from kvattn import paging       # page allocator, prefix sharing, offload tiers
+from kvattn import models       # attention modules, Transformer, conversions
+from kvattn import checkpoints  # from_pretrained, GGUF, tokenizer, hub
+from kvattn import inference    # generate, ContinuousBatcher, resume
+from kvattn import training     # corpus and training loop
+# `kvattn.sharding` (device meshes) is imported on first use.
+
+# ---- Attention modules (flax.nnx) ------------------------------------------------------------
+from kvattn.models import GroupedQueryAttention, MultiHeadLatentAttention, Transformer
+
+# ---- Caches (registered pytrees, pure updates) -----------------------------------------------
+from kvattn.caches import (EvictingKVCache, KVCache, LatentCache, LengthSwitchKVCache,
+                           PagedKVCache, RingKVCache, SinkKVCache)
+from kvattn.paging import OutOfPagesError, PageAllocator, PrefixCachingAllocator
+
+# ---- Generation, serving, pretrained models --------------------------------------------------
+from kvattn.inference import ContinuousBatcher, generate
+from kvattn.checkpoints import from_pretrained
+
+# ---- Modules kept at their earlier names -----------------------------------------------------
+from kvattn.models import transformer
+from kvattn.training import data
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ContinuousBatcher",
-    "EvictingKVCache",
-    "GroupedQueryAttention",
-    "KVCache",
-    "LatentCache",
-    "LengthSwitchKVCache",
-    "MultiHeadLatentAttention",
-    "OutOfPagesError",
-    "PageAllocator",
-    "PagedKVCache",
-    "PrefixCachingAllocator",
-    "RingKVCache",
-    "SinkKVCache",
-    "Transformer",
-    "data",
-    "from_pretrained",
-    "generate",
-    "memory",
-    "ops",
-    "train",
-    "transformer",
+    "ContinuousBatcher", "EvictingKVCache", "GroupedQueryAttention", "KVCache", "LatentCache",
+    "LengthSwitchKVCache", "MultiHeadLatentAttention", "OutOfPagesError", "PageAllocator",
+    "PagedKVCache", "PrefixCachingAllocator", "RingKVCache", "SinkKVCache", "Transformer",
+    "caches", "checkpoints", "data", "from_pretrained", "generate", "inference", "memory",
+    "models", "ops", "paging", "sharding", "train", "training", "transformer",
 ]
+
+_LAZY = {"sharding": "kvattn.sharding", "train": "kvattn.training.trainer"}
 
 
 def __getattr__(name):
-  # `kvattn.train` imports orbax-checkpoint (~0.2 s); load it on first use.
-  if name == "train":
+  # orbax (training) and the mesh code load on first use.
+  if name in _LAZY:
     import importlib  # pylint: disable=g-import-not-at-top
-    return importlib.import_module("kvattn.train")
+    return importlib.import_module(_LAZY[name])
   raise AttributeError(f"module 'kvattn' has no attribute {name!r}")

@@ -111,7 +111,7 @@ def measured_bytes_per_token(cache: Any) -> float:
   Counts the arrays that grow with the number of token slots (keys, values,
   latents, and scales when a cache stores them: `cache.storage_arrays()`) and
   divides by the token slots they hold (`cache.storage_slots`: B * S for a
-  dense cache, P * page_size for a page pool; `kvattn.cache_protocol.Cache`).
+  dense cache, P * page_size for a page pool; `kvattn.caches.protocol.Cache`).
   Bookkeeping such as `lengths` is left out; `tree_bytes` counts everything.
 
   Raises:

@@ -55,9 +55,9 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kvattn import _checks
-from kvattn import cache as cache_lib
-from kvattn import paged as paged_lib
-from kvattn.allocator import NO_PAGE, pages_for
+from kvattn.caches import dense as cache_lib
+from kvattn.caches import paged as paged_lib
+from kvattn.paging.allocator import NO_PAGE, pages_for
 from kvattn.ops import context_parallel as cp
 
 MESH_AXES = ("data", "model", "seq")
@@ -89,7 +89,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "o_proj": ("heads", "head_dim", "embed"),  # [N, H, D] (MLA: [N, Hv, D])
     "q_bias": ("heads", "head_dim"), "k_bias": ("kv_heads", "head_dim"),
     "v_bias": ("kv_heads", "head_dim"),
-    # MLA (kvattn.mla).
+    # MLA (kvattn.models.mla).
     "q_down_proj": ("embed", "q_latent"),  # [D, Cq]
     "q_norm": ("q_latent",),
     "q_up_proj": ("q_latent", "heads", "head_dim"),  # [Cq, N, Hq]

@@ -55,5 +55,5 @@ def _bounded_compiled_programs():
 def smollm2():
   """`(model, tokenizer)` of SmolLM2-135M-Instruct, loaded once per session (fetched into
   `$KVATTN_CACHE` once per machine)."""
-  from kvattn import pretrained  # pylint: disable=g-import-not-at-top
+  from kvattn.checkpoints import pretrained  # pylint: disable=g-import-not-at-top
   return pretrained.from_pretrained("smollm2-135m-instruct")

@@ -8,7 +8,7 @@ from kvattn.ops.dispatch import (available_implementations, decode_attention,
                                  register_implementation)
 from kvattn.ops.xla import (attention, decode_attention_xla, mla_attention,
                             mla_decode_attention_xla)
-from kvattn.ops.paged import paged_decode_attention_xla
+from kvattn.ops.xla_paged import paged_decode_attention_xla
 from kvattn.ops.rope import RopeScaling, apply_rope, rope_frequencies, rope_scaling_from_fields
 from kvattn.ops.quant import QUANT_DTYPES, dequantize_kv, quantize_kv
 

@@ -40,8 +40,8 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from kvattn.ops import paged
-from kvattn.ops import pallas_backend
+from kvattn.ops import xla_paged
+from kvattn.ops import pallas
 from kvattn.ops import xla
 from kvattn.ops import xla_blocked
 from pallas_kernels import attention_common as common
@@ -62,17 +62,17 @@ def _runs_anywhere(fn: Callable[..., jax.Array]) -> Implementation:
 
 IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {
     "decode_attention": {
-        "pallas": pallas_backend._decode,  # pylint: disable=protected-access
+        "pallas": pallas._decode,  # pylint: disable=protected-access
         "xla_blocked": xla_blocked._decode,  # pylint: disable=protected-access
         "xla": _runs_anywhere(xla.decode_attention_xla),
     },
     "paged_decode_attention": {
-        "pallas": pallas_backend._paged_decode,  # pylint: disable=protected-access
-        "xla_pool": paged._xla_pool,  # pylint: disable=protected-access
-        "xla": _runs_anywhere(paged.paged_decode_attention_xla),
+        "pallas": pallas._paged_decode,  # pylint: disable=protected-access
+        "xla_pool": xla_paged._xla_pool,  # pylint: disable=protected-access
+        "xla": _runs_anywhere(xla_paged.paged_decode_attention_xla),
     },
     "mla_decode_attention": {
-        "pallas": pallas_backend._mla_decode,  # pylint: disable=protected-access
+        "pallas": pallas._mla_decode,  # pylint: disable=protected-access
         "xla_blocked": xla_blocked._mla_decode,  # pylint: disable=protected-access
         "xla": _runs_anywhere(xla.mla_decode_attention_xla),
     },
@@ -287,9 +287,9 @@ def paged_decode_attention(
                                     soft_cap=soft_cap, sm_scale=sm_scale, k_scale=k_scale,
                                     v_scale=v_scale)
   num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
-  paged.check_block_tables(block_tables, lengths, num_pages, page_size)
+  xla_paged.check_block_tables(block_tables, lengths, num_pages, page_size)
   # Under jit the lengths may run past the assigned pages (dropped tokens): read only those.
-  lengths = jnp.clip(lengths, 0, paged.assigned_slots(block_tables, num_pages, page_size))
+  lengths = jnp.clip(lengths, 0, xla_paged.assigned_slots(block_tables, num_pages, page_size))
   return dispatch("paged_decode_attention", implementation, q, k_pages, v_pages, block_tables,
                   lengths, sm_scale=sm_scale, window=window, soft_cap=soft_cap,
                   **_given(k_scale=k_scale, v_scale=v_scale))

@@ -9,7 +9,7 @@ from flax import nnx
 
 from experiments import bench_real
 from kvattn import generate as generate_fn
-from kvattn import transformer as transformer_lib
+from kvattn.models import transformer as transformer_lib
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ from absl.testing import flagsaver
 from flax import nnx
 
 from experiments import chat
-from kvattn import paged
-from kvattn import transformer as transformer_lib
-from tests.kvattn import test_gguf
+from kvattn.caches import paged
+from kvattn.models import transformer as transformer_lib
+from tests.kvattn.checkpoints import test_gguf
 
 
 @pytest.fixture(scope="module")

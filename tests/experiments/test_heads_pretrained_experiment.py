@@ -8,7 +8,7 @@ import pytest
 from configs import heads_sweep_pretrained as hp_config
 from experiments import heads_pretrained_experiment as hp
 from experiments import runner
-from kvattn import data
+from kvattn.training import data
 
 
 def test_configs_and_sweeps():

@@ -10,7 +10,7 @@ from configs import quant_sweep
 from experiments import quant_experiment as qe
 from experiments import runner
 from experiments import variants_experiment
-from kvattn import data as data_lib
+from kvattn.training import data as data_lib
 from kvattn import memory
 
 

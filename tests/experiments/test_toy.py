@@ -29,8 +29,8 @@ from experiments import runner
 from experiments import variants_experiment as variants
 import kvattn
 from kvattn import memory
-from kvattn import train as train_lib
-from kvattn import transformer as transformer_lib
+from kvattn.training import trainer as train_lib
+from kvattn.models import transformer as transformer_lib
 
 FILES = ("results.jsonl", "results.csv", "report.md", "config.json",
          *variants.PLOTS.values())

@@ -34,9 +34,9 @@ import numpy as np
 from flax import nnx
 
 import kvattn
-from kvattn import cache as cache_lib
+from kvattn.caches import dense as cache_lib
 from kvattn import sharding
-from kvattn import transformer
+from kvattn.models import transformer
 
 BATCH, MAX_LEN, PAGE_SIZE, NEW_TOKENS = 4, 64, 4, 4
 D_MODEL = 48  # no model dimension equals MAX_LEN or the page pool (64), see _cache_gathers

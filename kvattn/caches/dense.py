@@ -1,0 +1,598 @@
+"""Functional KV caches: registered pytrees with pure update functions.
+
+Every cache here is a `flax.struct.dataclass`: its arrays are pytree leaves and
+its sizes and dtypes are read from those arrays, so a cache passes through
+`jax.jit`, `lax.scan` and `lax.while_loop` as data, and a jitted step that
+donates the old cache lets XLA write the new one in place. `KVCache`
+implements `kvattn.caches.protocol.GQACache` and `LatentCache` `MLACache`: the
+attention modules write with `update` and read with `attend`, which calls the
+`kvattn.ops` dispatch point of the layout.
+
+Slot convention (DESIGN.md): sequence b occupies slots `[0, lengths[b])`;
+slots past that may hold anything (zeros, 1e30, NaN) and never change a
+result. An update writes token t of sequence b to slot `lengths[b] + t` for
+`t < new_lengths[b]` (right padding: tokens at `t >= new_lengths[b]` are not
+written and do not advance `lengths`).
+
+Overflow (a write past `max_len`) never wraps and never clamps onto other
+slots:
+  * when `lengths` and `new_lengths` are concrete (eager calls), `update`
+    raises `ValueError` before writing;
+  * under `jit`, tokens that do not fit are dropped (scatter `mode='drop'`)
+    and `lengths` still advances past `max_len`, so `cache.overflowed` (`lengths
+    > max_len`) is a sticky per-sequence flag: lengths never decrease. The
+    same condition is a `checkify.debug_check`, so a function transformed by
+    `jax.experimental.checkify.checkify` reports it as an error.
+    `kvattn.generate` validates prompt length + new tokens against `max_len`
+    up front, so generation never overflows.
+
+Quantized storage: `KVCache.init` and `LatentCache.init` also take the 1-byte
+dtypes int8, float8_e4m3fn and float8_e5m2 (`kvattn.ops.quant`). Such a cache
+stores values in that dtype plus f32 scales, one per token per KV head (per
+token for each MLA part), and `update` quantizes on write (absmax scaling,
+`kvattn.ops.quantize_kv`); readers pass the scales to the attention ops, which
+apply them inside the computation. Float caches have `None` scales, so their
+pytree leaves are unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.experimental import checkify
+
+from kvattn import _checks
+from kvattn import ops
+from kvattn.caches.protocol import Expand
+from kvattn.ops import quant
+
+
+def check_storage_dtype(dtype) -> jnp.dtype:
+  """A cache storage dtype: floating, or a quantized format (int8, float8_e4m3fn,
+  float8_e5m2) that is stored with scales.
+
+  Raises:
+    TypeError: anything else, naming `dtype`.
+  """
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError as e:
+    raise TypeError(f"dtype must be a JAX dtype; got {dtype!r}") from e
+  if not (jnp.issubdtype(dtype, jnp.floating) or quant.is_quantized(dtype)):
+    raise TypeError(f"dtype must be a floating dtype or a quantized KV format "
+                    f"{quant.QUANT_NAMES}; got {dtype}")
+  return dtype
+
+
+def scale_init(shape: tuple[int, ...], dtype) -> jax.Array | None:
+  """Initial scales of a cache in `dtype`: f32 ones of `shape` if quantized, else None."""
+  return jnp.ones(shape, quant.SCALE_DTYPE) if quant.is_quantized(dtype) else None
+
+
+def encode(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array | None]:
+  """`(values, scales)` to store `x` (`[..., width]`) in a cache of `dtype`:
+  `quantize_kv` for a quantized dtype, else `(x, None)` (cast on write)."""
+  if quant.is_quantized(dtype):
+    return quant.quantize_kv(x, dtype)
+  return x, None
+
+
+def resolve_new_lengths(new_lengths, batch: int, num_tokens: int) -> jax.Array:
+  """Validates `new_lengths` (`i32[B]`, default T) and returns it as int32."""
+  if new_lengths is None:
+    return jnp.full((batch,), num_tokens, jnp.int32)
+  new_lengths = jnp.asarray(new_lengths)
+  _checks.integer("new_lengths", new_lengths)
+  if new_lengths.shape != (batch,):
+    raise ValueError(
+        f"new_lengths must have shape [B] = ({batch},); got {tuple(new_lengths.shape)}")
+  if _checks.is_concrete(new_lengths):
+    host = np.asarray(new_lengths)
+    if host.min(initial=0) < 0 or host.max(initial=0) > num_tokens:
+      raise ValueError(
+          f"new_lengths must lie in [0, T] = [0, {num_tokens}]; got {host.tolist()}")
+  return new_lengths.astype(jnp.int32)
+
+
+def write_tokens(
+    buffer: jax.Array,  # [B, ..., S, ...] with the slot axis at `slot_axis`
+    new: jax.Array,  # [B, T, ...] the per-token values, in buffer's layout minus S
+    lengths: jax.Array,  # i32[B]
+    new_lengths: jax.Array,  # i32[B]
+    *,
+    slot_axis: int,
+) -> jax.Array:
+  """Scatters T new tokens per sequence into slots `lengths[b] + t`.
+
+  Tokens with `t >= new_lengths[b]` and tokens whose slot is `>= S` are
+  dropped (never wrapped or clamped), and so are negative slots (a shard of the
+  slot axis passes `lengths` minus its first slot). `new` is `[B, T, *rest]` where `rest` is
+  buffer's shape without the batch and slot axes. The cast to buffer's dtype
+  happens here.
+  """
+  batch, num_tokens = new.shape[:2]
+  capacity = buffer.shape[slot_axis]
+  t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+  slots = lengths[:, None] + t
+  # capacity = dropped; a negative slot (a sequence shard's offset, kvattn.sharding) too.
+  slots = jnp.where((t < new_lengths[:, None]) & (slots >= 0), slots, capacity)
+  rows = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], slots.shape)
+  index = (rows,) + (slice(None),) * (slot_axis - 1) + (slots,)
+  return buffer.at[index].set(new.astype(buffer.dtype), mode="drop")
+
+
+def advance_lengths(lengths: jax.Array, new_lengths: jax.Array, capacity: int) -> jax.Array:
+  """Returns `lengths + new_lengths`, enforcing the overflow contract above."""
+  if _checks.is_concrete(lengths) and _checks.is_concrete(new_lengths):
+    end = np.asarray(lengths) + np.asarray(new_lengths)
+    if end.max(initial=0) > capacity:
+      bad = np.nonzero(end > capacity)[0].tolist()
+      raise ValueError(
+          f"cache overflow: lengths + new_lengths = {end.tolist()} exceeds max_len "
+          f"{capacity} for sequences {bad}; build the cache with a larger max_len")
+  end = lengths + new_lengths
+  checkify.debug_check(jnp.all(end <= capacity),
+                       "cache overflow: lengths + new_lengths exceeds max_len")
+  return end
+
+
+# Backends of `ops.decode_attention` that take the newest token apart (`k_new` / `v_new`).
+_APPENDING_BACKENDS = ("xla_blocked", "xla")
+
+
+def appends_newest(implementation: str | Sequence[str] | None) -> bool:
+  """Whether a decode step with `implementation` gives `ops.decode_attention` the newest
+  token apart from the cache (`KVCache.update_attend`): when every named backend is an XLA
+  one, or, for None, on CPU (where the Pallas kernel declines and the default order reaches
+  `"xla_blocked"` / `"xla"`) unless a backend from outside kvattn was registered."""
+  if implementation is None:
+    names = ops.available_implementations("decode_attention")
+    return (jax.default_backend() == "cpu"
+            and all(n in ("pallas",) + _APPENDING_BACKENDS for n in names))
+  names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+  return all(n in _APPENDING_BACKENDS for n in names)
+
+
+def slot_positions(lengths: jax.Array, capacity: int) -> jax.Array:
+  """`i32[B, capacity]`: slot s holds token s where `s < lengths[b]`, else -1
+  (the `slot_positions()` of a cache that keeps token t in slot t)."""
+  slots = jnp.arange(capacity, dtype=jnp.int32)[None, :]
+  return jnp.where(slots < lengths[:, None], slots, -1)
+
+
+@struct.dataclass
+class KVCache:
+  """Dense KV cache of one attention layer (MHA, GQA or MQA).
+
+  Attributes:
+    k: `[B, K, S, H]` keys, head-major (each (b, k) sequence is contiguous),
+      RoPE already applied.
+    v: `[B, K, S, H]` values.
+    lengths: `i32[B]` valid tokens per sequence; may exceed S only after an
+      overflow under jit (see `overflowed`).
+    k_scale: `f32[B, K, S]` per-token per-head key scales when `k` is int8 or
+      fp8 (key `k[b, h, s] * k_scale[b, h, s]`), else None.
+    v_scale: `f32[B, K, S]` value scales likewise, else None.
+  """
+
+  k: jax.Array
+  v: jax.Array
+  lengths: jax.Array
+  k_scale: jax.Array | None = None
+  v_scale: jax.Array | None = None
+
+  @classmethod
+  def init(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+           dtype=jnp.float32) -> "KVCache":
+    """An empty cache: zeros, `lengths == 0`.
+
+    `dtype` may be a float dtype or int8 / float8_e4m3fn / float8_e5m2, which
+    store values quantized with `f32[B, K, S]` scales (initialised to 1).
+
+    Raises:
+      ValueError: a size that is not a positive int.
+      TypeError: a dtype that is neither floating nor a quantized format.
+    """
+    batch = _checks.positive_int("batch", batch)
+    max_len = _checks.positive_int("max_len", max_len)
+    num_kv_heads = _checks.positive_int("num_kv_heads", num_kv_heads)
+    head_dim = _checks.positive_int("head_dim", head_dim)
+    dtype = check_storage_dtype(dtype)
+    shape = (batch, num_kv_heads, max_len, head_dim)
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+               lengths=jnp.zeros((batch,), jnp.int32),
+               k_scale=scale_init(shape[:3], dtype), v_scale=scale_init(shape[:3], dtype))
+
+  @property
+  def batch(self) -> int:
+    return self.k.shape[0]
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.k.shape[1]
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+  @property
+  def head_dim(self) -> int:
+    return self.k.shape[3]
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    return self.k.dtype
+
+  @property
+  def quantized(self) -> bool:
+    """True when values are stored int8/fp8 with scales."""
+    return self.k_scale is not None
+
+  @property
+  def overflowed(self) -> jax.Array:
+    """`bool[B]`: True for sequences that were written past `max_len` under jit."""
+    return self.lengths > self.max_len
+
+  @property
+  def capacity(self) -> int:
+    """Tokens one sequence can hold: S (`max_len`)."""
+    return self.max_len
+
+  @property
+  def storage_slots(self) -> int:
+    """Token slots the storage arrays hold: B * S."""
+    return self.batch * self.max_len
+
+  def slot_positions(self) -> jax.Array:
+    """`i32[B, S]`: slot s holds token s below `lengths[b]`, else -1."""
+    return slot_positions(self.lengths, self.max_len)
+
+  def storage_arrays(self) -> tuple[jax.Array, ...]:
+    """The arrays whose size grows with the token slots (for `kvattn.memory`):
+    keys and values, and their scales when quantized."""
+    return (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quantized else ())
+
+  def scale_kwargs(self) -> dict[str, jax.Array]:
+    """`{"k_scale": ..., "v_scale": ...}` for the attention ops, or `{}` for a float cache."""
+    return {"k_scale": self.k_scale, "v_scale": self.v_scale} if self.quantized else {}
+
+  def dequantized(self, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """`(k, v)` as `[B, K, S, H]` arrays of `dtype` (`values * scales`; a float cache
+    is only cast). Materialises a copy: for tests and inspection, not decode."""
+    if not self.quantized:
+      return self.k.astype(dtype), self.v.astype(dtype)
+    return (quant.dequantize_kv(self.k, self.k_scale, dtype),
+            quant.dequantize_kv(self.v, self.v_scale, dtype))
+
+  def update(self, k_new: jax.Array, v_new: jax.Array,
+             new_lengths: jax.Array | None = None) -> "KVCache":
+    """Writes T new tokens per sequence at each sequence's own offset.
+
+    Args:
+      k_new: `[B, T, K, H]` keys (RoPE applied), any float dtype (cast to the
+        cache dtype; quantized with one scale per token and head for an
+        int8/fp8 cache).
+      v_new: `[B, T, K, H]` values.
+      new_lengths: `i32[B]` real tokens per sequence among the T (default T).
+
+    Returns:
+      The updated cache; `lengths` grows by `new_lengths`.
+
+    Raises:
+      ValueError: wrong shapes, `new_lengths` outside [0, T], or (when lengths
+        are concrete) a write past `max_len`.
+      TypeError: non-floating `k_new` / `v_new`.
+    """
+    expected = (self.batch, None, self.num_kv_heads, self.head_dim)
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+      _checks.rank(name, x, 4, "[B, T, K, H]")
+      if any(e is not None and e != s for e, s in zip(expected, x.shape)):
+        raise ValueError(
+            f"{name} must have shape [B, T, K, H] = ({self.batch}, T, {self.num_kv_heads}, "
+            f"{self.head_dim}); got {tuple(x.shape)}")
+    if k_new.shape != v_new.shape:
+      raise ValueError(f"k_new and v_new must have one shape; got {k_new.shape} and {v_new.shape}")
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+      _checks.floating(name, x)  # an int key would be cast silently
+    new_lengths = resolve_new_lengths(new_lengths, self.batch, k_new.shape[1])
+    lengths = advance_lengths(self.lengths, new_lengths, self.max_len)  # raises first
+    (k_new, k_s), (v_new, v_s) = encode(k_new, self.dtype), encode(v_new, self.dtype)
+
+    def write(buffer, new):  # [B, K, S, ...] <- [B, T, K, ...]
+      return write_tokens(buffer, new, self.lengths, new_lengths, slot_axis=2)
+
+    return KVCache(
+        k=write(self.k, k_new), v=write(self.v, v_new), lengths=lengths,
+        k_scale=None if k_s is None else write(self.k_scale, k_s),
+        v_scale=None if v_s is None else write(self.v_scale, v_s),
+    )
+
+  def attend(
+      self,
+      q: jax.Array,  # [B, T, N, H]
+      *,
+      q_offsets: jax.Array,  # i32[B]
+      sm_scale: float | None = None,
+      window: int | None = None,
+      soft_cap: float | None = None,
+      implementation: str | None = None,
+  ) -> jax.Array:
+    """`GQACache.attend` (`kvattn.caches.protocol`): `[B, T, N, H]` in q's dtype.
+
+    T == 1 through `kvattn.ops.decode_attention` (backend `implementation`),
+    T > 1 through `kvattn.ops.attention`; a quantized cache's scales are
+    applied inside the ops.
+    """
+    opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap, **self.scale_kwargs())
+    if q.shape[1] == 1:
+      return ops.decode_attention(q[:, 0], self.k, self.v, self.lengths,
+                                  implementation=implementation, **opts)[:, None]
+    return ops.attention(q, self.k, self.v, q_offsets=q_offsets, kv_lengths=self.lengths, **opts)
+
+  def update_attend(
+      self,
+      q: jax.Array,  # [B, T, N, H]
+      k: jax.Array,  # [B, T, K, H]
+      v: jax.Array,  # [B, T, K, H]
+      *,
+      positions: jax.Array,  # i32[B, T]
+      rope_theta: float,
+      rope_scaling: Any = None,
+      new_lengths: jax.Array,  # i32[B]
+      sm_scale: float | None = None,
+      window: int | None = None,
+      soft_cap: float | None = None,
+      implementation: str | Sequence[str] | None = None,
+  ) -> tuple[jax.Array, "KVCache"]:
+    """One attention step (`cache_protocol.update_attend`): `(out [B, T, N, H], new_cache)`.
+
+    RoPE at `positions`, `update`, then `attend` -- except a decode step
+    (T == 1) on an XLA backend (`appends_newest`), which attends THIS cache,
+    from before the write, with the new token's key and value given apart
+    (`ops.decode_attention(..., k_new=, v_new=)`, one softmax over both, so
+    the same result). Nothing then reads the buffer the write updates in place:
+    at batch 1 XLA:CPU otherwise fused the write twice (once into the shape the
+    attention read, without the unit batch axis) and copied each layer's K and V
+    four times per step inside the decode loop (docs/benchmarks.md).
+
+    `q, k, v` come before RoPE; the other arguments are the module's
+    (`cache_protocol.update_attend`). A subclass that overrides `update` or
+    `attend` (a sharded cache) gets plain update-then-attend.
+
+    Raises:
+      ValueError, TypeError: as `update` and `ops.decode_attention` (shapes,
+        dtypes, `new_lengths`, an eager overflow, an unknown `implementation`).
+    """
+    rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
+    q, k = ops.apply_rope(q, positions, **rope), ops.apply_rope(k, positions, **rope)
+    opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap)
+    cls = type(self)
+    if (q.shape[1] != 1 or cls.update is not KVCache.update or cls.attend is not KVCache.attend
+        or not appends_newest(implementation)):
+      new_cache = self.update(k, v, new_lengths)
+      return new_cache.attend(q, q_offsets=self.lengths, implementation=implementation,
+                              **opts), new_cache
+    new_lengths = resolve_new_lengths(new_lengths, self.batch, 1)
+    lengths = jnp.asarray(self.lengths) + new_lengths
+    k_new, v_new = (self.stored_token(x[:, 0]) for x in (k, v))
+    out = ops.decode_attention(q[:, 0], self.k, self.v, lengths, k_new=k_new, v_new=v_new,
+                               implementation=implementation, **opts, **self.scale_kwargs())
+    # The written token depends on the output (plus an exact 0 XLA cannot fold away), so the
+    # write is ordered after every read of the old buffer; without that XLA:CPU cannot prove
+    # the reads done and copies the buffer (an optimization_barrier is removed before that).
+    tie = jnp.nan_to_num(out[0, 0, 0].astype(jnp.float32) * 0.0)
+    return out[:, None], self.update(k + tie.astype(k.dtype), v + tie.astype(v.dtype),
+                                     new_lengths)
+
+  def stored_token(self, x: jax.Array) -> jax.Array:
+    """`x: [B, K, H]` as this cache stores and reads it back: cast to its dtype, or
+    quantized and dequantized to f32 (`encode`, then values * scales)."""
+    values, scales = encode(x, self.dtype)
+    if scales is None:
+      return values.astype(self.dtype)
+    return values.astype(jnp.float32) * scales[..., None]
+
+
+@struct.dataclass
+class LatentCache:
+  """Latent cache of one MLA layer (DeepSeek-V2, arXiv 2405.04434, §2.1.2-2.1.3).
+
+  Instead of per-head keys and values, MLA caches per token one compressed
+  latent `c_kv` (width C = `kv_lora_rank`, RMSNorm already applied) and one
+  decoupled RoPE key `k_rope` (width R = `qk_rope_head_dim`, RoPE already
+  applied) shared by every head: `(C + R) * itemsize` bytes per token per
+  layer. Update semantics (slots, `new_lengths`, overflow) are those of
+  `KVCache`; see the module docstring.
+
+  Attributes:
+    c_kv: `[B, S, C]` normalised KV latents.
+    k_rope: `[B, S, R]` shared RoPE keys, same dtype as `c_kv`.
+    lengths: `i32[B]` valid tokens per sequence; may exceed S only after an
+      overflow under jit (see `overflowed`).
+    c_kv_scale: `f32[B, S]` when the cache is int8/fp8: one scale per token
+      for its latent (absmax over C), else None.
+    k_rope_scale: `f32[B, S]` likewise for the RoPE key (absmax over R; the
+      two parts have different magnitudes, so each gets its own scale).
+  """
+
+  c_kv: jax.Array
+  k_rope: jax.Array
+  lengths: jax.Array
+  c_kv_scale: jax.Array | None = None
+  k_rope_scale: jax.Array | None = None
+
+  @classmethod
+  def init(cls, batch: int, max_len: int, kv_lora_rank: int, qk_rope_head_dim: int,
+           dtype=jnp.float32) -> "LatentCache":
+    """An empty cache: zeros, `lengths == 0`.
+
+    `dtype` may be a float dtype or int8 / float8_e4m3fn / float8_e5m2 (then
+    `f32[B, S]` scales for each part, initialised to 1).
+
+    Raises:
+      ValueError: a size that is not a positive int.
+      TypeError: a dtype that is neither floating nor a quantized format.
+    """
+    batch = _checks.positive_int("batch", batch)
+    max_len = _checks.positive_int("max_len", max_len)
+    kv_lora_rank = _checks.positive_int("kv_lora_rank", kv_lora_rank)
+    qk_rope_head_dim = _checks.positive_int("qk_rope_head_dim", qk_rope_head_dim)
+    dtype = check_storage_dtype(dtype)
+    return cls(c_kv=jnp.zeros((batch, max_len, kv_lora_rank), dtype),
+               k_rope=jnp.zeros((batch, max_len, qk_rope_head_dim), dtype),
+               lengths=jnp.zeros((batch,), jnp.int32),
+               c_kv_scale=scale_init((batch, max_len), dtype),
+               k_rope_scale=scale_init((batch, max_len), dtype))
+
+  @property
+  def batch(self) -> int:
+    return self.c_kv.shape[0]
+
+  @property
+  def max_len(self) -> int:
+    return self.c_kv.shape[1]
+
+  @property
+  def kv_lora_rank(self) -> int:
+    return self.c_kv.shape[2]
+
+  @property
+  def qk_rope_head_dim(self) -> int:
+    return self.k_rope.shape[2]
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    return self.c_kv.dtype
+
+  @property
+  def quantized(self) -> bool:
+    """True when the parts are stored int8/fp8 with scales."""
+    return self.c_kv_scale is not None
+
+  @property
+  def overflowed(self) -> jax.Array:
+    """`bool[B]`: True for sequences that were written past `max_len` under jit."""
+    return self.lengths > self.max_len
+
+  @property
+  def capacity(self) -> int:
+    """Tokens one sequence can hold: S (`max_len`)."""
+    return self.max_len
+
+  @property
+  def storage_slots(self) -> int:
+    """Token slots the storage arrays hold: B * S."""
+    return self.batch * self.max_len
+
+  def slot_positions(self) -> jax.Array:
+    """`i32[B, S]`: slot s holds token s below `lengths[b]`, else -1."""
+    return slot_positions(self.lengths, self.max_len)
+
+  def storage_arrays(self) -> tuple[jax.Array, ...]:
+    """The arrays whose size grows with the token slots (for `kvattn.memory`):
+    both parts, and their scales when quantized."""
+    return (self.c_kv, self.k_rope) + (
+        (self.c_kv_scale, self.k_rope_scale) if self.quantized else ())
+
+  def scale_kwargs(self) -> dict[str, jax.Array]:
+    """`{"c_kv_scale": ..., "k_rope_scale": ...}` for the MLA ops, or `{}` (float cache)."""
+    if not self.quantized:
+      return {}
+    return {"c_kv_scale": self.c_kv_scale, "k_rope_scale": self.k_rope_scale}
+
+  def dequantized(self, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """`(c_kv [B, S, C], k_rope [B, S, R])` in `dtype` (`values * scales`; a float
+    cache is only cast). Materialises a copy (prefill's expanded path, tests)."""
+    if not self.quantized:
+      return self.c_kv.astype(dtype), self.k_rope.astype(dtype)
+    return (quant.dequantize_kv(self.c_kv, self.c_kv_scale, dtype),
+            quant.dequantize_kv(self.k_rope, self.k_rope_scale, dtype))
+
+  def update(self, c_kv_new: jax.Array, k_rope_new: jax.Array,
+             new_lengths: jax.Array | None = None) -> "LatentCache":
+    """Writes T new tokens per sequence at each sequence's own offset.
+
+    Args:
+      c_kv_new: `[B, T, C]` normalised latents, any float dtype (cast to the
+        cache dtype; quantized with one scale per token for an int8/fp8 cache).
+      k_rope_new: `[B, T, R]` shared RoPE keys (RoPE applied).
+      new_lengths: `i32[B]` real tokens per sequence among the T (default T).
+
+    Returns:
+      The updated cache; `lengths` grows by `new_lengths`.
+
+    Raises:
+      ValueError: wrong shapes, `new_lengths` outside [0, T], or (when lengths
+        are concrete) a write past `max_len`.
+      TypeError: non-floating inputs.
+    """
+    for name, x, width, letter in (("c_kv_new", c_kv_new, self.kv_lora_rank, "C"),
+                                   ("k_rope_new", k_rope_new, self.qk_rope_head_dim, "R")):
+      _checks.rank(name, x, 3, f"[B, T, {letter}]")
+      _checks.floating(name, x)
+      if x.shape[0] != self.batch or x.shape[2] != width:
+        raise ValueError(
+            f"{name} must have shape [B, T, {letter}] = ({self.batch}, T, {width}); "
+            f"got {tuple(x.shape)}")
+    if c_kv_new.shape[1] != k_rope_new.shape[1]:
+      raise ValueError(
+          "c_kv_new and k_rope_new must have the same T; got "
+          f"{tuple(c_kv_new.shape)} and {tuple(k_rope_new.shape)}")
+    new_lengths = resolve_new_lengths(new_lengths, self.batch, c_kv_new.shape[1])
+    lengths = advance_lengths(self.lengths, new_lengths, self.max_len)  # raises first
+    (c_new, c_s), (r_new, r_s) = encode(c_kv_new, self.dtype), encode(k_rope_new, self.dtype)
+
+    def write(buffer, new):  # [B, S, ...] <- [B, T, ...]
+      return write_tokens(buffer, new, self.lengths, new_lengths, slot_axis=1)
+
+    return LatentCache(
+        c_kv=write(self.c_kv, c_new), k_rope=write(self.k_rope, r_new), lengths=lengths,
+        c_kv_scale=None if c_s is None else write(self.c_kv_scale, c_s),
+        k_rope_scale=None if r_s is None else write(self.k_rope_scale, r_s),
+    )
+
+  def attend(
+      self,
+      q_latent: jax.Array,  # [B, T, N, C]
+      q_rope: jax.Array,  # [B, T, N, R]
+      *,
+      q_offsets: jax.Array,  # i32[B]
+      sm_scale: float,
+      window: int | None = None,
+      implementation: str | None = None,
+  ) -> jax.Array:
+    """`MLACache.attend` (`kvattn.caches.protocol`), absorbed: `[B, T, N, C]`.
+
+    T == 1 through `kvattn.ops.mla_decode_attention` (backend
+    `implementation`), T > 1 through `kvattn.ops.mla_attention`; a quantized
+    cache's scales are applied inside the ops.
+    """
+    opts = dict(sm_scale=sm_scale, window=window, **self.scale_kwargs())
+    if q_latent.shape[1] == 1:
+      return ops.mla_decode_attention(q_latent[:, 0], q_rope[:, 0], self.c_kv, self.k_rope,
+                                      self.lengths, implementation=implementation,
+                                      **opts)[:, None]
+    return ops.mla_attention(q_latent, q_rope, self.c_kv, self.k_rope, q_offsets=q_offsets,
+                             kv_lengths=self.lengths, **opts)
+
+  def attend_expanded(
+      self,
+      q: jax.Array,  # [B, T, N, Hk]
+      expand: Expand,
+      *,
+      dtype,
+      q_offsets: jax.Array,  # i32[B]
+      sm_scale: float,
+      window: int | None = None,
+  ) -> jax.Array:
+    """`MLACache.attend_expanded` (`kvattn.caches.protocol`): `[B, T, N, Hv]`
+    through `kvattn.ops.attention`. A quantized cache's latents are
+    dequantized to `dtype` before `expand`; a float cache's go as stored."""
+    c_kv, k_rope = self.dequantized(dtype) if self.quantized else (self.c_kv, self.k_rope)
+    k, v = expand(c_kv, k_rope)
+    return ops.attention(q, k, v, q_offsets=q_offsets, kv_lengths=self.lengths,
+                         sm_scale=sm_scale, window=window)

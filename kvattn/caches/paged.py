@@ -1,0 +1,379 @@
+"""Paged KV cache of one layer (PagedAttention).
+
+Kwon et al., "Efficient Memory Management for Large Language Model Serving
+with PagedAttention" (SOSP 2023): a contiguous per-request cache must reserve
+the maximum length for every request, and the paper measures 60-80% of such
+KV memory unused; storing the cache in fixed-size pages handed out on demand
+bounds the waste to less than one page per sequence (< 4% in their traces).
+
+`PagedKVCache` is the device pytree: page pools `k_pages, v_pages: [K, P,
+page_size, H]`, `block_tables: i32[B, pages_per_seq]` (logical page j of
+sequence b is physical page `block_tables[b, j]`; `NO_PAGE` = none) and
+`lengths: i32[B]`. Pure updates: `update` writes tokens through the block
+table, `assign_slot` / `release_slot` change one row. It implements
+`kvattn.caches.protocol.GQACache`: `attend` decodes through
+`kvattn.ops.paged_decode_attention`. The host-side `PageAllocator` that hands
+out the pages is in `kvattn.paging.allocator`; model-wide factories in
+`kvattn.caches.registry`.
+
+Slot convention, as for `kvattn.KVCache`: sequence b occupies slots
+`[0, lengths[b])`, capacity `pages_per_seq * page_size`; what the rest of its
+last page, unassigned table entries and free pages hold never changes a result.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.experimental import checkify
+
+from kvattn import _checks
+from kvattn.caches import dense as cache_lib
+from kvattn import ops
+from kvattn.paging.allocator import NO_PAGE, pages_for
+from kvattn.ops import xla_paged as paged_ops
+
+
+@struct.dataclass
+class PagedKVCache:
+  """Paged KV cache of one attention layer (MHA, GQA or MQA).
+
+  Attributes:
+    k_pages: `[K, P, page_size, H]` key page pool (RoPE applied), shared by
+      all sequences of the batch.
+    v_pages: `[K, P, page_size, H]` value page pool.
+    block_tables: `i32[B, pages_per_seq]`: slot s of sequence b is slot
+      `s % page_size` of page `block_tables[b, s // page_size]`; entries
+      outside `[0, P)` (`NO_PAGE`) are unassigned.
+    lengths: `i32[B]` tokens written per sequence; exceeds what the row's
+      assigned pages hold (`assigned_slots`) only after an overflow under jit
+      (see `overflowed`).
+    k_scale_pages: `f32[K, P, page_size]` per-slot key scales when the pools
+      are int8/fp8 (`kvattn.ops.quant`; slot s of a page holds `k_pages[...,
+      s, :] * k_scale_pages[..., s]`), written with the values; else None.
+    v_scale_pages: `f32[K, P, page_size]` value scales likewise, else None.
+  """
+
+  k_pages: jax.Array
+  v_pages: jax.Array
+  block_tables: jax.Array
+  lengths: jax.Array
+  k_scale_pages: jax.Array | None = None
+  v_scale_pages: jax.Array | None = None
+
+  @classmethod
+  def init(cls, batch: int, *, num_pages: int, page_size: int, pages_per_seq: int,
+           num_kv_heads: int, head_dim: int, dtype=jnp.float32,
+           block_tables: Any = None) -> "PagedKVCache":
+    """An empty cache: zero pools, `lengths == 0`.
+
+    Args:
+      batch: sequences (slots) B.
+      num_pages: pages P in the pool.
+      page_size: tokens per page.
+      pages_per_seq: block-table width; the per-sequence capacity is
+        `pages_per_seq * page_size` tokens.
+      num_kv_heads, head_dim: K and H.
+      dtype: storage dtype: floating, or int8 / float8_e4m3fn / float8_e5m2
+        (quantized on write, with `f32[K, P, page_size]` scale pools).
+      block_tables: optional `int[B, pages_per_seq]` initial table (default
+        all `NO_PAGE`; fill rows with `assign_slot` from a `PageAllocator`).
+
+    Raises:
+      ValueError: a size that is not a positive int, or a block table of the
+        wrong shape.
+      TypeError: a non-floating dtype or non-integer block table.
+    """
+    batch = _checks.positive_int("batch", batch)
+    num_pages = _checks.positive_int("num_pages", num_pages)
+    page_size = _checks.positive_int("page_size", page_size)
+    pages_per_seq = _checks.positive_int("pages_per_seq", pages_per_seq)
+    num_kv_heads = _checks.positive_int("num_kv_heads", num_kv_heads)
+    head_dim = _checks.positive_int("head_dim", head_dim)
+    dtype = cache_lib.check_storage_dtype(dtype)
+    if block_tables is None:
+      block_tables = jnp.full((batch, pages_per_seq), NO_PAGE, jnp.int32)
+    else:
+      block_tables = jnp.asarray(block_tables)
+      _checks.integer("block_tables", block_tables)
+      if block_tables.shape != (batch, pages_per_seq):
+        raise ValueError(
+            f"block_tables must have shape [B, pages_per_seq] = ({batch}, {pages_per_seq}); "
+            f"got {tuple(block_tables.shape)}")
+      block_tables = block_tables.astype(jnp.int32)
+    shape = (num_kv_heads, num_pages, page_size, head_dim)
+    return cls(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype),
+               block_tables=block_tables, lengths=jnp.zeros((batch,), jnp.int32),
+               k_scale_pages=cache_lib.scale_init(shape[:3], dtype),
+               v_scale_pages=cache_lib.scale_init(shape[:3], dtype))
+
+  @classmethod
+  def contiguous(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype=jnp.float32, *, page_size: int = 16) -> "PagedKVCache":
+    """A drop-in for `KVCache.init(batch, max_len, ...)`: every sequence owns
+    `ceil(max_len / page_size)` pages of its own (sequence b gets pages
+    `b * pages_per_seq + j`), so no allocator is needed."""
+    max_len = _checks.positive_int("max_len", max_len)
+    page_size = _checks.positive_int("page_size", page_size)
+    batch = _checks.positive_int("batch", batch)
+    pps = pages_for(max_len, page_size)
+    tables = np.arange(batch * pps, dtype=np.int32).reshape(batch, pps)
+    return cls.init(batch, num_pages=batch * pps, page_size=page_size, pages_per_seq=pps,
+                    num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                    block_tables=tables)
+
+  # Sizes (static: read from array shapes).
+  @property
+  def batch(self) -> int:
+    return self.block_tables.shape[0]
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.k_pages.shape[0]
+
+  @property
+  def num_pages(self) -> int:
+    return self.k_pages.shape[1]
+
+  @property
+  def page_size(self) -> int:
+    return self.k_pages.shape[2]
+
+  @property
+  def head_dim(self) -> int:
+    return self.k_pages.shape[3]
+
+  @property
+  def pages_per_seq(self) -> int:
+    return self.block_tables.shape[1]
+
+  @property
+  def max_len(self) -> int:
+    """Per-sequence capacity in tokens: `pages_per_seq * page_size`."""
+    return self.pages_per_seq * self.page_size
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    return self.k_pages.dtype
+
+  @property
+  def quantized(self) -> bool:
+    """True when the pools hold int8/fp8 values with scale pools."""
+    return self.k_scale_pages is not None
+
+  @property
+  def assigned_slots(self) -> jax.Array:
+    """`i32[B]`: tokens each sequence's assigned pages can hold: `page_size`
+    times the leading block-table entries in `[0, P)` (at most `max_len`)."""
+    return paged_ops.assigned_slots(self.block_tables, self.num_pages, self.page_size)
+
+  @property
+  def overflowed(self) -> jax.Array:
+    """`bool[B]`: rows whose `lengths` exceed what their assigned pages hold."""
+    return self.lengths > self.assigned_slots
+
+  @property
+  def capacity(self) -> int:
+    """Tokens one sequence can hold: `max_len`."""
+    return self.max_len
+
+  @property
+  def storage_slots(self) -> int:
+    """Token slots the pools hold: P * page_size (the pool, shared by the batch)."""
+    return self.num_pages * self.page_size
+
+  def slot_positions(self) -> jax.Array:
+    """`i32[B, max_len]`: logical slot s holds token s below the row's
+    readable length (`min(lengths, assigned_slots)`), else -1."""
+    return cache_lib.slot_positions(self.readable_lengths, self.max_len)
+
+  @property
+  def readable_lengths(self) -> jax.Array:
+    """`i32[B]`: tokens attention reads per row, `min(lengths, assigned_slots)`
+    (tokens an overflow under jit dropped are not attended)."""
+    return jnp.minimum(self.lengths, self.assigned_slots)
+
+  def storage_arrays(self) -> tuple[jax.Array, ...]:
+    """The arrays whose size grows with the token slots (for `kvattn.memory`),
+    scale pools included when quantized."""
+    return (self.k_pages, self.v_pages) + (
+        (self.k_scale_pages, self.v_scale_pages) if self.quantized else ())
+
+  def scale_kwargs(self) -> dict[str, jax.Array]:
+    """`{"k_scale": k_scale_pages, "v_scale": v_scale_pages}` for
+    `kvattn.ops.paged_decode_attention`, or `{}` for float pools."""
+    if not self.quantized:
+      return {}
+    return {"k_scale": self.k_scale_pages, "v_scale": self.v_scale_pages}
+
+  # Pure updates.
+  def update(self, k_new: jax.Array, v_new: jax.Array,
+             new_lengths: jax.Array | None = None) -> "PagedKVCache":
+    """Writes T new tokens per sequence through the block table.
+
+    Token t of sequence b (t < new_lengths[b]) goes to slot `s = lengths[b]
+    + t`, i.e. to slot `s % page_size` of page `block_tables[b, s //
+    page_size]`. Under jit, tokens at or past the slots the row's assigned
+    pages hold (`assigned_slots`: past the capacity, or at or after the
+    row's first unassigned logical page) are dropped (scatter `mode='drop'`,
+    never wrapped onto another page); `lengths` still advances, as for
+    `KVCache`, and `overflowed` flags the row.
+
+    Args:
+      k_new: `[B, T, K, H]` keys (RoPE applied), cast to the cache dtype
+        (quantized, one scale per token and head, for int8/fp8 pools).
+      v_new: `[B, T, K, H]` values.
+      new_lengths: `i32[B]` real tokens per sequence among the T (default T).
+
+    Returns:
+      The updated cache.
+
+    Raises:
+      ValueError: wrong shapes; `new_lengths` outside [0, T]; and, when the
+        lengths and block table are concrete (eager calls), a write past the
+        capacity or onto (or past) a logical page the block table does not
+        assign.
+      TypeError: non-floating `k_new` / `v_new`.
+    """
+    expected = (self.batch, None, self.num_kv_heads, self.head_dim)
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+      _checks.rank(name, x, 4, "[B, T, K, H]")
+      if any(e is not None and e != s for e, s in zip(expected, x.shape)):
+        raise ValueError(
+            f"{name} must have shape [B, T, K, H] = ({self.batch}, T, {self.num_kv_heads}, "
+            f"{self.head_dim}); got {tuple(x.shape)}")
+    if k_new.shape != v_new.shape:
+      raise ValueError(f"k_new and v_new must have one shape; got {k_new.shape} and {v_new.shape}")
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+      _checks.floating(name, x)
+    batch, num_tokens = k_new.shape[:2]
+    new_lengths = cache_lib.resolve_new_lengths(new_lengths, batch, num_tokens)
+    lengths = cache_lib.advance_lengths(self.lengths, new_lengths, self.max_len)  # raises first
+    self._check_pages_assigned(new_lengths)
+
+    page_size, num_pages = self.page_size, self.num_pages
+    t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+    slots = self.lengths[:, None] + t  # [B, T]
+    logical = slots // page_size
+    real = t < new_lengths[:, None]
+    # Only slots the row's leading assigned pages hold are written (what attention reads).
+    fits = slots < self.assigned_slots[:, None]
+    checkify.debug_check(jnp.all(fits | ~real),
+                         "paged cache: a token was written past the assigned pages")
+    page = jnp.take_along_axis(self.block_tables,
+                               jnp.clip(logical, 0, self.pages_per_seq - 1), axis=1)
+    page = jnp.where(real & fits, page, num_pages)  # num_pages = dropped
+    offset = slots % page_size
+    (k_new, k_s), (v_new, v_s) = (cache_lib.encode(k_new, self.dtype),
+                                  cache_lib.encode(v_new, self.dtype))
+
+    def write(pool, new):  # pool[:, page, offset] is [K, B, T, ...]: head-major new tokens
+      return pool.at[:, page, offset].set(jnp.moveaxis(new, 2, 0).astype(pool.dtype),
+                                          mode="drop")
+
+    return PagedKVCache(
+        k_pages=write(self.k_pages, k_new), v_pages=write(self.v_pages, v_new),
+        block_tables=self.block_tables, lengths=lengths,
+        k_scale_pages=None if k_s is None else write(self.k_scale_pages, k_s),
+        v_scale_pages=None if v_s is None else write(self.v_scale_pages, v_s))
+
+  def attend(
+      self,
+      q: jax.Array,  # [B, T, N, H]
+      *,
+      q_offsets: jax.Array,  # i32[B]
+      sm_scale: float | None = None,
+      window: int | None = None,
+      soft_cap: float | None = None,
+      implementation: str | None = None,
+  ) -> jax.Array:
+    """`GQACache.attend` (`kvattn.caches.protocol`): `[B, T, N, H]` in q's dtype.
+
+    T == 1 through `kvattn.ops.paged_decode_attention` over the pools
+    (backend `implementation`); T > 1 through `kvattn.ops.attention` over the
+    pools gathered through the block table, reading `readable_lengths` tokens
+    per row, as the decode op does. Scale pools go with the values.
+    """
+    opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap)
+    if q.shape[1] == 1:
+      return ops.paged_decode_attention(
+          q[:, 0], self.k_pages, self.v_pages, self.block_tables, self.lengths,
+          implementation=implementation, **opts, **self.scale_kwargs())[:, None]
+    k, v = self.dense_kv()  # [B, K, max_len, H]
+    return ops.attention(q, k, v, q_offsets=q_offsets, kv_lengths=self.readable_lengths,
+                         **opts, **self.dense_scale_kwargs())
+
+  def _check_pages_assigned(self, new_lengths) -> None:
+    """Eager check: every logical page up to the last one written is assigned."""
+    if not all(_checks.is_concrete(x) for x in (self.lengths, new_lengths, self.block_tables)):
+      return
+    tables = np.asarray(self.block_tables)
+    start = np.asarray(self.lengths)
+    end = start + np.asarray(new_lengths)
+    for b in np.flatnonzero(np.asarray(new_lengths) > 0):
+      for j in range(pages_for(end[b], self.page_size)):
+        page = int(tables[b, j])
+        if not 0 <= page < self.num_pages:
+          raise ValueError(
+              f"block_tables[{b}, {j}] must be a page in [0, {self.num_pages}) to write tokens "
+              f"[{int(start[b])}, {int(end[b])}) of sequence {b}; got {page} (allocate the page "
+              "with a PageAllocator first)")
+
+  def assign_slot(self, slot, pages, length=0) -> "PagedKVCache":
+    """Gives slot `slot` the block-table row `pages` and length `length`.
+
+    Args:
+      slot: slot index (Python int or traced int32 scalar, so a jitted caller
+        does not recompile per slot).
+      pages: `int[pages_per_seq]` row (pad with `NO_PAGE`).
+      length: tokens already in those pages (0 for a sequence about to prefill).
+
+    Raises:
+      ValueError: a row of the wrong shape.
+    """
+    pages = jnp.asarray(pages, jnp.int32)
+    if pages.shape != (self.pages_per_seq,):
+      raise ValueError(
+          f"pages must have shape [pages_per_seq] = ({self.pages_per_seq},); got "
+          f"{tuple(pages.shape)}")
+    return self.replace(block_tables=self.block_tables.at[slot].set(pages),
+                        lengths=self.lengths.at[slot].set(jnp.asarray(length, jnp.int32)))
+
+  def release_slot(self, slot) -> "PagedKVCache":
+    """Marks slot `slot` empty: its row becomes `NO_PAGE` and its length 0.
+    The pages' contents are left as they are (free pages may hold anything)."""
+    return self.assign_slot(slot, jnp.full((self.pages_per_seq,), NO_PAGE, jnp.int32), 0)
+
+  # Views.
+  def dense_kv(self) -> tuple[jax.Array, jax.Array]:
+    """`(k, v)`, each `[B, K, pages_per_seq * page_size, H]`, gathered through
+    the block table (unassigned pages read an arbitrary page; mask by
+    `min(lengths, assigned_slots)`)."""
+    return (paged_ops.gather_pages(self.k_pages, self.block_tables),
+            paged_ops.gather_pages(self.v_pages, self.block_tables))
+
+  def dense_scale_kwargs(self) -> dict[str, jax.Array]:
+    """The scales gathered like `dense_kv` (`f32[B, K, S]` each, as `k_scale=`,
+    `v_scale=` for `kvattn.ops.attention`), or `{}` for float pools."""
+    if not self.quantized:
+      return {}
+    return {name: paged_ops.gather_pages(pool, self.block_tables)
+            for name, pool in (("k_scale", self.k_scale_pages),
+                               ("v_scale", self.v_scale_pages))}
+
+  def to_dense(self) -> cache_lib.KVCache:
+    """The equivalent dense `KVCache` (capacity `pages_per_seq * page_size`),
+    unassigned logical pages zeroed (their scales set to 1). For tests and inspection."""
+    scales = {}
+    if self.quantized:
+      scales = {name: paged_ops.gather_pages_zeroed(pool, self.block_tables, fill=1.0)
+                for name, pool in (("k_scale", self.k_scale_pages),
+                                   ("v_scale", self.v_scale_pages))}
+    return cache_lib.KVCache(
+        k=paged_ops.gather_pages_zeroed(self.k_pages, self.block_tables),
+        v=paged_ops.gather_pages_zeroed(self.v_pages, self.block_tables),
+        lengths=self.lengths, **scales)

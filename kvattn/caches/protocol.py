@@ -1,0 +1,175 @@
+"""The cache protocol: what an attention module asks of a KV cache.
+
+A module (`kvattn.GroupedQueryAttention`, `kvattn.MultiHeadLatentAttention`)
+never looks at a cache's type or layout: it writes the new tokens with
+`update`, then asks the updated cache to `attend` the queries; the cache
+routes that through the `kvattn.ops` dispatch point of its own layout. A new
+cache kind (ring buffer, sinks, eviction, offloaded pages, ...) is a pytree
+that implements one of these protocols; no module changes.
+
+The protocols are structural (`typing.Protocol`, runtime-checkable): a class
+implements one by having its members, with no registration and no base class.
+`GQACache` and `MLACache` differ in their size members (`num_kv_heads` /
+`head_dim` versus `kv_lora_rank` / `qk_rope_head_dim`), so `isinstance` tells
+them apart. Implementers here: `kvattn.KVCache` and `kvattn.PagedKVCache`
+(`GQACache`), `kvattn.LatentCache` (`MLACache`).
+
+Contract every implementer keeps (DESIGN.md, "Cache protocol"):
+  * Tokens and slots: sequence b's token t (0-based, in write order) is the
+    t-th token written for it; `lengths[b]` tokens have been written. Which
+    of the sequence's `capacity` slots holds a token (which array index,
+    which page) is the kind's own business; `slot_positions()` reports it.
+  * `update` is pure: it returns a new cache, writes only tokens
+    `t < new_lengths[b]` (right padding is neither written nor counted) and
+    raises ValueError eagerly (concrete lengths) on a write past `capacity`;
+    under jit such tokens are dropped (never written over another token),
+    `lengths` still advances and the row reads as overflowed. (A kind that
+    overwrites old tokens by design, such as a ring buffer, says so.)
+  * `attend` reads only the slots that hold the sequence's tokens: whatever
+    the other slots hold (zeros, 1e30, NaN) never changes a result, and a row
+    of length 0 gives zeros.
+  * Arrays are pytree leaves and sizes are static (read from shapes), so a
+    cache passes through `jit`, `scan` and `while_loop` and can be donated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import jax
+
+from kvattn.ops.rope import apply_rope
+
+
+@runtime_checkable
+class Cache(Protocol):
+  """Members every cache kind has, whatever its attention variant."""
+
+  lengths: jax.Array
+  """`i32[B]` tokens written per sequence (may exceed `capacity` only after an
+  overflow under jit)."""
+
+  @property
+  def batch(self) -> int:
+    """Sequences B."""
+
+  @property
+  def capacity(self) -> int:
+    """Tokens one sequence can hold (`max_len` of the dense and paged caches)."""
+
+  @property
+  def storage_slots(self) -> int:
+    """Token slots the storage arrays hold in all (what `kvattn.memory` divides
+    their bytes by): `B * S` for a dense cache, `P * page_size` for a page pool."""
+
+  def storage_arrays(self) -> tuple[jax.Array, ...]:
+    """The arrays whose size grows with the token slots (values, and scales
+    when quantized); bookkeeping such as `lengths` is not storage."""
+
+  def slot_positions(self) -> jax.Array:
+    """`i32[B, capacity]`: the token index held by slot s of sequence b (its
+    s-th slot in storage order; through the block table for a paged cache),
+    or -1 where the slot holds no token. Dense and paged caches hold token s
+    in slot s (`arange` below `lengths`); kinds that reorder, evict or wrap
+    tokens report what each slot really holds."""
+
+
+@runtime_checkable
+class GQACache(Cache, Protocol):
+  """A cache of per-KV-head keys and values, read by `GroupedQueryAttention`."""
+
+  @property
+  def num_kv_heads(self) -> int:
+    """KV heads K."""
+
+  @property
+  def head_dim(self) -> int:
+    """Head width H."""
+
+  def update(self, k_new: jax.Array, v_new: jax.Array,
+             new_lengths: jax.Array | None = None) -> "GQACache":
+    """Writes `k_new, v_new: [B, T, K, H]` (keys RoPE'd) for tokens
+    `t < new_lengths[b]` (`i32[B]`, default T); returns the new cache."""
+
+  def attend(self, q: jax.Array, *, q_offsets: jax.Array, sm_scale: float | None = None,
+             window: int | None = None, soft_cap: float | None = None,
+             implementation: str | None = None) -> jax.Array:
+    """Causal attention of `q: [B, T, N, H]` (RoPE'd) against this cache,
+    called after `update` wrote the same T tokens. Query t of sequence b is
+    the token at `q_offsets[b] + t` (`q_offsets` = `lengths` before the
+    update) and attends tokens `[0, q_offsets[b] + t]` (the last `window`).
+    T == 1 goes through the layout's decode dispatch point with
+    `implementation`; T > 1 through `kvattn.ops.attention`. Returns
+    `[B, T, N, H]` in q's dtype."""
+
+
+def update_attend(cache: GQACache, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                  positions: jax.Array, rope_theta: float, rope_scaling: Any = None,
+                  new_lengths: jax.Array, **options: Any) -> tuple[jax.Array, GQACache]:
+  """One attention step of a GQA module against `cache`; returns `(out, new_cache)`.
+
+  `q: [B, T, N, H]` and `k, v: [B, T, K, H]` come BEFORE RoPE; `positions:
+  i32[B, T]` are the module's RoPE positions, `rope_theta` / `rope_scaling`
+  (a `kvattn.ops.RopeScaling` or None) its RoPE. A cache with its own
+  `update_attend` member (same arguments; the optional protocol member of
+  kinds that place tokens themselves: `kvattn.caches.long_context`) gets the whole
+  step: it may rotate at positions of its own choosing (attention sinks), score
+  its slots with the queries (eviction) or attend a chunk before the chunk
+  overwrites anything (a ring). Any other `GQACache`: RoPE at `positions`,
+  `update`, then `attend` with `q_offsets` = the lengths before the update.
+  `options`: `sm_scale`, `window`, `soft_cap`, `implementation`.
+  """
+  step = getattr(cache, "update_attend", None)
+  if step is not None:
+    return step(q, k, v, positions=positions, rope_theta=rope_theta, rope_scaling=rope_scaling,
+                new_lengths=new_lengths, **options)
+  rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
+  q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
+  new_cache = cache.update(k, v, new_lengths)
+  return new_cache.attend(q, q_offsets=cache.lengths, **options), new_cache
+
+
+Expand = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+"""`(c_kv [B, S, C], k_rope [B, S, R]) -> (k [B, N, S, Hk], v [B, N, S, Hv])`:
+an MLA layer's expansion of latents into per-head keys and values."""
+
+
+@runtime_checkable
+class MLACache(Cache, Protocol):
+  """A cache of MLA latents and shared RoPE keys, read by `MultiHeadLatentAttention`."""
+
+  @property
+  def kv_lora_rank(self) -> int:
+    """Latent width C."""
+
+  @property
+  def qk_rope_head_dim(self) -> int:
+    """Shared RoPE key width R."""
+
+  def update(self, c_kv_new: jax.Array, k_rope_new: jax.Array,
+             new_lengths: jax.Array | None = None) -> "MLACache":
+    """Writes `c_kv_new: [B, T, C]` (normalised) and `k_rope_new: [B, T, R]`
+    (RoPE'd) for tokens `t < new_lengths[b]`; returns the new cache."""
+
+  def attend(self, q_latent: jax.Array, q_rope: jax.Array, *, q_offsets: jax.Array,
+             sm_scale: float, window: int | None = None,
+             implementation: str | None = None) -> jax.Array:
+    """Absorbed MLA attention (DeepSeek-V2 appendix C) of `q_latent: [B, T,
+    N, C]` and `q_rope: [B, T, N, R]` against the latents, after `update`;
+    positions as in `GQACache.attend`. T == 1 goes through
+    `kvattn.ops.mla_decode_attention` (with `implementation`), T > 1 through
+    `kvattn.ops.mla_attention`. Returns `[B, T, N, C]`."""
+
+  def attend_expanded(self, q: jax.Array, expand: Expand, *, dtype: Any,
+                      q_offsets: jax.Array, sm_scale: float,
+                      window: int | None = None) -> jax.Array:
+    """Attention of `q: [B, T, N, Hk]` against the per-head keys and values
+    `expand` makes from the latents read in `dtype` (dequantized when the
+    cache is quantized), through `kvattn.ops.attention`; positions as in
+    `attend`. Returns `[B, T, N, Hv]`."""
+
+
+def type_error(module: str, protocol: type, kinds: str, cache: Any) -> TypeError:
+  """The TypeError a module raises for a `cache` argument that does not implement `protocol`."""
+  return TypeError(f"cache must be a {kinds} or None; got {type(cache).__name__} ({module} reads "
+                   f"caches that implement kvattn.caches.protocol.{protocol.__name__})")

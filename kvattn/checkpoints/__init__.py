@@ -1,0 +1,13 @@
+"""Pretrained checkpoints from strangers: HF safetensors, GGUF, tokenizers, the model hub.
+
+  `from_pretrained`   pretrained.py: a checkpoint as `(Transformer, Tokenizer | None)`.
+  `gguf`              llama.cpp GGUF files in HF's vocabulary (`load_gguf`).
+  `tokenizer`         `Tokenizer` (HF `tokenizers`) with a sandboxed chat template.
+  `hub`               registered names fetched once, verified (`resolve`, `register`).
+"""
+
+from kvattn.checkpoints import gguf, hub, tokenizer
+from kvattn.checkpoints.pretrained import build_model, from_pretrained
+from kvattn.checkpoints.tokenizer import Tokenizer
+
+__all__ = ["Tokenizer", "build_model", "from_pretrained", "gguf", "hub", "tokenizer"]

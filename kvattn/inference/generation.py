@@ -1,0 +1,416 @@
+"""Batched generation: one prefill call, then the whole decode loop in one XLA program.
+
+`generate(model, prompts, prompt_lengths, max_new_tokens, ...)` (DESIGN.md):
+
+1. Validation on the host, before any compute (ValueError/TypeError naming
+   the argument): prompts `i32[B, T]` right-padded with per-sequence
+   `prompt_lengths i32[B]` in `[1, T]`; token ids in `[0, V)`; the cache
+   must hold `max(prompt_lengths) + max_new_tokens - 1` tokens (the last
+   generated token is never written back).
+2. Prefill (`prefill`): one jitted call runs the model over the padded prompts
+   with `new_lengths = prompt_lengths` (padding is neither written to the
+   caches nor attended), projects only each sequence's last real position and
+   samples the first new token.
+3. Decode (`decode`): one jitted `lax.while_loop` feeds the previous token of
+   every sequence through the model (T = 1, `decode_attention` dispatch), samples
+   the next, and stops when all sequences are done or `max_new_tokens` are
+   out. The caches are loop-carried and donated, so XLA updates them in place.
+
+Per-sequence stopping: once sequence b emits `eos_id` it is done; from then on
+it emits `pad_id` and feeds `new_lengths = 0`, so its cache stops advancing.
+
+Returned `(tokens i32[B, max_new_tokens], lengths i32[B])`: `lengths[b]` is
+the number of tokens generated for sequence b, *including* its EOS token when
+it emitted one (`max_new_tokens` otherwise); `tokens[b, lengths[b]:]` is
+`pad_id` (default `kvattn.training.data.PAD_ID` = 258).
+
+Sampling (`Sampling`): temperature 0 is greedy argmax; otherwise logits are
+divided by the temperature, restricted to the `top_k` largest (Fan et al.
+2018) and then to the smallest set whose probability reaches `top_p`
+(nucleus sampling, Holtzman et al. 2020), and sampled with
+`jax.random.categorical`.
+
+Compilation: `prefill` and `decode` are `jax.jit` functions of (graphdef,
+state) from `nnx.split`, with the graphdef, shapes and sampling settings
+static, so a later call with the same shapes and settings reuses both
+executables (no tracing, no compilation). `eos_id` and `pad_id` are traced
+values: a different EOS or pad token reuses them too (only switching
+between `eos_id=None` and an int compiles a second decode program).
+
+Cache kinds: the caches come from `cache_factory(batch, max_len, dtype)`
+(default `model.init_caches`; paged ones in `kvattn.caches.registry`), or are
+passed prebuilt via `caches=`; any per-layer cache that implements the
+layer's `kvattn.caches.protocol` works (this loop reads only `lengths` and
+`capacity`), so other cache kinds plug in without changing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvattn import _checks
+from kvattn.training import data as data_lib
+from kvattn import memory
+from kvattn.caches.registry import CacheFactory
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """Static sampling settings (hashable: part of the jit cache key).
+
+  temperature: 0.0 = greedy argmax; > 0 divides the logits.
+  top_k: keep the k largest logits (None: all).
+  top_p: keep the smallest set of tokens whose probability reaches p (None: all).
+  """
+
+  temperature: float = 0.0
+  top_k: int | None = None
+  top_p: float | None = None
+
+  def __post_init__(self):
+    t = self.temperature
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t < float("inf"):
+      raise ValueError(f"temperature must be a finite float >= 0; got {t!r}")
+    if t > 0 and not (float(np.finfo(np.float32).tiny) <= t <= float(np.finfo(np.float32).max)):
+      # The logits are divided by the temperature in f32: inf or 0 there gives NaN/inf logits.
+      raise ValueError(f"temperature must be 0 or within f32's positive range "
+                       f"[{float(np.finfo(np.float32).tiny):.3g}, "
+                       f"{float(np.finfo(np.float32).max):.3g}]; got {t!r}")
+    _checks.optional_positive_int("top_k", self.top_k)
+    p = self.top_p
+    if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float))
+                          or not 0.0 < p <= 1.0):
+      raise ValueError(f"top_p must lie in (0, 1] or be None; got {p!r}")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0.0
+
+
+def sample_logits(logits: jax.Array, rng: jax.Array, sampling: Sampling) -> jax.Array:
+  """Draws one token per row from `f32[B, V]` logits; returns `i32[B]`."""
+  logits = logits.astype(jnp.float32)
+  if sampling.greedy:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits / sampling.temperature
+  vocab = logits.shape[-1]
+  if sampling.top_k is not None and sampling.top_k < vocab:
+    kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]  # [B, 1]
+    logits = jnp.where(logits >= kth, logits, -jnp.inf)
+  if sampling.top_p is not None and sampling.top_p < 1.0:
+    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # descending
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+    keep = before < sampling.top_p  # always keeps the top token
+    threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits >= threshold, logits, -jnp.inf)
+  return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Jitted programs.
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("caches",))
+def _prefill(graphdef, state, caches, prompts, prompt_lengths, rng, *, sampling):
+  model = nnx.merge(graphdef, state)
+  h, caches = model.hidden(prompts, caches, new_lengths=prompt_lengths)  # [B, T, D]
+  rows = jnp.arange(prompts.shape[0])
+  last = h[rows, prompt_lengths - 1]  # [B, D]: only the sampled positions are projected
+  rng, key = jax.random.split(rng)
+  first = sample_logits(model.logits_from_hidden(last), key, sampling)
+  return first, caches, rng
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "max_new_tokens"),
+                   donate_argnames=("caches",))
+def _decode(graphdef, state, caches, first, rng, *, sampling, max_new_tokens, eos_id, pad_id):
+  # eos_id / pad_id are traced (i32 scalars): a new value does not recompile. eos_id=None is an
+  # empty pytree, so "no EOS" is its own (static) program.
+  batch = first.shape[0]
+  tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
+  done = (first == eos_id) if eos_id is not None else jnp.zeros((batch,), bool)
+  lengths = jnp.ones((batch,), jnp.int32)
+
+  def cond(carry):
+    step, _, _, done, _, _, _ = carry
+    return (step < max_new_tokens) & ~jnp.all(done)
+
+  def body(carry):
+    step, tokens, last, done, lengths, caches, rng = carry
+    model = nnx.merge(graphdef, state)
+    active = ~done
+    h, caches = model.hidden(last[:, None], caches, new_lengths=active.astype(jnp.int32))
+    rng, key = jax.random.split(rng)
+    nxt = sample_logits(model.logits_from_hidden(h[:, 0]), key, sampling)
+    nxt = jnp.where(active, nxt, pad_id)
+    tokens = jax.lax.dynamic_update_slice(tokens, nxt[:, None], (0, step))
+    lengths = lengths + active.astype(jnp.int32)
+    if eos_id is not None:
+      done = done | (nxt == eos_id)
+    return step + 1, tokens, nxt, done, lengths, caches, rng
+
+  carry = (jnp.int32(1), tokens, first, done, lengths, caches, rng)
+  _, tokens, _, _, lengths, caches, _ = jax.lax.while_loop(cond, body, carry)
+  return tokens, lengths, caches
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API.
+
+
+def _key(rng: Any) -> jax.Array:
+  """A jax key from None (key(0)), an int seed (Python or numpy, 0-d arrays too) or a key."""
+  if rng is None:
+    return jax.random.key(0)
+  if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
+    return jax.random.key(int(rng))
+  if (isinstance(rng, np.ndarray) and rng.shape == () and np.issubdtype(rng.dtype, np.integer)):
+    return jax.random.key(int(rng))
+  if not isinstance(rng, jax.Array):
+    raise TypeError(f"rng must be a jax.random key, an int seed or None; got {type(rng).__name__}")
+  if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    return rng
+  if rng.shape == (2,) and rng.dtype == jnp.uint32:
+    return jax.random.wrap_key_data(rng)
+  raise TypeError(f"rng must be a jax.random key; got an array {rng.dtype}{list(rng.shape)}")
+
+
+def _host_float(name: str, value: Any) -> Any:
+  """A Python float from a Python/numpy number or a concrete 0-d numpy/jax array
+  (None and other values are passed through for `Sampling` to reject)."""
+  if value is None or isinstance(value, bool):
+    return value
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(f"{name} must be concrete (generate validates on the host); got a tracer")
+  if isinstance(value, (int, float, np.integer, np.floating)):
+    return float(value)
+  if isinstance(value, (np.ndarray, jax.Array)):
+    if value.shape != () or not (np.issubdtype(value.dtype, np.floating)
+                                 or np.issubdtype(value.dtype, np.integer)):
+      raise TypeError(f"{name} must be a number or a 0-d numeric array; got "
+                      f"{value.dtype}{list(value.shape)}")
+    return float(value)
+  raise TypeError(f"{name} must be a number; got {type(value).__name__}")
+
+
+def _vocab_size(model) -> int:
+  return int(getattr(model, "vocab_size"))
+
+
+def prefill(model: nnx.Module, prompts: jax.Array, prompt_lengths: jax.Array,
+            caches: Sequence[Any], *, sampling: Sampling = Sampling(), rng: Any = None
+            ) -> tuple[jax.Array, tuple[Any, ...], jax.Array]:
+  """Runs the prompts through the model into `caches` and samples the first token.
+
+  No validation beyond what the model does (use `generate` for checked input).
+
+  Args:
+    model: a `kvattn.Transformer` (anything with `hidden` / `logits_from_hidden`).
+    prompts: `i32[B, T]` right-padded prompts.
+    prompt_lengths: `i32[B]` real tokens per prompt, >= 1.
+    caches: per-layer caches, empty; donated (do not reuse them).
+    sampling: sampling settings.
+    rng: jax key (default key(0)).
+
+  Returns:
+    `(first_tokens i32[B], caches, rng)` -- the rng to pass on to `decode`.
+  """
+  graphdef, state = nnx.split(model)
+  return _prefill(graphdef, state, tuple(caches), jnp.asarray(prompts, jnp.int32),
+                  jnp.asarray(prompt_lengths, jnp.int32), _key(rng), sampling=sampling)
+
+
+def decode(model: nnx.Module, first_tokens: jax.Array, caches: Sequence[Any],
+           max_new_tokens: int, *, sampling: Sampling = Sampling(), eos_id: int | None = None,
+           pad_id: int = data_lib.PAD_ID, rng: Any = None
+           ) -> tuple[jax.Array, jax.Array, tuple[Any, ...]]:
+  """The compiled decode loop after `prefill` (see the module doc).
+
+  Args:
+    model: the model passed to `prefill`.
+    first_tokens: `i32[B]` tokens sampled by `prefill` (not yet in the caches).
+    caches: the caches `prefill` returned; donated.
+    max_new_tokens: total tokens to return per sequence, the first included,
+      so the loop runs at most `max_new_tokens - 1` model steps.
+    sampling, eos_id, pad_id, rng: as in `generate`.
+
+  Returns:
+    `(tokens i32[B, max_new_tokens], lengths i32[B], caches)`.
+  """
+  graphdef, state = nnx.split(model)
+  return _decode(graphdef, state, tuple(caches), jnp.asarray(first_tokens, jnp.int32), _key(rng),
+                 sampling=sampling, max_new_tokens=max_new_tokens,
+                 eos_id=None if eos_id is None else np.int32(eos_id), pad_id=np.int32(pad_id))
+
+
+def _host_ints(name: str, x: Any, rank: int, shape_doc: str) -> np.ndarray:
+  if isinstance(x, jax.core.Tracer):
+    raise TypeError(f"{name} must be concrete (generate validates on the host); got a tracer")
+  arr = np.asarray(x)
+  if arr.ndim != rank:
+    raise ValueError(f"{name} must have rank {rank} {shape_doc}; got shape {arr.shape}")
+  if not np.issubdtype(arr.dtype, np.integer):
+    raise TypeError(f"{name} must have an integer dtype; got {arr.dtype}")
+  return arr
+
+
+def _check_fits_memory(model, batch: int, capacity: int, max_new_tokens: int, cache_dtype: Any,
+                       name: str, *, default_caches: bool) -> None:
+  """Raises ValueError naming `name` if the caches (`batch * capacity *
+  model.cache_bytes_per_token`, when generate builds them) and the token buffer
+  (`i32[B, max_new_tokens]`) would not fit the memory available now."""
+  available = memory.available_bytes()
+  if available is None:
+    return
+  need = 4 * batch * max_new_tokens
+  per_token = getattr(model, "cache_bytes_per_token", None)
+  if default_caches and per_token is not None:
+    need += batch * capacity * int(per_token(cache_dtype))
+  if need > available:
+    value = capacity if name == "max_len" else max_new_tokens
+    raise ValueError(
+        f"{name} = {value} needs about {need / 2**30:.2f} GiB (caches of capacity {capacity} "
+        f"for {batch} sequences plus the output tokens) but only {available / 2**30:.2f} GiB "
+        f"is available; use a smaller {name}")
+
+
+def generate(
+    model: nnx.Module,
+    prompts: jax.Array,  # i32[B, T]
+    prompt_lengths: jax.Array,  # i32[B]
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    rng: Any = None,
+    pad_id: int = data_lib.PAD_ID,
+    max_len: int | None = None,
+    cache_dtype: Any = None,
+    caches: Sequence[Any] | None = None,
+    cache_factory: CacheFactory | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Generates up to `max_new_tokens` tokens per prompt (batched prefill + compiled decode).
+
+  Args:
+    model: a `kvattn.Transformer` (MHA/GQA/MQA and MLA layers alike).
+    prompts: `i32[B, T]` right-padded prompts; ids in `[0, V)` for the real
+      tokens (padding may hold anything).
+    prompt_lengths: `i32[B]` real tokens per prompt, in `[1, T]`.
+    max_new_tokens: tokens to generate per sequence (>= 1).
+    temperature: 0.0 = greedy; > 0 samples from softmax(logits / temperature)
+      (a Python/numpy number or a concrete 0-d array; must be representable
+      in f32: at most ~3.4e38 and, if nonzero, at least ~1.2e-38).
+    top_k: restrict sampling to the k most likely tokens (None: off).
+    top_p: nucleus sampling mass in (0, 1] (None: off; a number or 0-d array).
+    eos_id: token that ends a sequence (None: never stop early). Traced: a
+      new value does not recompile the decode loop.
+    rng: jax.random key, or an int seed (Python or numpy integer) for
+      sampling (None: key(0), so sampling is reproducible by default).
+    pad_id: token written after a sequence's EOS (default `kvattn.training.data.PAD_ID`).
+    max_len: cache capacity S in tokens; default `T + max_new_tokens - 1`
+      (or the capacity of `caches`).
+    cache_dtype: cache dtype (default the model's compute dtype).
+    caches: prebuilt empty per-layer caches (lengths 0, batch B); consumed
+      (donated). Lets a caller choose the cache kind.
+    cache_factory: `(batch, max_len, dtype) -> caches`, used when `caches`
+      is None; default `model.init_caches`.
+
+  Returns:
+    `(tokens i32[B, max_new_tokens], lengths i32[B])`: `lengths[b]` counts
+    the generated tokens of sequence b including its EOS (if any); positions
+    from `lengths[b]` on hold `pad_id`.
+
+  Raises:
+    ValueError: an empty prompt (`prompt_lengths` 0), `prompt_lengths`
+      outside `[1, T]`, a prompt longer than the cache, `max_new_tokens` that
+      would overflow the cache, token ids outside `[0, V)`, bad sampling
+      settings, caches that are not empty / do not match the batch, or a
+      `max_new_tokens` / `max_len` whose caches (`B * max_len *
+      model.cache_bytes_per_token`, when generate builds them) and output
+      tokens would not fit the memory available now
+      (`kvattn.memory.available_bytes`), before anything is allocated.
+    TypeError: non-integer prompts/lengths, traced inputs, a bad rng, a
+      non-numeric temperature / top_p.
+  """
+  sampling = Sampling(_host_float("temperature", temperature),
+                      top_k if not isinstance(top_k, np.integer) else int(top_k),
+                      _host_float("top_p", top_p))
+  max_new_tokens = _checks.positive_int("max_new_tokens", max_new_tokens)
+  prompts_np = _host_ints("prompts", prompts, 2, "[B, T]")
+  lengths_np = _host_ints("prompt_lengths", prompt_lengths, 1, "[B]")
+  batch, width = prompts_np.shape
+  if lengths_np.shape != (batch,):
+    raise ValueError(f"prompt_lengths must have shape [B] = ({batch},); got {lengths_np.shape}")
+  if batch == 0 or width == 0:
+    raise ValueError(f"prompts must be non-empty [B, T]; got shape {prompts_np.shape}")
+  if lengths_np.min() < 1:
+    empty = np.nonzero(lengths_np < 1)[0].tolist()
+    raise ValueError(f"prompt_lengths must be >= 1 (empty prompts cannot be continued; start "
+                     f"them with BOS); got {lengths_np.tolist()}, empty: sequences {empty}")
+  if lengths_np.max() > width:
+    raise ValueError(f"prompt_lengths must be <= T = {width}; got {lengths_np.tolist()}")
+  vocab = _vocab_size(model)
+  real = np.arange(width)[None, :] < lengths_np[:, None]
+  bad = real & ((prompts_np < 0) | (prompts_np >= vocab))
+  if bad.any():
+    b, t = map(int, np.argwhere(bad)[0])
+    raise ValueError(f"prompts must hold token ids in [0, {vocab}); got {int(prompts_np[b, t])} "
+                     f"at [{b}, {t}]")
+  for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+      or_none = " or None" if name == "eos_id" else ""
+      raise TypeError(f"{name} must be an int{or_none}; got {value!r}")
+  if eos_id is not None and not 0 <= eos_id < vocab:
+    raise ValueError(f"eos_id must lie in [0, {vocab}); got {eos_id}")
+  eos_id = None if eos_id is None else int(eos_id)
+  pad_id = int(pad_id)
+  key = _key(rng)
+
+  needed = int(lengths_np.max()) + max_new_tokens - 1
+  if caches is not None:
+    caches = tuple(caches)
+    capacities = {int(c.capacity) for c in caches}
+    if len(capacities) != 1:
+      raise ValueError(f"caches must share one capacity (max_len); got {sorted(capacities)}")
+    capacity = capacities.pop()
+    if max_len is not None and max_len != capacity:
+      raise ValueError(f"max_len must match the caches' max_len {capacity}; got {max_len}")
+    for i, c in enumerate(caches):
+      lengths = np.asarray(c.lengths)
+      if lengths.shape != (batch,):
+        raise ValueError(f"caches[{i}].lengths must have shape ({batch},); got {lengths.shape}")
+      if lengths.any():
+        raise ValueError(
+            f"caches must be empty (lengths 0); caches[{i}].lengths = {lengths.tolist()}")
+  else:
+    capacity = width + max_new_tokens - 1 if max_len is None else _checks.positive_int(
+        "max_len", max_len)
+  if lengths_np.max() > capacity:
+    raise ValueError(f"prompt_lengths must fit the cache (max_len = {capacity}); the longest "
+                     f"prompt has {int(lengths_np.max())} tokens")
+  if needed > capacity:
+    raise ValueError(
+        f"max_new_tokens = {max_new_tokens} would overflow the cache: the longest prompt "
+        f"({int(lengths_np.max())}) + max_new_tokens - 1 = {needed} > max_len = {capacity}")
+  if caches is None:
+    _check_fits_memory(model, batch, capacity, max_new_tokens, cache_dtype,
+                       "max_len" if max_len is not None else "max_new_tokens",
+                       default_caches=cache_factory is None)
+    factory = cache_factory or model.init_caches
+    caches = tuple(factory(batch, capacity, cache_dtype))
+
+  first, caches, key = prefill(model, prompts_np.astype(np.int32), lengths_np.astype(np.int32),
+                               caches, sampling=sampling, rng=key)
+  tokens, lengths, _ = decode(model, first, caches, max_new_tokens, sampling=sampling,
+                              eos_id=eos_id, pad_id=pad_id, rng=key)
+  return tokens, lengths

@@ -1,0 +1,441 @@
+r"""Converting a pretrained GQA checkpoint to fewer KV heads or to MLA (no training).
+
+Two conversions of a `kvattn.Transformer` whose layers are all
+`GroupedQueryAttention` (MHA / GQA / MQA); both return a new Transformer (the
+source is left intact) that shares every non-attention parameter's values.
+
+**Regrouping KV heads** (`regroup_kv_heads`; Ainslie et al. 2023, "GQA",
+arXiv 2305.13245, §2.1). Source K KV heads, target K'. Query head n reads KV
+head n // G (DESIGN.md), so
+
+* K' = f K (expanding): target head j is a copy of source head j // f. Query
+  head n reads target n // (G / f), a copy of source n // G: the logits are
+  unchanged exactly (the MHA end of a sweep over a GQA checkpoint).
+* K = f K' (pooling): target head j merges source heads [j f, (j + 1) f):
+  `method="mean"`: `W_k'[j] = mean_i W_k[j f + i]` (and likewise `W_v`, and
+  the k/v biases of a Qwen2-style `qkv_bias` layer), the paper's
+  mean-pooling; `method="first"`: `W_k'[j] = W_k[j f]` (the baseline the
+  paper compares with). RoPE is linear in the key, so pooling the projections
+  equals pooling the rotated keys.
+
+**GQA -> MLA** (`to_mla`), the MHA2MLA recipe (Ji et al. 2025, "Towards
+Economical Inference: Enabling DeepSeek's Multi-Head Latent Attention in Any
+Transformer-based LLMs", arXiv 2502.14837) in two steps:
+
+1. *Partial RoPE* (MHA2MLA §3.2). RoPE rotates pairs `(i, i + H/2)` of a head
+   with frequency `w_i = theta^(-2i/H)` (`kvattn.ops.apply_rope`). Keep the
+   rotation on r of the H/2 pairs, the same pairs in every head and layer, and
+   drop it on the others: `rope_selection="high"` keeps the r highest
+   frequencies, `i = 0 .. r-1` (MHA2MLA's S_high); `"uniform"` keeps every
+   s-th pair, `i = 0, s, 2s, ..` with `s = H / (2r)` (S_uniform). This step is
+   the only approximation of the conversion; `partial_rope` builds this
+   intermediate model (a reference forward without caches, trainable).
+   MHA2MLA's 2-norm selection (S_2-norm) picks different pairs per head, i.e.
+   different frequencies per rope-key chunk, which one MLA rope base cannot
+   express; it is not offered.
+2. *Low-rank KV* (MHA2MLA §3.3, SVD_joint). Per layer, stack the no-RoPE
+   columns of the K projections of all K heads and all V projections:
+
+       M = [W_k,nope[0] .. W_k,nope[K-1] | W_v[0] .. W_v[K-1]]     D x F,
+       F = K (H - w) + K H,   w = 2r (rope dims per head)
+
+   and factor `M = U S V^T` (f64). With rank C: `W_DKV = M V_C = U_C S_C`
+   `[D, C]` (the latent `c = x W_DKV`, cached) and `[W_UK | W_UV] = V_C^T`
+   `[C, F]` (orthonormal rows), sliced per KV head and copied to the query
+   heads of its group. `W_DKV W_UKV = M V_C V_C^T` is the best rank-C
+   approximation of M (Eckart-Young) and M itself at C = F, so the full-rank
+   MLA model equals the partial-RoPE model; lower C truncates the spectrum.
+   `method="split"` (SVD_split) factors the K and V blocks separately, with
+   ranks in proportion to their widths (`C_k = round(C K (H - w) / F)`,
+   `C_v = C - C_k`; MHA2MLA splits C in halves, which cannot reach F when the
+   two widths differ), the latent being `[c_k | c_v]`.
+
+The MLA layers (`MultiHeadLatentAttention` with `latent_norm=False`, since
+an RMSNorm on the latent would break `c W_UK = x M_k`; `num_rope_heads=K`) hold:
+`qk_nope_head_dim = H - w`, `qk_rope_head_dim = R = K w` (one rotated key
+chunk of width w per source KV head, cached: MHA2MLA keeps per-head rope keys,
+DeepSeek's single shared rope key cannot hold K different ones),
+`v_head_dim = H`, `q_proj [D, N, (H - w) + R]` whose rope part for head n is
+the source query's kept dims in chunk n // G and zero elsewhere (so
+`q_rope[n] . k_rope = q_rope,src[n] . k_rope,src[n // G]`), the RoPE base
+`theta' = theta^(s w / H)` (chunk pair j then has frequency
+`theta'^(-2j/w) = theta^(-2 s j / H)`, the source frequency of pair s j; a
+rope scaling is kept and the equality checked), and
+`softmax_scale_factor = sqrt((H - w + R) / H)` so that the MLA scale
+`(qk_nope_head_dim + R)^-1/2 * factor` is the source's `H^-1/2`. Per token
+and layer the cache holds `C + R` numbers instead of `2 K H`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvattn import ops
+from kvattn.models import transformer as transformer_lib
+from kvattn.models.gqa import GroupedQueryAttention, check_input, resolve_positions
+from kvattn.ops import rope as rope_lib
+
+REGROUP_METHODS = ("mean", "first")
+MLA_METHODS = ("joint", "split")
+ROPE_SELECTIONS = ("high", "uniform")
+
+
+def _gqa_layers(model: Any, where: str) -> list[GroupedQueryAttention]:
+  if not isinstance(model, transformer_lib.Transformer):
+    raise TypeError(f"model must be a kvattn.Transformer; got {type(model).__name__}")
+  attns = []
+  for i, layer in enumerate(model.layers):
+    if not isinstance(layer.attn, GroupedQueryAttention):
+      raise ValueError(f"{where} converts GQA layers (MHA/GQA/MQA); model layer {i} is "
+                       f"{type(layer.attn).__name__}")
+    attns.append(layer.attn)
+  return attns
+
+
+def _value(param: Any) -> np.ndarray:
+  return np.asarray(jax.device_get(param[...]), np.float64)
+
+
+def _rebuild(model: transformer_lib.Transformer, spec: transformer_lib.ModelSpec,
+             attn_params: Sequence[Mapping[str, np.ndarray]]) -> transformer_lib.Transformer:
+  """A Transformer of `spec` holding `model`'s non-attention parameters and, for layer i,
+  the attention parameters `attn_params[i]` (name -> array), cast to the param dtype."""
+  abstract = nnx.eval_shape(lambda: transformer_lib.Transformer(spec, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  source = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  flat = nnx.to_flat_state(state)
+  for path, var in flat:
+    want = var.get_value()
+    if len(path) == 4 and path[0] == "layers" and path[2] == "attn":
+      value = jnp.asarray(attn_params[path[1]][path[3]], want.dtype)
+    else:
+      value = jnp.array(source[path].get_value(), want.dtype)  # a copy: the source stays intact
+    if value.shape != want.shape:  # a bug here, not the caller's
+      raise RuntimeError(f"parameter {path}: converted shape {value.shape} != {want.shape}")
+    var.set_value(value)
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _replace_layers(spec: transformer_lib.ModelSpec, layers: Sequence[Any],
+                    **attention: Any) -> transformer_lib.ModelSpec:
+  """`spec` with per-layer attention specs `layers` (and `attention` overrides on the base)."""
+  base = dataclasses.replace(spec.attention, **attention)
+  return transformer_lib.resolve_config(dataclasses.replace(spec, attention=base,
+                                                            layers=tuple(layers)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Regrouping KV heads (GQA paper §2.1).
+
+
+def check_regroup(model: transformer_lib.Transformer, num_kv_heads: int, *,
+                  method: str = "mean") -> list[GroupedQueryAttention]:
+  """The checks of `regroup_kv_heads` (same errors), without converting; returns the layers."""
+  if method not in REGROUP_METHODS:
+    raise ValueError(f"method must be one of {REGROUP_METHODS}; got {method!r}")
+  if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads <= 0:
+    raise ValueError(f"num_kv_heads must be a positive int; got {num_kv_heads!r}")
+  attns = _gqa_layers(model, "regroup_kv_heads")
+  for i, attn in enumerate(attns):
+    K, N = attn.num_kv_heads, attn.num_heads
+    if N % num_kv_heads:
+      raise ValueError(f"num_kv_heads must divide num_heads = {N} (layer {i}); got {num_kv_heads}")
+    if num_kv_heads % K and K % num_kv_heads:
+      raise ValueError(f"num_kv_heads must be a multiple or a divisor of the current number of "
+                       f"KV heads {K} (layer {i}); got {num_kv_heads}")
+  return attns
+
+
+def regroup_kv_heads(model: transformer_lib.Transformer, num_kv_heads: int, *,
+                     method: str = "mean") -> transformer_lib.Transformer:
+  """A copy of `model` with `num_kv_heads` KV heads per layer (see the module doc).
+
+  Args:
+    model: a `kvattn.Transformer` whose layers are all GQA (K KV heads each).
+    num_kv_heads: K'. A multiple of K (duplicated heads, exact) that divides
+      N, or a divisor of K (groups of K / K' heads merged by `method`).
+    method: "mean" (mean-pool the K and V projections and biases of each
+      group, Ainslie et al. 2023 §2.1) or "first" (keep the first head of
+      each group). Ignored when expanding.
+
+  Returns:
+    A new Transformer; the source model is not modified.
+
+  Raises:
+    TypeError: `model` is not a Transformer.
+    ValueError: a layer that is not GQA; `num_kv_heads` not a positive int,
+      neither a multiple nor a divisor of a layer's K, or not dividing N; an
+      unknown method.
+  """
+  attns = check_regroup(model, num_kv_heads, method=method)
+  layers, params = [], []
+  for attn, layer_spec in zip(attns, model.spec.layers):
+    K = attn.num_kv_heads
+    if num_kv_heads % K == 0:
+      f = num_kv_heads // K
+      merge = lambda w, f=f: np.repeat(w, f, axis=-2)  # [..., K, H] -> [..., K f, H]
+    else:
+      f = K // num_kv_heads
+      def merge(w, f=f, K=K):  # [..., K, H] -> [..., K / f, H]
+        groups = w.reshape(w.shape[:-2] + (K // f, f, w.shape[-1]))
+        return groups.mean(axis=-2) if method == "mean" else groups[..., 0, :]
+    p = {"q_proj": _value(attn.q_proj), "o_proj": _value(attn.o_proj),
+         "k_proj": merge(_value(attn.k_proj)), "v_proj": merge(_value(attn.v_proj))}
+    if attn.qkv_bias:
+      p.update(q_bias=_value(attn.q_bias), k_bias=merge(_value(attn.k_bias)),
+               v_bias=merge(_value(attn.v_bias)))
+    params.append(p)
+    layers.append(dataclasses.replace(layer_spec, num_kv_heads=num_kv_heads))
+  spec = _replace_layers(model.spec, layers, num_kv_heads=num_kv_heads)
+  return _rebuild(model, spec, params)
+
+
+# ----------------------------------------------------------------------------------------------
+# GQA -> MLA (MHA2MLA): partial RoPE, then a joint SVD of the no-RoPE K and V projections.
+
+
+def rope_pairs(head_dim: int, num_pairs: int, selection: str = "high") -> np.ndarray:
+  """Indices `i32[num_pairs]` of the RoPE pairs `(i, i + H/2)` partial RoPE keeps.
+
+  "high": `0 .. r-1` (highest frequencies, MHA2MLA's S_high); "uniform":
+  `0, s, 2s, ..` with `s = H / (2r)` (S_uniform).
+
+  Raises:
+    ValueError: `num_pairs` not in [1, H/2), an unknown selection, or for
+      "uniform" an r that does not divide H / 2.
+  """
+  half = head_dim // 2
+  if isinstance(num_pairs, bool) or not isinstance(num_pairs, int) or not 0 < num_pairs < half:
+    raise ValueError(f"RoPE pairs kept per head must lie in [1, head_dim / 2 = {half}) (the rest "
+                     f"of the head is the no-RoPE part MLA factorises); got {num_pairs}")
+  if selection not in ROPE_SELECTIONS:
+    raise ValueError(f"rope_selection must be one of {ROPE_SELECTIONS}; got {selection!r}")
+  if selection == "high":
+    return np.arange(num_pairs)
+  if half % num_pairs:
+    raise ValueError(f"rope_selection 'uniform' needs the kept pairs per head to divide "
+                     f"head_dim / 2 = {half}; got {num_pairs}")
+  return np.arange(num_pairs) * (half // num_pairs)
+
+
+def _rope_dims(head_dim: int, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """`(rope, nope)` dim indices of a head: rope = [pairs, pairs + H/2] (the rotate-half layout
+  of a chunk of width 2r), nope = the other dims in order."""
+  rope = np.concatenate([pairs, pairs + head_dim // 2])
+  nope = np.setdiff1d(np.arange(head_dim), rope)
+  return rope, nope
+
+
+def _per_head_rope_width(qk_rope_head_dim: Any, attn: GroupedQueryAttention) -> int:
+  K, H = attn.num_kv_heads, attn.head_dim
+  R = qk_rope_head_dim
+  if isinstance(R, bool) or not isinstance(R, int) or R <= 0 or R % (2 * K):
+    raise ValueError(f"qk_rope_head_dim must be a positive multiple of 2 * num_kv_heads = {2 * K} "
+                     f"(w = qk_rope_head_dim / num_kv_heads rotated dims per KV head, in pairs); "
+                     f"got {R!r}")
+  if R // K >= H:
+    raise ValueError(f"qk_rope_head_dim / num_kv_heads (RoPE dims kept per head) must be below "
+                     f"head_dim = {H}; got {R} / {K} = {R // K}")
+  return R // K
+
+
+class PartialRopeAttention(nnx.Module):
+  """A GQA layer with RoPE on `rope_pairs` only: step 1 of `to_mla`, the reference of step 2.
+
+  Holds the source `GroupedQueryAttention` (`self.attn`, its parameters and
+  biases) and rotates only the pairs `(i, i + H/2)`, `i` in `rope_pairs`, of
+  every query and key head with the source's frequencies; the other dims are
+  not rotated. Causal attention over the T tokens, without a cache.
+  """
+
+  def __init__(self, attn: GroupedQueryAttention, rope_pairs: Sequence[int]):
+    self.attn = attn
+    self.rope_pairs = tuple(int(i) for i in rope_pairs)
+
+  def __call__(self, x: jax.Array, cache: Any = None, positions: jax.Array | None = None,
+               new_lengths: jax.Array | None = None) -> tuple[jax.Array, None]:
+    """`(y [B, T, D], None)`; ValueError for a cache (this reference has none)."""
+    if cache is not None:
+      raise ValueError("cache must be None: the partial-RoPE model is a cacheless reference "
+                       "(convert it with to_mla to decode)")
+    a = self.attn
+    check_input(x, a.d_model)
+    batch, num_tokens, _ = x.shape
+    positions = resolve_positions(positions, None, batch, num_tokens)
+    biases = (a.q_bias, a.k_bias, a.v_bias) if a.qkv_bias else (None,) * 3
+    q = a._project(x, "BTD,DNH->BTNH", a.q_proj, biases[0])  # pylint: disable=protected-access
+    k = a._project(x, "BTD,DKH->BTKH", a.k_proj, biases[1])  # pylint: disable=protected-access
+    v = a._project(x, "BTD,DKH->BTKH", a.v_proj, biases[2])  # pylint: disable=protected-access
+    rope, _ = _rope_dims(a.head_dim, np.asarray(self.rope_pairs))
+    mask = np.zeros((a.head_dim,), bool)
+    mask[rope] = True
+    rot = dict(rope_theta=a.rope_theta, scaling=a.rope_scaling)
+    q = jnp.where(mask, ops.apply_rope(q, positions, **rot), q)
+    k = jnp.where(mask, ops.apply_rope(k, positions, **rot), k)
+    out = ops.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                        kv_lengths=new_lengths, window=a.window, soft_cap=a.soft_cap)
+    return a._project(out, "BTNH,NHD->BTD", a.o_proj), None  # pylint: disable=protected-access
+
+
+def partial_rope(model: transformer_lib.Transformer, qk_rope_head_dim: int, *,
+                 rope_selection: str = "high") -> transformer_lib.Transformer:
+  """Step 1 of `to_mla` alone: a copy of `model` whose layers keep RoPE on
+  `qk_rope_head_dim / K` dims per head (`PartialRopeAttention`).
+
+  The copy runs without caches (training, evaluation): it is the model the
+  full-rank MLA conversion reproduces and the reference of step 2.
+
+  Raises:
+    TypeError/ValueError: as `to_mla` for these arguments.
+  """
+  attns = _gqa_layers(model, "partial_rope")
+  new = nnx.clone(model)
+  for layer, attn in zip(new.layers, attns):
+    w = _per_head_rope_width(qk_rope_head_dim, attn)
+    layer.attn = PartialRopeAttention(layer.attn, rope_pairs(attn.head_dim, w // 2,
+                                                             rope_selection))
+  return new
+
+
+def _svd_factors(m: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
+  """`(A [D, rank], B [rank, F])` with `A B` the best rank-`rank` approximation of `m [D, F]`.
+
+  `m = U S V^T`; `B = V_rank^T` (orthonormal rows, the top right singular
+  vectors, from the eigendecomposition of `m^T m` in f64) and `A = m V_rank =
+  U_rank S_rank`, so `A B = m V V^T` is `m` itself at rank F whatever the
+  precision of the eigenvalues.
+  """
+  eigvals, vecs = np.linalg.eigh(m.T @ m)  # ascending
+  v = vecs[:, np.argsort(eigvals)[::-1][:rank]]  # [F, rank]
+  return m @ v, v.T
+
+
+def mla_full_rank(model: transformer_lib.Transformer, qk_rope_head_dim: int) -> int:
+  """The largest `kv_lora_rank` of `to_mla`: the stacked no-RoPE K/V width
+  `F = K (H - w) + K H` (w = qk_rope_head_dim / K), the smallest over layers."""
+  attns = _gqa_layers(model, "to_mla")
+  return min(a.num_kv_heads * (2 * a.head_dim - _per_head_rope_width(qk_rope_head_dim, a))
+             for a in attns)
+
+
+def _mla_layer(attn: GroupedQueryAttention, kv_lora_rank: int, w: int, pairs: np.ndarray,
+               method: str) -> dict[str, np.ndarray]:
+  """The MLA parameters of one GQA layer (module doc, step 2)."""
+  N, K, H, G = attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.num_groups
+  Hn, R, C = H - w, K * w, kv_lora_rank
+  rope, nope = _rope_dims(H, pairs)
+  wq, wk, wv = _value(attn.q_proj), _value(attn.k_proj), _value(attn.v_proj)
+  D = wq.shape[0]
+  group = np.arange(N) // G  # the KV head of each query head
+  q = np.zeros((D, N, Hn + R))
+  q[:, :, :Hn] = wq[:, :, nope]
+  for n in range(N):
+    q[:, n, Hn + group[n] * w:Hn + (group[n] + 1) * w] = wq[:, n, rope]
+  k_rope = wk[:, :, rope].reshape(D, R)  # chunk k = KV head k
+  mk = wk[:, :, nope].reshape(D, K * Hn)
+  mv = wv.reshape(D, K * H)
+  if method == "joint":
+    down, up = _svd_factors(np.concatenate([mk, mv], axis=1), C)
+    up_k, up_v = up[:, :K * Hn], up[:, K * Hn:]
+  else:  # split: separate factors, stacked latents [c_k | c_v]
+    ck = round(C * K * Hn / (K * Hn + K * H))
+    dk, uk = _svd_factors(mk, ck)
+    dv, uv = _svd_factors(mv, C - ck)
+    down = np.concatenate([dk, dv], axis=1)
+    up_k = np.concatenate([uk, np.zeros((C - ck, K * Hn))])
+    up_v = np.concatenate([np.zeros((ck, K * H)), uv])
+  return {"q_proj": q, "kv_down_proj": np.concatenate([down, k_rope], axis=1),
+          "k_up_proj": up_k.reshape(C, K, Hn)[:, group],
+          "v_up_proj": up_v.reshape(C, K, H)[:, group],
+          "o_proj": _value(attn.o_proj)}
+
+
+def check_to_mla(model: transformer_lib.Transformer, kv_lora_rank: int, qk_rope_head_dim: int,
+                 *, method: str = "joint", rope_selection: str = "high"
+                 ) -> list[tuple[GroupedQueryAttention, int, np.ndarray, float]]:
+  """The checks of `to_mla` (same errors), without converting; returns per layer `(attn, w,
+  kept pairs, RoPE base of the chunks)`."""
+  if method not in MLA_METHODS:
+    raise ValueError(f"method must be one of {MLA_METHODS}; got {method!r}")
+  attns = _gqa_layers(model, "to_mla")
+  full = mla_full_rank(model, qk_rope_head_dim)  # validates qk_rope_head_dim
+  C = kv_lora_rank
+  if isinstance(C, bool) or not isinstance(C, int) or C <= 0:
+    raise ValueError(f"kv_lora_rank must be a positive int; got {C!r}")
+  if C > full:
+    raise ValueError(f"kv_lora_rank must be at most the full rank (the stacked no-RoPE K/V width "
+                     f"K (2 head_dim - qk_rope_head_dim / K)) = {full}; got {C}")
+  plan = []
+  for i, attn in enumerate(attns):
+    if attn.qkv_bias:
+      raise NotImplementedError(f"to_mla: layer {i} has qkv biases, which MLA's projections lack")
+    if attn.soft_cap is not None:
+      raise NotImplementedError(f"to_mla: layer {i} has a soft cap, which MLA lacks")
+    H = attn.head_dim
+    w = _per_head_rope_width(qk_rope_head_dim, attn)
+    pairs = rope_pairs(H, w // 2, rope_selection)
+    stride = int(pairs[1] - pairs[0]) if pairs.size > 1 else 1
+    theta = float(attn.rope_theta) ** (stride * w / H)
+    want = np.asarray(rope_lib.rope_frequencies(H, attn.rope_theta, attn.rope_scaling))[pairs]
+    got = np.asarray(rope_lib.rope_frequencies(w, theta, attn.rope_scaling))
+    if not np.allclose(got, want, rtol=1e-5, atol=0):
+      raise NotImplementedError(
+          f"to_mla: layer {i}'s rope scaling {attn.rope_scaling} gives the kept pairs frequencies "
+          f"that a RoPE base of width {w} cannot reproduce (rope_selection {rope_selection!r})")
+    plan.append((attn, w, pairs, theta))
+  return plan
+
+
+def to_mla(model: transformer_lib.Transformer, kv_lora_rank: int, qk_rope_head_dim: int, *,
+           method: str = "joint", rope_selection: str = "high") -> transformer_lib.Transformer:
+  """A copy of `model` whose layers are `MultiHeadLatentAttention` (MHA2MLA; module doc).
+
+  Args:
+    model: a `kvattn.Transformer` whose layers are all GQA without qkv biases
+      or soft cap.
+    kv_lora_rank: latent width C, at most `mla_full_rank(model,
+      qk_rope_head_dim)` (= K (2H - w)); at that rank the result equals
+      `partial_rope(model, qk_rope_head_dim)`.
+    qk_rope_head_dim: cached rope-key width R = K w: w = R / K rotated dims
+      (w / 2 pairs, chosen by `rope_selection`) per source KV head, w < H.
+    method: "joint" (SVD_joint: one SVD of the stacked no-RoPE K and V
+      projections) or "split" (SVD_split: K and V factored apart, ranks in
+      proportion to their widths).
+    rope_selection: "high" or "uniform" (`rope_pairs`).
+
+  Returns:
+    A new Transformer with a latent cache of `C + R` numbers per token and
+    layer (`model.cache_bytes_per_token()`); the source is not modified.
+
+  Raises:
+    TypeError: `model` is not a Transformer.
+    ValueError: a layer that is not GQA; qk_rope_head_dim not a positive
+      multiple of 2K or with R / K >= head_dim; kv_lora_rank not a positive
+      int or above the full rank; an unknown method or rope_selection;
+      "uniform" pairs not dividing H/2.
+    NotImplementedError: qkv biases or a soft cap (MLA has neither), or a rope
+      scaling whose frequencies the chunked RoPE base cannot reproduce.
+  """
+  C = kv_lora_rank
+  layers, params = [], []
+  plan = check_to_mla(model, kv_lora_rank, qk_rope_head_dim, method=method,
+                      rope_selection=rope_selection)
+  for (attn, w, pairs, theta), layer_spec in zip(plan, model.spec.layers):
+    H, K = attn.head_dim, attn.num_kv_heads
+    params.append(_mla_layer(attn, C, w, pairs, method))
+    layers.append(transformer_lib.AttentionSpec(
+        kind="mla", num_heads=attn.num_heads, rope_theta=theta, window=attn.window,
+        decode_implementation=None, kv_lora_rank=C, qk_nope_head_dim=H - w,
+        qk_rope_head_dim=qk_rope_head_dim, v_head_dim=H, q_lora_rank=None,
+        softmax_scale_factor=math.sqrt((H - w + qk_rope_head_dim) / H), num_rope_heads=K,
+        latent_norm=False, **{name: getattr(layer_spec, name)
+                              for name in transformer_lib.ROPE_SCALING_FIELDS}))
+  spec = _replace_layers(model.spec, layers, **dataclasses.asdict(layers[0]))
+  return _rebuild(model, spec, params)

@@ -1,0 +1,236 @@
+"""One attention module for MHA, GQA and MQA.
+
+Multi-head attention (Vaswani et al. 2017), multi-query attention (Shazeer
+2019, "Fast Transformer Decoding") and grouped-query attention (Ainslie et al.
+2023, arXiv 2305.13245) differ only in the number of KV heads K: MHA has
+K = N, MQA K = 1, GQA anything that divides N. Query head n reads KV head
+n // G with G = N // K (contiguous groups, as in Llama-family checkpoints).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kvattn import _checks
+from kvattn.caches import dense as cache_lib
+from kvattn import ops
+from kvattn.caches.protocol import GQACache, type_error, update_attend
+
+
+DECODE_OPS = ("decode_attention", "paged_decode_attention")
+"""The `kvattn.ops` dispatch points a GQA layer decodes through (dense, paged cache)."""
+
+
+def decode_implementations() -> tuple[str, ...]:
+  """Backend names `decode_implementation` may take: those registered for a dense
+  or a paged cache (`kvattn.ops.available_implementations`), sorted."""
+  return tuple(sorted({name for op in DECODE_OPS for name in ops.available_implementations(op)}))
+
+
+def _init(in_axis, out_axis):
+  return nnx.initializers.variance_scaling(
+      1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
+
+
+def default_positions(lengths: jax.Array | None, batch: int, num_tokens: int) -> jax.Array:
+  """`i32[B, T]`: each sequence's cache length + arange(T) (0-based without a cache)."""
+  t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+  if lengths is None:
+    return jnp.broadcast_to(t, (batch, num_tokens))
+  return lengths[:, None].astype(jnp.int32) + t
+
+
+def check_positions(positions: Any, batch: int, num_tokens: int) -> jax.Array:
+  """`positions` as `i32[B, T]`; ValueError/TypeError naming it on a bad shape or dtype."""
+  positions = jnp.asarray(positions)
+  _checks.integer("positions", positions)
+  if positions.shape != (batch, num_tokens):
+    raise ValueError(
+        f"positions must have shape [B, T] = ({batch}, {num_tokens}); got {tuple(positions.shape)}")
+  return positions.astype(jnp.int32)
+
+
+def resolve_positions(positions: Any, cache: Any, batch: int, num_tokens: int) -> jax.Array:
+  """`positions` checked as `i32[B, T]`, or when None the default: the cache's
+  lengths + arange(T) (arange(T) without a cache)."""
+  if positions is None:
+    return default_positions(None if cache is None else cache.lengths, batch, num_tokens)
+  return check_positions(positions, batch, num_tokens)
+
+
+def check_input(x: Any, d_model: int) -> None:
+  """Raises ValueError/TypeError unless `x` is a floating `[B, T, d_model]` array."""
+  _checks.rank("x", x, 3, "[B, T, D]")
+  _checks.floating("x", x)
+  if x.shape[-1] != d_model:
+    raise ValueError(f"x.shape[-1] must be d_model = {d_model}; got shape {tuple(x.shape)}")
+
+
+class GroupedQueryAttention(nnx.Module):
+  """Causal self-attention with K KV heads shared by groups of G query heads.
+
+  Caches: any `kvattn.caches.protocol.GQACache`; the module writes the new
+  keys and values with `cache.update` and attends with `cache.attend`, which
+  routes to the dispatch point of the cache's layout (through
+  `cache_protocol.update_attend`: a cache with its own `update_attend`, such as
+  the long-context kinds, takes q and k before RoPE and does the whole step). `kvattn.KVCache`: `k,
+  v: [B, K, S, H]` in the cache dtype, RoPE applied to k before it is
+  written, `lengths: i32[B]`, for an int8 / fp8 cache also `k_scale, v_scale:
+  f32[B, K, S]` (quantized on write; the attention ops apply the scales as
+  they read, no dequantized copy). `kvattn.PagedKVCache`: page pools `[K, P,
+  page_size, H]` and block tables, decoded through
+  `kvattn.ops.paged_decode_attention`.
+
+  Call: `y, cache = attn(x, cache=None, positions=None, new_lengths=None)`
+    * `x: [B, T, D]`. Without a cache the T tokens attend causally to each
+      other (training); the returned cache is None.
+    * With a cache, token t of sequence b is written to slot
+      `cache.lengths[b] + t` and attends slots `[0, cache.lengths[b] + t]`
+      (the last `window` of them when a window is set). T == 1 goes through
+      the cache's decode dispatch point (`kvattn.ops.decode_attention` for a
+      `KVCache`) with `decode_implementation`.
+    * `positions: i32[B, T]` drive RoPE only; default cache length + arange(T).
+    * `new_lengths: i32[B]` real tokens per sequence (right padding; default
+      T); padded tokens are not written and their outputs are unspecified.
+
+  Parameters: `q_proj [D, N, H]`, `k_proj [D, K, H]`, `v_proj [D, K, H]`,
+  `o_proj [N, H, D]` (no biases, as in Llama); with `qkv_bias` also
+  `q_bias [N, H]`, `k_bias [K, H]`, `v_bias [K, H]` (Qwen2), added before
+  RoPE. Projections and attention accumulate in f32
+  (`preferred_element_type`) for low-precision inputs.
+  """
+
+  def __init__(
+      self,
+      *,
+      d_model: int,
+      num_heads: int,
+      num_kv_heads: int,
+      head_dim: int,
+      rope_theta: float = 10000.0,
+      window: int | None = None,
+      soft_cap: float | None = None,
+      dtype: Any = None,
+      param_dtype: Any = jnp.float32,
+      decode_implementation: str | None = None,
+      qkv_bias: bool = False,
+      rope_scaling: ops.RopeScaling | None = None,
+      rngs: nnx.Rngs,
+  ):
+    """Builds the projections.
+
+    Args:
+      d_model: model width D.
+      num_heads: query heads N.
+      num_kv_heads: KV heads K; must divide N (K = N: MHA, K = 1: MQA).
+      head_dim: per-head width H (even, for RoPE).
+      rope_theta: RoPE base.
+      window: sliding-window size in tokens, or None for full attention.
+      soft_cap: logit soft cap (Gemma 2), or None.
+      dtype: compute dtype (None: the input's dtype).
+      param_dtype: parameter storage dtype.
+      decode_implementation: backend for T == 1 steps, passed to
+        `kvattn.ops.decode_attention` (dense cache) or
+        `kvattn.ops.paged_decode_attention` (paged cache): one of
+        `decode_implementations()` or None (the best available). A backend
+        that cannot run a call's shapes raises NotImplementedError then.
+      qkv_bias: learn biases of the q/k/v projections (initialised to 0).
+      rope_scaling: a `kvattn.ops.RopeScaling` context extension of the RoPE
+        frequencies ("linear", "llama3", "yarn"), or None for plain RoPE.
+      rngs: `nnx.Rngs` with a `params` stream.
+
+    Raises:
+      ValueError: non-positive sizes, K not dividing N, odd head_dim,
+        non-positive window / rope_theta / soft_cap, an unknown
+        decode_implementation.
+      TypeError: a decode_implementation that is not a str or None; a dtype
+        or param_dtype that is not a floating dtype; a rope_scaling that is
+        not a RopeScaling or None; a qkv_bias that is not a bool.
+    """
+    self.d_model = _checks.positive_int("d_model", d_model)
+    self.num_heads, self.num_kv_heads, self.num_groups = _checks.head_layout(num_heads, num_kv_heads)
+    self.head_dim = _checks.positive_int("head_dim", head_dim)
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim must be even for RoPE; got {head_dim}")
+    self.rope_theta = _checks.positive_float("rope_theta", rope_theta)
+    self.rope_scaling = _checks.rope_scaling(rope_scaling)
+    self.window = _checks.optional_positive_int("window", window)
+    self.soft_cap = _checks.optional_positive_float("soft_cap", soft_cap)
+    self.dtype = None if dtype is None else _checks.float_dtype("dtype", dtype)
+    param_dtype = _checks.float_dtype("param_dtype", param_dtype)
+    self.decode_implementation = _checks.implementation(
+        "decode_implementation", decode_implementation, decode_implementations())
+    D, N, K, H = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
+    key = rngs.params
+    self.q_proj = nnx.Param(_init(0, (1, 2))(key(), (D, N, H), param_dtype))
+    self.k_proj = nnx.Param(_init(0, (1, 2))(key(), (D, K, H), param_dtype))
+    self.v_proj = nnx.Param(_init(0, (1, 2))(key(), (D, K, H), param_dtype))
+    self.o_proj = nnx.Param(_init((0, 1), 2)(key(), (N, H, D), param_dtype))
+    if not isinstance(qkv_bias, bool):
+      raise TypeError(f"qkv_bias must be a bool; got {qkv_bias!r}")
+    self.qkv_bias = qkv_bias
+    if qkv_bias:
+      self.q_bias = nnx.Param(jnp.zeros((N, H), param_dtype))
+      self.k_bias = nnx.Param(jnp.zeros((K, H), param_dtype))
+      self.v_bias = nnx.Param(jnp.zeros((K, H), param_dtype))
+
+  def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> cache_lib.KVCache:
+    """An empty `KVCache` shaped for this layer (any other `GQACache` works too)."""
+    return cache_lib.KVCache.init(batch, max_len, self.num_kv_heads, self.head_dim, dtype)
+
+  def _project(self, x, spec, w, bias=None):
+    dtype = self.dtype or x.dtype
+    out = jnp.einsum(spec, x.astype(dtype), w[...].astype(dtype),
+                     preferred_element_type=jnp.float32)
+    if bias is not None:
+      out = out + bias[...].astype(jnp.float32)
+    return out.astype(dtype)
+
+  def _qkv(self, x):
+    """`q [B, T, N, H]`, `k, v [B, T, K, H]` of `x` (biases added when `qkv_bias`),
+    before RoPE."""
+    biases = (self.q_bias, self.k_bias, self.v_bias) if self.qkv_bias else (None,) * 3
+    q = self._project(x, "BTD,DNH->BTNH", self.q_proj, biases[0])
+    k = self._project(x, "BTD,DKH->BTKH", self.k_proj, biases[1])
+    v = self._project(x, "BTD,DKH->BTKH", self.v_proj, biases[2])
+    return q, k, v
+
+  def __call__(
+      self,
+      x: jax.Array,  # [B, T, D]
+      cache: GQACache | None = None,
+      positions: jax.Array | None = None,  # i32[B, T]
+      new_lengths: jax.Array | None = None,  # i32[B]
+  ) -> tuple[jax.Array, GQACache | None]:
+    check_input(x, self.d_model)
+    batch, num_tokens, _ = x.shape
+    if cache is not None:
+      if not isinstance(cache, GQACache):
+        raise type_error("GroupedQueryAttention", GQACache,
+                         "kvattn.KVCache, kvattn.PagedKVCache", cache)
+      got = (cache.batch, cache.num_kv_heads, cache.head_dim)
+      want = (batch, self.num_kv_heads, self.head_dim)
+      if got != want:
+        raise ValueError(f"cache must have batch, num_kv_heads, head_dim = {want}; got {got}")
+    positions = resolve_positions(positions, cache, batch, num_tokens)
+    new_lengths = cache_lib.resolve_new_lengths(new_lengths, batch, num_tokens)
+
+    q, k, v = self._qkv(x)
+    opts = dict(window=self.window, soft_cap=self.soft_cap)
+    if cache is None:
+      rope = dict(rope_theta=self.rope_theta, scaling=self.rope_scaling)
+      q, k = ops.apply_rope(q, positions, **rope), ops.apply_rope(k, positions, **rope)
+      out = ops.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                          kv_lengths=new_lengths, **opts)
+      new_cache = None
+    else:  # RoPE, update, attend -- or the cache's own update_attend (cache_protocol)
+      out, new_cache = update_attend(cache, q, k, v, positions=positions,
+                                     rope_theta=self.rope_theta,
+                                     rope_scaling=self.rope_scaling, new_lengths=new_lengths,
+                                     implementation=self.decode_implementation, **opts)
+    y = self._project(out, "BTNH,NHD->BTD", self.o_proj)
+    return y, new_cache

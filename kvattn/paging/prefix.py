@@ -1,0 +1,487 @@
+"""Automatic prefix caching for the paged KV cache (vLLM APC / SGLang RadixAttention).
+
+`PrefixCachingAllocator` is a `kvattn.PageAllocator` whose full pages outlive
+the sequence that wrote them: once a page holds `page_size` tokens it is
+*registered* under a key chained over its parent page's key and its own
+token ids,
+
+    key_j = sha256(key_{j-1} || int32 little-endian bytes of tokens[j*ps:(j+1)*ps]),
+    key_{-1} = b"",
+
+so a key names the whole prefix up to the end of page j (vLLM's block hash).
+A later prompt walks its full pages from the first: page j is a hit only if
+the key is registered *and* the block under it holds exactly these token ids
+*and* its parent is the block matched for page j-1 (object identity), so two
+different blocks whose keys collide never share KV, whatever the hash. The
+walk stops at the first miss; matches are whole pages (a partly filled page
+is never shared through the index), and an empty match is a plain miss.
+
+Sharing: a page is reference-counted; every live sequence that holds it in
+its block table counts once. Registered pages are read-only. A sequence that
+must write into a page it shares (`fork` shares every page including the
+partly filled last one, as parallel sampling does) first calls
+`prepare_write`, which gives it a private copy of each shared page it will
+write into (copy-on-write; the caller copies the device contents with
+`copy_pages`).
+
+Eviction: a registered page nobody references stays cached (it counts as
+free: `num_free` includes it) on an LRU list; when the free list runs dry the
+least recently released cached page is reused. With an offload store
+(`kvattn.paging.offload.TieredStore`) its contents are first copied out (the reader
+callback) and the block stays in the index, now held by a slower tier; a hit
+on it takes a fresh page and copies the contents back (the writer callback).
+A block a tier drops, or whose disk copy fails its checksum, leaves the index:
+the prefix is recomputed, never served stale.
+
+Release order: `free` puts a sequence's cached pages on the LRU list last
+page first, so the tail of a prefix is evicted before its head (a head
+without its tail still hits; a tail without its head never can).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+from typing import Any, Callable, Hashable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvattn.paging.allocator import OutOfPagesError, PageAllocator, PoolStats, pages_for
+
+ROOT_KEY = b""
+"""The key a first page's key is chained from."""
+
+
+def page_digest(parent: bytes, tokens: np.ndarray) -> bytes:
+  """The key of a full page: `sha256(parent || int32-LE bytes of tokens)` (32 bytes)."""
+  return hashlib.sha256(parent + np.asarray(tokens, "<i4").tobytes()).digest()
+
+
+@dataclasses.dataclass(eq=False)
+class CachedBlock:
+  """One registered full page of token ids and where its KV lives now.
+
+  Attributes:
+    key: its chained key (`page_digest`).
+    tokens: `i32[page_size]` the token ids it holds.
+    parent: the block of the previous page (None for a first page).
+    page: the device page holding its KV, or None while offloaded.
+    tier: "device", or the name of the offload tier holding it.
+  """
+
+  key: bytes
+  tokens: np.ndarray
+  parent: "CachedBlock | None"
+  page: int | None
+  tier: str = "device"
+
+
+Reader = Callable[[Sequence[int]], Any]
+"""`pages -> u8[n, page_bytes]`: the contents of device pages (all layers)."""
+Writer = Callable[[Sequence[int], Any], None]
+"""`(pages, u8[n, page_bytes]) -> None`: writes contents into device pages."""
+
+
+class PrefixCachingAllocator(PageAllocator):
+  """A `PageAllocator` that caches full pages by their token prefix and shares them.
+
+  Example:
+    alloc = PrefixCachingAllocator(num_pages=64, page_size=16)
+    cached = alloc.allocate_prompt("a", prompt)  # tokens already in the cache
+    ...prefill prompt[cached:] into alloc.block_table_row("a")...
+    alloc.register("a", prompt)                  # its full pages become shareable
+    alloc.free("a", tokens=prompt + generated)   # pages stay cached until evicted
+
+  Invariants (`check`): every page is exactly one of free, referenced by live
+  sequences (count = number of block-table entries holding it), or cached
+  with no reference (on the LRU list and in the index).
+  """
+
+  def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int | None = None, *,
+               seed: int | None = None, offload: Any = None):
+    """Args as `PageAllocator`; `offload` is a `kvattn.paging.offload.TieredStore`
+    (or None: evicted blocks are forgotten). With `offload`, call
+    `bind_device(reader, writer)` before the first eviction."""
+    super().__init__(num_pages, page_size, max_pages_per_seq, seed=seed)
+    self._ref = np.zeros((self.num_pages,), np.int64)
+    self._index: dict[bytes, CachedBlock] = {}
+    self._page_block: dict[int, CachedBlock] = {}
+    self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()
+    self._registered: dict[Hashable, tuple[int, CachedBlock | None]] = {}
+    self.offload = offload
+    self._reader: Reader | None = None
+    self._writer: Writer | None = None
+    if offload is not None:
+      offload.on_drop = self._forget
+    self.counters = collections.Counter()
+
+  def bind_device(self, reader: Reader, writer: Writer) -> None:
+    """Sets the callbacks that read and write device page contents (for offload)."""
+    self._reader, self._writer = reader, writer
+
+  # Queries.
+  @property
+  def num_free(self) -> int:
+    """Pages an allocation can take: free ones plus unreferenced cached ones."""
+    return len(self._free) + len(self._lru)
+
+  @property
+  def num_cached(self) -> int:
+    """Unreferenced cached pages on the device (reusable, evicted LRU)."""
+    return len(self._lru)
+
+  @property
+  def num_used(self) -> int:
+    """Pages referenced by live sequences."""
+    return self.num_pages - self.num_free
+
+  def refcount(self, page: int) -> int:
+    """Live block-table entries holding `page`."""
+    return int(self._ref[page])
+
+  def cached_blocks(self) -> dict[str, int]:
+    """Blocks in the index per tier ("device", and each offload tier's name)."""
+    return dict(collections.Counter(b.tier for b in self._index.values()))
+
+  def match(self, tokens: Sequence[int]) -> int:
+    """Tokens of `tokens` served by cached blocks (any tier): a multiple of
+    `page_size`, 0 on a miss. Changes nothing."""
+    return len(self._walk(np.asarray(tokens, np.int64).reshape(-1), None)) * self.page_size
+
+  # Mutations.
+  def allocate_prompt(self, seq_id: Hashable, prompt: Sequence[int]) -> int:
+    """Registers `seq_id` for `prompt`, reusing cached pages for its longest
+    cached prefix of whole pages, but never all of it: at most
+    `(len(prompt) - 1) // page_size` pages, so the last prompt token is
+    evaluated and produces the first new token.
+
+    Returns:
+      Tokens already in the cache (prefill `prompt[returned:]`).
+
+    Raises:
+      ValueError: `seq_id` live, an empty or too long prompt.
+      OutOfPagesError: too few pages for the rest (nothing changes).
+    """
+    if seq_id in self._pages:
+      raise ValueError(f"seq_id must not be live already; got {seq_id!r}")
+    prompt = np.asarray(prompt, np.int64).reshape(-1)
+    if prompt.size == 0:
+      raise ValueError("prompt must hold at least one token; got []")
+    n = self._check_tokens(int(prompt.size))
+    blocks = self._walk(prompt, (n - 1) // self.page_size)
+    on_device = [b for b in blocks if b.tier == "device"]
+    needed = pages_for(n, self.page_size) - len(on_device)
+    available = self.num_free - sum(1 for b in on_device if b.page in self._lru)
+    if needed > available:
+      raise OutOfPagesError(seq_id, needed, available)
+    # Fetch offloaded blocks before taking pages (taking may push blocks down the tiers).
+    payloads = []
+    for j, block in enumerate(blocks):
+      if block.tier == "device":
+        continue
+      payload = self.offload.take(block)
+      if payload is None:  # dropped by its tier or corrupted: recompute from here
+        self._forget(block)
+        self.counters["offload_misses"] += 1
+        blocks = blocks[:j]
+        break
+      payloads.append((block, payload))
+    keep = {id(b) for b in blocks}
+    payloads = [(b, p) for b, p in payloads if id(b) in keep]
+    pages = []
+    for block in blocks:
+      if block.tier == "device":
+        self._lru.pop(block.page, None)
+        self._ref[block.page] += 1
+        pages.append(block.page)
+      else:
+        pages.append(None)
+    fresh = [self._take_one() for _ in range(pages_for(n, self.page_size) - sum(
+        p is not None for p in pages))]
+    loaded = []
+    for j, page in enumerate(pages):
+      if page is None:
+        pages[j] = fresh.pop(0)
+        block = blocks[j]
+        block.page, block.tier = pages[j], "device"
+        self._page_block[pages[j]] = block
+        loaded.append(pages[j])
+    if loaded:
+      self._writer(loaded, [p for _, p in payloads])
+      self.counters["pages_reloaded"] += len(loaded)
+    pages.extend(fresh)
+    for p in pages[len(blocks):]:
+      self._ref[p] = 1
+    for p in loaded:
+      self._ref[p] = 1
+    self._pages[seq_id] = pages
+    self._tokens[seq_id] = n
+    self._registered[seq_id] = (len(blocks), blocks[-1] if blocks else None)
+    self.counters["prompt_tokens"] += n
+    self.counters["cached_tokens"] += len(blocks) * self.page_size
+    return len(blocks) * self.page_size
+
+  def allocate(self, seq_id: Hashable, num_tokens: int) -> tuple[int, ...]:
+    """`PageAllocator.allocate` (no prefix lookup): fresh pages, refcount 1."""
+    pages = super().allocate(seq_id, num_tokens)
+    self._ref[list(pages)] = 1
+    self._registered[seq_id] = (0, None)
+    return pages
+
+  def grow(self, seq_id: Hashable, num_tokens: int) -> tuple[int, ...]:
+    """`PageAllocator.grow`; added pages get refcount 1."""
+    added = super().grow(seq_id, num_tokens)
+    self._ref[list(added)] = 1
+    return added
+
+  def register(self, seq_id: Hashable, tokens: Sequence[int]) -> int:
+    """Makes the full pages of `seq_id` shareable: `tokens` are the token ids
+    written into its cache so far (at most its token count); each full page
+    not yet registered is entered in the index under its chained key. A key
+    already held by an identical block (the same prefix computed twice) is
+    kept and the chain continues through it; a key held by a different block
+    (a hash collision) ends registration for this sequence.
+
+    Returns:
+      Full pages of the sequence now registered or identical to a cached block.
+
+    Raises:
+      ValueError: `seq_id` not live, or more tokens than it holds.
+    """
+    pages = self._owned(seq_id)
+    tokens = np.asarray(tokens, np.int64).reshape(-1)
+    if tokens.size > self._tokens[seq_id]:
+      raise ValueError(f"tokens must not exceed the {self._tokens[seq_id]} tokens of "
+                       f"{seq_id!r}; got {tokens.size}")
+    done, parent = self._registered[seq_id]
+    if done < 0:  # a collision ended this sequence's chain
+      return 0
+    for j in range(done, tokens.size // self.page_size):
+      chunk = tokens[j * self.page_size:(j + 1) * self.page_size]
+      key = page_digest(ROOT_KEY if parent is None else parent.key, chunk)
+      block = self._index.get(key)
+      if block is None:
+        block = CachedBlock(key, chunk.astype(np.int32), parent, pages[j])
+        self._index[key] = block
+        self._page_block[pages[j]] = block
+      elif block.parent is not parent or not np.array_equal(block.tokens, chunk):
+        self.counters["collisions"] += 1
+        self._registered[seq_id] = (-1, None)
+        return j
+      elif block.tier != "device":  # our page holds the same KV: it becomes the block's home
+        self.offload.discard(block)
+        block.page, block.tier = pages[j], "device"
+        self._page_block[pages[j]] = block
+      parent = block
+      self._registered[seq_id] = (j + 1, parent)
+    return self._registered[seq_id][0]
+
+  def free(self, seq_id: Hashable, tokens: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Retires `seq_id`, first registering its full pages when `tokens` (the
+    ids written into its cache) are given. Each page loses one reference; an
+    unreferenced registered page stays cached (LRU, tail pages first), the
+    others go back on the free list.
+
+    Returns:
+      The sequence's pages.
+
+    Raises:
+      ValueError: `seq_id` is not live.
+    """
+    pages = self._owned(seq_id)
+    if tokens is not None:
+      self.register(seq_id, tokens)
+    for page in reversed(pages):
+      self._release(page)
+    del self._pages[seq_id], self._tokens[seq_id], self._registered[seq_id]
+    return tuple(pages)
+
+  def fork(self, src: Hashable, dst: Hashable) -> tuple[int, ...]:
+    """Registers `dst` sharing every page of `src` (its partly filled last
+    page included); each gains a reference. Call `prepare_write` before
+    either writes.
+
+    Raises:
+      ValueError: `src` not live or `dst` live.
+    """
+    pages = self._owned(src)
+    if dst in self._pages:
+      raise ValueError(f"dst must not be live already; got {dst!r}")
+    self._ref[pages] += 1
+    self._pages[dst] = list(pages)
+    self._tokens[dst] = self._tokens[src]
+    self._registered[dst] = self._registered[src]
+    return tuple(pages)
+
+  def prepare_write(self, seq_id: Hashable, start: int) -> list[tuple[int, int]]:
+    """Copy-on-write before `seq_id` writes tokens from position `start` on:
+    every page of it at or after `start // page_size` that another sequence
+    also references, or that is registered (read-only), is replaced by a
+    private page.
+
+    Returns:
+      `(old_page, new_page)` pairs; copy their device contents
+      (`copy_pages`) before writing.
+
+    Raises:
+      ValueError: unknown `seq_id`.
+      OutOfPagesError: too few pages for the copies (nothing changes).
+    """
+    pages = self._owned(seq_id)
+    shared = [j for j in range(max(0, int(start)) // self.page_size, len(pages))
+              if self._ref[pages[j]] > 1 or pages[j] in self._page_block]
+    if len(shared) > self.num_free:
+      raise OutOfPagesError(seq_id, len(shared), self.num_free)
+    copies = []
+    for j in shared:
+      old, new = pages[j], self._take_one()
+      self._ref[new] = 1
+      pages[j] = new
+      self._release(old)
+      copies.append((old, new))
+    if shared:
+      done, parent = self._registered[seq_id]
+      if done > shared[0]:  # its registered chain now ends before the first copied page
+        self._registered[seq_id] = (shared[0], self._nth_block(parent, done - shared[0]))
+    self.counters["cow_copies"] += len(copies)
+    return copies
+
+  def offload_cached(self) -> int:
+    """Moves every unreferenced cached device page to the offload store now
+    (one batched read), freeing its page: what a scheduler does with cold
+    prefixes before it needs the room. Without a store they are forgotten.
+
+    Returns:
+      Pages moved (or forgotten).
+    """
+    pages = list(self._lru)
+    if not pages:
+      return 0
+    payloads = (self.offload.rows(self._reader(pages))
+                if self.offload is not None and self._reader is not None else None)
+    for i, page in enumerate(pages):
+      del self._lru[page]
+      block = self._page_block.pop(page)
+      if payloads is None:
+        self._forget(block)
+      else:
+        block.page, block.tier = None, "offloading"
+        self.offload.put(block, payloads[i])
+        self.counters["pages_offloaded"] += 1
+      self._free.append(page)
+    return len(pages)
+
+  def check(self) -> None:
+    """`PageAllocator.check`'s partition for shared pages, plus the refcounts,
+    the LRU list and the index (for tests).
+
+    Raises:
+      RuntimeError: a broken invariant, named.
+    """
+    counts = collections.Counter(p for pages in self._pages.values() for p in pages)
+    for page in range(self.num_pages):
+      if counts.get(page, 0) != self._ref[page]:
+        raise RuntimeError(f"page {page}: refcount {self._ref[page]} but held "
+                           f"{counts.get(page, 0)} times")
+    free, lru, used = set(self._free), set(self._lru), set(counts)
+    if len(free) != len(self._free):
+      raise RuntimeError("a page is on the free list twice")
+    if free & lru or free & used or lru & used:
+      raise RuntimeError("a page is in two of free / cached / referenced")
+    if free | lru | used != set(range(self.num_pages)):
+      raise RuntimeError("pages were lost or invented")
+    for page, block in self._page_block.items():
+      if block.page != page or block.tier != "device" or self._index.get(block.key) is not block:
+        raise RuntimeError(f"page {page}: its cached block is not indexed there")
+    if not lru <= set(self._page_block):
+      raise RuntimeError("an unregistered page is on the LRU list")
+    for seq_id, pages in self._pages.items():
+      if len(pages) != pages_for(self._tokens[seq_id], self.page_size):
+        raise RuntimeError(f"sequence {seq_id!r} holds {len(pages)} pages for "
+                           f"{self._tokens[seq_id]} tokens")
+
+  def stats(self) -> PoolStats:
+    """`PoolStats`: `used_pages` counts each referenced page once, so with
+    sharing `tokens` (summed over sequences) may exceed `reserved_slots`;
+    the waste is the unused tail of each sequence's last page."""
+    used, tokens = self.num_used, sum(self._tokens.values())
+    waste = sum(pages_for(t, self.page_size) * self.page_size - t for t in self._tokens.values())
+    reserved = used * self.page_size
+    return PoolStats(num_pages=self.num_pages, page_size=self.page_size, used_pages=used,
+                     free_pages=self.num_free, live_sequences=len(self._pages), tokens=tokens,
+                     reserved_slots=reserved, internal_waste_slots=waste,
+                     waste_fraction=waste / reserved if reserved else 0.0)
+
+  # Helpers.
+  def _walk(self, tokens: np.ndarray, max_pages: int | None) -> list[CachedBlock]:
+    limit = tokens.size // self.page_size
+    if max_pages is not None:
+      limit = min(limit, max_pages)
+    blocks, parent = [], None
+    for j in range(limit):
+      chunk = tokens[j * self.page_size:(j + 1) * self.page_size]
+      block = self._index.get(page_digest(ROOT_KEY if parent is None else parent.key, chunk))
+      if block is None or block.parent is not parent or not np.array_equal(block.tokens, chunk):
+        break
+      blocks.append(block)
+      parent = block
+    return blocks
+
+  @staticmethod
+  def _nth_block(last: CachedBlock | None, back: int) -> CachedBlock | None:
+    for _ in range(back):
+      last = None if last is None else last.parent
+    return last
+
+  def _release(self, page: int) -> None:
+    self._ref[page] -= 1
+    if self._ref[page] == 0:
+      if page in self._page_block:
+        self._lru[page] = None
+      else:
+        self._free.append(page)
+
+  def _take(self, seq_id: Hashable, count: int) -> list[int]:
+    if count > self.num_free:
+      raise OutOfPagesError(seq_id, count, self.num_free)
+    return [self._take_one() for _ in range(count)]
+
+  def _take_one(self) -> int:
+    if self._free:
+      return self._free.pop()
+    page, _ = self._lru.popitem(last=False)
+    block = self._page_block.pop(page)
+    self.counters["evictions"] += 1
+    if self.offload is not None and self._reader is not None:
+      block.page, block.tier = None, "offloading"
+      self.offload.put(block, self.offload.rows(self._reader([page]))[0])  # sets block.tier
+      self.counters["pages_offloaded"] += 1
+    else:
+      self._forget(block)
+    return page
+
+  def _forget(self, block: CachedBlock) -> None:
+    if self._index.get(block.key) is block:
+      del self._index[block.key]
+    if block.page is not None and self._page_block.get(block.page) is block:
+      del self._page_block[block.page]
+    block.page, block.tier = None, "dropped"
+
+
+def copy_pages(caches: Sequence[Any], copies: Sequence[tuple[int, int]]) -> tuple[Any, ...]:
+  """Copies page `old` to page `new` in every pool of every `PagedKVCache` (scales too),
+  for each `(old, new)` of `PrefixCachingAllocator.prepare_write`."""
+  caches = tuple(caches)
+  if not copies:
+    return caches
+  old = jnp.asarray([o for o, _ in copies], jnp.int32)
+  new = jnp.asarray([n for _, n in copies], jnp.int32)
+
+  def copy(pool):
+    return None if pool is None else pool.at[:, new].set(pool[:, old])
+
+  return tuple(c.replace(k_pages=copy(c.k_pages), v_pages=copy(c.v_pages),
+                         k_scale_pages=copy(c.k_scale_pages), v_scale_pages=copy(c.v_scale_pages))
+               for c in caches)

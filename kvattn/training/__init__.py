@@ -1,0 +1,16 @@
+"""Training: the default corpus and the training loop (uptraining converted models).
+
+  `data`      byte tokenizer, the default corpus (CPython's stdlib sources), datasets.
+  `trainer`   `Trainer`, `uptrain`, evaluation, orbax checkpoints (imported on first use).
+"""
+
+from kvattn.training import data
+
+__all__ = ["data", "trainer"]
+
+
+def __getattr__(name):
+  if name == "trainer":  # orbax (~0.2 s) on first use
+    import importlib  # pylint: disable=g-import-not-at-top
+    return importlib.import_module("kvattn.training.trainer")
+  raise AttributeError(f"module 'kvattn.training' has no attribute {name!r}")

@@ -1,0 +1,377 @@
+"""kvattn.checkpoints.gguf: dequantization by hand, Q/K un-permutation, tiny GGUF files, bad files."""
+
+from __future__ import annotations
+
+import pathlib
+
+import gguf
+import numpy as np
+import pytest
+
+from kvattn.checkpoints import gguf as gguf_lib
+
+Q = gguf.GGMLQuantizationType
+
+
+def _f16_bytes(x: float) -> np.ndarray:
+  return np.frombuffer(np.float16(x).tobytes(), np.uint8)
+
+
+# ------------------------------------------------------------------------------------------------
+# Dequantization of hand-built blocks (one block = 32 values).
+
+
+def test_q4_1_block_by_hand():
+  # Q4_1: f16 scale d, f16 min m, 16 bytes of nibbles; value = d * q + m. The low nibbles are
+  # values 0..15, the high nibbles values 16..31. 0xF0: low 0 -> 1.0, high 15 -> 0.5 * 15 + 1.
+  block = np.concatenate([_f16_bytes(0.5), _f16_bytes(1.0), np.full(16, 0xF0, np.uint8)])
+  out = gguf_lib.dequantize(block[None], "Q4_1", (1, 32))
+  np.testing.assert_array_equal(out, [[1.0] * 16 + [8.5] * 16])
+  assert out.dtype == np.float32
+
+
+def test_q4_0_block_by_hand():
+  # Q4_0: f16 scale d, 16 bytes of nibbles; value = d * (q - 8). 0x3A: low 10 -> 0.25 * 2,
+  # high 3 -> 0.25 * -5.
+  block = np.concatenate([_f16_bytes(0.25), np.full(16, 0x3A, np.uint8)])
+  out = gguf_lib.dequantize(block[None], "Q4_0", (1, 32))
+  np.testing.assert_array_equal(out, [[0.5] * 16 + [-1.25] * 16])
+
+
+def test_q8_0_two_blocks_by_hand():
+  # Q8_0: f16 scale d, 32 int8; value = d * q. Two blocks of one row, different scales.
+  q = np.arange(-16, 16, dtype=np.int8)
+  row = np.concatenate([_f16_bytes(0.5), q.view(np.uint8), _f16_bytes(-2.0), q.view(np.uint8)])
+  out = gguf_lib.dequantize(row[None], "Q8_0", (1, 64))
+  expected = np.concatenate([0.5 * np.arange(-16, 16), -2.0 * np.arange(-16, 16)])
+  np.testing.assert_array_equal(out[0], expected)
+
+
+def test_float_types_are_exact():
+  x = np.array([[1.5, -2.25, 3.0e-3, 65504.0]], np.float32)
+  np.testing.assert_array_equal(gguf_lib.dequantize(x, "F32", (1, 4)), x)
+  np.testing.assert_array_equal(gguf_lib.dequantize(x.astype(np.float16), "F16", (1, 4)),
+                                x.astype(np.float16).astype(np.float32))
+  # bf16 = the high 16 bits of the f32; these values are exact in bf16.
+  y = np.array([[1.5, -2.25, 0.0078125, 256.0]], np.float32)
+  bf16 = (y.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+  np.testing.assert_array_equal(gguf_lib.dequantize(bf16, "BF16", (1, 4)), y)
+
+
+# K-quants: 256 values per block in 8 sub-blocks of 32. Q4_K/Q5_K: f16 d, f16 dmin, 12 bytes of
+# 6-bit sub-block scales and mins (sub-block j < 4: scale = byte j & 63, min = byte j + 4 & 63;
+# j >= 4: low / high nibble of byte j + 4), then the quants; value = d * scale * q - dmin * min.
+_K_SCALES = np.array([1, 1, 1, 1, 2, 2, 2, 2, 0x21, 0x21, 0x21, 0x21], np.uint8)  # scale 1, min 2
+
+
+def test_q4_k_block_by_hand():
+  # 128 bytes of nibbles, 32 bytes per pair of sub-blocks: low nibbles first, then high ones.
+  # 0x21: low 1 -> 0.5 * 1 - 2, high 2 -> 0.5 * 2 - 2.
+  block = np.concatenate([_f16_bytes(0.5), _f16_bytes(1.0), _K_SCALES,
+                          np.full(128, 0x21, np.uint8)])
+  out = gguf_lib.dequantize(block[None], "Q4_K", (1, 256))
+  np.testing.assert_array_equal(out[0], np.tile([-1.5] * 32 + [-1.0] * 32, 4))
+
+
+def test_q5_k_block_by_hand():
+  # Q5_K adds a fifth bit per value (32 bytes qh before the nibbles). All fifth bits set and
+  # nibbles 0 -> q = 16 -> 0.5 * 16 - 2.
+  block = np.concatenate([_f16_bytes(0.5), _f16_bytes(1.0), _K_SCALES,
+                          np.full(32, 0xFF, np.uint8), np.zeros(128, np.uint8)])
+  out = gguf_lib.dequantize(block[None], "Q5_K", (1, 256))
+  np.testing.assert_array_equal(out[0], np.full(256, 6.0))
+
+
+@pytest.mark.parametrize("fill,expected", [(0x00, -8.0), (0xFF, 7.75)])
+def test_q6_k_block_by_hand(fill, expected):
+  # Q6_K: 128 bytes low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, f16 d;
+  # value = d * scale * (q - 32). q = 0 or 63, scales 1, d = 0.25.
+  block = np.concatenate([np.full(192, fill, np.uint8), np.ones(16, np.uint8),
+                          _f16_bytes(0.25)])
+  out = gguf_lib.dequantize(block[None], "Q6_K", (1, 256))
+  np.testing.assert_array_equal(out[0], np.full(256, expected))
+
+
+def test_unsupported_type_names_it():
+  with pytest.raises(NotImplementedError, match="Q2_K"):
+    gguf_lib.dequantize(np.zeros((1, 84), np.uint8), "Q2_K", (1, 256))
+
+
+def test_dequantize_checks_the_element_count():
+  with pytest.raises(ValueError, match="my tensor: 32 values for shape"):
+    gguf_lib.dequantize(np.zeros((1, 20), np.uint8), "Q4_1", (1, 64), where="my tensor")
+
+
+# ------------------------------------------------------------------------------------------------
+# llama.cpp's row permutation of Q and K.
+
+
+def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+  # convert_hf_to_gguf.py: reshape(n_head, 2, rows // n_head // 2, ...).swapaxes(1, 2).
+  return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(
+      1, 2).reshape(w.shape)
+
+
+def test_unpermute_numbered_gqa_rows():
+  # K projection of a GQA layer: K = 2 KV heads of H = 4 (N = 6 query heads elsewhere).
+  # llama.cpp stores each head's rows interleaved: HF rows (0, 1 | 2, 3) become (0, 2, 1, 3).
+  hf = np.arange(8, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
+  stored = hf[[0, 2, 1, 3, 4, 6, 5, 7]]
+  np.testing.assert_array_equal(gguf_lib.unpermute_rope_rows(stored, 2), hf)
+  # With the query head count (the classic GQA bug) the rows come out wrong.
+  with pytest.raises(ValueError, match="cannot be 6 heads"):
+    gguf_lib.unpermute_rope_rows(stored, 6)
+  assert not np.array_equal(gguf_lib.unpermute_rope_rows(stored, 1), hf)
+
+
+@pytest.mark.parametrize("num_heads,head_dim", [(1, 2), (3, 64), (9, 64)])
+def test_unpermute_round_trips_llama_cpp_permute(num_heads, head_dim):
+  rng = np.random.default_rng(num_heads)
+  w = rng.normal(size=(num_heads * head_dim, 5)).astype(np.float32)
+  np.testing.assert_array_equal(
+      gguf_lib.unpermute_rope_rows(_llama_cpp_permute(w, num_heads), num_heads), w)
+  b = rng.normal(size=(num_heads * head_dim,)).astype(np.float32)  # a bias (qwen2-style)
+  np.testing.assert_array_equal(
+      gguf_lib.unpermute_rope_rows(_llama_cpp_permute(b, num_heads), num_heads), b)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tiny GGUF files written with gguf.GGUFWriter.
+
+D, N, K, H, F, L, V = 32, 4, 2, 8, 64, 2, 6
+
+
+def _hf_tensors(seed: int = 0, *, untied: bool = False) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(seed)
+  t = {"model.embed_tokens.weight": rng.normal(size=(V, D)),
+       "model.norm.weight": rng.normal(size=(D,))}
+  if untied:
+    t["lm_head.weight"] = rng.normal(size=(V, D))
+  for i in range(L):
+    p = f"model.layers.{i}."
+    t[p + "input_layernorm.weight"] = rng.normal(size=(D,))
+    t[p + "post_attention_layernorm.weight"] = rng.normal(size=(D,))
+    t[p + "self_attn.q_proj.weight"] = rng.normal(size=(N * H, D))
+    t[p + "self_attn.k_proj.weight"] = rng.normal(size=(K * H, D))
+    t[p + "self_attn.v_proj.weight"] = rng.normal(size=(K * H, D))
+    t[p + "self_attn.o_proj.weight"] = rng.normal(size=(D, N * H))
+    t[p + "mlp.gate_proj.weight"] = rng.normal(size=(F, D))
+    t[p + "mlp.up_proj.weight"] = rng.normal(size=(F, D))
+    t[p + "mlp.down_proj.weight"] = rng.normal(size=(D, F))
+  return {k: v.astype(np.float32) for k, v in t.items()}
+
+
+_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight",
+            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+_LAYER_TO_GGUF = {"input_layernorm.weight": "attn_norm.weight",
+                  "post_attention_layernorm.weight": "ffn_norm.weight",
+                  "self_attn.q_proj.weight": "attn_q.weight",
+                  "self_attn.k_proj.weight": "attn_k.weight",
+                  "self_attn.v_proj.weight": "attn_v.weight",
+                  "self_attn.o_proj.weight": "attn_output.weight",
+                  "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+                  "mlp.down_proj.weight": "ffn_down.weight"}
+
+
+def _gguf_name(hf: str) -> str:
+  if hf in _TO_GGUF:
+    return _TO_GGUF[hf]
+  _, _, layer, rest = hf.split(".", 3)
+  return f"blk.{layer}.{_LAYER_TO_GGUF[rest]}"
+
+
+def write_tiny_gguf(path: pathlib.Path, tensors: dict[str, np.ndarray], *, arch: str = "llama",
+                    q8_names: tuple[str, ...] = (), extra: dict[str, tuple] | None = None,
+                    extra_tensors: dict[str, np.ndarray] | None = None,
+                    tokenizer: bool = True) -> pathlib.Path:
+  """Writes HF-named `tensors` as llama.cpp would (Q/K rows permuted, GGUF names)."""
+  w = gguf.GGUFWriter(str(path), arch)
+  w.add_block_count(L)
+  w.add_context_length(128)
+  w.add_embedding_length(D)
+  w.add_feed_forward_length(F)
+  w.add_head_count(N)
+  w.add_head_count_kv(K)
+  w.add_rope_freq_base(5000.0)
+  w.add_layer_norm_rms_eps(1e-5)
+  w.add_rope_dimension_count(H)
+  w.add_vocab_size(V)
+  for key, (value, vtype) in (extra or {}).items():
+    w.add_key_value(key, value, vtype)
+  if tokenizer:
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(["<|end|>", "a", "b", "ab", "\u0120", "\u0120ab"])
+    w.add_token_types([3, 1, 1, 1, 1, 1])
+    w.add_token_merges(["a b", "\u0120 ab"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    w.add_chat_template("{% for m in messages %}{{ m['content'] }}<|end|>{% endfor %}")
+  for name, array in tensors.items():
+    if name.endswith(("q_proj.weight", "k_proj.weight")):
+      array = _llama_cpp_permute(array, N if "q_proj" in name else K)
+    gname = _gguf_name(name)
+    if gname in q8_names:
+      w.add_tensor(gname, gguf.quants.quantize(array, Q.Q8_0), raw_dtype=Q.Q8_0)
+    else:
+      w.add_tensor(gname, array)
+  for gname, array in (extra_tensors or {}).items():
+    w.add_tensor(gname, array)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return path
+
+
+def test_tiny_llama_gguf_loads(tmp_path):
+  tensors = _hf_tensors()
+  q8 = ("blk.0.attn_k.weight", "blk.1.ffn_up.weight")
+  path = write_tiny_gguf(tmp_path / "tiny.gguf", tensors, q8_names=q8)
+  ck = gguf_lib.load_gguf(path)
+  assert ck.path == path
+  assert ck.config == {
+      "model_type": "llama", "hidden_size": D, "num_attention_heads": N,
+      "num_key_value_heads": K, "head_dim": H, "intermediate_size": F,
+      "num_hidden_layers": L, "rms_norm_eps": pytest.approx(1e-5), "rope_theta": 5000.0,
+      "vocab_size": V, "tie_word_embeddings": True, "max_position_embeddings": 128}
+  assert set(ck.tensors) == set(tensors)  # no lm_head: the file has no output.weight
+  for name, expected in tensors.items():
+    got = ck.tensors[name]
+    assert got.dtype == np.float32 and got.shape == expected.shape, name
+    if _gguf_name(name) in q8:  # Q8_0: half a step (absmax / 127) + the step's f16 rounding.
+      step = np.abs(expected).max(axis=-1, keepdims=True) / 127
+      assert np.all(np.abs(got - expected) <= 0.6 * step), name
+    else:
+      np.testing.assert_array_equal(got, expected, err_msg=name)
+  tok = ck.tokenizer
+  assert tok.bos_id == 0 and tok.eos_id == 0
+  assert tok.encode("ab ab<|end|>") == [3, 5, 0]
+  assert tok.apply_chat_template([{"role": "user", "content": "ab"}]) == "ab<|end|>"
+
+
+def test_untied_head_and_no_tokenizer(tmp_path):
+  tensors = _hf_tensors(1, untied=True)
+  ck = gguf_lib.load_gguf(write_tiny_gguf(tmp_path / "t.gguf", tensors, tokenizer=False))
+  assert ck.config["tie_word_embeddings"] is False
+  np.testing.assert_array_equal(ck.tensors["lm_head.weight"], tensors["lm_head.weight"])
+  assert ck.tokenizer is None
+
+
+def test_unsupported_tokenizer_warns_and_loads(tmp_path):
+  extra = {"tokenizer.ggml.model": ("llama", gguf.GGUFValueType.STRING)}
+  path = write_tiny_gguf(tmp_path / "sp.gguf", _hf_tensors(), tokenizer=False, extra=extra)
+  with pytest.warns(UserWarning, match=r"sp.gguf: no tokenizer.*tokenizer.ggml.model='llama'"):
+    ck = gguf_lib.load_gguf(path)
+  assert ck.tokenizer is None and len(ck.tensors) == len(_hf_tensors())
+
+
+def test_qwen2_rows_are_not_permuted(tmp_path):
+  # llama.cpp permutes Q/K only for the llama architecture: a qwen2 file stores HF order.
+  tensors = _hf_tensors(2)
+  path = tmp_path / "q.gguf"
+  w = gguf.GGUFWriter(str(path), "qwen2")
+  for key, value in [("block_count", L), ("context_length", 64), ("embedding_length", D),
+                     ("feed_forward_length", F), ("attention.head_count", N),
+                     ("attention.head_count_kv", K)]:
+    w.add_uint32(f"qwen2.{key}", value)
+  w.add_float32("qwen2.attention.layer_norm_rms_epsilon", 1e-6)
+  for name, array in tensors.items():
+    w.add_tensor(_gguf_name(name), array)
+  w.add_tensor("blk.0.attn_q.bias", np.arange(N * H, dtype=np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  ck = gguf_lib.load_gguf(path)
+  assert ck.config["model_type"] == "qwen2" and ck.config["rope_theta"] == 10000.0
+  assert ck.config["vocab_size"] == V  # no qwen2.vocab_size key: the embedding's rows
+  np.testing.assert_array_equal(ck.tensors["model.layers.0.self_attn.q_proj.weight"],
+                                tensors["model.layers.0.self_attn.q_proj.weight"])
+  np.testing.assert_array_equal(ck.tensors["model.layers.0.self_attn.q_proj.bias"],
+                                np.arange(N * H))
+
+
+def test_linear_rope_scaling_and_window(tmp_path):
+  extra = {"llama.rope.scaling.type": ("linear", gguf.GGUFValueType.STRING),
+           "llama.rope.scaling.factor": (4.0, gguf.GGUFValueType.FLOAT32),
+           "llama.attention.sliding_window": (16, gguf.GGUFValueType.UINT32)}
+  ck = gguf_lib.load_gguf(write_tiny_gguf(tmp_path / "t.gguf", _hf_tensors(), extra=extra))
+  assert ck.config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+  assert ck.config["sliding_window"] == 16
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad files: clear errors naming the file / tensor / key.
+
+
+def test_missing_file(tmp_path):
+  with pytest.raises(FileNotFoundError, match="nope.gguf"):
+    gguf_lib.load_gguf(tmp_path / "nope.gguf")
+
+
+@pytest.mark.parametrize("keep", [0, 10, 200, -100, -1])
+def test_truncated_file(tmp_path, keep):
+  good = write_tiny_gguf(tmp_path / "good.gguf", _hf_tensors())
+  data = good.read_bytes()
+  bad = tmp_path / "cut.gguf"
+  bad.write_bytes(data[:keep] if keep >= 0 else data[:len(data) + keep])
+  with pytest.raises(ValueError, match="cut.gguf"):
+    gguf_lib.load_gguf(bad)
+
+
+def test_not_a_gguf(tmp_path):
+  bad = tmp_path / "text.gguf"
+  bad.write_text("hello, I am not a GGUF file at all" * 10)
+  with pytest.raises(ValueError, match="text.gguf: not a readable GGUF"):
+    gguf_lib.load_gguf(bad)
+
+
+def test_tensor_past_the_end_names_it(tmp_path, monkeypatch):
+  # A header whose offsets point past the end: the extent check fires before any read.
+  path = write_tiny_gguf(tmp_path / "t.gguf", _hf_tensors())
+  reader = gguf.GGUFReader(path)
+  info = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")
+  with pytest.raises(ValueError, match=r"'blk.1.ffn_down.weight'.*truncated or malformed"):
+    gguf_lib._read_tensor(info, int(info.data_offset) + 10, where="t.gguf: tensor "
+                          "'blk.1.ffn_down.weight'")
+
+
+def test_unsupported_architecture_names_key(tmp_path):
+  path = write_tiny_gguf(tmp_path / "falcon.gguf", _hf_tensors(), arch="falcon")
+  with pytest.raises(NotImplementedError, match=r"falcon.gguf.*general.architecture='falcon'"):
+    gguf_lib.load_gguf(path)
+
+
+def test_mixture_of_experts_names_key(tmp_path):
+  extra = {"llama.expert_count": (8, gguf.GGUFValueType.UINT32)}
+  path = write_tiny_gguf(tmp_path / "moe.gguf", _hf_tensors(), extra=extra)
+  with pytest.raises(NotImplementedError, match="llama.expert_count=8"):
+    gguf_lib.load_gguf(path)
+
+
+def test_unknown_rope_scaling_names_key(tmp_path):
+  extra = {"llama.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING)}
+  path = write_tiny_gguf(tmp_path / "y.gguf", _hf_tensors(), extra=extra)
+  with pytest.raises(NotImplementedError, match="llama.rope.scaling.type='yarn'"):
+    gguf_lib.load_gguf(path)
+
+
+def test_unknown_tensor_names_it(tmp_path):
+  path = write_tiny_gguf(tmp_path / "x.gguf", _hf_tensors(),
+                         extra_tensors={"blk.0.attn_q_norm.weight": np.ones(H, np.float32)})
+  with pytest.raises(NotImplementedError, match="'blk.0.attn_q_norm.weight'"):
+    gguf_lib.load_gguf(path)
+
+
+def test_missing_key_names_it(tmp_path):
+  path = tmp_path / "nokey.gguf"
+  w = gguf.GGUFWriter(str(path), "llama")
+  w.add_block_count(1)
+  w.add_tensor("output_norm.weight", np.ones(4, np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  with pytest.raises(ValueError, match="nokey.gguf: metadata key llama.embedding_length"):
+    gguf_lib.load_gguf(path)

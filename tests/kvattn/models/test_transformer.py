@@ -1,0 +1,176 @@
+"""Tests for kvattn.Transformer and its model config schema."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from ml_collections import config_dict
+
+import kvattn
+from kvattn import memory
+from kvattn.models import transformer
+
+SMALL = dict(d_model=32, num_layers=2, mlp_dim=64)
+GQA = dict(kind="gqa", num_heads=4, num_kv_heads=2, head_dim=8)
+MLA_FIELDS = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+
+
+def small_config(**overrides):
+  attention = {**GQA, **MLA_FIELDS, **overrides.pop("attention", {})}
+  return transformer.model_config(**{**SMALL, **overrides}, attention=attention)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _apply(graphdef, state, tokens, caches, new_lengths):
+  return nnx.merge(graphdef, state)(tokens, caches=caches, new_lengths=new_lengths)
+
+
+def test_default_config_builds_the_documented_model():
+  cfg = transformer.model_config()
+  assert cfg.vocab_size == 259 == kvattn.training.data.VOCAB_SIZE
+  assert (cfg.d_model, cfg.num_layers, cfg.mlp_dim) == (256, 4, 768)
+  assert cfg.attention.kind == "gqa" and cfg.layers == ()
+  spec = transformer.resolve_config(cfg)
+  assert len(spec.layers) == 4 and all(layer.kind == "gqa" for layer in spec.layers)
+  assert spec.layers[0].num_kv_heads == 8 and spec.layers[0].kv_lora_rank is None
+  # Every placeholder can be set (typed) and locked configs accept overrides of existing keys.
+  cfg.lock()
+  cfg.attention.window = 16
+  cfg.attention.q_lora_rank = 8
+  assert transformer.resolve_config(cfg).layers[0].window == 16
+  with pytest.raises(AttributeError):
+    cfg.attention.not_a_key = 1  # locked: the typo is refused by ml_collections itself
+
+
+def test_from_config_forward_shapes_and_params():
+  cfg = small_config()
+  model = kvattn.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
+  tokens = jnp.arange(2 * 5, dtype=jnp.int32).reshape(2, 5)
+  logits, caches = _apply(*nnx.split(model), tokens, None, None)
+  assert logits.shape == (2, 5, 259) and logits.dtype == jnp.float32 and caches is None
+  assert np.isfinite(np.asarray(logits)).all()
+  params = nnx.state(model, nnx.Param)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  D, F, V, N, K, H = 32, 64, 259, 4, 2, 8
+  per_layer = 2 * D + D * N * H + 2 * D * K * H + N * H * D + 3 * D * F
+  assert n == V * D + 2 * per_layer + D  # tied head: no extra V x D
+  untied = kvattn.Transformer.from_config(small_config(tie_embeddings=False), rngs=nnx.Rngs(0))
+  assert sum(x.size for x in jax.tree.leaves(nnx.state(untied, nnx.Param))) == n + D * V
+
+
+def test_per_layer_overrides_mix_variants():
+  cfg = small_config(num_layers=3, layers=({}, {"kind": "mla"}, {"num_kv_heads": 1, "window": 3}))
+  model = kvattn.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
+  kinds = [type(layer.attn).__name__ for layer in model.layers]
+  assert kinds == ["GroupedQueryAttention", "MultiHeadLatentAttention", "GroupedQueryAttention"]
+  assert model.layers[0].attn.num_kv_heads == 2 and model.layers[2].attn.num_kv_heads == 1
+  assert model.layers[2].attn.window == 3 and model.layers[0].attn.window is None
+  caches = model.init_caches(2, 10)
+  assert [type(c).__name__ for c in caches] == ["KVCache", "LatentCache", "KVCache"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cache_bytes_per_token_matches_measured_bytes(dtype):
+  cfg = small_config(num_layers=3, layers=({}, {"kind": "mla"}, {"num_kv_heads": 1}))
+  model = kvattn.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
+  itemsize = jnp.dtype(dtype).itemsize
+  expected = (2 * 2 * 8 + (16 + 4) + 2 * 1 * 8) * itemsize  # GQA K=2 + MLA C+R + MQA
+  assert transformer.cache_bytes_per_token(cfg, dtype) == expected
+  assert model.cache_bytes_per_token(dtype) == expected
+  caches = model.init_caches(3, 7, dtype)
+  measured = sum(memory.measured_bytes_per_token(c) for c in caches)
+  assert measured == expected
+  assert sum(sum(a.nbytes for a in c.storage_arrays()) for c in caches) == 3 * 7 * expected
+
+
+def test_cached_prefill_and_decode_match_full_forward():
+  """DESIGN invariant 1 for a model mixing GQA (windowed MQA) and MLA layers."""
+  cfg = small_config(layers=({"num_kv_heads": 1, "window": 3}, {"kind": "mla"}))
+  model = kvattn.Transformer.from_config(cfg, rngs=nnx.Rngs(1))
+  graphdef, state = nnx.split(model)
+  lengths = np.array([5, 2, 1], np.int32)
+  steps, width = 3, 5
+  seqs = jax.random.randint(jax.random.key(0), (3, width + steps), 0, 259, jnp.int32)
+  full, _ = _apply(graphdef, state, seqs, None, None)  # causal over each sequence
+  caches = model.init_caches(3, 12)
+  # Poison unused slots: results must not depend on them (invariant 2).
+  caches = tuple(jax.tree.map(lambda a: jnp.full_like(a, jnp.nan)
+                              if jnp.issubdtype(a.dtype, jnp.floating) else a, c) for c in caches)
+  prompts = jnp.where(jnp.arange(width)[None] < lengths[:, None], seqs[:, :width], 0)
+  logits, caches = _apply(graphdef, state, prompts, caches, jnp.asarray(lengths))
+  for b, n in enumerate(lengths):
+    np.testing.assert_allclose(logits[b, :n], full[b, :n], atol=1e-5)
+  for t in range(steps):
+    nxt = seqs[np.arange(3), lengths + t][:, None]
+    logits, caches = _apply(graphdef, state, nxt, caches, None)
+    for b, n in enumerate(lengths):
+      np.testing.assert_allclose(logits[b, 0], full[b, n + t], atol=1e-5)
+  np.testing.assert_array_equal(caches[0].lengths, lengths + steps)
+
+
+@pytest.mark.parametrize("where,overrides,message", [
+    ("top", dict(d_modle=32), r"model\.d_modle is not a known key"),
+    ("attention", dict(attention=dict(num_kv_head=2)), r"model\.attention\.num_kv_head is not"),
+])
+def test_model_config_rejects_unknown_keys(where, overrides, message):
+  del where
+  with pytest.raises(ValueError, match=message):
+    transformer.model_config(**overrides)
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda c: setattr(c.attention, "num_kv_heads", 3),
+     r"model\.attention\.num_kv_heads must divide model\.attention\.num_heads; got 3 and 4"),
+    (lambda c: setattr(c.attention, "kind", "mqa"), r"model\.attention\.kind must be one of"),
+    (lambda c: setattr(c.attention, "head_dim", 7), r"model\.attention\.head_dim must be even"),
+    (lambda c: setattr(c, "d_model", 0), r"model\.d_model must be a positive int; got 0"),
+    (lambda c: setattr(c, "dtype", "int8"), r"model\.dtype must name a floating dtype"),
+    (lambda c: setattr(c, "norm_eps", -1.0), r"model\.norm_eps must be a positive"),
+    (lambda c: setattr(c, "layers", ({}, {}, {})), r"model\.layers must be empty or have"),
+    (lambda c: setattr(c, "layers", ({}, {"kind": "mla", "qk_rope_head_dim": 3})),
+     r"model\.layers\[1\]\.qk_rope_head_dim must be even"),
+    (lambda c: setattr(c, "layers", ({"windw": 3}, {})),
+     r"model\.layers\[0\]\.windw is not a known"),
+    (lambda c: setattr(c.attention, "decode_implementation", "bogus"),
+     r"model\.attention\.decode_implementation must be one of \[.*'xla'.*\] or None for "
+     r"attention kind 'gqa'; got 'bogus'"),
+    (lambda c: setattr(c, "layers", ({}, {"kind": "mla", "decode_implementation": "xla_pool"})),
+     r"model\.layers\[1\]\.decode_implementation must be one of \['pallas', 'xla', "
+     r"'xla_blocked'\] or None for attention kind 'mla'; got 'xla_pool'"),
+])
+def test_invalid_values_name_the_key(mutate, message):
+  cfg = small_config()
+  mutate(cfg)
+  with pytest.raises(ValueError, match=message):
+    kvattn.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=message):
+    transformer.cache_bytes_per_token(cfg)
+
+
+def test_plain_dict_config_and_unknown_key_in_dict():
+  d = small_config().to_dict()
+  model = kvattn.Transformer.from_config(d, rngs=nnx.Rngs(0))
+  assert model.num_layers == 2
+  d["dropout"] = 0.1
+  with pytest.raises(ValueError, match=r"model\.dropout is not a known key"):
+    transformer.resolve_config(d)
+  del d["dropout"]
+  d["tie_embeddings"] = 1  # a plain dict is not type-checked by ml_collections; we check
+  with pytest.raises(ValueError, match=r"model\.tie_embeddings must be a bool; got 1"):
+    transformer.resolve_config(d)
+  assert isinstance(transformer.model_config(), config_dict.ConfigDict)
+
+
+def test_bad_tokens_and_caches_raise():
+  model = kvattn.Transformer.from_config(small_config(), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="tokens must have rank 2"):
+    model(jnp.zeros((4,), jnp.int32))
+  with pytest.raises(TypeError, match="tokens must have an integer dtype"):
+    model(jnp.zeros((1, 4), jnp.float32))
+  with pytest.raises(ValueError, match="one cache per layer"):
+    model(jnp.zeros((1, 4), jnp.int32), caches=model.init_caches(1, 8)[:1])
