@@ -39,7 +39,7 @@ from kvattn import sharding
 
 ARGS = ("", "smoke")
 CACHE_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3fn")
-POLICIES = ("full", "h2o")  # Issue 21's length-switch kind joins here once it lands.
+KINDS = ("dense", "h2o")  # Issue 21's length-switch kind joins here once it lands.
 KV_HEADS = (0, 1)  # 0 = as released (SmolLM2-135M: 3).
 
 
@@ -61,11 +61,11 @@ def get_config(arg=None):
   config.cache = config_dict.ConfigDict()
   config.cache.dtype = "float32"  # Storage: a float dtype, or int8 / float8_e4m3fn /
   # float8_e5m2 with f32 per-token scales (kvattn.ops.quantize_kv).
-  config.cache.policy = "full"  # "full" (dense, every token), "window", "sink", or an eviction
-  # policy of kvattn.caches.long_context (h2o, snapkv, tova, recent, random, knorm).
+  config.cache.kind = "dense"  # A kind of kvattn.caches.registry: "dense" (every token), "ring",
+  # "sink", or an eviction policy of kvattn.caches.eviction (h2o, snapkv, tova, recent, random, knorm).
   config.cache.budget = 48 if smoke else 128  # Slots per sequence (and KV head) of a bounded
   # policy; the held-out text is longer, so the policy evicts.
-  config.cache.num_sinks = 4  # Sinks of policy "sink".
+  config.cache.num_sinks = 4  # Sinks of kind "sink".
 
   # Head grouping: the released KV heads, or fewer by kvattn.models.convert.regroup_kv_heads.
   config.heads = config_dict.ConfigDict()
@@ -97,7 +97,7 @@ def get_config(arg=None):
 def get_sweep(arg=None):
   """Cache dtype x policy x KV heads; the smoke run: the f32 full cache and int8 H2O at K = 1."""
   if _check_arg(arg) == "smoke":
-    return [{"cache.dtype": "float32", "cache.policy": "full", "heads.num_kv_heads": 0},
-            {"cache.dtype": "int8", "cache.policy": "h2o", "heads.num_kv_heads": 1}]
-  return [{"heads.num_kv_heads": k, "cache.policy": p, "cache.dtype": d}
-          for k, p, d in itertools.product(KV_HEADS, POLICIES, CACHE_DTYPES)]
+    return [{"cache.dtype": "float32", "cache.kind": "dense", "heads.num_kv_heads": 0},
+            {"cache.dtype": "int8", "cache.kind": "h2o", "heads.num_kv_heads": 1}]
+  return [{"heads.num_kv_heads": k, "cache.kind": p, "cache.dtype": d}
+          for k, p, d in itertools.product(KV_HEADS, KINDS, CACHE_DTYPES)]

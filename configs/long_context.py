@@ -6,8 +6,8 @@ r"""Long-context caches on a real model: streaming perplexity, passkey retrieval
         --workdir=runs/long_context
 
 Points (`get_sweep()`): the full cache, then at each budget of BUDGETS a plain
-sliding window without sinks ("window"), StreamingLLM with 4 sinks ("sink")
-and every eviction policy of `kvattn.caches.long_context.POLICIES`, on
+sliding window without sinks ("ring"), StreamingLLM with 4 sinks ("sink")
+and every eviction policy of `kvattn.caches.eviction.POLICIES`, on
 SmolLM2-135M-Instruct (`kvattn.from_pretrained`). Each point measures the
 streaming perplexity of `text.num_tokens` tokens of the default corpus of
 `kvattn.training.data`, fed `text.chunk` tokens at a time (1 = exact token by token),
@@ -26,7 +26,7 @@ BUDGETS = (256, 512, 1024)  # Cache budgets (tokens per sequence) of the full ru
 SMOKE_BUDGETS = (64,)
 NUM_SINKS = 4  # StreamingLLM's sink count.
 EVICTION = ("h2o", "snapkv", "tova", "recent", "random", "knorm")
-SMOKE_KINDS = ("window", "sink", "h2o")
+SMOKE_KINDS = ("ring", "sink", "h2o")
 
 
 def _check_arg(arg):
@@ -47,14 +47,14 @@ def get_config(arg=None):
   # (a 2-layer random GQA model with the byte tokenizer, for tests).
   config.model.dtype = "float32"  # Compute and cache dtype.
 
-  # The cache of the point: kind "full" (dense, capacity = everything), "window" (RingKVCache of
+  # The cache of the point, a kind of kvattn.caches.registry: "dense" (capacity = everything), "ring" (RingKVCache of
   # `budget` slots), "sink" (SinkKVCache: num_sinks + budget - num_sinks), or an eviction policy
-  # (EvictingKVCache of `budget` slots per KV head, policy defaults of kvattn.caches.long_context);
+  # (EvictingKVCache of `budget` slots per KV head, policy defaults of kvattn.caches.window / eviction);
   # "speed" is the decode-speed point (section `speed`).
-  config.policy = config_dict.ConfigDict()
-  config.policy.kind = "full"
-  config.policy.budget = 256  # Tokens per sequence (ignored by "full").
-  config.policy.num_sinks = NUM_SINKS  # Sinks of kind "sink".
+  config.cache = config_dict.ConfigDict()
+  config.cache.kind = "dense"
+  config.cache.budget = 256  # Tokens per sequence (ignored by "dense").
+  config.cache.num_sinks = NUM_SINKS  # Sinks of kind "sink".
 
   # Streaming perplexity (StreamingLLM's evaluation) over the default corpus of kvattn.training.data.
   config.text = config_dict.ConfigDict()
@@ -73,12 +73,12 @@ def get_config(arg=None):
   config.passkey.new_tokens = 8  # Greedy tokens decoded after the question.
   config.passkey.seed = 0  # Draws the pass keys.
 
-  # Decode speed (the point with policy.kind = "speed"): each kind at each budget and the full
+  # Decode speed (the point with cache.kind = "speed"): each kind at each budget and the full
   # cache holding text.num_tokens tokens, decoded at batch 1 in interleaved rounds; the report
   # gives medians of the per-round ratios to the full cache and to the ring of the same budget.
   config.speed = config_dict.ConfigDict()
-  config.speed.kinds = ("window", "h2o") if smoke else ("window", "sink") + EVICTION  # Needs
-  # "window" for the eviction-overhead ratio.
+  config.speed.kinds = ("ring", "h2o") if smoke else ("ring", "sink") + EVICTION  # Needs
+  # "ring" for the eviction-overhead ratio.
   config.speed.budgets = SMOKE_BUDGETS if smoke else BUDGETS
   config.speed.steps = 4 if smoke else 8  # Timed decode steps per cache and round.
   config.speed.repeats = 3  # Rounds (medians over them).
@@ -93,7 +93,7 @@ def get_config(arg=None):
 def get_sweep(arg=None):
   """The full cache, the speed point, then every bounded kind at every budget."""
   smoke = _check_arg(arg) == "smoke"
-  kinds = SMOKE_KINDS if smoke else ("window", "sink") + EVICTION
+  kinds = SMOKE_KINDS if smoke else ("ring", "sink") + EVICTION
   budgets = SMOKE_BUDGETS if smoke else BUDGETS
-  return [{"policy.kind": "full"}, {"policy.kind": "speed"}] + [
-      {"policy.kind": kind, "policy.budget": budget} for budget in budgets for kind in kinds]
+  return [{"cache.kind": "dense"}, {"cache.kind": "speed"}] + [
+      {"cache.kind": kind, "cache.budget": budget} for budget in budgets for kind in kinds]

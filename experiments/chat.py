@@ -20,10 +20,12 @@ one line of measurements:
 The first run compiles both programs; with `--warmup` (default) the timed run
 is a second one, so the rates exclude compilation (its time is reported too).
 
-`--cache` picks the cache: `dense` (the model's compute dtype), `bf16`,
-`int8`, `fp8` (float8_e4m3fn; int8/fp8 store one f32 scale per token per
-head), or `paged` and `paged-bf16` / `paged-int8` / `paged-fp8` (a page pool
-and block tables, `--page_size` tokens per page).
+`--cache` picks the cache by its registry name (`kvattn.caches.registry`:
+`dense`, `paged`, `ring`, `sink`, `h2o`, `snapkv`, `tova`, ..., `length_switch`),
+optionally with a storage-dtype suffix `-bf16`, `-int8`, `-fp8` (float8_e4m3fn;
+int8/fp8 store one f32 scale per token per head); its options come from
+`--cache_option key=value` (e.g. `--cache=h2o --cache_option=budget=256`) and
+`--page_size` (paged).
 """
 
 from __future__ import annotations
@@ -44,19 +46,40 @@ from kvattn.caches import registry as cache_factories
 from kvattn.checkpoints import pretrained
 from kvattn.inference.generation import Sampling, decode, prefill
 
-# --cache value -> (kind, storage dtype or None for the model's compute dtype).
-CACHE_CHOICES = {
-    "dense": ("dense", None),
-    "bf16": ("dense", "bfloat16"),
-    "int8": ("dense", "int8"),
-    "fp8": ("dense", "float8_e4m3fn"),
-    "paged": ("paged", None),
-    "paged-bf16": ("paged", "bfloat16"),
-    "paged-int8": ("paged", "int8"),
-    "paged-fp8": ("paged", "float8_e4m3fn"),
-}
+DTYPE_SUFFIXES = {"bf16": "bfloat16", "int8": "int8", "fp8": "float8_e4m3fn"}
+"""`--cache` suffix -> storage dtype (none: the model's compute dtype)."""
 
-FLAGS = flags.FLAGS
+
+def parse_cache(cache: str) -> tuple[str, str | None]:
+  """`(kind, storage dtype or None)` of a `--cache` value `<kind>[-bf16|-int8|-fp8]`, the
+  kind a key of `kvattn.caches.registry.CACHE_KIND_TABLE`.
+
+  Raises:
+    ValueError: an unknown kind or suffix.
+  """
+  kind, _, suffix = cache.rpartition("-")
+  if not kind or suffix not in DTYPE_SUFFIXES:
+    kind, suffix = cache, None
+  if kind not in cache_factories.CACHE_KIND_TABLE:
+    raise ValueError(f"cache must be one of {sorted(cache_factories.CACHE_KIND_TABLE)}, "
+                     f"optionally with a suffix of {sorted(DTYPE_SUFFIXES)}; got {cache!r}")
+  return kind, DTYPE_SUFFIXES.get(suffix)
+
+
+def parse_options(options: Sequence[str] | None) -> dict[str, Any]:
+  """`{key: int value}` of `--cache_option key=value` flags (ValueError naming a bad one)."""
+  out = {}
+  for item in options or ():
+    key, sep, value = item.partition("=")
+    try:
+      out[key] = int(value)
+    except ValueError:
+      sep = ""
+    if not sep or not key:
+      raise ValueError(f"cache_option must be key=int (e.g. budget=256); got {item!r}")
+  return out
+
+
 flags.DEFINE_string("model", "smollm2-135m-instruct",
                     "Registered name (kvattn.checkpoints.hub), .gguf file or HF checkpoint directory.")
 flags.DEFINE_string("prompt", None, "The user's message.")
@@ -66,10 +89,15 @@ flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples from softmax(log
 flags.DEFINE_integer("top_k", None, "Sample among the k most likely tokens.")
 flags.DEFINE_float("top_p", None, "Nucleus sampling mass in (0, 1].")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
-flags.DEFINE_enum("cache", "dense", list(CACHE_CHOICES), "KV-cache kind and storage dtype.")
+flags.DEFINE_string("cache", "dense", "KV-cache kind of kvattn.caches.registry (dense, paged, "
+                    "ring, sink, h2o, snapkv, ...), optionally with -bf16, -int8 or -fp8.")
+flags.DEFINE_multi_string("cache_option", [], "An option of the cache kind, key=int (e.g. "
+                          "budget=256, window=512); repeat for several.")
 flags.DEFINE_integer("page_size", 16, "Tokens per page of the paged caches.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute and parameter dtype.")
 flags.DEFINE_bool("warmup", True, "Run once untimed first, so the rates exclude compilation.")
+
+FLAGS = flags.FLAGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,23 +117,24 @@ class Timing:
   cache_bytes: int
 
 
-def make_caches(model, cache: str, batch: int, max_len: int, *, page_size: int = 16
-                ) -> tuple[Any, ...]:
-  """Empty per-layer caches of the `--cache` choice `cache` for `batch` x `max_len` tokens.
+def make_caches(model, cache: str, batch: int, max_len: int, *, page_size: int = 16,
+                options: dict[str, Any] | None = None) -> tuple[Any, ...]:
+  """Empty per-layer caches of the `--cache` choice `cache` for `batch` x `max_len` tokens,
+  built through the cache registry (`model.init_caches(cache=)`) with `options`.
 
   Raises:
-    ValueError: an unknown choice (or what the cache constructors reject).
+    ValueError: an unknown choice, or an option the kind rejects (naming it).
   """
-  if cache not in CACHE_CHOICES:
-    raise ValueError(f"cache must be one of {sorted(CACHE_CHOICES)}; got {cache!r}")
-  kind, dtype = CACHE_CHOICES[cache]
-  if kind == "dense":
-    return model.init_caches(batch, max_len, dtype)
-  return cache_factories.paged_cache_factory(model, page_size=page_size)(batch, max_len, dtype)
+  kind, dtype = parse_cache(cache)
+  spec = {"kind": kind, **(options or {})}
+  if kind == "paged":
+    spec.setdefault("page_size", page_size)
+  return model.init_caches(batch, max_len, dtype, cache=spec)
 
 
 def run(model, prompts: np.ndarray, lengths: np.ndarray, max_new_tokens: int, *,
-        cache: str = "dense", page_size: int = 16, sampling=Sampling(),
+        cache: str = "dense", page_size: int = 16, options: dict[str, Any] | None = None,
+        sampling=Sampling(),
         eos_id: int | None = None, seed: int = 0) -> Timing:
   """Prefill `prompts` (`i32[B, T]`, right-padded to `lengths`) then decode, timing each.
 
@@ -114,7 +143,7 @@ def run(model, prompts: np.ndarray, lengths: np.ndarray, max_new_tokens: int, *,
   """
   batch = prompts.shape[0]
   max_len = int(lengths.max()) + max_new_tokens - 1
-  caches = make_caches(model, cache, batch, max_len, page_size=page_size)
+  caches = make_caches(model, cache, batch, max_len, page_size=page_size, options=options)
   cache_bytes = memory.tree_bytes(caches)
   prompts, lengths = jnp.asarray(prompts, jnp.int32), jnp.asarray(lengths, jnp.int32)
   prefill_s, prefill_cpu, (first, caches, key) = timing_lib.timed(
@@ -154,7 +183,7 @@ def summary(load_s: float, prompt_len: int, timing: Timing, cache: str,
   steps = int(timing.lengths[0]) - 1
   decode = (f"decode {steps} tok in {timing.decode_s:.3f} s = "
             f"{steps / timing.decode_s:.1f} tok/s" if steps > 0 else "decode 0 tok")
-  kind, dtype = CACHE_CHOICES[cache]
+  kind, dtype = parse_cache(cache)
   parts = [f"load {load_s:.1f} s",
            f"prefill {prompt_len} tok in {timing.prefill_s:.3f} s = "
            f"{prompt_len / timing.prefill_s:.1f} tok/s", decode,
@@ -181,7 +210,8 @@ def main(argv: Sequence[str]) -> None:
 
   def once():
     return run(model, prompts, lengths, FLAGS.max_new_tokens, cache=FLAGS.cache,
-               page_size=FLAGS.page_size, sampling=sampling, eos_id=tok.eos_id, seed=FLAGS.seed)
+               page_size=FLAGS.page_size, options=parse_options(FLAGS.cache_option),
+               sampling=sampling, eos_id=tok.eos_id, seed=FLAGS.seed)
 
   compile_s = None
   if FLAGS.warmup:

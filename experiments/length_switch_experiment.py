@@ -58,7 +58,6 @@ from experiments import long_context_experiment as lce
 from experiments import report as report_lib
 from experiments import results
 from experiments import runner
-from kvattn.caches import registry as cache_factories
 from kvattn.models import convert
 from kvattn import memory
 
@@ -177,9 +176,9 @@ class LengthSwitchFamily:
     cache = point.config["cache"]
     if cache["kind"] == "dense":
       return model.init_caches(1, max_len, dtype)
-    return cache_factories.length_switch_caches(
-        model, 1, max_len, dtype, switch_length=cache["switch_length"],
-        num_kv_heads_after=cache["num_kv_heads_after"])
+    return model.init_caches(1, max_len, dtype, cache={
+        "kind": "length_switch", "switch_length": cache["switch_length"],
+        "num_kv_heads_after": cache["num_kv_heads_after"]})
 
   # -- measurement ----------------------------------------------------------------------------
 
@@ -475,8 +474,9 @@ def decode_speed(model, contexts: Sequence[int], *, switch_length: int = 256,
       m = mha_model if kind == "mha" else model
       graphdef, state = nnx.split(m)
       step = _step_fn(graphdef)
-      caches = (cache_factories.length_switch_caches(
-          m, 1, max_len, switch_length=switch_length, num_kv_heads_after=num_kv_heads_after)
+      caches = (m.init_caches(1, max_len, cache={
+          "kind": "length_switch", "switch_length": switch_length,
+          "num_kv_heads_after": num_kv_heads_after})
                 if kind == "length_switch" else m.init_caches(1, max_len))
       caches = tuple(c.replace(lengths=jnp.full((1,), context, jnp.int32)) for c in caches)
       logits, caches = step(state, caches, tok, one)  # compiles; untimed

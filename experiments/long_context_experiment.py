@@ -5,9 +5,9 @@ r"""Long-context caches on a real model: streaming perplexity, passkey retrieval
 
 The "long_context" family of experiments/runner.py (`experiment.kind =
 "long_context"`). One point per sweep entry of configs/long_context.py: a
-cache policy (`kvattn.caches.registry.policy_caches`: "full", "window" = a
-ring without sinks, "sink" = StreamingLLM, or an eviction policy of
-`kvattn.caches.long_context`) at a budget, on the model `model.name`
+cache kind of `kvattn.caches.registry` ("dense", "ring" = a window without
+sinks, "sink" = StreamingLLM, or an eviction policy of `kvattn.caches.eviction`)
+at a budget (`registry.spec_at_budget`), on the model `model.name`
 (`kvattn.from_pretrained`). Measured per point:
 
   * streaming perplexity: `text.num_tokens + 1` tokens of the default corpus
@@ -25,7 +25,7 @@ ring without sinks, "sink" = StreamingLLM, or an eviction policy of
   * cache bytes per sequence (the storage arrays, checked equal to capacity x
     the model's bytes per token) and the bookkeeping bytes (slot positions,
     eviction scores, lengths) beside them;
-  * speed (one extra point, `policy.kind = "speed"`): every kind of
+  * speed (one extra point, `cache.kind = "speed"`): every kind of
     `speed.kinds` at every budget of `speed.budgets`, and the full cache
     holding (up to) `text.num_tokens` tokens, are filled (the bounded ones past their
     budget, so every decode step evicts), then decoded at batch 1 in
@@ -67,15 +67,14 @@ from experiments import cli
 from experiments import report as report_lib
 from experiments import results
 from experiments import runner
-from kvattn.caches import registry as cache_factories
+from kvattn.caches import registry as cache_registry
 from kvattn.training import data as data_lib
 from kvattn.models import gqa as gqa_lib
-from kvattn.caches import long_context
 from kvattn.models import transformer as transformer_lib
 
-KINDS = ("full", "window", "sink") + long_context.POLICIES
-BOUNDED = KINDS[1:]  # The kinds with a budget (all but "full").
-SPEED = "speed"  # policy.kind of the speed point (module doc).
+BOUNDED = cache_registry.BOUNDED_KINDS  # The kinds with a budget.
+KINDS = ("dense",) + BOUNDED
+SPEED = "speed"  # cache.kind of the speed point (module doc).
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
 QUESTION = "What is the pass key? The pass key is"
@@ -99,7 +98,7 @@ def schema() -> dict[str, tuple[str, ...]]:
   """Sections and keys of a "long_context" config (configs/long_context.py documents each)."""
   return {
       "model": ("name", "dtype"),
-      "policy": ("kind", "budget", "num_sinks"),
+      "cache": ("kind", "budget", "num_sinks"),
       "text": ("num_tokens", "chunk", "bins"),
       "passkey": ("contexts", "depths", "new_tokens", "seed"),
       "speed": ("kinds", "budgets", "steps", "repeats"),
@@ -107,17 +106,11 @@ def schema() -> dict[str, tuple[str, ...]]:
   }
 
 
-def policy_dict(policy: Mapping[str, Any]) -> dict[str, Any]:
-  """The `kvattn.caches.registry.policy_caches` dict of a config's `policy` section."""
-  kind, budget = policy["kind"], policy["budget"]
-  if kind == "full":
-    return {"kind": "full"}
-  if kind == "window":
-    return {"kind": "window", "window": budget}
-  if kind == "sink":
-    return {"kind": "sink", "num_sinks": policy["num_sinks"],
-            "window": budget - policy["num_sinks"]}
-  return {"kind": kind, "budget": budget}
+def policy_dict(cache: Mapping[str, Any]) -> dict[str, Any]:
+  """The cache spec (`kvattn.caches.registry`) of a config's `cache` section: its kind
+  holding `cache.budget` tokens (`registry.spec_at_budget`)."""
+  return cache_registry.spec_at_budget(cache["kind"], cache["budget"],
+                                       num_sinks=cache["num_sinks"])
 
 
 def _tiny_model():
@@ -355,14 +348,14 @@ class LongContextFamily:
     self._inputs_cache: dict[str, Any] = {}
 
   def _check(self, d: Mapping[str, Any], where: str) -> None:
-    policy, text, passkey, speed = d["policy"], d["text"], d["passkey"], d["speed"]
+    policy, text, passkey, speed = d["cache"], d["text"], d["passkey"], d["speed"]
     if policy["kind"] not in KINDS + (SPEED,):
-      raise ValueError(f"{where}: policy.kind must be one of {KINDS + (SPEED,)}; got "
+      raise ValueError(f"{where}: cache.kind must be one of {KINDS + (SPEED,)}; got "
                        f"{policy['kind']!r}")
-    budget = runner.check_int(f"{where}: policy.budget", policy["budget"], 2)
-    sinks = runner.check_int(f"{where}: policy.num_sinks", policy["num_sinks"], 0)
+    budget = runner.check_int(f"{where}: cache.budget", policy["budget"], 2)
+    sinks = runner.check_int(f"{where}: cache.num_sinks", policy["num_sinks"], 0)
     if policy["kind"] == "sink" and budget < sinks + 1:
-      raise ValueError(f"{where}: policy.budget must be >= policy.num_sinks + 1 = {sinks + 1}; "
+      raise ValueError(f"{where}: cache.budget must be >= cache.num_sinks + 1 = {sinks + 1}; "
                        f"got {budget}")
     runner.check_int(f"{where}: text.num_tokens", text["num_tokens"], 2)
     runner.check_int(f"{where}: text.chunk", text["chunk"])
@@ -385,7 +378,7 @@ class LongContextFamily:
                  for k in speed["kinds"] for b in speed["budgets"]]
                 if policy["kind"] == SPEED else [policy_dict(policy)])
     for p in policies:
-      cache_factories._policy_dict(p)  # pylint: disable=protected-access
+      cache_registry.cache_options(p, f"{where}: cache")
 
   def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
     """One point per sweep entry; all validated before any work (ValueError naming the key)."""
@@ -399,8 +392,8 @@ class LongContextFamily:
       where = f"sweep[{i}] {dict(overrides)}" if overrides else "config"
       d = runner.apply_overrides(config, overrides, where)
       self._check(d, where)
-      policy = d["policy"]
-      if policy["kind"] in ("full", SPEED):
+      policy = d["cache"]
+      if policy["kind"] in ("dense", SPEED):
         label = policy["kind"]
       else:
         label = f"{policy['kind']}-{policy['budget']}"
@@ -409,14 +402,14 @@ class LongContextFamily:
         measured["num_sinks"] = policy["num_sinks"]
       else:
         measured = {s: d[s] for s in ("model", "text", "passkey")}
-        measured["policy"] = policy_dict(policy)
+        measured["cache"] = policy_dict(policy)
       pid = f"{label}-{runner.digest(measured)}"
       if pid in seen:
         raise ValueError(f"{where}: gives the same point {label} as {seen[pid]}")
       seen[pid] = where
       points.append(runner.Point(pid, label, copy.deepcopy(d), d["model"]["name"], {
           "kind": policy["kind"],
-          "budget": None if policy["kind"] in ("full", SPEED) else policy["budget"]}))
+          "budget": None if policy["kind"] in ("dense", SPEED) else policy["budget"]}))
     return points
 
   def model(self, point: runner.Point):
@@ -466,7 +459,7 @@ class LongContextFamily:
   def _caches(self, model, batch, max_len, dtype, policy):
     """`(stacked caches, storage bytes per sequence, bookkeeping bytes per sequence,
     capacity)`; the storage is checked equal to capacity x the model's bytes per token."""
-    caches = model.init_caches(batch, max_len, dtype, policy=policy)
+    caches = model.init_caches(batch, max_len, dtype, cache=policy)
     storage = sum(a.nbytes for c in caches for a in c.storage_arrays())
     every = sum(x.nbytes for x in jax.tree_util.tree_leaves(caches))
     capacity = caches[0].capacity
@@ -492,7 +485,7 @@ class LongContextFamily:
 
   def measure(self, point: runner.Point) -> dict[str, Any]:
     cpu0 = time.process_time()
-    if point.config["policy"]["kind"] == SPEED:
+    if point.config["cache"]["kind"] == SPEED:
       record = self._speed(point)
     else:
       record = self._quality(point)
@@ -502,7 +495,7 @@ class LongContextFamily:
     """Streaming perplexity, passkey retrieval and cache bytes of one policy point."""
     d = point.config
     model, tokenizer, params, nll_step, next_step = self._forward(point)
-    policy = policy_dict(d["policy"])
+    policy = policy_dict(d["cache"])
     text, passkey = d["text"], d["passkey"]
     dtype = jnp.dtype(d["model"]["dtype"])
     chunk = text["chunk"]
@@ -545,12 +538,12 @@ class LongContextFamily:
     if full_len - decoded < 1:
       raise ValueError(f"speed.steps x speed.repeats + 1 = {decoded} decode steps do not fit the "
                        f"full cache of {full_len} tokens: lower them or raise text.num_tokens")
-    entries = {"full": ("full", None, {"kind": "full"},
+    entries = {"dense": ("dense", None, {"kind": "dense"},
                         min(text["num_tokens"], full_len - decoded))}
     for budget in speed["budgets"]:
       for kind in speed["kinds"]:
         entries[f"{kind}-{budget}"] = (
-            kind, budget, policy_dict({**d["policy"], "kind": kind, "budget": budget}),
+            kind, budget, policy_dict({**d["cache"], "kind": kind, "budget": budget}),
             min(text["num_tokens"], budget + chunk))  # past the budget: every step evicts
     one, zero = jnp.ones((1,), jnp.int32), jnp.zeros((1,), jnp.int32)
     state = {}
@@ -574,12 +567,12 @@ class LongContextFamily:
     out = {}
     for name, (kind, budget, _, fill) in entries.items():
       t = np.array(times[name])
-      ring = np.array(times[f"window-{budget}"]) if f"window-{budget}" in times else None
+      ring = np.array(times[f"ring-{budget}"]) if f"ring-{budget}" in times else None
       out[name] = {
           "kind": kind, "budget": budget, "context": fill,
           "step_ms": float(np.median(t) * 1e3),
           "tokens_per_s": float(1.0 / np.median(t)),
-          "tokens_per_s_vs_full": float(np.median(np.array(times["full"]) / t)),
+          "tokens_per_s_vs_full": float(np.median(np.array(times["dense"]) / t)),
           "step_vs_ring": None if ring is None else float(np.median(t / ring)),
           "overhead_ms_vs_ring": None if ring is None else float(np.median(t - ring) * 1e3),
       }
@@ -631,14 +624,14 @@ def _fmt(x, digits=2):
 def claims(records: Sequence[Mapping[str, Any]]) -> list[str]:
   """One line per published claim: the measured numbers and whether the claim holds."""
   by = {(r["kind"], r["budget"]): r for r in records}
-  full = by.get(("full", None))
+  full = by.get(("dense", None))
   if full is None:
     return ["(no full-cache point: the claims need it)"]
   base = full["ppl"]
   budgets = sorted({b for (_, b) in by if b is not None})
   lines = []
-  paired = [b for b in budgets if ("window", b) in by and ("sink", b) in by]
-  window = [(b, by[("window", b)]["ppl"] / base) for b in paired]
+  paired = [b for b in budgets if ("ring", b) in by and ("sink", b) in by]
+  window = [(b, by[("ring", b)]["ppl"] / base) for b in paired]
   sink = [(b, by[("sink", b)]["ppl"] / base) for b in paired]
   if window and sink:
     explodes = all(w > 2 for _, w in window)
@@ -698,7 +691,7 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
   records = sorted((r for r in records if r["kind"] != SPEED),
                    key=lambda r: (r["budget"] or 0, r["kind"]))
   by = {(r["kind"], r["budget"]): r for r in records}
-  full = by.get(("full", None))
+  full = by.get(("dense", None))
   rows = []
   for r in records:
     ctx = " / ".join(f"{np.mean(v):.2f}" for v in r["passkey_correct"].values())
@@ -727,7 +720,7 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
     md += ["## Decode speed", "",
            f"Batch 1, {r['speed_repeats']} interleaved rounds of {r['speed_steps']} timed steps "
            f"per cache; ratios are medians over the rounds of the per-round ratios (tok/s over "
-           f"the full cache holding {r['speed']['full']['context']} tokens; step time over the "
+           f"the full cache holding {r['speed']['dense']['context']} tokens; step time over the "
            f"plain ring of the same budget: the eviction overhead). Load average at the end: "
            f"{r.get('load_avg_1min', float('nan')):.1f}.", "", speed_table(r), ""]
   md += ["## Published claims", "", *claims(records), "",

@@ -4,8 +4,8 @@ r"""The main job: KV-cache dtype x cache policy x head grouping on a pretrained 
 
 The "real_model" family of experiments/runner.py (`experiment.kind =
 "real_model"`). One point per sweep entry of configs/default.py: a cache
-storage dtype (`cache.dtype`), a cache policy (`cache.policy`: "full" or a
-bounded kind of `kvattn.caches.registry.policy_caches`) and a head grouping
+storage dtype (`cache.dtype`), a cache kind (`cache.kind`: "dense" or a
+bounded kind of `kvattn.caches.registry` at `cache.budget` tokens) and a head grouping
 (`heads.num_kv_heads`: 0 = the model as released, else
 `kvattn.models.convert.regroup_kv_heads` without uptraining) on the model
 `model.name` (`kvattn.from_pretrained`). Measured per point, batch 1:
@@ -53,14 +53,15 @@ from experiments import long_context_experiment as lce
 from experiments import report as report_lib
 from experiments import results
 from experiments import runner
+from experiments import timing
 from kvattn.training import data as data_lib
-from kvattn.caches import long_context
+from kvattn.caches import registry as cache_registry
 from kvattn import memory
 from kvattn import sharding
 from kvattn.ops import quant
 
-POLICIES = ("full", "window", "sink") + long_context.POLICIES
-REFERENCE = {"dtype": "float32", "policy": "full", "num_kv_heads": 0}
+KINDS = ("dense",) + cache_registry.BOUNDED_KINDS
+REFERENCE = {"dtype": "float32", "kind": "dense", "num_kv_heads": 0}
 PLOTS = {"quality": "quality_vs_cache.png", "speed": "decode_speed.png"}
 
 
@@ -68,7 +69,7 @@ def schema() -> dict[str, tuple[str, ...]]:
   """Sections and keys of a "real_model" config (configs/default.py documents each)."""
   return {
       "model": ("name", "dtype"),
-      "cache": ("dtype", "policy", "budget", "num_sinks"),
+      "cache": ("dtype", "kind", "budget", "num_sinks"),
       "heads": ("num_kv_heads", "method"),
       "text": ("num_tokens", "chunk", "prompt_tokens", "new_tokens"),
       "mesh": ("shape", "rules"),
@@ -93,15 +94,19 @@ def held_out_tokens(tokenizer, count: int) -> np.ndarray:
   return np.asarray(ids[:count], np.int32)
 
 
-def greedy(step, state, caches, prompt: np.ndarray, new_tokens: int, chunk: int
+def greedy(model, step, state, caches, prompt: np.ndarray, new_tokens: int, chunk: int
            ) -> tuple[np.ndarray, float]:
   """Greedy continuation of one prompt through `caches` (batch 1).
 
-  The prompt goes in `chunk` tokens per forward pass, then `new_tokens - 1`
-  single-token steps; the first step compiles and is not timed.
+  The prompt goes in `chunk` tokens per forward pass (`step`, the streaming
+  evaluation's step), then `new_tokens - 1` tokens through `kvattn.generate`'s
+  compiled decode loop with the caches donated (`kvattn.inference.decode`, one
+  XLA program, no Python dispatch per token), as `bench_real` times it. A first
+  run on a copy of the caches compiles the loop; the second is timed.
 
   Returns:
-    `(i32[new_tokens] tokens, seconds of the timed steps)` (0.0 when fewer than 2 steps).
+    `(i32[new_tokens] tokens, seconds of the timed decode loop)` (0.0 when
+    `new_tokens` < 2).
   """
   last = None
   for s in range(0, len(prompt), chunk):
@@ -111,31 +116,25 @@ def greedy(step, state, caches, prompt: np.ndarray, new_tokens: int, chunk: int
     blk = jnp.asarray(toks)
     _, arg, caches = step(state, caches, blk, jnp.array([len(part)], jnp.int32), blk)
     last = int(arg[0, len(part) - 1])
-  out = [last]
-  nxt = jnp.full((1, 1), last, jnp.int32)
-  one = jnp.ones((1,), jnp.int32)
-  seconds = 0.0
-  for i in range(new_tokens - 1):
-    if i == 1:
-      jax.block_until_ready(nxt)
-      start = time.perf_counter()
-    _, nxt, caches = step(state, caches, nxt, one, nxt)
-    out.append(nxt[0, 0])
-  if new_tokens > 2:
-    jax.block_until_ready(nxt)
-    seconds = time.perf_counter() - start
-  return np.asarray([int(t) for t in out], np.int32), seconds
+  if new_tokens < 2:
+    return np.asarray([last], np.int32), 0.0
+  first = jnp.array([last], jnp.int32)
+  timing.timed_decode(model, first, jax.tree.map(jnp.copy, caches), new_tokens,
+                      jax.random.key(0))  # compiles
+  seconds, _, tokens, _, _ = timing.timed_decode(model, first, caches, new_tokens,
+                                                 jax.random.key(0))
+  return np.asarray(tokens[0], np.int32), seconds
 
 
 def _is_reference(d: Mapping[str, Any]) -> bool:
-  return (d["cache"]["dtype"], d["cache"]["policy"], d["heads"]["num_kv_heads"]) == tuple(
+  return (d["cache"]["dtype"], d["cache"]["kind"], d["heads"]["num_kv_heads"]) == tuple(
       REFERENCE.values())
 
 
 def _label(d: Mapping[str, Any]) -> str:
   k = d["heads"]["num_kv_heads"]
-  policy = d["cache"]["policy"]
-  policy = policy if policy == "full" else f"{policy}{d['cache']['budget']}"
+  policy = d["cache"]["kind"]
+  policy = policy if policy == "dense" else f"{policy}{d['cache']['budget']}"
   label = f"K{k or 'rel'}-{policy}-{d['cache']['dtype']}"
   shape = d["mesh"]["shape"]
   return label if shape is None else f"{label}-mesh{'x'.join(map(str, shape))}"
@@ -162,9 +161,9 @@ class RealModelFamily:
 
   def _check(self, d: Mapping[str, Any], where: str) -> None:
     cache, heads, text = d["cache"], d["heads"], d["text"]
-    if cache["policy"] not in POLICIES:
-      raise ValueError(f"{where}: cache.policy must be one of {POLICIES}; got "
-                       f"{cache['policy']!r}")
+    if cache["kind"] not in KINDS:
+      raise ValueError(f"{where}: cache.kind must be one of {KINDS}; got "
+                       f"{cache['kind']!r}")
     try:
       dtype = jnp.dtype(cache["dtype"])
     except TypeError:
@@ -183,9 +182,9 @@ class RealModelFamily:
     runner.check_int(f"{where}: text.chunk", text["chunk"])
     runner.check_int(f"{where}: text.prompt_tokens", text["prompt_tokens"])
     runner.check_int(f"{where}: text.new_tokens", text["new_tokens"], 3)
-    if cache["policy"] == "sink" and cache["budget"] < cache["num_sinks"] + 1:
+    if cache["kind"] == "sink" and cache["budget"] < cache["num_sinks"] + 1:
       raise ValueError(f"{where}: cache.budget must be >= cache.num_sinks + 1 = "
-                       f"{cache['num_sinks'] + 1} for policy 'sink'; got {cache['budget']}")
+                       f"{cache['num_sinks'] + 1} for kind 'sink'; got {cache['budget']}")
     self._check_mesh(d, where)
 
   def _check_mesh(self, d: Mapping[str, Any], where: str) -> None:
@@ -241,10 +240,10 @@ class RealModelFamily:
     replicated over it for a bounded one (no sharded kind; XLA lays out the updated cache),
     plain without a mesh."""
     if mesh is None:
-      return model.init_caches(1, capacity, dtype, policy=policy)
-    if policy["kind"] == "full":
+      return model.init_caches(1, capacity, dtype, cache=policy)
+    if policy["kind"] == "dense":
       return sharding.init_caches(model, 1, capacity, mesh, rules=rules, dtype=dtype)
-    caches = model.init_caches(1, capacity, dtype, policy=policy)
+    caches = model.init_caches(1, capacity, dtype, cache=policy)
     return jax.device_put(caches, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
   def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
@@ -267,8 +266,8 @@ class RealModelFamily:
         raise ValueError(f"{where}: gives the same point {label} as {seen[pid]}")
       seen[pid] = where
       points.append(runner.Point(pid, label, copy.deepcopy(d), f"K{d['heads']['num_kv_heads']}", {
-          "cache_dtype": d["cache"]["dtype"], "policy": d["cache"]["policy"],
-          "budget": None if d["cache"]["policy"] == "full" else d["cache"]["budget"],
+          "cache_dtype": d["cache"]["dtype"], "policy": d["cache"]["kind"],
+          "budget": None if d["cache"]["kind"] == "dense" else d["cache"]["budget"],
           "num_kv_heads_setting": d["heads"]["num_kv_heads"],
           "reference": _is_reference(d)}))
     return points
@@ -301,18 +300,18 @@ class RealModelFamily:
                       text["prompt_tokens"])
     prompt = ids[text["num_tokens"] + 1:]
     graphdef, state = nnx.split(model)
-    policy = lce.policy_dict({"kind": cache["policy"], "budget": cache["budget"],
-                              "num_sinks": cache["num_sinks"]})
+    policy = cache_registry.spec_at_budget(cache["kind"], cache["budget"],
+                                           num_sinks=cache["num_sinks"])
     capacity = _seq_capacity(-(-len(prompt) // text["chunk"]) * text["chunk"]
                              + text["new_tokens"], mesh, rules)
     caches = self._caches(model, capacity, jnp.dtype(cache["dtype"]), policy, mesh, rules)
     step = lce._step_fn(graphdef)  # pylint: disable=protected-access
-    return greedy(step, state, caches, prompt, text["new_tokens"], text["chunk"])
+    return greedy(model, step, state, caches, prompt, text["new_tokens"], text["chunk"])
 
   def reference_tokens(self, d: Mapping[str, Any]) -> np.ndarray:
     """Greedy tokens of the reference (float32 full cache, released heads) for `d`'s texts."""
     ref = runner.apply_overrides(d, {"cache.dtype": REFERENCE["dtype"],
-                                     "cache.policy": REFERENCE["policy"],
+                                     "cache.kind": REFERENCE["kind"],
                                      "heads.num_kv_heads": REFERENCE["num_kv_heads"]}, "reference")
     key = runner.digest({s: ref[s] for s in ("model", "text", "mesh")})
     if key not in self._reference:
@@ -325,8 +324,8 @@ class RealModelFamily:
     model, tokenizer, mesh, rules = self._on_mesh(d)
     text, cache = d["text"], d["cache"]
     dtype = jnp.dtype(cache["dtype"])
-    policy = lce.policy_dict({"kind": cache["policy"], "budget": cache["budget"],
-                              "num_sinks": cache["num_sinks"]})
+    policy = cache_registry.spec_at_budget(cache["kind"], cache["budget"],
+                                           num_sinks=cache["num_sinks"])
     ids = self.tokens(tokenizer, d["model"]["name"], text["num_tokens"] + 1 +
                       text["prompt_tokens"])[:text["num_tokens"] + 1]
     padded = -(-text["num_tokens"] // text["chunk"]) * text["chunk"]  # the last chunk is padded
@@ -346,7 +345,7 @@ class RealModelFamily:
       self._reference.setdefault(runner.digest({s: d[s] for s in ("model", "text", "mesh")}),
                                  tokens)
     reference = self.reference_tokens(d)
-    steps = text["new_tokens"] - 2
+    steps = text["new_tokens"] - 1  # decode-loop steps after the first token
     attn = model.layers[0].attn
     return {
         "num_kv_heads": int(attn.num_kv_heads),
@@ -425,7 +424,7 @@ def _plots(workdir: str, records: Sequence[Mapping[str, Any]]) -> None:
   plt = report_lib.pyplot()
   fig, ax = plt.subplots(figsize=(6, 4))
   for r in records:
-    marker = "o" if r["policy"] == "full" else "s"
+    marker = "o" if r["policy"] == "dense" else "s"
     ax.scatter(r["cache_bytes_per_seq"] / 2**10, r["ppl"], marker=marker)
     ax.annotate(r["label"], (r["cache_bytes_per_seq"] / 2**10, r["ppl"]), fontsize=6)
   ax.set_xscale("log")

@@ -14,7 +14,8 @@ Support: `registry` (the one table of cache kinds and the caches of a whole mode
 from kvattn.caches import protocol
 from kvattn.caches.dense import KVCache, LatentCache
 from kvattn.caches.paged import PagedKVCache
-from kvattn.caches.long_context import EvictingKVCache, RingKVCache, SinkKVCache
+from kvattn.caches.eviction import EvictingKVCache
+from kvattn.caches.window import RingKVCache, SinkKVCache
 from kvattn.caches.length_switch import LengthSwitchKVCache
 from kvattn.caches import registry
 from kvattn.caches.registry import (CacheFactory, CacheKind, cache_factory_from_config,

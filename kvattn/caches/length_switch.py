@@ -63,7 +63,7 @@ from flax import struct
 
 from kvattn import _checks
 from kvattn.caches import dense as cache_lib
-from kvattn.caches.long_context import _check_new_kv  # the [B, T, K, H] checks its kinds share
+from kvattn.caches._bounded import check_new_kv  # the [B, T, K, H] checks the kinds share
 
 # Phases of a step (the lax.switch index): which segment the queries read.
 FULL, POOLED, MIXED = 0, 1, 2
@@ -278,7 +278,7 @@ class LengthSwitchKVCache:
         lengths) a write past `capacity`, before anything is written.
       TypeError: non-floating `k_new` / `v_new`.
     """
-    _check_new_kv(self, k_new, v_new)
+    check_new_kv(self, k_new, v_new)
     num_tokens = k_new.shape[1]
     new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, num_tokens)
     lengths = cache_lib.advance_lengths(self.lengths, new_lengths, self.capacity)

@@ -112,7 +112,7 @@ def update_attend(cache: GQACache, q: jax.Array, k: jax.Array, v: jax.Array, *,
   i32[B, T]` are the module's RoPE positions, `rope_theta` / `rope_scaling`
   (a `kvattn.ops.RopeScaling` or None) its RoPE. A cache with its own
   `update_attend` member (same arguments; the optional protocol member of
-  kinds that place tokens themselves: `kvattn.caches.long_context`) gets the whole
+  kinds that place tokens themselves: `kvattn.caches.window` / `kvattn.caches.eviction`) gets the whole
   step: it may rotate at positions of its own choosing (attention sinks), score
   its slots with the queries (eviction) or attend a chunk before the chunk
   overwrites anything (a ring). Any other `GQACache`: RoPE at `positions`,

@@ -1,12 +1,15 @@
-"""Cache factories: the caches of a whole model, for `kvattn.generate(cache_factory=)`.
+"""The cache registry: every cache kind by name, and the caches of a whole model.
 
-A cache factory is `(batch, max_len, dtype) -> per-layer caches`
-(`CacheFactory`); `generate` calls it instead of `model.init_caches` (the
-dense default). Here: paged caches for every layer of a model
-(`init_paged_caches`, `paged_cache_factory`) and the `cache.kind` switch of
-the experiment configs (`cache_factory_from_config`); bounded long-context
-caches chosen by a policy dict (`policy_caches`, `policy_cache_factory`:
-`kvattn.caches.long_context`'s ring, sink and eviction kinds).
+One vocabulary: a cache is chosen by a spec `{"kind": <name>, **options}` (a dict
+or an ml_collections ConfigDict, e.g. a config's `cache` section) whose kind is a
+key of `CACHE_KIND_TABLE`. The same spec goes to `build_caches` (one cache per
+layer), `cache_factory_from_config` (a `CacheFactory` for
+`kvattn.generate(cache_factory=)`), `Transformer.init_caches(cache=)`, the
+experiment configs and `experiments.chat --cache`.
+
+Adding a kind is one file (the cache class) plus one `register_cache_kind` line
+(or one entry below); an eviction policy is one score function plus one
+`register_eviction_policy` line (`kvattn.caches.eviction.POLICY_TABLE`).
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import jax.numpy as jnp
 
 from kvattn import _checks
+from kvattn.caches import eviction
 from kvattn.caches import length_switch
-from kvattn.caches import long_context
-from kvattn.paging.allocator import PageAllocator, pages_for
+from kvattn.caches import window as window_lib
 from kvattn.caches.paged import PagedKVCache
+from kvattn.paging.allocator import PageAllocator, pages_for
 
 CacheFactory = Callable[[int, int, Any], Sequence[Any]]
 """`(batch, max_len, dtype) -> one cache per layer` (dtype None: the model's)."""
@@ -95,93 +99,110 @@ def init_paged_caches(model, tokens_per_seq: Iterable[int], *, page_size: int = 
   return caches, allocator
 
 
-def paged_cache_factory(model, *, page_size: int = 16, tokens_per_seq: Iterable[int] | None = None,
-                        seed: int | None = None):
-  """A `cache_factory(batch, max_len, dtype)` for `kvattn.generate` that builds
-  paged caches (`init_paged_caches`).
-
-  With `tokens_per_seq` each sequence gets only its own pages; without it
-  every sequence gets `ceil(max_len / page_size)` pages.
-  """
-  page_size = _checks.positive_int("page_size", page_size)
-  wanted = None if tokens_per_seq is None else [int(t) for t in tokens_per_seq]
-
-  def factory(batch: int, max_len: int, dtype: Any = None) -> tuple[PagedKVCache, ...]:
-    tokens = [max_len] * batch if wanted is None else wanted
-    if len(tokens) != batch:
-      raise ValueError(f"tokens_per_seq must have one entry per sequence ({batch}); got "
-                       f"{len(tokens)}")
-    return init_paged_caches(model, tokens, page_size=page_size, max_len=max_len, dtype=dtype,
-                             seed=seed)[0]
-
-  return factory
 
 
 # ----------------------------------------------------------------------------------------------
-# The `cache.kind` switch of the configs: a table of kinds.
+# The table of kinds.
 
 REQUIRED = object()
-"""The default of a `CacheKind` option the config must set."""
+"""The default of a `CacheKind` option the spec must set."""
+
+Builder = Callable[[Any, int, int, Any, dict[str, Any], "Sequence[int] | None"], tuple[Any, ...]]
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheKind:
-  """One `cache.kind` value: its options and how it builds a cache factory.
+  """One cache kind: its options and how it builds a model's caches.
 
   Attributes:
-    build: `(model, options, tokens_per_seq) -> CacheFactory | None` (None:
-      `generate`'s default dense caches); `options` holds every option of
-      `options` below, defaults filled in, None where the kind's own default
-      applies.
-    options: option name -> default (`REQUIRED`: the config must set it).
+    build: `(model, batch, max_len, dtype, options, tokens_per_seq) -> one cache per
+      layer`; `dtype` is resolved (never None), `options` holds every option below
+      with defaults filled in (None where the kind's own default applies),
+      `tokens_per_seq` is None or the tokens each sequence will hold (`paged` uses it).
+    options: option name -> default (`REQUIRED`: the spec must set it).
     doc: one line for error messages and docs.
   """
 
-  build: Callable[[Any, dict[str, Any], Sequence[int] | None], CacheFactory | None]
+  build: Builder
   options: Mapping[str, Any]
   doc: str
 
 
-def _policy_kind(kind: str) -> Callable[..., CacheFactory]:
-  """The `CacheKind.build` of a long-context kind: `policy_cache_factory` of its options."""
+def _dense(model, batch, max_len, dtype, options, tokens_per_seq):
+  del options, tokens_per_seq
+  return tuple(layer.attn.init_cache(batch, max_len, dtype) for layer in model.layers)
 
-  def build(model, options, tokens_per_seq):
-    del tokens_per_seq  # bounded kinds: the capacity is the window / budget
-    policy = {k: v for k, v in options.items() if v is not None}
-    return policy_cache_factory(model, {"kind": kind, **policy})
 
+def _paged(model, batch, max_len, dtype, o, tokens_per_seq):
+  tokens = [max_len] * batch if tokens_per_seq is None else list(tokens_per_seq)
+  if len(tokens) != batch:
+    raise ValueError(f"tokens_per_seq must have one entry per sequence ({batch}); got "
+                     f"{len(tokens)}")
+  return init_paged_caches(model, tokens, page_size=o["page_size"], max_len=max_len,
+                           dtype=dtype, seed=o["seed"])[0]
+
+
+def _ring(model, batch, max_len, dtype, o, tokens_per_seq):
+  del max_len, tokens_per_seq  # bounded: the capacity is the window
+  return tuple(window_lib.RingKVCache.init(batch, o["window"], a.num_kv_heads, a.head_dim, dtype)
+               for a in gqa_layers(model))
+
+
+def _sink(model, batch, max_len, dtype, o, tokens_per_seq):
+  del max_len, tokens_per_seq
+  return tuple(window_lib.SinkKVCache.init(batch, o["num_sinks"], o["window"], a.num_kv_heads,
+                                           a.head_dim, dtype, rope_theta=a.rope_theta,
+                                           rope_scaling=a.rope_scaling)
+               for a in gqa_layers(model))
+
+
+def _evicting(policy: str) -> Builder:
+  def build(model, batch, max_len, dtype, o, tokens_per_seq):
+    del max_len, tokens_per_seq  # bounded: the capacity is the budget
+    options = {k: v for k, v in o.items() if k != "budget" and v is not None}
+    return tuple(eviction.EvictingKVCache.init(batch, o["budget"], a.num_kv_heads, a.head_dim,
+                                               dtype, policy=policy, **options)
+                 for a in gqa_layers(model))
   return build
 
 
+def _length_switch(model, batch, max_len, dtype, o, tokens_per_seq):
+  del tokens_per_seq
+  return tuple(length_switch.LengthSwitchKVCache.init(
+      batch, max_len, a.num_kv_heads, a.head_dim, dtype, switch_length=o["switch_length"],
+      num_kv_heads_after=o["num_kv_heads_after"]) for a in gqa_layers(model))
+
+
+def eviction_kind(policy: str) -> CacheKind:
+  """The `CacheKind` of `EvictingKVCache(policy=policy)`: `budget` slots per KV head."""
+  return CacheKind(_evicting(policy),
+                   {"budget": REQUIRED, "num_sinks": None,
+                    **{o: None for o in eviction.policy_options(policy)}},
+                   f"EvictingKVCache(policy={policy!r}): `budget` slots per KV head")
+
+
 CACHE_KIND_TABLE: dict[str, CacheKind] = {
-    "dense": CacheKind(lambda model, options, tokens_per_seq: None, {},
-                       "model.init_caches: dense KVCache / LatentCache of max_len"),
-    "paged": CacheKind(
-        lambda model, o, tokens_per_seq: paged_cache_factory(
-            model, page_size=o["page_size"], tokens_per_seq=tokens_per_seq, seed=o["seed"]),
-        {"page_size": 16, "seed": None}, "PagedKVCache pages per sequence (paged_cache_factory)"),
-    "ring": CacheKind(_policy_kind("window"), {"window": REQUIRED},
+    "dense": CacheKind(_dense, {}, "KVCache / LatentCache of max_len (layer.attn.init_cache)"),
+    "paged": CacheKind(_paged, {"page_size": 16, "seed": None},
+                       "PagedKVCache, pages per sequence (init_paged_caches)"),
+    "ring": CacheKind(_ring, {"window": REQUIRED},
                       "RingKVCache: the last `window` tokens (sliding-window attention)"),
-    "sink": CacheKind(_policy_kind("sink"), {"num_sinks": 4, "window": REQUIRED},
+    "sink": CacheKind(_sink, {"num_sinks": 4, "window": REQUIRED},
                       "SinkKVCache: StreamingLLM, `num_sinks` first tokens + a ring of `window`"),
-    **{policy: CacheKind(_policy_kind(policy),
-                         {"budget": REQUIRED, "num_sinks": None,
-                          **{o: None for o in long_context.POLICY_OPTIONS[policy]}},
-                         f"EvictingKVCache(policy={policy!r}): `budget` slots per KV head")
-       for policy in long_context.POLICIES},
+    **{policy: eviction_kind(policy) for policy in eviction.POLICIES},
     "length_switch": CacheKind(
-        lambda model, o, tokens_per_seq: length_switch_cache_factory(
-            model, switch_length=o["switch_length"], num_kv_heads_after=o["num_kv_heads_after"]),
-        {"switch_length": REQUIRED, "num_kv_heads_after": REQUIRED},
+        _length_switch, {"switch_length": REQUIRED, "num_kv_heads_after": REQUIRED},
         "LengthSwitchKVCache: K heads up to switch_length, then num_kv_heads_after pooled heads"),
 }
-"""`cache.kind` -> `CacheKind`. "ring", "sink" and the eviction policies of
-`kvattn.caches.long_context` take their sizes from the config (None: the policy's
-default, e.g. H2O's recent window of budget // 2). Add a kind with one entry
-(`register_cache_kind`)."""
+"""Cache kind -> `CacheKind`: "dense", "paged" (`page_size`, `seed`), "ring"
+(`window`), "sink" (`num_sinks`, `window`), each eviction policy of
+`kvattn.caches.eviction` (`budget`, `num_sinks` and the policy's options; None: the
+policy's default, e.g. H2O's recent window of budget // 2) and "length_switch"
+(`switch_length`, `num_kv_heads_after`). The bounded kinds (ring, sink, eviction)
+ignore `max_len`: their capacity is the window / budget."""
 
 CACHE_KINDS = tuple(CACHE_KIND_TABLE)
-"""The `cache.kind` values when this module was imported (the table may grow)."""
+"""The cache kinds when this module was imported (the table may grow)."""
 
 
 def register_cache_kind(name: str, kind: CacheKind) -> None:
@@ -189,191 +210,139 @@ def register_cache_kind(name: str, kind: CacheKind) -> None:
   if not isinstance(name, str) or not name or name in CACHE_KIND_TABLE:
     raise ValueError(f"cache kind name must be a new non-empty string; got {name!r} (taken: "
                      f"{tuple(CACHE_KIND_TABLE)})")
+  if not isinstance(kind, CacheKind):
+    raise TypeError(f"kind must be a CacheKind; got {type(kind).__name__}")
   CACHE_KIND_TABLE[name] = kind
 
 
-def cache_options(cache_config: Any, where: str = "cache") -> tuple[str, dict[str, Any]]:
-  """`(kind, options)` of a `cache` config section, checked against `CACHE_KIND_TABLE`.
-
-  `cache_config`: a ConfigDict or mapping with `kind` and that kind's options;
-  a key set to None counts as unset (flat ml_collections schemas keep every
-  key), so defaults fill it. `max_len` and `dtype` are the experiments' own
-  keys and are ignored here.
-
-  Raises:
-    ValueError: an unknown kind, a key the kind does not take, a required
-      option unset -- naming `<where>.<key>`.
-  """
-  if hasattr(cache_config, "to_dict"):
-    cache_config = cache_config.to_dict()
-  if not isinstance(cache_config, Mapping):
-    raise TypeError(f"{where} must be a dict or ConfigDict with a 'kind'; got "
-                    f"{type(cache_config).__name__}")
-  kind = cache_config.get("kind")
-  if kind not in CACHE_KIND_TABLE:
-    raise ValueError(f"{where}.kind must be one of {tuple(CACHE_KIND_TABLE)}; got {kind!r}")
-  spec = CACHE_KIND_TABLE[kind]
-  given = {k: v for k, v in cache_config.items()
-           if k not in ("kind",) + EXPERIMENT_CACHE_KEYS and v is not None}
-  unknown = sorted(set(given) - set(spec.options))
-  if unknown:
-    raise ValueError(f"{where}.{unknown[0]} is not an option of {where}.kind = {kind!r} (it takes "
-                     f"{tuple(spec.options)}); got {where}.{unknown[0]} = {given[unknown[0]]!r}")
-  options = {**spec.options, **given}
-  missing = [k for k, v in options.items() if v is REQUIRED]
-  if missing:
-    raise ValueError(f"{where}.{missing[0]} must be set for {where}.kind = {kind!r} "
-                     f"({spec.doc})")
-  return kind, options
+def register_eviction_policy(name: str, policy: eviction.EvictionPolicy) -> None:
+  """Adds an eviction policy (`eviction.POLICY_TABLE`) and its cache kind `name`."""
+  if not isinstance(name, str) or not name or name in eviction.POLICY_TABLE:
+    raise ValueError(f"policy name must be a new non-empty string; got {name!r} (taken: "
+                     f"{tuple(eviction.POLICY_TABLE)})")
+  if not isinstance(policy, eviction.EvictionPolicy):
+    raise TypeError(f"policy must be an EvictionPolicy; got {type(policy).__name__}")
+  if name in CACHE_KIND_TABLE:
+    raise ValueError(f"cache kind {name!r} is taken")
+  eviction.POLICY_TABLE[name] = policy
+  CACHE_KIND_TABLE[name] = eviction_kind(name)
 
 
 EXPERIMENT_CACHE_KEYS = ("max_len", "dtype")
 """Keys of experiment `cache` sections that are not options of a kind."""
 
 
-def cache_factory_from_config(model, cache_config, *, tokens_per_seq: Iterable[int] | None = None,
-                              where: str = "cache") -> CacheFactory | None:
-  """The `cache.kind` switch: the cache factory of a config's `cache` section.
+def cache_options(spec: Any, where: str = "cache") -> tuple[str, dict[str, Any]]:
+  """`(kind, options)` of a cache spec, checked against `CACHE_KIND_TABLE`.
 
-  `cache_config.kind` is a key of `CACHE_KIND_TABLE`: "dense" -> None
-  (`generate`'s default dense caches); "paged" -> `paged_cache_factory(model,
-  page_size=, seed=, tokens_per_seq=)`; "ring" (`window`), "sink" (`num_sinks`,
-  `window`) and each eviction policy of `kvattn.caches.long_context` (`budget` and the
-  policy's options: `recent_size`, `window_size`, `kernel_size`, `seed`,
-  `num_sinks`) -> `policy_cache_factory`. The options are checked and the
-  caches' sizes validated now.
+  `spec`: a dict or ConfigDict with `kind` and that kind's options; a key set to
+  None counts as unset (flat ml_collections schemas keep every key), so defaults
+  fill it. `max_len` and `dtype` are the experiments' own keys and are ignored.
+
+  Raises:
+    ValueError: an unknown kind, a key the kind does not take, a required option
+      unset -- naming `<where>.<key>`.
+    TypeError: a spec that is not a mapping.
+  """
+  if hasattr(spec, "to_dict"):
+    spec = spec.to_dict()
+  if not isinstance(spec, Mapping):
+    raise TypeError(f"{where} must be a dict or ConfigDict with a 'kind' (one of "
+                    f"{tuple(CACHE_KIND_TABLE)}); got {type(spec).__name__}")
+  kind = spec.get("kind")
+  if kind not in CACHE_KIND_TABLE:
+    raise ValueError(f"{where}.kind must be one of {tuple(CACHE_KIND_TABLE)}; got {kind!r}")
+  entry = CACHE_KIND_TABLE[kind]
+  given = {k: v for k, v in spec.items()
+           if k not in ("kind",) + EXPERIMENT_CACHE_KEYS and v is not None}
+  unknown = sorted(set(given) - set(entry.options))
+  if unknown:
+    raise ValueError(f"{where}.{unknown[0]} is not an option of {where}.kind = {kind!r} (it takes "
+                     f"{tuple(entry.options)}); got {where}.{unknown[0]} = {given[unknown[0]]!r}")
+  options = {**entry.options, **given}
+  missing = [k for k, v in options.items() if v is REQUIRED]
+  if missing:
+    raise ValueError(f"{where}.{missing[0]} must be set for {where}.kind = {kind!r} "
+                     f"({entry.doc})")
+  return kind, options
+
+
+def build_caches(model, batch: int, max_len: int, dtype: Any = None, cache: Any = None, *,
+                 tokens_per_seq: Iterable[int] | None = None,
+                 where: str = "cache") -> tuple[Any, ...]:
+  """One empty cache per layer of `model`, of the kind `cache` names.
+
+  Args:
+    model: a `kvattn.Transformer`.
+    batch: B.
+    max_len: tokens per sequence (the bounded kinds ignore it).
+    dtype: storage dtype (float, or int8 / fp8 with f32 scales); None: the model's.
+    cache: a spec `{"kind": ..., **options}` (None: `{"kind": "dense"}`).
+    tokens_per_seq: tokens each sequence will hold (`paged` allocates only those).
+    where: the name errors give the spec.
+
+  Raises:
+    ValueError: an unknown kind or option, a bad size -- naming `<where>.<key>`.
+  """
+  kind, options = cache_options({"kind": "dense"} if cache is None else cache, where)
+  dtype = getattr(model, "dtype", jnp.float32) if dtype is None else dtype
+  tokens = None if tokens_per_seq is None else [int(t) for t in tokens_per_seq]
+  try:
+    return CACHE_KIND_TABLE[kind].build(model, batch, max_len, dtype, options, tokens)
+  except ValueError as e:
+    raise ValueError(f"{where} (kind {kind!r}, options {options}): {e}") from e
+
+
+def cache_factory_from_config(model, cache: Any, *, tokens_per_seq: Iterable[int] | None = None,
+                              where: str = "cache") -> CacheFactory:
+  """A `CacheFactory` (`kvattn.generate(cache_factory=)`) building `build_caches(..., cache)`.
+
+  The spec is checked and the caches' sizes validated now (one sequence of one
+  token is built), so a bad config fails before any work.
 
   Usage: `kvattn.generate(model, prompts, lengths, n,
   cache_factory=cache_factory_from_config(model, config.cache))`.
 
   Raises:
-    ValueError: an unknown kind, an option the kind does not take, a missing
-      or bad option -- the message names `<where>.<key>`.
+    ValueError: an unknown kind, an option the kind does not take, a missing or bad
+      option -- the message names `<where>.<key>`.
   """
-  kind, options = cache_options(cache_config, where)
+  kind, options = cache_options(cache, where)
+  spec = {"kind": kind, **options}
   tokens = None if tokens_per_seq is None else [int(t) for t in tokens_per_seq]
-  try:
-    return CACHE_KIND_TABLE[kind].build(model, options, tokens)
-  except ValueError as e:
-    raise ValueError(f"{where} (kind {kind!r}, options {options}): {e}") from e
-
-
-# ----------------------------------------------------------------------------------------------
-# Long-context policies (kvattn.caches.long_context): bounded caches chosen by name.
-
-POLICY_KINDS = ("full", "window", "sink") + long_context.POLICIES + ("length_switch",)
-"""`policy["kind"]` values: "full" (dense `KVCache` of max_len), "window"
-(`RingKVCache`, key `window`), "sink" (`SinkKVCache`, keys `num_sinks`,
-`window`), an eviction policy name (`EvictingKVCache`, key `budget` plus the
-policy's options), or "length_switch" (`kvattn.caches.length_switch.LengthSwitchKVCache`
-of max_len, keys `switch_length`, `num_kv_heads_after`)."""
-
-
-def _policy_dict(policy: Any) -> dict[str, Any]:
-  if hasattr(policy, "to_dict"):  # an ml_collections ConfigDict
-    policy = policy.to_dict()
-  if not isinstance(policy, Mapping):
-    raise TypeError(f"policy must be a dict with a 'kind' (one of {POLICY_KINDS}); got "
-                    f"{type(policy).__name__}")
-  policy = dict(policy)
-  kind = policy.pop("kind", None)
-  if kind not in POLICY_KINDS:
-    raise ValueError(f"policy['kind'] must be one of {POLICY_KINDS}; got {kind!r}")
-  return {"kind": kind, **policy}
-
-
-def _policy_keys(policy: dict[str, Any], required: tuple[str, ...]) -> list[Any]:
-  kind = policy["kind"]
-  extra = sorted(set(policy) - set(required) - {"kind"})
-  missing = [key for key in required if key not in policy]
-  if missing or extra:
-    raise ValueError(f"policy kind {kind!r} takes exactly the keys {required}; missing "
-                     f"{missing}, unknown {extra}")
-  return [policy[key] for key in required]
-
-
-def policy_caches(model, batch: int, max_len: int, dtype: Any, policy: Any) -> tuple[Any, ...]:
-  """One empty cache per layer of `model` for a long-context `policy` dict.
-
-  `policy`: `{"kind": "full"}` (dense caches of `max_len`), `{"kind": "window",
-  "window": W}`, `{"kind": "sink", "num_sinks": s, "window": W}`, or
-  `{"kind": <eviction policy>, "budget": n, **options}` (`kvattn.caches.long_context`).
-  The bounded kinds ignore `max_len`: their capacity is the window / budget.
-
-  Raises:
-    ValueError: an unknown kind, missing or unknown keys, bad sizes, an MLA layer.
-    TypeError: a policy that is not a dict.
-  """
-  policy = _policy_dict(policy)
-  kind = policy["kind"]
-  dtype = getattr(model, "dtype", jnp.float32) if dtype is None else dtype
-  if kind == "full":
-    _policy_keys(policy, ())
-    return tuple(layer.attn.init_cache(batch, max_len, dtype) for layer in model.layers)
-  if kind == "length_switch":
-    switch_length, after = _policy_keys(policy, ("switch_length", "num_kv_heads_after"))
-    return length_switch_caches(model, batch, max_len, dtype, switch_length=switch_length,
-                                num_kv_heads_after=after)
-  attns = gqa_layers(model)
-  if kind == "window":
-    (window,) = _policy_keys(policy, ("window",))
-    return tuple(long_context.RingKVCache.init(batch, window, a.num_kv_heads, a.head_dim, dtype)
-                 for a in attns)
-  if kind == "sink":
-    num_sinks, window = _policy_keys(policy, ("num_sinks", "window"))
-    return tuple(long_context.SinkKVCache.init(batch, num_sinks, window, a.num_kv_heads,
-                                               a.head_dim, dtype, rope_theta=a.rope_theta,
-                                               rope_scaling=a.rope_scaling)
-                 for a in attns)
-  options = dict(policy)
-  del options["kind"]
-  if "budget" not in options:
-    raise ValueError(f"policy kind {kind!r} needs a 'budget'; got keys {sorted(policy)}")
-  budget = options.pop("budget")
-  return tuple(long_context.EvictingKVCache.init(batch, budget, a.num_kv_heads, a.head_dim,
-                                                 dtype, policy=kind, **options)
-               for a in attns)
-
-
-def policy_cache_factory(model, policy: Any) -> CacheFactory:
-  """A `cache_factory(batch, max_len, dtype)` for `kvattn.generate` that builds
-  `policy_caches(model, ..., policy)`; the policy is validated now (ValueError)."""
-  checked = _policy_dict(policy)
-  policy_caches(model, 1, 1, None, checked)  # validates sizes and options up front
+  if tokens is None:
+    build_caches(model, 1, 1, None, spec, where=where)
 
   def factory(batch: int, max_len: int, dtype: Any = None) -> tuple[Any, ...]:
-    return policy_caches(model, batch, max_len, dtype, checked)
+    return build_caches(model, batch, max_len, dtype, spec, tokens_per_seq=tokens, where=where)
 
   return factory
 
 
-# ----------------------------------------------------------------------------------------------
-# Length switch (kvattn.caches.length_switch): K KV heads up to a length, pooled heads after it.
+
+BOUNDED_KINDS = ("ring", "sink") + eviction.POLICIES
+"""Kinds whose capacity is fixed whatever the sequence length (window or budget)."""
 
 
-def length_switch_caches(model, batch: int, max_len: int, dtype: Any = None, *,
-                         switch_length: int, num_kv_heads_after: int):
-  """One empty `LengthSwitchKVCache` per layer of `model` (all layers GQA).
+def spec_at_budget(kind: str, budget: int | None, *, num_sinks: int = 4) -> dict[str, Any]:
+  """The spec of `kind` holding `budget` tokens per sequence (and KV head), for sweeps that
+  compare kinds at one memory budget: "dense" ignores `budget`; "ring" keeps a window of
+  `budget`; "sink" `num_sinks` sinks plus a window of `budget - num_sinks`; an eviction
+  policy `budget` slots (its other options at their defaults).
 
   Raises:
-    ValueError: an MLA layer; `num_kv_heads_after` not dividing a layer's K;
-      `switch_length` not a positive int; bad sizes.
+    ValueError: an unknown or unbounded kind other than "dense"; a budget that is not an
+      int > num_sinks for "sink", or not a positive int.
   """
-  dtype = getattr(model, "dtype", jnp.float32) if dtype is None else dtype
-  return tuple(length_switch.LengthSwitchKVCache.init(
-      batch, max_len, a.num_kv_heads, a.head_dim, dtype, switch_length=switch_length,
-      num_kv_heads_after=num_kv_heads_after) for a in gqa_layers(model))
-
-
-def length_switch_cache_factory(model, *, switch_length: int,
-                                num_kv_heads_after: int) -> CacheFactory:
-  """A `cache_factory(batch, max_len, dtype)` for `kvattn.generate` building
-  `length_switch_caches`; the settings are checked now (ValueError)."""
-  for a in gqa_layers(model):
-    length_switch.check_switch(a.num_kv_heads, num_kv_heads_after, switch_length)
-
-  def factory(batch: int, max_len: int, dtype: Any = None):
-    return length_switch_caches(model, batch, max_len, dtype, switch_length=switch_length,
-                                num_kv_heads_after=num_kv_heads_after)
-
-  return factory
+  if kind == "dense":
+    return {"kind": "dense"}
+  if kind not in BOUNDED_KINDS and kind not in eviction.POLICY_TABLE:
+    raise ValueError(f"kind must be 'dense' or a bounded kind {BOUNDED_KINDS}; got {kind!r}")
+  budget = _checks.positive_int("budget", budget)
+  if kind == "ring":
+    return {"kind": "ring", "window": budget}
+  if kind == "sink":
+    if budget <= num_sinks:
+      raise ValueError(f"budget must be > num_sinks = {num_sinks} for kind 'sink'; got {budget}")
+    return {"kind": "sink", "num_sinks": num_sinks, "window": budget - num_sinks}
+  return {"kind": kind, "budget": budget}

@@ -46,6 +46,7 @@ from ml_collections import config_dict
 
 from kvattn import _checks
 from kvattn import memory
+from kvattn.caches import registry as cache_registry
 from kvattn.models import gqa as gqa_lib
 from kvattn.models import mla as mla_lib
 from kvattn.models.gqa import GroupedQueryAttention
@@ -527,28 +528,27 @@ class Transformer(nnx.Module):
     return cache_bytes_per_token(self.spec, dtype)
 
   def init_caches(self, batch: int, max_len: int, dtype: Any = None, *,
-                  policy: Any = None) -> tuple[Any, ...]:
-    """One empty cache per layer (`layer.attn.init_cache`), as a tuple pytree.
+                  cache: Any = None) -> tuple[Any, ...]:
+    """One empty cache per layer, as a tuple pytree.
 
     Args:
       batch: B.
-      max_len: capacity S in tokens.
+      max_len: capacity S in tokens (the bounded kinds ignore it).
       dtype: cache storage dtype; default the model's compute dtype. A float
         dtype, or a quantized KV format (int8, float8_e4m3fn, float8_e5m2)
         stored with f32 per-token scales (`kvattn.ops.quantize_kv`).
-      policy: None (dense caches of `max_len`), or a long-context policy dict
-        such as `{"kind": "sink", "num_sinks": 4, "window": 252}` or
-        `{"kind": "h2o", "budget": 256}` (`kvattn.caches.registry.policy_caches`:
-        bounded caches whose capacity is the window / budget).
+      cache: None (dense caches of `max_len`, `layer.attn.init_cache`) or a cache
+        spec `{"kind": ..., **options}` of `kvattn.caches.registry`, e.g.
+        `{"kind": "sink", "num_sinks": 4, "window": 252}` or
+        `{"kind": "h2o", "budget": 256}`.
 
     Raises:
-      ValueError: non-positive sizes; a bad policy.
+      ValueError: non-positive sizes; an unknown kind or a bad option.
       TypeError: a dtype that is neither floating nor a quantized KV format.
     """
-    if policy is not None:
-      from kvattn.caches import registry as cache_factories  # pylint: disable=g-import-not-at-top (a cycle)
-      return cache_factories.policy_caches(self, batch, max_len, dtype, policy)
     dtype = self.dtype if dtype is None else dtype
+    if cache is not None:
+      return cache_registry.build_caches(self, batch, max_len, dtype, cache)
     return tuple(layer.attn.init_cache(batch, max_len, dtype) for layer in self.layers)
 
   def _check_tokens(self, tokens):

@@ -1,7 +1,7 @@
 """XLA attention over cache slots that carry their token positions.
 
 The dense ops (`kvattn.ops.attention`, `decode_attention`) assume slot s holds
-token s. The long-context caches (`kvattn.caches.long_context`) hold tokens out of
+token s. The long-context caches (`kvattn.caches.window` / `kvattn.caches.eviction`) hold tokens out of
 order (a ring wraps, eviction keeps a subset, per KV head), so each slot
 carries the original token index of what it holds (`kv_pos`, -1 for none)
 and the mask is built from positions: query t (token `q_pos[b, t]`) sees the

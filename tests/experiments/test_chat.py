@@ -10,6 +10,7 @@ from flax import nnx
 
 from experiments import chat
 from kvattn.caches import paged
+from kvattn.caches import registry as cache_registry
 from kvattn.models import transformer as transformer_lib
 from tests.kvattn.checkpoints import test_gguf
 
@@ -22,9 +23,15 @@ def model():
   return transformer_lib.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
 
 
+CHOICES = {"dense": ("dense", None), "dense-bf16": ("dense", "bfloat16"),
+           "dense-int8": ("dense", "int8"), "dense-fp8": ("dense", "float8_e4m3fn"),
+           "paged": ("paged", None), "paged-int8": ("paged", "int8")}
+
+
 def test_cache_choices(model):
   sizes = {}
-  for name, (kind, dtype) in chat.CACHE_CHOICES.items():
+  for name, (kind, dtype) in CHOICES.items():
+    assert chat.parse_cache(name) == (kind, dtype)
     caches = chat.make_caches(model, name, 2, 20, page_size=4)
     assert len(caches) == 2
     assert isinstance(caches[0], paged.PagedKVCache) == (kind == "paged"), name
@@ -33,10 +40,26 @@ def test_cache_choices(model):
     sizes[name] = sum(a.nbytes for c in caches for a in c.storage_arrays())
   # 2 layers x (K + V) x B=2 x 20 slots x K=2 heads x H=8, plus f32 scales per token per head.
   assert sizes["dense"] == 2 * 2 * 2 * 20 * 2 * 8 * 4
-  assert sizes["bf16"] == sizes["dense"] // 2
-  assert sizes["int8"] == sizes["dense"] // 4 + 2 * 2 * 2 * 20 * 2 * 4
+  assert sizes["dense-bf16"] == sizes["dense"] // 2
+  assert sizes["dense-int8"] == sizes["dense"] // 4 + 2 * 2 * 2 * 20 * 2 * 4
   with pytest.raises(ValueError, match="cache must be one of"):
     chat.make_caches(model, "dense-int3", 1, 4)
+
+
+def test_every_registered_kind_is_a_cache_choice(model):
+  # --cache names the registry's kinds; their options come from --cache_option.
+  options = {"ring": ["window=8"], "sink": ["window=6"], "length_switch": [
+      "switch_length=8", "num_kv_heads_after=1"]}
+  for kind, entry in cache_registry.CACHE_KIND_TABLE.items():
+    given = options.get(kind, ["budget=8"] if "budget" in entry.options else [])
+    caches = chat.make_caches(model, kind, 1, 16, options=chat.parse_options(given))
+    assert len(caches) == 2 and int(caches[0].lengths[0]) == 0, kind
+  caches = chat.make_caches(model, "h2o-int8", 1, 64, options={"budget": 8})
+  assert caches[0].capacity == 8 and caches[0].k.dtype == np.int8
+  with pytest.raises(ValueError, match="cache.budget must be set"):
+    chat.make_caches(model, "h2o", 1, 16)
+  with pytest.raises(ValueError, match="cache_option must be key=int"):
+    chat.parse_options(["budget"])
 
 
 def test_run_paged_equals_dense_and_stops_at_eos(model):

@@ -34,10 +34,10 @@ def test_configs_and_sweeps_validate():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    ({"policy.kind": "lru"}, "policy.kind must be one of"),
-    ({"policy.kind": "sink", "policy.budget": 4}, "policy.budget must be >= policy.num_sinks"),
+    ({"cache.kind": "lru"}, "cache.kind must be one of"),
+    ({"cache.kind": "sink", "cache.budget": 4}, "cache.budget must be >= cache.num_sinks"),
     ({"text.chunk": 0}, "text.chunk must be an int >= 1"),
-    ({"policy.kind": "speed", "speed.kinds": ("full",)}, "speed.kinds must hold kinds of"),
+    ({"cache.kind": "speed", "speed.kinds": ("full",)}, "speed.kinds must hold kinds of"),
     ({"speed.repeats": 0}, "speed.repeats must be an int >= 1"),
 ])
 def test_bad_points_fail_before_any_work(overrides, message, tmp_path):
@@ -50,15 +50,15 @@ def test_policy_dicts():
   assert lce.policy_dict({"kind": "sink", "budget": 256, "num_sinks": 4}) == {
       "kind": "sink", "num_sinks": 4, "window": 252}
   assert lce.policy_dict({"kind": "window", "budget": 8, "num_sinks": 4}) == {
-      "kind": "window", "window": 8}
+      "kind": "ring", "window": 8}
   assert lce.policy_dict({"kind": "tova", "budget": 8, "num_sinks": 4}) == {
       "kind": "tova", "budget": 8}
 
 
 def test_tiny_run_measures_reports_and_bounded_caches_with_room_equal_the_full_cache(tmp_path):
-  sweep = [{"policy.kind": "full"}, {"policy.kind": "h2o", "policy.budget": 64},
-           {"policy.kind": "window", "policy.budget": 8},
-           {"policy.kind": "tova", "policy.budget": 8}, {"policy.kind": "speed"}]
+  sweep = [{"cache.kind": "full"}, {"cache.kind": "h2o", "cache.budget": 64},
+           {"cache.kind": "window", "cache.budget": 8},
+           {"cache.kind": "tova", "cache.budget": 8}, {"cache.kind": "speed"}]
   result = runner.run(_tiny(), str(tmp_path), sweep)
   assert result.complete and len(result.records) == 5
   by = {r["label"]: r for r in result.records}
@@ -97,7 +97,7 @@ def test_scan_forward_equals_the_model(policy):
   defs, params = lce.scan_parts(model)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 8)), jnp.int32)
   new_lengths = jnp.array([8, 5], jnp.int32)
-  caches = model.init_caches(2, 24, policy=policy)
+  caches = model.init_caches(2, 24, cache=policy)
   stacked = lce.stack_caches(caches)
   for _ in range(2):  # the second call passes the capacity of the sink cache
     want, caches = model(tokens, caches, new_lengths=new_lengths)

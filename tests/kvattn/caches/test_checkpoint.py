@@ -74,7 +74,7 @@ KINDS = {
 }
 
 
-# The long-context kinds (kvattn.caches.long_context), when that module is present.
+# The long-context kinds (kvattn.caches.window / eviction), when that module is present.
 if hasattr(kvattn, "RingKVCache"):
   KINDS.update({
       "ring": lambda: kvattn.RingKVCache.init(2, 5, 2, 4),

@@ -40,7 +40,7 @@ def step(model):
 
 
 def _switch_caches(model, batch, max_len, switch_length, after=1, dtype=jnp.float32):
-  return model.init_caches(batch, max_len, dtype, policy={
+  return model.init_caches(batch, max_len, dtype, cache={
       "kind": "length_switch", "switch_length": switch_length, "num_kv_heads_after": after})
 
 

@@ -1,4 +1,4 @@
-"""Long-context caches (kvattn.caches.long_context): ring, attention sinks, eviction.
+"""Long-context caches (kvattn.caches.window / eviction): ring, attention sinks, eviction.
 
 Each kind is checked against an independent reference: the ring against full
 attention with a window over an unbounded cache, the sinks against RoPE at
@@ -19,7 +19,7 @@ import kvattn
 from kvattn import memory, ops
 from kvattn.caches import registry as cache_factories
 from kvattn.caches import protocol as cache_protocol
-from kvattn.caches import long_context
+from kvattn.caches import eviction
 from kvattn.models import transformer
 from kvattn.ops.positional import positional_attention, positional_decode_attention
 
@@ -245,7 +245,7 @@ def test_kv_heads_whose_groups_attend_different_slots_keep_different_slots(polic
   assert 3 in kept[1] and 1 not in kept[1]
 
 
-@pytest.mark.parametrize("policy", long_context.POLICIES)
+@pytest.mark.parametrize("policy", eviction.POLICIES)
 def test_budget_never_exceeded_and_never_off_by_one(policy):
   budget = 4
   cache = kvattn.EvictingKVCache.init(B, budget, K, H, policy=policy)
@@ -338,8 +338,8 @@ def _model(window=None, num_layers=2):
   return transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
 
 
-ALL_POLICIES = [{"kind": "sink", "num_sinks": 2, "window": 30}, {"kind": "window", "window": 32}
-                ] + [{"kind": p, "budget": 32} for p in long_context.POLICIES]
+ALL_POLICIES = [{"kind": "sink", "num_sinks": 2, "window": 30}, {"kind": "ring", "window": 32}
+                ] + [{"kind": p, "budget": 32} for p in eviction.POLICIES]
 
 
 def test_every_kind_with_room_for_everything_gives_the_dense_logits():
@@ -355,7 +355,7 @@ def test_every_kind_with_room_for_everything_gives_the_dense_logits():
 
   dense = run(model.init_caches(B, 32))
   for policy in ALL_POLICIES:
-    got = run(model.init_caches(B, 32, policy=policy))
+    got = run(model.init_caches(B, 32, cache=policy))
     for g, d, rows in zip(got, dense, [(0,), (0, 1), (0, 1), (0,)]):
       for b in rows:
         width = 5 if (b == 1 and g.shape[1] == 9) else g.shape[1]
@@ -370,7 +370,7 @@ PROMPT_LENGTHS = np.array([7, 1, 4], np.int32)  # ragged rows; a 1-token prompt
 def _generate_tight(model, policies):
   """Tight budgets run batched (14 tokens through 4 slots) and stay in the vocabulary."""
   for policy in policies:
-    factory = cache_factories.policy_cache_factory(model, policy)
+    factory = cache_factories.cache_factory_from_config(model, policy)
     got, got_len = kvattn.generate(model, PROMPTS, PROMPT_LENGTHS, 8, cache_factory=factory)
     assert got.shape == (3, 8) and np.all((np.asarray(got) >= 0) & (np.asarray(got) < 256))
     np.testing.assert_array_equal(np.asarray(got_len), 8)
@@ -381,12 +381,12 @@ def test_generate_with_each_kind_batched():
   prompts, lengths = PROMPTS, PROMPT_LENGTHS
   dense, dense_len = kvattn.generate(model, prompts, lengths, 8)
   for policy in ALL_POLICIES[:3]:  # room for everything: the dense tokens exactly
-    factory = cache_factories.policy_cache_factory(model, policy)
+    factory = cache_factories.cache_factory_from_config(model, policy)
     got, got_len = kvattn.generate(model, prompts, lengths, 8, cache_factory=factory)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(dense), err_msg=str(policy))
     np.testing.assert_array_equal(np.asarray(got_len), np.asarray(dense_len))
   # A ring of W on a model without a window gives the tokens of the model with window W.
-  ring = cache_factories.policy_cache_factory(model, {"kind": "window", "window": 3})
+  ring = cache_factories.cache_factory_from_config(model, {"kind": "ring", "window": 3})
   got, _ = kvattn.generate(model, prompts, lengths, 8, cache_factory=ring)
   want, _ = kvattn.generate(_model(window=3), prompts, lengths, 8)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -397,26 +397,26 @@ def test_generate_every_policy_batched():
   model = _model()
   dense, _ = kvattn.generate(model, PROMPTS, PROMPT_LENGTHS, 8)
   for policy in ALL_POLICIES[3:]:
-    factory = cache_factories.policy_cache_factory(model, policy)
+    factory = cache_factories.cache_factory_from_config(model, policy)
     got, _ = kvattn.generate(model, PROMPTS, PROMPT_LENGTHS, 8, cache_factory=factory)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(dense), err_msg=str(policy))
   _generate_tight(model, [{"kind": "sink", "num_sinks": 1, "window": 3}]
-                  + [{"kind": p, "budget": 4} for p in long_context.POLICIES])
+                  + [{"kind": p, "budget": 4} for p in eviction.POLICIES])
 
 
 def test_init_caches_policy_builds_the_kind_and_rejects_bad_dicts():
   model = _model()
-  caches = model.init_caches(B, 64, policy={"kind": "sink", "num_sinks": 4, "window": 12})
+  caches = model.init_caches(B, 64, cache={"kind": "sink", "num_sinks": 4, "window": 12})
   assert all(isinstance(c, kvattn.SinkKVCache) and c.capacity == 16 for c in caches)
-  caches = model.init_caches(B, 64, jnp.int8, policy={"kind": "snapkv", "budget": 8,
+  caches = model.init_caches(B, 64, jnp.int8, cache={"kind": "snapkv", "budget": 8,
                                                       "window_size": 2})
   assert all(isinstance(c, kvattn.EvictingKVCache) and c.quantized for c in caches)
   with pytest.raises(ValueError, match="kind"):
-    model.init_caches(B, 64, policy={"kind": "lru", "budget": 8})
+    model.init_caches(B, 64, cache={"kind": "lru", "budget": 8})
   with pytest.raises(ValueError, match="unknown"):
-    model.init_caches(B, 64, policy={"kind": "window", "window": 8, "budget": 8})
+    model.init_caches(B, 64, cache={"kind": "ring", "window": 8, "budget": 8})
   with pytest.raises(TypeError, match="policy"):
-    model.init_caches(B, 64, policy="h2o")
+    model.init_caches(B, 64, cache="h2o")
 
 
 def test_cache_kind_switch_selects_each_kind_from_a_config_and_names_bad_keys():
@@ -425,7 +425,7 @@ def test_cache_kind_switch_selects_each_kind_from_a_config_and_names_bad_keys():
   configs = {
       "ring": (dict(window=8), kvattn.RingKVCache, 8),
       "sink": (dict(num_sinks=2, window=6), kvattn.SinkKVCache, 8),
-      **{p: (dict(budget=8), kvattn.EvictingKVCache, 8) for p in long_context.POLICIES},
+      **{p: (dict(budget=8), kvattn.EvictingKVCache, 8) for p in eviction.POLICIES},
   }
   assert set(configs) | {"dense", "paged"} <= set(cache_factories.CACHE_KIND_TABLE)
   for kind, (options, cls, capacity) in configs.items():

@@ -123,7 +123,7 @@ def test_generate_gives_transformers_greedy_tokens(name):
     assert all(isinstance(c, kvattn.LatentCache) for c in model.init_caches(1, 4))
   if name in PAGED_CASES:
     _check_generate(model, tokens, lengths, new,
-                    cache_factory=cache_factories.paged_cache_factory(model, page_size=4))
+                    cache_factory=cache_factories.cache_factory_from_config(model, {"kind": "paged", "page_size": 4}))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -244,25 +244,25 @@ def test_converted_models_generate_their_greedy_tokens(kind):
     seq = seq.at[:, t].set(jnp.argmax(_forward(model, seq)[0][:, t - 1], -1))
   np.testing.assert_array_equal(np.asarray(tokens), np.asarray(seq[:, 5:]))
   if kind != "mla":
-    factory = cache_factories.paged_cache_factory(model, page_size=4)
+    factory = cache_factories.cache_factory_from_config(model, {"kind": "paged", "page_size": 4})
     paged, _ = kvattn.generate(model, prompts, jnp.array([5, 5]), 4, cache_factory=factory)
     np.testing.assert_array_equal(np.asarray(paged), np.asarray(tokens))
 
 
 def test_regrouped_models_decode_through_the_long_context_kinds():
-  """The bounded kinds of kvattn.caches.long_context (ring, sink, an eviction policy) with room for
+  """The bounded kinds of kvattn.caches.window / eviction (ring, sink, an eviction policy) with room for
   every token give the dense cache's greedy tokens on a regrouped model; an MLA model (latent
   cache, no K-head keys) is refused with a ValueError naming its layer."""
   model = _converted("K1-mean")
   prompts, lengths = _tokens(batch=2, length=5), jnp.array([5, 3])
   dense, _ = kvattn.generate(model, prompts, lengths, 4)
-  for policy in ({"kind": "window", "window": 9}, {"kind": "sink", "num_sinks": 2, "window": 7},
+  for policy in ({"kind": "ring", "window": 9}, {"kind": "sink", "num_sinks": 2, "window": 7},
                  {"kind": "h2o", "budget": 9}):
-    factory = cache_factories.policy_cache_factory(model, policy)
+    factory = cache_factories.cache_factory_from_config(model, policy)
     got, _ = kvattn.generate(model, prompts, lengths, 4, cache_factory=factory)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(dense), err_msg=str(policy))
   with pytest.raises(ValueError, match="layer 0 is MultiHeadLatentAttention"):
-    cache_factories.policy_cache_factory(_converted("mla"), {"kind": "window", "window": 9})
+    cache_factories.cache_factory_from_config(_converted("mla"), {"kind": "ring", "window": 9})
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,226 @@
+"""What the bounded cache kinds share (`window.py`: ring, sinks; `eviction.py`).
+
+Each kind is a `flax.struct` pytree whose storage is allocated at its capacity
+(`storage_arrays()` / `storage_slots`, so `kvattn.memory` reports capacity x
+bytes per token) and whose slots carry the original token index they hold
+(`pos`, -1 for none): attention masks by original position (causality,
+windows) through `kvattn.ops.positional.positional_attention`.
+
+Protocol use: the attention module calls `update_attend` (the optional member
+of `kvattn.caches.protocol`) with queries and keys *before* RoPE, so each kind
+rotates as its method requires, sees the queries that score the slots, and
+attends the chunk's own keys before any of them is evicted or overwritten. The
+plain `update` + `attend` pair works too: for a single token it equals
+`update_attend`; for a chunk it attends only what the cache kept. The decode
+path is XLA (`implementation` None or "xla"). Quantized storage (int8 / fp8,
+one f32 scale per token per KV head) works for every kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvattn import _checks
+from kvattn.caches import dense as cache_lib
+from kvattn.ops import quant
+
+# ----------------------------------------------------------------------------------------------
+# Shared pieces.
+
+
+def check_new_kv(cache, k_new, v_new) -> None:
+  """Shapes and dtypes of `k_new, v_new: [B, T, K, H]` against the cache's sizes."""
+  want = (cache.batch, cache.num_kv_heads, cache.head_dim)
+  for name, x in (("k_new", k_new), ("v_new", v_new)):
+    _checks.rank(name, x, 4, "[B, T, K, H]")
+    _checks.floating(name, x)
+    if (x.shape[0], x.shape[2], x.shape[3]) != want:
+      raise ValueError(f"{name} must have shape [B, T, K, H] with B, K, H = {want}; got "
+                       f"{tuple(x.shape)}")
+  if k_new.shape != v_new.shape:
+    raise ValueError(f"k_new and v_new must have one shape; got {k_new.shape} and {v_new.shape}")
+
+
+def check_q(cache, q, num_tokens: int) -> None:
+  _checks.rank("q", q, 4, "[B, T, N, H]")
+  _checks.floating("q", q)
+  if q.shape[0] != cache.batch or q.shape[1] != num_tokens or q.shape[3] != cache.head_dim:
+    raise ValueError(f"q must have shape [B, T, N, H] = ({cache.batch}, {num_tokens}, N, "
+                     f"{cache.head_dim}); got {tuple(q.shape)}")
+  _checks.head_layout(q.shape[2], cache.num_kv_heads)
+
+
+def check_implementation(cache, implementation) -> None:
+  if implementation not in (None, "xla"):
+    raise ValueError(f"implementation must be None or 'xla' for a {type(cache).__name__} (its "
+                     f"attention is the XLA positional path); got {implementation!r}")
+
+
+def prelude(cache, q, k, v, new_lengths, implementation) -> jax.Array:
+  """The checks every `update_attend` starts with; returns `new_lengths` as `i32[B]`."""
+  check_new_kv(cache, k, v)
+  check_q(cache, q, k.shape[1])
+  check_implementation(cache, implementation)
+  return cache_lib.resolve_new_lengths(new_lengths, cache.batch, k.shape[1])
+
+
+def new_positions(lengths: jax.Array, new_lengths: jax.Array, num_tokens: int) -> jax.Array:
+  """`i32[B, T]`: token index `lengths[b] + t` of each new token, -1 for padding."""
+  t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+  return jnp.where(t < new_lengths[:, None], lengths[:, None] + t, -1)
+
+
+def heads_first(x: jax.Array) -> jax.Array:
+  """`[B, T, K, ...]` -> `[B, K, T, ...]`."""
+  return jnp.swapaxes(x, 1, 2)
+
+
+def encode_new(cache, k_new, v_new):
+  """New keys and values in storage layout `[B, K, T, H]` and dtype, with scales `[B, K, T]`."""
+  (k, ks), (v, vs) = cache_lib.encode(k_new, cache.dtype), cache_lib.encode(v_new, cache.dtype)
+  k, v = heads_first(k).astype(cache.dtype), heads_first(v).astype(cache.dtype)
+  return k, v, (None if ks is None else heads_first(ks)), (None if vs is None else
+                                                           heads_first(vs))
+
+
+def concat(stored, new, axis: int = 2):
+  return None if stored is None else jnp.concatenate([stored, new], axis=axis)
+
+
+def scatter_slots(buffer: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
+  """`buffer[b, :, slots[b, t]] = new[b, :, t]` for `[B, K, S, ...]` buffers and
+  `[B, K, T, ...]` new values; slots >= S are dropped."""
+  rows = jnp.broadcast_to(jnp.arange(slots.shape[0], dtype=jnp.int32)[:, None], slots.shape)
+  return buffer.at[rows, :, slots].set(jnp.swapaxes(new, 1, 2).astype(buffer.dtype),
+                                       mode="drop")
+
+
+def scale_kwargs(k_scale, v_scale) -> dict[str, Any]:
+  return {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+
+
+def min_window(a: int | None, b: int | None) -> int | None:
+  return b if a is None else (a if b is None else min(a, b))
+
+
+def float_keys(k: jax.Array) -> jax.Array:
+  """Stored keys as f32 values (a quantized cache's scales stay separate)."""
+  return k.astype(jnp.float32)
+
+
+class BoundedCache:
+  """Members the three kinds share (sizes, storage, the protocol's bookkeeping)."""
+
+  @property
+  def batch(self) -> int:
+    return self.k.shape[0]
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.k.shape[1]
+
+  @property
+  def capacity(self) -> int:
+    """Token slots per sequence: the window / budget the cache was built with."""
+    return self.k.shape[2]
+
+  @property
+  def head_dim(self) -> int:
+    return self.k.shape[3]
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    return self.k.dtype
+
+  @property
+  def quantized(self) -> bool:
+    return self.k_scale is not None
+
+  @property
+  def storage_slots(self) -> int:
+    """Token slots of the storage arrays: B * capacity (capacity IS the budget)."""
+    return self.batch * self.capacity
+
+  def storage_arrays(self) -> tuple[jax.Array, ...]:
+    """Keys and values (and their scales when quantized). `pos` (and the eviction
+    `scores`) are bookkeeping, like `lengths`."""
+    return (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quantized else ())
+
+  def slot_positions(self) -> jax.Array:
+    """`i32[B, capacity]`: the original token index held by each slot, -1 for none."""
+    return self.pos
+
+  def dequantized(self, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """`(k, v)` `[B, K, S, H]` as stored, in `dtype` (scales applied): for tests."""
+    if not self.quantized:
+      return self.k.astype(dtype), self.v.astype(dtype)
+    return (quant.dequantize_kv(self.k, self.k_scale, dtype),
+            quant.dequantize_kv(self.v, self.v_scale, dtype))
+
+
+class WrappingCache(BoundedCache):
+  """Ring and sinks: new tokens overwrite slots chosen by `_slots`; no scoring."""
+
+  def _write(self, k, v, ks, vs, new_lengths):
+    """Scatters encoded new tokens (`[B, K, T, ...]`) into their `_slots`."""
+    num_tokens = k.shape[2]
+    slots = self._slots(new_lengths, num_tokens)
+    new_pos = new_positions(self.lengths, new_lengths, num_tokens)
+    scatter = lambda buf, new: None if buf is None else scatter_slots(buf, new, slots)
+    rows = jnp.broadcast_to(jnp.arange(self.batch, dtype=jnp.int32)[:, None], slots.shape)
+    return self.replace(k=scatter(self.k, k), v=scatter(self.v, v),
+                        pos=self.pos.at[rows, slots].set(new_pos, mode="drop"),
+                        lengths=self.lengths + new_lengths,
+                        k_scale=scatter(self.k_scale, ks), v_scale=scatter(self.v_scale, vs))
+
+  def update(self, k_new: jax.Array, v_new: jax.Array, new_lengths: jax.Array | None = None):
+    """Writes `k_new, v_new: [B, T, K, H]` for `t < new_lengths[b]` into the slots the
+    kind assigns (only the tokens no later token of the chunk overwrites)."""
+    check_new_kv(self, k_new, v_new)
+    new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, k_new.shape[1])
+    return self._write(*encode_new(self, k_new, v_new), new_lengths)
+
+  def attend(self, q: jax.Array, *, q_offsets: jax.Array, sm_scale: float | None = None,
+             window: int | None = None, soft_cap: float | None = None,
+             implementation: str | None = None) -> jax.Array:
+    """Queries at tokens `q_offsets[b] + t` against the stored slots: exact for T == 1
+    after `update`; a chunk's queries see only what the cache still holds (the module
+    goes through `update_attend`, which is exact for chunks)."""
+    check_implementation(self, implementation)
+    q_pos = q_offsets[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
+    return self._attend(q, self.k, self.v, self.k_scale, self.v_scale, self.pos, q_pos,
+                        self.lengths, sm_scale=sm_scale, window=window, soft_cap=soft_cap)
+
+  def _step(self, q, k, v, new_lengths, opts):
+    """One token: write, then attend the stored slots. A chunk: attend the stored slots
+    plus the chunk's own tokens, then write (the chunk may overwrite its own window)."""
+    num_tokens = k.shape[1]
+    if num_tokens == 1:
+      new = self.update(k, v, new_lengths)
+      return new.attend(q, q_offsets=self.lengths, **opts), new
+    kq, vq, ks, vs = encode_new(self, k, v)
+    q_pos = self.lengths[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+    cand_pos = jnp.concatenate([self.pos, new_positions(self.lengths, new_lengths,
+                                                         num_tokens)], axis=1)
+    out = self._attend(q, concat(self.k, kq), concat(self.v, vq), concat(self.k_scale, ks),
+                       concat(self.v_scale, vs), cand_pos, q_pos, self.lengths + new_lengths,
+                       sm_scale=opts["sm_scale"], window=opts["window"],
+                       soft_cap=opts["soft_cap"])
+    return out, self._write(kq, vq, ks, vs, new_lengths)
+
+
+def empty_storage(batch, capacity, num_kv_heads, head_dim, dtype):
+  """Zeros `[B, K, S, H]` keys and values, their scales (quantized dtypes) and
+  `pos = -1`, `lengths = 0`."""
+  batch = _checks.positive_int("batch", batch)
+  num_kv_heads = _checks.positive_int("num_kv_heads", num_kv_heads)
+  head_dim = _checks.positive_int("head_dim", head_dim)
+  dtype = cache_lib.check_storage_dtype(dtype)
+  shape = (batch, num_kv_heads, capacity, head_dim)
+  return dict(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+              lengths=jnp.zeros((batch,), jnp.int32),
+              k_scale=cache_lib.scale_init(shape[:3], dtype),
+              v_scale=cache_lib.scale_init(shape[:3], dtype))

@@ -1,0 +1,316 @@
+"""Score-based eviction: a fixed budget of slots per sequence and KV head.
+
+`EvictingKVCache` keeps, per sequence and KV head, `budget` tokens chosen by an
+eviction policy; keys keep the RoPE of their original position (as in H2O and
+SnapKV). A policy is one entry of `POLICY_TABLE`, an `EvictionPolicy`: its
+score function (higher is kept), which queries' attention feeds it, and its
+options (kvpress's `ScorerPress.score` is the model: the cache does the top-k,
+the gather and the protected windows once). Policies:
+  - "h2o" (Zhang et al. 2023, arXiv 2306.14048): attention mass accumulated per
+    slot over every query since the token arrived; keep the heavy hitters plus
+    the `recent_size` most recent tokens;
+  - "snapkv" (Li et al. 2024, arXiv 2404.14469): mass from an observation window
+    of the last `window_size` queries of each chunk, average-pooled over
+    `kernel_size` neighbouring slots, accumulated; keep the top slots plus the
+    observation window;
+  - "tova" (Oren et al. 2024, arXiv 2401.06104): keep the slots the newest query
+    attends most;
+  - baselines "recent", "random", "knorm" (keep the smallest key L2 norms,
+    kvpress's KnormPress).
+Scores of a KV head are the sum over its G query heads (the cache is never
+expanded to N heads). Every policy may protect `num_sinks` first tokens.
+Candidates are the kept slots plus the new chunk: each chunk attends all of
+them (exact for that chunk), then the budget is chosen among them, so no
+`[S, S]` matrix is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvattn import _checks
+from kvattn.caches import dense as cache_lib
+from kvattn.caches._bounded import (BoundedCache, check_implementation, check_new_kv, concat,
+                                    empty_storage, encode_new, float_keys, new_positions,
+                                    prelude, scale_kwargs)
+from kvattn.ops.positional import positional_attention
+from kvattn.ops.rope import apply_rope
+
+
+class Candidates(NamedTuple):
+  """What a score function sees: the kept slots followed by the new chunk (S + T).
+
+  Attributes:
+    pos: `i32[B, K, S + T]` original token index, -1 for none.
+    k: `[B, K, S + T, H]` stored keys (quantized values when the cache is).
+    k_scale: `f32[B, K, S + T]` key scales of an int8 / fp8 cache, else None.
+    carried: `f32[B, K, S + T]` the scores kept so far (0 for new tokens).
+    mass: `f32[B, K, S + T]` attention mass the chunk's scoring queries gave each slot
+      (0 when the policy scores with no queries).
+    end: `i32[B, 1, 1]` tokens of each sequence after the chunk.
+  """
+
+  pos: jax.Array
+  k: jax.Array
+  k_scale: jax.Array | None
+  carried: jax.Array
+  mass: jax.Array
+  end: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictionPolicy:
+  """One eviction policy.
+
+  Attributes:
+    score: `(Candidates, options) -> f32[B, K, S + T]`, higher is kept; the result is
+      stored as the kept slots' `scores`.
+    options: option name -> `(default(budget), minimum)`; every policy also takes
+      `num_sinks` (default 0).
+    score_queries: `(t i32[1, T], new_lengths i32[B, 1], options) -> bool[B, T]`, the
+      queries whose attention mass scores the slots; None: the policy uses no mass.
+    protected: the option naming how many most recent tokens are always kept, or None.
+  """
+
+  score: Callable[[Candidates, dict[str, int]], jax.Array]
+  options: dict[str, tuple[Callable[[int], int], int]]
+  score_queries: Callable[..., jax.Array] | None = None
+  protected: str | None = None
+
+
+def _avg_pool(x: jax.Array, size: int) -> jax.Array:
+  """Average pooling of `f32[B, K, S]` over S, stride 1, zero-padded to keep S (SnapKV)."""
+  if size == 1:
+    return x
+  left = size // 2
+  summed = jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 1, size), (1, 1, 1),
+                                 [(0, 0), (0, 0), (left, size - 1 - left)])
+  return summed / size
+
+
+def _random_score(c: Candidates, o: dict[str, int]) -> jax.Array:
+  key = jax.random.fold_in(jax.random.key(o["seed"]), jnp.sum(c.end))
+  return jax.random.uniform(key, c.pos.shape)
+
+
+def _knorm_score(c: Candidates, o: dict[str, int]) -> jax.Array:
+  del o
+  norms = jnp.linalg.norm(float_keys(c.k), axis=-1)
+  return -(norms if c.k_scale is None else norms * jnp.abs(c.k_scale))
+
+
+_ZERO = (lambda budget: 0, 0)
+POLICY_TABLE: dict[str, EvictionPolicy] = {
+    "h2o": EvictionPolicy(
+        score=lambda c, o: c.carried + c.mass,
+        options={"recent_size": (lambda budget: budget // 2, 0)},
+        score_queries=lambda t, n, o: t < n, protected="recent_size"),
+    "snapkv": EvictionPolicy(
+        score=lambda c, o: c.carried + _avg_pool(c.mass, o["kernel_size"]),
+        options={"window_size": (lambda budget: min(32, budget // 2), 1),
+                 "kernel_size": (lambda budget: 5, 1)},
+        score_queries=lambda t, n, o: (t < n) & (t >= n - o["window_size"]),
+        protected="window_size"),
+    "tova": EvictionPolicy(
+        score=lambda c, o: c.mass, options={"recent_size": _ZERO},
+        score_queries=lambda t, n, o: t == n - 1, protected="recent_size"),
+    "recent": EvictionPolicy(score=lambda c, o: c.pos.astype(jnp.float32), options={}),
+    "random": EvictionPolicy(score=_random_score, options={"seed": _ZERO}),
+    "knorm": EvictionPolicy(score=_knorm_score, options={"recent_size": _ZERO},
+                            protected="recent_size"),
+}
+"""Policy name -> `EvictionPolicy`. A new policy is a score function and one entry
+(`kvattn.caches.registry.register_eviction_policy` also makes it a cache kind)."""
+
+POLICIES = tuple(POLICY_TABLE)
+"""The eviction policies when this module was imported (the table may grow)."""
+
+POLICY_OPTIONS = {name: tuple(p.options) for name, p in POLICY_TABLE.items()}
+"""The options each built-in policy takes besides `num_sinks` (which all take)."""
+
+
+def policy_options(policy: str) -> tuple[str, ...]:
+  """The options `policy` takes besides `num_sinks`; ValueError for an unknown policy."""
+  if not isinstance(policy, str) or policy not in POLICY_TABLE:
+    raise ValueError(f"policy must be one of {tuple(POLICY_TABLE)}; got {policy!r}")
+  return tuple(POLICY_TABLE[policy].options)
+
+
+def _policy_options(policy: str, budget: int, options: dict[str, Any]) -> tuple:
+  """Validated options of `policy` as a sorted tuple of (name, value) (static, hashable)."""
+  spec_options = {"num_sinks": _ZERO, **POLICY_TABLE[policy].options} if isinstance(
+      policy, str) and policy in POLICY_TABLE else None
+  if spec_options is None:
+    raise ValueError(f"policy must be one of {tuple(POLICY_TABLE)}; got {policy!r}")
+  allowed = tuple(spec_options)
+  unknown = sorted(set(options) - set(allowed))
+  if unknown:
+    raise ValueError(f"unknown option(s) {unknown} for policy {policy!r}; it takes {allowed}")
+  resolved = {name: options.get(name, default(budget))
+              for name, (default, _) in spec_options.items()}
+  for name, value in resolved.items():
+    minimum = spec_options[name][1]
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+      raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
+  if budget < resolved["num_sinks"] + 1:
+    raise ValueError(f"budget must be >= num_sinks + 1 = {resolved['num_sinks'] + 1} (one slot "
+                     f"for the newest token); got {budget}")
+  protected_name = POLICY_TABLE[policy].protected
+  protected = resolved["num_sinks"] + (resolved[protected_name] if protected_name else 0)
+  if protected > budget:
+    raise ValueError(f"num_sinks + the recent/observation window ({protected}) must fit the "
+                     f"budget {budget}")
+  return tuple(sorted((name, int(value)) for name, value in resolved.items()))
+
+
+@struct.dataclass
+class EvictingKVCache(BoundedCache):
+  """A fixed budget of slots per sequence and KV head, filled by an eviction policy.
+
+  Each KV head of each sequence keeps its own `budget` tokens (policies in the
+  module doc), stored sorted by original position; keys keep the RoPE of
+  their original position, and attention masks by it (causality, windows).
+
+  Attributes:
+    k: `[B, K, budget, H]` keys, RoPE'd at their original positions.
+    v: `[B, K, budget, H]` values.
+    pos: `i32[B, K, budget]` original token index per slot, -1 for none.
+    scores: `f32[B, K, budget]` the policy's score of each kept slot
+      (accumulated attention mass for h2o / snapkv, the newest query's mass
+      for tova).
+    lengths: `i32[B]` tokens written per sequence (grows past the budget).
+    k_scale, v_scale: `f32[B, K, budget]` scales of an int8/fp8 cache, else None.
+    policy: static policy name.
+    options: static `((name, value), ...)` of the policy's options.
+  """
+
+  k: jax.Array
+  v: jax.Array
+  pos: jax.Array
+  scores: jax.Array
+  lengths: jax.Array
+  k_scale: jax.Array | None = None
+  v_scale: jax.Array | None = None
+  policy: str = struct.field(pytree_node=False, default="h2o")
+  options: tuple = struct.field(pytree_node=False, default=())
+
+  @classmethod
+  def init(cls, batch: int, budget: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32,
+           *, policy: str, **policy_options) -> "EvictingKVCache":
+    """An empty cache of `budget` slots per sequence and KV head.
+
+    Options (module doc): `num_sinks` (all policies, default 0), `recent_size`
+    (h2o: default budget // 2; tova, knorm: default 0), `window_size` and
+    `kernel_size` (snapkv: default min(32, budget // 2) and 5), `seed` (random).
+
+    Raises:
+      ValueError: an unknown policy or option, budget < num_sinks + 1, protected
+        windows larger than the budget, sizes that are not positive ints.
+      TypeError: a dtype that is neither floating nor int8 / fp8.
+    """
+    budget = _checks.positive_int("budget", budget)
+    options = _policy_options(policy, budget, policy_options)
+    storage = empty_storage(batch, budget, num_kv_heads, head_dim, dtype)
+    shape = storage["k"].shape[:3]
+    return cls(pos=jnp.full(shape, -1, jnp.int32), scores=jnp.zeros(shape, jnp.float32),
+               policy=policy, options=options, **storage)
+
+  @property
+  def budget(self) -> int:
+    return self.capacity
+
+  def option(self, name: str) -> int:
+    """The policy option `name` (e.g. `recent_size`) this cache was built with."""
+    return dict(self.options)[name]
+
+  def slot_positions(self) -> jax.Array:
+    """`i32[B, K, budget]`: each KV head keeps its own tokens (-1 for none)."""
+    return self.pos
+
+  def _score_queries(self, new_lengths: jax.Array, num_tokens: int) -> jax.Array | None:
+    """`bool[B, T]`: the queries whose attention scores the slots, None if none do."""
+    score_queries = POLICY_TABLE[self.policy].score_queries
+    if score_queries is None:
+      return None
+    t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+    return score_queries(t, new_lengths[:, None], dict(self.options))
+
+  def _select(self, k, v, ks, vs, new_lengths, mass) -> "EvictingKVCache":
+    """Chooses `budget` of the kept slots + the new tokens (`[B, K, T, ...]`) per
+    sequence and KV head; `mass` is the chunk's `f32[B, K, S + T]` score mass or None."""
+    num_tokens = k.shape[2]
+    new_pos = jnp.broadcast_to(new_positions(self.lengths, new_lengths, num_tokens)[:, None],
+                               (self.batch, self.num_kv_heads, num_tokens))
+    cand_pos = concat(self.pos, new_pos)
+    cand_k = concat(self.k, k)
+    cand_ks = concat(self.k_scale, ks)
+    end = (self.lengths + new_lengths)[:, None, None]
+    mass = jnp.zeros(cand_pos.shape, jnp.float32) if mass is None else mass
+    carried = concat(self.scores, jnp.zeros(new_pos.shape, jnp.float32))
+    options = dict(self.options)
+    score = POLICY_TABLE[self.policy].score(
+        Candidates(pos=cand_pos, k=cand_k, k_scale=cand_ks, carried=carried, mass=mass, end=end),
+        options)
+    recent = options[POLICY_TABLE[self.policy].protected] if POLICY_TABLE[self.policy].protected \
+        else 0
+    protect = (cand_pos < options["num_sinks"]) | (cand_pos > end - 1 - recent)
+    priority = jnp.where(protect, jnp.inf, score)
+    priority = jnp.where(cand_pos < 0, -jnp.inf, priority)
+    _, idx = jax.lax.top_k(priority, self.budget)  # [B, K, budget]
+    kept_pos = jnp.take_along_axis(cand_pos, idx, axis=2)
+    order = jnp.argsort(jnp.where(kept_pos < 0, jnp.iinfo(jnp.int32).max, kept_pos), axis=2)
+    idx = jnp.take_along_axis(idx, order, axis=2)
+    take = lambda x: None if x is None else jnp.take_along_axis(
+        x, idx.reshape(idx.shape + (1,) * (x.ndim - 3)), axis=2)
+    return self.replace(k=take(cand_k), v=take(concat(self.v, v)), pos=take(cand_pos),
+                        scores=take(jnp.where(jnp.isfinite(score), score, 0.0)),
+                        lengths=self.lengths + new_lengths, k_scale=take(cand_ks),
+                        v_scale=take(concat(self.v_scale, vs)))
+
+  def update(self, k_new: jax.Array, v_new: jax.Array,
+             new_lengths: jax.Array | None = None) -> "EvictingKVCache":
+    """Writes `k_new, v_new: [B, T, K, H]` (keys RoPE'd) for `t < new_lengths[b]`,
+    evicting by the policy with no query scores for the new tokens (`update_attend`
+    supplies them)."""
+    check_new_kv(self, k_new, v_new)
+    new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, k_new.shape[1])
+    return self._select(*encode_new(self, k_new, v_new), new_lengths, None)
+
+  def attend(self, q: jax.Array, *, q_offsets: jax.Array, sm_scale: float | None = None,
+             window: int | None = None, soft_cap: float | None = None,
+             implementation: str | None = None) -> jax.Array:
+    """Queries at tokens `q_offsets[b] + t` (RoPE'd) against the kept slots, masked by
+    original position."""
+    check_implementation(self, implementation)
+    q_pos = q_offsets[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
+    out, _ = positional_attention(q, self.k, self.v, q_pos, self.pos, sm_scale=sm_scale,
+                                  window=window, soft_cap=soft_cap,
+                                  **scale_kwargs(self.k_scale, self.v_scale))
+    return out
+
+  def update_attend(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
+                    new_lengths=None, sm_scale=None, window=None, soft_cap=None,
+                    implementation=None):
+    """`cache_protocol.update_attend`: RoPE at `positions`; the chunk attends the kept
+    slots plus its own tokens (returning the per-slot mass its scoring queries gave),
+    then the budget is chosen among them. Returns `(out [B, T, N, H], new cache)`."""
+    new_lengths = prelude(self, q, k, v, new_lengths, implementation)
+    num_tokens = k.shape[1]
+    rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
+    q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
+    kq, vq, ks, vs = encode_new(self, k, v)
+    new_pos = new_positions(self.lengths, new_lengths, num_tokens)
+    cand_pos = concat(self.pos, jnp.broadcast_to(new_pos[:, None], kq.shape[:3]))
+    q_pos = self.lengths[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+    out, mass = positional_attention(
+        q, concat(self.k, kq), concat(self.v, vq), q_pos, cand_pos, sm_scale=sm_scale,
+        window=window, soft_cap=soft_cap, score_queries=self._score_queries(new_lengths,
+                                                                            num_tokens),
+        **scale_kwargs(concat(self.k_scale, ks), concat(self.v_scale, vs)))
+    return out, self._select(kq, vq, ks, vs, new_lengths, mass)
