@@ -43,6 +43,7 @@ from experiments import cli
 from kvattn.caches import dense as cache_lib
 from kvattn.caches import paged as paged_lib
 from kvattn import sharding
+from kvattn.caches import sharded
 from kvattn.models import transformer
 
 BATCH, PAGE_SIZE, HEADROOM = 8, 16, 16
@@ -64,7 +65,7 @@ def model_fn(kind: str):
 
 def filled_caches(model, kind: str, context: int, layout_mesh) -> tuple:
   """Plain one-device caches with random contents and `context - HEADROOM` tokens per row
-  (pages laid out as `sharding.init_caches` lays them out on `layout_mesh`)."""
+  (pages laid out as `sharded.init_caches` lays them out on `layout_mesh`)."""
   capacity = context
   keys = iter(jax.random.split(jax.random.key(3), 8))
   lengths = jnp.full((BATCH,), context - HEADROOM, jnp.int32)
@@ -82,10 +83,10 @@ def filled_caches(model, kind: str, context: int, layout_mesh) -> tuple:
                                    v=jax.random.normal(next(keys), shape), lengths=lengths))
     else:
       pps = capacity // PAGE_SIZE
-      lay = sharding.cache_layout(layout_mesh, None, kind="paged", batch=BATCH,
+      lay = sharded.cache_layout(layout_mesh, None, kind="paged", batch=BATCH,
                                   max_len=capacity, num_kv_heads=a.num_kv_heads,
                                   num_pages=BATCH * pps)
-      tables = jnp.asarray(sharding.sharded_block_tables(BATCH, pps, layout_mesh, lay))
+      tables = jnp.asarray(sharded.sharded_block_tables(BATCH, pps, layout_mesh, lay))
       shape = (a.num_kv_heads, BATCH * pps, PAGE_SIZE, a.head_dim)
       out.append(paged_lib.PagedKVCache(
           k_pages=jax.random.normal(next(keys), shape),
@@ -142,7 +143,7 @@ def measure(mesh_shape, kind: str, context: int, steps: int, repeats: int) -> di
   plain = filled_caches(plain_model, kind, context, mesh)
   ref = greedy(plain_model, plain, steps)  # same shapes for every mesh: compiled once
   model = sharding.shard_model(make, mesh)
-  caches = sharding.place_caches(plain, mesh)
+  caches = sharded.place_caches(plain, mesh)
   logits, tokens = greedy(model, caches, steps)
   arrays = [a for c in caches for a in c.storage_arrays()]
   per_device = sharding.per_device_bytes(arrays)

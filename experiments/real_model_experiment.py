@@ -24,7 +24,7 @@ bounded kind of `kvattn.caches.registry` at `cache.budget` tokens) and a head gr
 
 On a mesh (`mesh.shape`, kvattn.sharding): the parameters are placed by the
 sharding rules (`sharding.place_model`) and the full cache is created sharded
-(`sharding.init_caches`: KV heads over `model`, slots over `seq`); a bounded
+(`sharded.init_caches`: KV heads over `model`, slots over `seq`); a bounded
 policy's cache has no sharded kind: it starts replicated over the mesh and
 XLA's partitioner lays out its updates (`per_device_cache_bytes` records the
 result). Batch 1 needs `data` = 1, `seq` must divide `text.chunk` and the
@@ -58,6 +58,7 @@ from kvattn.training import data as data_lib
 from kvattn.caches import registry as cache_registry
 from kvattn import memory
 from kvattn import sharding
+from kvattn.caches import sharded
 from kvattn.ops import quant
 
 KINDS = ("dense",) + cache_registry.BOUNDED_KINDS
@@ -212,7 +213,7 @@ class RealModelFamily:
       attn = layer.attn
       latent = hasattr(attn, "kv_lora_rank")
       try:
-        sharding.cache_layout(mesh, rules, kind="latent" if latent else "dense", batch=1,
+        sharded.cache_layout(mesh, rules, kind="latent" if latent else "dense", batch=1,
                               max_len=d["text"]["chunk"],
                               num_kv_heads=None if latent else k or attn.num_kv_heads,
                               num_heads=attn.num_heads)
@@ -236,13 +237,13 @@ class RealModelFamily:
 
   @staticmethod
   def _caches(model, capacity: int, dtype, policy, mesh, rules):
-    """Empty batch-1 caches: sharded on a mesh for the full policy (`sharding.init_caches`),
+    """Empty batch-1 caches: sharded on a mesh for the full policy (`sharded.init_caches`),
     replicated over it for a bounded one (no sharded kind; XLA lays out the updated cache),
     plain without a mesh."""
     if mesh is None:
       return model.init_caches(1, capacity, dtype, cache=policy)
     if policy["kind"] == "dense":
-      return sharding.init_caches(model, 1, capacity, mesh, rules=rules, dtype=dtype)
+      return sharded.init_caches(model, 1, capacity, mesh, rules=rules, dtype=dtype)
     caches = model.init_caches(1, capacity, dtype, cache=policy)
     return jax.device_put(caches, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 

@@ -56,6 +56,7 @@ from kvattn.caches import dense as cache_lib
 from kvattn.training import data as data_lib
 from kvattn import memory
 from kvattn import sharding
+from kvattn.caches import sharded
 from kvattn.training import trainer as train_lib
 from kvattn.models import transformer as transformer_lib
 from kvattn.ops import quant
@@ -224,7 +225,7 @@ class VariantsFamily:
       mesh, _ = sharding.mesh_from_config(d["mesh"])
       for layer in spec.layers if mesh is not None else ():  # B, S, K must fit the mesh
         for s in seq_lens:
-          sharding.cache_layout(mesh, d["mesh"]["rules"], batch=cache["batch"], max_len=s,
+          sharded.cache_layout(mesh, d["mesh"]["rules"], batch=cache["batch"], max_len=s,
                                 kind="latent" if layer.kind == "mla" else "dense",
                                 num_kv_heads=layer.num_kv_heads, num_heads=layer.num_heads)
     except ValueError as e:
@@ -409,7 +410,7 @@ class VariantsFamily:
       init_caches = lambda: model.init_caches(batch, seq_len, cache_dtype)
     else:  # params and caches sharded by the rules (kvattn.sharding)
       model = sharding.place_model(model, mesh, rules)
-      init_caches = lambda: sharding.init_caches(model, batch, seq_len, mesh, rules=rules,
+      init_caches = lambda: sharded.init_caches(model, batch, seq_len, mesh, rules=rules,
                                                  dtype=cache_dtype)
     cache_record, prefill_times, decode_times = None, [], []
     loops = d["decode"]["decode_repeats"]

@@ -3,11 +3,14 @@
 Kinds (each a file; `registry` names them for configs, `generate` and the CLI):
   `KVCache`, `LatentCache`   dense.py: `k, v: [B, K, S, H]`; MLA `c_kv: [B, S, C]`.
   `PagedKVCache`             paged.py: page pools + block tables.
-  `RingKVCache`, `SinkKVCache`, `EvictingKVCache`
-                             long_context.py: sliding window, StreamingLLM sinks,
-                             eviction by score (H2O, SnapKV, TOVA, ...).
+  `RingKVCache`, `SinkKVCache`
+                             window.py: sliding window, StreamingLLM sinks + window.
+  `EvictingKVCache`          eviction.py: a budget filled by a score policy (H2O, SnapKV,
+                             TOVA, ...); a policy is one score function in `POLICY_TABLE`.
+  `Sharded*Cache`            sharded.py: the dense, paged, latent kinds on a device mesh.
   `LengthSwitchKVCache`      length_switch.py: K heads up to a length, pooled after.
-Support: `registry` (the one table of cache kinds and the caches of a whole model),
+Support: `registry` (the one table of cache kinds; `build_caches` and
+`cache_factory_from_config` make a whole model's caches from `{"kind": ..., **options}`),
 `checkpoint` (save / restore with orbax), `protocol` (the interface).
 """
 
@@ -18,18 +21,19 @@ from kvattn.caches.eviction import EvictingKVCache
 from kvattn.caches.window import RingKVCache, SinkKVCache
 from kvattn.caches.length_switch import LengthSwitchKVCache
 from kvattn.caches import registry
-from kvattn.caches.registry import (CacheFactory, CacheKind, cache_factory_from_config,
-                                    register_cache_kind)
+from kvattn.caches.registry import (CacheFactory, CacheKind, build_caches,
+                                    cache_factory_from_config, register_cache_kind)
 
 __all__ = [
     "CacheFactory", "CacheKind", "EvictingKVCache", "KVCache", "LatentCache",
     "LengthSwitchKVCache", "PagedKVCache", "RingKVCache", "SinkKVCache",
-    "cache_factory_from_config", "checkpoint", "protocol", "register_cache_kind", "registry",
+    "build_caches", "cache_factory_from_config", "checkpoint", "protocol",
+    "register_cache_kind", "registry", "sharded",
 ]
 
 
 def __getattr__(name):
-  if name == "checkpoint":  # orbax (~0.2 s) on first use
+  if name in ("checkpoint", "sharded"):  # orbax (~0.2 s), the mesh code: on first use
     import importlib  # pylint: disable=g-import-not-at-top
-    return importlib.import_module("kvattn.caches.checkpoint")
+    return importlib.import_module(f"kvattn.caches.{name}")
   raise AttributeError(f"module 'kvattn.caches' has no attribute {name!r}")

@@ -43,7 +43,7 @@ retires. With `offload=` (a `kvattn.paging.offload.TieredStore`) evicted cached
 pages move to host memory / disk and are copied back on a hit.
 
 On a mesh (`mesh=`): parameters are placed by `kvattn.sharding`'s rules, each
-layer's pool is a `kvattn.sharding.ShardedPagedKVCache` split over KV heads on
+layer's pool is a `kvattn.caches.sharded.ShardedPagedKVCache` split over KV heads on
 `model` and, data parallel, over `data`: the slots are split into `d` equal
 groups (slot s belongs to data shard `s // (num_slots / d)`) and the pool into
 `d` ranges of `num_pages / d` pages, one host allocator per range
@@ -157,7 +157,7 @@ class ContinuousBatcher:
         (host memory, disk) and come back from on a hit; needs `prefix_cache`.
       mesh: a `kvattn.sharding.make_mesh` mesh, or None (one device): parameters
         placed by the sharding rules, page pools split over KV heads on `model`
-        and over `data` with the slots (`kvattn.sharding.BATCHER_RULES`; module
+        and over `data` with the slots (`kvattn.caches.sharded.BATCHER_RULES`; module
         docstring).
 
     Raises:
@@ -214,8 +214,9 @@ class ContinuousBatcher:
     home = jax.devices()[0]
     if mesh is not None:
       from kvattn import sharding  # pylint: disable=g-import-not-at-top
+      from kvattn.caches import sharded
       model = sharding.place_model(model, mesh)
-      self.caches = sharding.place_caches(self.caches, mesh, sharding.BATCHER_RULES)
+      self.caches = sharded.place_caches(self.caches, mesh, sharded.BATCHER_RULES)
       home = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     else:
       self.caches = jax.device_put(self.caches, home)

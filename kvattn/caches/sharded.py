@@ -1,0 +1,564 @@
+"""KV caches sharded over a device mesh (`kvattn.sharding` holds the mesh and its rules).
+
+`ShardedKVCache`, `ShardedPagedKVCache`, `ShardedLatentCache` subclass the dense, paged and
+latent kinds with a static `CacheLayout` and run `update` / `attend` in `jax.shard_map`
+(the layouts, the context-parallel merge and the placement rules: `kvattn.sharding`'s module
+doc and docs/sharding.md). `init_caches` / `cache_factory` create them directly sharded;
+`place_caches` moves existing caches onto a mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from kvattn import _checks
+from kvattn.caches import dense as cache_lib
+from kvattn.caches import paged as paged_lib
+from kvattn.paging.allocator import NO_PAGE, pages_for
+from kvattn.ops import context_parallel as cp
+
+from kvattn.sharding import CACHE_KINDS, axis_size, mesh_axes, resolve_rules
+
+
+# ----------------------------------------------------------------------------------------------
+# Cache layouts.
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+  """Where a sharded cache's dimensions live (static; hashable).
+
+  Attributes:
+    mesh: the cache's mesh: the model mesh, with its heads axis viewed as
+      (heads, heads + "_rep") when KV heads are replicated.
+    batch: mesh axis of the batch dimension, or None.
+    seq: mesh axis of the slot dimension (context parallel), or None.
+    kv_heads: mesh axes of the KV-head dimension (dense, paged).
+    q_heads: mesh axes of the query-head dimension of the attention inputs.
+    pages: mesh axes of the page-pool dimension (paged).
+  """
+
+  mesh: Mesh
+  batch: str | None = None
+  seq: str | None = None
+  kv_heads: tuple[str, ...] = ()
+  q_heads: tuple[str, ...] = ()
+  pages: tuple[str, ...] = ()
+
+  def sharding(self, *spec) -> NamedSharding:
+    """`NamedSharding` of this layout's mesh for the mesh axes `spec` (one per array axis)."""
+    return NamedSharding(self.mesh, P(*spec))
+
+  def shard_index(self, axes: tuple[str, ...]) -> jax.Array:
+    """Inside `shard_map`: this device's linear index along `axes` (row-major)."""
+    index = jnp.int32(0)
+    for a in axes:
+      index = index * self.mesh.shape[a] + jax.lax.axis_index(a)
+    return index
+
+  def smap(self, f, in_specs, out_specs):
+    """`jax.shard_map` of `f` over this layout's mesh (per-device code of the cache ops)."""
+    return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+
+def _single_axis(rules, name, mesh: Mesh | None = None) -> str | None:
+  """The one mesh axis `rules[name]` names, or None (none, or of size 1 on `mesh`: a
+  size-1 axis splits nothing, so the cache takes the single-device path)."""
+  axes = mesh_axes(rules[name])
+  if len(axes) > 1:
+    raise ValueError(f"mesh.rules[{name!r}] must be one mesh axis or None for a cache; "
+                     f"got {rules[name]!r}")
+  if not axes or (mesh is not None and mesh.shape[axes[0]] == 1):
+    return None
+  return axes[0]
+
+
+def _divides(mesh: Mesh, axes: Any, size: int, what: str) -> None:
+  n = axis_size(mesh, axes)
+  if size % n:
+    raise ValueError(f"mesh axis {axes!r} of size {n} must divide {what}; got {size}")
+
+
+def _head_mesh(mesh: Mesh, axis: str, num_kv_heads: int) -> tuple[Mesh, tuple[str, ...]]:
+  """The mesh with `axis` (size m) viewed as (K, m / K) when K < m, and the q-head axes."""
+  m = mesh.shape[axis]
+  if num_kv_heads % m == 0:
+    return mesh, (axis,)
+  if m % num_kv_heads:
+    raise ValueError(
+        f"num_kv_heads {num_kv_heads} and mesh axis {axis!r} of size {m}: one must divide "
+        f"the other (KV heads are split over the axis, or replicated K / min(K, {m}) per "
+        f"device)")
+  names = list(mesh.axis_names)
+  i = names.index(axis)
+  shape = list(mesh.devices.shape)
+  shape[i:i + 1] = [num_kv_heads, m // num_kv_heads]
+  names[i:i + 1] = [axis, axis + "_rep"]
+  view = Mesh(mesh.devices.reshape(shape), tuple(names),
+              axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+  return view, (axis, axis + "_rep")
+
+
+def cache_layout(mesh: Mesh, rules: Mapping[str, Any] | None, *, kind: str, batch: int,
+                 max_len: int, num_kv_heads: int | None = None, num_heads: int | None = None,
+                 num_pages: int | None = None) -> CacheLayout:
+  """The layout of one layer's cache of `kind` ("dense", "paged" or "latent") on `mesh`.
+
+  Raises:
+    ValueError: a mesh axis that does not divide the dimension it splits (batch B,
+      slots S, page pool P), naming the axis; K and the heads axis where neither
+      divides the other; a multi-axis rule for the batch, slots or KV heads.
+  """
+  rules = resolve_rules(rules)
+  batch_axis = _single_axis(rules, "cache_batch", mesh)
+  seq_axis = _single_axis(rules, "cache_sequence", mesh)
+  _divides(mesh, batch_axis, batch, "the batch B")
+  if kind == "latent":
+    _divides(mesh, seq_axis, max_len, "the cache slots S (max_len)")
+    return CacheLayout(mesh=mesh, batch=batch_axis, seq=seq_axis)
+  head_axis = _single_axis(rules, "cache_kv_heads", mesh)
+  view, q_heads = (mesh, ()) if head_axis is None else _head_mesh(mesh, head_axis, num_kv_heads)
+  if head_axis is not None and num_heads is not None and num_heads % axis_size(view, q_heads):
+    q_heads = (head_axis,)
+  kv_heads = () if head_axis is None else (head_axis,)
+  if kind == "dense":
+    _divides(mesh, seq_axis, max_len, "the cache slots S (max_len)")
+    return CacheLayout(mesh=view, batch=batch_axis, seq=seq_axis, kv_heads=kv_heads,
+                       q_heads=q_heads)
+  if kind != "paged":
+    raise ValueError(f"kind must be one of {CACHE_KINDS + ('latent',)}; got {kind!r}")
+  pages = tuple(a for a in mesh_axes(rules["cache_pages"]) if mesh.shape[a] > 1)
+  allowed = tuple(a for a in (batch_axis, seq_axis) if a is not None)
+  if any(a not in allowed for a in pages) or (batch_axis and pages[:1] != (batch_axis,)):
+    raise ValueError(f"mesh.rules['cache_pages'] must be the batch axis then optionally the "
+                     f"sequence axis of {allowed} (each data shard's rows use its own pages); "
+                     f"got {rules['cache_pages']!r}")
+  _divides(mesh, pages, num_pages, "the page pool P (num_pages)")
+  return CacheLayout(mesh=view, batch=batch_axis, seq=seq_axis if seq_axis in pages else None,
+                     kv_heads=kv_heads, q_heads=q_heads, pages=pages)
+
+
+def _spec(*axes, ndim: int | None = None) -> P:
+  """A PartitionSpec of the first `ndim` of `axes` (each None, an axis or a tuple)."""
+  entries = tuple(None if not a else a if isinstance(a, str) else
+                  (a[0] if len(a) == 1 else tuple(a)) for a in axes)
+  return P(*entries[:ndim])
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharded caches.
+
+
+def _check_new(name: str, x: jax.Array, batch: int, rest: tuple[int, ...], doc: str) -> None:
+  _checks.rank(name, x, 2 + len(rest), doc)
+  _checks.floating(name, x)
+  if x.shape[0] != batch or tuple(x.shape[2:]) != rest:
+    raise ValueError(f"{name} must have shape {doc} = ({batch}, T, "
+                     f"{', '.join(map(str, rest))}); got {tuple(x.shape)}")
+
+
+def _encode_pair(a, b, dtype):
+  (a, a_s), (b, b_s) = cache_lib.encode(a, dtype), cache_lib.encode(b, dtype)
+  return a, b, a_s, b_s
+
+
+def _write_slots(cache, names, new_a, new_b, new_lengths, buf_axes, new_axes, *, slot_axis):
+  """`update` of the dense and latent kinds: encodes `new_a, new_b` ([B, T, ...]) into the
+  fields `names` (values, then scales) and writes them per shard (`write_tokens`; a
+  sequence shard gets `lengths` minus its first slot, so it keeps the slots it holds)."""
+  new_lengths = cache_lib.resolve_new_lengths(new_lengths, cache.batch, new_a.shape[1])
+  lengths = cache_lib.advance_lengths(cache.lengths, new_lengths, cache.max_len)
+  lay = cache.layout
+  slot_len = cache.max_len // axis_size(lay.mesh, lay.seq)
+  new = dict(zip(names, _encode_pair(new_a, new_b, cache.dtype)))
+  bufs = {n: getattr(cache, n) for n in names if getattr(cache, n) is not None}
+  new = {n: new[n] for n in bufs}
+  buf_spec = {n: _spec(*buf_axes, ndim=bufs[n].ndim) for n in bufs}
+  new_spec = {n: _spec(*new_axes, ndim=new[n].ndim) for n in new}
+
+  def local(bufs, new, lengths, new_lengths):
+    first = 0 if lay.seq is None else jax.lax.axis_index(lay.seq) * slot_len
+    return {n: cache_lib.write_tokens(bufs[n], new[n], lengths - first, new_lengths,
+                                      slot_axis=slot_axis) for n in bufs}
+
+  written = lay.smap(local, (buf_spec, new_spec, P(lay.batch), P(lay.batch)), buf_spec)(
+      bufs, new, cache.lengths, new_lengths)
+  return cache.replace(lengths=lengths, **written)
+
+
+@struct.dataclass
+class ShardedKVCache(cache_lib.KVCache):
+  """A `KVCache` whose arrays are sharded by `layout` (B over data, K over model, S over
+  seq); `update` and `attend` run per shard in `jax.shard_map` (module docstring).
+
+  Logical axes: `k, v`: (cache_batch, cache_kv_heads, cache_sequence, cache_head_dim);
+  `k_scale, v_scale`: the first three; `lengths`: (cache_batch,).
+  """
+
+  layout: CacheLayout | None = struct.field(pytree_node=False, default=None)
+
+  def shardings(self) -> "ShardedKVCache":
+    """This cache with a `NamedSharding` in place of each array (for `out_shardings`)."""
+    lay = self.layout
+    kv = lay.sharding(*_spec(lay.batch, lay.kv_heads, lay.seq, None))
+    sc = None if self.k_scale is None else lay.sharding(*_spec(lay.batch, lay.kv_heads, lay.seq))
+    return self.replace(k=kv, v=kv, lengths=lay.sharding(lay.batch), k_scale=sc, v_scale=sc)
+
+  def update(self, k_new, v_new, new_lengths=None) -> "ShardedKVCache":
+    """`KVCache.update` on each shard: a sequence shard writes the tokens whose slots
+    fall in its range."""
+    rest = (self.num_kv_heads, self.head_dim)
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+      _check_new(name, x, self.batch, rest, "[B, T, K, H]")
+    lay = self.layout
+    return _write_slots(self, ("k", "v", "k_scale", "v_scale"), k_new, v_new, new_lengths,
+                        (lay.batch, lay.kv_heads, lay.seq, None),
+                        (lay.batch, None, lay.kv_heads, None), slot_axis=2)
+
+  def attend(self, q, *, q_offsets, sm_scale=None, window=None, soft_cap=None,
+             implementation=None):
+    """`KVCache.attend` per shard; over a sequence split, partial attention + LSE merge."""
+    lay = self.layout
+    slot_len = self.max_len // axis_size(lay.mesh, lay.seq)
+    arrays = {"k": self.k, "v": self.v, **self.scale_kwargs()}
+    specs = {n: _spec(lay.batch, lay.kv_heads, lay.seq, None, ndim=a.ndim)
+             for n, a in arrays.items()}
+    q_spec = _spec(lay.batch, None, lay.q_heads, None)
+
+    def local(q, arrays, lengths, q_offsets):
+      if lay.seq is None:
+        view = cache_lib.KVCache(lengths=lengths, **arrays)
+        return view.attend(q, q_offsets=q_offsets, sm_scale=sm_scale, window=window,
+                           soft_cap=soft_cap, implementation=implementation)
+      first = jax.lax.axis_index(lay.seq) * slot_len
+      key_pos = jnp.broadcast_to(first + jnp.arange(slot_len, dtype=jnp.int32),
+                                 (q.shape[0], slot_len))
+      q_pos = q_offsets[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)
+      o, lse = cp.partial_attention(q, arrays["k"], arrays["v"], key_pos, q_pos, lengths,
+                                    sm_scale=sm_scale, window=window, soft_cap=soft_cap,
+                                    k_scale=arrays.get("k_scale"),
+                                    v_scale=arrays.get("v_scale"))
+      return cp.merge_partials(o, lse, lay.seq).astype(q.dtype)
+
+    return lay.smap(local, (q_spec, specs, P(lay.batch), P(lay.batch)), q_spec)(
+        q, arrays, self.lengths, q_offsets)
+
+
+@struct.dataclass
+class ShardedPagedKVCache(paged_lib.PagedKVCache):
+  """A `PagedKVCache` whose pools are sharded by `layout`: K over model, pages over
+  (data, seq); block tables and lengths over data. The rows of data shard j must use
+  only that shard's pages (`init_caches` builds such tables; a page outside the range
+  is never written or read). With the pool split over `seq` too, each shard attends
+  the row's pages it holds and the partials are merged (LSE).
+
+  Logical axes: pools (cache_kv_heads, cache_pages, cache_page_slots, cache_head_dim);
+  scale pools the first three; `block_tables` (cache_batch, cache_table); `lengths`
+  (cache_batch,).
+  """
+
+  layout: CacheLayout | None = struct.field(pytree_node=False, default=None)
+
+  def shardings(self) -> "ShardedPagedKVCache":
+    """This cache with a `NamedSharding` in place of each array (for `out_shardings`)."""
+    lay = self.layout
+    pool = lay.sharding(*_spec(lay.kv_heads, lay.pages, None, None))
+    sc = None if self.k_scale_pages is None else lay.sharding(*_spec(lay.kv_heads, lay.pages))
+    return self.replace(k_pages=pool, v_pages=pool, k_scale_pages=sc, v_scale_pages=sc,
+                        block_tables=lay.sharding(lay.batch, None),
+                        lengths=lay.sharding(lay.batch))
+
+  def _local_pages(self, block_tables, local_pages):
+    """Inside shard_map: `(local page ids i32[B, pages_per_seq], held bool[...])`."""
+    first = self.layout.shard_index(self.layout.pages) * local_pages
+    local = block_tables - first
+    held = (local >= 0) & (local < local_pages)
+    return jnp.where(held, local, NO_PAGE), held
+
+  def update(self, k_new, v_new, new_lengths=None) -> "ShardedPagedKVCache":
+    """Writes through the block table; each shard writes the tokens of its pages."""
+    rest = (self.num_kv_heads, self.head_dim)
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+      _check_new(name, x, self.batch, rest, "[B, T, K, H]")
+    new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, k_new.shape[1])
+    lengths = cache_lib.advance_lengths(self.lengths, new_lengths, self.max_len)
+    lay = self.layout
+    names = ("k_pages", "v_pages", "k_scale_pages", "v_scale_pages")
+    new = dict(zip(names, _encode_pair(k_new, v_new, self.dtype)))
+    pools = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+    new = {n: new[n] for n in pools}
+    pool_spec = {n: _spec(lay.kv_heads, lay.pages, None, None, ndim=pools[n].ndim) for n in pools}
+    new_spec = {n: _spec(lay.batch, None, lay.kv_heads, None, ndim=new[n].ndim) for n in new}
+    page_size, table_width = self.page_size, self.pages_per_seq
+
+    def local(pools, new, tables, lengths, new_lengths):
+      local_pages = next(iter(pools.values())).shape[1]
+      page_ids, held = self._local_pages(tables, local_pages)
+      t = jnp.arange(k_new.shape[1], dtype=jnp.int32)[None, :]
+      slots = lengths[:, None] + t  # [B, T]
+      logical = jnp.clip(slots // page_size, 0, table_width - 1)
+      page = jnp.take_along_axis(page_ids, logical, axis=1)
+      ok = ((t < new_lengths[:, None]) & (slots < table_width * page_size)
+            & jnp.take_along_axis(held, logical, axis=1))
+      page = jnp.where(ok, page, local_pages)  # local_pages = dropped
+      return {n: pools[n].at[:, page, slots % page_size].set(
+          jnp.moveaxis(new[n], 2, 0).astype(pools[n].dtype), mode="drop") for n in pools}
+
+    written = lay.smap(local, (pool_spec, new_spec, P(lay.batch, None), P(lay.batch),
+                               P(lay.batch)), pool_spec)(
+        pools, new, self.block_tables, self.lengths, new_lengths)
+    return self.replace(lengths=lengths, **written)
+
+  def attend(self, q, *, q_offsets, sm_scale=None, window=None, soft_cap=None,
+             implementation=None):
+    """`PagedKVCache.attend` per shard; over pages split on `seq`, the row's local pages
+    gathered, partial attention and LSE merge."""
+    lay = self.layout
+    pools = {"k_pages": self.k_pages, "v_pages": self.v_pages}
+    if self.quantized:
+      pools.update(k_scale_pages=self.k_scale_pages, v_scale_pages=self.v_scale_pages)
+    specs = {n: _spec(lay.kv_heads, lay.pages, None, None, ndim=a.ndim) for n, a in pools.items()}
+    q_spec = _spec(lay.batch, None, lay.q_heads, None)
+    page_size = self.page_size
+
+    def local(q, pools, tables, lengths, q_offsets):
+      local_pages = pools["k_pages"].shape[1]
+      page_ids, held = self._local_pages(tables, local_pages)
+      if lay.seq is None:
+        view = paged_lib.PagedKVCache(block_tables=page_ids, lengths=lengths, **pools)
+        return view.attend(q, q_offsets=q_offsets, sm_scale=sm_scale, window=window,
+                           soft_cap=soft_cap, implementation=implementation)
+      gather = lambda pool: jnp.moveaxis(pool[:, jnp.clip(page_ids, 0)], 1, 0)  # [B, K, W, ps..]
+      flat = lambda x: x.reshape(x.shape[:2] + (-1,) + x.shape[4:])  # [B, K, W * ps, ...]
+      arrays = {n: flat(gather(p)) for n, p in pools.items()}
+      slot = jnp.arange(page_ids.shape[1] * page_size, dtype=jnp.int32)
+      key_pos = jnp.where(jnp.repeat(held, page_size, axis=1), slot[None], -1)
+      q_pos = q_offsets[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)
+      o, lse = cp.partial_attention(q, arrays["k_pages"], arrays["v_pages"], key_pos, q_pos,
+                                    lengths, sm_scale=sm_scale, window=window,
+                                    soft_cap=soft_cap, k_scale=arrays.get("k_scale_pages"),
+                                    v_scale=arrays.get("v_scale_pages"))
+      return cp.merge_partials(o, lse, lay.seq).astype(q.dtype)
+
+    return lay.smap(local, (q_spec, specs, P(lay.batch, None), P(lay.batch), P(lay.batch)),
+                    q_spec)(q, pools, self.block_tables, self.lengths, q_offsets)
+
+
+@struct.dataclass
+class ShardedLatentCache(cache_lib.LatentCache):
+  """A `LatentCache` sharded by `layout`: B over data, S over seq (replicated over
+  model). The absorbed `attend` runs per shard (partials merged by LSE over a sequence
+  split); `attend_expanded` (the naive prefill path) runs on the global arrays.
+
+  Logical axes: `c_kv` (cache_batch, cache_sequence, cache_latent), `k_rope`
+  (cache_batch, cache_sequence, cache_rope), scales the first two, `lengths`
+  (cache_batch,).
+  """
+
+  layout: CacheLayout | None = struct.field(pytree_node=False, default=None)
+
+  def shardings(self) -> "ShardedLatentCache":
+    """This cache with a `NamedSharding` in place of each array (for `out_shardings`)."""
+    lay = self.layout
+    parts = lay.sharding(lay.batch, lay.seq, None)
+    sc = None if self.c_kv_scale is None else lay.sharding(lay.batch, lay.seq)
+    return self.replace(c_kv=parts, k_rope=parts, c_kv_scale=sc, k_rope_scale=sc,
+                        lengths=lay.sharding(lay.batch))
+
+  def update(self, c_kv_new, k_rope_new, new_lengths=None) -> "ShardedLatentCache":
+    """`LatentCache.update` on each shard (a sequence shard writes its slots)."""
+    _check_new("c_kv_new", c_kv_new, self.batch, (self.kv_lora_rank,), "[B, T, C]")
+    _check_new("k_rope_new", k_rope_new, self.batch, (self.qk_rope_head_dim,), "[B, T, R]")
+    if c_kv_new.shape[1] != k_rope_new.shape[1]:
+      raise ValueError(f"c_kv_new and k_rope_new must have the same T; got "
+                       f"{tuple(c_kv_new.shape)} and {tuple(k_rope_new.shape)}")
+    lay = self.layout
+    return _write_slots(self, ("c_kv", "k_rope", "c_kv_scale", "k_rope_scale"), c_kv_new,
+                        k_rope_new, new_lengths, (lay.batch, lay.seq, None),
+                        (lay.batch, None, None), slot_axis=1)
+
+  def attend(self, q_latent, q_rope, *, q_offsets, sm_scale, window=None,
+             implementation=None):
+    """`LatentCache.attend` (absorbed) per shard; partials merged over a sequence split."""
+    lay = self.layout
+    slot_len = self.max_len // axis_size(lay.mesh, lay.seq)
+    arrays = {"c_kv": self.c_kv, "k_rope": self.k_rope, **self.scale_kwargs()}
+    specs = {n: _spec(lay.batch, lay.seq, None, ndim=a.ndim) for n, a in arrays.items()}
+    q_spec = P(lay.batch, None, None, None)
+
+    def local(q_latent, q_rope, arrays, lengths, q_offsets):
+      if lay.seq is None:
+        view = cache_lib.LatentCache(lengths=lengths, **arrays)
+        return view.attend(q_latent, q_rope, q_offsets=q_offsets, sm_scale=sm_scale,
+                           window=window, implementation=implementation)
+      first = jax.lax.axis_index(lay.seq) * slot_len
+      key_pos = jnp.broadcast_to(first + jnp.arange(slot_len, dtype=jnp.int32),
+                                 (q_latent.shape[0], slot_len))
+      q_pos = q_offsets[:, None] + jnp.arange(q_latent.shape[1], dtype=jnp.int32)
+      o, lse = cp.partial_mla_attention(
+          q_latent, q_rope, arrays["c_kv"], arrays["k_rope"], key_pos, q_pos, lengths,
+          sm_scale=sm_scale, window=window, c_kv_scale=arrays.get("c_kv_scale"),
+          k_rope_scale=arrays.get("k_rope_scale"))
+      return cp.merge_partials(o, lse, lay.seq).astype(q_latent.dtype)
+
+    return lay.smap(local, (q_spec, q_spec, specs, P(lay.batch), P(lay.batch)), q_spec)(
+        q_latent, q_rope, arrays, self.lengths, q_offsets)
+
+
+# ----------------------------------------------------------------------------------------------
+# Creating sharded caches.
+
+
+def sharded_block_tables(batch: int, pages_per_seq: int, mesh: Mesh, layout: CacheLayout
+                         ) -> np.ndarray:
+  """`i32[B, pages_per_seq]`: row b (data shard j, local row r) gets its logical page i
+  on `seq` shard `i // (pages_per_seq / s)`, in that device's range of the pool, so
+  every data shard's rows use its own pages and each row's tokens are spread evenly
+  over the sequence shards. Needs `s` to divide `pages_per_seq` (ValueError)."""
+  d = axis_size(layout.mesh, layout.batch)
+  s = axis_size(layout.mesh, layout.seq)
+  if pages_per_seq % s:
+    raise ValueError(f"mesh axis {layout.seq!r} of size {s} must divide the pages per "
+                     f"sequence; got {pages_per_seq}")
+  rows = batch // d
+  per_shard = pages_per_seq // s  # a row's pages on one seq shard
+  local_pool = rows * per_shard  # pages per (data, seq) device
+  b = np.arange(batch)[:, None]
+  i = np.arange(pages_per_seq)[None, :]
+  shard = (b // rows) * s + i // per_shard  # linear index over (data, seq)
+  return (shard * local_pool + (b % rows) * per_shard + i % per_shard).astype(np.int32)
+
+
+def _layer_kind(attn) -> str:
+  return "latent" if hasattr(attn, "kv_lora_rank") else "gqa"
+
+
+def init_caches(model, batch: int, max_len: int, mesh: Mesh, *,
+                rules: Mapping[str, Any] | None = None, dtype: Any = None,
+                kind: str = "dense", page_size: int = 16) -> tuple[Any, ...]:
+  """One empty sharded cache per layer of `model`, created directly sharded (built
+  inside `jax.jit` with `out_shardings`).
+
+  Args:
+    model: a `kvattn.Transformer`.
+    batch, max_len: B and the capacity S in tokens.
+    mesh: a `make_mesh` mesh.
+    rules: logical-axis rule overrides (`resolve_rules`).
+    dtype: cache storage dtype (default the model's compute dtype; int8 / fp8 too).
+    kind: "dense" (`ShardedKVCache`) or "paged" (`ShardedPagedKVCache`, `max_len /
+      page_size` pages per row, the pool exactly the batch's pages, tables from
+      `sharded_block_tables`) for GQA layers; MLA layers get `ShardedLatentCache`.
+    page_size: tokens per page (paged).
+
+  Raises:
+    ValueError: an unknown kind; a mesh axis that does not divide B, S or the pool
+      (naming the axis); K and the model axis where neither divides the other.
+  """
+  if kind not in CACHE_KINDS:
+    raise ValueError(f"kind must be one of {CACHE_KINDS}; got {kind!r}")
+  batch = _checks.positive_int("batch", batch)
+  max_len = _checks.positive_int("max_len", max_len)
+  page_size = _checks.positive_int("page_size", page_size)
+  dtype = model.dtype if dtype is None else dtype
+  builders = []
+  for layer in model.layers:
+    attn = layer.attn
+    if _layer_kind(attn) == "latent":
+      lay = cache_layout(mesh, rules, kind="latent", batch=batch, max_len=max_len)
+      builders.append(lambda lay=lay, a=attn: ShardedLatentCache(
+          **_fields(cache_lib.LatentCache.init(batch, max_len, a.kv_lora_rank,
+                                               a.qk_rope_head_dim, dtype)), layout=lay))
+    elif kind == "dense":
+      lay = cache_layout(mesh, rules, kind="dense", batch=batch, max_len=max_len,
+                         num_kv_heads=attn.num_kv_heads, num_heads=attn.num_heads)
+      builders.append(lambda lay=lay, a=attn: ShardedKVCache(
+          **_fields(cache_lib.KVCache.init(batch, max_len, a.num_kv_heads, a.head_dim, dtype)),
+          layout=lay))
+    else:
+      pps = pages_for(max_len, page_size)
+      lay = cache_layout(mesh, rules, kind="paged", batch=batch, max_len=max_len,
+                         num_kv_heads=attn.num_kv_heads, num_heads=attn.num_heads,
+                         num_pages=batch * pps)
+      tables = sharded_block_tables(batch, pps, mesh, lay)
+      builders.append(lambda lay=lay, a=attn, tables=tables: ShardedPagedKVCache(
+          **_fields(paged_lib.PagedKVCache.init(
+              batch, num_pages=batch * pps, page_size=page_size, pages_per_seq=pps,
+              num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, dtype=dtype,
+              block_tables=tables)), layout=lay))
+
+  def build():
+    return tuple(b() for b in builders)
+  shardings = tuple(c.shardings() for c in jax.eval_shape(build))
+  return jax.jit(build, out_shardings=shardings)()
+
+
+def _fields(cache) -> dict[str, Any]:
+  return {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)}
+
+
+def cache_factory(model, mesh: Mesh, *, rules: Mapping[str, Any] | None = None,
+                  kind: str = "dense", page_size: int = 16):
+  """`(batch, max_len, dtype=None) -> caches` for `kvattn.generate(..., cache_factory=)`.
+
+  The capacity is `max_len` rounded up to a multiple of what the sequence split needs
+  (the `seq` axis size times `page_size` for paged caches), so any length `generate`
+  asks for fits; the batch must still divide over `data` (ValueError).
+  """
+  seq = _single_axis(resolve_rules(rules), "cache_sequence")
+  step = axis_size(mesh, seq) * (page_size if kind == "paged" else 1)
+
+  def factory(batch: int, max_len: int, dtype: Any = None) -> tuple[Any, ...]:
+    max_len = -(-_checks.positive_int("max_len", max_len) // step) * step
+    return init_caches(model, batch, max_len, mesh, rules=rules, dtype=dtype, kind=kind,
+                       page_size=page_size)
+  return factory
+
+
+# Rules of `ContinuousBatcher(mesh=...)`: slots (rows) over `data`, the pool over KV heads
+# and over `data` (one host allocator per data shard hands out only that shard's pages),
+# no sequence split (the pool is replicated over `seq`).
+BATCHER_RULES = {"cache_sequence": None, "cache_pages": "data"}
+# Rules for a paged cache whose rows may use any page of the pool (e.g. one allocator for
+# the whole pool): the pool is split over KV heads only (rows and pages stay whole on every
+# device).
+HEADS_ONLY_RULES = {"cache_batch": None, "cache_sequence": None, "cache_pages": None}
+
+
+def place_caches(caches: Sequence[Any], mesh: Mesh, rules: Mapping[str, Any] | None = None
+                 ) -> tuple[Any, ...]:
+  """Existing `KVCache` / `PagedKVCache` / `LatentCache`s moved onto `mesh` as their
+  sharded kinds (`jax.device_put`; for caches built or restored elsewhere). A paged
+  cache's rows must use the pages of their data shard (or use `HEADS_ONLY_RULES`).
+
+  Raises:
+    TypeError: a cache of another kind.
+    ValueError: as `cache_layout`.
+  """
+  out = []
+  for c in caches:
+    if isinstance(c, paged_lib.PagedKVCache):
+      lay = cache_layout(mesh, rules, kind="paged", batch=c.batch, max_len=c.max_len,
+                         num_kv_heads=c.num_kv_heads, num_pages=c.num_pages)
+      cls = ShardedPagedKVCache
+    elif isinstance(c, cache_lib.KVCache):
+      lay = cache_layout(mesh, rules, kind="dense", batch=c.batch, max_len=c.max_len,
+                         num_kv_heads=c.num_kv_heads)
+      cls = ShardedKVCache
+    elif isinstance(c, cache_lib.LatentCache):
+      lay = cache_layout(mesh, rules, kind="latent", batch=c.batch, max_len=c.max_len)
+      cls = ShardedLatentCache
+    else:
+      raise TypeError(f"caches must be KVCache, PagedKVCache or LatentCache to shard; got "
+                      f"{type(c).__name__}")
+    fields = {k: v for k, v in _fields(c).items() if k != "layout"}
+    sharded = cls(**fields, layout=lay)
+    out.append(jax.device_put(sharded, sharded.shardings()))
+  return tuple(out)
