@@ -326,18 +326,19 @@ BOUNDED_KINDS = ("ring", "sink") + eviction.POLICIES
 
 def spec_at_budget(kind: str, budget: int | None, *, num_sinks: int = 4) -> dict[str, Any]:
   """The spec of `kind` holding `budget` tokens per sequence (and KV head), for sweeps that
-  compare kinds at one memory budget: "dense" ignores `budget`; "ring" keeps a window of
+  compare kinds at one memory budget: an unbounded kind ("dense", "paged", ...) ignores
+  `budget` (its options at their defaults); "ring" keeps a window of
   `budget`; "sink" `num_sinks` sinks plus a window of `budget - num_sinks`; an eviction
   policy `budget` slots (its other options at their defaults).
 
   Raises:
-    ValueError: an unknown or unbounded kind other than "dense"; a budget that is not an
-      int > num_sinks for "sink", or not a positive int.
+    ValueError: an unknown kind; for a bounded kind a budget that is not a positive int
+      (an int > num_sinks for "sink").
   """
-  if kind == "dense":
-    return {"kind": "dense"}
+  if kind not in CACHE_KIND_TABLE:
+    raise ValueError(f"kind must be one of {tuple(CACHE_KIND_TABLE)}; got {kind!r}")
   if kind not in BOUNDED_KINDS and kind not in eviction.POLICY_TABLE:
-    raise ValueError(f"kind must be 'dense' or a bounded kind {BOUNDED_KINDS}; got {kind!r}")
+    return {"kind": kind}
   budget = _checks.positive_int("budget", budget)
   if kind == "ring":
     return {"kind": "ring", "window": budget}

@@ -55,7 +55,7 @@ def check_run(workdir, rc, out, err, num_layers):
   with open(os.path.join(workdir, "results.jsonl")) as f:
     records = {r["label"]: r for r in map(json.loads, f)}
   assert len(records) == len(default.get_sweep("smoke"))
-  ref, other = records["Krel-full-float32"], records["K1-h2o48-int8"]
+  ref, other = records["Krel-dense-float32"], records["K1-h2o48-int8"]
   assert ref["reference"] and not other["reference"]
   assert ref["greedy_agreement"] == 1.0 and 0.0 <= other["greedy_agreement"] <= 1.0
   assert ref["num_layers"] == other["num_layers"] == num_layers and other["num_kv_heads"] == 1
@@ -139,3 +139,16 @@ def test_summary_and_plot_links(tmp_path):
   assert "| 1 | 2 |" in text and "second" not in text
   assert "rerun to continue" in text and str(tmp_path / "b.png") in text
   assert len(text.splitlines()) < 10
+
+
+def test_a_kind_added_by_one_file_runs_in_the_main_job(tmp_path):
+  # tests/experiments/reversed_config.py imports the test-only kind (one file + one registry
+  # line) and sets cache.kind = "reversed": the main job runs it with no other edit.
+  proc = subproc.popen("experiments.main", *subproc.main_args(
+      str(tmp_path), "model.name=random-tiny", config="tests/experiments/reversed_config.py"))
+  out, err = proc.communicate(timeout=900)
+  assert proc.returncode == 0, err
+  with open(os.path.join(tmp_path, "results.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  (record,) = records
+  assert record["policy"] == "reversed" and record["greedy_agreement"] == 1.0
