@@ -49,12 +49,19 @@ EDGES = (0, 1, PAGE - 1, PAGE, PAGE + 1, S)  # PAGE + 1: one token into a fresh 
 
 def _inputs(batch, num_heads, num_kv, head_dim, v_dim, dtype, pages_per_seq=PAGES_PER_SEQ,
             seed=0, page_size=PAGE):
-  """Random q, pools and a block table giving each sequence its own random pages."""
+  """Random q, pools and a block table giving each sequence its own random pages.
+
+  The pools are f32 numpy arrays, so every pool made from them (as is, or through
+  `_dirty`, which works in f32) is rounded once, f32 -> dtype, and holds the same
+  values in the same slots. Cast from f64 they would not: ml_dtypes rounds f64 ->
+  bf16 directly, and f64 -> f32 -> bf16 can land on a bf16 tie and round the
+  other way (one ulp; docs/benchmarks.md, "bf16 garbage-slot difference").
+  """
   rng = np.random.RandomState(seed)
   num_pages = batch * pages_per_seq + FREE_PAGES
   q = jnp.asarray(rng.randn(batch, num_heads, head_dim), dtype)
-  k = rng.randn(num_kv, num_pages, page_size, head_dim)
-  v = rng.randn(num_kv, num_pages, page_size, v_dim)
+  k = rng.randn(num_kv, num_pages, page_size, head_dim).astype(np.float32)
+  v = rng.randn(num_kv, num_pages, page_size, v_dim).astype(np.float32)
   tables = rng.permutation(num_pages)[:batch * pages_per_seq].reshape(batch, pages_per_seq)
   return q, k, v, tables.astype(np.int32)
 
@@ -190,10 +197,11 @@ class TestPagedAttention(KernelTest):
     dtype = DTYPES[dtype_name]
     q, k, v, tables = _inputs(3, 8, 2, 64, 64, dtype, seed=5)
     lengths = np.array([0, PAGE + 1, S - 3], np.int32)
-    clean = self._kernel(q, jnp.asarray(k, dtype), jnp.asarray(v, dtype), tables, lengths,
-                         window=window, schedule=schedule)
+    k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+    clean = self._kernel(q, k, v, tables, lengths, window=window, schedule=schedule)
     assert np.isfinite(np.asarray(clean, np.float32)).all()
     for value in (np.nan, 1e30, -np.inf):
+      # From the pools the clean run saw (dtype -> f32 -> dtype is exact).
       dk, dtables = _dirty(k, tables, lengths, window, value)
       dv, _ = _dirty(v, tables, lengths, window, value)
       out = self._kernel(q, jnp.asarray(dk, dtype), jnp.asarray(dv, dtype), dtables, lengths,
