@@ -66,7 +66,10 @@ def load_rows(ref, rows, width: int):
   if plgpu is None:  # pragma: no cover - depends on the JAX build.
     raise NotImplementedError("padded head dims need jax.experimental.pallas.triton.load")
   lanes = lax.broadcasted_iota(jnp.int32, (rows.size, width), 1)
-  return plgpu.load(ref.at[rows, pl.ds(0, width)], mask=lanes < ref.shape[-1], other=0)
+  # `other` in the ref's dtype: Triton's lowering casts it to the pointee type and
+  # cannot cast an i32 constant to fp8.
+  return plgpu.load(ref.at[rows, pl.ds(0, width)], mask=lanes < ref.shape[-1],
+                    other=jnp.zeros((), ref.dtype))
 
 
 def dequant(x, scale, dtype):
