@@ -47,7 +47,8 @@ Two schedules of the same math, chosen by `schedule=`:
 
 Both run on CPU with `interpret=True` (what the tests do). The schedule follows
 the platform the call is lowered for (`platform=`, default the JAX default
-backend), so a CPU host can also lower the compiled kernel for "cuda" or "tpu".
+backend), so a CPU host can also lower the compiled kernel for "cuda" or "tpu"
+(tests/pallas_kernels/test_lowering.py).
 
 Layout follows jax/experimental/pallas/ops/gpu/decode_attention.py: kernels
 (refs only), then the launcher, then the public jitted wrappers, then the
@@ -430,8 +431,8 @@ def decode_attention(
       "rocm", "tpu" or "cpu"; default the JAX default backend. It picks the
       default schedule and the compiled one `interpret=False` needs, so a CPU
       host can lower the compiled kernel for a device it does not have
-      (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`) but not
-      run it.
+      (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`, as
+      tests/pallas_kernels/test_lowering.py does) but not run it.
     num_warps, num_stages: Triton compiler options ("loop", compiled only).
     return_lse: also return the `f32[B, N]` log-sum-exp of the scaled logits
       (natural log; -inf for length-0 rows).
@@ -574,8 +575,10 @@ def unsupported_reason(q_shape, k_shape, v_shape, dtype, *,
   (padded to a power of two >= 16 in the kernel; soft caps too); TPU needs
   widths that are multiples of 64. Quantized caches are
   accepted on GPU (int8 and both fp8 formats; Triton needs sm_89+ for fp8)
-  and, int8 only, on TPU; neither has been run compiled yet (interpret-mode
-  tests only).
+  and, int8 only, on TPU. What it accepts of the grid in
+  tests/pallas_kernels/test_lowering.py (each dtype, head dims 64-256,
+  window, soft cap) lowers for "cuda" and "tpu"; nothing has been compiled
+  on a device yet.
   """
   del q_shape  # q's shape follows from k's (checked by the wrappers).
   platform = platform or _common.platform()

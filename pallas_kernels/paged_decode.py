@@ -430,8 +430,8 @@ def paged_decode_attention(
       "rocm", "tpu" or "cpu"; default the JAX default backend. It picks the
       default schedule and the compiled one `interpret=False` needs, so a CPU
       host can lower the compiled kernel for a device it does not have
-      (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`) but not
-      run it.
+      (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`, as
+      tests/pallas_kernels/test_lowering.py does) but not run it.
     num_warps, num_stages: Triton compiler options ("loop", compiled only).
     return_lse: also return the `f32[B, N]` log-sum-exp of the scaled logits
       (natural log; -inf for length-0 rows).
@@ -493,8 +493,10 @@ def unsupported_reason(q_shape, k_pages_shape, v_pages_shape, dtype, *,
   `k_pages_shape` is `[K, P, page_size, H]`, `v_pages_shape` `[K, P,
   page_size, Hv]`; `dtype` the pools' dtype. Quantized pools are accepted on
   GPU (int8 and both fp8 formats; Triton needs sm_89+ for fp8) and, int8
-  only, on TPU (page_size a multiple of 32 there); neither has been run
-  compiled yet (interpret-mode tests only).
+  only, on TPU (page_size a multiple of 32 there). What it accepts of the
+  grid in tests/pallas_kernels/test_lowering.py (each dtype, head dims
+  64-256, window, soft cap) lowers for "cuda" and "tpu"; nothing has been
+  compiled on a device yet.
   """
   del q_shape
   platform = platform or _common.platform()
