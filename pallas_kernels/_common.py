@@ -40,6 +40,7 @@ except ImportError:  # pragma: no cover - depends on the JAX build.
 TPU_LANES = 128
 SCHEDULES = ("loop", "grid")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+PLATFORMS = ("cpu", "tpu") + GPU_PLATFORMS
 
 # Cache dtypes each compiled backend takes (Triton needs sm_89+ for fp8 loads; Mosaic has no
 # fp8 -> f32 conversion on the TPU generations we target, so int8 only there).
@@ -65,7 +66,10 @@ def load_rows(ref, rows, width: int):
   if plgpu is None:  # pragma: no cover - depends on the JAX build.
     raise NotImplementedError("padded head dims need jax.experimental.pallas.triton.load")
   lanes = lax.broadcasted_iota(jnp.int32, (rows.size, width), 1)
-  return plgpu.load(ref.at[rows, pl.ds(0, width)], mask=lanes < ref.shape[-1], other=0)
+  # `other` in the ref's dtype: Triton's lowering casts it to the pointee type and
+  # cannot cast an i32 constant to fp8.
+  return plgpu.load(ref.at[rows, pl.ds(0, width)], mask=lanes < ref.shape[-1],
+                    other=jnp.zeros((), ref.dtype))
 
 
 def dequant(x, scale, dtype):
@@ -244,9 +248,22 @@ def platform() -> str:
   return jax.default_backend()
 
 
-def default_schedule() -> str:
-  """"grid" on TPU, "loop" elsewhere (GPU, and the interpreter on CPU)."""
-  return "grid" if platform() == "tpu" else "loop"
+def target_platform(platform_name: str | None) -> str:
+  """The platform a call is lowered for: `platform_name`, or the default backend when None.
+
+  Raises ValueError for a name that is not a JAX platform ("cpu", "gpu", "cuda",
+  "rocm", "tpu")."""
+  if platform_name is None:
+    return platform()
+  if platform_name not in PLATFORMS:
+    raise ValueError(f"platform must be one of {PLATFORMS} or None; got {platform_name!r}")
+  return platform_name
+
+
+def default_schedule(platform_name: str | None = None) -> str:
+  """"grid" for TPU, "loop" elsewhere (GPU, and the interpreter on CPU); the platform
+  defaults to the default backend."""
+  return "grid" if target_platform(platform_name) == "tpu" else "loop"
 
 
 def sublanes(dtype) -> int:
@@ -428,21 +445,28 @@ def finish(outs, num_heads: int, groups: int, out_dtype, return_lse: bool, count
 # ----------------------------------------------------------------------------
 
 
-def check_schedule(schedule, interpret, tunables=()):
+def check_schedule(schedule, interpret, tunables=(), platform_name=None):
   """Checks `schedule` and the positive-int `tunables` (`(name, value)` pairs) and
-  returns the schedule to run: the given one, or the backend's default. Compiled
-  runs (`interpret=False`) need a GPU ("loop") or a TPU ("grid")."""
+  returns the schedule to run: the given one, or the default of `platform_name`.
+
+  `platform_name` is the platform the call is lowered for (None: the default
+  backend), not necessarily the host's: a CPU host can lower for "cuda" or "tpu"
+  (`jax.jit(f).trace(...).lower(lowering_platforms=(...))`) but not run it.
+  Compiled runs (`interpret=False`) need a GPU ("loop", Triton) or TPU ("grid",
+  Mosaic) target.
+  """
   if schedule is not None and schedule not in SCHEDULES:
     raise ValueError(f"schedule must be one of {SCHEDULES} or None; got {schedule!r}")
   for name, value in tunables:
     attention_common.optional_positive_int(name, value)
-  schedule = schedule or default_schedule()
+  where = target_platform(platform_name)
+  schedule = schedule or default_schedule(where)
   if not interpret:
-    where = platform()
     wanted = dict.fromkeys(GPU_PLATFORMS, "loop") | {"tpu": "grid"}
     if where not in wanted:
-      raise ValueError(f"interpret=False needs a GPU or TPU; the default backend is "
-                       f"{where!r} (pass interpret=True to run on CPU)")
+      raise ValueError(f"interpret=False needs a GPU or TPU; the target platform is "
+                       f"{where!r} (pass interpret=True to run on CPU, or platform='cuda' "
+                       f"or 'tpu' to lower for one)")
     if schedule != wanted[where]:
       raise ValueError(f"schedule {schedule!r} does not compile on {where}; use "
                        f"{wanted[where]!r} (or interpret=True)")

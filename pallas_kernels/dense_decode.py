@@ -45,7 +45,10 @@ Two schedules of the same math, chosen by `schedule=`:
   the previous block index and the pipeline issues no DMA for them, and
   `pl.when` skips their compute.
 
-Both run on CPU with `interpret=True` (what the tests do).
+Both run on CPU with `interpret=True` (what the tests do). The schedule follows
+the platform the call is lowered for (`platform=`, default the JAX default
+backend), so a CPU host can also lower the compiled kernel for "cuda" or "tpu"
+(tests/pallas_kernels/test_lowering.py).
 
 Layout follows jax/experimental/pallas/ops/gpu/decode_attention.py: kernels
 (refs only), then the launcher, then the public jitted wrappers, then the
@@ -385,6 +388,7 @@ def decode_attention(
     block_g: int | None = None,
     num_splits: int | None = None,
     schedule: str | None = None,
+    platform: str | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     return_lse: bool = False,
@@ -422,7 +426,13 @@ def decode_attention(
     num_splits: key-axis partitions run in parallel (static); default fills
       the device for small B*K. Results do not depend on it.
     schedule: `"loop"` (Triton GPU) or `"grid"` (Mosaic TPU); default by
-      backend ("loop" on CPU). Compiled runs need the backend's schedule.
+      `platform` ("loop" on CPU). Compiled runs need the platform's schedule.
+    platform: the platform the call is lowered for (static): "cuda"/"gpu",
+      "rocm", "tpu" or "cpu"; default the JAX default backend. It picks the
+      default schedule and the compiled one `interpret=False` needs, so a CPU
+      host can lower the compiled kernel for a device it does not have
+      (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`, as
+      tests/pallas_kernels/test_lowering.py does) but not run it.
     num_warps, num_stages: Triton compiler options ("loop", compiled only).
     return_lse: also return the `f32[B, N]` log-sum-exp of the scaled logits
       (natural log; -inf for length-0 rows).
@@ -435,7 +445,8 @@ def decode_attention(
 
   Raises:
     ValueError: shapes that do not fit, S not divisible into blocks the
-      schedule supports, a bad tunable, or `interpret=False` without a GPU/TPU.
+      schedule supports, a bad tunable, or `interpret=False` for a `platform` that is
+      not a GPU/TPU, or an unknown `platform`.
     TypeError: non-float q/k/v, k/v dtype mismatch, non-integer lengths.
   """
   lengths = common.check_decode_args(q, k, v, lengths, window, soft_cap, sm_scale, k_scale,
@@ -444,20 +455,21 @@ def decode_attention(
       q, k, v, lengths, sm_scale=sm_scale, window=window, soft_cap=soft_cap, k_scale=k_scale,
       v_scale=v_scale,
       interpret=interpret, block_k=block_k, block_g=block_g, num_splits=num_splits,
-      schedule=schedule, num_warps=num_warps, num_stages=num_stages, return_lse=return_lse,
-      count_blocks=count_blocks)
+      schedule=schedule, platform=platform, num_warps=num_warps, num_stages=num_stages,
+      return_lse=return_lse, count_blocks=count_blocks)
 
 
 def decode_attention_unchecked(q, k, v, lengths, *, sm_scale=None, window=None, soft_cap=None,
                                k_scale=None, v_scale=None, interpret=False, block_k=None,
-                               block_g=None, num_splits=None, schedule=None, num_warps=None,
-                               num_stages=None, return_lse=False, count_blocks=False):
+                               block_g=None, num_splits=None, schedule=None, platform=None,
+                               num_warps=None, num_stages=None, return_lse=False,
+                               count_blocks=False):
   """`decode_attention` without the argument checks, for callers that ran them
   (`attention_common.check_decode_args`; kvattn's dispatch point). The tunables
   are still checked: they are resolved here."""
   _, num_kv, capacity, head_dim = k.shape
   schedule = _common.check_schedule(schedule, interpret, (
-      ("block_k", block_k), ("block_g", block_g), ("num_splits", num_splits)))
+      ("block_k", block_k), ("block_g", block_g), ("num_splits", num_splits)), platform)
   sm_scale = float(head_dim ** -0.5 if sm_scale is None else sm_scale)
   # Resolve tiles now so an unfit S or tunable raises here, before tracing.
   _tiles(schedule, q.shape[1] // num_kv, capacity, head_dim + v.shape[-1], v.shape[-1],
@@ -486,6 +498,7 @@ def mla_decode_attention(
     block_g: int | None = None,
     num_splits: int | None = None,
     schedule: str | None = None,
+    platform: str | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     return_lse: bool = False,
@@ -508,8 +521,8 @@ def mla_decode_attention(
     c_kv_scale, k_rope_scale: `f32[B, S]` per-token scales of a quantized
       (int8/fp8) latent cache, one per part; blocks are dequantized in the
       kernel. None for float caches.
-    window, interpret, block_k, block_g, num_splits, schedule, num_warps,
-      num_stages, return_lse, count_blocks: as in `decode_attention`.
+    window, interpret, block_k, block_g, num_splits, schedule, platform,
+      num_warps, num_stages, return_lse, count_blocks: as in `decode_attention`.
 
   Returns:
     `[B, N, C]` in q_latent's dtype (apply W_UV afterwards); length-0 rows are
@@ -523,20 +536,21 @@ def mla_decode_attention(
   return mla_decode_attention_unchecked(
       q_latent, q_rope, c_kv, k_rope, lengths, sm_scale=sm_scale, window=window,
       c_kv_scale=c_kv_scale, k_rope_scale=k_rope_scale, interpret=interpret, block_k=block_k,
-      block_g=block_g, num_splits=num_splits, schedule=schedule, num_warps=num_warps,
-      num_stages=num_stages, return_lse=return_lse, count_blocks=count_blocks)
+      block_g=block_g, num_splits=num_splits, schedule=schedule, platform=platform,
+      num_warps=num_warps, num_stages=num_stages, return_lse=return_lse,
+      count_blocks=count_blocks)
 
 
 def mla_decode_attention_unchecked(q_latent, q_rope, c_kv, k_rope, lengths, *, sm_scale,
                                    window=None, c_kv_scale=None, k_rope_scale=None,
                                    interpret=False, block_k=None, block_g=None, num_splits=None,
-                                   schedule=None, num_warps=None, num_stages=None,
-                                   return_lse=False, count_blocks=False):
+                                   schedule=None, platform=None, num_warps=None,
+                                   num_stages=None, return_lse=False, count_blocks=False):
   """`mla_decode_attention` without the argument checks, for callers that ran them
   (`attention_common.check_mla_decode_args`; kvattn's dispatch point)."""
   capacity, latent = c_kv.shape[1], c_kv.shape[2]
   schedule = _common.check_schedule(schedule, interpret, (
-      ("block_k", block_k), ("block_g", block_g), ("num_splits", num_splits)))
+      ("block_k", block_k), ("block_g", block_g), ("num_splits", num_splits)), platform)
   _tiles(schedule, q_latent.shape[1], capacity, latent + k_rope.shape[-1], latent,
          c_kv.dtype, block_k, block_g)
   # [B, S, X] -> [B, 1, S, X] is a free reshape (no copy).
@@ -561,8 +575,10 @@ def unsupported_reason(q_shape, k_shape, v_shape, dtype, *,
   (padded to a power of two >= 16 in the kernel; soft caps too); TPU needs
   widths that are multiples of 64. Quantized caches are
   accepted on GPU (int8 and both fp8 formats; Triton needs sm_89+ for fp8)
-  and, int8 only, on TPU; neither has been run compiled yet (interpret-mode
-  tests only).
+  and, int8 only, on TPU. What it accepts of the grid in
+  tests/pallas_kernels/test_lowering.py (each dtype, head dims 64-256,
+  window, soft cap) lowers for "cuda" and "tpu"; nothing has been compiled
+  on a device yet.
   """
   del q_shape  # q's shape follows from k's (checked by the wrappers).
   platform = platform or _common.platform()

@@ -49,8 +49,10 @@ Two schedules of the same math, chosen by `schedule=`:
   needed range, so steps outside it repeat the previous page and the pipeline
   issues no DMA for them, and `pl.when` skips their compute.
 
-Both run on CPU with `interpret=True` (what the tests do). Layout as in
-`dense_decode.py`: kernels (refs only), launcher, public wrapper,
+Both run on CPU with `interpret=True` (what the tests do); as in
+`dense_decode.py`, the schedule follows the platform the call is lowered for
+(`platform=`), so a CPU host can lower the compiled kernel for "cuda" or "tpu".
+Layout as in `dense_decode.py`: kernels (refs only), launcher, public wrapper,
 pure-jnp reference; the math both kernels share is in `_common.py`, the
 attended range and argument checks in `attention_common.py`.
 """
@@ -379,6 +381,7 @@ def paged_decode_attention(
     block_g: int | None = None,
     num_splits: int | None = None,
     schedule: str | None = None,
+    platform: str | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     return_lse: bool = False,
@@ -422,7 +425,13 @@ def paged_decode_attention(
     num_splits: page-axis partitions run in parallel (static); default fills
       the device for small B*K. Results do not depend on it.
     schedule: `"loop"` (Triton GPU) or `"grid"` (Mosaic TPU); default by
-      backend ("loop" on CPU). Compiled runs need the backend's schedule.
+      `platform` ("loop" on CPU). Compiled runs need the platform's schedule.
+    platform: the platform the call is lowered for (static): "cuda"/"gpu",
+      "rocm", "tpu" or "cpu"; default the JAX default backend. It picks the
+      default schedule and the compiled one `interpret=False` needs, so a CPU
+      host can lower the compiled kernel for a device it does not have
+      (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`, as
+      tests/pallas_kernels/test_lowering.py does) but not run it.
     num_warps, num_stages: Triton compiler options ("loop", compiled only).
     return_lse: also return the `f32[B, N]` log-sum-exp of the scaled logits
       (natural log; -inf for length-0 rows).
@@ -435,7 +444,8 @@ def paged_decode_attention(
 
   Raises:
     ValueError: shapes that do not fit; a page size, head dim or tunable the
-      schedule cannot tile; `interpret=False` without a GPU/TPU.
+      schedule cannot tile; `interpret=False` for a `platform` that is
+      not a GPU/TPU, or an unknown `platform`.
     TypeError: non-float q/pages, k/v dtype mismatch, non-integer tables/lengths,
       a quantized pool without its scales or scales for a float pool.
   """
@@ -446,21 +456,22 @@ def paged_decode_attention(
       q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, window=window,
       soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, interpret=interpret,
       pages_per_block=pages_per_block, block_g=block_g, num_splits=num_splits,
-      schedule=schedule, num_warps=num_warps, num_stages=num_stages, return_lse=return_lse,
-      count_pages=count_pages)
+      schedule=schedule, platform=platform, num_warps=num_warps, num_stages=num_stages,
+      return_lse=return_lse, count_pages=count_pages)
 
 
 def paged_decode_attention_unchecked(q, k_pages, v_pages, block_tables, lengths, *,
                                      sm_scale=None, window=None, soft_cap=None, k_scale=None,
                                      v_scale=None, interpret=False, pages_per_block=None,
                                      block_g=None, num_splits=None, schedule=None,
-                                     num_warps=None, num_stages=None, return_lse=False,
-                                     count_pages=False):
+                                     platform=None, num_warps=None, num_stages=None,
+                                     return_lse=False, count_pages=False):
   """`paged_decode_attention` without the argument checks, for callers that ran them
   (`attention_common.check_paged_args`; kvattn's dispatch point). The tunables are
   still checked: they are resolved here."""
   schedule = _common.check_schedule(schedule, interpret, (
-      ("pages_per_block", pages_per_block), ("block_g", block_g), ("num_splits", num_splits)))
+      ("pages_per_block", pages_per_block), ("block_g", block_g), ("num_splits", num_splits)),
+      platform)
   head_dim = q.shape[2]
   # Resolve tiles now so an unfit page size or tunable raises before tracing.
   _tiles(schedule, q.shape[1] // k_pages.shape[0], k_pages.shape[2], block_tables.shape[1],
@@ -482,8 +493,10 @@ def unsupported_reason(q_shape, k_pages_shape, v_pages_shape, dtype, *,
   `k_pages_shape` is `[K, P, page_size, H]`, `v_pages_shape` `[K, P,
   page_size, Hv]`; `dtype` the pools' dtype. Quantized pools are accepted on
   GPU (int8 and both fp8 formats; Triton needs sm_89+ for fp8) and, int8
-  only, on TPU (page_size a multiple of 32 there); neither has been run
-  compiled yet (interpret-mode tests only).
+  only, on TPU (page_size a multiple of 32 there). What it accepts of the
+  grid in tests/pallas_kernels/test_lowering.py (each dtype, head dims
+  64-256, window, soft cap) lowers for "cuda" and "tpu"; nothing has been
+  compiled on a device yet.
   """
   del q_shape
   platform = platform or _common.platform()
