@@ -81,13 +81,13 @@ def test_main_smoke_on_smollm2(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    ({"cache.policy": "lru"}, r"cache\.policy must be one of"),
+    ({"cache.kind": "lru"}, r"cache\.kind must be one of"),
     ({"cache.dtype": "int4"}, r"cache\.dtype must"),
     ({"cache.dtype": "int32"}, r"cache\.dtype must be a float dtype or one of"),
     ({"heads.method": "max"}, r"heads\.method must be 'mean' or 'first'"),
     ({"heads.num_kv_heads": -1}, r"heads\.num_kv_heads must be an int >= 0"),
     ({"text.new_tokens": 2}, r"text\.new_tokens must be an int >= 3"),
-    ({"cache.policy": "sink", "cache.budget": 4}, r"cache\.budget must be >= cache\.num_sinks"),
+    ({"cache.kind": "sink", "cache.budget": 4}, r"cache\.budget must be >= cache\.num_sinks"),
     ({"mesh.shape": (1, 1, 64)}, r"mesh: mesh\.shape \(1, 1, 64\) needs 64 devices"),
 ])
 def test_bad_point_is_named_before_any_work(tmp_path, overrides, match):
@@ -106,7 +106,7 @@ def test_shipped_config_validates(tmp_path, arg):
   if not arg:  # cache dtype x policy x head grouping
     assert {(p.params["cache_dtype"], p.params["policy"], p.params["num_kv_heads_setting"])
             for p in points} == {(d, p, k) for d in default.CACHE_DTYPES
-                                 for p in default.POLICIES for k in default.KV_HEADS}
+                                 for p in default.KINDS for k in default.KV_HEADS}
 
 
 def test_distributed_initialize_comes_first(tmp_path):

@@ -36,7 +36,7 @@ from flax import nnx
 import kvattn
 from kvattn.caches import dense as cache_lib
 from kvattn import sharding
-from kvattn.caches import sharded
+from kvattn.caches import sharded as sharded_caches
 from kvattn.models import transformer
 
 BATCH, MAX_LEN, PAGE_SIZE, NEW_TOKENS = 4, 64, 4, 4
@@ -114,7 +114,7 @@ def check_case(mesh_shape, kind: str, num_kv_heads: int, *, with_generate: bool)
   ref_logits, _, _ = _decode_logits(ref_model, ref_model.init_caches(BATCH, MAX_LEN))
   mesh = sharding.make_mesh(mesh_shape)
   model = sharding.shard_model(make, mesh)
-  caches = sharded.init_caches(model, BATCH, MAX_LEN, mesh, page_size=PAGE_SIZE,
+  caches = sharded_caches.init_caches(model, BATCH, MAX_LEN, mesh, page_size=PAGE_SIZE,
                                 kind="paged" if kind == "paged" else "dense")
   cache = caches[0]
   per_device = sharding.per_device_bytes(cache.storage_arrays())
@@ -133,7 +133,7 @@ def check_case(mesh_shape, kind: str, num_kv_heads: int, *, with_generate: bool)
   if with_generate:
     prompts, lengths = _prompts()
     want, _ = kvattn.generate(ref_model, prompts, lengths, NEW_TOKENS)
-    factory = sharded.cache_factory(model, mesh, page_size=PAGE_SIZE,
+    factory = sharded_caches.cache_factory(model, mesh, page_size=PAGE_SIZE,
                                      kind="paged" if kind == "paged" else "dense")
     got, _ = kvattn.generate(model, prompts, lengths, NEW_TOKENS, cache_factory=factory)
     result["tokens_equal"] = bool(jnp.array_equal(got, want))
@@ -161,16 +161,16 @@ def check_empty_shards(kind: str) -> dict:
     k = _poisoned(jax.random.normal(keys[0], shape), lengths, 2)
     v = _poisoned(jax.random.normal(keys[1], shape), lengths, 2)
     single = cache_lib.KVCache(k=k, v=v, lengths=lengths)
-    layout = sharded.cache_layout(mesh, None, kind="dense", batch=BATCH, max_len=MAX_LEN,
+    layout = sharded_caches.cache_layout(mesh, None, kind="dense", batch=BATCH, max_len=MAX_LEN,
                                    num_kv_heads=2, num_heads=8)
-    cls, q = sharded.ShardedKVCache, (jax.random.normal(keys[2], (BATCH, 1, 8, 16)),)
+    cls, q = sharded_caches.ShardedKVCache, (jax.random.normal(keys[2], (BATCH, 1, 8, 16)),)
     opts = {}
   else:
     c_kv = _poisoned(jax.random.normal(keys[0], (BATCH, MAX_LEN, 32)), lengths, 1)
     k_rope = _poisoned(jax.random.normal(keys[1], (BATCH, MAX_LEN, 8)), lengths, 1)
     single = cache_lib.LatentCache(c_kv=c_kv, k_rope=k_rope, lengths=lengths)
-    layout = sharded.cache_layout(mesh, None, kind="latent", batch=BATCH, max_len=MAX_LEN)
-    cls = sharded.ShardedLatentCache
+    layout = sharded_caches.cache_layout(mesh, None, kind="latent", batch=BATCH, max_len=MAX_LEN)
+    cls = sharded_caches.ShardedLatentCache
     q = (jax.random.normal(keys[2], (BATCH, 1, 8, 32)),
          jax.random.normal(keys[3], (BATCH, 1, 8, 8)))
     opts = dict(sm_scale=0.25)
@@ -190,14 +190,14 @@ def check_bad_meshes() -> dict:
   """Axis sizes that do not divide B, S or the page pool -> ValueError naming the axis."""
   model = make_model_fn("gqa")()
   cases = {
-      "batch over data": (lambda: sharded.init_caches(
+      "batch over data": (lambda: sharded_caches.init_caches(
           model, 3, MAX_LEN, sharding.make_mesh((2, 2, 2))), "'data'"),
-      "slots over seq": (lambda: sharded.init_caches(
+      "slots over seq": (lambda: sharded_caches.init_caches(
           model, BATCH, 60, sharding.make_mesh((1, 1, 8))), "'seq'"),
-      "pool over data, seq": (lambda: sharded.cache_layout(
+      "pool over data, seq": (lambda: sharded_caches.cache_layout(
           sharding.make_mesh((2, 1, 4)), None, kind="paged", batch=BATCH, max_len=MAX_LEN,
           num_kv_heads=2, num_pages=12), "('data', 'seq')"),
-      "kv heads over model": (lambda: sharded.cache_layout(
+      "kv heads over model": (lambda: sharded_caches.cache_layout(
           sharding.make_mesh((1, 8, 1)), None, kind="dense", batch=BATCH, max_len=MAX_LEN,
           num_kv_heads=3), "'model'"),
       "mesh shape": (lambda: sharding.make_mesh((2, 2, 4)), "16 devices"),
@@ -244,7 +244,7 @@ def check_batcher(mesh_shape, prefix_cache: bool = False) -> dict:
               slots_used=slots_used, per_device=sorted(per_device), share=share,
               bad_mesh_error=bad_error, ok=same and per_device == {share} and not bad_error
               and slots_used == [0, 1] and batcher.stats()["used_pages"] == 0
-              and isinstance(cache, sharded.ShardedPagedKVCache))
+              and isinstance(cache, sharded_caches.ShardedPagedKVCache))
 
 
 def check_real_model(mesh_shape) -> dict:
@@ -300,7 +300,7 @@ def check_quantized() -> dict:
     want, _, _ = _decode_logits(ref, ref.init_caches(BATCH, MAX_LEN, dtype=jnp.int8))
     mesh = sharding.make_mesh(mesh_shape)
     model = sharding.shard_model(make, mesh)
-    caches = sharded.init_caches(model, BATCH, MAX_LEN, mesh, dtype=jnp.int8,
+    caches = sharded_caches.init_caches(model, BATCH, MAX_LEN, mesh, dtype=jnp.int8,
                                   page_size=PAGE_SIZE, kind="paged" if kind == "paged" else "dense")
     got, _, _ = _decode_logits(model, caches)
     diffs[kind] = float(jnp.max(jnp.abs(got - want)))

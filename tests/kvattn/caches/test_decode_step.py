@@ -21,7 +21,7 @@ from kvattn.models import transformer
 from kvattn.caches import dense as cache_lib
 from pallas_kernels import dense_decode
 
-generate_lib = importlib.import_module("kvattn.generate")  # the module, not kvattn.generate()
+generate_lib = importlib.import_module("kvattn.inference.generation")
 
 S, K, H = 16, 2, 8
 # One row per edge: empty before the write, one token, one slot left, and (ops only) a row
