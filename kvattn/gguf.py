@@ -132,7 +132,7 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
   tok = None
   if "tokenizer.ggml.model" in metadata:
     try:
-      tok = tokenizer_lib.Tokenizer.from_gguf_metadata(metadata)
+      tok = tokenizer_lib.Tokenizer.from_gguf_metadata(metadata, source=str(path))
     except ValueError as e:
       raise ValueError(f"{path}: {e}") from e
     except NotImplementedError as e:  # e.g. a sentencepiece vocabulary: the model still loads.

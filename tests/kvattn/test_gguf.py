@@ -245,7 +245,7 @@ def test_tiny_llama_gguf_loads(tmp_path):
     else:
       np.testing.assert_array_equal(got, expected, err_msg=name)
   tok = ck.tokenizer
-  assert tok.bos_id == 0 and tok.eos_id == 0
+  assert tok.bos_id == 0 and tok.eos_id == 0 and tok.source == str(path)  # named by its errors
   assert tok.encode("ab ab<|end|>") == [3, 5, 0]
   assert tok.apply_chat_template([{"role": "user", "content": "ab"}]) == "ab<|end|>"
 
