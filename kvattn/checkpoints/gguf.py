@@ -19,16 +19,21 @@
     sentencepiece vocabulary, `tokenizer.ggml.model == "llama"`: a warning
     says so; pass a `tokenizer.json` to `Tokenizer.from_file` instead).
 
-The file is untrusted: its header is parsed inside a guard, every tensor's
-byte extent is checked against the file size and against its shape and type
-before it is read, and a file that fails a check raises ValueError naming it.
+The file is untrusted: `check_header` walks its header (every length, type and
+offset checked against the file) before the `gguf` package parses it, every
+tensor's shape is checked against the hyperparameters and its byte extent
+against the file before it is read, and a file that fails a check raises
+ValueError naming it and the metadata key or tensor at fault.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import mmap
 import os
 import pathlib
+import struct
 import warnings
 from typing import Any, Mapping
 
@@ -59,6 +64,21 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Tensors every file needs ("{i}": each layer); output.weight is optional (tied head) and the
+# attention biases are qwen2's.
+_REQUIRED_TENSORS = ("token_embd.weight", "output_norm.weight",
+                     *(f"blk.{{i}}.{name}" for name in _LAYER_NAMES if name.endswith(".weight")))
+
+# GGUF metadata value types, numbered as gguf.GGUFValueType: id -> (name, bytes per value; 0
+# for the variable-length STRING and ARRAY).
+_VALUE_TYPES = {0: ("UINT8", 1), 1: ("INT8", 1), 2: ("UINT16", 2), 3: ("INT16", 2),
+                4: ("UINT32", 4), 5: ("INT32", 4), 6: ("FLOAT32", 4), 7: ("BOOL", 1),
+                8: ("STRING", 0), 9: ("ARRAY", 0), 10: ("UINT64", 8), 11: ("INT64", 8),
+                12: ("FLOAT64", 8)}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_READABLE_VERSIONS = (2, 3)  # those gguf.GGUFReader reads
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_ARRAY_NESTING = 8  # arrays of arrays; llama.cpp writes none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +126,8 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
   if not path.is_file():
     raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
   file_size = path.stat().st_size
-  try:
+  check_header(path)
+  try:  # A backstop: check_header has checked what GGUFReader reads.
     reader = gguf.GGUFReader(path)
     metadata = read_metadata(reader)
   except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError,
@@ -119,6 +140,7 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
   config = gguf_config(metadata, shapes, where=str(path))
   names = {name: hf_tensor_name(name, config["num_hidden_layers"], where=str(path))
            for name in infos}
+  check_tensor_shapes(shapes, config, where=str(path))
   tensors = {}
   for name, info in infos.items():
     array = _read_tensor(info, file_size, where=f"{path}: tensor {name!r}")
@@ -132,7 +154,7 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
   tok = None
   if "tokenizer.ggml.model" in metadata:
     try:
-      tok = tokenizer_lib.Tokenizer.from_gguf_metadata(metadata)
+      tok = tokenizer_lib.Tokenizer.from_gguf_metadata(metadata, source=str(path))
     except ValueError as e:
       raise ValueError(f"{path}: {e}") from e
     except NotImplementedError as e:  # e.g. a sentencepiece vocabulary: the model still loads.
@@ -172,8 +194,9 @@ def gguf_config(metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[i
       raise ValueError(f"{where}: metadata key {arch}.{key} is missing")
     if kind is int and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
       raise ValueError(f"{where}: {arch}.{key} must be a positive integer; got {value!r}")
-    if kind is float and not (isinstance(value, (int, float)) and value > 0):
-      raise ValueError(f"{where}: {arch}.{key} must be a positive number; got {value!r}")
+    if kind is float and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                              and value > 0 and math.isfinite(value)):
+      raise ValueError(f"{where}: {arch}.{key} must be a positive finite number; got {value!r}")
     return value
 
   experts = metadata.get(f"{arch}.expert_count", 0)
@@ -186,7 +209,15 @@ def gguf_config(metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[i
   if heads % kv_heads:
     raise ValueError(f"{where}: {arch}.attention.head_count ({heads}) must be divisible by "
                      f"{arch}.attention.head_count_kv ({kv_heads})")
+  if f"{arch}.attention.key_length" not in metadata and hidden < heads:
+    raise ValueError(f"{where}: {arch}.embedding_length ({hidden}) must be at least "
+                     f"{arch}.attention.head_count ({heads}) when "
+                     f"{arch}.attention.key_length is not set")
   head_dim = get("attention.key_length", hidden // heads)
+  if head_dim % 2:
+    raise ValueError(f"{where}: the head dim ({arch}.attention.key_length, else "
+                     f"{arch}.embedding_length / {arch}.attention.head_count) must be even "
+                     f"(RoPE rotates pairs); got {head_dim}")
   value_dim = get("attention.value_length", head_dim)
   if value_dim != head_dim:
     raise NotImplementedError(f"{where}: {arch}.attention.value_length={value_dim} differs from "
@@ -229,6 +260,216 @@ def gguf_config(metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[i
   if window:
     config["sliding_window"] = get("attention.sliding_window")
   return config
+
+
+def check_tensor_shapes(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any], *,
+                        where: str = "GGUF") -> None:
+  """Checks a file's tensors against its hyperparameters, in the file's own names.
+
+  Args:
+    shapes: GGUF tensor name -> numpy-order shape (`[out, in]`).
+    config: `gguf_config`'s result for the file.
+    where: what to name in error messages (the file).
+
+  Raises:
+    ValueError: a required tensor is missing, or a tensor's shape is not the one
+      the metadata implies (the message names the tensor and the metadata keys).
+    NotImplementedError: attention biases in a `llama` file.
+  """
+  arch = config["model_type"]
+  d, f, v = (f"{arch}.embedding_length", f"{arch}.feed_forward_length", f"{arch}.vocab_size")
+  n, k = f"{arch}.attention.head_count", f"{arch}.attention.head_count_kv"
+  h = f"head dim ({arch}.attention.key_length)"
+  D, F, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+  N, K, H = (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"])
+  expected = {  # name -> (shape, what it is made of)
+      "token_embd.weight": ((V, D), f"[{v}, {d}]"),
+      "output.weight": ((V, D), f"[{v}, {d}]"),
+      "output_norm.weight": ((D,), f"[{d}]"),
+      "attn_norm.weight": ((D,), f"[{d}]"),
+      "ffn_norm.weight": ((D,), f"[{d}]"),
+      "attn_q.weight": ((N * H, D), f"[{n} x {h}, {d}]"),
+      "attn_k.weight": ((K * H, D), f"[{k} x {h}, {d}]"),
+      "attn_v.weight": ((K * H, D), f"[{k} x {h}, {d}]"),
+      "attn_output.weight": ((D, N * H), f"[{d}, {n} x {h}]"),
+      "attn_q.bias": ((N * H,), f"[{n} x {h}]"),
+      "attn_k.bias": ((K * H,), f"[{k} x {h}]"),
+      "attn_v.bias": ((K * H,), f"[{k} x {h}]"),
+      "ffn_gate.weight": ((F, D), f"[{f}, {d}]"),
+      "ffn_up.weight": ((F, D), f"[{f}, {d}]"),
+      "ffn_down.weight": ((D, F), f"[{d}, {f}]"),
+  }
+  for name, shape in shapes.items():
+    kind = name.split(".", 2)[2] if name.startswith("blk.") else name
+    if kind.endswith(".bias") and arch == "llama":
+      raise NotImplementedError(f"{where}: tensor {name!r}: attention biases in a llama file "
+                                "are not supported")
+    if kind not in expected:  # hf_tensor_name names what kvattn does not know
+      continue
+    want, why = expected[kind]
+    if tuple(shape) != want:
+      raise ValueError(f"{where}: tensor {name!r} has shape {list(shape)}; expected "
+                       f"{list(want)} = {why} from the file's metadata")
+  layer_kinds = ", ".join(n.split(".")[0] for n in _LAYER_NAMES if n.endswith(".weight"))
+  for template in _REQUIRED_TENSORS:
+    for i in range(config["num_hidden_layers"]) if "{i}" in template else (None,):
+      name = template.format(i=i)
+      if name not in shapes:
+        raise ValueError(f"{where}: tensor {name!r} is missing (a {arch} file needs token_embd, "
+                         f"output_norm and, in each of its {config['num_hidden_layers']} layers, "
+                         f"{layer_kinds})")
+
+
+def check_header(path: str | os.PathLike[str]) -> None:
+  """Walks a GGUF file's header and checks it against the file before anything parses it.
+
+  The header is the magic and version, the metadata key/value pairs, and one
+  record per tensor (name, dimensions, type, data offset). The `gguf` package
+  reads past the end of a truncated or crafted header and fails in numpy's
+  words ("index 0 is out of bounds for axis 0 with size 0"); this walk checks
+  every length, value type, tensor type and tensor extent first.
+
+  Args:
+    path: a `.gguf` file.
+
+  Raises:
+    ValueError: the header is truncated or malformed; the message names the
+      file, the metadata key or tensor at fault (or its position when its name
+      cannot be read) and what was expected.
+  """
+  path = pathlib.Path(path)
+  with open(path, "rb") as f:
+    if path.stat().st_size == 0:
+      raise ValueError(f"{path}: the file is empty; expected a GGUF file")
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+      _HeaderWalk(data, str(path)).walk()
+
+
+class _HeaderWalk:
+  """One pass over a GGUF header in a byte buffer; every read checked against its end."""
+
+  def __init__(self, data, where: str):
+    self.data, self.where, self.offset, self.order = data, where, 0, "<"
+
+  def fail(self, message: str):
+    raise ValueError(f"{self.where}: {message}")
+
+  def take(self, n: int, what: str) -> int:
+    """Claims the next `n` bytes for `what`; returns their offset."""
+    if n > len(self.data) - self.offset:
+      self.fail(f"{what} needs bytes [{self.offset:,}, {self.offset + n:,}) but the file ends at "
+                f"byte {len(self.data):,} (truncated or malformed)")
+    self.offset += n
+    return self.offset - n
+
+  def uint(self, nbytes: int, what: str) -> int:
+    return struct.unpack_from(self.order + ("I" if nbytes == 4 else "Q"), self.data,
+                              self.take(nbytes, what))[0]
+
+  def string(self, what: str) -> str:
+    n = self.uint(8, f"the length of {what}")
+    start = self.take(n, f"{what}, {n:,} bytes,")
+    try:
+      return self.data[start:start + n].decode("utf-8")
+    except UnicodeDecodeError as e:
+      self.fail(f"{what} is not UTF-8 text ({e.reason} at byte {start + e.start:,})")
+
+  def value(self, vtype: int, what: str, depth: int = 0) -> None:
+    """Skips one metadata value of type `vtype`."""
+    if vtype not in _VALUE_TYPES:
+      self.fail(f"{what} has value type {vtype}; expected a GGUF value type (0 to 12)")
+    name, size = _VALUE_TYPES[vtype]
+    if size:
+      self.take(size, f"{what} ({name})")
+    elif vtype == _STRING:
+      self.string(what)
+    else:
+      item = self.uint(4, f"the item type of {what}")
+      count = self.uint(8, f"the length of {what}")
+      if item not in _VALUE_TYPES:
+        self.fail(f"{what} is an array of value type {item}; expected a GGUF value type "
+                  "(0 to 12)")
+      item_name, item_size = _VALUE_TYPES[item]
+      if item_size:
+        self.take(count * item_size, f"{what} ({count:,} {item_name} values)")
+        return
+      if item == _ARRAY and depth >= _MAX_ARRAY_NESTING:
+        self.fail(f"{what} nests arrays more than {_MAX_ARRAY_NESTING} deep")
+      least = count * (8 if item == _STRING else 12)  # each one's length (and item type)
+      if least > len(self.data) - self.offset:
+        self.fail(f"{what} holds {count:,} {item_name} values, which need at least "
+                  f"{least:,} bytes, but {len(self.data) - self.offset:,} bytes are left "
+                  "(truncated or malformed)")
+      for i in range(count):
+        self.value(item, f"{what}[{i}]", depth + 1)
+
+  def walk(self) -> None:
+    import gguf  # pylint: disable=g-import-not-at-top
+
+    magic = bytes(self.data[self.take(4, "the magic number b'GGUF'"):4])
+    if magic != b"GGUF":
+      self.fail(f"starts with {magic!r}; expected b'GGUF' (not a GGUF file)")
+    version = self.uint(4, "the version")
+    if not version & 0xFFFF:  # written on a machine of the other byte order (as gguf reads it)
+      self.order, version = ">", int.from_bytes(version.to_bytes(4, "little"), "big")
+    if version not in _READABLE_VERSIONS:
+      self.fail(f"GGUF version {version}; expected one of {_READABLE_VERSIONS}")
+    tensor_count = self.uint(8, "the tensor count")
+    key_count = self.uint(8, "the metadata key count")
+    # A key takes at least 13 bytes (its length, type and a one-byte value), a tensor 32 (its
+    # name's length, dimension count, one dimension, type and offset).
+    least = 13 * key_count + 32 * tensor_count
+    if least > len(self.data) - self.offset:
+      self.fail(f"the header declares {key_count:,} metadata keys and {tensor_count:,} tensors, "
+                f"which need at least {least:,} bytes, but the file has "
+                f"{len(self.data) - self.offset:,} after them (truncated or malformed)")
+    keys, alignment = set(), gguf.GGUF_DEFAULT_ALIGNMENT
+    for i in range(key_count):
+      key = self.string(f"the name of metadata key #{i} (of {key_count:,})")
+      if key in keys:
+        self.fail(f"metadata key {key!r} appears twice")
+      keys.add(key)
+      vtype = self.uint(4, f"the value type of metadata key {key!r}")
+      start = self.offset
+      self.value(vtype, f"metadata key {key!r}")
+      if key == "general.alignment":
+        if vtype != _UINT32:
+          self.fail(f"metadata key 'general.alignment' has value type {vtype}; expected "
+                    f"{_UINT32} (UINT32)")
+        alignment = struct.unpack_from(self.order + "I", self.data, start)[0]
+        if not alignment or alignment & (alignment - 1):
+          self.fail(f"metadata key 'general.alignment' is {alignment}; expected a power of two")
+    tensors = {}
+    for i in range(tensor_count):
+      name = self.string(f"the name of tensor #{i} (of {tensor_count:,})")
+      what = f"tensor {name!r}"
+      if not name:
+        self.fail(f"tensor #{i} (of {tensor_count:,}) has an empty name")
+      if name in tensors:
+        self.fail(f"{what} appears twice")
+      n_dims = self.uint(4, f"the dimension count of {what}")
+      if not 1 <= n_dims <= _MAX_DIMS:
+        self.fail(f"{what} has {n_dims:,} dimensions; expected 1 to {_MAX_DIMS}")
+      dims = [self.uint(8, f"dimension {d} of {what}") for d in range(n_dims)]
+      type_id = self.uint(4, f"the type of {what}")
+      try:
+        qtype = gguf.GGMLQuantizationType(type_id)
+      except ValueError:
+        self.fail(f"{what} has type id {type_id}; expected a GGML type (e.g. 0 = F32, "
+                  "1 = F16, 8 = Q8_0)")
+      tensors[name] = (dims, qtype, self.uint(8, f"the data offset of {what}"))
+    data_start = -(-self.offset // alignment) * alignment
+    for name, (dims, qtype, offset) in tensors.items():
+      shape = tuple(reversed(dims))  # GGUF lists the fastest axis first
+      block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+      if dims[0] % block:
+        self.fail(f"tensor {name!r} {list(shape)}: row length {dims[0]:,} is not a multiple of "
+                  f"the {qtype.name} block size {block}")
+      start = data_start + offset
+      end = start + math.prod(dims) // block * block_bytes
+      if end > len(self.data):
+        self.fail(f"tensor {name!r} ({qtype.name} {list(shape)}) needs bytes [{start:,}, "
+                  f"{end:,}) but the file has {len(self.data):,} bytes (truncated or malformed)")
 
 
 def hf_tensor_name(name: str, num_layers: int, *, where: str = "GGUF") -> str:

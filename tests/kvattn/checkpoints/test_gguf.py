@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pathlib
+import re
+import struct
 
 import gguf
 import numpy as np
@@ -245,7 +247,7 @@ def test_tiny_llama_gguf_loads(tmp_path):
     else:
       np.testing.assert_array_equal(got, expected, err_msg=name)
   tok = ck.tokenizer
-  assert tok.bos_id == 0 and tok.eos_id == 0
+  assert tok.bos_id == 0 and tok.eos_id == 0 and tok.source == str(path)  # named by its errors
   assert tok.encode("ab ab<|end|>") == [3, 5, 0]
   assert tok.apply_chat_template([{"role": "user", "content": "ab"}]) == "ab<|end|>"
 
@@ -323,7 +325,8 @@ def test_truncated_file(tmp_path, keep):
 def test_not_a_gguf(tmp_path):
   bad = tmp_path / "text.gguf"
   bad.write_text("hello, I am not a GGUF file at all" * 10)
-  with pytest.raises(ValueError, match="text.gguf: not a readable GGUF"):
+  with pytest.raises(ValueError, match=r"text.gguf: starts with b'hell'; expected b'GGUF' "
+                                       r"\(not a GGUF file\)"):
     gguf_lib.load_gguf(bad)
 
 
@@ -374,4 +377,168 @@ def test_missing_key_names_it(tmp_path):
   w.write_tensors_to_file()
   w.close()
   with pytest.raises(ValueError, match="nokey.gguf: metadata key llama.embedding_length"):
+    gguf_lib.load_gguf(path)
+
+
+# ------------------------------------------------------------------------------------------------
+# Crafted headers: the error names the file, the metadata key or tensor and what was expected,
+# never the gguf package's own words ("index 0 is out of bounds for axis 0 with size 0").
+
+
+def _corrupt(good: pathlib.Path, kind: str) -> bytes:
+  """The bytes of `good` with one header field overwritten (offsets found by gguf's reader)."""
+  data = bytearray(good.read_bytes())
+  reader = gguf.GGUFReader(good)
+
+  def key_offset(key):  # offset of key's length, of its value type, of its value
+    field = reader.fields[key]
+    value_type = field.offset + 8 + len(key)
+    return field.offset, value_type, value_type + 4
+
+  def tensor_offset(name):  # offset of the name's length, of n_dims, of the dims
+    field = next(t for t in reader.tensors if t.name == name).field
+    n_dims = field.offset + 8 + len(name)
+    return field.offset, n_dims, n_dims + 4
+
+  def put(offset, fmt, value):
+    data[offset:offset + struct.calcsize(fmt)] = struct.pack(fmt, value)
+
+  if kind == "key count":
+    put(16, "<Q", 2**40)
+  elif kind == "key name length":
+    put(key_offset("llama.context_length")[0], "<Q", 2**50)
+  elif kind == "key name not UTF-8":
+    data[key_offset("llama.context_length")[0] + 8] = 0xFF
+  elif kind == "value type":
+    put(key_offset("llama.context_length")[1], "<I", 99)
+  elif kind == "string length":
+    put(key_offset("tokenizer.chat_template")[2], "<Q", 2**50)
+  elif kind == "array length":
+    put(key_offset("tokenizer.ggml.tokens")[2] + 4, "<Q", 2**40)
+  elif kind == "array item type":
+    put(key_offset("tokenizer.ggml.tokens")[2], "<I", 77)
+  elif kind == "duplicate key":  # a key renamed to an earlier one of the same length
+    offset = key_offset("llama.context_length")[0] + 8
+    data[offset:offset + len("general.architecture")] = b"general.architecture"
+  elif kind == "tensor count":
+    put(8, "<Q", 2**40)
+  elif kind == "tensor dimension count":
+    put(tensor_offset("blk.0.attn_q.weight")[1], "<I", 2**31)
+  elif kind == "tensor dimension":
+    put(tensor_offset("blk.0.attn_q.weight")[2], "<Q", 2**62)
+  elif kind == "tensor type":
+    put(tensor_offset("blk.0.attn_q.weight")[2] + 16, "<I", 99)
+  elif kind == "tensor offset":
+    put(tensor_offset("blk.0.attn_q.weight")[2] + 20, "<Q", 2**40)
+  elif kind == "duplicate tensor":
+    offset = tensor_offset("blk.0.attn_k.weight")[0] + 8
+    data[offset:offset + len("blk.0.attn_v.weight")] = b"blk.0.attn_v.weight"
+  elif kind == "version":
+    put(4, "<I", 99)
+  return bytes(data)
+
+
+@pytest.mark.parametrize("kind, match", [
+    ("version", r"GGUF version 99; expected one of \(2, 3\)"),
+    ("key count", r"the header declares 1,099,511,627,776 metadata keys and 20 tensors, "
+                  r"which need at least [\d,]+ bytes, but the file has [\d,]+ after them"),
+    ("key name length", r"the name of metadata key #\d+ \(of \d+\), 1,125,899,906,842,624 "
+                        r"bytes, needs bytes \[[\d,]+, [\d,]+\) but the file ends at byte"),
+    ("key name not UTF-8", r"the name of metadata key #\d+ \(of \d+\) is not UTF-8 text"),
+    ("value type", r"metadata key 'llama.context_length' has value type 99; expected a GGUF value "
+                   r"type \(0 to 12\)"),
+    ("string length", r"metadata key 'tokenizer.chat_template', 1,125,899,906,842,624 bytes, "
+                      r"needs bytes"),
+    ("array length", r"metadata key 'tokenizer.ggml.tokens' holds 1,099,511,627,776 STRING "
+                     r"values, which need at least"),
+    ("array item type", r"metadata key 'tokenizer.ggml.tokens' is an array of value type 77"),
+    ("duplicate key", r"metadata key 'general.architecture' appears twice"),
+    ("tensor count", r"the header declares 19 metadata keys and 1,099,511,627,776 tensors"),
+    ("tensor dimension count", r"tensor 'blk.0.attn_q.weight' has 2,147,483,648 dimensions; "
+                               r"expected 1 to 4"),
+    ("tensor dimension", r"tensor 'blk.0.attn_q.weight' \(F32 \[32, 4611686018427387904\]\) "
+                         r"needs bytes \[[\d,]+, [\d,]+\) but the file has [\d,]+ bytes"),
+    ("tensor type", r"tensor 'blk.0.attn_q.weight' has type id 99; expected a GGML type"),
+    ("tensor offset", r"tensor 'blk.0.attn_q.weight' \(F32 \[32, 32\]\) needs bytes "
+                      r"\[1,099,511,"),
+    ("duplicate tensor", r"tensor 'blk.0.attn_v.weight' appears twice"),
+])
+def test_crafted_header_names_the_file_and_the_field(tmp_path, kind, match):
+  good = write_tiny_gguf(tmp_path / "good.gguf", _hf_tensors())
+  bad = tmp_path / "crafted.gguf"
+  bad.write_bytes(_corrupt(good, kind))
+  with pytest.raises(ValueError, match=rf"^{re.escape(str(bad))}: {match}"):
+    gguf_lib.load_gguf(bad)
+
+
+def test_every_truncation_names_the_file_and_what_it_cut(tmp_path):
+  # Every cut inside the header and at a few points in the tensor data: the field (or tensor)
+  # whose bytes are missing is named, never numpy's words.
+  good = write_tiny_gguf(tmp_path / "good.gguf", _hf_tensors())
+  data = good.read_bytes()
+  header_end = gguf.GGUFReader(good).data_offset
+  bad = tmp_path / "cut.gguf"
+  for keep in [*range(1, header_end + 1), len(data) - 4096, len(data) - 1]:
+    bad.write_bytes(data[:keep])
+    with pytest.raises(ValueError) as info:
+      gguf_lib.load_gguf(bad)
+    message = str(info.value)
+    assert message.startswith(f"{bad}: "), (keep, message)
+    assert re.search(r"(needs bytes \[[\d,]+, [\d,]+\) but the file (ends at byte|has) "
+                     rf"{keep:,}( bytes)?|which need at least)", message), (keep, message)
+    assert re.search(r"metadata key|tensor|magic|version|count", message), (keep, message)
+
+
+def test_tensor_shape_names_the_tensor_and_the_metadata_keys(tmp_path):
+  tensors = _hf_tensors()
+  tensors["model.layers.1.self_attn.k_proj.weight"] = np.zeros((3 * H, D), np.float32)
+  path = write_tiny_gguf(tmp_path / "shape.gguf", {
+      k: v for k, v in tensors.items() if k != "model.layers.1.self_attn.k_proj.weight"},
+      extra_tensors={"blk.1.attn_k.weight": tensors["model.layers.1.self_attn.k_proj.weight"]})
+  with pytest.raises(ValueError, match=r"shape.gguf: tensor 'blk.1.attn_k.weight' has shape "
+                                       r"\[24, 32\]; expected \[16, 32\] = "
+                                       r"\[llama.attention.head_count_kv x head dim "
+                                       r"\(llama.attention.key_length\), llama.embedding_length\]"):
+    gguf_lib.load_gguf(path)
+
+
+def test_missing_tensor_is_named_in_the_files_names(tmp_path):
+  path = write_tiny_gguf(tmp_path / "gap.gguf", {
+      k: v for k, v in _hf_tensors().items() if k != "model.layers.1.mlp.down_proj.weight"})
+  with pytest.raises(ValueError, match=r"gap.gguf: tensor 'blk.1.ffn_down.weight' is missing "
+                                       r"\(a llama file needs token_embd, output_norm"):
+    gguf_lib.load_gguf(path)
+
+
+def test_llama_attention_bias_is_named(tmp_path):
+  path = write_tiny_gguf(tmp_path / "bias.gguf", _hf_tensors(),
+                         extra_tensors={"blk.0.attn_q.bias": np.zeros(N * H, np.float32)})
+  with pytest.raises(NotImplementedError, match=r"bias.gguf: tensor 'blk.0.attn_q.bias': "
+                                                r"attention biases in a llama file"):
+    gguf_lib.load_gguf(path)
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"llama.attention.key_length": (7, gguf.GGUFValueType.UINT32)},
+     r"the head dim \(llama.attention.key_length, else llama.embedding_length / "
+     r"llama.attention.head_count\) must be even \(RoPE rotates pairs\); got 7"),
+    ({"llama.attention.layer_norm_rms_epsilon": (float("inf"), gguf.GGUFValueType.FLOAT32)},
+     r"llama.attention.layer_norm_rms_epsilon must be a positive finite number; got inf"),
+])
+def test_bad_metadata_value_names_the_key(tmp_path, extra, match):
+  path = tmp_path / "md.gguf"
+  w = gguf.GGUFWriter(str(path), "llama")
+  for key, value in [("block_count", L), ("context_length", 64), ("embedding_length", D),
+                     ("feed_forward_length", F), ("attention.head_count", N),
+                     ("vocab_size", V)]:
+    w.add_uint32(f"llama.{key}", value)
+  extra = {"llama.attention.layer_norm_rms_epsilon": (1e-5, gguf.GGUFValueType.FLOAT32), **extra}
+  for key, (value, vtype) in extra.items():
+    w.add_key_value(key, value, vtype)
+  w.add_tensor("output_norm.weight", np.ones(D, np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  with pytest.raises(ValueError, match=rf"md.gguf: {match}"):
     gguf_lib.load_gguf(path)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import pathlib
+import re
+import time
 
 import jinja2
 import pytest
@@ -169,3 +172,152 @@ def test_bad_calls():
     Tokenizer("not a tokenizer")
   with pytest.raises(ValueError, match="add_bos=True needs a bos_id"):
     Tokenizer(tokenizers.Tokenizer(tokenizers.models.BPE()), add_bos=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Render budgets: hostile templates stop fast, naming the template's file and the limit; real
+# templates render as before.
+
+_HOSTILE_TEMPLATES = {
+    # kind: (template, the limit the error names)
+    "nested loops": (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "TEMPLATE_MAX_STEPS"),
+    "loop with a heavy body": (
+        "{% for i in range(100000) %}" + "{% if i == 1 or i == 2 %}{% endif %}" * 30
+        + "{% endfor %}", "TEMPLATE_MAX_STEPS"),
+    "macro call tree": (
+        "{% macro t(n) %}{% if n %}{{ t(n - 1) }}{{ t(n - 1) }}{% endif %}{% endmacro %}"
+        "{{ t(40) }}",
+        "TEMPLATE_MAX_STEPS"),
+    "huge string multiply": ("{{ 'x' * 10**10 }}", "TEMPLATE_MAX_CHARS"),
+    "huge list multiply": ("{{ [1] * 10**10 }}", "TEMPLATE_MAX_CHARS"),
+    "nested list multiply": ("{{ ([[1] * 1000] * 1000)|length }}", "TEMPLATE_MAX_CHARS"),
+    "string appends in a loop": (
+        "{% set ns = namespace(s='') %}{% for i in range(100000) %}{% for j in range(100) %}"
+        "{% set ns.s = ns.s ~ 'x' %}{% endfor %}{% endfor %}{{ ns.s|length }}",
+        "TEMPLATE_WORK_FACTOR"),
+    "output of a loop": (
+        "{% for i in range(100000) %}{% for j in range(1000) %}xxxxxxxxxx{% endfor %}{% endfor %}",
+        "TEMPLATE_MAX_CHARS"),
+    "doubling by macro recursion": (
+        "{% macro d(s, n) %}{{ d(s ~ s, n - 1) if n else s|length }}{% endmacro %}{{ d('x', 40) }}",
+        "TEMPLATE_MAX_CHARS"),
+    "join over a huge range": ("{{ range(10**9)|join }}", "jinja2.sandbox.MAX_RANGE"),
+    "join with a huge separator": ("{{ range(100000)|join('x' * 100000) }}", "TEMPLATE_MAX_CHARS"),
+    "str.join with a huge separator": (
+        "{{ ('x' * 100000).join(range(100000)|map('string')) }}", "TEMPLATE_MAX_CHARS"),
+    "huge power": ("{{ 10 ** 100000000 }}", "TEMPLATE_MAX_DIGITS"),
+    "center filter": ("{{ 'x'|center(10**10) }}", "TEMPLATE_MAX_CHARS"),
+    "str.ljust": ("{{ 'x'.ljust(10**10) }}", "TEMPLATE_MAX_CHARS"),
+    "str.replace": ("{% set s = 'a' * 100000 %}{{ s.replace('a', s) }}", "TEMPLATE_MAX_CHARS"),
+    "printf width": ("{{ '%10000000000s' % 'x' }}", "TEMPLATE_MAX_CHARS"),
+    "str.format width": ("{{ '{:>10000000000}'.format('x') }}", "TEMPLATE_MAX_CHARS"),
+    "tojson indent": ("{{ [[[1]]]|tojson(indent=10**9) }}", "TEMPLATE_MAX_CHARS"),
+    "lipsum": ("{{ lipsum(n=10**7) }}", "TEMPLATE_MAX_CHARS"),
+    "slices in a loop": (
+        "{% set s = 'x' * 1000000 %}{% for i in range(100000) %}{% set t = s[1:] %}{% endfor %}",
+        "TEMPLATE_WORK_FACTOR"),
+    "scans in a loop": (
+        "{% set s = 'x' * 1000000 %}{% for i in range(100000) %}{% if 'y' in s %}{% endif %}"
+        "{% endfor %}", "TEMPLATE_WORK_FACTOR"),
+    "recursion": ("{% macro r() %}{{ r() }}{% endmacro %}{{ r() }}", "recursion limit"),
+}
+
+
+@pytest.mark.parametrize("kind", _HOSTILE_TEMPLATES)
+def test_hostile_template_stops_fast_naming_its_file_and_the_limit(kind):
+  template, limit = _HOSTILE_TEMPLATES[kind]
+  tok = Tokenizer.from_gguf_metadata(_metadata(**{"tokenizer.chat_template": template}),
+                                     source="/models/evil.gguf")
+  start = time.perf_counter()
+  with pytest.raises(tokenizer_lib.ChatTemplateBudgetError,
+                     match=rf"^chat template of /models/evil\.gguf: .*{re.escape(limit)}"):
+    tok.apply_chat_template([{"role": "user", "content": "hi"}])
+  # About 1 s at worst on a loaded 2-core machine (most kinds stop in milliseconds).
+  assert time.perf_counter() - start < 5
+  assert issubclass(tokenizer_lib.ChatTemplateBudgetError, ValueError)
+
+
+def test_budget_error_names_tokenizer_config_json(tmp_path):
+  Tokenizer.from_gguf_metadata(_metadata()).backend.save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+      {"chat_template": "{{ 'x' * 10**10 }}"}))
+  tok = Tokenizer.from_file(tmp_path / "tokenizer.json")
+  assert tok.source == str(tmp_path / "tokenizer_config.json")
+  with pytest.raises(ValueError, match=r"tokenizer_config\.json: '\*' would build "
+                                       r"10,000,000,000 characters or items, over the limit of "
+                                       r"1,000,\d+ per render "
+                                       r"\(kvattn.checkpoints.tokenizer.TEMPLATE_MAX_CHARS"):
+    tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_budget_grows_with_the_conversation():
+  # A conversation longer than TEMPLATE_MAX_CHARS renders: the limit adds twice the input.
+  tok = Tokenizer.from_gguf_metadata(_metadata())
+  content = "y" * (2 * tokenizer_lib.TEMPLATE_MAX_CHARS)
+  assert tok.apply_chat_template([{"role": "user", "content": content}]) == \
+      f"  <user>{content}<|end|>\n<assistant>"
+  # A loop over 2,000 messages that asks for the message count each time stays within budget.
+  tpl = ("{% for m in messages %}{% if loop.index0 < messages|length - 1 and 'content' in m %}"
+         "{{ m['content']|trim }}{% endif %}{% endfor %}")
+  long = [{"role": "user", "content": "word " * 100} for _ in range(2000)]
+  tok = Tokenizer(tok.backend, chat_template=tpl)
+  assert tok.apply_chat_template(long) == ("word " * 99 + "word") * 1999
+
+
+# Templates that use every hook the budget adds (loops, recursion, macros, caller, filters,
+# tests, methods, operators, slices, comparisons, set blocks, loop controls): each renders
+# exactly as jinja2's plain sandbox with transformers' settings renders it.
+_BENIGN_TEMPLATES = [
+    "{% for m in messages %}{{ loop.index }}/{{ loop.length }}{{ loop.cycle('a', 'b') }}"
+    "{% if loop.last %}!{% endif %}{% endfor %}",
+    "{% for x in [1, [2, [3]]] recursive %}{% if x is iterable %}{{ loop(x) }}{% else %}{{ x }}"
+    "{% endif %}{% endfor %}",
+    "{% macro m(x) %}<{{ x }}{{ caller() if caller }}>{% endmacro %}{{ m(1) }}"
+    "{% call m(2) %}c{% endcall %}",
+    "{{ messages|map(attribute='role')|join(', ') }} {{ messages|selectattr('role', 'equalto',"
+    " 'user')|list|length }} {{ messages|tojson(indent=2) }} {{ 'a\nb'|indent(2, true) }}",
+    "{{ 'x'|center(9) }}|{{ 'aXbX'|replace('X', '--') }}|{{ '%s-%05d'|format('a', 42) }}|"
+    "{{ range(7)|batch(3)|list }}|{{ range(7)|slice(3)|list }}|{{ 'a b c d'|wordwrap(3) }}|"
+    "{{ [[1], [2, 3]]|sum(start=[]) }}|{{ range(4)|sum }}|{{ 'Hello'|upper|truncate(9) }}",
+    "{{ 'user' is in(['user', 'system']) }}{{ 3 is divisibleby 3 }}{{ none is none }}"
+    "{{ 'ab'.ljust(4, '.') }}{{ '{}-{:>3}'.format(1, 2) }}{{ '-'.join(['a', 'b']) }}"
+    "{{ 'a\tb'.expandtabs(4) }}{{ 'abc'.replace('b', 'B') }}",
+    "{{ 'x' * 3 }}{{ [1, 2] * 2 }}{{ 2 ** 10 }}{{ 7 // 2 }}{{ 7 % 3 }}{{ '%d%%' % 5 }}"
+    "{{ 1 + 2 - 3 }}{{ 'a' ~ 1 ~ none }}{{ 'abcdef'[1:4] }}{{ messages[::-1][0]['role'] }}"
+    "{{ 1 < 2 < 3 }}{{ 'a' in 'abc' }}{{ messages[0] == messages[0] }}",
+    "{% set ns = namespace(n=0, s='') %}{% for i in range(10) %}{% if i == 2 %}{% continue %}"
+    "{% endif %}{% if i > 6 %}{% break %}{% endif %}{% set ns.n = ns.n + i %}"
+    "{% set ns.s = ns.s ~ i %}{% endfor %}{{ ns.n }} {{ ns.s }}{% set b %}[{{ ns.s }}]{% endset %}"
+    "{{ b }}{% filter upper %}up{% endfilter %}{{ undefined_name }}{{ bos_token }}",
+]
+
+
+@pytest.mark.parametrize("template", _BENIGN_TEMPLATES)
+def test_budgeted_render_equals_jinja2s_plain_sandbox(template):
+  from jinja2 import sandbox  # pylint: disable=g-import-not-at-top
+  from jinja2.ext import loopcontrols  # pylint: disable=g-import-not-at-top
+  env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                              extensions=[loopcontrols])
+  env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+  messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "<é>"}]
+  expected = env.from_string(template).render(messages=messages, add_generation_prompt=True,
+                                              bos_token="<|end|>", eos_token="<|end|>")
+  tok = Tokenizer.from_gguf_metadata(_metadata(**{"tokenizer.chat_template": template}))
+  assert tok.apply_chat_template(messages) == expected
+
+
+def test_smollm2_chat_template_renders_transformers_prompts():
+  # The template shipped in SmolLM2-135M-Instruct's GGUF (metadata only, no weights), against
+  # the prompts transformers rendered (tests/fixtures/smollm2_reference.json).
+  import gguf  # pylint: disable=g-import-not-at-top
+  from kvattn.checkpoints import gguf as gguf_lib  # pylint: disable=g-import-not-at-top
+  from kvattn.checkpoints import hub
+  path = hub.resolve("smollm2-135m-instruct")
+  metadata = gguf_lib.read_metadata(gguf.GGUFReader(path))
+  tok = Tokenizer.from_gguf_metadata(metadata, source=str(path))
+  reference = json.loads((pathlib.Path(__file__).parents[1] / "fixtures" /
+                          "smollm2_reference.json").read_text(encoding="utf-8"))
+  for chat in reference["chats"]:
+    assert tok.apply_chat_template(chat["messages"], add_generation_prompt=True) == chat["prompt"]
