@@ -22,4 +22,4 @@ def test_the_readme_paths_resolve_after_import_kvattn():
   assert callable(kvattn.checkpoints.hub.register)
   assert callable(kvattn.caches.checkpoint.save_caches)
   assert callable(kvattn.sharding.make_mesh)
-  assert callable(kvattn.training.trainer.uptrain)
+  assert callable(kvattn.train.uptrain)
