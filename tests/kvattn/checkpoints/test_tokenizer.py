@@ -317,7 +317,7 @@ def test_smollm2_chat_template_renders_transformers_prompts():
   path = hub.resolve("smollm2-135m-instruct")
   metadata = gguf_lib.read_metadata(gguf.GGUFReader(path))
   tok = Tokenizer.from_gguf_metadata(metadata, source=str(path))
-  reference = json.loads((pathlib.Path(__file__).parents[1] / "fixtures" /
+  reference = json.loads((pathlib.Path(__file__).parents[2] / "fixtures" /
                           "smollm2_reference.json").read_text(encoding="utf-8"))
   for chat in reference["chats"]:
     assert tok.apply_chat_template(chat["messages"], add_generation_prompt=True) == chat["prompt"]
