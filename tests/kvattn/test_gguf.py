@@ -542,3 +542,16 @@ def test_bad_metadata_value_names_the_key(tmp_path, extra, match):
   w.close()
   with pytest.raises(ValueError, match=rf"md.gguf: {match}"):
     gguf_lib.load_gguf(path)
+
+
+def test_from_pretrained_reports_a_bad_file_in_its_own_names(tmp_path):
+  # End to end: a GGUF error names GGUF tensors and keys, never the HF names build_model uses.
+  import kvattn  # pylint: disable=g-import-not-at-top
+  tensors = _hf_tensors()
+  path = write_tiny_gguf(tmp_path / "v.gguf", {
+      k: v for k, v in tensors.items() if k != "model.layers.0.self_attn.v_proj.weight"},
+      extra_tensors={"blk.0.attn_v.weight": np.zeros((K * H, D + 1), np.float32)})
+  with pytest.raises(ValueError, match=r"v.gguf: tensor 'blk.0.attn_v.weight' has shape "
+                                       r"\[16, 33\]; expected \[16, 32\]") as info:
+    kvattn.from_pretrained(path)
+  assert "model.layers" not in str(info.value)
