@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import pathlib
+import re
 import shutil
 
 import jax
@@ -299,10 +300,10 @@ def test_older_config_format_gives_the_same_model_config():
     ("deepseek_v2", dict(first_k_dense_replace=1),
      r"first_k_dense_replace=1 .*layers \[1\] would be mixture-of-experts"),
     ("llama_gqa", dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)),
-     r"rope_scaling.rope_type='dynamic' is not supported"),
+     r"rope_parameters.rope_type='dynamic' is not supported"),
     ("llama_gqa", dict(rope_parameters=dict(rope_type="yarn", factor=2.0, rope_theta=1e4,
                                             original_max_position_embeddings=64)),
-     r"rope_scaling.rope_type='yarn' .*model_type 'llama' supports \['linear', 'llama3'\]"),
+     r"rope_parameters.rope_type='yarn' .*model_type 'llama' supports \['linear', 'llama3'\]"),
     ("llama_gqa", dict(model_type="gpt2"), r"model_type='gpt2' is not supported"),
     ("llama_gqa", dict(attention_bias=True), r"attention_bias=True is not supported"),
     ("deepseek_v2", dict(attention_bias=True), r"attention_bias=True is not supported"),
@@ -325,7 +326,8 @@ def test_missing_required_config_key_is_named():
     pretrained.model_config_from_hf(config)
   config = _config("llama_rope3")
   del config["rope_parameters"]["low_freq_factor"]
-  with pytest.raises(ValueError, match=r"rope_scaling.low_freq_factor is missing"):
+  with pytest.raises(ValueError, match=r"config key 'rope_parameters.low_freq_factor' is "
+                                       r"missing"):
     pretrained.model_config_from_hf(config)
 
 
@@ -371,3 +373,72 @@ def test_new_attention_keys_are_validated_with_the_dotted_key():
   with pytest.raises(TypeError, match=r"rope_scaling must be a kvattn.ops.RopeScaling"):
     kvattn.GroupedQueryAttention(d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
                                  rope_scaling="linear", rngs=nnx.Rngs(0))
+
+
+# A config.json value kvattn cannot use: the error names the file and the config.json key as
+# the checkpoint spells it, never kvattn's field (model.attention.num_kv_heads, ...).
+@pytest.mark.parametrize("name, updates, key, expected", [
+    ("llama_gqa", dict(num_key_value_heads=3), "num_attention_heads",
+     r"\(4\) must be divisible by 'num_key_value_heads' \(3\)"),
+    ("llama_gqa", dict(num_key_value_heads=0), "num_key_value_heads",
+     "must be a positive integer; got 0"),
+    ("llama_gqa", dict(num_attention_heads=0), "num_attention_heads",
+     "must be a positive integer; got 0"),
+    ("llama_gqa", dict(hidden_size=64.5), "hidden_size", "must be a positive integer; got 64.5"),
+    ("llama_gqa", dict(hidden_size="64"), "hidden_size", "must be a positive integer; got '64'"),
+    ("llama_gqa", dict(num_hidden_layers=True), "num_hidden_layers",
+     "must be a positive integer; got True"),
+    ("llama_gqa", dict(head_dim=15), "head_dim", r"must be even \(RoPE rotates pairs\); got 15"),
+    ("llama_gqa", dict(head_dim=None, hidden_size=60), "hidden_size",
+     r"' / 'num_attention_heads' must be even \(RoPE rotates pairs\); got 15"),
+    ("llama_gqa", dict(rms_norm_eps="tiny"), "rms_norm_eps",
+     "must be a positive finite number; got 'tiny'"),
+    ("llama_gqa", dict(tie_word_embeddings="no"), "tie_word_embeddings",
+     "must be true or false; got 'no'"),
+    ("llama_gqa", dict(rope_parameters=dict(rope_type="default", rope_theta=0)),
+     "rope_parameters.rope_theta", "must be a positive finite number; got 0"),
+    ("llama_gqa", dict(rope_parameters=dict(rope_type="linear", factor="two", rope_theta=1e4)),
+     "rope_parameters.factor", "must be a positive finite number; got 'two'"),
+    ("llama_gqa", dict(rope_scaling="linear"), "rope_scaling", "must be a mapping; got 'linear'"),
+    ("mistral_window", dict(sliding_window=0), "sliding_window",
+     "must be a positive integer; got 0"),
+    ("qwen2_bias", dict(layer_types="full_attention"), "layer_types",
+     "must be a list of num_hidden_layers = 2 entries"),
+    ("deepseek_v2", dict(qk_rope_head_dim=3), "qk_rope_head_dim",
+     r"must be even \(RoPE rotates pairs\); got 3"),
+    ("deepseek_v2", dict(moe_layer_freq=0, first_k_dense_replace=0), "moe_layer_freq",
+     "must be a positive integer; got 0"),
+])
+def test_bad_config_value_names_the_config_key_and_file(tmp_path, name, updates, key, expected):
+  path = _copy_checkpoint(tmp_path, name, config=updates)
+  with pytest.raises(ValueError) as info:
+    kvattn.from_pretrained(path)
+  message = str(info.value)
+  assert re.match(rf"{re.escape(str(path / 'config.json'))}: config key '{re.escape(key)}'? ?"
+                  rf".*{expected}", message), message
+  assert "model." not in message and "num_kv_heads" not in message, message
+
+
+def test_a_check_only_kvattn_makes_still_names_the_config_keys(tmp_path):
+  # llama3 rope needs high_freq_factor > low_freq_factor: kvattn's RopeScaling checks it; the
+  # error adds the config.json keys behind the fields it names.
+  params = dict(_config("llama_rope3")["rope_parameters"], high_freq_factor=1.0,
+                low_freq_factor=4.0)
+  path = _copy_checkpoint(tmp_path, "llama_rope3", config=dict(rope_parameters=params))
+  with pytest.raises(ValueError, match=r"config\.json: the model this config describes is "
+                                       r"invalid: .*rope_high_freq_factor must exceed "
+                                       r"rope_low_freq_factor; got 1.0 and 4.0") as info:
+    kvattn.from_pretrained(path)
+  assert "rope_high_freq_factor <- rope_parameters.high_freq_factor" in str(info.value)
+  assert "rope_low_freq_factor <- rope_parameters.low_freq_factor" in str(info.value)
+
+
+def test_older_config_format_errors_name_its_keys():
+  config = _config("llama_gqa", rope_parameters=None, rope_theta=1e4,
+                   rope_scaling=dict(type="dynamic", factor=2.0))
+  with pytest.raises(NotImplementedError, match=r"^config rope_scaling\.type='dynamic'"):
+    pretrained.model_config_from_hf(config)
+  config["rope_scaling"] = dict(type="linear", factor=-1)
+  with pytest.raises(ValueError, match=r"^config key 'rope_scaling\.factor' must be a positive "
+                                       r"finite number; got -1"):
+    pretrained.model_config_from_hf(config)
