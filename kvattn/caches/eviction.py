@@ -95,8 +95,11 @@ def _avg_pool(x: jax.Array, size: int) -> jax.Array:
 
 
 def _random_score(c: Candidates, o: dict[str, int]) -> jax.Array:
-  key = jax.random.fold_in(jax.random.key(o["seed"]), jnp.sum(c.end))
-  return jax.random.uniform(key, c.pos.shape)
+  """Uniform scores, keyed per sequence by its own length, so a row's evictions do not
+  depend on the other rows of its batch."""
+  base = jax.random.key(o["seed"])
+  keys = jax.vmap(lambda end: jax.random.fold_in(base, end))(c.end[:, 0, 0])
+  return jax.vmap(lambda key: jax.random.uniform(key, c.pos.shape[1:]))(keys)
 
 
 def _knorm_score(c: Candidates, o: dict[str, int]) -> jax.Array:

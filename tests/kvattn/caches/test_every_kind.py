@@ -125,11 +125,7 @@ def test_garbage_in_unused_slots_and_per_sequence_lengths(model, prompts, kind):
       _prefill_logits(model, _poison(registry.build_caches(model, 2, max_len, None, spec)),
                       prompts),
       _prefill_logits(model, registry.build_caches(model, 2, max_len, None, spec), prompts))
-  # Row 1 of the ragged batch equals row 1 decoded alone. Known exception: "random" seeds
-  # its scores with the batch's total length (eviction.py, _random_score), so a row's
-  # evictions depend on the batch; per-row keys would fix it (open, in the closing note).
-  if kind == "random":
-    return
+  # Row 1 of the ragged batch equals row 1 decoded alone.
   alone, _ = generate(model, prompts[1:, :PROMPT_LENGTHS[1]], PROMPT_LENGTHS[1:], NEW_TOKENS,
                       cache_factory=factory)
   np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(clean)[1])
