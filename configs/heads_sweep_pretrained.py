@@ -15,7 +15,7 @@ C = 72, 232 and 360, i.e. 96, 256 and 384 cached numbers per token and layer: be
 (128), between, and equal to K = 3 (384; C = 360 is the full rank, so that point is the
 partial-RoPE model exactly). Each point: cache bytes/token, held-out perplexity and 2k-token
 passkey accuracy before and after `train.steps` uptraining steps, decode tokens/s
-(experiments/heads_pretrained_experiment.py).
+(experiments/families/heads_pretrained.py).
 
 `get_config(arg)`: "" (the full run: every point, 80 attention-only uptraining steps of
 4 x 128 tokens = 40,960 tokens per point, peak lr 3e-4; measured at 67.5 CPU-minutes,
@@ -109,7 +109,7 @@ def get_config(arg=None):
   config.decode.repeats = 1 if smoke else 3  # Timed runs (median reported).
 
   config.experiment = config_dict.ConfigDict()
-  config.experiment.kind = "heads_pretrained"  # experiments/heads_pretrained_experiment.py.
+  config.experiment.kind = "heads_pretrained"  # experiments/families/heads_pretrained.py.
   config.experiment.name = "kvattn: head grouping on a pretrained model"  # Report title.
   config.experiment.max_points = config_dict.placeholder(int)  # None: all points.
   return config

@@ -8,7 +8,7 @@ Points (`get_sweep()`): at each context of CONTEXTS, the unswitched dense cache 
 and a `kvattn.LengthSwitchKVCache` switching SmolLM2-135M-Instruct's 3 KV heads to 1 (their
 mean) at each length of SWITCH_LENGTHS. Each point measures perplexity over `context`
 tokens, decode tokens/s after them, cache bytes, and passkey accuracy at that context
-(experiments/length_switch_experiment.py).
+(experiments/families/length_switch.py).
 
 `get_config(arg)` and `get_sweep(arg)` take "" (the full run), "smoke" or "reduced" (both
 contexts, switch at 256 only, one passkey depth, 8 decode steps, chunks of 512: for a
@@ -58,7 +58,7 @@ def get_config(arg=None):
   # Tokens per forward pass (the switch cache is exact for any chunking).
   config.text.chunk = 128 if smoke else 512 if reduced else 256
 
-  # Passkey retrieval (prompts of experiments/long_context_experiment.py).
+  # Passkey retrieval (prompts of experiments/families/long_context.py).
   config.passkey = config_dict.ConfigDict()
   # Needle depths (fraction of the prompt).
   config.passkey.depths = (0.5,) if smoke or reduced else (0.1, 0.5, 0.9)

@@ -1,8 +1,8 @@
 r"""Long-context caches on a real model: streaming perplexity, passkey retrieval, cost.
 
-    python -m experiments.long_context_experiment --config=configs/long_context.py:smoke \
+    python -m experiments.main --config=configs/long_context.py:smoke \
         --workdir=/tmp/long_context
-    python -m experiments.long_context_experiment --config=configs/long_context.py \
+    python -m experiments.main --config=configs/long_context.py \
         --workdir=runs/long_context
 
 Points (`get_sweep()`): the full cache, then at each budget of BUDGETS a plain
@@ -14,7 +14,7 @@ streaming perplexity of `text.num_tokens` tokens of the default corpus of
 passkey retrieval over `passkey.contexts` x `passkey.depths`, cache bytes per
 sequence; one "speed" point measures decode tokens/s and the eviction
 overhead per step of every kind and budget side by side
-(experiments/long_context_experiment.py).
+(experiments/families/long_context.py).
 
 `get_config(arg)` and `get_sweep(arg)` take "" (the full run) or "smoke".
 """

@@ -1,8 +1,8 @@
 r"""Paged vs dense KV cache on a long-tailed mix of sequence lengths (PagedAttention).
 
-    python -m experiments.paged_experiment --config=configs/paged.py --workdir=runs/paged
-    python -m experiments.paged_experiment --config=configs/paged.py:smoke --workdir=/tmp/paged
-    python -m experiments.paged_experiment --config=configs/paged.py --workdir=runs/paged \
+    python -m experiments.main --config=configs/paged.py --workdir=runs/paged
+    python -m experiments.main --config=configs/paged.py:smoke --workdir=/tmp/paged
+    python -m experiments.main --config=configs/paged.py --workdir=runs/paged \
         --config.workload.num_sequences=32 --config.cache.max_len=2048
 
 Points (`get_sweep()`): the dense cache (every sequence reserves
@@ -95,7 +95,7 @@ def get_config(arg=None):
   # Experiment bookkeeping.
   config.experiment = config_dict.ConfigDict()
   experiment = config.experiment
-  experiment.kind = "paged"  # Family (experiments.paged_experiment registers it).
+  experiment.kind = "paged"  # Family (experiments.families.paged registers it).
   experiment.name = "kvattn: paged vs dense KV cache"  # Report title.
   experiment.max_points = config_dict.placeholder(int)  # Measure at most this many new points
   # in one invocation (None: all); a rerun continues.

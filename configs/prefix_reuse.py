@@ -71,7 +71,7 @@ def get_config(arg=None):
 
   # Bookkeeping.
   config.experiment = config_dict.ConfigDict()
-  config.experiment.kind = "prefix_reuse"  # experiments/prefix_reuse_experiment.py.
+  config.experiment.kind = "prefix_reuse"  # experiments/families/prefix_reuse.py.
   config.experiment.name = ""  # Report title; "" = default.
   config.experiment.max_points = 0  # Stop after this many new points (0 = all).
   return config

@@ -10,7 +10,7 @@ with every cache dtype of `CACHE_DTYPES`. Each variant is trained once (the
 model, training and data settings are those of configs/toy.py, where
 every inherited field is documented, so `experiment.train_dir` can point at
 the main job's trained params) and every point of that variant measures, with
-its cache dtype (experiments/quant_experiment.py):
+its cache dtype (experiments/families/quant.py):
   * cache bytes per token read from the real arrays (values + f32 scales),
     checked against `kvattn.memory` (the run stops if they differ);
   * decode tokens/s through kvattn.generate's compiled loop at S = the one
@@ -46,7 +46,7 @@ def get_config(arg=None):
   config.decode.repeats = 2 if smoke else 3  # Timed prefills (median, min, max reported).
   config.decode.decode_repeats = 2 if smoke else 3  # Timed decode loops per timed prefill.
 
-  # Quality of decoding through the cache (experiments/quant_experiment.py).
+  # Quality of decoding through the cache (experiments/families/quant.py).
   config.quality = config_dict.ConfigDict()
   quality = config.quality
   quality.rows = 16 if smoke else 128  # Validation rows (data.seq_len + 1 tokens each) scored
@@ -59,7 +59,7 @@ def get_config(arg=None):
   quality.agreement_prompts = 2 if smoke else 4  # Prompts (real validation text) generated from.
   quality.agreement_prompt_len = 16 if smoke else 64  # Tokens per prompt.
 
-  config.experiment.kind = "quant"  # Family: experiments/quant_experiment.py.
+  config.experiment.kind = "quant"  # Family: experiments/families/quant.py.
   config.experiment.name = "kvattn: quantized KV caches"  # Report title.
   return config
 

@@ -6,10 +6,10 @@ r"""Sequence length S over powers of two, up to what fits in this machine's memo
 The model, training and decode settings are those of configs/toy.py (every
 field is documented there) except for the fields set below. `cache.seq_lens`
 is computed when the config is loaded: S = 256, 512, ... (smoke: 16, 32)
-while `experiments.variants_experiment.point_memory_bytes` -- the cache from
+while `experiments.families.variants.point_memory_bytes` -- the cache from
 `kvattn.models.transformer.cache_bytes_per_token` plus the prefill's attention
 scores, activations and parameters -- stays within `cache.memory_fraction` of
-the RAM available now (`experiments.runner.available_memory_bytes`). The
+the RAM available now (`experiments.framework.runner.available_memory_bytes`). The
 same check runs again before any training, so an override such as
 `--config.cache.seq_lens='(1048576,)'` fails naming `cache.seq_lens`.
 
@@ -18,7 +18,7 @@ argument as `get_config(arg)` ("" or "smoke").
 """
 
 from configs import toy as default
-from experiments import variants_experiment
+from experiments.families import variants as variants_experiment
 
 _START = {"": 256, "smoke": 16}  # Smallest S.
 _STOP = {"": None, "smoke": 32}  # Largest S tried (None: memory decides).

@@ -74,7 +74,7 @@ def get_config(arg=None):
   cache.seq_lens = (16, 32) if smoke else (256, 512, 1024)  # Capacities S measured (tokens).
   cache.memory_fraction = 0.5  # A point may plan to use this fraction of the available RAM;
   # a larger S fails validation before any training
-  # (experiments.variants_experiment.point_memory_bytes).
+  # (experiments.families.variants.point_memory_bytes).
 
   # Decode timing through kvattn.generate's compiled prefill + decode loop.
   config.decode = config_dict.ConfigDict()
@@ -123,7 +123,7 @@ def get_config(arg=None):
   # Experiment bookkeeping.
   config.experiment = config_dict.ConfigDict()
   experiment = config.experiment
-  experiment.kind = "variants"  # Family: experiments/variants_experiment.py.
+  experiment.kind = "variants"  # Family: experiments/families/variants.py.
   experiment.name = "kvattn: MHA vs GQA vs MQA vs MLA"  # Report title.
   experiment.max_points = config_dict.placeholder(int)  # Measure at most this many new points
   # in one invocation (None: all); a rerun continues.

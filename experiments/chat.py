@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments import cli
-from experiments import timing as timing_lib
+from experiments.framework import cli
+from experiments.framework import timing as timing_lib
 
 from kvattn import memory
 from kvattn.caches import registry as cache_factories
@@ -139,7 +139,7 @@ def run(model, prompts: np.ndarray, lengths: np.ndarray, max_new_tokens: int, *,
   """Prefill `prompts` (`i32[B, T]`, right-padded to `lengths`) then decode, timing each.
 
   The same two compiled programs as `kvattn.generate` (`prefill`, `decode`);
-  wall and CPU seconds from `experiments.timing.timed`.
+  wall and CPU seconds from `experiments.framework.timing.timed`.
   """
   batch = prompts.shape[0]
   max_len = int(lengths.max()) + max_new_tokens - 1

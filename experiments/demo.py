@@ -19,7 +19,7 @@ from absl import flags
 from flax import nnx
 
 import kvattn
-from experiments import cli
+from experiments.framework import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("d_model", 256, "Model width D.")

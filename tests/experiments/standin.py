@@ -18,8 +18,8 @@ import time
 
 from ml_collections import config_dict
 
-from experiments import results
-from experiments import runner
+from experiments.framework import results
+from experiments.framework import runner
 
 SCHEMA = {"experiment": ("kind", "name", "max_points", "train_dir"),
           "standin": ("num_points", "wait_file", "wait_from", "fail_at")}

@@ -1,4 +1,4 @@
-"""The main job (configs/default.py, experiments/real_model_experiment.py) end to end.
+"""The main job (configs/default.py, experiments/families/real_model.py) end to end.
 
 The fast suite runs `python -m experiments.main --config=configs/default.py:smoke` as a
 person would (a subprocess from the repo root) on the 2-layer random model
@@ -17,8 +17,8 @@ import socket
 import pytest
 
 from configs import default
-from experiments import real_model_experiment as rme
-from experiments import runner
+from experiments.families import real_model as rme
+from experiments.framework import runner
 from tests.experiments import subproc
 
 MAX_TERMINAL_LINES = 60

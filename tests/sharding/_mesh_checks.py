@@ -253,7 +253,7 @@ def check_real_model(mesh_shape) -> dict:
   meshes that do not fit raise ValueError naming the key before any work."""
   import tempfile  # pylint: disable=g-import-not-at-top
   from configs import default
-  from experiments import real_model_experiment as rme
+  from experiments.families import real_model as rme
   config = default.get_config("smoke")
   config.model.name = "random-tiny"
   # f32 full cache (sharded); int8 H2O at K = 1 (no sharded kind); int8 full at K = 1 (the

@@ -7,7 +7,7 @@ compiled decode step has no all-gather of the cache, the context-parallel merge 
 empty shards with NaN in their buffers, and bad meshes raise ValueError naming the axis.
 `ContinuousBatcher` on a mesh (data parallel over its slots and pool, KV heads over `model`)
 gives the single-device tokens with each device holding its share of the pool; the main job's
-family (experiments/real_model_experiment.py on "random-tiny") gives the single-device
+family (experiments/families/real_model.py on "random-tiny") gives the single-device
 perplexity and greedy tokens. The default suite runs a compact grid; the issue's full grid,
 the batcher's meshes and the main job are `-m slow`.
 """

@@ -1,0 +1,1 @@
+"""Peer benchmark scripts run by `experiments.benchmarks.real` as subprocesses (see bench_real)."""

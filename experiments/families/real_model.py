@@ -1,0 +1,441 @@
+r"""The main job: KV-cache dtype x cache policy x head grouping on a pretrained model.
+
+    python -m experiments.main --config=configs/default.py --workdir=runs/default
+
+The "real_model" family of experiments/framework/runner.py (`experiment.kind =
+"real_model"`). One point per sweep entry of configs/default.py: a cache
+storage dtype (`cache.dtype`), a cache kind (`cache.kind`: "dense" or a
+bounded kind of `kvattn.caches.registry` at `cache.budget` tokens) and a head grouping
+(`heads.num_kv_heads`: 0 = the model as released, else
+`kvattn.models.convert.regroup_kv_heads` without uptraining) on the model
+`model.name` (`kvattn.from_pretrained`). Measured per point, batch 1:
+
+  * cache bytes per token (every layer's storage arrays, scales included,
+    over the token slots they hold) and per sequence after the held-out text;
+  * perplexity of `text.num_tokens` held-out tokens (the validation
+    documents of kvattn.training.data's default corpus, tokenized with the model's
+    tokenizer), streamed through the cache `text.chunk` tokens per forward
+    pass (`experiments.families.long_context.streaming_nll`);
+  * a greedy continuation of `text.new_tokens` tokens after the
+    `text.prompt_tokens` held-out tokens that follow the scored text: decode
+    tokens/s over its steps after the first (which compiles), and greedy
+    agreement = the fraction of positions equal to the reference's (the
+    float32 full cache of the released model; 1 for the reference itself).
+
+On a mesh (`mesh.shape`, kvattn.sharding): the parameters are placed by the
+sharding rules (`sharding.place_model`) and the full cache is created sharded
+(`sharded.init_caches`: KV heads over `model`, slots over `seq`); a bounded
+policy's cache has no sharded kind: it starts replicated over the mesh and
+XLA's partitioner lays out its updates (`per_device_cache_bytes` records the
+result). Batch 1 needs `data` = 1, `seq` must divide `text.chunk` and the
+point's KV heads must fit `model` (checked before any work, ValueError naming
+the key); records then add `mesh` and `per_device_cache_bytes`. One device
+(shape None) keeps the point ids of earlier runs.
+
+The report (report.md) has one table (ratios against the reference point)
+and two plots, quality_vs_cache.png and decode_speed.png, linked from it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments.families import long_context as lce
+from experiments.framework import report as report_lib
+from experiments.framework import results
+from experiments.framework import runner
+from experiments.framework import timing
+from kvattn.training import data as data_lib
+from kvattn.caches import registry as cache_registry
+from kvattn import memory
+from kvattn import sharding
+from kvattn.caches import sharded
+from kvattn.ops import quant
+
+REFERENCE = {"dtype": "float32", "kind": "dense", "num_kv_heads": 0}
+PLOTS = {"quality": "quality_vs_cache.png", "speed": "decode_speed.png"}
+
+
+def schema() -> dict[str, tuple[str, ...]]:
+  """Sections and keys of a "real_model" config (configs/default.py documents each)."""
+  return {
+      "model": ("name", "dtype"),
+      "cache": ("dtype", "kind", "budget", "num_sinks"),
+      "heads": ("num_kv_heads", "method"),
+      "text": ("num_tokens", "chunk", "prompt_tokens", "new_tokens"),
+      "mesh": ("shape", "rules"),
+      "experiment": ("kind", "name", "max_points"),
+  }
+
+
+def held_out_tokens(tokenizer, count: int) -> np.ndarray:
+  """The first `count` tokens of the validation documents of kvattn.training.data's default corpus.
+
+  Raises:
+    ValueError: the corpus holds fewer than `count` held-out tokens.
+  """
+  budget, ids = 2**20, []
+  while len(ids) < count:
+    docs = data_lib.load_corpus(max_bytes=budget)
+    _, val = data_lib.split_documents(docs)
+    ids = tokenizer.encode("\n\n".join(d.data.decode("utf-8") for d in val))
+    if budget >= 2**26:
+      raise ValueError(f"the default corpus holds {len(ids)} held-out tokens; asked {count}")
+    budget *= 4
+  return np.asarray(ids[:count], np.int32)
+
+
+def greedy(model, step, state, caches, prompt: np.ndarray, new_tokens: int, chunk: int
+           ) -> tuple[np.ndarray, float]:
+  """Greedy continuation of one prompt through `caches` (batch 1).
+
+  The prompt goes in `chunk` tokens per forward pass (`step`, the streaming
+  evaluation's step), then `new_tokens - 1` tokens through `kvattn.generate`'s
+  compiled decode loop with the caches donated (`kvattn.inference.decode`, one
+  XLA program, no Python dispatch per token), as `bench_real` times it. A first
+  run on a copy of the caches compiles the loop; the second is timed.
+
+  Returns:
+    `(i32[new_tokens] tokens, seconds of the timed decode loop)` (0.0 when
+    `new_tokens` < 2).
+  """
+  last = None
+  for s in range(0, len(prompt), chunk):
+    part = prompt[s:s + chunk]
+    toks = np.zeros((1, chunk), np.int32)
+    toks[0, :len(part)] = part
+    blk = jnp.asarray(toks)
+    _, arg, caches = step(state, caches, blk, jnp.array([len(part)], jnp.int32), blk)
+    last = int(arg[0, len(part) - 1])
+  if new_tokens < 2:
+    return np.asarray([last], np.int32), 0.0
+  first = jnp.array([last], jnp.int32)
+  timing.timed_decode(model, first, jax.tree.map(jnp.copy, caches), new_tokens,
+                      jax.random.key(0))  # compiles
+  seconds, _, tokens, _, _ = timing.timed_decode(model, first, caches, new_tokens,
+                                                 jax.random.key(0))
+  return np.asarray(tokens[0], np.int32), seconds
+
+
+def _is_reference(d: Mapping[str, Any]) -> bool:
+  return (d["cache"]["dtype"], d["cache"]["kind"], d["heads"]["num_kv_heads"]) == tuple(
+      REFERENCE.values())
+
+
+def _label(d: Mapping[str, Any]) -> str:
+  k = d["heads"]["num_kv_heads"]
+  policy = d["cache"]["kind"]
+  policy = policy if policy == "dense" else f"{policy}{d['cache']['budget']}"
+  label = f"K{k or 'rel'}-{policy}-{d['cache']['dtype']}"
+  shape = d["mesh"]["shape"]
+  return label if shape is None else f"{label}-mesh{'x'.join(map(str, shape))}"
+
+
+def _seq_capacity(capacity: int, mesh, rules) -> int:
+  """`capacity` rounded up to a multiple of the `seq` axis (the greedy run's cache)."""
+  step = 1 if mesh is None else sharding.axis_size(mesh, rules["cache_sequence"])
+  return -(-capacity // step) * step
+
+
+class RealModelFamily:
+  """Cache dtype x policy x head grouping on one pretrained model (module doc)."""
+
+  kind = "real_model"
+
+  def __init__(self, workdir: str):
+    self.workdir = workdir
+    self._title = "kvattn: KV-cache choices on a pretrained model"
+    self._model: dict[Any, Any] = {}
+    self._tokens: dict[tuple[str, int], np.ndarray] = {}
+    self._reference: dict[str, np.ndarray] = {}
+    self._placed: dict[Any, Any] = {}
+
+  def _check(self, d: Mapping[str, Any], where: str) -> None:
+    cache, heads, text = d["cache"], d["heads"], d["text"]
+    if cache["kind"] not in cache_registry.CACHE_KIND_TABLE:
+      raise ValueError(f"{where}: cache.kind must be one of "
+                       f"{tuple(cache_registry.CACHE_KIND_TABLE)}; got "
+                       f"{cache['kind']!r}")
+    try:
+      dtype = jnp.dtype(cache["dtype"])
+    except TypeError:
+      raise ValueError(f"{where}: cache.dtype must name a dtype; got {cache['dtype']!r}"
+                       ) from None
+    if not (jnp.issubdtype(dtype, jnp.floating) or dtype in quant.QUANT_DTYPES):
+      raise ValueError(f"{where}: cache.dtype must be a float dtype or one of "
+                       f"{[str(jnp.dtype(q)) for q in quant.QUANT_DTYPES]}; got {cache['dtype']!r}")
+    runner.check_int(f"{where}: cache.budget", cache["budget"], 2)
+    runner.check_int(f"{where}: cache.num_sinks", cache["num_sinks"], 0)
+    runner.check_int(f"{where}: heads.num_kv_heads", heads["num_kv_heads"], 0)
+    if heads["method"] not in ("mean", "first"):
+      raise ValueError(f"{where}: heads.method must be 'mean' or 'first'; got "
+                       f"{heads['method']!r}")
+    runner.check_int(f"{where}: text.num_tokens", text["num_tokens"], 2)
+    runner.check_int(f"{where}: text.chunk", text["chunk"])
+    runner.check_int(f"{where}: text.prompt_tokens", text["prompt_tokens"])
+    runner.check_int(f"{where}: text.new_tokens", text["new_tokens"], 3)
+    if cache["kind"] == "sink" and cache["budget"] < cache["num_sinks"] + 1:
+      raise ValueError(f"{where}: cache.budget must be >= cache.num_sinks + 1 = "
+                       f"{cache['num_sinks'] + 1} for kind 'sink'; got {cache['budget']}")
+    self._check_mesh(d, where)
+
+  def _check_mesh(self, d: Mapping[str, Any], where: str) -> None:
+    """B = 1, S (whole chunks) and the point's KV heads against `mesh` (ValueError naming
+    the key). Loads the model (once, as the first point would) to read its heads."""
+    try:
+      mesh, rules = sharding.mesh_from_config(d["mesh"])
+    except ValueError as e:
+      raise ValueError(f"{where}: mesh: {e}") from None
+    if mesh is None:
+      return
+    shape = tuple(d["mesh"]["shape"])
+    data = sharding.axis_size(mesh, rules["cache_batch"])
+    if data != 1:
+      raise ValueError(f"{where}: mesh.shape {shape}: the batch axis {rules['cache_batch']!r} "
+                       f"must have size 1 (the main job decodes one sequence); got {data}")
+    seq = sharding.axis_size(mesh, rules["cache_sequence"])
+    if d["text"]["chunk"] % seq:
+      raise ValueError(f"{where}: text.chunk must be a multiple of the size {seq} of mesh axis "
+                       f"{rules['cache_sequence']!r} of mesh.shape {shape} (the cache holds "
+                       f"whole chunks); got {d['text']['chunk']}")
+    model, _ = self.model(dict(d, heads={"num_kv_heads": 0, "method": "mean"}))
+    k = d["heads"]["num_kv_heads"] or None
+    for i, layer in enumerate(model.layers):
+      attn = layer.attn
+      latent = hasattr(attn, "kv_lora_rank")
+      try:
+        sharded.cache_layout(mesh, rules, kind="latent" if latent else "dense", batch=1,
+                              max_len=d["text"]["chunk"],
+                              num_kv_heads=None if latent else k or attn.num_kv_heads,
+                              num_heads=attn.num_heads)
+      except ValueError as e:
+        key = "heads.num_kv_heads" if "num_kv_heads" in str(e) else "mesh"
+        raise ValueError(f"{where}: {key} (layer {i}) on mesh.shape {shape}: {e}") from None
+
+  def _on_mesh(self, d: Mapping[str, Any]):
+    """`(model, tokenizer, mesh, rules)`: the point's model, its parameters placed on the
+    mesh (once per model and mesh) when `mesh.shape` is set."""
+    model, tokenizer = self.model(d)
+    mesh, rules = sharding.mesh_from_config(d["mesh"])
+    if mesh is None:
+      return model, tokenizer, None, rules
+    key = runner.digest({"model": d["model"], "heads": d["heads"], "mesh": d["mesh"]})
+    if key not in self._placed:
+      if len(self._placed) >= 2:  # a point's model and the reference's
+        self._placed.clear()
+      self._placed[key] = sharding.place_model(model, mesh, rules)
+    return self._placed[key], tokenizer, mesh, rules
+
+  @staticmethod
+  def _caches(model, capacity: int, dtype, policy, mesh, rules):
+    """Empty batch-1 caches: sharded on a mesh for the full policy (`sharded.init_caches`),
+    replicated over it for a bounded one (no sharded kind; XLA lays out the updated cache),
+    plain without a mesh."""
+    if mesh is None:
+      return model.init_caches(1, capacity, dtype, cache=policy)
+    if policy["kind"] == "dense":
+      return sharded.init_caches(model, 1, capacity, mesh, rules=rules, dtype=dtype)
+    caches = model.init_caches(1, capacity, dtype, cache=policy)
+    return jax.device_put(caches, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+  def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
+    """One point per sweep entry; all validated before any work (ValueError naming the key)."""
+    base = runner.to_dict(config)
+    runner.check_schema(base, schema())
+    self._check(base, "config")
+    self._title = base["experiment"]["name"] or self._title
+    points, seen = [], {}
+    for i, overrides in enumerate(sweep or [{}]):
+      where = f"sweep[{i}] {dict(overrides)}" if overrides else "config"
+      d = runner.apply_overrides(config, overrides, where)
+      self._check(d, where)
+      label = _label(d)
+      measured = {s: d[s] for s in ("model", "cache", "heads", "text")}
+      if d["mesh"]["shape"] is not None:  # one device keeps the ids of earlier runs
+        measured["mesh"] = d["mesh"]
+      pid = f"{label}-{runner.digest(measured)}"
+      if pid in seen:
+        raise ValueError(f"{where}: gives the same point {label} as {seen[pid]}")
+      seen[pid] = where
+      points.append(runner.Point(pid, label, copy.deepcopy(d), f"K{d['heads']['num_kv_heads']}", {
+          "cache_dtype": d["cache"]["dtype"], "policy": d["cache"]["kind"],
+          "budget": None if d["cache"]["kind"] == "dense" else d["cache"]["budget"],
+          "num_kv_heads_setting": d["heads"]["num_kv_heads"],
+          "reference": _is_reference(d)}))
+    return points
+
+  # -- measurement ----------------------------------------------------------------------------
+
+  def model(self, d: Mapping[str, Any]):
+    """`(model, tokenizer)` of the point: loaded once, regrouped once per K'."""
+    name, dtype = d["model"]["name"], d["model"]["dtype"]
+    k = d["heads"]["num_kv_heads"]
+    released, key = (name, dtype, 0, ""), (name, dtype, k, d["heads"]["method"] if k else "")
+    if released not in self._model:
+      self._model = {released: lce.load_model(name, dtype)}  # one pretrained model at a time
+    if key not in self._model:
+      from kvattn.models import convert  # pylint: disable=g-import-not-at-top
+      model, tokenizer = self._model[released]
+      self._model[key] = (convert.regroup_kv_heads(model, k, method=key[3]), tokenizer)
+    return self._model[key]
+
+  def tokens(self, tokenizer, name: str, count: int) -> np.ndarray:
+    if (name, count) not in self._tokens:
+      self._tokens[(name, count)] = held_out_tokens(tokenizer, count)
+    return self._tokens[(name, count)]
+
+  def _greedy(self, d: Mapping[str, Any]) -> tuple[np.ndarray, float]:
+    """The greedy run of point config `d`: `(i32[new_tokens] tokens, timed decode seconds)`."""
+    model, tokenizer, mesh, rules = self._on_mesh(d)
+    text, cache = d["text"], d["cache"]
+    ids = self.tokens(tokenizer, d["model"]["name"], text["num_tokens"] + 1 +
+                      text["prompt_tokens"])
+    prompt = ids[text["num_tokens"] + 1:]
+    graphdef, state = nnx.split(model)
+    policy = cache_registry.spec_at_budget(cache["kind"], cache["budget"],
+                                           num_sinks=cache["num_sinks"])
+    capacity = _seq_capacity(-(-len(prompt) // text["chunk"]) * text["chunk"]
+                             + text["new_tokens"], mesh, rules)
+    caches = self._caches(model, capacity, jnp.dtype(cache["dtype"]), policy, mesh, rules)
+    step = lce._step_fn(graphdef)  # pylint: disable=protected-access
+    return greedy(model, step, state, caches, prompt, text["new_tokens"], text["chunk"])
+
+  def reference_tokens(self, d: Mapping[str, Any]) -> np.ndarray:
+    """Greedy tokens of the reference (float32 full cache, released heads) for `d`'s texts."""
+    ref = runner.apply_overrides(d, {"cache.dtype": REFERENCE["dtype"],
+                                     "cache.kind": REFERENCE["kind"],
+                                     "heads.num_kv_heads": REFERENCE["num_kv_heads"]}, "reference")
+    key = runner.digest({s: ref[s] for s in ("model", "text", "mesh")})
+    if key not in self._reference:
+      self._reference[key] = self._greedy(ref)[0]
+    return self._reference[key]
+
+  def measure(self, point: runner.Point) -> dict[str, Any]:
+    cpu_start = time.process_time()
+    d = point.config
+    model, tokenizer, mesh, rules = self._on_mesh(d)
+    text, cache = d["text"], d["cache"]
+    dtype = jnp.dtype(cache["dtype"])
+    policy = cache_registry.spec_at_budget(cache["kind"], cache["budget"],
+                                           num_sinks=cache["num_sinks"])
+    ids = self.tokens(tokenizer, d["model"]["name"], text["num_tokens"] + 1 +
+                      text["prompt_tokens"])[:text["num_tokens"] + 1]
+    padded = -(-text["num_tokens"] // text["chunk"]) * text["chunk"]  # the last chunk is padded
+    caches = self._caches(model, padded, dtype, policy, mesh, rules)
+    start = time.perf_counter()
+    nll, caches = lce.streaming_nll(model, caches, ids, text["chunk"])
+    ppl_s = time.perf_counter() - start
+    per_token = sum(memory.measured_bytes_per_token(c) for c in caches)
+    per_seq = sum(memory.tree_bytes(c.storage_arrays()) for c in caches)
+    on_mesh = {} if mesh is None else {
+        "mesh": list(d["mesh"]["shape"]),
+        "per_device_cache_bytes": int(max(sharding.per_device_bytes(
+            [a for c in caches for a in c.storage_arrays()]).values()))}
+
+    tokens, decode_s = self._greedy(d)
+    if _is_reference(d):
+      self._reference.setdefault(runner.digest({s: d[s] for s in ("model", "text", "mesh")}),
+                                 tokens)
+    reference = self.reference_tokens(d)
+    steps = text["new_tokens"] - 1  # decode-loop steps after the first token
+    attn = model.layers[0].attn
+    return {
+        "num_kv_heads": int(attn.num_kv_heads),
+        "num_heads": int(attn.num_heads),
+        "num_layers": int(model.num_layers),
+        "ppl": float(math.exp(nll.mean())),
+        "ppl_seconds": ppl_s,
+        "num_tokens": text["num_tokens"],
+        "cache_bytes_per_token": float(per_token),
+        "cache_bytes_per_seq": int(per_seq),
+        "cache_slots_per_seq": int(caches[0].capacity),
+        "decode_steps_timed": steps,
+        "decode_s": decode_s,
+        "decode_tokens_per_s": steps / decode_s if decode_s > 0 else float("nan"),
+        "greedy_tokens": tokens.tolist(),
+        "greedy_agreement": float(np.mean(tokens == reference)),
+        "point_cpu_s": time.process_time() - cpu_start,
+        **on_mesh,
+    }
+
+  def report(self, records: Sequence[Mapping[str, Any]]) -> str:
+    return write_report(self.workdir, records, title=self._title)
+
+
+runner.register_family("real_model", RealModelFamily)
+
+
+# ----------------------------------------------------------------------------------------------
+# Report.
+
+
+def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
+  """One row per record: the columns of the report's table (ratios vs the reference point)."""
+  ref = next((r for r in records if r.get("reference")), None)
+  rows = []
+  for r in records:
+    vs = lambda key, r=r: f"{r[key] / ref[key]:.2f}x" if ref else "n/a"
+    rows.append([r["label"], r["num_kv_heads"],
+                 r["policy"] if r["budget"] is None else f"{r['policy']} {r['budget']}",
+                 r["cache_dtype"], f"{r['cache_bytes_per_token']:,.0f}",
+                 vs("cache_bytes_per_token"), f"{r['cache_bytes_per_seq'] / 2**10:,.0f}",
+                 f"{r['decode_tokens_per_s']:.1f}", f"{r['ppl']:.3f}", vs("ppl"),
+                 f"{r['greedy_agreement']:.2f}"])
+  return rows
+
+
+def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: str) -> str:
+  """report.md and the two plots (linked from it); returns the markdown."""
+  first = records[0] if records else None
+  headers = ["point", "K", "policy", "cache dtype", "cache B/token", "vs ref",
+             "cache KiB/seq", "decode tok/s", "ppl", "vs ref", "greedy agreement"]
+  md = [f"# {title}", ""]
+  if first:
+    cfg = first["config"]
+    md += [f"Model `{cfg['model']['name']}` ({first['num_layers']} layers, "
+           f"{first['num_heads']} query heads; compute {cfg['model']['dtype']}), batch 1. "
+           f"Perplexity: {first['num_tokens']} held-out tokens (validation documents of the "
+           f"default corpus) streamed {cfg['text']['chunk']} tokens per forward pass. Greedy "
+           f"agreement: {cfg['text']['new_tokens']} greedy tokens after the next "
+           f"{cfg['text']['prompt_tokens']} held-out tokens, position by position against the "
+           f"reference (float32 full cache, KV heads as released); decode tok/s over the "
+           f"{first['decode_steps_timed']} steps after the first. Cache KiB/seq: the storage "
+           f"after the scored text (a bounded policy keeps its budget). K = 1 points are "
+           f"mean-pooled from the released heads without uptraining.", ""]
+  md += [report_lib.markdown_table(headers, table_rows(records)), "",
+         f"![quality vs cache bytes]({PLOTS['quality']})", "",
+         f"![decode speed]({PLOTS['speed']})", ""]
+  text = "\n".join(md)
+  results.atomic_write_text(os.path.join(workdir, "report.md"), text)
+  if records:
+    _plots(workdir, records)
+  return text
+
+
+def _plots(workdir: str, records: Sequence[Mapping[str, Any]]) -> None:
+  plt = report_lib.pyplot()
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for r in records:
+    marker = "o" if r["policy"] == "dense" else "s"
+    ax.scatter(r["cache_bytes_per_seq"] / 2**10, r["ppl"], marker=marker)
+    ax.annotate(r["label"], (r["cache_bytes_per_seq"] / 2**10, r["ppl"]), fontsize=6)
+  ax.set_xscale("log")
+  ax.set_xlabel("cache KiB per sequence (log)")
+  ax.set_ylabel("held-out perplexity")
+  ax.set_title("quality vs cache size (o full, s bounded policy)")
+  report_lib.save_figure(fig, os.path.join(workdir, PLOTS["quality"]))
+  fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(records)), 4))
+  ax.bar(range(len(records)), [r["decode_tokens_per_s"] for r in records])
+  ax.set_xticks(range(len(records)), [r["label"] for r in records], rotation=60, ha="right",
+                fontsize=7)
+  ax.set_ylabel("decode tokens/s (batch 1)")
+  report_lib.save_figure(fig, os.path.join(workdir, PLOTS["speed"]))

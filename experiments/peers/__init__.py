@@ -1,1 +1,0 @@
-"""Peer benchmark scripts run by `experiments.bench_real` as subprocesses (see bench_real)."""
