@@ -40,10 +40,10 @@ from absl import app, flags
 
 from experiments.framework import cli
 from experiments.framework import timing as timing_lib
+from experiments.evals import models
 
 from kvattn import memory
 from kvattn.caches import registry as cache_factories
-from kvattn.checkpoints import pretrained
 from kvattn.inference.generation import Sampling, decode, prefill
 
 DTYPE_SUFFIXES = {"bf16": "bfloat16", "int8": "int8", "fp8": "float8_e4m3fn"}
@@ -155,13 +155,14 @@ def run(model, prompts: np.ndarray, lengths: np.ndarray, max_new_tokens: int, *,
 
 
 def load(source: str, dtype: str) -> tuple[Any, Any, float]:
-  """`(model, tokenizer, wall seconds)` of `kvattn.checkpoints.pretrained.from_pretrained(source)`.
+  """`(model, tokenizer, wall seconds)` of `source` (`experiments.evals.models.load_model`:
+  a registered name, a .gguf file or a HF checkpoint directory).
 
   Raises:
     app.UsageError: the checkpoint ships no tokenizer.
   """
   t0 = time.perf_counter()
-  model, tok = pretrained.from_pretrained(source, dtype=dtype)
+  model, tok = models.load_model(source, dtype)
   load_s = time.perf_counter() - t0
   if tok is None:
     raise app.UsageError(f"{source} ships no tokenizer; text in and out needs one")

@@ -45,7 +45,7 @@ GGUF as shipped, batch 1 only). A peer that cannot start (not installed,
 batch > 1 for llama.cpp) gets a line with `"skipped"` and the reason.
 `--threads` (default 2) is given to both; ours uses XLA's CPU threads.
 
-`--random_weights` builds the model's architecture (`RANDOM_CONFIGS`, the same
+`--random_weights` builds the model's architecture (`evals.models.RANDOM_CONFIGS`, the same
 shapes as the registered checkpoint) with random weights, and uses byte-level
 ids of the same text, so a machine without the checkpoint (the GPU machine)
 can time it; no peers then. `--quality_tokens N` adds `perplexity` (of N
@@ -73,9 +73,9 @@ from flax import nnx
 
 from experiments.framework import cli
 from experiments.framework import timing as timing_lib
-from kvattn.training import data as data_lib
+from experiments.evals import models
+from experiments.evals import text as text_lib
 from kvattn import memory
-from kvattn.checkpoints import pretrained
 from kvattn.models import transformer as transformer_lib
 from kvattn.inference.generation import decode, prefill
 
@@ -105,14 +105,6 @@ def _define_flags() -> None:
 
 
 # HF-style configs of the registered models, for --random_weights (the values the GGUF holds).
-RANDOM_CONFIGS = {
-    "smollm2-135m-instruct": {
-        "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
-        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-        "num_key_value_heads": 3, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
-        "tie_word_embeddings": True, "hidden_act": "silu", "max_position_embeddings": 8192,
-    },
-}
 PEERS = {"hf_transformers": "experiments.benchmarks.peers.hf_transformers",
          "llama_cpp": "experiments.benchmarks.peers.llama_cpp_peer"}
 
@@ -278,36 +270,6 @@ def cast_params(model, param_dtype: Any):
   return nnx.merge(graphdef, params, rest)
 
 
-def load_model(name: str, random_weights: bool, seed: int = 0):
-  """`(f32 model, tokenizer or None)`: the checkpoint, or its architecture with random weights.
-
-  Raises:
-    app.UsageError: `random_weights` for a model without a `RANDOM_CONFIGS` entry.
-  """
-  if not random_weights:
-    return pretrained.from_pretrained(name)
-  if name not in RANDOM_CONFIGS:
-    raise app.UsageError(f"--random_weights knows {sorted(RANDOM_CONFIGS)}; got --model {name}")
-  cfg = pretrained.model_config_from_hf(RANDOM_CONFIGS[name])
-  return transformer_lib.Transformer.from_config(cfg, rngs=nnx.Rngs(seed)), None
-
-
-def text_ids(tok, num_tokens: int, *, skip_tokens: int = 0) -> np.ndarray:
-  """`i32[num_tokens]` ids of the default corpus's text from token `skip_tokens` on.
-
-  `tok` is the model's tokenizer, or None for byte-level ids (`kvattn.training.data.encode`).
-  """
-  ids: list[int] = []
-  for doc in data_lib.load_corpus(None, max_bytes=4 * 2**20):
-    text = doc.data.decode("utf-8", errors="replace")
-    ids.extend(tok.encode(text, add_special_tokens=False) if tok is not None
-               else data_lib.encode(text).tolist())
-    if len(ids) >= skip_tokens + num_tokens:
-      return np.asarray(ids[skip_tokens:skip_tokens + num_tokens], np.int32)
-  raise ValueError(f"the default corpus holds {len(ids)} tokens; need "
-                   f"{skip_tokens + num_tokens}")
-
-
 def perplexity(model, ids: np.ndarray, cache_dtype: Any) -> float:
   """exp(mean next-token NLL) of `ids` (`i32[T]`), every layer attending through a cache of
   `cache_dtype` (so a quantized cache's rounding reaches every attention read)."""
@@ -337,10 +299,13 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError("--peers needs the checkpoint; it cannot run with --random_weights")
   batch, prompt_len, new_tokens = FLAGS.batch, FLAGS.prompt_len, FLAGS.new_tokens
   cache_dtype = FLAGS.cache_dtype or "float32"
-  reference, tok = load_model(FLAGS.model, FLAGS.random_weights)
+  try:
+    reference, tok = models.load_model(FLAGS.model, random_weights=FLAGS.random_weights)
+  except ValueError as e:
+    raise app.UsageError(f"--random_weights: {e}") from None
   model = reference if FLAGS.param_dtype == "float32" else cast_params(reference,
                                                                         FLAGS.param_dtype)
-  prompts = np.tile(text_ids(tok, prompt_len), (batch, 1))
+  prompts = np.tile(text_lib.document_tokens(tok, prompt_len), (batch, 1))
 
   systems: dict[str, Callable[[], Run]] = {"kvattn": ours(model, prompts, new_tokens,
                                                           cache_dtype)}
@@ -399,7 +364,7 @@ def main(argv: Sequence[str]) -> None:
         ours_line[f"{what}_vs_{name}"] = (ours_line[f"{what}_tokens_per_s"]
                                           / lines[name][f"{what}_tokens_per_s"])
   if FLAGS.quality_tokens:
-    held_out = text_ids(tok, FLAGS.quality_tokens, skip_tokens=prompt_len)
+    held_out = text_lib.document_tokens(tok, FLAGS.quality_tokens, skip_tokens=prompt_len)
     ours_line["perplexity"] = perplexity(model, held_out, cache_dtype)
     ours_line["perplexity_ratio"] = ours_line["perplexity"] / perplexity(reference, held_out,
                                                                          "float32")

@@ -59,6 +59,7 @@ import numpy as np
 from experiments.benchmarks import real as bench_real
 from experiments.framework import cli
 from experiments.framework import timing
+from experiments.evals import models
 
 FLAGS = flags.FLAGS
 D_MODEL, D_OUT, LAYERS = 576, 3072, 30  # SmolLM2-135M: d_model, 2 x intermediate, layers
@@ -133,7 +134,7 @@ def measure(batches: Sequence[int], calls: int, repeats: int) -> list[dict]:
 
 def decode_floor(batch: int, prompt_len: int, repeats: int) -> dict:
   """kvattn's decode step on SmolLM2's shapes vs its weights' matmuls alone (module doc)."""
-  model, _ = bench_real.load_model("smollm2-135m-instruct", random_weights=True)
+  model, _ = models.load_model("smollm2-135m-instruct", random_weights=True)
   new_tokens = 16
   prompts = np.random.default_rng(0).integers(0, 40000, (batch, prompt_len)).astype(np.int32)
   run = bench_real.ours(model, prompts, new_tokens, jnp.float32)

@@ -38,6 +38,7 @@ from flax import nnx
 from experiments.framework import report as report_lib
 from experiments.framework import results
 from experiments.framework import runner
+from experiments.evals import text as text_lib
 from experiments.framework import timing
 from kvattn.models import convert
 from kvattn.training import data as data_lib
@@ -45,8 +46,6 @@ from kvattn.training import trainer as train_lib
 from kvattn.models import transformer as transformer_lib
 
 CONVERT_KINDS = ("regroup", "mla")
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
-          "again. ")
 
 
 def schema() -> dict[str, tuple[str, ...]]:
@@ -63,19 +62,6 @@ def schema() -> dict[str, tuple[str, ...]]:
       "decode": ("batch", "prompt_len", "new_tokens", "repeats"),
       "experiment": ("kind", "name", "max_points"),
   }
-
-
-class ByteTokenizer:
-  """The byte tokenizer of `kvattn.training.data` behind the `kvattn.checkpoints.tokenizer.Tokenizer` calls used
-  here (the "random" source)."""
-
-  bos_id, eos_id = data_lib.BOS_ID, data_lib.EOS_ID
-
-  def encode(self, text: str) -> list[int]:
-    return data_lib.encode(text, bos=True).tolist()
-
-  def decode(self, ids: Sequence[int]) -> str:
-    return data_lib.decode(ids)
 
 
 def label(conv: Mapping[str, Any], source_kv_heads: int) -> str:
@@ -97,29 +83,6 @@ def convert_model(model: transformer_lib.Transformer, conv: Mapping[str, Any]
   return convert.regroup_kv_heads(model, conv["num_kv_heads"], method=conv["method"])
 
 
-def passkey_prompts(tokenizer: Any, context_len: int, samples: int, seed: int
-                    ) -> tuple[np.ndarray, np.ndarray, list[str]]:
-  """`(prompts i32[samples, T], lengths i32[samples], keys)`: filler of about `context_len`
-  tokens with "The pass key is NNNNN. Remember it. NNNNN is the pass key." at a random depth,
-  ending in "What is the pass key? The pass key is"."""
-  rng = np.random.default_rng(seed)
-  filler_len = len(tokenizer.encode(FILLER * 4)) / 4
-  repeats = max(1, int((context_len - 60) / filler_len))
-  rows, keys = [], []
-  for _ in range(samples):
-    key = str(rng.integers(10000, 100000))
-    depth = int(rng.integers(0, repeats + 1))
-    text = (FILLER * depth + f"The pass key is {key}. Remember it. {key} is the pass key. "
-            + FILLER * (repeats - depth) + "What is the pass key? The pass key is")
-    rows.append(tokenizer.encode(text))
-    keys.append(key)
-  lengths = np.array([len(r) for r in rows], np.int32)
-  prompts = np.zeros((samples, lengths.max()), np.int32)
-  for b, r in enumerate(rows):
-    prompts[b, :len(r)] = r
-  return prompts, lengths, keys
-
-
 def passkey_accuracy(model: Any, tokenizer: Any, passkey: Mapping[str, Any]) -> float:
   """Fraction of passkey prompts whose greedy continuation (8 tokens) contains the key.
 
@@ -128,7 +91,7 @@ def passkey_accuracy(model: Any, tokenizer: Any, passkey: Mapping[str, Any]) -> 
   longest with its own length, so a model compiles one prefill and one decode program.
   """
   from kvattn.inference.generation import generate  # pylint: disable=g-import-not-at-top
-  prompts, lengths, keys = passkey_prompts(tokenizer, passkey["context_len"], passkey["samples"],
+  prompts, lengths, keys = text_lib.passkey_prompts(tokenizer, passkey["context_len"], passkey["samples"],
                                            passkey["seed"])
   hits = 0
   for b, key in enumerate(keys):
@@ -157,7 +120,7 @@ class HeadsPretrainedFamily:
       name = d["source"]["name"]
       if name == "random":
         spec = runner.model_spec(d, "config")
-        model, tok = transformer_lib.Transformer(spec, rngs=nnx.Rngs(0)), ByteTokenizer()
+        model, tok = transformer_lib.Transformer(spec, rngs=nnx.Rngs(0)), data_lib.ByteTokenizer(bos=True)
       else:
         from kvattn.checkpoints import pretrained  # pylint: disable=g-import-not-at-top
         try:

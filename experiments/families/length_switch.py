@@ -54,7 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.families import long_context as lce
+from experiments.evals import models
+from experiments.evals import text as text_lib
 from experiments.framework import report as report_lib
 from experiments.framework import results
 from experiments.framework import runner
@@ -160,7 +161,7 @@ class LengthSwitchFamily:
 
   def model(self, point: runner.Point):
     if self._model is None or self._model[0] != point.group:
-      m, tok = lce.load_model(point.config["model"]["name"], point.config["model"]["dtype"])
+      m, tok = models.load_model(point.config["model"]["name"], point.config["model"]["dtype"])
       self._model = (point.group, m, tok)
     return self._model[1], self._model[2]
 
@@ -193,7 +194,7 @@ class LengthSwitchFamily:
     max_len = capacity(context, chunk, max(steps, new_tokens))
 
     # Perplexity of the first `context` tokens, then decode speed from there.
-    ids = lce.corpus_tokens(tokenizer, context + 1)
+    ids = text_lib.corpus_tokens(tokenizer, context + 1)
     caches = self._caches(model, point, max_len, dtype)
     nll, caches = _prefill(step, state, caches, ids[:context], chunk, targets=ids[1:])
     storage = sum(a.nbytes for c in caches for a in c.storage_arrays())
@@ -221,7 +222,7 @@ class LengthSwitchFamily:
     correct = []
     for depth in d["passkey"]["depths"]:
       key = int(rng.integers(10000, 100000))
-      prompt = np.asarray(lce.passkey_prompt(tokenizer, context, depth, key), np.int32)
+      prompt = np.asarray(text_lib.passkey_prompt(tokenizer, context, depth, key), np.int32)
       if len(prompt) + new_tokens > max_len:
         raise ValueError(f"{point.label}: passkey prompt of {len(prompt)} tokens does not fit "
                          f"the cache ({max_len} slots)")
@@ -512,6 +513,6 @@ if __name__ == "__main__":
   # three interleaved, one JSON line per context and cache.
   import json  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  smol, _ = lce.load_model("smollm2-135m-instruct", "float32")
+  smol, _ = models.load_model("smollm2-135m-instruct", "float32")
   for row in decode_speed(smol, [int(c) for c in sys.argv[1:]] or [1024, 4096]):
     print(json.dumps(row), flush=True)

@@ -59,22 +59,19 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from experiments.framework import report as report_lib
 from experiments.framework import results
 from experiments.framework import runner
+from experiments.evals import models
+from experiments.evals import text as text_lib
 from kvattn.caches import registry as cache_registry
-from kvattn.training import data as data_lib
-from kvattn.models import gqa as gqa_lib
+from kvattn.models import scan
 from kvattn.models import transformer as transformer_lib
 
 BOUNDED = cache_registry.BOUNDED_KINDS  # The kinds with a budget.
 KINDS = ("dense",) + BOUNDED
 SPEED = "speed"  # cache.kind of the speed point (module doc).
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
-          "There and back again. ")
-QUESTION = "What is the pass key? The pass key is"
 FILES = {"plot": "ppl_vs_position.png", "heatmap": "passkey_{kind}.png"}
 
 # The published claims the report checks (paper, what it reports).
@@ -110,113 +107,6 @@ def policy_dict(cache: Mapping[str, Any]) -> dict[str, Any]:
                                        num_sinks=cache["num_sinks"])
 
 
-def _tiny_model():
-  """A 2-layer random GQA model (byte vocabulary) for tests: `model.name = "random-tiny"`."""
-  cfg = transformer_lib.model_config(d_model=32, num_layers=2, mlp_dim=64,
-                                     attention=dict(num_heads=4, num_kv_heads=2, head_dim=8))
-  return transformer_lib.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
-
-
-class _ByteTokenizer:
-  """`kvattn.training.data`'s byte tokenizer with the encode/decode of `kvattn.Tokenizer`."""
-
-  def encode(self, text: str) -> list[int]:
-    return [int(i) for i in data_lib.encode(text)]
-
-  def decode(self, ids) -> str:
-    return data_lib.decode(np.asarray(ids))
-
-
-def load_model(name: str, dtype: str):
-  """`(model, tokenizer)`: `kvattn.from_pretrained(name)`, or the random tiny model."""
-  if name == "random-tiny":
-    return _tiny_model(), _ByteTokenizer()
-  import kvattn  # pylint: disable=g-import-not-at-top
-  return kvattn.from_pretrained(name, dtype=jnp.dtype(dtype))
-
-
-def corpus_tokens(tokenizer, count: int) -> np.ndarray:
-  """The first `count` tokens of the default corpus of `kvattn.training.data` (documents joined)."""
-  ids: list[int] = []
-  budget = 4096
-  while len(ids) < count:
-    budget *= 4
-    docs = data_lib.load_corpus(max_bytes=budget)
-    text = "\n\n".join(d.data.decode("utf-8") for d in docs)
-    ids = tokenizer.encode(text)
-  return np.asarray(ids[:count], np.int32)
-
-
-def passkey_prompt(tokenizer, context: int, depth: float, key: int) -> list[int]:
-  """Token ids of a passkey prompt of about `context` tokens, the needle at `depth`."""
-  needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
-  fixed = len(tokenizer.encode(needle + QUESTION))
-  per = len(tokenizer.encode(FILLER * 8)) / 8
-  reps = max(1, int((context - fixed) / per))
-  before = int(round(depth * reps))
-  return tokenizer.encode(FILLER * before + needle + FILLER * (reps - before) + QUESTION)
-
-
-def scan_parts(model) -> tuple[Any, Any]:
-  """`(graphdefs, params)` of `scan_forward` for a `kvattn.Transformer` whose layers are alike.
-
-  `params = (stacked layer states [L, ...], final-norm state, embedding
-  [V, D], lm_head [D, V] or None when tied)`; the layer states are stacked
-  along a new leading axis L (a copy of the layer weights).
-
-  Raises:
-    ValueError: layers of different structure (e.g. mixed attention kinds),
-      which one scanned body cannot run.
-  """
-  parts = [nnx.split(layer) for layer in model.layers]
-  layer_def = parts[0][0]
-  for i, (g, _) in enumerate(parts):
-    if g != layer_def:
-      raise ValueError(f"the long-context experiment scans identical layers; layer {i} differs "
-                       f"from layer 0")
-  layers = jax.tree.map(lambda *xs: jnp.stack(xs), *[st for _, st in parts])
-  norm_def, norm = nnx.split(model.final_norm)
-  head = None if model.lm_head is None else model.lm_head[...]
-  return (layer_def, norm_def, jnp.dtype(model.dtype)), (layers, norm, model.embedding[...], head)
-
-
-def stack_caches(caches: Sequence[Any]) -> Any:
-  """Per-layer caches (a tuple of L alike pytrees) -> one pytree with leading axis L."""
-  return jax.tree.map(lambda *xs: jnp.stack(xs), *caches)
-
-
-def scan_forward(defs, params, caches, tokens, new_lengths):
-  """`Transformer.hidden` with the layers in one `lax.scan`: `(h [B, T, D], caches)`.
-
-  The same computation as `model.hidden(tokens, caches, new_lengths=...)`
-  (default positions from the first layer's cache, embedding lookup, the
-  Block modules in order, the final norm); `caches` are `stack_caches` of the
-  model's per-layer caches. Tested equal to the model's own call.
-  """
-  layer_def, norm_def, dtype = defs
-  layers, norm, embedding, _ = params
-  first = jax.tree.map(lambda a: a[0], caches)
-  positions = gqa_lib.resolve_positions(None, first, *tokens.shape)
-  x = jnp.take(embedding, tokens, axis=0).astype(dtype)
-
-  def body(x, layer_and_cache):
-    state, cache = layer_and_cache
-    x, cache = nnx.merge(layer_def, state)(x, cache, positions, new_lengths)
-    return x, cache
-
-  x, caches = jax.lax.scan(body, x, (layers, caches))
-  return nnx.merge(norm_def, norm)(x), caches
-
-
-def _logits(params, h):
-  """`Transformer.logits_from_hidden`: f32 logits of hidden states `[..., D]`."""
-  _, _, embedding, head = params
-  if head is None:
-    return jnp.einsum("...D,VD->...V", h, embedding.astype(h.dtype),
-                      preferred_element_type=jnp.float32)
-  return jnp.einsum("...D,DV->...V", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
-
-
 @functools.lru_cache(maxsize=8)
 def _steps(defs):
   """Jitted steps (caches donated): `nll_step(params, caches, tokens, new_lengths, targets) ->
@@ -225,15 +115,15 @@ def _steps(defs):
 
   @functools.partial(jax.jit, donate_argnums=(1,))
   def nll_step(params, caches, tokens, new_lengths, targets):
-    h, caches = scan_forward(defs, params, caches, tokens, new_lengths)
-    logp = jax.nn.log_softmax(_logits(params, h), axis=-1)
+    h, caches = scan.scan_forward(defs, params, caches, tokens, new_lengths)
+    logp = jax.nn.log_softmax(scan.logits_from_hidden(params, h), axis=-1)
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], caches
 
   @functools.partial(jax.jit, donate_argnums=(1,))
   def next_step(params, caches, tokens, new_lengths, pick):
-    h, caches = scan_forward(defs, params, caches, tokens, new_lengths)
+    h, caches = scan.scan_forward(defs, params, caches, tokens, new_lengths)
     h = jnp.take_along_axis(h, pick[:, None, None], axis=1)[:, 0]  # [B, D]
-    return jnp.argmax(_logits(params, h), axis=-1).astype(jnp.int32), caches
+    return jnp.argmax(scan.logits_from_hidden(params, h), axis=-1).astype(jnp.int32), caches
 
   return nll_step, next_step
 
@@ -241,93 +131,6 @@ def _steps(defs):
 def _ready(x):
   jax.block_until_ready(x)
   return x
-
-
-@functools.lru_cache(maxsize=8)
-def _step_fn(graphdef):
-  """Jitted `(state, caches, tokens, new_lengths, targets) -> (nll, argmax, caches)` through the
-  model's own call (per-layer caches of any protocol kind; `streaming_nll`, `passkey_correct`)."""
-
-  @jax.jit
-  def step(state, caches, tokens, new_lengths, targets):
-    logits, caches = nnx.merge(graphdef, state)(tokens, caches, new_lengths=new_lengths)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return nll, jnp.argmax(logits, axis=-1).astype(jnp.int32), caches
-
-  return step
-
-
-def streaming_nll(model, caches, ids: np.ndarray, chunk: int) -> tuple[np.ndarray, Any]:
-  """Streams `ids` through `caches`, `chunk` tokens per forward pass (StreamingLLM's evaluation).
-
-  Args:
-    model: the model (`kvattn.Transformer`).
-    caches: empty per-layer caches of batch 1 (any kind of the cache protocol).
-    ids: `i32[n + 1]` token ids; token i + 1 is predicted from tokens 0..i.
-    chunk: tokens fed per forward pass (1 = exact token-by-token streaming).
-
-  Returns:
-    `(nll f64[n], caches)`: each token's negative log-likelihood (nats) and the caches after.
-  """
-  graphdef, state = nnx.split(model)
-  step = _step_fn(graphdef)
-  num_tokens = len(ids) - 1
-  nll = np.zeros(num_tokens, np.float64)
-  for s in range(0, num_tokens, chunk):
-    e = min(num_tokens, s + chunk)
-    toks = np.zeros((1, chunk), np.int32)
-    tgts = np.zeros((1, chunk), np.int32)
-    toks[0, :e - s], tgts[0, :e - s] = ids[s:e], ids[s + 1:e + 1]
-    out, _, caches = step(state, caches, jnp.asarray(toks), jnp.array([e - s], jnp.int32),
-                          jnp.asarray(tgts))
-    nll[s:e] = np.asarray(out[0, :e - s])
-  return nll, caches
-
-
-def passkey_correct(model, make_caches, prompts: Sequence[Sequence[int]], keys: Sequence[int],
-                    chunk: int, new_tokens: int, tokenizer) -> list[int]:
-  """Chunked prefill of the prompts (one row each), greedy decode; 1 where the key appears.
-
-  Args:
-    model: the model (`kvattn.Transformer`).
-    make_caches: `(batch, capacity) -> caches`: empty per-layer caches of any kind.
-    prompts: token ids of each row's prompt (`passkey_prompt`).
-    keys: the pass key hidden in each prompt.
-    chunk: prompt tokens per forward pass.
-    new_tokens: greedy tokens decoded after the prompt.
-    tokenizer: decodes the generated ids (`decode(ids) -> str`).
-
-  Returns:
-    Per row, 1 if the key's digits appear in the decoded tokens, else 0.
-  """
-  graphdef, state = nnx.split(model)
-  step = _step_fn(graphdef)
-  batch, width = len(prompts), max(len(p) for p in prompts)
-  lengths = np.array([len(p) for p in prompts], np.int32)
-  padded = -(-width // chunk) * chunk
-  toks = np.zeros((batch, padded), np.int32)
-  for b, p in enumerate(prompts):
-    toks[b, :len(p)] = p
-  caches = make_caches(batch, padded + new_tokens)
-  last = np.zeros(batch, np.int32)
-  for s in range(0, padded, chunk):
-    new = np.clip(lengths - s, 0, chunk).astype(np.int32)
-    blk = jnp.asarray(toks[:, s:s + chunk])
-    _, arg, caches = step(state, caches, blk, jnp.asarray(new), blk)
-    arg = np.asarray(arg)
-    for b in range(batch):
-      if 0 < lengths[b] - s <= chunk:
-        last[b] = arg[b, lengths[b] - s - 1]
-  out = [last.copy()]
-  nxt = jnp.asarray(last[:, None])
-  ones = jnp.ones((batch,), jnp.int32)
-  for _ in range(new_tokens - 1):
-    _, nxt, caches = step(state, caches, nxt, ones, nxt)
-    out.append(np.asarray(nxt[:, 0]))
-  generated = np.stack(out, axis=1)
-  return [int(str(key) in tokenizer.decode(generated[b].tolist()))
-          for b, key in enumerate(keys)]
 
 
 class LongContextFamily:
@@ -411,7 +214,7 @@ class LongContextFamily:
 
   def model(self, point: runner.Point):
     if self._model is None or self._model[0] != point.group:
-      m, tok = load_model(point.config["model"]["name"], point.config["model"]["dtype"])
+      m, tok = models.load_model(point.config["model"]["name"], point.config["model"]["dtype"])
       self._model = (point.group, m, tok)
     return self._model[1], self._model[2]
 
@@ -421,7 +224,7 @@ class LongContextFamily:
     """`(model, tokenizer, params, nll_step, next_step)` of the point's model."""
     model, tokenizer = self.model(point)
     if self._params is None or self._params[0] is not model:
-      defs, params = scan_parts(model)
+      defs, params = scan.scan_parts(model)
       self._params = (model, params, _steps(defs))
     _, params, (nll_step, next_step) = self._params
     return model, tokenizer, params, nll_step, next_step
@@ -439,13 +242,13 @@ class LongContextFamily:
     text, passkey, chunk = d["text"], d["passkey"], d["text"]["chunk"]
     key = runner.digest({"model": d["model"]["name"], "text": text, "passkey": passkey})
     if key not in self._inputs_cache:
-      ids = corpus_tokens(tokenizer, text["num_tokens"] + 1)
+      ids = text_lib.corpus_tokens(tokenizer, text["num_tokens"] + 1)
       rng = np.random.default_rng(passkey["seed"])
       prompts: dict[str, Any] = {}
       full_len = text["num_tokens"]
       for context in passkey["contexts"]:
         keys = rng.integers(10000, 100000, len(passkey["depths"])).tolist()
-        rows = [passkey_prompt(tokenizer, context, depth, k)
+        rows = [text_lib.passkey_prompt(tokenizer, context, depth, k)
                 for depth, k in zip(passkey["depths"], keys)]
         prompts[str(context)] = (rows, keys)
         width = -(-max(len(r) for r in rows) // chunk) * chunk
@@ -465,7 +268,7 @@ class LongContextFamily:
       raise runner.CacheAccountingError(
           f"{policy['kind']}: cache storage {storage} B != {batch} x capacity {capacity} x "
           f"{per_token} B/token")
-    return stack_caches(caches), storage // batch, (every - storage) // batch, capacity
+    return scan.stack_caches(caches), storage // batch, (every - storage) // batch, capacity
 
   def _fill(self, params, nll_step, caches, ids, count, chunk):
     """Feeds `ids[:count]` (batch 1) `chunk` tokens at a time; `(nll f64[count], caches)`."""

@@ -47,14 +47,13 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from experiments.families import long_context as lce
 from experiments.framework import report as report_lib
 from experiments.framework import results
 from experiments.framework import runner
-from experiments.framework import timing
-from kvattn.training import data as data_lib
+from experiments.evals import models
+from experiments.evals import streaming
+from experiments.evals import text as text_lib
 from kvattn.caches import registry as cache_registry
 from kvattn import memory
 from kvattn import sharding
@@ -75,55 +74,6 @@ def schema() -> dict[str, tuple[str, ...]]:
       "mesh": ("shape", "rules"),
       "experiment": ("kind", "name", "max_points"),
   }
-
-
-def held_out_tokens(tokenizer, count: int) -> np.ndarray:
-  """The first `count` tokens of the validation documents of kvattn.training.data's default corpus.
-
-  Raises:
-    ValueError: the corpus holds fewer than `count` held-out tokens.
-  """
-  budget, ids = 2**20, []
-  while len(ids) < count:
-    docs = data_lib.load_corpus(max_bytes=budget)
-    _, val = data_lib.split_documents(docs)
-    ids = tokenizer.encode("\n\n".join(d.data.decode("utf-8") for d in val))
-    if budget >= 2**26:
-      raise ValueError(f"the default corpus holds {len(ids)} held-out tokens; asked {count}")
-    budget *= 4
-  return np.asarray(ids[:count], np.int32)
-
-
-def greedy(model, step, state, caches, prompt: np.ndarray, new_tokens: int, chunk: int
-           ) -> tuple[np.ndarray, float]:
-  """Greedy continuation of one prompt through `caches` (batch 1).
-
-  The prompt goes in `chunk` tokens per forward pass (`step`, the streaming
-  evaluation's step), then `new_tokens - 1` tokens through `kvattn.generate`'s
-  compiled decode loop with the caches donated (`kvattn.inference.decode`, one
-  XLA program, no Python dispatch per token), as `bench_real` times it. A first
-  run on a copy of the caches compiles the loop; the second is timed.
-
-  Returns:
-    `(i32[new_tokens] tokens, seconds of the timed decode loop)` (0.0 when
-    `new_tokens` < 2).
-  """
-  last = None
-  for s in range(0, len(prompt), chunk):
-    part = prompt[s:s + chunk]
-    toks = np.zeros((1, chunk), np.int32)
-    toks[0, :len(part)] = part
-    blk = jnp.asarray(toks)
-    _, arg, caches = step(state, caches, blk, jnp.array([len(part)], jnp.int32), blk)
-    last = int(arg[0, len(part) - 1])
-  if new_tokens < 2:
-    return np.asarray([last], np.int32), 0.0
-  first = jnp.array([last], jnp.int32)
-  timing.timed_decode(model, first, jax.tree.map(jnp.copy, caches), new_tokens,
-                      jax.random.key(0))  # compiles
-  seconds, _, tokens, _, _ = timing.timed_decode(model, first, caches, new_tokens,
-                                                 jax.random.key(0))
-  return np.asarray(tokens[0], np.int32), seconds
 
 
 def _is_reference(d: Mapping[str, Any]) -> bool:
@@ -281,7 +231,7 @@ class RealModelFamily:
     k = d["heads"]["num_kv_heads"]
     released, key = (name, dtype, 0, ""), (name, dtype, k, d["heads"]["method"] if k else "")
     if released not in self._model:
-      self._model = {released: lce.load_model(name, dtype)}  # one pretrained model at a time
+      self._model = {released: models.load_model(name, dtype)}  # one pretrained model at a time
     if key not in self._model:
       from kvattn.models import convert  # pylint: disable=g-import-not-at-top
       model, tokenizer = self._model[released]
@@ -290,7 +240,7 @@ class RealModelFamily:
 
   def tokens(self, tokenizer, name: str, count: int) -> np.ndarray:
     if (name, count) not in self._tokens:
-      self._tokens[(name, count)] = held_out_tokens(tokenizer, count)
+      self._tokens[(name, count)] = text_lib.held_out_tokens(tokenizer, count)
     return self._tokens[(name, count)]
 
   def _greedy(self, d: Mapping[str, Any]) -> tuple[np.ndarray, float]:
@@ -300,14 +250,12 @@ class RealModelFamily:
     ids = self.tokens(tokenizer, d["model"]["name"], text["num_tokens"] + 1 +
                       text["prompt_tokens"])
     prompt = ids[text["num_tokens"] + 1:]
-    graphdef, state = nnx.split(model)
     policy = cache_registry.spec_at_budget(cache["kind"], cache["budget"],
                                            num_sinks=cache["num_sinks"])
     capacity = _seq_capacity(-(-len(prompt) // text["chunk"]) * text["chunk"]
                              + text["new_tokens"], mesh, rules)
     caches = self._caches(model, capacity, jnp.dtype(cache["dtype"]), policy, mesh, rules)
-    step = lce._step_fn(graphdef)  # pylint: disable=protected-access
-    return greedy(model, step, state, caches, prompt, text["new_tokens"], text["chunk"])
+    return streaming.greedy(model, caches, prompt, text["new_tokens"], text["chunk"])
 
   def reference_tokens(self, d: Mapping[str, Any]) -> np.ndarray:
     """Greedy tokens of the reference (float32 full cache, released heads) for `d`'s texts."""
@@ -332,7 +280,7 @@ class RealModelFamily:
     padded = -(-text["num_tokens"] // text["chunk"]) * text["chunk"]  # the last chunk is padded
     caches = self._caches(model, padded, dtype, policy, mesh, rules)
     start = time.perf_counter()
-    nll, caches = lce.streaming_nll(model, caches, ids, text["chunk"])
+    nll, caches = streaming.streaming_nll(model, caches, ids, text["chunk"])
     ppl_s = time.perf_counter() - start
     per_token = sum(memory.measured_bytes_per_token(c) for c in caches)
     per_seq = sum(memory.tree_bytes(c.storage_arrays()) for c in caches)

@@ -93,6 +93,27 @@ def decode(ids: Any, *, stop_at_eos: bool = True) -> str:
   return data.decode("utf-8", errors="replace")
 
 
+class ByteTokenizer:
+  """`encode` / `decode` above behind the calls of `kvattn.checkpoints.Tokenizer`
+  (`encode(text) -> list[int]`, `decode(ids) -> str`, `bos_id`, `eos_id`), so code written
+  for a pretrained model's tokenizer runs on byte-level models.
+
+  Args:
+    bos: prepend BOS_ID on `encode`.
+  """
+
+  bos_id, eos_id, chat_template = BOS_ID, EOS_ID, None
+
+  def __init__(self, *, bos: bool = False):
+    self.bos = bos
+
+  def encode(self, text: str, **unused: Any) -> list[int]:
+    return encode(text, bos=self.bos).tolist()
+
+  def decode(self, ids: Any) -> str:
+    return decode(ids)
+
+
 # ----------------------------------------------------------------------------------------------
 # Corpora.
 

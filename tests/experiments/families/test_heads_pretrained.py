@@ -8,7 +8,6 @@ import pytest
 from configs import heads_sweep_pretrained as hp_config
 from experiments.families import heads_pretrained as hp
 from experiments.framework import runner
-from kvattn.training import data
 
 
 def test_configs_and_sweeps():
@@ -52,17 +51,6 @@ def test_bad_points_fail_before_any_work(overrides, message, tmp_path):
   with pytest.raises(ValueError, match=message):
     runner.run(hp_config.get_config("smoke"), str(tmp_path), [overrides])
   assert not os.path.exists(tmp_path / "results.jsonl")
-
-
-def test_passkey_prompts_hold_the_key_once_and_ask_for_it():
-  tok = hp.ByteTokenizer()
-  prompts, lengths, keys = hp.passkey_prompts(tok, 600, 3, seed=1)
-  assert prompts.shape[0] == 3 and len(set(keys)) == 3
-  for b, key in enumerate(keys):
-    text = data.decode(prompts[b, 1:lengths[b]])
-    assert text.count(f"The pass key is {key}.") == 1
-    assert text.endswith("What is the pass key? The pass key is")
-    assert 500 <= lengths[b] <= 600
 
 
 def _record(label, kind, nbytes, before, after):

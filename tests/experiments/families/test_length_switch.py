@@ -8,6 +8,7 @@ import pytest
 from configs import length_switch as ls_config
 from experiments.families import length_switch as lse
 from experiments.framework import runner
+from experiments.evals import models
 
 
 def _tiny(**overrides):
@@ -83,7 +84,7 @@ def test_tiny_run_measures_ratios_and_reports_the_claim(tmp_path, never):
 
 
 def test_decode_speed_rows():
-  model, _ = lse.lce.load_model("random-tiny", "float32")
+  model, _ = models.load_model("random-tiny", "float32")
   rows = lse.decode_speed(model, [24], switch_length=8, steps=1, repeats=2)
   assert [(r["context"], r["cache"]) for r in rows] == [
       (24, "mha"), (24, "dense"), (24, "length_switch")]

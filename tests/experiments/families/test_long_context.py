@@ -3,8 +3,6 @@
 import json
 import os
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from configs import long_context as lc_config
@@ -87,21 +85,3 @@ def test_tiny_run_measures_reports_and_bounded_caches_with_room_equal_the_full_c
     assert (tmp_path / name).stat().st_size > 0
   lines = (tmp_path / "results.jsonl").read_text().splitlines()
   assert len(lines) == 5 and json.loads(lines[0])["family"] == "long_context"
-
-
-# Dense and sinks (a cache that does its own RoPE); the evicting kinds through the scan equal the
-# full cache in the tiny run, hence the model too.
-@pytest.mark.parametrize("policy", [None, {"kind": "sink", "num_sinks": 2, "window": 4}])
-def test_scan_forward_equals_the_model(policy):
-  model, _ = lce.load_model("random-tiny", "float32")
-  defs, params = lce.scan_parts(model)
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 8)), jnp.int32)
-  new_lengths = jnp.array([8, 5], jnp.int32)
-  caches = model.init_caches(2, 24, cache=policy)
-  stacked = lce.stack_caches(caches)
-  for _ in range(2):  # the second call passes the capacity of the sink cache
-    want, caches = model(tokens, caches, new_lengths=new_lengths)
-    h, stacked = lce.scan_forward(defs, params, stacked, tokens, new_lengths)
-    logits = lce._logits(params, h)  # pylint: disable=protected-access
-    np.testing.assert_allclose(logits, want, atol=1e-5)
-  np.testing.assert_array_equal(stacked.lengths[1], caches[1].lengths)

@@ -1,0 +1,58 @@
+"""The one model loader of the experiments: a registered or local checkpoint, its architecture
+with random weights, or a tiny random model for tests.
+
+  `load_model("smollm2-135m-instruct")`        `kvattn.from_pretrained` (fetched once).
+  `load_model(name, random_weights=True)`      the architecture of `RANDOM_CONFIGS[name]`,
+                                               random weights, no tokenizer (a machine that
+                                               cannot fetch the checkpoint, e.g. the GPU one).
+  `load_model("random-tiny")`                  2 layers, byte vocabulary, `ByteTokenizer`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from kvattn.checkpoints import pretrained
+from kvattn.models import transformer as transformer_lib
+from kvattn.training import data as data_lib
+
+TINY = "random-tiny"
+
+RANDOM_CONFIGS = {
+    "smollm2-135m-instruct": {
+        "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+        "tie_word_embeddings": True, "hidden_act": "silu", "max_position_embeddings": 8192,
+    },
+}
+"""HF `config.json` keys of registered checkpoints, for `random_weights=True`."""
+
+
+def tiny_model(seed: int = 0) -> transformer_lib.Transformer:
+  """A 2-layer random GQA model (byte vocabulary, D 32, 4 query / 2 KV heads of 8)."""
+  cfg = transformer_lib.model_config(d_model=32, num_layers=2, mlp_dim=64,
+                                     attention=dict(num_heads=4, num_kv_heads=2, head_dim=8))
+  return transformer_lib.Transformer.from_config(cfg, rngs=nnx.Rngs(seed))
+
+
+def load_model(name: str, dtype: Any = "float32", *, random_weights: bool = False,
+               seed: int = 0) -> tuple[transformer_lib.Transformer, Any]:
+  """`(model, tokenizer or None)` of `name` (module doc), compute dtype `dtype`.
+
+  Raises:
+    ValueError: `random_weights` for a name without a `RANDOM_CONFIGS` entry.
+  """
+  if name == TINY:
+    return tiny_model(seed), data_lib.ByteTokenizer()
+  if not random_weights:
+    return pretrained.from_pretrained(name, dtype=jnp.dtype(dtype))
+  if name not in RANDOM_CONFIGS:
+    raise ValueError(f"random weights need a RANDOM_CONFIGS entry ({sorted(RANDOM_CONFIGS)}); "
+                     f"got {name!r}")
+  cfg = pretrained.model_config_from_hf(RANDOM_CONFIGS[name])
+  cfg.dtype = str(jnp.dtype(dtype))
+  return transformer_lib.Transformer.from_config(cfg, rngs=nnx.Rngs(seed)), None

@@ -1,0 +1,140 @@
+"""Streaming evaluation through any caches: per-token NLL, passkey retrieval, greedy decode.
+
+Each takes caches of any kind of the cache protocol, so every family, benchmark and
+notebook scores a cache kind the same way: `streaming_nll` (StreamingLLM's evaluation:
+the text fed `chunk` tokens per forward pass), `passkey_correct` (chunked prefill, greedy
+decode, key found or not) and `greedy` (chunked prefill, then `kvattn.generate`'s compiled
+decode loop with the caches donated, timed as `experiments.benchmarks.real` times it).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments.framework import timing
+
+
+@functools.lru_cache(maxsize=8)
+def step_fn(graphdef):
+  """Jitted `(state, caches, tokens, new_lengths, targets) -> (nll, argmax, caches)` through the
+  model's own call (per-layer caches of any protocol kind; `streaming_nll`, `passkey_correct`)."""
+
+  @jax.jit
+  def step(state, caches, tokens, new_lengths, targets):
+    logits, caches = nnx.merge(graphdef, state)(tokens, caches, new_lengths=new_lengths)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return nll, jnp.argmax(logits, axis=-1).astype(jnp.int32), caches
+
+  return step
+
+
+def streaming_nll(model, caches, ids: np.ndarray, chunk: int) -> tuple[np.ndarray, Any]:
+  """Streams `ids` through `caches`, `chunk` tokens per forward pass (StreamingLLM's evaluation).
+
+  Args:
+    model: the model (`kvattn.Transformer`).
+    caches: empty per-layer caches of batch 1 (any kind of the cache protocol).
+    ids: `i32[n + 1]` token ids; token i + 1 is predicted from tokens 0..i.
+    chunk: tokens fed per forward pass (1 = exact token-by-token streaming).
+
+  Returns:
+    `(nll f64[n], caches)`: each token's negative log-likelihood (nats) and the caches after.
+  """
+  graphdef, state = nnx.split(model)
+  step = step_fn(graphdef)
+  num_tokens = len(ids) - 1
+  nll = np.zeros(num_tokens, np.float64)
+  for s in range(0, num_tokens, chunk):
+    e = min(num_tokens, s + chunk)
+    toks = np.zeros((1, chunk), np.int32)
+    tgts = np.zeros((1, chunk), np.int32)
+    toks[0, :e - s], tgts[0, :e - s] = ids[s:e], ids[s + 1:e + 1]
+    out, _, caches = step(state, caches, jnp.asarray(toks), jnp.array([e - s], jnp.int32),
+                          jnp.asarray(tgts))
+    nll[s:e] = np.asarray(out[0, :e - s])
+  return nll, caches
+
+
+def passkey_correct(model, make_caches, prompts: Sequence[Sequence[int]], keys: Sequence[int],
+                    chunk: int, new_tokens: int, tokenizer) -> list[int]:
+  """Chunked prefill of the prompts (one row each), greedy decode; 1 where the key appears.
+
+  Args:
+    model: the model (`kvattn.Transformer`).
+    make_caches: `(batch, capacity) -> caches`: empty per-layer caches of any kind.
+    prompts: token ids of each row's prompt (`passkey_prompt`).
+    keys: the pass key hidden in each prompt.
+    chunk: prompt tokens per forward pass.
+    new_tokens: greedy tokens decoded after the prompt.
+    tokenizer: decodes the generated ids (`decode(ids) -> str`).
+
+  Returns:
+    Per row, 1 if the key's digits appear in the decoded tokens, else 0.
+  """
+  graphdef, state = nnx.split(model)
+  step = step_fn(graphdef)
+  batch, width = len(prompts), max(len(p) for p in prompts)
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  padded = -(-width // chunk) * chunk
+  toks = np.zeros((batch, padded), np.int32)
+  for b, p in enumerate(prompts):
+    toks[b, :len(p)] = p
+  caches = make_caches(batch, padded + new_tokens)
+  last = np.zeros(batch, np.int32)
+  for s in range(0, padded, chunk):
+    new = np.clip(lengths - s, 0, chunk).astype(np.int32)
+    blk = jnp.asarray(toks[:, s:s + chunk])
+    _, arg, caches = step(state, caches, blk, jnp.asarray(new), blk)
+    arg = np.asarray(arg)
+    for b in range(batch):
+      if 0 < lengths[b] - s <= chunk:
+        last[b] = arg[b, lengths[b] - s - 1]
+  out = [last.copy()]
+  nxt = jnp.asarray(last[:, None])
+  ones = jnp.ones((batch,), jnp.int32)
+  for _ in range(new_tokens - 1):
+    _, nxt, caches = step(state, caches, nxt, ones, nxt)
+    out.append(np.asarray(nxt[:, 0]))
+  generated = np.stack(out, axis=1)
+  return [int(str(key) in tokenizer.decode(generated[b].tolist()))
+          for b, key in enumerate(keys)]
+
+
+def greedy(model, caches, prompt: np.ndarray, new_tokens: int, chunk: int
+           ) -> tuple[np.ndarray, float]:
+  """Greedy continuation of one prompt through `caches` (batch 1).
+
+  The prompt goes in `chunk` tokens per forward pass (`step_fn`), then `new_tokens - 1` tokens through `kvattn.generate`'s
+  compiled decode loop with the caches donated (`kvattn.inference.decode`, one
+  XLA program, no Python dispatch per token), as `bench_real` times it. A first
+  run on a copy of the caches compiles the loop; the second is timed.
+
+  Returns:
+    `(i32[new_tokens] tokens, seconds of the timed decode loop)` (0.0 when
+    `new_tokens` < 2).
+  """
+  graphdef, state = nnx.split(model)
+  step = step_fn(graphdef)
+  last = None
+  for s in range(0, len(prompt), chunk):
+    part = prompt[s:s + chunk]
+    toks = np.zeros((1, chunk), np.int32)
+    toks[0, :len(part)] = part
+    blk = jnp.asarray(toks)
+    _, arg, caches = step(state, caches, blk, jnp.array([len(part)], jnp.int32), blk)
+    last = int(arg[0, len(part) - 1])
+  if new_tokens < 2:
+    return np.asarray([last], np.int32), 0.0
+  first = jnp.array([last], jnp.int32)
+  timing.timed_decode(model, first, jax.tree.map(jnp.copy, caches), new_tokens,
+                      jax.random.key(0))  # compiles
+  seconds, _, tokens, _, _ = timing.timed_decode(model, first, caches, new_tokens,
+                                                 jax.random.key(0))
+  return np.asarray(tokens[0], np.int32), seconds
