@@ -26,7 +26,6 @@ arrow from the converted to the uptrained perplexity.
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from typing import Any, Mapping, Sequence
@@ -177,20 +176,13 @@ class HeadsPretrainedFamily:
     base = runner.to_dict(config)
     runner.check_schema(base, schema())
     self._title = base["experiment"]["name"] or self._title
-    points, seen = [], {}
-    for i, overrides in enumerate(sweep or [{}]):
-      where = f"sweep[{i}] {dict(overrides)}" if overrides else "config"
-      d = runner.apply_overrides(config, overrides, where)
+
+    def point_of(d, where):
       name = self._check(d, where)
-      measured = {k: v for k, v in d.items() if k != "experiment"}
-      pid = f"{name}-{runner.digest(measured)}"
-      if pid in seen:
-        raise ValueError(f"{where}: gives the same point {name} as {seen[pid]}; remove the "
-                         f"duplicate sweep entry")
-      seen[pid] = where
-      points.append(runner.Point(pid, name, copy.deepcopy(d), runner.digest(d["source"], 12),
-                                 {"convert": dict(d["convert"])}))
-    return points
+      return runner.PointSpec(name, {k: v for k, v in d.items() if k != "experiment"},
+                              runner.digest(d["source"], 12), {"convert": dict(d["convert"])})
+
+    return runner.expand_points(config, sweep, point_of)
 
   # -- measurement ----------------------------------------------------------------------------
 

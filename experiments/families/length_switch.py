@@ -42,7 +42,6 @@ puts the source's claim (1.8x faster than MHA at 1024 tokens, 3.5x at 4096,
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import os
@@ -140,24 +139,20 @@ class LengthSwitchFamily:
     self._check(base, "config")
     self._config = base
     self._title = base["experiment"]["name"] or self._title
-    points, seen = [], {}
-    for i, overrides in enumerate(sweep or [{}]):
-      where = f"sweep[{i}] {dict(overrides)}" if overrides else "config"
-      d = runner.apply_overrides(config, overrides, where)
+
+    def point_of(d, where):
       self._check(d, where)
       cache, context = d["cache"], d["text"]["context"]
       switch = cache["switch_length"] if cache["kind"] == "length_switch" else None
-      label = f"ctx{context}-" + ("never" if switch is None else f"switch{switch}")
       measured = {s: d[s] for s in ("model", "text", "passkey", "decode")}
       measured["cache"] = cache if switch is not None else {"kind": "dense"}
-      pid = f"{label}-{runner.digest(measured)}"
-      if pid in seen:
-        raise ValueError(f"{where}: gives the same point {label} as {seen[pid]}")
-      seen[pid] = where
-      points.append(runner.Point(pid, label, copy.deepcopy(d), d["model"]["name"], {
-          "context": context, "switch_length": switch,
-          "num_kv_heads_after": cache["num_kv_heads_after"] if switch is not None else None}))
-    return points
+      return runner.PointSpec(
+          f"ctx{context}-" + ("never" if switch is None else f"switch{switch}"), measured,
+          d["model"]["name"], {
+              "context": context, "switch_length": switch,
+              "num_kv_heads_after": cache["num_kv_heads_after"] if switch is not None else None})
+
+    return runner.expand_points(config, sweep, point_of)
 
   def model(self, point: runner.Point):
     if self._model is None or self._model[0] != point.group:

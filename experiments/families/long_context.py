@@ -49,7 +49,6 @@ ppl_vs_position.png and passkey_<policy>.png are its plots.
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import os
@@ -187,10 +186,8 @@ class LongContextFamily:
     self._check(base, "config")
     self._config = base
     self._title = base["experiment"]["name"] or self._title
-    points, seen = [], {}
-    for i, overrides in enumerate(sweep or [{}]):
-      where = f"sweep[{i}] {dict(overrides)}" if overrides else "config"
-      d = runner.apply_overrides(config, overrides, where)
+
+    def point_of(d, where):
       self._check(d, where)
       policy = d["cache"]
       if policy["kind"] in ("dense", SPEED):
@@ -203,14 +200,11 @@ class LongContextFamily:
       else:
         measured = {s: d[s] for s in ("model", "text", "passkey")}
         measured["cache"] = policy_dict(policy)
-      pid = f"{label}-{runner.digest(measured)}"
-      if pid in seen:
-        raise ValueError(f"{where}: gives the same point {label} as {seen[pid]}")
-      seen[pid] = where
-      points.append(runner.Point(pid, label, copy.deepcopy(d), d["model"]["name"], {
+      return runner.PointSpec(label, measured, d["model"]["name"], {
           "kind": policy["kind"],
-          "budget": None if policy["kind"] in ("dense", SPEED) else policy["budget"]}))
-    return points
+          "budget": None if policy["kind"] in ("dense", SPEED) else policy["budget"]})
+
+    return runner.expand_points(config, sweep, point_of)
 
   def model(self, point: runner.Point):
     if self._model is None or self._model[0] != point.group:

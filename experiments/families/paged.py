@@ -43,7 +43,6 @@ memory wasted by contiguous caches, under 4% with paging).
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import statistics
@@ -157,30 +156,24 @@ class PagedFamily:
     self._check(base, "config")  # the config as given (command-line overrides included)
     self._config = base
     self._title = base["experiment"]["name"] or self._title
-    points, seen = [], {}
-    for i, overrides in enumerate(sweep or [{}]):
-      where = f"sweep[{i}] {dict(overrides)}" if overrides else "config"
-      d = runner.apply_overrides(config, overrides, where)
+
+    def point_of(d, where):
       spec = self._check(d, where)
       cache = d["cache"]
       paged = cache["kind"] == "paged"
-      label = f"paged-P{cache['page_size']}" if paged else "dense"
       measured = {s: d[s] for s in ("model", "workload", "decode")}
       # The page size and allocator seed do not change a dense point.
       measured["cache"] = {k: v for k, v in cache.items()
                            if paged or k not in ("page_size", "seed")}
-      pid = f"{label}-{runner.digest(measured)}"
-      if pid in seen:
-        raise ValueError(f"{where}: gives the same point {label} as {seen[pid]}; remove the "
-                         f"duplicate sweep entry")
-      seen[pid] = where
-      model_key = runner.digest(d["model"], 12)
-      points.append(runner.Point(pid, label, copy.deepcopy(d), model_key, {
-          "cache_kind": cache["kind"], "page_size": cache["page_size"] if paged else None,
-          "max_len": cache["max_len"], "num_sequences": d["workload"]["num_sequences"],
-          "num_kv_heads": spec.layers[0].num_kv_heads, "head_dim": spec.layers[0].head_dim,
-          "num_layers": spec.num_layers}))
-    return points
+      return runner.PointSpec(
+          f"paged-P{cache['page_size']}" if paged else "dense", measured,
+          runner.digest(d["model"], 12), {
+              "cache_kind": cache["kind"], "page_size": cache["page_size"] if paged else None,
+              "max_len": cache["max_len"], "num_sequences": d["workload"]["num_sequences"],
+              "num_kv_heads": spec.layers[0].num_kv_heads, "head_dim": spec.layers[0].head_dim,
+              "num_layers": spec.num_layers})
+
+    return runner.expand_points(config, sweep, point_of)
 
   def preflight(self, point: runner.Point) -> None:
     """Traces one decode step of the point's model against the caches `measure` builds

@@ -33,7 +33,6 @@ allocating (and prefilling) them.
 
 from __future__ import annotations
 
-import copy
 import os
 import statistics
 import time
@@ -109,26 +108,21 @@ class PrefixReuseFamily:
     runner.check_schema(base, self.schema)
     self._check(base, "config")
     self._title = base["experiment"]["name"] or self._title
-    points, seen = [], set()
-    for i, overrides in enumerate(sweep or [{}]):
-      where = f"sweep[{i}] {dict(overrides)}" if overrides else "config"
-      d = runner.apply_overrides(config, overrides, where)
+
+    def point_of(d, where):
       self._check(d, where)
       mode = d["prefix_cache"]["mode"]
       measured = {s: d[s] for s in ("source", "workload", "cache", "prefix_cache")}
       if not d["source"]["pretrained"]:
         measured["model"] = d["model"]
-      pid = f"{mode}-{runner.digest(measured)}"
-      if pid in seen:
-        raise ValueError(f"{where}: gives the same point as another sweep entry; remove it")
-      seen.add(pid)
-      group = runner.digest({"source": d["source"], "model": d["model"]}, 12)
-      points.append(runner.Point(pid, mode, copy.deepcopy(d), group, {
-          "prefix_cache": mode, "system_len": d["workload"]["system_len"],
-          "question_len": d["workload"]["question_len"],
-          "page_size": d["cache"]["page_size"],
-          "model_name": d["source"]["pretrained"] or "random"}))
-    return points
+      return runner.PointSpec(mode, measured, runner.digest(
+          {"source": d["source"], "model": d["model"]}, 12), {
+              "prefix_cache": mode, "system_len": d["workload"]["system_len"],
+              "question_len": d["workload"]["question_len"],
+              "page_size": d["cache"]["page_size"],
+              "model_name": d["source"]["pretrained"] or "random"})
+
+    return runner.expand_points(config, sweep, point_of)
 
   def model(self, point: runner.Point) -> nnx.Module:
     """The point's model, loaded or built once per source."""

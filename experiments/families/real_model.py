@@ -38,7 +38,6 @@ and two plots, quality_vs_cache.png and decode_speed.png, linked from it.
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import time
@@ -203,25 +202,19 @@ class RealModelFamily:
     runner.check_schema(base, schema())
     self._check(base, "config")
     self._title = base["experiment"]["name"] or self._title
-    points, seen = [], {}
-    for i, overrides in enumerate(sweep or [{}]):
-      where = f"sweep[{i}] {dict(overrides)}" if overrides else "config"
-      d = runner.apply_overrides(config, overrides, where)
+
+    def point_of(d, where):
       self._check(d, where)
-      label = _label(d)
       measured = {s: d[s] for s in ("model", "cache", "heads", "text")}
       if d["mesh"]["shape"] is not None:  # one device keeps the ids of earlier runs
         measured["mesh"] = d["mesh"]
-      pid = f"{label}-{runner.digest(measured)}"
-      if pid in seen:
-        raise ValueError(f"{where}: gives the same point {label} as {seen[pid]}")
-      seen[pid] = where
-      points.append(runner.Point(pid, label, copy.deepcopy(d), f"K{d['heads']['num_kv_heads']}", {
+      return runner.PointSpec(_label(d), measured, f"K{d['heads']['num_kv_heads']}", {
           "cache_dtype": d["cache"]["dtype"], "policy": d["cache"]["kind"],
           "budget": None if d["cache"]["kind"] == "dense" else d["cache"]["budget"],
           "num_kv_heads_setting": d["heads"]["num_kv_heads"],
-          "reference": _is_reference(d)}))
-    return points
+          "reference": _is_reference(d)})
+
+    return runner.expand_points(config, sweep, point_of)
 
   # -- measurement ----------------------------------------------------------------------------
 

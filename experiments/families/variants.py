@@ -33,7 +33,6 @@ for them (`QUOTED`), timing and training tables, and three plots:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
@@ -266,10 +265,7 @@ class VariantsFamily:
     self._config = base
     self._title = base["experiment"]["name"] or self._title
     available = runner.available_memory_bytes()
-    points, seen = [], {}
-    for i, overrides in enumerate(sweep or [{}]):
-      where = f"sweep[{i}] {dict(overrides)}" if overrides else "config"
-      d = runner.apply_overrides(config, overrides, where)
+    def point_of(d, where):
       spec = self._check(d, where)
       variant, k = variant_name(spec)
       cache_dtype = d["cache"]["dtype"] or d["model"]["dtype"]
@@ -279,6 +275,7 @@ class VariantsFamily:
       trained = {**spec_d, "layers": [{**l, "decode_implementation": None}
                                       for l in spec_d["layers"]]}
       group = runner.digest({"model": trained, **_measured_part(d, ("train", "data"))}, 12)
+      out = []
       for s in d["cache"]["seq_lens"]:
         need = point_memory_bytes(spec, d["cache"]["batch"], s, cache_dtype,
                                   d["train"]["batch_size"], d["data"]["seq_len"])
@@ -291,21 +288,19 @@ class VariantsFamily:
               f"{_gib(need['params'])}) but cache.memory_fraction = "
               f"{d['cache']['memory_fraction']} of the {_gib(available)} available allows "
               f"{_gib(allowed)}; use a smaller S or cache.batch")
-        point_cfg = copy.deepcopy(d)
-        label = f"{variant}{'' if k is None else f'-K{k}'}-S{s}"
         measured = _measured_part(d, ("cache", "decode", "train", "data"))
         if d["mesh"]["shape"] is not None:  # one device keeps the hashes of earlier runs
           measured["mesh"] = d["mesh"]
-        pid = f"{label}-{runner.digest({'model': spec_d, 'seq_len': s, **measured})}"
-        if pid in seen:
-          raise ValueError(f"{where}: gives the same point {label} as {seen[pid]}; remove the "
-                           f"duplicate sweep entry")
-        seen[pid] = where
-        points.append(runner.Point(pid, label, point_cfg, group, {
-            "variant": variant, "attention_kind": spec.layers[0].kind,
-            "num_heads": spec.layers[0].num_heads, "num_kv_heads": k, "seq_len": s,
-            "batch": d["cache"]["batch"], "cache_dtype": str(jnp.dtype(cache_dtype)),
-            "memory_estimate_bytes": need["total"], "train_group": group}))
+        out.append(runner.PointSpec(
+            f"{variant}{'' if k is None else f'-K{k}'}-S{s}",
+            {"model": spec_d, "seq_len": s, **measured}, group, {
+                "variant": variant, "attention_kind": spec.layers[0].kind,
+                "num_heads": spec.layers[0].num_heads, "num_kv_heads": k, "seq_len": s,
+                "batch": d["cache"]["batch"], "cache_dtype": str(jnp.dtype(cache_dtype)),
+                "memory_estimate_bytes": need["total"], "train_group": group}))
+      return out
+
+    points = runner.expand_points(config, sweep, point_of)
     for p in points:  # data problems surface before any training
       self._dataset(p.config, p.label)
     first = {}

@@ -250,6 +250,51 @@ def _get(d: Mapping[str, Any], dotted: str) -> Any:
   return d
 
 
+@dataclasses.dataclass(frozen=True)
+class PointSpec:
+  """What a family says of one point of a sweep entry (`expand_points`).
+
+  label: short name (tables, plots, the id's prefix).
+  measured: the JSON-able part of the config that changes the measurement; the id hashes it.
+  group: points of one group share work (a loaded or trained model).
+  params: family-specific fields copied into the record.
+  """
+
+  label: str
+  measured: Any
+  group: str
+  params: dict[str, Any]
+
+
+def expand_points(config: Any, sweep: Sequence[Mapping[str, Any]] | None,
+                  point_of: Callable[[dict[str, Any], str], "PointSpec | Sequence[PointSpec]"]
+                  ) -> list["Point"]:
+  """The points of a config and its sweep: the one sweep -> points loop every family uses.
+
+  Entry i's dotted-key overrides are applied to a copy of `config` (`apply_overrides`; an
+  empty sweep is one entry of no overrides), and `point_of(d, where)` validates the result
+  `d` and returns its `PointSpec` (or several: one entry may expand into points, e.g. one per
+  sequence length). A point's id is `f"{label}-{digest(measured)}"`; its config a copy of `d`.
+
+  Raises:
+    ValueError: an override or a value `point_of` rejects (naming `where`: "config" or
+      "sweep[i] {...}"), or two entries that give the same point (naming both).
+  """
+  points, seen = [], {}
+  for i, overrides in enumerate(sweep or [{}]):
+    where = f"sweep[{i}] {dict(overrides)}" if overrides else "config"
+    d = apply_overrides(config, overrides, where)
+    specs = point_of(d, where)
+    for spec in [specs] if isinstance(specs, PointSpec) else specs:
+      pid = f"{spec.label}-{digest(spec.measured)}"
+      if pid in seen:
+        raise ValueError(f"{where}: gives the same point {spec.label} as {seen[pid]}; remove "
+                         f"the duplicate sweep entry")
+      seen[pid] = where
+      points.append(Point(pid, spec.label, copy.deepcopy(d), spec.group, dict(spec.params)))
+  return points
+
+
 def digest(obj: Any, length: int = 8) -> str:
   """Short stable hash of a JSON-able object (sorted keys; tuples == lists)."""
   text = json.dumps(obj, sort_keys=True, default=str)

@@ -208,3 +208,26 @@ def test_an_override_the_sweep_would_discard_is_refused(tmp_path):
   # An override of a key no sweep entry sets is kept.
   result = runner.run(_config(xs=(5,)), str(tmp_path / "run"), sweep, defaults=defaults)
   assert [r["y"] for r in result.records] == [10.0, 15.0]
+
+
+def test_expand_points_is_the_one_sweep_loop():
+  from ml_collections import config_dict  # pylint: disable=g-import-not-at-top
+  cfg = config_dict.ConfigDict({"a": {"x": 1, "y": 2}})
+  cfg.lock()
+
+  def point_of(d, where):
+    if d["a"]["x"] < 0:
+      raise ValueError(f"{where}: a.x must be >= 0")
+    return [runner.PointSpec(f"x{d['a']['x']}-{n}", {"a": d["a"], "n": n}, "g", {"n": n})
+            for n in range(d["a"]["y"])]
+
+  points = runner.expand_points(cfg, [{}, {"a.x": 3}], point_of)
+  assert [p.label for p in points] == ["x1-0", "x1-1", "x3-0", "x3-1"]
+  assert points[2].config["a"]["x"] == 3 and points[0].config["a"]["x"] == 1
+  assert len({p.id for p in points}) == 4 and points[1].params == {"n": 1}
+  with pytest.raises(ValueError, match=r"sweep\[1\] .*a\.x must be >= 0"):
+    runner.expand_points(cfg, [{}, {"a.x": -1}], point_of)
+  with pytest.raises(ValueError, match=r"sweep\[1\] .*same point x1-0 as sweep\[0\]"):
+    runner.expand_points(cfg, [{"a.x": 1}, {"a.x": 1}], point_of)
+  with pytest.raises(ValueError, match="a.z"):
+    runner.expand_points(cfg, [{"a.z": 1}], point_of)
