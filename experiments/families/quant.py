@@ -58,6 +58,7 @@ from experiments.framework import report as report_lib
 from experiments.framework import results
 from experiments.framework import runner
 from experiments.families import variants as variants_experiment
+from experiments.families import variants_report
 from kvattn.training import data as data_lib
 from kvattn import memory
 from kvattn.training import trainer as train_lib
@@ -278,11 +279,11 @@ runner.register_family("quant", QuantFamily)
 
 def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list[str]]:
   """One row per point; ratios and deltas against the bf16 point of the same variant."""
-  base = {variants_experiment.variant_key(r): r for r in records
+  base = {variants_report.variant_key(r): r for r in records
           if r["cache_dtype"] == BASELINE_DTYPE}
   rows = []
   for r in records:
-    b = base.get(variants_experiment.variant_key(r))
+    b = base.get(variants_report.variant_key(r))
     bytes_ratio = f"{r['cache_bytes_per_token'] / b['cache_bytes_per_token']:.1%}" if b else "n/a"
     speed = f"{r['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}×" if b else "n/a"
     delta = (f"{r['teacher_forced_bits_per_byte'] - b['teacher_forced_bits_per_byte']:+.4f}"
@@ -328,7 +329,7 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
   if records:
     no_cache = {}
     for r in records:
-      no_cache.setdefault(variants_experiment.variant_key(r), r["no_cache_bits_per_byte"])
+      no_cache.setdefault(variants_report.variant_key(r), r["no_cache_bits_per_byte"])
     lines += ["", "No-cache bits/byte of the same rows (one causal forward pass, "
               f"{records[0]['config']['model']['dtype']}): " + ", ".join(
                   f"{k} {v:.4f}" for k, v in no_cache.items()) + ".", "",
@@ -355,8 +356,8 @@ def _plot(records, path: str) -> None:
   plt = report_lib.pyplot()
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
   markers = {"bfloat16": "o", "int8": "s", "float8_e4m3fn": "^", "float8_e5m2": "v"}
-  for i, key in enumerate(dict.fromkeys(variants_experiment.variant_key(r) for r in records)):
-    rs = [r for r in records if variants_experiment.variant_key(r) == key]
+  for i, key in enumerate(dict.fromkeys(variants_report.variant_key(r) for r in records)):
+    rs = [r for r in records if variants_report.variant_key(r) == key]
     for r in rs:
       m = markers.get(r["cache_dtype"], "x")
       ax1.scatter(r["cache_bytes_per_token"], r["teacher_forced_bits_per_byte"], color=f"C{i}",

@@ -27,13 +27,14 @@ from configs import toy as default
 from experiments import main as main_lib
 from experiments.framework import runner
 from experiments.families import variants
+from experiments.families import variants_report
 import kvattn
 from kvattn import memory
 from kvattn.training import trainer as train_lib
 from kvattn.models import transformer as transformer_lib
 
 FILES = ("results.jsonl", "results.csv", "report.md", "config.json",
-         *variants.PLOTS.values())
+         *variants_report.PLOTS.values())
 FIELDS = ("point", "label", "variant", "num_kv_heads", "seq_len", "batch",
           "cache_bytes_per_token", "cache_bytes_per_token_analytic", "cache_bytes",
           "prefill_s", "prefill_s_min", "prefill_s_max",
@@ -76,7 +77,7 @@ def check_outputs(workdir, result, config, expected_kv_heads):
   """Files, fields and sane values of a finished run; returns records by (variant, K, S)."""
   for name in FILES:
     assert os.path.getsize(os.path.join(workdir, name)) > 0, name
-  for name in variants.PLOTS.values():
+  for name in variants_report.PLOTS.values():
     with open(os.path.join(workdir, name), "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
   assert not [n for n in os.listdir(workdir) if n.startswith(".tmp-")]  # no torn writes left
@@ -128,7 +129,7 @@ def check_outputs(workdir, result, config, expected_kv_heads):
   with open(os.path.join(workdir, "report.md")) as f:
     report = f.read()
   assert report == result.report
-  assert "| " + " | ".join(variants.VARIANT_COLUMNS) + " |" in report
+  assert "| " + " | ".join(variants_report.VARIANT_COLUMNS) + " |" in report
   for s in seq_lens:
     assert f"## S = {s}" in report
   assert report.count("| MQA | 1 | ") == len(seq_lens)
@@ -347,7 +348,7 @@ def test_main_command_line(tmp_path, parse_flags, capsys, default_run, train_dir
   main_lib.main(["experiments.main"])
   out = capsys.readouterr().out
   assert f"Report: {os.path.join(workdir, 'report.md')}" in out
-  assert "| " + " | ".join(variants.VARIANT_COLUMNS) + " |" in out
+  assert "| " + " | ".join(variants_report.VARIANT_COLUMNS) + " |" in out
   # Same config as the default smoke run: the same points, trained params reused.
   with open(os.path.join(workdir, "results.jsonl")) as f:
     assert {json.loads(l)["point"] for l in f} == {r["point"] for r in default_run[1].records}
@@ -434,7 +435,7 @@ def test_variant_rows_against_quoted_ranges():
   def rec(variant, k, bpt, tps, bpb):
     return {"variant": variant, "num_kv_heads": k, "seq_len": 64, "cache_bytes_per_token": bpt,
             "decode_tokens_per_s": tps, "validation_bits_per_byte": bpb}
-  rows = variants.variant_rows([
+  rows = variants_report.variant_rows([
       rec("MHA", 8, 1024, 100.0, 2.0), rec("GQA", 2, 256, 200.0, 2.1),
       rec("MQA", 1, 128, 600.0, 2.25), rec("MLA", None, 288, 90.0, 1.9)])
   mha, gqa, mqa, mla = rows[64]
@@ -443,7 +444,7 @@ def test_variant_rows_against_quoted_ranges():
   assert gqa[-1] == "cache yes, speed yes"
   assert mqa[3] == "12.5%" and mqa[5] == "6.00×" and mqa[-1] == "cache yes, speed no"
   assert mla[1] == "—" and mla[-2].startswith('"adaptive"') and mla[-1] == "n/a"
-  no_baseline = variants.variant_rows([rec("GQA", 2, 256, 200.0, 2.1)])[64][0]
+  no_baseline = variants_report.variant_rows([rec("GQA", 2, 256, 200.0, 2.1)])[64][0]
   assert no_baseline[3] == "n/a" and no_baseline[-1] == "n/a (no MHA point)"
 
 
