@@ -37,6 +37,8 @@ from flax import nnx
 from experiments.framework import report as report_lib
 from experiments.framework import results
 from experiments.framework import runner
+from experiments.framework import overrides
+from experiments.framework import checks
 from experiments.evals import text as text_lib
 from experiments.framework import timing
 from kvattn.models import convert
@@ -51,7 +53,7 @@ def schema() -> dict[str, tuple[str, ...]]:
   """Sections and keys of a "heads_pretrained" config (configs/heads_sweep_pretrained.py)."""
   return {
       "source": ("name",),
-      "model": tuple(runner.flat_keys(transformer_lib.model_config().to_dict())),
+      "model": tuple(overrides.flat_keys(transformer_lib.model_config().to_dict())),
       "convert": ("kind", "num_kv_heads", "method", "kv_lora_rank", "qk_rope_head_dim",
                   "rope_selection"),
       "data": ("seq_len", "max_bytes", "validation_fraction", "eval_rows"),
@@ -114,11 +116,11 @@ class HeadsPretrainedFamily:
 
   def source(self, d: Mapping[str, Any]) -> tuple[transformer_lib.Transformer, Any]:
     """The source model and tokenizer, loaded once per source."""
-    key = runner.digest({"source": d["source"], "model": d["model"]})
+    key = overrides.digest({"source": d["source"], "model": d["model"]})
     if self._source is None or self._source[0] != key:
       name = d["source"]["name"]
       if name == "random":
-        spec = runner.model_spec(d, "config")
+        spec = checks.model_spec(d, "config")
         model, tok = transformer_lib.Transformer(spec, rngs=nnx.Rngs(0)), data_lib.ByteTokenizer(bos=True)
       else:
         from kvattn.checkpoints import pretrained  # pylint: disable=g-import-not-at-top
@@ -132,7 +134,7 @@ class HeadsPretrainedFamily:
 
   def dataset(self, d: Mapping[str, Any]) -> data_lib.Dataset:
     """The default corpus tokenized with the source's tokenizer (once per source and data)."""
-    key = runner.digest({"source": d["source"], "data": d["data"]})
+    key = overrides.digest({"source": d["source"], "data": d["data"]})
     if self._dataset is None or self._dataset[0] != key:
       _, tok = self.source(d)
       dd = d["data"]
@@ -150,11 +152,11 @@ class HeadsPretrainedFamily:
       raise ValueError(f"{where}: convert.kind must be one of {CONVERT_KINDS}; got "
                        f"{conv['kind']!r}")
     for key in ("seq_len", "eval_rows"):
-      runner.check_int(f"{where}: data.{key}", d["data"][key])
+      checks.check_int(f"{where}: data.{key}", d["data"][key])
     for key in ("context_len", "samples"):
-      runner.check_int(f"{where}: passkey.{key}", d["passkey"][key])
+      checks.check_int(f"{where}: passkey.{key}", d["passkey"][key])
     for key in ("batch", "prompt_len", "new_tokens", "repeats"):
-      runner.check_int(f"{where}: decode.{key}", d["decode"][key])
+      checks.check_int(f"{where}: decode.{key}", d["decode"][key])
     train_lib.check_train_config(d["train"])
     model, _ = self.source(d)
     try:  # the conversion's own checks (no weights computed)
@@ -173,14 +175,14 @@ class HeadsPretrainedFamily:
     Raises:
       ValueError: unknown key, bad value, impossible conversion or duplicate point.
     """
-    base = runner.to_dict(config)
-    runner.check_schema(base, schema())
+    base = overrides.to_dict(config)
+    overrides.check_schema(base, schema())
     self._title = base["experiment"]["name"] or self._title
 
     def point_of(d, where):
       name = self._check(d, where)
       return runner.PointSpec(name, {k: v for k, v in d.items() if k != "experiment"},
-                              runner.digest(d["source"], 12), {"convert": dict(d["convert"])})
+                              overrides.digest(d["source"], 12), {"convert": dict(d["convert"])})
 
     return runner.expand_points(config, sweep, point_of)
 
@@ -216,7 +218,7 @@ class HeadsPretrainedFamily:
     record: dict[str, Any] = {
         "label": point.label, "convert_kind": d["convert"]["kind"],
         "source": d["source"]["name"], "cache_bytes_per_token_analytic": analytic,
-        **runner.check_cache_bytes(model.init_caches(1, 16), analytic, 1, 16),
+        **checks.check_cache_bytes(model.init_caches(1, 16), analytic, 1, 16),
         "source_cache_bytes_per_token": source.cache_bytes_per_token()}
     before = self._evaluate(model, d)
     record.update(perplexity_converted=before["perplexity"], loss_converted=before["loss"],

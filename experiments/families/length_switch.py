@@ -58,6 +58,8 @@ from experiments.evals import text as text_lib
 from experiments.framework import report as report_lib
 from experiments.framework import results
 from experiments.framework import runner
+from experiments.framework import overrides
+from experiments.framework import checks
 from kvattn.models import convert
 from kvattn import memory
 
@@ -118,24 +120,24 @@ class LengthSwitchFamily:
     if cache["kind"] not in KINDS:
       raise ValueError(f"{where}: cache.kind must be one of {KINDS}; got {cache['kind']!r}")
     if cache["kind"] == "length_switch":
-      runner.check_int(f"{where}: cache.switch_length", cache["switch_length"])
-      runner.check_int(f"{where}: cache.num_kv_heads_after", cache["num_kv_heads_after"])
-    context = runner.check_int(f"{where}: text.context", d["text"]["context"], 32)
-    runner.check_int(f"{where}: text.chunk", d["text"]["chunk"])
+      checks.check_int(f"{where}: cache.switch_length", cache["switch_length"])
+      checks.check_int(f"{where}: cache.num_kv_heads_after", cache["num_kv_heads_after"])
+    context = checks.check_int(f"{where}: text.context", d["text"]["context"], 32)
+    checks.check_int(f"{where}: text.chunk", d["text"]["chunk"])
     if d["text"]["chunk"] > context:
       raise ValueError(f"{where}: text.chunk must be <= text.context = {context}; got "
                        f"{d['text']['chunk']}")
     for depth in d["passkey"]["depths"]:
       if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 1:
         raise ValueError(f"{where}: passkey.depths must be numbers in [0, 1]; got {depth!r}")
-    runner.check_int(f"{where}: passkey.new_tokens", d["passkey"]["new_tokens"])
-    runner.check_int(f"{where}: decode.steps", d["decode"]["steps"])
-    runner.check_int(f"{where}: decode.repeats", d["decode"]["repeats"])
+    checks.check_int(f"{where}: passkey.new_tokens", d["passkey"]["new_tokens"])
+    checks.check_int(f"{where}: decode.steps", d["decode"]["steps"])
+    checks.check_int(f"{where}: decode.repeats", d["decode"]["repeats"])
 
   def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
     """One point per sweep entry; all validated before any work (ValueError naming the key)."""
-    base = runner.to_dict(config)
-    runner.check_schema(base, self.schema)
+    base = overrides.to_dict(config)
+    overrides.check_schema(base, self.schema)
     self._check(base, "config")
     self._config = base
     self._title = base["experiment"]["name"] or self._title
@@ -197,7 +199,7 @@ class LengthSwitchFamily:
                   c.capacity * memory.gqa_bytes_per_token(c.num_kv_heads, c.head_dim, c.dtype)
                   for c in caches)
     if storage != formula:
-      raise runner.CacheAccountingError(f"{point.label}: cache storage {storage} B != the "
+      raise checks.CacheAccountingError(f"{point.label}: cache storage {storage} B != the "
                                         f"formula's {formula} B")
     switched = bool(all(np.asarray(getattr(c, "switched", np.zeros(1, bool)))[0]
                         for c in caches))
@@ -454,8 +456,8 @@ def decode_speed(model, contexts: Sequence[int], *, switch_length: int = 256,
   (`time.process_time`, all threads), each the median over the rounds, and `wall_rounds`
   (seconds per step of every round).
   """
-  runner.check_int("steps", steps)
-  runner.check_int("repeats", repeats)
+  checks.check_int("steps", steps)
+  checks.check_int("repeats", repeats)
   bad = [k for k in kinds if k not in SPEED_KINDS]
   if bad or not kinds:
     raise ValueError(f"kinds must be a non-empty subset of {SPEED_KINDS}; got {tuple(kinds)!r}")

@@ -62,6 +62,8 @@ import numpy as np
 from experiments.framework import report as report_lib
 from experiments.framework import results
 from experiments.framework import runner
+from experiments.framework import overrides
+from experiments.framework import checks
 from experiments.evals import models
 from experiments.evals import text as text_lib
 from kvattn.caches import registry as cache_registry
@@ -151,27 +153,27 @@ class LongContextFamily:
     if policy["kind"] not in KINDS + (SPEED,):
       raise ValueError(f"{where}: cache.kind must be one of {KINDS + (SPEED,)}; got "
                        f"{policy['kind']!r}")
-    budget = runner.check_int(f"{where}: cache.budget", policy["budget"], 2)
-    sinks = runner.check_int(f"{where}: cache.num_sinks", policy["num_sinks"], 0)
+    budget = checks.check_int(f"{where}: cache.budget", policy["budget"], 2)
+    sinks = checks.check_int(f"{where}: cache.num_sinks", policy["num_sinks"], 0)
     if policy["kind"] == "sink" and budget < sinks + 1:
       raise ValueError(f"{where}: cache.budget must be >= cache.num_sinks + 1 = {sinks + 1}; "
                        f"got {budget}")
-    runner.check_int(f"{where}: text.num_tokens", text["num_tokens"], 2)
-    runner.check_int(f"{where}: text.chunk", text["chunk"])
-    runner.check_int(f"{where}: text.bins", text["bins"])
+    checks.check_int(f"{where}: text.num_tokens", text["num_tokens"], 2)
+    checks.check_int(f"{where}: text.chunk", text["chunk"])
+    checks.check_int(f"{where}: text.bins", text["bins"])
     for c in passkey["contexts"]:
-      runner.check_int(f"{where}: passkey.contexts", c, 32)
+      checks.check_int(f"{where}: passkey.contexts", c, 32)
     for depth in passkey["depths"]:
       if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 1:
         raise ValueError(f"{where}: passkey.depths must be numbers in [0, 1]; got {depth!r}")
-    runner.check_int(f"{where}: passkey.new_tokens", passkey["new_tokens"])
-    runner.check_int(f"{where}: speed.steps", speed["steps"])
-    runner.check_int(f"{where}: speed.repeats", speed["repeats"])
+    checks.check_int(f"{where}: passkey.new_tokens", passkey["new_tokens"])
+    checks.check_int(f"{where}: speed.steps", speed["steps"])
+    checks.check_int(f"{where}: speed.repeats", speed["repeats"])
     for kind in speed["kinds"]:
       if kind not in BOUNDED:
         raise ValueError(f"{where}: speed.kinds must hold kinds of {BOUNDED}; got {kind!r}")
     for b in speed["budgets"]:
-      runner.check_int(f"{where}: speed.budgets", b, sinks + 1)
+      checks.check_int(f"{where}: speed.budgets", b, sinks + 1)
     # Builds (and so validates) the policies' caches.
     policies = ([policy_dict({**policy, "kind": k, "budget": b})
                  for k in speed["kinds"] for b in speed["budgets"]]
@@ -181,8 +183,8 @@ class LongContextFamily:
 
   def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
     """One point per sweep entry; all validated before any work (ValueError naming the key)."""
-    base = runner.to_dict(config)
-    runner.check_schema(base, self.schema)
+    base = overrides.to_dict(config)
+    overrides.check_schema(base, self.schema)
     self._check(base, "config")
     self._config = base
     self._title = base["experiment"]["name"] or self._title
@@ -234,7 +236,7 @@ class LongContextFamily:
     """
     d = point.config
     text, passkey, chunk = d["text"], d["passkey"], d["text"]["chunk"]
-    key = runner.digest({"model": d["model"]["name"], "text": text, "passkey": passkey})
+    key = overrides.digest({"model": d["model"]["name"], "text": text, "passkey": passkey})
     if key not in self._inputs_cache:
       ids = text_lib.corpus_tokens(tokenizer, text["num_tokens"] + 1)
       rng = np.random.default_rng(passkey["seed"])
@@ -259,7 +261,7 @@ class LongContextFamily:
     capacity = caches[0].capacity
     per_token = transformer_lib.cache_bytes_per_token(model.spec, dtype)
     if storage != batch * capacity * per_token:
-      raise runner.CacheAccountingError(
+      raise checks.CacheAccountingError(
           f"{policy['kind']}: cache storage {storage} B != {batch} x capacity {capacity} x "
           f"{per_token} B/token")
     return scan.stack_caches(caches), storage // batch, (every - storage) // batch, capacity

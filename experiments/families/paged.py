@@ -55,6 +55,8 @@ from flax import nnx
 from experiments.framework import report as report_lib
 from experiments.framework import results
 from experiments.framework import runner
+from experiments.framework import overrides
+from experiments.framework import checks
 from experiments.framework import timing
 from kvattn import memory
 from kvattn.paging import allocator as allocator_lib
@@ -74,7 +76,7 @@ FILES = {"waste_md": "waste.md", "waste_json": "waste.json", "plot": "paged_wast
 def schema() -> dict[str, tuple[str, ...]]:
   """Sections and keys of a "paged" config (see configs/paged.py for each field)."""
   return {
-      "model": tuple(runner.flat_keys(transformer_lib.model_config().to_dict())),
+      "model": tuple(overrides.flat_keys(transformer_lib.model_config().to_dict())),
       "cache": ("kind", "page_size", "max_len", "dtype", "seed"),
       "workload": ("num_sequences", "median_len", "sigma", "min_len", "budget_sequences", "seed"),
       "decode": ("new_tokens", "warmup", "repeats"),
@@ -109,16 +111,16 @@ class PagedFamily:
 
   def _check(self, d: Mapping[str, Any], where: str) -> transformer_lib.ModelSpec:
     """Validates one point config; returns its ModelSpec (ValueError naming the key)."""
-    spec = runner.model_spec(d, where)
+    spec = checks.model_spec(d, where)
     if any(layer.kind != "gqa" for layer in spec.layers):
       raise ValueError(f"{where}: model.attention.kind must be 'gqa' (paged caches hold K-head "
                        f"keys and values); got {d['model']['attention']['kind']!r}")
     cache, work, dec = d["cache"], d["workload"], d["decode"]
     if cache["kind"] not in CACHE_KINDS:
       raise ValueError(f"{where}: cache.kind must be one of {CACHE_KINDS}; got {cache['kind']!r}")
-    runner.check_int(f"{where}: cache.page_size", cache["page_size"])
-    max_len = runner.check_int(f"{where}: cache.max_len", cache["max_len"])
-    runner.check_int(f"{where}: cache.seed", cache["seed"], 0)
+    checks.check_int(f"{where}: cache.page_size", cache["page_size"])
+    max_len = checks.check_int(f"{where}: cache.max_len", cache["max_len"])
+    checks.check_int(f"{where}: cache.seed", cache["seed"], 0)
     if cache["dtype"] is not None:
       try:
         if not jnp.issubdtype(jnp.dtype(cache["dtype"]), jnp.floating):
@@ -126,10 +128,10 @@ class PagedFamily:
       except TypeError:
         raise ValueError(f"{where}: cache.dtype must name a floating dtype or be None; got "
                          f"{cache['dtype']!r}") from None
-    runner.check_int(f"{where}: workload.num_sequences", work["num_sequences"])
-    new_tokens = runner.check_int(f"{where}: decode.new_tokens", dec["new_tokens"], 2)
+    checks.check_int(f"{where}: workload.num_sequences", work["num_sequences"])
+    new_tokens = checks.check_int(f"{where}: decode.new_tokens", dec["new_tokens"], 2)
     # Every prompt needs at least one token.
-    min_len = runner.check_int(f"{where}: workload.min_len", work["min_len"], new_tokens)
+    min_len = checks.check_int(f"{where}: workload.min_len", work["min_len"], new_tokens)
     if min_len > max_len:
       raise ValueError(f"{where}: workload.min_len must be <= cache.max_len = {max_len}; got "
                        f"{min_len}")
@@ -139,10 +141,10 @@ class PagedFamily:
     sigma = work["sigma"]
     if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or sigma < 0:
       raise ValueError(f"{where}: workload.sigma must be a number >= 0; got {sigma!r}")
-    runner.check_int(f"{where}: workload.budget_sequences", work["budget_sequences"])
-    runner.check_int(f"{where}: workload.seed", work["seed"], 0)
-    runner.check_int(f"{where}: decode.warmup", dec["warmup"], 0)
-    runner.check_int(f"{where}: decode.repeats", dec["repeats"], 1)
+    checks.check_int(f"{where}: workload.budget_sequences", work["budget_sequences"])
+    checks.check_int(f"{where}: workload.seed", work["seed"], 0)
+    checks.check_int(f"{where}: decode.warmup", dec["warmup"], 0)
+    checks.check_int(f"{where}: decode.repeats", dec["repeats"], 1)
     return spec
 
   def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
@@ -151,8 +153,8 @@ class PagedFamily:
     Raises:
       ValueError: unknown section/key, bad value or duplicate point, naming the key.
     """
-    base = runner.to_dict(config)
-    runner.check_schema(base, self.schema)
+    base = overrides.to_dict(config)
+    overrides.check_schema(base, self.schema)
     self._check(base, "config")  # the config as given (command-line overrides included)
     self._config = base
     self._title = base["experiment"]["name"] or self._title
@@ -167,7 +169,7 @@ class PagedFamily:
                            if paged or k not in ("page_size", "seed")}
       return runner.PointSpec(
           f"paged-P{cache['page_size']}" if paged else "dense", measured,
-          runner.digest(d["model"], 12), {
+          overrides.digest(d["model"], 12), {
               "cache_kind": cache["kind"], "page_size": cache["page_size"] if paged else None,
               "max_len": cache["max_len"], "num_sequences": d["workload"]["num_sequences"],
               "num_kv_heads": spec.layers[0].num_kv_heads, "head_dim": spec.layers[0].head_dim,
@@ -178,7 +180,7 @@ class PagedFamily:
   def preflight(self, point: runner.Point) -> None:
     """Traces one decode step of the point's model against the caches `measure` builds
     (paged: the pool for the workload's lengths; and the dense cache, which every point
-    decodes through), abstractly (`runner.check_decode_step`), before any work."""
+    decodes through), abstractly (`checks.check_decode_step`), before any work."""
     d = point.config
     spec = transformer_lib.resolve_config(d["model"])
     cache_cfg, work = d["cache"], d["workload"]
@@ -194,7 +196,7 @@ class PagedFamily:
                     dtype=dtype)[0]
     for key, build in builders.items():
       if key not in self._preflighted:
-        runner.check_decode_step(spec, build, batch,
+        checks.check_decode_step(spec, build, batch,
                                  implementation=d["model"]["attention"]["decode_implementation"],
                                  where=f"{point.label} ({key[0]} cache)")
         self._preflighted.add(key)
@@ -236,7 +238,7 @@ class PagedFamily:
     caches, allocator = build()
     per_token = sum(memory.measured_bytes_per_token(c) for c in caches)
     if per_token != analytic:
-      raise runner.CacheAccountingError(
+      raise checks.CacheAccountingError(
           f"{point.label}: {per_token} bytes/token measured vs {analytic} analytic")
     reserved = int(sum(memory.tree_bytes(c.storage_arrays()) for c in caches))
     used = int(final.sum()) * int(analytic)
@@ -256,7 +258,7 @@ class PagedFamily:
     if paged:
       stats = allocator.stats()
       if stats.reserved_slots * analytic != reserved:
-        raise runner.CacheAccountingError(
+        raise checks.CacheAccountingError(
             f"{point.label}: allocator reserves {stats.reserved_slots} slots but the pools hold "
             f"{reserved // analytic}")
       record.update(pages=stats.used_pages, internal_waste_fraction=stats.waste_fraction)

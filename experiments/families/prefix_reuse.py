@@ -45,6 +45,8 @@ from flax import nnx
 from experiments.framework import report as report_lib
 from experiments.framework import results
 from experiments.framework import runner
+from experiments.framework import overrides
+from experiments.framework import checks
 from kvattn.paging import offload
 from kvattn.models import transformer as transformer_lib
 from kvattn.inference.batching import ContinuousBatcher
@@ -59,7 +61,7 @@ def schema() -> dict[str, tuple[str, ...]]:
   """Sections and keys of a "prefix_reuse" config (configs/prefix_reuse.py documents each)."""
   return {
       "source": ("pretrained", "dtype"),
-      "model": tuple(runner.flat_keys(transformer_lib.model_config().to_dict())),
+      "model": tuple(overrides.flat_keys(transformer_lib.model_config().to_dict())),
       "workload": ("system_len", "question_len", "num_requests", "new_tokens", "seed"),
       "cache": ("page_size", "num_slots", "num_pages"),
       "prefix_cache": ("mode", "host_bytes", "disk_bytes", "directory"),
@@ -85,16 +87,16 @@ class PrefixReuseFamily:
   def _check(self, d: Mapping[str, Any], where: str) -> None:
     work, cache, pc = d["workload"], d["cache"], d["prefix_cache"]
     if not d["source"]["pretrained"]:
-      runner.model_spec(d, where)
+      checks.model_spec(d, where)
     for key in ("system_len", "question_len", "num_requests", "new_tokens"):
-      runner.check_int(f"{where}: workload.{key}", work[key])
-    runner.check_int(f"{where}: workload.seed", work["seed"], 0)
+      checks.check_int(f"{where}: workload.{key}", work[key])
+    checks.check_int(f"{where}: workload.seed", work["seed"], 0)
     for key in ("page_size", "num_slots", "num_pages"):
-      runner.check_int(f"{where}: cache.{key}", cache[key])
+      checks.check_int(f"{where}: cache.{key}", cache[key])
     if pc["mode"] not in MODES:
       raise ValueError(f"{where}: prefix_cache.mode must be one of {MODES}; got {pc['mode']!r}")
-    runner.check_int(f"{where}: prefix_cache.host_bytes", pc["host_bytes"], 0)
-    runner.check_int(f"{where}: prefix_cache.disk_bytes", pc["disk_bytes"], 0)
+    checks.check_int(f"{where}: prefix_cache.host_bytes", pc["host_bytes"], 0)
+    checks.check_int(f"{where}: prefix_cache.disk_bytes", pc["disk_bytes"], 0)
     prompt = work["system_len"] + work["question_len"]
     per_seq = -(-(prompt + work["new_tokens"] - 1) // cache["page_size"])
     need = per_seq * cache["num_slots"] + work["system_len"] // cache["page_size"]
@@ -104,8 +106,8 @@ class PrefixReuseFamily:
 
   def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
     """One point per sweep entry, validated before any work (ValueError naming the key)."""
-    base = runner.to_dict(config)
-    runner.check_schema(base, self.schema)
+    base = overrides.to_dict(config)
+    overrides.check_schema(base, self.schema)
     self._check(base, "config")
     self._title = base["experiment"]["name"] or self._title
 
@@ -115,7 +117,7 @@ class PrefixReuseFamily:
       measured = {s: d[s] for s in ("source", "workload", "cache", "prefix_cache")}
       if not d["source"]["pretrained"]:
         measured["model"] = d["model"]
-      return runner.PointSpec(mode, measured, runner.digest(
+      return runner.PointSpec(mode, measured, overrides.digest(
           {"source": d["source"], "model": d["model"]}, 12), {
               "prefix_cache": mode, "system_len": d["workload"]["system_len"],
               "question_len": d["workload"]["question_len"],

@@ -15,7 +15,7 @@ the bookkeeping (results.jsonl, resume, atomic files). One point per
 
   * cache bytes per token from the real arrays (values plus the f32 scales of
     a quantized cache: `storage_arrays()`), checked against
-    `kvattn.memory`'s analytic figure (`runner.CacheAccountingError` stops the
+    `kvattn.memory`'s analytic figure (`checks.CacheAccountingError` stops the
     run if they differ);
   * decode tokens/s of kvattn.generate's compiled prefill + decode loop at
     capacity S (the main job's measurement: prompt of real validation text
@@ -57,6 +57,8 @@ from flax import nnx
 from experiments.framework import report as report_lib
 from experiments.framework import results
 from experiments.framework import runner
+from experiments.framework import overrides
+from experiments.framework import checks
 from experiments.families import variants as variants_experiment
 from experiments.families import variants_report
 from kvattn.training import data as data_lib
@@ -148,14 +150,14 @@ class QuantFamily(variants_experiment.VariantsFamily):
       raise ValueError(f"{where}: cache.seq_lens must hold one S for the quant family; got "
                        f"{d['cache']['seq_lens']!r}")
     q, seq_len = d["quality"], d["data"]["seq_len"]
-    runner.check_int(f"{where}: quality.rows", q["rows"])
-    prefix = runner.check_int(f"{where}: quality.prefix", q["prefix"])
+    checks.check_int(f"{where}: quality.rows", q["rows"])
+    prefix = checks.check_int(f"{where}: quality.prefix", q["prefix"])
     if prefix >= seq_len:
       raise ValueError(f"{where}: quality.prefix must be < data.seq_len = {seq_len} (at least one "
                        f"decode step); got {prefix}")
-    runner.check_int(f"{where}: quality.agreement_tokens", q["agreement_tokens"])
-    runner.check_int(f"{where}: quality.agreement_prompts", q["agreement_prompts"])
-    runner.check_int(f"{where}: quality.agreement_prompt_len", q["agreement_prompt_len"])
+    checks.check_int(f"{where}: quality.agreement_tokens", q["agreement_tokens"])
+    checks.check_int(f"{where}: quality.agreement_prompts", q["agreement_prompts"])
+    checks.check_int(f"{where}: quality.agreement_prompt_len", q["agreement_prompt_len"])
     return spec
 
   def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
@@ -177,7 +179,7 @@ class QuantFamily(variants_experiment.VariantsFamily):
       dtype = p.params["cache_dtype"]
       variant, k = p.params["variant"], p.params["num_kv_heads"]
       label = f"{variant}{'' if k is None else f'-K{k}'}-{SHORT.get(dtype, dtype)}"
-      pid = f"{label}-{runner.digest({'point': p.id, 'quality': d['quality']})}"
+      pid = f"{label}-{overrides.digest({'point': p.id, 'quality': d['quality']})}"
       out.append(dataclasses.replace(p, id=pid, label=label, params={
           **p.params, "cache_dtype_short": SHORT.get(dtype, dtype),
           "quantized": quant.is_quantized(dtype)}))
@@ -200,7 +202,7 @@ class QuantFamily(variants_experiment.VariantsFamily):
     for dtype in {jnp.dtype(d["cache"]["dtype"] or d["model"]["dtype"]), jnp.dtype(BASELINE_DTYPE)}:
       key = ("agreement", repr(spec), batch, capacity, str(dtype))
       if key not in self._preflighted:
-        runner.check_decode_step(
+        checks.check_decode_step(
             spec, lambda model, dtype=dtype: model.init_caches(batch, capacity, dtype), batch,
             implementation=implementation, where=point.label)
         self._preflighted.add(key)
@@ -210,7 +212,7 @@ class QuantFamily(variants_experiment.VariantsFamily):
 
   def _variant_key(self, point: runner.Point) -> str:
     """Points of one trained model and one quality setup share it (the cache dtype aside)."""
-    return runner.digest({"group": point.group, "quality": point.config["quality"],
+    return overrides.digest({"group": point.group, "quality": point.config["quality"],
                           "decode_seed": point.config["decode"]["seed"]})
 
   def teacher_forced(self, point: runner.Point, model, dtype) -> dict[str, float]:

@@ -50,6 +50,8 @@ import numpy as np
 from experiments.framework import report as report_lib
 from experiments.framework import results
 from experiments.framework import runner
+from experiments.framework import overrides
+from experiments.framework import checks
 from experiments.evals import models
 from experiments.evals import streaming
 from experiments.evals import text as text_lib
@@ -122,16 +124,16 @@ class RealModelFamily:
     if not (jnp.issubdtype(dtype, jnp.floating) or dtype in quant.QUANT_DTYPES):
       raise ValueError(f"{where}: cache.dtype must be a float dtype or one of "
                        f"{[str(jnp.dtype(q)) for q in quant.QUANT_DTYPES]}; got {cache['dtype']!r}")
-    runner.check_int(f"{where}: cache.budget", cache["budget"], 2)
-    runner.check_int(f"{where}: cache.num_sinks", cache["num_sinks"], 0)
-    runner.check_int(f"{where}: heads.num_kv_heads", heads["num_kv_heads"], 0)
+    checks.check_int(f"{where}: cache.budget", cache["budget"], 2)
+    checks.check_int(f"{where}: cache.num_sinks", cache["num_sinks"], 0)
+    checks.check_int(f"{where}: heads.num_kv_heads", heads["num_kv_heads"], 0)
     if heads["method"] not in ("mean", "first"):
       raise ValueError(f"{where}: heads.method must be 'mean' or 'first'; got "
                        f"{heads['method']!r}")
-    runner.check_int(f"{where}: text.num_tokens", text["num_tokens"], 2)
-    runner.check_int(f"{where}: text.chunk", text["chunk"])
-    runner.check_int(f"{where}: text.prompt_tokens", text["prompt_tokens"])
-    runner.check_int(f"{where}: text.new_tokens", text["new_tokens"], 3)
+    checks.check_int(f"{where}: text.num_tokens", text["num_tokens"], 2)
+    checks.check_int(f"{where}: text.chunk", text["chunk"])
+    checks.check_int(f"{where}: text.prompt_tokens", text["prompt_tokens"])
+    checks.check_int(f"{where}: text.new_tokens", text["new_tokens"], 3)
     if cache["kind"] == "sink" and cache["budget"] < cache["num_sinks"] + 1:
       raise ValueError(f"{where}: cache.budget must be >= cache.num_sinks + 1 = "
                        f"{cache['num_sinks'] + 1} for kind 'sink'; got {cache['budget']}")
@@ -177,7 +179,7 @@ class RealModelFamily:
     mesh, rules = sharding.mesh_from_config(d["mesh"])
     if mesh is None:
       return model, tokenizer, None, rules
-    key = runner.digest({"model": d["model"], "heads": d["heads"], "mesh": d["mesh"]})
+    key = overrides.digest({"model": d["model"], "heads": d["heads"], "mesh": d["mesh"]})
     if key not in self._placed:
       if len(self._placed) >= 2:  # a point's model and the reference's
         self._placed.clear()
@@ -198,8 +200,8 @@ class RealModelFamily:
 
   def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
     """One point per sweep entry; all validated before any work (ValueError naming the key)."""
-    base = runner.to_dict(config)
-    runner.check_schema(base, schema())
+    base = overrides.to_dict(config)
+    overrides.check_schema(base, schema())
     self._check(base, "config")
     self._title = base["experiment"]["name"] or self._title
 
@@ -252,10 +254,10 @@ class RealModelFamily:
 
   def reference_tokens(self, d: Mapping[str, Any]) -> np.ndarray:
     """Greedy tokens of the reference (float32 full cache, released heads) for `d`'s texts."""
-    ref = runner.apply_overrides(d, {"cache.dtype": REFERENCE["dtype"],
+    ref = overrides.apply_overrides(d, {"cache.dtype": REFERENCE["dtype"],
                                      "cache.kind": REFERENCE["kind"],
                                      "heads.num_kv_heads": REFERENCE["num_kv_heads"]}, "reference")
-    key = runner.digest({s: ref[s] for s in ("model", "text", "mesh")})
+    key = overrides.digest({s: ref[s] for s in ("model", "text", "mesh")})
     if key not in self._reference:
       self._reference[key] = self._greedy(ref)[0]
     return self._reference[key]
@@ -284,7 +286,7 @@ class RealModelFamily:
 
     tokens, decode_s = self._greedy(d)
     if _is_reference(d):
-      self._reference.setdefault(runner.digest({s: d[s] for s in ("model", "text", "mesh")}),
+      self._reference.setdefault(overrides.digest({s: d[s] for s in ("model", "text", "mesh")}),
                                  tokens)
     reference = self.reference_tokens(d)
     steps = text["new_tokens"] - 1  # decode-loop steps after the first token

@@ -49,6 +49,8 @@ from ml_collections import config_dict
 
 from experiments.framework import results
 from experiments.framework import runner
+from experiments.framework import overrides
+from experiments.framework import checks
 from experiments.framework import timing
 from experiments.families import variants_report
 from kvattn.caches import dense as cache_lib
@@ -116,7 +118,7 @@ def _gib(n: float) -> str:
 def variants_schema() -> dict[str, tuple[str, ...]]:
   """Sections and keys of a "variants" config (see configs/default.py for each field)."""
   return {
-      "model": tuple(runner.flat_keys(transformer_lib.model_config().to_dict())),
+      "model": tuple(overrides.flat_keys(transformer_lib.model_config().to_dict())),
       "cache": ("dtype", "batch", "seq_lens", "memory_fraction"),
       "decode": ("new_tokens", "warmup", "repeats", "decode_repeats", "seed"),
       "train": tuple(train_lib.train_config().keys()),
@@ -170,7 +172,7 @@ class VariantsFamily:
 
   def _check(self, d: Mapping[str, Any], where: str) -> transformer_lib.ModelSpec:
     """Validates one point config's values; returns its ModelSpec."""
-    spec = runner.model_spec(d, where)
+    spec = checks.model_spec(d, where)
     try:
       train_lib.check_train_config(d["train"])
     except ValueError as e:
@@ -182,24 +184,24 @@ class VariantsFamily:
       except TypeError:
         raise ValueError(f"{where}: cache.dtype must name a floating dtype, a quantized KV "
                          f"format {quant.QUANT_NAMES} or None; got {cache['dtype']!r}") from None
-    runner.check_int(f"{where}: cache.batch", cache["batch"])
+    checks.check_int(f"{where}: cache.batch", cache["batch"])
     seq_lens = cache["seq_lens"]
     if not isinstance(seq_lens, (tuple, list)) or not seq_lens:
       raise ValueError(f"{where}: cache.seq_lens must be a non-empty tuple of ints; got "
                        f"{seq_lens!r}")
-    new_tokens = runner.check_int(f"{where}: decode.new_tokens", dec["new_tokens"], 2)
+    new_tokens = checks.check_int(f"{where}: decode.new_tokens", dec["new_tokens"], 2)
     for s in seq_lens:
-      runner.check_int(f"{where}: cache.seq_lens", s, new_tokens)  # the prompt needs >= 1 token
+      checks.check_int(f"{where}: cache.seq_lens", s, new_tokens)  # the prompt needs >= 1 token
     if len(set(seq_lens)) != len(seq_lens):
       raise ValueError(f"{where}: cache.seq_lens must not repeat a value; got {seq_lens!r}")
     fraction = cache["memory_fraction"]
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or \
         not 0 < fraction <= 1:
       raise ValueError(f"{where}: cache.memory_fraction must lie in (0, 1]; got {fraction!r}")
-    runner.check_int(f"{where}: decode.warmup", dec["warmup"], 0)
-    runner.check_int(f"{where}: decode.repeats", dec["repeats"], 1)
-    runner.check_int(f"{where}: decode.decode_repeats", dec["decode_repeats"], 1)
-    runner.check_int(f"{where}: decode.seed", dec["seed"], 0)
+    checks.check_int(f"{where}: decode.warmup", dec["warmup"], 0)
+    checks.check_int(f"{where}: decode.repeats", dec["repeats"], 1)
+    checks.check_int(f"{where}: decode.decode_repeats", dec["decode_repeats"], 1)
+    checks.check_int(f"{where}: decode.seed", dec["seed"], 0)
     if d["data"]["seq_len"] is None:
       raise ValueError(f"{where}: data.seq_len must be a positive int; got None")
     try:
@@ -217,7 +219,7 @@ class VariantsFamily:
     return spec
 
   def _dataset(self, d: Mapping[str, Any], where: str) -> data_lib.Dataset:
-    key = runner.digest(d["data"])
+    key = overrides.digest(d["data"])
     if key not in self._datasets:
       try:
         self._datasets[key] = data_lib.dataset_from_config(d["data"])
@@ -241,12 +243,12 @@ class VariantsFamily:
         that needs more memory than `cache.memory_fraction` of the available
         RAM; the message names the key (and the sweep entry).
     """
-    base = runner.to_dict(config)
-    runner.check_schema(base, self.schema)
+    base = overrides.to_dict(config)
+    overrides.check_schema(base, self.schema)
     self._check(base, "config")  # the config as given (command-line overrides included)
     self._config = base
     self._title = base["experiment"]["name"] or self._title
-    available = runner.available_memory_bytes()
+    available = checks.available_memory_bytes()
     def point_of(d, where):
       spec = self._check(d, where)
       variant, k = variant_name(spec)
@@ -256,7 +258,7 @@ class VariantsFamily:
       spec_d = json.loads(json.dumps(dataclasses.asdict(spec), default=str))
       trained = {**spec_d, "layers": [{**l, "decode_implementation": None}
                                       for l in spec_d["layers"]]}
-      group = runner.digest({"model": trained, **_measured_part(d, ("train", "data"))}, 12)
+      group = overrides.digest({"model": trained, **_measured_part(d, ("train", "data"))}, 12)
       out = []
       for s in d["cache"]["seq_lens"]:
         need = point_memory_bytes(spec, d["cache"]["batch"], s, cache_dtype,
@@ -301,7 +303,7 @@ class VariantsFamily:
     key = (repr(spec), batch, seq_len, str(dtype))
     if key in self._preflighted:
       return
-    runner.check_decode_step(spec, lambda model: model.init_caches(batch, seq_len, dtype), batch,
+    checks.check_decode_step(spec, lambda model: model.init_caches(batch, seq_len, dtype), batch,
                       implementation=d["model"]["attention"]["decode_implementation"],
                       where=point.label)
     self._preflighted.add(key)
@@ -394,7 +396,7 @@ class VariantsFamily:
     for i in range(warmup + repeats):
       caches = init_caches()
       if cache_record is None:
-        cache_record = runner.check_cache_bytes(caches, analytic, batch, seq_len)
+        cache_record = checks.check_cache_bytes(caches, analytic, batch, seq_len)
         cache_record["mesh"] = None if mesh is None else list(d["mesh"]["shape"])
         cache_record["per_device_cache_bytes"] = max(sharding.per_device_bytes(
             [a for c in caches for a in c.storage_arrays()]).values())
@@ -459,15 +461,15 @@ def fitting_seq_lens(config: Any, start: int, stop: int | None = None) -> tuple[
   """Powers of two S from `start` while a point of `config` fits in memory (and S <= stop).
 
   Uses the same estimate and limit as validation (`point_memory_bytes`,
-  `cache.memory_fraction` of `runner.available_memory_bytes()`), for the base
+  `cache.memory_fraction` of `checks.available_memory_bytes()`), for the base
   attention of `config` and its MHA form (the largest cache of a sweep over
   K), so every sweep entry of the same model size fits.
 
   Raises:
     ValueError: not even `start` fits.
   """
-  d = runner.to_dict(config)
-  allowed = runner.available_memory_bytes() * d["cache"]["memory_fraction"]
+  d = overrides.to_dict(config)
+  allowed = checks.available_memory_bytes() * d["cache"]["memory_fraction"]
   attention = d["model"]["attention"]
   mha = dict(d["model"], attention={**attention, "kind": "gqa",
                                     "num_kv_heads": attention["num_heads"]})

@@ -20,6 +20,7 @@ from ml_collections import config_dict
 
 from experiments.framework import results
 from experiments.framework import runner
+from experiments.framework import overrides as overrides_lib
 
 SCHEMA = {"experiment": ("kind", "name", "max_points", "train_dir"),
           "standin": ("num_points", "wait_file", "wait_from", "fail_at")}
@@ -32,13 +33,13 @@ class StandinFamily:
     self.workdir = workdir
 
   def points(self, config, sweep):
-    d = runner.to_dict(config)
-    runner.check_schema(d, SCHEMA)
+    d = overrides_lib.to_dict(config)
+    overrides_lib.check_schema(d, SCHEMA)
     points = []
     for i, overrides in enumerate(sweep or [{}]):
       where = f"sweep[{i}]" if overrides else "config"
-      e = runner.apply_overrides(config, overrides, where)
-      runner.check_schema(e, SCHEMA, where)
+      e = overrides_lib.apply_overrides(config, overrides, where)
+      overrides_lib.check_schema(e, SCHEMA, where)
       n = e["standin"]["num_points"]
       if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"{where}: standin.num_points must be an int >= 1; got {n!r}")

@@ -19,6 +19,7 @@ import pytest
 from configs import default
 from experiments.families import real_model as rme
 from experiments.framework import runner
+from experiments.framework import logs
 from tests.experiments import subproc
 
 MAX_TERMINAL_LINES = 60
@@ -38,10 +39,10 @@ def check_run(workdir, rc, out, err, num_layers):
   shown = [line for line in (out + err).splitlines() if line.strip()]
   assert len(shown) < MAX_TERMINAL_LINES, out + err
   assert not [line for line in lines if re.match(r"^[IW]\d{4} |INFO", line)], err  # no INFO
-  for name in ("results.jsonl", "results.csv", "report.md", "config.json", runner.LOG_FILE,
+  for name in ("results.jsonl", "results.csv", "report.md", "config.json", logs.LOG_FILE,
                *rme.PLOTS.values()):
     assert os.path.getsize(os.path.join(workdir, name)) > 0, name
-  with open(os.path.join(workdir, runner.LOG_FILE)) as f:
+  with open(os.path.join(workdir, logs.LOG_FILE)) as f:
     assert "INFO" in f.read()  # the library logging went to log.txt
   with open(os.path.join(workdir, "report.md")) as f:
     report = f.read()
@@ -51,7 +52,7 @@ def check_run(workdir, rc, out, err, num_layers):
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   # The summary: the table, then where the report, the plots and the log are.
   assert "| point |" in out and f"Report: {workdir}/report.md" in out
-  assert f"Log:    {workdir}/{runner.LOG_FILE}" in out and "quality_vs_cache.png" in out
+  assert f"Log:    {workdir}/{logs.LOG_FILE}" in out and "quality_vs_cache.png" in out
   with open(os.path.join(workdir, "results.jsonl")) as f:
     records = {r["label"]: r for r in map(json.loads, f)}
   assert len(records) == len(default.get_sweep("smoke"))

@@ -26,6 +26,8 @@ from configs import heads_sweep, seqlen_sweep
 from configs import toy as default
 from experiments import main as main_lib
 from experiments.framework import runner
+from experiments.framework import overrides
+from experiments.framework import checks
 from experiments.families import variants
 from experiments.families import variants_report
 import kvattn
@@ -157,7 +159,7 @@ def test_default_smoke(default_run):
 @pytest.mark.slow
 def test_heads_sweep_smoke(tmp_path, default_run, train_dir):
   result = runner.run(smoke_config(heads_sweep, train_dir), str(tmp_path),
-                      runner.load_sweep("configs/heads_sweep.py:smoke"))
+                      overrides.load_sweep("configs/heads_sweep.py:smoke"))
   n = heads_sweep.get_config("smoke").model.attention.num_heads
   divisors = {k for k in range(1, n + 1) if n % k == 0}
   by = check_outputs(str(tmp_path), result, heads_sweep.get_config("smoke"), divisors)
@@ -172,7 +174,7 @@ def test_seqlen_sweep_smoke(tmp_path, default_run, train_dir):
   config = smoke_config(seqlen_sweep, train_dir)
   seq_lens = tuple(config.cache.seq_lens)
   assert seq_lens == (16, 32)  # powers of two up to the smoke cap (memory allows far more)
-  result = runner.run(config, str(tmp_path), runner.load_sweep("configs/seqlen_sweep.py:smoke"))
+  result = runner.run(config, str(tmp_path), overrides.load_sweep("configs/seqlen_sweep.py:smoke"))
   n = config.model.attention.num_heads
   by = check_outputs(str(tmp_path), result, config, {n, n // 4, 1})
   for (v, k, s), r in by.items():  # cache bytes grow linearly in S
@@ -180,7 +182,7 @@ def test_seqlen_sweep_smoke(tmp_path, default_run, train_dir):
 
 
 def test_seqlen_sweep_stops_where_memory_ends(monkeypatch):
-  monkeypatch.setattr(runner, "available_memory_bytes", lambda: 2**30)  # 1 GiB, half usable
+  monkeypatch.setattr(checks, "available_memory_bytes", lambda: 2**30)  # 1 GiB, half usable
   config = seqlen_sweep.get_config("")
   seq_lens = config.cache.seq_lens
   assert seq_lens[0] == 256 and all(b == 2 * a for a, b in zip(seq_lens, seq_lens[1:]))
@@ -309,8 +311,8 @@ def test_bad_sweep_entry_is_named(tmp_path, no_training):
 
 
 def test_config_arguments():
-  assert runner.load_sweep("configs/toy.py:smoke") == default.get_sweep("smoke")
-  assert runner.load_sweep("configs/toy.py") == default.get_sweep()
+  assert overrides.load_sweep("configs/toy.py:smoke") == default.get_sweep("smoke")
+  assert overrides.load_sweep("configs/toy.py") == default.get_sweep()
   assert [e["model.attention.num_kv_heads"] for e in heads_sweep.get_sweep()[:-1]] == [
       12, 6, 4, 3, 2, 1]
   with pytest.raises(ValueError, match=r"config argument must be one of"):
@@ -318,7 +320,7 @@ def test_config_arguments():
   # Every field of every config is in the runner's schema (and vice versa).
   for module in (default, heads_sweep, seqlen_sweep):
     for arg in ("", "smoke"):
-      runner.check_schema(module.get_config(arg).to_dict(), variants.variants_schema())
+      overrides.check_schema(module.get_config(arg).to_dict(), variants.variants_schema())
 
 
 @pytest.fixture
@@ -397,22 +399,22 @@ def test_command_line_override_fails_before_training(tmp_path, parse_flags, no_t
 
 def test_overrides_of_keys_the_sweep_does_not_set_are_kept():
   sweep = default.get_sweep("smoke")
-  defaults = runner.load_config_defaults("configs/toy.py:smoke")
+  defaults = overrides.load_config_defaults("configs/toy.py:smoke")
   config = default.get_config("smoke")
   config.model.num_layers = 2  # not a sweep key
   config.model.attention.kind = "gqa"  # a sweep key, set to the file's own value
-  runner.check_overrides_kept(config, sweep, defaults, "configs/toy.py:smoke")
-  runner.check_overrides_kept(default.get_config("smoke"), sweep, None)  # no file: no check
+  overrides.check_overrides_kept(config, sweep, defaults, "configs/toy.py:smoke")
+  overrides.check_overrides_kept(default.get_config("smoke"), sweep, None)  # no file: no check
   config.model.attention.num_kv_heads = 2
   with pytest.raises(ValueError, match=r"model\.attention\.num_kv_heads = 2 overrides"):
-    runner.check_overrides_kept(config, sweep, defaults)
+    overrides.check_overrides_kept(config, sweep, defaults)
 
 
 def test_cache_accounting_mismatch_stops(tmp_path, monkeypatch, default_run, train_dir):
   real = transformer_lib.cache_bytes_per_token
   monkeypatch.setattr(transformer_lib, "cache_bytes_per_token",
                       lambda cfg, dtype=None: real(cfg, dtype) + 1)
-  with pytest.raises(runner.CacheAccountingError, match=r"measured cache bytes differ"):
+  with pytest.raises(checks.CacheAccountingError, match=r"measured cache bytes differ"):
     runner.run(smoke_config(default, train_dir), str(tmp_path), default.get_sweep("smoke")[:1])
   assert not os.path.exists(os.path.join(tmp_path, "results.jsonl"))
 
@@ -422,13 +424,13 @@ def test_check_cache_bytes_on_real_caches():
   mla = [kvattn.LatentCache.init(3, 5, 8, 2, "bfloat16")]
   for caches, per_token in ((gqa, 2 * memory.gqa_bytes_per_token(2, 4, "float32")),
                             (mla, memory.mla_bytes_per_token(8, 2, "bfloat16"))):
-    got = runner.check_cache_bytes(caches, per_token, 3, 5)
+    got = checks.check_cache_bytes(caches, per_token, 3, 5)
     assert got["cache_bytes_per_token"] == per_token
     assert got["cache_bytes"] == 15 * per_token == memory.tree_bytes(
         [c.storage_arrays() for c in caches])
     assert got["cache_bookkeeping_bytes"] == len(caches) * 3 * 4  # i32 lengths
-    with pytest.raises(runner.CacheAccountingError, match=r"differ from the analytic figure"):
-      runner.check_cache_bytes(caches, per_token * 2, 3, 5)
+    with pytest.raises(checks.CacheAccountingError, match=r"differ from the analytic figure"):
+      checks.check_cache_bytes(caches, per_token * 2, 3, 5)
 
 
 def test_variant_rows_against_quoted_ranges():
@@ -457,7 +459,7 @@ def test_every_shipped_config_validates_and_preflights(tmp_path, no_training, na
   module = importlib.import_module(f"configs.{name}")
   config, sweep = module.get_config(arg), module.get_sweep(arg)
   family = runner.family_factory(config.experiment.kind)(str(tmp_path))
-  points = family.points(runner.to_dict(config), sweep)
+  points = family.points(overrides.to_dict(config), sweep)
   assert len(points) >= len(sweep) >= 1
   assert len({p.id for p in points}) == len(points)
   preflight = getattr(family, "preflight", None)
@@ -468,19 +470,19 @@ def test_every_shipped_config_validates_and_preflights(tmp_path, no_training, na
 
 def test_sweep_overrides_go_through_ml_collections_on_a_locked_copy():
   config = default.get_config("smoke")
-  d = runner.apply_overrides(config, {"model.attention.window": 8, "cache.batch": 3}, "sweep[0]")
+  d = overrides.apply_overrides(config, {"model.attention.window": 8, "cache.batch": 3}, "sweep[0]")
   assert d["model"]["attention"]["window"] == 8 and d["cache"]["batch"] == 3
   assert config.model.attention.window is None and config.cache.batch == 2  # a copy
   assert not config.is_locked
   with pytest.raises(ValueError, match=r"sweep\[0\]: model\.attention\.windw is not a known key "
                                        r"\(did you mean model\.attention\.window\?\)"):
-    runner.apply_overrides(config, {"model.attention.windw": 8}, "sweep[0]")
+    overrides.apply_overrides(config, {"model.attention.windw": 8}, "sweep[0]")
   # A typed placeholder refuses a value of another type, as `--config.<key>=` does.
   with pytest.raises(ValueError, match=r"sweep\[0\]: model\.attention\.window = 'wide' has the "
                                        r"wrong type"):
-    runner.apply_overrides(config, {"model.attention.window": "wide"}, "sweep[0]")
+    overrides.apply_overrides(config, {"model.attention.window": "wide"}, "sweep[0]")
   with pytest.raises(ValueError, match=r"attention\.kind is not a known key"):
-    runner.apply_overrides(config, {"attention.kind": "mla"}, "sweep[0]")  # the one path: model.
+    overrides.apply_overrides(config, {"attention.kind": "mla"}, "sweep[0]")  # the one path: model.
 
 
 def test_one_path_per_setting():
@@ -494,5 +496,5 @@ def test_one_path_per_setting():
     config = module.get_config("smoke")
     for entry in module.get_sweep("smoke"):
       for dotted in entry:
-        runner.apply_overrides(config, {dotted: entry[dotted]}, name)  # every sweep key exists
+        overrides.apply_overrides(config, {dotted: entry[dotted]}, name)  # every sweep key exists
     assert transformer_lib.resolve_config(config.model).num_layers == config.model.num_layers

@@ -17,6 +17,8 @@ from ml_collections import config_dict
 
 from experiments.framework import runner
 
+from experiments.framework import overrides as overrides_lib
+
 SCHEMA = {"grid": ("xs", "scale"), "experiment": ("kind", "name", "max_points")}
 
 
@@ -36,17 +38,17 @@ class StandIn:
     self.workdir = workdir
 
   def points(self, config, sweep):
-    runner.check_schema(runner.to_dict(config), SCHEMA)
+    overrides_lib.check_schema(overrides_lib.to_dict(config), SCHEMA)
     points = []
     for i, overrides in enumerate(sweep or [{}]):
       where = f"sweep[{i}]" if overrides else "config"
-      d = runner.apply_overrides(config, overrides, where)
+      d = overrides_lib.apply_overrides(config, overrides, where)
       scale = d["grid"]["scale"]
       if not isinstance(scale, (int, float)) or scale <= 0:
         raise ValueError(f"{where}: grid.scale must be > 0; got {scale!r}")
       for x in d["grid"]["xs"]:
         label = f"x{x}-s{scale}"
-        pid = f"{label}-{runner.digest({'x': x, 'scale': scale})}"  # the measured part only
+        pid = f"{label}-{overrides_lib.digest({'x': x, 'scale': scale})}"  # the measured part only
         points.append(runner.Point(pid, label, d,
                                    group=str(scale), params={"x": x}))
     return points
