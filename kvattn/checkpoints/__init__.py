@@ -1,6 +1,8 @@
 """Pretrained checkpoints from strangers: HF safetensors, GGUF, tokenizers, the model hub.
 
-  `from_pretrained`   pretrained.py: a checkpoint as `(Transformer, Tokenizer | None)`.
+  `from_pretrained`   pretrained.py: a checkpoint as `(Transformer, Tokenizer | None)`;
+                      hf_config.py maps config.json onto the model config, weights.py
+                      fills a model with HF-named tensors (`build_model`).
   `gguf`              llama.cpp GGUF files in HF's vocabulary (`load_gguf`).
   `tokenizer`         `Tokenizer` (HF `tokenizers`), ids as transformers gives them.
   `chat_template`     checkpoints' chat templates in jinja2's sandbox, under a budget per render.
