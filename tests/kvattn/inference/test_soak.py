@@ -1,0 +1,76 @@
+"""The batcher under load: a short soak, cancellation, shared pages, a disk tier that cannot write."""
+
+import functools
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from kvattn.caches.registry import gqa_layers
+from kvattn.inference.batching import ContinuousBatcher
+from kvattn.inference.generation import generate
+from kvattn.models import transformer
+
+PAGE, MAX_LEN, MAX_NEW = 4, 24, 8
+WIDTH = 32  # the padded prompt width of every reference (the soak's max_len)
+
+
+@functools.lru_cache(maxsize=None)
+def _model():
+  cfg = transformer.model_config(d_model=32, num_layers=2, mlp_dim=64,
+                                 attention=dict(num_heads=4, num_kv_heads=2, head_dim=8))
+  return transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
+
+
+@functools.lru_cache(maxsize=None)
+def _alone(prompt: tuple) -> tuple:
+  """Greedy tokens of `prompt` decoded alone by kvattn.generate (one padded width and one
+  max_new for every call: one compile; greedy tokens are prefix-consistent)."""
+  padded = np.zeros((1, WIDTH), np.int32)
+  padded[0, :len(prompt)] = prompt
+  tokens, _ = generate(_model(), padded, np.array([len(prompt)], np.int32), MAX_NEW)
+  return tuple(np.asarray(tokens)[0].tolist())
+
+
+def _prompt(seed, n):
+  return np.random.default_rng(seed).integers(0, 256, n).astype(np.int32)
+
+
+# -- shared pages ----------------------------------------------------------------------------------
+
+
+def _batcher(**kw):
+  args = dict(num_slots=4, num_pages=10, page_size=PAGE, max_len=MAX_LEN, max_prompt_len=16,
+              seed=0, prefix_cache=True)
+  args.update(kw)
+  return ContinuousBatcher(_model(), **args)
+
+
+def test_sequences_sharing_prefix_pages_decode_right_in_a_small_pool():
+  # 10 pages < 4 slots x 6 pages per sequence: the pool scan would be the default CPU backend,
+  # and it gives a page one owner; "a" and "b" share two prefix pages while both run.
+  batcher = _batcher()
+  system = _prompt(0, 8)
+  a, b = np.concatenate([system, _prompt(1, 2)]), np.concatenate([system, _prompt(2, 3)])
+  assert batcher.add("a", a, MAX_NEW) == 0
+  batcher.step()
+  assert batcher.add("b", b, MAX_NEW) == 1
+  assert batcher.allocator.pages("a")[:2] == batcher.allocator.pages("b")[:2]
+  finished = {}
+  while batcher.active:
+    finished.update((f.request_id, f) for f in batcher.step())
+  assert tuple(finished["a"].tokens) == _alone(tuple(a))
+  assert tuple(finished["b"].tokens) == _alone(tuple(b))
+  assert batcher.allocator.num_free == 10
+  # The caller's model keeps its own backend choice.
+  assert [a.decode_implementation for a in gqa_layers(_model())] == [None, None]
+
+
+def test_the_pool_scan_backend_is_refused_with_the_prefix_cache():
+  cfg = transformer.model_config(d_model=32, num_layers=2, mlp_dim=64, attention=dict(
+      num_heads=4, num_kv_heads=2, head_dim=8, decode_implementation="xla_pool"))
+  model = transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="decode_implementation must not be 'xla_pool' with "
+                     "prefix_cache=True"):
+    ContinuousBatcher(model, num_slots=2, num_pages=4, page_size=PAGE, max_len=8,
+                      max_prompt_len=8, prefix_cache=True)
