@@ -23,7 +23,8 @@ joining and leaving never recompile:
     page gets one more page (`PageAllocator.grow`, one jitted row update);
     then one jitted step decodes every slot (`kvattn.ops.paged_decode_attention`).
   * retire: on EOS or `max_new_tokens` the pages go back to the allocator and
-    the slot's row is cleared (jitted, slot index traced).
+    the slot's row is cleared (jitted, slot index traced). `cancel` retires a
+    live sequence the same way at any time between calls.
 
 The slot index is always a traced argument, so every jitted function compiles
 once (`traces` counts the traces; the tests assert one each).
@@ -85,7 +86,7 @@ from kvattn.paging.offload import PageCodec
 from kvattn.caches.paged import PagedKVCache
 from kvattn.paging.prefix import PrefixCachingAllocator
 
-FINISH_REASONS = ("eos", "length", "out_of_pages")
+FINISH_REASONS = ("eos", "length", "out_of_pages", "cancelled")
 
 
 # Where Pallas kernels compile (kvattn.ops.pallas); elsewhere naming "pallas" runs it interpreted.
@@ -117,7 +118,8 @@ class Finished:
   Attributes:
     request_id: the id given to `add`.
     tokens: `i32[n]` generated tokens (EOS included when it ended the sequence).
-    reason: "eos", "length" (`max_new_tokens` reached) or "out_of_pages".
+    reason: "eos", "length" (`max_new_tokens` reached), "out_of_pages" or
+      "cancelled" (`ContinuousBatcher.cancel`).
     slot: the slot it occupied.
     joined_step, finished_step: values of `ContinuousBatcher.steps` when it
       joined and left.
@@ -463,6 +465,31 @@ class ContinuousBatcher:
       if reason:
         finished.append(self._finish(slot, reason))
     return finished
+
+  def cancel(self, request_id: Hashable) -> Finished:
+    """Retires a live sequence now, as `step` retires a finished one.
+
+    Its slot is free and its pages go back to the allocator; with the prefix
+    cache its full pages are registered first and stay cached (they hold the
+    KV of its prompt and of the tokens fed back so far, like a retirement's).
+    It runs the retirement's jitted program (no new trace).
+
+    Args:
+      request_id: the id of a live sequence (`active`).
+
+    Returns:
+      Its `Finished` record with reason "cancelled" and the tokens generated
+      so far (at least the prefill's first one).
+
+    Raises:
+      ValueError: `request_id` is not live (never added, finished, or
+        cancelled already); nothing changes.
+    """
+    slot = self.active.get(request_id)
+    if slot is None:
+      raise ValueError(f"request_id must be a live request to cancel; got {request_id!r} "
+                       f"({len(self.active)} live)")
+    return self._finish(slot, "cancelled")
 
   def run(self, requests: Iterable[tuple[Hashable, Sequence[int], int]]
           ) -> dict[Hashable, Finished]:

@@ -1,4 +1,4 @@
-"""The batcher under load: a short soak, cancellation, shared pages, a disk tier that cannot write."""
+"""The batcher under load: a short soak, cancel, shared pages, a disk tier that cannot write."""
 
 import functools
 
@@ -10,6 +10,7 @@ from kvattn.caches.registry import gqa_layers
 from kvattn.inference.batching import ContinuousBatcher
 from kvattn.inference.generation import generate
 from kvattn.models import transformer
+from kvattn.paging.allocator import NO_PAGE
 
 PAGE, MAX_LEN, MAX_NEW = 4, 24, 8
 WIDTH = 32  # the padded prompt width of every reference (the soak's max_len)
@@ -36,7 +37,7 @@ def _prompt(seed, n):
   return np.random.default_rng(seed).integers(0, 256, n).astype(np.int32)
 
 
-# -- shared pages ----------------------------------------------------------------------------------
+# -- cancel and shared pages -----------------------------------------------------------------------
 
 
 def _batcher(**kw):
@@ -46,9 +47,9 @@ def _batcher(**kw):
   return ContinuousBatcher(_model(), **args)
 
 
-def test_sequences_sharing_prefix_pages_decode_right_in_a_small_pool():
+def test_cancel_frees_the_slot_and_pages_and_spares_a_sequence_sharing_them():
   # 10 pages < 4 slots x 6 pages per sequence: the pool scan would be the default CPU backend,
-  # and it gives a page one owner; "a" and "b" share two prefix pages while both run.
+  # and "a" and "b" share two prefix pages while both run.
   batcher = _batcher()
   system = _prompt(0, 8)
   a, b = np.concatenate([system, _prompt(1, 2)]), np.concatenate([system, _prompt(2, 3)])
@@ -56,12 +57,29 @@ def test_sequences_sharing_prefix_pages_decode_right_in_a_small_pool():
   batcher.step()
   assert batcher.add("b", b, MAX_NEW) == 1
   assert batcher.allocator.pages("a")[:2] == batcher.allocator.pages("b")[:2]
-  finished = {}
+  batcher.step()
+  f = batcher.cancel("a")
+  assert f.reason == "cancelled" and f.slot == 0 and tuple(f.tokens) == _alone(tuple(a))[:3]
+  assert batcher.active == {"b": 1} and batcher.free_slots == [0, 2, 3]
+  assert (np.asarray(batcher.caches[0].block_tables)[0] == NO_PAGE).all()
+  assert int(np.asarray(batcher.caches[1].lengths)[0]) == 0
+  for rid in ("a", "nobody"):
+    with pytest.raises(ValueError, match=f"request_id must be a live request to cancel; got "
+                       f"'{rid}' \\(1 live\\)"):
+      batcher.cancel(rid)
+  finished = []
   while batcher.active:
-    finished.update((f.request_id, f) for f in batcher.step())
-  assert tuple(finished["a"].tokens) == _alone(tuple(a))
-  assert tuple(finished["b"].tokens) == _alone(tuple(b))
+    finished += batcher.step()
+  assert tuple(finished[0].tokens) == _alone(tuple(b))
+  # "a"'s pages were registered when it was cancelled: its prompt again prefills 2 tokens.
+  before = batcher.prefill_tokens
+  out = batcher.run([("a2", a, MAX_NEW)])
+  assert tuple(out["a2"].tokens) == _alone(tuple(a))
+  assert batcher.prefill_tokens - before == 2
   assert batcher.allocator.num_free == 10
+  batcher.allocator.check()
+  # One join per prefill bucket (16, 4, 2 tokens), every other program once.
+  assert batcher.traces == {"join": 3, "step": 1, "set_row": 1, "release": 1}
   # The caller's model keeps its own backend choice.
   assert [a.decode_implementation for a in gqa_layers(_model())] == [None, None]
 
