@@ -1,6 +1,9 @@
 """The batcher under load: a short soak, cancel, shared pages, a disk tier that cannot write."""
 
+import errno
 import functools
+import logging
+import os
 
 import numpy as np
 import pytest
@@ -10,7 +13,9 @@ from kvattn.caches.registry import gqa_layers
 from kvattn.inference.batching import ContinuousBatcher
 from kvattn.inference.generation import generate
 from kvattn.models import transformer
+from kvattn.paging import offload
 from kvattn.paging.allocator import NO_PAGE
+from kvattn.paging.offload import DiskTier, HostTier, TieredStore
 
 PAGE, MAX_LEN, MAX_NEW = 4, 24, 8
 WIDTH = 32  # the padded prompt width of every reference (the soak's max_len)
@@ -92,3 +97,78 @@ def test_the_pool_scan_backend_is_refused_with_the_prefix_cache():
                      "prefix_cache=True"):
     ContinuousBatcher(model, num_slots=2, num_pages=4, page_size=PAGE, max_len=8,
                       max_prompt_len=8, prefix_cache=True)
+
+
+# -- a disk tier that cannot write -----------------------------------------------------------------
+
+
+def _warnings(caplog):
+  return [r for r in caplog.records
+          if r.name == offload.__name__ and r.levelno == logging.WARNING]
+
+
+def test_a_disk_tier_whose_directory_is_a_file_stores_nothing_and_warns_once(tmp_path, caplog):
+  path = tmp_path / "not_a_dir"
+  path.write_bytes(b"x")
+  with caplog.at_level(logging.WARNING):
+    tier = DiskTier(path, 10**6)
+    pages = [np.full((24,), i, np.uint8) for i in range(3)]
+    for i, p in enumerate(pages):
+      assert tier.put(i, p) == [(i, p)]  # handed back: the next tier (or a drop) gets it
+  assert "FileExistsError" in tier.error and len(tier) == 0 and tier.used_bytes == 0
+  (warning,) = _warnings(caplog)
+  assert str(path) in warning.getMessage() and "goes on without it" in warning.getMessage()
+  assert path.read_bytes() == b"x"
+
+
+# Two system prompts alternating through one slot and 6 pages: each request evicts the other
+# prefix, which goes straight to disk (host tier of 0 bytes) and comes back on the next request.
+def _alternating(n):
+  rng = np.random.default_rng(3)
+  systems = [rng.integers(0, 256, 12).astype(np.int32) for _ in range(2)]
+  return [(f"r{i}", np.concatenate([systems[i % 2], rng.integers(0, 256, 2).astype(np.int32)]),
+           4) for i in range(n)]
+
+
+# "replaced": the directory is removed and a file put in its place mid-run (what a read-only
+# directory does to writes; tests run as root, where chmod 0o500 stops nothing). "enospc": the
+# write itself is patched to write half the page and raise OSError(ENOSPC), as a full disk does.
+@pytest.mark.parametrize("failure", ["replaced", "enospc"])
+def test_generation_goes_on_when_the_disk_tier_cannot_write(failure, tmp_path, caplog,
+                                                            monkeypatch):
+  directory = tmp_path / "disk"
+  store = TieredStore([HostTier(0), DiskTier(directory, 10**6)])
+  batcher = ContinuousBatcher(_model(), num_slots=1, num_pages=6, page_size=PAGE, max_len=20,
+                              max_prompt_len=16, seed=0, prefix_cache=True, offload=store)
+  requests = _alternating(8)
+  out = batcher.run(requests[:3])  # r0's prefix to disk, back for r2; r1's to disk
+  disk = store.tiers[1]
+  assert batcher.allocator.counters["pages_reloaded"] > 0 and len(disk) > 0
+  held, reloaded = len(disk), batcher.allocator.counters["pages_reloaded"]
+  if failure == "replaced":
+    for name in os.listdir(directory):
+      os.remove(directory / name)
+    os.rmdir(directory)
+    directory.write_bytes(b"not a directory")
+  else:
+    def full_disk(path, data):
+      with open(path, "wb") as f:
+        f.write(data[:len(data) // 2])
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    monkeypatch.setattr(offload, "_write_file", full_disk)
+  with caplog.at_level(logging.WARNING):
+    out.update(batcher.run(requests[3:]))
+  for rid, prompt, _ in requests:
+    assert tuple(out[rid].tokens) == _alone(tuple(prompt.tolist()))[:4], rid
+  (warning,) = _warnings(caplog)  # said once, however many pages it was offered
+  expected = {"replaced": "NotADirectoryError", "enospc": "No space left on device"}[failure]
+  assert expected in warning.getMessage() and expected in disk.error
+  assert store.moves[("last", "drop")] > 0  # pages it could not take were dropped
+  if failure == "replaced":  # the pages it held are gone: misses, recomputed
+    assert batcher.allocator.counters["offload_misses"] > 0 and len(disk) < held
+  else:  # the pages written before stay readable; no partial page is left behind
+    assert batcher.allocator.counters["pages_reloaded"] > reloaded
+    assert sorted(os.listdir(directory)) == sorted(
+        os.path.basename(disk.path_of(b)) for b in disk._items)  # pylint: disable=protected-access
+  batcher.allocator.check()
+  assert batcher.allocator.num_free == 6
