@@ -23,7 +23,8 @@ joining and leaving never recompile:
     page gets one more page (`PageAllocator.grow`, one jitted row update);
     then one jitted step decodes every slot (`kvattn.ops.paged_decode_attention`).
   * retire: on EOS or `max_new_tokens` the pages go back to the allocator and
-    the slot's row is cleared (jitted, slot index traced).
+    the slot's row is cleared (jitted, slot index traced). `cancel` retires a
+    live sequence the same way at any time between calls.
 
 The slot index is always a traced argument, so every jitted function compiles
 once (`traces` counts the traces; the tests assert one each).
@@ -40,7 +41,13 @@ right-padded to a power-of-two bucket (one compile per bucket used); its
 full prompt pages are registered right after its prefill, so requests that
 join later share them, and the pages it filled while decoding when it
 retires. With `offload=` (a `kvattn.paging.offload.TieredStore`) evicted cached
-pages move to host memory / disk and are copied back on a hit.
+pages move to host memory / disk and are copied back on a hit. A shared page
+sits in several block-table rows, so decode steps use a backend that reads
+each row's pages through its own row: layers left at the default
+(`decode_implementation=None`) get "pallas" then "xla" where Pallas compiles,
+"xla" elsewhere, never "xla_pool" (it inverts the tables into one owner per
+page, `kvattn.ops.xla_paged`, and the default picks it when
+`num_pages < num_slots * pages_per_seq`); a layer set to "xla_pool" is refused.
 
 On a mesh (`mesh=`): parameters are placed by `kvattn.sharding`'s rules, each
 layer's pool is a `kvattn.caches.sharded.ShardedPagedKVCache` split over KV heads on
@@ -79,7 +86,25 @@ from kvattn.paging.offload import PageCodec
 from kvattn.caches.paged import PagedKVCache
 from kvattn.paging.prefix import PrefixCachingAllocator
 
-FINISH_REASONS = ("eos", "length", "out_of_pages")
+FINISH_REASONS = ("eos", "length", "out_of_pages", "cancelled")
+
+
+# Where Pallas kernels compile (kvattn.ops.pallas); elsewhere naming "pallas" runs it interpreted.
+_PALLAS_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+
+
+def _shared_page_decoding(model: nnx.Module) -> nnx.Module:
+  """`model`, or a copy sharing its parameter arrays whose default-backend GQA layers decode
+  paged caches with backends that read each row's pages through its own block-table row
+  (module doc: prefix cache). The caller's model is not changed."""
+  if all(a.decode_implementation is not None for a in gqa_layers(model)):
+    return model
+  safe = ("pallas", "xla") if jax.default_backend() in _PALLAS_PLATFORMS else "xla"
+  model = nnx.merge(*nnx.split(model))
+  for a in gqa_layers(model):
+    if a.decode_implementation is None:
+      a.decode_implementation = safe
+  return model
 
 
 class NoFreeSlotError(RuntimeError):
@@ -93,7 +118,8 @@ class Finished:
   Attributes:
     request_id: the id given to `add`.
     tokens: `i32[n]` generated tokens (EOS included when it ended the sequence).
-    reason: "eos", "length" (`max_new_tokens` reached) or "out_of_pages".
+    reason: "eos", "length" (`max_new_tokens` reached), "out_of_pages" or
+      "cancelled" (`ContinuousBatcher.cancel`).
     slot: the slot it occupied.
     joined_step, finished_step: values of `ContinuousBatcher.steps` when it
       joined and left.
@@ -162,8 +188,9 @@ class ContinuousBatcher:
 
     Raises:
       ValueError/TypeError: bad sizes, an MLA layer, `max_prompt_len > max_len`;
-        a mesh whose `data` axis does not divide `num_slots` or `num_pages`, or
-        `offload` with more than one data shard.
+        a mesh whose `data` axis does not divide `num_slots` or `num_pages`,
+        `offload` with more than one data shard, or `prefix_cache` with a layer
+        whose `decode_implementation` is "xla_pool".
     """
     self.num_slots = _checks.positive_int("num_slots", num_slots)
     self.page_size = _checks.positive_int("page_size", page_size)
@@ -180,6 +207,10 @@ class ContinuousBatcher:
     self.pad_id = int(pad_id)
     attns = gqa_layers(model)
     pps = pages_for(self.max_len, self.page_size)
+    if prefix_cache and any(a.decode_implementation == "xla_pool" for a in attns):
+      raise ValueError("decode_implementation must not be 'xla_pool' with prefix_cache=True "
+                       "(shared pages have several owners; that backend allows one); got "
+                       f"{[a.decode_implementation for a in attns]}")
     if offload is not None and not prefix_cache:
       raise ValueError("offload needs prefix_cache=True (only cached prefixes are offloaded)")
     self.prefix_cache = bool(prefix_cache)
@@ -220,6 +251,8 @@ class ContinuousBatcher:
       home = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     else:
       self.caches = jax.device_put(self.caches, home)
+    if prefix_cache:
+      model = _shared_page_decoding(model)
     self._graphdef, self._state = nnx.split(model)
     if rng is None or (isinstance(rng, int) and not isinstance(rng, bool)):
       rng = jax.random.key(0 if rng is None else rng)
@@ -432,6 +465,31 @@ class ContinuousBatcher:
       if reason:
         finished.append(self._finish(slot, reason))
     return finished
+
+  def cancel(self, request_id: Hashable) -> Finished:
+    """Retires a live sequence now, as `step` retires a finished one.
+
+    Its slot is free and its pages go back to the allocator; with the prefix
+    cache its full pages are registered first and stay cached (they hold the
+    KV of its prompt and of the tokens fed back so far, like a retirement's).
+    It runs the retirement's jitted program (no new trace).
+
+    Args:
+      request_id: the id of a live sequence (`active`).
+
+    Returns:
+      Its `Finished` record with reason "cancelled" and the tokens generated
+      so far (at least the prefill's first one).
+
+    Raises:
+      ValueError: `request_id` is not live (never added, finished, or
+        cancelled already); nothing changes.
+    """
+    slot = self.active.get(request_id)
+    if slot is None:
+      raise ValueError(f"request_id must be a live request to cancel; got {request_id!r} "
+                       f"({len(self.active)} live)")
+    return self._finish(slot, "cancelled")
 
   def run(self, requests: Iterable[tuple[Hashable, Sequence[int], int]]
           ) -> dict[Hashable, Finished]:

@@ -15,9 +15,16 @@ Tiers (capacity in bytes, `>= 0`; 0 passes everything through):
     offers `pinned_host` too, but there device memory is host memory, so by
     default it gets numpy rows (one copy per batch instead of a transfer per
     page); `pinned=True` forces the memory kind.
-  * `DiskTier`: one `numpy.memmap` file per page in a directory, with its
-    sha256 kept in memory: a file that is missing, truncated or altered is
-    detected on `take` and reported as a miss.
+  * `DiskTier`: one file of raw bytes per page in a directory (written with
+    plain writes, read back as a `numpy.memmap`), with its sha256 kept in
+    memory: a file that is missing, truncated or altered is detected on
+    `take` and reported as a miss. A directory that cannot be created or
+    written (read-only, full, not a directory) disables the tier: one
+    `logging` warning, then it holds nothing new and every page it is
+    offered passes on (from the last tier: dropped, so the allocator forgets
+    the block and recomputes it). Plain writes report a full disk as
+    `OSError` (ENOSPC); stores into a writable memmap of a file on a full
+    filesystem fault (SIGBUS) instead.
 
 A page's payload is the raw bytes of that page in every layer's pools
 (`PageCodec`: values and, when quantized, scales, viewed as uint8), so every
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import logging
 import os
 from typing import Any, Callable, Sequence
 
@@ -79,11 +87,12 @@ class _LruTier:
     size = int(np.prod(np.shape(payload)))
     if size > self.capacity_bytes:
       return [(block, payload)]
+    stored = self._store(block, payload)  # first: a store that raises changes nothing
     out = []
     while self.used_bytes + size > self.capacity_bytes:
       old, _ = next(iter(self._items.items()))
       out.append((old, self.take(old)))
-    self._items[block] = (self._store(block, payload), size)
+    self._items[block] = (stored, size)
     self.used_bytes += size
     return out
 
@@ -144,29 +153,58 @@ class HostTier(_LruTier):
 
 
 class DiskTier(_LruTier):
-  """Pages in `numpy.memmap` files under `directory`, checked by sha256 on load."""
+  """Pages in files under `directory`, checked by sha256 on load; disabled when it cannot write.
+
+  Attributes:
+    error: None, or why the tier was disabled (the first `OSError` creating the
+      directory or writing a page: read-only, full, not a directory). A
+      disabled tier stores nothing new (`put` hands every page back) and says
+      so once (`logging.warning`); the pages it already holds stay readable.
+  """
 
   name = "disk"
 
   def __init__(self, directory: str | os.PathLike, capacity_bytes: int):
     super().__init__(capacity_bytes)
     self.directory = os.fspath(directory)
-    os.makedirs(self.directory, exist_ok=True)
+    self.error: str | None = None
     self._serial = 0
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+    except OSError as e:
+      self._disable(e)
 
   def path_of(self, block) -> str | None:
     """The file holding `block`, or None."""
     item = self._items.get(block)
     return None if item is None else item[0][0]
 
+  def put(self, block, payload) -> list[tuple[Any, Any]]:
+    """`_LruTier.put`; once a write has failed, hands every page back (see the class doc)."""
+    if self.error is not None:
+      return [(block, payload)]
+    try:
+      return super().put(block, payload)
+    except OSError as e:  # raised by _store before anything changed
+      self._disable(e)
+      return [(block, payload)]
+
+  def _disable(self, error: OSError) -> None:
+    self.error = f"{type(error).__name__}: {error}"
+    logging.getLogger(__name__).warning(
+        "disk tier %s cannot write (%s); offloading goes on without it: pages it would hold "
+        "pass on to the next tier or are dropped (recomputed when needed)", self.directory,
+        self.error)
+
   def _store(self, block, payload):
     data = np.asarray(payload, np.uint8).reshape(-1)
     self._serial += 1
     path = os.path.join(self.directory, f"page_{self._serial:08d}.kv")
-    mm = np.memmap(path, np.uint8, "w+", shape=data.shape)
-    mm[:] = data
-    mm.flush()
-    del mm
+    try:
+      _write_file(path, data.tobytes())
+    except OSError:
+      self._remove((path,))  # a partial file of a full disk
+      raise
     return path, data.shape, hashlib.sha256(data.tobytes()).digest()
 
   def _load(self, block, stored):
@@ -186,8 +224,15 @@ class DiskTier(_LruTier):
   def _remove(self, stored) -> None:
     try:
       os.remove(stored[0])
-    except FileNotFoundError:
+    except OSError:  # gone already, or the directory is no longer usable
       pass
+
+
+def _write_file(path: str, data: bytes) -> None:
+  """Writes `data` to a new file at `path` (plain writes: a full disk raises OSError ENOSPC,
+  where stores into a writable memmap fault with SIGBUS)."""
+  with open(path, "wb") as f:
+    f.write(data)
 
 
 class TieredStore:
