@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import bench_soak
+from experiments.benchmarks import soak as bench_soak
+from experiments.evals import models
 from kvattn.caches.registry import gqa_layers
 from kvattn.inference.batching import ContinuousBatcher
 from kvattn.inference.generation import generate
@@ -24,7 +25,7 @@ WIDTH = 32  # the padded prompt width of every reference (the soak's max_len)
 
 @functools.lru_cache(maxsize=None)
 def _model():
-  return bench_soak.tiny_model(0)
+  return models.tiny_model(0)
 
 
 @functools.lru_cache(maxsize=None)

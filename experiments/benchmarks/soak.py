@@ -1,6 +1,6 @@
 """Soak: thousands of requests through `ContinuousBatcher` with the prefix cache and offload.
 
-    python -m experiments.bench_soak --requests 2000 --out soak.jsonl
+    python -m experiments.benchmarks.soak --requests 2000 --out soak.jsonl
 
 A tiny random model (2 layers, GQA 4/2 heads, the tests' pattern) serves
 `--requests` requests through `--slots` slots over a small pool of `--pages`
@@ -77,10 +77,10 @@ import psutil
 from absl import app, flags
 from flax import nnx
 
-from experiments import cli
+from experiments.evals import models
+from experiments.framework import cli
 from kvattn.inference.batching import ContinuousBatcher, Finished
 from kvattn.inference.generation import generate
-from kvattn.models import transformer as transformer_lib
 from kvattn.paging.offload import DiskTier, HostTier, TieredStore
 
 FLAGS = flags.FLAGS
@@ -141,13 +141,6 @@ class Served:
   max_queue: int = 0  # requests waiting at once (arrived, not admitted)
   queue_with_live: int = 0  # ticks where some waited while others ran
   rss: list[int] = dataclasses.field(default_factory=list)  # bytes, every rss_every ticks
-
-
-def tiny_model(seed: int = 0) -> nnx.Module:
-  """The tests' tiny random model: 2 layers, d_model 32, GQA with 4 query and 2 KV heads."""
-  cfg = transformer_lib.model_config(d_model=32, num_layers=2, mlp_dim=64,
-                                     attention=dict(num_heads=4, num_kv_heads=2, head_dim=8))
-  return transformer_lib.Transformer.from_config(cfg, rngs=nnx.Rngs(seed))
 
 
 def make_requests(config: SoakConfig) -> list[Request]:
@@ -371,7 +364,7 @@ def run_soak(config: SoakConfig, *, disk_dir: str | None = None,
     `(record, details)`: the JSON record, and `details` with the `requests`,
     the `served` outcome, the `batcher` and the `model` (for tests).
   """
-  model = tiny_model(config.seed) if model is None else model
+  model = models.tiny_model(config.seed) if model is None else model
   requests = make_requests(config)
   with tempfile.TemporaryDirectory(prefix="kvattn-soak-") as tmp:
     directory = disk_dir or os.path.join(tmp, "disk")
