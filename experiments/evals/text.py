@@ -58,7 +58,7 @@ def held_out_tokens(tokenizer, count: int) -> np.ndarray:
   return np.asarray(ids[:count], np.int32)
 
 
-def text_ids(tok, num_tokens: int, *, skip_tokens: int = 0) -> np.ndarray:
+def document_tokens(tok, num_tokens: int, *, skip_tokens: int = 0) -> np.ndarray:
   """`i32[num_tokens]` ids of the default corpus's text from token `skip_tokens` on.
 
   `tok` is the model's tokenizer, or None for byte-level ids (`kvattn.training.data.encode`).

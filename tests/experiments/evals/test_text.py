@@ -39,3 +39,10 @@ def test_corpus_and_held_out_tokens():
   held = text_lib.held_out_tokens(tok, 100)
   assert ids.shape == held.shape == (100,) and ids.dtype == np.int32
   assert not np.array_equal(ids, held)  # the validation split is other documents
+
+
+def test_document_tokens_skip_and_count():
+  ids = text_lib.document_tokens(None, 50)
+  later = text_lib.document_tokens(None, 40, skip_tokens=10)
+  assert ids.dtype == np.int32 and ids.shape == (50,)
+  np.testing.assert_array_equal(ids[10:], later)
