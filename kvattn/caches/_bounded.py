@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvattn import _checks
 from kvattn.caches import dense as cache_lib
@@ -59,11 +60,18 @@ def check_implementation(cache, implementation) -> None:
                      f"attention is the XLA positional path); got {implementation!r}")
 
 
+def check_lengths(cache) -> None:
+  """Eager check of the cache's own `lengths` before a write: tokens written, >= 0 (these
+  kinds grow past their capacity by design). Traced: no check."""
+  _checks.values_in_range("cache lengths", cache.lengths, 0)
+
+
 def prelude(cache, q, k, v, new_lengths, implementation) -> jax.Array:
   """The checks every `update_attend` starts with; returns `new_lengths` as `i32[B]`."""
   check_new_kv(cache, k, v)
   check_q(cache, q, k.shape[1])
   check_implementation(cache, implementation)
+  check_lengths(cache)
   return cache_lib.resolve_new_lengths(new_lengths, cache.batch, k.shape[1])
 
 
@@ -153,6 +161,25 @@ class BoundedCache:
     """`i32[B, capacity]`: the original token index held by each slot, -1 for none."""
     return self.pos
 
+  def check_state(self, name: str = "cache") -> None:
+    """Eager check of the bookkeeping (`kvattn.caches.checkpoint.restore_caches` runs it):
+    `lengths >= 0` and `pos` exactly what the kind keeps after `lengths` tokens
+    (`expected_pos`). Traced: no check.
+
+    Raises:
+      ValueError: naming the leaf and slot, e.g. "layer 0 pos[1, 3] = 9 ...".
+    """
+    _checks.values_in_range(f"{name} lengths", self.lengths, 0)
+    if not (_checks.is_concrete(self.lengths) and _checks.is_concrete(self.pos)):
+      return
+    lengths, pos = np.asarray(self.lengths).astype(np.int64), np.asarray(self.pos)
+    want = self.expected_pos(lengths)
+    if (pos != want).any():
+      b, s = (int(x) for x in np.argwhere(pos != want)[0])
+      raise ValueError(f"{name} pos[{b}, {s}] = {int(pos[b, s])}, but a {type(self).__name__} "
+                       f"of {self.capacity} slots holding {int(lengths[b])} tokens keeps token "
+                       f"{int(want[b, s])} there (-1: none)")
+
   def dequantized(self, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
     """`(k, v)` `[B, K, S, H]` as stored, in `dtype` (scales applied): for tests."""
     if not self.quantized:
@@ -180,6 +207,7 @@ class WrappingCache(BoundedCache):
     """Writes `k_new, v_new: [B, T, K, H]` for `t < new_lengths[b]` into the slots the
     kind assigns (only the tokens no later token of the chunk overwrites)."""
     check_new_kv(self, k_new, v_new)
+    check_lengths(self)
     new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, k_new.shape[1])
     return self._write(*encode_new(self, k_new, v_new), new_lengths)
 

@@ -126,7 +126,15 @@ def write_tokens(
 
 
 def advance_lengths(lengths: jax.Array, new_lengths: jax.Array, capacity: int) -> jax.Array:
-  """Returns `lengths + new_lengths`, enforcing the overflow contract above."""
+  """Returns `lengths + new_lengths`, enforcing the overflow contract above.
+
+  Eager (concrete lengths), before anything is written: the cache's `lengths` must
+  lie in `[0, capacity]` (a state built with `.replace` or read from elsewhere;
+  a negative length would drop the written tokens) and the sum must not pass
+  `capacity`. Under jit neither is checked here: the sum advances and
+  `overflowed` flags the row.
+  """
+  _checks.values_in_range("cache lengths", lengths, 0, capacity)
   if _checks.is_concrete(lengths) and _checks.is_concrete(new_lengths):
     end = np.asarray(lengths) + np.asarray(new_lengths)
     if end.max(initial=0) > capacity:
@@ -251,6 +259,15 @@ class KVCache:
     """`i32[B, S]`: slot s holds token s below `lengths[b]`, else -1."""
     return slot_positions(self.lengths, self.max_len)
 
+  def check_state(self, name: str = "cache") -> None:
+    """Eager check of the bookkeeping (`kvattn.caches.checkpoint.restore_caches` runs it):
+    `lengths` in `[0, capacity]` (the slots then follow from it). Traced: no check.
+
+    Raises:
+      ValueError: naming the leaf and row, e.g. "layer 3 lengths[1] = -2 must lie in [0, 8]".
+    """
+    _checks.values_in_range(f"{name} lengths", self.lengths, 0, self.capacity)
+
   def storage_arrays(self) -> tuple[jax.Array, ...]:
     """The arrays whose size grows with the token slots (for `kvattn.memory`):
     keys and values, and their scales when quantized."""
@@ -284,7 +301,8 @@ class KVCache:
 
     Raises:
       ValueError: wrong shapes, `new_lengths` outside [0, T], or (when lengths
-        are concrete) a write past `max_len`.
+        are concrete) cache `lengths` outside [0, max_len] or a write past
+        `max_len`. Under jit: see the module doc (dropped tokens, `overflowed`).
       TypeError: non-floating `k_new` / `v_new`.
     """
     expected = (self.batch, None, self.num_kv_heads, self.head_dim)
@@ -377,7 +395,7 @@ class KVCache:
       return new_cache.attend(q, q_offsets=self.lengths, implementation=implementation,
                               **opts), new_cache
     new_lengths = resolve_new_lengths(new_lengths, self.batch, 1)
-    lengths = jnp.asarray(self.lengths) + new_lengths
+    lengths = advance_lengths(self.lengths, new_lengths, self.max_len)  # raises first (eager)
     k_new, v_new = (self.stored_token(x[:, 0]) for x in (k, v))
     out = ops.decode_attention(q[:, 0], self.k, self.v, lengths, k_new=k_new, v_new=v_new,
                                implementation=implementation, **opts, **self.scale_kwargs())
@@ -492,6 +510,15 @@ class LatentCache:
     """`i32[B, S]`: slot s holds token s below `lengths[b]`, else -1."""
     return slot_positions(self.lengths, self.max_len)
 
+  def check_state(self, name: str = "cache") -> None:
+    """Eager check of the bookkeeping (`kvattn.caches.checkpoint.restore_caches` runs it):
+    `lengths` in `[0, capacity]` (the slots then follow from it). Traced: no check.
+
+    Raises:
+      ValueError: naming the leaf and row, e.g. "layer 3 lengths[1] = -2 must lie in [0, 8]".
+    """
+    _checks.values_in_range(f"{name} lengths", self.lengths, 0, self.capacity)
+
   def storage_arrays(self) -> tuple[jax.Array, ...]:
     """The arrays whose size grows with the token slots (for `kvattn.memory`):
     both parts, and their scales when quantized."""
@@ -527,7 +554,8 @@ class LatentCache:
 
     Raises:
       ValueError: wrong shapes, `new_lengths` outside [0, T], or (when lengths
-        are concrete) a write past `max_len`.
+        are concrete) cache `lengths` outside [0, max_len] or a write past
+        `max_len`. Under jit: see the module doc (dropped tokens, `overflowed`).
       TypeError: non-floating inputs.
     """
     for name, x, width, letter in (("c_kv_new", c_kv_new, self.kv_lora_rank, "C"),

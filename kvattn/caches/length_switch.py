@@ -254,6 +254,14 @@ class LengthSwitchKVCache:
     """`i32[B, S]`: token s in slot s below `lengths[b]` (in both segments), else -1."""
     return cache_lib.slot_positions(self.lengths, self.capacity)
 
+  def check_state(self, name: str = "cache") -> None:
+    """Eager check of the bookkeeping: `lengths` in `[0, capacity]` (traced: no check).
+
+    Raises:
+      ValueError: naming the leaf and row, e.g. "layer 3 lengths[1] = -2 must lie in [0, 8]".
+    """
+    _checks.values_in_range(f"{name} lengths", self.lengths, 0, self.capacity)
+
   def full_view(self, lengths: jax.Array) -> cache_lib.KVCache:
     """The full segment as a `KVCache` holding `lengths` tokens (`i32[B]`, <= switch_length)."""
     return cache_lib.KVCache(self.k, self.v, lengths, self.k_scale, self.v_scale)

@@ -28,6 +28,15 @@ from kvattn.caches._bounded import (WrappingCache, empty_storage, float_keys, mi
                                     scale_kwargs)
 
 
+def _newest_in_ring(lengths: np.ndarray, first: int, window: int) -> np.ndarray:
+  """`int[B, window]` (host): slot j of a ring of tokens `p >= first` (token p in slot
+  `(p - first) % window`) after `lengths[b]` tokens: the newest such p, or -1."""
+  written = lengths[:, None] - first  # ring tokens written per row (negative: none)
+  j = np.arange(window)[None, :]
+  newest = written - 1 - ((written - 1 - j) % window)  # largest i < written, i % window == j
+  return np.where(newest >= 0, first + newest, -1)
+
+
 # ----------------------------------------------------------------------------------------------
 # Sliding-window ring.
 
@@ -71,6 +80,11 @@ class RingKVCache(WrappingCache):
   @property
   def window(self) -> int:
     return self.capacity
+
+  def expected_pos(self, lengths: np.ndarray) -> np.ndarray:
+    """`int[B, W]` (host): the token a ring holding `lengths` tokens keeps in each slot:
+    the newest p < lengths[b] with p % W == s, -1 for none."""
+    return _newest_in_ring(lengths, 0, self.window)
 
   def _slots(self, new_lengths: jax.Array, num_tokens: int) -> jax.Array:
     """`i32[B, T]` slot of each new token; W (dropped) for padding and for the tokens
@@ -172,6 +186,13 @@ class SinkKVCache(WrappingCache):
   def window(self) -> int:
     """W: the recent tokens kept besides the sinks."""
     return self.capacity - self.num_sinks
+
+  def expected_pos(self, lengths: np.ndarray) -> np.ndarray:
+    """`int[B, S]` (host): sinks `0..num_sinks-1` in the first slots (while written), then
+    the ring of the W newest later tokens, token p in slot `num_sinks + (p - num_sinks) % W`."""
+    s = np.arange(self.num_sinks)[None, :]
+    sinks = np.where(s < lengths[:, None], s, -1)
+    return np.concatenate([sinks, _newest_in_ring(lengths, self.num_sinks, self.window)], axis=1)
 
   def _shift(self, lengths: jax.Array) -> jax.Array:
     """`i32[B]`: tokens evicted from the ring when `lengths` tokens were written."""

@@ -40,6 +40,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from kvattn import _checks
 from kvattn.ops import xla_paged
 from kvattn.ops import pallas
 from kvattn.ops import xla
@@ -170,7 +171,9 @@ def decode_attention(
     k: `[B, K, S, H]` keys; slots at or past `lengths[b]` may hold anything.
       Float, or int8 / float8_e4m3fn / float8_e5m2 with `k_scale`.
     v: `[B, K, S, Hv]` values (same dtype as k).
-    lengths: `i32[B]` valid slots per sequence, in `[0, S]`.
+    lengths: `i32[B]` valid slots per sequence, in `[0, S]`: checked when
+      concrete (an eager call); under jit a length past S reads the S slots
+      (an overflowed cache) and a negative one reads nothing (zeros).
     sm_scale: logit scale, default `1/sqrt(H)`.
     window: sliding-window size in tokens, or None.
     soft_cap: logit soft cap, or None.
@@ -181,9 +184,10 @@ def decode_attention(
       (float; dequantized for a quantized cache), given apart from the cache:
       slot `lengths[b] - 1` of k / v is then not read and may hold anything,
       so a caller can pass the cache from before the token's write (XLA:CPU
-      then need not copy the written buffer; `KVCache.update_attend`). A row
-      with `lengths[b] > S` (overflowed: its token was dropped) attends the
-      cache alone. Both or neither; XLA backends only (`"pallas"` declines).
+      then need not copy the written buffer; `KVCache.update_attend`). Under
+      jit a row with `lengths[b] > S` (overflowed: its token was dropped)
+      attends the cache alone. Both or neither; XLA backends only (`"pallas"`
+      declines).
     implementation: `"pallas"` (the fused kernel; picked by None on GPU/TPU
       for the shapes it supports, interpreted on CPU when named),
       `"xla_blocked"` (flash-decoding in XLA reading only the attended
@@ -197,13 +201,15 @@ def decode_attention(
     `[B, N, Hv]` in q's dtype, accumulated in f32; length-0 rows are zeros.
 
   Raises:
-    ValueError: unknown `implementation`, or shapes/options that do not fit.
+    ValueError: unknown `implementation`; shapes/options that do not fit; a
+      concrete (eager) length outside `[0, S]`, naming it (`lengths[1] = -2`).
     TypeError: non-float inputs, k/v dtype mismatch, non-integer lengths, a
       quantized cache without scales (or scales for a float cache).
     NotImplementedError: the named implementation(s) cannot run these shapes.
   """
   lengths = common.check_decode_args(q, k, v, lengths, window, soft_cap, sm_scale, k_scale,
                                      v_scale)
+  _checks.values_in_range("lengths", lengths, 0, k.shape[2])
   if (k_new is None) != (v_new is None):
     raise ValueError("k_new and v_new must be given together; got "
                      f"k_new={'None' if k_new is None else 'an array'} and "
@@ -319,7 +325,8 @@ def mla_decode_attention(
     q_rope: `[B, N, R]` RoPE part of the query.
     c_kv: `[B, S, C]` latent cache; `k_rope: [B, S, R]` shared RoPE keys
       (same dtype as c_kv). Slots at or past `lengths[b]` may hold anything.
-    lengths: `i32[B]` valid slots per sequence.
+    lengths: `i32[B]` valid slots per sequence, in `[0, S]` (checked when
+      concrete; under jit clamped to it, as in `decode_attention`).
     sm_scale: required, `1/sqrt(qk_nope_head_dim + qk_rope_head_dim)`.
     window: sliding-window size in tokens, or None.
     c_kv_scale, k_rope_scale: `f32[B, S]` per-token scales of a quantized
@@ -332,11 +339,13 @@ def mla_decode_attention(
     afterwards); length-0 rows are zeros.
 
   Raises:
-    ValueError/TypeError: as `decode_attention`, naming the argument.
+    ValueError/TypeError: as `decode_attention`, naming the argument (a concrete
+      length outside `[0, S]` included).
     NotImplementedError: the named implementation(s) cannot run these shapes.
   """
   lengths = common.check_mla_decode_args(q_latent, q_rope, c_kv, k_rope, lengths, sm_scale,
                                          window, c_kv_scale, k_rope_scale)
+  _checks.values_in_range("lengths", lengths, 0, c_kv.shape[1])
   return dispatch("mla_decode_attention", implementation, q_latent, q_rope, c_kv, k_rope,
                   lengths, sm_scale=sm_scale, window=window,
                   **_given(c_kv_scale=c_kv_scale, k_rope_scale=k_rope_scale))

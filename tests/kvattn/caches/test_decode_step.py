@@ -95,15 +95,19 @@ def test_update_attend_low_precision_cache(dtype):
 @pytest.mark.parametrize("implementation", ["xla", "xla_blocked"])
 def test_decode_attention_new_token_apart(implementation):
   """ops level: the cache before the write (NaN at the new slot) plus `k_new, v_new` equals
-  the reference over the written cache; an overflowed row (lengths S + 1) attends the cache."""
+  the reference over the written cache; under jit an overflowed row (lengths S + 1) attends
+  the cache (eager, such a length is refused)."""
   old = (0, 1, S - 1, S)
   cache = _old_cache(old)
   cache = cache.replace(k=cache.k.at[3].set(1.0), v=cache.v.at[3].set(2.0))  # row 3 is full
   q = jax.random.normal(jax.random.key(2), (len(old), 3 * K, H))
   _, k_new, v_new = (x[:, 0] for x in _qkv(len(old), K, seed=3))
   lengths = jnp.asarray(old) + 1
-  got = ops.decode_attention(q, cache.k, cache.v, lengths, k_new=k_new, v_new=v_new,
-                             implementation=implementation)
+  decode = lambda lengths: ops.decode_attention(q, cache.k, cache.v, lengths, k_new=k_new,
+                                                v_new=v_new, implementation=implementation)
+  with pytest.raises(ValueError, match=rf"lengths\[3\] = {S + 1} must lie in \[0, {S}\]"):
+    decode(lengths)
+  got = jax.jit(decode)(lengths)
   written = jax.jit(KVCache.update)(cache, k_new[:, None], v_new[:, None])  # row 3: dropped
   want = dense_decode.decode_attention_reference(q, written.k, written.v, lengths)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
