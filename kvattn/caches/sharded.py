@@ -107,15 +107,46 @@ def _head_mesh(mesh: Mesh, axis: str, num_kv_heads: int) -> tuple[Mesh, tuple[st
   return view, (axis, axis + "_rep")
 
 
+def _query_heads(mesh: Mesh, view: Mesh, axis: str, heads: tuple[str, ...],
+                 num_kv_heads: int, num_heads: int | None) -> tuple[str, ...]:
+  """The mesh axes of the query heads N of a layer with `num_kv_heads` K on `axis`.
+
+  With K >= the axis (K heads split over it) N splits likewise. With fewer, the KV heads
+  are replicated (the `view` of `axis` as (K, m / K)); N then splits over both view axes
+  when m divides it, else over the K part only (each query group whole on the devices of
+  its KV head). Only N tells the two apart, so it is required then.
+  """
+  m = mesh.shape[axis]
+  if num_heads is not None:
+    _checks.head_layout(num_heads, num_kv_heads)
+  if len(heads) == 1:  # K split over the axis; N, a multiple of K, splits the same way
+    return heads
+  if num_heads is None:
+    raise ValueError(
+        f"num_heads is required for a cache of num_kv_heads = {num_kv_heads} on mesh axis "
+        f"{axis!r} of size {m}: the KV heads are replicated {m // num_kv_heads}x and the query "
+        f"heads split over {heads} ({m} devices) when {m} divides num_heads, else over "
+        f"({axis!r},) ({num_kv_heads} devices); pass the layer's num_heads "
+        "(place_caches(..., num_heads=))")
+  return heads if num_heads % axis_size(view, heads) == 0 else (axis,)
+
+
 def cache_layout(mesh: Mesh, rules: Mapping[str, Any] | None, *, kind: str, batch: int,
                  max_len: int, num_kv_heads: int | None = None, num_heads: int | None = None,
                  num_pages: int | None = None) -> CacheLayout:
   """The layout of one layer's cache of `kind` ("dense", "paged" or "latent") on `mesh`.
 
+  Every layout it returns runs: the attention of a layer with `num_heads` query heads
+  over `num_kv_heads` KV heads fits it (`check_query_heads`). `num_heads` is needed
+  only when the heads axis is larger than `num_kv_heads` (the KV heads are then
+  replicated, and how the query heads split depends on N).
+
   Raises:
     ValueError: a mesh axis that does not divide the dimension it splits (batch B,
       slots S, page pool P), naming the axis; K and the heads axis where neither
-      divides the other; a multi-axis rule for the batch, slots or KV heads.
+      divides the other; `num_heads` missing where needed (naming the axis, K and
+      the splits N may take) or not a multiple of `num_kv_heads`; a multi-axis rule
+      for the batch, slots or KV heads.
   """
   rules = resolve_rules(rules)
   batch_axis = _single_axis(rules, "cache_batch", mesh)
@@ -125,9 +156,13 @@ def cache_layout(mesh: Mesh, rules: Mapping[str, Any] | None, *, kind: str, batc
     _divides(mesh, seq_axis, max_len, "the cache slots S (max_len)")
     return CacheLayout(mesh=mesh, batch=batch_axis, seq=seq_axis)
   head_axis = _single_axis(rules, "cache_kv_heads", mesh)
-  view, q_heads = (mesh, ()) if head_axis is None else _head_mesh(mesh, head_axis, num_kv_heads)
-  if head_axis is not None and num_heads is not None and num_heads % axis_size(view, q_heads):
-    q_heads = (head_axis,)
+  view, q_heads = mesh, ()
+  if head_axis is not None:
+    if num_kv_heads is None:
+      raise ValueError(f"num_kv_heads is required for a {kind} cache with its KV heads on "
+                       f"mesh axis {head_axis!r}")
+    view, heads = _head_mesh(mesh, head_axis, num_kv_heads)
+    q_heads = _query_heads(mesh, view, head_axis, heads, num_kv_heads, num_heads)
   kv_heads = () if head_axis is None else (head_axis,)
   if kind == "dense":
     _divides(mesh, seq_axis, max_len, "the cache slots S (max_len)")
@@ -144,6 +179,19 @@ def cache_layout(mesh: Mesh, rules: Mapping[str, Any] | None, *, kind: str, batc
   _divides(mesh, pages, num_pages, "the page pool P (num_pages)")
   return CacheLayout(mesh=view, batch=batch_axis, seq=seq_axis if seq_axis in pages else None,
                      kv_heads=kv_heads, q_heads=q_heads, pages=pages)
+
+
+def check_query_heads(layout: CacheLayout, num_heads: int, num_kv_heads: int) -> None:
+  """Raises ValueError, before any shard_map, unless `num_heads` query heads fit `layout`
+  (a layout made for another N: `cache_layout(num_heads=)`, `place_caches(num_heads=)`)."""
+  n = axis_size(layout.mesh, layout.q_heads)
+  if num_heads % n:
+    axis = layout.kv_heads[0]
+    raise ValueError(
+        f"the query heads ({num_heads}) must split over the cache layout's mesh axes "
+        f"{layout.q_heads} ({n} devices, the KV heads ({num_kv_heads}) replicated over "
+        f"{axis!r}); the layout was made for another num_heads: build the caches with "
+        f"num_heads={num_heads} (init_caches, place_caches(..., num_heads=))")
 
 
 def _spec(*axes, ndim: int | None = None) -> P:
@@ -227,6 +275,7 @@ class ShardedKVCache(cache_lib.KVCache):
              implementation=None):
     """`KVCache.attend` per shard; over a sequence split, partial attention + LSE merge."""
     lay = self.layout
+    check_query_heads(lay, q.shape[2], self.num_kv_heads)
     slot_len = self.max_len // axis_size(lay.mesh, lay.seq)
     arrays = {"k": self.k, "v": self.v, **self.scale_kwargs()}
     specs = {n: _spec(lay.batch, lay.kv_heads, lay.seq, None, ndim=a.ndim)
@@ -322,6 +371,7 @@ class ShardedPagedKVCache(paged_lib.PagedKVCache):
     """`PagedKVCache.attend` per shard; over pages split on `seq`, the row's local pages
     gathered, partial attention and LSE merge."""
     lay = self.layout
+    check_query_heads(lay, q.shape[2], self.num_kv_heads)
     pools = {"k_pages": self.k_pages, "v_pages": self.v_pages}
     if self.quantized:
       pools.update(k_scale_pages=self.k_scale_pages, v_scale_pages=self.v_scale_pages)
@@ -532,33 +582,56 @@ BATCHER_RULES = {"cache_sequence": None, "cache_pages": "data"}
 HEADS_ONLY_RULES = {"cache_batch": None, "cache_sequence": None, "cache_pages": None}
 
 
-def place_caches(caches: Sequence[Any], mesh: Mesh, rules: Mapping[str, Any] | None = None
-                 ) -> tuple[Any, ...]:
+def place_caches(caches: Sequence[Any], mesh: Mesh, rules: Mapping[str, Any] | None = None,
+                 *, num_heads: int | Sequence[int | None] | None = None) -> tuple[Any, ...]:
   """Existing `KVCache` / `PagedKVCache` / `LatentCache`s moved onto `mesh` as their
   sharded kinds (`jax.device_put`; for caches built or restored elsewhere). A paged
   cache's rows must use the pages of their data shard (or use `HEADS_ONLY_RULES`).
 
+  A cache does not know the query heads N of its layer, and where the KV heads are
+  fewer than the heads axis (replicated) the layout depends on N, so `num_heads` is
+  then required: the layers' N, one int for all or a sequence with one entry per
+  cache (e.g. `[layer.attn.num_heads for layer in model.layers]`; None for latent
+  caches). Every layout is checked here, so a placed cache either runs with its
+  layer or this raises (`cache_layout`), never the first attention call.
+
   Raises:
     TypeError: a cache of another kind.
-    ValueError: as `cache_layout`.
+    ValueError: as `cache_layout` (naming the mesh axis, the head counts and the
+      splits that would fit), or a `num_heads` sequence of another length.
   """
+  caches = tuple(caches)
+  if num_heads is None or isinstance(num_heads, (int, np.integer)):
+    heads = (num_heads,) * len(caches)
+  else:
+    heads = tuple(num_heads)
+    if len(heads) != len(caches):
+      raise ValueError(f"num_heads must be an int or have one entry per cache ({len(caches)}); "
+                       f"got {len(heads)}")
   out = []
-  for c in caches:
-    if isinstance(c, paged_lib.PagedKVCache):
-      lay = cache_layout(mesh, rules, kind="paged", batch=c.batch, max_len=c.max_len,
-                         num_kv_heads=c.num_kv_heads, num_pages=c.num_pages)
-      cls = ShardedPagedKVCache
-    elif isinstance(c, cache_lib.KVCache):
-      lay = cache_layout(mesh, rules, kind="dense", batch=c.batch, max_len=c.max_len,
-                         num_kv_heads=c.num_kv_heads)
-      cls = ShardedKVCache
-    elif isinstance(c, cache_lib.LatentCache):
-      lay = cache_layout(mesh, rules, kind="latent", batch=c.batch, max_len=c.max_len)
-      cls = ShardedLatentCache
-    else:
-      raise TypeError(f"caches must be KVCache, PagedKVCache or LatentCache to shard; got "
-                      f"{type(c).__name__}")
+  for i, (c, n) in enumerate(zip(caches, heads)):
+    try:
+      lay, cls = _placed_layout(c, mesh, rules, n)
+    except ValueError as e:
+      raise ValueError(f"caches[{i}]: {e}") from None
     fields = {k: v for k, v in _fields(c).items() if k != "layout"}
     sharded = cls(**fields, layout=lay)
     out.append(jax.device_put(sharded, sharded.shardings()))
   return tuple(out)
+
+
+def _placed_layout(c, mesh: Mesh, rules, num_heads: int | None) -> tuple[CacheLayout, type]:
+  """The layout and sharded class of existing cache `c` (`place_caches`)."""
+  if isinstance(c, paged_lib.PagedKVCache):
+    return cache_layout(mesh, rules, kind="paged", batch=c.batch, max_len=c.max_len,
+                        num_kv_heads=c.num_kv_heads, num_heads=num_heads,
+                        num_pages=c.num_pages), ShardedPagedKVCache
+  if isinstance(c, cache_lib.KVCache):
+    return cache_layout(mesh, rules, kind="dense", batch=c.batch, max_len=c.max_len,
+                        num_kv_heads=c.num_kv_heads, num_heads=num_heads), ShardedKVCache
+  if isinstance(c, cache_lib.LatentCache):
+    return (cache_layout(mesh, rules, kind="latent", batch=c.batch, max_len=c.max_len),
+            ShardedLatentCache)
+  raise TypeError(f"caches must be KVCache, PagedKVCache or LatentCache to shard; got "
+                  f"{type(c).__name__}")
+

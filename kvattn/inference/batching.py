@@ -162,7 +162,8 @@ class ContinuousBatcher:
 
     Raises:
       ValueError/TypeError: bad sizes, an MLA layer, `max_prompt_len > max_len`;
-        a mesh whose `data` axis does not divide `num_slots` or `num_pages`, or
+        a mesh whose `data` axis does not divide `num_slots` or `num_pages`, whose
+        `model` axis does not fit the layers' heads (`sharded.cache_layout`), or
         `offload` with more than one data shard.
     """
     self.num_slots = _checks.positive_int("num_slots", num_slots)
@@ -216,7 +217,8 @@ class ContinuousBatcher:
       from kvattn import sharding  # pylint: disable=g-import-not-at-top
       from kvattn.caches import sharded
       model = sharding.place_model(model, mesh)
-      self.caches = sharded.place_caches(self.caches, mesh, sharded.BATCHER_RULES)
+      self.caches = sharded.place_caches(self.caches, mesh, sharded.BATCHER_RULES,
+                                         num_heads=[a.num_heads for a in attns])
       home = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     else:
       self.caches = jax.device_put(self.caches, home)
