@@ -36,9 +36,9 @@ from flax import struct
 
 from kvattn import _checks
 from kvattn.caches import dense as cache_lib
-from kvattn.caches._bounded import (BoundedCache, check_implementation, check_lengths,
-                                    check_new_kv, concat, empty_storage, encode_new, float_keys,
-                                    new_positions, prelude, scale_kwargs)
+from kvattn.caches._bounded import (BoundedCache, check_implementation, check_lengths, concat,
+                                    empty_storage, encode_new, float_keys, new_positions, prelude,
+                                    scale_kwargs)
 from kvattn.ops.positional import positional_attention
 from kvattn.ops.rope import apply_rope
 
@@ -325,9 +325,13 @@ class EvictingKVCache(BoundedCache):
     """Writes `k_new, v_new: [B, T, K, H]` (keys RoPE'd) for `t < new_lengths[b]`,
     evicting by the policy with no query scores for the new tokens (`update_attend`
     supplies them)."""
-    check_new_kv(self, k_new, v_new)
+    return self.update_unchecked(k_new, v_new,
+                                 cache_lib.check_new_kv(self, k_new, v_new, new_lengths))
+
+  def update_unchecked(self, k_new: jax.Array, v_new: jax.Array,
+                       new_lengths: jax.Array) -> "EvictingKVCache":
+    """`update` for callers that checked its arguments; checks the cache's `lengths`."""
     check_lengths(self)
-    new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, k_new.shape[1])
     return self._select(*encode_new(self, k_new, v_new), new_lengths, None)
 
   def attend(self, q: jax.Array, *, q_offsets: jax.Array, sm_scale: float | None = None,
@@ -342,13 +346,14 @@ class EvictingKVCache(BoundedCache):
                                   **scale_kwargs(self.k_scale, self.v_scale))
     return out
 
-  def update_attend(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
-                    new_lengths=None, sm_scale=None, window=None, soft_cap=None,
-                    implementation=None):
-    """`cache_protocol.update_attend`: RoPE at `positions`; the chunk attends the kept
-    slots plus its own tokens (returning the per-slot mass its scoring queries gave),
-    then the budget is chosen among them. Returns `(out [B, T, N, H], new cache)`."""
-    new_lengths = prelude(self, q, k, v, new_lengths, implementation)
+  def update_attend_unchecked(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
+                              new_lengths, sm_scale=None, window=None, soft_cap=None,
+                              implementation=None):
+    """`cache_protocol.update_attend` (checked arguments; `update_attend` checks them): RoPE
+    at `positions`; the chunk attends the kept slots plus its own tokens (returning the
+    per-slot mass its scoring queries gave), then the budget is chosen among them.
+    Returns `(out [B, T, N, H], new cache)`."""
+    prelude(self, implementation)
     num_tokens = k.shape[1]
     rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
     q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)

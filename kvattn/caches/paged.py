@@ -278,19 +278,15 @@ class PagedKVCache:
         assign.
       TypeError: non-floating `k_new` / `v_new`.
     """
-    expected = (self.batch, None, self.num_kv_heads, self.head_dim)
-    for name, x in (("k_new", k_new), ("v_new", v_new)):
-      _checks.rank(name, x, 4, "[B, T, K, H]")
-      if any(e is not None and e != s for e, s in zip(expected, x.shape)):
-        raise ValueError(
-            f"{name} must have shape [B, T, K, H] = ({self.batch}, T, {self.num_kv_heads}, "
-            f"{self.head_dim}); got {tuple(x.shape)}")
-    if k_new.shape != v_new.shape:
-      raise ValueError(f"k_new and v_new must have one shape; got {k_new.shape} and {v_new.shape}")
-    for name, x in (("k_new", k_new), ("v_new", v_new)):
-      _checks.floating(name, x)
-    batch, num_tokens = k_new.shape[:2]
-    new_lengths = cache_lib.resolve_new_lengths(new_lengths, batch, num_tokens)
+    return self.update_unchecked(k_new, v_new,
+                                 cache_lib.check_new_kv(self, k_new, v_new, new_lengths))
+
+  def update_unchecked(self, k_new: jax.Array, v_new: jax.Array,
+                       new_lengths: jax.Array) -> "PagedKVCache":
+    """`update` for callers that checked its arguments (the modules, through
+    `cache_protocol.update_attend`); the cache's own state is still checked eagerly
+    (lengths, overflow, the pages the write needs). Subclasses override this one."""
+    num_tokens = k_new.shape[1]
     lengths = cache_lib.advance_lengths(self.lengths, new_lengths, self.max_len)  # raises first
     self._check_pages_assigned(new_lengths)
 
@@ -314,9 +310,8 @@ class PagedKVCache:
       return pool.at[:, page, offset].set(jnp.moveaxis(new, 2, 0).astype(pool.dtype),
                                           mode="drop")
 
-    return PagedKVCache(
-        k_pages=write(self.k_pages, k_new), v_pages=write(self.v_pages, v_new),
-        block_tables=self.block_tables, lengths=lengths,
+    return self.replace(
+        k_pages=write(self.k_pages, k_new), v_pages=write(self.v_pages, v_new), lengths=lengths,
         k_scale_pages=None if k_s is None else write(self.k_scale_pages, k_s),
         v_scale_pages=None if v_s is None else write(self.v_scale_pages, v_s))
 

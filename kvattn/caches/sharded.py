@@ -205,24 +205,15 @@ def _spec(*axes, ndim: int | None = None) -> P:
 # Sharded caches.
 
 
-def _check_new(name: str, x: jax.Array, batch: int, rest: tuple[int, ...], doc: str) -> None:
-  _checks.rank(name, x, 2 + len(rest), doc)
-  _checks.floating(name, x)
-  if x.shape[0] != batch or tuple(x.shape[2:]) != rest:
-    raise ValueError(f"{name} must have shape {doc} = ({batch}, T, "
-                     f"{', '.join(map(str, rest))}); got {tuple(x.shape)}")
-
-
 def _encode_pair(a, b, dtype):
   (a, a_s), (b, b_s) = cache_lib.encode(a, dtype), cache_lib.encode(b, dtype)
   return a, b, a_s, b_s
 
 
 def _write_slots(cache, names, new_a, new_b, new_lengths, buf_axes, new_axes, *, slot_axis):
-  """`update` of the dense and latent kinds: encodes `new_a, new_b` ([B, T, ...]) into the
-  fields `names` (values, then scales) and writes them per shard (`write_tokens`; a
-  sequence shard gets `lengths` minus its first slot, so it keeps the slots it holds)."""
-  new_lengths = cache_lib.resolve_new_lengths(new_lengths, cache.batch, new_a.shape[1])
+  """`update_unchecked` of the dense and latent kinds: encodes `new_a, new_b` ([B, T, ...])
+  into the fields `names` (values, then scales) and writes them per shard (`write_tokens`;
+  a sequence shard gets `lengths` minus its first slot, so it keeps the slots it holds)."""
   lengths = cache_lib.advance_lengths(cache.lengths, new_lengths, cache.max_len)
   lay = cache.layout
   slot_len = cache.max_len // axis_size(lay.mesh, lay.seq)
@@ -260,12 +251,9 @@ class ShardedKVCache(cache_lib.KVCache):
     sc = None if self.k_scale is None else lay.sharding(*_spec(lay.batch, lay.kv_heads, lay.seq))
     return self.replace(k=kv, v=kv, lengths=lay.sharding(lay.batch), k_scale=sc, v_scale=sc)
 
-  def update(self, k_new, v_new, new_lengths=None) -> "ShardedKVCache":
-    """`KVCache.update` on each shard: a sequence shard writes the tokens whose slots
-    fall in its range."""
-    rest = (self.num_kv_heads, self.head_dim)
-    for name, x in (("k_new", k_new), ("v_new", v_new)):
-      _check_new(name, x, self.batch, rest, "[B, T, K, H]")
+  def update_unchecked(self, k_new, v_new, new_lengths) -> "ShardedKVCache":
+    """`KVCache.update` on each shard (`update` checks, then comes here): a sequence
+    shard writes the tokens whose slots fall in its range."""
     lay = self.layout
     return _write_slots(self, ("k", "v", "k_scale", "v_scale"), k_new, v_new, new_lengths,
                         (lay.batch, lay.kv_heads, lay.seq, None),
@@ -332,12 +320,9 @@ class ShardedPagedKVCache(paged_lib.PagedKVCache):
     held = (local >= 0) & (local < local_pages)
     return jnp.where(held, local, NO_PAGE), held
 
-  def update(self, k_new, v_new, new_lengths=None) -> "ShardedPagedKVCache":
-    """Writes through the block table; each shard writes the tokens of its pages."""
-    rest = (self.num_kv_heads, self.head_dim)
-    for name, x in (("k_new", k_new), ("v_new", v_new)):
-      _check_new(name, x, self.batch, rest, "[B, T, K, H]")
-    new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, k_new.shape[1])
+  def update_unchecked(self, k_new, v_new, new_lengths) -> "ShardedPagedKVCache":
+    """Writes through the block table (`update` checks, then comes here); each shard
+    writes the tokens of its pages."""
     lengths = cache_lib.advance_lengths(self.lengths, new_lengths, self.max_len)
     lay = self.layout
     names = ("k_pages", "v_pages", "k_scale_pages", "v_scale_pages")
@@ -423,13 +408,9 @@ class ShardedLatentCache(cache_lib.LatentCache):
     return self.replace(c_kv=parts, k_rope=parts, c_kv_scale=sc, k_rope_scale=sc,
                         lengths=lay.sharding(lay.batch))
 
-  def update(self, c_kv_new, k_rope_new, new_lengths=None) -> "ShardedLatentCache":
-    """`LatentCache.update` on each shard (a sequence shard writes its slots)."""
-    _check_new("c_kv_new", c_kv_new, self.batch, (self.kv_lora_rank,), "[B, T, C]")
-    _check_new("k_rope_new", k_rope_new, self.batch, (self.qk_rope_head_dim,), "[B, T, R]")
-    if c_kv_new.shape[1] != k_rope_new.shape[1]:
-      raise ValueError(f"c_kv_new and k_rope_new must have the same T; got "
-                       f"{tuple(c_kv_new.shape)} and {tuple(k_rope_new.shape)}")
+  def update_unchecked(self, c_kv_new, k_rope_new, new_lengths) -> "ShardedLatentCache":
+    """`LatentCache.update` on each shard (`update` checks, then comes here; a sequence
+    shard writes its slots)."""
     lay = self.layout
     return _write_slots(self, ("c_kv", "k_rope", "c_kv_scale", "k_rope_scale"), c_kv_new,
                         k_rope_new, new_lengths, (lay.batch, lay.seq, None),

@@ -102,13 +102,14 @@ class RingKVCache(WrappingCache):
                                   **scale_kwargs(ks, vs))
     return out
 
-  def update_attend(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
-                    new_lengths=None, sm_scale=None, window=None, soft_cap=None,
-                    implementation=None):
-    """`cache_protocol.update_attend`: RoPE at `positions`, then the chunk attends the
-    ring as it was plus its own tokens (exact window-W attention for any T), and is
-    written (keys RoPE'd). Returns `(out [B, T, N, H], new cache)`."""
-    new_lengths = prelude(self, q, k, v, new_lengths, implementation)
+  def update_attend_unchecked(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
+                              new_lengths, sm_scale=None, window=None, soft_cap=None,
+                              implementation=None):
+    """`cache_protocol.update_attend` (checked arguments; `update_attend` checks them): RoPE
+    at `positions`, then the chunk attends the ring as it was plus its own tokens (exact
+    window-W attention for any T), and is written (keys RoPE'd). Returns `(out [B, T, N,
+    H], new cache)`."""
+    prelude(self, implementation)
     rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
     q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
     return self._step(q, k, v, new_lengths,
@@ -244,14 +245,15 @@ class SinkKVCache(WrappingCache):
         q_always_visible=q_sinks, **scale_kwargs(ks, vs))
     return out
 
-  def update_attend(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
-                    new_lengths=None, sm_scale=None, window=None, soft_cap=None,
-                    implementation=None):
-    """`cache_protocol.update_attend`: the module's `positions` are not used (the cache
-    assigns RoPE positions); `rope_theta` must be the cache's. A chunk attends the cache
-    as it was plus its own tokens, then is written."""
+  def update_attend_unchecked(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
+                              new_lengths, sm_scale=None, window=None, soft_cap=None,
+                              implementation=None):
+    """`cache_protocol.update_attend` (checked arguments; `update_attend` checks them): the
+    module's `positions` are not used (the cache assigns RoPE positions); `rope_theta`
+    must be the cache's. A chunk attends the cache as it was plus its own tokens, then is
+    written."""
     del positions  # StreamingLLM: positions inside the cache, not in the text
-    new_lengths = prelude(self, q, k, v, new_lengths, implementation)
+    prelude(self, implementation)
     if (float(rope_theta), rope_scaling) != (self.rope_theta, self.rope_scaling):
       raise ValueError(f"rope_theta, rope_scaling must be the cache's {self.rope_theta}, "
                        f"{self.rope_scaling} (SinkKVCache.init(rope_theta=, rope_scaling=)); got "
