@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.attention_common import (dim, floating, head_layout, integer,  # noqa: F401
                                              optional_positive_float, optional_positive_int,
@@ -63,3 +64,25 @@ def rope_scaling(value: Any) -> Any:
   if value is not None and not isinstance(value, rope.RopeScaling):
     raise TypeError(f"rope_scaling must be a kvattn.ops.RopeScaling or None; got {value!r}")
   return value
+
+
+def values_in_range(name: str, x: Any, low: int, high: int | None = None) -> None:
+  """Eager check of an integer array's values: each lies in `[low, high]` (`high` None:
+  no upper bound). Skipped when `x` is traced (under jit the caller's documented
+  behaviour -- clipping, overflow flags -- applies instead).
+
+  Raises:
+    ValueError: naming the first bad element and its value, e.g.
+      "lengths[1] = -2 must lie in [0, 8]".
+  """
+  if not is_concrete(x):
+    return
+  host = np.asarray(x)
+  bad = host < low if high is None else (host < low) | (host > high)
+  if not bad.any():
+    return
+  index = tuple(int(i) for i in np.argwhere(bad)[0])
+  where = f"{name}[{', '.join(map(str, index))}]" if index else name
+  bound = f"be >= {low}" if high is None else f"lie in [{low}, {high}]"
+  shown = f"; {name} = {host.tolist()}" if 1 < host.size <= 16 else ""
+  raise ValueError(f"{where} = {int(host[index])} must {bound}{shown}")

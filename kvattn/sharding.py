@@ -19,8 +19,10 @@ replicated (e.g. `k_proj` when K < the model axis). Caches are stricter:
 * Dense `[B, K, S, H]` (`ShardedKVCache`): B over `data`, K over `model`, S over `seq`.
   When K < the model axis m (and K divides m) the KV heads are replicated: the model axis
   is viewed as (K, m / K) and each device holds K / min(K, m) = 1 whole head; the query
-  heads follow their KV head (query head n reads KV head n // G on every device). K and m
-  where neither divides the other raise ValueError.
+  heads follow their KV head (query head n reads KV head n // G on every device), split
+  over the whole axis when m divides N and over the K part of it otherwise; which one
+  depends on N, so `place_caches` takes `num_heads=` then. K and m where neither divides
+  the other raise ValueError, at creation.
 * Paged pools `[K, P, page_size, H]` (`ShardedPagedKVCache`): K over `model`, P over
   (`data`, `seq`): the rows of data shard j use only pages of that shard's range, and the
   logical pages of a row are spread over the `seq` shards (`init_caches` builds such

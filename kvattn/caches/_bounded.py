@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvattn import _checks
 from kvattn.caches import dense as cache_lib
@@ -29,19 +30,6 @@ from kvattn.ops import quant
 
 # ----------------------------------------------------------------------------------------------
 # Shared pieces.
-
-
-def check_new_kv(cache, k_new, v_new) -> None:
-  """Shapes and dtypes of `k_new, v_new: [B, T, K, H]` against the cache's sizes."""
-  want = (cache.batch, cache.num_kv_heads, cache.head_dim)
-  for name, x in (("k_new", k_new), ("v_new", v_new)):
-    _checks.rank(name, x, 4, "[B, T, K, H]")
-    _checks.floating(name, x)
-    if (x.shape[0], x.shape[2], x.shape[3]) != want:
-      raise ValueError(f"{name} must have shape [B, T, K, H] with B, K, H = {want}; got "
-                       f"{tuple(x.shape)}")
-  if k_new.shape != v_new.shape:
-    raise ValueError(f"k_new and v_new must have one shape; got {k_new.shape} and {v_new.shape}")
 
 
 def check_q(cache, q, num_tokens: int) -> None:
@@ -59,12 +47,18 @@ def check_implementation(cache, implementation) -> None:
                      f"attention is the XLA positional path); got {implementation!r}")
 
 
-def prelude(cache, q, k, v, new_lengths, implementation) -> jax.Array:
-  """The checks every `update_attend` starts with; returns `new_lengths` as `i32[B]`."""
-  check_new_kv(cache, k, v)
-  check_q(cache, q, k.shape[1])
+def check_lengths(cache) -> None:
+  """Eager check of the cache's own `lengths` before a write: tokens written, >= 0 (these
+  kinds grow past their capacity by design). Traced: no check."""
+  _checks.values_in_range("cache lengths", cache.lengths, 0)
+
+
+def prelude(cache, implementation) -> None:
+  """What every `update_attend_unchecked` checks of its own (the arguments are the
+  caller's business): the backend this kind can run, its `lengths` (eager)."""
   check_implementation(cache, implementation)
-  return cache_lib.resolve_new_lengths(new_lengths, cache.batch, k.shape[1])
+  check_lengths(cache)
+
 
 
 def new_positions(lengths: jax.Array, new_lengths: jax.Array, num_tokens: int) -> jax.Array:
@@ -153,6 +147,32 @@ class BoundedCache:
     """`i32[B, capacity]`: the original token index held by each slot, -1 for none."""
     return self.pos
 
+  def check_state(self, name: str = "cache") -> None:
+    """Eager check of the bookkeeping (`kvattn.caches.checkpoint.restore_caches` runs it):
+    `lengths >= 0` and `pos` exactly what the kind keeps after `lengths` tokens
+    (`expected_pos`). Traced: no check.
+
+    Raises:
+      ValueError: naming the leaf and slot, e.g. "layer 0 pos[1, 3] = 9 ...".
+    """
+    _checks.values_in_range(f"{name} lengths", self.lengths, 0)
+    if not (_checks.is_concrete(self.lengths) and _checks.is_concrete(self.pos)):
+      return
+    lengths, pos = np.asarray(self.lengths).astype(np.int64), np.asarray(self.pos)
+    want = self.expected_pos(lengths)
+    if (pos != want).any():
+      b, s = (int(x) for x in np.argwhere(pos != want)[0])
+      raise ValueError(f"{name} pos[{b}, {s}] = {int(pos[b, s])}, but a {type(self).__name__} "
+                       f"of {self.capacity} slots holding {int(lengths[b])} tokens keeps token "
+                       f"{int(want[b, s])} there (-1: none)")
+
+  def update_attend(self, q, k, v, *, new_lengths=None, **step):
+    """`cache_protocol.update_attend`: checks `q`, `k`, `v` and `new_lengths`, then
+    `update_attend_unchecked` (the kind's step, which the modules call directly)."""
+    new_lengths = cache_lib.check_new_kv(self, k, v, new_lengths)
+    check_q(self, q, k.shape[1])
+    return self.update_attend_unchecked(q, k, v, new_lengths=new_lengths, **step)
+
   def dequantized(self, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
     """`(k, v)` `[B, K, S, H]` as stored, in `dtype` (scales applied): for tests."""
     if not self.quantized:
@@ -179,8 +199,12 @@ class WrappingCache(BoundedCache):
   def update(self, k_new: jax.Array, v_new: jax.Array, new_lengths: jax.Array | None = None):
     """Writes `k_new, v_new: [B, T, K, H]` for `t < new_lengths[b]` into the slots the
     kind assigns (only the tokens no later token of the chunk overwrites)."""
-    check_new_kv(self, k_new, v_new)
-    new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, k_new.shape[1])
+    return self.update_unchecked(k_new, v_new,
+                                 cache_lib.check_new_kv(self, k_new, v_new, new_lengths))
+
+  def update_unchecked(self, k_new: jax.Array, v_new: jax.Array, new_lengths: jax.Array):
+    """`update` for callers that checked its arguments; checks the cache's `lengths`."""
+    check_lengths(self)
     return self._write(*encode_new(self, k_new, v_new), new_lengths)
 
   def attend(self, q: jax.Array, *, q_offsets: jax.Array, sm_scale: float | None = None,
@@ -199,7 +223,7 @@ class WrappingCache(BoundedCache):
     plus the chunk's own tokens, then write (the chunk may overwrite its own window)."""
     num_tokens = k.shape[1]
     if num_tokens == 1:
-      new = self.update(k, v, new_lengths)
+      new = self.update_unchecked(k, v, new_lengths)
       return new.attend(q, q_offsets=self.lengths, **opts), new
     kq, vq, ks, vs = encode_new(self, k, v)
     q_pos = self.lengths[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]

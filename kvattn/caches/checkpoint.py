@@ -23,10 +23,22 @@ restores (what it leaves is a `<path>.orbax-checkpoint-tmp*` directory).
 Mismatches: the checkpoint records, per cache, its kind (class name) and,
 per leaf, its pytree path, shape and dtype; restoring into a template that
 differs in any of them raises ValueError naming the first difference.
+
+Values: a checkpoint is read as untrusted data, and `restore_caches` serves
+nothing it has not checked (ValueError naming the checkpoint and the leaf,
+e.g. "layer 3 lengths[1] = -2 must lie in [0, 8]"): each cache's own
+`check_state` (lengths in range, `pos` what the kind keeps, block-table
+entries inside the pool and covering each row's tokens); pages shared by
+block-table rows only as often as the saved allocator gives them to live
+sequences (never without one); the allocator's state (free list without
+duplicates, no page both free and held, none lost, pages matching token
+counts, sharing only in a `PrefixCachingAllocator`); and per-row `tokens` as
+many as each cache's `lengths`.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import Any, Hashable, Sequence
 
@@ -34,7 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvattn.paging.allocator import PageAllocator
+from kvattn import _checks
+from kvattn.paging.allocator import PageAllocator, pages_for
 from kvattn.caches.dense import KVCache, LatentCache
 from kvattn.caches.paged import PagedKVCache
 from kvattn.paging.prefix import PrefixCachingAllocator
@@ -96,10 +109,82 @@ def allocator_state(allocator: PageAllocator) -> dict[str, Any]:
           "free": free, "live": live}
 
 
+def _int(name: str, value: Any, low: int, high: int | None = None) -> int:
+  """`value` if it is an int in `[low, high]`, else ValueError naming `name`."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise ValueError(f"{name} must be an int; got {value!r}")
+  if value < low or (high is not None and value > high):
+    bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+    raise ValueError(f"{name} = {value} must be {bound}")
+  return int(value)
+
+
+def check_allocator_state(state: Any) -> None:
+  """Checks a saved `allocator_state` before anything is built from it.
+
+  Raises:
+    ValueError: naming the key: sizes that are not positive ints, a page outside
+      the pool, a page twice on the free list or in one sequence, a page both
+      free and held, a page held by two sequences of a plain `PageAllocator`
+      (only a `PrefixCachingAllocator` shares), pages that do not match a
+      sequence's token count, or pages neither free nor held (lost).
+  """
+  if not isinstance(state, dict) or not {"kind", "num_pages", "page_size", "max_pages_per_seq",
+                                         "free", "live"} <= set(state):
+    raise ValueError(f"allocator must be a saved allocator_state; got {state!r:.200}")
+  if state["kind"] not in ("plain", "prefix"):
+    raise ValueError(f"allocator.kind must be 'plain' or 'prefix'; got {state['kind']!r}")
+  num_pages = _int("allocator.num_pages", state["num_pages"], 1)
+  page_size = _int("allocator.page_size", state["page_size"], 1)
+  width = _int("allocator.max_pages_per_seq", state["max_pages_per_seq"], 1)
+  if not isinstance(state["free"], list) or not isinstance(state["live"], list):
+    raise ValueError("allocator.free and allocator.live must be lists")
+  where: dict[int, str] = {}  # page -> where it was first seen
+  for i, page in enumerate(state["free"]):
+    page = _int(f"allocator.free[{i}]", page, 0, num_pages - 1)
+    if page in where:
+      raise ValueError(f"allocator.free[{i}] = {page} is already at {where[page]}")
+    where[page] = f"allocator.free[{i}]"
+  ids = set()
+  for i, entry in enumerate(state["live"]):
+    if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[1], list)):
+      raise ValueError(f"allocator.live[{i}] must be [seq_id, pages, tokens]; got {entry!r:.200}")
+    seq_id, pages, tokens = entry
+    if isinstance(seq_id, bool) or not isinstance(seq_id, (str, int)) or seq_id in ids:
+      raise ValueError(f"allocator.live[{i}] seq_id must be a new str or int; got {seq_id!r}")
+    ids.add(seq_id)
+    name = f"allocator.live[{i}] ({seq_id!r})"
+    tokens = _int(f"{name} tokens", tokens, 0, width * page_size)
+    if len(pages) != pages_for(tokens, page_size):
+      raise ValueError(f"{name} holds {len(pages)} pages for {tokens} tokens; pages of "
+                       f"{page_size} tokens need {pages_for(tokens, page_size)}")
+    own = set()
+    for j, page in enumerate(pages):
+      page = _int(f"{name} pages[{j}]", page, 0, num_pages - 1)
+      if page in own:
+        raise ValueError(f"{name} pages[{j}] = {page} is already one of its pages")
+      own.add(page)
+      seen = where.get(page)
+      if seen is not None and (seen.startswith("allocator.free") or state["kind"] == "plain"):
+        raise ValueError(f"{name} pages[{j}] = {page} is already at {seen} (a page is free or "
+                         "held; only a PrefixCachingAllocator shares held pages)")
+      where.setdefault(page, f"{name} pages[{j}]")
+  lost = sorted(set(range(num_pages)) - set(where))
+  if lost:
+    raise ValueError(f"allocator pages {lost[:8]} are neither free nor held by a live sequence "
+                     f"(lost); num_pages = {num_pages}")
+
+
 def allocator_from_state(state: dict[str, Any]) -> PageAllocator:
   """The allocator `allocator_state` described (same kind, free-list order,
   pages and token counts; a `PrefixCachingAllocator` with its refcounts and
-  an empty prefix index), checked with its `check`."""
+  an empty prefix index), checked first (`check_allocator_state`) and then
+  with its `check`.
+
+  Raises:
+    ValueError: a state that breaks the allocator's invariants, naming the key.
+  """
+  check_allocator_state(state)
   cls = PrefixCachingAllocator if state.get("kind") == "prefix" else PageAllocator
   alloc = cls(state["num_pages"], state["page_size"], state["max_pages_per_seq"])
   alloc._free = [int(p) for p in state["free"]]  # pylint: disable=protected-access
@@ -109,7 +194,10 @@ def allocator_from_state(state: dict[str, Any]) -> PageAllocator:
     if cls is PrefixCachingAllocator:
       alloc._ref[pages] += 1  # pylint: disable=protected-access
       alloc._registered[seq_id] = (0, None)  # pylint: disable=protected-access
-  alloc.check()
+  try:
+    alloc.check()
+  except RuntimeError as e:
+    raise ValueError(f"allocator: {e}") from None
   return alloc
 
 
@@ -218,9 +306,12 @@ def restore_caches(path: str | os.PathLike, like: Any
     ids (list of rows, or dict by sequence id).
 
   Raises:
-    ValueError: an incomplete checkpoint (interrupted save), or one whose
-      cache kinds, leaves, shapes or dtypes differ from `like` (the message
-      names the first difference).
+    ValueError: an incomplete checkpoint (interrupted save), one whose cache
+      kinds, leaves, shapes or dtypes differ from `like` (the message names
+      the first difference), or one whose values break a cache's, the
+      allocator's or the tokens' invariants (`check_values`,
+      `check_allocator_state`; the message names the layer and leaf). Nothing
+      of such a checkpoint is returned.
   """
   ocp = _ocp()
   path = os.path.abspath(os.fspath(path))
@@ -246,9 +337,96 @@ def restore_caches(path: str | os.PathLike, like: Any
                  else jnp.asarray(value))
       n += 1
     result.append(jax.tree_util.tree_unflatten(treedef, new))
-  alloc = None if meta["allocator"] is None else allocator_from_state(meta["allocator"])
-  tokens = meta["tokens"]
-  if tokens is not None:
-    tokens = (tokens["by_row"] if "by_row" in tokens else
-              {k: v for k, v in tokens["by_id"]})
+  try:
+    alloc = None if meta.get("allocator") is None else allocator_from_state(meta["allocator"])
+    tokens = _read_tokens(meta.get("tokens"))
+    check_values(result, alloc, tokens)
+  except ValueError as e:
+    raise ValueError(f"checkpoint {path}: {e}") from None
   return (result[0] if single else tuple(result)), alloc, tokens
+
+
+def _read_tokens(saved: Any) -> list[list[int]] | dict[Any, list[int]] | None:
+  """The saved `tokens` (rows, or a dict by sequence id), checked to be lists of ints."""
+  if saved is None:
+    return None
+  if not isinstance(saved, dict) or len(saved) != 1 or not isinstance(
+      saved.get("by_row", saved.get("by_id")), list):
+    raise ValueError(f"tokens must be saved as by_row or by_id lists; got {saved!r:.200}")
+  rows = saved.get("by_row", saved.get("by_id"))
+  if "by_id" in saved:
+    if any(not (isinstance(e, list) and len(e) == 2) for e in rows):
+      raise ValueError("tokens.by_id must be [seq_id, ids] pairs")
+    names, rows = [f"tokens[{k!r}]" for k, _ in saved["by_id"]], [v for _, v in saved["by_id"]]
+  else:
+    names = [f"tokens[{b}]" for b in range(len(rows))]
+  for name, row in zip(names, rows):
+    if not isinstance(row, list):
+      raise ValueError(f"{name} must be a list of token ids; got {row!r:.100}")
+    for t, token in enumerate(row):
+      _int(f"{name}[{t}]", token, 0)
+  return rows if "by_row" in saved else {k: v for k, v in saved["by_id"]}
+
+
+def check_values(caches: Sequence[Any], allocator: PageAllocator | None = None,
+                 tokens: Any = None) -> None:
+  """Checks restored per-layer `caches` against themselves, `allocator` and `tokens`.
+
+  Each cache's `check_state(f"layer {i}")` (a kind without one: `lengths >= 0`);
+  pages of paged caches shared by block-table rows at most as often as `allocator`
+  gives them to live sequences (once without an allocator; never a free page),
+  pools of the allocator's sizes; per-row `tokens` (a list) as many as each
+  cache's `lengths`.
+
+  Raises:
+    ValueError: naming the layer, leaf and entry.
+  """
+  for i, cache in enumerate(caches):
+    check = getattr(cache, "check_state", None)
+    if callable(check):
+      check(f"layer {i}")
+    elif hasattr(cache, "lengths"):
+      _checks.values_in_range(f"layer {i} lengths", cache.lengths, 0)
+  holders = None
+  if allocator is not None:
+    holders = collections.Counter(p for s in allocator.live for p in allocator.pages(s))
+  for i, cache in enumerate(caches):
+    if isinstance(cache, PagedKVCache):
+      _check_shared_pages(f"layer {i}", cache, allocator, holders)
+  if isinstance(tokens, list):
+    for i, cache in enumerate(caches):
+      if not hasattr(cache, "lengths"):
+        continue
+      lengths = np.asarray(cache.lengths)
+      if len(tokens) != lengths.shape[0]:
+        raise ValueError(f"tokens holds {len(tokens)} rows, but layer {i} has batch "
+                         f"{lengths.shape[0]}")
+      for b, row in enumerate(tokens):
+        if len(row) != lengths[b]:
+          raise ValueError(f"tokens[{b}] holds {len(row)} ids, but layer {i} lengths[{b}] = "
+                           f"{int(lengths[b])}")
+
+
+def _check_shared_pages(name: str, cache: PagedKVCache, allocator: PageAllocator | None,
+                        holders: collections.Counter | None) -> None:
+  if allocator is not None and (allocator.num_pages, allocator.page_size) != (
+      cache.num_pages, cache.page_size):
+    raise ValueError(f"allocator num_pages, page_size = {allocator.num_pages}, "
+                     f"{allocator.page_size}, but {name} has a pool of {cache.num_pages} pages "
+                     f"of {cache.page_size} tokens")
+  tables = np.asarray(cache.block_tables)
+  assigned = (tables >= 0) & (tables < cache.num_pages)
+  pages, counts = np.unique(tables[assigned], return_counts=True)
+  for page, count in zip(pages.tolist(), counts.tolist()):
+    allowed = 1 if holders is None else holders.get(page, 0)
+    if count <= allowed:
+      continue
+    at = [tuple(int(x) for x in loc) for loc in np.argwhere(assigned & (tables == page))]
+    if holders is None:
+      raise ValueError(f"{name} block_tables{list(at[0])} and {list(at[1])} both hold page "
+                       f"{page}; rows share pages only as a saved PrefixCachingAllocator says")
+    if allowed == 0:
+      raise ValueError(f"{name} block_tables{list(at[0])} = {page}, a page the saved allocator "
+                       "has free (no live sequence holds it)")
+    raise ValueError(f"{name} block_tables hold page {page} {count} times (at {at}), but the "
+                     f"saved allocator gives it to {allowed} live sequence(s)")

@@ -98,6 +98,28 @@ def resolve_new_lengths(new_lengths, batch: int, num_tokens: int) -> jax.Array:
   return new_lengths.astype(jnp.int32)
 
 
+def check_new_kv(cache: Any, k_new: Any, v_new: Any, new_lengths: Any) -> jax.Array:
+  """The arguments of a GQA cache's `update`: `k_new, v_new: [B, T, K, H]` floating, with
+  the cache's B, K, H, and `new_lengths` (`resolve_new_lengths`); returns `new_lengths`
+  as `i32[B]`.
+
+  Raises:
+    ValueError, TypeError: naming the argument.
+  """
+  expected = (cache.batch, None, cache.num_kv_heads, cache.head_dim)
+  for name, x in (("k_new", k_new), ("v_new", v_new)):
+    _checks.rank(name, x, 4, "[B, T, K, H]")
+    if any(e is not None and e != s for e, s in zip(expected, x.shape)):
+      raise ValueError(
+          f"{name} must have shape [B, T, K, H] = ({cache.batch}, T, {cache.num_kv_heads}, "
+          f"{cache.head_dim}); got {tuple(x.shape)}")
+  if k_new.shape != v_new.shape:
+    raise ValueError(f"k_new and v_new must have one shape; got {k_new.shape} and {v_new.shape}")
+  for name, x in (("k_new", k_new), ("v_new", v_new)):
+    _checks.floating(name, x)  # an int key would be cast silently
+  return resolve_new_lengths(new_lengths, cache.batch, k_new.shape[1])
+
+
 def write_tokens(
     buffer: jax.Array,  # [B, ..., S, ...] with the slot axis at `slot_axis`
     new: jax.Array,  # [B, T, ...] the per-token values, in buffer's layout minus S
@@ -126,7 +148,15 @@ def write_tokens(
 
 
 def advance_lengths(lengths: jax.Array, new_lengths: jax.Array, capacity: int) -> jax.Array:
-  """Returns `lengths + new_lengths`, enforcing the overflow contract above."""
+  """Returns `lengths + new_lengths`, enforcing the overflow contract above.
+
+  Eager (concrete lengths), before anything is written: the cache's `lengths` must
+  lie in `[0, capacity]` (a state built with `.replace` or read from elsewhere;
+  a negative length would drop the written tokens) and the sum must not pass
+  `capacity`. Under jit neither is checked here: the sum advances and
+  `overflowed` flags the row.
+  """
+  _checks.values_in_range("cache lengths", lengths, 0, capacity)
   if _checks.is_concrete(lengths) and _checks.is_concrete(new_lengths):
     end = np.asarray(lengths) + np.asarray(new_lengths)
     if end.max(initial=0) > capacity:
@@ -138,23 +168,6 @@ def advance_lengths(lengths: jax.Array, new_lengths: jax.Array, capacity: int) -
   checkify.debug_check(jnp.all(end <= capacity),
                        "cache overflow: lengths + new_lengths exceeds max_len")
   return end
-
-
-# Backends of `ops.decode_attention` that take the newest token apart (`k_new` / `v_new`).
-_APPENDING_BACKENDS = ("xla_blocked", "xla")
-
-
-def appends_newest(implementation: str | Sequence[str] | None) -> bool:
-  """Whether a decode step with `implementation` gives `ops.decode_attention` the newest
-  token apart from the cache (`KVCache.update_attend`): when every named backend is an XLA
-  one, or, for None, on CPU (where the Pallas kernel declines and the default order reaches
-  `"xla_blocked"` / `"xla"`) unless a backend from outside kvattn was registered."""
-  if implementation is None:
-    names = ops.available_implementations("decode_attention")
-    return (jax.default_backend() == "cpu"
-            and all(n in ("pallas",) + _APPENDING_BACKENDS for n in names))
-  names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
-  return all(n in _APPENDING_BACKENDS for n in names)
 
 
 def slot_positions(lengths: jax.Array, capacity: int) -> jax.Array:
@@ -251,6 +264,15 @@ class KVCache:
     """`i32[B, S]`: slot s holds token s below `lengths[b]`, else -1."""
     return slot_positions(self.lengths, self.max_len)
 
+  def check_state(self, name: str = "cache") -> None:
+    """Eager check of the bookkeeping (`kvattn.caches.checkpoint.restore_caches` runs it):
+    `lengths` in `[0, capacity]` (the slots then follow from it). Traced: no check.
+
+    Raises:
+      ValueError: naming the leaf and row, e.g. "layer 3 lengths[1] = -2 must lie in [0, 8]".
+    """
+    _checks.values_in_range(f"{name} lengths", self.lengths, 0, self.capacity)
+
   def storage_arrays(self) -> tuple[jax.Array, ...]:
     """The arrays whose size grows with the token slots (for `kvattn.memory`):
     keys and values, and their scales when quantized."""
@@ -284,28 +306,30 @@ class KVCache:
 
     Raises:
       ValueError: wrong shapes, `new_lengths` outside [0, T], or (when lengths
-        are concrete) a write past `max_len`.
+        are concrete) cache `lengths` outside [0, max_len] or a write past
+        `max_len`. Under jit: see the module doc (dropped tokens, `overflowed`).
       TypeError: non-floating `k_new` / `v_new`.
     """
-    expected = (self.batch, None, self.num_kv_heads, self.head_dim)
-    for name, x in (("k_new", k_new), ("v_new", v_new)):
-      _checks.rank(name, x, 4, "[B, T, K, H]")
-      if any(e is not None and e != s for e, s in zip(expected, x.shape)):
-        raise ValueError(
-            f"{name} must have shape [B, T, K, H] = ({self.batch}, T, {self.num_kv_heads}, "
-            f"{self.head_dim}); got {tuple(x.shape)}")
-    if k_new.shape != v_new.shape:
-      raise ValueError(f"k_new and v_new must have one shape; got {k_new.shape} and {v_new.shape}")
-    for name, x in (("k_new", k_new), ("v_new", v_new)):
-      _checks.floating(name, x)  # an int key would be cast silently
-    new_lengths = resolve_new_lengths(new_lengths, self.batch, k_new.shape[1])
+    return self.update_unchecked(k_new, v_new, check_new_kv(self, k_new, v_new, new_lengths))
+
+  def update_unchecked(self, k_new: jax.Array, v_new: jax.Array,
+                       new_lengths: jax.Array) -> "KVCache":
+    """`update` for callers that checked its arguments (`k_new, v_new: [B, T, K, H]`
+    floating of this cache's sizes, `new_lengths: i32[B]` in [0, T]): kvattn's modules,
+    through `cache_protocol.update_attend`. The cache's own state is still checked
+    (eager `lengths` and overflow, `advance_lengths`). A subclass that writes
+    otherwise (the sharded cache) overrides this, and `update` reaches it too."""
     lengths = advance_lengths(self.lengths, new_lengths, self.max_len)  # raises first
+    return self._write(k_new, v_new, new_lengths, lengths)
+
+  def _write(self, k_new, v_new, new_lengths, lengths) -> "KVCache":
+    """Scatters the (encoded) tokens at `self.lengths` and sets `lengths` (advanced)."""
     (k_new, k_s), (v_new, v_s) = encode(k_new, self.dtype), encode(v_new, self.dtype)
 
     def write(buffer, new):  # [B, K, S, ...] <- [B, T, K, ...]
       return write_tokens(buffer, new, self.lengths, new_lengths, slot_axis=2)
 
-    return KVCache(
+    return self.replace(
         k=write(self.k, k_new), v=write(self.v, v_new), lengths=lengths,
         k_scale=None if k_s is None else write(self.k_scale, k_s),
         v_scale=None if v_s is None else write(self.v_scale, v_s),
@@ -350,34 +374,59 @@ class KVCache:
   ) -> tuple[jax.Array, "KVCache"]:
     """One attention step (`cache_protocol.update_attend`): `(out [B, T, N, H], new_cache)`.
 
-    RoPE at `positions`, `update`, then `attend` -- except a decode step
-    (T == 1) on an XLA backend (`appends_newest`), which attends THIS cache,
-    from before the write, with the new token's key and value given apart
-    (`ops.decode_attention(..., k_new=, v_new=)`, one softmax over both, so
-    the same result). Nothing then reads the buffer the write updates in place:
-    at batch 1 XLA:CPU otherwise fused the write twice (once into the shape the
-    attention read, without the unit batch axis) and copied each layer's K and V
-    four times per step inside the decode loop (docs/benchmarks.md).
-
-    `q, k, v` come before RoPE; the other arguments are the module's
-    (`cache_protocol.update_attend`). A subclass that overrides `update` or
-    `attend` (a sharded cache) gets plain update-then-attend.
+    Checks `k`, `v` and `new_lengths` as `update` does, then
+    `update_attend_unchecked` (where the step is described). `q, k, v` come before
+    RoPE; the other arguments are the module's (`cache_protocol.update_attend`).
 
     Raises:
       ValueError, TypeError: as `update` and `ops.decode_attention` (shapes,
         dtypes, `new_lengths`, an eager overflow, an unknown `implementation`).
     """
+    new_lengths = check_new_kv(self, k, v, new_lengths)
+    return self.update_attend_unchecked(
+        q, k, v, positions=positions, rope_theta=rope_theta, rope_scaling=rope_scaling,
+        new_lengths=new_lengths, sm_scale=sm_scale, window=window, soft_cap=soft_cap,
+        implementation=implementation)
+
+  def update_attend_unchecked(
+      self,
+      q: jax.Array,  # [B, T, N, H]
+      k: jax.Array,  # [B, T, K, H]
+      v: jax.Array,  # [B, T, K, H]
+      *,
+      positions: jax.Array,  # i32[B, T]
+      rope_theta: float,
+      rope_scaling: Any = None,
+      new_lengths: jax.Array,  # i32[B], checked
+      sm_scale: float | None = None,
+      window: int | None = None,
+      soft_cap: float | None = None,
+      implementation: str | Sequence[str] | None = None,
+  ) -> tuple[jax.Array, "KVCache"]:
+    """`update_attend` for callers that checked `k`, `v`, `new_lengths` (the modules).
+
+    RoPE at `positions`, `update`, then `attend` -- except a decode step (T ==
+    1) whose backend takes the newest token apart (the dispatcher says so:
+    `ops.dispatch.appends_newest(implementation)`, the XLA backends), which
+    attends THIS cache, from before the write, with the new token's key and
+    value given apart (`ops.decode_attention(..., k_new=, v_new=)`, one softmax
+    over both, so the same result). Nothing then reads the buffer the write
+    updates in place: at batch 1 XLA:CPU otherwise fused the write twice (once
+    into the shape the attention read, without the unit batch axis) and copied
+    each layer's K and V four times per step inside the decode loop
+    (docs/benchmarks.md). A subclass that overrides `update_unchecked` or
+    `attend` (a sharded cache) gets plain update-then-attend.
+    """
     rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
     q, k = ops.apply_rope(q, positions, **rope), ops.apply_rope(k, positions, **rope)
     opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap)
     cls = type(self)
-    if (q.shape[1] != 1 or cls.update is not KVCache.update or cls.attend is not KVCache.attend
-        or not appends_newest(implementation)):
-      new_cache = self.update(k, v, new_lengths)
+    if (q.shape[1] != 1 or cls.update_unchecked is not KVCache.update_unchecked
+        or cls.attend is not KVCache.attend or not ops.dispatch.appends_newest(implementation)):
+      new_cache = self.update_unchecked(k, v, new_lengths)
       return new_cache.attend(q, q_offsets=self.lengths, implementation=implementation,
                               **opts), new_cache
-    new_lengths = resolve_new_lengths(new_lengths, self.batch, 1)
-    lengths = jnp.asarray(self.lengths) + new_lengths
+    lengths = advance_lengths(self.lengths, new_lengths, self.max_len)  # raises first (eager)
     k_new, v_new = (self.stored_token(x[:, 0]) for x in (k, v))
     out = ops.decode_attention(q[:, 0], self.k, self.v, lengths, k_new=k_new, v_new=v_new,
                                implementation=implementation, **opts, **self.scale_kwargs())
@@ -385,8 +434,8 @@ class KVCache:
     # write is ordered after every read of the old buffer; without that XLA:CPU cannot prove
     # the reads done and copies the buffer (an optimization_barrier is removed before that).
     tie = jnp.nan_to_num(out[0, 0, 0].astype(jnp.float32) * 0.0)
-    return out[:, None], self.update(k + tie.astype(k.dtype), v + tie.astype(v.dtype),
-                                     new_lengths)
+    return out[:, None], self._write(k + tie.astype(k.dtype), v + tie.astype(v.dtype),
+                                     new_lengths, lengths)
 
   def stored_token(self, x: jax.Array) -> jax.Array:
     """`x: [B, K, H]` as this cache stores and reads it back: cast to its dtype, or
@@ -492,6 +541,15 @@ class LatentCache:
     """`i32[B, S]`: slot s holds token s below `lengths[b]`, else -1."""
     return slot_positions(self.lengths, self.max_len)
 
+  def check_state(self, name: str = "cache") -> None:
+    """Eager check of the bookkeeping (`kvattn.caches.checkpoint.restore_caches` runs it):
+    `lengths` in `[0, capacity]` (the slots then follow from it). Traced: no check.
+
+    Raises:
+      ValueError: naming the leaf and row, e.g. "layer 3 lengths[1] = -2 must lie in [0, 8]".
+    """
+    _checks.values_in_range(f"{name} lengths", self.lengths, 0, self.capacity)
+
   def storage_arrays(self) -> tuple[jax.Array, ...]:
     """The arrays whose size grows with the token slots (for `kvattn.memory`):
     both parts, and their scales when quantized."""
@@ -527,7 +585,8 @@ class LatentCache:
 
     Raises:
       ValueError: wrong shapes, `new_lengths` outside [0, T], or (when lengths
-        are concrete) a write past `max_len`.
+        are concrete) cache `lengths` outside [0, max_len] or a write past
+        `max_len`. Under jit: see the module doc (dropped tokens, `overflowed`).
       TypeError: non-floating inputs.
     """
     for name, x, width, letter in (("c_kv_new", c_kv_new, self.kv_lora_rank, "C"),
@@ -543,13 +602,20 @@ class LatentCache:
           "c_kv_new and k_rope_new must have the same T; got "
           f"{tuple(c_kv_new.shape)} and {tuple(k_rope_new.shape)}")
     new_lengths = resolve_new_lengths(new_lengths, self.batch, c_kv_new.shape[1])
+    return self.update_unchecked(c_kv_new, k_rope_new, new_lengths)
+
+  def update_unchecked(self, c_kv_new: jax.Array, k_rope_new: jax.Array,
+                       new_lengths: jax.Array) -> "LatentCache":
+    """`update` for callers that checked its arguments (the MLA module, through
+    `cache_protocol.write`); the cache's own state is still checked (eager
+    `lengths` and overflow). Subclasses override this one."""
     lengths = advance_lengths(self.lengths, new_lengths, self.max_len)  # raises first
     (c_new, c_s), (r_new, r_s) = encode(c_kv_new, self.dtype), encode(k_rope_new, self.dtype)
 
     def write(buffer, new):  # [B, S, ...] <- [B, T, ...]
       return write_tokens(buffer, new, self.lengths, new_lengths, slot_axis=1)
 
-    return LatentCache(
+    return self.replace(
         c_kv=write(self.c_kv, c_new), k_rope=write(self.k_rope, r_new), lengths=lengths,
         c_kv_scale=None if c_s is None else write(self.c_kv_scale, c_s),
         k_rope_scale=None if r_s is None else write(self.k_rope_scale, r_s),

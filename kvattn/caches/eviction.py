@@ -36,9 +36,9 @@ from flax import struct
 
 from kvattn import _checks
 from kvattn.caches import dense as cache_lib
-from kvattn.caches._bounded import (BoundedCache, check_implementation, check_new_kv, concat,
-                                    empty_storage, encode_new, float_keys, new_positions,
-                                    prelude, scale_kwargs)
+from kvattn.caches._bounded import (BoundedCache, check_implementation, check_lengths, concat,
+                                    empty_storage, encode_new, float_keys, new_positions, prelude,
+                                    scale_kwargs)
 from kvattn.ops.positional import positional_attention
 from kvattn.ops.rope import apply_rope
 
@@ -236,6 +236,50 @@ class EvictingKVCache(BoundedCache):
     """`i32[B, K, budget]`: each KV head keeps its own tokens (-1 for none)."""
     return self.pos
 
+  def check_state(self, name: str = "cache") -> None:
+    """Eager check of the bookkeeping (`kvattn.caches.checkpoint.restore_caches` runs it):
+    `lengths >= 0`; per sequence and KV head, `pos` keeps `min(lengths, budget)`
+    distinct tokens below `lengths`, sorted, empty slots (-1) last, the first
+    `num_sinks` tokens among them; `scores` finite. Traced: no check.
+
+    Raises:
+      ValueError: naming the leaf and slot, e.g. "layer 0 pos[1, 0, 3] = 12 ...".
+    """
+    _checks.values_in_range(f"{name} lengths", self.lengths, 0)
+    if not all(_checks.is_concrete(x) for x in (self.lengths, self.pos, self.scores)):
+      return
+    lengths, pos = np.asarray(self.lengths).astype(np.int64), np.asarray(self.pos)
+    limit = lengths[:, None, None]
+    outside = (pos < -1) | (pos >= limit)
+    if outside.any():
+      b, k, s = (int(x) for x in np.argwhere(outside)[0])
+      raise ValueError(f"{name} pos[{b}, {k}, {s}] = {int(pos[b, k, s])} must be a token below "
+                       f"lengths[{b}] = {int(lengths[b])}, or -1 (none)")
+    kept = pos >= 0
+    count = kept.sum(axis=-1)
+    want = np.minimum(lengths, self.budget)[:, None]
+    if (count != want).any():
+      b, k = (int(x) for x in np.argwhere(count != want)[0])
+      raise ValueError(f"{name} pos[{b}, {k}] keeps {int(count[b, k])} tokens, but a budget of "
+                       f"{self.budget} after {int(lengths[b])} tokens keeps {int(want[b, 0])}")
+    key = np.where(kept, pos, np.iinfo(np.int64).max)
+    unsorted = (key[..., 1:] <= key[..., :-1]) & kept[..., 1:]
+    if unsorted.any():
+      b, k, s = (int(x) for x in np.argwhere(unsorted)[0])
+      raise ValueError(f"{name} pos[{b}, {k}, {s + 1}] = {int(pos[b, k, s + 1])} must be "
+                       f"larger than the slot before it ({int(pos[b, k, s])}): kept tokens are "
+                       "distinct and sorted, empty slots (-1) last")
+    sinks = np.arange(self.option("num_sinks"))[None, None, :]
+    lost = (sinks < limit) & (pos[..., :sinks.shape[-1]] != sinks)
+    if lost.any():
+      b, k, s = (int(x) for x in np.argwhere(lost)[0])
+      raise ValueError(f"{name} pos[{b}, {k}, {s}] = {int(pos[b, k, s])}, but the sink token "
+                       f"{s} is always kept there")
+    if not np.isfinite(np.asarray(self.scores)).all():
+      b, k, s = (int(x) for x in np.argwhere(~np.isfinite(np.asarray(self.scores)))[0])
+      raise ValueError(f"{name} scores[{b}, {k}, {s}] must be finite; got "
+                       f"{float(np.asarray(self.scores)[b, k, s])}")
+
   def _score_queries(self, new_lengths: jax.Array, num_tokens: int) -> jax.Array | None:
     """`bool[B, T]`: the queries whose attention scores the slots, None if none do."""
     score_queries = POLICY_TABLE[self.policy].score_queries
@@ -281,8 +325,13 @@ class EvictingKVCache(BoundedCache):
     """Writes `k_new, v_new: [B, T, K, H]` (keys RoPE'd) for `t < new_lengths[b]`,
     evicting by the policy with no query scores for the new tokens (`update_attend`
     supplies them)."""
-    check_new_kv(self, k_new, v_new)
-    new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, k_new.shape[1])
+    return self.update_unchecked(k_new, v_new,
+                                 cache_lib.check_new_kv(self, k_new, v_new, new_lengths))
+
+  def update_unchecked(self, k_new: jax.Array, v_new: jax.Array,
+                       new_lengths: jax.Array) -> "EvictingKVCache":
+    """`update` for callers that checked its arguments; checks the cache's `lengths`."""
+    check_lengths(self)
     return self._select(*encode_new(self, k_new, v_new), new_lengths, None)
 
   def attend(self, q: jax.Array, *, q_offsets: jax.Array, sm_scale: float | None = None,
@@ -297,13 +346,14 @@ class EvictingKVCache(BoundedCache):
                                   **scale_kwargs(self.k_scale, self.v_scale))
     return out
 
-  def update_attend(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
-                    new_lengths=None, sm_scale=None, window=None, soft_cap=None,
-                    implementation=None):
-    """`cache_protocol.update_attend`: RoPE at `positions`; the chunk attends the kept
-    slots plus its own tokens (returning the per-slot mass its scoring queries gave),
-    then the budget is chosen among them. Returns `(out [B, T, N, H], new cache)`."""
-    new_lengths = prelude(self, q, k, v, new_lengths, implementation)
+  def update_attend_unchecked(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
+                              new_lengths, sm_scale=None, window=None, soft_cap=None,
+                              implementation=None):
+    """`cache_protocol.update_attend` (checked arguments; `update_attend` checks them): RoPE
+    at `positions`; the chunk attends the kept slots plus its own tokens (returning the
+    per-slot mass its scoring queries gave), then the budget is chosen among them.
+    Returns `(out [B, T, N, H], new cache)`."""
+    prelude(self, implementation)
     num_tokens = k.shape[1]
     rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
     q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)

@@ -63,7 +63,6 @@ from flax import struct
 
 from kvattn import _checks
 from kvattn.caches import dense as cache_lib
-from kvattn.caches._bounded import check_new_kv  # the [B, T, K, H] checks the kinds share
 
 # Phases of a step (the lax.switch index): which segment the queries read.
 FULL, POOLED, MIXED = 0, 1, 2
@@ -254,6 +253,14 @@ class LengthSwitchKVCache:
     """`i32[B, S]`: token s in slot s below `lengths[b]` (in both segments), else -1."""
     return cache_lib.slot_positions(self.lengths, self.capacity)
 
+  def check_state(self, name: str = "cache") -> None:
+    """Eager check of the bookkeeping: `lengths` in `[0, capacity]` (traced: no check).
+
+    Raises:
+      ValueError: naming the leaf and row, e.g. "layer 3 lengths[1] = -2 must lie in [0, 8]".
+    """
+    _checks.values_in_range(f"{name} lengths", self.lengths, 0, self.capacity)
+
   def full_view(self, lengths: jax.Array) -> cache_lib.KVCache:
     """The full segment as a `KVCache` holding `lengths` tokens (`i32[B]`, <= switch_length)."""
     return cache_lib.KVCache(self.k, self.v, lengths, self.k_scale, self.v_scale)
@@ -278,9 +285,14 @@ class LengthSwitchKVCache:
         lengths) a write past `capacity`, before anything is written.
       TypeError: non-floating `k_new` / `v_new`.
     """
-    check_new_kv(self, k_new, v_new)
-    num_tokens = k_new.shape[1]
-    new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, num_tokens)
+    return self.update_unchecked(k_new, v_new,
+                                 cache_lib.check_new_kv(self, k_new, v_new, new_lengths))
+
+  def update_unchecked(self, k_new: jax.Array, v_new: jax.Array,
+                       new_lengths: jax.Array) -> "LengthSwitchKVCache":
+    """`update` for callers that checked its arguments (the module, through
+    `cache_protocol.update_attend`); the cache's own state is still checked (eager
+    `lengths` and overflow)."""
     lengths = cache_lib.advance_lengths(self.lengths, new_lengths, self.capacity)
     # Full segment: only tokens below switch_length (write_tokens drops slots >= its S).
     (k, ks), (v, vs) = cache_lib.encode(k_new, self.dtype), cache_lib.encode(v_new, self.dtype)
@@ -294,7 +306,7 @@ class LengthSwitchKVCache:
         return None
       return cache_lib.write_tokens(buffer, new, self.lengths, new_lengths, slot_axis=2)
 
-    return LengthSwitchKVCache(
+    return self.replace(
         k=write(self.k, k), v=write(self.v, v), k_pooled=write(self.k_pooled, kp),
         v_pooled=write(self.v_pooled, vp), lengths=lengths,
         k_scale=write(self.k_scale, ks), v_scale=write(self.v_scale, vs),

@@ -38,6 +38,29 @@ from kvattn.paging.allocator import NO_PAGE, pages_for
 from kvattn.ops import xla_paged as paged_ops
 
 
+def check_rows(name: str, tables: Any, lengths: Any, num_pages: int, page_size: int) -> None:
+  """Host check of block-table rows `tables: int[B, W]` holding `lengths: int[B]` tokens:
+  every entry is a page in `[0, num_pages)` or `NO_PAGE`, and the first
+  `ceil(lengths[b] / page_size)` entries of row b are pages.
+
+  Raises:
+    ValueError: naming `name[b, j]`, its value and the rule.
+  """
+  tables = np.asarray(tables)
+  host_lengths = np.asarray(lengths).astype(np.int64)
+  bad = (tables != NO_PAGE) & ((tables < 0) | (tables >= num_pages))
+  if bad.any():
+    b, j = (int(x) for x in np.argwhere(bad)[0])
+    raise ValueError(f"{name}[{b}, {j}] = {int(tables[b, j])} must be a page in "
+                     f"[0, {num_pages}) or NO_PAGE ({NO_PAGE})")
+  used = np.arange(tables.shape[1])[None, :] < -(-host_lengths // page_size)[:, None]
+  missing = used & (tables == NO_PAGE)
+  if missing.any():
+    b, j = (int(x) for x in np.argwhere(missing)[0])
+    raise ValueError(f"{name}[{b}, {j}] = NO_PAGE, but row {b} holds {int(host_lengths[b])} "
+                     f"tokens, which occupy its logical page {j}")
+
+
 @struct.dataclass
 class PagedKVCache:
   """Paged KV cache of one attention layer (MHA, GQA or MQA).
@@ -191,6 +214,22 @@ class PagedKVCache:
     readable length (`min(lengths, assigned_slots)`), else -1."""
     return cache_lib.slot_positions(self.readable_lengths, self.max_len)
 
+  def check_state(self, name: str = "cache") -> None:
+    """Eager check of the bookkeeping (`kvattn.caches.checkpoint.restore_caches` runs it):
+    `lengths` in `[0, max_len]`, every block-table entry a page of the pool or `NO_PAGE`,
+    and every logical page a row's tokens occupy assigned. Whether rows may share pages
+    is the allocator's business (the checkpoint checks it against the saved one).
+    Traced: no check.
+
+    Raises:
+      ValueError: naming the leaf and entry, e.g. "layer 0 block_tables[1, 0] = 7 ...".
+    """
+    _checks.values_in_range(f"{name} lengths", self.lengths, 0, self.max_len)
+    if not _checks.is_concrete(self.block_tables):
+      return
+    check_rows(f"{name} block_tables", self.block_tables, self.lengths, self.num_pages,
+               self.page_size)
+
   @property
   def readable_lengths(self) -> jax.Array:
     """`i32[B]`: tokens attention reads per row, `min(lengths, assigned_slots)`
@@ -239,19 +278,15 @@ class PagedKVCache:
         assign.
       TypeError: non-floating `k_new` / `v_new`.
     """
-    expected = (self.batch, None, self.num_kv_heads, self.head_dim)
-    for name, x in (("k_new", k_new), ("v_new", v_new)):
-      _checks.rank(name, x, 4, "[B, T, K, H]")
-      if any(e is not None and e != s for e, s in zip(expected, x.shape)):
-        raise ValueError(
-            f"{name} must have shape [B, T, K, H] = ({self.batch}, T, {self.num_kv_heads}, "
-            f"{self.head_dim}); got {tuple(x.shape)}")
-    if k_new.shape != v_new.shape:
-      raise ValueError(f"k_new and v_new must have one shape; got {k_new.shape} and {v_new.shape}")
-    for name, x in (("k_new", k_new), ("v_new", v_new)):
-      _checks.floating(name, x)
-    batch, num_tokens = k_new.shape[:2]
-    new_lengths = cache_lib.resolve_new_lengths(new_lengths, batch, num_tokens)
+    return self.update_unchecked(k_new, v_new,
+                                 cache_lib.check_new_kv(self, k_new, v_new, new_lengths))
+
+  def update_unchecked(self, k_new: jax.Array, v_new: jax.Array,
+                       new_lengths: jax.Array) -> "PagedKVCache":
+    """`update` for callers that checked its arguments (the modules, through
+    `cache_protocol.update_attend`); the cache's own state is still checked eagerly
+    (lengths, overflow, the pages the write needs). Subclasses override this one."""
+    num_tokens = k_new.shape[1]
     lengths = cache_lib.advance_lengths(self.lengths, new_lengths, self.max_len)  # raises first
     self._check_pages_assigned(new_lengths)
 
@@ -275,9 +310,8 @@ class PagedKVCache:
       return pool.at[:, page, offset].set(jnp.moveaxis(new, 2, 0).astype(pool.dtype),
                                           mode="drop")
 
-    return PagedKVCache(
-        k_pages=write(self.k_pages, k_new), v_pages=write(self.v_pages, v_new),
-        block_tables=self.block_tables, lengths=lengths,
+    return self.replace(
+        k_pages=write(self.k_pages, k_new), v_pages=write(self.v_pages, v_new), lengths=lengths,
         k_scale_pages=None if k_s is None else write(self.k_scale_pages, k_s),
         v_scale_pages=None if v_s is None else write(self.v_scale_pages, v_s))
 
@@ -333,13 +367,23 @@ class PagedKVCache:
       length: tokens already in those pages (0 for a sequence about to prefill).
 
     Raises:
-      ValueError: a row of the wrong shape.
+      ValueError: a row of the wrong shape; and, when they are concrete (an
+        eager call), a `slot` outside `[0, B)`, a `length` outside `[0,
+        max_len]`, an entry of `pages` that is neither a page of the pool nor
+        `NO_PAGE`, or a logical page the `length` tokens occupy left unassigned.
+        Traced values are not checked (a jitted caller's rows come from its
+        `PageAllocator`).
     """
     pages = jnp.asarray(pages, jnp.int32)
     if pages.shape != (self.pages_per_seq,):
       raise ValueError(
           f"pages must have shape [pages_per_seq] = ({self.pages_per_seq},); got "
           f"{tuple(pages.shape)}")
+    _checks.values_in_range("slot", slot, 0, self.batch - 1)
+    _checks.values_in_range("length", length, 0, self.max_len)
+    if _checks.is_concrete(pages) and _checks.is_concrete(length):
+      check_rows("pages", pages[None], jnp.reshape(jnp.asarray(length), (1,)), self.num_pages,
+                 self.page_size)
     return self.replace(block_tables=self.block_tables.at[slot].set(pages),
                         lengths=self.lengths.at[slot].set(jnp.asarray(length, jnp.int32)))
 

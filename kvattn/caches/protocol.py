@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 
 from kvattn.ops.rope import apply_rope
 
@@ -108,25 +109,53 @@ def update_attend(cache: GQACache, q: jax.Array, k: jax.Array, v: jax.Array, *,
                   new_lengths: jax.Array, **options: Any) -> tuple[jax.Array, GQACache]:
   """One attention step of a GQA module against `cache`; returns `(out, new_cache)`.
 
-  `q: [B, T, N, H]` and `k, v: [B, T, K, H]` come BEFORE RoPE; `positions:
-  i32[B, T]` are the module's RoPE positions, `rope_theta` / `rope_scaling`
-  (a `kvattn.ops.RopeScaling` or None) its RoPE. A cache with its own
-  `update_attend` member (same arguments; the optional protocol member of
-  kinds that place tokens themselves: `kvattn.caches.window` / `kvattn.caches.eviction`) gets the whole
-  step: it may rotate at positions of its own choosing (attention sinks), score
-  its slots with the queries (eviction) or attend a chunk before the chunk
-  overwrites anything (a ring). Any other `GQACache`: RoPE at `positions`,
-  `update`, then `attend` with `q_offsets` = the lengths before the update.
-  `options`: `sm_scale`, `window`, `soft_cap`, `implementation`.
+  The module has checked the arguments (validate once: see `write`): `q: [B, T,
+  N, H]` and `k, v: [B, T, K, H]` of the cache's sizes, BEFORE RoPE;
+  `new_lengths: i32[B]` in [0, T] (None: T); `positions: i32[B, T]` the module's RoPE
+  positions, `rope_theta` / `rope_scaling` (a `kvattn.ops.RopeScaling` or None)
+  its RoPE. A cache with its own step (`update_attend_unchecked`, or a kind from
+  outside kvattn with only the public `update_attend`: the optional protocol
+  member of kinds that place tokens themselves, `kvattn.caches.window` /
+  `kvattn.caches.eviction`, and of `KVCache`) gets the whole step: it may rotate
+  at positions of its own choosing (attention sinks), score its slots with the
+  queries (eviction) or attend a chunk before the chunk overwrites anything (a
+  ring). Any other `GQACache`: RoPE at `positions`, `write`, then `attend` with
+  `q_offsets` = the lengths before the update. `options`: `sm_scale`, `window`,
+  `soft_cap`, `implementation`.
   """
-  step = getattr(cache, "update_attend", None)
+  new_lengths = _all_tokens(k, new_lengths)
+  step = getattr(cache, "update_attend_unchecked", None) or getattr(cache, "update_attend", None)
   if step is not None:
     return step(q, k, v, positions=positions, rope_theta=rope_theta, rope_scaling=rope_scaling,
                 new_lengths=new_lengths, **options)
   rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
   q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
-  new_cache = cache.update(k, v, new_lengths)
+  new_cache = write(cache, k, v, new_lengths=new_lengths)
   return new_cache.attend(q, q_offsets=cache.lengths, **options), new_cache
+
+
+def write(cache: "Cache", *new: jax.Array, new_lengths: jax.Array | None) -> "Cache":
+  """`cache.update(*new, new_lengths)` for a module that has checked the arguments.
+
+  Validate once: a public entry point checks its arguments and what it calls
+  trusts them. The modules check `x`, the cache's sizes, `positions` and
+  `new_lengths` (once per layer and step); a cache's public `update` /
+  `update_attend` check theirs when called directly. kvattn's kinds also have
+  `update_unchecked` / `update_attend_unchecked`, the same steps without the
+  argument checks (the cache's own state -- eager lengths, overflow -- is still
+  checked there), which the modules reach through this function and
+  `update_attend`; a kind without them gets its public `update`, checked again.
+  """
+  update = getattr(cache, "update_unchecked", None) or cache.update
+  return update(*new, _all_tokens(new[0], new_lengths))
+
+
+def _all_tokens(new: jax.Array, new_lengths: jax.Array | None) -> jax.Array:
+  """`new_lengths`, or for None every one of the T tokens of `new: [B, T, ...]` (a
+  default needs no check)."""
+  if new_lengths is not None:
+    return new_lengths
+  return jnp.full(new.shape[:1], new.shape[1], jnp.int32)
 
 
 Expand = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]

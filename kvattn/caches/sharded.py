@@ -107,15 +107,46 @@ def _head_mesh(mesh: Mesh, axis: str, num_kv_heads: int) -> tuple[Mesh, tuple[st
   return view, (axis, axis + "_rep")
 
 
+def _query_heads(mesh: Mesh, view: Mesh, axis: str, heads: tuple[str, ...],
+                 num_kv_heads: int, num_heads: int | None) -> tuple[str, ...]:
+  """The mesh axes of the query heads N of a layer with `num_kv_heads` K on `axis`.
+
+  With K >= the axis (K heads split over it) N splits likewise. With fewer, the KV heads
+  are replicated (the `view` of `axis` as (K, m / K)); N then splits over both view axes
+  when m divides it, else over the K part only (each query group whole on the devices of
+  its KV head). Only N tells the two apart, so it is required then.
+  """
+  m = mesh.shape[axis]
+  if num_heads is not None:
+    _checks.head_layout(num_heads, num_kv_heads)
+  if len(heads) == 1:  # K split over the axis; N, a multiple of K, splits the same way
+    return heads
+  if num_heads is None:
+    raise ValueError(
+        f"num_heads is required for a cache of num_kv_heads = {num_kv_heads} on mesh axis "
+        f"{axis!r} of size {m}: the KV heads are replicated {m // num_kv_heads}x and the query "
+        f"heads split over {heads} ({m} devices) when {m} divides num_heads, else over "
+        f"({axis!r},) ({num_kv_heads} devices); pass the layer's num_heads "
+        "(place_caches(..., num_heads=))")
+  return heads if num_heads % axis_size(view, heads) == 0 else (axis,)
+
+
 def cache_layout(mesh: Mesh, rules: Mapping[str, Any] | None, *, kind: str, batch: int,
                  max_len: int, num_kv_heads: int | None = None, num_heads: int | None = None,
                  num_pages: int | None = None) -> CacheLayout:
   """The layout of one layer's cache of `kind` ("dense", "paged" or "latent") on `mesh`.
 
+  Every layout it returns runs: the attention of a layer with `num_heads` query heads
+  over `num_kv_heads` KV heads fits it (`check_query_heads`). `num_heads` is needed
+  only when the heads axis is larger than `num_kv_heads` (the KV heads are then
+  replicated, and how the query heads split depends on N).
+
   Raises:
     ValueError: a mesh axis that does not divide the dimension it splits (batch B,
       slots S, page pool P), naming the axis; K and the heads axis where neither
-      divides the other; a multi-axis rule for the batch, slots or KV heads.
+      divides the other; `num_heads` missing where needed (naming the axis, K and
+      the splits N may take) or not a multiple of `num_kv_heads`; a multi-axis rule
+      for the batch, slots or KV heads.
   """
   rules = resolve_rules(rules)
   batch_axis = _single_axis(rules, "cache_batch", mesh)
@@ -125,9 +156,13 @@ def cache_layout(mesh: Mesh, rules: Mapping[str, Any] | None, *, kind: str, batc
     _divides(mesh, seq_axis, max_len, "the cache slots S (max_len)")
     return CacheLayout(mesh=mesh, batch=batch_axis, seq=seq_axis)
   head_axis = _single_axis(rules, "cache_kv_heads", mesh)
-  view, q_heads = (mesh, ()) if head_axis is None else _head_mesh(mesh, head_axis, num_kv_heads)
-  if head_axis is not None and num_heads is not None and num_heads % axis_size(view, q_heads):
-    q_heads = (head_axis,)
+  view, q_heads = mesh, ()
+  if head_axis is not None:
+    if num_kv_heads is None:
+      raise ValueError(f"num_kv_heads is required for a {kind} cache with its KV heads on "
+                       f"mesh axis {head_axis!r}")
+    view, heads = _head_mesh(mesh, head_axis, num_kv_heads)
+    q_heads = _query_heads(mesh, view, head_axis, heads, num_kv_heads, num_heads)
   kv_heads = () if head_axis is None else (head_axis,)
   if kind == "dense":
     _divides(mesh, seq_axis, max_len, "the cache slots S (max_len)")
@@ -146,6 +181,19 @@ def cache_layout(mesh: Mesh, rules: Mapping[str, Any] | None, *, kind: str, batc
                      kv_heads=kv_heads, q_heads=q_heads, pages=pages)
 
 
+def check_query_heads(layout: CacheLayout, num_heads: int, num_kv_heads: int) -> None:
+  """Raises ValueError, before any shard_map, unless `num_heads` query heads fit `layout`
+  (a layout made for another N: `cache_layout(num_heads=)`, `place_caches(num_heads=)`)."""
+  n = axis_size(layout.mesh, layout.q_heads)
+  if num_heads % n:
+    axis = layout.kv_heads[0]
+    raise ValueError(
+        f"the query heads ({num_heads}) must split over the cache layout's mesh axes "
+        f"{layout.q_heads} ({n} devices, the KV heads ({num_kv_heads}) replicated over "
+        f"{axis!r}); the layout was made for another num_heads: build the caches with "
+        f"num_heads={num_heads} (init_caches, place_caches(..., num_heads=))")
+
+
 def _spec(*axes, ndim: int | None = None) -> P:
   """A PartitionSpec of the first `ndim` of `axes` (each None, an axis or a tuple)."""
   entries = tuple(None if not a else a if isinstance(a, str) else
@@ -157,24 +205,15 @@ def _spec(*axes, ndim: int | None = None) -> P:
 # Sharded caches.
 
 
-def _check_new(name: str, x: jax.Array, batch: int, rest: tuple[int, ...], doc: str) -> None:
-  _checks.rank(name, x, 2 + len(rest), doc)
-  _checks.floating(name, x)
-  if x.shape[0] != batch or tuple(x.shape[2:]) != rest:
-    raise ValueError(f"{name} must have shape {doc} = ({batch}, T, "
-                     f"{', '.join(map(str, rest))}); got {tuple(x.shape)}")
-
-
 def _encode_pair(a, b, dtype):
   (a, a_s), (b, b_s) = cache_lib.encode(a, dtype), cache_lib.encode(b, dtype)
   return a, b, a_s, b_s
 
 
 def _write_slots(cache, names, new_a, new_b, new_lengths, buf_axes, new_axes, *, slot_axis):
-  """`update` of the dense and latent kinds: encodes `new_a, new_b` ([B, T, ...]) into the
-  fields `names` (values, then scales) and writes them per shard (`write_tokens`; a
-  sequence shard gets `lengths` minus its first slot, so it keeps the slots it holds)."""
-  new_lengths = cache_lib.resolve_new_lengths(new_lengths, cache.batch, new_a.shape[1])
+  """`update_unchecked` of the dense and latent kinds: encodes `new_a, new_b` ([B, T, ...])
+  into the fields `names` (values, then scales) and writes them per shard (`write_tokens`;
+  a sequence shard gets `lengths` minus its first slot, so it keeps the slots it holds)."""
   lengths = cache_lib.advance_lengths(cache.lengths, new_lengths, cache.max_len)
   lay = cache.layout
   slot_len = cache.max_len // axis_size(lay.mesh, lay.seq)
@@ -212,12 +251,9 @@ class ShardedKVCache(cache_lib.KVCache):
     sc = None if self.k_scale is None else lay.sharding(*_spec(lay.batch, lay.kv_heads, lay.seq))
     return self.replace(k=kv, v=kv, lengths=lay.sharding(lay.batch), k_scale=sc, v_scale=sc)
 
-  def update(self, k_new, v_new, new_lengths=None) -> "ShardedKVCache":
-    """`KVCache.update` on each shard: a sequence shard writes the tokens whose slots
-    fall in its range."""
-    rest = (self.num_kv_heads, self.head_dim)
-    for name, x in (("k_new", k_new), ("v_new", v_new)):
-      _check_new(name, x, self.batch, rest, "[B, T, K, H]")
+  def update_unchecked(self, k_new, v_new, new_lengths) -> "ShardedKVCache":
+    """`KVCache.update` on each shard (`update` checks, then comes here): a sequence
+    shard writes the tokens whose slots fall in its range."""
     lay = self.layout
     return _write_slots(self, ("k", "v", "k_scale", "v_scale"), k_new, v_new, new_lengths,
                         (lay.batch, lay.kv_heads, lay.seq, None),
@@ -227,6 +263,7 @@ class ShardedKVCache(cache_lib.KVCache):
              implementation=None):
     """`KVCache.attend` per shard; over a sequence split, partial attention + LSE merge."""
     lay = self.layout
+    check_query_heads(lay, q.shape[2], self.num_kv_heads)
     slot_len = self.max_len // axis_size(lay.mesh, lay.seq)
     arrays = {"k": self.k, "v": self.v, **self.scale_kwargs()}
     specs = {n: _spec(lay.batch, lay.kv_heads, lay.seq, None, ndim=a.ndim)
@@ -283,12 +320,9 @@ class ShardedPagedKVCache(paged_lib.PagedKVCache):
     held = (local >= 0) & (local < local_pages)
     return jnp.where(held, local, NO_PAGE), held
 
-  def update(self, k_new, v_new, new_lengths=None) -> "ShardedPagedKVCache":
-    """Writes through the block table; each shard writes the tokens of its pages."""
-    rest = (self.num_kv_heads, self.head_dim)
-    for name, x in (("k_new", k_new), ("v_new", v_new)):
-      _check_new(name, x, self.batch, rest, "[B, T, K, H]")
-    new_lengths = cache_lib.resolve_new_lengths(new_lengths, self.batch, k_new.shape[1])
+  def update_unchecked(self, k_new, v_new, new_lengths) -> "ShardedPagedKVCache":
+    """Writes through the block table (`update` checks, then comes here); each shard
+    writes the tokens of its pages."""
     lengths = cache_lib.advance_lengths(self.lengths, new_lengths, self.max_len)
     lay = self.layout
     names = ("k_pages", "v_pages", "k_scale_pages", "v_scale_pages")
@@ -322,6 +356,7 @@ class ShardedPagedKVCache(paged_lib.PagedKVCache):
     """`PagedKVCache.attend` per shard; over pages split on `seq`, the row's local pages
     gathered, partial attention and LSE merge."""
     lay = self.layout
+    check_query_heads(lay, q.shape[2], self.num_kv_heads)
     pools = {"k_pages": self.k_pages, "v_pages": self.v_pages}
     if self.quantized:
       pools.update(k_scale_pages=self.k_scale_pages, v_scale_pages=self.v_scale_pages)
@@ -373,13 +408,9 @@ class ShardedLatentCache(cache_lib.LatentCache):
     return self.replace(c_kv=parts, k_rope=parts, c_kv_scale=sc, k_rope_scale=sc,
                         lengths=lay.sharding(lay.batch))
 
-  def update(self, c_kv_new, k_rope_new, new_lengths=None) -> "ShardedLatentCache":
-    """`LatentCache.update` on each shard (a sequence shard writes its slots)."""
-    _check_new("c_kv_new", c_kv_new, self.batch, (self.kv_lora_rank,), "[B, T, C]")
-    _check_new("k_rope_new", k_rope_new, self.batch, (self.qk_rope_head_dim,), "[B, T, R]")
-    if c_kv_new.shape[1] != k_rope_new.shape[1]:
-      raise ValueError(f"c_kv_new and k_rope_new must have the same T; got "
-                       f"{tuple(c_kv_new.shape)} and {tuple(k_rope_new.shape)}")
+  def update_unchecked(self, c_kv_new, k_rope_new, new_lengths) -> "ShardedLatentCache":
+    """`LatentCache.update` on each shard (`update` checks, then comes here; a sequence
+    shard writes its slots)."""
     lay = self.layout
     return _write_slots(self, ("c_kv", "k_rope", "c_kv_scale", "k_rope_scale"), c_kv_new,
                         k_rope_new, new_lengths, (lay.batch, lay.seq, None),
@@ -532,33 +563,56 @@ BATCHER_RULES = {"cache_sequence": None, "cache_pages": "data"}
 HEADS_ONLY_RULES = {"cache_batch": None, "cache_sequence": None, "cache_pages": None}
 
 
-def place_caches(caches: Sequence[Any], mesh: Mesh, rules: Mapping[str, Any] | None = None
-                 ) -> tuple[Any, ...]:
+def place_caches(caches: Sequence[Any], mesh: Mesh, rules: Mapping[str, Any] | None = None,
+                 *, num_heads: int | Sequence[int | None] | None = None) -> tuple[Any, ...]:
   """Existing `KVCache` / `PagedKVCache` / `LatentCache`s moved onto `mesh` as their
   sharded kinds (`jax.device_put`; for caches built or restored elsewhere). A paged
   cache's rows must use the pages of their data shard (or use `HEADS_ONLY_RULES`).
 
+  A cache does not know the query heads N of its layer, and where the KV heads are
+  fewer than the heads axis (replicated) the layout depends on N, so `num_heads` is
+  then required: the layers' N, one int for all or a sequence with one entry per
+  cache (e.g. `[layer.attn.num_heads for layer in model.layers]`; None for latent
+  caches). Every layout is checked here, so a placed cache either runs with its
+  layer or this raises (`cache_layout`), never the first attention call.
+
   Raises:
     TypeError: a cache of another kind.
-    ValueError: as `cache_layout`.
+    ValueError: as `cache_layout` (naming the mesh axis, the head counts and the
+      splits that would fit), or a `num_heads` sequence of another length.
   """
+  caches = tuple(caches)
+  if num_heads is None or isinstance(num_heads, (int, np.integer)):
+    heads = (num_heads,) * len(caches)
+  else:
+    heads = tuple(num_heads)
+    if len(heads) != len(caches):
+      raise ValueError(f"num_heads must be an int or have one entry per cache ({len(caches)}); "
+                       f"got {len(heads)}")
   out = []
-  for c in caches:
-    if isinstance(c, paged_lib.PagedKVCache):
-      lay = cache_layout(mesh, rules, kind="paged", batch=c.batch, max_len=c.max_len,
-                         num_kv_heads=c.num_kv_heads, num_pages=c.num_pages)
-      cls = ShardedPagedKVCache
-    elif isinstance(c, cache_lib.KVCache):
-      lay = cache_layout(mesh, rules, kind="dense", batch=c.batch, max_len=c.max_len,
-                         num_kv_heads=c.num_kv_heads)
-      cls = ShardedKVCache
-    elif isinstance(c, cache_lib.LatentCache):
-      lay = cache_layout(mesh, rules, kind="latent", batch=c.batch, max_len=c.max_len)
-      cls = ShardedLatentCache
-    else:
-      raise TypeError(f"caches must be KVCache, PagedKVCache or LatentCache to shard; got "
-                      f"{type(c).__name__}")
+  for i, (c, n) in enumerate(zip(caches, heads)):
+    try:
+      lay, cls = _placed_layout(c, mesh, rules, n)
+    except ValueError as e:
+      raise ValueError(f"caches[{i}]: {e}") from None
     fields = {k: v for k, v in _fields(c).items() if k != "layout"}
     sharded = cls(**fields, layout=lay)
     out.append(jax.device_put(sharded, sharded.shardings()))
   return tuple(out)
+
+
+def _placed_layout(c, mesh: Mesh, rules, num_heads: int | None) -> tuple[CacheLayout, type]:
+  """The layout and sharded class of existing cache `c` (`place_caches`)."""
+  if isinstance(c, paged_lib.PagedKVCache):
+    return cache_layout(mesh, rules, kind="paged", batch=c.batch, max_len=c.max_len,
+                        num_kv_heads=c.num_kv_heads, num_heads=num_heads,
+                        num_pages=c.num_pages), ShardedPagedKVCache
+  if isinstance(c, cache_lib.KVCache):
+    return cache_layout(mesh, rules, kind="dense", batch=c.batch, max_len=c.max_len,
+                        num_kv_heads=c.num_kv_heads, num_heads=num_heads), ShardedKVCache
+  if isinstance(c, cache_lib.LatentCache):
+    return (cache_layout(mesh, rules, kind="latent", batch=c.batch, max_len=c.max_len),
+            ShardedLatentCache)
+  raise TypeError(f"caches must be KVCache, PagedKVCache or LatentCache to shard; got "
+                  f"{type(c).__name__}")
+

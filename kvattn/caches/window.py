@@ -28,6 +28,15 @@ from kvattn.caches._bounded import (WrappingCache, empty_storage, float_keys, mi
                                     scale_kwargs)
 
 
+def _newest_in_ring(lengths: np.ndarray, first: int, window: int) -> np.ndarray:
+  """`int[B, window]` (host): slot j of a ring of tokens `p >= first` (token p in slot
+  `(p - first) % window`) after `lengths[b]` tokens: the newest such p, or -1."""
+  written = lengths[:, None] - first  # ring tokens written per row (negative: none)
+  j = np.arange(window)[None, :]
+  newest = written - 1 - ((written - 1 - j) % window)  # largest i < written, i % window == j
+  return np.where(newest >= 0, first + newest, -1)
+
+
 # ----------------------------------------------------------------------------------------------
 # Sliding-window ring.
 
@@ -72,6 +81,11 @@ class RingKVCache(WrappingCache):
   def window(self) -> int:
     return self.capacity
 
+  def expected_pos(self, lengths: np.ndarray) -> np.ndarray:
+    """`int[B, W]` (host): the token a ring holding `lengths` tokens keeps in each slot:
+    the newest p < lengths[b] with p % W == s, -1 for none."""
+    return _newest_in_ring(lengths, 0, self.window)
+
   def _slots(self, new_lengths: jax.Array, num_tokens: int) -> jax.Array:
     """`i32[B, T]` slot of each new token; W (dropped) for padding and for the tokens
     a later token of the same chunk overwrites."""
@@ -88,13 +102,14 @@ class RingKVCache(WrappingCache):
                                   **scale_kwargs(ks, vs))
     return out
 
-  def update_attend(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
-                    new_lengths=None, sm_scale=None, window=None, soft_cap=None,
-                    implementation=None):
-    """`cache_protocol.update_attend`: RoPE at `positions`, then the chunk attends the
-    ring as it was plus its own tokens (exact window-W attention for any T), and is
-    written (keys RoPE'd). Returns `(out [B, T, N, H], new cache)`."""
-    new_lengths = prelude(self, q, k, v, new_lengths, implementation)
+  def update_attend_unchecked(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
+                              new_lengths, sm_scale=None, window=None, soft_cap=None,
+                              implementation=None):
+    """`cache_protocol.update_attend` (checked arguments; `update_attend` checks them): RoPE
+    at `positions`, then the chunk attends the ring as it was plus its own tokens (exact
+    window-W attention for any T), and is written (keys RoPE'd). Returns `(out [B, T, N,
+    H], new cache)`."""
+    prelude(self, implementation)
     rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
     q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
     return self._step(q, k, v, new_lengths,
@@ -173,6 +188,13 @@ class SinkKVCache(WrappingCache):
     """W: the recent tokens kept besides the sinks."""
     return self.capacity - self.num_sinks
 
+  def expected_pos(self, lengths: np.ndarray) -> np.ndarray:
+    """`int[B, S]` (host): sinks `0..num_sinks-1` in the first slots (while written), then
+    the ring of the W newest later tokens, token p in slot `num_sinks + (p - num_sinks) % W`."""
+    s = np.arange(self.num_sinks)[None, :]
+    sinks = np.where(s < lengths[:, None], s, -1)
+    return np.concatenate([sinks, _newest_in_ring(lengths, self.num_sinks, self.window)], axis=1)
+
   def _shift(self, lengths: jax.Array) -> jax.Array:
     """`i32[B]`: tokens evicted from the ring when `lengths` tokens were written."""
     return jnp.maximum(lengths - self.capacity, 0)
@@ -223,14 +245,15 @@ class SinkKVCache(WrappingCache):
         q_always_visible=q_sinks, **scale_kwargs(ks, vs))
     return out
 
-  def update_attend(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
-                    new_lengths=None, sm_scale=None, window=None, soft_cap=None,
-                    implementation=None):
-    """`cache_protocol.update_attend`: the module's `positions` are not used (the cache
-    assigns RoPE positions); `rope_theta` must be the cache's. A chunk attends the cache
-    as it was plus its own tokens, then is written."""
+  def update_attend_unchecked(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
+                              new_lengths, sm_scale=None, window=None, soft_cap=None,
+                              implementation=None):
+    """`cache_protocol.update_attend` (checked arguments; `update_attend` checks them): the
+    module's `positions` are not used (the cache assigns RoPE positions); `rope_theta`
+    must be the cache's. A chunk attends the cache as it was plus its own tokens, then is
+    written."""
     del positions  # StreamingLLM: positions inside the cache, not in the text
-    new_lengths = prelude(self, q, k, v, new_lengths, implementation)
+    prelude(self, implementation)
     if (float(rope_theta), rope_scaling) != (self.rope_theta, self.rope_scaling):
       raise ValueError(f"rope_theta, rope_scaling must be the cache's {self.rope_theta}, "
                        f"{self.rope_scaling} (SinkKVCache.init(rope_theta=, rope_scaling=)); got "

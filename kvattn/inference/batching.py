@@ -188,7 +188,8 @@ class ContinuousBatcher:
 
     Raises:
       ValueError/TypeError: bad sizes, an MLA layer, `max_prompt_len > max_len`;
-        a mesh whose `data` axis does not divide `num_slots` or `num_pages`,
+        a mesh whose `data` axis does not divide `num_slots` or `num_pages`, whose
+        `model` axis does not fit the layers' heads (`sharded.cache_layout`),
         `offload` with more than one data shard, or `prefix_cache` with a layer
         whose `decode_implementation` is "xla_pool".
     """
@@ -247,7 +248,8 @@ class ContinuousBatcher:
       from kvattn import sharding  # pylint: disable=g-import-not-at-top
       from kvattn.caches import sharded
       model = sharding.place_model(model, mesh)
-      self.caches = sharded.place_caches(self.caches, mesh, sharded.BATCHER_RULES)
+      self.caches = sharded.place_caches(self.caches, mesh, sharded.BATCHER_RULES,
+                                         num_heads=[a.num_heads for a in attns])
       home = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     else:
       self.caches = jax.device_put(self.caches, home)

@@ -37,7 +37,7 @@ from flax import nnx
 from kvattn import _checks
 from kvattn.caches import dense as cache_lib
 from kvattn import ops
-from kvattn.caches.protocol import MLACache, type_error
+from kvattn.caches.protocol import MLACache, type_error, write
 from kvattn.models.gqa import check_input, resolve_positions
 
 PATHS = ("auto", "naive", "absorbed")
@@ -340,7 +340,7 @@ class MultiHeadLatentAttention(nnx.Module):
     path = self.path
     if path == "auto":
       path = "absorbed" if cache is not None and num_tokens == 1 else "naive"
-    new_cache = None if cache is None else cache.update(c_kv, k_rope, new_lengths)
+    new_cache = None if cache is None else write(cache, c_kv, k_rope, new_lengths=new_lengths)
     q_offsets = None if cache is None else cache.lengths
     attend = self._absorbed if path == "absorbed" else self._naive
     out = attend(q_nope, q_rope, c_kv, k_rope, new_cache, q_offsets, new_lengths, dtype)

@@ -31,6 +31,12 @@ A backend is `fn(*args, explicit: bool, **options)` with the operation's
 arguments; `explicit` is True when the caller named it, and a backend may then
 run where it would not be picked by default (a Pallas kernel in interpret mode
 on CPU). Options with value None (no quantization scales) are not passed.
+
+The newest token apart: `decode_attention(..., k_new=, v_new=)` runs only the
+backends of `APPENDS_NEWEST` (the XLA ones), and `appends_newest(implementation)`
+tells a caller beforehand whether its request will run one of them (a dense
+cache's decode step then attends the cache from before the token's write; else it
+writes first). The cache asks; the table and the platform rules stay here.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from kvattn import _checks
 from kvattn.ops import xla_paged
 from kvattn.ops import pallas
 from kvattn.ops import xla
@@ -79,6 +86,17 @@ IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {
 }
 
 
+APPENDS_NEWEST: dict[str, set[str]] = {"decode_attention": {"xla_blocked", "xla"}}
+"""Per operation, the backends that take the newest token apart from the cache (`k_new=`,
+`v_new=` of `decode_attention`); the others read it from the cache (written first)."""
+
+DEFAULT_PLATFORMS: dict[str, tuple[str, ...]] = {
+    "pallas": pallas._COMPILED_PLATFORMS,  # pylint: disable=protected-access
+}
+"""Backends that `implementation=None` runs only on these platforms (`jax.default_backend()`;
+elsewhere they decline unless named). A backend not listed may run anywhere."""
+
+
 def _backends(op: str) -> dict[str, Implementation]:
   if op not in IMPLEMENTATIONS:
     raise ValueError(f"op must be one of {sorted(IMPLEMENTATIONS)}; got {op!r}")
@@ -91,19 +109,48 @@ def available_implementations(op: str = "decode_attention") -> tuple[str, ...]:
 
 
 def register_implementation(op: str, name: str, fn: Implementation, *,
-                            preferred: bool = False) -> None:
+                            preferred: bool = False, appends_newest: bool = False) -> None:
   """Adds (or replaces) backend `name` of operation `op` in `IMPLEMENTATIONS`.
 
   For backends outside kvattn (kvattn's own are declared in the table). `fn`
   follows the backend contract of the module doc. The new backend goes first
   in the default order with `preferred=True`, else last (where None reaches
-  it only if every other backend declines).
+  it only if every other backend declines). `appends_newest=True` declares
+  that it takes `k_new=` / `v_new=` (`decode_attention`; `APPENDS_NEWEST`).
 
   Raises:
     ValueError: `op` is not one of the operations above.
   """
   impls = {k: v for k, v in _backends(op).items() if k != name}
   IMPLEMENTATIONS[op] = {name: fn, **impls} if preferred else {**impls, name: fn}
+  appending = APPENDS_NEWEST.setdefault(op, set())
+  if appends_newest:
+    appending.add(name)
+  else:
+    appending.discard(name)
+
+
+def appends_newest(implementation: str | Sequence[str] | None = None, *,
+                   op: str = "decode_attention") -> bool:
+  """Whether `op` with `implementation` runs a backend that takes the newest token apart.
+
+  The dispatcher's answer for a caller that can give its request either way (a
+  cache's decode step, `KVCache.update_attend`): True when every backend the
+  request may run is in `APPENDS_NEWEST`, so the caller passes the cache from
+  before the token's write and the token as `k_new=` / `v_new=`; False when one
+  of them reads the token from the cache, so the caller writes first. The
+  backends the request may run: the named ones, or for None those of the default
+  order that run on this platform (`DEFAULT_PLATFORMS`: `"pallas"` on GPU and TPU).
+  Given `k_new`, `decode_attention` itself tries only the backends that take it.
+
+  Raises:
+    ValueError: an unknown `op` or `implementation`.
+  """
+  names = _names(op, implementation)
+  if names is None:
+    platform = jax.default_backend()
+    names = tuple(n for n in _backends(op) if platform in DEFAULT_PLATFORMS.get(n, (platform,)))
+  return all(n in APPENDS_NEWEST.get(op, ()) for n in names)
 
 
 def _names(op: str, implementation: Any) -> tuple[str, ...] | None:
@@ -127,16 +174,25 @@ def dispatch(op: str, implementation: str | Sequence[str] | None, *args: Any,
   """
   impls = _backends(op)
   names = _names(op, implementation)
+  newest = options.get("k_new") is not None  # only backends that take it apart can run
   if isinstance(implementation, str):
+    _takes_newest(op, implementation, newest)
     return impls[implementation](*args, explicit=True, **options)
   explicit = names is not None
   errors = []
   for name in names or impls:
     try:
+      _takes_newest(op, name, newest)
       return impls[name](*args, explicit=explicit, **options)
     except NotImplementedError as e:
       errors.append(f"{name}: {e}")
   raise NotImplementedError(f"no {op} implementation fits: " + "; ".join(errors))
+
+
+def _takes_newest(op: str, name: str, newest: bool) -> None:
+  if newest and name not in APPENDS_NEWEST.get(op, ()):
+    raise NotImplementedError(f"{name} reads the newest token from the cache (k_new / v_new "
+                              f"are for {sorted(APPENDS_NEWEST.get(op, ()))})")
 
 
 def _given(**options: Any) -> dict[str, Any]:
@@ -170,7 +226,9 @@ def decode_attention(
     k: `[B, K, S, H]` keys; slots at or past `lengths[b]` may hold anything.
       Float, or int8 / float8_e4m3fn / float8_e5m2 with `k_scale`.
     v: `[B, K, S, Hv]` values (same dtype as k).
-    lengths: `i32[B]` valid slots per sequence, in `[0, S]`.
+    lengths: `i32[B]` valid slots per sequence, in `[0, S]`: checked when
+      concrete (an eager call); under jit a length past S reads the S slots
+      (an overflowed cache) and a negative one reads nothing (zeros).
     sm_scale: logit scale, default `1/sqrt(H)`.
     window: sliding-window size in tokens, or None.
     soft_cap: logit soft cap, or None.
@@ -181,9 +239,11 @@ def decode_attention(
       (float; dequantized for a quantized cache), given apart from the cache:
       slot `lengths[b] - 1` of k / v is then not read and may hold anything,
       so a caller can pass the cache from before the token's write (XLA:CPU
-      then need not copy the written buffer; `KVCache.update_attend`). A row
-      with `lengths[b] > S` (overflowed: its token was dropped) attends the
-      cache alone. Both or neither; XLA backends only (`"pallas"` declines).
+      then need not copy the written buffer; `KVCache.update_attend`). Under
+      jit a row with `lengths[b] > S` (overflowed: its token was dropped)
+      attends the cache alone. Both or neither; only the backends of
+      `APPENDS_NEWEST` take them (the others are skipped: `appends_newest()`
+      tells a caller beforehand whether one of them runs).
     implementation: `"pallas"` (the fused kernel; picked by None on GPU/TPU
       for the shapes it supports, interpreted on CPU when named),
       `"xla_blocked"` (flash-decoding in XLA reading only the attended
@@ -197,13 +257,15 @@ def decode_attention(
     `[B, N, Hv]` in q's dtype, accumulated in f32; length-0 rows are zeros.
 
   Raises:
-    ValueError: unknown `implementation`, or shapes/options that do not fit.
+    ValueError: unknown `implementation`; shapes/options that do not fit; a
+      concrete (eager) length outside `[0, S]`, naming it (`lengths[1] = -2`).
     TypeError: non-float inputs, k/v dtype mismatch, non-integer lengths, a
       quantized cache without scales (or scales for a float cache).
     NotImplementedError: the named implementation(s) cannot run these shapes.
   """
   lengths = common.check_decode_args(q, k, v, lengths, window, soft_cap, sm_scale, k_scale,
                                      v_scale)
+  _checks.values_in_range("lengths", lengths, 0, k.shape[2])
   if (k_new is None) != (v_new is None):
     raise ValueError("k_new and v_new must be given together; got "
                      f"k_new={'None' if k_new is None else 'an array'} and "
@@ -319,7 +381,8 @@ def mla_decode_attention(
     q_rope: `[B, N, R]` RoPE part of the query.
     c_kv: `[B, S, C]` latent cache; `k_rope: [B, S, R]` shared RoPE keys
       (same dtype as c_kv). Slots at or past `lengths[b]` may hold anything.
-    lengths: `i32[B]` valid slots per sequence.
+    lengths: `i32[B]` valid slots per sequence, in `[0, S]` (checked when
+      concrete; under jit clamped to it, as in `decode_attention`).
     sm_scale: required, `1/sqrt(qk_nope_head_dim + qk_rope_head_dim)`.
     window: sliding-window size in tokens, or None.
     c_kv_scale, k_rope_scale: `f32[B, S]` per-token scales of a quantized
@@ -332,11 +395,13 @@ def mla_decode_attention(
     afterwards); length-0 rows are zeros.
 
   Raises:
-    ValueError/TypeError: as `decode_attention`, naming the argument.
+    ValueError/TypeError: as `decode_attention`, naming the argument (a concrete
+      length outside `[0, S]` included).
     NotImplementedError: the named implementation(s) cannot run these shapes.
   """
   lengths = common.check_mla_decode_args(q_latent, q_rope, c_kv, k_rope, lengths, sm_scale,
                                          window, c_kv_scale, k_rope_scale)
+  _checks.values_in_range("lengths", lengths, 0, c_kv.shape[1])
   return dispatch("mla_decode_attention", implementation, q_latent, q_rope, c_kv, k_rope,
                   lengths, sm_scale=sm_scale, window=window,
                   **_given(c_kv_scale=c_kv_scale, k_rope_scale=k_rope_scale))

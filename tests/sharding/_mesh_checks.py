@@ -213,6 +213,55 @@ def check_bad_meshes() -> dict:
   return dict(failures=failures, ok=not failures)
 
 
+def check_layouts() -> dict:
+  """Every place a cache layout is made checks it up front. On (1, 8, 1) a layer with
+  N = 4 query heads over K = 2 KV heads (the KV heads replicated 4x, fewer query heads
+  than the model axis) gives the single-device logits through `place_caches(num_heads=)`,
+  `init_caches` and, for paged caches, `ContinuousBatcher(mesh=)`'s tokens; `place_caches`
+  without `num_heads`, a `num_heads` that K does not divide, and a layout made for another
+  N raise ValueError naming the axis and the head counts before any attention runs."""
+  cfg = transformer.model_config(d_model=D_MODEL, num_layers=1, mlp_dim=96,
+                                 attention=dict(num_heads=4, num_kv_heads=2, head_dim=16))
+  make = lambda: transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
+  ref = make()
+  want, _, _ = _decode_logits(ref, ref.init_caches(BATCH, MAX_LEN))
+  mesh = sharding.make_mesh((1, 8, 1))
+  model = sharding.shard_model(make, mesh)
+  diffs = {}
+  for name, build in (
+      ("place_caches", lambda: sharded_caches.place_caches(
+          ref.init_caches(BATCH, MAX_LEN), mesh, num_heads=[4])),
+      ("init_caches", lambda: sharded_caches.init_caches(model, BATCH, MAX_LEN, mesh))):
+    got, _, _ = _decode_logits(model, build())
+    diffs[name] = float(jnp.max(jnp.abs(got - want)))
+  errors = {}
+  plain = ref.init_caches(BATCH, MAX_LEN)
+  for name, fn, needles in (
+      ("no num_heads", lambda: sharded_caches.place_caches(plain, mesh),
+       ("caches[0]: num_heads is required", "num_kv_heads = 2", "'model' of size 8",
+        "('model', 'model_rep') (8 devices)", "('model',) (2 devices)")),
+      ("num_heads not a multiple of K", lambda: sharded_caches.place_caches(
+          plain, mesh, num_heads=3), ("num_heads must be divisible by num_kv_heads",)),
+      ("layout for another N", lambda: _decode_logits(model, sharded_caches.place_caches(
+          plain, mesh, num_heads=8)), ("query heads (4)", "('model', 'model_rep') (8 devices",
+                                       "KV heads (2)", "num_heads=4")),
+  ):
+    try:
+      fn()
+      errors[name] = "no error"
+    except ValueError as e:
+      if not all(n in str(e) for n in needles):
+        errors[name] = str(e)
+  prompts, lengths = _prompts()
+  requests = [(i, np.asarray(prompts[i, :lengths[i]]).tolist(), 3) for i in range(2)]
+  opts = dict(num_slots=2, num_pages=16, page_size=PAGE_SIZE, max_len=16, max_prompt_len=8)
+  single = kvattn.ContinuousBatcher(ref, **opts).run(requests)
+  on_mesh = kvattn.ContinuousBatcher(make(), mesh=mesh, **opts).run(requests)
+  batcher_equal = all(list(single[i].tokens) == list(on_mesh[i].tokens) for i in single)
+  return dict(max_abs_diff=diffs, errors=errors, batcher_tokens_equal=batcher_equal,
+              ok=max(diffs.values()) <= 1e-5 and not errors and batcher_equal)
+
+
 def check_batcher(mesh_shape, prefix_cache: bool = False) -> dict:
   """ContinuousBatcher on a mesh gives the single-device tokens; slots and pools split
   over `data`, pools over K on `model`; each device holds its share of the pool bytes;
@@ -331,7 +380,7 @@ def main(argv):
               for c in cases]
     checks += [("empty_shards", lambda: check_empty_shards("dense")),
                ("empty_shards", lambda: check_empty_shards("mla")),
-               ("bad_meshes", check_bad_meshes)] + batchers
+               ("bad_meshes", check_bad_meshes), ("layouts", check_layouts)] + batchers
   if grid == "full":
     checks += more_batchers + [("quantized", check_quantized),
                                ("real_model", lambda: check_real_model((1, 2, 1))),

@@ -4,7 +4,8 @@ The device count is fixed when JAX starts, so the checks run in a subprocess wit
 `--xla_force_host_platform_device_count=8`: sharded decode logits and `generate` tokens
 equal the single-device run, each device holds exactly its share of the cache bytes, the
 compiled decode step has no all-gather of the cache, the context-parallel merge survives
-empty shards with NaN in their buffers, and bad meshes raise ValueError naming the axis.
+empty shards with NaN in their buffers, bad meshes raise ValueError naming the axis, and
+every place a cache layout is made checks it up front (`check_layouts`).
 `ContinuousBatcher` on a mesh (data parallel over its slots and pool, KV heads over `model`)
 gives the single-device tokens with each device holding its share of the pool; the main job's
 family (experiments/families/real_model.py on "random-tiny") gives the single-device
@@ -43,6 +44,7 @@ def test_sharded_decode_compact_grid():
   assert all(r["all_reduces"] > 0 for r in cases)  # the LSE merge over seq, o_proj over model
   assert {r["kind"] for r in results if r["check"] == "empty_shards"} == {"dense", "mla"}
   assert any(r["check"] == "bad_meshes" for r in results)
+  assert any(r["check"] == "layouts" for r in results)
   assert [r["mesh"] for r in results if r["check"] == "batcher"] == [[2, 2, 1]]
 
 

@@ -1,6 +1,7 @@
 """Saving and restoring caches: bit-exact per kind, atomic, resumable, clear mismatch errors."""
 
 import functools
+import json
 import os
 import shutil
 
@@ -26,19 +27,43 @@ def _model():
   return transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
 
 
+LENGTHS = np.array([7, 2], np.int32)  # tokens written per row by `_written`
+BLOCK_TABLES = np.array([[0, 4, 2], [3, -1, -1]], np.int32)  # the "paged" kinds' pages
+
+
+def _written(cache, seed=0):
+  """`cache` after `LENGTHS` tokens per row went in through its own `update` (so its
+  bookkeeping -- lengths, ring and eviction positions, block tables -- is a real state)."""
+  if isinstance(cache, _ToyRingCache):
+    return cache.replace(lengths=jnp.asarray(LENGTHS), pos=jnp.asarray([3, 1], jnp.int32))
+  keys = jax.random.split(jax.random.key(seed), 2)
+  T = int(LENGTHS.max())
+  if isinstance(cache, LatentCache):
+    new = (jax.random.normal(keys[0], (2, T, cache.kv_lora_rank)),
+           jax.random.normal(keys[1], (2, T, cache.qk_rope_head_dim)))
+  else:
+    new = tuple(jax.random.normal(key, (2, T, cache.num_kv_heads, cache.head_dim))
+                for key in keys)
+  return cache.update(*new, new_lengths=jnp.asarray(LENGTHS))
+
+
 def _fill(cache, seed):
-  """`cache` with every leaf replaced by random bits (NaNs and all), lengths in range."""
+  """`cache` holding `LENGTHS` tokens with every float leaf replaced by random bits (NaNs
+  and all); the integer bookkeeping stays the valid state `update` left."""
   rng = np.random.default_rng(seed)
-  leaves, treedef = jax.tree_util.tree_flatten(cache)
+  leaves, treedef = jax.tree_util.tree_flatten(_written(cache, seed))
   out = []
   for x in leaves:
     x = np.asarray(x)
     if np.issubdtype(x.dtype, np.integer):
-      out.append(jnp.asarray(rng.integers(0, 3, x.shape).astype(x.dtype)))
+      out.append(jnp.asarray(x))
     else:
       raw = rng.integers(0, 256, x.size * x.dtype.itemsize, dtype=np.uint8)
       out.append(jnp.asarray(raw.view(x.dtype).reshape(x.shape)))
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+HELD = [list(range(n)) for n in LENGTHS]  # token ids matching LENGTHS
 
 
 def _bits_equal(a, b):
@@ -66,9 +91,10 @@ KINDS = {
     "latent": lambda: LatentCache.init(2, 8, 6, 4),
     "latent_int8": lambda: LatentCache.init(2, 8, 6, 4, jnp.int8),
     "paged": lambda: PagedKVCache.init(2, num_pages=5, page_size=4, pages_per_seq=3,
-                                       num_kv_heads=2, head_dim=4),
+                                       num_kv_heads=2, head_dim=4, block_tables=BLOCK_TABLES),
     "paged_fp8": lambda: PagedKVCache.init(2, num_pages=5, page_size=4, pages_per_seq=3,
-                                           num_kv_heads=2, head_dim=4, dtype=jnp.float8_e5m2),
+                                           num_kv_heads=2, head_dim=4, dtype=jnp.float8_e5m2,
+                                           block_tables=BLOCK_TABLES),
     "generic": lambda: _ToyRingCache(jnp.zeros((2, 5, 3)), jnp.zeros((2,), jnp.int32),
                                      jnp.zeros((2,), jnp.int32)),
 }
@@ -80,18 +106,20 @@ if hasattr(kvattn, "RingKVCache"):
       "ring": lambda: kvattn.RingKVCache.init(2, 5, 2, 4),
       "ring_int8": lambda: kvattn.RingKVCache.init(2, 5, 2, 4, jnp.int8),
       "sink": lambda: kvattn.SinkKVCache.init(2, 2, 4, 2, 4),
-      "evicting": lambda: kvattn.EvictingKVCache.init(2, 6, 2, 4, policy="h2o"),
+      "evicting": lambda: kvattn.EvictingKVCache.init(2, 6, 2, 4, policy="h2o", num_sinks=1),
+    "length_switch": lambda: kvattn.LengthSwitchKVCache.init(2, 8, 2, 4, switch_length=3,
+                                                             num_kv_heads_after=1),
   })
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_round_trip_is_bit_exact_per_kind(kind, tmp_path):
   caches = (_fill(KINDS[kind](), 0), _fill(KINDS[kind](), 1))
-  cache_io.save_caches(tmp_path / "ckpt", caches, tokens=[[1, 2], [3]])
+  cache_io.save_caches(tmp_path / "ckpt", caches, tokens=HELD)
   restored, alloc, tokens = cache_io.restore_caches(tmp_path / "ckpt", (KINDS[kind](),) * 2)
   _bits_equal(restored, caches)
   assert type(restored[0]) is type(caches[0])
-  assert alloc is None and tokens == [[1, 2], [3]]
+  assert alloc is None and tokens == HELD
 
 
 def test_single_cache_restores_as_a_single_cache(tmp_path):
@@ -102,15 +130,23 @@ def test_single_cache_restores_as_a_single_cache(tmp_path):
   _bits_equal(restored, cache)
 
 
+def _paged_for(alloc, seq_ids, lengths):
+  """A paged cache whose rows are the block-table rows `alloc` gave `seq_ids`."""
+  cache = PagedKVCache.init(len(seq_ids), num_pages=alloc.num_pages, page_size=alloc.page_size,
+                            pages_per_seq=3, num_kv_heads=2, head_dim=4,
+                            block_tables=alloc.block_tables(seq_ids, 3))
+  return cache.replace(lengths=jnp.asarray(lengths, jnp.int32))
+
+
 def test_paged_round_trip_keeps_allocator_state(tmp_path):
   alloc = PageAllocator(9, 4, 3, seed=1)
   alloc.allocate("a", 6)
   alloc.allocate(7, 9)
   alloc.free("a")
   alloc.allocate("b", 3)
-  cache = _fill(KINDS["paged"](), 5)
+  cache = _paged_for(alloc, [7, "b"], [9, 3])
   cache_io.save_caches(tmp_path / "p", cache, allocator=alloc, tokens={"b": [4, 5, 6]})
-  _, back, tokens = cache_io.restore_caches(tmp_path / "p", KINDS["paged"]())
+  _, back, tokens = cache_io.restore_caches(tmp_path / "p", _paged_for(alloc, [7, "b"], [0, 0]))
   assert cache_io.allocator_state(back) == cache_io.allocator_state(alloc)
   assert back.pages(7) == alloc.pages(7) and back.num_tokens("b") == 3
   assert tokens == {"b": [4, 5, 6]}
@@ -126,8 +162,9 @@ def test_prefix_caching_allocator_round_trip_keeps_shared_pages_and_refcounts(tm
   alloc.allocate_prompt("b", shared + [2])
   alloc.allocate_prompt("gone", [7, 7, 7, 7, 7])
   alloc.free("gone", tokens=[7, 7, 7, 7, 7])  # one cached unreferenced page
-  cache_io.save_caches(tmp_path / "p", KINDS["paged"](), allocator=alloc)
-  _, back, _ = cache_io.restore_caches(tmp_path / "p", KINDS["paged"]())
+  cache = _paged_for(alloc, ["a", "b"], [9, 9])  # two rows share pages, as the allocator says
+  cache_io.save_caches(tmp_path / "p", cache, allocator=alloc)
+  _, back, _ = cache_io.restore_caches(tmp_path / "p", cache)
   assert isinstance(back, PrefixCachingAllocator)
   assert back.pages("a") == alloc.pages("a") and back.pages("b") == alloc.pages("b")
   assert [back.refcount(p) for p in back.pages("b")] == [2, 2, 1]
@@ -194,6 +231,164 @@ def test_restoring_into_another_kind_shape_or_dtype_names_the_mismatch(template,
   cache_io.save_caches(tmp_path / "c", KINDS["dense_f32"]())
   with pytest.raises(ValueError, match=match):
     cache_io.restore_caches(tmp_path / "c", template())
+
+
+def _edit_meta(path, edit):
+  """Tampers with the saved JSON metadata of checkpoint `path` in place (`edit(meta)`)."""
+  meta_file = path / "meta" / "metadata"
+  meta = json.loads(meta_file.read_text())
+  edit(meta)
+  meta_file.write_text(json.dumps(meta))
+
+
+def _set(field, index, value):
+  """A cache editor: `field[index] = value` (a crafted state, as a tampered file holds)."""
+  return lambda c: c.replace(**{field: getattr(c, field).at[index].set(value)})
+
+
+# Each crafted cache state (kind, edit of a valid state) and the error naming its leaf.
+CRAFTED = {
+    "dense negative length": ("dense_f32", _set("lengths", 1, -2),
+                              r"layer 1 lengths\[1\] = -2 must lie in \[0, 8\]"),
+    "dense length past capacity": ("dense_int8", _set("lengths", 0, 9),
+                                   r"layer 1 lengths\[0\] = 9 must lie in \[0, 8\]"),
+    "latent length past capacity": ("latent", _set("lengths", 1, 12),
+                                    r"layer 1 lengths\[1\] = 12 must lie in \[0, 8\]"),
+    "length switch negative": ("length_switch", _set("lengths", 0, -1),
+                               r"layer 1 lengths\[0\] = -1 must lie in \[0, 8\]"),
+    "ring slot holds another token": ("ring", _set("pos", (0, 1), 1),
+                                      r"layer 1 pos\[0, 1\] = 1, but a RingKVCache of 5 slots "
+                                      r"holding 7 tokens keeps token 6 there"),
+    "ring length without its tokens": ("ring", _set("lengths", 1, 4),
+                                       r"layer 1 pos\[1, 2\] = -1, .* keeps token 2 there"),
+    "sink lost its sink": ("sink", _set("pos", (1, 0), -1),
+                           r"layer 1 pos\[1, 0\] = -1, but a SinkKVCache"),
+    "evicting duplicate token": ("evicting", _set("pos", (0, 1, 2), 1),
+                                 r"layer 1 pos\[0, 1, 2\] = 1 must be larger than the slot "
+                                 r"before it"),
+    "evicting token not yet written": ("evicting", _set("pos", (1, 0, 1), 5),
+                                       r"layer 1 pos\[1, 0, 1\] = 5 must be a token below "
+                                       r"lengths\[1\] = 2"),
+    "evicting lost slots": ("evicting", _set("pos", (0, 0, 5), -1),
+                            r"layer 1 pos\[0, 0\] keeps 5 tokens, but a budget of 6 after 7"),
+    "evicting NaN score": ("evicting", _set("scores", (0, 0, 0), np.nan),
+                           r"layer 1 scores\[0, 0, 0\] must be finite"),
+    "page outside the pool": ("paged", _set("block_tables", (0, 2), 7),
+                              r"layer 1 block_tables\[0, 2\] = 7 must be a page in \[0, 5\) "
+                              r"or NO_PAGE"),
+    "tokens on no page": ("paged", _set("block_tables", (0, 1), -1),
+                          r"layer 1 block_tables\[0, 1\] = NO_PAGE, but row 0 holds 7 tokens"),
+    "length past the assigned pages": ("paged", _set("lengths", 1, 5),
+                                       r"layer 1 block_tables\[1, 1\] = NO_PAGE, but row 1 "
+                                       r"holds 5 tokens"),
+    "two rows share a page": ("paged_fp8", _set("block_tables", (1, 0), 4),
+                              r"layer 1 block_tables\[0, 1\] and \[1, 0\] both hold page 4"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CRAFTED))
+def test_a_crafted_cache_state_is_rejected_naming_its_leaf(name, tmp_path):
+  kind, edit, match = CRAFTED[name]
+  caches = (_fill(KINDS[kind](), 0), edit(_fill(KINDS[kind](), 1)))
+  cache_io.save_caches(tmp_path / "c", caches)
+  with pytest.raises(ValueError, match=f"checkpoint {tmp_path / 'c'}: {match}"):
+    cache_io.restore_caches(tmp_path / "c", (KINDS[kind](),) * 2)
+
+
+def test_a_crafted_state_of_an_unknown_kind_needs_lengths_of_at_least_zero(tmp_path):
+  cache = _written(KINDS["generic"]()).replace(lengths=jnp.array([3, -1], jnp.int32))
+  cache_io.save_caches(tmp_path / "c", cache)
+  with pytest.raises(ValueError, match=r"layer 0 lengths\[1\] = -1 must be >= 0"):
+    cache_io.restore_caches(tmp_path / "c", KINDS["generic"]())
+
+
+def _plain_allocator():
+  alloc = PageAllocator(5, 4, 3)
+  alloc.allocate("x", 7)  # pages 0, 1
+  alloc.allocate("y", 2)  # page 2
+  return alloc
+
+
+# Tampered allocator states (edit of the saved JSON) and the error naming the key.
+ALLOCATOR_EDITS = {
+    "free page twice": (lambda a: a["free"].append(a["free"][0]),
+                        r"allocator.free\[2\] = 4 is already at allocator.free\[0\]"),
+    "free page outside the pool": (lambda a: a["free"].__setitem__(0, 9),
+                                   r"allocator.free\[0\] = 9 must be in \[0, 4\]"),
+    "held page also free": (lambda a: a["free"].__setitem__(0, 2),
+                            r"allocator.live\[1\] \('y'\) pages\[0\] = 2 is already at "
+                            r"allocator.free\[0\]"),
+    "plain allocator shares": (lambda a: a["live"][1][1].__setitem__(0, 1),
+                               r"allocator.live\[1\] \('y'\) pages\[0\] = 1 is already at "
+                               r"allocator.live\[0\] \('x'\) pages\[1\]"),
+    "lost page": (lambda a: a["free"].pop(),
+                  r"allocator pages \[3\] are neither free nor held"),
+    "pages for the tokens": (lambda a: a["live"][0].__setitem__(2, 9),
+                             r"allocator.live\[0\] \('x'\) holds 2 pages for 9 tokens"),
+    "negative token count": (lambda a: a["live"][0].__setitem__(2, -1),
+                             r"allocator.live\[0\] \('x'\) tokens = -1 must be in"),
+    "unknown kind": (lambda a: a.__setitem__("kind", "magic"),
+                     r"allocator.kind must be 'plain' or 'prefix'"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALLOCATOR_EDITS))
+def test_a_tampered_allocator_state_is_rejected_naming_its_key(name, tmp_path):
+  alloc = _plain_allocator()
+  cache = _paged_for(alloc, ["x", "y"], [7, 2])
+  cache_io.save_caches(tmp_path / "p", cache, allocator=alloc)
+  cache_io.restore_caches(tmp_path / "p", cache)  # the untampered file restores
+  edit, match = ALLOCATOR_EDITS[name]
+  shutil.copytree(tmp_path / "p", tmp_path / "t")
+  _edit_meta(tmp_path / "t", lambda meta: edit(meta["allocator"]))
+  with pytest.raises(ValueError, match=match):
+    cache_io.restore_caches(tmp_path / "t", cache)
+
+
+def test_block_tables_must_agree_with_the_saved_allocator(tmp_path):
+  alloc = _plain_allocator()
+  free_page = alloc.block_tables(["x", "y"], 3).copy()
+  free_page[1, 1] = 3  # page 3 is on the allocator's free list
+  cache = _paged_for(alloc, ["x", "y"], [7, 2]).replace(block_tables=jnp.asarray(free_page))
+  cache_io.save_caches(tmp_path / "free", cache, allocator=alloc)
+  with pytest.raises(ValueError, match=r"layer 0 block_tables\[1, 1\] = 3, a page the saved "
+                                       r"allocator has free"):
+    cache_io.restore_caches(tmp_path / "free", cache)
+  # A prefix allocator lets rows share a page as often as live sequences hold it, no more.
+  prefix = PrefixCachingAllocator(10, 4)
+  prompt = list(range(8)) + [1]
+  prefix.allocate_prompt("a", prompt)
+  prefix.register("a", prompt)
+  prefix.allocate_prompt("b", list(range(8)) + [2])
+  tables = prefix.block_tables(["a", "b", "b"], 3)
+  cache = PagedKVCache.init(3, num_pages=10, page_size=4, pages_per_seq=3, num_kv_heads=2,
+                            head_dim=4, block_tables=tables)
+  cache_io.save_caches(tmp_path / "shared", cache, allocator=prefix)
+  with pytest.raises(ValueError, match=r"layer 0 block_tables hold page 0 3 times .* gives it "
+                                       r"to 2 live sequence"):
+    cache_io.restore_caches(tmp_path / "shared", cache)
+  small = PageAllocator(4, 4, 3)  # a pool of another size than the cache's
+  small.allocate("x", 7)
+  cache_io.save_caches(tmp_path / "size", _paged_for(alloc, ["x", "y"], [7, 2]), allocator=small)
+  with pytest.raises(ValueError, match="allocator num_pages, page_size = 4, 4, but layer 0 has "
+                                       "a pool of 5 pages"):
+    cache_io.restore_caches(tmp_path / "size", _paged_for(alloc, ["x", "y"], [7, 2]))
+
+
+def test_saved_tokens_must_match_the_lengths(tmp_path):
+  caches = (_fill(KINDS["dense_f32"](), 0),) * 2
+  cache_io.save_caches(tmp_path / "c", caches, tokens=HELD)
+  for name, edit, match in (
+      ("short", lambda m: m["tokens"]["by_row"][0].pop(), r"tokens\[0\] holds 6 ids, but "
+                                                          r"layer 0 lengths\[0\] = 7"),
+      ("rows", lambda m: m["tokens"]["by_row"].pop(), "tokens holds 1 rows, but layer 0 has "
+                                                      "batch 2"),
+      ("not an id", lambda m: m["tokens"]["by_row"][1].__setitem__(0, "x"),
+       r"tokens\[1\]\[0\] must be an int")):
+    shutil.copytree(tmp_path / "c", tmp_path / name)
+    _edit_meta(tmp_path / name, edit)
+    with pytest.raises(ValueError, match=match):
+      cache_io.restore_caches(tmp_path / name, (KINDS["dense_f32"](),) * 2)
 
 
 PROMPT = np.array([5, 17, 3, 99, 42, 7, 8], np.int32)
@@ -275,3 +470,25 @@ def test_resume_rejects_bad_input():
     resume_lib.resume(_model(), _model().init_caches(2, MAX_LEN), [], [1], 2)
   with pytest.raises(ValueError, match="capacity 32"):
     resume_lib.resume(_model(), _dense(), [], [1] * 30, 4)
+
+
+def test_resume_from_a_tampered_checkpoint_raises_instead_of_generating_other_tokens(tmp_path):
+  held, generated = _saved_after_decoding(tmp_path, 4, _dense)
+  conversation = np.concatenate([PROMPT, generated])
+  caches, _, tokens = cache_io.restore_caches(tmp_path / "ckpt", _dense())
+  want, _ = resume_lib.resume(_model(), caches, tokens[0], conversation, 4)
+  # A file whose caches claim fewer tokens than its token list: the last five tokens' keys
+  # would be missing, and resuming from these caches generates other tokens.
+  caches, _, _ = cache_io.restore_caches(tmp_path / "ckpt", _dense())
+  tampered = tuple(c.replace(lengths=c.lengths - 5) for c in caches)
+  cache_io.save_caches(tmp_path / "tampered", tampered, tokens=[held.tolist()])
+  wrong, _ = resume_lib.resume(_model(), tampered, held, conversation, 4)  # consumes them
+  assert not np.array_equal(wrong, want)
+  with pytest.raises(ValueError, match=r"tokens\[0\] holds 10 ids, but layer 0 lengths\[0\] = "
+                                       r"5"):
+    cache_io.restore_caches(tmp_path / "tampered", _dense())
+  # Token ids edited in the file but not their count: a negative id is refused too.
+  shutil.copytree(tmp_path / "ckpt", tmp_path / "ids")
+  _edit_meta(tmp_path / "ids", lambda m: m["tokens"]["by_row"][0].__setitem__(3, -5))
+  with pytest.raises(ValueError, match=r"tokens\[0\]\[3\] = -5 must be >= 0"):
+    cache_io.restore_caches(tmp_path / "ids", _dense())

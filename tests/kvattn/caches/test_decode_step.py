@@ -18,7 +18,6 @@ from flax import nnx
 from kvattn import KVCache, ops
 
 from kvattn.models import transformer
-from kvattn.caches import dense as cache_lib
 from pallas_kernels import dense_decode
 
 generate_lib = importlib.import_module("kvattn.inference.generation")
@@ -69,7 +68,7 @@ def _reference(cache, q, k, v, **options):
 def test_update_attend_equals_reference(implementation, num_heads, options):
   cache = _old_cache(OLD_LENGTHS)
   q, k, v = _qkv(len(OLD_LENGTHS), num_heads)
-  assert cache_lib.appends_newest(implementation)
+  assert ops.dispatch.appends_newest(implementation)
   out, new_cache = jax.jit(lambda c, q, k, v: c.update_attend(
       q, k, v, positions=c.lengths[:, None], rope_theta=1e4, new_lengths=None,
       implementation=implementation, **options))(cache, q, k, v)
@@ -95,15 +94,19 @@ def test_update_attend_low_precision_cache(dtype):
 @pytest.mark.parametrize("implementation", ["xla", "xla_blocked"])
 def test_decode_attention_new_token_apart(implementation):
   """ops level: the cache before the write (NaN at the new slot) plus `k_new, v_new` equals
-  the reference over the written cache; an overflowed row (lengths S + 1) attends the cache."""
+  the reference over the written cache; under jit an overflowed row (lengths S + 1) attends
+  the cache (eager, such a length is refused)."""
   old = (0, 1, S - 1, S)
   cache = _old_cache(old)
   cache = cache.replace(k=cache.k.at[3].set(1.0), v=cache.v.at[3].set(2.0))  # row 3 is full
   q = jax.random.normal(jax.random.key(2), (len(old), 3 * K, H))
   _, k_new, v_new = (x[:, 0] for x in _qkv(len(old), K, seed=3))
   lengths = jnp.asarray(old) + 1
-  got = ops.decode_attention(q, cache.k, cache.v, lengths, k_new=k_new, v_new=v_new,
-                             implementation=implementation)
+  decode = lambda lengths: ops.decode_attention(q, cache.k, cache.v, lengths, k_new=k_new,
+                                                v_new=v_new, implementation=implementation)
+  with pytest.raises(ValueError, match=rf"lengths\[3\] = {S + 1} must lie in \[0, {S}\]"):
+    decode(lengths)
+  got = jax.jit(decode)(lengths)
   written = jax.jit(KVCache.update)(cache, k_new[:, None], v_new[:, None])  # row 3: dropped
   want = dense_decode.decode_attention_reference(q, written.k, written.v, lengths)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
@@ -122,11 +125,52 @@ def test_decode_attention_new_token_validation():
                          v_new=jnp.zeros((1, K, H)), implementation="pallas")
 
 
-def test_appends_newest_only_for_xla_backends():
-  assert cache_lib.appends_newest("xla") and cache_lib.appends_newest(("xla_blocked", "xla"))
-  assert not cache_lib.appends_newest("pallas")
-  assert not cache_lib.appends_newest(("pallas", "xla"))
-  assert cache_lib.appends_newest(None) == (jax.default_backend() == "cpu")
+def test_the_dispatcher_says_which_requests_append_the_newest_token(monkeypatch):
+  appends = ops.dispatch.appends_newest
+  assert appends("xla") and appends(("xla_blocked", "xla"))
+  assert not appends("pallas") and not appends(("pallas", "xla"))
+  assert appends(None) == (jax.default_backend() == "cpu")  # "pallas" runs on GPU / TPU
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert not appends(None)
+  monkeypatch.undo()
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    appends("cuda")
+  # A backend from outside kvattn declares whether it takes the token apart.
+  monkeypatch.setitem(ops.dispatch.IMPLEMENTATIONS, "decode_attention",
+                      dict(ops.dispatch.IMPLEMENTATIONS["decode_attention"]))
+  monkeypatch.setitem(ops.dispatch.APPENDS_NEWEST, "decode_attention",
+                      set(ops.dispatch.APPENDS_NEWEST["decode_attention"]))
+  ran = []
+  mine = lambda *args, explicit, **options: ran.append(sorted(options)) or args[0]
+  ops.register_implementation("decode_attention", "mine", mine)
+  assert not appends(None) and not appends("mine")
+  cache = _old_cache((1,))
+  q, new = jnp.zeros((1, K, H)), jnp.zeros((1, K, H))
+  with pytest.raises(NotImplementedError, match="mine reads the newest token from the cache"):
+    ops.decode_attention(q, cache.k, cache.v, cache.lengths + 1, k_new=new, v_new=new,
+                         implementation="mine")
+  ops.register_implementation("decode_attention", "mine", mine, preferred=True,
+                              appends_newest=True)
+  assert appends("mine") and appends(None) == (jax.default_backend() == "cpu")
+  ops.decode_attention(q, cache.k, cache.v, cache.lengths + 1, k_new=new, v_new=new)
+  assert ran == [["k_new", "sm_scale", "soft_cap", "v_new", "window"]]
+
+
+def test_a_decode_step_with_the_token_apart_tries_only_the_backends_that_take_it(monkeypatch):
+  """`implementation=None` on CPU: the step's request goes to "xla_blocked" / "xla", and
+  "pallas" (which reads the token from the cache) is not called at all."""
+  called = []
+  pallas_decode = ops.dispatch.IMPLEMENTATIONS["decode_attention"]["pallas"]
+  monkeypatch.setitem(ops.dispatch.IMPLEMENTATIONS, "decode_attention",
+                      dict(ops.dispatch.IMPLEMENTATIONS["decode_attention"],
+                           pallas=lambda *a, **kw: called.append(1) or pallas_decode(*a, **kw)))
+  cache = _old_cache(OLD_LENGTHS)
+  q, k, v = _qkv(len(OLD_LENGTHS), K)
+  out, _ = cache.update_attend(q, k, v, positions=cache.lengths[:, None], rope_theta=1e4,
+                               new_lengths=None)
+  want, _ = _reference(cache, q, k, v)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5)
+  assert not called
 
 
 def _cache_copies(decode_implementation, batch, capacity):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from jax.experimental import checkify
 
+import kvattn
 from kvattn import KVCache, memory
 
 
@@ -93,6 +94,49 @@ def test_jit_overflow_is_a_checkify_error():
     err.throw()
   err, _ = checked(KVCache.init(1, 4, 1, 4), x)
   err.throw()  # fits: no error
+
+
+def _kinds_holding(lengths):
+  """kvattn's own kinds with a crafted `lengths` state (as `.replace` or a file makes one)."""
+  B, K, H = len(lengths), 2, 4
+  lengths = jnp.asarray(lengths, jnp.int32)
+  caches = {
+      "dense": KVCache.init(B, 8, K, H),
+      "latent": kvattn.LatentCache.init(B, 8, 6, 4),
+      "paged": kvattn.PagedKVCache.contiguous(B, 8, K, H, page_size=4),
+      "ring": kvattn.RingKVCache.init(B, 4, K, H),
+      "sink": kvattn.SinkKVCache.init(B, 1, 4, K, H),
+      "h2o": kvattn.EvictingKVCache.init(B, 4, K, H, policy="h2o"),
+      "length_switch": kvattn.LengthSwitchKVCache.init(B, 8, K, H, switch_length=4,
+                                                       num_kv_heads_after=1),
+  }
+  return {name: c.replace(lengths=lengths) for name, c in caches.items()}
+
+
+def _one_token(cache):
+  if isinstance(cache, kvattn.LatentCache):
+    return jnp.ones((cache.batch, 1, 6)), jnp.ones((cache.batch, 1, 4))
+  return (jnp.ones((cache.batch, 1, 2, 4)),) * 2
+
+
+@pytest.mark.parametrize("kind", sorted(_kinds_holding([0, 0])))
+def test_eager_update_of_a_cache_with_a_negative_length_raises(kind):
+  cache = _kinds_holding([1, -2])[kind]
+  with pytest.raises(ValueError, match=r"cache lengths\[1\] = -2 must (lie in \[0, 8\]|be >= 0)"):
+    cache.update(*_one_token(cache))
+  with pytest.raises(ValueError, match=r"cache lengths\[1\] = -2"):
+    cache.check_state()
+  cache.replace(lengths=jnp.array([0, 0], jnp.int32)).check_state()  # the empty state
+  # Under jit nothing is checked (lengths are traced): a negative length writes nothing.
+  after = jax.jit(lambda c, *new: c.update(*new))(cache, *_one_token(cache))
+  np.testing.assert_array_equal(np.asarray(after.lengths), [2, -1])
+
+
+@pytest.mark.parametrize("kind", ["dense", "latent", "paged", "length_switch"])
+def test_eager_update_of_a_cache_past_its_capacity_raises(kind):
+  cache = _kinds_holding([9, 0])[kind]
+  with pytest.raises(ValueError, match=r"cache lengths\[0\] = 9 must lie in \[0, 8\]"):
+    cache.update(*_one_token(cache))
 
 
 def test_validation():

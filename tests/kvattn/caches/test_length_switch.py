@@ -69,7 +69,7 @@ def test_before_the_switch_outputs_equal_the_dense_cache_exactly(model, step, mo
   switch, caches = _decode(model, _switch_caches(model, 2, 9, sl), TOKENS, step)
   dense, _ = _decode(model, model.init_caches(2, sl), TOKENS[:, :sl], step)
   np.testing.assert_allclose(switch[:, :sl], dense, atol=1e-6, rtol=0)
-  monkeypatch.setattr(kvattn.caches.dense, "appends_newest", lambda implementation: False)
+  monkeypatch.setattr(kvattn.ops.dispatch, "appends_newest", lambda implementation: False)
   write_then_attend = jax.jit(lambda c, t, n: model(t, caches=c, new_lengths=n))
   dense, _ = _decode(model, model.init_caches(2, sl), TOKENS[:, :sl], write_then_attend)
   np.testing.assert_array_equal(switch[:, :sl], dense)

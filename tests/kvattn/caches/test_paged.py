@@ -220,6 +220,22 @@ def test_assign_and_release_slot_under_jit_do_not_recompile():
     c.assign_slot(0, np.zeros(3, np.int32))
 
 
+@pytest.mark.parametrize("args,match", [
+    ((3, [5, 2, -1, -1], 7), r"slot = 3 must lie in \[0, 2\]"),
+    ((0, [5, 2, -1, -1], -1), r"length = -1 must lie in \[0, 16\]"),
+    ((0, [5, 2, 3, 4], 17), r"length = 17 must lie in \[0, 16\]"),
+    ((0, [5, 12, -1, -1], 7), r"pages\[0, 1\] = 12 must be a page in \[0, 12\) or NO_PAGE"),
+    ((0, [5, -1, -1, -1], 7), r"pages\[0, 1\] = NO_PAGE, but row 0 holds 7 tokens"),
+])
+def test_eager_assign_slot_checks_the_slot_length_and_pages(args, match):
+  c = PagedKVCache.init(3, num_pages=12, page_size=PAGE, pages_per_seq=4, num_kv_heads=1,
+                        head_dim=4)
+  slot, pages, length = args
+  with pytest.raises(ValueError, match=match):
+    c.assign_slot(slot, np.array(pages, np.int32), length)
+  assert int(c.assign_slot(1, np.array([5, 2, -1, -1], np.int32), 7).lengths[1]) == 7
+
+
 def test_contiguous_is_a_dense_drop_in():
   c = PagedKVCache.contiguous(2, 10, 2, 8, page_size=PAGE)
   assert c.max_len == 12 and c.num_pages == 6

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -102,3 +103,35 @@ def test_mla_arguments_are_checked_once(monkeypatch):
           for s in ((2, 4, 16), (2, 4, 8), (2, 32, 16), (2, 32, 8))]
   ops.mla_decode_attention(*args, jnp.array([3, 32]), sm_scale=0.2, implementation="xla")
   assert len(calls) == 1
+
+
+def _mla(batch=2, num_heads=4, capacity=32, latent=16, rope=8, seed=0):
+  rng = np.random.RandomState(seed)
+  f = lambda *shape: jnp.asarray(rng.randn(*shape), jnp.float32)
+  return (f(batch, num_heads, latent), f(batch, num_heads, rope), f(batch, capacity, latent),
+          f(batch, capacity, rope))
+
+
+@pytest.mark.parametrize("op", ["decode_attention", "paged_decode_attention",
+                                "mla_decode_attention"])
+@pytest.mark.parametrize("bad,match", [(-1, r"lengths\[1\] = -1"), (33, r"lengths\[1\] = 33")])
+def test_eager_lengths_outside_the_capacity_raise_naming_the_row(op, bad, match):
+  lengths = jnp.array([5, bad], jnp.int32)
+  if op == "decode_attention":
+    q, k, v, _ = _dense()
+    call = lambda lengths: ops.decode_attention(q, k, v, lengths)
+  elif op == "mla_decode_attention":
+    args = _mla()
+    call = lambda lengths: ops.mla_decode_attention(*args, lengths, sm_scale=0.25)
+  else:  # 4 pages of 8 slots per row: capacity 32, as the dense cache
+    q, pages = jnp.ones((2, 4, 16)), jnp.ones((2, 8, 8, 16))
+    tables = jnp.arange(8, dtype=jnp.int32).reshape(2, 4)
+    call = lambda lengths: ops.paged_decode_attention(q, pages, pages, tables, lengths)
+  with pytest.raises(ValueError, match=match) as error:
+    call(lengths)
+  assert "[0, 32]" in str(error.value)
+  # Under jit the documented behaviour stays: a negative length reads nothing (zeros), one
+  # past the capacity reads the whole cache (an overflowed row), no error.
+  out = np.asarray(jax.jit(call)(lengths))
+  want = np.zeros_like(out[1]) if bad < 0 else np.asarray(call(jnp.array([5, 32])))[1]
+  np.testing.assert_allclose(out[1], want, rtol=1e-6, atol=1e-6)
