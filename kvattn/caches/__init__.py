@@ -11,7 +11,8 @@ Kinds (each a file; `registry` names them for configs, `generate` and the CLI):
   `LengthSwitchKVCache`      length_switch.py: K heads up to a length, pooled after.
 Support: `registry` (the one table of cache kinds; `build_caches` and
 `cache_factory_from_config` make a whole model's caches from `{"kind": ..., **options}`),
-`checkpoint` (save / restore with orbax), `protocol` (the interface).
+`checkpoint` (save / restore with orbax), `protocol` (the interface), `_slots` (the
+protocol's bookkeeping members the kinds inherit).
 """
 
 from kvattn.caches import protocol

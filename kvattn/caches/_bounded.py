@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvattn import _checks
+from kvattn.caches import _slots
 from kvattn.caches import dense as cache_lib
-from kvattn.ops import quant
 
 # ----------------------------------------------------------------------------------------------
 # Shared pieces.
@@ -105,43 +105,14 @@ def float_keys(k: jax.Array) -> jax.Array:
   return k.astype(jnp.float32)
 
 
-class BoundedCache:
-  """Members the three kinds share (sizes, storage, the protocol's bookkeeping)."""
+class BoundedCache(_slots.Slots, _slots.KVHeads):
+  """Members the three kinds share (sizes and storage from `_slots`, the protocol's
+  bookkeeping). `capacity` is the window / budget the cache was built with; these kinds
+  never overflow (`lengths` grows past it by design), so they have no `overflowed`."""
 
-  @property
-  def batch(self) -> int:
-    return self.k.shape[0]
-
-  @property
-  def num_kv_heads(self) -> int:
-    return self.k.shape[1]
-
-  @property
-  def capacity(self) -> int:
-    """Token slots per sequence: the window / budget the cache was built with."""
-    return self.k.shape[2]
-
-  @property
-  def head_dim(self) -> int:
-    return self.k.shape[3]
-
-  @property
-  def dtype(self) -> jnp.dtype:
-    return self.k.dtype
-
-  @property
-  def quantized(self) -> bool:
-    return self.k_scale is not None
-
-  @property
-  def storage_slots(self) -> int:
-    """Token slots of the storage arrays: B * capacity (capacity IS the budget)."""
-    return self.batch * self.capacity
-
-  def storage_arrays(self) -> tuple[jax.Array, ...]:
-    """Keys and values (and their scales when quantized). `pos` (and the eviction
-    `scores`) are bookkeeping, like `lengths`."""
-    return (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quantized else ())
+  _SIZES = {"batch": ("k", 0), "num_kv_heads": ("k", 1), "capacity": ("k", 2),
+            "head_dim": ("k", 3)}
+  _VALUES, _SCALES = ("k", "v"), ("k_scale", "v_scale")
 
   def slot_positions(self) -> jax.Array:
     """`i32[B, capacity]`: the original token index held by each slot, -1 for none."""
@@ -172,13 +143,6 @@ class BoundedCache:
     new_lengths = cache_lib.check_new_kv(self, k, v, new_lengths)
     check_q(self, q, k.shape[1])
     return self.update_attend_unchecked(q, k, v, new_lengths=new_lengths, **step)
-
-  def dequantized(self, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
-    """`(k, v)` `[B, K, S, H]` as stored, in `dtype` (scales applied): for tests."""
-    if not self.quantized:
-      return self.k.astype(dtype), self.v.astype(dtype)
-    return (quant.dequantize_kv(self.k, self.k_scale, dtype),
-            quant.dequantize_kv(self.v, self.v_scale, dtype))
 
 
 class WrappingCache(BoundedCache):

@@ -47,6 +47,7 @@ from jax.experimental import checkify
 
 from kvattn import _checks
 from kvattn import ops
+from kvattn.caches import _slots
 from kvattn.caches.protocol import Expand
 from kvattn.ops import quant
 
@@ -73,12 +74,7 @@ def scale_init(shape: tuple[int, ...], dtype) -> jax.Array | None:
   return jnp.ones(shape, quant.SCALE_DTYPE) if quant.is_quantized(dtype) else None
 
 
-def encode(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array | None]:
-  """`(values, scales)` to store `x` (`[..., width]`) in a cache of `dtype`:
-  `quantize_kv` for a quantized dtype, else `(x, None)` (cast on write)."""
-  if quant.is_quantized(dtype):
-    return quant.quantize_kv(x, dtype)
-  return x, None
+encode = _slots.encode  # `(values, scales)` of tokens stored in a cache of `dtype`
 
 
 def resolve_new_lengths(new_lengths, batch: int, num_tokens: int) -> jax.Array:
@@ -170,15 +166,11 @@ def advance_lengths(lengths: jax.Array, new_lengths: jax.Array, capacity: int) -
   return end
 
 
-def slot_positions(lengths: jax.Array, capacity: int) -> jax.Array:
-  """`i32[B, capacity]`: slot s holds token s where `s < lengths[b]`, else -1
-  (the `slot_positions()` of a cache that keeps token t in slot t)."""
-  slots = jnp.arange(capacity, dtype=jnp.int32)[None, :]
-  return jnp.where(slots < lengths[:, None], slots, -1)
+slot_positions = _slots.slot_positions  # token t in slot t (used by the paged kinds too)
 
 
 @struct.dataclass
-class KVCache:
+class KVCache(_slots.TokenSlots, _slots.KVHeads):
   """Dense KV cache of one attention layer (MHA, GQA or MQA).
 
   Attributes:
@@ -220,75 +212,11 @@ class KVCache:
                lengths=jnp.zeros((batch,), jnp.int32),
                k_scale=scale_init(shape[:3], dtype), v_scale=scale_init(shape[:3], dtype))
 
-  @property
-  def batch(self) -> int:
-    return self.k.shape[0]
-
-  @property
-  def num_kv_heads(self) -> int:
-    return self.k.shape[1]
-
-  @property
-  def max_len(self) -> int:
-    return self.k.shape[2]
-
-  @property
-  def head_dim(self) -> int:
-    return self.k.shape[3]
-
-  @property
-  def dtype(self) -> jnp.dtype:
-    return self.k.dtype
-
-  @property
-  def quantized(self) -> bool:
-    """True when values are stored int8/fp8 with scales."""
-    return self.k_scale is not None
-
-  @property
-  def overflowed(self) -> jax.Array:
-    """`bool[B]`: True for sequences that were written past `max_len` under jit."""
-    return self.lengths > self.max_len
-
-  @property
-  def capacity(self) -> int:
-    """Tokens one sequence can hold: S (`max_len`)."""
-    return self.max_len
-
-  @property
-  def storage_slots(self) -> int:
-    """Token slots the storage arrays hold: B * S."""
-    return self.batch * self.max_len
-
-  def slot_positions(self) -> jax.Array:
-    """`i32[B, S]`: slot s holds token s below `lengths[b]`, else -1."""
-    return slot_positions(self.lengths, self.max_len)
-
-  def check_state(self, name: str = "cache") -> None:
-    """Eager check of the bookkeeping (`kvattn.caches.checkpoint.restore_caches` runs it):
-    `lengths` in `[0, capacity]` (the slots then follow from it). Traced: no check.
-
-    Raises:
-      ValueError: naming the leaf and row, e.g. "layer 3 lengths[1] = -2 must lie in [0, 8]".
-    """
-    _checks.values_in_range(f"{name} lengths", self.lengths, 0, self.capacity)
-
-  def storage_arrays(self) -> tuple[jax.Array, ...]:
-    """The arrays whose size grows with the token slots (for `kvattn.memory`):
-    keys and values, and their scales when quantized."""
-    return (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quantized else ())
-
-  def scale_kwargs(self) -> dict[str, jax.Array]:
-    """`{"k_scale": ..., "v_scale": ...}` for the attention ops, or `{}` for a float cache."""
-    return {"k_scale": self.k_scale, "v_scale": self.v_scale} if self.quantized else {}
-
-  def dequantized(self, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
-    """`(k, v)` as `[B, K, S, H]` arrays of `dtype` (`values * scales`; a float cache
-    is only cast). Materialises a copy: for tests and inspection, not decode."""
-    if not self.quantized:
-      return self.k.astype(dtype), self.v.astype(dtype)
-    return (quant.dequantize_kv(self.k, self.k_scale, dtype),
-            quant.dequantize_kv(self.v, self.v_scale, dtype))
+  # Sizes, storage, scales, slots: `_slots` (read from this layout).
+  _SIZES = {"batch": ("k", 0), "num_kv_heads": ("k", 1), "capacity": ("k", 2),
+            "head_dim": ("k", 3)}
+  _VALUES, _SCALES = ("k", "v"), ("k_scale", "v_scale")
+  max_len = _slots.Slots.capacity  # S
 
   def update(self, k_new: jax.Array, v_new: jax.Array,
              new_lengths: jax.Array | None = None) -> "KVCache":
@@ -324,16 +252,11 @@ class KVCache:
 
   def _write(self, k_new, v_new, new_lengths, lengths) -> "KVCache":
     """Scatters the (encoded) tokens at `self.lengths` and sets `lengths` (advanced)."""
-    (k_new, k_s), (v_new, v_s) = encode(k_new, self.dtype), encode(v_new, self.dtype)
 
     def write(buffer, new):  # [B, K, S, ...] <- [B, T, K, ...]
       return write_tokens(buffer, new, self.lengths, new_lengths, slot_axis=2)
 
-    return self.replace(
-        k=write(self.k, k_new), v=write(self.v, v_new), lengths=lengths,
-        k_scale=None if k_s is None else write(self.k_scale, k_s),
-        v_scale=None if v_s is None else write(self.v_scale, v_s),
-    )
+    return self.replace(lengths=lengths, **self.written((k_new, v_new), write))
 
   def attend(
       self,
@@ -447,7 +370,7 @@ class KVCache:
 
 
 @struct.dataclass
-class LatentCache:
+class LatentCache(_slots.TokenSlots):
   """Latent cache of one MLA layer (DeepSeek-V2, arXiv 2405.04434, §2.1.2-2.1.3).
 
   Instead of per-head keys and values, MLA caches per token one compressed
@@ -497,13 +420,10 @@ class LatentCache:
                c_kv_scale=scale_init((batch, max_len), dtype),
                k_rope_scale=scale_init((batch, max_len), dtype))
 
-  @property
-  def batch(self) -> int:
-    return self.c_kv.shape[0]
-
-  @property
-  def max_len(self) -> int:
-    return self.c_kv.shape[1]
+  # Sizes, storage, scales, slots: `_slots` (read from this layout).
+  _SIZES = {"batch": ("c_kv", 0), "capacity": ("c_kv", 1)}
+  _VALUES, _SCALES = ("c_kv", "k_rope"), ("c_kv_scale", "k_rope_scale")
+  max_len = _slots.Slots.capacity  # S
 
   @property
   def kv_lora_rank(self) -> int:
@@ -512,63 +432,6 @@ class LatentCache:
   @property
   def qk_rope_head_dim(self) -> int:
     return self.k_rope.shape[2]
-
-  @property
-  def dtype(self) -> jnp.dtype:
-    return self.c_kv.dtype
-
-  @property
-  def quantized(self) -> bool:
-    """True when the parts are stored int8/fp8 with scales."""
-    return self.c_kv_scale is not None
-
-  @property
-  def overflowed(self) -> jax.Array:
-    """`bool[B]`: True for sequences that were written past `max_len` under jit."""
-    return self.lengths > self.max_len
-
-  @property
-  def capacity(self) -> int:
-    """Tokens one sequence can hold: S (`max_len`)."""
-    return self.max_len
-
-  @property
-  def storage_slots(self) -> int:
-    """Token slots the storage arrays hold: B * S."""
-    return self.batch * self.max_len
-
-  def slot_positions(self) -> jax.Array:
-    """`i32[B, S]`: slot s holds token s below `lengths[b]`, else -1."""
-    return slot_positions(self.lengths, self.max_len)
-
-  def check_state(self, name: str = "cache") -> None:
-    """Eager check of the bookkeeping (`kvattn.caches.checkpoint.restore_caches` runs it):
-    `lengths` in `[0, capacity]` (the slots then follow from it). Traced: no check.
-
-    Raises:
-      ValueError: naming the leaf and row, e.g. "layer 3 lengths[1] = -2 must lie in [0, 8]".
-    """
-    _checks.values_in_range(f"{name} lengths", self.lengths, 0, self.capacity)
-
-  def storage_arrays(self) -> tuple[jax.Array, ...]:
-    """The arrays whose size grows with the token slots (for `kvattn.memory`):
-    both parts, and their scales when quantized."""
-    return (self.c_kv, self.k_rope) + (
-        (self.c_kv_scale, self.k_rope_scale) if self.quantized else ())
-
-  def scale_kwargs(self) -> dict[str, jax.Array]:
-    """`{"c_kv_scale": ..., "k_rope_scale": ...}` for the MLA ops, or `{}` (float cache)."""
-    if not self.quantized:
-      return {}
-    return {"c_kv_scale": self.c_kv_scale, "k_rope_scale": self.k_rope_scale}
-
-  def dequantized(self, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
-    """`(c_kv [B, S, C], k_rope [B, S, R])` in `dtype` (`values * scales`; a float
-    cache is only cast). Materialises a copy (prefill's expanded path, tests)."""
-    if not self.quantized:
-      return self.c_kv.astype(dtype), self.k_rope.astype(dtype)
-    return (quant.dequantize_kv(self.c_kv, self.c_kv_scale, dtype),
-            quant.dequantize_kv(self.k_rope, self.k_rope_scale, dtype))
 
   def update(self, c_kv_new: jax.Array, k_rope_new: jax.Array,
              new_lengths: jax.Array | None = None) -> "LatentCache":
@@ -610,16 +473,11 @@ class LatentCache:
     `cache_protocol.write`); the cache's own state is still checked (eager
     `lengths` and overflow). Subclasses override this one."""
     lengths = advance_lengths(self.lengths, new_lengths, self.max_len)  # raises first
-    (c_new, c_s), (r_new, r_s) = encode(c_kv_new, self.dtype), encode(k_rope_new, self.dtype)
 
     def write(buffer, new):  # [B, S, ...] <- [B, T, ...]
       return write_tokens(buffer, new, self.lengths, new_lengths, slot_axis=1)
 
-    return self.replace(
-        c_kv=write(self.c_kv, c_new), k_rope=write(self.k_rope, r_new), lengths=lengths,
-        c_kv_scale=None if c_s is None else write(self.c_kv_scale, c_s),
-        k_rope_scale=None if r_s is None else write(self.k_rope_scale, r_s),
-    )
+    return self.replace(lengths=lengths, **self.written((c_kv_new, k_rope_new), write))
 
   def attend(
       self,

@@ -62,6 +62,7 @@ import numpy as np
 from flax import struct
 
 from kvattn import _checks
+from kvattn.caches import _slots
 from kvattn.caches import dense as cache_lib
 
 # Phases of a step (the lax.switch index): which segment the queries read.
@@ -106,7 +107,7 @@ def pool_heads(x: jax.Array, num_groups: int, axis: int) -> jax.Array:
 
 
 @struct.dataclass
-class LengthSwitchKVCache:
+class LengthSwitchKVCache(_slots.TokenSlots, _slots.KVHeads):
   """K KV heads for the first `switch_length` tokens of a sequence, K' pooled heads after.
 
   Attributes:
@@ -177,16 +178,13 @@ class LengthSwitchKVCache:
                k_pooled_scale=cache_lib.scale_init(pooled[:3], dtype),
                v_pooled_scale=cache_lib.scale_init(pooled[:3], dtype))
 
-  # -- sizes and the protocol's bookkeeping ---------------------------------------------------
+  # -- sizes and the protocol's bookkeeping (`_slots`, from this layout) ---------------------
 
-  @property
-  def batch(self) -> int:
-    return self.k.shape[0]
-
-  @property
-  def num_kv_heads(self) -> int:
-    """K: the heads the layer projects and the full segment holds."""
-    return self.k.shape[1]
+  _SIZES = {"batch": ("k", 0), "num_kv_heads": ("k", 1), "head_dim": ("k", 3),
+            "capacity": ("k_pooled", 2)}  # K: the heads the layer projects (full segment)
+  _VALUES = ("k", "v", "k_pooled", "v_pooled")
+  _SCALES = ("k_scale", "v_scale", "k_pooled_scale", "v_pooled_scale")
+  max_len = _slots.Slots.capacity  # S, the pooled segment's slots
 
   @property
   def num_kv_heads_after(self) -> int:
@@ -199,67 +197,20 @@ class LengthSwitchKVCache:
     return self.k.shape[2]
 
   @property
-  def capacity(self) -> int:
-    """Tokens one sequence can hold: S, the pooled segment's slots."""
-    return self.k_pooled.shape[2]
-
-  max_len = capacity
-
-  @property
-  def head_dim(self) -> int:
-    return self.k.shape[3]
-
-  @property
-  def dtype(self) -> jnp.dtype:
-    return self.k.dtype
-
-  @property
-  def quantized(self) -> bool:
-    return self.k_scale is not None
-
-  @property
-  def overflowed(self) -> jax.Array:
-    """`bool[B]`: rows written past `capacity` under jit."""
-    return self.lengths > self.capacity
-
-  @property
   def switched(self) -> jax.Array:
     """`bool[B]`: rows holding more than `switch_length` tokens (their queries read the
     pooled heads)."""
     return self.lengths > self.switch_length
 
-  @property
-  def storage_slots(self) -> int:
-    """B * S: the tokens the cache can hold (the full segment is extra bytes per token,
-    so `kvattn.memory.measured_bytes_per_token` reports
-    `(K switch_length / S + K') 2 H itemsize`)."""
-    return self.batch * self.capacity
-
-  def storage_arrays(self) -> tuple[jax.Array, ...]:
-    """Both segments' keys and values (and scales when quantized)."""
-    arrays = (self.k, self.v, self.k_pooled, self.v_pooled)
-    if self.quantized:
-      arrays += (self.k_scale, self.v_scale, self.k_pooled_scale, self.v_pooled_scale)
-    return arrays
-
   def storage_bytes(self) -> int:
-    """The two-segment formula: `B (K switch_length + K' S) 2 (H itemsize + scale bytes)`."""
+    """The two-segment formula: `B (K switch_length + K' S) 2 (H itemsize + scale bytes)`.
+    (`storage_slots` is B * S, the tokens the cache can hold: the full segment is extra
+    bytes per token, so `kvattn.memory.measured_bytes_per_token` reports
+    `(K switch_length / S + K') 2 H itemsize`.)"""
     scale = 4 if self.quantized else 0
     per_head_token = 2 * (self.head_dim * self.dtype.itemsize + scale)
     return self.batch * (self.num_kv_heads * self.switch_length +
                          self.num_kv_heads_after * self.capacity) * per_head_token
-
-  def slot_positions(self) -> jax.Array:
-    """`i32[B, S]`: token s in slot s below `lengths[b]` (in both segments), else -1."""
-    return cache_lib.slot_positions(self.lengths, self.capacity)
-
-  def check_state(self, name: str = "cache") -> None:
-    """Eager check of the bookkeeping: `lengths` in `[0, capacity]` (traced: no check).
-
-    Raises:
-      ValueError: naming the leaf and row, e.g. "layer 3 lengths[1] = -2 must lie in [0, 8]".
-    """
-    _checks.values_in_range(f"{name} lengths", self.lengths, 0, self.capacity)
 
   def full_view(self, lengths: jax.Array) -> cache_lib.KVCache:
     """The full segment as a `KVCache` holding `lengths` tokens (`i32[B]`, <= switch_length)."""
@@ -294,24 +245,15 @@ class LengthSwitchKVCache:
     `cache_protocol.update_attend`); the cache's own state is still checked (eager
     `lengths` and overflow)."""
     lengths = cache_lib.advance_lengths(self.lengths, new_lengths, self.capacity)
-    # Full segment: only tokens below switch_length (write_tokens drops slots >= its S).
-    (k, ks), (v, vs) = cache_lib.encode(k_new, self.dtype), cache_lib.encode(v_new, self.dtype)
-    # Pooled segment: the group means of the same keys and values.
     groups = self.num_kv_heads_after
-    (kp, kps), (vp, vps) = (cache_lib.encode(pool_heads(k_new, groups, 2), self.dtype),
-                            cache_lib.encode(pool_heads(v_new, groups, 2), self.dtype))
 
     def write(buffer, new):  # [B, K, S, ...] <- [B, T, K, ...]
-      if buffer is None:
-        return None
       return cache_lib.write_tokens(buffer, new, self.lengths, new_lengths, slot_axis=2)
 
-    return self.replace(
-        k=write(self.k, k), v=write(self.v, v), k_pooled=write(self.k_pooled, kp),
-        v_pooled=write(self.v_pooled, vp), lengths=lengths,
-        k_scale=write(self.k_scale, ks), v_scale=write(self.v_scale, vs),
-        k_pooled_scale=write(self.k_pooled_scale, kps),
-        v_pooled_scale=write(self.v_pooled_scale, vps))
+    # Full segment: only tokens below switch_length (write_tokens drops slots >= its S);
+    # pooled segment: the group means of the same keys and values.
+    new = (k_new, v_new, pool_heads(k_new, groups, 2), pool_heads(v_new, groups, 2))
+    return self.replace(lengths=lengths, **self.written(new, write))
 
   # -- attention ------------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from flax import struct
 from jax.experimental import checkify
 
 from kvattn import _checks
+from kvattn.caches import _slots
 from kvattn.caches import dense as cache_lib
 from kvattn import ops
 from kvattn.paging.allocator import NO_PAGE, pages_for
@@ -62,7 +63,7 @@ def check_rows(name: str, tables: Any, lengths: Any, num_pages: int, page_size: 
 
 
 @struct.dataclass
-class PagedKVCache:
+class PagedKVCache(_slots.Slots, _slots.KVHeads):
   """Paged KV cache of one attention layer (MHA, GQA or MQA).
 
   Attributes:
@@ -149,14 +150,11 @@ class PagedKVCache:
                     num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                     block_tables=tables)
 
-  # Sizes (static: read from array shapes).
-  @property
-  def batch(self) -> int:
-    return self.block_tables.shape[0]
-
-  @property
-  def num_kv_heads(self) -> int:
-    return self.k_pages.shape[0]
+  # Sizes, storage, scales: `_slots` (read from this layout); the page pool's own below.
+  _SIZES = {"batch": ("block_tables", 0), "num_kv_heads": ("k_pages", 0),
+            "head_dim": ("k_pages", 3)}
+  _VALUES, _SCALES = ("k_pages", "v_pages"), ("k_scale_pages", "v_scale_pages")
+  _SCALE_ARGS = ("k_scale", "v_scale")  # `kvattn.ops.paged_decode_attention`'s names
 
   @property
   def num_pages(self) -> int:
@@ -167,10 +165,6 @@ class PagedKVCache:
     return self.k_pages.shape[2]
 
   @property
-  def head_dim(self) -> int:
-    return self.k_pages.shape[3]
-
-  @property
   def pages_per_seq(self) -> int:
     return self.block_tables.shape[1]
 
@@ -179,14 +173,7 @@ class PagedKVCache:
     """Per-sequence capacity in tokens: `pages_per_seq * page_size`."""
     return self.pages_per_seq * self.page_size
 
-  @property
-  def dtype(self) -> jnp.dtype:
-    return self.k_pages.dtype
-
-  @property
-  def quantized(self) -> bool:
-    """True when the pools hold int8/fp8 values with scale pools."""
-    return self.k_scale_pages is not None
+  capacity = max_len
 
   @property
   def assigned_slots(self) -> jax.Array:
@@ -198,11 +185,6 @@ class PagedKVCache:
   def overflowed(self) -> jax.Array:
     """`bool[B]`: rows whose `lengths` exceed what their assigned pages hold."""
     return self.lengths > self.assigned_slots
-
-  @property
-  def capacity(self) -> int:
-    """Tokens one sequence can hold: `max_len`."""
-    return self.max_len
 
   @property
   def storage_slots(self) -> int:
@@ -235,19 +217,6 @@ class PagedKVCache:
     """`i32[B]`: tokens attention reads per row, `min(lengths, assigned_slots)`
     (tokens an overflow under jit dropped are not attended)."""
     return jnp.minimum(self.lengths, self.assigned_slots)
-
-  def storage_arrays(self) -> tuple[jax.Array, ...]:
-    """The arrays whose size grows with the token slots (for `kvattn.memory`),
-    scale pools included when quantized."""
-    return (self.k_pages, self.v_pages) + (
-        (self.k_scale_pages, self.v_scale_pages) if self.quantized else ())
-
-  def scale_kwargs(self) -> dict[str, jax.Array]:
-    """`{"k_scale": k_scale_pages, "v_scale": v_scale_pages}` for
-    `kvattn.ops.paged_decode_attention`, or `{}` for float pools."""
-    if not self.quantized:
-      return {}
-    return {"k_scale": self.k_scale_pages, "v_scale": self.v_scale_pages}
 
   # Pure updates.
   def update(self, k_new: jax.Array, v_new: jax.Array,
@@ -303,17 +272,12 @@ class PagedKVCache:
                                jnp.clip(logical, 0, self.pages_per_seq - 1), axis=1)
     page = jnp.where(real & fits, page, num_pages)  # num_pages = dropped
     offset = slots % page_size
-    (k_new, k_s), (v_new, v_s) = (cache_lib.encode(k_new, self.dtype),
-                                  cache_lib.encode(v_new, self.dtype))
 
     def write(pool, new):  # pool[:, page, offset] is [K, B, T, ...]: head-major new tokens
       return pool.at[:, page, offset].set(jnp.moveaxis(new, 2, 0).astype(pool.dtype),
                                           mode="drop")
 
-    return self.replace(
-        k_pages=write(self.k_pages, k_new), v_pages=write(self.v_pages, v_new), lengths=lengths,
-        k_scale_pages=None if k_s is None else write(self.k_scale_pages, k_s),
-        v_scale_pages=None if v_s is None else write(self.v_scale_pages, v_s))
+    return self.replace(lengths=lengths, **self.written((k_new, v_new), write))
 
   def attend(
       self,

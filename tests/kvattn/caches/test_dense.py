@@ -122,11 +122,12 @@ def _one_token(cache):
 @pytest.mark.parametrize("kind", sorted(_kinds_holding([0, 0])))
 def test_eager_update_of_a_cache_with_a_negative_length_raises(kind):
   cache = _kinds_holding([1, -2])[kind]
-  with pytest.raises(ValueError, match=r"cache lengths\[1\] = -2 must (lie in \[0, 8\]|be >= 0)"):
+  with pytest.raises(ValueError,
+                     match=r"cache lengths\[1\] = -2 must (lie in \[0, 8\]|be >= 0)"):
     cache.update(*_one_token(cache))
   with pytest.raises(ValueError, match=r"cache lengths\[1\] = -2"):
     cache.check_state()
-  cache.replace(lengths=jnp.array([0, 0], jnp.int32)).check_state()  # the empty state
+  cache.replace(lengths=jnp.array([0, 0], jnp.int32)).check_state()  # empty: valid
   # Under jit nothing is checked (lengths are traced): a negative length writes nothing.
   after = jax.jit(lambda c, *new: c.update(*new))(cache, *_one_token(cache))
   np.testing.assert_array_equal(np.asarray(after.lengths), [2, -1])

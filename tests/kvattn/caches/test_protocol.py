@@ -91,6 +91,53 @@ def test_every_cache_kind_implements_its_protocol():
   assert memory.measured_bytes_per_token(toy) == memory.gqa_bytes_per_token(2, 4, jnp.float32)
 
 
+# kvattn's kinds with int8 storage: (cache, B, capacity, storage_slots, K, H, storage arrays,
+# has `overflowed`). The members come from `kvattn.caches._slots`; these are their values.
+def _int8_kinds():
+  i8 = jnp.int8
+  return {
+      "dense": (kvattn.KVCache.init(2, 8, 3, 4, i8), 2, 8, 16, 3, 4, 4, True),
+      "latent": (kvattn.LatentCache.init(2, 8, 6, 2, i8), 2, 8, 16, None, None, 4, True),
+      "paged": (kvattn.PagedKVCache.init(3, num_pages=5, page_size=4, pages_per_seq=2,
+                                         num_kv_heads=3, head_dim=4, dtype=i8),
+                3, 8, 20, 3, 4, 4, True),
+      "ring": (kvattn.RingKVCache.init(2, 5, 3, 4, i8), 2, 5, 10, 3, 4, 4, False),
+      "sink": (kvattn.SinkKVCache.init(2, 1, 4, 3, 4, i8), 2, 5, 10, 3, 4, 4, False),
+      "h2o": (kvattn.EvictingKVCache.init(2, 6, 3, 4, i8, policy="h2o"), 2, 6, 12, 3, 4, 4,
+              False),
+      "length_switch": (kvattn.LengthSwitchKVCache.init(2, 8, 3, 4, i8, switch_length=3,
+                                                        num_kv_heads_after=1),
+                        2, 8, 16, 3, 4, 8, True),
+  }
+
+
+@pytest.mark.parametrize("kind", sorted(_int8_kinds()))
+def test_every_kind_reports_its_bookkeeping(kind):
+  cache, batch, capacity, slots, heads, head_dim, arrays, overflows = _int8_kinds()[kind]
+  assert (cache.batch, cache.capacity, cache.storage_slots) == (batch, capacity, slots)
+  assert cache.dtype == jnp.int8 and cache.quantized
+  stored = cache.storage_arrays()
+  assert len(stored) == arrays and all(a.dtype in (jnp.int8, jnp.float32) for a in stored)
+  assert set(cache.scale_kwargs()) <= {"k_scale", "v_scale", "c_kv_scale", "k_rope_scale",
+                                       "k_pooled_scale", "v_pooled_scale"}
+  if heads is None:  # an MLA cache has no GQA sizes, so it never passes for a GQACache
+    assert not hasattr(cache, "num_kv_heads") and not hasattr(cache, "head_dim")
+    assert isinstance(cache, cache_protocol.MLACache)
+  else:
+    assert (cache.num_kv_heads, cache.head_dim) == (heads, head_dim)
+    assert isinstance(cache, cache_protocol.GQACache)
+  assert hasattr(cache, "overflowed") == overflows  # bounded kinds never overflow
+  if overflows:
+    assert not np.asarray(cache.overflowed).any()
+  float_cache = dict(dense=kvattn.KVCache.init(2, 8, 3, 4), latent=kvattn.LatentCache.init(
+      2, 8, 6, 2)).get(kind)
+  if float_cache is not None:
+    assert not float_cache.quantized and float_cache.scale_kwargs() == {}
+    assert len(float_cache.storage_arrays()) == 2
+    np.testing.assert_array_equal(np.asarray(cache.dequantized()[0]), 0)
+  cache.check_state()  # the empty state is valid
+
+
 def test_slot_positions_say_which_token_each_slot_holds():
   k = jax.random.normal(jax.random.key(0), (2, 3, 2, 4))
   new = jnp.array([3, 1])

@@ -61,8 +61,9 @@ def test_auto_falls_back_to_xla_on_cpu():
 def test_explicit_pallas_runs_interpreted_and_matches_xla():
   q, k, v = _dense(v_dim=32)
   lengths = jnp.array([0, 17, 40])  # 40 > S: clamped like the XLA path's overflow contract
-  for window in (None, 9):
-    pallas = ops.decode_attention(q, k, v, lengths, window=window, implementation="pallas")
+  decode = jax.jit(ops.decode_attention, static_argnames=("window", "implementation"))
+  for window in (None, 9):  # jitted: eager, a length past S is refused before any backend
+    pallas = decode(q, k, v, lengths, window=window, implementation="pallas")
     xla = ops.decode_attention(q, k, v, jnp.minimum(lengths, 32), window=window,
                                implementation="xla")
     np.testing.assert_allclose(pallas, xla, atol=2e-5, rtol=2e-5)
@@ -85,9 +86,10 @@ def test_unsupported_options_and_shapes_fall_back():
       ops.decode_attention(q, k, v, lengths),
       ops.decode_attention(q, k, v, lengths, implementation="xla"))
   q, k, v = _dense(head_dim=24)  # soft cap and a padded head dim run in the kernel now
-  np.testing.assert_allclose(
-      ops.decode_attention(q, k, v, lengths, soft_cap=3.0, implementation="pallas"),
-      ops.decode_attention(q, k, v, lengths, soft_cap=3.0, implementation="xla"),
+  decode = jax.jit(ops.decode_attention, static_argnames=("soft_cap", "implementation"))
+  np.testing.assert_allclose(  # jitted: row 2 (40 > S = 32) is an overflowed row, clamped
+      decode(q, k, v, lengths, soft_cap=3.0, implementation="pallas"),
+      decode(q, k, v, lengths, soft_cap=3.0, implementation="xla"),
       atol=2e-5, rtol=2e-5)
   q_latent, q_rope, c_kv, k_rope = _latent(rope=8)  # R = 8 < 16: padded to a Triton width
   np.testing.assert_allclose(
