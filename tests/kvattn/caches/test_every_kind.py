@@ -15,6 +15,9 @@ Invariants (DESIGN.md, "Cache protocol"):
     step's output is the input's buffer (XLA aliased the donation);
   * save / restore round-trips every leaf bit for bit;
   * measured bytes per token equal the analytic count.
+
+The latent cache (kind "dense" of an MLA model) runs the same invariants below; the
+sharded kinds need a device mesh and are checked against one device in tests/sharding.
 """
 
 from __future__ import annotations
@@ -181,3 +184,61 @@ def test_measured_bytes_per_token_equal_the_analytic_count(model, kind, dtype):
     pooled = memory.gqa_bytes_per_token(after, attn.head_dim, dtype)
     per_layer = full + pooled
   assert measured == pytest.approx(model.num_layers * per_layer), kind
+
+
+# ----------------------------------------------------------------------------------------------
+# The latent cache: kind "dense" of an MLA model builds `LatentCache`s.
+
+MLA = dict(kind="mla", num_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+           v_head_dim=8)
+
+
+@pytest.fixture(scope="module")
+def mla_model():
+  cfg = transformer.model_config(d_model=32, num_layers=2, mlp_dim=64, attention=MLA)
+  return transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
+
+
+def test_the_latent_cache_keeps_the_invariants(mla_model, prompts, tmp_path):
+  model, max_len = mla_model, int(PROMPT_LENGTHS.max()) + NEW_TOKENS
+  caches = registry.build_caches(model, 2, max_len, None, {"kind": "dense"})
+  assert all(type(c).__name__ == "LatentCache" for c in caches)
+  # Garbage in unused slots changes nothing, bit for bit.
+  np.testing.assert_array_equal(_prefill_logits(model, _poison(caches), prompts),
+                                _prefill_logits(model, caches, prompts))
+  factory = registry.cache_factory_from_config(model, {"kind": "dense"})
+  clean, _ = generate(model, prompts, PROMPT_LENGTHS, NEW_TOKENS, cache_factory=factory)
+  dirty, _ = generate(model, prompts, PROMPT_LENGTHS, NEW_TOKENS,
+                      cache_factory=lambda b, n, d=None: _poison(factory(b, n, d)))
+  np.testing.assert_array_equal(np.asarray(dirty), np.asarray(clean))
+  # A row of a ragged batch equals the row alone.
+  alone, _ = generate(model, prompts[1:, :PROMPT_LENGTHS[1]], PROMPT_LENGTHS[1:], NEW_TOKENS)
+  np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(clean)[1])
+  # Save / restore bit for bit (int8 latents with their scales).
+  caches = registry.build_caches(model, 2, 16, jnp.int8, {"kind": "dense"})
+  _, caches, _ = prefill(model, prompts, PROMPT_LENGTHS, caches)
+  checkpoint.save_caches(tmp_path / "ckpt", caches)
+  restored, _, _ = checkpoint.restore_caches(
+      tmp_path / "ckpt", registry.build_caches(model, 2, 16, jnp.int8, {"kind": "dense"}))
+  for a, b in zip(jax.tree.leaves(caches), jax.tree.leaves(restored)):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+  # Measured bytes per token: C + R numbers per layer (+ one f32 scale per part when int8).
+  for dtype, per_layer in ((jnp.float32, (16 + 4) * 4), (jnp.int8, 16 + 4 + 2 * 4)):
+    built = registry.build_caches(model, 2, 16, dtype, {"kind": "dense"})
+    assert sum(memory.measured_bytes_per_token(c) for c in built) == 2 * per_layer
+
+
+def test_the_donated_latent_cache_is_updated_in_place(mla_model, prompts):
+  model = mla_model
+  caches = registry.build_caches(model, 2, 16, None, {"kind": "dense"})
+  first, caches, _ = prefill(model, prompts, PROMPT_LENGTHS, caches)
+  graphdef, state = nnx.split(model)
+
+  def _step(state, caches, tokens):
+    _, caches = nnx.merge(graphdef, state)(tokens, caches)
+    return caches
+
+  step = jax.jit(_step, donate_argnums=1)
+  before = [a.unsafe_buffer_pointer() for c in caches for a in c.storage_arrays()]
+  after = step(state, caches, first[:, None])
+  assert [a.unsafe_buffer_pointer() for c in after for a in c.storage_arrays()] == before
