@@ -195,7 +195,7 @@ class Peer:
     self._request = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
     json.dump(request, self._request)
     self._request.close()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     self.proc = subprocess.Popen(
         [python, "-m", PEERS[name], "--request", self._request.name], cwd=root,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
