@@ -170,6 +170,7 @@ def resolve_rules(rules: Mapping[str, Any] | Sequence[tuple[str, Any]] | None
 
 
 def mesh_axes(value: Any) -> tuple[str, ...]:
+  """A rules-table value (None, one mesh axis name, or several) as a tuple of axis names."""
   return () if value is None else (value,) if isinstance(value, str) else tuple(value)
 
 

@@ -33,6 +33,8 @@ from kvattn.caches import dense as cache_lib
 
 
 def check_q(cache, q, num_tokens: int) -> None:
+  """Checks queries `q: [B, T, N, H]` (floating) against the cache's B, H and K (N a
+  multiple of K) and `num_tokens` = T; ValueError/TypeError naming `q`."""
   _checks.rank("q", q, 4, "[B, T, N, H]")
   _checks.floating("q", q)
   if q.shape[0] != cache.batch or q.shape[1] != num_tokens or q.shape[3] != cache.head_dim:
@@ -42,6 +44,8 @@ def check_q(cache, q, num_tokens: int) -> None:
 
 
 def check_implementation(cache, implementation) -> None:
+  """ValueError unless `implementation` is None or "xla" (the bounded kinds attend through
+  the XLA positional path only)."""
   if implementation not in (None, "xla"):
     raise ValueError(f"implementation must be None or 'xla' for a {type(cache).__name__} (its "
                      f"attention is the XLA positional path); got {implementation!r}")
@@ -81,6 +85,8 @@ def encode_new(cache, k_new, v_new):
 
 
 def concat(stored, new, axis: int = 2):
+  """`stored` followed by `new` along the slot `axis` (None stays None: a float cache's
+  absent scales)."""
   return None if stored is None else jnp.concatenate([stored, new], axis=axis)
 
 
@@ -93,10 +99,12 @@ def scatter_slots(buffer: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Ar
 
 
 def scale_kwargs(k_scale, v_scale) -> dict[str, Any]:
+  """The `k_scale=`/`v_scale=` keywords of the positional ops: empty for a float cache."""
   return {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
 
 
 def min_window(a: int | None, b: int | None) -> int | None:
+  """The narrower of two windows in tokens (None: no window)."""
   return b if a is None else (a if b is None else min(a, b))
 
 
