@@ -14,7 +14,8 @@ Measured per point, at batch 1:
     `kvattn.training.data` (held out: nothing here trains on it), fed `text.chunk`
     tokens per forward pass (exact for this cache: a chunk's queries below
     the switch read the full heads, the others the pooled ones);
-  * decode: `decode.steps` timed single-token steps after that text (every
+  * decode: `decode.steps` greedy steps after that text through
+    `kvattn.generate`'s compiled decode loop (`timing.decode_rounds`; every
     row has switched when `switch_length < context`): tokens/s (wall) and CPU
     seconds per step (`time.process_time`, all threads);
   * cache bytes per sequence, measured from the arrays and checked against
@@ -45,7 +46,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import time
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -60,6 +60,7 @@ from experiments.framework import results
 from experiments.framework import runner
 from experiments.framework import overrides
 from experiments.framework import checks
+from experiments.framework import timing
 from kvattn.models import convert
 from kvattn import memory
 
@@ -188,7 +189,7 @@ class LengthSwitchFamily:
     dtype = jnp.dtype(d["model"]["dtype"])
     context, chunk = d["text"]["context"], d["text"]["chunk"]
     steps, new_tokens = d["decode"]["steps"], d["passkey"]["new_tokens"]
-    max_len = capacity(context, chunk, max(steps, new_tokens))
+    max_len = capacity(context, chunk, max(2 * steps, new_tokens))  # a compiling round too
 
     # Perplexity of the first `context` tokens, then decode speed from there.
     ids = text_lib.corpus_tokens(tokenizer, context + 1)
@@ -204,15 +205,10 @@ class LengthSwitchFamily:
     switched = bool(all(np.asarray(getattr(c, "switched", np.zeros(1, bool)))[0]
                         for c in caches))
     read = sum(_read_per_step(c) for c in caches)
-    tok = jnp.asarray(ids[-1:].reshape(1, 1))
+    # Timed through generate's compiled decode loop, caches donated (one untimed round compiles).
+    timed = timing.decode_rounds({"own": (model, jnp.asarray(ids[-1:]), caches)}, steps, 1)
+    wall, cpu = timed["own"]["wall"][0], timed["own"]["cpu"][0]
     one = jnp.ones((1,), jnp.int32)
-    logits, caches = step(state, caches, tok, one)  # compiles; untimed
-    jax.block_until_ready(logits)
-    wall, cpu = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-      logits, caches = step(state, caches, tok, one)
-    jax.block_until_ready(logits)
-    wall, cpu = (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
 
     # Passkey retrieval, one prompt per depth (batch 1: the shapes of the runs above).
     rng = np.random.default_rng(d["passkey"]["seed"])
@@ -447,9 +443,10 @@ def decode_speed(model, contexts: Sequence[int], *, switch_length: int = 256,
   `mha_model`, by default `model` with its KV heads duplicated to N by
   `kvattn.models.convert.regroup_kv_heads`: the same logits, an MHA cache). Each cache holds
   `context` tokens (zeros: a step's cost does not depend on the values), so the switch cache
-  has switched when `switch_length < context`. Every kind compiles first (one untimed step);
-  then each of `repeats` rounds times `steps` steps of every kind in turn, so all kinds see
-  the same machine load and their ratios are measured in one run.
+  has switched when `switch_length < context`. Every kind compiles first (one untimed round);
+  then each of `repeats` rounds times `steps` steps of every kind in turn through
+  `kvattn.generate`'s compiled decode loop (`timing.decode_rounds`), so all kinds see the
+  same machine load and their ratios are measured in one run.
 
   Returns one row per (context, kind): `num_kv_heads` (the KV heads a step reads),
   `wall_s_per_step` and `cpu_s_per_step`
@@ -463,43 +460,27 @@ def decode_speed(model, contexts: Sequence[int], *, switch_length: int = 256,
     raise ValueError(f"kinds must be a non-empty subset of {SPEED_KINDS}; got {tuple(kinds)!r}")
   if "mha" in kinds and mha_model is None:
     mha_model = convert.regroup_kv_heads(model, model.layers[0].attn.num_heads)
-  tok, one = jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32)
   rows = []
   for context in contexts:
-    max_len = context + steps * repeats + 2
-    runs = {}
+    max_len = context + steps * (repeats + 1) + 2
+    runs, heads = {}, {}
     for kind in kinds:
       m = mha_model if kind == "mha" else model
-      graphdef, state = nnx.split(m)
-      step = _step_fn(graphdef)
       caches = (m.init_caches(1, max_len, cache={
           "kind": "length_switch", "switch_length": switch_length,
           "num_kv_heads_after": num_kv_heads_after})
                 if kind == "length_switch" else m.init_caches(1, max_len))
       caches = tuple(c.replace(lengths=jnp.full((1,), context, jnp.int32)) for c in caches)
-      logits, caches = step(state, caches, tok, one)  # compiles; untimed
-      jax.block_until_ready(logits)
-      runs[kind] = [step, state, caches]
-    walls = {kind: [] for kind in kinds}
-    cpus = {kind: [] for kind in kinds}
-    for _ in range(repeats):
-      for kind in kinds:
-        step, state, caches = runs[kind]
-        wall, cpu = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-          logits, caches = step(state, caches, tok, one)
-        jax.block_until_ready(logits)
-        walls[kind].append((time.perf_counter() - wall) / steps)
-        cpus[kind].append((time.process_time() - cpu) / steps)
-        runs[kind][2] = caches
-    for kind in kinds:
-      heads = runs[kind][2][0].num_kv_heads
+      heads[kind] = caches[0].num_kv_heads
       if kind == "length_switch" and context > switch_length:
-        heads = num_kv_heads_after  # the heads a step reads once the row has switched
-      rows.append({"context": context, "cache": kind, "num_kv_heads": heads, "steps": steps,
-                   "repeats": repeats, "wall_s_per_step": float(np.median(walls[kind])),
-                   "cpu_s_per_step": float(np.median(cpus[kind])),
-                   "wall_rounds": walls[kind]})
+        heads[kind] = num_kv_heads_after  # the heads a step reads once the row has switched
+      runs[kind] = (m, jnp.zeros((1,), jnp.int32), caches)
+    timed = timing.decode_rounds(runs, steps, repeats)  # generate's compiled decode loop
+    for kind in kinds:
+      walls, cpus = timed[kind]["wall"], timed[kind]["cpu"]
+      rows.append({"context": context, "cache": kind, "num_kv_heads": heads[kind],
+                   "steps": steps, "repeats": repeats, "wall_s_per_step": float(np.median(walls)),
+                   "cpu_s_per_step": float(np.median(cpus)), "wall_rounds": walls})
     del runs
   return rows
 

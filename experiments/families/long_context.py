@@ -28,15 +28,16 @@ at a budget (`registry.spec_at_budget`), on the model `model.name`
   * speed (one extra point, `cache.kind = "speed"`): every kind of
     `speed.kinds` at every budget of `speed.budgets`, and the full cache
     holding (up to) `text.num_tokens` tokens, are filled (the bounded ones past their
-    budget, so every decode step evicts), then decoded at batch 1 in
-    `speed.repeats` interleaved rounds of `speed.steps` timed steps each (the
-    order rotates every round). Per round the step times are turned into
+    budget, so every decode step evicts), then decoded at batch 1 through
+    `kvattn.generate`'s compiled decode loop (`timing.decode_rounds`) in
+    `speed.repeats` interleaved rounds of `speed.steps` steps each (the order
+    rotates every round). Per round the step times are turned into
     ratios -- tokens/s over the full cache's, step time over the plain ring's
     at the same budget (the eviction overhead) -- and the report gives their
     medians: ratios measured side by side survive a shared, noisy machine
     where absolute times do not.
 
-Every forward pass goes through `scan_forward`: the model's layers in one
+Every forward pass but the timed decode goes through `scan_forward`: the model's layers in one
 `lax.scan` (the same Block modules, their states stacked), so a point compiles
 one layer body instead of the 30 unrolled layers of SmolLM2 (seconds instead of
 tens of seconds per compile, the bulk of a smoke run); the caches are donated
@@ -64,6 +65,7 @@ from experiments.framework import results
 from experiments.framework import runner
 from experiments.framework import overrides
 from experiments.framework import checks
+from experiments.framework import timing
 from experiments.evals import models
 from experiments.evals import text as text_lib
 from kvattn.caches import registry as cache_registry
@@ -127,11 +129,6 @@ def _steps(defs):
     return jnp.argmax(scan.logits_from_hidden(params, h), axis=-1).astype(jnp.int32), caches
 
   return nll_step, next_step
-
-
-def _ready(x):
-  jax.block_until_ready(x)
-  return x
 
 
 class LongContextFamily:
@@ -330,9 +327,9 @@ class LongContextFamily:
     dtype = jnp.dtype(d["model"]["dtype"])
     chunk, steps, repeats = text["chunk"], speed["steps"], speed["repeats"]
     ids, _, full_len = self._inputs(point, tokenizer)
-    decoded = steps * repeats + 1
+    decoded = steps * (repeats + 1)  # the first, untimed round compiles
     if full_len - decoded < 1:
-      raise ValueError(f"speed.steps x speed.repeats + 1 = {decoded} decode steps do not fit the "
+      raise ValueError(f"speed.steps x (speed.repeats + 1) = {decoded} decode steps do not fit the "
                        f"full cache of {full_len} tokens: lower them or raise text.num_tokens")
     entries = {"dense": ("dense", None, {"kind": "dense"},
                         min(text["num_tokens"], full_len - decoded))}
@@ -341,25 +338,14 @@ class LongContextFamily:
         entries[f"{kind}-{budget}"] = (
             kind, budget, policy_dict({**d["cache"], "kind": kind, "budget": budget}),
             min(text["num_tokens"], budget + chunk))  # past the budget: every step evicts
-    one, zero = jnp.ones((1,), jnp.int32), jnp.zeros((1,), jnp.int32)
-    state = {}
+    runs = {}
     for name, (_, _, policy, fill) in entries.items():
       caches = self._caches(model, 1, full_len, dtype, policy)[0]
       _, caches = self._fill(params, nll_step, caches, ids, fill, chunk)
-      nxt, caches = next_step(params, caches, jnp.asarray(ids[fill:fill + 1])[None], one, zero)
-      state[name] = _ready((nxt, caches))  # the untimed first step compiles
-    names = list(entries)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-      for name in names[r % len(names):] + names[:r % len(names)]:
-        nxt, caches = state[name]
-        t0 = time.perf_counter()
-        for _ in range(steps):
-          nxt, caches = next_step(params, caches, nxt[:, None], one, zero)
-        _ready(nxt)
-        times[name].append((time.perf_counter() - t0) / steps)
-        state[name] = (nxt, caches)
-    del state
+      layers = tuple(jax.tree.map(lambda x, i=i: x[i], caches) for i in range(len(model.layers)))
+      runs[name] = (model, jnp.asarray(ids[fill:fill + 1]), layers)
+    rounds = timing.decode_rounds(runs, steps, repeats)  # generate's compiled decode loop
+    times = {name: rounds[name]["wall"] for name in runs}
     out = {}
     for name, (kind, budget, _, fill) in entries.items():
       t = np.array(times[name])

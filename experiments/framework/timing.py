@@ -11,7 +11,8 @@ stopping it:
     several timers in turn, so load from other processes hits them alike and
     ratios measured within one run stay meaningful.
   * `timed_prefill` / `timed_decode`: `kvattn.generate`'s compiled prefill and
-    greedy decode loop.
+    greedy decode loop; `decode_rounds` times that loop on several caches in
+    interleaved rounds.
   * `stats(name, values)`: median, min and max under `name`, `name_min`,
     `name_max`.
 
@@ -134,3 +135,42 @@ def timed_decode(model: Any, first: jax.Array, caches: Any, new_tokens: int, key
   seconds, cpu, (tokens, lengths, caches) = timed(decode, model, first, caches, new_tokens,
                                                   sampling=Sampling(), rng=key)
   return seconds, cpu, tokens, lengths, caches
+
+
+def decode_rounds(runs: dict[str, tuple[Any, jax.Array, Any]], steps: int, repeats: int
+                  ) -> dict[str, dict[str, list[float]]]:
+  """Greedy decode steps of several (model, caches) pairs through `kvattn.generate`'s compiled
+  decode loop (caches donated), timed in `repeats` interleaved rounds of `steps` steps.
+
+  Args:
+    runs: name -> `(model, first tokens i32[B], prefilled caches)`; each caches must have room
+      for `(repeats + 1) * steps` more tokens per row. The caches are donated.
+    steps: model steps per timed call (one call of the loop, `steps + 1` tokens returned).
+    repeats: timed rounds; the first untimed round compiles. The order of the runs rotates
+      every round, so load from other processes hits them alike.
+
+  Returns:
+    name -> `{"wall": [seconds per step, one per round], "cpu": [process CPU seconds per
+    step], "tokens": i32[B, (repeats + 1) * steps + 1] (the first tokens, then every token
+    decoded: the greedy continuation)}`.
+  """
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from kvattn.inference.generation import Sampling, decode  # pylint: disable=g-import-not-at-top
+  state, decoded = {}, {}
+  for name, (model, first, caches) in runs.items():  # the untimed first call compiles
+    tokens, _, caches = decode(model, first, caches, steps + 1, sampling=Sampling())
+    state[name], decoded[name] = (model, tokens[:, -1], caches), [tokens]
+  names = list(state)
+  out: dict[str, dict[str, Any]] = {n: {"wall": [], "cpu": []} for n in names}
+  for r in range(repeats):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      model, first, caches = state[name]
+      wall, cpu, (tokens, _, caches) = timed(decode, model, first, caches, steps + 1,
+                                             sampling=Sampling())
+      out[name]["wall"].append(wall / steps)
+      out[name]["cpu"].append(cpu / steps)
+      state[name] = (model, tokens[:, -1], caches)
+      decoded[name].append(tokens[:, 1:])
+  for name in names:
+    out[name]["tokens"] = jnp.concatenate(decoded[name], axis=1)
+  return out
