@@ -52,6 +52,10 @@ FLOAT_ONLY = {"reversed"}
 """Kinds that store no quantization scales: building them int8 is a TypeError."""
 
 KINDS = sorted(SETTINGS)
+SLOW_KINDS = {"snapkv", "tova", "recent", "random", "knorm"}
+"""Eviction policies that share h2o's cache class (only the score differs; each score has its
+own tests in test_eviction.py): the two generate-heavy tests run them under `-m slow`."""
+HEAVY_KINDS = [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_KINDS else k for k in KINDS]
 PROMPT_LENGTHS = np.array([9, 5], np.int32)
 NEW_TOKENS = 6
 
@@ -102,7 +106,7 @@ def test_every_registered_kind_has_settings():
       "add an easy and a hard setting for the new kind to SETTINGS")
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", HEAVY_KINDS)
 def test_with_room_for_every_token_results_equal_the_dense_cache(model, prompts, kind):
   max_len = int(PROMPT_LENGTHS.max()) + NEW_TOKENS
   dense = model.init_caches(2, max_len)
@@ -115,7 +119,7 @@ def test_with_room_for_every_token_results_equal_the_dense_cache(model, prompts,
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", HEAVY_KINDS)
 def test_garbage_in_unused_slots_and_per_sequence_lengths(model, prompts, kind):
   spec = _spec(kind, 1)
   factory = registry.cache_factory_from_config(model, spec)

@@ -44,8 +44,9 @@ def _poisoned(x, lengths, slot_axis):
   return jnp.where(unused, jnp.nan, x)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (16, 2)])  # G = 1, G = 8
-@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("window,num_heads,num_kv_heads", [  # G = 1, G = 8; the mixed cases slow
+    (None, 2, 2), (20, 16, 2), pytest.param(None, 16, 2, marks=pytest.mark.slow),
+    pytest.param(20, 2, 2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("implementation", _backends("decode_attention"))
 def test_dense_decode(implementation, window, num_heads, num_kv_heads):
   rng = np.random.default_rng(0)
