@@ -342,6 +342,7 @@ ALL_POLICIES = [{"kind": "sink", "num_sinks": 2, "window": 30}, {"kind": "ring",
                 ] + [{"kind": p, "budget": 32} for p in eviction.POLICIES]
 
 
+@pytest.mark.slow  # fast suite: test_every_kind.py's easy settings equal the dense cache
 def test_every_kind_with_room_for_everything_gives_the_dense_logits():
   model = _model(num_layers=1)
   tokens = jax.random.randint(jax.random.key(2), (B, 20), 0, 256)
@@ -376,6 +377,7 @@ def _generate_tight(model, policies):
     np.testing.assert_array_equal(np.asarray(got_len), 8)
 
 
+@pytest.mark.slow  # fast suite: test_every_kind.py runs generate with every kind, ragged
 def test_generate_with_each_kind_batched():
   model = _model()
   prompts, lengths = PROMPTS, PROMPT_LENGTHS
