@@ -10,8 +10,12 @@
     `rope_scaling` / `sliding_window` when the file sets them).
   * `tensors`: HF names (`model.layers.0.self_attn.q_proj.weight`, ...) ->
     `f32` arrays in torch layout `[out_features, in_features]`, dequantized
-    (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) and, for `llama`, with
-    llama.cpp's row permutation of the Q and K projections undone.
+    (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and, for `llama`,
+    with llama.cpp's row permutation of the Q and K projections undone (`qwen2`, `qwen3`
+    and `gemma3` rotate halves as HF does); for `gemma3`, the norm scales llama.cpp
+    stores as 1 + w are turned back into HF's w. Architectures: `llama`, `qwen2`,
+    `qwen3` (qk-norm) and `gemma3` (-> model_type `gemma3_text`, with llama.cpp's
+    layer pattern, local RoPE base and query scale, which the file does not state).
     `lm_head.weight` is present only when the file has `output.weight`
     (otherwise the head is tied to the embedding).
   * `tokenizer`: a `kvattn.checkpoints.tokenizer.Tokenizer` from the file's metadata, or
@@ -41,8 +45,15 @@ import numpy as np
 
 from kvattn.checkpoints import tokenizer as tokenizer_lib
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
+                   "Q6_K")
+# general.architecture -> the HF model_type of the config it becomes.
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+# llama.cpp's Gemma 3 constants the file does not state (llama-model.cpp): one global layer in
+# six (layers 5, 11, ...), local RoPE base 10k unless `gemma3.rope.freq_base_swa` says.
+_GEMMA3_PATTERN = 6
+_GEMMA3_LOCAL_BASE = 10000.0
 
 # GGUF tensor name -> HF name; "{i}" is the layer index.
 _GLOBAL_NAMES = {
@@ -64,10 +75,31 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-# Tensors every file needs ("{i}": each layer); output.weight is optional (tied head) and the
-# attention biases are qwen2's.
-_REQUIRED_TENSORS = ("token_embd.weight", "output_norm.weight",
-                     *(f"blk.{{i}}.{name}" for name in _LAYER_NAMES if name.endswith(".weight")))
+_QK_NORM_NAMES = {
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# Gemma 3's four norms: llama.cpp's ffn_norm is the norm before the MLP, which HF calls
+# pre_feedforward_layernorm (post_attention_layernorm is the norm of the attention output).
+_GEMMA3_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if ".bias" not in k}, **_QK_NORM_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# Per architecture, GGUF layer tensor -> HF name (qwen2's are llama's with attention biases).
+_ARCH_LAYER_NAMES = {
+    "llama": _LAYER_NAMES, "qwen2": _LAYER_NAMES,
+    "qwen3": {**{k: v for k, v in _LAYER_NAMES.items() if ".bias" not in k}, **_QK_NORM_NAMES},
+    "gemma3": _GEMMA3_LAYER_NAMES,
+}
+
+
+def _required_tensors(arch: str) -> tuple[str, ...]:
+  """Tensors every file of `arch` needs ("{i}": each layer); output.weight is optional (tied
+  head) and qwen2's attention biases too."""
+  return ("token_embd.weight", "output_norm.weight",
+          *(f"blk.{{i}}.{name}" for name in _ARCH_LAYER_NAMES[arch] if name.endswith(".weight")))
 
 # GGUF metadata value types, numbered as gguf.GGUFValueType: id -> (name, bytes per value; 0
 # for the variable-length STRING and ARRAY).
@@ -138,7 +170,8 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     raise ValueError(f"{path}: a tensor name appears twice")
   shapes = {name: tuple(int(n) for n in reversed(info.shape)) for name, info in infos.items()}
   config = gguf_config(metadata, shapes, where=str(path))
-  names = {name: hf_tensor_name(name, config["num_hidden_layers"], where=str(path))
+  arch = metadata["general.architecture"]
+  names = {name: hf_tensor_name(name, config["num_hidden_layers"], where=str(path), arch=arch)
            for name in infos}
   check_tensor_shapes(shapes, config, where=str(path))
   tensors = {}
@@ -149,6 +182,8 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
       if config["model_type"] == "llama":
         heads = config["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"]
         array = unpermute_rope_rows(array, heads, where=f"{path}: tensor {name!r}")
+    if arch == "gemma3" and name.endswith("norm.weight"):
+      array = array - np.float32(1.0)  # llama.cpp stores Gemma's 1 + w; HF (and weights.py) w
     tensors[names[name]] = array
   del reader, infos
   tok = None
@@ -233,7 +268,7 @@ def gguf_config(metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[i
   else:
     raise ValueError(f"{where}: neither {arch}.vocab_size nor tensor token_embd.weight is present")
   config = {
-      "model_type": arch,
+      "model_type": _MODEL_TYPES[arch],
       "hidden_size": hidden,
       "num_attention_heads": heads,
       "num_key_value_heads": kv_heads,
@@ -259,6 +294,23 @@ def gguf_config(metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[i
   window = metadata.get(f"{arch}.attention.sliding_window")
   if window:
     config["sliding_window"] = get("attention.sliding_window")
+  if arch == "gemma3":
+    if not window:
+      raise ValueError(f"{where}: metadata key {arch}.attention.sliding_window is missing")
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", _GEMMA3_PATTERN)
+    if isinstance(pattern, list):  # one flag per layer: true = local (sliding) layer
+      if len(pattern) != config["num_hidden_layers"]:
+        raise ValueError(f"{where}: {arch}.attention.sliding_window_pattern has {len(pattern)} "
+                         f"entries; expected {arch}.block_count = {config['num_hidden_layers']}")
+      config["layer_types"] = ["sliding_attention" if f else "full_attention" for f in pattern]
+    else:
+      config["sliding_window_pattern"] = get("attention.sliding_window_pattern", _GEMMA3_PATTERN)
+    config["rope_local_base_freq"] = float(get("rope.freq_base_swa", _GEMMA3_LOCAL_BASE,
+                                               kind=float))
+    # llama.cpp's query scale: 1 / sqrt(head dim), but 1 / sqrt(D / N) for the 27B (62 layers).
+    config["query_pre_attn_scalar"] = (hidden // heads if config["num_hidden_layers"] == 62
+                                       else head_dim)
+    config["hidden_activation"] = "gelu_pytorch_tanh"
   return config
 
 
@@ -276,7 +328,7 @@ def check_tensor_shapes(shapes: Mapping[str, tuple[int, ...]], config: Mapping[s
       the metadata implies (the message names the tensor and the metadata keys).
     NotImplementedError: attention biases in a `llama` file.
   """
-  arch = config["model_type"]
+  arch = {v: k for k, v in _MODEL_TYPES.items()}[config["model_type"]]
   d, f, v = (f"{arch}.embedding_length", f"{arch}.feed_forward_length", f"{arch}.vocab_size")
   n, k = f"{arch}.attention.head_count", f"{arch}.attention.head_count_kv"
   h = f"head dim ({arch}.attention.key_length)"
@@ -293,6 +345,10 @@ def check_tensor_shapes(shapes: Mapping[str, tuple[int, ...]], config: Mapping[s
       "attn_v.weight": ((K * H, D), f"[{k} x {h}, {d}]"),
       "attn_output.weight": ((D, N * H), f"[{d}, {n} x {h}]"),
       "attn_q.bias": ((N * H,), f"[{n} x {h}]"),
+      "attn_q_norm.weight": ((H,), f"[{h}]"),
+      "attn_k_norm.weight": ((H,), f"[{h}]"),
+      "post_attention_norm.weight": ((D,), f"[{d}]"),
+      "post_ffw_norm.weight": ((D,), f"[{d}]"),
       "attn_k.bias": ((K * H,), f"[{k} x {h}]"),
       "attn_v.bias": ((K * H,), f"[{k} x {h}]"),
       "ffn_gate.weight": ((F, D), f"[{f}, {d}]"),
@@ -301,8 +357,8 @@ def check_tensor_shapes(shapes: Mapping[str, tuple[int, ...]], config: Mapping[s
   }
   for name, shape in shapes.items():
     kind = name.split(".", 2)[2] if name.startswith("blk.") else name
-    if kind.endswith(".bias") and arch == "llama":
-      raise NotImplementedError(f"{where}: tensor {name!r}: attention biases in a llama file "
+    if kind.endswith(".bias") and arch != "qwen2":
+      raise NotImplementedError(f"{where}: tensor {name!r}: attention biases in a {arch} file "
                                 "are not supported")
     if kind not in expected:  # hf_tensor_name names what kvattn does not know
       continue
@@ -310,8 +366,9 @@ def check_tensor_shapes(shapes: Mapping[str, tuple[int, ...]], config: Mapping[s
     if tuple(shape) != want:
       raise ValueError(f"{where}: tensor {name!r} has shape {list(shape)}; expected "
                        f"{list(want)} = {why} from the file's metadata")
-  layer_kinds = ", ".join(n.split(".")[0] for n in _LAYER_NAMES if n.endswith(".weight"))
-  for template in _REQUIRED_TENSORS:
+  layer_kinds = ", ".join(n.split(".")[0] for n in _ARCH_LAYER_NAMES[arch]
+                          if n.endswith(".weight"))
+  for template in _required_tensors(arch):
     for i in range(config["num_hidden_layers"]) if "{i}" in template else (None,):
       name = template.format(i=i)
       if name not in shapes:
@@ -465,8 +522,9 @@ class _HeaderWalk:
                   f"{end:,}) but the file has {len(self.data):,} bytes (truncated or malformed)")
 
 
-def hf_tensor_name(name: str, num_layers: int, *, where: str = "GGUF") -> str:
-  """The HF name of GGUF tensor `name` ("blk.3.attn_q.weight" -> "model.layers.3....").
+def hf_tensor_name(name: str, num_layers: int, *, where: str = "GGUF", arch: str = "llama") -> str:
+  """The HF name of GGUF tensor `name` ("blk.3.attn_q.weight" -> "model.layers.3....") in a
+  file of architecture `arch` (one of `SUPPORTED_ARCHITECTURES`).
 
   Raises:
     NotImplementedError: `name` is not a tensor kvattn knows.
@@ -475,12 +533,13 @@ def hf_tensor_name(name: str, num_layers: int, *, where: str = "GGUF") -> str:
   if name in _GLOBAL_NAMES:
     return _GLOBAL_NAMES[name]
   parts = name.split(".", 2)
-  if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+  layer_names = _ARCH_LAYER_NAMES[arch]
+  if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
     layer = int(parts[1])
     if layer >= num_layers:
       raise ValueError(f"{where}: tensor {name!r} has layer {layer}; the file declares "
                        f"{num_layers} layers")
-    return f"model.layers.{layer}.{_LAYER_NAMES[parts[2]]}"
+    return f"model.layers.{layer}.{layer_names[parts[2]]}"
   raise NotImplementedError(f"{where}: tensor {name!r} is not supported")
 
 
