@@ -212,7 +212,7 @@ class Transformer(nnx.Module):
     return cache_bytes_per_token(self.spec, dtype)
 
   def init_caches(self, batch: int, max_len: int, dtype: Any = None, *,
-                  cache: Any = None) -> tuple[Any, ...]:
+                  cache: Any = None, local_layers: str = "full") -> tuple[Any, ...]:
     """One empty cache per layer, as a tuple pytree.
 
     Args:
@@ -225,14 +225,19 @@ class Transformer(nnx.Module):
         spec `{"kind": ..., **options}` of `kvattn.caches.registry`, e.g.
         `{"kind": "sink", "num_sinks": 4, "window": 252}` or
         `{"kind": "h2o", "budget": 256}`.
+      local_layers: "full" (every layer the same kind) or "ring", the per-layer layout:
+        layers with a sliding window W < max_len (Gemma's local layers) get a
+        `RingKVCache` of W slots, the others the chosen kind
+        (`kvattn.caches.registry.build_caches`).
 
     Raises:
       ValueError: non-positive sizes; an unknown kind or a bad option.
       TypeError: a dtype that is neither floating nor a quantized KV format.
     """
     dtype = self.dtype if dtype is None else dtype
-    if cache is not None:
-      return cache_registry.build_caches(self, batch, max_len, dtype, cache)
+    if cache is not None or local_layers != "full":
+      return cache_registry.build_caches(self, batch, max_len, dtype, cache,
+                                         local_layers=local_layers)
     return tuple(layer.attn.init_cache(batch, max_len, dtype) for layer in self.layers)
 
   def _check_tokens(self, tokens):
