@@ -101,7 +101,8 @@ class AttentionSpec:
   # RMSNorm over each head's query and key before RoPE (qk-norm: Qwen3, Gemma 3), epsilon
   # `model.norm_eps`; parameters `q_norm, k_norm: [H]`.
   qk_norm: bool = _field(False, kinds=("gqa",))
-  # Softmax scale of the attention logits; None = 1 / sqrt(head_dim). Gemma: query_pre_attn_scalar^-0.5.
+  # Softmax scale of the attention logits; None = 1 / sqrt(head_dim) (Gemma:
+  # query_pre_attn_scalar ** -0.5).
   sm_scale: float | None = _field(None, kinds=("gqa",))
   # RoPE context extension (`kvattn.ops.RopeScaling`, as transformers computes it): None or
   # "linear", "llama3", "yarn"; the modules get the rope_* fields as one `rope_scaling` object.

@@ -49,6 +49,20 @@ def test_q8_0_two_blocks_by_hand():
   np.testing.assert_array_equal(out[0], expected)
 
 
+def test_q5_0_block_by_hand():
+  # Q5_0 (Gemma 3 270M's projections): f16 scale d, 4 bytes qh (the fifth bit of value j is bit
+  # j), 16 bytes of nibbles; value = d * (q - 16). 0x31 with every fifth bit set: low 1 | 16,
+  # high 3 | 16.
+  nibbles = np.full(16, 0x31, np.uint8)
+  block = np.concatenate([_f16_bytes(0.5), np.full(4, 0xFF, np.uint8), nibbles])
+  out = gguf_lib.dequantize(block[None], "Q5_0", (1, 32))
+  np.testing.assert_array_equal(out, [[0.5] * 16 + [1.5] * 16])
+  qh = np.frombuffer(np.uint32(0x0000FFFF).tobytes(), np.uint8)  # fifth bits of the low half only
+  block = np.concatenate([_f16_bytes(0.5), qh, nibbles])
+  out = gguf_lib.dequantize(block[None], "Q5_0", (1, 32))
+  np.testing.assert_array_equal(out, [[0.5] * 16 + [-6.5] * 16])
+
+
 def test_float_types_are_exact():
   x = np.array([[1.5, -2.25, 3.0e-3, 65504.0]], np.float32)
   np.testing.assert_array_equal(gguf_lib.dequantize(x, "F32", (1, 4)), x)
