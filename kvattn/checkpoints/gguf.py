@@ -20,13 +20,17 @@
     (otherwise the head is tied to the embedding).
   * `tokenizer`: a `kvattn.checkpoints.tokenizer.Tokenizer` from the file's metadata, or
     None when the file has none or one `kvattn.checkpoints.tokenizer` cannot build (a
-    sentencepiece vocabulary, `tokenizer.ggml.model == "llama"`: a warning
-    says so; pass a `tokenizer.json` to `Tokenizer.from_file` instead).
+    sentencepiece vocabulary, `tokenizer.ggml.model == "llama"`, of an architecture other
+    than Gemma's: a warning says so; pass a `tokenizer.json` to `Tokenizer.from_file`
+    instead).
 
-The file is untrusted: `check_header` walks its header (every length, type and
-offset checked against the file) before the `gguf` package parses it, every
-tensor's shape is checked against the hyperparameters and its byte extent
-against the file before it is read, and a file that fails a check raises
+The header is read by kvattn's own walk (`read_header`: metadata values and tensor
+records, the data memory-mapped), not by `gguf.GGUFReader`, which builds numpy views per
+array item (60 s for Gemma 3's 262k-token vocabulary on the shared machine, against 5 s
+here); `gguf` still dequantizes. The file is untrusted: the walk checks every length, type
+and offset against the file as it goes (`check_header` runs it alone), every tensor's
+shape is checked against the hyperparameters and its byte extent against the file before
+it is read, and a file that fails a check raises
 ValueError naming it and the metadata key or tensor at fault.
 """
 
@@ -107,7 +111,9 @@ _VALUE_TYPES = {0: ("UINT8", 1), 1: ("INT8", 1), 2: ("UINT16", 2), 3: ("INT16", 
                 4: ("UINT32", 4), 5: ("INT32", 4), 6: ("FLOAT32", 4), 7: ("BOOL", 1),
                 8: ("STRING", 0), 9: ("ARRAY", 0), 10: ("UINT64", 8), 11: ("INT64", 8),
                 12: ("FLOAT64", 8)}
-_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_STRING, _ARRAY, _UINT32, _BOOL = 8, 9, 4, 7
+_NUMPY_TYPES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32",
+                6: "float32", 7: "uint8", 10: "uint64", 11: "int64", 12: "float64"}
 _READABLE_VERSIONS = (2, 3)  # those gguf.GGUFReader reads
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _MAX_ARRAY_NESTING = 8  # arrays of arrays; llama.cpp writes none
@@ -152,22 +158,13 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
       hyperparameter (mixture of experts, partial RoPE, a RoPE scaling type) is
       one kvattn cannot represent; the message names the key and value.
   """
-  import gguf  # pylint: disable=g-import-not-at-top
-
   path = pathlib.Path(path)
   if not path.is_file():
     raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
   file_size = path.stat().st_size
-  check_header(path)
-  try:  # A backstop: check_header has checked what GGUFReader reads.
-    reader = gguf.GGUFReader(path)
-    metadata = read_metadata(reader)
-  except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError,
-          MemoryError) as e:
-    raise ValueError(f"{path}: not a readable GGUF file (truncated or malformed): {e}") from e
-  infos = {t.name: t for t in reader.tensors}
-  if len(infos) != len(reader.tensors):
-    raise ValueError(f"{path}: a tensor name appears twice")
+  # The checked walk of the header reads the metadata and tensor records itself: gguf's
+  # GGUFReader builds numpy views per array item (a minute for Gemma's 262k-token vocabulary).
+  metadata, infos, data = read_header(path)
   shapes = {name: tuple(int(n) for n in reversed(info.shape)) for name, info in infos.items()}
   config = gguf_config(metadata, shapes, where=str(path))
   arch = metadata["general.architecture"]
@@ -185,7 +182,7 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     if arch == "gemma3" and name.endswith("norm.weight"):
       array = array - np.float32(1.0)  # llama.cpp stores Gemma's 1 + w; HF (and weights.py) w
     tensors[names[name]] = array
-  del reader, infos
+  del data, infos
   tok = None
   if "tokenizer.ggml.model" in metadata:
     try:
@@ -195,6 +192,46 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     except NotImplementedError as e:  # e.g. a sentencepiece vocabulary: the model still loads.
       warnings.warn(f"{path}: no tokenizer: {e}", stacklevel=2)
   return GGUFCheckpoint(config=config, tensors=tensors, tokenizer=tok, path=path)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+  """One tensor record of a GGUF header (the fields of `gguf.ReaderTensor` kvattn reads).
+
+  Attributes:
+    name: the tensor's GGUF name.
+    tensor_type: its `gguf.GGMLQuantizationType`.
+    shape: its dimensions in GGUF order (the fastest axis first).
+    data_offset: absolute byte offset of its data in the file.
+    n_bytes: bytes of its data.
+    data: the data, memory-mapped: typed `[numpy shape]` for F32 / F16, else
+      `u8[..., row_bytes]` (as `gguf.GGUFReader` maps it).
+  """
+
+  name: str
+  tensor_type: Any
+  shape: tuple[int, ...]
+  data_offset: int
+  n_bytes: int
+  data: np.ndarray
+
+
+def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, TensorInfo],
+                                                       np.ndarray]:
+  """`(metadata, tensors, data)` of a GGUF file: its header walked and checked as
+  `check_header` does, the metadata as `read_metadata` returns it, each tensor's
+  `TensorInfo` by name, and the memory-mapped file they view.
+
+  Raises:
+    ValueError: the header is truncated or malformed (see `check_header`).
+  """
+  path = pathlib.Path(path)
+  if path.stat().st_size == 0:
+    raise ValueError(f"{path}: the file is empty; expected a GGUF file")
+  data = np.memmap(path, np.uint8, mode="r")
+  walk = _HeaderWalk(data, str(path), keep=True)
+  walk.walk()
+  return walk.metadata, walk.infos, data
 
 
 def read_metadata(reader) -> dict[str, Any]:
@@ -405,8 +442,11 @@ def check_header(path: str | os.PathLike[str]) -> None:
 class _HeaderWalk:
   """One pass over a GGUF header in a byte buffer; every read checked against its end."""
 
-  def __init__(self, data, where: str):
+  def __init__(self, data, where: str, *, keep: bool = False):
     self.data, self.where, self.offset, self.order = data, where, 0, "<"
+    self.keep = keep  # also keep the metadata values and tensor records
+    self.metadata: dict[str, Any] = {}
+    self.infos: dict[str, TensorInfo] = {}
 
   def fail(self, message: str):
     raise ValueError(f"{self.where}: {message}")
@@ -427,19 +467,30 @@ class _HeaderWalk:
     n = self.uint(8, f"the length of {what}")
     start = self.take(n, f"{what}, {n:,} bytes,")
     try:
-      return self.data[start:start + n].decode("utf-8")
+      return bytes(self.data[start:start + n]).decode("utf-8")
     except UnicodeDecodeError as e:
       self.fail(f"{what} is not UTF-8 text ({e.reason} at byte {start + e.start:,})")
 
-  def value(self, vtype: int, what: str, depth: int = 0) -> None:
-    """Skips one metadata value of type `vtype`."""
+  def numbers(self, vtype: int, count: int, what: str) -> Any:
+    """`count` numbers of scalar type `vtype` (a list when `self.keep`, else skipped);
+    `what` names them in errors."""
+    start = self.take(count * _VALUE_TYPES[vtype][1], what)
+    if not self.keep:
+      return None
+    values = np.frombuffer(self.data, np.dtype(_NUMPY_TYPES[vtype]).newbyteorder(self.order),
+                           count, start)
+    return values.astype(bool).tolist() if vtype == _BOOL else values.tolist()
+
+  def value(self, vtype: int, what: str, depth: int = 0) -> Any:
+    """Reads (when `self.keep`; else skips) one metadata value of type `vtype`."""
     if vtype not in _VALUE_TYPES:
       self.fail(f"{what} has value type {vtype}; expected a GGUF value type (0 to 12)")
     name, size = _VALUE_TYPES[vtype]
     if size:
-      self.take(size, f"{what} ({name})")
+      value = self.numbers(vtype, 1, f"{what} ({name})")
+      return None if value is None else value[0]
     elif vtype == _STRING:
-      self.string(what)
+      return self.string(what)
     else:
       item = self.uint(4, f"the item type of {what}")
       count = self.uint(8, f"the length of {what}")
@@ -448,8 +499,7 @@ class _HeaderWalk:
                   "(0 to 12)")
       item_name, item_size = _VALUE_TYPES[item]
       if item_size:
-        self.take(count * item_size, f"{what} ({count:,} {item_name} values)")
-        return
+        return self.numbers(item, count, f"{what} ({count:,} {item_name} values)")
       if item == _ARRAY and depth >= _MAX_ARRAY_NESTING:
         self.fail(f"{what} nests arrays more than {_MAX_ARRAY_NESTING} deep")
       least = count * (8 if item == _STRING else 12)  # each one's length (and item type)
@@ -457,8 +507,8 @@ class _HeaderWalk:
         self.fail(f"{what} holds {count:,} {item_name} values, which need at least "
                   f"{least:,} bytes, but {len(self.data) - self.offset:,} bytes are left "
                   "(truncated or malformed)")
-      for i in range(count):
-        self.value(item, f"{what}[{i}]", depth + 1)
+      values = [self.value(item, f"{what}[{i}]", depth + 1) for i in range(count)]
+      return values if self.keep else None
 
   def walk(self) -> None:
     import gguf  # pylint: disable=g-import-not-at-top
@@ -481,7 +531,9 @@ class _HeaderWalk:
       keys.add(key)
       vtype = self.uint(4, f"the value type of metadata key {key!r}")
       start = self.offset
-      self.value(vtype, f"metadata key {key!r}")
+      value = self.value(vtype, f"metadata key {key!r}")
+      if self.keep:
+        self.metadata[key] = value
       if key == "general.alignment":
         if vtype != _UINT32:
           self.fail(f"metadata key 'general.alignment' has value type {vtype}; expected "
@@ -520,6 +572,15 @@ class _HeaderWalk:
       if end > len(self.data):
         self.fail(f"tensor {name!r} ({qtype.name} {list(shape)}) needs bytes [{start:,}, "
                   f"{end:,}) but the file has {len(self.data):,} bytes (truncated or malformed)")
+      if self.keep:
+        raw = np.asarray(self.data[start:end])
+        if qtype.name in ("F32", "F16"):
+          typed = raw.view(np.dtype("float32" if qtype.name == "F32" else "float16")
+                           .newbyteorder(self.order)).reshape(shape)
+        else:
+          typed = raw.reshape(shape[:-1] + (shape[-1] // block * block_bytes,))
+        self.infos[name] = TensorInfo(name=name, tensor_type=qtype, shape=tuple(dims),
+                                      data_offset=start, n_bytes=end - start, data=typed)
 
 
 def hf_tensor_name(name: str, num_layers: int, *, where: str = "GGUF", arch: str = "llama") -> str:
