@@ -75,7 +75,8 @@ def test_logits_match_transformers(gemma3, index):
   ref = REFERENCE["logits"][index]
   logits = np.asarray(model(jnp.asarray([ids], jnp.int32))[0][0])  # f32[T, V]
   top_ids, top_values = np.asarray(ref["top_ids"]), np.asarray(ref["top_values"])
-  np.testing.assert_allclose(np.take_along_axis(logits, top_ids, -1), top_values, atol=2e-3)
+  np.testing.assert_allclose(np.take_along_axis(logits, top_ids, -1), top_values,
+                             atol=5e-4)  # 4.5e-5 seen on a loaded 2-core machine
   np.testing.assert_array_equal(logits.argmax(-1), top_ids[:, 0])
 
 
