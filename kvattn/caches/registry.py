@@ -322,7 +322,7 @@ def build_caches(model, batch: int, max_len: int, dtype: Any = None, cache: Any 
         dtype=getattr(model, "dtype", None))
   try:
     built = CACHE_KIND_TABLE[kind].build(rest, batch, max_len, dtype, options, tokens) \
-        if rest.layers else ()
+        if rest is model or rest.layers else ()
   except ValueError as e:
     raise ValueError(f"{where} (kind {kind!r}, options {options}): {e}") from e
   if not rings:
