@@ -5,7 +5,8 @@
 
 Loads `--model` with `kvattn.checkpoints.pretrained.from_pretrained` (a registered name,
 fetched and cached on first use, a `.gguf` file or a HF checkpoint directory),
-renders the prompt with the checkpoint's chat template, generates with
+renders the prompt with the checkpoint's chat template (a base model without one, such
+as `--model gemma3-270m`, completes the raw prompt after a line saying so), generates with
 `kvattn.generate`'s compiled prefill and decode loop (greedy unless
 `--temperature` > 0; stops at the tokenizer's eos) and prints the reply, then
 one line of measurements:
@@ -203,6 +204,8 @@ def main(argv: Sequence[str]) -> None:
   if FLAGS.max_new_tokens < 1:
     raise app.UsageError(f"--max_new_tokens must be >= 1; got {FLAGS.max_new_tokens}")
   model, tok, load_s = load(FLAGS.model, FLAGS.dtype)
+  if tok.chat_template is None:
+    print(f"note: {FLAGS.model} has no chat template (a base model): completing the raw prompt")
   # A rendered chat template carries its own special tokens (transformers encodes it so too).
   ids = tok.encode(chat_prompt(tok, FLAGS.prompt, FLAGS.system),
                    add_special_tokens=tok.chat_template is None)

@@ -28,6 +28,16 @@ RANDOM_CONFIGS = {
         "num_key_value_heads": 3, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
         "tie_word_embeddings": True, "hidden_act": "silu", "max_position_embeddings": 8192,
     },
+    # google/gemma-3-270m's config.json: five local layers (window 512, RoPE base 10k) per
+    # global one (base 1M), MQA with head dim 256.
+    "gemma3-270m": {
+        "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 640,
+        "intermediate_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256,
+        "sliding_window": 512, "sliding_window_pattern": 6, "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 32768,
+    },
 }
 """HF `config.json` keys of registered checkpoints, for `random_weights=True`."""
 

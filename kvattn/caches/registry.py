@@ -15,6 +15,7 @@ Adding a kind is one file (the cache class) plus one `register_cache_kind` line
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax.numpy as jnp
@@ -267,9 +268,27 @@ def cache_options(spec: Any, where: str = "cache") -> tuple[str, dict[str, Any]]
   return kind, options
 
 
+LOCAL_LAYER_LAYOUTS = ("full", "ring")
+"""`local_layers` of `build_caches`: "full" (every layer the chosen kind) or "ring" (the
+per-layer layout: a layer with a sliding window shorter than max_len gets a ring of `window`
+slots)."""
+
+
+def ring_layers(model, max_len: int) -> list[int]:
+  """Indices of the layers the per-layer layout gives a ring: GQA-family attention whose
+  sliding `window` is shorter than `max_len` (Gemma's local layers, Mistral's windows)."""
+  out = []
+  for i, layer in enumerate(getattr(model, "layers", ())):
+    attn = layer.attn
+    window = getattr(attn, "window", None)
+    if window is not None and window < max_len and hasattr(attn, "num_kv_heads"):
+      out.append(i)
+  return out
+
+
 def build_caches(model, batch: int, max_len: int, dtype: Any = None, cache: Any = None, *,
                  tokens_per_seq: Iterable[int] | None = None,
-                 where: str = "cache") -> tuple[Any, ...]:
+                 where: str = "cache", local_layers: str = "full") -> tuple[Any, ...]:
   """One empty cache per layer of `model`, of the kind `cache` names.
 
   Args:
@@ -280,28 +299,51 @@ def build_caches(model, batch: int, max_len: int, dtype: Any = None, cache: Any 
     cache: a spec `{"kind": ..., **options}` (None: `{"kind": "dense"}`).
     tokens_per_seq: tokens each sequence will hold (`paged` allocates only those).
     where: the name errors give the spec.
+    local_layers: "full" (every layer gets the kind, at `max_len`) or "ring": the
+      per-layer layout, in which every layer of `ring_layers(model, max_len)` (a sliding
+      window W < max_len) gets a `RingKVCache` of W slots in `dtype` -- exact for that
+      layer's attention, O(W) memory whatever the context -- and the other (global)
+      layers the kind; a paged kind then pools pages for the global layers only.
 
   Raises:
-    ValueError: an unknown kind or option, a bad size -- naming `<where>.<key>`.
+    ValueError: an unknown kind or option, a bad size -- naming `<where>.<key>`; an
+      unknown `local_layers`.
   """
   kind, options = cache_options({"kind": "dense"} if cache is None else cache, where)
   dtype = getattr(model, "dtype", jnp.float32) if dtype is None else dtype
   tokens = None if tokens_per_seq is None else [int(t) for t in tokens_per_seq]
+  if local_layers not in LOCAL_LAYER_LAYOUTS:
+    raise ValueError(f"local_layers must be one of {LOCAL_LAYER_LAYOUTS}; got {local_layers!r}")
+  rings = ring_layers(model, max_len) if local_layers == "ring" else []
+  rest = model
+  if rings:  # the kind builds the global layers only (builders read `model.layers`)
+    rest = types.SimpleNamespace(
+        layers=[layer for i, layer in enumerate(model.layers) if i not in rings],
+        dtype=getattr(model, "dtype", None))
   try:
-    return CACHE_KIND_TABLE[kind].build(model, batch, max_len, dtype, options, tokens)
+    built = CACHE_KIND_TABLE[kind].build(rest, batch, max_len, dtype, options, tokens) \
+        if rest is model or rest.layers else ()
   except ValueError as e:
     raise ValueError(f"{where} (kind {kind!r}, options {options}): {e}") from e
+  if not rings:
+    return built
+  built = iter(built)
+  return tuple(
+      window_lib.RingKVCache.init(batch, layer.attn.window, layer.attn.num_kv_heads,
+                                  layer.attn.head_dim, dtype) if i in rings else next(built)
+      for i, layer in enumerate(model.layers))
 
 
 def cache_factory_from_config(model, cache: Any, *, tokens_per_seq: Iterable[int] | None = None,
-                              where: str = "cache") -> CacheFactory:
+                              where: str = "cache", local_layers: str = "full") -> CacheFactory:
   """A `CacheFactory` (`kvattn.generate(cache_factory=)`) building `build_caches(..., cache)`.
 
   The spec is checked and the caches' sizes validated now (one sequence of one
   token is built), so a bad config fails before any work.
 
   Usage: `kvattn.generate(model, prompts, lengths, n,
-  cache_factory=cache_factory_from_config(model, config.cache))`.
+  cache_factory=cache_factory_from_config(model, config.cache))`; `local_layers` as in
+  `build_caches` ("ring": the per-layer layout).
 
   Raises:
     ValueError: an unknown kind, an option the kind does not take, a missing or bad
@@ -311,10 +353,11 @@ def cache_factory_from_config(model, cache: Any, *, tokens_per_seq: Iterable[int
   spec = {"kind": kind, **options}
   tokens = None if tokens_per_seq is None else [int(t) for t in tokens_per_seq]
   if tokens is None:
-    build_caches(model, 1, 1, None, spec, where=where)
+    build_caches(model, 1, 1, None, spec, where=where, local_layers=local_layers)
 
   def factory(batch: int, max_len: int, dtype: Any = None) -> tuple[Any, ...]:
-    return build_caches(model, batch, max_len, dtype, spec, tokens_per_seq=tokens, where=where)
+    return build_caches(model, batch, max_len, dtype, spec, tokens_per_seq=tokens, where=where,
+                        local_layers=local_layers)
 
   return factory
 

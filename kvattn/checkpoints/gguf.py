@@ -10,19 +10,27 @@
     `rope_scaling` / `sliding_window` when the file sets them).
   * `tensors`: HF names (`model.layers.0.self_attn.q_proj.weight`, ...) ->
     `f32` arrays in torch layout `[out_features, in_features]`, dequantized
-    (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) and, for `llama`, with
-    llama.cpp's row permutation of the Q and K projections undone.
+    (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and, for `llama`,
+    with llama.cpp's row permutation of the Q and K projections undone (`qwen2`, `qwen3`
+    and `gemma3` rotate halves as HF does); for `gemma3`, the norm scales llama.cpp
+    stores as 1 + w are turned back into HF's w. Architectures: `llama`, `qwen2`,
+    `qwen3` (qk-norm) and `gemma3` (-> model_type `gemma3_text`, with llama.cpp's
+    layer pattern, local RoPE base and query scale, which the file does not state).
     `lm_head.weight` is present only when the file has `output.weight`
     (otherwise the head is tied to the embedding).
   * `tokenizer`: a `kvattn.checkpoints.tokenizer.Tokenizer` from the file's metadata, or
     None when the file has none or one `kvattn.checkpoints.tokenizer` cannot build (a
-    sentencepiece vocabulary, `tokenizer.ggml.model == "llama"`: a warning
-    says so; pass a `tokenizer.json` to `Tokenizer.from_file` instead).
+    sentencepiece vocabulary, `tokenizer.ggml.model == "llama"`, of an architecture other
+    than Gemma's: a warning says so; pass a `tokenizer.json` to `Tokenizer.from_file`
+    instead).
 
-The file is untrusted: `check_header` walks its header (every length, type and
-offset checked against the file) before the `gguf` package parses it, every
-tensor's shape is checked against the hyperparameters and its byte extent
-against the file before it is read, and a file that fails a check raises
+The header is read by kvattn's own walk (`read_header`: metadata values and tensor
+records, the data memory-mapped), not by `gguf.GGUFReader`, which builds numpy views per
+array item (60 s for Gemma 3's 262k-token vocabulary on the shared machine, against 5 s
+here); `gguf` still dequantizes. The file is untrusted: the walk checks every length, type
+and offset against the file as it goes (`check_header` runs it alone), every tensor's
+shape is checked against the hyperparameters and its byte extent against the file before
+it is read, and a file that fails a check raises
 ValueError naming it and the metadata key or tensor at fault.
 """
 
@@ -41,8 +49,15 @@ import numpy as np
 
 from kvattn.checkpoints import tokenizer as tokenizer_lib
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
+                   "Q6_K")
+# general.architecture -> the HF model_type of the config it becomes.
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+# llama.cpp's Gemma 3 constants the file does not state (llama-model.cpp): one global layer in
+# six (layers 5, 11, ...), local RoPE base 10k unless `gemma3.rope.freq_base_swa` says.
+_GEMMA3_PATTERN = 6
+_GEMMA3_LOCAL_BASE = 10000.0
 
 # GGUF tensor name -> HF name; "{i}" is the layer index.
 _GLOBAL_NAMES = {
@@ -64,10 +79,31 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-# Tensors every file needs ("{i}": each layer); output.weight is optional (tied head) and the
-# attention biases are qwen2's.
-_REQUIRED_TENSORS = ("token_embd.weight", "output_norm.weight",
-                     *(f"blk.{{i}}.{name}" for name in _LAYER_NAMES if name.endswith(".weight")))
+_QK_NORM_NAMES = {
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# Gemma 3's four norms: llama.cpp's ffn_norm is the norm before the MLP, which HF calls
+# pre_feedforward_layernorm (post_attention_layernorm is the norm of the attention output).
+_GEMMA3_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if ".bias" not in k}, **_QK_NORM_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# Per architecture, GGUF layer tensor -> HF name (qwen2's are llama's with attention biases).
+_ARCH_LAYER_NAMES = {
+    "llama": _LAYER_NAMES, "qwen2": _LAYER_NAMES,
+    "qwen3": {**{k: v for k, v in _LAYER_NAMES.items() if ".bias" not in k}, **_QK_NORM_NAMES},
+    "gemma3": _GEMMA3_LAYER_NAMES,
+}
+
+
+def _required_tensors(arch: str) -> tuple[str, ...]:
+  """Tensors every file of `arch` needs ("{i}": each layer); output.weight is optional (tied
+  head) and qwen2's attention biases too."""
+  return ("token_embd.weight", "output_norm.weight",
+          *(f"blk.{{i}}.{name}" for name in _ARCH_LAYER_NAMES[arch] if name.endswith(".weight")))
 
 # GGUF metadata value types, numbered as gguf.GGUFValueType: id -> (name, bytes per value; 0
 # for the variable-length STRING and ARRAY).
@@ -75,7 +111,9 @@ _VALUE_TYPES = {0: ("UINT8", 1), 1: ("INT8", 1), 2: ("UINT16", 2), 3: ("INT16", 
                 4: ("UINT32", 4), 5: ("INT32", 4), 6: ("FLOAT32", 4), 7: ("BOOL", 1),
                 8: ("STRING", 0), 9: ("ARRAY", 0), 10: ("UINT64", 8), 11: ("INT64", 8),
                 12: ("FLOAT64", 8)}
-_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_STRING, _ARRAY, _UINT32, _BOOL = 8, 9, 4, 7
+_NUMPY_TYPES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32",
+                6: "float32", 7: "uint8", 10: "uint64", 11: "int64", 12: "float64"}
 _READABLE_VERSIONS = (2, 3)  # those gguf.GGUFReader reads
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _MAX_ARRAY_NESTING = 8  # arrays of arrays; llama.cpp writes none
@@ -120,25 +158,17 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
       hyperparameter (mixture of experts, partial RoPE, a RoPE scaling type) is
       one kvattn cannot represent; the message names the key and value.
   """
-  import gguf  # pylint: disable=g-import-not-at-top
-
   path = pathlib.Path(path)
   if not path.is_file():
     raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
   file_size = path.stat().st_size
-  check_header(path)
-  try:  # A backstop: check_header has checked what GGUFReader reads.
-    reader = gguf.GGUFReader(path)
-    metadata = read_metadata(reader)
-  except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError,
-          MemoryError) as e:
-    raise ValueError(f"{path}: not a readable GGUF file (truncated or malformed): {e}") from e
-  infos = {t.name: t for t in reader.tensors}
-  if len(infos) != len(reader.tensors):
-    raise ValueError(f"{path}: a tensor name appears twice")
+  # The checked walk of the header reads the metadata and tensor records itself: gguf's
+  # GGUFReader builds numpy views per array item (a minute for Gemma's 262k-token vocabulary).
+  metadata, infos, data = read_header(path)
   shapes = {name: tuple(int(n) for n in reversed(info.shape)) for name, info in infos.items()}
   config = gguf_config(metadata, shapes, where=str(path))
-  names = {name: hf_tensor_name(name, config["num_hidden_layers"], where=str(path))
+  arch = metadata["general.architecture"]
+  names = {name: hf_tensor_name(name, config["num_hidden_layers"], where=str(path), arch=arch)
            for name in infos}
   check_tensor_shapes(shapes, config, where=str(path))
   tensors = {}
@@ -149,8 +179,10 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
       if config["model_type"] == "llama":
         heads = config["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"]
         array = unpermute_rope_rows(array, heads, where=f"{path}: tensor {name!r}")
+    if arch == "gemma3" and name.endswith("norm.weight"):
+      array = array - np.float32(1.0)  # llama.cpp stores Gemma's 1 + w; HF (and weights.py) w
     tensors[names[name]] = array
-  del reader, infos
+  del data, infos
   tok = None
   if "tokenizer.ggml.model" in metadata:
     try:
@@ -160,6 +192,46 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     except NotImplementedError as e:  # e.g. a sentencepiece vocabulary: the model still loads.
       warnings.warn(f"{path}: no tokenizer: {e}", stacklevel=2)
   return GGUFCheckpoint(config=config, tensors=tensors, tokenizer=tok, path=path)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+  """One tensor record of a GGUF header (the fields of `gguf.ReaderTensor` kvattn reads).
+
+  Attributes:
+    name: the tensor's GGUF name.
+    tensor_type: its `gguf.GGMLQuantizationType`.
+    shape: its dimensions in GGUF order (the fastest axis first).
+    data_offset: absolute byte offset of its data in the file.
+    n_bytes: bytes of its data.
+    data: the data, memory-mapped: typed `[numpy shape]` for F32 / F16, else
+      `u8[..., row_bytes]` (as `gguf.GGUFReader` maps it).
+  """
+
+  name: str
+  tensor_type: Any
+  shape: tuple[int, ...]
+  data_offset: int
+  n_bytes: int
+  data: np.ndarray
+
+
+def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, TensorInfo],
+                                                       np.ndarray]:
+  """`(metadata, tensors, data)` of a GGUF file: its header walked and checked as
+  `check_header` does, the metadata as `read_metadata` returns it, each tensor's
+  `TensorInfo` by name, and the memory-mapped file they view.
+
+  Raises:
+    ValueError: the header is truncated or malformed (see `check_header`).
+  """
+  path = pathlib.Path(path)
+  if path.stat().st_size == 0:
+    raise ValueError(f"{path}: the file is empty; expected a GGUF file")
+  data = np.memmap(path, np.uint8, mode="r")
+  walk = _HeaderWalk(data, str(path), keep=True)
+  walk.walk()
+  return walk.metadata, walk.infos, data
 
 
 def read_metadata(reader) -> dict[str, Any]:
@@ -233,7 +305,7 @@ def gguf_config(metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[i
   else:
     raise ValueError(f"{where}: neither {arch}.vocab_size nor tensor token_embd.weight is present")
   config = {
-      "model_type": arch,
+      "model_type": _MODEL_TYPES[arch],
       "hidden_size": hidden,
       "num_attention_heads": heads,
       "num_key_value_heads": kv_heads,
@@ -259,6 +331,23 @@ def gguf_config(metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[i
   window = metadata.get(f"{arch}.attention.sliding_window")
   if window:
     config["sliding_window"] = get("attention.sliding_window")
+  if arch == "gemma3":
+    if not window:
+      raise ValueError(f"{where}: metadata key {arch}.attention.sliding_window is missing")
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", _GEMMA3_PATTERN)
+    if isinstance(pattern, list):  # one flag per layer: true = local (sliding) layer
+      if len(pattern) != config["num_hidden_layers"]:
+        raise ValueError(f"{where}: {arch}.attention.sliding_window_pattern has {len(pattern)} "
+                         f"entries; expected {arch}.block_count = {config['num_hidden_layers']}")
+      config["layer_types"] = ["sliding_attention" if f else "full_attention" for f in pattern]
+    else:
+      config["sliding_window_pattern"] = get("attention.sliding_window_pattern", _GEMMA3_PATTERN)
+    config["rope_local_base_freq"] = float(get("rope.freq_base_swa", _GEMMA3_LOCAL_BASE,
+                                               kind=float))
+    # llama.cpp's query scale: 1 / sqrt(head dim), but 1 / sqrt(D / N) for the 27B (62 layers).
+    config["query_pre_attn_scalar"] = (hidden // heads if config["num_hidden_layers"] == 62
+                                       else head_dim)
+    config["hidden_activation"] = "gelu_pytorch_tanh"
   return config
 
 
@@ -276,7 +365,7 @@ def check_tensor_shapes(shapes: Mapping[str, tuple[int, ...]], config: Mapping[s
       the metadata implies (the message names the tensor and the metadata keys).
     NotImplementedError: attention biases in a `llama` file.
   """
-  arch = config["model_type"]
+  arch = {v: k for k, v in _MODEL_TYPES.items()}[config["model_type"]]
   d, f, v = (f"{arch}.embedding_length", f"{arch}.feed_forward_length", f"{arch}.vocab_size")
   n, k = f"{arch}.attention.head_count", f"{arch}.attention.head_count_kv"
   h = f"head dim ({arch}.attention.key_length)"
@@ -293,6 +382,10 @@ def check_tensor_shapes(shapes: Mapping[str, tuple[int, ...]], config: Mapping[s
       "attn_v.weight": ((K * H, D), f"[{k} x {h}, {d}]"),
       "attn_output.weight": ((D, N * H), f"[{d}, {n} x {h}]"),
       "attn_q.bias": ((N * H,), f"[{n} x {h}]"),
+      "attn_q_norm.weight": ((H,), f"[{h}]"),
+      "attn_k_norm.weight": ((H,), f"[{h}]"),
+      "post_attention_norm.weight": ((D,), f"[{d}]"),
+      "post_ffw_norm.weight": ((D,), f"[{d}]"),
       "attn_k.bias": ((K * H,), f"[{k} x {h}]"),
       "attn_v.bias": ((K * H,), f"[{k} x {h}]"),
       "ffn_gate.weight": ((F, D), f"[{f}, {d}]"),
@@ -301,8 +394,8 @@ def check_tensor_shapes(shapes: Mapping[str, tuple[int, ...]], config: Mapping[s
   }
   for name, shape in shapes.items():
     kind = name.split(".", 2)[2] if name.startswith("blk.") else name
-    if kind.endswith(".bias") and arch == "llama":
-      raise NotImplementedError(f"{where}: tensor {name!r}: attention biases in a llama file "
+    if kind.endswith(".bias") and arch != "qwen2":
+      raise NotImplementedError(f"{where}: tensor {name!r}: attention biases in a {arch} file "
                                 "are not supported")
     if kind not in expected:  # hf_tensor_name names what kvattn does not know
       continue
@@ -310,8 +403,9 @@ def check_tensor_shapes(shapes: Mapping[str, tuple[int, ...]], config: Mapping[s
     if tuple(shape) != want:
       raise ValueError(f"{where}: tensor {name!r} has shape {list(shape)}; expected "
                        f"{list(want)} = {why} from the file's metadata")
-  layer_kinds = ", ".join(n.split(".")[0] for n in _LAYER_NAMES if n.endswith(".weight"))
-  for template in _REQUIRED_TENSORS:
+  layer_kinds = ", ".join(n.split(".")[0] for n in _ARCH_LAYER_NAMES[arch]
+                          if n.endswith(".weight"))
+  for template in _required_tensors(arch):
     for i in range(config["num_hidden_layers"]) if "{i}" in template else (None,):
       name = template.format(i=i)
       if name not in shapes:
@@ -348,8 +442,11 @@ def check_header(path: str | os.PathLike[str]) -> None:
 class _HeaderWalk:
   """One pass over a GGUF header in a byte buffer; every read checked against its end."""
 
-  def __init__(self, data, where: str):
+  def __init__(self, data, where: str, *, keep: bool = False):
     self.data, self.where, self.offset, self.order = data, where, 0, "<"
+    self.keep = keep  # also keep the metadata values and tensor records
+    self.metadata: dict[str, Any] = {}
+    self.infos: dict[str, TensorInfo] = {}
 
   def fail(self, message: str):
     raise ValueError(f"{self.where}: {message}")
@@ -370,19 +467,30 @@ class _HeaderWalk:
     n = self.uint(8, f"the length of {what}")
     start = self.take(n, f"{what}, {n:,} bytes,")
     try:
-      return self.data[start:start + n].decode("utf-8")
+      return bytes(self.data[start:start + n]).decode("utf-8")
     except UnicodeDecodeError as e:
       self.fail(f"{what} is not UTF-8 text ({e.reason} at byte {start + e.start:,})")
 
-  def value(self, vtype: int, what: str, depth: int = 0) -> None:
-    """Skips one metadata value of type `vtype`."""
+  def numbers(self, vtype: int, count: int, what: str) -> Any:
+    """`count` numbers of scalar type `vtype` (a list when `self.keep`, else skipped);
+    `what` names them in errors."""
+    start = self.take(count * _VALUE_TYPES[vtype][1], what)
+    if not self.keep:
+      return None
+    values = np.frombuffer(self.data, np.dtype(_NUMPY_TYPES[vtype]).newbyteorder(self.order),
+                           count, start)
+    return values.astype(bool).tolist() if vtype == _BOOL else values.tolist()
+
+  def value(self, vtype: int, what: str, depth: int = 0) -> Any:
+    """Reads (when `self.keep`; else skips) one metadata value of type `vtype`."""
     if vtype not in _VALUE_TYPES:
       self.fail(f"{what} has value type {vtype}; expected a GGUF value type (0 to 12)")
     name, size = _VALUE_TYPES[vtype]
     if size:
-      self.take(size, f"{what} ({name})")
+      value = self.numbers(vtype, 1, f"{what} ({name})")
+      return None if value is None else value[0]
     elif vtype == _STRING:
-      self.string(what)
+      return self.string(what)
     else:
       item = self.uint(4, f"the item type of {what}")
       count = self.uint(8, f"the length of {what}")
@@ -391,8 +499,7 @@ class _HeaderWalk:
                   "(0 to 12)")
       item_name, item_size = _VALUE_TYPES[item]
       if item_size:
-        self.take(count * item_size, f"{what} ({count:,} {item_name} values)")
-        return
+        return self.numbers(item, count, f"{what} ({count:,} {item_name} values)")
       if item == _ARRAY and depth >= _MAX_ARRAY_NESTING:
         self.fail(f"{what} nests arrays more than {_MAX_ARRAY_NESTING} deep")
       least = count * (8 if item == _STRING else 12)  # each one's length (and item type)
@@ -400,8 +507,8 @@ class _HeaderWalk:
         self.fail(f"{what} holds {count:,} {item_name} values, which need at least "
                   f"{least:,} bytes, but {len(self.data) - self.offset:,} bytes are left "
                   "(truncated or malformed)")
-      for i in range(count):
-        self.value(item, f"{what}[{i}]", depth + 1)
+      values = [self.value(item, f"{what}[{i}]", depth + 1) for i in range(count)]
+      return values if self.keep else None
 
   def walk(self) -> None:
     import gguf  # pylint: disable=g-import-not-at-top
@@ -424,7 +531,9 @@ class _HeaderWalk:
       keys.add(key)
       vtype = self.uint(4, f"the value type of metadata key {key!r}")
       start = self.offset
-      self.value(vtype, f"metadata key {key!r}")
+      value = self.value(vtype, f"metadata key {key!r}")
+      if self.keep:
+        self.metadata[key] = value
       if key == "general.alignment":
         if vtype != _UINT32:
           self.fail(f"metadata key 'general.alignment' has value type {vtype}; expected "
@@ -463,10 +572,20 @@ class _HeaderWalk:
       if end > len(self.data):
         self.fail(f"tensor {name!r} ({qtype.name} {list(shape)}) needs bytes [{start:,}, "
                   f"{end:,}) but the file has {len(self.data):,} bytes (truncated or malformed)")
+      if self.keep:
+        raw = np.asarray(self.data[start:end])
+        if qtype.name in ("F32", "F16"):
+          typed = raw.view(np.dtype("float32" if qtype.name == "F32" else "float16")
+                           .newbyteorder(self.order)).reshape(shape)
+        else:
+          typed = raw.reshape(shape[:-1] + (shape[-1] // block * block_bytes,))
+        self.infos[name] = TensorInfo(name=name, tensor_type=qtype, shape=tuple(dims),
+                                      data_offset=start, n_bytes=end - start, data=typed)
 
 
-def hf_tensor_name(name: str, num_layers: int, *, where: str = "GGUF") -> str:
-  """The HF name of GGUF tensor `name` ("blk.3.attn_q.weight" -> "model.layers.3....").
+def hf_tensor_name(name: str, num_layers: int, *, where: str = "GGUF", arch: str = "llama") -> str:
+  """The HF name of GGUF tensor `name` ("blk.3.attn_q.weight" -> "model.layers.3....") in a
+  file of architecture `arch` (one of `SUPPORTED_ARCHITECTURES`).
 
   Raises:
     NotImplementedError: `name` is not a tensor kvattn knows.
@@ -475,12 +594,13 @@ def hf_tensor_name(name: str, num_layers: int, *, where: str = "GGUF") -> str:
   if name in _GLOBAL_NAMES:
     return _GLOBAL_NAMES[name]
   parts = name.split(".", 2)
-  if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+  layer_names = _ARCH_LAYER_NAMES[arch]
+  if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
     layer = int(parts[1])
     if layer >= num_layers:
       raise ValueError(f"{where}: tensor {name!r} has layer {layer}; the file declares "
                        f"{num_layers} layers")
-    return f"model.layers.{layer}.{_LAYER_NAMES[parts[2]]}"
+    return f"model.layers.{layer}.{layer_names[parts[2]]}"
   raise NotImplementedError(f"{where}: tensor {name!r} is not supported")
 
 

@@ -2,7 +2,11 @@
 
 Supported `model_type`s: "llama" (Llama 2/3, SmolLM2, TinyLlama; rope scaling "linear" and
 "llama3"), "mistral" (`sliding_window` -> every layer's window), "qwen2" (q/k/v biases;
-`use_sliding_window` / `max_window_layers` / `layer_types` -> per-layer windows) and
+`use_sliding_window` / `max_window_layers` / `layer_types` -> per-layer windows), "qwen3"
+(qwen2's windows, qk-norm, no biases), "gemma2" and "gemma3_text" (GeGLU, embeddings times
+sqrt(D), four norms per block, `query_pre_attn_scalar`, soft caps, local layers with
+`sliding_window` and their own RoPE base -- `rope_local_base_freq` or
+`rope_parameters.sliding_attention` -- next to the global layers', qk-norm for Gemma 3) and
 "deepseek_v2" with dense MLP layers only (MLA with or without `q_lora_rank`; rope scaling
 "yarn"). Whatever the model cannot represent -- mixture-of-experts layers, an unknown rope
 type, an unknown `model_type`, a bias the architecture does not have, another activation --
@@ -23,9 +27,15 @@ from ml_collections import config_dict
 from kvattn.models import transformer as transformer_lib
 from kvattn.ops import rope as rope_lib
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "deepseek_v2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text",
+                         "deepseek_v2")
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 
 _ACTIVATIONS = ("silu", "swish")
+_GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)  # GeGLU with tanh GELU
+# Gemma's local / global layer pattern when config.json has no `layer_types`: layer i is
+# global iff (i + 1) % pattern == 0 (transformers' default; Gemma 3's `sliding_window_pattern`).
+_GEMMA_PATTERN = {"gemma2": 2, "gemma3_text": 6}
 # Tensors some checkpoints store that no model parameter reads (RoPE tables recomputed at load).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -115,6 +125,39 @@ def _rope_parameters(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] |
   return theta, {"rope_type": kind, **scaling}
 
 
+def _gemma_rope(config: Mapping[str, Any], model_type: str
+                ) -> tuple[tuple[float, dict | None], tuple[float, dict | None]]:
+  """`((theta, scaling) of the global layers, (theta, scaling) of the local layers)` of Gemma.
+
+  Reads transformers 5's per-layer-type `rope_parameters` (`{"full_attention": {...},
+  "sliding_attention": {...}}`) or the older `rope_theta` + `rope_scaling` (global layers)
+  and `rope_local_base_freq` (local layers, Gemma 3; Gemma 2 has one base for both).
+  """
+  params = config.get("rope_parameters")
+  if isinstance(params, Mapping) and params and all(
+      isinstance(v, Mapping) for v in params.values()):
+    unknown = sorted(set(params) - {"full_attention", "sliding_attention"})
+    if unknown:
+      raise _unsupported(f"rope_parameters.{unknown[0]}", params[unknown[0]],
+                         "only full_attention and sliding_attention layer types")
+    default = {"full_attention": 1e6, "sliding_attention": 1e4} if model_type == "gemma3_text" \
+        else {"full_attention": 1e4, "sliding_attention": 1e4}
+    out = []
+    for kind in ("full_attention", "sliding_attention"):
+      sub = dict(params.get(kind) or {})
+      sub.setdefault("rope_theta", default[kind])
+      out.append(_rope_parameters({"rope_parameters": sub}))
+    return out[0], out[1]
+  theta, scaling = _rope_parameters(config)
+  if model_type == "gemma3_text":
+    if config.get("rope_theta") is None and not config.get("rope_parameters"):
+      theta = 1e6  # transformers' Gemma 3 default
+    local = config.get("rope_local_base_freq")
+    local = 10000.0 if local is None else _check_number("rope_local_base_freq", local)
+    return (theta, scaling), (local, None)
+  return (theta, scaling), (theta, scaling)
+
+
 def _rope_scaling_fields(scaling: Mapping[str, Any] | None, allowed: Sequence[str],
                          config: Mapping[str, Any]) -> dict[str, Any]:
   """The `model.attention` rope-scaling keys of a scaling dict (empty for plain RoPE)."""
@@ -168,9 +211,18 @@ def _rope_scaling_fields(scaling: Mapping[str, Any] | None, allowed: Sequence[st
 
 
 def _check_common(config: Mapping[str, Any]) -> None:
-  act = config.get("hidden_act", "silu")
-  if act not in _ACTIVATIONS:
-    raise _unsupported("hidden_act", act, f"the MLP is SwiGLU (one of {_ACTIVATIONS})")
+  if config.get("model_type") in GEMMA_MODEL_TYPES:
+    key = "hidden_activation" if config.get("hidden_activation") else "hidden_act"
+    act = config.get(key, "gelu_pytorch_tanh")
+    if act not in _GEMMA_ACTIVATIONS:
+      raise _unsupported(key, act, f"the MLP is GeGLU (one of {_GEMMA_ACTIVATIONS})")
+    if config.get("use_bidirectional_attention"):
+      raise _unsupported("use_bidirectional_attention", config["use_bidirectional_attention"],
+                         "causal attention only")
+  else:
+    act = config.get("hidden_act", "silu")
+    if act not in _ACTIVATIONS:
+      raise _unsupported("hidden_act", act, f"the MLP is SwiGLU (one of {_ACTIVATIONS})")
   if config.get("mlp_bias"):
     raise _unsupported("mlp_bias", config["mlp_bias"], "the MLP has no biases")
   if config.get("quantization_config"):
@@ -185,21 +237,29 @@ def _layer_windows(config: Mapping[str, Any], model_type: str, num_layers: int) 
     window = _check_int("sliding_window", window)
   if model_type == "mistral":
     return [window] * num_layers
-  if model_type == "qwen2":
+  if model_type in GEMMA_MODEL_TYPES:
+    window = _int(config, "sliding_window")
+    types = config.get("layer_types")
+    if types is None:
+      pattern = _int(config, "sliding_window_pattern", _GEMMA_PATTERN[model_type])
+      types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+               for i in range(num_layers)]
+  elif model_type in ("qwen2", "qwen3"):
     if not _flag(config, "use_sliding_window", False):
       return [None] * num_layers
     types = config.get("layer_types")
     if types is None:
       first = _int(config, "max_window_layers", 28, minimum=0)
       types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-    if not isinstance(types, (list, tuple)) or len(types) != num_layers:
-      raise ValueError(f"config key 'layer_types' must be a list of num_hidden_layers = "
-                       f"{num_layers} entries; got {types!r:.100}")
-    for i, t in enumerate(types):
-      if t not in ("full_attention", "sliding_attention"):
-        raise _unsupported(f"layer_types[{i}]", t, "only full and sliding attention layers")
-    return [window if t == "sliding_attention" else None for t in types]
-  return [None] * num_layers
+  else:
+    return [None] * num_layers
+  if not isinstance(types, (list, tuple)) or len(types) != num_layers:
+    raise ValueError(f"config key 'layer_types' must be a list of num_hidden_layers = "
+                     f"{num_layers} entries; got {types!r:.100}")
+  for i, t in enumerate(types):
+    if t not in ("full_attention", "sliding_attention"):
+      raise _unsupported(f"layer_types[{i}]", t, "only full and sliding attention layers")
+  return [window if t == "sliding_attention" else None for t in types]
 
 
 def _check_dense_mlp(config: Mapping[str, Any], num_layers: int) -> None:
@@ -293,7 +353,11 @@ def _model_config_from_hf(config: Mapping[str, Any], *, dtype: Any = None,
   d_model = _int(config, "hidden_size")
   num_heads = _int(config, "num_attention_heads")
   num_layers = _int(config, "num_hidden_layers")
-  theta, scaling = _rope_parameters(config)
+  model: dict[str, Any] = {}
+  if model_type in GEMMA_MODEL_TYPES:
+    (theta, scaling), local_rope = _gemma_rope(config, model_type)
+  else:
+    theta, scaling = _rope_parameters(config)
   attention = dict(num_heads=num_heads, rope_theta=theta)
   layers: Sequence[dict] = ()
   if model_type == "deepseek_v2":
@@ -340,9 +404,27 @@ def _model_config_from_hf(config: Mapping[str, Any], *, dtype: Any = None,
     attention.update(kind="gqa", num_kv_heads=num_kv, head_dim=head_dim)
     if model_type == "qwen2":
       attention["qkv_bias"] = True
+    attention["qk_norm"] = model_type in ("qwen3", "gemma3_text")
     attention.update(_rope_scaling_fields(scaling, ("linear", "llama3"), config))
     windows = _layer_windows(config, model_type, num_layers)
-    if len(set(windows)) == 1:
+    if model_type in GEMMA_MODEL_TYPES:
+      attention["sm_scale"] = _check_number(
+          "query_pre_attn_scalar", _get(config, "query_pre_attn_scalar", head_dim)) ** -0.5
+      if config.get("attn_logit_softcapping") is not None:
+        attention["soft_cap"] = _check_number("attn_logit_softcapping",
+                                              config["attn_logit_softcapping"])
+      if config.get("final_logit_softcapping") is not None:
+        model["final_soft_cap"] = _check_number("final_logit_softcapping",
+                                                config["final_logit_softcapping"])
+      model.update(mlp_activation="gelu_tanh", scale_embeddings=True, post_norms=True)
+      # Local layers: the window and their own RoPE (every rope_* field, so none of the
+      # global layers' scaling is left over); global layers: `attention` as it is.
+      local_theta, local_scaling = local_rope
+      local = {"rope_theta": local_theta,
+               **{name: None for name in transformer_lib.ROPE_SCALING_FIELDS},
+               **_rope_scaling_fields(local_scaling, ("linear", "llama3"), config)}
+      layers = tuple({"window": w, **local} if w is not None else {} for w in windows)
+    elif len(set(windows)) == 1:
       attention["window"] = windows[0]
     else:
       layers = tuple({"window": w} for w in windows)
@@ -351,6 +433,6 @@ def _model_config_from_hf(config: Mapping[str, Any], *, dtype: Any = None,
       mlp_dim=_int(config, "intermediate_size"),
       tie_embeddings=_flag(config, "tie_word_embeddings", False),
       norm_eps=_check_number("rms_norm_eps", _get(config, "rms_norm_eps", 1e-6)),
-      dtype=dtype.name, param_dtype=param_dtype.name, attention=attention)
+      dtype=dtype.name, param_dtype=param_dtype.name, attention=attention, **model)
   cfg.layers = layers
   return cfg

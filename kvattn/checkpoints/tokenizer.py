@@ -7,10 +7,11 @@ checkpoint ships:
     when a `tokenizer_config.json` sits next to it, its `chat_template`,
     `bos_token` and `eos_token`.
   * `Tokenizer.from_gguf_metadata(metadata)` rebuilds the tokenizer a GGUF file
-    describes (llama.cpp's `tokenizer.ggml.*` keys). Only byte-level BPE
-    (`tokenizer.ggml.model == "gpt2"`: GPT-2, Llama 3, Qwen2, SmolLM2) is
-    supported; it is built the way transformers' GGUF converter builds it, so
-    token ids equal `AutoTokenizer.from_pretrained(dir, gguf_file=...)`'s.
+    describes (llama.cpp's `tokenizer.ggml.*` keys): byte-level BPE
+    (`tokenizer.ggml.model == "gpt2"`: GPT-2, Llama 3, Qwen2/3, SmolLM2) and
+    Gemma's SentencePiece vocabulary (`"llama"` in a gemma/gemma2/gemma3 file);
+    built the way transformers' GGUF converter builds them, so token ids equal
+    `AutoTokenizer.from_pretrained(dir, gguf_file=...)`'s.
 
 Chat templates are rendered by `kvattn.checkpoints.chat_template` (jinja2's sandbox with
 transformers' settings, under a budget per render).
@@ -24,7 +25,7 @@ import pathlib
 from typing import Any, Mapping, Sequence
 
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from kvattn.checkpoints import chat_template
 # Re-exported: the render budgets and their error live with the renderer.
@@ -45,6 +46,9 @@ _LLAMA3_SPLIT = (
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Architectures whose SentencePiece vocabulary (`tokenizer.ggml.model == "llama"`) is built.
+SENTENCEPIECE_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+
 PRE_TOKENIZER_SPLITS = {
     "llama3": _LLAMA3_SPLIT,
     "llama-v3": _LLAMA3_SPLIT,
@@ -191,50 +195,22 @@ class Tokenizer:
       ValueError: a key is missing or malformed (the message names it).
     """
     kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    arch = metadata.get("general.architecture")
+    sentencepiece = kind == "llama" and arch in SENTENCEPIECE_ARCHITECTURES
+    if kind != "gpt2" and not sentencepiece:
       raise NotImplementedError(
-          f"tokenizer.ggml.model={kind!r} is not supported; expected 'gpt2' (byte-level BPE)")
+          f"tokenizer.ggml.model={kind!r} is not supported for general.architecture={arch!r}; "
+          f"expected 'gpt2' (byte-level BPE), or 'llama' (SentencePiece) for one of "
+          f"{SENTENCEPIECE_ARCHITECTURES}")
     tokens = _string_list(metadata, "tokenizer.ggml.tokens")
-    merges = _string_list(metadata, "tokenizer.ggml.merges")
     token_types = metadata.get("tokenizer.ggml.token_type")
     if token_types is not None and len(token_types) != len(tokens):
       raise ValueError(f"tokenizer.ggml.token_type has {len(token_types)} entries; expected one "
                        f"per token ({len(tokens)})")
-    spelling = _byte_alphabet()
-    alphabet = set(spelling.values())
-    vocab = {}
-    for index, token in enumerate(tokens):
-      if not set(token) <= alphabet:
-        token = "".join(spelling[b] for b in token.encode("utf-8"))
-      vocab[token] = index
-    pairs = []
-    for merge in merges:
-      parts = merge.split(" ")
-      if len(parts) != 2:
-        raise ValueError(f"tokenizer.ggml.merges entry {merge!r} is not two tokens separated "
-                         "by one space")
-      pairs.append((parts[0], parts[1]))
-    try:
-      backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-    except Exception as e:  # tokenizers raises a bare Exception for a merge of unknown tokens.
-      raise ValueError(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: {e}") from e
-    split = PRE_TOKENIZER_SPLITS.get(metadata.get("tokenizer.ggml.pre"))
-    if split is None:
-      backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if sentencepiece:
+      backend = _gemma_sentencepiece(tokens, token_types)
     else:
-      backend.pre_tokenizer = pre_tokenizers.Sequence([
-          pre_tokenizers.Split(tokenizers.Regex(split), behavior="isolated"),
-          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    backend.decoder = decoders.ByteLevel()
-    if token_types is not None:
-      control = [t for t, kind in zip(tokens, token_types)
-                 if kind == _TOKEN_TYPE_CONTROL and set(t) <= alphabet]
-      backend.add_special_tokens(
-          [tokenizers.AddedToken(t, normalized=False, special=True) for t in control])
-      user = [t for t, kind in zip(tokens, token_types)
-              if kind == _TOKEN_TYPE_USER_DEFINED and t in vocab]
-      backend.add_tokens([tokenizers.AddedToken(t, normalized=False, special=False)
-                          for t in user])
+      backend = _byte_level_bpe(metadata, tokens, token_types)
     ids = {}
     for key in ("bos_token_id", "eos_token_id"):
       value = metadata.get(f"tokenizer.ggml.{key}")
@@ -245,7 +221,8 @@ class Tokenizer:
     template = metadata.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
       raise ValueError(f"tokenizer.chat_template must be a string; got {type(template).__name__}")
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+    # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise.
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", sentencepiece))
     return cls(backend, bos_id=ids["bos_token_id"], eos_id=ids["eos_token_id"],
                chat_template=template, add_bos=add_bos and ids["bos_token_id"] is not None,
                source=source)
@@ -319,6 +296,84 @@ class Tokenizer:
   def _text(self, token_id: int | None) -> str | None:
     return None if token_id is None else self.backend.id_to_token(token_id)
 
+
+def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str],
+                    token_types: Sequence[int] | None) -> tokenizers.Tokenizer:
+  """The byte-level BPE backend of a `tokenizer.ggml.model == "gpt2"` vocabulary
+  (see `Tokenizer.from_gguf_metadata`)."""
+  merges = _string_list(metadata, "tokenizer.ggml.merges")
+  spelling = _byte_alphabet()
+  alphabet = set(spelling.values())
+  vocab = {}
+  for index, token in enumerate(tokens):
+    if not set(token) <= alphabet:
+      token = "".join(spelling[b] for b in token.encode("utf-8"))
+    vocab[token] = index
+  pairs = []
+  for merge in merges:
+    parts = merge.split(" ")
+    if len(parts) != 2:
+      raise ValueError(f"tokenizer.ggml.merges entry {merge!r} is not two tokens separated "
+                       "by one space")
+    pairs.append((parts[0], parts[1]))
+  try:
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+  except Exception as e:  # tokenizers raises a bare Exception for a merge of unknown tokens.
+    raise ValueError(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: {e}") from e
+  split = PRE_TOKENIZER_SPLITS.get(metadata.get("tokenizer.ggml.pre"))
+  if split is None:
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  else:
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(tokenizers.Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  backend.decoder = decoders.ByteLevel()
+  if token_types is not None:
+    control = [t for t, kind in zip(tokens, token_types)
+               if kind == _TOKEN_TYPE_CONTROL and set(t) <= alphabet]
+    backend.add_special_tokens(
+        [tokenizers.AddedToken(t, normalized=False, special=True) for t in control])
+    user = [t for t, kind in zip(tokens, token_types)
+            if kind == _TOKEN_TYPE_USER_DEFINED and t in vocab]
+    backend.add_tokens([tokenizers.AddedToken(t, normalized=False, special=False)
+                        for t in user])
+  return backend
+
+
+def _gemma_sentencepiece(tokens: list[str], token_types: Sequence[int] | None
+                         ) -> tokenizers.Tokenizer:
+  """Gemma's SentencePiece vocabulary (`tokenizer.ggml.model == "llama"`) as transformers'
+  GGUF converter builds it (`gemma_tokenizer`, transformers 5): a BPE with byte fallback
+  whose merges are recovered from the vocabulary -- every split of a token into two tokens,
+  best first in the order the tokens appear in the file (Gemma's scores do not follow its
+  merge order) -- after respelling tokens of two or more spaces with "\u2581"; spaces
+  normalized to "\u2581", no prefix space; control tokens (type 3) special, user-defined
+  ones (type 4) added."""
+  tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+  vocab = {token: index for index, token in enumerate(tokens)}
+  scores = {token: -index for index, token in enumerate(tokens)}
+  merges = []  # transformers' generate_merges(vocab, scores), in the same order
+  for merge, score in scores.items():
+    local = [(merge[:i], merge[i:], score) for i in range(1, len(merge))
+             if merge[:i] in vocab and merge[i:] in vocab]
+    local.sort(key=lambda x: (vocab[x[0]], vocab[x[1]]))
+    merges.extend(local)
+  merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+  backend = tokenizers.Tokenizer(models.BPE(
+      vocab=vocab, merges=[(a, b) for a, b, _ in merges], fuse_unk=True,
+      unk_token="<unk>" if "<unk>" in vocab else None, byte_fallback=True))
+  backend.normalizer = normalizers.Replace(" ", "\u2581")
+  backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+  backend.decoder = decoders.Sequence(
+      [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+  if token_types is not None:
+    backend.add_special_tokens(
+        [tokenizers.AddedToken(t, normalized=False, special=True)
+         for t, kind in zip(tokens, token_types) if kind == _TOKEN_TYPE_CONTROL])
+    backend.add_tokens([tokenizers.AddedToken(t, normalized=False, special=False)
+                        for t, kind in zip(tokens, token_types)
+                        if kind == _TOKEN_TYPE_USER_DEFINED])
+  return backend
 
 def _string_list(metadata: Mapping[str, Any], key: str) -> list[str]:
   value = metadata.get(key)

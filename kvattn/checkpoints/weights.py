@@ -75,22 +75,30 @@ def weight_map(spec: transformer_lib.ModelSpec) -> list[WeightEntry]:
   """Every parameter of a `Transformer(spec)` with its HF tensor name, shape and conversion.
 
   The HF names are those of transformers' `LlamaForCausalLM` family
-  (`model.layers.{i}.self_attn.q_proj.weight`, ...) and of
+  (`model.layers.{i}.self_attn.q_proj.weight`, ...; `q_norm` / `k_norm` of Qwen3), of
+  `Gemma2ForCausalLM` / `Gemma3ForCausalLM` for a model with `post_norms` (four norms per
+  block, scales stored as w and loaded as 1 + w) and of
   `DeepseekV2ForCausalLM` for MLA layers (`q_a_proj`, `kv_a_proj_with_mqa`,
   `kv_b_proj`, ...).
   """
   D, F, V = spec.d_model, spec.mlp_dim, spec.vocab_size
+  # The checkpoints with four norms per block are Gemma's: RMSNorm scales stored as w and
+  # applied as 1 + w (computed here in f32, as Gemma computes it), and Gemma's names.
+  gemma = spec.post_norms
+  norm = _gemma_norm if gemma else _same
   entries = [WeightEntry(("embedding",), "model.embed_tokens.weight", (V, D), _same),
-             WeightEntry(("final_norm", "scale"), "model.norm.weight", (D,), _same)]
+             WeightEntry(("final_norm", "scale"), "model.norm.weight", (D,), norm)]
   if not spec.tie_embeddings:
     entries.append(WeightEntry(("lm_head",), "lm_head.weight", *_linear((D,), (V,))))
   for i, layer in enumerate(spec.layers):
     pre, at = f"model.layers.{i}.", ("layers", i, "attn")
+    norms = (("attn_norm", "input_layernorm"), ("post_attn_norm", "post_attention_layernorm"),
+             ("mlp_norm", "pre_feedforward_layernorm"),
+             ("post_mlp_norm", "post_feedforward_layernorm")) if gemma else \
+        (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"))
+    entries += [WeightEntry(("layers", i, ours, "scale"), pre + f"{theirs}.weight", (D,), norm)
+                for ours, theirs in norms]
     entries += [
-        WeightEntry(("layers", i, "attn_norm", "scale"), pre + "input_layernorm.weight", (D,),
-                    _same),
-        WeightEntry(("layers", i, "mlp_norm", "scale"), pre + "post_attention_layernorm.weight",
-                    (D,), _same),
         WeightEntry(("layers", i, "mlp", "gate"), pre + "mlp.gate_proj.weight",
                     *_linear((D,), (F,))),
         WeightEntry(("layers", i, "mlp", "up"), pre + "mlp.up_proj.weight", *_linear((D,), (F,))),
@@ -99,13 +107,18 @@ def weight_map(spec: transformer_lib.ModelSpec) -> list[WeightEntry]:
     ]
     pre += "self_attn."
     if layer.kind == "gqa":
-      entries += _gqa_entries(layer, D, pre, at)
+      entries += _gqa_entries(layer, D, pre, at, norm)
     else:
       entries += _mla_entries(layer, D, pre, at)
   return entries
 
 
-def _gqa_entries(layer, D: int, pre: str, at: tuple) -> list[WeightEntry]:
+def _gemma_norm(w):
+  """Gemma's RMSNorm weight w -> the scale 1 + w (f32)."""
+  return 1.0 + w.astype(jnp.float32)
+
+
+def _gqa_entries(layer, D: int, pre: str, at: tuple, norm=_same) -> list[WeightEntry]:
   N, K, H = layer.num_heads, layer.num_kv_heads, layer.head_dim
   entries = [
       WeightEntry(at + ("q_proj",), pre + "q_proj.weight", *_linear((D,), (N, H))),
@@ -117,6 +130,9 @@ def _gqa_entries(layer, D: int, pre: str, at: tuple) -> list[WeightEntry]:
     for name, heads in (("q", N), ("k", K), ("v", K)):
       entries.append(WeightEntry(at + (f"{name}_bias",), pre + f"{name}_proj.bias",
                                  (heads * H,), lambda b, s=(heads, H): b.reshape(s)))
+  if layer.qk_norm:
+    entries += [WeightEntry(at + (f"{name}_norm",), pre + f"{name}_norm.weight", (H,), norm)
+                for name in ("q", "k")]
   return entries
 
 

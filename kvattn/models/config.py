@@ -41,6 +41,7 @@ from kvattn.models.mla import MultiHeadLatentAttention
 from kvattn.ops import rope as rope_lib
 
 ATTENTION_KINDS = ("gqa", "mla")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 _ATTENTION_MODULES = {"gqa": GroupedQueryAttention, "mla": MultiHeadLatentAttention}
 _DECODE_IMPLEMENTATIONS = {"gqa": gqa_lib.decode_implementations,
                            "mla": mla_lib.decode_implementations}
@@ -97,6 +98,12 @@ class AttentionSpec:
   num_rope_heads: int = _field(1, kinds=("mla",))
   latent_norm: bool = _field(True, kinds=("mla",))  # RMSNorm on the MLA latent (DeepSeek-V2).
   qkv_bias: bool = _field(False, kinds=("gqa",))  # Biases on the q/k/v projections (Qwen2).
+  # RMSNorm over each head's query and key before RoPE (qk-norm: Qwen3, Gemma 3), epsilon
+  # `model.norm_eps`; parameters `q_norm, k_norm: [H]`.
+  qk_norm: bool = _field(False, kinds=("gqa",))
+  # Softmax scale of the attention logits; None = 1 / sqrt(head_dim) (Gemma:
+  # query_pre_attn_scalar ** -0.5).
+  sm_scale: float | None = _field(None, kinds=("gqa",))
   # RoPE context extension (`kvattn.ops.RopeScaling`, as transformers computes it): None or
   # "linear", "llama3", "yarn"; the modules get the rope_* fields as one `rope_scaling` object.
   rope_scaling: str | None = _field(None, choices=rope_lib.ROPE_SCALINGS)
@@ -138,6 +145,12 @@ class ModelSpec:
   d_model: int = 256  # Model width D.
   num_layers: int = 4  # Blocks L.
   mlp_dim: int = 768  # SwiGLU hidden width F.
+  # The gated MLP's activation: "silu" (SwiGLU, Llama) or "gelu_tanh" (GeGLU with tanh GELU, Gemma).
+  mlp_activation: str = _field("silu", choices=MLP_ACTIVATIONS)
+  scale_embeddings: bool = False  # Multiply the embeddings by sqrt(d_model) (Gemma).
+  # RMSNorm also on the attention and MLP outputs before the residual add (Gemma 2/3's four norms).
+  post_norms: bool = False
+  final_soft_cap: float | None = None  # Soft cap of the output logits, cap tanh(x / cap) (Gemma 2).
   tie_embeddings: bool = True  # LM head shares the embedding matrix.
   norm_eps: float = 1e-6  # RMSNorm epsilon.
   dtype: str = _field("float32", dtype=True)  # Compute dtype (and default cache dtype).

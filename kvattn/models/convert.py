@@ -191,6 +191,8 @@ def regroup_kv_heads(model: transformer_lib.Transformer, num_kv_heads: int, *,
     if attn.qkv_bias:
       p.update(q_bias=_value(attn.q_bias), k_bias=merge(_value(attn.k_bias)),
                v_bias=merge(_value(attn.v_bias)))
+    if attn.qk_norm:  # one [H] scale shared by the heads (pooling a normed key approximates)
+      p.update(q_norm=_value(attn.q_norm), k_norm=_value(attn.k_norm))
     params.append(p)
     layers.append(dataclasses.replace(layer_spec, num_kv_heads=num_kv_heads))
   spec = _replace_layers(model.spec, layers, num_kv_heads=num_kv_heads)
@@ -378,6 +380,9 @@ def check_to_mla(model: transformer_lib.Transformer, kv_lora_rank: int, qk_rope_
       raise NotImplementedError(f"to_mla: layer {i} has qkv biases, which MLA's projections lack")
     if attn.soft_cap is not None:
       raise NotImplementedError(f"to_mla: layer {i} has a soft cap, which MLA lacks")
+    if attn.qk_norm or attn.sm_scale is not None:
+      raise NotImplementedError(f"to_mla: layer {i} has a qk-norm or its own sm_scale (Gemma, "
+                                f"Qwen3), which the MLA conversion does not carry over")
     H = attn.head_dim
     w = _per_head_rope_width(qk_rope_head_dim, attn)
     pairs = rope_pairs(H, w // 2, rope_selection)

@@ -70,6 +70,13 @@ def check_input(x: Any, d_model: int) -> None:
     raise ValueError(f"x.shape[-1] must be d_model = {d_model}; got shape {tuple(x.shape)}")
 
 
+def _rms_norm(x: jax.Array, scale: nnx.Param, eps: float) -> jax.Array:  # [..., H]
+  """RMSNorm over the last axis in f32 (the qk-norm), cast back to `x`'s dtype."""
+  xf = x.astype(jnp.float32)
+  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return (y * scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
 class GroupedQueryAttention(nnx.Module):
   """Causal self-attention with K KV heads shared by groups of G query heads.
 
@@ -100,7 +107,9 @@ class GroupedQueryAttention(nnx.Module):
   Parameters: `q_proj [D, N, H]`, `k_proj [D, K, H]`, `v_proj [D, K, H]`,
   `o_proj [N, H, D]` (no biases, as in Llama); with `qkv_bias` also
   `q_bias [N, H]`, `k_bias [K, H]`, `v_bias [K, H]` (Qwen2), added before
-  RoPE. Projections and attention accumulate in f32
+  RoPE; with `qk_norm` also `q_norm, k_norm [H]`, the scales of an RMSNorm
+  over each head's query and key after the biases and before RoPE (Qwen3,
+  Gemma 3). Projections and attention accumulate in f32
   (`preferred_element_type`) for low-precision inputs.
   """
 
@@ -119,6 +128,9 @@ class GroupedQueryAttention(nnx.Module):
       decode_implementation: str | None = None,
       qkv_bias: bool = False,
       rope_scaling: ops.RopeScaling | None = None,
+      qk_norm: bool = False,
+      norm_eps: float = 1e-6,
+      sm_scale: float | None = None,
       rngs: nnx.Rngs,
   ):
     """Builds the projections.
@@ -141,6 +153,12 @@ class GroupedQueryAttention(nnx.Module):
       qkv_bias: learn biases of the q/k/v projections (initialised to 0).
       rope_scaling: a `kvattn.ops.RopeScaling` context extension of the RoPE
         frequencies ("linear", "llama3", "yarn"), or None for plain RoPE.
+      qk_norm: RMSNorm over each head's query and key (width H) before RoPE,
+        with learned scales `q_norm, k_norm: [H]` (Qwen3; Gemma 3, whose
+        `1 + w` scales the loader folds into the scale).
+      norm_eps: epsilon of the qk-norm.
+      sm_scale: softmax scale of the attention logits; None = 1 / sqrt(H)
+        (Gemma: `query_pre_attn_scalar ** -0.5`).
       rngs: `nnx.Rngs` with a `params` stream.
 
     Raises:
@@ -159,6 +177,7 @@ class GroupedQueryAttention(nnx.Module):
     self.rope_theta = _checks.positive_float("rope_theta", rope_theta)
     self.rope_scaling = _checks.rope_scaling(rope_scaling)
     self.window = _checks.optional_positive_int("window", window)
+    self.sm_scale = _checks.optional_positive_float("sm_scale", sm_scale)
     self.soft_cap = _checks.optional_positive_float("soft_cap", soft_cap)
     self.dtype = None if dtype is None else _checks.float_dtype("dtype", dtype)
     param_dtype = _checks.float_dtype("param_dtype", param_dtype)
@@ -177,6 +196,13 @@ class GroupedQueryAttention(nnx.Module):
       self.q_bias = nnx.Param(jnp.zeros((N, H), param_dtype))
       self.k_bias = nnx.Param(jnp.zeros((K, H), param_dtype))
       self.v_bias = nnx.Param(jnp.zeros((K, H), param_dtype))
+    if not isinstance(qk_norm, bool):
+      raise TypeError(f"qk_norm must be a bool; got {qk_norm!r}")
+    self.qk_norm = qk_norm
+    self.norm_eps = _checks.positive_float("norm_eps", norm_eps)
+    if qk_norm:
+      self.q_norm = nnx.Param(jnp.ones((H,), param_dtype))
+      self.k_norm = nnx.Param(jnp.ones((H,), param_dtype))
 
   def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> cache_lib.KVCache:
     """An empty `KVCache` shaped for this layer (any other `GQACache` works too)."""
@@ -197,6 +223,8 @@ class GroupedQueryAttention(nnx.Module):
     q = self._project(x, "BTD,DNH->BTNH", self.q_proj, biases[0])
     k = self._project(x, "BTD,DKH->BTKH", self.k_proj, biases[1])
     v = self._project(x, "BTD,DKH->BTKH", self.v_proj, biases[2])
+    if self.qk_norm:
+      q, k = _rms_norm(q, self.q_norm, self.norm_eps), _rms_norm(k, self.k_norm, self.norm_eps)
     return q, k, v
 
   def __call__(
@@ -220,7 +248,7 @@ class GroupedQueryAttention(nnx.Module):
     new_lengths = cache_lib.resolve_new_lengths(new_lengths, batch, num_tokens)
 
     q, k, v = self._qkv(x)
-    opts = dict(window=self.window, soft_cap=self.soft_cap)
+    opts = dict(sm_scale=self.sm_scale, window=self.window, soft_cap=self.soft_cap)
     if cache is None:
       rope = dict(rope_theta=self.rope_theta, scaling=self.rope_scaling)
       q, k = ops.apply_rope(q, positions, **rope), ops.apply_rope(k, positions, **rope)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvattn.models import gqa as gqa_lib
+from kvattn.models import transformer as transformer_lib
 
 
 def scan_parts(model) -> tuple[Any, Any]:
@@ -26,8 +27,9 @@ def scan_parts(model) -> tuple[Any, Any]:
   along a new leading axis L (a copy of the layer weights).
 
   Raises:
-    ValueError: layers of different structure (e.g. mixed attention kinds),
-      which one scanned body cannot run.
+    ValueError: layers of different structure (e.g. mixed attention kinds, or
+      Gemma's local and global layers), which one scanned body cannot run; a
+      final logit soft cap (Gemma 2), which `logits_from_hidden` does not apply.
   """
   parts = [nnx.split(layer) for layer in model.layers]
   layer_def = parts[0][0]
@@ -35,9 +37,12 @@ def scan_parts(model) -> tuple[Any, Any]:
     if g != layer_def:
       raise ValueError(f"scan_forward runs identical layers; layer {i} differs from layer 0")
   layers = jax.tree.map(lambda *xs: jnp.stack(xs), *[st for _, st in parts])
+  if model.spec.final_soft_cap is not None:
+    raise ValueError("scan_forward's logits_from_hidden has no final logit soft cap; "
+                     f"model.final_soft_cap = {model.spec.final_soft_cap}")
   norm_def, norm = nnx.split(model.final_norm)
   head = None if model.lm_head is None else model.lm_head[...]
-  return (layer_def, norm_def, jnp.dtype(model.dtype)), (layers, norm, model.embedding[...], head)
+  return (layer_def, norm_def, model.spec), (layers, norm, model.embedding[...], head)
 
 
 def stack_caches(caches: Sequence[Any]) -> Any:
@@ -53,11 +58,11 @@ def scan_forward(defs, params, caches, tokens, new_lengths):
   Block modules in order, the final norm); `caches` are `stack_caches` of the
   model's per-layer caches. Tested equal to the model's own call.
   """
-  layer_def, norm_def, dtype = defs
+  layer_def, norm_def, spec = defs
   layers, norm, embedding, _ = params
   first = jax.tree.map(lambda a: a[0], caches)
   positions = gqa_lib.resolve_positions(None, first, *tokens.shape)
-  x = jnp.take(embedding, tokens, axis=0).astype(dtype)
+  x = transformer_lib.embed(embedding, tokens, spec)
 
   def body(x, layer_and_cache):
     state, cache = layer_and_cache

@@ -9,6 +9,12 @@ head (optionally tied to the embedding). Each layer's attention is a
 `kvattn.MultiHeadLatentAttention` (DeepSeek-V2 MLA), chosen per layer by the
 config, so a model may mix variants.
 
+Gemma 2/3 and Qwen3 options (`ModelSpec` / `AttentionSpec` fields): GeGLU with tanh GELU
+(`mlp_activation`), embeddings times sqrt(D) (`scale_embeddings`), RMSNorm also on the
+attention and MLP outputs (`post_norms`, Gemma's four norms per block), a final logit soft
+cap (`final_soft_cap`), qk-norm (`qk_norm`), the query scale (`sm_scale`), and per-layer
+windows and RoPE bases through `model.layers` (local / global layers).
+
 Config schema: `kvattn.models.config` (`ModelSpec`, `AttentionSpec`, `model_config`,
 `resolve_config`, `cache_bytes_per_token`), whose names this module re-exports.
 """
@@ -53,14 +59,23 @@ def _dense_init(in_axis=0, out_axis=-1):
                                            in_axis=in_axis, out_axis=out_axis)
 
 
+# Gate activations of the gated MLP: SwiGLU and GeGLU with tanh GELU (Shazeer 2020, eq. 5-6).
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda g: jax.nn.gelu(g, approximate=True)}
+
+
 class SwiGLU(nnx.Module):
-  """SwiGLU MLP (Shazeer 2020, eq. 6): `down(silu(x @ gate) * (x @ up))`.
+  """SwiGLU MLP (Shazeer 2020, eq. 6): `down(silu(x @ gate) * (x @ up))`; with
+  `activation="gelu_tanh"` GeGLU (eq. 5, tanh-approximated GELU, Gemma).
 
   Parameters `gate, up: [D, F]`, `down: [F, D]`; matmuls accumulate in f32.
   """
 
-  def __init__(self, d_model: int, mlp_dim: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
+  def __init__(self, d_model: int, mlp_dim: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs,
+               activation: str = "silu"):
     self.dtype = dtype
+    if activation not in _ACTIVATIONS:
+      raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}; got {activation!r}")
+    self.activation = activation
     key = rngs.params
     self.gate = nnx.Param(_dense_init()(key(), (d_model, mlp_dim), param_dtype))
     self.up = nnx.Param(_dense_init()(key(), (d_model, mlp_dim), param_dtype))
@@ -74,44 +89,71 @@ class SwiGLU(nnx.Module):
     # decode step of the bench_generate model).
     w = jnp.concatenate([self.gate[...].astype(dt), self.up[...].astype(dt)], axis=1)  # [D, 2F]
     g, u = jnp.split(jnp.einsum("BTD,DF->BTF", x, w, preferred_element_type=jnp.float32), 2, -1)
-    h = (jax.nn.silu(g) * u).astype(dt)
+    h = (_ACTIVATIONS[self.activation](g) * u).astype(dt)
     return jnp.einsum("BTF,FD->BTD", h, self.down[...].astype(dt),
                       preferred_element_type=jnp.float32).astype(dt)
 
 
 def make_attention(spec: AttentionSpec, *, d_model: int, dtype: Any, param_dtype: Any,
-                   rngs: nnx.Rngs) -> nnx.Module:
+                   rngs: nnx.Rngs, norm_eps: float = 1e-6) -> nnx.Module:
   """Builds one layer's attention module from its resolved AttentionSpec (the layer factory).
 
   "gqa" -> `kvattn.GroupedQueryAttention`, "mla" ->
   `kvattn.MultiHeadLatentAttention`; every field the kind uses (`kind` aside)
   is passed as the keyword of the same name, but the `rope_*` scaling fields,
-  which are passed as one `rope_scaling=spec.rope()`.
+  which are passed as one `rope_scaling=spec.rope()`; a GQA layer with
+  `qk_norm` also gets `norm_eps` (the model's).
   """
   kwargs = {name: getattr(spec, name) for name in attention_fields(spec.kind)
             if name != "kind" and name not in ROPE_SCALING_FIELDS}
   kwargs["rope_scaling"] = spec.rope()
+  if spec.kind == "gqa" and spec.qk_norm:
+    kwargs["norm_eps"] = norm_eps
   return _ATTENTION_MODULES[spec.kind](d_model=d_model, dtype=dtype, param_dtype=param_dtype,
                                        rngs=rngs, **kwargs)
 
 
 class Block(nnx.Module):
-  """Pre-norm block: `x += attn(norm(x)); x += mlp(norm(x))`."""
+  """Pre-norm block: `x += attn(norm(x)); x += mlp(norm(x))`; with `model.post_norms`
+  (Gemma 2/3) `x += post_attn_norm(attn(norm(x))); x += post_mlp_norm(mlp(norm(x)))`."""
 
   def __init__(self, spec: AttentionSpec, model: ModelSpec, *, rngs: nnx.Rngs):
-    self.attn_norm = RMSNorm(model.d_model, eps=model.norm_eps, param_dtype=model.param_dtype)
+    def norm():
+      return RMSNorm(model.d_model, eps=model.norm_eps, param_dtype=model.param_dtype)
+    self.attn_norm = norm()
     self.attn = make_attention(spec, d_model=model.d_model, dtype=model.dtype,
-                               param_dtype=model.param_dtype, rngs=rngs)
-    self.mlp_norm = RMSNorm(model.d_model, eps=model.norm_eps, param_dtype=model.param_dtype)
+                               param_dtype=model.param_dtype, rngs=rngs, norm_eps=model.norm_eps)
+    self.mlp_norm = norm()
     self.mlp = SwiGLU(model.d_model, model.mlp_dim, dtype=model.dtype,
-                      param_dtype=model.param_dtype, rngs=rngs)
+                      param_dtype=model.param_dtype, rngs=rngs, activation=model.mlp_activation)
+    self.post_attn_norm = norm() if model.post_norms else None
+    self.post_mlp_norm = norm() if model.post_norms else None
 
   def __call__(self, x, cache, positions, new_lengths):
     h, cache = self.attn(self.attn_norm(x), cache=cache, positions=positions,
                          new_lengths=new_lengths)
+    if self.post_attn_norm is not None:
+      h = self.post_attn_norm(h)
     x = x + h.astype(x.dtype)
-    x = x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
+    h = self.mlp(self.mlp_norm(x))
+    if self.post_mlp_norm is not None:
+      h = self.post_mlp_norm(h)
+    x = x + h.astype(x.dtype)
     return x, cache
+
+
+def embed(embedding: jax.Array, tokens: jax.Array, spec: ModelSpec) -> jax.Array:
+  """`[B, T, D]` embeddings of `tokens` in the compute dtype, times sqrt(D) when
+  `spec.scale_embeddings` (Gemma; the factor rounded to the compute dtype, as Gemma does)."""
+  x = jnp.take(embedding, tokens, axis=0).astype(spec.dtype)
+  if spec.scale_embeddings:
+    x = x * jnp.asarray(spec.d_model ** 0.5, spec.dtype)
+  return x
+
+
+def soft_cap_logits(logits: jax.Array, cap: float | None) -> jax.Array:
+  """`cap * tanh(logits / cap)` (Gemma 2's final logit soft cap), or `logits` when cap is None."""
+  return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 class Transformer(nnx.Module):
@@ -170,7 +212,7 @@ class Transformer(nnx.Module):
     return cache_bytes_per_token(self.spec, dtype)
 
   def init_caches(self, batch: int, max_len: int, dtype: Any = None, *,
-                  cache: Any = None) -> tuple[Any, ...]:
+                  cache: Any = None, local_layers: str = "full") -> tuple[Any, ...]:
     """One empty cache per layer, as a tuple pytree.
 
     Args:
@@ -183,14 +225,19 @@ class Transformer(nnx.Module):
         spec `{"kind": ..., **options}` of `kvattn.caches.registry`, e.g.
         `{"kind": "sink", "num_sinks": 4, "window": 252}` or
         `{"kind": "h2o", "budget": 256}`.
+      local_layers: "full" (every layer the same kind) or "ring", the per-layer layout:
+        layers with a sliding window W < max_len (Gemma's local layers) get a
+        `RingKVCache` of W slots, the others the chosen kind
+        (`kvattn.caches.registry.build_caches`).
 
     Raises:
       ValueError: non-positive sizes; an unknown kind or a bad option.
       TypeError: a dtype that is neither floating nor a quantized KV format.
     """
     dtype = self.dtype if dtype is None else dtype
-    if cache is not None:
-      return cache_registry.build_caches(self, batch, max_len, dtype, cache)
+    if cache is not None or local_layers != "full":
+      return cache_registry.build_caches(self, batch, max_len, dtype, cache,
+                                         local_layers=local_layers)
     return tuple(layer.attn.init_cache(batch, max_len, dtype) for layer in self.layers)
 
   def _check_tokens(self, tokens):
@@ -213,7 +260,7 @@ class Transformer(nnx.Module):
     # Positions once for every layer: each layer's cache holds the same tokens.
     first = caches[0] if caches and hasattr(caches[0], "lengths") else None
     positions = gqa_lib.resolve_positions(positions, first, *tokens.shape)
-    x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)  # [B, T, D]
+    x = embed(self.embedding[...], tokens, self.spec)  # [B, T, D]
     new_caches = []
     for i, layer in enumerate(self.layers):
       x, cache = layer(x, None if caches is None else caches[i], positions, new_lengths)
@@ -221,12 +268,14 @@ class Transformer(nnx.Module):
     return self.final_norm(x), (None if caches is None else tuple(new_caches))
 
   def logits_from_hidden(self, h: jax.Array) -> jax.Array:  # [..., D] -> f32[..., V]
-    """Projects hidden states onto the vocabulary in f32."""
+    """Projects hidden states onto the vocabulary in f32 (then `final_soft_cap`, if set)."""
     if self.lm_head is None:
-      return jnp.einsum("...D,VD->...V", h, self.embedding[...].astype(h.dtype),
-                        preferred_element_type=jnp.float32)
-    return jnp.einsum("...D,DV->...V", h, self.lm_head[...].astype(h.dtype),
-                      preferred_element_type=jnp.float32)
+      logits = jnp.einsum("...D,VD->...V", h, self.embedding[...].astype(h.dtype),
+                          preferred_element_type=jnp.float32)
+    else:
+      logits = jnp.einsum("...D,DV->...V", h, self.lm_head[...].astype(h.dtype),
+                          preferred_element_type=jnp.float32)
+    return soft_cap_logits(logits, self.spec.final_soft_cap)
 
   def __call__(
       self,

@@ -49,6 +49,20 @@ def test_q8_0_two_blocks_by_hand():
   np.testing.assert_array_equal(out[0], expected)
 
 
+def test_q5_0_block_by_hand():
+  # Q5_0 (Gemma 3 270M's projections): f16 scale d, 4 bytes qh (the fifth bit of value j is bit
+  # j), 16 bytes of nibbles; value = d * (q - 16). 0x31 with every fifth bit set: low 1 | 16,
+  # high 3 | 16.
+  nibbles = np.full(16, 0x31, np.uint8)
+  block = np.concatenate([_f16_bytes(0.5), np.full(4, 0xFF, np.uint8), nibbles])
+  out = gguf_lib.dequantize(block[None], "Q5_0", (1, 32))
+  np.testing.assert_array_equal(out, [[0.5] * 16 + [1.5] * 16])
+  qh = np.frombuffer(np.uint32(0x0000FFFF).tobytes(), np.uint8)  # fifth bits of the low half only
+  block = np.concatenate([_f16_bytes(0.5), qh, nibbles])
+  out = gguf_lib.dequantize(block[None], "Q5_0", (1, 32))
+  np.testing.assert_array_equal(out, [[0.5] * 16 + [-6.5] * 16])
+
+
 def test_float_types_are_exact():
   x = np.array([[1.5, -2.25, 3.0e-3, 65504.0]], np.float32)
   np.testing.assert_array_equal(gguf_lib.dequantize(x, "F32", (1, 4)), x)
@@ -556,3 +570,90 @@ def test_from_pretrained_reports_a_bad_file_in_its_own_names(tmp_path):
                                        r"\[16, 33\]; expected \[16, 32\]") as info:
     kvattn.from_pretrained(path)
   assert "model.layers" not in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# gemma3 and qwen3 files: the tiny transformers checkpoints of tests/fixtures/hf written as
+# llama.cpp writes them, loaded to the same model as the safetensors checkpoint.
+
+_FIXTURES = pathlib.Path(__file__).resolve().parents[2] / "fixtures" / "hf"
+_GEMMA3_NAMES = {"input_layernorm.weight": "attn_norm.weight",
+                 "post_attention_layernorm.weight": "post_attention_norm.weight",
+                 "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                 "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+                 "self_attn.q_norm.weight": "attn_q_norm.weight",
+                 "self_attn.k_norm.weight": "attn_k_norm.weight"}
+
+
+def _write_fixture_gguf(path: pathlib.Path, name: str, arch: str) -> pathlib.Path:
+  import json  # pylint: disable=g-import-not-at-top
+  from kvattn.checkpoints import pretrained  # pylint: disable=g-import-not-at-top
+  config = json.loads((_FIXTURES / name / "config.json").read_text())
+  tensors = pretrained.SafetensorsCheckpoint(_FIXTURES / name)
+  w = gguf.GGUFWriter(str(path), arch)
+  w.add_block_count(config["num_hidden_layers"])
+  w.add_context_length(config["max_position_embeddings"])
+  w.add_embedding_length(config["hidden_size"])
+  w.add_feed_forward_length(config["intermediate_size"])
+  w.add_head_count(config["num_attention_heads"])
+  w.add_head_count_kv(config["num_key_value_heads"])
+  w.add_key_length(config["head_dim"])
+  w.add_value_length(config["head_dim"])
+  w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+  w.add_vocab_size(config["vocab_size"])
+  rope = config["rope_parameters"]
+  if arch == "gemma3":
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    w.add_key_value("gemma3.rope.freq_base_swa", rope["sliding_attention"]["rope_theta"],
+                    gguf.GGUFValueType.FLOAT32)
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    w.add_sliding_window(config["sliding_window"])
+    w.add_key_value("gemma3.attention.sliding_window_pattern",
+                    [t == "sliding_attention" for t in config["layer_types"]],
+                    gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.BOOL)
+  else:
+    w.add_rope_freq_base(rope["rope_theta"])
+  for hf in tensors:
+    array = np.asarray(tensors[hf].astype("float32"))
+    if hf in _TO_GGUF:
+      gname = _TO_GGUF[hf]
+    else:
+      _, _, layer, rest = hf.split(".", 3)
+      names = {**_LAYER_TO_GGUF, **_GEMMA3_NAMES} if arch == "gemma3" else \
+          {**_GEMMA3_NAMES, **_LAYER_TO_GGUF}  # Gemma: ffn_norm is the pre-MLP norm
+      gname = f"blk.{layer}.{names[rest]}"
+    if arch == "gemma3" and gname.endswith("norm.weight"):
+      array = array + 1.0  # llama.cpp's Gemma converter stores 1 + w
+    w.add_tensor(gname, array)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return path
+
+
+@pytest.mark.parametrize("name, arch", [
+    ("gemma3", "gemma3"),
+    pytest.param("qwen3", "qwen3", marks=pytest.mark.slow),  # gemma3's names and norms cover more
+])
+def test_gemma3_and_qwen3_files_load_the_safetensors_model(tmp_path, name, arch):
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import kvattn  # pylint: disable=g-import-not-at-top
+  path = _write_fixture_gguf(tmp_path / f"{name}.gguf", name, arch)
+  ours, tok = kvattn.from_pretrained(path)
+  want, _ = kvattn.from_pretrained(_FIXTURES / name)
+  assert tok is None
+  expected = want.spec
+  if arch == "gemma3":  # llama.cpp's Gemma 3 query scale is 1 / sqrt(head_dim); the fixture's 24
+    assert want.spec.layers[0].sm_scale == 24 ** -0.5
+    scale = lambda a: dataclasses.replace(a, sm_scale=16 ** -0.5)  # noqa: E731
+    expected = dataclasses.replace(expected, attention=scale(expected.attention),
+                                   layers=tuple(scale(a) for a in expected.layers))
+  np.testing.assert_allclose(ours.spec.norm_eps, want.spec.norm_eps, rtol=1e-7)  # f32 in GGUF
+  assert ours.spec == dataclasses.replace(expected, norm_eps=ours.spec.norm_eps)
+  a, b = nnx.state(ours, nnx.Param), nnx.state(want, nnx.Param)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-6)

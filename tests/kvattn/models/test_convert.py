@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import shutil
 
 import jax
@@ -121,6 +122,24 @@ def test_pooling_a_two_head_toy_to_one_kv_head_matches_a_hand_computation(method
   got, _ = p(jnp.asarray(x, jnp.float32))
   np.testing.assert_allclose(np.asarray(got[0]), y, atol=1e-5)
   np.testing.assert_allclose(np.asarray(p.k_proj[...])[:, 0], pick(wk), atol=1e-6)
+
+
+@pytest.mark.slow  # ~15 s on the shared machine; the Gemma 3 fixture's logits run in the fast suite
+def test_regrouping_gemma3_keeps_its_qk_norm_and_logits():
+  # The tiny transformers Gemma 3 (MQA, qk-norm, local + global layers): duplicating its one KV
+  # head keeps every logit; MLA has no qk-norm, so to_mla refuses it.
+  fixture = pathlib.Path(__file__).resolve().parents[2] / "fixtures" / "hf" / "gemma3"
+  model, _ = kvattn.from_pretrained(fixture)
+  regrouped = convert.regroup_kv_heads(model, 2)
+  assert regrouped.spec.post_norms and all(layer.qk_norm for layer in regrouped.spec.layers)
+  np.testing.assert_array_equal(np.asarray(regrouped.layers[1].attn.k_norm[...]),
+                                np.asarray(model.layers[1].attn.k_norm[...]))
+  tokens = jnp.asarray([[1, 5, 9, 17, 33, 2, 7]], jnp.int32)
+  logits = [jax.jit(lambda state, g=nnx.graphdef(m): nnx.merge(g, state)(tokens)[0])(
+      nnx.state(m)) for m in (regrouped, model)]
+  np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(logits[1]), atol=1e-5, rtol=0)
+  with pytest.raises(NotImplementedError, match="layer 0 has a qk-norm"):
+    convert.to_mla(model, 16, 4)
 
 
 def test_regroup_keeps_the_source_and_the_other_parameters():

@@ -1,0 +1,111 @@
+"""Per-layer cache layout vs full allocation: cache bytes per sequence, decode speed, tokens.
+
+    python -m experiments.benchmarks.per_layer_layout                       # Gemma 3 270M
+    python -m experiments.benchmarks.per_layer_layout --context=512 --out=/tmp/layout.md
+
+Layouts (`model.init_caches(..., local_layers=)`): "full" gives every layer a dense cache of
+the sequence's length; "ring" gives each layer with a sliding window W shorter than the length
+(Gemma 3: the 5 local layers of every 6, W = 512) a `RingKVCache` of W slots and the global
+layers the dense cache.
+
+  bytes       cache storage bytes of one sequence at each `--lengths` (keys + values, f32 or
+              `--cache_dtype`), from the shapes `init_caches` builds (jax.eval_shape, nothing
+              allocated), both layouts, and their ratio;
+  decode      one prompt of `--context` tokens of the default corpus prefilled once per layout,
+              then `--new_tokens` greedy steps through `kvattn.generate`'s compiled decode loop
+              (`experiments.framework.timing.timed_decode`, caches donated), `--repeats`
+              samples taken round-robin across the layouts so background load hits both alike;
+              median tokens/s and whether both layouts produced the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.evals import models
+from experiments.evals import text
+from experiments.framework import cli
+from experiments.framework import timing
+
+LAYOUTS = ("full", "ring")
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = cli.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--model", default="gemma3-270m", help="registered name or checkpoint path")
+  p.add_argument("--random_weights", action="store_true",
+                 help="the architecture with random weights (no fetch; bytes only are real)")
+  p.add_argument("--lengths", default="4096,32768", help="sequence lengths of the bytes table")
+  p.add_argument("--cache_dtype", default="float32")
+  p.add_argument("--context", type=int, default=1024, help="prompt tokens before decoding "
+                 "(0: bytes only)")
+  p.add_argument("--new_tokens", type=int, default=32)
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--out", default=None, help="also write the markdown here")
+  return p
+
+
+def storage_bytes(model, length: int, dtype, layout: str) -> int:
+  """Bytes of the storage arrays (values and scales) of one sequence's caches."""
+  caches = jax.eval_shape(lambda: model.init_caches(1, length, dtype, local_layers=layout))
+  return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+             for c in caches for a in c.storage_arrays())
+
+
+def main(argv=None) -> None:
+  args = _parser().parse_args(argv)
+  model, tok = models.load_model(args.model, random_weights=args.random_weights)
+  dtype = jnp.dtype(args.cache_dtype)
+  windows = [layer.attn.window for layer in model.layers]
+  lines = [f"model {args.model}: {len(windows)} layers, windows {windows}, cache dtype "
+           f"{dtype.name}", "",
+           "| tokens | full allocation | per-layer layout | ratio |", "|---|---|---|---|"]
+  for length in (int(n) for n in args.lengths.split(",")):
+    full, ring = (storage_bytes(model, length, dtype, layout) for layout in LAYOUTS)
+    lines.append(f"| {length:,} | {full:,} B ({full / 2**20:.1f} MiB) | {ring:,} B "
+                 f"({ring / 2**20:.1f} MiB) | {full / ring:.2f}x |")
+  if args.context:
+    ids = (text.corpus_tokens(tok, args.context) if tok is not None else
+           np.random.default_rng(0).integers(3, model.vocab_size, args.context))
+    prompts = jnp.asarray(np.asarray(ids, np.int32)[None])
+    lengths = jnp.asarray([args.context], jnp.int32)
+    capacity = args.context + args.new_tokens
+    state = {}
+    for layout in LAYOUTS:
+      caches = model.init_caches(1, capacity, dtype, local_layers=layout)
+      _, first, caches, key = timing.timed_prefill(model, prompts, lengths, caches)
+      state[layout] = (first, caches, key)
+      timing.timed_decode(model, first, jax.tree.map(jnp.copy, caches), args.new_tokens, key)
+    rates, tokens = {layout: [] for layout in LAYOUTS}, {}
+    for _ in range(args.repeats):
+      for layout in LAYOUTS:
+        first, caches, key = state[layout]
+        seconds, _, out, _, _ = timing.timed_decode(model, first, jax.tree.map(jnp.copy, caches),
+                                                    args.new_tokens, key)
+        rates[layout].append((args.new_tokens - 1) / seconds)
+        tokens[layout] = np.asarray(out).tolist()
+    same = tokens["full"] == tokens["ring"]
+    lines += ["", f"decode after a {args.context}-token prompt, {args.new_tokens} greedy tokens, "
+              f"median of {args.repeats} interleaved samples:", "",
+              "| layout | decode tok/s | same tokens as full |", "|---|---|---|"]
+    for layout in LAYOUTS:
+      lines.append(f"| {layout} | {float(np.median(rates[layout])):.1f} | "
+                   f"{'yes' if tokens[layout] == tokens['full'] else 'NO'} |")
+    if tok is not None:
+      lines.append(f"\ngreedy text: {tok.decode(tokens['ring'][0])!r}")
+    if not same:
+      lines.append("WARNING: the layouts' greedy tokens differ")
+  report = "\n".join(lines)
+  print(report)
+  if args.out:
+    with open(args.out, "w", encoding="utf-8") as f:
+      f.write(report + "\n")
+
+
+if __name__ == "__main__":
+  cli.run_plain(main)
