@@ -92,8 +92,8 @@ def _define_flags() -> None:
   flags.DEFINE_integer("new_tokens", 64, "Tokens generated per sequence N (N - 1 decode steps).")
   flags.DEFINE_string("cache_dtype", None,
                       "KV-cache dtype: float32, bfloat16, int8, float8_e4m3fn (default float32).")
-  flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"],
-                    "Weight storage dtype (compute is f32).")
+  flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16", "int8"],
+                    "Weight storage dtype (compute is f32; int8: W8A8, kvattn.models.int8).")
   flags.DEFINE_bool("peers", False, "Also run HF transformers and llama.cpp (subprocesses).")
   flags.DEFINE_string("peer_python", sys.executable, "Python interpreter that runs the peers.")
   flags.DEFINE_integer("threads", 2, "Threads of the peers.")
@@ -264,7 +264,10 @@ def summary(system: str, runs: Sequence[Run], *, batch: int, prompt_len: int, ne
 
 
 def cast_params(model, param_dtype: Any):
-  """A copy of `model` whose parameters are stored in `param_dtype` (compute unchanged)."""
+  """A copy of `model` whose parameters are stored in `param_dtype` (compute unchanged; int8:
+  the W8A8 copy, `kvattn.models.transformer.quantize_model`)."""
+  if jnp.dtype(param_dtype) == jnp.int8:
+    return transformer_lib.quantize_model(nnx.clone(model))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   params = jax.tree.map(lambda p: p.astype(param_dtype), params)
   return nnx.merge(graphdef, params, rest)

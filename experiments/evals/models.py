@@ -40,16 +40,20 @@ def tiny_model(seed: int = 0) -> transformer_lib.Transformer:
 
 
 def load_model(name: str, dtype: Any = "float32", *, random_weights: bool = False,
-               seed: int = 0) -> tuple[transformer_lib.Transformer, Any]:
-  """`(model, tokenizer or None)` of `name` (module doc), compute dtype `dtype`.
+               seed: int = 0, param_dtype: Any = None) -> tuple[transformer_lib.Transformer, Any]:
+  """`(model, tokenizer or None)` of `name` (module doc), compute dtype `dtype`, weights
+  stored in `param_dtype` (default `dtype`; "int8": W8A8, `kvattn.models.int8`).
 
   Raises:
     ValueError: `random_weights` for a name without a `RANDOM_CONFIGS` entry.
   """
+  if param_dtype is not None and jnp.dtype(param_dtype) == jnp.int8:
+    model, tok = load_model(name, dtype, random_weights=random_weights, seed=seed)
+    return transformer_lib.quantize_model(model), tok
   if name == TINY:
     return tiny_model(seed), data_lib.ByteTokenizer()
   if not random_weights:
-    return pretrained.from_pretrained(name, dtype=jnp.dtype(dtype))
+    return pretrained.from_pretrained(name, dtype=jnp.dtype(dtype), param_dtype=param_dtype)
   if name not in RANDOM_CONFIGS:
     raise ValueError(f"random weights need a RANDOM_CONFIGS entry ({sorted(RANDOM_CONFIGS)}); "
                      f"got {name!r}")

@@ -15,6 +15,7 @@ Config schema: `kvattn.models.config` (`ModelSpec`, `AttentionSpec`, `model_conf
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import jax
@@ -24,6 +25,7 @@ from flax import nnx
 from kvattn import _checks
 from kvattn.caches import registry as cache_registry
 from kvattn.models import gqa as gqa_lib
+from kvattn.models import int8 as int8_lib
 
 # Re-exported: `kvattn.transformer.model_config` etc. keep working.
 from kvattn.models.config import (  # noqa: F401
@@ -40,6 +42,7 @@ class RMSNorm(nnx.Module):
 
   def __init__(self, dim: int, *, eps: float, param_dtype: Any = jnp.float32):
     self.eps = eps
+    param_dtype = jnp.float32 if int8_lib.is_int8(param_dtype) else param_dtype
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
 
   def __call__(self, x: jax.Array) -> jax.Array:  # [..., D]
@@ -57,18 +60,30 @@ class SwiGLU(nnx.Module):
   """SwiGLU MLP (Shazeer 2020, eq. 6): `down(silu(x @ gate) * (x @ up))`.
 
   Parameters `gate, up: [D, F]`, `down: [F, D]`; matmuls accumulate in f32.
+  With `param_dtype` int8 (W8A8, `kvattn.models.int8`) the three are int8 with
+  f32 per-output-channel scales `gate_scale, up_scale: [F]`, `down_scale: [D]`.
   """
 
   def __init__(self, d_model: int, mlp_dim: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
     self.dtype = dtype
     key = rngs.params
+    quantized = int8_lib.is_int8(param_dtype)
+    param_dtype = jnp.float32 if quantized else param_dtype
     self.gate = nnx.Param(_dense_init()(key(), (d_model, mlp_dim), param_dtype))
     self.up = nnx.Param(_dense_init()(key(), (d_model, mlp_dim), param_dtype))
     self.down = nnx.Param(_dense_init()(key(), (mlp_dim, d_model), param_dtype))
+    if quantized:
+      int8_lib.quantize_module(self)
 
   def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D]
     dt = self.dtype
     x = x.astype(dt)
+    if hasattr(self, "gate_scale"):  # W8A8: the same products through int8_dot
+      w = jnp.concatenate([self.gate[...], self.up[...]], axis=1)  # int8[D, 2F]
+      w_scale = jnp.concatenate([self.gate_scale[...], self.up_scale[...]])
+      g, u = jnp.split(int8_lib.int8_dot(x, w, w_scale), 2, -1)
+      h = (jax.nn.silu(g) * u).astype(dt)
+      return int8_lib.int8_dot(h, self.down[...], self.down_scale[...]).astype(dt)
     # One product for gate and up: in the decode loop the concatenation of the (loop-invariant)
     # weights is hoisted out of the while loop by XLA, and one call beats two (~3% of a K = 1
     # decode step of the bench_generate model).
@@ -93,6 +108,73 @@ def make_attention(spec: AttentionSpec, *, d_model: int, dtype: Any, param_dtype
   kwargs["rope_scaling"] = spec.rope()
   return _ATTENTION_MODULES[spec.kind](d_model=d_model, dtype=dtype, param_dtype=param_dtype,
                                        rngs=rngs, **kwargs)
+
+
+def _value(v):
+  return None if v is None else v[...]
+
+
+def quantize_embeddings(model: "Transformer") -> None:
+  """W8A8 (`kvattn.models.int8`) of the embedding table and LM head, in place.
+
+  A tied table `[V, D]` gets one scale per token row (`embedding_scale: f32[V]`):
+  the rows are the LM head's output channels, and the gather dequantizes the
+  rows it reads. An untied `lm_head [D, V]` gets `lm_head_scale: f32[V]` and
+  the embedding keeps one scale per row as well.
+  """
+  w_q, scale = int8_lib.quantize_weight(model.embedding[...].T, 1)
+  model.embedding = nnx.Param(w_q.T)
+  model.embedding_scale = nnx.Param(scale)
+  if model.lm_head is not None:
+    int8_lib.quantize_param(model, "lm_head", 1)
+
+
+def quantize_model(model: "Transformer") -> "Transformer":
+  """Turns a float `Transformer` into its W8A8 form in place (`kvattn.models.int8`) and returns it.
+
+  The same as building it with `param_dtype="int8"` from these float weights:
+  every weight `int8.QUANTIZED_WEIGHTS` lists, the LM head and the embedding
+  (`quantize_embeddings`) become int8 with f32 scales; `model.spec.param_dtype`
+  becomes int8. Norm scales and biases are cast to f32.
+
+  Raises:
+    ValueError: the model is already int8, or a weight is not finite.
+  """
+  if int8_lib.is_int8(model.spec.param_dtype):
+    raise ValueError("model is already int8 (spec.param_dtype = int8)")
+  modules = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)]
+  for module in modules:
+    int8_lib.quantize_module(module)
+  quantize_embeddings(model)
+  _, params = nnx.split(model, nnx.Param)
+  for var in jax.tree.leaves(params, is_leaf=lambda v: isinstance(v, nnx.Variable)):
+    if jnp.issubdtype(var[...].dtype, jnp.floating):
+      var.set_value(var[...].astype(jnp.float32))
+  model.spec = dataclasses.replace(model.spec, param_dtype=int8_lib.INT8)
+  return model
+
+
+def embed(table: jax.Array, scale: jax.Array | None, tokens: jax.Array, dtype: Any) -> jax.Array:
+  """Rows `tokens` of the embedding `table [V, D]` in `dtype` (times their `scale [V]` for an
+  int8 table)."""
+  x = jnp.take(table, tokens, axis=0)
+  if scale is not None:
+    x = x.astype(jnp.float32) * jnp.take(scale, tokens, axis=0)[..., None]
+  return x.astype(dtype)
+
+
+def head_logits(h: jax.Array, table: jax.Array, table_scale: jax.Array | None,
+                head: jax.Array | None, head_scale: jax.Array | None) -> jax.Array:
+  """f32 logits `[..., V]` of hidden states `h [..., D]`: against the tied `table [V, D]`
+  when `head` is None, else against `head [D, V]`; through `int8_dot` for int8 weights."""
+  if head is None:
+    if table_scale is not None:
+      return int8_lib.int8_dot(h, table, table_scale, transposed=True)
+    return jnp.einsum("...D,VD->...V", h, table.astype(h.dtype),
+                      preferred_element_type=jnp.float32)
+  if head_scale is not None:
+    return int8_lib.int8_dot(h, head, head_scale)
+  return jnp.einsum("...D,DV->...V", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
 
 
 class Block(nnx.Module):
@@ -146,15 +228,19 @@ class Transformer(nnx.Module):
     self.d_model = spec.d_model
     self.num_layers = spec.num_layers
     self.dtype = spec.dtype
+    quantized = int8_lib.is_int8(spec.param_dtype)
+    param_dtype = jnp.float32 if quantized else spec.param_dtype
     self.embedding = nnx.Param(nnx.initializers.normal(stddev=0.02)(
-        rngs.params(), (spec.vocab_size, spec.d_model), spec.param_dtype))
+        rngs.params(), (spec.vocab_size, spec.d_model), param_dtype))
     self.layers = nnx.List([Block(layer, spec, rngs=rngs) for layer in spec.layers])
-    self.final_norm = RMSNorm(spec.d_model, eps=spec.norm_eps, param_dtype=spec.param_dtype)
+    self.final_norm = RMSNorm(spec.d_model, eps=spec.norm_eps, param_dtype=param_dtype)
     if spec.tie_embeddings:
       self.lm_head = None
     else:
       self.lm_head = nnx.Param(_dense_init()(
-          rngs.params(), (spec.d_model, spec.vocab_size), spec.param_dtype))
+          rngs.params(), (spec.d_model, spec.vocab_size), param_dtype))
+    if quantized:
+      quantize_embeddings(self)
 
   @classmethod
   def from_config(cls, cfg: Any, *, rngs: nnx.Rngs) -> "Transformer":
@@ -213,7 +299,7 @@ class Transformer(nnx.Module):
     # Positions once for every layer: each layer's cache holds the same tokens.
     first = caches[0] if caches and hasattr(caches[0], "lengths") else None
     positions = gqa_lib.resolve_positions(positions, first, *tokens.shape)
-    x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)  # [B, T, D]
+    x = embed(self.embedding[...], _value(getattr(self, "embedding_scale", None)), tokens, self.dtype)  # [B, T, D]
     new_caches = []
     for i, layer in enumerate(self.layers):
       x, cache = layer(x, None if caches is None else caches[i], positions, new_lengths)
@@ -222,11 +308,8 @@ class Transformer(nnx.Module):
 
   def logits_from_hidden(self, h: jax.Array) -> jax.Array:  # [..., D] -> f32[..., V]
     """Projects hidden states onto the vocabulary in f32."""
-    if self.lm_head is None:
-      return jnp.einsum("...D,VD->...V", h, self.embedding[...].astype(h.dtype),
-                        preferred_element_type=jnp.float32)
-    return jnp.einsum("...D,DV->...V", h, self.lm_head[...].astype(h.dtype),
-                      preferred_element_type=jnp.float32)
+    return head_logits(h, self.embedding[...], _value(getattr(self, "embedding_scale", None)),
+                       _value(self.lm_head), _value(getattr(self, "lm_head_scale", None)))
 
   def __call__(
       self,
