@@ -199,10 +199,31 @@ class GroupedQueryAttention(nnx.Module):
     """`q [B, T, N, H]`, `k, v [B, T, K, H]` of `x` (biases added when `qkv_bias`),
     before RoPE."""
     biases = (self.q_bias, self.k_bias, self.v_bias) if self.qkv_bias else (None,) * 3
+    if hasattr(self, "q_proj_scale"):  # W8A8: one int8 product for q, k and v
+      return self._qkv_int8(x, biases)
     q = self._project(x, "BTD,DNH->BTNH", "q_proj", biases[0])
     k = self._project(x, "BTD,DKH->BTKH", "k_proj", biases[1])
     v = self._project(x, "BTD,DKH->BTKH", "v_proj", biases[2])
     return q, k, v
+
+  def _qkv_int8(self, x, biases):
+    """`_qkv` of an int8 layer: the three weights side by side in one `int8_dot` (in the
+    decode loop XLA hoists the loop-invariant concatenation out of the loop)."""
+    dtype = self.dtype or x.dtype
+    D, N, K, H = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
+    w = jnp.concatenate([self.q_proj[...].reshape(D, N * H), self.k_proj[...].reshape(D, K * H),
+                         self.v_proj[...].reshape(D, K * H)], axis=1)
+    scale = jnp.concatenate([self.q_proj_scale[...].reshape(-1), self.k_proj_scale[...].reshape(
+        -1), self.v_proj_scale[...].reshape(-1)])
+    out = int8_lib.int8_dot(x, w, scale)  # f32[B, T, (N + 2K) H]
+    parts = jnp.split(out, [N * H, (N + K) * H], axis=-1)
+    heads = []
+    for part, count, bias in zip(parts, (N, K, K), biases):
+      part = part.reshape(part.shape[:-1] + (count, H))
+      if bias is not None:
+        part = part + bias[...].astype(jnp.float32)
+      heads.append(part.astype(dtype))
+    return tuple(heads)
 
   def __call__(
       self,
