@@ -4,7 +4,7 @@
         --prompt_len 512 --new_tokens 64 [--cache_dtype int8] [--param_dtype int8] \\
         [--random_weights] [--quality_tokens 1024]
     python -m experiments.benchmarks.real --peers --peer_python /path/to/python \\
-        --variants float32:float32,int8:float32,int8:int8 --batch 1 --prompt_len 512
+        --variants float32:float32,int8:float32,int8:int8 --shapes 1x512,1x4000,4x4000,8x512
 
 Without `--peers` it prints one JSON line for kvattn, the median of
 `--repeats` timed rounds after one untimed round (which compiles), all in this
@@ -129,6 +129,9 @@ def _define_flags() -> None:
   flags.DEFINE_list("variants", [], "With --peers: kvattn variants param_dtype:cache_dtype, each "
                     "its own system, e.g. float32:float32,int8:int8 (default: --param_dtype:"
                     "--cache_dtype).")
+  flags.DEFINE_list("shapes", [], "With --peers: BATCHxPROMPT_LEN shapes run one after the "
+                    "other in one invocation (e.g. 1x512,1x4000,4x4000,8x512); default "
+                    "--batch x --prompt_len.")
   flags.DEFINE_list("llama_cache_types", ["f16", "q8_0"], "With --peers: llama.cpp KV caches.")
   flags.DEFINE_bool("alone_check", True, "With --peers: time each peer once more before any "
                     "kvattn process has run, and report interleaved / alone.")
@@ -343,8 +346,14 @@ def _load(model_name: str, random_weights: bool, param_dtype: str):
     reference, tok = models.load_model(model_name, random_weights=random_weights)
   except ValueError as e:
     raise app.UsageError(f"--random_weights: {e}") from None
-  model = reference if param_dtype == "float32" else cast_params(reference, param_dtype)
+  model = reference if param_dtype == "float32" else _load_variant(reference, tok, param_dtype)
   return model, reference, tok
+
+
+def _load_variant(reference, tok, param_dtype: str):
+  if param_dtype == "int8":
+    return models.quantize(nnx.clone(reference), tok)
+  return cast_params(reference, param_dtype)
 
 
 def _prompts(tok, batch: int, prompt_len: int) -> np.ndarray:
@@ -539,7 +548,7 @@ def quality_grid(batch: int, prompt_len: int, new_tokens: int) -> None:
     param_dtype, _, cache_dtype = variant.partition(":")
     cache_dtype = cache_dtype or "float32"
     if param_dtype not in weights:
-      weights[param_dtype] = cast_params(reference, param_dtype)
+      weights[param_dtype] = _load_variant(reference, tok, param_dtype)
     model = weights[param_dtype]
     ppl = perplexity(model, held_out, cache_dtype)
     got = ours(model, prompts, new_tokens, cache_dtype)().tokens
@@ -573,7 +582,15 @@ def main(argv: Sequence[str]) -> None:
   if FLAGS.quality_only:
     return quality_grid(batch, prompt_len, new_tokens)
   if FLAGS.peers:
-    return orchestrate(batch, prompt_len, new_tokens)
+    shapes = []
+    for shape in FLAGS.shapes or [f"{batch}x{prompt_len}"]:
+      b, _, p = shape.partition("x")
+      if not (b.isdigit() and p.isdigit() and int(b) > 0 and int(p) > 0):
+        raise app.UsageError(f"--shapes entries must be BATCHxPROMPT_LEN; got {shape!r}")
+      shapes.append((int(b), int(p)))
+    for b, p in shapes:
+      orchestrate(b, p, new_tokens)
+    return None
   cache_dtype = FLAGS.cache_dtype or "float32"
   model, reference, tok = _load(FLAGS.model, FLAGS.random_weights, FLAGS.param_dtype)
   prompts = _prompts(tok, batch, prompt_len)

@@ -39,6 +39,26 @@ def tiny_model(seed: int = 0) -> transformer_lib.Transformer:
   return transformer_lib.Transformer.from_config(cfg, rngs=nnx.Rngs(seed))
 
 
+CALIBRATION_TOKENS = 512
+CALIBRATION_SKIP = 100_000
+"""SmoothQuant calibration text of `quantize`: this many tokens of the default corpus from
+token CALIBRATION_SKIP on (apart from the evaluation texts, which start at its beginning or in
+its validation documents)."""
+
+
+def quantize(model: transformer_lib.Transformer, tok: Any, alpha: float = 0.5
+             ) -> transformer_lib.Transformer:
+  """The W8A8 form of a float `model`, in place: SmoothQuant scale migration
+  (`transformer.smooth_model`, `alpha`) calibrated on `CALIBRATION_TOKENS` tokens of the
+  default corpus when there is a tokenizer (byte ids for the tiny model), then
+  `transformer.quantize_model`."""
+  from experiments.evals import text as text_lib  # pylint: disable=g-import-not-at-top
+  calibration = text_lib.document_tokens(tok, CALIBRATION_TOKENS, skip_tokens=CALIBRATION_SKIP)
+  calibration = calibration % model.vocab_size  # byte ids of the tiny model fit its vocabulary
+  transformer_lib.smooth_model(model, calibration[None], alpha=alpha)
+  return transformer_lib.quantize_model(model)
+
+
 def load_model(name: str, dtype: Any = "float32", *, random_weights: bool = False,
                seed: int = 0, param_dtype: Any = None) -> tuple[transformer_lib.Transformer, Any]:
   """`(model, tokenizer or None)` of `name` (module doc), compute dtype `dtype`, weights
@@ -49,7 +69,7 @@ def load_model(name: str, dtype: Any = "float32", *, random_weights: bool = Fals
   """
   if param_dtype is not None and jnp.dtype(param_dtype) == jnp.int8:
     model, tok = load_model(name, dtype, random_weights=random_weights, seed=seed)
-    return transformer_lib.quantize_model(model), tok
+    return quantize(model, tok), tok
   if name == TINY:
     return tiny_model(seed), data_lib.ByteTokenizer()
   if not random_weights:

@@ -241,12 +241,11 @@ class RealModelFamily:
     if key not in self._model:
       from flax import nnx  # pylint: disable=g-import-not-at-top
       from kvattn.models import convert  # pylint: disable=g-import-not-at-top
-      from kvattn.models import transformer as transformer_lib  # pylint: disable=g-import-not-at-top
       model, tokenizer = self._model[released]
       if k:  # regroup the float weights, then store them as asked
         model = convert.regroup_kv_heads(model, k, method=key[3])
-      if weights == "int8":
-        model = transformer_lib.quantize_model(nnx.clone(model))
+      if weights == "int8":  # SmoothQuant-calibrated W8A8 (experiments.evals.models.quantize)
+        model = models.quantize(nnx.clone(model), tokenizer)
       self._model[key] = (model, tokenizer)
     return self._model[key]
 

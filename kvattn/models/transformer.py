@@ -83,7 +83,8 @@ class SwiGLU(nnx.Module):
       w_scale = jnp.concatenate([self.gate_scale[...], self.up_scale[...]])
       g, u = jnp.split(int8_lib.int8_dot(x, w, w_scale), 2, -1)
       h = (jax.nn.silu(g) * u).astype(dt)
-      return int8_lib.int8_dot(h, self.down[...], self.down_scale[...]).astype(dt)
+      return int8_lib.project("BTF,FD->BTD", h, self.down, getattr(self, "down_scale", None),
+                              dt).astype(dt)
     # One product for gate and up: in the decode loop the concatenation of the (loop-invariant)
     # weights is hoisted out of the while loop by XLA, and one call beats two (~3% of a K = 1
     # decode step of the bench_generate model).
@@ -320,3 +321,74 @@ class Transformer(nnx.Module):
   ) -> tuple[jax.Array, tuple[Any, ...] | None]:
     h, caches = self.hidden(tokens, caches, positions, new_lengths)
     return self.logits_from_hidden(h), caches
+
+
+def smooth_model(model: "Transformer", tokens: jax.Array, *, alpha: float = 0.5
+                 ) -> "Transformer":
+  """SmoothQuant's scale migration (Xiao et al. 2023, eq. 4), in place on a float model.
+
+  For the input channels j of three products of every GQA block -- the
+  attention input (q/k/v), the MLP input (gate/up) and the down projection's
+  input -- `s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)` from the activations
+  `X` of the calibration `tokens`; `X / s` is folded into what produces `X`
+  (the RMSNorm scale before q/k/v and gate/up; the up projection's output
+  column j before down) and `W * s` into the weight rows, so the float model
+  computes the same function while activation outliers move into the weights,
+  which `quantize_model` then quantizes per output channel. MLA layers are
+  left as they are. Call before `quantize_model`.
+
+  Args:
+    model: a float `Transformer`.
+    tokens: `i32[B, T]` calibration tokens (text apart from any evaluation text).
+    alpha: migration strength in [0, 1] (0.5: the paper's default).
+
+  Raises:
+    ValueError: an int8 model, or alpha outside [0, 1].
+  """
+  if int8_lib.is_int8(model.spec.param_dtype):
+    raise ValueError("smooth_model needs float weights; call it before quantize_model")
+  if not 0.0 <= alpha <= 1.0:
+    raise ValueError(f"alpha must lie in [0, 1]; got {alpha!r}")
+  tokens = jnp.asarray(tokens, jnp.int32)
+  positions = gqa_lib.resolve_positions(None, None, *tokens.shape)
+  x = embed(model.embedding[...], None, tokens, jnp.float32)
+
+  def absmax(a):  # per channel over every token: [..., C] -> [C]
+    return jnp.max(jnp.abs(a.reshape(-1, a.shape[-1]).astype(jnp.float32)), axis=0)
+
+  def factors(act_max, w_max):
+    s = act_max ** alpha / jnp.maximum(w_max, 1e-8) ** (1 - alpha)
+    return jnp.where((act_max > 0) & jnp.isfinite(s), jnp.clip(s, 1e-4, 1e4), 1.0)
+
+  def scale_rows(param, s):
+    param.set_value(param[...] * s.reshape((-1,) + (1,) * (param[...].ndim - 1)))
+
+  for layer in model.layers:
+    a = layer.attn_norm(x)
+    new_x, _ = layer(x, None, positions, None)  # before this layer's weights change
+    h, _ = layer.attn(a, None, positions, None)
+    x_mid = x + h.astype(x.dtype)
+    mlp_in = layer.mlp_norm(x_mid)
+    mlp = layer.mlp
+    g = mlp_in @ mlp.gate[...]
+    u = mlp_in @ mlp.up[...]
+    hidden = jax.nn.silu(g) * u
+    if isinstance(layer.attn, gqa_lib.GroupedQueryAttention):
+      attn = layer.attn
+      w_max = jnp.max(jnp.stack([jnp.max(jnp.abs(p[...].reshape(p[...].shape[0], -1)), axis=1)
+                                 for p in (attn.q_proj, attn.k_proj, attn.v_proj)]), axis=0)
+      s = factors(absmax(a), w_max)
+      layer.attn_norm.scale.set_value(layer.attn_norm.scale[...] / s)
+      for p in (attn.q_proj, attn.k_proj, attn.v_proj):
+        scale_rows(p, s)
+    w_max = jnp.maximum(jnp.max(jnp.abs(mlp.gate[...]), axis=1), jnp.max(jnp.abs(mlp.up[...]),
+                                                                          axis=1))
+    s = factors(absmax(mlp_in), w_max)
+    layer.mlp_norm.scale.set_value(layer.mlp_norm.scale[...] / s)
+    scale_rows(mlp.gate, s)
+    scale_rows(mlp.up, s)
+    s = factors(absmax(hidden), jnp.max(jnp.abs(mlp.down[...]), axis=1))
+    mlp.up.set_value(mlp.up[...] / s)
+    scale_rows(mlp.down, s)
+    x = new_x
+  return model
