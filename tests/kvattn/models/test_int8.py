@@ -217,3 +217,22 @@ def test_gqa_fused_int8_qkv_equals_three_separate_products(models):
   for got, name in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")):
     want = int8.int8_dot(x, getattr(attn, name)[...], getattr(attn, name + "_scale")[...])
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.slow  # ~10 CPU-seconds of eager ops
+def test_smoothquant_migration_keeps_the_float_function():
+  """SmoothQuant (transformer.smooth_model) rescales norms and weights but computes the same
+  logits in f32; the smoothed model then quantizes like any other."""
+  f32 = transformer.Transformer.from_config(_config(), rngs=nnx.Rngs(1))
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 259, (1, 10)), jnp.int32)
+  want, _ = f32(tokens)
+  smoothed = transformer.smooth_model(nnx.clone(f32), tokens, alpha=0.5)
+  got, _ = smoothed(tokens)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+  assert not np.allclose(np.asarray(smoothed.layers[0].mlp.down[...]),
+                         np.asarray(f32.layers[0].mlp.down[...]))
+  with pytest.raises(ValueError, match="alpha"):
+    transformer.smooth_model(nnx.clone(f32), tokens, alpha=1.5)
+  w8 = transformer.quantize_model(smoothed)
+  with pytest.raises(ValueError, match="before quantize_model"):
+    transformer.smooth_model(w8, tokens)
