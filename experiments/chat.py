@@ -26,8 +26,7 @@ optionally with a storage-dtype suffix `-bf16`, `-int8`, `-fp8` (float8_e4m3fn;
 int8/fp8 store one f32 scale per token per head); its options come from
 `--cache_option key=value` (e.g. `--cache=h2o --cache_option=budget=256`) and
 `--page_size` (paged). `--weights int8` stores the weights as int8 with per-channel
-scales and runs the products as int8 x int8 -> int32 (W8A8, `kvattn.models.int8`), after
-SmoothQuant calibration on a slice of the default corpus (`experiments.evals.models.quantize`).
+scales and runs the products as int8 x int8 -> int32 (W8A8, `kvattn.models.int8`).
 """
 
 from __future__ import annotations

@@ -46,12 +46,14 @@ token CALIBRATION_SKIP on (apart from the evaluation texts, which start at its b
 its validation documents)."""
 
 
-def quantize(model: transformer_lib.Transformer, tok: Any, alpha: float = 0.5
+def quantize(model: transformer_lib.Transformer, tok: Any, alpha: float | None = None
              ) -> transformer_lib.Transformer:
-  """The W8A8 form of a float `model`, in place: SmoothQuant scale migration
-  (`transformer.smooth_model`, `alpha`) calibrated on `CALIBRATION_TOKENS` tokens of the
-  default corpus when there is a tokenizer (byte ids for the tiny model), then
-  `transformer.quantize_model`."""
+  """The W8A8 form of a float `model`, in place (`transformer.quantize_model`); with `alpha`,
+  SmoothQuant scale migration first (`transformer.smooth_model`) calibrated on
+  `CALIBRATION_TOKENS` tokens of the default corpus (byte ids for the tiny model). Off by
+  default: on SmolLM2 it did not lower the perplexity cost reliably (docs/benchmarks.md)."""
+  if alpha is None:
+    return transformer_lib.quantize_model(model)
   from experiments.evals import text as text_lib  # pylint: disable=g-import-not-at-top
   calibration = text_lib.document_tokens(tok, CALIBRATION_TOKENS, skip_tokens=CALIBRATION_SKIP)
   calibration = calibration % model.vocab_size  # byte ids of the tiny model fit its vocabulary

@@ -244,7 +244,7 @@ class RealModelFamily:
       model, tokenizer = self._model[released]
       if k:  # regroup the float weights, then store them as asked
         model = convert.regroup_kv_heads(model, k, method=key[3])
-      if weights == "int8":  # SmoothQuant-calibrated W8A8 (experiments.evals.models.quantize)
+      if weights == "int8":  # W8A8 (experiments.evals.models.quantize)
         model = models.quantize(nnx.clone(model), tokenizer)
       self._model[key] = (model, tokenizer)
     return self._model[key]
