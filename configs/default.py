@@ -56,6 +56,9 @@ def get_config(arg=None):
   config.model.name = "smollm2-135m-instruct"  # kvattn.from_pretrained name, or "random-tiny"
   # (a 2-layer random GQA model with the byte tokenizer, for tests).
   config.model.dtype = "float32"  # Compute dtype of the model.
+  config.model.param_dtype = "float32"  # Weight storage: "float32", or "int8" (W8A8: int8
+  # weights with per-channel scales, int8 activations per token, kvattn.models.int8); agreement
+  # and the reference point stay against float32 weights.
 
   # The KV cache of the point (set by the sweep).
   config.cache = config_dict.ConfigDict()

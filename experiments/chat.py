@@ -26,7 +26,8 @@ is a second one, so the rates exclude compilation (its time is reported too).
 optionally with a storage-dtype suffix `-bf16`, `-int8`, `-fp8` (float8_e4m3fn;
 int8/fp8 store one f32 scale per token per head); its options come from
 `--cache_option key=value` (e.g. `--cache=h2o --cache_option=budget=256`) and
-`--page_size` (paged).
+`--page_size` (paged). `--weights int8` stores the weights as int8 with per-channel
+scales and runs the products as int8 x int8 -> int32 (W8A8, `kvattn.models.int8`).
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ flags.DEFINE_multi_string("cache_option", [], "An option of the cache kind, key=
                           "budget=256, window=512); repeat for several.")
 flags.DEFINE_integer("page_size", 16, "Tokens per page of the paged caches.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute and parameter dtype.")
+flags.DEFINE_enum("weights", None, ["int8"], "Weight storage other than --dtype: int8 = W8A8 "
+                  "(int8 weights with per-channel scales, int8 activations per token; "
+                  "kvattn.models.int8).")
 flags.DEFINE_bool("warmup", True, "Run once untimed first, so the rates exclude compilation.")
 
 FLAGS = flags.FLAGS
@@ -155,15 +159,16 @@ def run(model, prompts: np.ndarray, lengths: np.ndarray, max_new_tokens: int, *,
                 decode_cpu, cache_bytes)
 
 
-def load(source: str, dtype: str) -> tuple[Any, Any, float]:
+def load(source: str, dtype: str, weights: str | None = None) -> tuple[Any, Any, float]:
   """`(model, tokenizer, wall seconds)` of `source` (`experiments.evals.models.load_model`:
-  a registered name, a .gguf file or a HF checkpoint directory).
+  a registered name, a .gguf file or a HF checkpoint directory), its weights stored in
+  `weights` (None: `dtype`; "int8": W8A8).
 
   Raises:
     app.UsageError: the checkpoint ships no tokenizer.
   """
   t0 = time.perf_counter()
-  model, tok = models.load_model(source, dtype)
+  model, tok = models.load_model(source, dtype, param_dtype=weights)
   load_s = time.perf_counter() - t0
   if tok is None:
     raise app.UsageError(f"{source} ships no tokenizer; text in and out needs one")
@@ -203,7 +208,7 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError("--prompt is required, e.g. --prompt 'What is the capital of France?'")
   if FLAGS.max_new_tokens < 1:
     raise app.UsageError(f"--max_new_tokens must be >= 1; got {FLAGS.max_new_tokens}")
-  model, tok, load_s = load(FLAGS.model, FLAGS.dtype)
+  model, tok, load_s = load(FLAGS.model, FLAGS.dtype, FLAGS.weights)
   if tok.chat_template is None:
     print(f"note: {FLAGS.model} has no chat template (a base model): completing the raw prompt")
   # A rendered chat template carries its own special tokens (transformers encodes it so too).

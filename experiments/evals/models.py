@@ -49,17 +49,43 @@ def tiny_model(seed: int = 0) -> transformer_lib.Transformer:
   return transformer_lib.Transformer.from_config(cfg, rngs=nnx.Rngs(seed))
 
 
+CALIBRATION_TOKENS = 512
+CALIBRATION_SKIP = 100_000
+"""SmoothQuant calibration text of `quantize`: this many tokens of the default corpus from
+token CALIBRATION_SKIP on (apart from the evaluation texts, which start at its beginning or in
+its validation documents)."""
+
+
+def quantize(model: transformer_lib.Transformer, tok: Any, alpha: float | None = None
+             ) -> transformer_lib.Transformer:
+  """The W8A8 form of a float `model`, in place (`transformer.quantize_model`); with `alpha`,
+  SmoothQuant scale migration first (`transformer.smooth_model`) calibrated on
+  `CALIBRATION_TOKENS` tokens of the default corpus (byte ids for the tiny model). Off by
+  default: on SmolLM2 it did not lower the perplexity cost reliably (docs/benchmarks.md)."""
+  if alpha is None:
+    return transformer_lib.quantize_model(model)
+  from experiments.evals import text as text_lib  # pylint: disable=g-import-not-at-top
+  calibration = text_lib.document_tokens(tok, CALIBRATION_TOKENS, skip_tokens=CALIBRATION_SKIP)
+  calibration = calibration % model.vocab_size  # byte ids of the tiny model fit its vocabulary
+  transformer_lib.smooth_model(model, calibration[None], alpha=alpha)
+  return transformer_lib.quantize_model(model)
+
+
 def load_model(name: str, dtype: Any = "float32", *, random_weights: bool = False,
-               seed: int = 0) -> tuple[transformer_lib.Transformer, Any]:
-  """`(model, tokenizer or None)` of `name` (module doc), compute dtype `dtype`.
+               seed: int = 0, param_dtype: Any = None) -> tuple[transformer_lib.Transformer, Any]:
+  """`(model, tokenizer or None)` of `name` (module doc), compute dtype `dtype`, weights
+  stored in `param_dtype` (default `dtype`; "int8": W8A8, `kvattn.models.int8`).
 
   Raises:
     ValueError: `random_weights` for a name without a `RANDOM_CONFIGS` entry.
   """
+  if param_dtype is not None and jnp.dtype(param_dtype) == jnp.int8:
+    model, tok = load_model(name, dtype, random_weights=random_weights, seed=seed)
+    return quantize(model, tok), tok
   if name == TINY:
     return tiny_model(seed), data_lib.ByteTokenizer()
   if not random_weights:
-    return pretrained.from_pretrained(name, dtype=jnp.dtype(dtype))
+    return pretrained.from_pretrained(name, dtype=jnp.dtype(dtype), param_dtype=param_dtype)
   if name not in RANDOM_CONFIGS:
     raise ValueError(f"random weights need a RANDOM_CONFIGS entry ({sorted(RANDOM_CONFIGS)}); "
                      f"got {name!r}")

@@ -61,14 +61,16 @@ from kvattn import sharding
 from kvattn.caches import sharded
 from kvattn.ops import quant
 
-REFERENCE = {"dtype": "float32", "kind": "dense", "num_kv_heads": 0}
+REFERENCE = {"dtype": "float32", "kind": "dense", "num_kv_heads": 0, "param_dtype": "float32"}
+WEIGHT_DTYPES = ("float32", "int8")
+"""`model.param_dtype` values: float weights, or "int8" (W8A8, `kvattn.models.int8`)."""
 PLOTS = {"quality": "quality_vs_cache.png", "speed": "decode_speed.png"}
 
 
 def schema() -> dict[str, tuple[str, ...]]:
   """Sections and keys of a "real_model" config (configs/default.py documents each)."""
   return {
-      "model": ("name", "dtype"),
+      "model": ("name", "dtype", "param_dtype"),
       "cache": ("dtype", "kind", "budget", "num_sinks"),
       "heads": ("num_kv_heads", "method"),
       "text": ("num_tokens", "chunk", "prompt_tokens", "new_tokens"),
@@ -78,8 +80,8 @@ def schema() -> dict[str, tuple[str, ...]]:
 
 
 def _is_reference(d: Mapping[str, Any]) -> bool:
-  return (d["cache"]["dtype"], d["cache"]["kind"], d["heads"]["num_kv_heads"]) == tuple(
-      REFERENCE.values())
+  return (d["cache"]["dtype"], d["cache"]["kind"], d["heads"]["num_kv_heads"],
+          d["model"]["param_dtype"]) == tuple(REFERENCE.values())
 
 
 def _label(d: Mapping[str, Any]) -> str:
@@ -87,6 +89,8 @@ def _label(d: Mapping[str, Any]) -> str:
   policy = d["cache"]["kind"]
   policy = policy if policy == "dense" else f"{policy}{d['cache']['budget']}"
   label = f"K{k or 'rel'}-{policy}-{d['cache']['dtype']}"
+  if d["model"]["param_dtype"] != "float32":
+    label += f"-w{d['model']['param_dtype']}"
   shape = d["mesh"]["shape"]
   return label if shape is None else f"{label}-mesh{'x'.join(map(str, shape))}"
 
@@ -112,6 +116,9 @@ class RealModelFamily:
 
   def _check(self, d: Mapping[str, Any], where: str) -> None:
     cache, heads, text = d["cache"], d["heads"], d["text"]
+    if d["model"]["param_dtype"] not in WEIGHT_DTYPES:
+      raise ValueError(f"{where}: model.param_dtype must be one of {WEIGHT_DTYPES}; got "
+                       f"{d['model']['param_dtype']!r}")
     if cache["kind"] not in cache_registry.CACHE_KIND_TABLE:
       raise ValueError(f"{where}: cache.kind must be one of "
                        f"{tuple(cache_registry.CACHE_KIND_TABLE)}; got "
@@ -208,12 +215,15 @@ class RealModelFamily:
     def point_of(d, where):
       self._check(d, where)
       measured = {s: d[s] for s in ("model", "cache", "heads", "text")}
+      if d["model"]["param_dtype"] == "float32":  # f32 weights keep the ids of earlier runs
+        measured["model"] = {k: v for k, v in d["model"].items() if k != "param_dtype"}
       if d["mesh"]["shape"] is not None:  # one device keeps the ids of earlier runs
         measured["mesh"] = d["mesh"]
       return runner.PointSpec(_label(d), measured, f"K{d['heads']['num_kv_heads']}", {
           "cache_dtype": d["cache"]["dtype"], "policy": d["cache"]["kind"],
           "budget": None if d["cache"]["kind"] == "dense" else d["cache"]["budget"],
           "num_kv_heads_setting": d["heads"]["num_kv_heads"],
+          "param_dtype": d["model"]["param_dtype"],
           "reference": _is_reference(d)})
 
     return runner.expand_points(config, sweep, point_of)
@@ -223,14 +233,20 @@ class RealModelFamily:
   def model(self, d: Mapping[str, Any]):
     """`(model, tokenizer)` of the point: loaded once, regrouped once per K'."""
     name, dtype = d["model"]["name"], d["model"]["dtype"]
-    k = d["heads"]["num_kv_heads"]
-    released, key = (name, dtype, 0, ""), (name, dtype, k, d["heads"]["method"] if k else "")
+    k, weights = d["heads"]["num_kv_heads"], d["model"]["param_dtype"]
+    released = (name, dtype, 0, "", "float32")
+    key = (name, dtype, k, d["heads"]["method"] if k else "", weights)
     if released not in self._model:
       self._model = {released: models.load_model(name, dtype)}  # one pretrained model at a time
     if key not in self._model:
+      from flax import nnx  # pylint: disable=g-import-not-at-top
       from kvattn.models import convert  # pylint: disable=g-import-not-at-top
       model, tokenizer = self._model[released]
-      self._model[key] = (convert.regroup_kv_heads(model, k, method=key[3]), tokenizer)
+      if k:  # regroup the float weights, then store them as asked
+        model = convert.regroup_kv_heads(model, k, method=key[3])
+      if weights == "int8":  # W8A8 (experiments.evals.models.quantize)
+        model = models.quantize(nnx.clone(model), tokenizer)
+      self._model[key] = (model, tokenizer)
     return self._model[key]
 
   def tokens(self, tokenizer, name: str, count: int) -> np.ndarray:
@@ -256,7 +272,8 @@ class RealModelFamily:
     """Greedy tokens of the reference (float32 full cache, released heads) for `d`'s texts."""
     ref = overrides.apply_overrides(d, {"cache.dtype": REFERENCE["dtype"],
                                      "cache.kind": REFERENCE["kind"],
-                                     "heads.num_kv_heads": REFERENCE["num_kv_heads"]}, "reference")
+                                     "heads.num_kv_heads": REFERENCE["num_kv_heads"],
+                                     "model.param_dtype": REFERENCE["param_dtype"]}, "reference")
     key = overrides.digest({s: ref[s] for s in ("model", "text", "mesh")})
     if key not in self._reference:
       self._reference[key] = self._greedy(ref)[0]

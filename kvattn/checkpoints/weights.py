@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvattn.models import int8 as int8_lib
 from kvattn.models import transformer as transformer_lib
 
 from kvattn.checkpoints.hf_config import _IGNORED_SUFFIXES, model_config_from_hf
@@ -193,7 +194,8 @@ def build_model(config: Mapping[str, Any], tensors: Mapping[str, Any], *, dtype:
       bfloat16 or jax arrays). Every tensor of `weight_map` must be present;
       a tied head (`tie_word_embeddings`) ignores `lm_head.weight`.
     dtype: compute dtype; default float32.
-    param_dtype: parameter dtype the weights are cast to; default `dtype`.
+    param_dtype: parameter dtype the weights are cast to; default `dtype`;
+      "int8": W8A8 (`kvattn.models.int8`; the weights read in f32, then quantized).
     where: the file `config` came from; config errors start with it.
 
   Returns:
@@ -207,6 +209,9 @@ def build_model(config: Mapping[str, Any], tensors: Mapping[str, Any], *, dtype:
   """
   cfg = model_config_from_hf(config, dtype=dtype, param_dtype=param_dtype, where=where)
   spec = transformer_lib.resolve_config(cfg)
+  quantize = int8_lib.is_int8(spec.param_dtype)
+  if quantize:  # W8A8: fill the f32 model, then quantize it (kvattn.models.int8)
+    spec = dataclasses.replace(spec, param_dtype=jnp.dtype(jnp.float32))
   entries = weight_map(spec)
   for e in entries:
     if e.tensor not in tensors:
@@ -251,4 +256,5 @@ def build_model(config: Mapping[str, Any], tensors: Mapping[str, Any], *, dtype:
     if values[path].shape != want:
       raise RuntimeError(f"parameter {path}: converted shape {values[path].shape} != {want}")
     var.set_value(values[path])
-  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+  model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+  return transformer_lib.quantize_model(model) if quantize else model

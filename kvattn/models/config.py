@@ -48,7 +48,8 @@ _DECODE_IMPLEMENTATIONS = {"gqa": gqa_lib.decode_implementations,
 
 
 def _field(default: Any, *, kinds: Sequence[str] = ATTENTION_KINDS, even: bool = False,
-           choices: Sequence[str] | None = None, dtype: bool = False) -> Any:
+           choices: Sequence[str] | None = None, dtype: bool = False,
+           int8: bool = False) -> Any:
   """A schema field: its default and what `resolve_config` checks beyond the field's type.
 
   Args:
@@ -58,10 +59,11 @@ def _field(default: Any, *, kinds: Sequence[str] = ATTENTION_KINDS, even: bool =
     even: an int that must be even (RoPE rotates pairs).
     choices: the allowed values of a str field.
     dtype: a str naming a floating dtype; resolved to a `jnp.dtype`.
+    int8: with `dtype`, "int8" is allowed too (W8A8 weights, `kvattn.models.int8`).
   """
   return dataclasses.field(default=default, metadata=dict(
       kinds=tuple(kinds), even=even, choices=None if choices is None else tuple(choices),
-      dtype=dtype))
+      dtype=dtype, int8=int8))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +156,9 @@ class ModelSpec:
   tie_embeddings: bool = True  # LM head shares the embedding matrix.
   norm_eps: float = 1e-6  # RMSNorm epsilon.
   dtype: str = _field("float32", dtype=True)  # Compute dtype (and default cache dtype).
-  param_dtype: str = _field("float32", dtype=True)  # Parameter storage dtype.
+  # Parameter storage dtype: a float dtype, or "int8" for W8A8 (int8 weights with per-channel
+  # scales, per-token int8 activations, int32 accumulation; `kvattn.models.int8`).
+  param_dtype: str = _field("float32", dtype=True, int8=True)
   attention: AttentionSpec = AttentionSpec()  # The attention of every layer.
   # Per-layer overrides of `attention`: () or one entry per layer, each None / {} (no change) or
   # a dict of AttentionSpec fields, e.g. `({}, {"kind": "mla"})`.
@@ -270,20 +274,23 @@ def _float(where: str, value: Any) -> float:
   return float(value)
 
 
-def _dtype(where: str, value: Any):
+def _dtype(where: str, value: Any, int8: bool = False):
   try:
     dtype = jnp.dtype(value)
   except TypeError:
     dtype = None
+  if int8 and dtype == jnp.int8:
+    return dtype
   if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"{where} must name a floating dtype such as 'float32'; got {value!r}")
+    also = " (or 'int8')" if int8 else ""
+    raise ValueError(f"{where} must name a floating dtype such as 'float32'{also}; got {value!r}")
   return dtype
 
 
 def _check_field(f: dataclasses.Field, hint: Any, value: Any, where: str) -> Any:
   """`value` checked against the field's type and metadata (ValueError naming `where`)."""
   if f.metadata.get("dtype"):
-    return _dtype(where, value)
+    return _dtype(where, value, f.metadata.get("int8", False))
   hint, optional = _optional_type(hint)
   if value is None and optional:
     return None

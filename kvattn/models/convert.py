@@ -272,9 +272,9 @@ class PartialRopeAttention(nnx.Module):
     batch, num_tokens, _ = x.shape
     positions = resolve_positions(positions, None, batch, num_tokens)
     biases = (a.q_bias, a.k_bias, a.v_bias) if a.qkv_bias else (None,) * 3
-    q = a._project(x, "BTD,DNH->BTNH", a.q_proj, biases[0])  # pylint: disable=protected-access
-    k = a._project(x, "BTD,DKH->BTKH", a.k_proj, biases[1])  # pylint: disable=protected-access
-    v = a._project(x, "BTD,DKH->BTKH", a.v_proj, biases[2])  # pylint: disable=protected-access
+    q = a._project(x, "BTD,DNH->BTNH", "q_proj", biases[0])  # pylint: disable=protected-access
+    k = a._project(x, "BTD,DKH->BTKH", "k_proj", biases[1])  # pylint: disable=protected-access
+    v = a._project(x, "BTD,DKH->BTKH", "v_proj", biases[2])  # pylint: disable=protected-access
     rope, _ = _rope_dims(a.head_dim, np.asarray(self.rope_pairs))
     mask = np.zeros((a.head_dim,), bool)
     mask[rope] = True
@@ -283,7 +283,7 @@ class PartialRopeAttention(nnx.Module):
     k = jnp.where(mask, ops.apply_rope(k, positions, **rot), k)
     out = ops.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
                         kv_lengths=new_lengths, window=a.window, soft_cap=a.soft_cap)
-    return a._project(out, "BTNH,NHD->BTD", a.o_proj), None  # pylint: disable=protected-access
+    return a._project(out, "BTNH,NHD->BTD", "o_proj"), None  # pylint: disable=protected-access
 
 
 def partial_rope(model: transformer_lib.Transformer, qk_rope_head_dim: int, *,

@@ -19,6 +19,7 @@ from kvattn import _checks
 from kvattn.caches import dense as cache_lib
 from kvattn import ops
 from kvattn.caches.protocol import GQACache, type_error, update_attend
+from kvattn.models import int8 as int8_lib
 
 
 DECODE_OPS = ("decode_attention", "paged_decode_attention")
@@ -144,7 +145,9 @@ class GroupedQueryAttention(nnx.Module):
       window: sliding-window size in tokens, or None for full attention.
       soft_cap: logit soft cap (Gemma 2), or None.
       dtype: compute dtype (None: the input's dtype).
-      param_dtype: parameter storage dtype.
+      param_dtype: parameter storage dtype: a float dtype, or int8 for W8A8
+        (`kvattn.models.int8`: the projections stored int8 with f32
+        per-output-channel scales `<name>_scale`, biases f32).
       decode_implementation: backend for T == 1 steps, passed to
         `kvattn.ops.decode_attention` (dense cache) or
         `kvattn.ops.paged_decode_attention` (paged cache): one of
@@ -180,7 +183,8 @@ class GroupedQueryAttention(nnx.Module):
     self.sm_scale = _checks.optional_positive_float("sm_scale", sm_scale)
     self.soft_cap = _checks.optional_positive_float("soft_cap", soft_cap)
     self.dtype = None if dtype is None else _checks.float_dtype("dtype", dtype)
-    param_dtype = _checks.float_dtype("param_dtype", param_dtype)
+    quantized = int8_lib.is_int8(param_dtype)
+    param_dtype = jnp.float32 if quantized else _checks.float_dtype("param_dtype", param_dtype)
     self.decode_implementation = _checks.implementation(
         "decode_implementation", decode_implementation, decode_implementations())
     D, N, K, H = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
@@ -203,15 +207,16 @@ class GroupedQueryAttention(nnx.Module):
     if qk_norm:
       self.q_norm = nnx.Param(jnp.ones((H,), param_dtype))
       self.k_norm = nnx.Param(jnp.ones((H,), param_dtype))
+    if quantized:
+      int8_lib.quantize_module(self)
 
   def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> cache_lib.KVCache:
     """An empty `KVCache` shaped for this layer (any other `GQACache` works too)."""
     return cache_lib.KVCache.init(batch, max_len, self.num_kv_heads, self.head_dim, dtype)
 
-  def _project(self, x, spec, w, bias=None):
+  def _project(self, x, spec, name, bias=None):
     dtype = self.dtype or x.dtype
-    out = jnp.einsum(spec, x.astype(dtype), w[...].astype(dtype),
-                     preferred_element_type=jnp.float32)
+    out = int8_lib.project(spec, x, getattr(self, name), getattr(self, name + "_scale", None), dtype)
     if bias is not None:
       out = out + bias[...].astype(jnp.float32)
     return out.astype(dtype)
@@ -220,12 +225,34 @@ class GroupedQueryAttention(nnx.Module):
     """`q [B, T, N, H]`, `k, v [B, T, K, H]` of `x` (biases added when `qkv_bias`),
     before RoPE."""
     biases = (self.q_bias, self.k_bias, self.v_bias) if self.qkv_bias else (None,) * 3
-    q = self._project(x, "BTD,DNH->BTNH", self.q_proj, biases[0])
-    k = self._project(x, "BTD,DKH->BTKH", self.k_proj, biases[1])
-    v = self._project(x, "BTD,DKH->BTKH", self.v_proj, biases[2])
+    if hasattr(self, "q_proj_scale"):  # W8A8: one int8 product for q, k and v
+      q, k, v = self._qkv_int8(x, biases)
+    else:
+      q = self._project(x, "BTD,DNH->BTNH", "q_proj", biases[0])
+      k = self._project(x, "BTD,DKH->BTKH", "k_proj", biases[1])
+      v = self._project(x, "BTD,DKH->BTKH", "v_proj", biases[2])
     if self.qk_norm:
       q, k = _rms_norm(q, self.q_norm, self.norm_eps), _rms_norm(k, self.k_norm, self.norm_eps)
     return q, k, v
+
+  def _qkv_int8(self, x, biases):
+    """`_qkv` of an int8 layer: the three weights side by side in one `int8_dot` (in the
+    decode loop XLA hoists the loop-invariant concatenation out of the loop)."""
+    dtype = self.dtype or x.dtype
+    D, N, K, H = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
+    w = jnp.concatenate([self.q_proj[...].reshape(D, N * H), self.k_proj[...].reshape(D, K * H),
+                         self.v_proj[...].reshape(D, K * H)], axis=1)
+    scale = jnp.concatenate([self.q_proj_scale[...].reshape(-1), self.k_proj_scale[...].reshape(
+        -1), self.v_proj_scale[...].reshape(-1)])
+    out = int8_lib.int8_dot(x, w, scale)  # f32[B, T, (N + 2K) H]
+    parts = jnp.split(out, [N * H, (N + K) * H], axis=-1)
+    heads = []
+    for part, count, bias in zip(parts, (N, K, K), biases):
+      part = part.reshape(part.shape[:-1] + (count, H))
+      if bias is not None:
+        part = part + bias[...].astype(jnp.float32)
+      heads.append(part.astype(dtype))
+    return tuple(heads)
 
   def __call__(
       self,
@@ -260,5 +287,5 @@ class GroupedQueryAttention(nnx.Module):
                                      rope_theta=self.rope_theta,
                                      rope_scaling=self.rope_scaling, new_lengths=new_lengths,
                                      implementation=self.decode_implementation, **opts)
-    y = self._project(out, "BTNH,NHD->BTD", self.o_proj)
+    y = self._project(out, "BTNH,NHD->BTD", "o_proj")
     return y, new_cache

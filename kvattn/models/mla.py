@@ -38,6 +38,7 @@ from kvattn import _checks
 from kvattn.caches import dense as cache_lib
 from kvattn import ops
 from kvattn.caches.protocol import MLACache, type_error, write
+from kvattn.models import int8 as int8_lib
 from kvattn.models.gqa import check_input, resolve_positions
 
 PATHS = ("auto", "naive", "absorbed")
@@ -157,7 +158,9 @@ class MultiHeadLatentAttention(nnx.Module):
       rms_eps: epsilon of the RMSNorms on the latents.
       path: `"auto"`, `"naive"` or `"absorbed"` (see the class docstring).
       dtype: compute dtype (None: the input's dtype).
-      param_dtype: parameter storage dtype.
+      param_dtype: parameter storage dtype: a float dtype, or int8 for W8A8
+        (`kvattn.models.int8`: q/q_down/q_up/kv_down/o stored int8 with f32
+        per-output-channel scales `<name>_scale`; k_up/v_up and norms f32).
       decode_implementation: backend for T == 1 absorbed steps, passed to
         `kvattn.ops.mla_decode_attention`: one of `decode_implementations()`
         or None (the best available).
@@ -213,7 +216,8 @@ class MultiHeadLatentAttention(nnx.Module):
       raise ValueError(f"path must be one of {PATHS}; got {path!r}")
     self.path = path
     self.dtype = None if dtype is None else _checks.float_dtype("dtype", dtype)
-    param_dtype = _checks.float_dtype("param_dtype", param_dtype)
+    quantized = int8_lib.is_int8(param_dtype)
+    param_dtype = jnp.float32 if quantized else _checks.float_dtype("param_dtype", param_dtype)
     self.decode_implementation = _checks.implementation(
         "decode_implementation", decode_implementation, decode_implementations())
     # DeepSeek-V2 eq. 18: the scale of the trained per-head width (times the YaRN correction).
@@ -238,6 +242,8 @@ class MultiHeadLatentAttention(nnx.Module):
     self.k_up_proj = nnx.Param(_init(0, (1, 2))(key(), (C, N, Hn), param_dtype))
     self.v_up_proj = nnx.Param(_init(0, (1, 2))(key(), (C, N, Hv), param_dtype))
     self.o_proj = nnx.Param(_init((0, 1), 2)(key(), (N, Hv, D), param_dtype))
+    if quantized:
+      int8_lib.quantize_module(self)
 
   def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> cache_lib.LatentCache:
     """An empty `LatentCache` shaped for this layer."""
@@ -245,18 +251,21 @@ class MultiHeadLatentAttention(nnx.Module):
                                       dtype)
 
   def _einsum(self, spec, a, w, dtype):
-    out = jnp.einsum(spec, a.astype(dtype), w[...].astype(dtype),
-                     preferred_element_type=jnp.float32)
-    return out.astype(dtype)
+    """`einsum(spec, a, w)` in f32, cast to `dtype`; `w` a Param, or the name of one that
+    may be int8 (`kvattn.models.int8`, its scale in `<name>_scale`)."""
+    scale = None
+    if isinstance(w, str):
+      w, scale = getattr(self, w), getattr(self, w + "_scale", None)
+    return int8_lib.project(spec, a, w, scale, dtype).astype(dtype)
 
   def _queries(self, x, positions, dtype):
     """Returns `(q_nope [B, T, N, Hn], q_rope [B, T, N, R])`, RoPE applied to q_rope."""
     if self.q_lora_rank is None:
-      q = self._einsum("BTD,DNH->BTNH", x, self.q_proj, dtype)
+      q = self._einsum("BTD,DNH->BTNH", x, "q_proj", dtype)
     else:
-      c_q = self._einsum("BTD,DQ->BTQ", x, self.q_down_proj, dtype)
+      c_q = self._einsum("BTD,DQ->BTQ", x, "q_down_proj", dtype)
       c_q = rms_norm(c_q, self.q_norm[...], self.rms_eps)
-      q = self._einsum("BTQ,QNH->BTNH", c_q, self.q_up_proj, dtype)
+      q = self._einsum("BTQ,QNH->BTNH", c_q, "q_up_proj", dtype)
     q_nope, q_rope = jnp.split(q, [self.qk_nope_head_dim], axis=-1)
     return q_nope, self._rope(q_rope, positions)
 
@@ -269,7 +278,7 @@ class MultiHeadLatentAttention(nnx.Module):
 
   def _latents(self, x, positions, dtype):
     """Returns `(c_kv [B, T, C], k_rope [B, T, R])`: normalised latent, roped shared key."""
-    ckr = self._einsum("BTD,DE->BTE", x, self.kv_down_proj, dtype)
+    ckr = self._einsum("BTD,DE->BTE", x, "kv_down_proj", dtype)
     c_kv, k_rope = jnp.split(ckr, [self.kv_lora_rank], axis=-1)
     if self.latent_norm:
       c_kv = rms_norm(c_kv, self.kv_norm[...], self.rms_eps)
@@ -360,5 +369,5 @@ class MultiHeadLatentAttention(nnx.Module):
     """
     out, new_cache = self.attend_heads(x, cache=cache, positions=positions,
                                        new_lengths=new_lengths)
-    y = self._einsum("BTNV,NVD->BTD", out, self.o_proj, out.dtype)
+    y = self._einsum("BTNV,NVD->BTD", out, "o_proj", out.dtype)
     return y, new_cache

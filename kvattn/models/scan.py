@@ -22,8 +22,9 @@ from kvattn.models import transformer as transformer_lib
 def scan_parts(model) -> tuple[Any, Any]:
   """`(graphdefs, params)` of `scan_forward` for a `kvattn.Transformer` whose layers are alike.
 
-  `params = (stacked layer states [L, ...], final-norm state, embedding
-  [V, D], lm_head [D, V] or None when tied)`; the layer states are stacked
+  `params = (stacked layer states [L, ...], final-norm state, (embedding
+  [V, D], its int8 row scales or None), (lm_head [D, V] or None when tied,
+  its int8 scales or None))`; the layer states are stacked
   along a new leading axis L (a copy of the layer weights).
 
   Raises:
@@ -41,8 +42,10 @@ def scan_parts(model) -> tuple[Any, Any]:
     raise ValueError("scan_forward's logits_from_hidden has no final logit soft cap; "
                      f"model.final_soft_cap = {model.spec.final_soft_cap}")
   norm_def, norm = nnx.split(model.final_norm)
-  head = None if model.lm_head is None else model.lm_head[...]
-  return (layer_def, norm_def, model.spec), (layers, norm, model.embedding[...], head)
+  value = transformer_lib._value  # pylint: disable=protected-access
+  embedding = (model.embedding[...], value(getattr(model, "embedding_scale", None)))
+  head = (value(model.lm_head), value(getattr(model, "lm_head_scale", None)))
+  return (layer_def, norm_def, model.spec), (layers, norm, embedding, head)
 
 
 def stack_caches(caches: Sequence[Any]) -> Any:
@@ -62,7 +65,7 @@ def scan_forward(defs, params, caches, tokens, new_lengths):
   layers, norm, embedding, _ = params
   first = jax.tree.map(lambda a: a[0], caches)
   positions = gqa_lib.resolve_positions(None, first, *tokens.shape)
-  x = transformer_lib.embed(embedding, tokens, spec)
+  x = transformer_lib.embed(*embedding, tokens, spec)
 
   def body(x, layer_and_cache):
     state, cache = layer_and_cache
@@ -76,7 +79,4 @@ def scan_forward(defs, params, caches, tokens, new_lengths):
 def logits_from_hidden(params, h):
   """`Transformer.logits_from_hidden`: f32 logits of hidden states `[..., D]`."""
   _, _, embedding, head = params
-  if head is None:
-    return jnp.einsum("...D,VD->...V", h, embedding.astype(h.dtype),
-                      preferred_element_type=jnp.float32)
-  return jnp.einsum("...D,DV->...V", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+  return transformer_lib.head_logits(h, *embedding, *head)

@@ -21,6 +21,7 @@ Config schema: `kvattn.models.config` (`ModelSpec`, `AttentionSpec`, `model_conf
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import jax
@@ -30,6 +31,7 @@ from flax import nnx
 from kvattn import _checks
 from kvattn.caches import registry as cache_registry
 from kvattn.models import gqa as gqa_lib
+from kvattn.models import int8 as int8_lib
 
 # Re-exported: `kvattn.transformer.model_config` etc. keep working.
 from kvattn.models.config import (  # noqa: F401
@@ -46,6 +48,7 @@ class RMSNorm(nnx.Module):
 
   def __init__(self, dim: int, *, eps: float, param_dtype: Any = jnp.float32):
     self.eps = eps
+    param_dtype = jnp.float32 if int8_lib.is_int8(param_dtype) else param_dtype
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
 
   def __call__(self, x: jax.Array) -> jax.Array:  # [..., D]
@@ -68,6 +71,8 @@ class SwiGLU(nnx.Module):
   `activation="gelu_tanh"` GeGLU (eq. 5, tanh-approximated GELU, Gemma).
 
   Parameters `gate, up: [D, F]`, `down: [F, D]`; matmuls accumulate in f32.
+  With `param_dtype` int8 (W8A8, `kvattn.models.int8`) the three are int8 with
+  f32 per-output-channel scales `gate_scale, up_scale: [F]`, `down_scale: [D]`.
   """
 
   def __init__(self, d_model: int, mlp_dim: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs,
@@ -77,13 +82,24 @@ class SwiGLU(nnx.Module):
       raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}; got {activation!r}")
     self.activation = activation
     key = rngs.params
+    quantized = int8_lib.is_int8(param_dtype)
+    param_dtype = jnp.float32 if quantized else param_dtype
     self.gate = nnx.Param(_dense_init()(key(), (d_model, mlp_dim), param_dtype))
     self.up = nnx.Param(_dense_init()(key(), (d_model, mlp_dim), param_dtype))
     self.down = nnx.Param(_dense_init()(key(), (mlp_dim, d_model), param_dtype))
+    if quantized:
+      int8_lib.quantize_module(self)
 
   def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D]
     dt = self.dtype
     x = x.astype(dt)
+    if hasattr(self, "gate_scale"):  # W8A8: the same products through int8_dot
+      w = jnp.concatenate([self.gate[...], self.up[...]], axis=1)  # int8[D, 2F]
+      w_scale = jnp.concatenate([self.gate_scale[...], self.up_scale[...]])
+      g, u = jnp.split(int8_lib.int8_dot(x, w, w_scale), 2, -1)
+      h = (jax.nn.silu(g) * u).astype(dt)
+      return int8_lib.project("BTF,FD->BTD", h, self.down, getattr(self, "down_scale", None),
+                              dt).astype(dt)
     # One product for gate and up: in the decode loop the concatenation of the (loop-invariant)
     # weights is hoisted out of the while loop by XLA, and one call beats two (~3% of a K = 1
     # decode step of the bench_generate model).
@@ -111,6 +127,64 @@ def make_attention(spec: AttentionSpec, *, d_model: int, dtype: Any, param_dtype
     kwargs["norm_eps"] = norm_eps
   return _ATTENTION_MODULES[spec.kind](d_model=d_model, dtype=dtype, param_dtype=param_dtype,
                                        rngs=rngs, **kwargs)
+
+
+def _value(v):
+  return None if v is None else v[...]
+
+
+def quantize_embeddings(model: "Transformer") -> None:
+  """W8A8 (`kvattn.models.int8`) of the embedding table and LM head, in place.
+
+  A tied table `[V, D]` gets one scale per token row (`embedding_scale: f32[V]`):
+  the rows are the LM head's output channels, and the gather dequantizes the
+  rows it reads. An untied `lm_head [D, V]` gets `lm_head_scale: f32[V]` and
+  the embedding keeps one scale per row as well.
+  """
+  w_q, scale = int8_lib.quantize_weight(model.embedding[...].T, 1)
+  model.embedding = nnx.Param(w_q.T)
+  model.embedding_scale = nnx.Param(scale)
+  if model.lm_head is not None:
+    int8_lib.quantize_param(model, "lm_head", 1)
+
+
+def quantize_model(model: "Transformer") -> "Transformer":
+  """Turns a float `Transformer` into its W8A8 form in place (`kvattn.models.int8`) and returns it.
+
+  The same as building it with `param_dtype="int8"` from these float weights:
+  every weight `int8.QUANTIZED_WEIGHTS` lists, the LM head and the embedding
+  (`quantize_embeddings`) become int8 with f32 scales; `model.spec.param_dtype`
+  becomes int8. Norm scales and biases are cast to f32.
+
+  Raises:
+    ValueError: the model is already int8, or a weight is not finite.
+  """
+  if int8_lib.is_int8(model.spec.param_dtype):
+    raise ValueError("model is already int8 (spec.param_dtype = int8)")
+  modules = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)]
+  for module in modules:
+    int8_lib.quantize_module(module)
+  quantize_embeddings(model)
+  _, params = nnx.split(model, nnx.Param)
+  for var in jax.tree.leaves(params, is_leaf=lambda v: isinstance(v, nnx.Variable)):
+    if jnp.issubdtype(var[...].dtype, jnp.floating):
+      var.set_value(var[...].astype(jnp.float32))
+  model.spec = dataclasses.replace(model.spec, param_dtype=int8_lib.INT8)
+  return model
+
+
+def head_logits(h: jax.Array, table: jax.Array, table_scale: jax.Array | None,
+                head: jax.Array | None, head_scale: jax.Array | None) -> jax.Array:
+  """f32 logits `[..., V]` of hidden states `h [..., D]`: against the tied `table [V, D]`
+  when `head` is None, else against `head [D, V]`; through `int8_dot` for int8 weights."""
+  if head is None:
+    if table_scale is not None:
+      return int8_lib.int8_dot(h, table, table_scale, transposed=True)
+    return jnp.einsum("...D,VD->...V", h, table.astype(h.dtype),
+                      preferred_element_type=jnp.float32)
+  if head_scale is not None:
+    return int8_lib.int8_dot(h, head, head_scale)
+  return jnp.einsum("...D,DV->...V", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
 
 
 class Block(nnx.Module):
@@ -142,10 +216,15 @@ class Block(nnx.Module):
     return x, cache
 
 
-def embed(embedding: jax.Array, tokens: jax.Array, spec: ModelSpec) -> jax.Array:
-  """`[B, T, D]` embeddings of `tokens` in the compute dtype, times sqrt(D) when
-  `spec.scale_embeddings` (Gemma; the factor rounded to the compute dtype, as Gemma does)."""
-  x = jnp.take(embedding, tokens, axis=0).astype(spec.dtype)
+def embed(embedding: jax.Array, scale: jax.Array | None, tokens: jax.Array,
+          spec: ModelSpec) -> jax.Array:
+  """`[B, T, D]` embeddings: rows `tokens` of `embedding [V, D]` (times their `scale f32[V]`
+  for an int8 table) in the compute dtype, times sqrt(D) when `spec.scale_embeddings`
+  (Gemma; the factor rounded to the compute dtype, as Gemma does)."""
+  x = jnp.take(embedding, tokens, axis=0)
+  if scale is not None:
+    x = x.astype(jnp.float32) * jnp.take(scale, tokens, axis=0)[..., None]
+  x = x.astype(spec.dtype)
   if spec.scale_embeddings:
     x = x * jnp.asarray(spec.d_model ** 0.5, spec.dtype)
   return x
@@ -188,15 +267,19 @@ class Transformer(nnx.Module):
     self.d_model = spec.d_model
     self.num_layers = spec.num_layers
     self.dtype = spec.dtype
+    quantized = int8_lib.is_int8(spec.param_dtype)
+    param_dtype = jnp.float32 if quantized else spec.param_dtype
     self.embedding = nnx.Param(nnx.initializers.normal(stddev=0.02)(
-        rngs.params(), (spec.vocab_size, spec.d_model), spec.param_dtype))
+        rngs.params(), (spec.vocab_size, spec.d_model), param_dtype))
     self.layers = nnx.List([Block(layer, spec, rngs=rngs) for layer in spec.layers])
-    self.final_norm = RMSNorm(spec.d_model, eps=spec.norm_eps, param_dtype=spec.param_dtype)
+    self.final_norm = RMSNorm(spec.d_model, eps=spec.norm_eps, param_dtype=param_dtype)
     if spec.tie_embeddings:
       self.lm_head = None
     else:
       self.lm_head = nnx.Param(_dense_init()(
-          rngs.params(), (spec.d_model, spec.vocab_size), spec.param_dtype))
+          rngs.params(), (spec.d_model, spec.vocab_size), param_dtype))
+    if quantized:
+      quantize_embeddings(self)
 
   @classmethod
   def from_config(cls, cfg: Any, *, rngs: nnx.Rngs) -> "Transformer":
@@ -260,7 +343,8 @@ class Transformer(nnx.Module):
     # Positions once for every layer: each layer's cache holds the same tokens.
     first = caches[0] if caches and hasattr(caches[0], "lengths") else None
     positions = gqa_lib.resolve_positions(positions, first, *tokens.shape)
-    x = embed(self.embedding[...], tokens, self.spec)  # [B, T, D]
+    x = embed(self.embedding[...], _value(getattr(self, "embedding_scale", None)), tokens,
+              self.spec)  # [B, T, D]
     new_caches = []
     for i, layer in enumerate(self.layers):
       x, cache = layer(x, None if caches is None else caches[i], positions, new_lengths)
@@ -269,12 +353,8 @@ class Transformer(nnx.Module):
 
   def logits_from_hidden(self, h: jax.Array) -> jax.Array:  # [..., D] -> f32[..., V]
     """Projects hidden states onto the vocabulary in f32 (then `final_soft_cap`, if set)."""
-    if self.lm_head is None:
-      logits = jnp.einsum("...D,VD->...V", h, self.embedding[...].astype(h.dtype),
-                          preferred_element_type=jnp.float32)
-    else:
-      logits = jnp.einsum("...D,DV->...V", h, self.lm_head[...].astype(h.dtype),
-                          preferred_element_type=jnp.float32)
+    logits = head_logits(h, self.embedding[...], _value(getattr(self, "embedding_scale", None)),
+                         _value(self.lm_head), _value(getattr(self, "lm_head_scale", None)))
     return soft_cap_logits(logits, self.spec.final_soft_cap)
 
   def __call__(
@@ -286,3 +366,74 @@ class Transformer(nnx.Module):
   ) -> tuple[jax.Array, tuple[Any, ...] | None]:
     h, caches = self.hidden(tokens, caches, positions, new_lengths)
     return self.logits_from_hidden(h), caches
+
+
+def smooth_model(model: "Transformer", tokens: jax.Array, *, alpha: float = 0.5
+                 ) -> "Transformer":
+  """SmoothQuant's scale migration (Xiao et al. 2023, eq. 4), in place on a float model.
+
+  For the input channels j of three products of every GQA block -- the
+  attention input (q/k/v), the MLP input (gate/up) and the down projection's
+  input -- `s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)` from the activations
+  `X` of the calibration `tokens`; `X / s` is folded into what produces `X`
+  (the RMSNorm scale before q/k/v and gate/up; the up projection's output
+  column j before down) and `W * s` into the weight rows, so the float model
+  computes the same function while activation outliers move into the weights,
+  which `quantize_model` then quantizes per output channel. MLA layers are
+  left as they are. Call before `quantize_model`.
+
+  Args:
+    model: a float `Transformer`.
+    tokens: `i32[B, T]` calibration tokens (text apart from any evaluation text).
+    alpha: migration strength in [0, 1] (0.5: the paper's default).
+
+  Raises:
+    ValueError: an int8 model, or alpha outside [0, 1].
+  """
+  if int8_lib.is_int8(model.spec.param_dtype):
+    raise ValueError("smooth_model needs float weights; call it before quantize_model")
+  if not 0.0 <= alpha <= 1.0:
+    raise ValueError(f"alpha must lie in [0, 1]; got {alpha!r}")
+  tokens = jnp.asarray(tokens, jnp.int32)
+  positions = gqa_lib.resolve_positions(None, None, *tokens.shape)
+  x = embed(model.embedding[...], None, tokens, dataclasses.replace(model.spec, dtype=jnp.float32))
+
+  def absmax(a):  # per channel over every token: [..., C] -> [C]
+    return jnp.max(jnp.abs(a.reshape(-1, a.shape[-1]).astype(jnp.float32)), axis=0)
+
+  def factors(act_max, w_max):
+    s = act_max ** alpha / jnp.maximum(w_max, 1e-8) ** (1 - alpha)
+    return jnp.where((act_max > 0) & jnp.isfinite(s), jnp.clip(s, 1e-4, 1e4), 1.0)
+
+  def scale_rows(param, s):
+    param.set_value(param[...] * s.reshape((-1,) + (1,) * (param[...].ndim - 1)))
+
+  for layer in model.layers:
+    a = layer.attn_norm(x)
+    new_x, _ = layer(x, None, positions, None)  # before this layer's weights change
+    h, _ = layer.attn(a, None, positions, None)
+    x_mid = x + h.astype(x.dtype)
+    mlp_in = layer.mlp_norm(x_mid)
+    mlp = layer.mlp
+    g = mlp_in @ mlp.gate[...]
+    u = mlp_in @ mlp.up[...]
+    hidden = jax.nn.silu(g) * u
+    if isinstance(layer.attn, gqa_lib.GroupedQueryAttention):
+      attn = layer.attn
+      w_max = jnp.max(jnp.stack([jnp.max(jnp.abs(p[...].reshape(p[...].shape[0], -1)), axis=1)
+                                 for p in (attn.q_proj, attn.k_proj, attn.v_proj)]), axis=0)
+      s = factors(absmax(a), w_max)
+      layer.attn_norm.scale.set_value(layer.attn_norm.scale[...] / s)
+      for p in (attn.q_proj, attn.k_proj, attn.v_proj):
+        scale_rows(p, s)
+    w_max = jnp.maximum(jnp.max(jnp.abs(mlp.gate[...]), axis=1), jnp.max(jnp.abs(mlp.up[...]),
+                                                                          axis=1))
+    s = factors(absmax(mlp_in), w_max)
+    layer.mlp_norm.scale.set_value(layer.mlp_norm.scale[...] / s)
+    scale_rows(mlp.gate, s)
+    scale_rows(mlp.up, s)
+    s = factors(absmax(hidden), jnp.max(jnp.abs(mlp.down[...]), axis=1))
+    mlp.up.set_value(mlp.up[...] / s)
+    scale_rows(mlp.down, s)
+    x = new_x
+  return model

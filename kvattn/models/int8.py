@@ -1,0 +1,212 @@
+"""int8 weights and activations (W8A8) through XLA's s8 x s8 -> s32 dots.
+
+A linear layer `y = x @ W` with `W: f32[*in, *out]` is stored as
+
+  * `w_q: int8[*in, *out]`, `round(W / w_scale)` in [-127, 127], and
+  * `w_scale: f32[*out]`, one scale per output channel: `max |W[..., o]| / 127`
+    over the input axes (symmetric absmax, as in LLM.int8(), Dettmers et al.
+    2022, and SmoothQuant's W8A8 baseline, Xiao et al. 2023).
+
+At run time each activation row (one token) is quantized on the fly with its
+own scale `x_scale = max |x_row| / 127` (per-token dynamic quantization), the
+int8 rows and the int8 weights are multiplied with int32 accumulation, and
+the product is rescaled: `y ~= (x_q @ w_q) * x_scale[:, None] * w_scale[None, :]`
+(`int8_dot`). The accumulation is exact (|sum| <= K * 127^2 < 2^31 for
+K < 133,000), so the only errors are the two roundings.
+
+Why this form: XLA:CPU hands a `lax.dot_general(s8[M, K], s8[K, N],
+preferred_element_type=s32)` of 2-D operands without batch dimensions to its
+fast integer GEMM, which reads the weights at 4x fewer bytes than f32 and is
+2-3x faster than the f32 dot on a decode step's few rows (docs/benchmarks.md,
+issue 31). With a single row (M = 1: batch-1 decode) XLA takes a slow path
+(~10x slower than f32 on SmolLM2's shapes), so `int8_dot` pads one row to
+`MIN_ROWS` = 2, which stays on the fast path; the extra row costs little
+because the step is bound by reading the weights. Every product therefore
+flattens the activation to 2-D `[M, K]` and the weight to 2-D `[K, N]`
+(a free reshape of a row-major array).
+
+`google/qwix` 0.1.8 (the JAX quantization library) emits the same dots but was
+not used: its PTQ wraps each weight in a `WithAux` object that only its
+intercepted `einsum`/`dot_general` understands, so the model's own code
+(`jnp.take` of the tied embedding, `w.astype(...)` before the einsum) fails on
+it, and it does not pad the one-row case out of XLA's slow path.
+
+Quantized weights (`quantize_model`): the attention projections (GQA q/k/v/o;
+MLA's q, q_down, q_up, kv_down and o -- its absorbed `k_up`/`v_up` products
+contract over a non-leading axis and stay f32), the SwiGLU gate/up/down and
+the LM head. A tied embedding is stored once as `int8[V, D]` with one scale
+per token row: the LM head is `int8_dot` against its rows and the input
+embedding stays a gather (of int8 rows, times their scales). Norm scales and
+biases stay f32. Compute (activations, attention, caches) is unchanged.
+
+Non-finite activations: a row with NaN or inf gets scale NaN, so its output
+row is NaN (never a plausible finite value); other rows are unaffected (rows
+are quantized independently, so right padding cannot disturb real tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+INT8_MAX = 127
+MIN_ROWS = 2
+"""Activation rows `int8_dot` pads a one-row product to (XLA:CPU's fast s8 GEMM path)."""
+
+INT8 = jnp.dtype(jnp.int8)
+
+
+def is_int8(dtype: Any) -> bool:
+  """True when `dtype` names int8 (the W8A8 `param_dtype`)."""
+  try:
+    return jnp.dtype(dtype) == INT8
+  except TypeError:
+    return False
+
+
+def quantize_weight(w: jax.Array, num_in: int) -> tuple[jax.Array, jax.Array]:
+  """`(w_q int8[*in, *out], w_scale f32[*out])` of `w: float[*in, *out]` (module doc).
+
+  Args:
+    w: the float weight; its first `num_in` axes are the input (contracted) axes.
+    num_in: number of leading input axes (>= 1, < w.ndim).
+
+  An all-zero output channel gets scale 1 (and stays exactly 0).
+
+  Raises:
+    ValueError: `num_in` out of range, or a non-finite weight (names the count).
+  """
+  if not 1 <= num_in < w.ndim:
+    raise ValueError(f"num_in must lie in [1, {w.ndim - 1}] for a weight of shape "
+                     f"{tuple(w.shape)}; got {num_in}")
+  w = jnp.asarray(w, jnp.float32)
+  absmax = jnp.max(jnp.abs(w), axis=tuple(range(num_in)))
+  scale = jnp.where(absmax > 0, absmax / INT8_MAX, 1.0).astype(jnp.float32)
+  if not bool(jnp.all(jnp.isfinite(absmax))):
+    bad = int(jnp.sum(~jnp.isfinite(absmax)))
+    raise ValueError(f"w must be finite to quantize; {bad} output channels hold NaN or inf")
+  w_q = jnp.clip(jnp.round(w / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+  return w_q, scale
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Per-row dynamic quantization: `(x_q int8[M, K], x_scale f32[M])` of `x: float[M, K]`.
+
+  `x_scale = max |x_row| / 127` (1 for an all-zero row; NaN for a row with a
+  NaN or inf, whose values are then 0).
+  """
+  x = x.astype(jnp.float32)
+  absmax = jnp.max(jnp.abs(x), axis=-1)
+  finite = jnp.isfinite(absmax)
+  scale = jnp.where(absmax > 0, absmax / INT8_MAX, 1.0)
+  q = jnp.where(finite[:, None], jnp.round(x / jnp.where(finite, scale, 1.0)[:, None]), 0)
+  q = jnp.clip(q, -INT8_MAX, INT8_MAX).astype(jnp.int8)
+  return q, jnp.where(finite, scale, jnp.nan).astype(jnp.float32)
+
+
+def _rows(x: jax.Array, num_in_axes: int) -> tuple[jax.Array, tuple[int, ...]]:
+  lead, features = x.shape[:x.ndim - num_in_axes], x.shape[x.ndim - num_in_axes:]
+  return x.reshape((int(np.prod(lead, dtype=np.int64)), int(np.prod(features)))), lead
+
+
+def int8_dot(x: jax.Array, w_q: jax.Array, w_scale: jax.Array, *,
+             transposed: bool = False) -> jax.Array:
+  """`f32[*lead, *out] ~= x @ W` for a weight quantized by `quantize_weight`.
+
+  Args:
+    x: `float[*lead, *in]` activations (any float dtype).
+    w_q: `int8[*in, *out]`, or with `transposed` `int8[*out, *in]` (a tied
+      embedding table `[V, D]`, whose rows are the output channels).
+    w_scale: `f32[*out]` per-output-channel scales.
+    transposed: the weight's input axes are its trailing ones.
+
+  The rows of `x` are flattened to `[M, K]`, quantized per row
+  (`quantize_rows`), padded to `MIN_ROWS` rows when M = 1, and multiplied by
+  the `[K, N]` (or `[N, K]`) int8 weight in one 2-D `lax.dot_general` with
+  int32 accumulation; then `acc * x_scale[:, None] * w_scale[None, :]` in f32.
+  """
+  out_shape = w_scale.shape
+  num_in = w_q.ndim - w_scale.ndim
+  k = int(np.prod(w_q.shape[len(out_shape):] if transposed else w_q.shape[:num_in]))
+  x2, lead = _rows(x, num_in)
+  if x2.shape[1] != k:
+    raise ValueError(f"x's trailing axes must hold the weight's {k} input features; got x of "
+                     f"shape {tuple(x.shape)} for a weight of shape {tuple(w_q.shape)}")
+  w2 = w_q.reshape((-1, k) if transposed else (k, -1))
+  x_q, x_scale = quantize_rows(x2)
+  m = x_q.shape[0]
+  if m == 1:
+    x_q = jnp.pad(x_q, ((0, MIN_ROWS - 1), (0, 0)))
+  dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
+  acc = jax.lax.dot_general(x_q, w2, dims, preferred_element_type=jnp.int32)[:m]
+  y = acc.astype(jnp.float32) * x_scale[:, None] * w_scale.reshape(1, -1)
+  return y.reshape(lead + out_shape)
+
+
+def int8_dot_reference(x: jax.Array, w_q: jax.Array, w_scale: jax.Array, *,
+                       transposed: bool = False) -> jax.Array:
+  """Pure-jnp reference of `int8_dot`: the same quantization, the product as an int32
+  `jnp.matmul` (no s8 dot, no padding), the same rescaling -- equal to `int8_dot` exactly."""
+  num_in = w_q.ndim - w_scale.ndim
+  x2, lead = _rows(x, num_in)
+  k = x2.shape[1]
+  w2 = w_q.reshape((-1, k) if transposed else (k, -1)).astype(jnp.int32)
+  x_q, x_scale = quantize_rows(x2)
+  acc = jnp.matmul(x_q.astype(jnp.int32), w2.T if transposed else w2)
+  y = acc.astype(jnp.float32) * x_scale[:, None] * w_scale.reshape(1, -1)
+  return y.reshape(lead + w_scale.shape)
+
+
+def dequantize_weight(w_q: jax.Array, w_scale: jax.Array, *, transposed: bool = False
+                      ) -> jax.Array:
+  """`f32` weight `w_q * w_scale` (the scale broadcast over the input axes)."""
+  if transposed:
+    return w_q.astype(jnp.float32) * w_scale.reshape(w_scale.shape + (1,) * (
+        w_q.ndim - w_scale.ndim))
+  return w_q.astype(jnp.float32) * w_scale
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules: which weights are quantized, and the projection helper the modules call.
+
+
+def project(spec: str, x: jax.Array, w: Any, w_scale: Any, dtype: Any) -> jax.Array:
+  """`einsum(spec, x, w)` in f32, through `int8_dot` when the weight is int8 (`w_scale` set).
+
+  `spec` contracts x's trailing axes with w's leading axes (e.g.
+  "BTD,DNH->BTNH"); `w` / `w_scale` are nnx Variables or arrays.
+  """
+  w = w[...] if isinstance(w, nnx.Variable) else w
+  if w_scale is None:
+    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype),
+                      preferred_element_type=jnp.float32)
+  w_scale = w_scale[...] if isinstance(w_scale, nnx.Variable) else w_scale
+  return int8_dot(x, w, w_scale)
+
+
+def quantize_param(module: nnx.Module, name: str, num_in: int) -> None:
+  """Replaces float Param `module.<name>` by its int8 values and sets `module.<name>_scale`."""
+  w_q, scale = quantize_weight(getattr(module, name)[...], num_in)
+  setattr(module, name, nnx.Param(w_q))
+  setattr(module, name + "_scale", nnx.Param(scale))
+
+
+QUANTIZED_WEIGHTS = {
+    "GroupedQueryAttention": (("q_proj", 1), ("k_proj", 1), ("v_proj", 1), ("o_proj", 2)),
+    "MultiHeadLatentAttention": (("q_proj", 1), ("q_down_proj", 1), ("q_up_proj", 1),
+                                 ("kv_down_proj", 1), ("o_proj", 2)),
+    "SwiGLU": (("gate", 1), ("up", 1), ("down", 1)),
+}
+"""Module class name -> (weight attribute, number of leading input axes) quantized by
+`quantize_model`."""
+
+
+def quantize_module(module: nnx.Module) -> None:
+  """Quantizes (in place) the weights `QUANTIZED_WEIGHTS` lists for `module`'s class."""
+  for name, num_in in QUANTIZED_WEIGHTS.get(type(module).__name__, ()):
+    if getattr(module, name, None) is not None:
+      quantize_param(module, name, num_in)

@@ -1,0 +1,238 @@
+"""W8A8 (`kvattn.models.int8`, `param_dtype="int8"`): the fast dot against its pure-jnp
+reference (exact integer math), the quantizers' bounds and edges, and the int8 model against
+f32 on a tiny model, through generate, every cache kind and the batcher."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kvattn.caches import registry
+from kvattn.inference.batching import ContinuousBatcher
+from kvattn.inference.generation import generate
+from kvattn.models import int8
+from kvattn.models import scan
+from kvattn.models import transformer
+from tests.kvattn.caches.test_every_kind import SETTINGS
+
+
+def _rand(shape, seed=0, scale=1.0):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# The dot and the quantizers.
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 7])
+@pytest.mark.parametrize("w_shape,num_in,transposed", [
+    ((16, 24), 1, False),  # a plain [D, F] weight
+    ((16, 3, 8), 1, False),  # q_proj [D, N, H]
+    ((3, 8, 16), 2, False),  # o_proj [N, H, D]
+    ((40, 16), 1, True),  # a tied embedding [V, D] used as the LM head
+])
+def test_int8_dot_equals_the_integer_reference_exactly(rows, w_shape, num_in, transposed):
+  w = _rand(w_shape, 1)
+  if transposed:
+    w_q, scale = int8.quantize_weight(w.T, 1)
+    w_q = w_q.T
+    in_shape = w_shape[1:]
+  else:
+    w_q, scale = int8.quantize_weight(w, num_in)
+    in_shape = w_shape[:num_in]
+  x = _rand((rows,) + in_shape, 2, 3.0)
+  if rows > 2:
+    x = x.at[2].set(0.0)  # an all-zero row stays exactly zero
+  got = int8.int8_dot(x, w_q, scale, transposed=transposed)
+  want = int8.int8_dot_reference(x, w_q, scale, transposed=transposed)
+  assert got.shape == (rows,) + scale.shape and got.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  if rows > 2:
+    assert not np.any(np.asarray(got[2]))
+  # Against the f32 product: each of the two roundings is at most half a step.
+  if rows:
+    exact = np.asarray(jnp.einsum("md,vd->mv", x.reshape(rows, -1), w.reshape(w_shape[0], -1))
+                       if transposed else x.reshape(rows, -1) @ w.reshape(-1, scale.size))
+    bound = (np.abs(x.reshape(rows, -1)).max(1, keepdims=True) / 127 / 2 *
+             np.abs(np.asarray(int8.dequantize_weight(w_q, scale, transposed=transposed)))
+             .reshape((-1, x[0].size) if transposed else (x[0].size, -1))
+             .sum(1 if transposed else 0).reshape(1, -1)
+             + np.abs(x.reshape(rows, -1)).sum(1, keepdims=True)
+             * np.asarray(scale).reshape(1, -1) / 2)
+    assert np.all(np.abs(np.asarray(got).reshape(rows, -1) - exact) <= bound * 1.001 + 1e-6)
+
+
+def test_a_non_finite_row_gives_nan_in_that_row_only():
+  w_q, scale = int8.quantize_weight(_rand((8, 5)), 1)
+  x = _rand((3, 8)).at[1, 4].set(jnp.nan).at[2, 0].set(jnp.inf)
+  got = np.asarray(int8.int8_dot(x, w_q, scale))
+  assert np.all(np.isnan(got[1:])) and np.all(np.isfinite(got[0]))
+  clean = np.asarray(int8.int8_dot(x[:1], w_q, scale))
+  np.testing.assert_array_equal(got[0], clean[0])  # rows are quantized independently
+
+
+def test_quantize_weight_bounds_and_edges():
+  w = _rand((32, 6), 3).at[:, 2].set(0.0)  # channel 2 all zero
+  w_q, scale = int8.quantize_weight(w, 1)
+  assert w_q.dtype == jnp.int8 and scale.shape == (6,)
+  assert int(jnp.max(jnp.abs(w_q.astype(jnp.int32)))) == 127  # the range is used
+  assert float(scale[2]) == 1.0 and not np.any(np.asarray(w_q[:, 2]))
+  err = np.abs(np.asarray(int8.dequantize_weight(w_q, scale) - w))
+  assert np.all(err <= np.asarray(scale) / 2 * 1.0001)
+  with pytest.raises(ValueError, match="num_in"):
+    int8.quantize_weight(w, 2)
+  with pytest.raises(ValueError, match="finite"):
+    int8.quantize_weight(w.at[0, 0].set(jnp.inf), 1)
+
+
+def test_a_single_row_is_padded_into_a_2d_s8_dot():
+  """The form XLA:CPU runs fast (module doc): 2-D s8 x s8 -> s32, at least MIN_ROWS rows."""
+  w_q, scale = int8.quantize_weight(_rand((16, 24)), 1)
+  hlo = jax.jit(lambda x: int8.int8_dot(x, w_q, scale)).lower(_rand((1, 1, 16))).as_text()
+  dots = [line for line in hlo.splitlines() if "dot_general" in line]
+  assert len(dots) == 1
+  assert f"tensor<{int8.MIN_ROWS}x16xi8>" in dots[0] and "tensor<16x24xi8>" in dots[0]
+  assert "-> tensor<2x24xi32>" in dots[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# The model.
+
+
+def _config(**kw):
+  return transformer.model_config(d_model=32, num_layers=2, mlp_dim=64, **{
+      "attention": dict(num_heads=4, num_kv_heads=2, head_dim=8), **kw})
+
+
+@pytest.fixture(scope="module")
+def models():
+  f32 = transformer.Transformer.from_config(_config(), rngs=nnx.Rngs(0))
+  return f32, transformer.quantize_model(nnx.clone(f32))
+
+
+def test_config_param_dtype_int8_builds_int8_weights_with_f32_scales():
+  m = transformer.Transformer.from_config(_config(param_dtype="int8", tie_embeddings=False),
+                                          rngs=nnx.Rngs(0))
+  assert m.spec.param_dtype == jnp.int8
+  attn, mlp = m.layers[0].attn, m.layers[0].mlp
+  for w, s, out in ((attn.q_proj, attn.q_proj_scale, (4, 8)), (attn.o_proj, attn.o_proj_scale,
+                    (32,)), (mlp.gate, mlp.gate_scale, (64,)), (m.lm_head, m.lm_head_scale,
+                    (259,)), (m.embedding, m.embedding_scale, (259,))):
+    assert w[...].dtype == jnp.int8 and s[...].dtype == jnp.float32 and s[...].shape == out
+  assert m.layers[0].attn_norm.scale[...].dtype == jnp.float32
+  with pytest.raises(ValueError, match="model.param_dtype"):
+    transformer.resolve_config(_config(param_dtype="int16"))
+  with pytest.raises(ValueError, match="already int8"):
+    transformer.quantize_model(m)
+
+
+def test_int8_logits_stay_close_to_f32(models):
+  f32, w8 = models
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 259, (2, 12)), jnp.int32)
+  a, _ = f32(tokens)
+  b, _ = w8(tokens)
+  rel = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))
+  assert 0 < rel < 0.05, rel
+
+
+@pytest.mark.slow  # ~8 CPU-seconds
+def test_scan_forward_runs_the_same_int8_products(models):
+  _, w8 = models
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 259, (2, 12)), jnp.int32)
+  caches = w8.init_caches(2, 12)
+  defs, params = scan.scan_parts(w8)
+  h, _ = scan.scan_forward(defs, params, scan.stack_caches(caches), tokens, None)
+  want, _ = w8(tokens, w8.init_caches(2, 12))
+  np.testing.assert_allclose(np.asarray(scan.logits_from_hidden(params, h)), np.asarray(want),
+                             rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # ~12 CPU-seconds
+def test_mla_layers_take_int8_projections():
+  cfg = _config(param_dtype="int8", layers=({}, {"kind": "mla"}))
+  m = transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
+  mla = m.layers[1].attn
+  assert mla.kv_down_proj[...].dtype == jnp.int8 and mla.k_up_proj[...].dtype == jnp.float32
+  ref = transformer.Transformer.from_config(_config(layers=({}, {"kind": "mla"})),
+                                            rngs=nnx.Rngs(0))
+  tokens = jnp.arange(10, dtype=jnp.int32)[None]
+  a, _ = ref(tokens, ref.init_caches(1, 10))
+  b, _ = m(tokens, m.init_caches(1, 10))
+  assert float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a))) < 0.05
+
+
+PROMPT_LENGTHS = np.array([9, 5], np.int32)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  out = np.random.default_rng(0).integers(0, 256, (2, 9), dtype=np.int32)
+  out[1, 5:] = 0
+  return out
+
+
+def test_generate_int8_weights_with_an_int8_cache(models, prompts):
+  f32, w8 = models
+  want, _ = generate(f32, prompts, PROMPT_LENGTHS, 6)
+  got, lengths = generate(w8, prompts, PROMPT_LENGTHS, 6, cache_dtype=jnp.int8)
+  assert got.shape == (2, 6) and np.all(np.asarray(lengths) == 6)
+  assert np.mean(np.asarray(got) == np.asarray(want)) >= 0.5  # a random model: loose
+
+
+@pytest.mark.slow  # ~25 CPU-seconds: one generate compile per kind
+@pytest.mark.parametrize("kind", sorted(registry.CACHE_KIND_TABLE))
+def test_every_cache_kind_with_room_gives_the_dense_cache_tokens(models, prompts, kind):
+  _, w8 = models
+  max_len = int(PROMPT_LENGTHS.max()) + 6
+  want, _ = generate(w8, prompts, PROMPT_LENGTHS, 6, max_len=max_len)
+  caches = registry.build_caches(w8, 2, max_len, None, {"kind": kind, **SETTINGS[kind][0]})
+  got, _ = generate(w8, prompts, PROMPT_LENGTHS, 6, caches=caches)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.slow  # ~10 CPU-seconds: compiles the batcher
+def test_batcher_with_int8_weights_gives_each_sequence_its_tokens_alone(models):
+  _, w8 = models
+  rng = np.random.default_rng(1)
+  requests = [(f"r{i}", rng.integers(0, 256, n).astype(np.int32), new)
+              for i, (n, new) in enumerate([(5, 6), (9, 3), (2, 5)])]
+  batcher = ContinuousBatcher(w8, num_slots=2, num_pages=16, page_size=4, max_len=16,
+                              max_prompt_len=9, seed=0)
+  results = batcher.run(requests)
+  for rid, prompt, new in requests:
+    padded = np.zeros((1, 9), np.int32)
+    padded[0, :len(prompt)] = prompt
+    want, _ = generate(w8, padded, np.array([len(prompt)], np.int32), new)
+    np.testing.assert_array_equal(results[rid].tokens, np.asarray(want)[0], err_msg=rid)
+
+
+def test_gqa_fused_int8_qkv_equals_three_separate_products(models):
+  _, w8 = models
+  attn = w8.layers[0].attn
+  x = _rand((2, 3, 32), 5)
+  q, k, v = attn._qkv(x)  # pylint: disable=protected-access
+  for got, name in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")):
+    want = int8.int8_dot(x, getattr(attn, name)[...], getattr(attn, name + "_scale")[...])
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.slow  # ~10 CPU-seconds of eager ops
+def test_smoothquant_migration_keeps_the_float_function():
+  """SmoothQuant (transformer.smooth_model) rescales norms and weights but computes the same
+  logits in f32; the smoothed model then quantizes like any other."""
+  f32 = transformer.Transformer.from_config(_config(), rngs=nnx.Rngs(1))
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 259, (1, 10)), jnp.int32)
+  want, _ = f32(tokens)
+  smoothed = transformer.smooth_model(nnx.clone(f32), tokens, alpha=0.5)
+  got, _ = smoothed(tokens)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+  assert not np.allclose(np.asarray(smoothed.layers[0].mlp.down[...]),
+                         np.asarray(f32.layers[0].mlp.down[...]))
+  with pytest.raises(ValueError, match="alpha"):
+    transformer.smooth_model(nnx.clone(f32), tokens, alpha=1.5)
+  w8 = transformer.quantize_model(smoothed)
+  with pytest.raises(ValueError, match="before quantize_model"):
+    transformer.smooth_model(w8, tokens)
