@@ -336,14 +336,20 @@ def _check_rollback(model, prompts, spec, dtype=None):
                              np.asarray(step(state, steps, nxt, ones)[0]), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+ROLLBACK_SLOW = ("tova", "recent", "random", "knorm")
+"""Eviction policies whose rollback is h2o's and snapkv's (a copy and a stepwise replay:
+the policy only scores), run in the slow suite; every other kind, a new one included, runs
+in the fast suite."""
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow)
+                                  if k in ROLLBACK_SLOW else k for k in KINDS])
 def test_a_rolled_back_draft_leaves_no_trace(model, prompts, kind):
   _check_rollback(model, prompts, _spec(kind, 1))
 
 
-@pytest.mark.parametrize("kind", [
-    "dense", "ring",
-    *[pytest.param(k, marks=pytest.mark.slow) for k in KINDS if k not in ("dense", "ring")]])
+@pytest.mark.slow  # the fast suite rolls back every kind in f32; scales are per token
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_rolled_back_quantized_draft_leaves_no_trace(model, prompts, kind):
   if kind in FLOAT_ONLY:
     pytest.skip("stores no scales")
@@ -359,10 +365,10 @@ def repeating_prompts(prompts):
   return out
 
 
-SPECULATIVE_FAST = ("dense", "ring", "h2o", "reversed")
+SPECULATIVE_FAST = ("dense", "ring", "reversed")
 """One kind per way of rolling back (lengths, undo log, the generic copy with stepwise
-verification: eviction and a kind kvattn does not know); the rollback test above runs
-every kind in the fast suite, and the generation test every kind in the slow one."""
+verification, here of a kind kvattn does not know); the rollback test above runs every
+kind in the fast suite, and this generation test every kind in the slow one."""
 
 
 @pytest.mark.parametrize("kind", [*SPECULATIVE_FAST, *[pytest.param(k, marks=pytest.mark.slow)
@@ -372,10 +378,8 @@ def test_speculative_greedy_equals_plain_greedy(model, repeating_prompts, kind):
   factory = registry.cache_factory_from_config(model, _spec(kind, 1))
   want, want_lengths = generate(model, repeating_prompts, PROMPT_LENGTHS, 3 * NEW_TOKENS,
                                 cache_factory=factory)
-  drafters = [speculative.PromptLookup(DRAFT_TOKENS, max_ngram_size=2)]
-  if kind == "dense":  # the target drafting for itself: every draft accepted
-    drafters.append(speculative.DraftModel(model, DRAFT_TOKENS))
-  for drafter in drafters:
+  # (tests/kvattn/inference/test_speculative.py runs the draft model.)
+  for drafter in [speculative.PromptLookup(DRAFT_TOKENS, max_ngram_size=2)]:
     got, got_lengths = generate(model, repeating_prompts, PROMPT_LENGTHS, 3 * NEW_TOKENS,
                                 cache_factory=factory, speculative=drafter)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=repr(drafter))
