@@ -2,6 +2,7 @@
 
     python -m experiments.benchmarks.speculative --model smollm2-135m-instruct --new_tokens 128 \\
         --num_draft_tokens 4 --rounds 5 [--draft_layers 8] [--peers --peer_python PY]
+    python -m experiments.benchmarks.speculative --memory
 
 Text: Python's own documentation (`pydoc_data.topics`), where n-grams repeat. Each prompt
 (`--prompts`) is one topic: `continue` feeds the topic's first `--prompt_tokens` tokens raw
@@ -53,6 +54,43 @@ flags.DEFINE_integer("draft_layers", 0, "Also a draft model of the first N layer
 flags.DEFINE_integer("rounds", 5, "Interleaved timed rounds (after one untimed warm-up).")
 flags.DEFINE_bool("peers", False, "Also time HF transformers (subprocess of --peer_python).")
 flags.DEFINE_string("peer_python", "/work/peers-venv/bin/python", "Python of the HF peer.")
+flags.DEFINE_bool("memory", False, "Only compile one verify pass per cache kind (a random "
+                  "4-layer model, 2048 slots) with and without a transaction and print XLA's "
+                  "temp bytes: what the rollback costs in memory.")
+
+MEMORY_KINDS = ({"kind": "dense"}, {"kind": "paged", "page_size": 16},
+                {"kind": "ring", "window": 2048}, {"kind": "sink", "num_sinks": 4, "window": 2044},
+                {"kind": "h2o", "budget": 2048},
+                {"kind": "length_switch", "switch_length": 1024, "num_kv_heads_after": 2})
+
+
+def memory() -> None:
+  """Temp bytes of one verify pass (T = k + 1) alone and inside a transaction (module doc)."""
+  from kvattn.caches import registry, transaction  # pylint: disable=g-import-not-at-top
+  from kvattn.models import transformer  # pylint: disable=g-import-not-at-top
+  cfg = transformer.model_config(d_model=256, num_layers=4, mlp_dim=768, vocab_size=259,
+                                 attention=dict(num_heads=8, num_kv_heads=8, head_dim=32))
+  model = transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  num_tokens = FLAGS.num_draft_tokens + 1
+
+  def plain(state, caches, tokens):
+    return nnx.merge(graphdef, state).hidden(tokens, caches)
+
+  def in_transaction(state, caches, tokens, keep):
+    h, drafts = nnx.merge(graphdef, state).hidden(tokens, transaction.begin_all(caches))
+    return h, transaction.commit_all(drafts, keep)
+
+  for spec in MEMORY_KINDS:
+    caches = registry.build_caches(model, 1, 2048, None, spec)
+    tokens = jnp.zeros((1, num_tokens), jnp.int32)
+    a = jax.jit(plain, donate_argnums=1).lower(state, caches, tokens).compile()
+    b = jax.jit(in_transaction, donate_argnums=1).lower(
+        state, caches, tokens, jnp.ones((1,), jnp.int32)).compile()
+    a, b = a.memory_analysis().temp_size_in_bytes, b.memory_analysis().temp_size_in_bytes
+    print(json.dumps(dict(kind=spec["kind"], tokens=num_tokens, cache_bytes=sum(
+        x.nbytes for c in caches for x in c.storage_arrays()), pass_temp_bytes=a,
+                          transaction_temp_bytes=b, extra_bytes=b - a)))
 
 
 def _prompt(tokenizer, spec: str) -> np.ndarray:
@@ -104,6 +142,9 @@ class _HFPeer:
 
 def main(argv):
   del argv
+  if FLAGS.memory:
+    memory()
+    return
   model, tokenizer = pretrained.from_pretrained(FLAGS.model, dtype=jnp.float32)
   k, n = FLAGS.num_draft_tokens, FLAGS.new_tokens
   drafters = {"prompt_lookup": speculative.PromptLookup(k, FLAGS.max_ngram_size)}
