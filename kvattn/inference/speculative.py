@@ -41,7 +41,7 @@ from flax import nnx
 
 from kvattn import _checks
 from kvattn.caches import transaction
-from kvattn.caches.checkpoint import TRUNCATABLE
+from kvattn.caches._slots import LengthsRollback
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,9 +257,9 @@ def decode(model: nnx.Module, first_tokens: jax.Array, caches: Sequence[Any],
     draft = speculative.model
     draft_graphdef, draft_state = nnx.split(draft)
     draft_caches = draft.init_caches(batch, width + max_new_tokens + k + 1)
-    if not all(isinstance(c, TRUNCATABLE) for c in draft_caches):
-      raise ValueError("speculative.model must build caches that keep token t in slot t "
-                       f"({[t.__name__ for t in TRUNCATABLE]}); got "
+    if not all(isinstance(c, LengthsRollback) for c in draft_caches):
+      raise ValueError("speculative.model must build caches that roll back by lengths "
+                       "(kvattn.caches._slots.LengthsRollback: dense, latent, paged); got "
                        f"{sorted({type(c).__name__ for c in draft_caches})}")
     draft_caches = _draft_prefill(draft_graphdef, draft_state, tuple(draft_caches),
                                   jnp.asarray(prompts), jnp.asarray(prompt_lengths))
