@@ -70,6 +70,7 @@ def test_the_target_drafting_for_itself_accepts_every_draft(gqa):
   np.testing.assert_array_equal(np.asarray(stats["accepted"]), [2 * k, 2 * k])
 
 
+@pytest.mark.slow  # the fast suite checks prompt lookup's output (test_every_kind.py)
 def test_prompt_lookup_accepts_drafts_of_a_repeating_text(gqa):
   # A model that repeats: its greedy output of a prompt, appended, is found by lookup.
   rng = np.random.default_rng(1)
