@@ -12,7 +12,8 @@ Kinds (each a file; `registry` names them for configs, `generate` and the CLI):
 Support: `registry` (the one table of cache kinds; `build_caches` and
 `cache_factory_from_config` make a whole model's caches from `{"kind": ..., **options}`),
 `checkpoint` (save / restore with orbax), `protocol` (the interface), `_slots` (the
-protocol's bookkeeping members the kinds inherit).
+protocol's bookkeeping members the kinds inherit), `transaction` (draft tokens written
+tentatively and rolled back exactly, for speculative decoding).
 """
 
 from kvattn.caches import protocol
@@ -22,6 +23,7 @@ from kvattn.caches.eviction import EvictingKVCache
 from kvattn.caches.window import RingKVCache, SinkKVCache
 from kvattn.caches.length_switch import LengthSwitchKVCache
 from kvattn.caches import registry
+from kvattn.caches import transaction
 from kvattn.caches.registry import (CacheFactory, CacheKind, build_caches,
                                     cache_factory_from_config, register_cache_kind)
 
@@ -29,7 +31,7 @@ __all__ = [
     "CacheFactory", "CacheKind", "EvictingKVCache", "KVCache", "LatentCache",
     "LengthSwitchKVCache", "PagedKVCache", "RingKVCache", "SinkKVCache",
     "build_caches", "cache_factory_from_config", "checkpoint", "protocol",
-    "register_cache_kind", "registry", "sharded",
+    "register_cache_kind", "registry", "sharded", "transaction",
 ]
 
 

@@ -156,6 +156,36 @@ class BoundedCache(_slots.Slots, _slots.KVHeads):
 class WrappingCache(BoundedCache):
   """Ring and sinks: new tokens overwrite slots chosen by `_slots`; no scoring."""
 
+  chunk_equals_steps = True
+  """A chunk attends the stored slots plus its own tokens, masked by position: what the
+  one-token steps attend (`kvattn.caches.transaction`)."""
+
+  def draft_journal(self, new_lengths: jax.Array, num_tokens: int) -> dict[str, Any]:
+    """The undo log of a draft of `num_tokens` tokens (`kvattn.caches.transaction`): the
+    slots it writes (`i32[B, T]`, the capacity where none) and their old contents (keys,
+    values, scales `[B, T, K, ...]`, `pos` `[B, T]`), and `lengths`. At most
+    `min(T, capacity)` distinct slots per row: the chunk's write keeps only its last
+    `capacity` tokens."""
+    slots = self._slots(new_lengths, num_tokens)
+    rows = jnp.broadcast_to(jnp.arange(self.batch, dtype=jnp.int32)[:, None], slots.shape)
+    safe = jnp.minimum(slots, self.capacity - 1)
+    old = lambda buf: None if buf is None else buf[rows, :, safe]
+    return dict(slots=slots, lengths=self.lengths, pos=self.pos[rows, safe], k=old(self.k),
+                v=old(self.v), k_scale=old(self.k_scale), v_scale=old(self.v_scale))
+
+  def undo_draft(self, journal: dict[str, Any]):
+    """The cache before the draft journaled in `journal` (`draft_journal`): the old
+    contents scattered back into the slots the draft wrote, bit for bit."""
+    slots = journal["slots"]
+    rows = jnp.broadcast_to(jnp.arange(self.batch, dtype=jnp.int32)[:, None], slots.shape)
+    back = lambda buf, old: None if buf is None else buf.at[rows, :, slots].set(old,
+                                                                                mode="drop")
+    return self.replace(k=back(self.k, journal["k"]), v=back(self.v, journal["v"]),
+                        k_scale=back(self.k_scale, journal["k_scale"]),
+                        v_scale=back(self.v_scale, journal["v_scale"]),
+                        pos=self.pos.at[rows, slots].set(journal["pos"], mode="drop"),
+                        lengths=journal["lengths"])
+
   def _write(self, k, v, ks, vs, new_lengths):
     """Scatters encoded new tokens (`[B, K, T, ...]`) into their `_slots`."""
     num_tokens = k.shape[2]

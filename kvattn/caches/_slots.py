@@ -160,3 +160,27 @@ class KVHeads:
   def head_dim(self) -> int:
     """Head width H."""
     return _size(self, "head_dim")
+
+
+class LengthsRollback:
+  """The transaction members (`kvattn.caches.transaction`) of a kind that keeps token t in
+  slot t and whose slots past `lengths` are unused: a draft journals `lengths` and commits
+  by setting `lengths = journal + keep` (no copy, no replay). Chunks through the layer's
+  step equal one-token steps. A subclass that writes otherwise (a residual window, groups
+  quantized as they fill) must not inherit this."""
+
+  chunk_equals_steps = True
+
+  def draft_journal(self, new_lengths: jax.Array, num_tokens: int) -> jax.Array:
+    """`i32[B]`: the lengths before the draft."""
+    del new_lengths, num_tokens
+    return self.lengths
+
+  def undo_draft(self, journal: jax.Array):
+    """The cache before the draft: its lengths (the draft's slots become unused)."""
+    return self.replace(lengths=journal)
+
+  def commit_draft(self, journal: jax.Array, keep: jax.Array):
+    """The cache holding the first `keep[b]` draft tokens of row b."""
+    return self.replace(lengths=journal + keep)
+

@@ -315,10 +315,18 @@ class EvictingKVCache(BoundedCache):
     idx = jnp.take_along_axis(idx, order, axis=2)
     take = lambda x: None if x is None else jnp.take_along_axis(
         x, idx.reshape(idx.shape + (1,) * (x.ndim - 3)), axis=2)
-    return self.replace(k=take(cand_k), v=take(concat(self.v, v)), pos=take(cand_pos),
-                        scores=take(jnp.where(jnp.isfinite(score), score, 0.0)),
-                        lengths=self.lengths + new_lengths, k_scale=take(cand_ks),
-                        v_scale=take(concat(self.v_scale, vs)))
+    # A row that writes no token keeps its state bit for bit (a finished row; the rows of
+    # a draft's replay past their accepted tokens, kvattn.caches.transaction).
+    wrote = new_lengths > 0
+    keep = lambda new, old: None if new is None else jnp.where(
+        wrote.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+    return self.replace(k=keep(take(cand_k), self.k), v=keep(take(concat(self.v, v)), self.v),
+                        pos=keep(take(cand_pos), self.pos),
+                        scores=keep(take(jnp.where(jnp.isfinite(score), score, 0.0)),
+                                    self.scores),
+                        lengths=self.lengths + new_lengths,
+                        k_scale=keep(take(cand_ks), self.k_scale),
+                        v_scale=keep(take(concat(self.v_scale, vs)), self.v_scale))
 
   def update(self, k_new: jax.Array, v_new: jax.Array,
              new_lengths: jax.Array | None = None) -> "EvictingKVCache":

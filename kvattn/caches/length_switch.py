@@ -107,7 +107,7 @@ def pool_heads(x: jax.Array, num_groups: int, axis: int) -> jax.Array:
 
 
 @struct.dataclass
-class LengthSwitchKVCache(_slots.TokenSlots, _slots.KVHeads):
+class LengthSwitchKVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback):
   """K KV heads for the first `switch_length` tokens of a sequence, K' pooled heads after.
 
   Attributes:

@@ -63,7 +63,7 @@ def check_rows(name: str, tables: Any, lengths: Any, num_pages: int, page_size: 
 
 
 @struct.dataclass
-class PagedKVCache(_slots.Slots, _slots.KVHeads):
+class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback):
   """Paged KV cache of one attention layer (MHA, GQA or MQA).
 
   Attributes:

@@ -3,11 +3,16 @@
   `generate`, `prefill`, `decode`, `Sampling`   generation.py.
   `ContinuousBatcher`                           batching.py: slots over a paged pool.
   `resume`                                      reuse.py: reuse a restored cache's prefix.
+  `PromptLookup`, `DraftModel`                  speculative.py: drafters for
+                                                `generate(speculative=)`.
 """
 
 from kvattn.inference.generation import Sampling, decode, generate, prefill
 from kvattn.inference.batching import ContinuousBatcher, Finished, NoFreeSlotError
 from kvattn.inference.reuse import resume, reusable_length, truncate
+from kvattn.inference import speculative
+from kvattn.inference.speculative import DraftModel, PromptLookup
 
-__all__ = ["ContinuousBatcher", "Finished", "NoFreeSlotError", "Sampling", "decode", "generate",
-           "prefill", "resume", "reusable_length", "truncate"]
+__all__ = ["ContinuousBatcher", "DraftModel", "Finished", "NoFreeSlotError", "PromptLookup",
+           "Sampling", "decode", "generate", "prefill", "resume", "reusable_length",
+           "speculative", "truncate"]

@@ -298,6 +298,7 @@ def generate(
     cache_dtype: Any = None,
     caches: Sequence[Any] | None = None,
     cache_factory: CacheFactory | None = None,
+    speculative: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Generates up to `max_new_tokens` tokens per prompt (batched prefill + compiled decode).
 
@@ -324,6 +325,11 @@ def generate(
       (donated). Lets a caller choose the cache kind.
     cache_factory: `(batch, max_len, dtype) -> caches`, used when `caches`
       is None; default `model.init_caches`.
+    speculative: None, or a drafter of `kvattn.inference.speculative`
+      (`PromptLookup(num_draft_tokens=k, ...)`, `DraftModel(model, num_draft_tokens=k)`):
+      speculative decoding, greedy only, token for token the output of plain greedy
+      decoding, for every cache kind (`kvattn.caches.transaction`). The caches need
+      room for k more tokens (added to the default `max_len`).
 
   Returns:
     `(tokens i32[B, max_new_tokens], lengths i32[B])`: `lengths[b]` counts
@@ -375,8 +381,16 @@ def generate(
   eos_id = None if eos_id is None else int(eos_id)
   pad_id = int(pad_id)
   key = _key(rng)
+  draft_room = 0
+  if speculative is not None:
+    from kvattn.inference import speculative as speculative_lib  # pylint: disable=g-import-not-at-top
+    speculative = speculative_lib.check(speculative, vocab)
+    if not sampling.greedy:
+      raise ValueError(f"speculative decoding is greedy: temperature must be 0; got "
+                       f"{sampling.temperature}")
+    draft_room = speculative.num_draft_tokens  # a verify pass writes k tokens past the last
 
-  needed = int(lengths_np.max()) + max_new_tokens - 1
+  needed = int(lengths_np.max()) + max_new_tokens - 1 + draft_room
   if caches is not None:
     caches = tuple(caches)
     capacities = {int(c.capacity) for c in caches}
@@ -393,15 +407,17 @@ def generate(
         raise ValueError(
             f"caches must be empty (lengths 0); caches[{i}].lengths = {lengths.tolist()}")
   else:
-    capacity = width + max_new_tokens - 1 if max_len is None else _checks.positive_int(
-        "max_len", max_len)
+    capacity = width + max_new_tokens - 1 + draft_room if max_len is None else \
+        _checks.positive_int("max_len", max_len)
   if lengths_np.max() > capacity:
     raise ValueError(f"prompt_lengths must fit the cache (max_len = {capacity}); the longest "
                      f"prompt has {int(lengths_np.max())} tokens")
   if needed > capacity:
     raise ValueError(
         f"max_new_tokens = {max_new_tokens} would overflow the cache: the longest prompt "
-        f"({int(lengths_np.max())}) + max_new_tokens - 1 = {needed} > max_len = {capacity}")
+        f"({int(lengths_np.max())}) + max_new_tokens - 1"
+        + (f" + num_draft_tokens ({draft_room})" if draft_room else "")
+        + f" = {needed} > max_len = {capacity}")
   if caches is None:
     _check_fits_memory(model, batch, capacity, max_new_tokens, cache_dtype,
                        "max_len" if max_len is not None else "max_new_tokens",
@@ -411,6 +427,11 @@ def generate(
 
   first, caches, key = prefill(model, prompts_np.astype(np.int32), lengths_np.astype(np.int32),
                                caches, sampling=sampling, rng=key)
+  if speculative is not None:
+    tokens, lengths, _, _ = speculative_lib.decode(
+        model, first, caches, prompts_np, lengths_np, max_new_tokens, speculative,
+        eos_id=eos_id, pad_id=pad_id)
+    return tokens, lengths
   tokens, lengths, _ = decode(model, first, caches, max_new_tokens, sampling=sampling,
                               eos_id=eos_id, pad_id=pad_id, rng=key)
   return tokens, lengths

@@ -37,6 +37,7 @@ import kvattn
 from kvattn.caches import dense as cache_lib
 from kvattn import sharding
 from kvattn.caches import sharded as sharded_caches
+from kvattn.inference.speculative import PromptLookup
 from kvattn.models import transformer
 
 BATCH, MAX_LEN, PAGE_SIZE, NEW_TOKENS = 4, 64, 4, 4
@@ -137,7 +138,12 @@ def check_case(mesh_shape, kind: str, num_kv_heads: int, *, with_generate: bool)
                                      kind="paged" if kind == "paged" else "dense")
     got, _ = kvattn.generate(model, prompts, lengths, NEW_TOKENS, cache_factory=factory)
     result["tokens_equal"] = bool(jnp.array_equal(got, want))
-    ok = ok and result["tokens_equal"]
+    # Speculative decoding rolls the sharded caches back too (7 drafts: capacity 16, which
+    # every mesh's seq axis divides).
+    spec, _ = kvattn.generate(model, prompts, lengths, NEW_TOKENS, cache_factory=factory,
+                              speculative=PromptLookup(num_draft_tokens=7))
+    result["speculative_tokens_equal"] = bool(jnp.array_equal(spec, want))
+    ok = ok and result["tokens_equal"] and result["speculative_tokens_equal"]
   result["ok"] = bool(ok)
   return result
 

@@ -31,6 +31,11 @@ from flax import nnx
 from kvattn import memory
 from kvattn.caches import checkpoint
 from kvattn.caches import registry
+from kvattn.caches import transaction
+from kvattn.caches.dense import KVCache, LatentCache
+from kvattn.caches.length_switch import LengthSwitchKVCache
+from kvattn.caches.paged import PagedKVCache
+from kvattn.inference import speculative
 from kvattn.inference.generation import generate, prefill
 from kvattn.models import transformer
 from tests.kvattn.caches import reversed_kind  # noqa: F401  (registers kind "reversed")
@@ -246,3 +251,141 @@ def test_the_donated_latent_cache_is_updated_in_place(mla_model, prompts):
   before = [a.unsafe_buffer_pointer() for c in caches for a in c.storage_arrays()]
   after = step(state, caches, first[:, None])
   assert [a.unsafe_buffer_pointer() for c in after for a in c.storage_arrays()] == before
+
+
+# ----------------------------------------------------------------------------------------------
+# Speculative decoding: drafts written through a transaction (kvattn.caches.transaction), the
+# rejected ones rolled back. DRAFT_TOKENS + 1 = 5 tokens per pass: the hard ring (window 5)
+# and sinks (window 4) wrap inside one pass, and every token of a full hard eviction cache
+# (budget 6 < the 9-token prompt) evicts one, so rejected tokens trigger evictions.
+
+DRAFT_TOKENS = 4
+KEEP = np.array([2, 4], np.int32)
+"""Draft tokens kept per row in the rollback test (of DRAFT_TOKENS + 1 written)."""
+
+
+def _defined(cache):
+  """`cache` with every slot that holds no token zeroed, for the kinds that roll back by
+  lengths (the rejected tokens stay behind as unused slots, which the protocol lets hold
+  anything); other kinds as they are (compared bit for bit, every leaf)."""
+
+  def masked(x, lengths, axis):
+    slots = jnp.arange(x.shape[axis]).reshape((-1,) + (1,) * (x.ndim - axis - 1))
+    held = slots < lengths.reshape((-1,) + (1,) * (x.ndim - 1))
+    return None if x is None else jnp.where(held, x, jnp.zeros((), x.dtype))
+
+  if isinstance(cache, PagedKVCache):
+    cache = cache.to_dense()
+  if isinstance(cache, LengthSwitchKVCache):
+    full = jnp.minimum(cache.lengths, cache.switch_length)
+    return cache.replace(**{f: masked(getattr(cache, f), full, 2) for f in ("k", "v")},
+                         **{f: masked(getattr(cache, f), full, 2) for f in ("k_scale", "v_scale")
+                            if getattr(cache, f) is not None},
+                         **{f: masked(getattr(cache, f), cache.lengths, 2)
+                            for f in ("k_pooled", "v_pooled", "k_pooled_scale", "v_pooled_scale")
+                            if getattr(cache, f) is not None})
+  if isinstance(cache, (KVCache, LatentCache)):
+    axis = 2 if isinstance(cache, KVCache) else 1
+    fields = cache._VALUES + (cache._SCALES if cache.quantized else ())  # pylint: disable=protected-access
+    return cache.replace(**{f: masked(getattr(cache, f), cache.lengths, axis) for f in fields})
+  return cache
+
+
+def _assert_bits_equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    assert x.dtype == y.dtype and x.shape == y.shape
+    np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+
+
+def _check_rollback(model, prompts, spec, dtype=None):
+  """Drafts `[B, T]` through a transaction, kept per row up to KEEP: (1) the cache and the
+  kept tokens' logits equal, bit for bit, those of the same pass with other rejected
+  tokens; (2) the cache holds the tokens of token-by-token decoding of the kept tokens
+  (`slot_positions`, `lengths`) and gives the same next logits."""
+  graphdef, state = nnx.split(model)
+  num_tokens = DRAFT_TOKENS + 1
+
+  @jax.jit
+  def draft(state, caches, tokens, keep):
+    logits, drafts = nnx.merge(graphdef, state)(tokens, transaction.begin_all(caches))
+    return logits, transaction.commit_all(drafts, keep)
+
+  @jax.jit
+  def step(state, caches, tokens, new_lengths):
+    return nnx.merge(graphdef, state)(tokens, caches, new_lengths=new_lengths)
+
+  def prefilled():
+    caches = registry.build_caches(model, 2, 16, dtype, spec)
+    return prefill(model, prompts, PROMPT_LENGTHS, caches)[1]
+
+  rng = np.random.default_rng(2)
+  tokens = rng.integers(0, 256, (2, num_tokens), dtype=np.int32)
+  rejected = np.arange(num_tokens)[None, :] >= KEEP[:, None]
+  other = np.where(rejected, (tokens + 1 + rng.integers(0, 255, tokens.shape)) % 256, tokens)
+  logits, kept = draft(state, prefilled(), tokens, KEEP)
+  other_logits, other_kept = draft(state, prefilled(), other.astype(np.int32), KEEP)
+  for b, n in enumerate(KEEP):
+    np.testing.assert_array_equal(np.asarray(logits)[b, :n], np.asarray(other_logits)[b, :n])
+  _assert_bits_equal(tuple(map(_defined, kept)), tuple(map(_defined, other_kept)))
+
+  steps = prefilled()
+  for t in range(num_tokens):
+    _, steps = step(state, steps, tokens[:, t:t + 1], (t < KEEP).astype(np.int32))
+  for a, b in zip(kept, steps):
+    np.testing.assert_array_equal(np.asarray(a.lengths), np.asarray(b.lengths))
+    np.testing.assert_array_equal(np.asarray(a.slot_positions()), np.asarray(b.slot_positions()))
+  nxt = rng.integers(0, 256, (2, 1), dtype=np.int32)
+  ones = np.ones(2, np.int32)
+  np.testing.assert_allclose(np.asarray(step(state, kept, nxt, ones)[0]),
+                             np.asarray(step(state, steps, nxt, ones)[0]), atol=1e-5, rtol=1e-5)
+
+
+ROLLBACK_SLOW = ("tova", "recent", "random", "knorm")
+"""Eviction policies whose rollback is h2o's and snapkv's (a copy and a stepwise replay:
+the policy only scores), run in the slow suite; every other kind, a new one included, runs
+in the fast suite."""
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow)
+                                  if k in ROLLBACK_SLOW else k for k in KINDS])
+def test_a_rolled_back_draft_leaves_no_trace(model, prompts, kind):
+  _check_rollback(model, prompts, _spec(kind, 1))
+
+
+@pytest.mark.slow  # the fast suite rolls back every kind in f32; scales are per token
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rolled_back_quantized_draft_leaves_no_trace(model, prompts, kind):
+  if kind in FLOAT_ONLY:
+    pytest.skip("stores no scales")
+  _check_rollback(model, prompts, _spec(kind, 1), jnp.int8)
+
+
+@pytest.fixture(scope="module")
+def repeating_prompts(prompts):
+  """The module's prompts with row 0 repeating its first tokens (prompt lookup drafts
+  there; row 1's random tokens give mostly rejected drafts: acceptance differs per row)."""
+  out = prompts.copy()
+  out[0, 4:8] = out[0, :4]
+  return out
+
+
+SPECULATIVE_FAST = ("dense", "reversed")
+"""Rolling back by lengths and the generic copy with stepwise verification (of a kind
+kvattn does not know); the rollback test above runs every kind in the fast suite (the ring
+and sinks wrapping inside a pass among them), and this generation test every kind in the
+slow one."""
+
+
+@pytest.mark.parametrize("kind", [*SPECULATIVE_FAST, *[pytest.param(k, marks=pytest.mark.slow)
+                                                       for k in KINDS
+                                                       if k not in SPECULATIVE_FAST]])
+def test_speculative_greedy_equals_plain_greedy(model, repeating_prompts, kind):
+  factory = registry.cache_factory_from_config(model, _spec(kind, 1))
+  want, want_lengths = generate(model, repeating_prompts, PROMPT_LENGTHS, 3 * NEW_TOKENS,
+                                cache_factory=factory)
+  # (tests/kvattn/inference/test_speculative.py runs the draft model.)
+  for drafter in [speculative.PromptLookup(DRAFT_TOKENS, max_ngram_size=2)]:
+    got, got_lengths = generate(model, repeating_prompts, PROMPT_LENGTHS, 3 * NEW_TOKENS,
+                                cache_factory=factory, speculative=drafter)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=repr(drafter))
+    np.testing.assert_array_equal(np.asarray(got_lengths), np.asarray(want_lengths))
