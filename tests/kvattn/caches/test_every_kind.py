@@ -46,9 +46,14 @@ SETTINGS = {
     "length_switch": ({"switch_length": 64, "num_kv_heads_after": 1},
                       {"switch_length": 5, "num_kv_heads_after": 1}),
     "reversed": ({}, {}),
+    # KIVI: easy = every token in the residual; hard = groups of 2 flushed behind 2 residual
+    # tokens (kivi2), and behind none with keys before RoPE and f32 scales (kivi4).
+    "kivi2": ({"group_size": 4, "residual": 16}, {"group_size": 2, "residual": 2}),
+    "kivi4": ({"group_size": 4, "residual": 16},
+              {"group_size": 2, "residual": 0, "pre_rope": True, "scale_dtype": "float32"}),
 }
 """Cache kind -> (easy options, hard options)."""
-FLOAT_ONLY = {"reversed"}
+FLOAT_ONLY = {"reversed", "kivi2", "kivi4"}
 """Kinds that store no quantization scales: building them int8 is a TypeError."""
 
 KINDS = sorted(SETTINGS)
@@ -187,6 +192,8 @@ def test_measured_bytes_per_token_equal_the_analytic_count(model, kind, dtype):
     full = per_layer * switch // 16  # K heads, switch_length of the 16 slots
     pooled = memory.gqa_bytes_per_token(after, attn.head_dim, dtype)
     per_layer = full + pooled
+  if hasattr(caches[0], "analytic_bytes_per_token"):  # kinds with their own count (KIVI)
+    per_layer = caches[0].analytic_bytes_per_token()
   assert measured == pytest.approx(model.num_layers * per_layer), kind
 
 
