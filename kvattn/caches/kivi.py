@@ -60,6 +60,7 @@ import numpy as np
 from flax import struct
 
 from kvattn import _checks
+from kvattn.caches import _slots
 from kvattn.caches import dense as dense_lib
 from kvattn.ops import lowbit
 from kvattn.ops import quant
@@ -270,17 +271,14 @@ class KIVICache:
     return self.lengths > self.max_len
 
   def slot_positions(self) -> jax.Array:
-    """`i32[B, S]`: slot s of a sequence's storage (the store's slots, then the ring's,
-    then unbacked ones) holds token s of the store, the ring's token, or -1."""
-    stored, nq = self._stored(), self.num_quantized
-    sq = jnp.arange(self.store_capacity, dtype=jnp.int32)[None, :]
-    store = jnp.where(sq < nq[:, None], sq, -1)
-    ring = _ring_tokens(stored, nq, self.ring_capacity)
-    pad = self.max_len - self.store_capacity - self.ring_capacity
-    parts = [jnp.broadcast_to(store, (self.batch, self.store_capacity)), ring]
-    if pad > 0:
-      parts.append(jnp.full((self.batch, pad), -1, jnp.int32))
-    return jnp.concatenate(parts, axis=1)[:, :self.max_len]
+    """`i32[B, S]`, the logical view: token s at slot s below `min(lengths, S)`, else -1.
+    (The store holds token s in its slot s; the ring holds the newest tokens at `t % Rb`,
+    `ring_tokens()` says which.)"""
+    return _slots.slot_positions(self._stored(), self.max_len)
+
+  def ring_tokens(self) -> jax.Array:
+    """`i32[B, Rb]`: the token each ring slot holds, or -1."""
+    return _ring_tokens(self._stored(), self.num_quantized, self.ring_capacity)
 
   def check_state(self, name: str = "cache") -> None:
     """Eager: `lengths` in `[0, max_len]` (ValueError naming the row)."""
