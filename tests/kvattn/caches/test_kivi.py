@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 from kvattn import memory
-from kvattn.caches import kivi
+from kvattn.caches import _residual
 from kvattn.caches import registry
 from kvattn.caches.kivi import KIVICache
 from kvattn.models import transformer
@@ -235,7 +235,7 @@ def _qkv(batch, t, seed=1):
 ])
 def test_decode_step_equals_the_reference_and_ignores_garbage(monkeypatch, pre_rope, options):
   # Blocks of 8 store slots over a store of 20: three blocks, the last shifted back.
-  monkeypatch.setattr(kivi, "BLOCK_TOKENS", 8)
+  monkeypatch.setattr(_residual, "BLOCK_TOKENS", 8)
   capacity = 33  # Sq = 4 * (33 - 8) // 4 = 24 (not a multiple of 8), ring 11
   lengths = (0, 1, 3, 4, 13, capacity - 1)
   cache = _filled(lengths, capacity, bits=2, group_size=4, residual=8, pre_rope=pre_rope)
