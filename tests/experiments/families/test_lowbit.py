@@ -14,9 +14,8 @@ def test_configs_and_sweeps_validate():
   assert full.experiment.kind == "lowbit" and full.text.num_tokens + full.text.new_tokens == 4096
   points = lowbit.LowbitFamily("/nonexistent").points(full, lowbit_config.get_sweep())
   assert [p.label for p in points] == [
-      "dense-float32", "dense-bfloat16", "dense-int8",
-      "kivi4-g32-r0", "kivi4-g32-r32", "kivi4-g32-r128",
-      "kivi2-g32-r0", "kivi2-g32-r32", "kivi2-g32-r128",
+      "dense-float32", "kivi4-g32-r128", "kivi2-g32-r128", "dense-bfloat16", "dense-int8",
+      "kivi4-g32-r32", "kivi2-g32-r32", "kivi4-g32-r0", "kivi2-g32-r0",
       "kivi4-g32-r128-prerope", "kivi2-g32-r128-prerope"]
   assert len({p.id for p in points}) == len(points)
   for arg in ("reduced", "smoke"):
