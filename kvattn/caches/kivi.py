@@ -141,7 +141,8 @@ class KIVICache(_residual.ResidualStoreCache):
     max_len = _checks.positive_int("max_len", max_len)
     num_kv_heads = _checks.positive_int("num_kv_heads", num_kv_heads)
     head_dim = _checks.positive_int("head_dim", head_dim)
-    bits = lowbit.check_bits(bits)
+    if isinstance(bits, bool) or bits not in (2, 4):
+      raise ValueError(f"bits must be one of (2, 4); got {bits!r}")
     group_size = _checks.positive_int("group_size", group_size)
     residual = _residual.check_residual(residual, group_size)
     vg = value_group(group_size, head_dim)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from kvattn import _checks
 from kvattn.caches import eviction
 from kvattn.caches import kivi
+from kvattn.caches import rotated
 from kvattn.caches import length_switch
 from kvattn.caches import window as window_lib
 from kvattn.caches.paged import PagedKVCache
@@ -199,6 +200,10 @@ CACHE_KIND_TABLE: dict[str, CacheKind] = {
                                 f"KIVICache: {bits}-bit keys per channel / values per token, "
                                 f"`residual` newest tokens in full precision")
        for bits in (2, 4)},
+    **{f"rotated{bits}": CacheKind(rotated.build(bits), rotated.OPTIONS,
+                                   f"RotatedCache: Hadamard-rotated K/V, {bits}-bit codebook "
+                                   f"per token (+ `residual` newest tokens in full precision)")
+       for bits in (3, 4)},
 }
 """Cache kind -> `CacheKind`: "dense", "paged" (`page_size`, `seed`), "ring"
 (`window`), "sink" (`num_sinks`, `window`), each eviction policy of

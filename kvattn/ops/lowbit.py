@@ -29,8 +29,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import attention_common as common
 
-BITS = (2, 4)
-"""Code widths packed into uint8 (4 or 2 codes per byte)."""
+BITS = (2, 3, 4)
+"""Code widths packed into uint8: 4 or 2 codes per byte, or 8 3-bit codes per 3 bytes."""
 
 
 def check_bits(bits) -> int:
@@ -41,8 +41,13 @@ def check_bits(bits) -> int:
 
 
 def packed_width(width: int, bits: int) -> int:
-  """Bytes holding `width` codes of `bits` bits (`width` must be a multiple of 8 // bits)."""
-  per_byte = 8 // check_bits(bits)
+  """Bytes holding `width` codes of `bits` bits: `width * bits / 8` (`width` must be a
+  multiple of 8 // bits, or of 8 for 3-bit codes)."""
+  if check_bits(bits) == 3:
+    if width % 8:
+      raise ValueError(f"width must be a multiple of 8 to pack 3-bit codes; got {width}")
+    return width * 3 // 8
+  per_byte = 8 // bits
   if width % per_byte:
     raise ValueError(f"width must be a multiple of 8 // bits = {per_byte} to pack {bits}-bit "
                      f"codes; got {width}")
@@ -51,9 +56,15 @@ def packed_width(width: int, bits: int) -> int:
 
 def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
   """`u8[..., W * bits / 8]`: codes `[..., W]` (ints in `[0, 2^bits)`) packed along the last
-  axis, `8 // bits` per byte, code `i` of a byte at bits `[i * bits, (i + 1) * bits)`."""
-  per_byte = 8 // bits
+  axis, `8 // bits` per byte, code `i` of a byte at bits `[i * bits, (i + 1) * bits)`; 3-bit
+  codes 8 per 3 bytes (a little-endian 24-bit word, code `i` at bits `[3 i, 3 i + 3)`)."""
   width = packed_width(codes.shape[-1], bits)
+  if bits == 3:
+    c = codes.astype(jnp.uint32).reshape(codes.shape[:-1] + (codes.shape[-1] // 8, 8))
+    word = jnp.sum(c << (jnp.arange(8, dtype=jnp.uint32) * 3), axis=-1, dtype=jnp.uint32)
+    out = (word[..., None] >> (jnp.arange(3, dtype=jnp.uint32) * 8)) & 0xFF
+    return out.astype(jnp.uint8).reshape(codes.shape[:-1] + (width,))
+  per_byte = 8 // bits
   c = codes.astype(jnp.uint8).reshape(codes.shape[:-1] + (width, per_byte))
   shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits).astype(jnp.uint8)
   # The codes occupy disjoint bits, so the sum is the bitwise or.
@@ -62,6 +73,11 @@ def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
 
 def unpack_codes(packed: jax.Array, bits: int) -> jax.Array:
   """`u8[..., W]`: the codes `pack_codes` packed into `u8[..., W * bits / 8]`."""
+  if bits == 3:
+    b = packed.astype(jnp.uint32).reshape(packed.shape[:-1] + (packed.shape[-1] // 3, 3))
+    word = jnp.sum(b << (jnp.arange(3, dtype=jnp.uint32) * 8), axis=-1, dtype=jnp.uint32)
+    c = (word[..., None] >> (jnp.arange(8, dtype=jnp.uint32) * 3)) & 7
+    return c.astype(jnp.uint8).reshape(packed.shape[:-1] + (packed.shape[-1] // 3 * 8,))
   per_byte = 8 // bits
   shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits).astype(jnp.uint8)
   mask = jnp.uint8((1 << bits) - 1)

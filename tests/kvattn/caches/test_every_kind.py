@@ -51,9 +51,12 @@ SETTINGS = {
     "kivi2": ({"group_size": 4, "residual": 16}, {"group_size": 2, "residual": 2}),
     "kivi4": ({"group_size": 4, "residual": 16},
               {"group_size": 2, "residual": 0, "pre_rope": True, "scale_dtype": "float32"}),
+    # Rotated codebook: easy = every token in the residual; hard = 2 or no residual tokens.
+    "rotated3": ({"residual": 16}, {"residual": 2, "codebook": "uniform"}),
+    "rotated4": ({"residual": 16}, {"residual": 0, "seed": 3, "scale_dtype": "float32"}),
 }
 """Cache kind -> (easy options, hard options)."""
-FLOAT_ONLY = {"reversed", "kivi2", "kivi4"}
+FLOAT_ONLY = {"reversed", "kivi2", "kivi4", "rotated3", "rotated4"}
 """Kinds that store no quantization scales: building them int8 is a TypeError."""
 
 KINDS = sorted(SETTINGS)
