@@ -5,7 +5,9 @@ r"""KV caches below 8 bits on SmolLM2-135M-Instruct: KIVI 2/4-bit next to f32 / 
 
 Points (`get_sweep()`): the dense cache in float32 (the reference), bfloat16 and int8, and
 the KIVI kinds (`kivi4`, `kivi2`, kvattn/caches/kivi.py) at residuals 0 / 32 / 128 with keys
-quantized after RoPE, and at residual 128 with keys quantized before RoPE (KVQuant). Each
+quantized after RoPE, and at residual 128 with keys quantized before RoPE (KVQuant), and the
+rotated codebook kinds (`rotated4`, `rotated3`, kvattn/caches/rotated.py) at residuals 0 and
+128 (Lloyd-Max codebook; `rotated4` also with the uniform one). Each
 point measures (experiments/families/lowbit.py): cache bytes per token read from the arrays at
 a capacity of `text.num_tokens + text.new_tokens` tokens, streaming perplexity over
 `text.num_tokens` held-out tokens (`text.chunk` per forward pass), then from that cache a
@@ -22,6 +24,7 @@ from ml_collections import config_dict
 ARGS = ("", "reduced", "smoke")
 DENSE_DTYPES = ("float32", "bfloat16", "int8")  # Dense-cache storage dtypes compared.
 KIVI_KINDS = ("kivi4", "kivi2")
+ROTATED_KINDS = ("rotated4", "rotated3")
 RESIDUALS = (0, 32, 128)  # KIVI's R (tokens kept in the compute dtype), keys after RoPE.
 PRE_ROPE_RESIDUAL = 128  # The residual of the keys-before-RoPE points.
 
@@ -51,6 +54,8 @@ def get_config(arg=None):
   # channels per value group (None: the kind's default, 32).
   config.cache.residual = config_dict.placeholder(int)  # KIVI: R (None: 128).
   config.cache.pre_rope = config_dict.placeholder(bool)  # KIVI: keys before RoPE (None: False).
+  config.cache.codebook = config_dict.placeholder(str)  # Rotated kinds: "lloyd-max" (None) or
+  # "uniform" (kvattn/caches/rotated.py; a fitted tuple goes in a spec, not this flat field).
 
   config.text = config_dict.ConfigDict()
   config.text.num_tokens = 96 if smoke else (960 if reduced else 4032)  # Scored tokens; with
@@ -72,17 +77,24 @@ def get_config(arg=None):
 
 
 def get_sweep(arg=None):
-  """Dense f32, KIVI at residual 128, dense bf16 / int8, KIVI at the other residuals, keys
-  before RoPE (most telling first: a run cut short still has the comparison)."""
+  """Most telling first (a run cut short still has the comparison): dense f32, KIVI at
+  residual 128, the rotated kinds without residual, dense int8 / bf16, then the other
+  residuals, keys before RoPE and the uniform codebook."""
   arg = _check_arg(arg)
   dense = [{"cache.kind": "dense", "cache.dtype": d} for d in DENSE_DTYPES]
   if arg == "smoke":
     return dense[:1] + [{"cache.kind": "kivi4", "cache.group_size": 8, "cache.residual": 16},
                         {"cache.kind": "kivi2", "cache.group_size": 8, "cache.residual": 0,
-                         "cache.pre_rope": True}]
+                         "cache.pre_rope": True},
+                        {"cache.kind": "rotated3", "cache.residual": 8}]
   residuals = (32,) if arg == "reduced" else RESIDUALS
   kivi = [{"cache.kind": kind, "cache.residual": r} for r in residuals[::-1]
           for kind in KIVI_KINDS]
   pre = [{"cache.kind": kind, "cache.residual": PRE_ROPE_RESIDUAL, "cache.pre_rope": True}
          for kind in KIVI_KINDS]
-  return dense[:1] + kivi[:2] + dense[1:] + kivi[2:] + pre
+  rotated = [{"cache.kind": kind, "cache.residual": r} for r in (0, 128)
+             for kind in ROTATED_KINDS]
+  if arg == "reduced":
+    return dense[:1] + kivi + rotated[:2] + dense[1:][::-1]
+  return (dense[:1] + kivi[:2] + rotated[:2] + dense[1:][::-1] + kivi[2:4] + rotated[2:]
+          + kivi[4:] + pre + [{"cache.kind": "rotated4", "cache.codebook": "uniform"}])

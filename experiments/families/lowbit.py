@@ -1,10 +1,11 @@
-r"""KV caches below 8 bits (KIVI) next to the dense f32 / bf16 / int8 caches on a real model.
+r"""KV caches below 8 bits (KIVI, rotated codebook) next to the dense f32 / bf16 / int8 caches on a real model.
 
     python -m experiments.main --config=configs/lowbit.py --workdir=runs/lowbit
 
 The "lowbit" family of experiments/framework/runner.py (`experiment.kind = "lowbit"`). One
 point per sweep entry of configs/lowbit.py: a cache spec (`cache.kind` of
-`kvattn.caches.registry`, `cache.dtype`, and KIVI's `group_size` / `residual` / `pre_rope`).
+`kvattn.caches.registry`, `cache.dtype`, and the options of KIVI (`group_size`, `residual`,
+`pre_rope`) or of the rotated kinds (`residual`, `codebook`)).
 Measured per point, batch 1, on `model.name`:
 
   * cache bytes per token from the real arrays (`kvattn.memory.measured_bytes_per_token`,
@@ -43,7 +44,10 @@ from experiments.evals import text as text_lib
 from kvattn import memory
 from kvattn.caches import registry as cache_registry
 
-KIVI_OPTIONS = ("group_size", "residual", "pre_rope")
+KIVI_OPTIONS = ("group_size", "residual", "pre_rope", "codebook")
+"""The options of the low-bit kinds a config's `cache` section may set (None: the kind's
+default): KIVI's `group_size`, `residual`, `pre_rope`; the rotated kinds' `residual`,
+`codebook`."""
 
 
 def schema() -> dict[str, tuple[str, ...]]:
@@ -66,6 +70,9 @@ def _label(cache: Mapping[str, Any]) -> str:
   if cache["kind"] == "dense":
     return f"dense-{cache['dtype']}"
   spec = cache_registry.cache_options(cache_spec(cache))[1]
+  if cache["kind"].startswith("rotated"):
+    book = spec["codebook"] if isinstance(spec["codebook"], str) else "fitted"
+    return f"{cache['kind']}-r{spec['residual']}-{book}"
   return (f"{cache['kind']}-g{spec['group_size']}-r{spec['residual']}"
           + ("-prerope" if spec["pre_rope"] else ""))
 
@@ -85,8 +92,8 @@ class LowbitFamily:
   def _check(self, d: Mapping[str, Any], where: str) -> None:
     cache, text = d["cache"], d["text"]
     if cache["kind"] == "dense" and any(cache[k] is not None for k in KIVI_OPTIONS):
-      raise ValueError(f"{where}: cache.group_size / residual / pre_rope apply to the KIVI "
-                       f"kinds only; got cache.kind = 'dense'")
+      raise ValueError(f"{where}: cache.{'/'.join(KIVI_OPTIONS)} apply to the low-bit kinds "
+                       f"only; got cache.kind = 'dense'")
     cache_registry.cache_options(cache_spec(cache), f"{where}: cache")
     checks.check_int(f"{where}: text.num_tokens", text["num_tokens"], 1)
     checks.check_int(f"{where}: text.chunk", text["chunk"], 1)

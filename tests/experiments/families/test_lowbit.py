@@ -14,9 +14,10 @@ def test_configs_and_sweeps_validate():
   assert full.experiment.kind == "lowbit" and full.text.num_tokens + full.text.new_tokens == 4096
   points = lowbit.LowbitFamily("/nonexistent").points(full, lowbit_config.get_sweep())
   assert [p.label for p in points] == [
-      "dense-float32", "kivi4-g32-r128", "kivi2-g32-r128", "dense-bfloat16", "dense-int8",
-      "kivi4-g32-r32", "kivi2-g32-r32", "kivi4-g32-r0", "kivi2-g32-r0",
-      "kivi4-g32-r128-prerope", "kivi2-g32-r128-prerope"]
+      "dense-float32", "kivi4-g32-r128", "kivi2-g32-r128", "rotated4-r0-lloyd-max",
+      "rotated3-r0-lloyd-max", "dense-int8", "dense-bfloat16", "kivi4-g32-r32", "kivi2-g32-r32",
+      "rotated4-r128-lloyd-max", "rotated3-r128-lloyd-max", "kivi4-g32-r0", "kivi2-g32-r0",
+      "kivi4-g32-r128-prerope", "kivi2-g32-r128-prerope", "rotated4-r0-uniform"]
   assert len({p.id for p in points}) == len(points)
   for arg in ("reduced", "smoke"):
     cfg = lowbit_config.get_config(arg)
@@ -28,7 +29,8 @@ def test_configs_and_sweeps_validate():
 @pytest.mark.parametrize("overrides,message", [
     ({"cache.kind": "kivi3"}, "cache.kind must be one of"),
     ({"cache.kind": "kivi4", "cache.residual": 5}, "residual"),
-    ({"cache.kind": "dense", "cache.residual": 32}, "apply to the KIVI kinds only"),
+    ({"cache.kind": "rotated4", "cache.group_size": 4}, "not an option"),
+    ({"cache.kind": "dense", "cache.residual": 32}, "apply to the low-bit kinds only"),
 ])
 def test_bad_points_fail_before_any_work(overrides, message, tmp_path):
   with pytest.raises(ValueError, match=message):
@@ -40,11 +42,12 @@ def test_bad_points_fail_before_any_work(overrides, message, tmp_path):
 def test_smoke_run_measures_bytes_quality_and_speed(tmp_path):
   result = runner.run(lowbit_config.get_config("smoke"), str(tmp_path),
                       lowbit_config.get_sweep("smoke"))
-  assert result.complete and len(result.records) == 3
+  assert result.complete and len(result.records) == 4
   by = {r["label"]: r for r in result.records}
   ref, k4 = by["dense-float32"], by["kivi4-g8-r16"]
   assert ref["bytes_vs_f32"] == 1.0 and k4["bytes_vs_f32"] < 0.5
   assert by["kivi2-g8-r0-prerope"]["bytes_vs_f32"] < k4["bytes_vs_f32"]
+  assert by["rotated3-r8-lloyd-max"]["bytes_vs_f32"] < 0.5
   assert abs(k4["ppl"] / ref["ppl"] - 1) < 0.05
   for r in result.records:
     assert r["decode_tokens_per_s"] > 0 and len(r["greedy_tokens"]) == 8
