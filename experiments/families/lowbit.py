@@ -110,6 +110,9 @@ class LowbitFamily:
     def point_of(d, where):
       self._check(d, where)
       measured = {s: d[s] for s in ("model", "cache", "text", "passkey")}
+      # `codebook` joined the section later: left out when unset, so earlier points keep ids.
+      measured["cache"] = {k: v for k, v in d["cache"].items()
+                           if k != "codebook" or v is not None}
       return runner.PointSpec(_label(d["cache"]), measured, d["model"]["name"], {
           "kind": d["cache"]["kind"], "cache_dtype": d["cache"]["dtype"],
           "reference": _is_reference(d["cache"])})
