@@ -78,8 +78,8 @@ def get_config(arg=None):
 
 def get_sweep(arg=None):
   """Most telling first (a run cut short still has the comparison): dense f32, KIVI at
-  residual 128, the rotated kinds without residual, dense int8 / bf16, then the other
-  residuals, keys before RoPE and the uniform codebook."""
+  residual 128, the rotated kinds without residual, 2-bit KIVI with keys before RoPE, dense
+  int8, KIVI at residual 32, 4-bit keys before RoPE, dense bf16, then the rest."""
   arg = _check_arg(arg)
   dense = [{"cache.kind": "dense", "cache.dtype": d} for d in DENSE_DTYPES]
   if arg == "smoke":
@@ -96,5 +96,6 @@ def get_sweep(arg=None):
              for kind in ROTATED_KINDS]
   if arg == "reduced":
     return dense[:1] + kivi + rotated[:2] + dense[1:][::-1]
-  return (dense[:1] + kivi[:2] + rotated[:2] + dense[1:][::-1] + kivi[2:4] + rotated[2:]
-          + kivi[4:] + pre + [{"cache.kind": "rotated4", "cache.codebook": "uniform"}])
+  return (dense[:1] + kivi[:2] + rotated[:2] + pre[1:] + dense[2:] + kivi[2:4] + pre[:1]
+          + dense[1:2] + rotated[2:] + kivi[4:]
+          + [{"cache.kind": "rotated4", "cache.codebook": "uniform"}])

@@ -15,9 +15,9 @@ def test_configs_and_sweeps_validate():
   points = lowbit.LowbitFamily("/nonexistent").points(full, lowbit_config.get_sweep())
   assert [p.label for p in points] == [
       "dense-float32", "kivi4-g32-r128", "kivi2-g32-r128", "rotated4-r0-lloyd-max",
-      "rotated3-r0-lloyd-max", "dense-int8", "dense-bfloat16", "kivi4-g32-r32", "kivi2-g32-r32",
-      "rotated4-r128-lloyd-max", "rotated3-r128-lloyd-max", "kivi4-g32-r0", "kivi2-g32-r0",
-      "kivi4-g32-r128-prerope", "kivi2-g32-r128-prerope", "rotated4-r0-uniform"]
+      "rotated3-r0-lloyd-max", "kivi2-g32-r128-prerope", "dense-int8", "kivi4-g32-r32",
+      "kivi2-g32-r32", "kivi4-g32-r128-prerope", "dense-bfloat16", "rotated4-r128-lloyd-max",
+      "rotated3-r128-lloyd-max", "kivi4-g32-r0", "kivi2-g32-r0", "rotated4-r0-uniform"]
   assert len({p.id for p in points}) == len(points)
   for arg in ("reduced", "smoke"):
     cfg = lowbit_config.get_config(arg)
