@@ -49,7 +49,7 @@ def test_pack_codes_hand_computed():
     assert packed.shape == (3, 5, 16 * bits // 8) and packed.dtype == jnp.uint8
     np.testing.assert_array_equal(lowbit.unpack_codes(packed, bits), c)
   with pytest.raises(ValueError, match="bits must be one of"):
-    lowbit.pack_codes(codes, 3)
+    lowbit.pack_codes(codes, 5)
   with pytest.raises(ValueError, match=r"width must be a multiple of 8 // bits = 4"):
     lowbit.pack_codes(codes[:, :6], 2)
 
