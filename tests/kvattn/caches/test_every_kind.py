@@ -63,6 +63,8 @@ KINDS = sorted(SETTINGS)
 SLOW_KINDS = {"snapkv", "tova", "recent", "random", "knorm"}
 """Eviction policies that share h2o's cache class (only the score differs; each score has its
 own tests in test_eviction.py): the two generate-heavy tests run them under `-m slow`."""
+SLOW_KINDS |= {"kivi2", "rotated3"}  # share kivi4's / rotated4's class (other bits: test_kivi.py,
+# test_rotated.py)
 HEAVY_KINDS = [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_KINDS else k for k in KINDS]
 PROMPT_LENGTHS = np.array([9, 5], np.int32)
 NEW_TOKENS = 6
