@@ -9,6 +9,9 @@ Kinds (each a file; `registry` names them for configs, `generate` and the CLI):
                              TOVA, ...); a policy is one score function in `POLICY_TABLE`.
   `Sharded*Cache`            sharded.py: the dense, paged, latent kinds on a device mesh.
   `LengthSwitchKVCache`      length_switch.py: K heads up to a length, pooled after.
+  `KIVICache`, `RotatedCache`
+                             kivi.py, rotated.py: 2/4-bit KIVI and 3/4-bit rotated codebook
+                             stores + a full-precision residual (_residual.py).
 Support: `registry` (the one table of cache kinds; `build_caches` and
 `cache_factory_from_config` make a whole model's caches from `{"kind": ..., **options}`),
 `checkpoint` (save / restore with orbax), `protocol` (the interface), `_slots` (the
@@ -22,14 +25,16 @@ from kvattn.caches.paged import PagedKVCache
 from kvattn.caches.eviction import EvictingKVCache
 from kvattn.caches.window import RingKVCache, SinkKVCache
 from kvattn.caches.length_switch import LengthSwitchKVCache
+from kvattn.caches.kivi import KIVICache
+from kvattn.caches.rotated import RotatedCache
 from kvattn.caches import registry
 from kvattn.caches import transaction
 from kvattn.caches.registry import (CacheFactory, CacheKind, build_caches,
                                     cache_factory_from_config, register_cache_kind)
 
 __all__ = [
-    "CacheFactory", "CacheKind", "EvictingKVCache", "KVCache", "LatentCache",
-    "LengthSwitchKVCache", "PagedKVCache", "RingKVCache", "SinkKVCache",
+    "CacheFactory", "CacheKind", "EvictingKVCache", "KIVICache", "KVCache", "LatentCache",
+    "LengthSwitchKVCache", "PagedKVCache", "RingKVCache", "RotatedCache", "SinkKVCache",
     "build_caches", "cache_factory_from_config", "checkpoint", "protocol",
     "register_cache_kind", "registry", "sharded", "transaction",
 ]

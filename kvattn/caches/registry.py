@@ -22,6 +22,8 @@ import jax.numpy as jnp
 
 from kvattn import _checks
 from kvattn.caches import eviction
+from kvattn.caches import kivi
+from kvattn.caches import rotated
 from kvattn.caches import length_switch
 from kvattn.caches import window as window_lib
 from kvattn.caches.paged import PagedKVCache
@@ -194,6 +196,14 @@ CACHE_KIND_TABLE: dict[str, CacheKind] = {
     "length_switch": CacheKind(
         _length_switch, {"switch_length": REQUIRED, "num_kv_heads_after": REQUIRED},
         "LengthSwitchKVCache: K heads up to switch_length, then num_kv_heads_after pooled heads"),
+    **{f"kivi{bits}": CacheKind(kivi.build(bits), kivi.OPTIONS,
+                                f"KIVICache: {bits}-bit keys per channel / values per token, "
+                                f"`residual` newest tokens in full precision")
+       for bits in (2, 4)},
+    **{f"rotated{bits}": CacheKind(rotated.build(bits), rotated.OPTIONS,
+                                   f"RotatedCache: Hadamard-rotated K/V, {bits}-bit codebook "
+                                   f"per token (+ `residual` newest tokens in full precision)")
+       for bits in (3, 4)},
 }
 """Cache kind -> `CacheKind`: "dense", "paged" (`page_size`, `seed`), "ring"
 (`window`), "sink" (`num_sinks`, `window`), each eviction policy of

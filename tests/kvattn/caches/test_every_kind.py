@@ -51,15 +51,25 @@ SETTINGS = {
     "length_switch": ({"switch_length": 64, "num_kv_heads_after": 1},
                       {"switch_length": 5, "num_kv_heads_after": 1}),
     "reversed": ({}, {}),
+    # KIVI: easy = every token in the residual; hard = groups of 2 flushed behind 2 residual
+    # tokens (kivi2), and behind none with keys before RoPE and f32 scales (kivi4).
+    "kivi2": ({"group_size": 4, "residual": 16}, {"group_size": 2, "residual": 2}),
+    "kivi4": ({"group_size": 4, "residual": 16},
+              {"group_size": 2, "residual": 0, "pre_rope": True, "scale_dtype": "float32"}),
+    # Rotated codebook: easy = every token in the residual; hard = 2 or no residual tokens.
+    "rotated3": ({"residual": 16}, {"residual": 2, "codebook": "uniform"}),
+    "rotated4": ({"residual": 16}, {"residual": 0, "seed": 3, "scale_dtype": "float32"}),
 }
 """Cache kind -> (easy options, hard options)."""
-FLOAT_ONLY = {"reversed"}
+FLOAT_ONLY = {"reversed", "kivi2", "kivi4", "rotated3", "rotated4"}
 """Kinds that store no quantization scales: building them int8 is a TypeError."""
 
 KINDS = sorted(SETTINGS)
 SLOW_KINDS = {"snapkv", "tova", "recent", "random", "knorm"}
 """Eviction policies that share h2o's cache class (only the score differs; each score has its
 own tests in test_eviction.py): the two generate-heavy tests run them under `-m slow`."""
+SLOW_KINDS |= {"kivi2", "rotated3"}  # share kivi4's / rotated4's class (other bits: test_kivi.py,
+# test_rotated.py)
 HEAVY_KINDS = [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_KINDS else k for k in KINDS]
 PROMPT_LENGTHS = np.array([9, 5], np.int32)
 NEW_TOKENS = 6
@@ -192,6 +202,8 @@ def test_measured_bytes_per_token_equal_the_analytic_count(model, kind, dtype):
     full = per_layer * switch // 16  # K heads, switch_length of the 16 slots
     pooled = memory.gqa_bytes_per_token(after, attn.head_dim, dtype)
     per_layer = full + pooled
+  if hasattr(caches[0], "analytic_bytes_per_token"):  # kinds with their own count (KIVI)
+    per_layer = caches[0].analytic_bytes_per_token()
   assert measured == pytest.approx(model.num_layers * per_layer), kind
 
 

@@ -1,0 +1,101 @@
+r"""KV caches below 8 bits on SmolLM2-135M-Instruct: KIVI 2/4-bit next to f32 / bf16 / int8.
+
+    python -m experiments.main --config=configs/lowbit.py --workdir=runs/lowbit
+    python -m experiments.main --config=configs/lowbit.py:smoke --workdir=/tmp/lowbit
+
+Points (`get_sweep()`): the dense cache in float32 (the reference), bfloat16 and int8, and
+the KIVI kinds (`kivi4`, `kivi2`, kvattn/caches/kivi.py) at residuals 0 / 32 / 128 with keys
+quantized after RoPE, and at residual 128 with keys quantized before RoPE (KVQuant), and the
+rotated codebook kinds (`rotated4`, `rotated3`, kvattn/caches/rotated.py) at residuals 0 and
+128 (Lloyd-Max codebook; `rotated4` also with the uniform one). Each
+point measures (experiments/families/lowbit.py): cache bytes per token read from the arrays at
+a capacity of `text.num_tokens + text.new_tokens` tokens, streaming perplexity over
+`text.num_tokens` held-out tokens (`text.chunk` per forward pass), then from that cache a
+greedy continuation of `text.new_tokens` tokens through `generate`'s compiled decode loop
+(decode tokens/s at that context; agreement with the f32 cache's tokens), and passkey
+retrieval at `passkey.context` tokens.
+
+`get_config(arg)` / `get_sweep(arg)` take "" (the full run: 4k tokens), "reduced" (1k tokens,
+fewer points: for a busy machine) or "smoke" (a random tiny model, seconds; for tests).
+"""
+
+from ml_collections import config_dict
+
+ARGS = ("", "reduced", "smoke")
+DENSE_DTYPES = ("float32", "bfloat16", "int8")  # Dense-cache storage dtypes compared.
+KIVI_KINDS = ("kivi4", "kivi2")
+ROTATED_KINDS = ("rotated4", "rotated3")
+RESIDUALS = (0, 32, 128)  # KIVI's R (tokens kept in the compute dtype), keys after RoPE.
+PRE_ROPE_RESIDUAL = 128  # The residual of the keys-before-RoPE points.
+
+
+def _check_arg(arg):
+  arg = arg or ""
+  if arg not in ARGS:
+    raise ValueError(f"config argument must be one of {ARGS}; got {arg!r}")
+  return arg
+
+
+def get_config(arg=None):
+  """The full config; "reduced" and "smoke" shrink the texts (module doc)."""
+  arg = _check_arg(arg)
+  smoke, reduced = arg == "smoke", arg == "reduced"
+  config = config_dict.ConfigDict()
+  config.model = config_dict.ConfigDict()
+  config.model.name = "random-tiny" if smoke else "smollm2-135m-instruct"  # from_pretrained
+  # name, or "random-tiny" (a 2-layer random model with the byte tokenizer, for tests).
+  config.model.dtype = "float32"  # Compute dtype of the model (and of KIVI's residual).
+
+  config.cache = config_dict.ConfigDict()
+  config.cache.kind = "dense"  # "dense", "kivi4" or "kivi2" (kvattn.caches.registry).
+  config.cache.dtype = "float32"  # Dense storage dtype (float, int8, fp8); KIVI: the
+  # residual's dtype (a float).
+  config.cache.group_size = config_dict.placeholder(int)  # KIVI: tokens per key group and
+  # channels per value group (None: the kind's default, 32).
+  config.cache.residual = config_dict.placeholder(int)  # KIVI: R (None: 128).
+  config.cache.pre_rope = config_dict.placeholder(bool)  # KIVI: keys before RoPE (None: False).
+  config.cache.codebook = config_dict.placeholder(str)  # Rotated kinds: "lloyd-max" (None) or
+  # "uniform" (kvattn/caches/rotated.py; a fitted tuple goes in a spec, not this flat field).
+
+  config.text = config_dict.ConfigDict()
+  config.text.num_tokens = 96 if smoke else (960 if reduced else 4032)  # Scored tokens; with
+  # new_tokens the cache holds 4096 (the issue's "at 4k").
+  config.text.chunk = 32 if smoke else 256  # Tokens per forward pass while streaming.
+  config.text.new_tokens = 8 if smoke else 64  # Greedy tokens after the scored text (agreement
+  # with the f32 cache; the steps after the first are timed).
+
+  config.passkey = config_dict.ConfigDict()
+  config.passkey.context = 64 if smoke else (512 if reduced else 1024)  # Prompt tokens.
+  config.passkey.samples = 2  # Prompts (random keys at random depths).
+  config.passkey.new_tokens = 8  # Greedy tokens searched for the key.
+  config.passkey.seed = 0
+
+  config.experiment = config_dict.ConfigDict()
+  config.experiment.kind = "lowbit"  # Family: experiments/families/lowbit.py.
+  config.experiment.name = "kvattn: KV caches below 8 bits on SmolLM2-135M-Instruct"
+  return config
+
+
+def get_sweep(arg=None):
+  """Most telling first (a run cut short still has the comparison): dense f32, KIVI at
+  residual 128, the rotated kinds without residual, 2-bit KIVI with keys before RoPE, dense
+  int8, KIVI at residual 32, 4-bit keys before RoPE, dense bf16, then the rest."""
+  arg = _check_arg(arg)
+  dense = [{"cache.kind": "dense", "cache.dtype": d} for d in DENSE_DTYPES]
+  if arg == "smoke":
+    return dense[:1] + [{"cache.kind": "kivi4", "cache.group_size": 8, "cache.residual": 16},
+                        {"cache.kind": "kivi2", "cache.group_size": 8, "cache.residual": 0,
+                         "cache.pre_rope": True},
+                        {"cache.kind": "rotated3", "cache.residual": 8}]
+  residuals = (32,) if arg == "reduced" else RESIDUALS
+  kivi = [{"cache.kind": kind, "cache.residual": r} for r in residuals[::-1]
+          for kind in KIVI_KINDS]
+  pre = [{"cache.kind": kind, "cache.residual": PRE_ROPE_RESIDUAL, "cache.pre_rope": True}
+         for kind in KIVI_KINDS]
+  rotated = [{"cache.kind": kind, "cache.residual": r} for r in (0, 128)
+             for kind in ROTATED_KINDS]
+  if arg == "reduced":
+    return dense[:1] + kivi + rotated[:2] + dense[1:][::-1]
+  return (dense[:1] + kivi[:2] + rotated[:2] + pre[1:] + dense[2:] + kivi[2:4] + pre[:1]
+          + dense[1:2] + rotated[2:] + kivi[4:]
+          + [{"cache.kind": "rotated4", "cache.codebook": "uniform"}])

@@ -1,0 +1,224 @@
+r"""KV caches below 8 bits (KIVI, rotated codebook) next to the dense f32 / bf16 / int8 caches on a real model.
+
+    python -m experiments.main --config=configs/lowbit.py --workdir=runs/lowbit
+
+The "lowbit" family of experiments/framework/runner.py (`experiment.kind = "lowbit"`). One
+point per sweep entry of configs/lowbit.py: a cache spec (`cache.kind` of
+`kvattn.caches.registry`, `cache.dtype`, and the options of KIVI (`group_size`, `residual`,
+`pre_rope`) or of the rotated kinds (`residual`, `codebook`)).
+Measured per point, batch 1, on `model.name`:
+
+  * cache bytes per token from the real arrays (`kvattn.memory.measured_bytes_per_token`,
+    everything a KIVI cache stores: packed codes, scales, zero points, the residual ring)
+    at a capacity of `text.num_tokens + text.new_tokens` tokens, checked against the kind's
+    analytic count (`analytic_bytes_per_token` for KIVI, `kvattn.memory` for dense);
+  * perplexity of `text.num_tokens` held-out tokens streamed `text.chunk` per forward pass
+    (`experiments.evals.streaming.streaming_nll`);
+  * from that cache, `text.new_tokens` greedy tokens through `kvattn.generate`'s compiled
+    decode loop (`timing.timed_decode`, caches donated; a first run on a copy compiles):
+    decode tokens/s at that context and the tokens, whose agreement with the f32 dense
+    point's the report computes;
+  * passkey retrieval (`streaming.passkey_correct`) at `passkey.context` tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.framework import checks
+from experiments.framework import overrides
+from experiments.framework import report as report_lib
+from experiments.framework import results
+from experiments.framework import runner
+from experiments.framework import timing
+from experiments.evals import models
+from experiments.evals import streaming
+from experiments.evals import text as text_lib
+from kvattn import memory
+from kvattn.caches import registry as cache_registry
+
+KIVI_OPTIONS = ("group_size", "residual", "pre_rope", "codebook")
+"""The options of the low-bit kinds a config's `cache` section may set (None: the kind's
+default): KIVI's `group_size`, `residual`, `pre_rope`; the rotated kinds' `residual`,
+`codebook`."""
+
+
+def schema() -> dict[str, tuple[str, ...]]:
+  """Sections and keys of a "lowbit" config (configs/lowbit.py documents each)."""
+  return {
+      "model": ("name", "dtype"),
+      "cache": ("kind", "dtype") + KIVI_OPTIONS,
+      "text": ("num_tokens", "chunk", "new_tokens"),
+      "passkey": ("context", "samples", "new_tokens", "seed"),
+      "experiment": ("kind", "name"),
+  }
+
+
+def cache_spec(cache: Mapping[str, Any]) -> dict[str, Any]:
+  """The registry spec of a config's `cache` section (None options: the kind's defaults)."""
+  return {"kind": cache["kind"], **{k: cache[k] for k in KIVI_OPTIONS if cache[k] is not None}}
+
+
+def _label(cache: Mapping[str, Any]) -> str:
+  if cache["kind"] == "dense":
+    return f"dense-{cache['dtype']}"
+  spec = cache_registry.cache_options(cache_spec(cache))[1]
+  if cache["kind"].startswith("rotated"):
+    book = spec["codebook"] if isinstance(spec["codebook"], str) else "fitted"
+    return f"{cache['kind']}-r{spec['residual']}-{book}"
+  return (f"{cache['kind']}-g{spec['group_size']}-r{spec['residual']}"
+          + ("-prerope" if spec["pre_rope"] else ""))
+
+
+def _is_reference(cache: Mapping[str, Any]) -> bool:
+  return cache["kind"] == "dense" and cache["dtype"] == "float32"
+
+
+class LowbitFamily:
+  """The "lowbit" family (module doc)."""
+
+  def __init__(self, workdir: str):
+    self.workdir = workdir
+    self._model: dict[tuple[str, str], Any] = {}
+    self._title = "kvattn: KV caches below 8 bits"
+
+  def _check(self, d: Mapping[str, Any], where: str) -> None:
+    cache, text = d["cache"], d["text"]
+    if cache["kind"] == "dense" and any(cache[k] is not None for k in KIVI_OPTIONS):
+      raise ValueError(f"{where}: cache.{'/'.join(KIVI_OPTIONS)} apply to the low-bit kinds "
+                       f"only; got cache.kind = 'dense'")
+    cache_registry.cache_options(cache_spec(cache), f"{where}: cache")
+    checks.check_int(f"{where}: text.num_tokens", text["num_tokens"], 1)
+    checks.check_int(f"{where}: text.chunk", text["chunk"], 1)
+    checks.check_int(f"{where}: text.new_tokens", text["new_tokens"], 2)
+    checks.check_int(f"{where}: passkey.context", d["passkey"]["context"], 32)
+    checks.check_int(f"{where}: passkey.samples", d["passkey"]["samples"], 1)
+
+  def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
+    """One point per sweep entry, all validated before any work (ValueError naming the key)."""
+    base = overrides.to_dict(config)
+    overrides.check_schema(base, schema())
+    self._title = base["experiment"]["name"] or self._title
+
+    def point_of(d, where):
+      self._check(d, where)
+      measured = {s: d[s] for s in ("model", "cache", "text", "passkey")}
+      # `codebook` joined the section later: left out when unset, so earlier points keep ids.
+      measured["cache"] = {k: v for k, v in d["cache"].items()
+                           if k != "codebook" or v is not None}
+      return runner.PointSpec(_label(d["cache"]), measured, d["model"]["name"], {
+          "kind": d["cache"]["kind"], "cache_dtype": d["cache"]["dtype"],
+          "reference": _is_reference(d["cache"])})
+
+    return runner.expand_points(config, sweep, point_of)
+
+  def model(self, d: Mapping[str, Any]):
+    key = (d["model"]["name"], d["model"]["dtype"])
+    if key not in self._model:
+      self._model = {key: models.load_model(*key)}
+    return self._model[key]
+
+  def measure(self, point: runner.Point) -> dict[str, Any]:
+    cpu_start = time.process_time()
+    d = point.config
+    model, tokenizer = self.model(d)
+    text, spec = d["text"], cache_spec(d["cache"])
+    dtype = jnp.dtype(d["cache"]["dtype"])
+    n, new = text["num_tokens"], text["new_tokens"]
+    ids = text_lib.held_out_tokens(tokenizer, n + 1)
+    capacity = n + new
+    caches = model.init_caches(1, capacity, dtype, cache=spec)
+    per_token = sum(memory.measured_bytes_per_token(c) for c in caches)
+    attn = model.layers[0].attn
+    if hasattr(caches[0], "analytic_bytes_per_token"):
+      analytic = sum(c.analytic_bytes_per_token() for c in caches)
+    else:
+      analytic = model.num_layers * memory.gqa_bytes_per_token(attn.num_kv_heads, attn.head_dim,
+                                                               dtype)
+    if not math.isclose(per_token, analytic, rel_tol=1e-9):
+      raise checks.CacheAccountingError(
+          f"{point.id}: measured {per_token} bytes per token, analytic {analytic}")
+    f32_bytes = model.num_layers * memory.gqa_bytes_per_token(attn.num_kv_heads, attn.head_dim,
+                                                              jnp.float32)
+    start = time.perf_counter()
+    nll, caches = streaming.streaming_nll(model, caches, ids, text["chunk"])
+    ppl_s = time.perf_counter() - start
+    # Greedy continuation from the streamed cache: the next held-out token first.
+    first = jnp.asarray([int(ids[n])], jnp.int32)
+    timing.timed_decode(model, first, jax.tree.map(jnp.copy, caches), new,
+                        jax.random.key(0))  # compiles
+    seconds, _, tokens, _, _ = timing.timed_decode(model, first, caches, new, jax.random.key(0))
+    passkey = d["passkey"]
+    prompts, lengths, keys = text_lib.passkey_prompts(tokenizer, passkey["context"],
+                                                      passkey["samples"], passkey["seed"])
+    rows = [prompts[b, :lengths[b]].tolist() for b in range(len(keys))]
+    found = streaming.passkey_correct(
+        model, lambda b, c: model.init_caches(b, c, dtype, cache=spec), rows, keys,
+        text["chunk"], passkey["new_tokens"], tokenizer)
+    return {
+        "num_layers": int(model.num_layers),
+        "num_kv_heads": int(attn.num_kv_heads),
+        "head_dim": int(attn.head_dim),
+        "capacity": capacity,
+        "cache_bytes_per_token": float(per_token),
+        "bytes_vs_f32": float(per_token / f32_bytes),
+        "ppl": float(math.exp(nll.mean())),
+        "ppl_seconds": ppl_s,
+        "num_tokens": n,
+        "decode_steps_timed": new - 1,
+        "decode_s": seconds,
+        "decode_tokens_per_s": (new - 1) / seconds if seconds > 0 else float("nan"),
+        "greedy_tokens": np.asarray(tokens[0]).tolist(),
+        "passkey_correct": found,
+        "passkey_accuracy": float(np.mean(found)),
+        "point_cpu_s": time.process_time() - cpu_start,
+    }
+
+  def report(self, records: Sequence[Mapping[str, Any]]) -> str:
+    return write_report(self.workdir, records, title=self._title)
+
+
+runner.register_family("lowbit", LowbitFamily)
+
+
+def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
+  """One row per record: bytes (and vs f32), ppl (and vs f32), agreement, passkey, speed."""
+  ref = next((r for r in records if r.get("reference")), None)
+  rows = []
+  for r in records:
+    agree = ("-" if ref is None else
+             f"{np.mean(np.asarray(r['greedy_tokens']) == np.asarray(ref['greedy_tokens'])):.3f}")
+    ppl_vs = "-" if ref is None else f"{(r['ppl'] / ref['ppl'] - 1) * 100:+.2f}%"
+    rows.append([r["label"], f"{r['cache_bytes_per_token']:,.1f}", f"{r['bytes_vs_f32']:.3f}x",
+                 f"{r['ppl']:.4f}", ppl_vs, agree, f"{r['passkey_accuracy']:.2f}",
+                 f"{r['decode_tokens_per_s']:.1f}"])
+  return rows
+
+
+def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: str) -> str:
+  """report.md (one table against the f32 dense point); returns the markdown."""
+  headers = ["point", "cache B/token", "vs f32", "ppl", "ppl vs f32", "greedy agreement",
+             "passkey", "decode tok/s"]
+  md = [f"# {title}", ""]
+  if records:
+    r0 = records[0]
+    cfg = r0["config"]
+    md += [f"Model `{cfg['model']['name']}` ({r0['num_layers']} layers, {r0['num_kv_heads']} KV "
+           f"heads of {r0['head_dim']}; compute {cfg['model']['dtype']}), batch 1, caches of "
+           f"{r0['capacity']} tokens (bytes per token of every layer, everything stored). "
+           f"Perplexity: {r0['num_tokens']} held-out tokens streamed {cfg['text']['chunk']} per "
+           f"forward pass; then {cfg['text']['new_tokens']} greedy tokens from that cache "
+           f"(agreement with the f32 dense cache; decode tok/s over the "
+           f"{r0['decode_steps_timed']} steps after the first); passkey at "
+           f"{cfg['passkey']['context']} tokens, {cfg['passkey']['samples']} prompts.", ""]
+  md += [report_lib.markdown_table(headers, table_rows(records)), ""]
+  text = "\n".join(md)
+  results.atomic_write_text(os.path.join(workdir, "report.md"), text)
+  return text

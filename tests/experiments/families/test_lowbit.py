@@ -1,0 +1,54 @@
+"""The lowbit experiment (KIVI on a real model): configs, validation before work, a tiny run."""
+
+import os
+
+import pytest
+
+from configs import lowbit as lowbit_config
+from experiments.families import lowbit
+from experiments.framework import runner
+
+
+def test_configs_and_sweeps_validate():
+  full = lowbit_config.get_config()
+  assert full.experiment.kind == "lowbit" and full.text.num_tokens + full.text.new_tokens == 4096
+  points = lowbit.LowbitFamily("/nonexistent").points(full, lowbit_config.get_sweep())
+  assert [p.label for p in points] == [
+      "dense-float32", "kivi4-g32-r128", "kivi2-g32-r128", "rotated4-r0-lloyd-max",
+      "rotated3-r0-lloyd-max", "kivi2-g32-r128-prerope", "dense-int8", "kivi4-g32-r32",
+      "kivi2-g32-r32", "kivi4-g32-r128-prerope", "dense-bfloat16", "rotated4-r128-lloyd-max",
+      "rotated3-r128-lloyd-max", "kivi4-g32-r0", "kivi2-g32-r0", "rotated4-r0-uniform"]
+  assert len({p.id for p in points}) == len(points)
+  for arg in ("reduced", "smoke"):
+    cfg = lowbit_config.get_config(arg)
+    assert lowbit.LowbitFamily("/x").points(cfg, lowbit_config.get_sweep(arg))
+  with pytest.raises(ValueError, match="config argument"):
+    lowbit_config.get_config("huge")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"cache.kind": "kivi3"}, "cache.kind must be one of"),
+    ({"cache.kind": "kivi4", "cache.residual": 5}, "residual"),
+    ({"cache.kind": "rotated4", "cache.group_size": 4}, "not an option"),
+    ({"cache.kind": "dense", "cache.residual": 32}, "apply to the low-bit kinds only"),
+])
+def test_bad_points_fail_before_any_work(overrides, message, tmp_path):
+  with pytest.raises(ValueError, match=message):
+    runner.run(lowbit_config.get_config("smoke"), str(tmp_path), [overrides])
+  assert not os.path.exists(tmp_path / "results.jsonl")
+
+
+@pytest.mark.slow  # ~30 s per point on 2 cores; the fast suite validates the configs above
+def test_smoke_run_measures_bytes_quality_and_speed(tmp_path):
+  result = runner.run(lowbit_config.get_config("smoke"), str(tmp_path),
+                      lowbit_config.get_sweep("smoke"))
+  assert result.complete and len(result.records) == 4
+  by = {r["label"]: r for r in result.records}
+  ref, k4 = by["dense-float32"], by["kivi4-g8-r16"]
+  assert ref["bytes_vs_f32"] == 1.0 and k4["bytes_vs_f32"] < 0.5
+  assert by["kivi2-g8-r0-prerope"]["bytes_vs_f32"] < k4["bytes_vs_f32"]
+  assert by["rotated3-r8-lloyd-max"]["bytes_vs_f32"] < 0.5
+  assert abs(k4["ppl"] / ref["ppl"] - 1) < 0.05
+  for r in result.records:
+    assert r["decode_tokens_per_s"] > 0 and len(r["greedy_tokens"]) == 8
+  assert "| kivi4-g8-r16 |" in (tmp_path / "report.md").read_text()
