@@ -188,7 +188,8 @@ def _mla():
                                          rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("module", ["gqa", "mqa", "mla"])
+@pytest.mark.parametrize("module", [  # MQA is GQA with K = 1 (fast suite: GQA and MLA)
+    "gqa", pytest.param("mqa", marks=pytest.mark.slow), "mla"])
 def test_modules_decode_through_a_quantized_cache(module):
   attn = _mla() if module == "mla" else _gqa(1 if module == "mqa" else 2)
   x = jax.random.normal(jax.random.key(3), (2, 12, 32))

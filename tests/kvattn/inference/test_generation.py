@@ -304,6 +304,7 @@ def test_eos_and_pad_are_traced_a_new_value_does_not_recompile():
   np.testing.assert_array_equal(tokens[1, :n], free[1, :n])
 
 
+@pytest.mark.slow  # ~15 CPU-s of compiles; the Python-number settings run in the fast suite
 def test_numpy_and_0d_sampling_settings_equal_python_ones():
   model = tiny_model(GQA)
   prompts, lengths = right_padded(PROMPTS, 8)

@@ -39,7 +39,9 @@ def test_prefill_then_decode_equals_full_forward(num_kv_heads, window):
   np.testing.assert_array_equal(np.asarray(cache.lengths), [T, T])
 
 
-@pytest.mark.parametrize("num_kv_heads", [8, 2, 1], ids=["MHA", "GQA", "MQA"])
+@pytest.mark.parametrize("num_kv_heads", [  # fast suite: GQA (G = 4); MHA and MQA slow
+    pytest.param(8, id="MHA", marks=pytest.mark.slow), pytest.param(2, id="GQA"),
+    pytest.param(1, id="MQA", marks=pytest.mark.slow)])
 def test_ragged_batch_prefilled_in_one_call(num_kv_heads):
   layer = _layer(num_kv_heads)
   prompt_lengths = np.array([5, 1, 3])
