@@ -65,11 +65,12 @@ FLOAT_ONLY = {"reversed", "kivi2", "kivi4", "rotated3", "rotated4"}
 """Kinds that store no quantization scales: building them int8 is a TypeError."""
 
 KINDS = sorted(SETTINGS)
-SLOW_KINDS = {"snapkv", "tova", "recent", "random", "knorm"}
-"""Eviction policies that share h2o's cache class (only the score differs; each score has its
-own tests in test_eviction.py): the two generate-heavy tests run them under `-m slow`."""
-SLOW_KINDS |= {"kivi2", "rotated3"}  # share kivi4's / rotated4's class (other bits: test_kivi.py,
-# test_rotated.py)
+SLOW_KINDS = {"snapkv", "tova", "recent", "random", "knorm", "kivi2", "rotated3"}
+"""Kinds that share another kind's class and differ in a setting: the eviction policies
+share h2o's (only the score differs; each score has its own tests in test_eviction.py),
+kivi2 and rotated3 share kivi4's and rotated4's (other bit widths: test_kivi.py,
+test_rotated.py). Every kind-parametrized test runs them under `-m slow`; every other kind,
+a new one included, runs in the fast suite."""
 HEAVY_KINDS = [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_KINDS else k for k in KINDS]
 PROMPT_LENGTHS = np.array([9, 5], np.int32)
 NEW_TOKENS = 6
@@ -153,7 +154,7 @@ def test_garbage_in_unused_slots_and_per_sequence_lengths(model, prompts, kind):
   np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(clean)[1])
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", HEAVY_KINDS)
 def test_a_donated_cache_is_updated_in_place(model, prompts, kind):
   caches = registry.build_caches(model, 2, 16, None, _spec(kind, 1))
   first, caches, _ = prefill(model, prompts, PROMPT_LENGTHS, caches)
@@ -171,7 +172,7 @@ def test_a_donated_cache_is_updated_in_place(model, prompts, kind):
   assert [a.unsafe_buffer_pointer() for c in after for a in c.storage_arrays()] == before
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", HEAVY_KINDS)
 def test_save_and_restore_round_trip_bit_for_bit(model, prompts, kind, tmp_path):
   spec = _spec(kind, 1)
   dtype = jnp.float32 if kind in FLOAT_ONLY else jnp.int8
@@ -352,14 +353,7 @@ def _check_rollback(model, prompts, spec, dtype=None):
                              np.asarray(step(state, steps, nxt, ones)[0]), atol=1e-5, rtol=1e-5)
 
 
-ROLLBACK_SLOW = ("tova", "recent", "random", "knorm")
-"""Eviction policies whose rollback is h2o's and snapkv's (a copy and a stepwise replay:
-the policy only scores), run in the slow suite; every other kind, a new one included, runs
-in the fast suite."""
-
-
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow)
-                                  if k in ROLLBACK_SLOW else k for k in KINDS])
+@pytest.mark.parametrize("kind", HEAVY_KINDS)
 def test_a_rolled_back_draft_leaves_no_trace(model, prompts, kind):
   _check_rollback(model, prompts, _spec(kind, 1))
 
@@ -383,9 +377,9 @@ def repeating_prompts(prompts):
 
 SPECULATIVE_FAST = ("dense", "reversed")
 """Rolling back by lengths and the generic copy with stepwise verification (of a kind
-kvattn does not know); the rollback test above runs every kind in the fast suite (the ring
-and sinks wrapping inside a pass among them), and this generation test every kind in the
-slow one."""
+kvattn does not know); the rollback test above runs every kind but `SLOW_KINDS` in the fast
+suite (the ring and sinks wrapping inside a pass among them), and this generation test every
+kind in the slow one."""
 
 
 @pytest.mark.parametrize("kind", [*SPECULATIVE_FAST, *[pytest.param(k, marks=pytest.mark.slow)

@@ -188,8 +188,9 @@ def _mla():
                                          rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("module", [  # MQA is GQA with K = 1 (fast suite: GQA and MLA)
-    "gqa", pytest.param("mqa", marks=pytest.mark.slow), "mla"])
+@pytest.mark.parametrize("module", [  # fast suite: GQA (MQA is K = 1; the latent's scales:
+    "gqa", pytest.param("mqa", marks=pytest.mark.slow),  # test_latent_decode_paths_apply_...)
+    pytest.param("mla", marks=pytest.mark.slow)])
 def test_modules_decode_through_a_quantized_cache(module):
   attn = _mla() if module == "mla" else _gqa(1 if module == "mqa" else 2)
   x = jax.random.normal(jax.random.key(3), (2, 12, 32))
@@ -244,7 +245,8 @@ def _junk(dtype):
   return jnp.asarray(-128 if dtype == jnp.int8 else jnp.nan, dtype)
 
 
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name", [  # fast suite: int8 and one fp8 format
+    pytest.param(n, marks=pytest.mark.slow) if n == "e5m2" else n for n in FORMATS])
 def test_paged_quantized_cache_equals_the_dense_one(name):
   dtype = FORMATS[name]
   page, pages_per_seq, num_pages = 4, 5, 16

@@ -135,7 +135,8 @@ def test_auto_picks_the_compiled_kernel_on_accelerators(monkeypatch, platform):
 
 
 @pytest.mark.skipif(not ON_CPU, reason="interpret mode is the CPU path")
-@pytest.mark.parametrize("module", ["gqa", "mla"])
+@pytest.mark.parametrize("module", [  # MLA's kernel: test_every_backend.py
+    "gqa", pytest.param("mla", marks=pytest.mark.slow)])
 def test_modules_decode_through_the_pallas_backend(module):
   # A module built with decode_implementation="pallas" decodes through the
   # dispatch point into the kernel and agrees with the XLA path.
