@@ -58,6 +58,8 @@ def storage_bytes(model, length: int, dtype, layout: str) -> int:
 
 
 def main(argv=None) -> None:
+  """Prints cache bytes per sequence (full vs per-layer layout) and, with `--context`, the
+  decode tokens/s of both layouts, one JSON line per row."""
   args = _parser().parse_args(argv)
   model, tok = models.load_model(args.model, random_weights=args.random_weights)
   dtype = jnp.dtype(args.cache_dtype)

@@ -141,6 +141,7 @@ class _HFPeer:
 
 
 def main(argv):
+  """Runs the benchmark the flags select (module doc); one JSON line per measurement."""
   del argv
   if FLAGS.memory:
     memory()

@@ -21,6 +21,7 @@ from experiments.benchmarks.peers import protocol
 
 
 def main() -> None:
+  """Serves the request of the module doc: loads the GGUF, then one JSON line per `run` line."""
   request = protocol.read_request(sys.argv)
   torch.set_num_threads(int(request["threads"]))
   path = request["gguf"]

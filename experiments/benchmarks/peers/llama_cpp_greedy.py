@@ -25,6 +25,7 @@ REFERENCE = (pathlib.Path(__file__).resolve().parents[3] / "tests" / "fixtures" 
 
 
 def main() -> None:
+  """Prints llama.cpp's greedy continuation of every reference prompt (module doc)."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n", maxsplit=1)[0])
   parser.add_argument("--gguf", type=pathlib.Path, required=True)
   parser.add_argument("--threads", type=int, default=2)
