@@ -59,6 +59,19 @@ A joining prompt goes to the first data shard with a free slot that can take
 it (with the prefix cache: the shard holding its longest cached prefix). The
 `seq` axis is not used (the pool is replicated over it).
 
+Per-layer layout (`local_layers="ring"`, for models with sliding-window layers such as
+Gemma 2/3's local layers): those layers get a `RingKVCache` of `window` slots per batch slot
+instead of pages (a local layer never needs more than W tokens of a sequence, so a fixed
+ring is its whole need: no pages, no allocator, nothing to grow); the other layers keep one
+page pool each, all under the one block table the allocator fills. Joining resets the
+slot's ring row and prefills through its batch-1 view; retiring empties the row. Decided
+against pooling local-layer pages (vLLM's sliding-window manager frees pages that slide out
+of the window): at W = 512 a ring costs the same bytes as the window's pages and needs no
+host bookkeeping per step. The prefix cache is refused with rings: a hit would need each
+local layer's KV of the prefix's last W tokens, which a retired sequence's ring does not
+keep page by page, and recomputing it is not exact (each local layer widens what must be
+recomputed by W - 1 tokens).
+
 Exhaustion: `add` raises `OutOfPagesError` (or `NoFreeSlotError`) before
 anything changes; check `can_add` first. If a running sequence cannot get its
 next page it is finished early with reason "out_of_pages" (its pages are
@@ -80,7 +93,8 @@ from flax import nnx
 from kvattn import _checks
 from kvattn.training import data as data_lib
 from kvattn.paging.allocator import NO_PAGE, OutOfPagesError, PageAllocator, pages_for
-from kvattn.caches.registry import gqa_layers
+from kvattn.caches.registry import LOCAL_LAYER_LAYOUTS, gqa_layers, ring_layers
+from kvattn.caches.window import RingKVCache
 from kvattn.inference.generation import Sampling, sample_logits
 from kvattn.paging.offload import PageCodec
 from kvattn.caches.paged import PagedKVCache
@@ -105,6 +119,24 @@ def _shared_page_decoding(model: nnx.Module) -> nnx.Module:
     if a.decode_implementation is None:
       a.decode_implementation = safe
   return model
+
+
+def _reset_ring_row(ring: RingKVCache, slot) -> RingKVCache:
+  """`ring` with row `slot` empty (no token: `pos` -1, length 0); its keys and values are
+  left as they are (slots with `pos` -1 are never read)."""
+  return ring.replace(pos=ring.pos.at[slot].set(-1), lengths=ring.lengths.at[slot].set(0))
+
+
+def _place_ring(ring: RingKVCache, mesh) -> RingKVCache:
+  """A batcher's ring on `mesh`: rows (slots) split over `data` like the page pools' slots,
+  KV heads over `model` where it divides them (else replicated), so each device holds the
+  rings of its own slots; attention on it is partitioned by XLA (GSPMD)."""
+  P = jax.sharding.PartitionSpec
+  model_axis = "model" if ring.num_kv_heads % int(mesh.shape["model"]) == 0 else None
+  spec = lambda a: P("data", model_axis, *([None] * (a.ndim - 2))) if a.ndim >= 3 else \
+      P("data", *([None] * (a.ndim - 1)))
+  return jax.tree.map(lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec(a))),
+                      ring)
 
 
 class NoFreeSlotError(RuntimeError):
@@ -158,7 +190,7 @@ class ContinuousBatcher:
                top_k: int | None = None, top_p: float | None = None,
                eos_id: int | None = None, pad_id: int = data_lib.PAD_ID, dtype: Any = None,
                seed: int | None = None, rng: Any = None, prefix_cache: bool = False,
-               offload: Any = None, mesh: Any = None):
+               offload: Any = None, mesh: Any = None, local_layers: str = "full"):
     """Builds the caches, the allocator and the jitted programs.
 
     Args:
@@ -185,13 +217,20 @@ class ContinuousBatcher:
         placed by the sharding rules, page pools split over KV heads on `model`
         and over `data` with the slots (`kvattn.caches.sharded.BATCHER_RULES`; module
         docstring).
+      local_layers: "full" (every layer a paged cache over its pool) or "ring": the
+        per-layer layout (`kvattn.caches.registry.build_caches`): each layer with a sliding
+        window W < max_len (`registry.ring_layers`) gets a `RingKVCache` of W slots per
+        batch slot (`num_slots` rows, no pages: a local layer never holds more than W
+        tokens), the other (global) layers the paged pools of `num_pages` pages, one block
+        table for all of them. Not with `prefix_cache` (module docstring).
 
     Raises:
       ValueError/TypeError: bad sizes, an MLA layer, `max_prompt_len > max_len`;
         a mesh whose `data` axis does not divide `num_slots` or `num_pages`, whose
         `model` axis does not fit the layers' heads (`sharded.cache_layout`),
         `offload` with more than one data shard, or `prefix_cache` with a layer
-        whose `decode_implementation` is "xla_pool".
+        whose `decode_implementation` is "xla_pool"; `local_layers` not in
+        ("full", "ring"), or "ring" with `prefix_cache` when some layer gets a ring.
     """
     self.num_slots = _checks.positive_int("num_slots", num_slots)
     self.page_size = _checks.positive_int("page_size", page_size)
@@ -215,6 +254,16 @@ class ContinuousBatcher:
     if offload is not None and not prefix_cache:
       raise ValueError("offload needs prefix_cache=True (only cached prefixes are offloaded)")
     self.prefix_cache = bool(prefix_cache)
+    if local_layers not in LOCAL_LAYER_LAYOUTS:
+      raise ValueError(f"local_layers must be one of {LOCAL_LAYER_LAYOUTS}; got {local_layers!r}")
+    rings = set(ring_layers(model, self.max_len)) if local_layers == "ring" else set()
+    if rings and self.prefix_cache:
+      raise ValueError(
+          "prefix_cache=True needs local_layers='full' for this model: a cached prefix would "
+          "need each local layer's KV of the prefix's last window tokens, which a ring of a "
+          "retired sequence does not keep page by page, and recomputing them is not exact "
+          f"(layers {sorted(rings)} have windows shorter than max_len = {self.max_len})")
+    self.ring_layers = tuple(sorted(rings))
     num_pages = _checks.positive_int("num_pages", num_pages)
     shards = 1 if mesh is None else int(mesh.shape["data"])  # data-parallel groups
     for name, value in (("num_slots", self.num_slots), ("num_pages", num_pages)):
@@ -237,10 +286,12 @@ class ContinuousBatcher:
     self.prefill_tokens = 0  # prompt tokens run through the model (the rest came from the cache)
     dtype = getattr(model, "dtype", jnp.float32) if dtype is None else dtype
     self.caches = tuple(
+        RingKVCache.init(self.num_slots, a.window, a.num_kv_heads, a.head_dim, dtype)
+        if i in rings else
         PagedKVCache.init(self.num_slots, num_pages=shards * self._pages_per_shard,
                           page_size=self.page_size, pages_per_seq=pps,
                           num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, dtype=dtype)
-        for a in attns)
+        for i, a in enumerate(attns))
     # Committed, as the jitted programs' outputs are: the first call then reuses the executable
     # later calls run, instead of compiling once more for uncommitted inputs.
     home = jax.devices()[0]
@@ -248,8 +299,12 @@ class ContinuousBatcher:
       from kvattn import sharding  # pylint: disable=g-import-not-at-top
       from kvattn.caches import sharded
       model = sharding.place_model(model, mesh)
-      self.caches = sharded.place_caches(self.caches, mesh, sharded.BATCHER_RULES,
-                                         num_heads=[a.num_heads for a in attns])
+      paged = [i for i in range(len(attns)) if i not in rings]
+      placed = dict(zip(paged, sharded.place_caches(
+          [self.caches[i] for i in paged], mesh, sharded.BATCHER_RULES,
+          num_heads=[attns[i].num_heads for i in paged])))
+      self.caches = tuple(placed[i] if i in placed else _place_ring(c, mesh)
+                          for i, c in enumerate(self.caches))
       home = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     else:
       self.caches = jax.device_put(self.caches, home)
@@ -279,10 +334,12 @@ class ContinuousBatcher:
     graphdef, sampling, pad_id, traces = self._graphdef, self.sampling, self.pad_id, self.traces
 
     def row_view(c, slot):
-      """A batch-1 view: the slot's row and length over the shared pools. On a mesh the
+      """A batch-1 view (a ring: the slot's row of every array). For a paged cache: a batch-1 view: the slot's row and length over the shared pools. On a mesh the
       row is replicated and the pool stays split: the data shard holding the row's
       pages writes them, and attention merges the shards' partials (LSE) over `data`,
       like a sequence split (the other shards see no key)."""
+      if isinstance(c, RingKVCache):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, slot, keepdims=True), c)
       view = c.replace(
           block_tables=jax.lax.dynamic_index_in_dim(c.block_tables, slot, keepdims=True),
           lengths=jax.lax.dynamic_index_in_dim(c.lengths, slot, keepdims=True))
@@ -296,10 +353,13 @@ class ContinuousBatcher:
       # prompt: the tokens after the `start` already cached (0 without a prefix cache).
       traces["join"] += 1
       model = nnx.merge(graphdef, state)
-      caches = tuple(c.assign_slot(slot, row, start) for c in caches)
+      caches = tuple(_reset_ring_row(c, slot) if isinstance(c, RingKVCache) else
+                     c.assign_slot(slot, row, start) for c in caches)
       views = tuple(row_view(c, slot) for c in caches)
       h, views = model.hidden(prompt[None], views, new_lengths=prompt_len[None])
       caches = tuple(
+          jax.tree.map(lambda a, r: jax.lax.dynamic_update_index_in_dim(a, r, slot, 0), c, v)
+          if isinstance(c, RingKVCache) else
           c.replace(k_pages=v.k_pages, v_pages=v.v_pages, k_scale_pages=v.k_scale_pages,
                     v_scale_pages=v.v_scale_pages,
                     lengths=c.lengths.at[slot].set(v.lengths[0]))
@@ -319,11 +379,13 @@ class ContinuousBatcher:
 
     def set_row(caches, slot, row):
       traces["set_row"] += 1
-      return tuple(c.replace(block_tables=c.block_tables.at[slot].set(row)) for c in caches)
+      return tuple(c if isinstance(c, RingKVCache) else
+                   c.replace(block_tables=c.block_tables.at[slot].set(row)) for c in caches)
 
     def release(caches, slot):
       traces["release"] += 1
-      return tuple(c.release_slot(slot) for c in caches)
+      return tuple(_reset_ring_row(c, slot) if isinstance(c, RingKVCache) else
+                   c.release_slot(slot) for c in caches)
 
     self._join = jax.jit(join, donate_argnums=(1,))
     self._step = jax.jit(step, donate_argnums=(1,))

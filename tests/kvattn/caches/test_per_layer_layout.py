@@ -102,3 +102,30 @@ def test_save_and_restore_a_mixed_layout(gemma3, tmp_path):
   want, _ = forward(step, caches)
   got, _ = forward(step, restored)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _requests(prompts, lengths, new):
+  # Three requests over two slots: the third joins a slot the first left (its ring row reset).
+  reqs = [(b, prompts[b, :n], new) for b, n in enumerate(lengths)]
+  return reqs + [(2, prompts[0, :lengths[0]], new)]
+
+
+def test_batcher_with_rings_gives_the_full_layouts_tokens(gemma3):
+  model, prompts, lengths, tokens, new = gemma3
+  opts = dict(num_slots=2, num_pages=16, page_size=4, max_len=19, max_prompt_len=11)
+  ringed = kvattn.ContinuousBatcher(model, local_layers="ring", **opts)
+  assert [type(c).__name__ for c in ringed.caches] == ["RingKVCache", "PagedKVCache"]
+  assert ringed.ring_layers == (0,) and ringed.caches[0].k.shape == (2, 1, 4, 16)
+  got = ringed.run(_requests(prompts, lengths, new))
+  want = kvattn.ContinuousBatcher(model, **opts).run(_requests(prompts, lengths, new))
+  for b, n in enumerate(lengths):
+    assert got[b].tokens.tolist() == want[b].tokens.tolist() == tokens[b][n:n + new].tolist()
+  assert got[2].tokens.tolist() == got[0].tokens.tolist() and got[2].slot == got[0].slot
+  assert dict(ringed.traces) == {"join": 1, "step": 1, "set_row": 1, "release": 1}
+  # Retired rows are empty again (no token held), the pool is whole.
+  assert np.asarray(ringed.caches[0].pos).max() == -1
+  assert ringed.stats()["used_pages"] == 0
+  with pytest.raises(ValueError, match="prefix_cache=True needs local_layers='full'"):
+    kvattn.ContinuousBatcher(model, local_layers="ring", prefix_cache=True, **opts)
+  with pytest.raises(ValueError, match="local_layers must be one of"):
+    kvattn.ContinuousBatcher(model, local_layers="rings", **opts)
