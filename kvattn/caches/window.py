@@ -86,6 +86,39 @@ class RingKVCache(WrappingCache):
     the newest p < lengths[b] with p % W == s, -1 for none."""
     return _newest_in_ring(lengths, 0, self.window)
 
+  def can_truncate(self, length) -> np.ndarray:
+    """`bool[B]` (host): whether row b can be cut back to its first `length[b]` tokens
+    (`int` or `int[B]`). Token m - 1 attends tokens `(m - W, m)`; a ring that has wrapped
+    (lengths > W) overwrote some of them unless nothing is cut (m >= lengths) or
+    everything is (m == 0). A ring that never wrapped holds every token."""
+    lengths = np.asarray(self.lengths).astype(np.int64)
+    m = np.broadcast_to(np.asarray(length, np.int64), lengths.shape)
+    return (m >= lengths) | (lengths <= self.window) | (m == 0)
+
+  def truncate(self, length) -> "RingKVCache":
+    """The ring holding only the first `length` tokens of each row (`int` or `i32[B]`):
+    `lengths` lowered, slots of later tokens emptied (`pos` -1); what a ring of the
+    shorter sequence holds (`expected_pos`). Used by `kvattn.inference.reuse.truncate`.
+
+    Raises:
+      ValueError: (concrete values) a negative length, or a row whose ring has wrapped
+        and would need tokens it overwrote (`can_truncate`): recompute that prompt.
+    """
+    n = jnp.broadcast_to(jnp.asarray(length, jnp.int32), self.lengths.shape)
+    if _checks.is_concrete(n) and _checks.is_concrete(self.lengths):
+      _checks.values_in_range("length", n, 0)
+      bad = np.flatnonzero(~self.can_truncate(np.asarray(n)))
+      if bad.size:
+        b = int(bad[0])
+        raise ValueError(
+            f"length[{b}] = {int(n[b])}: row {b} of this RingKVCache holds {int(self.lengths[b])}"
+            f" tokens in {self.window} slots and has overwritten tokens before "
+            f"{int(self.lengths[b]) - self.window}, which token {int(n[b]) - 1} attends; "
+            f"it can keep 0 or all of its tokens")
+    lengths = jnp.minimum(self.lengths, n)
+    return self.replace(lengths=lengths, pos=jnp.where(self.pos >= lengths[:, None], -1,
+                                                       self.pos))
+
   def _slots(self, new_lengths: jax.Array, num_tokens: int) -> jax.Array:
     """`i32[B, T]` slot of each new token; W (dropped) for padding and for the tokens
     a later token of the same chunk overwrites."""

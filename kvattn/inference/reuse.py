@@ -6,6 +6,13 @@ prompt, but never the whole prompt: the last prompt token is always
 evaluated again, so the first new token comes from a fresh forward pass and
 never from the old prompt's state. For a prompt that is a strict prefix of
 the saved tokens the cache is truncated to `len(prompt) - 1` tokens.
+
+Per-layer layouts (`init_caches(local_layers="ring")`): a `RingKVCache` (a local layer's
+window) that has wrapped no longer holds the tokens a shorter prefix's last token attends,
+so it can keep all of its tokens or none (`RingKVCache.can_truncate`). `resume` then keeps
+the common prefix only when every ring can serve it -- the prompt extends everything cached,
+or no ring has wrapped -- and otherwise recomputes the whole prompt (keep 0): a hit is
+always exact for the windowed layers.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvattn.caches._bounded import BoundedCache
 from kvattn.caches.checkpoint import TRUNCATABLE, _as_tuple
 from kvattn.inference.generation import Sampling, decode, prefill
 from kvattn.training import data as data_lib
@@ -73,8 +81,8 @@ def resume(model: nnx.Module, caches: Sequence[Any], cached_tokens: Sequence[int
            ) -> tuple[np.ndarray, tuple[Any, ...]]:
   """Generates for one `prompt` from caches that hold `cached_tokens` (batch 1).
 
-  Keeps `reusable_length(cached_tokens, prompt)` tokens of the caches,
-  prefills the rest of the prompt (at least its last token) and decodes.
+  Keeps `reusable_length(cached_tokens, prompt)` tokens of the caches (0 when a
+  wrapped ring cannot keep that many; module docstring), prefills the rest of the prompt (at least its last token) and decodes.
   With greedy sampling the tokens equal `kvattn.generate` on `prompt` from
   empty caches.
 
@@ -98,11 +106,15 @@ def resume(model: nnx.Module, caches: Sequence[Any], cached_tokens: Sequence[int
   caches = tuple(caches)
   if any(int(c.lengths.shape[0]) != 1 for c in caches):
     raise ValueError(f"caches must have batch 1; got {[int(c.lengths.shape[0]) for c in caches]}")
-  capacity = min(int(c.capacity) for c in caches)
-  if len(prompt) + max_new_tokens - 1 > capacity:
+  # Bounded kinds (a local layer's ring) never overflow: their capacity is their window.
+  capacity = min((int(c.capacity) for c in caches if not isinstance(c, BoundedCache)),
+                 default=None)
+  if capacity is not None and len(prompt) + max_new_tokens - 1 > capacity:
     raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) - 1 exceeds the "
                      f"caches' capacity {capacity}")
   keep = reusable_length(cached_tokens, prompt)
+  if not all(c.can_truncate(keep).all() for c in caches if hasattr(c, "can_truncate")):
+    keep = 0  # a wrapped ring cannot serve a shorter prefix: recompute the prompt
   caches = truncate(caches, keep)
   rest = prompt[keep:]
   first, caches, rng = prefill(model, rest[None], np.array([len(rest)], np.int32), caches,

@@ -129,3 +129,40 @@ def test_batcher_with_rings_gives_the_full_layouts_tokens(gemma3):
     kvattn.ContinuousBatcher(model, local_layers="ring", prefix_cache=True, **opts)
   with pytest.raises(ValueError, match="local_layers must be one of"):
     kvattn.ContinuousBatcher(model, local_layers="rings", **opts)
+
+
+def test_ring_truncate_keeps_only_what_the_window_still_holds():
+  ring = kvattn.RingKVCache.init(2, 4, 1, 2)
+  ring = ring.update(jnp.ones((2, 6, 1, 2)), jnp.ones((2, 6, 1, 2)), jnp.asarray([3, 6]))
+  # Row 0 (3 tokens) never wrapped: any cut; row 1 (6 tokens in 4 slots): all or nothing.
+  assert ring.can_truncate(2).tolist() == [True, False]
+  assert ring.can_truncate(np.asarray([1, 6])).tolist() == [True, True]
+  cut = ring.truncate(jnp.asarray([2, 0]))
+  assert cut.lengths.tolist() == [2, 0]
+  assert cut.pos.tolist() == [[0, 1, -1, -1], [-1, -1, -1, -1]]
+  cut.check_state()  # what a ring of the shorter sequences holds
+  with pytest.raises(ValueError, match=r"length\[1\] = 5: row 1 .* holds 6 tokens in 4 slots"):
+    ring.truncate(5)
+
+
+def test_resume_from_a_restored_ring_layout_gives_the_greedy_tokens(gemma3, tmp_path):
+  # Cache one prompt (past the window: the ring wraps), save, restore, then resume with a
+  # prompt that extends everything cached (the ring keeps it all) and with the first prompt
+  # again, a strict prefix of what is cached (a wrapped ring cannot serve it: the prompt is
+  # recomputed). Every path gives transformers' greedy tokens (which the full layout gives:
+  # test_generate_with_the_ring_layout_gives_transformers_greedy_tokens and its fixture).
+  model, prompts, lengths, tokens, _ = gemma3
+  n = int(lengths[0])
+  prompt, greedy = prompts[0, :n], tokens[0][n:].tolist()
+  first, held = kvattn.inference.reuse.resume(
+      model, model.init_caches(1, 19, local_layers="ring"), [], prompt, 3)
+  assert first.tolist() == greedy[:3]
+  cached = np.concatenate([prompt, first[:-1]])  # 13 tokens in a ring of 4: wrapped
+  checkpoint.save_caches(tmp_path / "ckpt", held, tokens=[cached.tolist()])
+  like = model.init_caches(1, 19, local_layers="ring")
+  for new_prompt, want, kept in ((np.concatenate([cached, first[-1:]]), greedy[3:7], True),
+                                 (prompt, greedy[:4], False)):
+    restored, _, _ = checkpoint.restore_caches(tmp_path / "ckpt", like)
+    assert bool(restored[0].can_truncate(len(new_prompt) - 1).all()) == kept
+    got, _ = kvattn.inference.reuse.resume(model, restored, cached, new_prompt, 4)
+    assert got.tolist() == want
