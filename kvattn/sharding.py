@@ -82,6 +82,9 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "o_proj": ("heads", "head_dim", "embed"),  # [N, H, D] (MLA: [N, Hv, D])
     "q_bias": ("heads", "head_dim"), "k_bias": ("kv_heads", "head_dim"),
     "v_bias": ("kv_heads", "head_dim"),
+    # GQA qk-norm (Gemma 3, Qwen3): `k_norm: [H]`, replicated; its `q_norm: [H]` takes MLA's
+    # entry below (rank 1, "q_latent", also replicated by default).
+    "k_norm": ("head_dim",),
     # MLA (kvattn.models.mla).
     "q_down_proj": ("embed", "q_latent"),  # [D, Cq]
     "q_norm": ("q_latent",),

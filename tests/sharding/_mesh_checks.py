@@ -1,13 +1,14 @@
 """Checks of kvattn.sharding on 8 simulated CPU devices, run as their own process.
 
-    python -m tests.sharding._mesh_checks fast|full|batcher|real_model
+    python -m tests.sharding._mesh_checks fast|full|batcher|real_model|layers
 
 XLA reads `--xla_force_host_platform_device_count` once, when JAX starts, and the
 pytest process has started it with one device; test_sharding.py therefore runs this
 module in a subprocess. Each check prints one JSON line `{"check": ..., "ok": ...,
 ...}`; the exit status is 1 if any failed. `fast` is the compact grid of the default
 suite (with `ContinuousBatcher` on (2,2,1)), `batcher` the batcher on (2,1,1) and
-(2,2,1) alone, `real_model` the main job's family on (1,2,1) and (1,1,2), `full` the
+(2,2,1) alone, `layers` the batcher with the per-layer layout (rings for Gemma 3's local
+layers) on (2,1,1) and (2,2,1), `real_model` the main job's family on (1,2,1) and (1,1,2), `full` the
 grid of issue 17 (meshes (1,8,1), (2,4,1), (2,2,2), (1,1,8) x K in {1, 2, 8} x dense /
 paged / MLA) and the rest.
 """
@@ -302,6 +303,29 @@ def check_batcher(mesh_shape, prefix_cache: bool = False) -> dict:
               and isinstance(cache, sharded_caches.ShardedPagedKVCache))
 
 
+def check_ring_batcher(mesh_shape) -> dict:
+  """ContinuousBatcher(local_layers="ring") on a mesh, on the tiny random Gemma 3 (a local
+  layer of window 4, a global one): the single-device full layout's tokens; each device holds
+  the rings of its own slots (rows split over `data`)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  model, _ = kvattn.from_pretrained(os.path.join(root, "fixtures", "hf", "gemma3"))
+  rng = np.random.default_rng(0)
+  requests = [(i, rng.integers(3, model.vocab_size, n).tolist(), 5)
+              for i, n in enumerate((11, 6, 9, 3))]
+  opts = dict(num_slots=2, num_pages=16, page_size=4, max_len=19, max_prompt_len=11)
+  want = kvattn.ContinuousBatcher(model, **opts).run(requests)
+  mesh = sharding.make_mesh(mesh_shape)
+  batcher = kvattn.ContinuousBatcher(model, mesh=mesh, local_layers="ring", **opts)
+  got = batcher.run(requests)
+  same = all(list(got[i].tokens) == list(want[i].tokens) for i in want)
+  ring = batcher.caches[0]
+  share = sum(a.nbytes for a in ring.storage_arrays()) // mesh_shape[0]
+  per_device = set(sharding.per_device_bytes(ring.storage_arrays()).values())
+  return dict(mesh=list(mesh_shape), tokens_equal=same, per_device=sorted(per_device),
+              share=share, kinds=[type(c).__name__ for c in batcher.caches],
+              ok=same and per_device == {share} and isinstance(ring, kvattn.RingKVCache))
+
+
 def check_real_model(mesh_shape) -> dict:
   """The main job's family (configs/default.py:smoke on "random-tiny") on a mesh: the
   same perplexity (rel 1e-5) and greedy tokens as on one device, the full cache split;
@@ -373,10 +397,13 @@ def main(argv):
   elif grid == "full":
     cases = [(mesh, kind, k, True) for mesh in MESHES for kind in ("dense", "paged")
              for k in (1, 2, 8)] + [(mesh, "mla", 1, True) for mesh in MESHES]
-  elif grid not in ("batcher", "real_model"):
+  elif grid not in ("batcher", "real_model", "layers"):
     raise SystemExit(f"usage: python -m tests.sharding._mesh_checks fast|full|batcher|"
                      f"real_model; got {grid!r}")
-  if grid == "batcher":  # ContinuousBatcher only
+  if grid == "layers":  # the per-layer layout's batcher (rings + paged pools)
+    checks = [("ring_batcher", lambda: check_ring_batcher((2, 1, 1))),
+              ("ring_batcher", lambda: check_ring_batcher((2, 2, 1)))]
+  elif grid == "batcher":  # ContinuousBatcher only
     checks = more_batchers + batchers
   elif grid == "real_model":  # the main job's family
     checks = [("real_model", lambda: check_real_model((1, 2, 1))),

@@ -71,3 +71,12 @@ def test_main_job_on_a_mesh():
   results = _run("real_model", timeout=900)
   assert [r["mesh"] for r in results] == [[1, 2, 1], [1, 1, 2]]
   assert all(r["tokens_equal"] and r["ppl_max_rel_diff"] <= 1e-5 for r in results)
+
+
+@pytest.mark.slow
+def test_batcher_with_rings_on_a_mesh():
+  # The per-layer layout (issue 29): rings split over `data` with their slots, pools as above.
+  results = _run("layers", timeout=900)
+  assert [r["mesh"] for r in results] == [[2, 1, 1], [2, 2, 1]]
+  assert all(r["tokens_equal"] and r["per_device"] == [r["share"]] for r in results)
+  assert all(r["kinds"] == ["RingKVCache", "ShardedPagedKVCache"] for r in results)
