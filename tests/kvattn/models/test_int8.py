@@ -144,7 +144,7 @@ def test_scan_forward_runs_the_same_int8_products(models):
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 259, (2, 12)), jnp.int32)
   caches = w8.init_caches(2, 12)
   defs, params = scan.scan_parts(w8)
-  h, _ = scan.scan_forward(defs, params, scan.stack_caches(caches), tokens, None)
+  h, _ = scan.scan_forward(defs, params, scan.stack_caches(caches, len(defs[0])), tokens, None)
   want, _ = w8(tokens, w8.init_caches(2, 12))
   np.testing.assert_allclose(np.asarray(scan.logits_from_hidden(params, h)), np.asarray(want),
                              rtol=1e-5, atol=1e-5)
