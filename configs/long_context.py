@@ -55,6 +55,9 @@ def get_config(arg=None):
   config.cache.kind = "dense"
   config.cache.budget = 256  # Tokens per sequence (ignored by "dense").
   config.cache.num_sinks = NUM_SINKS  # Sinks of kind "sink".
+  config.cache.local_layers = "full"  # "ring": the per-layer layout (layers whose sliding
+  # window is shorter than the text, e.g. Gemma 3's local layers, get a ring of it; the kind
+  # above applies to the other layers); "full": the kind on every layer.
 
   # Streaming perplexity (StreamingLLM's evaluation) over the default corpus of kvattn.training.data.
   config.text = config_dict.ConfigDict()

@@ -2,6 +2,8 @@
 
     python -m experiments.benchmarks.per_layer_layout                       # Gemma 3 270M
     python -m experiments.benchmarks.per_layer_layout --context=512 --out=/tmp/layout.md
+    python -m experiments.benchmarks.per_layer_layout --context=0 --batcher_slots=2 \
+        --random_weights --model=gemma3-270m --batcher_prompt=32 --new_tokens=4 --repeats=1
 
 Layouts (`model.init_caches(..., local_layers=)`): "full" gives every layer a dense cache of
 the sequence's length; "ring" gives each layer with a sliding window W shorter than the length
@@ -16,12 +18,20 @@ layers the dense cache.
               (`experiments.framework.timing.timed_decode`, caches donated), `--repeats`
               samples taken round-robin across the layouts so background load hits both alike;
               median tokens/s and whether both layouts produced the same tokens.
+  batcher     (`--batcher_slots` > 0) `kvattn.ContinuousBatcher` with each layout: the
+              "full" batcher gives every layer a page pool, the "ring" one a ring of W slots
+              per batch slot for the local layers and pools for the global layers only; its
+              cache bytes (pools sized for every slot at `--batcher_max_len` tokens),
+              then `--batcher_slots` prompts of `--batcher_prompt` tokens joined and decoded
+              `--new_tokens` steps, `--repeats` rounds alternating the layouts: median decode
+              tokens/s (all slots) and whether the layouts' tokens agree.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
                  "(0: bytes only)")
   p.add_argument("--new_tokens", type=int, default=32)
   p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--batcher_slots", type=int, default=0,
+                 help="ContinuousBatcher slots of the batcher section (0: skip it)")
+  p.add_argument("--batcher_prompt", type=int, default=256, help="prompt tokens per slot")
+  p.add_argument("--batcher_max_len", type=int, default=0,
+                 help="tokens per slot the pools are sized for (0: prompt + new tokens)")
   p.add_argument("--out", default=None, help="also write the markdown here")
   return p
 
@@ -55,6 +70,51 @@ def storage_bytes(model, length: int, dtype, layout: str) -> int:
   caches = jax.eval_shape(lambda: model.init_caches(1, length, dtype, local_layers=layout))
   return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
              for c in caches for a in c.storage_arrays())
+
+
+def batcher_section(model, tok, args, dtype) -> list[str]:
+  """The batcher rows of the report (module doc)."""
+  import kvattn  # pylint: disable=g-import-not-at-top
+  slots, n, new = args.batcher_slots, args.batcher_prompt, args.new_tokens
+  max_len = args.batcher_max_len or n + new
+  if max_len < n + new:
+    raise ValueError(f"--batcher_max_len must be >= --batcher_prompt + --new_tokens = {n + new}; "
+                     f"got {max_len}")
+  page_size = 16
+  pages = slots * -(-max_len // page_size)
+  ids = (text.corpus_tokens(tok, slots * n) if tok is not None else
+         np.random.default_rng(0).integers(3, model.vocab_size, slots * n))
+  prompts = np.asarray(ids, np.int32).reshape(slots, n)
+  batchers, nbytes = {}, {}
+  for layout in LAYOUTS:
+    b = kvattn.ContinuousBatcher(model, num_slots=slots, num_pages=pages, page_size=page_size,
+                                 max_len=max_len, max_prompt_len=n, dtype=dtype,
+                                 local_layers=layout)
+    nbytes[layout] = sum(a.nbytes for c in b.caches for a in c.storage_arrays())
+    b.run([("warm", prompts[0], 2)])  # compiles join and step
+    batchers[layout] = b
+  rates, tokens = {layout: [] for layout in LAYOUTS}, {}
+  for _ in range(args.repeats):
+    for layout in LAYOUTS:
+      b = batchers[layout]
+      for i in range(slots):
+        b.add(i, prompts[i], new)
+      done, steps, t0 = {}, 0, time.perf_counter()
+      while b.active:
+        for f in b.step():
+          done[f.request_id] = f
+        steps += 1
+      seconds = time.perf_counter() - t0
+      rates[layout].append(slots * steps / seconds)
+      tokens[layout] = [done[i].tokens.tolist() for i in range(slots)]
+  return ["", f"ContinuousBatcher, {slots} slots, pools of {pages} pages of {page_size} tokens "
+          f"(every slot at {max_len} tokens), prompts of {n} tokens, {new} tokens each, median "
+          f"of {args.repeats} rounds alternating the layouts:", "",
+          "| layout | cache bytes | decode tok/s (all slots) | same tokens as full |",
+          "|---|---|---|---|"] + [
+              f"| {layout} | {nbytes[layout]:,} B ({nbytes[layout] / 2**20:.1f} MiB) | "
+              f"{float(np.median(rates[layout])):.1f} | "
+              f"{'yes' if tokens[layout] == tokens['full'] else 'NO'} |" for layout in LAYOUTS]
 
 
 def main(argv=None) -> None:
@@ -102,6 +162,8 @@ def main(argv=None) -> None:
       lines.append(f"\ngreedy text: {tok.decode(tokens['ring'][0])!r}")
     if not same:
       lines.append("WARNING: the layouts' greedy tokens differ")
+  if args.batcher_slots:
+    lines += batcher_section(model, tok, args, dtype)
   report = "\n".join(lines)
   print(report)
   if args.out:

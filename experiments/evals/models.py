@@ -6,6 +6,9 @@ with random weights, or a tiny random model for tests.
                                                random weights, no tokenizer (a machine that
                                                cannot fetch the checkpoint, e.g. the GPU one).
   `load_model("random-tiny")`                  2 layers, byte vocabulary, `ByteTokenizer`.
+  `load_model("random-tiny-local")`            the same with 4 layers alternating a sliding
+                                               window of 8 (local) and none (global), as
+                                               Gemma's pattern, for tests.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from kvattn.models import transformer as transformer_lib
 from kvattn.training import data as data_lib
 
 TINY = "random-tiny"
+TINY_LOCAL = "random-tiny-local"
 
 RANDOM_CONFIGS = {
     "smollm2-135m-instruct": {
@@ -42,10 +46,13 @@ RANDOM_CONFIGS = {
 """HF `config.json` keys of registered checkpoints, for `random_weights=True`."""
 
 
-def tiny_model(seed: int = 0) -> transformer_lib.Transformer:
-  """A 2-layer random GQA model (byte vocabulary, D 32, 4 query / 2 KV heads of 8)."""
-  cfg = transformer_lib.model_config(d_model=32, num_layers=2, mlp_dim=64,
-                                     attention=dict(num_heads=4, num_kv_heads=2, head_dim=8))
+def tiny_model(seed: int = 0, *, local_window: int | None = None) -> transformer_lib.Transformer:
+  """A 2-layer random GQA model (byte vocabulary, D 32, 4 query / 2 KV heads of 8); with
+  `local_window`, 4 layers whose even ones attend a sliding window of that many tokens."""
+  layers = () if local_window is None else ({"window": local_window}, {}) * 2
+  cfg = transformer_lib.model_config(d_model=32, num_layers=2 if not layers else 4, mlp_dim=64,
+                                     attention=dict(num_heads=4, num_kv_heads=2, head_dim=8),
+                                     layers=layers)
   return transformer_lib.Transformer.from_config(cfg, rngs=nnx.Rngs(seed))
 
 
@@ -84,6 +91,8 @@ def load_model(name: str, dtype: Any = "float32", *, random_weights: bool = Fals
     return quantize(model, tok), tok
   if name == TINY:
     return tiny_model(seed), data_lib.ByteTokenizer()
+  if name == TINY_LOCAL:
+    return tiny_model(seed, local_window=8), data_lib.ByteTokenizer()
   if not random_weights:
     return pretrained.from_pretrained(name, dtype=jnp.dtype(dtype), param_dtype=param_dtype)
   if name not in RANDOM_CONFIGS:

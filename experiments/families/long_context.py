@@ -70,7 +70,6 @@ from experiments.evals import models
 from experiments.evals import text as text_lib
 from kvattn.caches import registry as cache_registry
 from kvattn.models import scan
-from kvattn.models import transformer as transformer_lib
 
 BOUNDED = cache_registry.BOUNDED_KINDS  # The kinds with a budget.
 KINDS = ("dense",) + BOUNDED
@@ -95,7 +94,7 @@ def schema() -> dict[str, tuple[str, ...]]:
   """Sections and keys of a "long_context" config (configs/long_context.py documents each)."""
   return {
       "model": ("name", "dtype"),
-      "cache": ("kind", "budget", "num_sinks"),
+      "cache": ("kind", "budget", "num_sinks", "local_layers"),
       "text": ("num_tokens", "chunk", "bins"),
       "passkey": ("contexts", "depths", "new_tokens", "seed"),
       "speed": ("kinds", "budgets", "steps", "repeats"),
@@ -152,6 +151,9 @@ class LongContextFamily:
                        f"{policy['kind']!r}")
     budget = checks.check_int(f"{where}: cache.budget", policy["budget"], 2)
     sinks = checks.check_int(f"{where}: cache.num_sinks", policy["num_sinks"], 0)
+    if policy["local_layers"] not in cache_registry.LOCAL_LAYER_LAYOUTS:
+      raise ValueError(f"{where}: cache.local_layers must be one of "
+                       f"{cache_registry.LOCAL_LAYER_LAYOUTS}; got {policy['local_layers']!r}")
     if policy["kind"] == "sink" and budget < sinks + 1:
       raise ValueError(f"{where}: cache.budget must be >= cache.num_sinks + 1 = {sinks + 1}; "
                        f"got {budget}")
@@ -193,14 +195,18 @@ class LongContextFamily:
         label = policy["kind"]
       else:
         label = f"{policy['kind']}-{policy['budget']}"
+      if policy["local_layers"] != "full":  # the per-layer layout (windowed layers: rings)
+        label += f"+{policy['local_layers']}"
       if policy["kind"] == SPEED:  # what changes the speed point's measurement
         measured = {s: d[s] for s in ("model", "text", "speed")}
         measured["num_sinks"] = policy["num_sinks"]
       else:
         measured = {s: d[s] for s in ("model", "text", "passkey")}
         measured["cache"] = policy_dict(policy)
+      if policy["local_layers"] != "full":  # absent at the default: earlier point ids hold
+        measured["local_layers"] = policy["local_layers"]
       return runner.PointSpec(label, measured, d["model"]["name"], {
-          "kind": policy["kind"],
+          "kind": policy["kind"], "local_layers": policy["local_layers"],
           "budget": None if policy["kind"] in ("dense", SPEED) else policy["budget"]})
 
     return runner.expand_points(config, sweep, point_of)
@@ -219,6 +225,7 @@ class LongContextFamily:
     if self._params is None or self._params[0] is not model:
       defs, params = scan.scan_parts(model)
       self._params = (model, params, _steps(defs))
+      self._period = len(defs[0])  # layers per scanned group (scan.layer_period)
     _, params, (nll_step, next_step) = self._params
     return model, tokenizer, params, nll_step, next_step
 
@@ -249,19 +256,38 @@ class LongContextFamily:
       self._inputs_cache[key] = (ids, prompts, full_len)
     return self._inputs_cache[key]
 
-  def _caches(self, model, batch, max_len, dtype, policy):
+  def _caches(self, model, batch, max_len, dtype, policy, local_layers="full"):
     """`(stacked caches, storage bytes per sequence, bookkeeping bytes per sequence,
-    capacity)`; the storage is checked equal to capacity x the model's bytes per token."""
-    caches = model.init_caches(batch, max_len, dtype, cache=policy)
+    capacity)`; the storage is checked equal to the sum over layers of each layer's capacity
+    x its bytes per token. `local_layers="ring"`: the per-layer layout (layers with a window
+    shorter than `max_len` get a ring of it, the others `policy`); capacity: the largest
+    layer's."""
+    caches = model.init_caches(batch, max_len, dtype, cache=policy, local_layers=local_layers)
     storage = sum(a.nbytes for c in caches for a in c.storage_arrays())
     every = sum(x.nbytes for x in jax.tree_util.tree_leaves(caches))
-    capacity = caches[0].capacity
-    per_token = transformer_lib.cache_bytes_per_token(model.spec, dtype)
-    if storage != batch * capacity * per_token:
+    capacity = max(c.capacity for c in caches)
+    want = batch * sum(c.capacity * layer.bytes_per_token(dtype)
+                       for c, layer in zip(caches, model.spec.layers))
+    if storage != want:
       raise checks.CacheAccountingError(
-          f"{policy['kind']}: cache storage {storage} B != {batch} x capacity {capacity} x "
-          f"{per_token} B/token")
-    return scan.stack_caches(caches), storage // batch, (every - storage) // batch, capacity
+          f"{policy['kind']} ({local_layers}): cache storage {storage} B != {batch} x the sum "
+          f"over layers of capacity x bytes per token = {want} B")
+    return (scan.stack_caches(caches, self._period), storage // batch,
+            (every - storage) // batch, capacity)
+
+  @staticmethod
+  def _windowed(model, max_len, dtype, policy) -> dict[str, Any]:
+    """Where the layers' own sliding windows already bound the cache (Gemma's local layers):
+    the layers with a window shorter than `max_len`, their windows, and the storage bytes per
+    sequence of `policy` in the per-layer layout (`local_layers="ring"`), from shapes only."""
+    layers = cache_registry.ring_layers(model, max_len)
+    shapes = jax.eval_shape(lambda: model.init_caches(1, max_len, dtype, cache=policy,
+                                                      local_layers="ring"))
+    return {"windowed_layers": layers,
+            "windows": sorted({int(model.layers[i].attn.window) for i in layers}),
+            "per_layer_layout_bytes_per_seq": int(sum(
+                math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+                for c in shapes for a in c.storage_arrays()))}
 
   def _fill(self, params, nll_step, caches, ids, count, chunk):
     """Feeds `ids[:count]` (batch 1) `chunk` tokens at a time; `(nll f64[count], caches)`."""
@@ -294,7 +320,9 @@ class LongContextFamily:
     chunk = text["chunk"]
 
     ids, prompts, full_len = self._inputs(point, tokenizer)
-    caches, storage, bookkeeping, capacity = self._caches(model, 1, full_len, dtype, policy)
+    local = d["cache"]["local_layers"]
+    caches, storage, bookkeeping, capacity = self._caches(model, 1, full_len, dtype, policy,
+                                                          local)
     start_time = time.perf_counter()
     nll, caches = self._fill(params, nll_step, caches, ids, text["num_tokens"], chunk)
     ppl_s = time.perf_counter() - start_time
@@ -302,9 +330,10 @@ class LongContextFamily:
     bins = np.array_split(nll, text["bins"])
 
     correct = {context: self._passkey(model, params, next_step, policy, dtype, rows, keys, chunk,
-                                      passkey["new_tokens"], tokenizer, full_len)
+                                      passkey["new_tokens"], tokenizer, full_len, local)
                for context, (rows, keys) in prompts.items()}
     return {
+        **self._windowed(model, full_len, dtype, policy),
         "ppl": float(math.exp(nll.mean())),
         "ppl_second_half": float(math.exp(nll[len(nll) // 2:].mean())),
         "ppl_bins": [float(math.exp(b.mean())) for b in bins],
@@ -340,10 +369,9 @@ class LongContextFamily:
             min(text["num_tokens"], budget + chunk))  # past the budget: every step evicts
     runs = {}
     for name, (_, _, policy, fill) in entries.items():
-      caches = self._caches(model, 1, full_len, dtype, policy)[0]
+      caches = self._caches(model, 1, full_len, dtype, policy, d["cache"]["local_layers"])[0]
       _, caches = self._fill(params, nll_step, caches, ids, fill, chunk)
-      layers = tuple(jax.tree.map(lambda x, i=i: x[i], caches) for i in range(len(model.layers)))
-      runs[name] = (model, jnp.asarray(ids[fill:fill + 1]), layers)
+      runs[name] = (model, jnp.asarray(ids[fill:fill + 1]), scan.unstack_caches(caches))
     rounds = timing.decode_rounds(runs, steps, repeats)  # generate's compiled decode loop
     times = {name: rounds[name]["wall"] for name in runs}
     out = {}
@@ -362,7 +390,7 @@ class LongContextFamily:
             "num_tokens": text["num_tokens"]}
 
   def _passkey(self, model, params, next_step, policy, dtype, prompts, keys, chunk, new_tokens,
-               tokenizer, full_len) -> list[int]:
+               tokenizer, full_len, local_layers="full") -> list[int]:
     """Chunked prefill of the prompts (one row each), greedy decode; 1 where the key appears."""
     batch, width = len(prompts), max(len(p) for p in prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)
@@ -370,7 +398,7 @@ class LongContextFamily:
     toks = np.zeros((batch, padded), np.int32)
     for b, p in enumerate(prompts):
       toks[b, :len(p)] = p
-    caches = self._caches(model, batch, full_len, dtype, policy)[0]
+    caches = self._caches(model, batch, full_len, dtype, policy, local_layers)[0]
     last = np.zeros(batch, np.int32)
     for s in range(0, padded, chunk):
       new = np.clip(lengths - s, 0, chunk).astype(np.int32)
@@ -453,6 +481,43 @@ def claims(records: Sequence[Mapping[str, Any]]) -> list[str]:
   return lines
 
 
+def _local(record: Mapping[str, Any]) -> str:
+  """The point's `cache.local_layers` ("full" for records made before it existed)."""
+  return record.get("local_layers") or "full"
+
+
+def windowed_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
+  """The report's section on layers whose own sliding window bounds their cache (Gemma's
+  local layers): how many, their window, and the per-layer layout's bytes next to each
+  point's; empty for models without such layers."""
+  mine = [r for r in records if r.get("windowed_layers")]
+  if not mine:
+    return []
+  r0 = mine[0]
+  n, windows = len(r0["windowed_layers"]), r0["windows"]
+  lines = ["## Where the windowed layers already bound the cache", "",
+           f"{n} layers (indices {r0['windowed_layers']}) attend a sliding window of "
+           f"{'/'.join(map(str, windows))} tokens: whatever the policy, their cache never needs "
+           f"more, so the per-layer layout (`local_layers=\"ring\"`: a ring of the window for "
+           f"them, the policy for the other layers; exact) stores what the last column says. A "
+           f"bounded policy with a budget >= the window changes nothing on those layers; below "
+           f"it, it drops tokens the model would attend.", "",
+           "| policy | budget | local layers | cache MiB/seq | per-layer layout MiB/seq | ppl |",
+           "|---|---|---|---|---|---|"]
+  for r in mine:
+    lines.append(f"| {r['kind']} | {r['budget'] or 'all'} | {_local(r)} | "
+                 f"{r['cache_bytes_per_seq'] / 2**20:.2f} | "
+                 f"{r['per_layer_layout_bytes_per_seq'] / 2**20:.2f} | {_fmt(r['ppl'], 3)} |")
+  pairs = [(a, b) for a in mine for b in mine if a["kind"] == b["kind"] and
+           a["budget"] == b["budget"] and _local(a) == "full" and _local(b) == "ring"]
+  for a, b in pairs:
+    lines.append(f"\n{a['kind']} {a['budget'] or 'all'}: perplexity full layout {a['ppl']:.4f}, "
+                 f"per-layer layout {b['ppl']:.4f} (rel. diff "
+                 f"{abs(a['ppl'] - b['ppl']) / a['ppl']:.1e}); passkey accuracy "
+                 f"{a['passkey_accuracy']:.2f} / {b['passkey_accuracy']:.2f}.")
+  return lines + [""]
+
+
 def speed_table(record: Mapping[str, Any]) -> str:
   """The markdown table of a speed record (medians of per-round ratios, module doc)."""
   rows = []
@@ -471,13 +536,15 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
   """report.md, ppl_vs_position.png and one passkey heat map per kind; returns the markdown."""
   speed = [r for r in records if r["kind"] == SPEED]
   records = sorted((r for r in records if r["kind"] != SPEED),
-                   key=lambda r: (r["budget"] or 0, r["kind"]))
-  by = {(r["kind"], r["budget"]): r for r in records}
+                   key=lambda r: (r["budget"] or 0, r["kind"], _local(r) != "full"))
+  full_layout = [r for r in records if _local(r) == "full"]  # the claims compare these
+  by = {(r["kind"], r["budget"]): r for r in full_layout}
   full = by.get(("dense", None))
   rows = []
   for r in records:
     ctx = " / ".join(f"{np.mean(v):.2f}" for v in r["passkey_correct"].values())
-    rows.append([r["kind"], r["budget"] or "all", _fmt(r["ppl"], 3),
+    kind = r["kind"] if _local(r) == "full" else f"{r['kind']} (local layers: {_local(r)})"
+    rows.append([kind, r["budget"] or "all", _fmt(r["ppl"], 3),
                  _fmt(r["ppl"] / full["ppl"]) if full else "-", _fmt(r["ppl_second_half"], 3),
                  ctx, f"{r['cache_bytes_per_seq'] / 2**20:.2f}",
                  f"{r['bookkeeping_bytes_per_seq'] / 2**10:.1f}"])
@@ -505,7 +572,8 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
            f"the full cache holding {r['speed']['dense']['context']} tokens; step time over the "
            f"plain ring of the same budget: the eviction overhead). Load average at the end: "
            f"{r.get('load_avg_1min', float('nan')):.1f}.", "", speed_table(r), ""]
-  md += ["## Published claims", "", *claims(records), "",
+  md += windowed_lines(records)
+  md += ["## Published claims", "", *claims(full_layout), "",
          f"![perplexity vs position]({FILES['plot']})", ""]
   md += [f"![passkey {k}]({FILES['heatmap'].format(kind=k)})"
          for k in sorted({r["kind"] for r in records})]

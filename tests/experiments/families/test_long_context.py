@@ -85,3 +85,28 @@ def test_tiny_run_measures_reports_and_bounded_caches_with_room_equal_the_full_c
     assert (tmp_path / name).stat().st_size > 0
   lines = (tmp_path / "results.jsonl").read_text().splitlines()
   assert len(lines) == 5 and json.loads(lines[0])["family"] == "long_context"
+
+
+def test_windowed_layers_scan_in_groups_and_the_per_layer_layout_is_exact(tmp_path):
+  # A model with Gemma's pattern (layers 0, 2: window 8; 1, 3: global): the family scans it
+  # in groups of 2 layers, reports where the windows bound the cache, and the per-layer
+  # layout (rings of 8 for the local layers) scores as the full allocation does.
+  cfg = _tiny(**{"model.name": "random-tiny-local"})
+  sweep = [{"cache.kind": "dense"}, {"cache.kind": "dense", "cache.local_layers": "ring"}]
+  result = runner.run(cfg, str(tmp_path), sweep)
+  by = {r["label"]: r for r in result.records}
+  assert set(by) == {"dense", "dense+ring"}
+  full, ring = by["dense"], by["dense+ring"]
+  assert full["windowed_layers"] == [0, 2] and full["windows"] == [8]
+  assert ring["ppl"] == pytest.approx(full["ppl"], rel=1e-5)
+  assert ring["passkey_correct"] == full["passkey_correct"]
+  # Bytes: 2 global layers x capacity 48 + 2 rings x 8 slots, x 2 (k, v) x 2 heads x 8 x 4 B.
+  slot = 2 * 2 * 8 * 4
+  assert full["cache_bytes_per_seq"] == 4 * full["capacity"] * slot
+  assert ring["cache_bytes_per_seq"] == (2 * full["capacity"] + 2 * 8) * slot
+  assert full["per_layer_layout_bytes_per_seq"] == ring["cache_bytes_per_seq"]
+  report = (tmp_path / "report.md").read_text()
+  assert "## Where the windowed layers already bound the cache" in report
+  assert "dense all: perplexity full layout" in report
+  with pytest.raises(ValueError, match="cache.local_layers must be one of"):
+    runner.run(cfg, str(tmp_path / "bad"), [{"cache.local_layers": "rings"}])
