@@ -16,12 +16,20 @@ sequence; one "speed" point measures decode tokens/s and the eviction
 overhead per step of every kind and budget side by side
 (experiments/families/long_context.py).
 
-`get_config(arg)` and `get_sweep(arg)` take "" (the full run) or "smoke".
+`get_config(arg)` and `get_sweep(arg)` take "" (the full run), "smoke", or "gemma3" /
+"gemma3-16k": Gemma 3 270M (five local layers of window 512 per global one) at 8k / 16k
+tokens, its full cache in both layouts (every layer at full length; the per-layer layout,
+rings of 512 for the local layers) and bounded caches on its global layers only:
+
+    python -m experiments.main --config=configs/long_context.py:gemma3 \
+        --workdir=runs/long_context_gemma3
 """
 
 from ml_collections import config_dict
 
-ARGS = ("", "smoke")
+ARGS = ("", "smoke", "gemma3", "gemma3-16k")
+GEMMA_TOKENS = {"gemma3": 8192, "gemma3-16k": 16384}  # Text and passkey length per argument.
+GEMMA_BUDGET = 1024  # Budget of the bounded caches on Gemma's global layers (2x its window).
 BUDGETS = (256, 512, 1024)  # Cache budgets (tokens per sequence) of the full run.
 SMOKE_BUDGETS = (64,)
 NUM_SINKS = 4  # StreamingLLM's sink count.
@@ -29,7 +37,7 @@ EVICTION = ("h2o", "snapkv", "tova", "recent", "random", "knorm")
 SMOKE_KINDS = ("ring", "sink", "h2o")
 
 
-def _check_arg(arg):
+def _check_arg(arg):  # "" | "smoke" | a GEMMA_TOKENS key
   arg = arg or ""
   if arg not in ARGS:
     raise ValueError(f"config argument must be one of {ARGS} (':smoke' selects the small run); "
@@ -38,8 +46,10 @@ def _check_arg(arg):
 
 
 def get_config(arg=None):
-  """The full config; `arg="smoke"` shrinks it to about a minute."""
-  smoke = _check_arg(arg) == "smoke"
+  """The full config; `arg="smoke"` shrinks it to about a minute; "gemma3" / "gemma3-16k":
+  Gemma 3 270M at 8k / 16k tokens (module doc)."""
+  arg = _check_arg(arg)
+  smoke = arg == "smoke"
   config = config_dict.ConfigDict()
 
   config.model = config_dict.ConfigDict()
@@ -90,12 +100,36 @@ def get_config(arg=None):
   config.experiment.kind = "long_context"
   config.experiment.name = "kvattn: long-context caches on SmolLM2-135M-Instruct"
   config.experiment.max_points = config_dict.placeholder(int)
+  if arg in GEMMA_TOKENS:
+    _gemma(config, GEMMA_TOKENS[arg])
   return config
 
 
+def _gemma(config, num_tokens):
+  """Gemma 3 270M at `num_tokens`: one text and one passkey prompt of that length (depth
+  0.5), fed 256 tokens per forward pass (a chunk's f32 logits over the 262k vocabulary are
+  256 MiB); no speed point (experiments/benchmarks/per_layer_layout.py times decoding)."""
+  config.model.name = "gemma3-270m"
+  config.cache.budget = GEMMA_BUDGET
+  config.text.num_tokens = num_tokens
+  config.text.chunk = 256
+  config.text.bins = 16
+  config.passkey.contexts = (num_tokens,)
+  config.passkey.depths = (0.5,)
+  config.experiment.name = (f"kvattn: long-context caches on Gemma 3 270M at {num_tokens} "
+                            f"tokens")
+
+
 def get_sweep(arg=None):
-  """The full cache, the speed point, then every bounded kind at every budget."""
-  smoke = _check_arg(arg) == "smoke"
+  """The full cache, the speed point, then every bounded kind at every budget; Gemma: the
+  full cache in the per-layer layout and in full allocation, then StreamingLLM and H2O at
+  GEMMA_BUDGET on the global layers (rings on the local ones), most informative first."""
+  arg = _check_arg(arg)
+  if arg in GEMMA_TOKENS:
+    ring = {"cache.local_layers": "ring"}
+    return [{"cache.kind": "dense", **ring}, {"cache.kind": "dense"},
+            {"cache.kind": "sink", **ring}, {"cache.kind": "h2o", **ring}]
+  smoke = arg == "smoke"
   kinds = SMOKE_KINDS if smoke else ("ring", "sink") + EVICTION
   budgets = SMOKE_BUDGETS if smoke else BUDGETS
   return [{"cache.kind": "dense"}, {"cache.kind": "speed"}] + [
