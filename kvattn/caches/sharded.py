@@ -21,6 +21,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from kvattn import _checks
 from kvattn.caches import dense as cache_lib
 from kvattn.caches import paged as paged_lib
+from kvattn.caches import registry
+from kvattn.caches import window as window_lib
 from kvattn.paging.allocator import NO_PAGE, pages_for
 from kvattn.ops import context_parallel as cp
 
@@ -474,7 +476,8 @@ def _layer_kind(attn) -> str:
 
 def init_caches(model, batch: int, max_len: int, mesh: Mesh, *,
                 rules: Mapping[str, Any] | None = None, dtype: Any = None,
-                kind: str = "dense", page_size: int = 16) -> tuple[Any, ...]:
+                kind: str = "dense", page_size: int = 16,
+                local_layers: str = "full") -> tuple[Any, ...]:
   """One empty sharded cache per layer of `model`, created directly sharded (built
   inside `jax.jit` with `out_shardings`).
 
@@ -488,9 +491,12 @@ def init_caches(model, batch: int, max_len: int, mesh: Mesh, *,
       page_size` pages per row, the pool exactly the batch's pages, tables from
       `sharded_block_tables`) for GQA layers; MLA layers get `ShardedLatentCache`.
     page_size: tokens per page (paged).
+    local_layers: "full" (every layer `kind`) or "ring": the per-layer layout
+      (`registry.build_caches`): layers with a sliding window shorter than `max_len` get a
+      `RingKVCache` of the window placed by `place_ring`, the others `kind`.
 
   Raises:
-    ValueError: an unknown kind; a mesh axis that does not divide B, S or the pool
+    ValueError: an unknown kind or `local_layers`; a mesh axis that does not divide B, S or the pool
       (naming the axis); K and the model axis where neither divides the other.
   """
   if kind not in CACHE_KINDS:
@@ -499,9 +505,15 @@ def init_caches(model, batch: int, max_len: int, mesh: Mesh, *,
   max_len = _checks.positive_int("max_len", max_len)
   page_size = _checks.positive_int("page_size", page_size)
   dtype = model.dtype if dtype is None else dtype
+  if local_layers not in registry.LOCAL_LAYER_LAYOUTS:
+    raise ValueError(f"local_layers must be one of {registry.LOCAL_LAYER_LAYOUTS}; got "
+                     f"{local_layers!r}")
+  rings = set(registry.ring_layers(model, max_len)) if local_layers == "ring" else set()
   builders = []
-  for layer in model.layers:
+  for i, layer in enumerate(model.layers):
     attn = layer.attn
+    if i in rings:
+      continue
     if _layer_kind(attn) == "latent":
       lay = cache_layout(mesh, rules, kind="latent", batch=batch, max_len=max_len)
       builders.append(lambda lay=lay, a=attn: ShardedLatentCache(
@@ -528,7 +540,35 @@ def init_caches(model, batch: int, max_len: int, mesh: Mesh, *,
   def build():
     return tuple(b() for b in builders)
   shardings = tuple(c.shardings() for c in jax.eval_shape(build))
-  return jax.jit(build, out_shardings=shardings)()
+  built = iter(jax.jit(build, out_shardings=shardings)())
+  return tuple(
+      place_ring(window_lib.RingKVCache.init(batch, layer.attn.window, layer.attn.num_kv_heads,
+                                             layer.attn.head_dim, dtype), mesh, rules)
+      if i in rings else next(built) for i, layer in enumerate(model.layers))
+
+
+def place_ring(ring: window_lib.RingKVCache, mesh: Mesh,
+               rules: Mapping[str, Any] | None = None) -> window_lib.RingKVCache:
+  """A `RingKVCache` (a local layer's window in the per-layer layout) on `mesh`: rows over
+  the `cache_batch` rule's axes (`data`), KV heads over `cache_kv_heads` (`model`) where
+  that axis divides them (else replicated), the W slots whole (a window is small: no
+  sequence split). It stays a plain `RingKVCache`: XLA partitions its attention (GSPMD).
+
+  Raises:
+    ValueError: the batch axes do not divide the rows (naming the axis).
+  """
+  rules = resolve_rules(rules)
+  batch_axes, heads_axes = rules["cache_batch"], rules["cache_kv_heads"]
+  if ring.batch % axis_size(mesh, batch_axes):
+    raise ValueError(f"mesh axis {batch_axes!r} of size {axis_size(mesh, batch_axes)} must "
+                     f"divide the ring's batch {ring.batch}")
+  if ring.num_kv_heads % axis_size(mesh, heads_axes):
+    heads_axes = None
+
+  def spec(a):
+    return P(batch_axes, heads_axes, *([None] * (a.ndim - 2))) if a.ndim >= 3 else \
+        P(batch_axes, *([None] * (a.ndim - 1)))
+  return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, spec(a))), ring)
 
 
 def _fields(cache) -> dict[str, Any]:
@@ -536,12 +576,13 @@ def _fields(cache) -> dict[str, Any]:
 
 
 def cache_factory(model, mesh: Mesh, *, rules: Mapping[str, Any] | None = None,
-                  kind: str = "dense", page_size: int = 16):
+                  kind: str = "dense", page_size: int = 16, local_layers: str = "full"):
   """`(batch, max_len, dtype=None) -> caches` for `kvattn.generate(..., cache_factory=)`.
 
   The capacity is `max_len` rounded up to a multiple of what the sequence split needs
   (the `seq` axis size times `page_size` for paged caches), so any length `generate`
-  asks for fits; the batch must still divide over `data` (ValueError).
+  asks for fits; the batch must still divide over `data` (ValueError). `local_layers`
+  as in `init_caches`.
   """
   seq = _single_axis(resolve_rules(rules), "cache_sequence")
   step = axis_size(mesh, seq) * (page_size if kind == "paged" else 1)
@@ -549,7 +590,7 @@ def cache_factory(model, mesh: Mesh, *, rules: Mapping[str, Any] | None = None,
   def factory(batch: int, max_len: int, dtype: Any = None) -> tuple[Any, ...]:
     max_len = -(-_checks.positive_int("max_len", max_len) // step) * step
     return init_caches(model, batch, max_len, mesh, rules=rules, dtype=dtype, kind=kind,
-                       page_size=page_size)
+                       page_size=page_size, local_layers=local_layers)
   return factory
 
 

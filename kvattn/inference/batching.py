@@ -127,18 +127,6 @@ def _reset_ring_row(ring: RingKVCache, slot) -> RingKVCache:
   return ring.replace(pos=ring.pos.at[slot].set(-1), lengths=ring.lengths.at[slot].set(0))
 
 
-def _place_ring(ring: RingKVCache, mesh) -> RingKVCache:
-  """A batcher's ring on `mesh`: rows (slots) split over `data` like the page pools' slots,
-  KV heads over `model` where it divides them (else replicated), so each device holds the
-  rings of its own slots; attention on it is partitioned by XLA (GSPMD)."""
-  P = jax.sharding.PartitionSpec
-  model_axis = "model" if ring.num_kv_heads % int(mesh.shape["model"]) == 0 else None
-  spec = lambda a: P("data", model_axis, *([None] * (a.ndim - 2))) if a.ndim >= 3 else \
-      P("data", *([None] * (a.ndim - 1)))
-  return jax.tree.map(lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec(a))),
-                      ring)
-
-
 class NoFreeSlotError(RuntimeError):
   """Every slot is busy; retire a sequence (step until one finishes) first."""
 
@@ -303,7 +291,8 @@ class ContinuousBatcher:
       placed = dict(zip(paged, sharded.place_caches(
           [self.caches[i] for i in paged], mesh, sharded.BATCHER_RULES,
           num_heads=[attns[i].num_heads for i in paged])))
-      self.caches = tuple(placed[i] if i in placed else _place_ring(c, mesh)
+      self.caches = tuple(placed[i] if i in placed else
+                          sharded.place_ring(c, mesh, sharded.BATCHER_RULES)
                           for i, c in enumerate(self.caches))
       home = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     else:

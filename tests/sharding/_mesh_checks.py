@@ -304,7 +304,8 @@ def check_batcher(mesh_shape, prefix_cache: bool = False) -> dict:
 
 
 def check_ring_batcher(mesh_shape) -> dict:
-  """ContinuousBatcher(local_layers="ring") on a mesh, on the tiny random Gemma 3 (a local
+  """ContinuousBatcher(local_layers="ring") and `generate` with
+  `sharded.cache_factory(local_layers="ring")` on a mesh, on the tiny random Gemma 3 (a local
   layer of window 4, a global one): the single-device full layout's tokens; each device holds
   the rings of its own slots (rows split over `data`)."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -321,9 +322,22 @@ def check_ring_batcher(mesh_shape) -> dict:
   ring = batcher.caches[0]
   share = sum(a.nbytes for a in ring.storage_arrays()) // mesh_shape[0]
   per_device = set(sharding.per_device_bytes(ring.storage_arrays()).values())
+  # generate on the mesh with the per-layer layout (sharded.cache_factory(local_layers=)).
+  prompts = np.zeros((2, 11), np.int32)
+  for b, (_, p, _) in enumerate(requests[:2]):
+    prompts[b, :len(p)] = p
+  lengths = np.array([11, 6], np.int32)
+  want_gen, _ = kvattn.generate(model, prompts, lengths, 5)
+  factory = sharded_caches.cache_factory(model, mesh, local_layers="ring")
+  got_gen, _ = kvattn.generate(sharding.place_model(model, mesh), prompts, lengths, 5,
+                               cache_factory=factory)
+  kinds_gen = [type(c).__name__ for c in factory(2, 16)]
+  gen_same = np.asarray(got_gen).tolist() == np.asarray(want_gen).tolist()
   return dict(mesh=list(mesh_shape), tokens_equal=same, per_device=sorted(per_device),
               share=share, kinds=[type(c).__name__ for c in batcher.caches],
-              ok=same and per_device == {share} and isinstance(ring, kvattn.RingKVCache))
+              generate_tokens_equal=gen_same, generate_kinds=kinds_gen,
+              ok=same and gen_same and per_device == {share}
+              and isinstance(ring, kvattn.RingKVCache))
 
 
 def check_real_model(mesh_shape) -> dict:

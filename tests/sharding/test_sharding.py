@@ -75,8 +75,11 @@ def test_main_job_on_a_mesh():
 
 @pytest.mark.slow
 def test_batcher_with_rings_on_a_mesh():
-  # The per-layer layout (issue 29): rings split over `data` with their slots, pools as above.
+  # The per-layer layout (issue 29): rings split over `data` with their slots, pools as above;
+  # generate on the mesh with rings and sharded dense global layers.
   results = _run("layers", timeout=900)
   assert [r["mesh"] for r in results] == [[2, 1, 1], [2, 2, 1]]
   assert all(r["tokens_equal"] and r["per_device"] == [r["share"]] for r in results)
   assert all(r["kinds"] == ["RingKVCache", "ShardedPagedKVCache"] for r in results)
+  assert all(r["generate_tokens_equal"] for r in results)  # sharded.cache_factory(local_layers=)
+  assert all(r["generate_kinds"] == ["RingKVCache", "ShardedKVCache"] for r in results)
