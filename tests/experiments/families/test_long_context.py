@@ -110,3 +110,12 @@ def test_windowed_layers_scan_in_groups_and_the_per_layer_layout_is_exact(tmp_pa
   assert "dense all: perplexity full layout" in report
   with pytest.raises(ValueError, match="cache.local_layers must be one of"):
     runner.run(cfg, str(tmp_path / "bad"), [{"cache.local_layers": "rings"}])
+
+
+def test_gemma3_configs_validate():
+  for arg, tokens in (("gemma3", 8192), ("gemma3-16k", 16384)):
+    cfg = lc_config.get_config(arg)
+    assert cfg.model.name == "gemma3-270m" and cfg.text.num_tokens == tokens
+    points = lce.LongContextFamily("/nonexistent").points(cfg, lc_config.get_sweep(arg))
+    assert [p.label for p in points] == ["dense+ring", "dense", "sink-1024+ring",
+                                         "h2o-1024+ring"]
