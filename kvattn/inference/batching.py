@@ -93,7 +93,7 @@ from flax import nnx
 from kvattn import _checks
 from kvattn.training import data as data_lib
 from kvattn.paging.allocator import NO_PAGE, OutOfPagesError, PageAllocator, pages_for
-from kvattn.caches.registry import LOCAL_LAYER_LAYOUTS, gqa_layers, ring_layers
+from kvattn.caches.registry import LOCAL_LAYER_LAYOUTS, gqa_layers
 from kvattn.caches.window import RingKVCache
 from kvattn.inference.generation import Sampling, sample_logits
 from kvattn.paging.offload import PageCodec
@@ -244,7 +244,10 @@ class ContinuousBatcher:
     self.prefix_cache = bool(prefix_cache)
     if local_layers not in LOCAL_LAYER_LAYOUTS:
       raise ValueError(f"local_layers must be one of {LOCAL_LAYER_LAYOUTS}; got {local_layers!r}")
-    rings = set(ring_layers(model, self.max_len)) if local_layers == "ring" else set()
+    # Indices into `attns` (the layers that own a cache): a window shorter than max_len, as
+    # `registry.ring_layers` decides, read from each attention module.
+    rings = {i for i, a in enumerate(attns) if local_layers == "ring" and
+             getattr(a, "window", None) is not None and a.window < self.max_len}
     if rings and self.prefix_cache:
       raise ValueError(
           "prefix_cache=True needs local_layers='full' for this model: a cached prefix would "
