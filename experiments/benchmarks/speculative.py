@@ -4,6 +4,7 @@
         --num_draft_tokens 4 --rounds 5 [--draft_layers 8] [--peers --peer_python PY]
     python -m experiments.benchmarks.speculative --memory
     python -m experiments.benchmarks.speculative --verify_cost [--steps 16 --rounds 5]
+    python -m experiments.benchmarks.speculative --batcher --prompts continue:specialnames,...
 
 Text: Python's own documentation (`pydoc_data.topics`), where n-grams repeat. Each prompt
 (`--prompts`) is one topic: `continue` feeds the topic's first `--prompt_tokens` tokens raw
@@ -29,6 +30,11 @@ costs), `chunk_T` (the same T-token forward without the transaction), and the mo
 MLP matmuls alone at M = 1 and M = T rows (`mlp_T`), which isolate XLA's dot for few rows.
 Prints one JSON line per variant: wall and process-CPU seconds per iteration (medians) and
 their ratio to `step` (or to `mlp_1`).
+
+`--batcher` serves every `--prompts` prompt together through `ContinuousBatcher` (one slot
+each, paged pools of 16-token pages), without and with `speculative=PromptLookup(...)`,
+rounds interleaved (one untimed warm-up each): wall seconds of the whole `run` (prefills
+included), steps, tokens per slot pass, and whether every request's tokens are equal.
 """
 
 from __future__ import annotations
@@ -66,6 +72,8 @@ flags.DEFINE_bool("peers", False, "Also time HF transformers (subprocess of --pe
 flags.DEFINE_string("peer_python", "/work/peers-venv/bin/python", "Python of the HF peer.")
 flags.DEFINE_bool("verify_cost", False, "Only time one verify pass against one plain step "
                   "inside compiled loops, and the MLP matmuls at 1 and T rows (module doc).")
+flags.DEFINE_bool("batcher", False, "Only time ContinuousBatcher with and without prompt "
+                  "lookup over all --prompts at once (module doc).")
 flags.DEFINE_integer("steps", 16, "--verify_cost: loop iterations per timed call.")
 flags.DEFINE_bool("memory", False, "Only compile one verify pass per cache kind (a random "
                   "4-layer model, 2048 slots) with and without a transaction and print XLA's "
@@ -178,6 +186,42 @@ def verify_cost() -> None:
                           wall_all=wall[name][1:])))
 
 
+def batcher() -> None:
+  """The continuous batcher with and without speculation over all `--prompts` (module doc)."""
+  from kvattn.inference.batching import ContinuousBatcher  # pylint: disable=g-import-not-at-top
+  model, tokenizer = pretrained.from_pretrained(FLAGS.model, dtype=jnp.float32)
+  n, k = FLAGS.new_tokens, FLAGS.num_draft_tokens
+  prompts = [_prompt(tokenizer, spec) for spec in FLAGS.prompts]
+  longest = max(len(p) for p in prompts)
+  args = dict(num_slots=len(prompts), page_size=16, max_len=longest + n,
+              max_prompt_len=longest, num_pages=len(prompts) * ((longest + n) // 16 + 1))
+  systems = {"batcher_plain": ContinuousBatcher(model, **args),
+             "batcher_prompt_lookup": ContinuousBatcher(
+                 model, speculative=speculative.PromptLookup(k, FLAGS.max_ngram_size), **args)}
+  requests = [(i, p, n) for i, p in enumerate(prompts)]
+  wall, out, steps = {s: [] for s in systems}, {}, {}
+  for r in range(FLAGS.rounds + 1):  # round 0 compiles: not timed
+    for name, b in systems.items():
+      before = b.steps
+      seconds, _, out[name] = timing.timed(b.run, requests)
+      steps[name] = b.steps - before
+      if r:
+        wall[name].append(seconds)
+  plain_s = statistics.median(wall["batcher_plain"])
+  same = all(np.array_equal(out["batcher_plain"][i].tokens, out["batcher_prompt_lookup"][i].tokens)
+             for i, _, _ in requests)
+  stats = systems["batcher_prompt_lookup"].spec_stats
+  for name in systems:
+    median = statistics.median(wall[name])
+    print(json.dumps(dict(
+        system=name, prompts=FLAGS.prompts, prompt_lens=[len(p) for p in prompts],
+        new_tokens=n, k=k, rounds=FLAGS.rounds, load_avg=os.getloadavg()[0],
+        **timing.stats("run_s", wall[name]), steps=steps[name], speedup_vs_plain=plain_s / median,
+        tokens_per_slot_pass=(1 + stats["accepted"] / max(stats["passes"], 1)
+                              if name != "batcher_plain" else 1.0),
+        tokens_equal=same)))
+
+
 def _prompt(tokenizer, spec: str) -> np.ndarray:
   import pydoc_data.topics  # pylint: disable=g-import-not-at-top
   mode, topic = spec.split(":")
@@ -233,6 +277,9 @@ def main(argv):
     return
   if FLAGS.verify_cost:
     verify_cost()
+    return
+  if FLAGS.batcher:
+    batcher()
     return
   model, tokenizer = pretrained.from_pretrained(FLAGS.model, dtype=jnp.float32)
   k, n = FLAGS.num_draft_tokens, FLAGS.new_tokens
