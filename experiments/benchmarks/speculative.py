@@ -19,8 +19,9 @@ median decode seconds, speed-up over plain (ratio of medians measured in the sam
 tokens per verify pass (`1 + accepted / passes`) and whether the tokens equal plain
 greedy's. With `--peers`, HF transformers (`--peer_python`, the same GGUF in f32) times
 `generate(do_sample=False)` plain and with `prompt_lookup_num_tokens` in a subprocess,
-alone (ours idle), between our rounds; its decode seconds are generate's minus a prefill
-call. Prints one JSON line per prompt and system.
+alone (ours idle), between our rounds (each round alternates who goes first); its decode
+seconds are `generate(new_tokens)`'s minus `generate(1)`'s (prefill, first token and
+generate's fixed costs), timed back to back in the peer. Prints one JSON line per prompt and system.
 
 `--verify_cost` times what one verify pass costs against one plain decode step inside a
 compiled loop (`lax.fori_loop` of `--steps` iterations, caches donated, one copy of the same
@@ -314,6 +315,10 @@ def main(argv):
     hf = []
     want = None
     for r in range(FLAGS.rounds + 1):  # round 0 compiles: not timed
+      if peer is not None and r % 2:  # odd rounds: the peer first
+        out = peer()
+        if r:
+          hf.append(out)
       seconds, want = plain()
       times["plain"].append(seconds)
       for name, drafter in drafters.items():
@@ -323,7 +328,7 @@ def main(argv):
         per_pass = 1 + int(stats["accepted"][0]) / max(int(stats["passes"][0]), 1)
         times[name + "/info"] = dict(equal_to_plain=same, tokens_per_pass=per_pass,
                                      passes=int(stats["passes"][0]))
-      if peer is not None:
+      if peer is not None and not r % 2:
         out = peer()
         if r:
           hf.append(out)
@@ -342,7 +347,7 @@ def main(argv):
     if peer is not None:
       peer.close()
       for system in ("plain", "prompt_lookup"):
-        decode = [h[system + "_s"] - h["prefill_s"] for h in hf]
+        decode = [h[system + "_s"] - h[system + "_first_s"] for h in hf]
         median = statistics.median(decode)
         print(json.dumps(dict(base, system=f"hf_{system}", **timing.stats("decode_s", decode),
                               decode_tokens_per_s=(n - 1) / median,
