@@ -59,9 +59,11 @@ A joining prompt goes to the first data shard with a free slot that can take
 it (with the prefix cache: the shard holding its longest cached prefix). The
 `seq` axis is not used (the pool is replicated over it).
 
-Speculative decoding (`speculative=PromptLookup(k, ...)`, greedy only): each step
-drafts k tokens per live slot by prompt lookup over the slot's text (prompt and output,
-`kvattn.inference.speculative.prompt_lookup_drafts`), verifies `[last, d_1..d_k]` in one
+Speculative decoding (`speculative=PromptLookup(k, ...)` or `DraftModel(model, k)`, greedy
+only): each step drafts k tokens per live slot by prompt lookup over the slot's text
+(prompt and output, `kvattn.inference.speculative.prompt_lookup_drafts`) or with the draft
+model (dense caches, one row per slot, prefilled with the prompt at join; one device),
+verifies `[last, d_1..d_k]` in one
 pass through a cache transaction (`kvattn.caches.transaction`; paged caches roll back by
 lengths) and keeps, per slot, the last token and its accepted drafts: each sequence
 emits 1..k + 1 tokens per step, token for token what the batcher without speculation
@@ -98,6 +100,7 @@ from kvattn.training import data as data_lib
 from kvattn.paging.allocator import NO_PAGE, OutOfPagesError, PageAllocator, pages_for
 from kvattn.caches.registry import gqa_layers
 from kvattn.caches import transaction
+from kvattn.caches._slots import LengthsRollback
 from kvattn.inference import speculative as speculative_lib
 from kvattn.inference.generation import Sampling, sample_logits
 from kvattn.paging.offload import PageCodec
@@ -203,8 +206,9 @@ class ContinuousBatcher:
         placed by the sharding rules, page pools split over KV heads on `model`
         and over `data` with the slots (`kvattn.caches.sharded.BATCHER_RULES`; module
         docstring).
-      speculative: a `kvattn.inference.speculative.PromptLookup`: every step verifies
-        its k drafted tokens per slot in one pass (module docstring); greedy only.
+      speculative: a `kvattn.inference.speculative.PromptLookup` or `DraftModel`: every
+        step verifies its k drafted tokens per slot in one pass (module docstring);
+        greedy only.
 
     Raises:
       ValueError/TypeError: bad sizes, an MLA layer, `max_prompt_len > max_len`;
@@ -212,7 +216,8 @@ class ContinuousBatcher:
         `model` axis does not fit the layers' heads (`sharded.cache_layout`),
         `offload` with more than one data shard, or `prefix_cache` with a layer
         whose `decode_implementation` is "xla_pool"; `speculative` that is not a
-        `PromptLookup` (TypeError) or with `temperature` > 0.
+        drafter (TypeError), with `temperature` > 0, a draft model on another
+        vocabulary or with dense-incompatible caches, or a `DraftModel` with a mesh.
     """
     self.num_slots = _checks.positive_int("num_slots", num_slots)
     self.page_size = _checks.positive_int("page_size", page_size)
@@ -228,10 +233,10 @@ class ContinuousBatcher:
     self.eos_id = None if eos_id is None else int(eos_id)
     self.pad_id = int(pad_id)
     if speculative is not None:
-      if not isinstance(speculative, speculative_lib.PromptLookup):
-        raise TypeError(f"speculative must be a kvattn.inference.speculative.PromptLookup or "
-                        f"None (the batcher drafts by prompt lookup); got "
-                        f"{type(speculative).__name__}")
+      speculative = speculative_lib.check(speculative, self.vocab_size)
+      if isinstance(speculative, speculative_lib.DraftModel) and mesh is not None:
+        raise ValueError("speculative=DraftModel(...) runs on one device: mesh must be None; "
+                         f"got a mesh of shape {dict(mesh.shape)}")
       if self.sampling.temperature != 0.0:
         raise ValueError(f"speculative decoding is greedy: temperature must be 0; got "
                          f"{temperature}")
@@ -291,6 +296,19 @@ class ContinuousBatcher:
     if prefix_cache:
       model = _shared_page_decoding(model)
     self._graphdef, self._state = nnx.split(model)
+    self._draft_graphdef, self._draft_state, self._draft_caches = None, None, ()
+    if isinstance(speculative, speculative_lib.DraftModel):
+      draft = speculative.model
+      self._draft_graphdef, self._draft_state = nnx.split(draft)
+      # One dense row per slot; room for a pass that drafts k past the last kept token.
+      self._draft_caches = tuple(draft.init_caches(
+          self.num_slots, self.max_len + speculative.num_draft_tokens + 1))
+      if not all(isinstance(c, LengthsRollback) for c in self._draft_caches):
+        raise ValueError("speculative.model must build caches that roll back by lengths "
+                         "(dense, latent, paged); got "
+                         f"{sorted({type(c).__name__ for c in self._draft_caches})}")
+      self._draft_caches = jax.device_put(self._draft_caches, home)
+      self._draft_state = jax.device_put(self._draft_state, home)
     if rng is None or (isinstance(rng, int) and not isinstance(rng, bool)):
       rng = jax.random.key(0 if rng is None else rng)
     self._rng = jax.device_put(rng, home)  # committed, like self.caches
@@ -360,29 +378,53 @@ class ContinuousBatcher:
       traces["release"] += 1
       return tuple(c.release_slot(slot) for c in caches)
 
-    lookup = self.speculative
+    spec, draft_graphdef = self.speculative, self._draft_graphdef
 
-    def spec_step(state, caches, history, ends, new_lengths):
+    def spec_step(state, caches, history, ends, new_lengths, draft_state, draft_caches):
       """Drafts k tokens per slot, verifies `[last, drafts]` (`new_lengths[b]` of them, 0
       for an empty slot) in one pass and keeps, per slot, the last token and the accepted
-      drafts. Returns `(caches, greedy i32[S, k + 1], emit i32[S])`: slot b emits
-      `greedy[b, :emit[b]]` (its cache holds all but the last)."""
+      drafts. Returns `(caches, greedy i32[S, k + 1], emit i32[S], draft_caches)`: slot b
+      emits `greedy[b, :emit[b]]` (its cache holds all but the last)."""
       traces["spec_step"] += 1
       model = nnx.merge(graphdef, state)
       rows = jnp.arange(history.shape[0])
       ends = jnp.maximum(ends, 1)
-      drafts = speculative_lib.prompt_lookup_drafts(history, ends, lookup)  # [S, k]
+      active = new_lengths > 0
+      if isinstance(spec, speculative_lib.PromptLookup):
+        drafts = speculative_lib.prompt_lookup_drafts(history, ends, spec)  # [S, k]
+      else:  # the draft caches catch up on the text and draft greedily
+        drafts, draft_caches = speculative_lib._draft_model_drafts(  # pylint: disable=protected-access
+            draft_graphdef, draft_state, draft_caches, history, ends, active,
+            spec.num_draft_tokens)
       fed = jnp.concatenate([history[rows, ends - 1][:, None], drafts], axis=1)
       h, drafted = model.hidden(fed, transaction.begin_all(caches), new_lengths=new_lengths)
       greedy = jnp.argmax(model.logits_from_hidden(h), axis=-1).astype(jnp.int32)
       accepted = jnp.sum(jnp.cumprod(drafts == greedy[:, :-1], axis=1), axis=1)
       emit = jnp.minimum(accepted + 1, new_lengths).astype(jnp.int32)  # 0 when empty
-      return transaction.commit_all(drafted, emit), greedy, emit
+      if draft_caches:  # the draft caches keep what the text confirms (rolled back by lengths)
+        held = jnp.where(active, ends + jnp.minimum(emit, spec.num_draft_tokens) - 1,
+                         draft_caches[0].lengths)
+        draft_caches = tuple(c.replace(lengths=jnp.minimum(c.lengths, held))
+                             for c in draft_caches)
+      return transaction.commit_all(drafted, emit), greedy, emit, draft_caches
+
+    def draft_join(draft_state, draft_caches, slot, prompt, prompt_len):
+      """Prefills slot `slot`'s row of the draft caches with the whole prompt."""
+      traces["draft_join"] += 1
+      draft = nnx.merge(draft_graphdef, draft_state)
+      rows = tuple(jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, slot, 0), c)
+                   for c in draft_caches)
+      rows = tuple(c.replace(lengths=jnp.zeros_like(c.lengths)) for c in rows)
+      _, rows = draft.hidden(prompt[None], rows, new_lengths=prompt_len[None])
+      return tuple(jax.tree.map(lambda x, r: jax.lax.dynamic_update_index_in_dim(x, r, slot, 0),
+                                c, r) for c, r in zip(draft_caches, rows))
 
     self._join = jax.jit(join, donate_argnums=(1,))
     self._step = jax.jit(step, donate_argnums=(1,))
-    if lookup is not None:
-      self._spec_step = jax.jit(spec_step, donate_argnums=(1,))
+    if spec is not None:
+      self._spec_step = jax.jit(spec_step, donate_argnums=(1, 6))
+    if draft_graphdef is not None:
+      self._draft_join = jax.jit(draft_join, donate_argnums=(1,))
     self._set_row = jax.jit(set_row, donate_argnums=(0,))
     self._release = jax.jit(release, donate_argnums=(0,))
 
@@ -488,6 +530,11 @@ class ContinuousBatcher:
     self._slots[slot] = _Live(request_id, [first], max_new_tokens, n, self.steps, prompt)
     self._last[slot] = first
     self._history[slot, :n] = prompt
+    if self._draft_caches:
+      full = np.zeros((self.max_prompt_len,), np.int32)
+      full[:n] = prompt
+      self._draft_caches = self._draft_join(self._draft_state, self._draft_caches,
+                                            np.int32(slot), full, np.int32(n))
     self._history[slot, n] = first
     self._ends[slot] = n + 1
     reason = self._reason(self._slots[slot], first)
@@ -557,8 +604,9 @@ class ContinuousBatcher:
       new_lengths[slot] = written
     if not new_lengths.any():
       return finished
-    self.caches, greedy, emit = self._spec_step(self._state, self.caches, self._history,
-                                                self._ends, new_lengths)
+    self.caches, greedy, emit, self._draft_caches = self._spec_step(
+        self._state, self.caches, self._history, self._ends, new_lengths, self._draft_state,
+        self._draft_caches)
     greedy, emit = np.asarray(greedy), np.asarray(emit)
     self.steps += 1
     for slot, live in enumerate(self._slots):

@@ -63,6 +63,12 @@ def _serve(batcher, requests):
   return done
 
 
+@functools.lru_cache(maxsize=None)
+def _plain(dtype=None, eos_id=None):
+  """The batcher without speculation on REQUESTS (the reference; one run per setting)."""
+  return _batcher(dtype=dtype, eos_id=eos_id).run(REQUESTS)
+
+
 def _check_same(spec, plain, requests):
   for rid, _, new in requests:
     assert spec[rid].reason == plain[rid].reason, rid
@@ -71,7 +77,7 @@ def _check_same(spec, plain, requests):
 
 @pytest.mark.parametrize("dtype", [None, jnp.int8])
 def test_speculative_batcher_equals_plain_batcher(dtype):
-  plain = _batcher(dtype=dtype).run(REQUESTS)
+  plain = _plain(dtype)
   batcher = _batcher(dtype=dtype, speculative=PromptLookup(3, max_ngram_size=2))
   spec = _serve(batcher, REQUESTS)
   _check_same(spec, plain, REQUESTS)
@@ -115,7 +121,7 @@ def test_shared_prefix_pages_are_never_written_by_rejected_drafts():
 @pytest.mark.slow  # ~7 CPU-seconds each: two batchers compiled
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16])
 def test_speculative_batcher_equals_plain_batcher_more_pools(dtype):
-  plain = _batcher(dtype=dtype).run(REQUESTS)
+  plain = _plain(dtype)
   batcher = _batcher(dtype=dtype, speculative=PromptLookup(4))
   _check_same(_serve(batcher, REQUESTS), plain, REQUESTS)
   assert 0 < batcher.spec_stats["accepted"] < batcher.spec_stats["drafted"]
@@ -123,18 +129,41 @@ def test_speculative_batcher_equals_plain_batcher_more_pools(dtype):
 
 @pytest.mark.slow
 def test_speculative_batcher_stops_at_eos_like_the_plain_batcher():
-  plain = _batcher().run(REQUESTS)
-  # an EOS every sequence emits somewhere in its run (not at its first token)
-  eos = int(plain["a"].tokens[5])
-  plain = _batcher(eos_id=eos).run(REQUESTS)
+  # an EOS "a" emits mid-run (not as its first token)
+  eos = int(_plain()["a"].tokens[5])
+  plain = _plain(eos_id=eos)
   batcher = _batcher(eos_id=eos, speculative=PromptLookup(3))
   spec = _serve(batcher, REQUESTS)
   _check_same(spec, plain, REQUESTS)
   assert spec["a"].reason == "eos"
 
 
+def _truncated(num_layers):
+  """The test model's first `num_layers` layers as a draft model (shared weights)."""
+  draft = nnx.clone(_model())
+  draft.layers = nnx.List(list(draft.layers)[:num_layers])
+  draft.num_layers = num_layers
+  return draft
+
+
+def test_draft_model_batcher_equals_plain_batcher():
+  """A 1-layer draft of the 2-layer model: per-slot draft caches prefilled at join, caught up
+  and rolled back by lengths each pass; tokens equal the plain batcher's."""
+  plain = _plain()
+  batcher = _batcher(speculative=DraftModel(_truncated(1), 3))
+  spec = _serve(batcher, REQUESTS)
+  _check_same(spec, plain, REQUESTS)
+  assert 0 < batcher.spec_stats["accepted"] < batcher.spec_stats["drafted"], batcher.spec_stats
+  assert batcher.traces["spec_step"] == 1 and batcher.traces["draft_join"] == 1
+
+
 def test_speculative_batcher_bad_arguments():
   with pytest.raises(TypeError, match="speculative must be"):
-    _batcher(speculative=DraftModel(_model(), 2))
+    _batcher(speculative="ngram")
   with pytest.raises(ValueError, match="temperature must be 0"):
     _batcher(speculative=PromptLookup(2), temperature=0.7)
+  cfg = transformer.model_config(d_model=32, num_layers=1, mlp_dim=64, vocab_size=100,
+                                 attention=dict(num_heads=4, num_kv_heads=2, head_dim=8))
+  other = transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(1))
+  with pytest.raises(ValueError, match="share the target's vocabulary"):
+    _batcher(speculative=DraftModel(other, 2))
