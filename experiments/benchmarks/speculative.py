@@ -33,7 +33,8 @@ Prints one JSON line per variant: wall and process-CPU seconds per iteration (me
 their ratio to `step` (or to `mlp_1`).
 
 `--batcher` serves every `--prompts` prompt together through `ContinuousBatcher` (one slot
-each, paged pools of 16-token pages), without and with `speculative=PromptLookup(...)`,
+each, paged pools of 16-token pages), without and with `speculative=PromptLookup(...)` (and
+with `--draft_layers N`, `DraftModel` of the first N layers),
 rounds interleaved (one untimed warm-up each): wall seconds of the whole `run` (prefills
 included), steps, tokens per slot pass, and whether every request's tokens are equal.
 """
@@ -199,6 +200,10 @@ def batcher() -> None:
   systems = {"batcher_plain": ContinuousBatcher(model, **args),
              "batcher_prompt_lookup": ContinuousBatcher(
                  model, speculative=speculative.PromptLookup(k, FLAGS.max_ngram_size), **args)}
+  if FLAGS.draft_layers:
+    systems[f"batcher_draft_{FLAGS.draft_layers}_layers"] = ContinuousBatcher(
+        model, speculative=speculative.DraftModel(_truncated(model, FLAGS.draft_layers), k),
+        **args)
   requests = [(i, p, n) for i, p in enumerate(prompts)]
   wall, out, steps = {s: [] for s in systems}, {}, {}
   for r in range(FLAGS.rounds + 1):  # round 0 compiles: not timed
@@ -209,17 +214,16 @@ def batcher() -> None:
       if r:
         wall[name].append(seconds)
   plain_s = statistics.median(wall["batcher_plain"])
-  same = all(np.array_equal(out["batcher_plain"][i].tokens, out["batcher_prompt_lookup"][i].tokens)
-             for i, _, _ in requests)
-  stats = systems["batcher_prompt_lookup"].spec_stats
-  for name in systems:
+  for name, b in systems.items():
+    same = all(np.array_equal(out["batcher_plain"][i].tokens, out[name][i].tokens)
+               for i, _, _ in requests)
+    stats = b.spec_stats
     median = statistics.median(wall[name])
     print(json.dumps(dict(
         system=name, prompts=FLAGS.prompts, prompt_lens=[len(p) for p in prompts],
         new_tokens=n, k=k, rounds=FLAGS.rounds, load_avg=os.getloadavg()[0],
         **timing.stats("run_s", wall[name]), steps=steps[name], speedup_vs_plain=plain_s / median,
-        tokens_per_slot_pass=(1 + stats["accepted"] / max(stats["passes"], 1)
-                              if name != "batcher_plain" else 1.0),
+        tokens_per_slot_pass=1 + stats["accepted"] / max(stats["passes"], 1),
         tokens_equal=same)))
 
 
