@@ -43,10 +43,16 @@ inside the loop (the queries at theirs). Key positions are the token indices, so
 assumes the default positions (token t at position t, what `Transformer` and `generate`
 use); `update_attend` checks that eagerly. `update` then takes keys BEFORE RoPE.
 
+Backends (`implementation`): a decode step (T = 1) with "pallas" reads the store through
+`pallas_kernels.lowbit_decode` (the packed blocks dequantized in registers; interpret mode on
+CPU), None does so where the kernel compiles (GPU / TPU, `unsupported_reason`) and uses the
+XLA loop elsewhere, "xla" always uses the loop; the ring and the new token are merged with
+the kernel's output by log-sum-exp. Keys before RoPE have no kernel ("pallas" raises
+NotImplementedError). Prefill chunks (T > 1) always take the XLA loop.
+
 Overflow: as the dense cache (eager ValueError; under jit tokens past S are dropped,
 `lengths` advances and `overflowed` flags the row; attention reads `min(lengths, S)`).
-Not supported: MLA latents, paged layout, the Pallas kernels (the XLA loop runs
-everywhere), `implementation=` other than None / "xla".
+Not supported: MLA latents, paged layout.
 """
 
 from __future__ import annotations
@@ -198,6 +204,19 @@ class KIVICache(_residual.ResidualStoreCache):
     v = lowbit.dequantize_groups(vc, sl(self.v_scale, offset, size), sl(self.v_zero, offset, size),
                                  axis=4).reshape(b, kh, size, h)
     return k, v
+
+  def _pallas_store(self, q, starts, lengths, *, explicit, sm_scale, soft_cap):
+    """The store read by `pallas_kernels.lowbit_decode` (through `kvattn.ops.pallas`):
+    `(out f32[B, N, H], lse f32[B, N])` over slots `[starts, lengths)`. Keys stored before
+    RoPE are rotated at read by the XLA loop only (NotImplementedError)."""
+    if self.pre_rope:
+      raise NotImplementedError("pallas: keys stored before RoPE (pre_rope=True) are rotated "
+                                "at read by the XLA loop only")
+    from kvattn.ops import pallas as pallas_ops  # pylint: disable=g-import-not-at-top
+    return pallas_ops.kivi_store_decode(
+        q, self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
+        starts, lengths, bits=self.bits, explicit=explicit, sm_scale=sm_scale,
+        soft_cap=soft_cap)
 
   def _encode(self, k: jax.Array, v: jax.Array, num_groups: int) -> dict[str, Any]:
     """The store fields of `num_groups` groups of tokens `k, v: [B, K, n g, H]` (f32): keys
