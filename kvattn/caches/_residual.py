@@ -204,6 +204,12 @@ class ResidualStoreCache:
     return _num_quantized(self._stored(), self.residual, self.group_size)
 
   @property
+  def readable_quantized(self) -> jax.Array:
+    """`i32[B]` store tokens attention reads: `num_quantized` (a paged store: those its
+    assigned pages hold)."""
+    return self.num_quantized
+
+  @property
   def overflowed(self) -> jax.Array:
     """`bool[B]`: written past `max_len` under jit."""
     return self.lengths > self.max_len
@@ -249,7 +255,7 @@ class ResidualStoreCache:
     `implementation` asks for it (`store_backends`: "pallas", or None where the kernel
     compiles), its `(out, lse)` then seeding the online softmax that reads the ring and
     `extra`; else by the XLA loop (`lowbit.blocked_attention`, every T)."""
-    nq = self.num_quantized
+    nq = self.readable_quantized
     ring_tokens = self.ring_tokens()
     k_res = self.k_res.astype(jnp.float32)
     if self.pre_rope:
@@ -315,7 +321,7 @@ class ResidualStoreCache:
     RoPE in pre-RoPE mode). Materialises a copy: for tests and references, not decode."""
     b, kh, h, s = self.batch, self.num_kv_heads, self.head_dim, self.max_len
     out = []
-    nq = self.num_quantized
+    nq = self.readable_quantized
     ring_tokens = self.ring_tokens()
     if self.store_capacity:
       kq, vq = (self._from_space(x) for x in self.read_block(jnp.int32(0), self.store_capacity))
@@ -381,9 +387,9 @@ class ResidualStoreCache:
       gidx = jnp.arange(num_groups, dtype=jnp.int32)[None, :]
       gtoken = old_nq[:, None] + gidx * g
       gslot = jnp.where(gtoken < new_nq[:, None], gtoken // g, sq // g)
-      put = lambda buf, x, idx: buf.at[rows, :, idx].set(jnp.moveaxis(x, 2, 1), mode="drop")
       for field, (x, per) in self._encode(gk, gv, num_groups).items():
-        out[field] = put(getattr(self, field), x, slot if per == "token" else gslot)
+        out[field] = self._put_store(getattr(self, field), x, slot if per == "token" else gslot,
+                                     per)
     # The ring keeps the chunk's tokens that stay residual: [max(old_stored, new_nq),
     # new_stored), distinct ring slots (at most Rb of them).
     t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
@@ -394,6 +400,14 @@ class ResidualStoreCache:
         jnp.moveaxis(x, 2, 1).astype(buf.dtype), mode="drop")
     out.update(k_res=ring_put(self.k_res, chunk_k), v_res=ring_put(self.v_res, chunk_v))
     return self.replace(lengths=lengths, **out)
+
+  def _put_store(self, buf: jax.Array, x: jax.Array, index: jax.Array, per: str) -> jax.Array:
+    """`buf` (a store field) with `x: [B, K, n, ...]` written at `index: i32[B, n]`: store
+    slots (`per` "token") or key groups ("group"); an index at the store's end (`Sq`, `Sq /
+    group_size`) is dropped. Dense store: `buf[b, :, index[b, i]] = x[b, :, i]`."""
+    del per
+    rows = jnp.arange(buf.shape[0], dtype=jnp.int32)[:, None]
+    return buf.at[rows, :, index].set(jnp.moveaxis(x, 2, 1), mode="drop")
 
   # ---------------------------------------------------------------------------- the step
   def update_attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array,

@@ -190,19 +190,24 @@ class KIVICache(_residual.ResidualStoreCache):
     """Store slots `[offset, offset + size)` dequantized: f32 `(k, v)` `[B, K, size, H]`
     (keys as stored). `offset` and `size` must be multiples
     of `group_size`."""
-    g, h = self.group_size, self.head_dim
+    g = self.group_size
     sl = lambda x, o, n: jax.lax.dynamic_slice_in_dim(x, o, n, axis=2)
-    kc = lowbit.unpack_codes(sl(self.k_codes, offset, size), self.bits)
-    vc = lowbit.unpack_codes(sl(self.v_codes, offset, size), self.bits)
-    b, kh = kc.shape[:2]
+    return self._dequantize(sl(self.k_codes, offset, size), sl(self.k_scale, offset // g, size // g),
+                            sl(self.k_zero, offset // g, size // g), sl(self.v_codes, offset, size),
+                            sl(self.v_scale, offset, size), sl(self.v_zero, offset, size))
+
+  def _dequantize(self, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero):
+    """f32 `(k, v)` `[B, K, n, H]` of n store slots' codes `u8[B, K, n, W]`, key group rows
+    `[B, K, n / g, H]` and value scales `[B, K, n, H / vg]` (KIVI's dequantization)."""
+    g, h = self.group_size, self.head_dim
+    kc = lowbit.unpack_codes(k_codes, self.bits)
+    vc = lowbit.unpack_codes(v_codes, self.bits)
+    b, kh, size = kc.shape[:3]
     kc = kc.reshape(b, kh, size // g, g, h)
-    k = lowbit.dequantize_groups(kc, sl(self.k_scale, offset // g, size // g),
-                                 sl(self.k_zero, offset // g, size // g), axis=3)
-    k = k.reshape(b, kh, size, h)
+    k = lowbit.dequantize_groups(kc, k_scale, k_zero, axis=3).reshape(b, kh, size, h)
     vg = value_group(g, h)
     vc = vc.reshape(b, kh, size, h // vg, vg)
-    v = lowbit.dequantize_groups(vc, sl(self.v_scale, offset, size), sl(self.v_zero, offset, size),
-                                 axis=4).reshape(b, kh, size, h)
+    v = lowbit.dequantize_groups(vc, v_scale, v_zero, axis=4).reshape(b, kh, size, h)
     return k, v
 
   def _pallas_store(self, q, starts, lengths, *, explicit, sm_scale, soft_cap):
