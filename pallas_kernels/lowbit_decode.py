@@ -189,6 +189,63 @@ def _grid_kernel(
                      cnt_ref)
 
 
+def _paged_loop_kernel(
+    start_ref,   # i32[]              first attended slot of this sequence
+    length_ref,  # i32[]              one past the last attended slot
+    table_ref,   # i32[pages_padded]  this sequence's block-table row
+    q_ref,       # [Gb, H]
+    kc_ref,      # u8[P, page_size, W]       the whole pools of this KV head
+    ks_ref,      # [P, page_size / g, H]
+    kz_ref,      # [P, page_size / g, H]
+    vc_ref,      # u8[P, page_size, W]
+    vs_ref,      # [P, page_size, H / vg]
+    vz_ref,      # [P, page_size, H / vg]
+    o_ref,       # f32[Gb, H]
+    lse_ref,     # f32[Gb, 1]
+    *rest,       # (count i32[Gb, 1])
+    bits: int,
+    group_size: int,
+    sm_scale: float,
+    soft_cap: float | None,
+    pages_per_block: int,
+    blocks_per_split: int,
+    precision,
+):
+  """"loop" schedule over a paged store: each key block is `pages_per_block` pages gathered
+  through the block table (`ref[page_ids]`, as `paged_decode.py`), then dequantized as in
+  `_loop_kernel`."""
+  split = pl.program_id(3)
+  num_pages, page_size, _ = kc_ref.shape
+  block_k = pages_per_block * page_size
+  start, length = start_ref[()], length_ref[()]
+  first, num_blocks = _common.split_blocks(split, start, length, block_k, blocks_per_split)
+  q = q_ref[...]
+
+  def gather(ref, ids, rows):
+    return ref[ids].reshape(rows, ref.shape[-1])
+
+  def body(i, carry):
+    m, l, acc = carry
+    blk = first + i
+    ids = table_ref[pl.ds(pl.multiple_of(blk * pages_per_block, pages_per_block),
+                          pages_per_block)]
+    # Unassigned entries (NO_PAGE) read a page of the pool instead of faulting; their slots
+    # lie past the length and are masked.
+    ids = jnp.clip(ids, 0, num_pages - 1)
+    k = _dequant_keys(gather(kc_ref, ids, block_k), gather(ks_ref, ids, block_k // group_size),
+                      gather(kz_ref, ids, block_k // group_size), bits,
+                      group_size).astype(q.dtype)
+    v = _dequant_values(gather(vc_ref, ids, block_k), gather(vs_ref, ids, block_k),
+                        gather(vz_ref, ids, block_k), bits).astype(q.dtype)
+    s = _common.logits(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
+    return _common.online_softmax_step(m, l, acc, s, v, blk * block_k, start, length,
+                                       precision)
+
+  _common.loop_blocks(num_blocks, body, o_ref, lse_ref)
+  if rest:
+    rest[0][...] = jnp.full(rest[0].shape, num_blocks * pages_per_block, jnp.int32)
+
+
 # ----------------------------------------------------------------------------
 # Launcher.
 # ----------------------------------------------------------------------------
@@ -483,6 +540,172 @@ def unsupported_reason(q_shape, k_codes_shape, k_scale_shape, *,
   return f"no compiled Pallas backend on {platform!r}"
 
 
+@functools.partial(jax.jit, static_argnames=(
+    "bits", "sm_scale", "soft_cap", "interpret", "pages_per_block", "block_g", "num_splits",
+    "return_lse", "count_blocks", "num_warps", "num_stages"))
+def _paged_impl(q, pools, block_tables, starts, lengths, *, bits, sm_scale, soft_cap, interpret,
+                pages_per_block, block_g, num_splits, return_lse, count_blocks, num_warps,
+                num_stages):
+  batch, num_heads, head_dim = q.shape
+  num_kv, num_pages, page_size, width = pools[0].shape
+  group_size = page_size // pools[1].shape[2]
+  vgroups = pools[4].shape[-1]
+  pps = block_tables.shape[1]
+  groups = num_heads // num_kv
+  ppb = pages_per_block or max(1, min(_common.loop_block_target(2 * head_dim) // page_size,
+                                      _common.next_pow2(pps)), 16 // page_size)
+  dot_dtype = _common.dot_dtype(q.dtype, jnp.int8)
+  block_g = _common.g_tile("loop", groups, head_dim, dot_dtype, block_g)
+  gp = _common.round_up(groups, block_g)
+  num_blocks = -(-pps // ppb)
+  if num_splits is None:
+    num_splits = _common.default_splits("loop", batch * num_kv * (gp // block_g), num_blocks)
+  num_splits = min(num_splits, num_blocks)
+  bps = -(-num_blocks // num_splits)
+  padded = num_splits * bps * ppb
+  tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded - pps)),
+                   constant_values=-1)
+  capacity = pps * page_size
+  starts = jnp.clip(starts.astype(jnp.int32), 0, capacity)
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
+  qg = _common.group_queries(q, num_kv, gp, dot_dtype)
+  kernel = functools.partial(
+      _paged_loop_kernel, bits=bits, group_size=group_size, sm_scale=sm_scale,
+      soft_cap=soft_cap, pages_per_block=ppb, blocks_per_split=bps,
+      precision=lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None)
+
+  def pool(shape):
+    return pl.BlockSpec((None, num_pages) + shape, lambda b, h, g, j: (h, 0, 0, 0))
+
+  scalar = pl.BlockSpec((None,), lambda b, h, g, j: (b,))
+  in_specs = [scalar, scalar, pl.BlockSpec((None, padded), lambda b, h, g, j: (b, 0)),
+              pl.BlockSpec((None, None, block_g, head_dim), lambda b, h, g, j: (b, h, g, 0)),
+              pool((page_size, width)), pool((page_size // group_size, head_dim)),
+              pool((page_size // group_size, head_dim)), pool((page_size, width)),
+              pool((page_size, vgroups)), pool((page_size, vgroups))]
+  outs = _common.launch(kernel, [starts, lengths, tables, qg] + list(pools), schedule="loop",
+                        grid=(batch, num_kv, gp // block_g, num_splits), in_specs=in_specs,
+                        block_g=block_g, hv=head_dim, count=count_blocks, num_scalar_prefetch=3,
+                        interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+                        name="kvattn_paged_kivi_decode_attention")
+  return _common.finish(outs, num_heads, groups, q.dtype, return_lse, count_blocks, head_dim)
+
+
+def paged_kivi_decode_attention(
+    q: jax.Array,             # [B, N, H]
+    k_codes: jax.Array,       # u8[K, P, page_size, H * bits / 8]
+    k_scale: jax.Array,       # [K, P, page_size / g, H]
+    k_zero: jax.Array,        # [K, P, page_size / g, H]
+    v_codes: jax.Array,       # u8[K, P, page_size, H * bits / 8]
+    v_scale: jax.Array,       # [K, P, page_size, H / vg]
+    v_zero: jax.Array,        # [K, P, page_size, H / vg]
+    block_tables: jax.Array,  # i32[B, pages_per_seq]
+    starts: jax.Array,        # i32[B]
+    lengths: jax.Array,       # i32[B]
+    *,
+    bits: int,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+    pages_per_block: int | None = None,
+    block_g: int | None = None,
+    num_splits: int | None = None,
+    platform: str | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    return_lse: bool = False,
+    count_blocks: bool = False,
+):
+  """`kivi_decode_attention` over a paged store (`kvattn.caches.paged_kivi`): logical store
+  slot s of sequence b is slot `s % page_size` of page `block_tables[b, s // page_size]`
+  (entries outside `[0, P)` unassigned: their slots must lie outside `[starts, lengths)`).
+  Each key block is `pages_per_block` pages gathered through the table, dequantized in
+  registers; pages outside the range are not read. "loop" schedule only (GPU, Triton;
+  interpret mode on CPU): page_size, H and the group size powers of two, a block >= 16 slots.
+
+  Returns:
+    As `kivi_decode_attention` (`count_blocks`: pages read per row and KV head).
+
+  Raises:
+    ValueError, TypeError: shapes or dtypes that do not fit (naming the argument), a
+      `platform` that is TPU (no "grid" schedule for the paged store), `check_args`'s.
+  """
+  if q.ndim != 3 or k_codes.ndim != 4 or block_tables.ndim != 2:
+    raise ValueError(f"q must be [B, N, H], k_codes [K, P, page_size, W], block_tables [B, "
+                     f"pages_per_seq]; got shapes {q.shape}, {k_codes.shape}, "
+                     f"{block_tables.shape}")
+  if block_tables.shape[0] != q.shape[0]:
+    raise ValueError(f"block_tables must have one row per sequence ({q.shape[0]}); got "
+                     f"{block_tables.shape[0]}")
+  if not jnp.issubdtype(block_tables.dtype, jnp.integer):
+    raise TypeError(f"block_tables must be integers; got {block_tables.dtype}")
+  # The pools are checked as a dense store of P rows of one page each (same shape rules).
+  probe = [jax.ShapeDtypeStruct((x.shape[1], x.shape[0]) + tuple(x.shape[2:]), x.dtype)
+           if x.ndim == 4 else x for x in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)]
+  check_args(jax.ShapeDtypeStruct((k_codes.shape[1],) + q.shape[1:], q.dtype), *probe,
+             jax.ShapeDtypeStruct((k_codes.shape[1],), starts.dtype),
+             jax.ShapeDtypeStruct((k_codes.shape[1],), lengths.dtype), bits, sm_scale,
+             soft_cap)
+  for name, x in (("starts", starts), ("lengths", lengths)):
+    if x.shape != (q.shape[0],):
+      raise ValueError(f"{name} must be i32[B] with B = {q.shape[0]}; got shape {x.shape}")
+  return paged_kivi_decode_attention_unchecked(
+      q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_tables, starts, lengths,
+      bits=bits, sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret,
+      pages_per_block=pages_per_block, block_g=block_g, num_splits=num_splits,
+      platform=platform, num_warps=num_warps, num_stages=num_stages, return_lse=return_lse,
+      count_blocks=count_blocks)
+
+
+def paged_kivi_decode_attention_unchecked(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                                          block_tables, starts, lengths, *, bits, sm_scale=None,
+                                          soft_cap=None, interpret=False, pages_per_block=None,
+                                          block_g=None, num_splits=None, platform=None,
+                                          num_warps=None, num_stages=None, return_lse=False,
+                                          count_blocks=False):
+  """`paged_kivi_decode_attention` without the argument checks (kvattn's paged KIVI cache);
+  the schedule and tunables are still checked here."""
+  _common.check_schedule("loop", interpret, (
+      ("pages_per_block", pages_per_block), ("block_g", block_g), ("num_splits", num_splits)),
+      platform)
+  page_size, head_dim = k_codes.shape[2], q.shape[-1]
+  group_size = page_size // k_scale.shape[2]
+  reason = paged_unsupported_reason(k_codes.shape, k_scale.shape, head_dim, platform="gpu")
+  if reason is not None:
+    raise ValueError(f"the paged KIVI kernel's \"loop\" schedule cannot take these shapes: "
+                     f"{reason}")
+  if pages_per_block is not None and (not _common.is_pow2(pages_per_block)
+                                      or pages_per_block * page_size < 16):
+    raise ValueError(f"pages_per_block must be a power of two with pages_per_block * page_size "
+                     f">= 16; got {pages_per_block} (page_size {page_size})")
+  del group_size
+  sm_scale = float(head_dim ** -0.5 if sm_scale is None else sm_scale)
+  soft_cap = None if soft_cap is None else float(soft_cap)
+  return _paged_impl(q, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), block_tables,
+                     starts, lengths, bits=bits, sm_scale=sm_scale, soft_cap=soft_cap,
+                     interpret=interpret, pages_per_block=pages_per_block, block_g=block_g,
+                     num_splits=num_splits, return_lse=return_lse, count_blocks=count_blocks,
+                     num_warps=num_warps, num_stages=num_stages)
+
+
+def paged_unsupported_reason(k_codes_shape, k_scale_shape, head_dim: int, *,
+                             platform: str | None = None) -> str | None:
+  """Why the compiled paged kernel cannot run these pools, or None: GPU (Triton) needs
+  page_size, H and the group size powers of two (H, group >= 16); no TPU schedule."""
+  platform = platform or _common.platform()
+  page_size = k_codes_shape[2]
+  group_size = page_size // max(1, k_scale_shape[2])
+  if platform in _common.GPU_PLATFORMS:
+    for what, d, least in (("head dim H", head_dim, 16), ("group_size", group_size, 16),
+                           ("page_size", page_size, 1)):
+      if d < least or not _common.is_pow2(d):
+        return f"{what}={d} is not a power of two >= {least} (Triton)"
+    return None
+  if platform == "tpu":
+    return "no \"grid\" (TPU) schedule for the paged KIVI store yet"
+  return f"no compiled Pallas backend on {platform!r}"
+
+
 # ----------------------------------------------------------------------------
 # Reference (plain jnp, f32).
 # ----------------------------------------------------------------------------
@@ -540,3 +763,23 @@ def kivi_decode_attention_reference(q, k_codes, k_scale, k_zero, v_codes, v_scal
   lse = jnp.where(denom > 0, top[..., 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
   out = out.astype(q.dtype)
   return (out, lse) if return_lse else out
+
+
+def paged_kivi_decode_attention_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                                          block_tables, starts, lengths, *, bits, sm_scale=None,
+                                          soft_cap=None, return_lse=False,
+                                          **unused_tunables: Any):
+  """Plain-jnp f32 `paged_kivi_decode_attention`: the pools gathered through the block table
+  into a dense store (`[B, K, pages_per_seq * page_size, ...]`, unassigned pages read page 0
+  and lie outside the range), then `kivi_decode_attention_reference`."""
+  del unused_tunables
+  tables = jnp.clip(block_tables, 0, k_codes.shape[1] - 1)
+
+  def dense(pool):  # [K, P, rows, X] -> [B, K, pages_per_seq * rows, X]
+    x = pool[:, tables]  # [K, B, pps, rows, X]
+    k, b, pps, rows, width = x.shape
+    return jnp.moveaxis(x, 0, 1).reshape(b, k, pps * rows, width)
+
+  return kivi_decode_attention_reference(
+      q, *(dense(x) for x in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)), starts,
+      lengths, bits=bits, sm_scale=sm_scale, soft_cap=soft_cap, return_lse=return_lse)

@@ -28,8 +28,10 @@ same `lowbit.blocked_attention` loop as the dense store: no dequantized copy, no
 copy of the whole store); writing scatters the flushed groups to their pages. Overflow as
 `PagedKVCache`: an eager write that flushes a group onto an unassigned page raises
 ValueError; under jit it is dropped, `overflowed` flags the row and attention reads only the
-store tokens the assigned pages hold (`readable_quantized`). No Pallas kernel reads the paged
-store yet: `implementation="pallas"` raises NotImplementedError (None uses the XLA loop).
+store tokens the assigned pages hold (`readable_quantized`). A decode step with
+`implementation="pallas"` (None: on a GPU) reads the store through
+`pallas_kernels.lowbit_decode.paged_kivi_decode_attention` (pages gathered through the table
+inside the kernel; GPU "loop" schedule only, interpret mode on CPU), as `KIVICache` does.
 Bytes: `storage_slots` is `P * page_size` (the pool's store slots; the rings amortised over
 them), `analytic_bytes_per_token()` the count from sizes.
 """
@@ -244,10 +246,17 @@ class PagedKIVICache(kivi.KIVICache):
               f"first)")
 
   def _pallas_store(self, q, starts, lengths, *, explicit, sm_scale, soft_cap):
-    """No kernel reads a paged KIVI store yet: NotImplementedError."""
-    del q, starts, lengths, explicit, sm_scale, soft_cap
-    raise NotImplementedError("pallas: no kernel reads a paged KIVI store yet (the dense KIVI "
-                              "store has one)")
+    """The paged store read by `pallas_kernels.lowbit_decode.paged_kivi_decode_attention`
+    (through `kvattn.ops.pallas`); `lengths` capped at the assigned pages' store slots.
+    NotImplementedError for keys before RoPE or where the kernel cannot run."""
+    if self.pre_rope:
+      raise NotImplementedError("pallas: keys stored before RoPE (pre_rope=True) are rotated "
+                                "at read by the XLA loop only")
+    from kvattn.ops import pallas as pallas_ops  # pylint: disable=g-import-not-at-top
+    return pallas_ops.paged_kivi_store_decode(
+        q, self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
+        self.block_tables, starts, jnp.minimum(lengths, self.assigned_store_slots),
+        bits=self.bits, explicit=explicit, sm_scale=sm_scale, soft_cap=soft_cap)
 
 
 def build(bits: int):

@@ -95,3 +95,19 @@ def kivi_store_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sta
       q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, lengths, bits=bits,
       sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret, return_lse=True)
   return out.astype(jax.numpy.float32), lse
+
+
+def paged_kivi_store_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_tables,
+                            starts, lengths, *, bits, explicit, sm_scale, soft_cap=None):
+  """`kivi_store_decode` over a paged KIVI store (`lowbit_decode.paged_kivi_decode_attention`;
+  GPU only when compiled: no TPU schedule).
+
+  Raises:
+    NotImplementedError: as `kivi_store_decode` (`lowbit_decode.paged_unsupported_reason`).
+  """
+  interpret = _mode(explicit, lambda platform: _lowbit_kernel.paged_unsupported_reason(
+      k_codes.shape, k_scale.shape, q.shape[-1], platform=platform))
+  out, lse = _lowbit_kernel.paged_kivi_decode_attention_unchecked(
+      q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_tables, starts, lengths,
+      bits=bits, sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret, return_lse=True)
+  return out.astype(jax.numpy.float32), lse

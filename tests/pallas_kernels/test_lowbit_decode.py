@@ -178,3 +178,48 @@ def test_bad_arguments_raise(change, error, match):
   args.update(change)
   with pytest.raises(error, match=match):
     lb.kivi_decode_attention(**args)
+
+
+def _paged(store, page_size, seed=0):
+  """The store's rows cut into pages of `page_size` slots, shuffled into a pool with 3 spare
+  pages of garbage (codes 77, NaN scales); `(pools, block_tables)`."""
+  batch = store[0].shape[0]
+  pps = SQ // page_size
+  num_pages = batch * pps + 3
+  tables = np.random.default_rng(seed).permutation(num_pages)[:batch * pps].reshape(batch, pps)
+  pools = []
+  for x in store:
+    x = np.asarray(x)
+    rows = page_size * x.shape[2] // SQ  # slots (codes, value scales) or key groups per page
+    pool = np.full((x.shape[1], num_pages, rows, x.shape[3]), 77 if x.dtype == np.uint8 else
+                   np.nan, x.dtype)
+    for b in range(batch):
+      for j in range(pps):
+        pool[:, tables[b, j]] = x[b, :, j * rows:(j + 1) * rows]
+    pools.append(jnp.asarray(pool))
+  return pools, jnp.asarray(tables, jnp.int32)
+
+
+@pytest.mark.parametrize("bits,page_size,num_heads,num_kv,q_dtype", [
+    (4, 32, 8, 2, jnp.float32),
+    pytest.param(2, 16, 32, 1, jnp.bfloat16, marks=pytest.mark.slow),  # fast: the case above
+])
+def test_paged_kernel_matches_the_dense_reference(bits, page_size, num_heads, num_kv, q_dtype):
+  batch = len(EDGES)
+  store = _store(batch, num_kv, 32, bits)
+  pools, tables = _paged(store, page_size)
+  q = jax.random.normal(jax.random.key(4), (batch, num_heads, 32)).astype(q_dtype)
+  lengths = jnp.asarray(EDGES, jnp.int32)
+  starts = _starts("inside", lengths)
+  out, lse = lb.paged_kivi_decode_attention(q, *pools, tables, starts, lengths, bits=bits,
+                                            interpret=True, num_splits=2, return_lse=True)
+  ref, ref_lse = _reference(q, *store, starts, lengths, bits=bits, return_lse=True)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                             atol=TOL[q_dtype], rtol=TOL[q_dtype])
+  close_lse(lse, ref_lse, q_dtype)
+  paged_ref = lb.paged_kivi_decode_attention_reference(q, *pools, tables, starts, lengths,
+                                                       bits=bits)
+  np.testing.assert_array_equal(np.asarray(paged_ref), np.asarray(ref))
+  with pytest.raises(ValueError, match="block_tables must have one row per sequence"):
+    lb.paged_kivi_decode_attention(q, *pools, tables[:2], starts, lengths, bits=bits,
+                                   interpret=True)

@@ -256,3 +256,28 @@ def test_kivi_store_kernel_lowers_or_says_why_not(target, bits, width, option):
                                    k_scale, codes, v_scale, v_scale, lengths, lengths), target),
                         target)
   assert len(calls) == 1 and "kvattn_kivi_decode_attention" in calls[0], calls
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_paged_kivi_store_kernel_lowers_for_cuda_and_says_why_not_for_tpu(target):
+  from pallas_kernels import lowbit_decode  # pylint: disable=g-import-not-at-top
+  sds, group, width = jax.ShapeDtypeStruct, 32, 64
+  codes = sds((NUM_KV, NUM_PAGES, PAGE_SIZE, width // 2), jnp.uint8)
+  k_scale = sds((NUM_KV, NUM_PAGES, PAGE_SIZE // group, width), jnp.float16)
+  v_scale = sds((NUM_KV, NUM_PAGES, PAGE_SIZE, width // group), jnp.float16)
+  reason = lowbit_decode.paged_unsupported_reason(codes.shape, k_scale.shape, width,
+                                                  platform=target)
+  if target == "tpu":
+    assert reason == "no \"grid\" (TPU) schedule for the paged KIVI store yet"
+    return
+  assert reason is None
+
+  def f(*args):
+    return lowbit_decode.paged_kivi_decode_attention(*args, bits=4, platform=target)
+
+  lengths = sds((BATCH,), jnp.int32)
+  calls = _custom_calls(_lower(f, (sds((BATCH, NUM_HEADS, width), jnp.bfloat16), codes, k_scale,
+                                   k_scale, codes, v_scale, v_scale,
+                                   sds((BATCH, CAPACITY // PAGE_SIZE), jnp.int32), lengths,
+                                   lengths), target), target)
+  assert len(calls) == 1 and "kvattn_paged_kivi_decode_attention" in calls[0], calls
