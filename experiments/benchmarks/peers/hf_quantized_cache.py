@@ -9,8 +9,9 @@ None for transformers' `DynamicCache` in f32). Per cache, as the family does for
     (`model(ids[s:e], past_key_values=cache)`), token i + 1 scored from tokens 0..i;
   * the cache's bytes per token after the n tokens, read from its tensors (quanto's packed
     codes, scales and shifts, the full-precision residual: every tensor the layers hold);
-  * `new_tokens` greedy tokens from that cache, the first fed token `ids[n]`; decode
-    tokens/s over the `new_tokens - 1` steps after the first, timed directly.
+  * `new_tokens` tokens from that cache as the family's decode returns them: the fed token
+    `ids[n]`, then `new_tokens - 1` greedy ones; decode tokens/s over the `new_tokens - 2`
+    model steps after the first, timed directly.
 
 `QuantizedCache(backend="quanto", nbits, residual_length, q_group_size)` is transformers'
 KIVI-style cache (cache_utils.QuantizedLayer): the prompt is quantized at once, later tokens
@@ -90,18 +91,20 @@ def run_cache(model, ids, chunk: int, new_tokens: int, spec) -> dict:
     out = model(token.view(1, 1), **{cache_arg: cache}, use_cache=True)
     return out.logits[0, -1].argmax(-1)
 
-  tokens = [step(ids[n])]  # the first step (not timed, as the family's)
+  # As `kvattn.generate`'s decode: the fed token first, then `new_tokens - 1` greedy ones
+  # (so the lists line up for the agreement); the first step is not timed.
+  tokens = [ids[n], step(ids[n])]
   start, cpu = time.perf_counter(), time.process_time()
-  for _ in range(new_tokens - 1):
+  for _ in range(new_tokens - 2):
     tokens.append(step(tokens[-1]))
   decode_s, decode_cpu = time.perf_counter() - start, time.process_time() - cpu
   return {
       "name": spec["name"], "nbits": spec.get("nbits"), "residual": spec.get("residual"),
       "q_group_size": spec.get("q_group_size"), "num_tokens": n, "tokens_held": int(held),
       "cache_bytes_per_token": float(per_token), "ppl": float(math.exp(nll.mean().item())),
-      "ppl_seconds": ppl_s, "ppl_cpu_s": ppl_cpu, "decode_steps_timed": new_tokens - 1,
+      "ppl_seconds": ppl_s, "ppl_cpu_s": ppl_cpu, "decode_steps_timed": new_tokens - 2,
       "decode_s": decode_s, "decode_cpu_s": decode_cpu,
-      "decode_tokens_per_s": (new_tokens - 1) / decode_s if decode_s > 0 else float("nan"),
+      "decode_tokens_per_s": (new_tokens - 2) / decode_s if decode_s > 0 else float("nan"),
       "greedy_tokens": [int(t) for t in tokens],
   }
 
