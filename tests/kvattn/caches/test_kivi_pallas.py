@@ -98,10 +98,16 @@ def test_pre_rope_keys_have_no_kernel():
   q, k, v = _qkv()
   with pytest.raises(NotImplementedError, match=r"pre_rope=True.*XLA loop only"):
     _step("pallas", {})(cache, q, k, v)
-  got = _step(("pallas", "xla"), {})(cache, q, k, v)[0]
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(_step("xla", {})(cache, q, k, v)[0]))
   with pytest.raises(NotImplementedError, match="implementation must be None, 'pallas' or"):
     _step("xla_blocked", {})(cache, q, k, v)
+
+
+@pytest.mark.slow  # two more compiled programs; fast: the refusal above
+def test_pre_rope_keys_fall_back_to_the_xla_loop():
+  cache = _filled(4, pre_rope=True)
+  q, k, v = _qkv()
+  got = _step(("pallas", "xla"), {})(cache, q, k, v)[0]
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(_step("xla", {})(cache, q, k, v)[0]))
 
 
 @pytest.mark.slow  # ~15 s of interpret-mode compilation; fast: the step parity above
