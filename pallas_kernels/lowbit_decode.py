@@ -24,7 +24,8 @@ tile), an online softmax over key blocks (FlashAttention-2), key-axis splits mer
 log-sum-exp (flash-decoding), masked logits replaced and masked value rows zeroed, so
 garbage (NaN scales, random codes) in unused slots never reaches an output.
 
-Schedules as in `dense_decode.py`: "loop" (GPU, Triton; grid `(B, K, G tiles, splits)`,
+`paged_kivi_decode_attention` reads the same store from page pools through a block table
+(`kvattn.caches.paged_kivi`), "loop" schedule only. Schedules as in `dense_decode.py`: "loop" (GPU, Triton; grid `(B, K, G tiles, splits)`,
 each program a `fori_loop` over its blocks) and "grid" (TPU, Mosaic; key blocks on the last
 grid axis, `starts` / `lengths` scalar-prefetched, the clamped block index map skips
 blocks outside the range; the key scales of a row are one whole-row VMEM block, sliced per
@@ -669,7 +670,6 @@ def paged_kivi_decode_attention_unchecked(q, k_codes, k_scale, k_zero, v_codes, 
       ("pages_per_block", pages_per_block), ("block_g", block_g), ("num_splits", num_splits)),
       platform)
   page_size, head_dim = k_codes.shape[2], q.shape[-1]
-  group_size = page_size // k_scale.shape[2]
   reason = paged_unsupported_reason(k_codes.shape, k_scale.shape, head_dim, platform="gpu")
   if reason is not None:
     raise ValueError(f"the paged KIVI kernel's \"loop\" schedule cannot take these shapes: "
@@ -678,7 +678,6 @@ def paged_kivi_decode_attention_unchecked(q, k_codes, k_scale, k_zero, v_codes, 
                                       or pages_per_block * page_size < 16):
     raise ValueError(f"pages_per_block must be a power of two with pages_per_block * page_size "
                      f">= 16; got {pages_per_block} (page_size {page_size})")
-  del group_size
   sm_scale = float(head_dim ** -0.5 if sm_scale is None else sm_scale)
   soft_cap = None if soft_cap is None else float(soft_cap)
   return _paged_impl(q, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), block_tables,
