@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from kvattn import _checks
 from kvattn.caches import eviction
 from kvattn.caches import kivi
+from kvattn.caches import paged_kivi
 from kvattn.caches import rotated
 from kvattn.caches import length_switch
 from kvattn.caches import window as window_lib
@@ -204,6 +205,10 @@ CACHE_KIND_TABLE: dict[str, CacheKind] = {
                                    f"RotatedCache: Hadamard-rotated K/V, {bits}-bit codebook "
                                    f"per token (+ `residual` newest tokens in full precision)")
        for bits in (3, 4)},
+    **{f"paged_kivi{bits}": CacheKind(paged_kivi.build(bits), paged_kivi.OPTIONS,
+                                      f"PagedKIVICache: kivi{bits} with its quantized store in "
+                                      f"pages of `page_size` slots (a multiple of group_size)")
+       for bits in (2, 4)},
 }
 """Cache kind -> `CacheKind`: "dense", "paged" (`page_size`, `seed`), "ring"
 (`window`), "sink" (`num_sinks`, `window`), each eviction policy of
