@@ -287,3 +287,26 @@ def test_conversions_refuse_a_model_that_already_shares():
   for fn in (lambda: convert.to_cla(shared, 2), lambda: convert.regroup_kv_heads(shared, 1)):
     with pytest.raises(ValueError, match=r"model layer 1 reads layer 0's \(cross-layer KV"):
       fn()
+
+
+@pytest.mark.slow  # the fast suite: dense and rings above (both ways a sharing layer reads)
+@pytest.mark.parametrize("spec", [{"kind": "paged", "page_size": 4}, {"kind": "h2o", "budget": 32},
+                                  {"kind": "sink", "num_sinks": 2, "window": 30},
+                                  {"kind": "kivi4"}, "speculative"],
+                         ids=lambda s: s if isinstance(s, str) else s["kind"])
+def test_generate_with_sharing_through_every_path_equals_dense(spec):
+  """Budgets that hold every token: each kind (and speculative decoding over dense caches)
+  gives the dense caches' greedy tokens with the sharing layers reading the owners' caches."""
+  from kvattn.caches import registry  # pylint: disable=g-import-not-at-top
+  from kvattn.inference import speculative  # pylint: disable=g-import-not-at-top
+  model = _model(LLAMA, cla_factor=2)
+  prompts = jnp.array([[3, 9, 27, 5, 3, 9, 27], [7, 1, 7, 1, 7, 0, 0]], jnp.int32)
+  lengths = np.array([7, 5])
+  want, _ = kvattn.generate(model, prompts, lengths, 6)
+  if spec == "speculative":
+    got, _ = kvattn.generate(model, prompts, lengths, 6,
+                             speculative=speculative.PromptLookup(3, 2, 1))
+  else:
+    got, _ = kvattn.generate(model, prompts, lengths, 6,
+                             cache_factory=registry.cache_factory_from_config(model, spec))
+  np.testing.assert_array_equal(got, want)
