@@ -115,15 +115,16 @@ class HeadsPretrainedFamily:
   def __init__(self, workdir: str):
     self.workdir = workdir
     self._title = "kvattn: head grouping on a pretrained model"
-    self._source: tuple[Any, Any, Any] | None = None  # (key, model, tokenizer)
-    self._dataset: tuple[Any, data_lib.Dataset] | None = None
+    # Sources and datasets by key, kept for a sweep that alternates sources (a few GB at most).
+    self._sources: dict[str, tuple[Any, Any]] = {}  # key -> (model, tokenizer)
+    self._datasets: dict[str, data_lib.Dataset] = {}
 
   # -- source, data ---------------------------------------------------------------------------
 
   def source(self, d: Mapping[str, Any]) -> tuple[transformer_lib.Transformer, Any]:
-    """The source model and tokenizer, loaded once per source."""
+    """The source model and tokenizer, loaded once per source (and kept)."""
     key = overrides.digest({"source": d["source"], "model": d["model"]})
-    if self._source is None or self._source[0] != key:
+    if key not in self._sources:
       name = d["source"]["name"]
       if name == "random":
         spec = checks.model_spec(d, "config")
@@ -135,19 +136,19 @@ class HeadsPretrainedFamily:
         except (FileNotFoundError, KeyError) as e:
           raise ValueError(f"source.name must be 'random' or a kvattn.from_pretrained source; "
                            f"got {name!r} ({e})") from None
-      self._source = (key, model, tok)
-    return self._source[1], self._source[2]
+      self._sources[key] = (model, tok)
+    return self._sources[key]
 
   def dataset(self, d: Mapping[str, Any]) -> data_lib.Dataset:
     """The default corpus tokenized with the source's tokenizer (once per source and data)."""
     key = overrides.digest({"source": d["source"], "data": d["data"]})
-    if self._dataset is None or self._dataset[0] != key:
+    if key not in self._datasets:
       _, tok = self.source(d)
       dd = d["data"]
-      self._dataset = (key, data_lib.load_token_dataset(
+      self._datasets[key] = data_lib.load_token_dataset(
           tok.encode, eos_id=tok.eos_id, seq_len=dd["seq_len"], max_bytes=dd["max_bytes"],
-          validation_fraction=dd["validation_fraction"]))
-    return self._dataset[1]
+          validation_fraction=dd["validation_fraction"])
+    return self._datasets[key]
 
   # -- points and validation -------------------------------------------------------------------
 

@@ -40,9 +40,10 @@ def test_smoke_points_are_validated_and_labelled():
 def test_cla_config_points_per_source():
   """configs/cla_pretrained.py: per source the control (a copy) and CLA2 by mean and first."""
   sweep = cla_config.get_sweep()
-  assert [(s["source.name"], s["convert.kind"]) for s in sweep[:3]] == [
-      ("smollm2-135m-instruct", "regroup"), ("smollm2-135m-instruct", "cla"),
-      ("smollm2-135m-instruct", "cla")]
+  assert [(s["source.name"], s["convert.kind"], s["convert.method"]) for s in sweep] == [
+      ("smollm2-135m-instruct", "cla", "mean"), ("gemma3-270m", "cla", "mean"),
+      ("smollm2-135m-instruct", "regroup", "mean"), ("gemma3-270m", "regroup", "mean"),
+      ("smollm2-135m-instruct", "cla", "first"), ("gemma3-270m", "cla", "first")]
   assert {s["source.name"] for s in sweep} == {"smollm2-135m-instruct", "gemma3-270m"}
   smoke = cla_config.get_config("smoke")
   points = hp.HeadsPretrainedFamily("/nonexistent").points(smoke, cla_config.get_sweep("smoke"))
