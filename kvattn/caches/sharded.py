@@ -500,7 +500,8 @@ def init_caches(model, batch: int, max_len: int, mesh: Mesh, *,
   page_size = _checks.positive_int("page_size", page_size)
   dtype = model.dtype if dtype is None else dtype
   builders = []
-  for layer in model.layers:
+  owners = getattr(model, "cache_layers", range(len(model.layers)))  # cross-layer KV sharing
+  for layer in (model.layers[i] for i in owners):
     attn = layer.attn
     if _layer_kind(attn) == "latent":
       lay = cache_layout(mesh, rules, kind="latent", batch=batch, max_len=max_len)
