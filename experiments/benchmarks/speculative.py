@@ -243,10 +243,7 @@ def _prompt(tokenizer, spec: str) -> np.ndarray:
 
 def _truncated(model, num_layers: int):
   """The model's first `num_layers` layers, embedding and head (shared weights)."""
-  draft = nnx.clone(model)
-  draft.layers = nnx.List(list(draft.layers)[:num_layers])
-  draft.num_layers = num_layers
-  return draft
+  return model.truncated(num_layers)
 
 
 class _HFPeer:

@@ -311,6 +311,26 @@ class Transformer(nnx.Module):
     self.kv_sources = tuple(layer.kv_source for layer in spec.layers)
     self.cache_layers = tuple(i for i, j in enumerate(self.kv_sources) if j is None)
 
+  def truncated(self, num_layers: int) -> "Transformer":
+    """A copy with the first `num_layers` layers, the same embedding, final norm
+    and head (e.g. a draft model for speculative decoding, or layer-dropping
+    studies); parameters are copied (`nnx.clone`), not shared.
+
+    Raises:
+      ValueError: `num_layers` not an int in [1, L].
+    """
+    if (isinstance(num_layers, bool) or not isinstance(num_layers, int)
+        or not 1 <= num_layers <= self.num_layers):
+      raise ValueError(f"num_layers must be an int in [1, {self.num_layers}]; got {num_layers!r}")
+    out = nnx.clone(self)
+    out.spec = dataclasses.replace(self.spec, num_layers=num_layers,
+                                   layers=tuple(self.spec.layers[:num_layers]))
+    out.num_layers = num_layers
+    out.layers = nnx.List(list(out.layers)[:num_layers])
+    out.kv_sources = self.kv_sources[:num_layers]  # sources are earlier layers: still valid
+    out.cache_layers = tuple(i for i in self.cache_layers if i < num_layers)
+    return out
+
   @property
   def num_caches(self) -> int:
     """Caches the model takes: one per layer that owns its K/V (`cache_layers`)."""

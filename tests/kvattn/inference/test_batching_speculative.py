@@ -140,10 +140,7 @@ def test_speculative_batcher_stops_at_eos_like_the_plain_batcher():
 
 def _truncated(num_layers):
   """The test model's first `num_layers` layers as a draft model (shared weights)."""
-  draft = nnx.clone(_model())
-  draft.layers = nnx.List(list(draft.layers)[:num_layers])
-  draft.num_layers = num_layers
-  return draft
+  return _model().truncated(num_layers)
 
 
 def test_draft_model_batcher_equals_plain_batcher():
