@@ -71,13 +71,16 @@ def get_config(arg=None):
 
   config.convert = config_dict.ConfigDict()
   conv = config.convert
-  conv.kind = "regroup"  # "regroup" (kvattn.models.convert.regroup_kv_heads) or "mla" (to_mla).
+  # "regroup" (kvattn.models.convert.regroup_kv_heads), "mla" (to_mla) or "cla" (to_cla).
+  conv.kind = "regroup"
   conv.num_kv_heads = 3  # regroup: target K (a multiple or a divisor of the source's K).
-  conv.method = "mean"  # regroup: "mean" / "first"; mla: "joint" / "split" (SVD_joint/_split).
+  # regroup, cla: "mean" / "first"; mla: "joint" / "split" (SVD_joint/_split).
+  conv.method = "mean"
   conv.kv_lora_rank = 232  # mla: latent width C (<= K (2H - R / K)).
   conv.qk_rope_head_dim = 6 if smoke else 24  # mla: cached rope dims R = K * (rope dims per
   # KV head).
   conv.rope_selection = "high"  # mla: RoPE pairs kept, "high" (S_high) or "uniform".
+  conv.cla_factor = 2  # cla: layers (of one type) per group sharing one K/V cache.
 
   config.data = config_dict.ConfigDict()
   data = config.data

@@ -2,6 +2,8 @@ r"""KV caches below 8 bits on SmolLM2-135M-Instruct: KIVI 2/4-bit next to f32 / 
 
     python -m experiments.main --config=configs/lowbit.py --workdir=runs/lowbit
     python -m experiments.main --config=configs/lowbit.py:smoke --workdir=/tmp/lowbit
+    python -m experiments.main --config=configs/lowbit.py --workdir=runs/lowbit \
+        --config.peers.run=True --config.peers.python=/path/to/peers-venv/bin/python
 
 Points (`get_sweep()`): the dense cache in float32 (the reference), bfloat16 and int8, and
 the KIVI kinds (`kivi4`, `kivi2`, kvattn/caches/kivi.py) at residuals 0 / 32 / 128 with keys
@@ -13,7 +15,9 @@ a capacity of `text.num_tokens + text.new_tokens` tokens, streaming perplexity o
 `text.num_tokens` held-out tokens (`text.chunk` per forward pass), then from that cache a
 greedy continuation of `text.new_tokens` tokens through `generate`'s compiled decode loop
 (decode tokens/s at that context; agreement with the f32 cache's tokens), and passkey
-retrieval at `passkey.context` tokens.
+retrieval at `passkey.context` tokens. With `peers.run` (the `--peers` step) HF transformers'
+`QuantizedCache` (quanto, `peers.bits` at `peers.residual`) and its f32 `DynamicCache` stream
+the same tokens in a subprocess: perplexity, bytes per token, greedy decode speed.
 
 `get_config(arg)` / `get_sweep(arg)` take "" (the full run: 4k tokens), "reduced" (1k tokens,
 fewer points: for a busy machine) or "smoke" (a random tiny model, seconds; for tests).
@@ -70,8 +74,21 @@ def get_config(arg=None):
   config.passkey.new_tokens = 8  # Greedy tokens searched for the key.
   config.passkey.seed = 0
 
+  config.peers = config_dict.ConfigDict()
+  config.peers.run = False  # The optional peer step: HF transformers' QuantizedCache (quanto)
+  # on the same text, in a subprocess (experiments/benchmarks/peers/hf_quantized_cache.py),
+  # once per workdir after the points; its rows join report.md.
+  config.peers.python = "python"  # Interpreter with the [peers] extra (torch, transformers,
+  # optimum-quanto).
+  config.peers.threads = 2  # torch threads of the peer.
+  config.peers.bits = (4, 2)  # QuantizedCache(nbits=...) points; an f32 DynamicCache runs too.
+  config.peers.residual = 128  # residual_length (tokens kept in full precision).
+  config.peers.q_group_size = 64  # transformers' default group along the head dim.
+
   config.experiment = config_dict.ConfigDict()
   config.experiment.kind = "lowbit"  # Family: experiments/families/lowbit.py.
+  config.experiment.max_points = config_dict.placeholder(int)  # Measure at most this many new
+  # points in one invocation (None: all; the sweep's order puts the telling ones first).
   config.experiment.name = "kvattn: KV caches below 8 bits on SmolLM2-135M-Instruct"
   return config
 

@@ -3,6 +3,8 @@
     python -m experiments.benchmarks.speculative --model smollm2-135m-instruct --new_tokens 128 \\
         --num_draft_tokens 4 --rounds 5 [--draft_layers 8] [--peers --peer_python PY]
     python -m experiments.benchmarks.speculative --memory
+    python -m experiments.benchmarks.speculative --verify_cost [--steps 16 --rounds 5]
+    python -m experiments.benchmarks.speculative --batcher --prompts continue:specialnames,...
 
 Text: Python's own documentation (`pydoc_data.topics`), where n-grams repeat. Each prompt
 (`--prompts`) is one topic: `continue` feeds the topic's first `--prompt_tokens` tokens raw
@@ -17,8 +19,24 @@ median decode seconds, speed-up over plain (ratio of medians measured in the sam
 tokens per verify pass (`1 + accepted / passes`) and whether the tokens equal plain
 greedy's. With `--peers`, HF transformers (`--peer_python`, the same GGUF in f32) times
 `generate(do_sample=False)` plain and with `prompt_lookup_num_tokens` in a subprocess,
-alone (ours idle), between our rounds; its decode seconds are generate's minus a prefill
-call. Prints one JSON line per prompt and system.
+alone (ours idle), between our rounds (each round alternates who goes first); its decode
+seconds are `generate(new_tokens)`'s minus `generate(1)`'s (prefill, first token and
+generate's fixed costs), timed back to back in the peer. Prints one JSON line per prompt and system.
+
+`--verify_cost` times what one verify pass costs against one plain decode step inside a
+compiled loop (`lax.fori_loop` of `--steps` iterations, caches donated, one copy of the same
+prefilled caches per variant and round, rounds interleaved): `step` (T = 1, as `generate`'s
+loop), `verify_T` (T tokens through a transaction, keep 1: what a pass that accepts nothing
+costs), `chunk_T` (the same T-token forward without the transaction), and the model's own
+MLP matmuls alone at M = 1 and M = T rows (`mlp_T`), which isolate XLA's dot for few rows.
+Prints one JSON line per variant: wall and process-CPU seconds per iteration (medians) and
+their ratio to `step` (or to `mlp_1`).
+
+`--batcher` serves every `--prompts` prompt together through `ContinuousBatcher` (one slot
+each, paged pools of 16-token pages), without and with `speculative=PromptLookup(...)` (and
+with `--draft_layers N`, `DraftModel` of the first N layers),
+rounds interleaved (one untimed warm-up each): wall seconds of the whole `run` (prefills
+included), steps, tokens per slot pass, and whether every request's tokens are equal.
 """
 
 from __future__ import annotations
@@ -54,6 +72,11 @@ flags.DEFINE_integer("draft_layers", 0, "Also a draft model of the first N layer
 flags.DEFINE_integer("rounds", 5, "Interleaved timed rounds (after one untimed warm-up).")
 flags.DEFINE_bool("peers", False, "Also time HF transformers (subprocess of --peer_python).")
 flags.DEFINE_string("peer_python", "/work/peers-venv/bin/python", "Python of the HF peer.")
+flags.DEFINE_bool("verify_cost", False, "Only time one verify pass against one plain step "
+                  "inside compiled loops, and the MLP matmuls at 1 and T rows (module doc).")
+flags.DEFINE_bool("batcher", False, "Only time ContinuousBatcher with and without prompt "
+                  "lookup over all --prompts at once (module doc).")
+flags.DEFINE_integer("steps", 16, "--verify_cost: loop iterations per timed call.")
 flags.DEFINE_bool("memory", False, "Only compile one verify pass per cache kind (a random "
                   "4-layer model, 2048 slots) with and without a transaction and print XLA's "
                   "temp bytes: what the rollback costs in memory.")
@@ -93,6 +116,117 @@ def memory() -> None:
                           transaction_temp_bytes=b, extra_bytes=b - a)))
 
 
+def verify_cost() -> None:
+  """Seconds per loop iteration of a plain step, a verify pass and a T-token chunk, and of
+  the MLP matmuls at 1 and T rows (module doc); one JSON line each."""
+  from kvattn.caches import transaction  # pylint: disable=g-import-not-at-top
+  model, tokenizer = pretrained.from_pretrained(FLAGS.model, dtype=jnp.float32)
+  graphdef, state = nnx.split(model)
+  k, steps = FLAGS.num_draft_tokens, FLAGS.steps
+  prompt = _prompt(tokenizer, FLAGS.prompts[0])[None]
+  lengths = np.array([prompt.shape[1]], np.int32)
+  caches = model.init_caches(1, prompt.shape[1] + steps + k + 1)
+  _, first, caches, _ = timing.timed_prefill(model, prompt, lengths, caches)
+
+  def loop(num_tokens: int, in_transaction: bool):
+    def run(state, caches, token):
+      m = nnx.merge(graphdef, state)
+
+      def body(_, carry):
+        token, caches = carry
+        fed = jnp.broadcast_to(token[:, None], (1, num_tokens))
+        n = jnp.full((1,), num_tokens, jnp.int32)
+        if in_transaction:
+          h, drafts = m.hidden(fed, transaction.begin_all(caches), new_lengths=n)
+          greedy = jnp.argmax(m.logits_from_hidden(h), axis=-1).astype(jnp.int32)
+          caches = transaction.commit_all(drafts, jnp.ones((1,), jnp.int32))
+        else:
+          h, caches = m.hidden(fed, caches, new_lengths=n)
+          greedy = jnp.argmax(m.logits_from_hidden(h), axis=-1).astype(jnp.int32)
+          caches = tuple(c.replace(lengths=c.lengths - (num_tokens - 1)) for c in caches)
+        return greedy[:, 0], caches
+
+      return jax.lax.fori_loop(0, steps, body, (token, caches))
+    return jax.jit(run, donate_argnums=1)
+
+  mlp = [(layer.mlp.gate[...], layer.mlp.up[...], layer.mlp.down[...]) for layer in model.layers]
+
+  def mlp_loop(rows: int):
+    def run(weights, x):
+      def body(_, x):
+        for gate, up, down in weights:
+          x = (jax.nn.silu(x @ gate) * (x @ up)) @ down
+          x = x / (jnp.linalg.norm(x, axis=-1, keepdims=True) + 1e-6)
+        return x
+      return jax.lax.fori_loop(0, steps, body, x)
+    return jax.jit(run), jnp.full((rows, mlp[0][0].shape[0]), 0.01, jnp.float32)
+
+  variants = {"step": loop(1, False), f"verify_{k + 1}": loop(k + 1, True),
+              f"chunk_{k + 1}": loop(k + 1, False)}
+  mlps = {"mlp_1": mlp_loop(1), f"mlp_{k + 1}": mlp_loop(k + 1)}
+  copy = lambda: jax.tree.map(jnp.copy, caches)
+  wall = {name: [] for name in [*variants, *mlps]}
+  cpu = {name: [] for name in wall}
+  for r in range(FLAGS.rounds + 1):  # round 0 compiles: not timed
+    for name, fn in variants.items():
+      w, c, _ = timing.timed(fn, state, copy(), first)
+      wall[name].append(w / steps)
+      cpu[name].append(c / steps)
+    for name, (fn, x) in mlps.items():
+      w, c, _ = timing.timed(fn, mlp, x)
+      wall[name].append(w / steps)
+      cpu[name].append(c / steps)
+  env = dict(device=str(jax.devices()[0]), cpus=os.cpu_count(), load_avg=os.getloadavg()[0],
+             prompt=FLAGS.prompts[0], cache_slots=int(caches[0].max_len), steps=steps,
+             rounds=FLAGS.rounds)
+  med = {name: (statistics.median(wall[name][1:]), statistics.median(cpu[name][1:]))
+         for name in wall}
+  for name in wall:
+    base = med["mlp_1" if name.startswith("mlp") else "step"]
+    print(json.dumps(dict(env, variant=name, wall_s=med[name][0], cpu_s=med[name][1],
+                          wall_ratio=med[name][0] / base[0], cpu_ratio=med[name][1] / base[1],
+                          wall_all=wall[name][1:])))
+
+
+def batcher() -> None:
+  """The continuous batcher with and without speculation over all `--prompts` (module doc)."""
+  from kvattn.inference.batching import ContinuousBatcher  # pylint: disable=g-import-not-at-top
+  model, tokenizer = pretrained.from_pretrained(FLAGS.model, dtype=jnp.float32)
+  n, k = FLAGS.new_tokens, FLAGS.num_draft_tokens
+  prompts = [_prompt(tokenizer, spec) for spec in FLAGS.prompts]
+  longest = max(len(p) for p in prompts)
+  args = dict(num_slots=len(prompts), page_size=16, max_len=longest + n,
+              max_prompt_len=longest, num_pages=len(prompts) * ((longest + n) // 16 + 1))
+  systems = {"batcher_plain": ContinuousBatcher(model, **args),
+             "batcher_prompt_lookup": ContinuousBatcher(
+                 model, speculative=speculative.PromptLookup(k, FLAGS.max_ngram_size), **args)}
+  if FLAGS.draft_layers:
+    systems[f"batcher_draft_{FLAGS.draft_layers}_layers"] = ContinuousBatcher(
+        model, speculative=speculative.DraftModel(_truncated(model, FLAGS.draft_layers), k),
+        **args)
+  requests = [(i, p, n) for i, p in enumerate(prompts)]
+  wall, out, steps = {s: [] for s in systems}, {}, {}
+  for r in range(FLAGS.rounds + 1):  # round 0 compiles: not timed
+    for name, b in systems.items():
+      before = b.steps
+      seconds, _, out[name] = timing.timed(b.run, requests)
+      steps[name] = b.steps - before
+      if r:
+        wall[name].append(seconds)
+  plain_s = statistics.median(wall["batcher_plain"])
+  for name, b in systems.items():
+    same = all(np.array_equal(out["batcher_plain"][i].tokens, out[name][i].tokens)
+               for i, _, _ in requests)
+    stats = b.spec_stats
+    median = statistics.median(wall[name])
+    print(json.dumps(dict(
+        system=name, prompts=FLAGS.prompts, prompt_lens=[len(p) for p in prompts],
+        new_tokens=n, k=k, rounds=FLAGS.rounds, load_avg=os.getloadavg()[0],
+        **timing.stats("run_s", wall[name]), steps=steps[name], speedup_vs_plain=plain_s / median,
+        tokens_per_slot_pass=1 + stats["accepted"] / max(stats["passes"], 1),
+        tokens_equal=same)))
+
+
 def _prompt(tokenizer, spec: str) -> np.ndarray:
   import pydoc_data.topics  # pylint: disable=g-import-not-at-top
   mode, topic = spec.split(":")
@@ -109,10 +243,7 @@ def _prompt(tokenizer, spec: str) -> np.ndarray:
 
 def _truncated(model, num_layers: int):
   """The model's first `num_layers` layers, embedding and head (shared weights)."""
-  draft = nnx.clone(model)
-  draft.layers = nnx.List(list(draft.layers)[:num_layers])
-  draft.num_layers = num_layers
-  return draft
+  return model.truncated(num_layers)
 
 
 class _HFPeer:
@@ -145,6 +276,12 @@ def main(argv):
   del argv
   if FLAGS.memory:
     memory()
+    return
+  if FLAGS.verify_cost:
+    verify_cost()
+    return
+  if FLAGS.batcher:
+    batcher()
     return
   model, tokenizer = pretrained.from_pretrained(FLAGS.model, dtype=jnp.float32)
   k, n = FLAGS.num_draft_tokens, FLAGS.new_tokens
@@ -179,6 +316,10 @@ def main(argv):
     hf = []
     want = None
     for r in range(FLAGS.rounds + 1):  # round 0 compiles: not timed
+      if peer is not None and r % 2:  # odd rounds: the peer first
+        out = peer()
+        if r:
+          hf.append(out)
       seconds, want = plain()
       times["plain"].append(seconds)
       for name, drafter in drafters.items():
@@ -188,7 +329,7 @@ def main(argv):
         per_pass = 1 + int(stats["accepted"][0]) / max(int(stats["passes"][0]), 1)
         times[name + "/info"] = dict(equal_to_plain=same, tokens_per_pass=per_pass,
                                      passes=int(stats["passes"][0]))
-      if peer is not None:
+      if peer is not None and not r % 2:
         out = peer()
         if r:
           hf.append(out)
@@ -207,7 +348,7 @@ def main(argv):
     if peer is not None:
       peer.close()
       for system in ("plain", "prompt_lookup"):
-        decode = [h[system + "_s"] - h["prefill_s"] for h in hf]
+        decode = [h[system + "_s"] - h[system + "_first_s"] for h in hf]
         median = statistics.median(decode)
         print(json.dumps(dict(base, system=f"hf_{system}", **timing.stats("decode_s", decode),
                               decode_tokens_per_s=(n - 1) / median,

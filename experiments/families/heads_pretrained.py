@@ -8,7 +8,8 @@ path, e.g. SmolLM2-135M-Instruct with N = 9 query and K = 3 KV heads; or "random
 model of the `model` section with the byte tokenizer, for smoke runs) with `kvattn.models.convert`
 (`convert.kind`: "regroup" to `convert.num_kv_heads` heads by `convert.method` "mean" or
 "first"; "mla" to a latent of `convert.kv_lora_rank` plus `convert.qk_rope_head_dim` rope
-dims, MHA2MLA) and measures, on the default corpus tokenized with the model's tokenizer:
+dims, MHA2MLA; "cla" to cross-layer KV sharing at `convert.cla_factor`, the shared K/V
+projection of each group the `convert.method` "mean" or "first" of the group's) and measures, on the default corpus tokenized with the model's tokenizer:
 
 * cache bytes per token (read from the arrays of a dense / latent cache, checked against
   `Transformer.cache_bytes_per_token`);
@@ -46,7 +47,7 @@ from kvattn.training import data as data_lib
 from kvattn.training import trainer as train_lib
 from kvattn.models import transformer as transformer_lib
 
-CONVERT_KINDS = ("regroup", "mla")
+CONVERT_KINDS = ("regroup", "mla", "cla")
 
 
 def schema() -> dict[str, tuple[str, ...]]:
@@ -55,7 +56,7 @@ def schema() -> dict[str, tuple[str, ...]]:
       "source": ("name",),
       "model": tuple(overrides.flat_keys(transformer_lib.model_config().to_dict())),
       "convert": ("kind", "num_kv_heads", "method", "kv_lora_rank", "qk_rope_head_dim",
-                  "rope_selection"),
+                  "rope_selection", "cla_factor"),
       "data": ("seq_len", "max_bytes", "validation_fraction", "eval_rows"),
       "train": tuple(train_lib.train_config().keys()),
       "uptrain": ("attention_only",),
@@ -66,7 +67,10 @@ def schema() -> dict[str, tuple[str, ...]]:
 
 
 def label(conv: Mapping[str, Any], source_kv_heads: int) -> str:
-  """`K9-dup`, `K3`, `K1-mean`, `K1-first`, `MLA-C104-R24` (names of the table and plot)."""
+  """`K9-dup`, `K3`, `K1-mean`, `K1-first`, `MLA-C104-R24`, `CLA2-mean` (names of the table
+  and plot)."""
+  if conv["kind"] == "cla":
+    return f"CLA{conv['cla_factor']}-{conv['method']}"
   if conv["kind"] == "mla":
     return f"MLA-C{conv['kv_lora_rank']}-R{conv['qk_rope_head_dim']}"
   k = conv["num_kv_heads"]
@@ -78,6 +82,8 @@ def label(conv: Mapping[str, Any], source_kv_heads: int) -> str:
 def convert_model(model: transformer_lib.Transformer, conv: Mapping[str, Any]
                   ) -> transformer_lib.Transformer:
   """The point's converted model (`kvattn.models.convert`); a copy even when nothing changes."""
+  if conv["kind"] == "cla":
+    return convert.to_cla(model, conv["cla_factor"], method=conv["method"])
   if conv["kind"] == "mla":
     return convert.to_mla(model, conv["kv_lora_rank"], conv["qk_rope_head_dim"],
                           method=conv["method"], rope_selection=conv["rope_selection"])
@@ -109,15 +115,16 @@ class HeadsPretrainedFamily:
   def __init__(self, workdir: str):
     self.workdir = workdir
     self._title = "kvattn: head grouping on a pretrained model"
-    self._source: tuple[Any, Any, Any] | None = None  # (key, model, tokenizer)
-    self._dataset: tuple[Any, data_lib.Dataset] | None = None
+    # Sources and datasets by key, kept for a sweep that alternates sources (a few GB at most).
+    self._sources: dict[str, tuple[Any, Any]] = {}  # key -> (model, tokenizer)
+    self._datasets: dict[str, data_lib.Dataset] = {}
 
   # -- source, data ---------------------------------------------------------------------------
 
   def source(self, d: Mapping[str, Any]) -> tuple[transformer_lib.Transformer, Any]:
-    """The source model and tokenizer, loaded once per source."""
+    """The source model and tokenizer, loaded once per source (and kept)."""
     key = overrides.digest({"source": d["source"], "model": d["model"]})
-    if self._source is None or self._source[0] != key:
+    if key not in self._sources:
       name = d["source"]["name"]
       if name == "random":
         spec = checks.model_spec(d, "config")
@@ -129,19 +136,19 @@ class HeadsPretrainedFamily:
         except (FileNotFoundError, KeyError) as e:
           raise ValueError(f"source.name must be 'random' or a kvattn.from_pretrained source; "
                            f"got {name!r} ({e})") from None
-      self._source = (key, model, tok)
-    return self._source[1], self._source[2]
+      self._sources[key] = (model, tok)
+    return self._sources[key]
 
   def dataset(self, d: Mapping[str, Any]) -> data_lib.Dataset:
     """The default corpus tokenized with the source's tokenizer (once per source and data)."""
     key = overrides.digest({"source": d["source"], "data": d["data"]})
-    if self._dataset is None or self._dataset[0] != key:
+    if key not in self._datasets:
       _, tok = self.source(d)
       dd = d["data"]
-      self._dataset = (key, data_lib.load_token_dataset(
+      self._datasets[key] = data_lib.load_token_dataset(
           tok.encode, eos_id=tok.eos_id, seq_len=dd["seq_len"], max_bytes=dd["max_bytes"],
-          validation_fraction=dd["validation_fraction"]))
-    return self._dataset[1]
+          validation_fraction=dd["validation_fraction"])
+    return self._datasets[key]
 
   # -- points and validation -------------------------------------------------------------------
 
@@ -160,7 +167,9 @@ class HeadsPretrainedFamily:
     train_lib.check_train_config(d["train"])
     model, _ = self.source(d)
     try:  # the conversion's own checks (no weights computed)
-      if conv["kind"] == "mla":
+      if conv["kind"] == "cla":
+        convert.check_cla(model, conv["cla_factor"], method=conv["method"])
+      elif conv["kind"] == "mla":
         convert.check_to_mla(model, conv["kv_lora_rank"], conv["qk_rope_head_dim"],
                              method=conv["method"], rope_selection=conv["rope_selection"])
       else:
@@ -179,8 +188,13 @@ class HeadsPretrainedFamily:
     overrides.check_schema(base, schema())
     self._title = base["experiment"]["name"] or self._title
 
+    # Several sources (a sweep over `source.name`): the labels name the source too.
+    sources = {entry.get("source.name", base["source"]["name"]) for entry in sweep}
+
     def point_of(d, where):
       name = self._check(d, where)
+      if len(sources) > 1:
+        name = f"{d['source']['name']}/{name}"
       return runner.PointSpec(name, {k: v for k, v in d.items() if k != "experiment"},
                               overrides.digest(d["source"], 12), {"convert": dict(d["convert"])})
 
@@ -264,7 +278,7 @@ def _seconds(x: float | None) -> str:
 
 def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: str) -> str:
   """Writes report.md and quality_vs_cache.png atomically; returns the markdown."""
-  records = sorted(records, key=lambda r: r["cache_bytes_per_token"])
+  records = sorted(records, key=lambda r: (r["source"], r["cache_bytes_per_token"]))
   rows = [[r["label"], r["cache_bytes_per_token"], r["cache_bytes_per_token_analytic"],
            f"{r['cache_bytes_per_token'] / r['source_cache_bytes_per_token']:.3f}",
            _fmt(r["perplexity_converted"]), _fmt(r["perplexity_uptrained"]),
@@ -285,7 +299,8 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
     loads = [r["load_avg_1min"] for r in records if "load_avg_1min" in r]
     load = f", 1-min load {min(loads):.1f}-{max(loads):.1f}" if loads else ""
     lines += [
-        f"Source: {r0['source']} ({r0['source_cache_bytes_per_token']} cache bytes/token). "
+        "Source: " + ", ".join(sorted({f"{r['source']} ({r['source_cache_bytes_per_token']} "
+                                       f"cache bytes/token)" for r in records})) + ". "
         f"Perplexity on {int(r0['eval_tokens'])} held-out tokens of the default corpus "
         f"(`data.eval_rows` = {d['data']['eval_rows']} rows of {d['data']['seq_len']}); "
         f"uptraining: {d['train']['steps']} steps of {d['train']['batch_size']} x "

@@ -19,12 +19,24 @@ Measured per point, batch 1, on `model.name`:
     decode tokens/s at that context and the tokens, whose agreement with the f32 dense
     point's the report computes;
   * passkey retrieval (`streaming.passkey_correct`) at `passkey.context` tokens.
+
+The peer step (`peers.run`, off by default): after the points, HF transformers'
+`QuantizedCache` (quanto backend, `peers.bits`, `residual_length = peers.residual`) and its
+f32 `DynamicCache` stream the same `text.num_tokens` tokens `text.chunk` per forward pass in a
+subprocess of `peers.python` (experiments/benchmarks/peers/hf_quantized_cache.py): perplexity,
+bytes per token read from its tensors, and `text.new_tokens` greedy tokens (decode tok/s).
+The results are kept in `<workdir>/peers.json` (keyed by the request: a rerun reuses them) and
+join report.md's table (agreement against our f32 point's tokens; no passkey).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
+import subprocess
+import tempfile
 import time
 from typing import Any, Mapping, Sequence
 
@@ -57,7 +69,8 @@ def schema() -> dict[str, tuple[str, ...]]:
       "cache": ("kind", "dtype") + KIVI_OPTIONS,
       "text": ("num_tokens", "chunk", "new_tokens"),
       "passkey": ("context", "samples", "new_tokens", "seed"),
-      "experiment": ("kind", "name"),
+      "peers": ("run", "python", "threads", "bits", "residual", "q_group_size"),
+      "experiment": ("kind", "name", "max_points"),
   }
 
 
@@ -88,6 +101,7 @@ class LowbitFamily:
     self.workdir = workdir
     self._model: dict[tuple[str, str], Any] = {}
     self._title = "kvattn: KV caches below 8 bits"
+    self._peers: Mapping[str, Any] = {"run": False}
 
   def _check(self, d: Mapping[str, Any], where: str) -> None:
     cache, text = d["cache"], d["text"]
@@ -106,6 +120,14 @@ class LowbitFamily:
     base = overrides.to_dict(config)
     overrides.check_schema(base, schema())
     self._title = base["experiment"]["name"] or self._title
+    self._peers = base["peers"]
+    if self._peers["run"]:
+      checks.check_int("peers.threads", self._peers["threads"], 1)
+      checks.check_int("peers.residual", self._peers["residual"], 0)
+      checks.check_int("peers.q_group_size", self._peers["q_group_size"], 1)
+      if not self._peers["bits"] or any(b not in (2, 4) for b in self._peers["bits"]):
+        raise ValueError(f"peers.bits must list 2 and / or 4 (quanto's); got "
+                         f"{self._peers['bits']!r}")
 
     def point_of(d, where):
       self._check(d, where)
@@ -182,10 +204,63 @@ class LowbitFamily:
     }
 
   def report(self, records: Sequence[Mapping[str, Any]]) -> str:
-    return write_report(self.workdir, records, title=self._title)
+    peers = self.run_peers(records[0]["config"]) if self._peers["run"] and records else None
+    return write_report(self.workdir, records, title=self._title, peers=peers)
+
+  def run_peers(self, d: Mapping[str, Any]) -> dict[str, Any]:
+    """The peer step (module doc): `{"info": ..., "results": [...]}`, from
+    `<workdir>/peers.json` when it holds this request's results, else measured now."""
+    from kvattn.checkpoints import hub  # pylint: disable=g-import-not-at-top
+    p, text = self._peers, d["text"]
+    _, tokenizer = self.model(d)
+    ids = text_lib.held_out_tokens(tokenizer, text["num_tokens"] + 1)
+    caches = [{"name": "hf-dynamic-float32", "nbits": None}] + [
+        {"name": f"hf-quanto{b}-g{p['q_group_size']}-r{p['residual']}", "nbits": int(b),
+         "residual": int(p["residual"]), "q_group_size": int(p["q_group_size"])}
+        for b in p["bits"]]
+    request = {"gguf": str(hub.resolve(d["model"]["name"])), "ids": ids.tolist(),
+               "chunk": int(text["chunk"]), "new_tokens": int(text["new_tokens"]),
+               "threads": int(p["threads"]), "caches": caches}
+    key = hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()[:16]
+    path = os.path.join(self.workdir, "peers.json")
+    if os.path.exists(path):
+      with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
+      if saved.get("key") == key:
+        return saved
+    out = run_peer(p["python"], request)
+    out.update(key=key, command_python=p["python"])
+    results.atomic_write_text(path, json.dumps(out, indent=1) + "\n")
+    return out
 
 
 runner.register_family("lowbit", LowbitFamily)
+
+PEER_MODULE = "experiments.benchmarks.peers.hf_quantized_cache"
+
+
+def run_peer(python: str, request: Mapping[str, Any]) -> dict[str, Any]:
+  """Runs the HF QuantizedCache peer (`PEER_MODULE`) under `python` on `request` (its module
+  doc) and returns `{"info": the ready line, "results": [...], "wall_s", "load_avg_1min"}`.
+
+  Raises:
+    RuntimeError: the peer failed (its last stderr lines in the message).
+  """
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+    json.dump(request, f)
+  start = time.perf_counter()
+  try:
+    proc = subprocess.run([python, "-m", PEER_MODULE, "--request", f.name], cwd=root,
+                          input="run\nquit\n", capture_output=True, text=True, check=False)
+  finally:
+    os.unlink(f.name)
+  lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+  if proc.returncode or len(lines) != 2 or "results" not in lines[1]:
+    err = " | ".join(proc.stderr.strip().splitlines()[-3:])
+    raise RuntimeError(f"peer {PEER_MODULE} failed (exit {proc.returncode}): {err or 'no output'}")
+  return {"info": lines[0], "results": lines[1]["results"],
+          "wall_s": time.perf_counter() - start, "load_avg_1min": os.getloadavg()[0]}
 
 
 def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
@@ -202,8 +277,24 @@ def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
   return rows
 
 
-def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: str) -> str:
-  """report.md (one table against the f32 dense point); returns the markdown."""
+def peer_rows(records: Sequence[Mapping[str, Any]], peers: Mapping[str, Any]) -> list[list[Any]]:
+  """Table rows of the peer step's caches, against our f32 point (bytes, ppl, agreement)."""
+  ref = next((r for r in records if r.get("reference")), None)
+  rows = []
+  for p in peers["results"]:
+    ref_bytes = None if ref is None else ref["cache_bytes_per_token"]
+    vs = "-" if ref_bytes is None else f"{p['cache_bytes_per_token'] / ref_bytes:.3f}x"
+    ppl_vs = "-" if ref is None else f"{(p['ppl'] / ref['ppl'] - 1) * 100:+.2f}%"
+    agree = "-" if ref is None else f"{np.mean(np.asarray(p['greedy_tokens']) == np.asarray(ref['greedy_tokens'])):.3f}"
+    rows.append([p["name"], f"{p['cache_bytes_per_token']:,.1f}", vs, f"{p['ppl']:.4f}", ppl_vs,
+                 agree, "-", f"{p['decode_tokens_per_s']:.1f}"])
+  return rows
+
+
+def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: str,
+                 peers: Mapping[str, Any] | None = None) -> str:
+  """report.md (one table against the f32 dense point, the peer step's rows last); returns
+  the markdown."""
   headers = ["point", "cache B/token", "vs f32", "ppl", "ppl vs f32", "greedy agreement",
              "passkey", "decode tok/s"]
   md = [f"# {title}", ""]
@@ -218,7 +309,14 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
            f"(agreement with the f32 dense cache; decode tok/s over the "
            f"{r0['decode_steps_timed']} steps after the first); passkey at "
            f"{cfg['passkey']['context']} tokens, {cfg['passkey']['samples']} prompts.", ""]
-  md += [report_lib.markdown_table(headers, table_rows(records)), ""]
+  rows = table_rows(records) + ([] if not peers else peer_rows(records, peers))
+  md += [report_lib.markdown_table(headers, rows), ""]
+  if peers:
+    info = peers["info"]
+    md += [f"Rows `hf-*`: transformers {info.get('version')} (torch {info.get('torch')}, "
+           f"optimum-quanto {info.get('optimum_quanto')}, {info.get('threads')} threads) in its "
+           f"own process after the points (not interleaved), on the same tokens; bytes per token "
+           f"read from its tensors after the text; its own f32 DynamicCache is the first row.", ""]
   text = "\n".join(md)
   results.atomic_write_text(os.path.join(workdir, "report.md"), text)
   return text

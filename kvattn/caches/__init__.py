@@ -12,6 +12,7 @@ Kinds (each a file; `registry` names them for configs, `generate` and the CLI):
   `KIVICache`, `RotatedCache`
                              kivi.py, rotated.py: 2/4-bit KIVI and 3/4-bit rotated codebook
                              stores + a full-precision residual (_residual.py).
+  `PagedKIVICache`           paged_kivi.py: the KIVI store in pages.
 Support: `registry` (the one table of cache kinds; `build_caches` and
 `cache_factory_from_config` make a whole model's caches from `{"kind": ..., **options}`),
 `checkpoint` (save / restore with orbax), `protocol` (the interface), `_slots` (the
@@ -26,6 +27,7 @@ from kvattn.caches.eviction import EvictingKVCache
 from kvattn.caches.window import RingKVCache, SinkKVCache
 from kvattn.caches.length_switch import LengthSwitchKVCache
 from kvattn.caches.kivi import KIVICache
+from kvattn.caches.paged_kivi import PagedKIVICache
 from kvattn.caches.rotated import RotatedCache
 from kvattn.caches import registry
 from kvattn.caches import transaction
@@ -34,7 +36,7 @@ from kvattn.caches.registry import (CacheFactory, CacheKind, build_caches,
 
 __all__ = [
     "CacheFactory", "CacheKind", "EvictingKVCache", "KIVICache", "KVCache", "LatentCache",
-    "LengthSwitchKVCache", "PagedKVCache", "RingKVCache", "RotatedCache", "SinkKVCache",
+    "LengthSwitchKVCache", "PagedKIVICache", "PagedKVCache", "RingKVCache", "RotatedCache", "SinkKVCache",
     "build_caches", "cache_factory_from_config", "checkpoint", "protocol",
     "register_cache_kind", "registry", "sharded", "transaction",
 ]

@@ -30,7 +30,10 @@ Attention (`update_attend`, the module's step): the queries attend the cache fro
 write -- the store read block by block by `kvattn.ops.lowbit.blocked_attention` (no
 dequantized copy of the store), the ring -- plus the chunk's own keys and values in full
 precision (as KIVI does for the prompt), then the chunk is written. `attend` (after
-`update`) reads the store and the ring. With `pre_rope` the store and ring hold keys before
+`update`) reads the store and the ring. A kind with a Pallas kernel for its store
+(`_pallas_store`: KIVI) reads the store of a decode step through it when `implementation`
+asks ("pallas"; None where it compiles) and merges the rest by log-sum-exp
+(`lowbit.state_from_lse`). With `pre_rope` the store and ring hold keys before
 RoPE and each block is rotated at its tokens' positions (token indices) as it is read.
 
 Overflow: as the dense cache (eager ValueError; under jit tokens past S are dropped,
@@ -102,12 +105,27 @@ def _ring_tokens(stored: jax.Array, nq: jax.Array, ring: int) -> jax.Array:
   return jnp.where(t < stored[:, None], t, -1)
 
 
+def store_backends(implementation) -> tuple:
+  """The backends named by `implementation` for reading the store, in the order to try:
+  None (the kind's Pallas kernel where one compiles, else the XLA loop), "pallas" (the
+  kernel; interpret mode on CPU), "xla" (the loop). NotImplementedError for other names."""
+  names = (implementation,) if implementation is None or isinstance(implementation, str) else (
+      tuple(implementation))
+  for name in names:
+    if name not in STORE_BACKENDS:
+      raise NotImplementedError(
+          f"a quantized-store cache is read by the XLA loop (kvattn.ops.lowbit) or its kind's "
+          f"Pallas kernel; implementation must be None, 'pallas' or 'xla' (or a sequence of "
+          f"them), got {implementation!r}")
+  return names
+
+
+STORE_BACKENDS = (None, "pallas", "xla")
+
+
 def check_implementation(implementation) -> None:
-  """These kinds are read by one XLA loop: NotImplementedError for other backends."""
-  if implementation not in (None, "xla") and tuple(np.atleast_1d(implementation)) != ("xla",):
-    raise NotImplementedError(
-        f"a quantized-store cache is read by one XLA loop (kvattn.ops.lowbit); implementation "
-        f"must be None or 'xla', got {implementation!r}")
+  """NotImplementedError unless `implementation` names only backends of `STORE_BACKENDS`."""
+  store_backends(implementation)
 
 
 class ResidualStoreCache:
@@ -129,6 +147,14 @@ class ResidualStoreCache:
   def _out_from_space(self, out: jax.Array) -> jax.Array:
     """Attention output `[B, T, N, H]` f32 back from the attention space (identity)."""
     return out
+
+  def _pallas_store(self, q, starts, lengths, *, explicit: bool, sm_scale: float,
+                    soft_cap: float | None) -> tuple[jax.Array, jax.Array]:
+    """`(out f32[B, N, H], lse f32[B, N])` of decode queries `q: [B, N, H]` (in the attention
+    space) against store slots `[starts, lengths)` through the kind's Pallas kernel
+    (`kvattn.ops.pallas`), or NotImplementedError when it has none or cannot run here."""
+    del q, starts, lengths, explicit, sm_scale, soft_cap
+    raise NotImplementedError(f"pallas: no kernel reads a {type(self).__name__} store")
 
   # ---------------------------------------------------------------------------- sizes
   @property
@@ -178,6 +204,12 @@ class ResidualStoreCache:
     return _num_quantized(self._stored(), self.residual, self.group_size)
 
   @property
+  def readable_quantized(self) -> jax.Array:
+    """`i32[B]` store tokens attention reads: `num_quantized` (a paged store: those its
+    assigned pages hold)."""
+    return self.num_quantized
+
+  @property
   def overflowed(self) -> jax.Array:
     """`bool[B]`: written past `max_len` under jit."""
     return self.lengths > self.max_len
@@ -216,9 +248,14 @@ class ResidualStoreCache:
     return max(g, min(self.store_capacity, (BLOCK_TOKENS // g) * g))
 
   def _attend(self, q, q_tokens, *, extra: Sequence[lowbit.Segment] = (), sm_scale=None,
-              window=None, soft_cap=None) -> jax.Array:
-    """f32 `[B, T, N, H]`: `q` (RoPE'd) against the store, the ring and `extra`."""
-    nq = self.num_quantized
+              window=None, soft_cap=None, implementation=None) -> jax.Array:
+    """f32 `[B, T, N, H]`: `q` (RoPE'd) against the store, the ring and `extra`.
+
+    The store is read by the kind's Pallas kernel for a decode step (T = 1) when
+    `implementation` asks for it (`store_backends`: "pallas", or None where the kernel
+    compiles), its `(out, lse)` then seeding the online softmax that reads the ring and
+    `extra`; else by the XLA loop (`lowbit.blocked_attention`, every T)."""
+    nq = self.readable_quantized
     ring_tokens = self.ring_tokens()
     k_res = self.k_res.astype(jnp.float32)
     if self.pre_rope:
@@ -226,12 +263,42 @@ class ResidualStoreCache:
     segments = [(self._to_space(k_res), self._to_space(self.v_res.astype(jnp.float32)),
                  ring_tokens)]
     segments += [(self._to_space(k), self._to_space(v), t) for k, v, t in extra]
+    q_space = self._q_to_space(q)
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    initial = self._store_by_kernel(q_space, q_tokens, nq, implementation, sm_scale=scale,
+                                    window=window, soft_cap=soft_cap)
+    by_kernel = initial is not None
     out = lowbit.blocked_attention(
-        self._q_to_space(q), q_tokens, num_quantized=nq, store_capacity=self.store_capacity,
-        read_block=self._read if self.store_capacity else None,
-        block_size=self._block_size(), segments=segments, sm_scale=sm_scale, window=window,
-        soft_cap=soft_cap)
+        q_space, q_tokens, num_quantized=nq,
+        store_capacity=0 if by_kernel else self.store_capacity,
+        read_block=self._read if self.store_capacity and not by_kernel else None,
+        block_size=self._block_size(), segments=segments, sm_scale=scale, window=window,
+        soft_cap=soft_cap, initial=initial)
     return self._out_from_space(out)
+
+  def _store_by_kernel(self, q, q_tokens, nq, implementation, *, sm_scale, window, soft_cap):
+    """The online-softmax state `(m, l, acc)` (`lowbit.blocked_attention`'s `initial`) of
+    the store read by the Pallas kernel, or None when the XLA loop reads it (T > 1, an
+    empty store, "xla" first, or None where the kernel cannot run)."""
+    if q.shape[1] != 1 or not self.store_capacity:
+      return None
+    token = q_tokens[:, 0]
+    starts = jnp.zeros_like(token) if window is None else jnp.maximum(token - window + 1, 0)
+    errors = []
+    for name in store_backends(implementation):
+      if name == "xla":
+        return None
+      try:
+        out, lse = self._pallas_store(q[:, 0], starts, jnp.minimum(nq, token + 1),
+                                      explicit=name == "pallas", sm_scale=sm_scale,
+                                      soft_cap=soft_cap)
+      except NotImplementedError as e:
+        if name is None:  # the kernel where it runs, else the XLA loop
+          return None
+        errors.append(str(e))
+        continue
+      return lowbit.state_from_lse(out, lse, self.num_kv_heads)
+    raise NotImplementedError("; ".join(errors))
 
   def attend(self, q: jax.Array, *, q_offsets: jax.Array, sm_scale: float | None = None,
              window: int | None = None, soft_cap: float | None = None,
@@ -240,12 +307,13 @@ class ResidualStoreCache:
     against the store (block by block) and the ring; `[B, T, N, H]` in q's dtype.
 
     Raises:
-      NotImplementedError: an `implementation` other than None / "xla" (one XLA loop).
+      NotImplementedError: an `implementation` naming a backend other than None / "pallas" /
+        "xla", or only "pallas" where the kind has no kernel (module doc).
     """
     check_implementation(implementation)
     q_tokens = q_offsets[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
-    return self._attend(q, q_tokens, sm_scale=sm_scale, window=window,
-                        soft_cap=soft_cap).astype(q.dtype)
+    return self._attend(q, q_tokens, sm_scale=sm_scale, window=window, soft_cap=soft_cap,
+                        implementation=implementation).astype(q.dtype)
 
   def dequantized(self, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
     """`(k, v)`: `[B, K, S, H]` in token order (token s in slot s, zeros where no token),
@@ -253,7 +321,7 @@ class ResidualStoreCache:
     RoPE in pre-RoPE mode). Materialises a copy: for tests and references, not decode."""
     b, kh, h, s = self.batch, self.num_kv_heads, self.head_dim, self.max_len
     out = []
-    nq = self.num_quantized
+    nq = self.readable_quantized
     ring_tokens = self.ring_tokens()
     if self.store_capacity:
       kq, vq = (self._from_space(x) for x in self.read_block(jnp.int32(0), self.store_capacity))
@@ -319,9 +387,9 @@ class ResidualStoreCache:
       gidx = jnp.arange(num_groups, dtype=jnp.int32)[None, :]
       gtoken = old_nq[:, None] + gidx * g
       gslot = jnp.where(gtoken < new_nq[:, None], gtoken // g, sq // g)
-      put = lambda buf, x, idx: buf.at[rows, :, idx].set(jnp.moveaxis(x, 2, 1), mode="drop")
       for field, (x, per) in self._encode(gk, gv, num_groups).items():
-        out[field] = put(getattr(self, field), x, slot if per == "token" else gslot)
+        out[field] = self._put_store(getattr(self, field), x, slot if per == "token" else gslot,
+                                     per)
     # The ring keeps the chunk's tokens that stay residual: [max(old_stored, new_nq),
     # new_stored), distinct ring slots (at most Rb of them).
     t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
@@ -332,6 +400,14 @@ class ResidualStoreCache:
         jnp.moveaxis(x, 2, 1).astype(buf.dtype), mode="drop")
     out.update(k_res=ring_put(self.k_res, chunk_k), v_res=ring_put(self.v_res, chunk_v))
     return self.replace(lengths=lengths, **out)
+
+  def _put_store(self, buf: jax.Array, x: jax.Array, index: jax.Array, per: str) -> jax.Array:
+    """`buf` (a store field) with `x: [B, K, n, ...]` written at `index: i32[B, n]`: store
+    slots (`per` "token") or key groups ("group"); an index at the store's end (`Sq`, `Sq /
+    group_size`) is dropped. Dense store: `buf[b, :, index[b, i]] = x[b, :, i]`."""
+    del per
+    rows = jnp.arange(buf.shape[0], dtype=jnp.int32)[:, None]
+    return buf.at[rows, :, index].set(jnp.moveaxis(x, 2, 1), mode="drop")
 
   # ---------------------------------------------------------------------------- the step
   def update_attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array,
@@ -376,7 +452,7 @@ class ResidualStoreCache:
     chunk_tokens = jnp.where(jnp.arange(num_tokens)[None, :] < new_lengths[:, None], q_tokens, -1)
     chunk = (jnp.swapaxes(k_rot, 1, 2), jnp.swapaxes(v, 1, 2), chunk_tokens)
     out = self._attend(q_rot, q_tokens, extra=[chunk], sm_scale=sm_scale, window=window,
-                       soft_cap=soft_cap).astype(q.dtype)
+                       soft_cap=soft_cap, implementation=implementation).astype(q.dtype)
     # The written chunk depends on the output (an exact + 0), so the write is ordered after
     # every read of the old buffers (as `KVCache.update_attend_unchecked`).
     tie = jnp.nan_to_num(out[0, 0, 0, 0].astype(jnp.float32) * 0.0)

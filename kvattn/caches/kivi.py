@@ -43,10 +43,16 @@ inside the loop (the queries at theirs). Key positions are the token indices, so
 assumes the default positions (token t at position t, what `Transformer` and `generate`
 use); `update_attend` checks that eagerly. `update` then takes keys BEFORE RoPE.
 
+Backends (`implementation`): a decode step (T = 1) with "pallas" reads the store through
+`pallas_kernels.lowbit_decode` (the packed blocks dequantized in registers; interpret mode on
+CPU), None does so where the kernel compiles (GPU / TPU, `unsupported_reason`) and uses the
+XLA loop elsewhere, "xla" always uses the loop; the ring and the new token are merged with
+the kernel's output by log-sum-exp. Keys before RoPE have no kernel ("pallas" raises
+NotImplementedError). Prefill chunks (T > 1) always take the XLA loop.
+
 Overflow: as the dense cache (eager ValueError; under jit tokens past S are dropped,
 `lengths` advances and `overflowed` flags the row; attention reads `min(lengths, S)`).
-Not supported: MLA latents, paged layout, the Pallas kernels (the XLA loop runs
-everywhere), `implementation=` other than None / "xla".
+Not supported: MLA latents, paged layout.
 """
 
 from __future__ import annotations
@@ -184,20 +190,38 @@ class KIVICache(_residual.ResidualStoreCache):
     """Store slots `[offset, offset + size)` dequantized: f32 `(k, v)` `[B, K, size, H]`
     (keys as stored). `offset` and `size` must be multiples
     of `group_size`."""
-    g, h = self.group_size, self.head_dim
+    g = self.group_size
     sl = lambda x, o, n: jax.lax.dynamic_slice_in_dim(x, o, n, axis=2)
-    kc = lowbit.unpack_codes(sl(self.k_codes, offset, size), self.bits)
-    vc = lowbit.unpack_codes(sl(self.v_codes, offset, size), self.bits)
-    b, kh = kc.shape[:2]
+    return self._dequantize(sl(self.k_codes, offset, size), sl(self.k_scale, offset // g, size // g),
+                            sl(self.k_zero, offset // g, size // g), sl(self.v_codes, offset, size),
+                            sl(self.v_scale, offset, size), sl(self.v_zero, offset, size))
+
+  def _dequantize(self, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero):
+    """f32 `(k, v)` `[B, K, n, H]` of n store slots' codes `u8[B, K, n, W]`, key group rows
+    `[B, K, n / g, H]` and value scales `[B, K, n, H / vg]` (KIVI's dequantization)."""
+    g, h = self.group_size, self.head_dim
+    kc = lowbit.unpack_codes(k_codes, self.bits)
+    vc = lowbit.unpack_codes(v_codes, self.bits)
+    b, kh, size = kc.shape[:3]
     kc = kc.reshape(b, kh, size // g, g, h)
-    k = lowbit.dequantize_groups(kc, sl(self.k_scale, offset // g, size // g),
-                                 sl(self.k_zero, offset // g, size // g), axis=3)
-    k = k.reshape(b, kh, size, h)
+    k = lowbit.dequantize_groups(kc, k_scale, k_zero, axis=3).reshape(b, kh, size, h)
     vg = value_group(g, h)
     vc = vc.reshape(b, kh, size, h // vg, vg)
-    v = lowbit.dequantize_groups(vc, sl(self.v_scale, offset, size), sl(self.v_zero, offset, size),
-                                 axis=4).reshape(b, kh, size, h)
+    v = lowbit.dequantize_groups(vc, v_scale, v_zero, axis=4).reshape(b, kh, size, h)
     return k, v
+
+  def _pallas_store(self, q, starts, lengths, *, explicit, sm_scale, soft_cap):
+    """The store read by `pallas_kernels.lowbit_decode` (through `kvattn.ops.pallas`):
+    `(out f32[B, N, H], lse f32[B, N])` over slots `[starts, lengths)`. Keys stored before
+    RoPE are rotated at read by the XLA loop only (NotImplementedError)."""
+    if self.pre_rope:
+      raise NotImplementedError("pallas: keys stored before RoPE (pre_rope=True) are rotated "
+                                "at read by the XLA loop only")
+    from kvattn.ops import pallas as pallas_ops  # pylint: disable=g-import-not-at-top
+    return pallas_ops.kivi_store_decode(
+        q, self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
+        starts, lengths, bits=self.bits, explicit=explicit, sm_scale=sm_scale,
+        soft_cap=soft_cap)
 
   def _encode(self, k: jax.Array, v: jax.Array, num_groups: int) -> dict[str, Any]:
     """The store fields of `num_groups` groups of tokens `k, v: [B, K, n g, H]` (f32): keys

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from kvattn import _checks
 from kvattn.caches import eviction
 from kvattn.caches import kivi
+from kvattn.caches import paged_kivi
 from kvattn.caches import rotated
 from kvattn.caches import length_switch
 from kvattn.caches import window as window_lib
@@ -32,12 +33,25 @@ from kvattn.paging.allocator import PageAllocator, pages_for
 CacheFactory = Callable[[int, int, Any], Sequence[Any]]
 """`(batch, max_len, dtype) -> one cache per layer` (dtype None: the model's)."""
 
+def cache_owners(model) -> Any:
+  """`model`, or for a model with cross-layer KV sharing (`model.cache_layers` shorter than
+  its layers) a stand-in whose `.layers` are the layers that own a cache: what the builders
+  read, so they build one cache per owning layer, in order."""
+  owners = getattr(model, "cache_layers", None)
+  if owners is None or len(owners) == len(model.layers):
+    return model
+  return types.SimpleNamespace(layers=[model.layers[i] for i in owners],
+                               dtype=getattr(model, "dtype", None))
+
+
 def gqa_layers(model) -> list[Any]:
-  """The attention modules of `model.layers[i].attn`; ValueError for non-GQA layers."""
+  """The attention modules of `model.layers[i].attn` (of the layers that own a cache:
+  `cache_owners`); ValueError for non-GQA layers."""
   layers = getattr(model, "layers", None)
   if layers is None:
     raise TypeError(f"model must have .layers with an .attn each (a kvattn.Transformer); got "
                     f"{type(model).__name__}")
+  layers = cache_owners(model).layers
   attns = []
   for i, layer in enumerate(layers):
     attn = layer.attn
@@ -204,6 +218,10 @@ CACHE_KIND_TABLE: dict[str, CacheKind] = {
                                    f"RotatedCache: Hadamard-rotated K/V, {bits}-bit codebook "
                                    f"per token (+ `residual` newest tokens in full precision)")
        for bits in (3, 4)},
+    **{f"paged_kivi{bits}": CacheKind(paged_kivi.build(bits), paged_kivi.OPTIONS,
+                                      f"PagedKIVICache: kivi{bits} with its quantized store in "
+                                      f"pages of `page_size` slots (a multiple of group_size)")
+       for bits in (2, 4)},
 }
 """Cache kind -> `CacheKind`: "dense", "paged" (`page_size`, `seed`), "ring"
 (`window`), "sink" (`num_sinks`, `window`), each eviction policy of
@@ -299,7 +317,8 @@ def ring_layers(model, max_len: int) -> list[int]:
 def build_caches(model, batch: int, max_len: int, dtype: Any = None, cache: Any = None, *,
                  tokens_per_seq: Iterable[int] | None = None,
                  where: str = "cache", local_layers: str = "full") -> tuple[Any, ...]:
-  """One empty cache per layer of `model`, of the kind `cache` names.
+  """One empty cache per layer of `model` that owns one (`model.cache_layers` under
+  cross-layer KV sharing), of the kind `cache` names.
 
   Args:
     model: a `kvattn.Transformer`.
@@ -321,6 +340,7 @@ def build_caches(model, batch: int, max_len: int, dtype: Any = None, cache: Any 
   """
   kind, options = cache_options({"kind": "dense"} if cache is None else cache, where)
   dtype = getattr(model, "dtype", jnp.float32) if dtype is None else dtype
+  model = cache_owners(model)  # cross-layer KV sharing: caches for the owning layers only
   tokens = None if tokens_per_seq is None else [int(t) for t in tokens_per_seq]
   if local_layers not in LOCAL_LAYER_LAYOUTS:
     raise ValueError(f"local_layers must be one of {LOCAL_LAYER_LAYOUTS}; got {local_layers!r}")

@@ -510,7 +510,8 @@ def init_caches(model, batch: int, max_len: int, mesh: Mesh, *,
                      f"{local_layers!r}")
   rings = set(registry.ring_layers(model, max_len)) if local_layers == "ring" else set()
   builders = []
-  for i, layer in enumerate(model.layers):
+  owners = getattr(model, "cache_layers", range(len(model.layers)))  # cross-layer KV sharing
+  for i, layer in ((i, model.layers[i]) for i in owners):
     attn = layer.attn
     if i in rings:
       continue
@@ -544,7 +545,7 @@ def init_caches(model, batch: int, max_len: int, mesh: Mesh, *,
   return tuple(
       place_ring(window_lib.RingKVCache.init(batch, layer.attn.window, layer.attn.num_kv_heads,
                                              layer.attn.head_dim, dtype), mesh, rules)
-      if i in rings else next(built) for i, layer in enumerate(model.layers))
+      if i in rings else next(built) for i, layer in ((i, model.layers[i]) for i in owners))
 
 
 def place_ring(ring: window_lib.RingKVCache, mesh: Mesh,

@@ -72,6 +72,24 @@ local layer's KV of the prefix's last W tokens, which a retired sequence's ring 
 keep page by page, and recomputing it is not exact (each local layer widens what must be
 recomputed by W - 1 tokens).
 
+Speculative decoding (`speculative=PromptLookup(k, ...)` or `DraftModel(model, k)`, greedy
+only): each step drafts k tokens per live slot by prompt lookup over the slot's text
+(prompt and output, `kvattn.inference.speculative.prompt_lookup_drafts`) or with the draft
+model (dense caches, one row per slot, prefilled with the prompt at join; one device),
+verifies `[last, d_1..d_k]` in one
+pass through a cache transaction (`kvattn.caches.transaction`; paged caches roll back by
+lengths) and keeps, per slot, the last token and its accepted drafts: each sequence
+emits 1..k + 1 tokens per step, token for token what the batcher without speculation
+emits. A slot writes at most `min(k + 1, tokens it still owes)` tokens (so the cache never
+exceeds `max_len`); before the step its allocation grows to hold them, and after it
+shrinks back to the tokens kept (`PageAllocator.shrink`): pages only rejected drafts used
+go back to the allocator, so between steps a sequence holds the pages it holds without
+speculation. With the prefix cache a slot's pages from its write position on pass
+through `PrefixCachingAllocator.prepare_write` first (copy-on-write), so a shared or
+registered page is never written; a rejected draft's tokens lie past the row's length,
+in pages the row owns alone. `spec_stats` counts slot passes, drafted and accepted
+tokens and the pages `shrink` returned.
+
 Exhaustion: `add` raises `OutOfPagesError` (or `NoFreeSlotError`) before
 anything changes; check `can_add` first. If a running sequence cannot get its
 next page it is finished early with reason "out_of_pages" (its pages are
@@ -95,10 +113,13 @@ from kvattn.training import data as data_lib
 from kvattn.paging.allocator import NO_PAGE, OutOfPagesError, PageAllocator, pages_for
 from kvattn.caches.registry import LOCAL_LAYER_LAYOUTS, gqa_layers
 from kvattn.caches.window import RingKVCache
+from kvattn.caches import transaction
+from kvattn.caches._slots import LengthsRollback
+from kvattn.inference import speculative as speculative_lib
 from kvattn.inference.generation import Sampling, sample_logits
 from kvattn.paging.offload import PageCodec
 from kvattn.caches.paged import PagedKVCache
-from kvattn.paging.prefix import PrefixCachingAllocator
+from kvattn.paging.prefix import PrefixCachingAllocator, copy_pages
 
 FINISH_REASONS = ("eos", "length", "out_of_pages", "cancelled")
 
@@ -178,7 +199,8 @@ class ContinuousBatcher:
                top_k: int | None = None, top_p: float | None = None,
                eos_id: int | None = None, pad_id: int = data_lib.PAD_ID, dtype: Any = None,
                seed: int | None = None, rng: Any = None, prefix_cache: bool = False,
-               offload: Any = None, mesh: Any = None, local_layers: str = "full"):
+               offload: Any = None, mesh: Any = None, speculative: Any = None,
+               local_layers: str = "full"):
     """Builds the caches, the allocator and the jitted programs.
 
     Args:
@@ -205,6 +227,9 @@ class ContinuousBatcher:
         placed by the sharding rules, page pools split over KV heads on `model`
         and over `data` with the slots (`kvattn.caches.sharded.BATCHER_RULES`; module
         docstring).
+      speculative: a `kvattn.inference.speculative.PromptLookup` or `DraftModel`: every
+        step verifies its k drafted tokens per slot in one pass (module docstring);
+        greedy only.
       local_layers: "full" (every layer a paged cache over its pool) or "ring": the
         per-layer layout (`kvattn.caches.registry.build_caches`): each layer with a sliding
         window W < max_len (`registry.ring_layers`) gets a `RingKVCache` of W slots per
@@ -217,8 +242,11 @@ class ContinuousBatcher:
         a mesh whose `data` axis does not divide `num_slots` or `num_pages`, whose
         `model` axis does not fit the layers' heads (`sharded.cache_layout`),
         `offload` with more than one data shard, or `prefix_cache` with a layer
-        whose `decode_implementation` is "xla_pool"; `local_layers` not in
-        ("full", "ring"), or "ring" with `prefix_cache` when some layer gets a ring.
+        whose `decode_implementation` is "xla_pool"; `speculative` that is not a
+        drafter (TypeError), with `temperature` > 0, a draft model on another
+        vocabulary or with dense-incompatible caches, or a `DraftModel` with a mesh;
+        `local_layers` not in ("full", "ring"), or "ring" with `prefix_cache` or
+        `speculative` when some layer gets a ring.
     """
     self.num_slots = _checks.positive_int("num_slots", num_slots)
     self.page_size = _checks.positive_int("page_size", page_size)
@@ -233,6 +261,20 @@ class ContinuousBatcher:
       raise ValueError(f"eos_id must lie in [0, {self.vocab_size}); got {eos_id}")
     self.eos_id = None if eos_id is None else int(eos_id)
     self.pad_id = int(pad_id)
+    if speculative is not None:
+      speculative = speculative_lib.check(speculative, self.vocab_size)
+      if isinstance(speculative, speculative_lib.DraftModel) and mesh is not None:
+        raise ValueError("speculative=DraftModel(...) runs on one device: mesh must be None; "
+                         f"got a mesh of shape {dict(mesh.shape)}")
+      if self.sampling.temperature != 0.0:
+        raise ValueError(f"speculative decoding is greedy: temperature must be 0; got "
+                         f"{temperature}")
+    self.speculative = speculative
+    self.spec_stats = collections.Counter(passes=0, drafted=0, accepted=0, pages_returned=0)
+    # The text of each slot (prompt, then generated tokens) for prompt lookup: at most
+    # max_len + 1 tokens (the last generated one is not in the cache).
+    self._history = np.zeros((self.num_slots, self.max_len + 1), np.int32)
+    self._ends = np.zeros((self.num_slots,), np.int32)
     attns = gqa_layers(model)
     pps = pages_for(self.max_len, self.page_size)
     if prefix_cache and any(a.decode_implementation == "xla_pool" for a in attns):
@@ -254,6 +296,10 @@ class ContinuousBatcher:
           "need each local layer's KV of the prefix's last window tokens, which a ring of a "
           "retired sequence does not keep page by page, and recomputing them is not exact "
           f"(layers {sorted(rings)} have windows shorter than max_len = {self.max_len})")
+    if rings and speculative is not None:
+      raise ValueError("speculative needs local_layers='full' for this model (a verify pass "
+                       "rolls caches back by lengths; a ring overwrites the slots it would "
+                       f"restore); layers {sorted(rings)} have windows shorter than max_len")
     self.ring_layers = tuple(sorted(rings))
     num_pages = _checks.positive_int("num_pages", num_pages)
     shards = 1 if mesh is None else int(mesh.shape["data"])  # data-parallel groups
@@ -303,6 +349,19 @@ class ContinuousBatcher:
     if prefix_cache:
       model = _shared_page_decoding(model)
     self._graphdef, self._state = nnx.split(model)
+    self._draft_graphdef, self._draft_state, self._draft_caches = None, None, ()
+    if isinstance(speculative, speculative_lib.DraftModel):
+      draft = speculative.model
+      self._draft_graphdef, self._draft_state = nnx.split(draft)
+      # One dense row per slot; room for a pass that drafts k past the last kept token.
+      self._draft_caches = tuple(draft.init_caches(
+          self.num_slots, self.max_len + speculative.num_draft_tokens + 1))
+      if not all(isinstance(c, LengthsRollback) for c in self._draft_caches):
+        raise ValueError("speculative.model must build caches that roll back by lengths "
+                         "(dense, latent, paged); got "
+                         f"{sorted({type(c).__name__ for c in self._draft_caches})}")
+      self._draft_caches = jax.device_put(self._draft_caches, home)
+      self._draft_state = jax.device_put(self._draft_state, home)
     if rng is None or (isinstance(rng, int) and not isinstance(rng, bool)):
       rng = jax.random.key(0 if rng is None else rng)
     self._rng = jax.device_put(rng, home)  # committed, like self.caches
@@ -379,8 +438,53 @@ class ContinuousBatcher:
       return tuple(_reset_ring_row(c, slot) if isinstance(c, RingKVCache) else
                    c.release_slot(slot) for c in caches)
 
+    spec, draft_graphdef = self.speculative, self._draft_graphdef
+
+    def spec_step(state, caches, history, ends, new_lengths, draft_state, draft_caches):
+      """Drafts k tokens per slot, verifies `[last, drafts]` (`new_lengths[b]` of them, 0
+      for an empty slot) in one pass and keeps, per slot, the last token and the accepted
+      drafts. Returns `(caches, greedy i32[S, k + 1], emit i32[S], draft_caches)`: slot b
+      emits `greedy[b, :emit[b]]` (its cache holds all but the last)."""
+      traces["spec_step"] += 1
+      model = nnx.merge(graphdef, state)
+      rows = jnp.arange(history.shape[0])
+      ends = jnp.maximum(ends, 1)
+      active = new_lengths > 0
+      if isinstance(spec, speculative_lib.PromptLookup):
+        drafts = speculative_lib.prompt_lookup_drafts(history, ends, spec)  # [S, k]
+      else:  # the draft caches catch up on the text and draft greedily
+        drafts, draft_caches = speculative_lib._draft_model_drafts(  # pylint: disable=protected-access
+            draft_graphdef, draft_state, draft_caches, history, ends, active,
+            spec.num_draft_tokens)
+      fed = jnp.concatenate([history[rows, ends - 1][:, None], drafts], axis=1)
+      h, drafted = model.hidden(fed, transaction.begin_all(caches), new_lengths=new_lengths)
+      greedy = jnp.argmax(model.logits_from_hidden(h), axis=-1).astype(jnp.int32)
+      accepted = jnp.sum(jnp.cumprod(drafts == greedy[:, :-1], axis=1), axis=1)
+      emit = jnp.minimum(accepted + 1, new_lengths).astype(jnp.int32)  # 0 when empty
+      if draft_caches:  # the draft caches keep what the text confirms (rolled back by lengths)
+        held = jnp.where(active, ends + jnp.minimum(emit, spec.num_draft_tokens) - 1,
+                         draft_caches[0].lengths)
+        draft_caches = tuple(c.replace(lengths=jnp.minimum(c.lengths, held))
+                             for c in draft_caches)
+      return transaction.commit_all(drafted, emit), greedy, emit, draft_caches
+
+    def draft_join(draft_state, draft_caches, slot, prompt, prompt_len):
+      """Prefills slot `slot`'s row of the draft caches with the whole prompt."""
+      traces["draft_join"] += 1
+      draft = nnx.merge(draft_graphdef, draft_state)
+      rows = tuple(jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, slot, 0), c)
+                   for c in draft_caches)
+      rows = tuple(c.replace(lengths=jnp.zeros_like(c.lengths)) for c in rows)
+      _, rows = draft.hidden(prompt[None], rows, new_lengths=prompt_len[None])
+      return tuple(jax.tree.map(lambda x, r: jax.lax.dynamic_update_index_in_dim(x, r, slot, 0),
+                                c, r) for c, r in zip(draft_caches, rows))
+
     self._join = jax.jit(join, donate_argnums=(1,))
     self._step = jax.jit(step, donate_argnums=(1,))
+    if spec is not None:
+      self._spec_step = jax.jit(spec_step, donate_argnums=(1, 6))
+    if draft_graphdef is not None:
+      self._draft_join = jax.jit(draft_join, donate_argnums=(1,))
     self._set_row = jax.jit(set_row, donate_argnums=(0,))
     self._release = jax.jit(release, donate_argnums=(0,))
 
@@ -485,11 +589,22 @@ class ContinuousBatcher:
     first = int(first)
     self._slots[slot] = _Live(request_id, [first], max_new_tokens, n, self.steps, prompt)
     self._last[slot] = first
+    self._history[slot, :n] = prompt
+    if self._draft_caches:
+      full = np.zeros((self.max_prompt_len,), np.int32)
+      full[:n] = prompt
+      self._draft_caches = self._draft_join(self._draft_state, self._draft_caches,
+                                            np.int32(slot), full, np.int32(n))
+    self._history[slot, n] = first
+    self._ends[slot] = n + 1
     reason = self._reason(self._slots[slot], first)
     return self._finish(slot, reason) if reason else slot
 
   def step(self) -> list[Finished]:
-    """One decode iteration for every live slot; returns the sequences that left."""
+    """One decode iteration for every live slot; returns the sequences that left. With
+    `speculative`, one verify pass: each live sequence gains 1..k + 1 tokens."""
+    if self.speculative is not None:
+      return self._speculative_step()
     finished = []
     for slot, live in enumerate(self._slots):
       if live is None:
@@ -520,6 +635,66 @@ class ContinuousBatcher:
       reason = self._reason(live, token)
       if reason:
         finished.append(self._finish(slot, reason))
+    return finished
+
+  def _speculative_step(self) -> list[Finished]:
+    """`step` with speculation (module docstring)."""
+    finished = []
+    k = self.speculative.num_draft_tokens
+    new_lengths = np.zeros((self.num_slots,), np.int32)
+    for slot, live in enumerate(self._slots):
+      if live is None:
+        continue
+      shard = self._shard(slot)
+      allocator = self.allocators[shard]
+      written = min(k + 1, live.max_new_tokens - len(live.tokens))  # >= 1 while live
+      try:
+        copies = []
+        if self.prefix_cache:  # copy-on-write: never write a shared or registered page
+          copies = allocator.prepare_write(live.request_id, live.cache_len)
+        added = allocator.grow(live.request_id, live.cache_len + written)
+      except OutOfPagesError:
+        finished.append(self._finish(slot, "out_of_pages"))
+        continue
+      if copies:
+        self.caches = copy_pages(self.caches, copies)
+      if added or copies:
+        self.caches = self._set_row(self.caches, np.int32(slot),
+                                    self._row(live.request_id, shard))
+      new_lengths[slot] = written
+    if not new_lengths.any():
+      return finished
+    self.caches, greedy, emit, self._draft_caches = self._spec_step(
+        self._state, self.caches, self._history, self._ends, new_lengths, self._draft_state,
+        self._draft_caches)
+    greedy, emit = np.asarray(greedy), np.asarray(emit)
+    self.steps += 1
+    for slot, live in enumerate(self._slots):
+      if live is None or not new_lengths[slot]:
+        continue
+      self.spec_stats["passes"] += 1
+      self.spec_stats["drafted"] += k
+      self.spec_stats["accepted"] += int(emit[slot]) - 1
+      reason = None
+      for token in greedy[slot, :emit[slot]]:  # stop at EOS or the budget, as `step` does
+        token = int(token)
+        live.cache_len += 1
+        live.tokens.append(token)
+        self._history[slot, self._ends[slot]] = token
+        self._ends[slot] += 1
+        reason = self._reason(live, token)
+        if reason:
+          break
+      self._last[slot] = live.tokens[-1]
+      shard = self._shard(slot)
+      if reason:
+        finished.append(self._finish(slot, reason))
+        continue
+      returned = self.allocators[shard].shrink(live.request_id, live.cache_len)
+      if returned:  # the pages only rejected drafts used went back; the row stops naming them
+        self.spec_stats["pages_returned"] += len(returned)
+        self.caches = self._set_row(self.caches, np.int32(slot),
+                                    self._row(live.request_id, shard))
     return finished
 
   def cancel(self, request_id: Hashable) -> Finished:
@@ -627,5 +802,6 @@ class ContinuousBatcher:
     self.caches = self._release(self.caches, np.int32(slot))
     self._slots[slot] = None
     self._last[slot] = self.pad_id
+    self._ends[slot] = 0
     return Finished(live.request_id, np.asarray(live.tokens, np.int32), reason, slot,
                     live.joined_step, self.steps)

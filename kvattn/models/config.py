@@ -49,7 +49,7 @@ _DECODE_IMPLEMENTATIONS = {"gqa": gqa_lib.decode_implementations,
 
 def _field(default: Any, *, kinds: Sequence[str] = ATTENTION_KINDS, even: bool = False,
            choices: Sequence[str] | None = None, dtype: bool = False,
-           int8: bool = False) -> Any:
+           int8: bool = False, minimum: int = 1) -> Any:
   """A schema field: its default and what `resolve_config` checks beyond the field's type.
 
   Args:
@@ -60,10 +60,11 @@ def _field(default: Any, *, kinds: Sequence[str] = ATTENTION_KINDS, even: bool =
     choices: the allowed values of a str field.
     dtype: a str naming a floating dtype; resolved to a `jnp.dtype`.
     int8: with `dtype`, "int8" is allowed too (W8A8 weights, `kvattn.models.int8`).
+    minimum: the smallest value of an int field (1: positive; 0 for a layer index).
   """
   return dataclasses.field(default=default, metadata=dict(
       kinds=tuple(kinds), even=even, choices=None if choices is None else tuple(choices),
-      dtype=dtype, int8=int8))
+      dtype=dtype, int8=int8, minimum=minimum))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +107,11 @@ class AttentionSpec:
   # Softmax scale of the attention logits; None = 1 / sqrt(head_dim) (Gemma:
   # query_pre_attn_scalar ** -0.5).
   sm_scale: float | None = _field(None, kinds=("gqa",))
+  # Cross-layer KV sharing (CLA, Brandon et al. 2024; Gemma 3n's `kv_shared_layer_index`, vLLM's
+  # `kv_sharing_target_layer_name`): this layer has no K/V projections and reads the K/V cache of
+  # layer `kv_source` (an earlier layer of the same type that owns its cache). Set per layer in
+  # `model.layers[i]` (or for the whole model by `model.cla_factor`); None = its own cache.
+  kv_source: int | None = _field(None, kinds=("gqa",), minimum=0)
   # RoPE context extension (`kvattn.ops.RopeScaling`, as transformers computes it): None or
   # "linear", "llama3", "yarn"; the modules get the rope_* fields as one `rope_scaling` object.
   rope_scaling: str | None = _field(None, choices=rope_lib.ROPE_SCALINGS)
@@ -154,6 +160,11 @@ class ModelSpec:
   post_norms: bool = False
   final_soft_cap: float | None = None  # Soft cap of the output logits, cap tanh(x / cap) (Gemma 2).
   tie_embeddings: bool = True  # LM head shares the embedding matrix.
+  # Cross-layer attention (CLA, Brandon et al. 2024, arXiv 2405.12981) sharing factor s: the GQA
+  # layers of each type (same window, RoPE, KV heads and head dim: Gemma's local and global
+  # layers apart), in layer order, form groups of s; the first layer of a group computes and
+  # caches K/V, the others read its cache (`kv_source`, no K/V projections). None or 1: off.
+  cla_factor: int | None = None
   norm_eps: float = 1e-6  # RMSNorm epsilon.
   dtype: str = _field("float32", dtype=True)  # Compute dtype (and default cache dtype).
   # Parameter storage dtype: a float dtype, or "int8" for W8A8 (int8 weights with per-channel
@@ -259,9 +270,10 @@ def _check_keys(d: Mapping[str, Any], cls: type, where: str):
     raise ValueError(f"{where}.{unknown[0]} is not a known key; expected one of {sorted(names)}")
 
 
-def _int(where: str, value: Any, *, even: bool = False) -> int:
-  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-    raise ValueError(f"{where} must be a positive int; got {value!r}")
+def _int(where: str, value: Any, *, even: bool = False, minimum: int = 1) -> int:
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    raise ValueError(f"{where} must be {kind}; got {value!r}")
   if even and value % 2:
     raise ValueError(f"{where} must be even (RoPE rotates pairs); got {value}")
   return value
@@ -299,7 +311,8 @@ def _check_field(f: dataclasses.Field, hint: Any, value: Any, where: str) -> Any
       raise ValueError(f"{where} must be a bool; got {value!r}")
     return value
   if hint is int:
-    return _int(where, value, even=f.metadata.get("even", False))
+    return _int(where, value, even=f.metadata.get("even", False),
+                minimum=f.metadata.get("minimum", 1))
   if hint is float:
     return _float(where, value)
   if hint is str:
@@ -321,6 +334,9 @@ def _attention_spec(d: Mapping[str, Any], where: str) -> AttentionSpec:
   used = attention_fields(kind)
   values = {name: _check_field(f, hints[name], d.get(name, f.default), f"{where}.{name}")
                   if name in used else None for name, f in fields.items()}
+  if kind not in fields["kv_source"].metadata["kinds"] and d.get("kv_source") is not None:
+    raise ValueError(f"{where}.kv_source must be None for attention kind {kind!r} (cross-layer "
+                     f"KV sharing reads GQA caches); got {d['kv_source']!r}")
   impl = values["decode_implementation"]
   if impl is not None and impl not in _DECODE_IMPLEMENTATIONS[kind]():
     raise ValueError(
@@ -374,14 +390,89 @@ def resolve_config(cfg: Any) -> ModelSpec:
     _check_keys(override, AttentionSpec, f"model.layers[{i}]")
     where = f"model.layers[{i}]" if override else "model.attention"
     layers.append(_attention_spec({**base, **override}, where))
+  if values["attention"].kv_source is not None:
+    raise ValueError(f"model.attention.kv_source must be None (it would make every layer read "
+                     f"one layer's cache); set it per layer in model.layers[i] or use "
+                     f"model.cla_factor; got {values['attention'].kv_source}")
+  layers = _resolve_kv_sharing(layers, values["cla_factor"])
   return ModelSpec(**values, layers=tuple(layers))
+
+
+KV_TYPE_FIELDS = ("kind", "num_kv_heads", "head_dim", "window", "rope_theta") + tuple(
+    f.name for f in dataclasses.fields(AttentionSpec)
+    if f.name.startswith("rope_") and f.name != "rope_theta")
+"""The `AttentionSpec` fields that make a layer's K/V cache: a layer reads another's cache
+(`kv_source`) only when these are equal (its "type": Gemma's local and global layers differ
+in window and RoPE base)."""
+
+
+def kv_type(layer: AttentionSpec) -> tuple[Any, ...]:
+  """The layer's cache type (`KV_TYPE_FIELDS`' values): layers of one type may share a cache."""
+  return tuple(getattr(layer, name) for name in KV_TYPE_FIELDS)
+
+
+def cla_sources(layers: Sequence[AttentionSpec], cla_factor: int | None) -> list[int | None]:
+  """Per layer, the layer whose cache it reads under `cla_factor` (None: its own cache).
+
+  CLA (Brandon et al. 2024): the GQA layers of each `kv_type`, in layer order, form groups of
+  `cla_factor`; the first of a group owns the cache, the others read it. One type (Llama):
+  layers (0, 1), (2, 3), ... at factor 2. Gemma 3's pattern (five local layers, then one
+  global): locals (0, 1), (2, 3), (4, 6), ..., globals (5, 11), (17, ...).
+
+  Raises:
+    ValueError: `cla_factor` > 1 on a model with MLA layers.
+  """
+  sources: list[int | None] = [None] * len(layers)
+  if cla_factor is None or cla_factor == 1:
+    return sources
+  groups: dict[tuple[Any, ...], list[int]] = {}
+  for i, layer in enumerate(layers):
+    if layer.kind != "gqa":
+      raise ValueError(f"model.cla_factor shares GQA caches; model.layers[{i}] is "
+                       f"{layer.kind!r} (set model.cla_factor to None)")
+    groups.setdefault(kv_type(layer), []).append(i)
+  for members in groups.values():
+    for start in range(0, len(members), cla_factor):
+      for i in members[start + 1:start + cla_factor]:
+        sources[i] = members[start]
+  return sources
+
+
+def _resolve_kv_sharing(layers: list[AttentionSpec], cla_factor: int | None
+                        ) -> list[AttentionSpec]:
+  """`layers` with every `kv_source` set (from `cla_factor`, or as given) and checked: an
+  earlier layer that owns its cache and has the same `kv_type` (ValueError naming the key)."""
+  implied = cla_sources(layers, cla_factor)
+  out = []
+  for i, layer in enumerate(layers):
+    j = layer.kv_source
+    if implied[i] is not None or (cla_factor not in (None, 1) and j is not None):
+      if j is not None and j != implied[i]:
+        raise ValueError(f"model.layers[{i}].kv_source = {j} conflicts with model.cla_factor = "
+                         f"{cla_factor}, which gives layer {i} the source {implied[i]}")
+      j = implied[i]
+    if j is not None:
+      if j >= i:
+        raise ValueError(f"model.layers[{i}].kv_source must name an earlier layer (< {i}); "
+                         f"got {j}")
+      if layers[j].kv_source is not None:
+        raise ValueError(f"model.layers[{i}].kv_source = {j} names a layer that reads layer "
+                         f"{layers[j].kv_source}'s cache; name the layer that owns it")
+      for name, mine, theirs in zip(KV_TYPE_FIELDS, kv_type(layer), kv_type(layers[j])):
+        if mine != theirs:
+          raise ValueError(f"model.layers[{i}].kv_source = {j} needs layers of one type (equal "
+                           f"{KV_TYPE_FIELDS}); {name} is {mine!r} here and {theirs!r} in "
+                           f"layer {j}")
+    out.append(dataclasses.replace(layer, kv_source=j))
+  return out
 
 
 def cache_bytes_per_token(cfg: Any, dtype: Any = None) -> int:
   """Analytic KV-cache bytes per token of the whole model (sum over layers).
 
   Per layer `kvattn.memory.gqa_bytes_per_token` (`2 K H itemsize`) or
-  `mla_bytes_per_token` (`(C + R) itemsize`); batch 1, so a cache of batch B
+  `mla_bytes_per_token` (`(C + R) itemsize`), over the layers that own a cache (a layer
+  with a `kv_source` reads another's: cross-layer KV sharing); batch 1, so a cache of batch B
   and capacity S holds `B * S *` this many bytes (lengths bookkeeping aside).
 
   Args:
@@ -393,4 +484,4 @@ def cache_bytes_per_token(cfg: Any, dtype: Any = None) -> int:
   """
   spec = resolve_config(cfg)
   dtype = spec.dtype if dtype is None else dtype
-  return sum(layer.bytes_per_token(dtype) for layer in spec.layers)
+  return sum(layer.bytes_per_token(dtype) for layer in spec.layers if layer.kv_source is None)

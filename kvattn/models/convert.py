@@ -1,8 +1,19 @@
-r"""Converting a pretrained GQA checkpoint to fewer KV heads or to MLA (no training).
+r"""Converting a pretrained GQA checkpoint to fewer KV heads, to MLA, or to cross-layer KV
+sharing (no training).
 
-Two conversions of a `kvattn.Transformer` whose layers are all
-`GroupedQueryAttention` (MHA / GQA / MQA); both return a new Transformer (the
+Three conversions of a `kvattn.Transformer` whose layers are all
+`GroupedQueryAttention` (MHA / GQA / MQA); each returns a new Transformer (the
 source is left intact) that shares every non-attention parameter's values.
+
+**Cross-layer KV sharing** (`to_cla`; CLA, Brandon et al. 2024, "Reducing Transformer
+Key-Value Cache Size with Cross-Layer Attention", arXiv 2405.12981). With sharing factor s the
+layers of each type (`kvattn.models.config.kv_type`: Gemma's local and global layers apart)
+form groups of s adjacent layers of that type (`config.cla_sources`); the first layer of a
+group keeps a K/V projection, `method="mean"`: the mean of the group's `W_k` (and `W_v`, the
+k/v biases and the k-norm scale) as the GQA paper mean-pools heads, `"first"`: its own; the
+others lose theirs and attend to it. The cache shrinks by the groups' factor; the logits
+change (the paper trains CLA models from scratch; here `kvattn.training.trainer.uptrain`
+recovers what it can).
 
 **Regrouping KV heads** (`regroup_kv_heads`; Ainslie et al. 2023, "GQA",
 arXiv 2305.13245, §2.1). Source K KV heads, target K'. Query head n reads KV
@@ -83,6 +94,7 @@ from kvattn.models.gqa import GroupedQueryAttention, check_input, resolve_positi
 from kvattn.ops import rope as rope_lib
 
 REGROUP_METHODS = ("mean", "first")
+CLA_METHODS = ("mean", "first")
 MLA_METHODS = ("joint", "split")
 ROPE_SELECTIONS = ("high", "uniform")
 
@@ -95,6 +107,10 @@ def _gqa_layers(model: Any, where: str) -> list[GroupedQueryAttention]:
     if not isinstance(layer.attn, GroupedQueryAttention):
       raise ValueError(f"{where} converts GQA layers (MHA/GQA/MQA); model layer {i} is "
                        f"{type(layer.attn).__name__}")
+    if layer.attn.kv_source is not None:
+      raise ValueError(f"{where} converts layers with their own K/V projections; model layer "
+                       f"{i} reads layer {layer.attn.kv_source}'s (cross-layer KV sharing): "
+                       f"convert before sharing")
     attns.append(layer.attn)
   return attns
 
@@ -443,4 +459,68 @@ def to_mla(model: transformer_lib.Transformer, kv_lora_rank: int, qk_rope_head_d
         latent_norm=False, **{name: getattr(layer_spec, name)
                               for name in transformer_lib.ROPE_SCALING_FIELDS}))
   spec = _replace_layers(model.spec, layers, **dataclasses.asdict(layers[0]))
+  return _rebuild(model, spec, params)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cross-layer KV sharing (CLA, Brandon et al. 2024).
+
+
+def check_cla(model: transformer_lib.Transformer, cla_factor: int, *,
+              method: str = "mean") -> list[int | None]:
+  """The checks of `to_cla` (same errors), without converting; returns each layer's source
+  (`kvattn.models.config.cla_sources`: None for the layers that keep their K/V)."""
+  if method not in CLA_METHODS:
+    raise ValueError(f"method must be one of {CLA_METHODS}; got {method!r}")
+  if isinstance(cla_factor, bool) or not isinstance(cla_factor, int) or cla_factor <= 0:
+    raise ValueError(f"cla_factor must be a positive int; got {cla_factor!r}")
+  _gqa_layers(model, "to_cla")
+  return transformer_lib.cla_sources(model.spec.layers, cla_factor)
+
+
+def to_cla(model: transformer_lib.Transformer, cla_factor: int = 2, *,
+           method: str = "mean") -> transformer_lib.Transformer:
+  """A copy of `model` with cross-layer KV sharing at factor `cla_factor` (module doc).
+
+  Args:
+    model: a `kvattn.Transformer` whose layers are all GQA with their own K/V.
+    cla_factor: s, layers per group (of one type) sharing one K/V projection and cache;
+      1 copies the model unchanged.
+    method: "mean" (the group's K/V projections, k/v biases and k-norm scales averaged into
+      the first layer's) or "first" (the first layer's kept).
+
+  Returns:
+    A new Transformer with `spec.cla_factor = cla_factor`; the source is not modified.
+
+  Raises:
+    TypeError: `model` is not a Transformer.
+    ValueError: a layer that is not GQA or already reads another's K/V; `cla_factor` not a
+      positive int; an unknown method.
+  """
+  sources = check_cla(model, cla_factor, method=method)
+  attns = [layer.attn for layer in model.layers]
+  groups: dict[int, list[int]] = {}
+  for i, j in enumerate(sources):
+    groups.setdefault(i if j is None else j, []).append(i)
+  def kv_param(m, name, like):  # a member without a bias / k-norm: the identity (0 / 1)
+    if hasattr(attns[m], name):
+      return _value(getattr(attns[m], name))
+    return np.ones_like(like) if name == "k_norm" else np.zeros_like(like)
+
+  params = []
+  for i, attn in enumerate(attns):
+    p = {"q_proj": _value(attn.q_proj), "o_proj": _value(attn.o_proj)}
+    if attn.qkv_bias:
+      p["q_bias"] = _value(attn.q_bias)
+    if attn.qk_norm:
+      p["q_norm"] = _value(attn.q_norm)
+    if sources[i] is None:
+      members = groups[i] if method == "mean" else [i]
+      names = ("k_proj", "v_proj") + (("k_bias", "v_bias") if attn.qkv_bias else ()) + (
+          ("k_norm",) if attn.qk_norm else ())
+      for name in names:
+        own = _value(getattr(attn, name))
+        p[name] = np.mean([kv_param(m, name, own) for m in members], axis=0)
+    params.append(p)
+  spec = transformer_lib.resolve_config(dataclasses.replace(model.spec, cla_factor=cla_factor))
   return _rebuild(model, spec, params)

@@ -9,7 +9,7 @@ n // G with G = N // K (contiguous groups, as in Llama-family checkpoints).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,7 @@ from flax import nnx
 
 from kvattn import _checks
 from kvattn.caches import dense as cache_lib
+from kvattn.caches import transaction
 from kvattn import ops
 from kvattn.caches.protocol import GQACache, type_error, update_attend
 from kvattn.models import int8 as int8_lib
@@ -71,6 +72,38 @@ def check_input(x: Any, d_model: int) -> None:
     raise ValueError(f"x.shape[-1] must be d_model = {d_model}; got shape {tuple(x.shape)}")
 
 
+class SharedKV(NamedTuple):
+  """What a layer that owns its K/V hands to the layers that read it (cross-layer KV sharing,
+  `GroupedQueryAttention(kv_source=)`), for one forward pass; a pytree.
+
+  Attributes:
+    k, v: `[B, T, K, H]` the owner's keys (BEFORE RoPE) and values of this pass's T tokens.
+    k_rope: `[B, K, T, H]` the keys after RoPE and `v_heads` `[B, K, T, H]` the values, head
+      major (the cacheless path; None with a cache).
+    cache_before, cache_after: the owner's cache before and after it wrote the T tokens
+      (None without a cache).
+  """
+
+  k: jax.Array
+  v: jax.Array
+  k_rope: jax.Array | None = None
+  v_heads: jax.Array | None = None
+  cache_before: Any = None
+  cache_after: Any = None
+
+
+def _attends_after_update(cache: Any) -> bool:
+  """True when `cache.attend` after its `update` is the cache's whole attention step: kinds
+  without a step of their own (the protocol's RoPE, update, attend) and `KVCache` (whose step
+  is that, or an equal decode step). Ring, sinks, eviction and the low-bit kinds attend a chunk
+  differently (before it overwrites a window; with the chunk in full precision)."""
+  cache = getattr(cache, "cache", cache) if isinstance(cache, transaction.Draft) else cache
+  if isinstance(cache, cache_lib.KVCache):
+    return True
+  return getattr(cache, "update_attend_unchecked", None) is None and \
+      getattr(cache, "update_attend", None) is None
+
+
 def _rms_norm(x: jax.Array, scale: nnx.Param, eps: float) -> jax.Array:  # [..., H]
   """RMSNorm over the last axis in f32 (the qk-norm), cast back to `x`'s dtype."""
   xf = x.astype(jnp.float32)
@@ -105,6 +138,15 @@ class GroupedQueryAttention(nnx.Module):
     * `new_lengths: i32[B]` real tokens per sequence (right padding; default
       T); padded tokens are not written and their outputs are unspecified.
 
+  Cross-layer KV sharing (CLA, Brandon et al. 2024, arXiv 2405.12981): a layer built with
+  `kv_source=j` has no K/V projections (nor k/v biases, k-norm) and no cache of its own; it is
+  called with `shared_kv=` (a `SharedKV` from layer j's `call_sharing_kv`) and attends its own
+  queries to layer j's keys and values: after layer j's write, through `cache_after.attend`
+  for the kinds whose step is update-then-attend (dense, paged, ...), else by repeating the
+  cache's own step on `cache_before` with j's keys and its queries and dropping the cache it
+  returns (ring, sinks, eviction, low-bit: the sharing layer sees what layer j saw).
+  `kvattn.Transformer` does the wiring (`model.cla_factor`, `model.layers[i].kv_source`).
+
   Parameters: `q_proj [D, N, H]`, `k_proj [D, K, H]`, `v_proj [D, K, H]`,
   `o_proj [N, H, D]` (no biases, as in Llama); with `qkv_bias` also
   `q_bias [N, H]`, `k_bias [K, H]`, `v_bias [K, H]` (Qwen2), added before
@@ -132,6 +174,7 @@ class GroupedQueryAttention(nnx.Module):
       qk_norm: bool = False,
       norm_eps: float = 1e-6,
       sm_scale: float | None = None,
+      kv_source: int | None = None,
       rngs: nnx.Rngs,
   ):
     """Builds the projections.
@@ -162,6 +205,9 @@ class GroupedQueryAttention(nnx.Module):
       norm_eps: epsilon of the qk-norm.
       sm_scale: softmax scale of the attention logits; None = 1 / sqrt(H)
         (Gemma: `query_pre_attn_scalar ** -0.5`).
+      kv_source: None (own K/V projections and cache) or the index of the layer whose keys and
+        values this layer reads (cross-layer KV sharing, see the class doc): no `k_proj`,
+        `v_proj`, `k_bias`, `v_bias`, `k_norm`; called with `shared_kv=`.
       rngs: `nnx.Rngs` with a `params` stream.
 
     Raises:
@@ -187,31 +233,46 @@ class GroupedQueryAttention(nnx.Module):
     param_dtype = jnp.float32 if quantized else _checks.float_dtype("param_dtype", param_dtype)
     self.decode_implementation = _checks.implementation(
         "decode_implementation", decode_implementation, decode_implementations())
+    if kv_source is not None and (isinstance(kv_source, bool) or not isinstance(kv_source, int)
+                                  or kv_source < 0):
+      raise ValueError(f"kv_source must be None or a layer index >= 0; got {kv_source!r}")
+    self.kv_source = kv_source
+    owns = kv_source is None  # a layer reading another's K/V has no K/V parameters
     D, N, K, H = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
     key = rngs.params
     self.q_proj = nnx.Param(_init(0, (1, 2))(key(), (D, N, H), param_dtype))
-    self.k_proj = nnx.Param(_init(0, (1, 2))(key(), (D, K, H), param_dtype))
-    self.v_proj = nnx.Param(_init(0, (1, 2))(key(), (D, K, H), param_dtype))
+    if owns:
+      self.k_proj = nnx.Param(_init(0, (1, 2))(key(), (D, K, H), param_dtype))
+      self.v_proj = nnx.Param(_init(0, (1, 2))(key(), (D, K, H), param_dtype))
     self.o_proj = nnx.Param(_init((0, 1), 2)(key(), (N, H, D), param_dtype))
     if not isinstance(qkv_bias, bool):
       raise TypeError(f"qkv_bias must be a bool; got {qkv_bias!r}")
     self.qkv_bias = qkv_bias
     if qkv_bias:
       self.q_bias = nnx.Param(jnp.zeros((N, H), param_dtype))
-      self.k_bias = nnx.Param(jnp.zeros((K, H), param_dtype))
-      self.v_bias = nnx.Param(jnp.zeros((K, H), param_dtype))
+      if owns:
+        self.k_bias = nnx.Param(jnp.zeros((K, H), param_dtype))
+        self.v_bias = nnx.Param(jnp.zeros((K, H), param_dtype))
     if not isinstance(qk_norm, bool):
       raise TypeError(f"qk_norm must be a bool; got {qk_norm!r}")
     self.qk_norm = qk_norm
     self.norm_eps = _checks.positive_float("norm_eps", norm_eps)
     if qk_norm:
       self.q_norm = nnx.Param(jnp.ones((H,), param_dtype))
-      self.k_norm = nnx.Param(jnp.ones((H,), param_dtype))
+      if owns:
+        self.k_norm = nnx.Param(jnp.ones((H,), param_dtype))
     if quantized:
       int8_lib.quantize_module(self)
 
   def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> cache_lib.KVCache:
-    """An empty `KVCache` shaped for this layer (any other `GQACache` works too)."""
+    """An empty `KVCache` shaped for this layer (any other `GQACache` works too).
+
+    Raises:
+      ValueError: the layer reads another layer's cache (`kv_source`).
+    """
+    if self.kv_source is not None:
+      raise ValueError(f"this layer reads layer {self.kv_source}'s cache (kv_source) and has "
+                       f"none of its own")
     return cache_lib.KVCache.init(batch, max_len, self.num_kv_heads, self.head_dim, dtype)
 
   def _project(self, x, spec, name, bias=None):
@@ -220,6 +281,11 @@ class GroupedQueryAttention(nnx.Module):
     if bias is not None:
       out = out + bias[...].astype(jnp.float32)
     return out.astype(dtype)
+
+  def _q(self, x):
+    """`q [B, T, N, H]` of `x` (bias, qk-norm), before RoPE: a layer with a `kv_source`."""
+    q = self._project(x, "BTD,DNH->BTNH", "q_proj", self.q_bias if self.qkv_bias else None)
+    return _rms_norm(q, self.q_norm, self.norm_eps) if self.qk_norm else q
 
   def _qkv(self, x):
     """`q [B, T, N, H]`, `k, v [B, T, K, H]` of `x` (biases added when `qkv_bias`),
@@ -260,7 +326,66 @@ class GroupedQueryAttention(nnx.Module):
       cache: GQACache | None = None,
       positions: jax.Array | None = None,  # i32[B, T]
       new_lengths: jax.Array | None = None,  # i32[B]
+      *,
+      shared_kv: SharedKV | None = None,
   ) -> tuple[jax.Array, GQACache | None]:
+    """`(y [B, T, D], new_cache)`; a layer with a `kv_source` takes `shared_kv` (the owner's
+    `SharedKV` of this pass) instead of a cache and returns `(y, None)`.
+
+    Raises:
+      ValueError: a `kv_source` layer without `shared_kv` or with a cache; `shared_kv`
+        given to a layer that owns its K/V; bad shapes (see the class doc).
+    """
+    if self.kv_source is not None or shared_kv is not None:
+      return self._call_shared(x, cache, positions, new_lengths, shared_kv), None
+    y, new_cache, _ = self.call_sharing_kv(x, cache, positions, new_lengths)
+    return y, new_cache
+
+  def _call_shared(self, x, cache, positions, new_lengths, kv):
+    if self.kv_source is None:
+      raise ValueError("shared_kv is for a layer that reads another layer's K/V (kv_source); "
+                       "this layer computes its own")
+    if kv is None or cache is not None:
+      raise ValueError(f"this layer reads layer {self.kv_source}'s keys and values: call it "
+                       f"with shared_kv= (that layer's SharedKV) and cache=None; got "
+                       f"shared_kv={type(kv).__name__}, cache={type(cache).__name__}")
+    check_input(x, self.d_model)
+    batch, num_tokens, _ = x.shape
+    want = (batch, num_tokens, self.num_kv_heads, self.head_dim)
+    if tuple(kv.k.shape) != want:
+      raise ValueError(f"shared_kv.k must have shape [B, T, K, H] = {want}; got "
+                       f"{tuple(kv.k.shape)}")
+    positions = resolve_positions(positions, kv.cache_before, batch, num_tokens)
+    new_lengths = cache_lib.resolve_new_lengths(new_lengths, batch, num_tokens)
+    q = self._q(x)
+    opts = dict(sm_scale=self.sm_scale, window=self.window, soft_cap=self.soft_cap)
+    rope = dict(rope_theta=self.rope_theta, scaling=self.rope_scaling)
+    if kv.cache_before is None:
+      out = ops.attention(ops.apply_rope(q, positions, **rope), kv.k_rope, kv.v_heads,
+                          kv_lengths=new_lengths, **opts)
+    elif _attends_after_update(kv.cache_before):
+      out = kv.cache_after.attend(ops.apply_rope(q, positions, **rope),
+                                  q_offsets=kv.cache_before.lengths,
+                                  implementation=self.decode_implementation, **opts)
+    else:  # the kind's own step on the owner's cache before its write; that write is dropped
+      out, _ = update_attend(kv.cache_before, q, kv.k, kv.v, positions=positions,
+                             rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+                             new_lengths=new_lengths,
+                             implementation=self.decode_implementation, **opts)
+    return self._project(out, "BTNH,NHD->BTD", "o_proj")
+
+  def call_sharing_kv(
+      self,
+      x: jax.Array,  # [B, T, D]
+      cache: GQACache | None = None,
+      positions: jax.Array | None = None,  # i32[B, T]
+      new_lengths: jax.Array | None = None,  # i32[B]
+  ) -> tuple[jax.Array, GQACache | None, SharedKV]:
+    """`__call__` of a layer that owns its K/V, plus the `SharedKV` the layers reading it
+    (`kv_source`) take: `(y, new_cache, shared_kv)`. Raises as `__call__`."""
+    if self.kv_source is not None:
+      raise ValueError(f"this layer reads layer {self.kv_source}'s keys and values (kv_source) "
+                       f"and has none to share")
     check_input(x, self.d_model)
     batch, num_tokens, _ = x.shape
     if cache is not None:
@@ -278,14 +403,16 @@ class GroupedQueryAttention(nnx.Module):
     opts = dict(sm_scale=self.sm_scale, window=self.window, soft_cap=self.soft_cap)
     if cache is None:
       rope = dict(rope_theta=self.rope_theta, scaling=self.rope_scaling)
-      q, k = ops.apply_rope(q, positions, **rope), ops.apply_rope(k, positions, **rope)
-      out = ops.attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
-                          kv_lengths=new_lengths, **opts)
+      q, k_rot = ops.apply_rope(q, positions, **rope), ops.apply_rope(k, positions, **rope)
+      k_heads, v_heads = k_rot.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
+      out = ops.attention(q, k_heads, v_heads, kv_lengths=new_lengths, **opts)
       new_cache = None
+      shared = SharedKV(k, v, k_rope=k_heads, v_heads=v_heads)
     else:  # RoPE, update, attend -- or the cache's own update_attend (cache_protocol)
       out, new_cache = update_attend(cache, q, k, v, positions=positions,
                                      rope_theta=self.rope_theta,
                                      rope_scaling=self.rope_scaling, new_lengths=new_lengths,
                                      implementation=self.decode_implementation, **opts)
+      shared = SharedKV(k, v, cache_before=cache, cache_after=new_cache)
     y = self._project(out, "BTNH,NHD->BTD", "o_proj")
-    return y, new_cache
+    return y, new_cache, shared

@@ -15,6 +15,13 @@ attention and MLP outputs (`post_norms`, Gemma's four norms per block), a final 
 cap (`final_soft_cap`), qk-norm (`qk_norm`), the query scale (`sm_scale`), and per-layer
 windows and RoPE bases through `model.layers` (local / global layers).
 
+Cross-layer KV sharing (CLA, Brandon et al. 2024, arXiv 2405.12981; Gemma 3n's KV sharing):
+`model.cla_factor` (groups of that many layers of one type share the first one's K/V) or
+`model.layers[i].kv_source = j`: layer i has no K/V projections and no cache; it attends its
+queries to layer j's keys and values of the same pass. `init_caches` builds caches for
+`cache_layers` only and the model takes them in that order; `cache_bytes_per_token` counts
+them only.
+
 Config schema: `kvattn.models.config` (`ModelSpec`, `AttentionSpec`, `model_config`,
 `resolve_config`, `cache_bytes_per_token`), whose names this module re-exports.
 """
@@ -36,7 +43,8 @@ from kvattn.models import int8 as int8_lib
 # Re-exported: `kvattn.transformer.model_config` etc. keep working.
 from kvattn.models.config import (  # noqa: F401
     ATTENTION_KINDS, AttentionSpec, ModelSpec, ROPE_SCALING_FIELDS, attention_config,
-    attention_fields, cache_bytes_per_token, model_config, resolve_config, _ATTENTION_MODULES)
+    attention_fields, cache_bytes_per_token, cla_sources, kv_type, model_config, resolve_config,
+    _ATTENTION_MODULES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -204,16 +212,33 @@ class Block(nnx.Module):
     self.post_mlp_norm = norm() if model.post_norms else None
 
   def __call__(self, x, cache, positions, new_lengths):
-    h, cache = self.attn(self.attn_norm(x), cache=cache, positions=positions,
-                         new_lengths=new_lengths)
+    x, cache, _ = self.step(x, cache, positions, new_lengths)
+    return x, cache
+
+  def step(self, x, cache, positions, new_lengths, *, shared_kv=None, share=False):
+    """`(x, new_cache, kv)`: the block; with cross-layer KV sharing a layer with a `kv_source`
+    takes its owner's `shared_kv` (no cache), and with `share` a layer that owns its K/V
+    returns its `gqa.SharedKV` as `kv` (else None)."""
+    a = self.attn_norm(x)
+    kv = None
+    if shared_kv is not None:
+      h, cache = self.attn(a, cache=None, positions=positions, new_lengths=new_lengths,
+                           shared_kv=shared_kv)
+    elif share:
+      h, cache, kv = self.attn.call_sharing_kv(a, cache, positions, new_lengths)
+    else:
+      h, cache = self.attn(a, cache=cache, positions=positions, new_lengths=new_lengths)
+    x = self._rest(x, h)
+    return x, cache, kv
+
+  def _rest(self, x, h):
     if self.post_attn_norm is not None:
       h = self.post_attn_norm(h)
     x = x + h.astype(x.dtype)
     h = self.mlp(self.mlp_norm(x))
     if self.post_mlp_norm is not None:
       h = self.post_mlp_norm(h)
-    x = x + h.astype(x.dtype)
-    return x, cache
+    return x + h.astype(x.dtype)
 
 
 def embed(embedding: jax.Array, scale: jax.Array | None, tokens: jax.Array,
@@ -241,7 +266,8 @@ class Transformer(nnx.Module):
   Call: `logits, caches = model(tokens, caches=None, positions=None, new_lengths=None)`
     * `tokens: i32[B, T]`.
     * `caches`: None (training: causal over T, returned caches are None) or a
-      sequence of L per-layer caches, e.g. from `init_caches` (one `KVCache`
+      sequence of per-layer caches (one per layer that owns one, `cache_layers`:
+      all L without cross-layer KV sharing), e.g. from `init_caches` (one `KVCache`
       per GQA layer, one `LatentCache` per MLA layer) or a cache factory
       (`kvattn.caches.registry`; any `kvattn.caches.protocol` implementer of
       the layer's kind); a tuple of updated caches is returned.
@@ -280,6 +306,35 @@ class Transformer(nnx.Module):
           rngs.params(), (spec.d_model, spec.vocab_size), param_dtype))
     if quantized:
       quantize_embeddings(self)
+    # Cross-layer KV sharing: layer i reads the cache of layer kv_sources[i] (None: its own);
+    # the layers that own a cache, in order: caches[c] is layer cache_layers[c]'s.
+    self.kv_sources = tuple(layer.kv_source for layer in spec.layers)
+    self.cache_layers = tuple(i for i, j in enumerate(self.kv_sources) if j is None)
+
+  def truncated(self, num_layers: int) -> "Transformer":
+    """A copy with the first `num_layers` layers, the same embedding, final norm
+    and head (e.g. a draft model for speculative decoding, or layer-dropping
+    studies); parameters are copied (`nnx.clone`), not shared.
+
+    Raises:
+      ValueError: `num_layers` not an int in [1, L].
+    """
+    if (isinstance(num_layers, bool) or not isinstance(num_layers, int)
+        or not 1 <= num_layers <= self.num_layers):
+      raise ValueError(f"num_layers must be an int in [1, {self.num_layers}]; got {num_layers!r}")
+    out = nnx.clone(self)
+    out.spec = dataclasses.replace(self.spec, num_layers=num_layers,
+                                   layers=tuple(self.spec.layers[:num_layers]))
+    out.num_layers = num_layers
+    out.layers = nnx.List(list(out.layers)[:num_layers])
+    out.kv_sources = self.kv_sources[:num_layers]  # sources are earlier layers: still valid
+    out.cache_layers = tuple(i for i in self.cache_layers if i < num_layers)
+    return out
+
+  @property
+  def num_caches(self) -> int:
+    """Caches the model takes: one per layer that owns its K/V (`cache_layers`)."""
+    return len(self.cache_layers)
 
   @classmethod
   def from_config(cls, cfg: Any, *, rngs: nnx.Rngs) -> "Transformer":
@@ -296,7 +351,8 @@ class Transformer(nnx.Module):
 
   def init_caches(self, batch: int, max_len: int, dtype: Any = None, *,
                   cache: Any = None, local_layers: str = "full") -> tuple[Any, ...]:
-    """One empty cache per layer, as a tuple pytree.
+    """One empty cache per layer that owns one (`cache_layers`: every layer, but those that
+    read another layer's cache under cross-layer KV sharing), as a tuple pytree.
 
     Args:
       batch: B.
@@ -321,7 +377,7 @@ class Transformer(nnx.Module):
     if cache is not None or local_layers != "full":
       return cache_registry.build_caches(self, batch, max_len, dtype, cache,
                                          local_layers=local_layers)
-    return tuple(layer.attn.init_cache(batch, max_len, dtype) for layer in self.layers)
+    return tuple(self.layers[i].attn.init_cache(batch, max_len, dtype) for i in self.cache_layers)
 
   def _check_tokens(self, tokens):
     _checks.rank("tokens", tokens, 2, "[B, T]")
@@ -337,8 +393,10 @@ class Transformer(nnx.Module):
     """Final-normed hidden states `[B, T, D]` (compute dtype) and the updated caches."""
     tokens = jnp.asarray(tokens)
     self._check_tokens(tokens)
-    if caches is not None and len(caches) != self.num_layers:
-      raise ValueError(f"caches must hold one cache per layer ({self.num_layers}); got "
+    if caches is not None and len(caches) != self.num_caches:
+      shared = "" if self.num_caches == self.num_layers else (
+          f" that owns one ({self.num_caches} of {self.num_layers}: cross-layer KV sharing)")
+      raise ValueError(f"caches must hold one cache per layer{shared} ({self.num_caches}); got "
                        f"{len(caches)}")
     # Positions once for every layer: each layer's cache holds the same tokens.
     first = caches[0] if caches and hasattr(caches[0], "lengths") else None
@@ -346,8 +404,15 @@ class Transformer(nnx.Module):
     x = embed(self.embedding[...], _value(getattr(self, "embedding_scale", None)), tokens,
               self.spec)  # [B, T, D]
     new_caches = []
+    read = set(j for j in self.kv_sources if j is not None)  # layers whose K/V others read
+    shared = {}  # owner layer -> its SharedKV of this pass
     for i, layer in enumerate(self.layers):
-      x, cache = layer(x, None if caches is None else caches[i], positions, new_lengths)
+      j = self.kv_sources[i]
+      if j is not None:
+        x, _, _ = layer.step(x, None, positions, new_lengths, shared_kv=shared[j])
+        continue
+      cache = None if caches is None else caches[len(new_caches)]
+      x, cache, shared[i] = layer.step(x, cache, positions, new_lengths, share=i in read)
       new_caches.append(cache)
     return self.final_norm(x), (None if caches is None else tuple(new_caches))
 
@@ -392,6 +457,9 @@ def smooth_model(model: "Transformer", tokens: jax.Array, *, alpha: float = 0.5
   """
   if int8_lib.is_int8(model.spec.param_dtype):
     raise ValueError("smooth_model needs float weights; call it before quantize_model")
+  if model.num_caches != model.num_layers:
+    raise NotImplementedError("smooth_model of a model with cross-layer KV sharing "
+                              "(model.cla_factor / kv_source) is not implemented")
   if not 0.0 <= alpha <= 1.0:
     raise ValueError(f"alpha must lie in [0, 1]; got {alpha!r}")
   tokens = jnp.asarray(tokens, jnp.int32)

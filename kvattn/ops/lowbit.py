@@ -156,6 +156,7 @@ def blocked_attention(
     sm_scale: float | None = None,
     window: int | None = None,
     soft_cap: float | None = None,
+    initial: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
   """Attention of queries against a quantized store read block by block, then `segments`.
 
@@ -178,6 +179,9 @@ def blocked_attention(
     segments: full-precision `Segment`s.
     sm_scale: default `1 / sqrt(H)`.
     window, soft_cap: as `kvattn.ops.attention`.
+    initial: the online-softmax state `(m f32[B, K, G, T], l f32[B, K, G, T], acc
+      f32[B, K, G, T, Hv])` of keys attended elsewhere (`state_from_lse`: a Pallas kernel
+      read the store), or None (nothing yet).
 
   Returns:
     f32 `[B, T, N, Hv]`; a query with nothing to attend gives zeros.
@@ -209,9 +213,10 @@ def blocked_attention(
     pv = jnp.einsum("BKGTS,BKSV->BKGTV", p, v)
     return m_next, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
 
-  carry = (jnp.full((batch, num_kv, groups, num_tokens), common.M_INIT, jnp.float32),
-           jnp.zeros((batch, num_kv, groups, num_tokens), jnp.float32),
-           jnp.zeros((batch, num_kv, groups, num_tokens, hv), jnp.float32))
+  carry = initial if initial is not None else (
+      jnp.full((batch, num_kv, groups, num_tokens), common.M_INIT, jnp.float32),
+      jnp.zeros((batch, num_kv, groups, num_tokens), jnp.float32),
+      jnp.zeros((batch, num_kv, groups, num_tokens, hv), jnp.float32))
   if read_block is not None and store_capacity > 0:
     bk = block_size
     first = jnp.int32(0)
@@ -234,6 +239,21 @@ def blocked_attention(
   _, l, acc = carry
   out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B, K, G, T, Hv]
   return jnp.moveaxis(out, 3, 1).reshape(batch, num_tokens, num_heads, hv)
+
+
+def state_from_lse(out: jax.Array, lse: jax.Array,
+                   num_kv_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The online-softmax state `(m, l, acc)` of `blocked_attention` (T = 1) that a decode
+  kernel's normalised `out f32[B, N, Hv]` and log-sum-exp `lse f32[B, N]` stand for:
+  `m = lse, l = 1, acc = out` (the partial softmax renormalised to its own total), or the
+  empty state where `lse` is -inf (nothing attended). Later blocks then merge exactly as
+  flash-decoding's split merge does."""
+  batch, num_heads, hv = out.shape
+  shape = (batch, num_kv_heads, num_heads // num_kv_heads, 1)
+  lse = lse.astype(jnp.float32).reshape(shape)
+  seen = jnp.isfinite(lse)
+  acc = jnp.where(seen[..., None], out.astype(jnp.float32).reshape(shape + (hv,)), 0.0)
+  return jnp.where(seen, lse, common.M_INIT), seen.astype(jnp.float32), acc
 
 
 def blocked_attention_reference(

@@ -1,7 +1,9 @@
 """The "pallas" backend of the decode dispatch points (fused Pallas kernels).
 
 Adapters from `kvattn.ops.dispatch` to `pallas_kernels.dense_decode` (dense
-and MLA) and `pallas_kernels.paged_decode`. The dispatch point has checked the
+and MLA) and `pallas_kernels.paged_decode`, and from the KIVI cache
+(`kvattn.caches.kivi`, which has no dispatch point: its store is its own layout)
+to `pallas_kernels.lowbit_decode` (`kivi_store_decode`). The dispatch point has checked the
 arguments, so they call the kernels' `*_unchecked` entry points. With
 `implementation=None` a kernel runs compiled on GPU (Triton lowering) and TPU
 (Mosaic) for the shapes its `unsupported_reason` accepts, and raises
@@ -15,6 +17,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels import dense_decode as _kernels
+from pallas_kernels import lowbit_decode as _lowbit_kernel
 from pallas_kernels import paged_decode as _paged_kernel
 
 _COMPILED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
@@ -74,3 +77,37 @@ def _paged_decode(q, k_pages, v_pages, block_tables, lengths, *, explicit, sm_sc
   return _paged_kernel.paged_decode_attention_unchecked(
       q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, window=window,
       soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, interpret=interpret)
+
+
+def kivi_store_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, lengths, *,
+                      bits, explicit, sm_scale, soft_cap=None):
+  """`(out f32[B, N, H], lse f32[B, N])`: decode queries `q: [B, N, H]` against slots
+  `[starts, lengths)` of a packed KIVI store (`pallas_kernels.lowbit_decode`), compiled on
+  GPU / TPU, interpreted on CPU when `explicit` (the caller named "pallas").
+
+  Raises:
+    NotImplementedError: no compiled kernel here (CPU, not `explicit`), or shapes the
+      compiled kernel does not take (`lowbit_decode.unsupported_reason`).
+  """
+  interpret = _mode(explicit, lambda platform: _lowbit_kernel.unsupported_reason(
+      q.shape, k_codes.shape, k_scale.shape, platform=platform))
+  out, lse = _lowbit_kernel.kivi_decode_attention_unchecked(
+      q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, lengths, bits=bits,
+      sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret, return_lse=True)
+  return out.astype(jax.numpy.float32), lse
+
+
+def paged_kivi_store_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_tables,
+                            starts, lengths, *, bits, explicit, sm_scale, soft_cap=None):
+  """`kivi_store_decode` over a paged KIVI store (`lowbit_decode.paged_kivi_decode_attention`;
+  GPU only when compiled: no TPU schedule).
+
+  Raises:
+    NotImplementedError: as `kivi_store_decode` (`lowbit_decode.paged_unsupported_reason`).
+  """
+  interpret = _mode(explicit, lambda platform: _lowbit_kernel.paged_unsupported_reason(
+      k_codes.shape, k_scale.shape, q.shape[-1], platform=platform))
+  out, lse = _lowbit_kernel.paged_kivi_decode_attention_unchecked(
+      q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_tables, starts, lengths,
+      bits=bits, sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret, return_lse=True)
+  return out.astype(jax.numpy.float32), lse

@@ -232,6 +232,35 @@ class PageAllocator:
     self._tokens[seq_id] = num_tokens
     return tuple(added)
 
+  def shrink(self, seq_id: Hashable, num_tokens: int) -> tuple[int, ...]:
+    """Cuts `seq_id` back to `num_tokens` tokens in total: the pages past the ones they
+    occupy go back on the free list (speculative decoding returns the pages only its
+    rejected draft tokens used; `kvattn.inference.batching`).
+
+    Returns:
+      The pages freed (empty when the last page is still needed).
+
+    Raises:
+      ValueError: unknown `seq_id`; `num_tokens` above the sequence's current count or
+        negative.
+    """
+    pages = self._owned(seq_id)
+    num_tokens = self._check_tokens(num_tokens)
+    if num_tokens > self._tokens[seq_id]:
+      raise ValueError(
+          f"num_tokens must not exceed sequence {seq_id!r}'s {self._tokens[seq_id]} tokens "
+          f"(shrink only cuts; grow adds); got {num_tokens}")
+    keep = pages_for(num_tokens, self.page_size)
+    dropped = pages[keep:]
+    del pages[keep:]
+    self._tokens[seq_id] = num_tokens
+    self._give_back(dropped)
+    return tuple(dropped)
+
+  def _give_back(self, pages: list[int]) -> None:
+    """Pages a sequence dropped (`shrink`) go back on the free list, reused first."""
+    self._free.extend(reversed(pages))
+
   def free(self, seq_id: Hashable) -> tuple[int, ...]:
     """Retires `seq_id`: all its pages go back on the free list.
 

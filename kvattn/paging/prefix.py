@@ -236,6 +236,21 @@ class PrefixCachingAllocator(PageAllocator):
     self._ref[list(added)] = 1
     return added
 
+  def _give_back(self, pages: list[int]) -> None:
+    """`shrink`'s dropped pages each lose one reference (a registered one stays cached)."""
+    for page in reversed(pages):
+      self._release(page)
+
+  def shrink(self, seq_id: Hashable, num_tokens: int) -> tuple[int, ...]:
+    """`PageAllocator.shrink`; a registered chain reaching past the pages kept ends at
+    the last page kept."""
+    dropped = super().shrink(seq_id, num_tokens)
+    done, parent = self._registered[seq_id]
+    kept = len(self._pages[seq_id])
+    if done > kept:
+      self._registered[seq_id] = (kept, self._nth_block(parent, done - kept))
+    return dropped
+
   def register(self, seq_id: Hashable, tokens: Sequence[int]) -> int:
     """Makes the full pages of `seq_id` shareable: `tokens` are the token ids
     written into its cache so far (at most its token count); each full page

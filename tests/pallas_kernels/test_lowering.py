@@ -215,3 +215,69 @@ def test_interpret_false_needs_a_device_target():
     dense_decode.decode_attention(q, k, v, lengths, platform="metal")
   with pytest.raises(ValueError, match="schedule 'grid' does not compile on cuda"):
     dense_decode.decode_attention(q, k, v, lengths, platform="cuda", schedule="grid")
+
+
+# The KIVI store kernel (pallas_kernels/lowbit_decode.py): packed 2/4-bit codes with f16
+# scales, bf16 queries, key groups of 32 tokens (KIVI's), value groups of 32 channels;
+# S = 256 store slots. Accepted configs lower to one custom call of the kernel; head dims
+# the kernel refuses give `unsupported_reason`'s reason.
+KIVI_GRID = [(target, bits, width, option)
+             for target in TARGETS for bits in (2, 4) for width in (64, 80, 128)
+             for option in ("plain", "soft_cap")]
+KIVI_FAST = {(target, bits, width, option) for target in TARGETS
+             for bits, width, option in [(4, 64, "plain"), (2, 128, "soft_cap"),
+                                         (4, 80, "plain")]}
+KIVI_REFUSED = {"cuda": r"head dim H=80 is not a power of two >= 16 \(Triton\)",
+                "tpu": r"head dim H=80 is not a multiple of 64 \(TPU lanes\)"}
+
+
+@pytest.mark.parametrize("target, bits, width, option", [
+    case if case in KIVI_FAST else pytest.param(*case, marks=pytest.mark.slow)
+    for case in KIVI_GRID])
+def test_kivi_store_kernel_lowers_or_says_why_not(target, bits, width, option):
+  from pallas_kernels import lowbit_decode  # pylint: disable=g-import-not-at-top
+  sds, group = jax.ShapeDtypeStruct, 32
+  codes = sds((BATCH, NUM_KV, CAPACITY, width * bits // 8), jnp.uint8)
+  k_scale = sds((BATCH, NUM_KV, CAPACITY // group, width), jnp.float16)
+  v_scale = sds((BATCH, NUM_KV, CAPACITY, width // group), jnp.float16)
+  lengths = sds((BATCH,), jnp.int32)
+  reason = lowbit_decode.unsupported_reason(None, codes.shape, k_scale.shape, platform=target)
+  if width == 80:
+    assert reason is not None and re.fullmatch(KIVI_REFUSED[target], reason), reason
+    return
+  assert reason is None, reason
+
+  def f(*args):
+    return lowbit_decode.kivi_decode_attention(
+        *args, bits=bits, soft_cap=30.0 if option == "soft_cap" else None, platform=target,
+        return_lse=True)
+
+  calls = _custom_calls(_lower(f, (sds((BATCH, NUM_HEADS, width), jnp.bfloat16), codes, k_scale,
+                                   k_scale, codes, v_scale, v_scale, lengths, lengths), target),
+                        target)
+  assert len(calls) == 1 and "kvattn_kivi_decode_attention" in calls[0], calls
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_paged_kivi_store_kernel_lowers_for_cuda_and_says_why_not_for_tpu(target):
+  from pallas_kernels import lowbit_decode  # pylint: disable=g-import-not-at-top
+  sds, group, width = jax.ShapeDtypeStruct, 32, 64
+  codes = sds((NUM_KV, NUM_PAGES, PAGE_SIZE, width // 2), jnp.uint8)
+  k_scale = sds((NUM_KV, NUM_PAGES, PAGE_SIZE // group, width), jnp.float16)
+  v_scale = sds((NUM_KV, NUM_PAGES, PAGE_SIZE, width // group), jnp.float16)
+  reason = lowbit_decode.paged_unsupported_reason(codes.shape, k_scale.shape, width,
+                                                  platform=target)
+  if target == "tpu":
+    assert reason == "no \"grid\" (TPU) schedule for the paged KIVI store yet"
+    return
+  assert reason is None
+
+  def f(*args):
+    return lowbit_decode.paged_kivi_decode_attention(*args, bits=4, platform=target)
+
+  lengths = sds((BATCH,), jnp.int32)
+  calls = _custom_calls(_lower(f, (sds((BATCH, NUM_HEADS, width), jnp.bfloat16), codes, k_scale,
+                                   k_scale, codes, v_scale, v_scale,
+                                   sds((BATCH, CAPACITY // PAGE_SIZE), jnp.int32), lengths,
+                                   lengths), target), target)
+  assert len(calls) == 1 and "kvattn_paged_kivi_decode_attention" in calls[0], calls

@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from configs import cla_pretrained as cla_config
 from configs import heads_sweep_pretrained as hp_config
 from experiments.families import heads_pretrained as hp
 from experiments.framework import runner
@@ -36,6 +37,23 @@ def test_smoke_points_are_validated_and_labelled():
   assert len({p.id for p in points}) == 3
 
 
+def test_cla_config_points_per_source():
+  """configs/cla_pretrained.py: per source the control (a copy) and CLA2 by mean and first."""
+  sweep = cla_config.get_sweep()
+  assert [(s["source.name"], s["convert.kind"], s["convert.method"]) for s in sweep] == [
+      ("smollm2-135m-instruct", "cla", "mean"), ("gemma3-270m", "cla", "mean"),
+      ("smollm2-135m-instruct", "regroup", "mean"), ("gemma3-270m", "regroup", "mean"),
+      ("smollm2-135m-instruct", "cla", "first"), ("gemma3-270m", "cla", "first")]
+  assert {s["source.name"] for s in sweep} == {"smollm2-135m-instruct", "gemma3-270m"}
+  smoke = cla_config.get_config("smoke")
+  points = hp.HeadsPretrainedFamily("/nonexistent").points(smoke, cla_config.get_sweep("smoke"))
+  assert [p.label for p in points] == ["K3", "CLA2-mean"]
+  assert hp.label({"kind": "cla", "cla_factor": 3, "method": "first"}, 3) == "CLA3-first"
+  assert cla_config.get_config().train.steps == 30
+  with pytest.raises(ValueError, match="config argument must be one of"):
+    cla_config.get_config("reduced")
+
+
 @pytest.mark.parametrize("overrides,message", [
     ({"convert.num_kv_heads": 2}, r"sweep\[0\] .*convert: num_kv_heads must be a multiple or a "
                                   r"divisor of the current number of KV heads 3"),
@@ -43,7 +61,9 @@ def test_smoke_points_are_validated_and_labelled():
      r"convert: kv_lora_rank must be at most the full rank .* = 42; got 43"),
     ({"convert.kind": "mla", "convert.method": "joint", "convert.qk_rope_head_dim": 24},
      r"convert: qk_rope_head_dim / num_kv_heads .* must be below head_dim = 8"),
-    ({"convert.kind": "gqa"}, r"convert.kind must be one of \('regroup', 'mla'\)"),
+    ({"convert.kind": "gqa"}, r"convert.kind must be one of \('regroup', 'mla', 'cla'\)"),
+    ({"convert.kind": "cla", "convert.cla_factor": 0},
+     r"sweep\[0\] .*convert: cla_factor must be a positive int; got 0"),
     ({"passkey.samples": 0}, r"passkey.samples must be an int >= 1; got 0"),
     ({"convert.nope": 1}, "convert.nope is not a known key"),
 ])

@@ -52,3 +52,23 @@ def test_smoke_run_measures_bytes_quality_and_speed(tmp_path):
   for r in result.records:
     assert r["decode_tokens_per_s"] > 0 and len(r["greedy_tokens"]) == 8
   assert "| kivi4-g8-r16 |" in (tmp_path / "report.md").read_text()
+
+
+def test_peer_step_is_validated_and_joins_the_table(tmp_path):
+  cfg = lowbit_config.get_config("smoke")
+  cfg.peers.run, cfg.peers.bits = True, (4, 3)
+  with pytest.raises(ValueError, match=r"peers.bits must list 2 and / or 4"):
+    lowbit.LowbitFamily("/x").points(cfg, lowbit_config.get_sweep("smoke"))
+  ours = [{"label": "dense-float32", "reference": True, "cache_bytes_per_token": 100.0,
+           "bytes_vs_f32": 1.0, "ppl": 5.0, "greedy_tokens": [1, 2, 3, 4],
+           "passkey_accuracy": 1.0, "decode_tokens_per_s": 10.0}]
+  peers = {"info": {}, "results": [{"name": "hf-quanto4-g64-r128", "cache_bytes_per_token": 20.0,
+                                    "ppl": 5.5, "greedy_tokens": [1, 2, 0, 4],
+                                    "decode_tokens_per_s": 2.0}]}
+  assert lowbit.peer_rows(ours, peers) == [
+      ["hf-quanto4-g64-r128", "20.0", "0.200x", "5.5000", "+10.00%", "0.750", "-", "2.0"]]
+  # A peer that cannot run (here: an interpreter without the [peers] extra, or a missing
+  # GGUF) is an error naming the module, not a silent row.
+  with pytest.raises(RuntimeError, match="hf_quantized_cache failed"):
+    lowbit.run_peer("python3", {"gguf": str(tmp_path / "none.gguf"), "ids": [1, 2],
+                                "chunk": 1, "new_tokens": 2, "threads": 1, "caches": []})

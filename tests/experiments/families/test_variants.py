@@ -450,12 +450,10 @@ def test_variant_rows_against_quoted_ranges():
   assert no_baseline[3] == "n/a" and no_baseline[-1] == "n/a (no MHA point)"
 
 
-@pytest.mark.parametrize("name", ["toy", "heads_sweep", "seqlen_sweep", "quant_sweep", "paged"])
-@pytest.mark.parametrize("arg", ["", "smoke"])
-def test_every_shipped_config_validates_and_preflights(tmp_path, no_training, name, arg):
-  """Each config file as shipped (full size and smoke) passes the runner's validation and the
-  abstract decode-step pre-flight of every point, without training (a base config whose own
-  values do not validate would stop the real run before its first point)."""
+SHIPPED = ["toy", "heads_sweep", "seqlen_sweep", "quant_sweep", "paged"]
+
+
+def _validate_and_preflight(tmp_path, name, arg, preflight_points):
   module = importlib.import_module(f"configs.{name}")
   config, sweep = module.get_config(arg), module.get_sweep(arg)
   family = runner.family_factory(config.experiment.kind)(str(tmp_path))
@@ -463,9 +461,24 @@ def test_every_shipped_config_validates_and_preflights(tmp_path, no_training, na
   assert len(points) >= len(sweep) >= 1
   assert len({p.id for p in points}) == len(points)
   preflight = getattr(family, "preflight", None)
-  for point in points if preflight else ():
+  for point in points if preflight and preflight_points else ():
     preflight(point)
   assert not os.listdir(tmp_path)  # nothing written before the run proper
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("arg", ["", "smoke"])
+def test_every_shipped_config_validates_and_preflights(tmp_path, no_training, name, arg):
+  """Each config file as shipped (full size and smoke) passes the runner's validation without
+  training (a base config whose own values do not validate would stop the real run before its
+  first point); the smoke points also pass the abstract decode-step pre-flight."""
+  _validate_and_preflight(tmp_path, name, arg, preflight_points=arg == "smoke")
+
+
+@pytest.mark.slow  # the same pre-flight code as the smoke points, on the full-size shapes
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_full_size_point_preflights(tmp_path, no_training, name):
+  _validate_and_preflight(tmp_path, name, "", preflight_points=True)
 
 
 def test_sweep_overrides_go_through_ml_collections_on_a_locked_copy():

@@ -59,17 +59,27 @@ SETTINGS = {
     # Rotated codebook: easy = every token in the residual; hard = 2 or no residual tokens.
     "rotated3": ({"residual": 16}, {"residual": 2, "codebook": "uniform"}),
     "rotated4": ({"residual": 16}, {"residual": 0, "seed": 3, "scale_dtype": "float32"}),
+    # Paged KIVI: hard = groups of 2 in pages of 6 (3 groups) or 4, shuffled pages.
+    "paged_kivi2": ({"group_size": 4, "residual": 16, "page_size": 8},
+                    {"group_size": 2, "residual": 0, "pre_rope": True, "page_size": 4,
+                     "seed": 2}),
+    "paged_kivi4": ({"group_size": 4, "residual": 16, "page_size": 8},
+                    {"group_size": 2, "residual": 2, "page_size": 6, "seed": 1}),
 }
 """Cache kind -> (easy options, hard options)."""
-FLOAT_ONLY = {"reversed", "kivi2", "kivi4", "rotated3", "rotated4"}
+FLOAT_ONLY = {"reversed", "kivi2", "kivi4", "rotated3", "rotated4", "paged_kivi2",
+              "paged_kivi4"}
 """Kinds that store no quantization scales: building them int8 is a TypeError."""
 
 KINDS = sorted(SETTINGS)
-SLOW_KINDS = {"snapkv", "tova", "recent", "random", "knorm", "kivi2", "rotated3"}
+SLOW_KINDS = {"snapkv", "tova", "recent", "random", "knorm", "kivi2", "rotated3",
+              "paged_kivi2", "paged_kivi4"}
 """Kinds that share another kind's class and differ in a setting: the eviction policies
 share h2o's (only the score differs; each score has its own tests in test_eviction.py),
-kivi2 and rotated3 share kivi4's and rotated4's (other bit widths: test_kivi.py,
-test_rotated.py). Every kind-parametrized test runs them under `-m slow`; every other kind,
+kivi2, rotated3 and paged_kivi2 share kivi4's, rotated4's and paged_kivi4's (other bit
+widths: test_kivi.py, test_rotated.py, test_paged_kivi.py); paged_kivi4 is kivi4's class
+with the store in pages, which test_paged_kivi.py checks against kivi4 bit for bit in the
+fast suite (with garbage in free pages; its conformance runs cost ~45 CPU-s). Every kind-parametrized test runs them under `-m slow`; every other kind,
 a new one included, runs in the fast suite."""
 HEAVY_KINDS = [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_KINDS else k for k in KINDS]
 PROMPT_LENGTHS = np.array([9, 5], np.int32)

@@ -174,3 +174,28 @@ def test_bad_tokens_and_caches_raise():
     model(jnp.zeros((1, 4), jnp.float32))
   with pytest.raises(ValueError, match="one cache per layer"):
     model(jnp.zeros((1, 4), jnp.int32), caches=model.init_caches(1, 8)[:1])
+
+
+def test_truncated_keeps_the_first_layers():
+  """`truncated(n)`: the first n blocks with the same embedding and head; its caches and
+  bytes follow; a cross-layer-sharing model keeps the owners of the kept layers."""
+  model = transformer.Transformer.from_config(small_config(num_layers=3), rngs=nnx.Rngs(0))
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 5)), jnp.int32)
+  np.testing.assert_array_equal(model.truncated(3)(tokens)[0], model(tokens)[0])
+  short = model.truncated(1)
+  assert short.num_layers == 1 and len(short.init_caches(2, 8)) == 1
+  assert short.cache_bytes_per_token() * 3 == model.cache_bytes_per_token()
+  # The same as a 1-layer model built from its config and given these weights.
+  one = transformer.Transformer.from_config(small_config(num_layers=1), rngs=nnx.Rngs(1))
+  nnx.update(one, nnx.state(short))
+  np.testing.assert_array_equal(one(tokens)[0], short(tokens)[0])
+  assert one.spec == short.spec
+  logits, _ = short(tokens, short.init_caches(2, 8))
+  np.testing.assert_allclose(logits, short(tokens)[0], rtol=1e-5, atol=1e-5)
+  assert model.num_layers == 3  # the original is untouched
+  shared = transformer.Transformer.from_config(small_config(num_layers=4, cla_factor=2),
+                                               rngs=nnx.Rngs(0))
+  assert shared.truncated(3).cache_layers == (0, 2) and shared.truncated(1).num_caches == 1
+  for bad in (0, 5, 1.0, True):
+    with pytest.raises(ValueError, match="num_layers must be an int in"):
+      shared.truncated(bad)

@@ -202,3 +202,19 @@ def test_stats_report_internal_fragmentation():
   for seq in ("a", "c"):
     alloc.free(seq)
   assert alloc.stats().waste_fraction == 0.0 and alloc.stats().free_pages == 16
+
+
+def test_shrink_returns_the_pages_past_the_tokens_kept():
+  alloc = PageAllocator(8, 4, 4)
+  alloc.allocate("a", 5)
+  added = alloc.grow("a", 13)  # a speculative write: 2 more pages
+  assert len(added) == 2 and alloc.num_free == 4
+  assert alloc.shrink("a", 9) == added[1:]  # 9 tokens need 3 pages
+  assert alloc.num_tokens("a") == 9 and len(alloc.pages("a")) == 3 and alloc.num_free == 5
+  assert alloc.shrink("a", 9) == ()  # nothing past the last page
+  assert len(alloc.shrink("a", 0)) == 3 and alloc.pages("a") == () and alloc.num_free == 8
+  alloc.check()
+  with pytest.raises(ValueError, match="must not exceed"):
+    alloc.shrink("a", 1)
+  with pytest.raises(ValueError, match="live sequence"):
+    alloc.shrink("b", 0)

@@ -269,3 +269,17 @@ def test_batcher_with_colliding_hashes_still_gives_the_same_tokens(monkeypatch):
   for rid, prompt, _ in _requests():
     np.testing.assert_array_equal(out[rid].tokens, _alone(prompt), err_msg=rid)
   batcher.allocator.check()
+
+
+def test_shrink_keeps_registered_pages_cached_and_cuts_the_chain():
+  alloc = PrefixCachingAllocator(8, 4, 4)
+  tokens = np.arange(12)
+  alloc.allocate("a", 12)
+  assert alloc.register("a", tokens) == 3
+  alloc.shrink("a", 5)  # the third registered page is dropped: it stays cached
+  assert len(alloc.pages("a")) == 2 and alloc.num_cached == 1
+  alloc.check()
+  alloc.grow("a", 12)
+  assert alloc.register("a", tokens) == 3  # the chain resumes at page 2
+  alloc.free("a")
+  alloc.check()

@@ -1,0 +1,296 @@
+"""KIVI with its quantized store in pages (PagedAttention's layout for a 2/4-bit store).
+
+`PagedKIVICache` is `kivi.KIVICache` (Liu et al. 2024, arXiv 2402.02750: keys per channel
+over groups of `group_size` tokens, values per token, the newest `residual` tokens in the
+compute dtype) whose quantized store lives in a page pool shared by the batch, as
+`PagedKVCache`'s tokens do (Kwon et al. 2023, "PagedAttention"): a sequence holds pages for
+the tokens it has flushed, not for the capacity. Registry kinds `paged_kivi2`,
+`paged_kivi4` (KIVI's options plus `page_size` and `seed`).
+
+Layout of one layer (K KV heads, P pages of `page_size` slots, W = H * bits / 8):
+
+  * `k_codes, v_codes: u8[K, P, page_size, W]` packed codes;
+  * `k_scale, k_zero: [K, P, page_size / group_size, H]` per channel per key group;
+  * `v_scale, v_zero: [K, P, page_size, H / value_group]` per token;
+  * `block_tables: i32[B, pages_per_seq]`: logical store slot s of sequence b is slot
+    `s % page_size` of page `block_tables[b, s // page_size]` (`NO_PAGE` = unassigned);
+    `pages_per_seq = ceil(Sq / page_size)` with `Sq` the dense KIVI store's slots;
+  * `k_res, v_res: [B, K, Rb, H]` the per-sequence residual ring (as `KIVICache`), `lengths`.
+
+`page_size` is a multiple of `group_size`, so a key group (and its scale row) never
+straddles a page. Store slot s holds token s, as in the dense layout: a sequence holding
+n tokens has `nq = g * max(0, (n - residual) // g)` of them in the store and needs
+`ceil(nq / page_size)` pages (`store_tokens(n, ...)`), which the registry's builder takes
+from a `kvattn.paging.PageAllocator`.
+
+Reading gathers each block's slots through the block table inside the attention loop (the
+same `lowbit.blocked_attention` loop as the dense store: no dequantized copy, no gathered
+copy of the whole store); writing scatters the flushed groups to their pages. Overflow as
+`PagedKVCache`: an eager write that flushes a group onto an unassigned page raises
+ValueError; under jit it is dropped, `overflowed` flags the row and attention reads only the
+store tokens the assigned pages hold (`readable_quantized`). A decode step with
+`implementation="pallas"` (None: on a GPU) reads the store through
+`pallas_kernels.lowbit_decode.paged_kivi_decode_attention` (pages gathered through the table
+inside the kernel; GPU "loop" schedule only, interpret mode on CPU), as `KIVICache` does.
+Bytes: `storage_slots` is `P * page_size` (the pool's store slots; the rings amortised over
+them), `analytic_bytes_per_token()` the count from sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvattn import _checks
+from kvattn.caches import _residual
+from kvattn.caches import kivi
+from kvattn.caches import paged as paged_lib
+from kvattn.paging.allocator import NO_PAGE, PageAllocator, pages_for
+
+
+def store_tokens(num_tokens: int, *, residual: int, group_size: int) -> int:
+  """Tokens in the quantized store when a sequence holds `num_tokens`: `g * max(0, (n -
+  residual) // g)` (what its pages must hold)."""
+  return group_size * max(0, (num_tokens - residual) // group_size)
+
+
+@struct.dataclass
+class PagedKIVICache(kivi.KIVICache):
+  """KIVI cache of one GQA layer with a paged store (module doc).
+
+  Attributes:
+    k_codes, v_codes: `u8[K, P, page_size, H * bits / 8]` page pools of packed codes.
+    k_scale, k_zero: `[K, P, page_size / group_size, H]`.
+    v_scale, v_zero: `[K, P, page_size, H / value_group]`.
+    k_res, v_res: `[B, K, Rb, H]` residual rings in the compute dtype.
+    lengths: `i32[B]` tokens written.
+    block_tables: `i32[B, pages_per_seq]`, `NO_PAGE` = unassigned.
+    bits, group_size, residual, max_len, pre_rope, rope_theta, rope_scaling: as `KIVICache`.
+  """
+
+  block_tables: jax.Array = None
+
+  @classmethod
+  def init_paged(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype=jnp.float32, *, num_pages: int, page_size: int, block_tables: Any = None,
+                 **settings) -> "PagedKIVICache":
+    """An empty cache over a pool of `num_pages` pages.
+
+    Args:
+      batch, max_len, num_kv_heads, head_dim, dtype: as `KIVICache.init`.
+      num_pages: P, pages in the pool.
+      page_size: store slots per page, a multiple of `group_size`.
+      block_tables: `int[B, pages_per_seq]` (default all `NO_PAGE`), `pages_per_seq =
+        max(1, ceil(Sq / page_size))`.
+      **settings: `KIVICache.init`'s (`bits`, `group_size`, `residual`, `pre_rope`,
+        `scale_dtype`, `rope_theta`, `rope_scaling`).
+
+    Raises:
+      ValueError: `KIVICache.init`'s; a `page_size` that is not a multiple of `group_size`;
+        a bad `num_pages` or block-table shape or entry.
+    """
+    # The dense layout's shapes and checked settings, without allocating its store.
+    dense = jax.eval_shape(lambda: kivi.KIVICache.init(batch, max_len, num_kv_heads, head_dim,
+                                                       dtype, **settings))
+    g = dense.group_size
+    num_pages = _checks.positive_int("num_pages", num_pages)
+    page_size = _checks.positive_int("page_size", page_size)
+    if page_size % g:
+      raise ValueError(f"page_size must be a multiple of group_size = {g} (a key group never "
+                       f"straddles a page); got {page_size}")
+    pps = max(1, pages_for(dense.store_capacity, page_size))
+    if block_tables is None:
+      block_tables = np.full((batch, pps), NO_PAGE, np.int32)
+    block_tables = jnp.asarray(block_tables)
+    _checks.integer("block_tables", block_tables)
+    if block_tables.shape != (batch, pps):
+      raise ValueError(f"block_tables must have shape [B, pages_per_seq] = ({batch}, {pps}); got "
+                       f"{tuple(block_tables.shape)}")
+    if _checks.is_concrete(block_tables):
+      paged_lib.check_rows("block_tables", block_tables, np.zeros(batch), num_pages, page_size)
+    pool = lambda x, slots: jnp.zeros((num_kv_heads, num_pages, slots) + x.shape[3:], x.dtype)
+    return cls(
+        k_codes=pool(dense.k_codes, page_size), v_codes=pool(dense.v_codes, page_size),
+        k_scale=pool(dense.k_scale, page_size // g) + 1, k_zero=pool(dense.k_zero, page_size // g),
+        v_scale=pool(dense.v_scale, page_size) + 1, v_zero=pool(dense.v_zero, page_size),
+        k_res=jnp.zeros(dense.k_res.shape, dense.k_res.dtype),
+        v_res=jnp.zeros(dense.v_res.shape, dense.v_res.dtype),
+        lengths=jnp.zeros((batch,), jnp.int32),
+        block_tables=block_tables.astype(jnp.int32), bits=dense.bits, group_size=g,
+        residual=dense.residual, max_len=dense.max_len, pre_rope=dense.pre_rope,
+        rope_theta=dense.rope_theta, rope_scaling=dense.rope_scaling)
+
+  # ---------------------------------------------------------------------------- sizes
+  @property
+  def num_pages(self) -> int:
+    return self.k_codes.shape[1]
+
+  @property
+  def page_size(self) -> int:
+    return self.k_codes.shape[2]
+
+  @property
+  def pages_per_seq(self) -> int:
+    return self.block_tables.shape[1]
+
+  @property
+  def store_capacity(self) -> int:
+    """Sq, the logical store slots of one sequence (as the dense layout's)."""
+    return kivi.store_slots(self.max_len, self.residual, self.group_size)
+
+  @property
+  def storage_slots(self) -> int:
+    """P * page_size: the pool's store slots (what `kvattn.memory` divides by)."""
+    return self.num_pages * self.page_size
+
+  @property
+  def assigned_store_slots(self) -> jax.Array:
+    """`i32[B]`: store tokens the row's leading assigned pages can hold."""
+    from kvattn.ops import xla_paged  # pylint: disable=g-import-not-at-top
+    return jnp.minimum(xla_paged.assigned_slots(self.block_tables, self.num_pages,
+                                                self.page_size), self.store_capacity)
+
+  @property
+  def readable_quantized(self) -> jax.Array:
+    """`i32[B]`: store tokens attention reads, `min(num_quantized, assigned_store_slots)`."""
+    return jnp.minimum(self.num_quantized, self.assigned_store_slots)
+
+  @property
+  def overflowed(self) -> jax.Array:
+    """`bool[B]`: written past `max_len`, or flushed onto pages the row was not given."""
+    return (self.lengths > self.max_len) | (self.num_quantized > self.assigned_store_slots)
+
+  def analytic_bytes_per_token(self) -> float:
+    """Bytes per pool store slot: the pools (codes, scales, zero points) plus the rings,
+    over `P * page_size` (from sizes, not arrays)."""
+    h, g, kh = self.head_dim, self.group_size, self.num_kv_heads
+    s = jnp.dtype(self.k_scale.dtype).itemsize
+    vg = kivi.value_group(g, h)
+    per_slot = 2 * h * self.bits / 8 + 2 * h * s / g + 2 * (h // vg) * s
+    ring = self.batch * self.ring_capacity * 2 * h * jnp.dtype(self.dtype).itemsize
+    return kh * (self.storage_slots * per_slot + ring) / self.storage_slots
+
+  def check_state(self, name: str = "cache") -> None:
+    """Eager: `lengths` in `[0, max_len]`; block-table entries pages of the pool or
+    `NO_PAGE`, and every logical page the row's store tokens occupy assigned."""
+    super().check_state(name)
+    if not (_checks.is_concrete(self.block_tables) and _checks.is_concrete(self.lengths)):
+      return
+    paged_lib.check_rows(f"{name} block_tables", self.block_tables,
+                         np.asarray(self.num_quantized), self.num_pages, self.page_size)
+
+  # ---------------------------------------------------------------------------- pages
+  def _pages(self, slots: jax.Array) -> jax.Array:
+    """`i32[B, n]` the page of logical store slots `slots: i32[B, n] or [n]` (unassigned
+    entries clipped into the pool: what they read is masked)."""
+    logical = jnp.clip(slots // self.page_size, 0, self.pages_per_seq - 1)
+    logical = jnp.broadcast_to(logical, (self.batch,) + logical.shape[-1:])
+    return jnp.take_along_axis(self.block_tables, logical, axis=1)
+
+  def read_block(self, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """Store slots `[offset, offset + size)` gathered through the block table and
+    dequantized: f32 `(k, v)` `[B, K, size, H]`. `offset` and `size` multiples of
+    `group_size`."""
+    g, ps = self.group_size, self.page_size
+    slots = offset + jnp.arange(size, dtype=jnp.int32)
+    page = jnp.clip(self._pages(slots), 0, self.num_pages - 1)  # [B, size]
+    off = jnp.broadcast_to(slots % ps, page.shape)
+    group_slots = offset + g * jnp.arange(size // g, dtype=jnp.int32)
+    gpage = jnp.clip(self._pages(group_slots), 0, self.num_pages - 1)  # [B, size / g]
+    goff = jnp.broadcast_to((group_slots % ps) // g, gpage.shape)
+    take = lambda pool, p, o: jnp.moveaxis(pool[:, p, o], 0, 1)  # [K, B, n, ...] -> [B, K, ...]
+    return self._dequantize(take(self.k_codes, page, off), take(self.k_scale, gpage, goff),
+                            take(self.k_zero, gpage, goff), take(self.v_codes, page, off),
+                            take(self.v_scale, page, off), take(self.v_zero, page, off))
+
+  def _put_store(self, buf, x, index, per):
+    """Scatters `x: [B, K, n, ...]` to the pages of store slots (`per` "token") or key groups
+    ("group") `index: i32[B, n]`; the end index, and slots on unassigned pages, are
+    dropped."""
+    g, ps = self.group_size, self.page_size
+    slots = index if per == "token" else index * g
+    page = self._pages(slots)
+    ok = (slots < self.store_capacity) & (page >= 0) & (page < self.num_pages)
+    page = jnp.where(ok, page, self.num_pages)
+    off = slots % ps if per == "token" else (slots % ps) // g
+    return buf.at[:, page, off].set(jnp.moveaxis(x, 1, 0), mode="drop")
+
+  def update_unchecked(self, k_new, v_new, new_lengths):
+    """`KIVICache.update_unchecked`, after the eager check that every page the write
+    flushes a group onto is assigned (ValueError naming the block-table entry)."""
+    self._check_pages_assigned(new_lengths)
+    return super().update_unchecked(k_new, v_new, new_lengths)
+
+  def update_attend_unchecked(self, q, k, v, *, new_lengths, **options):
+    """`KIVICache.update_attend_unchecked` after the eager page check of `update_unchecked`."""
+    self._check_pages_assigned(new_lengths)
+    return super().update_attend_unchecked(q, k, v, new_lengths=new_lengths, **options)
+
+  def _check_pages_assigned(self, new_lengths) -> None:
+    if not all(_checks.is_concrete(x) for x in (self.lengths, new_lengths, self.block_tables)):
+      return
+    tables = np.asarray(self.block_tables)
+    end = np.minimum(np.asarray(self.lengths) + np.asarray(new_lengths), self.max_len)
+    for b in range(self.batch):
+      nq = store_tokens(int(end[b]), residual=self.residual, group_size=self.group_size)
+      for j in range(pages_for(nq, self.page_size)):
+        page = int(tables[b, j])
+        if not 0 <= page < self.num_pages:
+          raise ValueError(
+              f"block_tables[{b}, {j}] must be a page in [0, {self.num_pages}) for sequence {b} "
+              f"to hold {nq} store tokens; got {page} (allocate the page with a PageAllocator "
+              f"first)")
+
+  def _pallas_store(self, q, starts, lengths, *, explicit, sm_scale, soft_cap):
+    """The paged store read by `pallas_kernels.lowbit_decode.paged_kivi_decode_attention`
+    (through `kvattn.ops.pallas`); `lengths` capped at the assigned pages' store slots.
+    NotImplementedError for keys before RoPE or where the kernel cannot run."""
+    if self.pre_rope:
+      raise NotImplementedError("pallas: keys stored before RoPE (pre_rope=True) are rotated "
+                                "at read by the XLA loop only")
+    from kvattn.ops import pallas as pallas_ops  # pylint: disable=g-import-not-at-top
+    return pallas_ops.paged_kivi_store_decode(
+        q, self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
+        self.block_tables, starts, jnp.minimum(lengths, self.assigned_store_slots),
+        bits=self.bits, explicit=explicit, sm_scale=sm_scale, soft_cap=soft_cap)
+
+
+def build(bits: int):
+  """The registry builder of kind `paged_kivi{bits}`: one `PagedKIVICache` per GQA layer
+  sharing one block table; sequence b gets the pages its store tokens need (from
+  `tokens_per_seq`, default `max_len`) from a `PageAllocator`."""
+
+  def _build(model, batch, max_len, dtype, options, tokens_per_seq):
+    from kvattn.caches import registry  # pylint: disable=g-import-not-at-top  (imports this)
+    g = _checks.positive_int("group_size", options["group_size"])
+    residual = _residual.check_residual(options["residual"], g)
+    tokens = [max_len] * batch if tokens_per_seq is None else [int(t) for t in tokens_per_seq]
+    if len(tokens) != batch:
+      raise ValueError(f"tokens_per_seq must have one entry per sequence ({batch}); got "
+                       f"{len(tokens)}")
+    page_size = _checks.positive_int("page_size", options["page_size"])
+    sq = kivi.store_slots(max_len, residual, g)
+    pps = max(1, pages_for(sq, page_size))
+    stored = [store_tokens(min(t, max_len), residual=residual, group_size=g) for t in tokens]
+    num_pages = max(1, sum(pages_for(n, page_size) for n in stored))
+    allocator = PageAllocator(num_pages, page_size, pps, seed=options["seed"])
+    for b, n in enumerate(stored):
+      allocator.allocate(b, n)
+    tables = allocator.block_tables(range(batch), pps)
+    return tuple(PagedKIVICache.init_paged(
+        batch, max_len, a.num_kv_heads, a.head_dim, dtype, num_pages=num_pages,
+        page_size=page_size, block_tables=tables, bits=bits, group_size=g, residual=residual,
+        pre_rope=options["pre_rope"], scale_dtype=options["scale_dtype"],
+        rope_theta=a.rope_theta, rope_scaling=a.rope_scaling)
+                 for a in registry.gqa_layers(model))
+
+  return _build
+
+
+OPTIONS = {**kivi.OPTIONS, "page_size": 128, "seed": None}
+"""The registry options of `paged_kivi2` / `paged_kivi4`: KIVI's plus `page_size` (store
+slots per page, a multiple of `group_size`) and `seed` (shuffles the free list)."""

@@ -1,0 +1,784 @@
+"""Fused decode attention over a KIVI store: packed 2/4-bit codes dequantized in registers.
+
+The store of `kvattn.caches.kivi.KIVICache` (KIVI, Liu et al. 2024, arXiv 2402.02750): per
+sequence and KV head, `Sq` token slots (token s in slot s) of
+
+* key codes `u8[Sq, H * bits / 8]`, `8 // bits` codes per byte along H (code `i` of byte
+  `j` is channel `j * (8 // bits) + i`, at bits `[i * bits, (i + 1) * bits)`), dequantized
+  per channel over groups of `group_size` tokens: `k[s, h] = code * k_scale[s // g, h] +
+  k_zero[s // g, h]` with `k_scale, k_zero: [Sq / g, H]`;
+* value codes, the same packing, dequantized per token over groups of `vg` channels:
+  `v[s, h] = code * v_scale[s, h // vg] + v_zero[s, h // vg]` with `v_scale, v_zero:
+  [Sq, H / vg]`.
+
+One new query token per sequence attends store slots `[starts[b], lengths[b])` (the caller
+knows the query's token and window; the KIVI cache attends its full-precision residual
+ring apart and merges the two by their log-sum-exp, which is why `return_lse` exists).
+The kernel loads a block of `block_k` slots (a multiple of `group_size`, so a block holds
+whole key groups) in its packed form -- `bits / 8` bytes per code, plus the scales --
+unpacks the codes with shifts and masks, broadcasts each key group's scale row over its
+`group_size` tokens and each value scale over its `vg` channels, and dequantizes in f32 in
+registers; no dequantized copy of the store exists outside the kernel. The rest is the
+dense kernel's math (`_common`): GQA-grouped queries (the G heads of a KV head are one
+tile), an online softmax over key blocks (FlashAttention-2), key-axis splits merged by
+log-sum-exp (flash-decoding), masked logits replaced and masked value rows zeroed, so
+garbage (NaN scales, random codes) in unused slots never reaches an output.
+
+`paged_kivi_decode_attention` reads the same store from page pools through a block table
+(`kvattn.caches.paged_kivi`), "loop" schedule only. Schedules as in `dense_decode.py`: "loop" (GPU, Triton; grid `(B, K, G tiles, splits)`,
+each program a `fori_loop` over its blocks) and "grid" (TPU, Mosaic; key blocks on the last
+grid axis, `starts` / `lengths` scalar-prefetched, the clamped block index map skips
+blocks outside the range; the key scales of a row are one whole-row VMEM block, sliced per
+step, since `block_k / group_size` rows are fewer than Mosaic's sublane tile). CPU runs
+either with `interpret=True`. Layout: kernels, launcher, public wrapper, reference.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _common
+from pallas_kernels import attention_common as common
+from pallas_kernels.dense_decode import _kv_block_index
+
+BITS = (2, 4)
+"""Code widths the kernel unpacks (KIVI's)."""
+
+# ----------------------------------------------------------------------------
+# Dequantization of one block (values, inside the kernels).
+# ----------------------------------------------------------------------------
+
+
+def _unpack(packed, bits: int):
+  """`i32[bk, W * 8 / bits]`: the codes of packed bytes `u8[bk, W]` in channel order.
+
+  Byte j's code i (bits `[i * bits, (i + 1) * bits)`) is channel `j * (8 // bits) + i`:
+  a `[bk, W, 8 // bits]` shift-and-mask, then a row-major reshape (Triton: `tt.reshape`).
+  """
+  per_byte = 8 // bits
+  shifts = lax.broadcasted_iota(jnp.int32, (1, 1, per_byte), 2) * bits
+  codes = (packed.astype(jnp.int32)[:, :, None] >> shifts) & ((1 << bits) - 1)
+  return codes.reshape(packed.shape[0], packed.shape[1] * per_byte)
+
+
+def _dequant_keys(packed, scale, zero, bits: int, group_size: int):
+  """f32 `[bk, H]` keys from codes `u8[bk, W]` and per-channel group rows `[bk / g, H]`."""
+  codes = _unpack(packed, bits).astype(jnp.float32)
+  bk, h = codes.shape
+
+  def rows(x):  # [bk / g, H] -> [bk, H], each group row repeated over its g tokens
+    x = x.astype(jnp.float32)
+    return jnp.broadcast_to(x[:, None, :], (bk // group_size, group_size, h)).reshape(bk, h)
+
+  return codes * rows(scale) + rows(zero)
+
+
+def _dequant_values(packed, scale, zero, bits: int):
+  """f32 `[bk, H]` values from codes `u8[bk, W]` and per-token channel groups `[bk, H / vg]`."""
+  codes = _unpack(packed, bits).astype(jnp.float32)
+  bk, h = codes.shape
+  groups = scale.shape[-1]
+
+  def cols(x):  # [bk, H / vg] -> [bk, H], each scale over its vg channels
+    x = x.astype(jnp.float32)
+    return jnp.broadcast_to(x[:, :, None], (bk, groups, h // groups)).reshape(bk, h)
+
+  return codes * cols(scale) + cols(zero)
+
+
+# ----------------------------------------------------------------------------
+# Kernels.
+# ----------------------------------------------------------------------------
+
+
+def _loop_kernel(
+    start_ref,   # i32[]  first attended slot of this sequence
+    length_ref,  # i32[]  one past the last attended slot
+    q_ref,       # [Gb, H]
+    kc_ref,      # u8[Sq, W]
+    ks_ref,      # [Sq / g, H]
+    kz_ref,      # [Sq / g, H]
+    vc_ref,      # u8[Sq, W]
+    vs_ref,      # [Sq, H / vg]
+    vz_ref,      # [Sq, H / vg]
+    o_ref,       # f32[Gb, H]
+    lse_ref,     # f32[Gb, 1]
+    *rest,       # (count i32[Gb, 1])
+    bits: int,
+    group_size: int,
+    sm_scale: float,
+    soft_cap: float | None,
+    block_k: int,
+    blocks_per_split: int,
+    precision,
+):
+  """"loop" schedule: one program per (b, k, G tile, split), fori_loop over blocks."""
+  split = pl.program_id(3)
+  start, length = start_ref[()], length_ref[()]
+  first, num_blocks = _common.split_blocks(split, start, length, block_k, blocks_per_split)
+  q = q_ref[...]
+  groups_per_block = block_k // group_size
+
+  def body(i, carry):
+    m, l, acc = carry
+    slot0 = pl.multiple_of((first + i) * block_k, block_k)
+    rows = pl.ds(slot0, block_k)
+    group_rows = pl.ds(pl.multiple_of((first + i) * groups_per_block, groups_per_block),
+                       groups_per_block)
+    k = _dequant_keys(kc_ref[rows, :], ks_ref[group_rows, :], kz_ref[group_rows, :], bits,
+                      group_size).astype(q.dtype)
+    v = _dequant_values(vc_ref[rows, :], vs_ref[rows, :], vz_ref[rows, :], bits).astype(q.dtype)
+    s = _common.logits(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
+    return _common.online_softmax_step(m, l, acc, s, v, slot0, start, length, precision)
+
+  _common.loop_blocks(num_blocks, body, o_ref, lse_ref)
+  if rest:
+    rest[0][...] = jnp.full(rest[0].shape, num_blocks, jnp.int32)
+
+
+def _grid_kernel(
+    starts_ref,   # i32[B] (SMEM, scalar-prefetched)
+    lengths_ref,  # i32[B] (SMEM, scalar-prefetched)
+    q_ref,        # [Gb, H]
+    kc_ref,       # u8[bk, W]
+    ks_ref,       # [Sq / g, H]  (the whole row)
+    kz_ref,       # [Sq / g, H]
+    vc_ref,       # u8[bk, W]
+    vs_ref,       # [bk, H / vg]
+    vz_ref,       # [bk, H / vg]
+    o_ref,        # f32[Gb, H]
+    lse_ref,      # f32[Gb, 128]
+    *rest,        # (count i32[Gb, 128]), scratch m, l f32[Gb, 128], acc f32[Gb, H], (count)
+    bits: int,
+    group_size: int,
+    sm_scale: float,
+    soft_cap: float | None,
+    block_k: int,
+    blocks_per_split: int,
+    precision,
+):
+  """"grid" schedule: key blocks on the last (sequential) grid axis."""
+  count = len(rest) == 5
+  cnt_ref = rest[0] if count else None
+  m_sc, l_sc, acc_sc = rest[1:4] if count else rest[:3]
+  cnt_sc = rest[4] if count else None
+  b, split, step = pl.program_id(0), pl.program_id(3), pl.program_id(4)
+  start, length = starts_ref[b], lengths_ref[b]
+  lo, hi = _common.block_bounds(start, length, block_k)
+  blk = split * blocks_per_split + step
+  _common.grid_init(step, m_sc, l_sc, acc_sc, cnt_sc)
+  groups_per_block = block_k // group_size
+
+  @pl.when((blk >= lo) & (blk < hi))
+  def _compute():
+    q = q_ref[...]
+    group_rows = pl.ds(blk * groups_per_block, groups_per_block)
+    k = _dequant_keys(kc_ref[...], ks_ref[group_rows, :], kz_ref[group_rows, :], bits,
+                      group_size).astype(q.dtype)
+    v = _dequant_values(vc_ref[...], vs_ref[...], vz_ref[...], bits).astype(q.dtype)
+    s = _common.logits(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
+    _common.grid_update(m_sc, l_sc, acc_sc, cnt_sc, s, v, blk, block_k, start, length,
+                        precision)
+
+  _common.grid_write(step, blocks_per_split, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref,
+                     cnt_ref)
+
+
+def _paged_loop_kernel(
+    start_ref,   # i32[]              first attended slot of this sequence
+    length_ref,  # i32[]              one past the last attended slot
+    table_ref,   # i32[pages_padded]  this sequence's block-table row
+    q_ref,       # [Gb, H]
+    kc_ref,      # u8[P, page_size, W]       the whole pools of this KV head
+    ks_ref,      # [P, page_size / g, H]
+    kz_ref,      # [P, page_size / g, H]
+    vc_ref,      # u8[P, page_size, W]
+    vs_ref,      # [P, page_size, H / vg]
+    vz_ref,      # [P, page_size, H / vg]
+    o_ref,       # f32[Gb, H]
+    lse_ref,     # f32[Gb, 1]
+    *rest,       # (count i32[Gb, 1])
+    bits: int,
+    group_size: int,
+    sm_scale: float,
+    soft_cap: float | None,
+    pages_per_block: int,
+    blocks_per_split: int,
+    precision,
+):
+  """"loop" schedule over a paged store: each key block is `pages_per_block` pages gathered
+  through the block table (`ref[page_ids]`, as `paged_decode.py`), then dequantized as in
+  `_loop_kernel`."""
+  split = pl.program_id(3)
+  num_pages, page_size, _ = kc_ref.shape
+  block_k = pages_per_block * page_size
+  start, length = start_ref[()], length_ref[()]
+  first, num_blocks = _common.split_blocks(split, start, length, block_k, blocks_per_split)
+  q = q_ref[...]
+
+  def gather(ref, ids, rows):
+    return ref[ids].reshape(rows, ref.shape[-1])
+
+  def body(i, carry):
+    m, l, acc = carry
+    blk = first + i
+    ids = table_ref[pl.ds(pl.multiple_of(blk * pages_per_block, pages_per_block),
+                          pages_per_block)]
+    # Unassigned entries (NO_PAGE) read a page of the pool instead of faulting; their slots
+    # lie past the length and are masked.
+    ids = jnp.clip(ids, 0, num_pages - 1)
+    k = _dequant_keys(gather(kc_ref, ids, block_k), gather(ks_ref, ids, block_k // group_size),
+                      gather(kz_ref, ids, block_k // group_size), bits,
+                      group_size).astype(q.dtype)
+    v = _dequant_values(gather(vc_ref, ids, block_k), gather(vs_ref, ids, block_k),
+                        gather(vz_ref, ids, block_k), bits).astype(q.dtype)
+    s = _common.logits(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
+    return _common.online_softmax_step(m, l, acc, s, v, blk * block_k, start, length,
+                                       precision)
+
+  _common.loop_blocks(num_blocks, body, o_ref, lse_ref)
+  if rest:
+    rest[0][...] = jnp.full(rest[0].shape, num_blocks * pages_per_block, jnp.int32)
+
+
+# ----------------------------------------------------------------------------
+# Launcher.
+# ----------------------------------------------------------------------------
+
+
+def _block_k(schedule: str, store_capacity: int, group_size: int, head_dim: int,
+             block_k: int | None) -> int:
+  """Resolves and checks the key block; ValueError if unfit.
+
+  A block holds whole key groups and divides Sq. "loop" (Triton): a power of two >= 16
+  (dots and tensors), by default the largest dividing Sq up to the dense kernel's target
+  for a 16-bit K + V read of 2 H elements per slot (128 slots at H = 64). "grid" (Mosaic):
+  a multiple of 32 (the 1-byte sublane tile of the codes), by default the largest
+  multiple of `lcm(g, 32)` up to 512 dividing Sq, else all of Sq.
+  """
+  sq, g = store_capacity, group_size
+  if schedule == "loop":
+    if block_k is None:
+      bk = max(g, _common.loop_block_target(2 * head_dim))
+      while bk >= g and (sq % bk or bk % g or not _common.is_pow2(bk)):
+        bk //= 2
+      if bk < max(g, 16) or not _common.is_pow2(bk):
+        raise ValueError(f"group_size must be a power of two >= 16 for the \"loop\" schedule "
+                         f"(Triton); got {g}")
+      return bk
+    if block_k < 16 or not _common.is_pow2(block_k) or block_k % g or sq % block_k:
+      raise ValueError(f"block_k must be a power of two >= 16, a multiple of group_size = {g} "
+                       f"and divide Sq = {sq} for the \"loop\" schedule; got {block_k}")
+    return block_k
+  unit = g * 32 // _gcd(g, 32)
+  if block_k is None:
+    bk = (512 // unit) * unit
+    while bk >= unit and sq % bk:
+      bk -= unit
+    return bk if bk >= unit else sq
+  if sq % block_k or block_k % g or (block_k % 32 and block_k != sq):
+    raise ValueError(f"block_k must divide Sq = {sq}, be a multiple of group_size = {g} and of "
+                     f"32 (or Sq) for the \"grid\" schedule; got {block_k}")
+  return block_k
+
+
+def _gcd(a: int, b: int) -> int:
+  while b:
+    a, b = b, a % b
+  return a
+
+
+def _partials(q, store, starts, lengths, *, bits, group_size, sm_scale, soft_cap, block_k,
+              block_g, num_splits, schedule, interpret, count, num_warps, num_stages):
+  """Runs the kernel: `q [B, K, Gp, H]` grouped, `store` the six store arrays; returns the
+  per-split partials of `_common.launch`."""
+  batch, num_kv, gp, head_dim = q.shape
+  kc = store[0]
+  sq, width = kc.shape[2], kc.shape[3]
+  vgroups = store[4].shape[-1]
+  num_blocks = sq // block_k
+  bps = -(-num_blocks // num_splits)
+  kernel_kw = dict(bits=bits, group_size=group_size, sm_scale=sm_scale, soft_cap=soft_cap,
+                   block_k=block_k, blocks_per_split=bps,
+                   precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+  gs = sq // group_size
+  if schedule == "loop":
+    def spec(shape):
+      return pl.BlockSpec((None, None) + shape, lambda b, h, g, j: (b, h, 0, 0))
+
+    scalar = pl.BlockSpec((None,), lambda b, h, g, j: (b,))
+    in_specs = [scalar, scalar,
+                pl.BlockSpec((None, None, block_g, head_dim), lambda b, h, g, j: (b, h, g, 0)),
+                spec((sq, width)), spec((gs, head_dim)), spec((gs, head_dim)),
+                spec((sq, width)), spec((sq, vgroups)), spec((sq, vgroups))]
+    kernel, grid = _loop_kernel, (batch, num_kv, gp // block_g, num_splits)
+  else:
+    def block(width_):
+      def index(b, h, g, j, i, st, ln):
+        lo, hi = _common.block_bounds(st[b], ln[b], block_k)
+        return b, h, _kv_block_index(j, i, lo, hi, bps), 0
+      return pl.BlockSpec((None, None, block_k, width_), index)
+
+    whole = pl.BlockSpec((None, None, gs, head_dim), lambda b, h, g, j, i, st, ln: (b, h, 0, 0))
+    in_specs = [pl.BlockSpec((None, None, block_g, head_dim),
+                             lambda b, h, g, j, i, st, ln: (b, h, g, 0)),
+                block(width), whole, whole, block(width), block(vgroups), block(vgroups)]
+    kernel, grid = _grid_kernel, (batch, num_kv, gp // block_g, num_splits, bps)
+  return _common.launch(
+      functools.partial(kernel, **kernel_kw), [starts, lengths, q] + list(store),
+      schedule=schedule, grid=grid, in_specs=in_specs, block_g=block_g, hv=head_dim,
+      count=count, num_scalar_prefetch=2, interpret=interpret, num_warps=num_warps,
+      num_stages=num_stages, name="kvattn_kivi_decode_attention")
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "bits", "sm_scale", "soft_cap", "interpret", "block_k", "block_g", "num_splits",
+    "schedule", "return_lse", "count_blocks", "num_warps", "num_stages"))
+def _decode_impl(q, store, starts, lengths, *, bits, sm_scale, soft_cap, interpret, block_k,
+                 block_g, num_splits, schedule, return_lse, count_blocks, num_warps,
+                 num_stages):
+  batch, num_heads, head_dim = q.shape
+  _, num_kv, sq, _ = store[0].shape
+  group_size = sq // store[1].shape[2]
+  groups = num_heads // num_kv
+  block_k = _block_k(schedule, sq, group_size, head_dim, block_k)
+  dot_dtype = _common.dot_dtype(q.dtype, jnp.int8)  # f32, or q's when bf16 / f16
+  block_g = _common.g_tile(schedule, groups, head_dim, dot_dtype, block_g)
+  gp = _common.round_up(groups, block_g)
+  num_blocks = sq // block_k
+  if num_splits is None:
+    num_splits = _common.default_splits(schedule, batch * num_kv * (gp // block_g), num_blocks)
+  num_splits = min(num_splits, num_blocks)
+  starts = jnp.clip(starts.astype(jnp.int32), 0, sq)
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0, sq)
+  qg = _common.group_queries(q, num_kv, gp, dot_dtype)  # H is a power of two: no lane padding
+  outs = _partials(qg, store, starts, lengths, bits=bits, group_size=group_size,
+                   sm_scale=sm_scale, soft_cap=soft_cap, block_k=block_k, block_g=block_g,
+                   num_splits=num_splits, schedule=schedule, interpret=interpret,
+                   count=count_blocks, num_warps=num_warps, num_stages=num_stages)
+  return _common.finish(outs, num_heads, groups, q.dtype, return_lse, count_blocks, head_dim)
+
+
+# ----------------------------------------------------------------------------
+# Public wrapper.
+# ----------------------------------------------------------------------------
+
+
+def check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, lengths, bits,
+               sm_scale=None, soft_cap=None) -> int:
+  """The argument checks of `kivi_decode_attention`; returns the group size.
+
+  Raises:
+    ValueError: `bits` not 2 / 4; shapes that do not fit together (naming the argument,
+      its shape and the expected one); an empty store; a bad `sm_scale` / `soft_cap`.
+    TypeError: codes not uint8, float arguments that are not floating, integer arguments
+      that are not integers.
+  """
+  if isinstance(bits, bool) or bits not in BITS:
+    raise ValueError(f"bits must be one of {BITS}; got {bits!r}")
+  if q.ndim != 3:
+    raise ValueError(f"q must be [B, N, H]; got shape {q.shape}")
+  batch, num_heads, head_dim = q.shape
+  if k_codes.ndim != 4:
+    raise ValueError(f"k_codes must be u8[B, K, Sq, H * bits / 8]; got shape {k_codes.shape}")
+  num_kv, sq = k_codes.shape[1], k_codes.shape[2]
+  per_byte = 8 // bits
+  if head_dim % per_byte:
+    raise ValueError(f"head_dim must be a multiple of 8 // bits = {per_byte}; got {head_dim}")
+  if num_kv < 1 or num_heads % num_kv:
+    raise ValueError(f"num_heads must be divisible by num_kv_heads; got {num_heads} and "
+                     f"{num_kv}")
+  if sq < 1:
+    raise ValueError("k_codes must hold at least one store slot (Sq >= 1); got Sq = 0")
+  codes_shape = (batch, num_kv, sq, head_dim // per_byte)
+  if k_scale.ndim != 4 or k_scale.shape[2] < 1 or sq % k_scale.shape[2]:
+    raise ValueError(f"k_scale must be [B, K, Sq / group_size, H] with Sq = {sq}; got shape "
+                     f"{k_scale.shape}")
+  group_size = sq // k_scale.shape[2]
+  if v_scale.ndim != 4 or v_scale.shape[3] < 1 or head_dim % v_scale.shape[3]:
+    raise ValueError(f"v_scale must be [B, K, Sq, H / value_group] with H = {head_dim}; got "
+                     f"shape {v_scale.shape}")
+  want = {"k_codes": codes_shape, "v_codes": codes_shape,
+          "k_scale": (batch, num_kv, sq // group_size, head_dim),
+          "k_zero": (batch, num_kv, sq // group_size, head_dim),
+          "v_scale": (batch, num_kv, sq, v_scale.shape[3]),
+          "v_zero": (batch, num_kv, sq, v_scale.shape[3])}
+  given = {"k_codes": k_codes, "v_codes": v_codes, "k_scale": k_scale, "k_zero": k_zero,
+           "v_scale": v_scale, "v_zero": v_zero}
+  for name, shape in want.items():
+    if tuple(given[name].shape) != shape:
+      raise ValueError(f"{name} must have shape {shape}; got {tuple(given[name].shape)}")
+  for name in ("k_codes", "v_codes"):
+    if given[name].dtype != jnp.uint8:
+      raise TypeError(f"{name} must be uint8 (packed codes); got {given[name].dtype}")
+  for name, x in (("q", q), ("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale),
+                  ("v_zero", v_zero)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must be floating; got {x.dtype}")
+  for name, x in (("starts", starts), ("lengths", lengths)):
+    if x.shape != (batch,):
+      raise ValueError(f"{name} must be i32[B] with B = {batch}; got shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise TypeError(f"{name} must be integers; got {x.dtype}")
+  common.options(None, soft_cap, sm_scale)
+  return group_size
+
+
+def kivi_decode_attention(
+    q: jax.Array,        # [B, N, H]
+    k_codes: jax.Array,  # u8[B, K, Sq, H * bits / 8]
+    k_scale: jax.Array,  # [B, K, Sq / g, H]
+    k_zero: jax.Array,   # [B, K, Sq / g, H]
+    v_codes: jax.Array,  # u8[B, K, Sq, H * bits / 8]
+    v_scale: jax.Array,  # [B, K, Sq, H / vg]
+    v_zero: jax.Array,   # [B, K, Sq, H / vg]
+    starts: jax.Array,   # i32[B]
+    lengths: jax.Array,  # i32[B]
+    *,
+    bits: int,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+    block_k: int | None = None,
+    block_g: int | None = None,
+    num_splits: int | None = None,
+    schedule: str | None = None,
+    platform: str | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    return_lse: bool = False,
+    count_blocks: bool = False,
+):
+  """Decode attention of one query token per sequence against a packed KIVI store.
+
+  Sequence b attends store slots `[starts[b], lengths[b])` (both clamped to `[0, Sq]`;
+  an empty range gives zeros and lse -inf); query head n reads KV head `n // (N // K)`.
+  softmax(q k^T sm_scale) v (Vaswani et al. 2017, eq. 1) with k and v dequantized block by
+  block inside the kernel (module doc: layout, KIVI's key-per-channel / value-per-token
+  groups). The group size `g = Sq / k_scale.shape[2]` and the value group
+  `vg = H / v_scale.shape[3]` follow from the shapes.
+
+  Args:
+    q: `[B, N, H]` queries (f32, or bf16 / f16: the dots then run in q's dtype).
+    k_codes, v_codes: `u8[B, K, Sq, H * bits / 8]` packed codes.
+    k_scale, k_zero: `[B, K, Sq / g, H]` float, per channel per group of g tokens.
+    v_scale, v_zero: `[B, K, Sq, H / vg]` float, per token per group of vg channels.
+    starts, lengths: `i32[B]` the attended slot range.
+    bits: 2 or 4.
+    sm_scale: logit scale, default `1 / sqrt(H)`.
+    soft_cap: `cap * tanh(s / cap)` of the scaled logits, or None.
+    interpret, block_k, block_g, num_splits, schedule, platform, num_warps, num_stages,
+      return_lse, count_blocks: as `dense_decode.decode_attention` (`block_k` must also
+      be a multiple of g and divide Sq).
+
+  Returns:
+    `[B, N, H]` in q's dtype (f32 accumulation); with `return_lse`, `(out, f32[B, N])`;
+    with `count_blocks`, `(result, i32[B, K])` key blocks processed.
+
+  Raises:
+    ValueError, TypeError: `check_args`; an unfit tunable or schedule / platform
+      (`dense_decode.decode_attention`).
+  """
+  check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, lengths, bits,
+             sm_scale, soft_cap)
+  return kivi_decode_attention_unchecked(
+      q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, lengths, bits=bits,
+      sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret, block_k=block_k,
+      block_g=block_g, num_splits=num_splits, schedule=schedule, platform=platform,
+      num_warps=num_warps, num_stages=num_stages, return_lse=return_lse,
+      count_blocks=count_blocks)
+
+
+def kivi_decode_attention_unchecked(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                                    starts, lengths, *, bits, sm_scale=None, soft_cap=None,
+                                    interpret=False, block_k=None, block_g=None,
+                                    num_splits=None, schedule=None, platform=None,
+                                    num_warps=None, num_stages=None, return_lse=False,
+                                    count_blocks=False):
+  """`kivi_decode_attention` without the argument checks (for kvattn's KIVI cache, which
+  built the arrays); the tunables are still resolved and checked here."""
+  schedule = _common.check_schedule(schedule, interpret, (
+      ("block_k", block_k), ("block_g", block_g), ("num_splits", num_splits)), platform)
+  sq, head_dim = k_codes.shape[2], q.shape[-1]
+  _block_k(schedule, sq, sq // k_scale.shape[2], head_dim, block_k)  # raises before tracing
+  sm_scale = float(head_dim ** -0.5 if sm_scale is None else sm_scale)
+  soft_cap = None if soft_cap is None else float(soft_cap)
+  return _decode_impl(q, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), starts, lengths,
+                      bits=bits, sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret,
+                      block_k=block_k, block_g=block_g, num_splits=num_splits,
+                      schedule=schedule, return_lse=return_lse, count_blocks=count_blocks,
+                      num_warps=num_warps, num_stages=num_stages)
+
+
+def unsupported_reason(q_shape, k_codes_shape, k_scale_shape, *,
+                       platform: str | None = None) -> str | None:
+  """Why the compiled kernel cannot run these shapes, or None if it can (kvattn's KIVI
+  cache then reads its store with the XLA loop). GPU (Triton): H and the group size
+  powers of two >= 16 (tensor sizes and dots). TPU (Mosaic): H a multiple of 64 and
+  the group size a power of two. Lowered for "cuda" and "tpu" by
+  tests/pallas_kernels/test_lowering.py; never compiled on a device yet."""
+  del q_shape
+  platform = platform or _common.platform()
+  sq, head_dim = k_codes_shape[2], k_scale_shape[3]
+  group_size = sq // max(1, k_scale_shape[2])
+  if platform in _common.GPU_PLATFORMS:
+    for what, d in (("head dim H", head_dim), ("group_size", group_size)):
+      if d < 16 or not _common.is_pow2(d):
+        return f"{what}={d} is not a power of two >= 16 (Triton)"
+    return None
+  if platform == "tpu":
+    if head_dim % 64:
+      return f"head dim H={head_dim} is not a multiple of 64 (TPU lanes)"
+    if not _common.is_pow2(group_size):
+      return f"group_size={group_size} is not a power of two"
+    return None
+  return f"no compiled Pallas backend on {platform!r}"
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "bits", "sm_scale", "soft_cap", "interpret", "pages_per_block", "block_g", "num_splits",
+    "return_lse", "count_blocks", "num_warps", "num_stages"))
+def _paged_impl(q, pools, block_tables, starts, lengths, *, bits, sm_scale, soft_cap, interpret,
+                pages_per_block, block_g, num_splits, return_lse, count_blocks, num_warps,
+                num_stages):
+  batch, num_heads, head_dim = q.shape
+  num_kv, num_pages, page_size, width = pools[0].shape
+  group_size = page_size // pools[1].shape[2]
+  vgroups = pools[4].shape[-1]
+  pps = block_tables.shape[1]
+  groups = num_heads // num_kv
+  ppb = pages_per_block or max(1, min(_common.loop_block_target(2 * head_dim) // page_size,
+                                      _common.next_pow2(pps)), 16 // page_size)
+  dot_dtype = _common.dot_dtype(q.dtype, jnp.int8)
+  block_g = _common.g_tile("loop", groups, head_dim, dot_dtype, block_g)
+  gp = _common.round_up(groups, block_g)
+  num_blocks = -(-pps // ppb)
+  if num_splits is None:
+    num_splits = _common.default_splits("loop", batch * num_kv * (gp // block_g), num_blocks)
+  num_splits = min(num_splits, num_blocks)
+  bps = -(-num_blocks // num_splits)
+  padded = num_splits * bps * ppb
+  tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded - pps)),
+                   constant_values=-1)
+  capacity = pps * page_size
+  starts = jnp.clip(starts.astype(jnp.int32), 0, capacity)
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
+  qg = _common.group_queries(q, num_kv, gp, dot_dtype)
+  kernel = functools.partial(
+      _paged_loop_kernel, bits=bits, group_size=group_size, sm_scale=sm_scale,
+      soft_cap=soft_cap, pages_per_block=ppb, blocks_per_split=bps,
+      precision=lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None)
+
+  def pool(shape):
+    return pl.BlockSpec((None, num_pages) + shape, lambda b, h, g, j: (h, 0, 0, 0))
+
+  scalar = pl.BlockSpec((None,), lambda b, h, g, j: (b,))
+  in_specs = [scalar, scalar, pl.BlockSpec((None, padded), lambda b, h, g, j: (b, 0)),
+              pl.BlockSpec((None, None, block_g, head_dim), lambda b, h, g, j: (b, h, g, 0)),
+              pool((page_size, width)), pool((page_size // group_size, head_dim)),
+              pool((page_size // group_size, head_dim)), pool((page_size, width)),
+              pool((page_size, vgroups)), pool((page_size, vgroups))]
+  outs = _common.launch(kernel, [starts, lengths, tables, qg] + list(pools), schedule="loop",
+                        grid=(batch, num_kv, gp // block_g, num_splits), in_specs=in_specs,
+                        block_g=block_g, hv=head_dim, count=count_blocks, num_scalar_prefetch=3,
+                        interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+                        name="kvattn_paged_kivi_decode_attention")
+  return _common.finish(outs, num_heads, groups, q.dtype, return_lse, count_blocks, head_dim)
+
+
+def paged_kivi_decode_attention(
+    q: jax.Array,             # [B, N, H]
+    k_codes: jax.Array,       # u8[K, P, page_size, H * bits / 8]
+    k_scale: jax.Array,       # [K, P, page_size / g, H]
+    k_zero: jax.Array,        # [K, P, page_size / g, H]
+    v_codes: jax.Array,       # u8[K, P, page_size, H * bits / 8]
+    v_scale: jax.Array,       # [K, P, page_size, H / vg]
+    v_zero: jax.Array,        # [K, P, page_size, H / vg]
+    block_tables: jax.Array,  # i32[B, pages_per_seq]
+    starts: jax.Array,        # i32[B]
+    lengths: jax.Array,       # i32[B]
+    *,
+    bits: int,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+    pages_per_block: int | None = None,
+    block_g: int | None = None,
+    num_splits: int | None = None,
+    platform: str | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    return_lse: bool = False,
+    count_blocks: bool = False,
+):
+  """`kivi_decode_attention` over a paged store (`kvattn.caches.paged_kivi`): logical store
+  slot s of sequence b is slot `s % page_size` of page `block_tables[b, s // page_size]`
+  (entries outside `[0, P)` unassigned: their slots must lie outside `[starts, lengths)`).
+  Each key block is `pages_per_block` pages gathered through the table, dequantized in
+  registers; pages outside the range are not read. "loop" schedule only (GPU, Triton;
+  interpret mode on CPU): page_size, H and the group size powers of two, a block >= 16 slots.
+
+  Returns:
+    As `kivi_decode_attention` (`count_blocks`: pages read per row and KV head).
+
+  Raises:
+    ValueError, TypeError: shapes or dtypes that do not fit (naming the argument), a
+      `platform` that is TPU (no "grid" schedule for the paged store), `check_args`'s.
+  """
+  if q.ndim != 3 or k_codes.ndim != 4 or block_tables.ndim != 2:
+    raise ValueError(f"q must be [B, N, H], k_codes [K, P, page_size, W], block_tables [B, "
+                     f"pages_per_seq]; got shapes {q.shape}, {k_codes.shape}, "
+                     f"{block_tables.shape}")
+  if block_tables.shape[0] != q.shape[0]:
+    raise ValueError(f"block_tables must have one row per sequence ({q.shape[0]}); got "
+                     f"{block_tables.shape[0]}")
+  if not jnp.issubdtype(block_tables.dtype, jnp.integer):
+    raise TypeError(f"block_tables must be integers; got {block_tables.dtype}")
+  # The pools are checked as a dense store of P rows of one page each (same shape rules).
+  probe = [jax.ShapeDtypeStruct((x.shape[1], x.shape[0]) + tuple(x.shape[2:]), x.dtype)
+           if x.ndim == 4 else x for x in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)]
+  check_args(jax.ShapeDtypeStruct((k_codes.shape[1],) + q.shape[1:], q.dtype), *probe,
+             jax.ShapeDtypeStruct((k_codes.shape[1],), starts.dtype),
+             jax.ShapeDtypeStruct((k_codes.shape[1],), lengths.dtype), bits, sm_scale,
+             soft_cap)
+  for name, x in (("starts", starts), ("lengths", lengths)):
+    if x.shape != (q.shape[0],):
+      raise ValueError(f"{name} must be i32[B] with B = {q.shape[0]}; got shape {x.shape}")
+  return paged_kivi_decode_attention_unchecked(
+      q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_tables, starts, lengths,
+      bits=bits, sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret,
+      pages_per_block=pages_per_block, block_g=block_g, num_splits=num_splits,
+      platform=platform, num_warps=num_warps, num_stages=num_stages, return_lse=return_lse,
+      count_blocks=count_blocks)
+
+
+def paged_kivi_decode_attention_unchecked(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                                          block_tables, starts, lengths, *, bits, sm_scale=None,
+                                          soft_cap=None, interpret=False, pages_per_block=None,
+                                          block_g=None, num_splits=None, platform=None,
+                                          num_warps=None, num_stages=None, return_lse=False,
+                                          count_blocks=False):
+  """`paged_kivi_decode_attention` without the argument checks (kvattn's paged KIVI cache);
+  the schedule and tunables are still checked here."""
+  _common.check_schedule("loop", interpret, (
+      ("pages_per_block", pages_per_block), ("block_g", block_g), ("num_splits", num_splits)),
+      platform)
+  page_size, head_dim = k_codes.shape[2], q.shape[-1]
+  reason = paged_unsupported_reason(k_codes.shape, k_scale.shape, head_dim, platform="gpu")
+  if reason is not None:
+    raise ValueError(f"the paged KIVI kernel's \"loop\" schedule cannot take these shapes: "
+                     f"{reason}")
+  if pages_per_block is not None and (not _common.is_pow2(pages_per_block)
+                                      or pages_per_block * page_size < 16):
+    raise ValueError(f"pages_per_block must be a power of two with pages_per_block * page_size "
+                     f">= 16; got {pages_per_block} (page_size {page_size})")
+  sm_scale = float(head_dim ** -0.5 if sm_scale is None else sm_scale)
+  soft_cap = None if soft_cap is None else float(soft_cap)
+  return _paged_impl(q, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), block_tables,
+                     starts, lengths, bits=bits, sm_scale=sm_scale, soft_cap=soft_cap,
+                     interpret=interpret, pages_per_block=pages_per_block, block_g=block_g,
+                     num_splits=num_splits, return_lse=return_lse, count_blocks=count_blocks,
+                     num_warps=num_warps, num_stages=num_stages)
+
+
+def paged_unsupported_reason(k_codes_shape, k_scale_shape, head_dim: int, *,
+                             platform: str | None = None) -> str | None:
+  """Why the compiled paged kernel cannot run these pools, or None: GPU (Triton) needs
+  page_size, H and the group size powers of two (H, group >= 16); no TPU schedule."""
+  platform = platform or _common.platform()
+  page_size = k_codes_shape[2]
+  group_size = page_size // max(1, k_scale_shape[2])
+  if platform in _common.GPU_PLATFORMS:
+    for what, d, least in (("head dim H", head_dim, 16), ("group_size", group_size, 16),
+                           ("page_size", page_size, 1)):
+      if d < least or not _common.is_pow2(d):
+        return f"{what}={d} is not a power of two >= {least} (Triton)"
+    return None
+  if platform == "tpu":
+    return "no \"grid\" (TPU) schedule for the paged KIVI store yet"
+  return f"no compiled Pallas backend on {platform!r}"
+
+
+# ----------------------------------------------------------------------------
+# Reference (plain jnp, f32).
+# ----------------------------------------------------------------------------
+
+
+def unpack_reference(packed: jax.Array, bits: int) -> jax.Array:
+  """`i32[..., W * 8 / bits]`: codes of `u8[..., W]`, code i of byte j is channel
+  `j * (8 // bits) + i` (integer division and remainder, not shifts)."""
+  per_byte = 8 // bits
+  b = jnp.repeat(packed.astype(jnp.int32), per_byte, axis=-1)
+  i = jnp.arange(packed.shape[-1] * per_byte) % per_byte
+  return (b // (1 << (bits * i))) % (1 << bits)
+
+
+def dequantize_reference(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits: int):
+  """f32 `(k, v)`: `[B, K, Sq, H]` the whole store dequantized (module doc)."""
+  f32 = jnp.float32
+  kc, vc = unpack_reference(k_codes, bits).astype(f32), unpack_reference(v_codes, bits).astype(f32)
+  g = kc.shape[2] // k_scale.shape[2]
+  vg = vc.shape[3] // v_scale.shape[3]
+  k = kc * jnp.repeat(k_scale.astype(f32), g, axis=2) + jnp.repeat(k_zero.astype(f32), g, axis=2)
+  v = vc * jnp.repeat(v_scale.astype(f32), vg, axis=3) + jnp.repeat(v_zero.astype(f32), vg,
+                                                                     axis=3)
+  return k, v
+
+
+def kivi_decode_attention_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                                    starts, lengths, *, bits, sm_scale=None, soft_cap=None,
+                                    return_lse=False, **unused_tunables: Any):
+  """Plain-jnp f32 `kivi_decode_attention` (same signature; tunables ignored): the store
+  dequantized up front, `[B, N, Sq]` logits masked outside `[starts, lengths)` by
+  replacement, masked value rows zeroed. `[B, N, H]` in q's dtype (and `f32[B, N]` lse)."""
+  del unused_tunables
+  k, v = dequantize_reference(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits)
+  sq = k.shape[2]
+  num_kv, num_heads = k.shape[1], q.shape[1]
+  sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+  hi = lax.Precision.HIGHEST
+  kh = jnp.repeat(k, num_heads // num_kv, axis=1)
+  vh = jnp.repeat(v, num_heads // num_kv, axis=1)
+  logits = jnp.einsum("BNH,BNSH->BNS", q.astype(jnp.float32), kh, precision=hi) * sm_scale
+  if soft_cap is not None:
+    logits = soft_cap * jnp.tanh(logits / soft_cap)
+  slots = jnp.arange(sq)[None, :]
+  starts, lengths = jnp.clip(starts, 0, sq), jnp.clip(lengths, 0, sq)
+  mask = (slots >= starts[:, None]) & (slots < lengths[:, None])  # [B, Sq]
+  logits = jnp.where(mask[:, None], logits, -jnp.inf)
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  p = jnp.where(mask[:, None], jnp.exp(logits - top), 0.0)
+  denom = jnp.sum(p, axis=-1)
+  vh = jnp.where(mask[:, None, :, None], vh, 0.0)
+  out = jnp.einsum("BNS,BNSH->BNH", p, vh, precision=hi) / jnp.where(denom > 0, denom,
+                                                                       1.0)[..., None]
+  lse = jnp.where(denom > 0, top[..., 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+  out = out.astype(q.dtype)
+  return (out, lse) if return_lse else out
+
+
+def paged_kivi_decode_attention_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                                          block_tables, starts, lengths, *, bits, sm_scale=None,
+                                          soft_cap=None, return_lse=False,
+                                          **unused_tunables: Any):
+  """Plain-jnp f32 `paged_kivi_decode_attention`: the pools gathered through the block table
+  into a dense store (`[B, K, pages_per_seq * page_size, ...]`, unassigned pages read page 0
+  and lie outside the range), then `kivi_decode_attention_reference`."""
+  del unused_tunables
+  tables = jnp.clip(block_tables, 0, k_codes.shape[1] - 1)
+
+  def dense(pool):  # [K, P, rows, X] -> [B, K, pages_per_seq * rows, X]
+    x = pool[:, tables]  # [K, B, pps, rows, X]
+    k, b, pps, rows, width = x.shape
+    return jnp.moveaxis(x, 0, 1).reshape(b, k, pps * rows, width)
+
+  return kivi_decode_attention_reference(
+      q, *(dense(x) for x in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)), starts,
+      lengths, bits=bits, sm_scale=sm_scale, soft_cap=soft_cap, return_lse=return_lse)

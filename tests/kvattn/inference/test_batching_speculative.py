@@ -1,0 +1,166 @@
+"""Speculative decoding in the continuous batcher: per-slot acceptance, token for token the
+batcher without speculation; rejected drafts' pages go back; shared prefix pages unwritten."""
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kvattn.inference.batching import ContinuousBatcher
+from kvattn.inference.speculative import DraftModel, PromptLookup
+from kvattn.models import transformer
+from kvattn.paging.allocator import pages_for
+
+PAGE = 4
+MAX_PROMPT = 12
+MAX_NEW = 14
+
+
+@functools.lru_cache(maxsize=None)
+def _model():
+  cfg = transformer.model_config(d_model=32, num_layers=2, mlp_dim=64, layers=({}, {"window": 6}),
+                                 attention=dict(num_heads=4, num_kv_heads=2, head_dim=8))
+  return transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
+
+
+def _prompt(seed, n):
+  return np.random.default_rng(seed).integers(0, 256, n).astype(np.int32)
+
+
+def _batcher(**kw):
+  args = dict(num_slots=3, num_pages=30, page_size=PAGE, max_len=MAX_PROMPT + MAX_NEW,
+              max_prompt_len=MAX_PROMPT, seed=0)
+  args.update(kw)
+  return ContinuousBatcher(_model(), **args)
+
+
+# (id, prompt, max_new_tokens): more requests than slots, so sequences join and leave while
+# others are mid-run; budgets not multiples of k + 1 cut a pass short.
+REQUESTS = [("a", _prompt(0, 5), 14), ("b", _prompt(1, 12), 3), ("c", _prompt(2, 1), 9),
+            ("d", _prompt(3, 8), 14), ("e", _prompt(4, 4), 1), ("f", _prompt(5, 3), 7)]
+
+
+def _serve(batcher, requests):
+  """`batcher.run(requests)`, checking after every step that each live sequence holds
+  exactly the pages of the tokens in its cache (rejected drafts' pages went back)."""
+  queue, done = list(requests), {}
+  while queue or batcher.active:
+    while queue and batcher.can_add(len(queue[0][1])):
+      rid, prompt, new = queue.pop(0)
+      result = batcher.add(rid, prompt, new)
+      if not isinstance(result, int):
+        done[rid] = result
+    for f in batcher.step():
+      done[f.request_id] = f
+    for alloc in batcher.allocators:
+      alloc.check()
+    for live in batcher._slots:  # pylint: disable=protected-access
+      if live is not None:
+        pages = batcher.allocator.pages(live.request_id)
+        assert len(pages) == pages_for(live.cache_len, PAGE), live.request_id
+  return done
+
+
+@functools.lru_cache(maxsize=None)
+def _plain(dtype=None, eos_id=None):
+  """The batcher without speculation on REQUESTS (the reference; one run per setting)."""
+  return _batcher(dtype=dtype, eos_id=eos_id).run(REQUESTS)
+
+
+def _check_same(spec, plain, requests):
+  for rid, _, new in requests:
+    assert spec[rid].reason == plain[rid].reason, rid
+    np.testing.assert_array_equal(spec[rid].tokens, plain[rid].tokens, err_msg=rid)
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.int8])
+def test_speculative_batcher_equals_plain_batcher(dtype):
+  plain = _plain(dtype)
+  batcher = _batcher(dtype=dtype, speculative=PromptLookup(3, max_ngram_size=2))
+  spec = _serve(batcher, REQUESTS)
+  _check_same(spec, plain, REQUESTS)
+  stats = batcher.spec_stats
+  # Per-slot acceptance really happened both ways: drafts accepted and drafts rejected.
+  assert 0 < stats["accepted"] < stats["drafted"], stats
+  assert stats["pages_returned"] > 0  # pages only rejected drafts used went back
+  # Fewer passes than tokens: a pass emitted several tokens for some sequence.
+  assert batcher.steps < sum(len(f.tokens) - 1 for f in spec.values())
+  assert batcher.traces["spec_step"] == 1 and batcher.traces["step"] == 0
+  assert batcher.allocator.num_free == 30 and batcher.free_slots == [0, 1, 2]
+
+
+def test_shared_prefix_pages_are_never_written_by_rejected_drafts():
+  """Three requests share two cached prompt pages; speculative steps (rejecting drafts)
+  leave those pages' bytes as they were, and the tokens equal the plain batcher's."""
+  prefix = _prompt(7, 8)  # two full pages
+  requests = [(f"r{i}", np.concatenate([prefix, _prompt(10 + i, 3)]), 12) for i in range(3)]
+  plain = _batcher().run(requests)
+  batcher = _batcher(prefix_cache=True, speculative=PromptLookup(3, max_ngram_size=2))
+  first = batcher.add(*requests[0])
+  shared = batcher.allocator.pages(requests[0][0])[:2]
+  snapshot = [(np.asarray(c.k_pages[:, list(shared)]), np.asarray(c.v_pages[:, list(shared)]))
+              for c in batcher.caches]
+  done = {}
+  for rid, prompt, new in requests[1:]:
+    assert batcher.add(rid, prompt, new) in (1, 2)
+    assert batcher.allocator.pages(rid)[:2] == shared  # really shared
+  assert first == 0 and batcher.prefill_tokens == 11 + 3 + 3
+  while batcher.active:
+    for f in batcher.step():
+      done[f.request_id] = f
+    for c, (k, v) in zip(batcher.caches, snapshot):
+      np.testing.assert_array_equal(np.asarray(c.k_pages[:, list(shared)]), k)
+      np.testing.assert_array_equal(np.asarray(c.v_pages[:, list(shared)]), v)
+  assert 0 < batcher.spec_stats["accepted"] < batcher.spec_stats["drafted"]
+  _check_same(done, plain, requests)
+  batcher.allocator.check()
+
+
+@pytest.mark.slow  # ~7 CPU-seconds each: two batchers compiled
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16])
+def test_speculative_batcher_equals_plain_batcher_more_pools(dtype):
+  plain = _plain(dtype)
+  batcher = _batcher(dtype=dtype, speculative=PromptLookup(4))
+  _check_same(_serve(batcher, REQUESTS), plain, REQUESTS)
+  assert 0 < batcher.spec_stats["accepted"] < batcher.spec_stats["drafted"]
+
+
+@pytest.mark.slow
+def test_speculative_batcher_stops_at_eos_like_the_plain_batcher():
+  # an EOS "a" emits mid-run (not as its first token)
+  eos = int(_plain()["a"].tokens[5])
+  plain = _plain(eos_id=eos)
+  batcher = _batcher(eos_id=eos, speculative=PromptLookup(3))
+  spec = _serve(batcher, REQUESTS)
+  _check_same(spec, plain, REQUESTS)
+  assert spec["a"].reason == "eos"
+
+
+def _truncated(num_layers):
+  """The test model's first `num_layers` layers as a draft model (shared weights)."""
+  return _model().truncated(num_layers)
+
+
+def test_draft_model_batcher_equals_plain_batcher():
+  """A 1-layer draft of the 2-layer model: per-slot draft caches prefilled at join, caught up
+  and rolled back by lengths each pass; tokens equal the plain batcher's."""
+  plain = _plain()
+  batcher = _batcher(speculative=DraftModel(_truncated(1), 3))
+  spec = _serve(batcher, REQUESTS)
+  _check_same(spec, plain, REQUESTS)
+  assert 0 < batcher.spec_stats["accepted"] < batcher.spec_stats["drafted"], batcher.spec_stats
+  assert batcher.traces["spec_step"] == 1 and batcher.traces["draft_join"] == 1
+
+
+def test_speculative_batcher_bad_arguments():
+  with pytest.raises(TypeError, match="speculative must be"):
+    _batcher(speculative="ngram")
+  with pytest.raises(ValueError, match="temperature must be 0"):
+    _batcher(speculative=PromptLookup(2), temperature=0.7)
+  cfg = transformer.model_config(d_model=32, num_layers=1, mlp_dim=64, vocab_size=100,
+                                 attention=dict(num_heads=4, num_kv_heads=2, head_dim=8))
+  other = transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(1))
+  with pytest.raises(ValueError, match="share the target's vocabulary"):
+    _batcher(speculative=DraftModel(other, 2))
