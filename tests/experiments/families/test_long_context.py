@@ -87,6 +87,7 @@ def test_tiny_run_measures_reports_and_bounded_caches_with_room_equal_the_full_c
   assert len(lines) == 5 and json.loads(lines[0])["family"] == "long_context"
 
 
+@pytest.mark.slow  # twins in the fast suite: test_scan.py (mixed layers), test_per_layer_layout.py
 def test_windowed_layers_scan_in_groups_and_the_per_layer_layout_is_exact(tmp_path):
   # A model with Gemma's pattern (layers 0, 2: window 8; 1, 3: global): the family scans it
   # in groups of 2 layers, reports where the windows bound the cache, and the per-layer

@@ -73,14 +73,18 @@ FLOAT_ONLY = {"reversed", "kivi2", "kivi4", "rotated3", "rotated4", "paged_kivi2
 
 KINDS = sorted(SETTINGS)
 SLOW_KINDS = {"snapkv", "tova", "recent", "random", "knorm", "kivi2", "rotated3",
-              "paged_kivi2", "paged_kivi4"}
+              "paged_kivi2", "paged_kivi4", "rotated4"}
 """Kinds that share another kind's class and differ in a setting: the eviction policies
 share h2o's (only the score differs; each score has its own tests in test_eviction.py),
 kivi2, rotated3 and paged_kivi2 share kivi4's, rotated4's and paged_kivi4's (other bit
 widths: test_kivi.py, test_rotated.py, test_paged_kivi.py); paged_kivi4 is kivi4's class
 with the store in pages, which test_paged_kivi.py checks against kivi4 bit for bit in the
-fast suite (with garbage in free pages; its conformance runs cost ~45 CPU-s). Every kind-parametrized test runs them under `-m slow`; every other kind,
-a new one included, runs in the fast suite."""
+fast suite (with garbage in free pages; its conformance runs cost ~45 CPU-s); rotated4
+shares kivi4's base (`caches._residual`: the full-precision window, its flush into the
+store, per-sequence lengths and rollback are that base's code, which kivi4 runs here), and
+its rotation and codebook have their own reference tests in test_rotated.py (~25 CPU-s
+saved). Every kind-parametrized test runs them under `-m slow`; every other kind, a new one
+included, runs in the fast suite."""
 HEAVY_KINDS = [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_KINDS else k for k in KINDS]
 PROMPT_LENGTHS = np.array([9, 5], np.int32)
 NEW_TOKENS = 6

@@ -75,7 +75,7 @@ def _check_same(spec, plain, requests):
     np.testing.assert_array_equal(spec[rid].tokens, plain[rid].tokens, err_msg=rid)
 
 
-@pytest.mark.parametrize("dtype", [None, jnp.int8])
+@pytest.mark.parametrize("dtype", [None, pytest.param(jnp.int8, marks=pytest.mark.slow)])
 def test_speculative_batcher_equals_plain_batcher(dtype):
   plain = _plain(dtype)
   batcher = _batcher(dtype=dtype, speculative=PromptLookup(3, max_ngram_size=2))
@@ -143,6 +143,7 @@ def _truncated(num_layers):
   return _model().truncated(num_layers)
 
 
+@pytest.mark.slow  # the draft model's own path: test_speculative.py (generate) in the fast suite
 def test_draft_model_batcher_equals_plain_batcher():
   """A 1-layer draft of the 2-layer model: per-slot draft caches prefilled at join, caught up
   and rolled back by lengths each pass; tokens equal the plain batcher's."""

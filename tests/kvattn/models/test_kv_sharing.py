@@ -194,7 +194,8 @@ def test_cache_bytes_are_halved_at_factor_two(dtype):
 EXPLICIT = dict(LLAMA, layers=({}, {}, {"kv_source": 0}, {"kv_source": 1}))  # Gemma 3n-like
 
 
-@pytest.mark.parametrize("cfg, factor", [(LLAMA, 2), (GEMMA, 2), (EXPLICIT, None),
+@pytest.mark.parametrize("cfg, factor", [pytest.param(LLAMA, 2, marks=pytest.mark.slow),
+                                         (GEMMA, 2), (EXPLICIT, None),
                                          (GEMMA, None)],
                          ids=["llama-cla2", "gemma-cla2", "explicit", "gemma-no-sharing"])
 def test_forward_equals_reference(cfg, factor):
@@ -207,7 +208,7 @@ def test_forward_equals_reference(cfg, factor):
   np.testing.assert_allclose(logits, reference_logits(model, tokens), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("local_layers", ["full", "ring"])
+@pytest.mark.parametrize("local_layers", ["full", pytest.param("ring", marks=pytest.mark.slow)])
 def test_cached_prefill_and_decode_match_full_forward(local_layers):
   """Invariant 1 with sharing on the Gemma-like model: dense caches, and rings of the window
   (4) for the local layers, into which the prefill chunk (5 tokens) wraps."""
