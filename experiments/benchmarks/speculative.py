@@ -69,6 +69,8 @@ flags.DEFINE_integer("new_tokens", 128, "Tokens generated (the first comes from 
 flags.DEFINE_integer("num_draft_tokens", 4, "k: drafted tokens per verify pass.")
 flags.DEFINE_integer("max_ngram_size", 3, "Prompt lookup: longest n-gram matched.")
 flags.DEFINE_integer("draft_layers", 0, "Also a draft model of the first N layers (0: off).")
+flags.DEFINE_enum("param_dtype", "float32", ["float32", "int8"],
+                  "Weights: f32, or int8 (W8A8, kvattn.models.int8) -- the HF peer stays f32.")
 flags.DEFINE_integer("rounds", 5, "Interleaved timed rounds (after one untimed warm-up).")
 flags.DEFINE_bool("peers", False, "Also time HF transformers (subprocess of --peer_python).")
 flags.DEFINE_string("peer_python", "/work/peers-venv/bin/python", "Python of the HF peer.")
@@ -120,7 +122,8 @@ def verify_cost() -> None:
   """Seconds per loop iteration of a plain step, a verify pass and a T-token chunk, and of
   the MLP matmuls at 1 and T rows (module doc); one JSON line each."""
   from kvattn.caches import transaction  # pylint: disable=g-import-not-at-top
-  model, tokenizer = pretrained.from_pretrained(FLAGS.model, dtype=jnp.float32)
+  model, tokenizer = pretrained.from_pretrained(FLAGS.model, dtype=jnp.float32,
+                                                param_dtype=FLAGS.param_dtype)
   graphdef, state = nnx.split(model)
   k, steps = FLAGS.num_draft_tokens, FLAGS.steps
   prompt = _prompt(tokenizer, FLAGS.prompts[0])[None]
@@ -191,7 +194,8 @@ def verify_cost() -> None:
 def batcher() -> None:
   """The continuous batcher with and without speculation over all `--prompts` (module doc)."""
   from kvattn.inference.batching import ContinuousBatcher  # pylint: disable=g-import-not-at-top
-  model, tokenizer = pretrained.from_pretrained(FLAGS.model, dtype=jnp.float32)
+  model, tokenizer = pretrained.from_pretrained(FLAGS.model, dtype=jnp.float32,
+                                                param_dtype=FLAGS.param_dtype)
   n, k = FLAGS.new_tokens, FLAGS.num_draft_tokens
   prompts = [_prompt(tokenizer, spec) for spec in FLAGS.prompts]
   longest = max(len(p) for p in prompts)
@@ -283,7 +287,8 @@ def main(argv):
   if FLAGS.batcher:
     batcher()
     return
-  model, tokenizer = pretrained.from_pretrained(FLAGS.model, dtype=jnp.float32)
+  model, tokenizer = pretrained.from_pretrained(FLAGS.model, dtype=jnp.float32,
+                                                param_dtype=FLAGS.param_dtype)
   k, n = FLAGS.num_draft_tokens, FLAGS.new_tokens
   drafters = {"prompt_lookup": speculative.PromptLookup(k, FLAGS.max_ngram_size)}
   if FLAGS.draft_layers:
@@ -335,7 +340,8 @@ def main(argv):
           hf.append(out)
     plain_s = statistics.median(times["plain"][1:])
     base = dict(prompt=spec, prompt_len=int(prompt.shape[1]), new_tokens=n, k=k,
-                max_ngram_size=FLAGS.max_ngram_size, rounds=FLAGS.rounds, **env)
+                max_ngram_size=FLAGS.max_ngram_size, rounds=FLAGS.rounds,
+                param_dtype=FLAGS.param_dtype, **env)
     print(json.dumps(dict(base, system="kvattn_plain", **timing.stats("decode_s",
                                                                       times["plain"][1:]),
                           decode_tokens_per_s=(n - 1) / plain_s)))
