@@ -13,9 +13,14 @@ The suite compiles with most XLA optimizations off (`jax_disable_most_optimizati
 also exported as JAX_DISABLE_MOST_OPTIMIZATIONS so the subprocesses of the experiment, sharding
 and notebook tests inherit it): nearly every program here is tiny and its cost is compilation,
 so this cuts the suite's CPU time by about a quarter (12.3 -> 9.1 min on 2 cores, the same 825
-tests passing). The numerics tests compare a fast path with its reference compiled the same
-way; the HLO-structure tests (copies per decode step) hold either way. Set
-JAX_DISABLE_MOST_OPTIMIZATIONS=0 to test the programs exactly as users compile them.
+tests passing). It also compiles XLA:CPU's fusions with the older elemental emitters
+(`--xla_cpu_use_fusion_emitters=false` appended to XLA_FLAGS, exported the same way, for the
+jaxlib versions in `_EMITTER_FLAG_VERSIONS`, whose XLA is known to have the flag: an unknown
+flag aborts XLA): compiling a tiny program then costs about half the CPU time (two test files
+measured 128 -> 62 CPU-s; docs/benchmarks.md, "Suite time"). The numerics tests compare a fast
+path with its reference compiled the same way; the HLO-structure tests (copies per decode step)
+hold either way. Set JAX_DISABLE_MOST_OPTIMIZATIONS=0 to test the programs exactly as users
+compile them (neither setting is applied then).
 
 `smollm2` is the one SmolLM2-135M-Instruct `(model, tokenizer)` of the session: every test that
 needs the real checkpoint shares it (loading costs ~5-15 s of CPU). Tests must not modify it.
@@ -24,15 +29,22 @@ needs the real checkpoint shares it (loading costs ~5-15 s of CPU). Tests must n
 from __future__ import annotations
 
 import gc
+import importlib.metadata
 import os
 
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+_FAST_COMPILE = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in ("1", "true", "yes", "on")
+_EMITTER_FLAG = "--xla_cpu_use_fusion_emitters=false"
+_EMITTER_FLAG_VERSIONS = ("0.10.",)
+"""jaxlib version prefixes whose XLA has `_EMITTER_FLAG`."""
+if (_FAST_COMPILE and importlib.metadata.version("jaxlib").startswith(_EMITTER_FLAG_VERSIONS)
+    and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", "")):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_EMITTER_FLAG}".strip()
 
 import jax  # pylint: disable=g-import-not-at-top  (after the environment it reads)
 import pytest
 
-jax.config.update("jax_disable_most_optimizations",
-                  os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in ("1", "true", "yes", "on"))
+jax.config.update("jax_disable_most_optimizations", _FAST_COMPILE)
 
 _MAPS = "/proc/self/maps"
 _MAX_MAPS = 30_000  # about half the default vm.max_map_count

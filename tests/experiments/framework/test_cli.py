@@ -64,9 +64,9 @@ FAULT = ("experiments.main", subproc.main_args("{workdir}", "standin.fail_at=1")
 # Run only with `-m slow` (each case is a process importing JAX, ~3.5 CPU-s): the nearest-key
 # search (tested in-process below by test_missing_key_names_the_nearest_path) and the other
 # ways a config override or argument is refused, which share the one-line error wrapper that
-# the fast cases (typo_key, bad_config_argument, unknown_flag, ...) go through.
+# the fast cases (typo_key, unknown_flag, and an argparse entry point) go through.
 SLOW_CASES = ("unknown_key", "key_in_wrong_section", "value_of_wrong_type", "missing_config_file",
-              "positional_argument")
+              "positional_argument", "bad_config_argument", "missing_flag", "demo")
 
 
 @pytest.fixture(scope="module")
