@@ -148,14 +148,20 @@ def _shared_page_decoding(model: nnx.Module) -> nnx.Module:
   """`model`, or a copy sharing its parameter arrays whose default-backend GQA layers decode
   paged caches with backends that read each row's pages through its own block-table row
   (module doc: prefix cache). The caller's model is not changed."""
-  if all(a.decode_implementation is not None for a in gqa_layers(model)):
+  if all(a.decode_implementation is not None for a in _attending_layers(model)):
     return model
   safe = ("pallas", "xla") if jax.default_backend() in _PALLAS_PLATFORMS else "xla"
   model = nnx.merge(*nnx.split(model))
-  for a in gqa_layers(model):
+  for a in _attending_layers(model):
     if a.decode_implementation is None:
       a.decode_implementation = safe
   return model
+
+
+def _attending_layers(model: nnx.Module) -> list[Any]:
+  """Every GQA attention module that reads a paged cache: the layers owning a cache and,
+  under cross-layer KV sharing, the layers reading their owner's (`kv_source`)."""
+  return [layer.attn for layer in model.layers if hasattr(layer.attn, "decode_implementation")]
 
 
 def _reset_ring_row(ring: RingKVCache, slot) -> RingKVCache:
@@ -395,10 +401,11 @@ class ContinuousBatcher:
     self._ends = np.zeros((self.num_slots,), np.int32)
     attns = gqa_layers(model)
     pps = pages_for(self.max_len, self.page_size)
-    if prefix_cache and any(a.decode_implementation == "xla_pool" for a in attns):
+    if prefix_cache and any(a.decode_implementation == "xla_pool"
+                            for a in _attending_layers(model)):
       raise ValueError("decode_implementation must not be 'xla_pool' with prefix_cache=True "
                        "(shared pages have several owners; that backend allows one); got "
-                       f"{[a.decode_implementation for a in attns]}")
+                       f"{[a.decode_implementation for a in _attending_layers(model)]}")
     if offload is not None and not prefix_cache:
       raise ValueError("offload needs prefix_cache=True (only cached prefixes are offloaded)")
     self.prefix_cache = bool(prefix_cache)
