@@ -168,3 +168,26 @@ def test_prefix_cache_with_rings_refuses_a_mesh():
   with pytest.raises(ValueError, match="max_ring_snapshots"):
     kvattn.ContinuousBatcher(model, page_size=2, local_layers="ring", prefix_cache=True,
                              max_ring_snapshots=0, **OPTS)
+
+
+@pytest.mark.slow  # the default test covers f32 rings; this adds scales (int8) and bf16 bits
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_quantized_and_bf16_rings_with_prefix_cache_and_offload_equal_the_plain_batcher(dtype):
+  model = _model()
+  reqs = [("a", _prompt(SYSTEM, [5, 6]), NEW), ("b", _prompt(SYSTEM, [7]), NEW),
+          ("c", _prompt(SYSTEM, [3, 4]), NEW)]
+  store = TieredStore([HostTier(10**7)])
+  batcher = kvattn.ContinuousBatcher(model, page_size=2, local_layers="ring", prefix_cache=True,
+                                     offload=store, dtype=dtype, **OPTS)
+  assert (batcher.caches[0].k_scale is not None) == (dtype == "int8")
+  got = {}
+  for r in reqs:
+    got.update(batcher.run([r]))
+    batcher.allocator.offload_cached()  # every hit comes back from the tier
+  assert batcher.allocator.counters["cached_tokens"] == 8  # c hits b's snapshot at 8
+  assert batcher.allocator.counters["pages_reloaded"] == 4
+  plain = kvattn.ContinuousBatcher(model, page_size=2, local_layers="ring", dtype=dtype, **OPTS)
+  want = plain.run(reqs)
+  for rid, *_ in reqs:
+    assert got[rid].tokens.tolist() == want[rid].tokens.tolist(), rid
+  batcher.allocator.check()
