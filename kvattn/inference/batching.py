@@ -370,7 +370,8 @@ class ContinuousBatcher:
         drafter (TypeError), with `temperature` > 0, a draft model on another
         vocabulary or with dense-incompatible caches, or a `DraftModel` with a mesh;
         `local_layers` not in ("full", "ring"), or "ring" with `speculative`, or with
-        `prefix_cache` and a mesh, when some layer gets a ring.
+        `prefix_cache` and a mesh, when some layer gets a ring; `max_ring_snapshots` not a
+        positive int.
     """
     self.num_slots = _checks.positive_int("num_slots", num_slots)
     self.page_size = _checks.positive_int("page_size", page_size)
