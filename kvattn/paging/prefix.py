@@ -186,11 +186,15 @@ class PrefixCachingAllocator(PageAllocator):
     block.state, block.state_bytes = state, int(nbytes)
     self._states[id(block)] = block
     self.counters["states_set"] += 1
+    self._bound_states()
+    return True
+
+  def _bound_states(self) -> None:
+    """Drops the least recently used states beyond `max_states`."""
     while self.max_states is not None and len(self._states) > self.max_states:
       _, old = self._states.popitem(last=False)
       old.state, old.state_bytes = None, 0
       self.counters["states_dropped"] += 1
-    return True
 
   def state_of(self, seq_id: Hashable) -> Any:
     """The boundary state at the end of the prefix `allocate_prompt` matched for `seq_id`
@@ -231,7 +235,8 @@ class PrefixCachingAllocator(PageAllocator):
     payload = np.asarray(payload, np.uint8).reshape(-1)
     row, extra = payload[:-block.state_bytes], payload[-block.state_bytes:]
     block.state = self._state_codec.decode(extra)
-    self._states[id(block)] = block
+    self._states[id(block)] = block  # the newest: a chain's deepest state is loaded last
+    self._bound_states()
     return row
 
   # Queries.
