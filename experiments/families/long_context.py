@@ -225,7 +225,7 @@ class LongContextFamily:
     if self._params is None or self._params[0] is not model:
       defs, params = scan.scan_parts(model)
       self._params = (model, params, _steps(defs))
-      self._period = len(defs[0])  # layers per scanned group (scan.layer_period)
+      self._period = scan.cache_period(defs)  # caches per scanned group (scan.layer_period)
     _, params, (nll_step, next_step) = self._params
     return model, tokenizer, params, nll_step, next_step
 

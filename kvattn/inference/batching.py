@@ -67,10 +67,26 @@ page pool each, all under the one block table the allocator fills. Joining reset
 slot's ring row and prefills through its batch-1 view; retiring empties the row. Decided
 against pooling local-layer pages (vLLM's sliding-window manager frees pages that slide out
 of the window): at W = 512 a ring costs the same bytes as the window's pages and needs no
-host bookkeeping per step. The prefix cache is refused with rings: a hit would need each
-local layer's KV of the prefix's last W tokens, which a retired sequence's ring does not
-keep page by page, and recomputing it is not exact (each local layer widens what must be
-recomputed by W - 1 tokens).
+host bookkeeping per step.
+
+Prefix cache with rings: a hit of m cached tokens needs, besides the global layers' pages,
+each local layer's KV of tokens `[m - W, m)`, which no page holds (recomputing it is not
+exact: each local layer widens what must be recomputed by W - 1 tokens). So a cached prefix
+keeps a snapshot of the rings at its end (`RingSnapshots`: W tokens per local layer, the
+allocator's boundary state of the block ending at m, `kvattn.paging.prefix`), and a match
+ends at the deepest matched block holding one; the join restores the slot's rings from it
+and prefills the rest. Snapshots are taken where a later hit is likely: at the last page
+boundary of each prompt (after its prefill) and of each retired sequence (a second turn
+hits the whole first conversation); and where a prompt shares cached pages beyond the last
+snapshot (a prefix shared with an earlier prompt that diverged there: a common system
+prompt), its prefill is split at that boundary and the rings snapshotted there, so the
+*next* prompt sharing it hits (the first one that reveals the shared prefix pays it in
+full). To snapshot at the last page boundary after the fact, the rings hold
+`W + page_size - 1` slots (attention still sees W). At most `max_ring_snapshots` are kept
+(LRU; a prefix whose snapshot was dropped no longer ends a match there); `stats()` reports
+their count and device bytes. With `offload=` a snapshot leaves with its block: its bytes
+follow the page's in the tier payload (counted in the tier's `used_bytes`) and come back
+bit-exact on a hit. One device only (a mesh is refused).
 
 Speculative decoding (`speculative=PromptLookup(k, ...)` or `DraftModel(model, k)`, greedy
 only): each step drafts k tokens per live slot by prompt lookup over the slot's text
@@ -132,20 +148,124 @@ def _shared_page_decoding(model: nnx.Module) -> nnx.Module:
   """`model`, or a copy sharing its parameter arrays whose default-backend GQA layers decode
   paged caches with backends that read each row's pages through its own block-table row
   (module doc: prefix cache). The caller's model is not changed."""
-  if all(a.decode_implementation is not None for a in gqa_layers(model)):
+  if all(a.decode_implementation is not None for a in _attending_layers(model)):
     return model
   safe = ("pallas", "xla") if jax.default_backend() in _PALLAS_PLATFORMS else "xla"
   model = nnx.merge(*nnx.split(model))
-  for a in gqa_layers(model):
+  for a in _attending_layers(model):
     if a.decode_implementation is None:
       a.decode_implementation = safe
   return model
+
+
+def _attending_layers(model: nnx.Module) -> list[Any]:
+  """Every GQA attention module that reads a paged cache: the layers owning a cache and,
+  under cross-layer KV sharing, the layers reading their owner's (`kv_source`)."""
+  return [layer.attn for layer in model.layers if hasattr(layer.attn, "decode_implementation")]
 
 
 def _reset_ring_row(ring: RingKVCache, slot) -> RingKVCache:
   """`ring` with row `slot` empty (no token: `pos` -1, length 0); its keys and values are
   left as they are (slots with `pos` -1 are never read)."""
   return ring.replace(pos=ring.pos.at[slot].set(-1), lengths=ring.lengths.at[slot].set(0))
+
+
+class RingSnapshots:
+  """The rings' boundary states for the prefix cache (module docstring, "Prefix cache with
+  rings"): the snapshot at token m holds, for each ring layer of window W, the keys and
+  values of tokens `[m - W, m)` in token order (`k, v: [K, W, H]` in the cache dtype,
+  `k_scale, v_scale: f32[K, W]` for an int8/fp8 ring, else None; entries of tokens < 0 are
+  zeros and never read). A tuple with one `(k, v, k_scale, v_scale)` per ring layer.
+
+  The batcher's rings hold `W + page_size - 1` slots, so at any time the ring of a
+  sequence of n tokens still holds the window of the last page boundary
+  `m = n // page_size * page_size` (`take`); `restore` writes a snapshot back into a
+  slot's ring row as the ring of an m-token sequence. `encode` / `decode` turn a snapshot
+  into bytes and back (bit-exact) for the offload tiers.
+  """
+
+  def __init__(self, caches: Sequence[Any], ring_layers: Sequence[int],
+               windows: Sequence[int], home: Any):
+    self.layers = tuple(ring_layers)
+    self.windows = tuple(int(w) for w in windows)
+    self.home = home
+    rings = [caches[i] for i in self.layers]
+    # (shape, dtype) of every array of a snapshot, in leaf order.
+    self.layouts = []
+    for c, w in zip(rings, self.windows):
+      k_heads, _, head_dim = c.k.shape[1:]
+      for a in (c.k, c.v):
+        self.layouts.append(((k_heads, w, head_dim), a.dtype))
+      for a in (c.k_scale, c.v_scale):
+        if a is not None:
+          self.layouts.append(((k_heads, w), a.dtype))
+    self.nbytes = sum(int(np.prod(sh)) * jnp.dtype(d).itemsize for sh, d in self.layouts)
+    self.empty = jax.device_put(self._snapshot_of(caches, 0, 0), home)
+    self.empty = jax.tree.map(jnp.zeros_like, self.empty)
+    self._take = jax.jit(self._snapshot_of)
+
+  def _snapshot_of(self, caches, slot, end):
+    out = []
+    for i, w in zip(self.layers, self.windows):
+      c = caches[i]
+      p = end - w + jnp.arange(w, dtype=jnp.int32)  # the tokens kept, oldest first
+      idx = jnp.mod(p, c.capacity)
+
+      def gather(a, p=p, idx=idx):
+        if a is None:
+          return None
+        row = jnp.take(jax.lax.dynamic_index_in_dim(a, slot, keepdims=False), idx, axis=1)
+        valid = (p >= 0).reshape((1, -1) + (1,) * (row.ndim - 2))
+        return jnp.where(valid, row, jnp.zeros_like(row))
+
+      out.append(tuple(gather(a) for a in (c.k, c.v, c.k_scale, c.v_scale)))
+    return tuple(out)
+
+  def take(self, caches: Sequence[Any], slot: int, end: int) -> tuple:
+    """The snapshot at token `end` of slot `slot`'s rings (which must hold at least `end`
+    and at most `end + page_size - 1` tokens)."""
+    return self._take(tuple(caches), np.int32(slot), np.int32(end))
+
+  def restore(self, caches: Sequence[Any], slot, snapshot, end) -> tuple:
+    """`caches` with slot `slot`'s ring rows holding what a ring of an `end`-token sequence
+    holds, from `snapshot` (`end` 0: empty rows; traceable)."""
+    caches = list(caches)
+    for (i, w), snap in zip(zip(self.layers, self.windows), snapshot):
+      c = caches[i]
+      p = end - w + jnp.arange(w, dtype=jnp.int32)
+      idx = jnp.mod(p, c.capacity)  # distinct, and the slots of tokens < 0 are not others'
+      pos = jnp.full((c.capacity,), -1, jnp.int32).at[idx].set(jnp.where(p >= 0, p, -1))
+
+      def put(a, new):
+        if a is None:
+          return None
+        row = jax.lax.dynamic_index_in_dim(a, slot, keepdims=False).at[:, idx].set(new)
+        return jax.lax.dynamic_update_index_in_dim(a, row, slot, 0)
+
+      caches[i] = c.replace(k=put(c.k, snap[0]), v=put(c.v, snap[1]),
+                            k_scale=put(c.k_scale, snap[2]), v_scale=put(c.v_scale, snap[3]),
+                            pos=c.pos.at[slot].set(pos), lengths=c.lengths.at[slot].set(end))
+    return tuple(caches)
+
+  def encode(self, snapshot) -> np.ndarray:
+    """`u8[nbytes]`: the snapshot's raw bytes (host)."""
+    leaves = [np.asarray(a) for a in jax.tree.leaves(snapshot)]
+    return np.concatenate([a.reshape(-1).view(np.uint8) for a in leaves])
+
+  def decode(self, data: Any) -> tuple:
+    """The snapshot `encode` gave these bytes of, on the batcher's device."""
+    data = np.asarray(data, np.uint8).reshape(-1)
+    if data.size != self.nbytes:
+      raise ValueError(f"data must hold {self.nbytes} bytes; got {data.size}")
+    arrays, offset = [], 0
+    for shape, dtype in self.layouts:
+      size = int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+      arrays.append(np.ascontiguousarray(data[offset:offset + size]).view(
+          jnp.dtype(dtype)).reshape(shape))
+      offset += size
+    it = iter(arrays)
+    snap = tuple(tuple(None if a is None else next(it) for a in layer) for layer in self.empty)
+    return jax.device_put(snap, self.home)
 
 
 class NoFreeSlotError(RuntimeError):
@@ -200,7 +320,7 @@ class ContinuousBatcher:
                eos_id: int | None = None, pad_id: int = data_lib.PAD_ID, dtype: Any = None,
                seed: int | None = None, rng: Any = None, prefix_cache: bool = False,
                offload: Any = None, mesh: Any = None, speculative: Any = None,
-               local_layers: str = "full"):
+               local_layers: str = "full", max_ring_snapshots: int | None = None):
     """Builds the caches, the allocator and the jitted programs.
 
     Args:
@@ -235,7 +355,11 @@ class ContinuousBatcher:
         window W < max_len (`registry.ring_layers`) gets a `RingKVCache` of W slots per
         batch slot (`num_slots` rows, no pages: a local layer never holds more than W
         tokens), the other (global) layers the paged pools of `num_pages` pages, one block
-        table for all of them. Not with `prefix_cache` (module docstring).
+        table for all of them. With `prefix_cache` the rings hold `W + page_size - 1`
+        slots and each cached prefix keeps a snapshot of them (module docstring).
+      max_ring_snapshots: with `prefix_cache` and rings, the most ring snapshots kept
+        (least recently used dropped first; a prefix whose snapshot is gone no longer
+        hits at that length). Default `4 * num_slots`. Their bytes: `stats()`.
 
     Raises:
       ValueError/TypeError: bad sizes, an MLA layer, `max_prompt_len > max_len`;
@@ -245,8 +369,9 @@ class ContinuousBatcher:
         whose `decode_implementation` is "xla_pool"; `speculative` that is not a
         drafter (TypeError), with `temperature` > 0, a draft model on another
         vocabulary or with dense-incompatible caches, or a `DraftModel` with a mesh;
-        `local_layers` not in ("full", "ring"), or "ring" with `prefix_cache` or
-        `speculative` when some layer gets a ring.
+        `local_layers` not in ("full", "ring"), or "ring" with `speculative`, or with
+        `prefix_cache` and a mesh, when some layer gets a ring; `max_ring_snapshots` not a
+        positive int.
     """
     self.num_slots = _checks.positive_int("num_slots", num_slots)
     self.page_size = _checks.positive_int("page_size", page_size)
@@ -277,10 +402,11 @@ class ContinuousBatcher:
     self._ends = np.zeros((self.num_slots,), np.int32)
     attns = gqa_layers(model)
     pps = pages_for(self.max_len, self.page_size)
-    if prefix_cache and any(a.decode_implementation == "xla_pool" for a in attns):
+    if prefix_cache and any(a.decode_implementation == "xla_pool"
+                            for a in _attending_layers(model)):
       raise ValueError("decode_implementation must not be 'xla_pool' with prefix_cache=True "
                        "(shared pages have several owners; that backend allows one); got "
-                       f"{[a.decode_implementation for a in attns]}")
+                       f"{[a.decode_implementation for a in _attending_layers(model)]}")
     if offload is not None and not prefix_cache:
       raise ValueError("offload needs prefix_cache=True (only cached prefixes are offloaded)")
     self.prefix_cache = bool(prefix_cache)
@@ -290,12 +416,10 @@ class ContinuousBatcher:
     # `registry.ring_layers` decides, read from each attention module.
     rings = {i for i, a in enumerate(attns) if local_layers == "ring" and
              getattr(a, "window", None) is not None and a.window < self.max_len}
-    if rings and self.prefix_cache:
+    if rings and self.prefix_cache and mesh is not None:
       raise ValueError(
-          "prefix_cache=True needs local_layers='full' for this model: a cached prefix would "
-          "need each local layer's KV of the prefix's last window tokens, which a ring of a "
-          "retired sequence does not keep page by page, and recomputing them is not exact "
-          f"(layers {sorted(rings)} have windows shorter than max_len = {self.max_len})")
+          "prefix_cache=True with local_layers='ring' runs on one device: mesh must be None "
+          f"(ring snapshots are not placed on a mesh); got a mesh of shape {dict(mesh.shape)}")
     if rings and speculative is not None:
       raise ValueError("speculative needs local_layers='full' for this model (a verify pass "
                        "rolls caches back by lengths; a ring overwrites the slots it would "
@@ -312,9 +436,13 @@ class ContinuousBatcher:
                        f"'data' of size {shards}")
     self._slots_per_shard = self.num_slots // shards
     self._pages_per_shard = num_pages // shards
+    if max_ring_snapshots is None:
+      max_ring_snapshots = 4 * self.num_slots
+    max_ring_snapshots = _checks.positive_int("max_ring_snapshots", max_ring_snapshots)
     if self.prefix_cache:
-      make = lambda: PrefixCachingAllocator(self._pages_per_shard, self.page_size, pps,
-                                            seed=seed, offload=offload)
+      make = lambda: PrefixCachingAllocator(
+          self._pages_per_shard, self.page_size, pps, seed=seed, offload=offload,
+          boundary_states=bool(rings), max_states=max_ring_snapshots if rings else None)
     else:
       make = lambda: PageAllocator(self._pages_per_shard, self.page_size, pps, seed=seed)
     # allocators[j] hands out the pages [j * P / d, (j + 1) * P / d) of data shard j (its
@@ -323,7 +451,10 @@ class ContinuousBatcher:
     self.prefill_tokens = 0  # prompt tokens run through the model (the rest came from the cache)
     dtype = getattr(model, "dtype", jnp.float32) if dtype is None else dtype
     self.caches = tuple(
-        RingKVCache.init(self.num_slots, a.window, a.num_kv_heads, a.head_dim, dtype)
+        # With the prefix cache, page_size - 1 slots more: the window of the last page
+        # boundary stays in the ring until the next (`RingSnapshots`).
+        RingKVCache.init(self.num_slots, a.window + (self.page_size - 1 if self.prefix_cache
+                                                     else 0), a.num_kv_heads, a.head_dim, dtype)
         if i in rings else
         PagedKVCache.init(self.num_slots, num_pages=shards * self._pages_per_shard,
                           page_size=self.page_size, pages_per_seq=pps,
@@ -346,6 +477,10 @@ class ContinuousBatcher:
       home = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     else:
       self.caches = jax.device_put(self.caches, home)
+    self._snapshots = None
+    if self.prefix_cache and rings:
+      self._snapshots = RingSnapshots(self.caches, self.ring_layers,
+                                      [attns[i].window for i in self.ring_layers], home)
     if prefix_cache:
       model = _shared_page_decoding(model)
     self._graphdef, self._state = nnx.split(model)
@@ -373,7 +508,7 @@ class ContinuousBatcher:
     if offload is not None:
       codec = PageCodec(self.caches)
       self.allocator.bind_device(lambda pages: codec.read(self.caches, pages),
-                                 self._offload_writer(codec))
+                                 self._offload_writer(codec), state_codec=self._snapshots)
 
   def _offload_writer(self, codec):
     def write(pages, payloads):
@@ -400,12 +535,17 @@ class ContinuousBatcher:
             layout, batch=None, seq=layout.pages[0] if layout.pages else None))
       return view
 
-    def join(state, caches, slot, row, prompt, prompt_len, rng, start):
-      # prompt: the tokens after the `start` already cached (0 without a prefix cache).
+    snapshots = self._snapshots
+
+    def join(state, caches, slot, row, prompt, prompt_len, rng, start, snapshot):
+      # prompt: the tokens after the `start` already cached (0 without a prefix cache);
+      # snapshot: the rings' state at `start` (prefix cache with rings), else None.
       traces["join"] += 1
       model = nnx.merge(graphdef, state)
       caches = tuple(_reset_ring_row(c, slot) if isinstance(c, RingKVCache) else
                      c.assign_slot(slot, row, start) for c in caches)
+      if snapshots is not None:
+        caches = snapshots.restore(caches, slot, snapshot, start)
       views = tuple(row_view(c, slot) for c in caches)
       h, views = model.hidden(prompt[None], views, new_lengths=prompt_len[None])
       caches = tuple(
@@ -523,8 +663,12 @@ class ContinuousBatcher:
              for k, v in pools[0].items() if k != "waste_fraction"}
     reserved = total["reserved_slots"]
     total["waste_fraction"] = total["internal_waste_slots"] / reserved if reserved else 0.0
-    return {"steps": self.steps, "active_slots": self.num_slots - len(self.free_slots),
-            "prefill_tokens": self.prefill_tokens, **total}
+    out = {"steps": self.steps, "active_slots": self.num_slots - len(self.free_slots),
+           "prefill_tokens": self.prefill_tokens, **total}
+    if self._snapshots is not None:  # device bytes besides the pools and the rings
+      out["ring_snapshots"] = sum(a.num_states for a in self.allocators)
+      out["ring_snapshot_bytes"] = sum(a.state_bytes for a in self.allocators)
+    return out
 
   # Scheduling.
   def add(self, request_id: Hashable, prompt: Sequence[int], max_new_tokens: int) -> int | Finished:
@@ -577,15 +721,29 @@ class ContinuousBatcher:
       start = 0
       allocator.allocate(request_id, n)
     row = self._row(request_id, shard)
-    rest = prompt[start:]
-    padded = np.zeros((self._bucket(len(rest)),), np.int32)
-    padded[:len(rest)] = rest
-    self.caches, first, self._rng = self._join(self._state, self.caches, np.int32(slot), row,
-                                               padded, np.int32(len(rest)), self._rng,
-                                               np.int32(start))
-    self.prefill_tokens += len(rest)
+    snapshot = None
+    if self._snapshots is not None:
+      snapshot = allocator.state_of(request_id) if start else self._snapshots.empty
+      if snapshot is None:
+        raise RuntimeError(f"the prefix cache matched {start} tokens of {request_id!r} "
+                           "without a ring snapshot at their end")
+      # Cached pages reach further than the last snapshot (a prefix shared with an earlier
+      # prompt, which diverged there): prefill up to that boundary first and snapshot the
+      # rings there, so later prompts sharing it hit (module docstring).
+      mark = allocator.match(prompt[:(n - 1) // self.page_size * self.page_size],
+                             with_state=False)
+      if mark > start:
+        self.caches, _, _ = self._prefill(slot, row, prompt[start:mark], start, snapshot)
+        snapshot = self._snapshots.take(self.caches, slot, mark)
+        allocator.register(request_id, prompt[:mark])
+        allocator.set_state(request_id, mark, snapshot, self._snapshots.nbytes)
+        self.prefill_tokens += mark - start
+        start = mark
+    self.caches, first, self._rng = self._prefill(slot, row, prompt[start:], start, snapshot)
+    self.prefill_tokens += n - start
     if self.prefix_cache:
       allocator.register(request_id, prompt)
+      self._keep_snapshot(slot, request_id, n)
     first = int(first)
     self._slots[slot] = _Live(request_id, [first], max_new_tokens, n, self.steps, prompt)
     self._last[slot] = first
@@ -784,6 +942,25 @@ class ContinuousBatcher:
       return self.max_prompt_len
     return min(self.max_prompt_len, 1 << max(0, int(n) - 1).bit_length())
 
+  def _prefill(self, slot: int, row: np.ndarray, rest: np.ndarray, start: int, snapshot):
+    """Runs the join program: `rest` (the prompt after its `start` cached tokens) into slot
+    `slot`. Returns `(caches, first token, rng)`."""
+    padded = np.zeros((self._bucket(len(rest)),), np.int32)
+    padded[:len(rest)] = rest
+    return self._join(self._state, self.caches, np.int32(slot), row, padded,
+                      np.int32(len(rest)), self._rng, np.int32(start), snapshot)
+
+  def _keep_snapshot(self, slot: int, request_id: Hashable, held: int) -> None:
+    """With rings and the prefix cache: snapshots the slot's rings at the last page boundary
+    of its `held` tokens when the registered chain ends there without one."""
+    if self._snapshots is None:
+      return
+    end = held // self.page_size * self.page_size
+    allocator = self.allocators[self._shard(slot)]
+    if allocator.needs_state(request_id, end):
+      allocator.set_state(request_id, end, self._snapshots.take(self.caches, slot, end),
+                          self._snapshots.nbytes)
+
   def _reason(self, live: _Live, token: int) -> str | None:
     if self.eos_id is not None and token == self.eos_id:
       return "eos"
@@ -796,7 +973,10 @@ class ContinuousBatcher:
     if self.prefix_cache:  # the cache holds the prompt and the generated tokens fed back
       held = np.concatenate([live.prompt, np.asarray(live.tokens[:live.cache_len - len(
           live.prompt)], np.int64)])
-      self.allocators[self._shard(slot)].free(live.request_id, tokens=held)
+      allocator = self.allocators[self._shard(slot)]
+      allocator.register(live.request_id, held)
+      self._keep_snapshot(slot, live.request_id, live.cache_len)  # before the rings are reset
+      allocator.free(live.request_id)
     else:
       self.allocators[self._shard(slot)].free(live.request_id)
     self.caches = self._release(self.caches, np.int32(slot))

@@ -10,6 +10,12 @@ p layer bodies and scans L / p times. A model without such a period (p = L) runs
 unrolled in one scan step: the plain forward pass. `scan_forward` computes what
 `Transformer.hidden` computes (tested equal); `logits_from_hidden` what
 `Transformer.logits_from_hidden` computes.
+
+Cross-layer KV sharing (CLA, `model.kv_sources`): the scanned body wires each group's
+layers as `Transformer.hidden` does (an owner hands its `SharedKV` to the layers reading it),
+so a source must lie in its reader's group at the same place in every group (else the
+period grows until it does: at worst L, one unrolled step); the caches are those of the
+owning layers only, `cache_period(defs)` of them per group.
 """
 
 from __future__ import annotations
@@ -49,7 +55,11 @@ def scan_parts(model) -> tuple[Any, Any]:
     ValueError: a final logit soft cap (Gemma 2), which `logits_from_hidden` does not apply.
   """
   parts = [nnx.split(layer) for layer in model.layers]
+  sources = tuple(getattr(model, "kv_sources", None) or (None,) * len(parts))
   period = layer_period([g for g, _ in parts])
+  while not _sources_periodic(sources, period):  # a period that divides L, up to L itself
+    period = next(p for p in range(period + 1, len(parts) + 1) if len(parts) % p == 0)
+  group_sources = tuple(sources[:period])
   layers = tuple(jax.tree.map(lambda *xs: jnp.stack(xs), *[st for _, st in parts[j::period]])
                  for j in range(period))
   if model.spec.final_soft_cap is not None:
@@ -60,15 +70,33 @@ def scan_parts(model) -> tuple[Any, Any]:
   embedding = (model.embedding[...], value(getattr(model, "embedding_scale", None)))
   head = (value(model.lm_head), value(getattr(model, "lm_head_scale", None)))
   layer_defs = tuple(g for g, _ in parts[:period])
-  return (layer_defs, norm_def, model.spec), (layers, norm, embedding, head)
+  return (layer_defs, norm_def, model.spec, group_sources), (layers, norm, embedding, head)
+
+
+def _sources_periodic(sources: Sequence[Any], period: int) -> bool:
+  """Whether layer i's KV source is `sources[i % period]` shifted to i's group, in it."""
+  for i, s in enumerate(sources):
+    base, first = i // period * period, sources[i % period]
+    if (s is None) != (first is None):
+      return False
+    if s is not None and (s - base != first or s < base):
+      return False
+  return True
+
+
+def cache_period(defs) -> int:
+  """Caches per scanned group (`stack_caches`' `period`): the group's layers that own one
+  (all `len(defs[0])` of them without cross-layer KV sharing)."""
+  return sum(s is None for s in defs[3])
 
 
 def stack_caches(caches: Sequence[Any], period: int = 1) -> tuple[Any, ...]:
   """Per-layer caches (a tuple of L pytrees) -> `scan_forward`'s caches: a tuple of
   `period` pytrees, entry j stacking the caches of layers j, j + period, ... along a new
   leading axis (they must be alike: the per-layer layout gives a pattern's local layers
-  rings and its global ones the chosen kind, both periodic). `period`: `len(defs[0])` of
-  `scan_parts`.
+  rings and its global ones the chosen kind, both periodic). `period`: `cache_period(defs)`
+  of `scan_parts` (`len(defs[0])` without cross-layer KV sharing); `caches` are the owning
+  layers' under sharing.
 
   Raises:
     ValueError: `period` does not divide the number of caches.
@@ -94,9 +122,11 @@ def scan_forward(defs, params, caches, tokens, new_lengths):
   The same computation as `model.hidden(tokens, caches, new_lengths=...)`
   (default positions from the first layer's cache, embedding lookup, the
   Block modules in order, the final norm); `caches` are `stack_caches(caches,
-  len(defs[0]))` of the model's per-layer caches. Tested equal to the model's own call.
+  cache_period(defs))` of the model's per-layer caches (one per owning layer under
+  cross-layer KV sharing). Tested equal to the model's own call.
   """
-  layer_defs, norm_def, spec = defs
+  layer_defs, norm_def, spec, group_sources = defs
+  read = {s for s in group_sources if s is not None}
   layers, norm, embedding, _ = params
   first = jax.tree.map(lambda a: a[0], caches[0])
   positions = gqa_lib.resolve_positions(None, first, *tokens.shape)
@@ -104,9 +134,15 @@ def scan_forward(defs, params, caches, tokens, new_lengths):
 
   def body(x, group):
     states, group_caches = group
-    out = []
-    for layer_def, state, cache in zip(layer_defs, states, group_caches):
-      x, cache = nnx.merge(layer_def, state)(x, cache, positions, new_lengths)
+    out, shared = [], {}
+    owned = iter(group_caches)
+    for j, (layer_def, state) in enumerate(zip(layer_defs, states)):
+      layer, source = nnx.merge(layer_def, state), group_sources[j]
+      if source is not None:  # reads the K/V its group's owner computed this pass
+        x, _, _ = layer.step(x, None, positions, new_lengths, shared_kv=shared[source])
+        continue
+      x, cache, shared[j] = layer.step(x, next(owned), positions, new_lengths,
+                                       share=j in read)
       out.append(cache)
     return x, tuple(out)
 

@@ -336,6 +336,10 @@ def _uint(width: int):
 class PageCodec:
   """Page payloads of a model's `PagedKVCache`s: the bytes of one page in every pool.
 
+  Caches without pages (the rings of a per-layer layout) are passed through untouched;
+  their state at a prefix boundary travels as the block's boundary state
+  (`kvattn.paging.prefix`, `kvattn.inference.batching.RingSnapshots`).
+
   `read(caches, pages) -> u8[n, page_bytes]` (one jitted gather per pool,
   bytes packed on the host) and `write(caches, pages, u8[n, page_bytes]) ->
   caches` (one jitted scatter per pool, donated); values and scales move as
@@ -360,6 +364,9 @@ class PageCodec:
       it = iter(parts)
       out = []
       for c in caches:
+        if not hasattr(c, "k_pages"):  # a layer without pages (a ring): no page bytes
+          out.append(c)
+          continue
         fields = {}
         for name in ("k_pages", "v_pages", "k_scale_pages", "v_scale_pages"):
           pool = getattr(c, name)
@@ -379,8 +386,8 @@ class PageCodec:
 
   @staticmethod
   def _pools(caches):
-    return [p for c in caches for p in (c.k_pages, c.v_pages, c.k_scale_pages, c.v_scale_pages)
-            if p is not None]
+    return [p for c in caches if hasattr(c, "k_pages")
+            for p in (c.k_pages, c.v_pages, c.k_scale_pages, c.v_scale_pages) if p is not None]
 
   def read(self, caches: Sequence[Any], pages: Sequence[int]) -> np.ndarray:
     """`u8[len(pages), page_bytes]` (host) the contents of `pages` in every pool: one

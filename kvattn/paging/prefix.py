@@ -36,6 +36,19 @@ the prefix is recomputed, never served stale.
 Release order: `free` puts a sequence's cached pages on the LRU list last
 page first, so the tail of a prefix is evicted before its head (a head
 without its tail still hits; a tail without its head never can).
+
+Boundary states (`boundary_states=True`): layers whose KV does not live in the
+pages (the rings of sliding-window layers, `kvattn.inference.batching` with
+`local_layers="ring"`) need, to continue a prefix of m tokens, their own state at
+token m (a ring: the KV of tokens `[m - W, m)`). The caller attaches such a state to
+the block ending at m (`set_state`, after `register`; `needs_state` says whether it
+is wanted); a match then ends at the deepest matched block holding one (`match`,
+`allocate_prompt`; `state_of` hands it over), so a hit is exactly a block chain plus
+the state at its end. At most `max_states` states are kept (least recently used or
+attached dropped first: the block stays, it just no longer ends a match);
+`state_bytes` counts the bytes held. With offload a state leaves with its block: its
+bytes (`bind_device(state_codec=)`) follow the page's in the same tier payload, and come
+back with it on a hit.
 """
 
 from __future__ import annotations
@@ -69,6 +82,9 @@ class CachedBlock:
     parent: the block of the previous page (None for a first page).
     page: the device page holding its KV, or None while offloaded.
     tier: "device", or the name of the offload tier holding it.
+    state: the boundary state at the end of this block (module docstring), or None
+      (also while offloaded: then its bytes follow the page's in the tier payload).
+    state_bytes: bytes of that state (on the device, or in the tier payload), 0 for none.
   """
 
   key: bytes
@@ -76,6 +92,8 @@ class CachedBlock:
   parent: "CachedBlock | None"
   page: int | None
   tier: str = "device"
+  state: Any = None
+  state_bytes: int = 0
 
 
 Reader = Callable[[Sequence[int]], Any]
@@ -100,11 +118,26 @@ class PrefixCachingAllocator(PageAllocator):
   """
 
   def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int | None = None, *,
-               seed: int | None = None, offload: Any = None):
+               seed: int | None = None, offload: Any = None, boundary_states: bool = False,
+               max_states: int | None = None):
     """Args as `PageAllocator`; `offload` is a `kvattn.paging.offload.TieredStore`
     (or None: evicted blocks are forgotten). With `offload`, call
-    `bind_device(reader, writer)` before the first eviction."""
+    `bind_device(reader, writer)` before the first eviction. `boundary_states`: a match
+    must end at a block holding a state (module docstring); `max_states` (an int >= 1,
+    None: no limit) bounds how many are kept.
+
+    Raises:
+      ValueError: bad sizes; `max_states` not a positive int.
+    """
     super().__init__(num_pages, page_size, max_pages_per_seq, seed=seed)
+    if max_states is not None and (isinstance(max_states, bool) or not isinstance(
+        max_states, (int, np.integer)) or max_states < 1):
+      raise ValueError(f"max_states must be an int >= 1 or None; got {max_states!r}")
+    self.boundary_states = bool(boundary_states)
+    self.max_states = None if max_states is None else int(max_states)
+    # Blocks holding a state on the device, least recently used first.
+    self._states: collections.OrderedDict[int, CachedBlock] = collections.OrderedDict()
+    self._state_codec: Any = None
     self._ref = np.zeros((self.num_pages,), np.int64)
     self._index: dict[bytes, CachedBlock] = {}
     self._page_block: dict[int, CachedBlock] = {}
@@ -117,9 +150,94 @@ class PrefixCachingAllocator(PageAllocator):
       offload.on_drop = self._forget
     self.counters = collections.Counter()
 
-  def bind_device(self, reader: Reader, writer: Writer) -> None:
-    """Sets the callbacks that read and write device page contents (for offload)."""
+  def bind_device(self, reader: Reader, writer: Writer, state_codec: Any = None) -> None:
+    """Sets the callbacks that read and write device page contents (for offload), and for
+    boundary states the object whose `encode(state) -> u8[n]` and `decode(u8[n]) -> state`
+    move a state to and from its tier payload (None: a block's state is dropped when the
+    block is offloaded)."""
     self._reader, self._writer = reader, writer
+    self._state_codec = state_codec
+
+  # Boundary states.
+  @property
+  def state_bytes(self) -> int:
+    """Bytes of the boundary states held on the device (offloaded ones count in the tiers)."""
+    return sum(b.state_bytes for b in self._states.values())
+
+  @property
+  def num_states(self) -> int:
+    """Boundary states held on the device."""
+    return len(self._states)
+
+  def needs_state(self, seq_id: Hashable, end: int) -> bool:
+    """True if the registered chain of `seq_id` ends exactly at token `end` (> 0) and that
+    block holds no state yet: a state taken at `end` would be kept by `set_state`."""
+    done, last = self._registered[seq_id]
+    return (self.boundary_states and end > 0 and last is not None and done * self.page_size
+            == end and last.state is None and last.tier == "device")
+
+  def set_state(self, seq_id: Hashable, end: int, state: Any, nbytes: int) -> bool:
+    """Attaches `state` (`nbytes` bytes) to the block of `seq_id` ending at token `end`
+    when `needs_state(seq_id, end)`; drops the least recently used states beyond
+    `max_states`. Returns whether it was attached."""
+    if not self.needs_state(seq_id, end):
+      return False
+    block = self._registered[seq_id][1]
+    block.state, block.state_bytes = state, int(nbytes)
+    self._states[id(block)] = block
+    self.counters["states_set"] += 1
+    self._bound_states()
+    return True
+
+  def _bound_states(self) -> None:
+    """Drops the least recently used states beyond `max_states`."""
+    while self.max_states is not None and len(self._states) > self.max_states:
+      _, old = self._states.popitem(last=False)
+      old.state, old.state_bytes = None, 0
+      self.counters["states_dropped"] += 1
+
+  def state_of(self, seq_id: Hashable) -> Any:
+    """The boundary state at the end of the prefix `allocate_prompt` matched for `seq_id`
+    (None on a miss, or once its chain has grown past the match)."""
+    return self._registered[seq_id][1].state if self._registered[seq_id][1] else None
+
+  @staticmethod
+  def _has_state(block: CachedBlock) -> bool:
+    return block.state is not None or (block.tier != "device" and block.state_bytes > 0)
+
+  def _trim(self, blocks: list[CachedBlock]) -> list[CachedBlock]:
+    """`blocks` cut after the last block holding a state (boundary states), else as given."""
+    if not self.boundary_states:
+      return blocks
+    end = max((j + 1 for j, b in enumerate(blocks) if self._has_state(b)), default=0)
+    return blocks[:end]
+
+  def _drop_state(self, block: CachedBlock) -> None:
+    self._states.pop(id(block), None)
+    block.state, block.state_bytes = None, 0
+
+  def _payload(self, block: CachedBlock, row: Any) -> Any:
+    """The tier payload of an evicted block: its page's bytes, then its state's (if any)."""
+    self._states.pop(id(block), None)
+    if block.state is None:
+      return row
+    if self._state_codec is None:
+      self._drop_state(block)
+      return row
+    extra = np.asarray(self._state_codec.encode(block.state), np.uint8).reshape(-1)
+    block.state, block.state_bytes = None, int(extra.size)
+    return np.concatenate([np.asarray(row, np.uint8).reshape(-1), extra])
+
+  def _unpack(self, block: CachedBlock, payload: Any) -> Any:
+    """A tier payload back into the page's bytes; the state (if any) back on the block."""
+    if block.state_bytes == 0:
+      return payload
+    payload = np.asarray(payload, np.uint8).reshape(-1)
+    row, extra = payload[:-block.state_bytes], payload[-block.state_bytes:]
+    block.state = self._state_codec.decode(extra)
+    self._states[id(block)] = block  # the newest: a chain's deepest state is loaded last
+    self._bound_states()
+    return row
 
   # Queries.
   @property
@@ -145,10 +263,13 @@ class PrefixCachingAllocator(PageAllocator):
     """Blocks in the index per tier ("device", and each offload tier's name)."""
     return dict(collections.Counter(b.tier for b in self._index.values()))
 
-  def match(self, tokens: Sequence[int]) -> int:
+  def match(self, tokens: Sequence[int], *, with_state: bool = True) -> int:
     """Tokens of `tokens` served by cached blocks (any tier): a multiple of
-    `page_size`, 0 on a miss. Changes nothing."""
-    return len(self._walk(np.asarray(tokens, np.int64).reshape(-1), None)) * self.page_size
+    `page_size`, 0 on a miss. Changes nothing. With boundary states the match ends at
+    the deepest block holding one, unless `with_state=False` (the whole chain of cached
+    blocks: where a state would be worth taking)."""
+    blocks = self._walk(np.asarray(tokens, np.int64).reshape(-1), None)
+    return len(self._trim(blocks) if with_state else blocks) * self.page_size
 
   # Mutations.
   def allocate_prompt(self, seq_id: Hashable, prompt: Sequence[int]) -> int:
@@ -170,7 +291,7 @@ class PrefixCachingAllocator(PageAllocator):
     if prompt.size == 0:
       raise ValueError("prompt must hold at least one token; got []")
     n = self._check_tokens(int(prompt.size))
-    blocks = self._walk(prompt, (n - 1) // self.page_size)
+    blocks = self._trim(self._walk(prompt, (n - 1) // self.page_size))
     on_device = [b for b in blocks if b.tier == "device"]
     needed = pages_for(n, self.page_size) - len(on_device)
     available = self.num_free - sum(1 for b in on_device if b.page in self._lru)
@@ -185,11 +306,14 @@ class PrefixCachingAllocator(PageAllocator):
       if payload is None:  # dropped by its tier or corrupted: recompute from here
         self._forget(block)
         self.counters["offload_misses"] += 1
-        blocks = blocks[:j]
+        blocks = self._trim(blocks[:j])
         break
       payloads.append((block, payload))
     keep = {id(b) for b in blocks}
-    payloads = [(b, p) for b, p in payloads if id(b) in keep]
+    for b, p in payloads:  # fetched past the last state a miss left: back to the tiers
+      if id(b) not in keep:
+        self.offload.put(b, p)
+    payloads = [(b, self._unpack(b, p)) for b, p in payloads if id(b) in keep]
     pages = []
     for block in blocks:
       if block.tier == "device":
@@ -221,6 +345,8 @@ class PrefixCachingAllocator(PageAllocator):
     self._registered[seq_id] = (len(blocks), blocks[-1] if blocks else None)
     self.counters["prompt_tokens"] += n
     self.counters["cached_tokens"] += len(blocks) * self.page_size
+    if blocks and id(blocks[-1]) in self._states:
+      self._states.move_to_end(id(blocks[-1]))
     return len(blocks) * self.page_size
 
   def allocate(self, seq_id: Hashable, num_tokens: int) -> tuple[int, ...]:
@@ -287,6 +413,7 @@ class PrefixCachingAllocator(PageAllocator):
         return j
       elif block.tier != "device":  # our page holds the same KV: it becomes the block's home
         self.offload.discard(block)
+        self._drop_state(block)  # its bytes went with the tier payload
         block.page, block.tier = pages[j], "device"
         self._page_block[pages[j]] = block
       parent = block
@@ -383,7 +510,7 @@ class PrefixCachingAllocator(PageAllocator):
         self._forget(block)
       else:
         block.page, block.tier = None, "offloading"
-        self.offload.put(block, payloads[i])
+        self.offload.put(block, self._payload(block, payloads[i]))
         self.counters["pages_offloaded"] += 1
       self._free.append(page)
     return len(pages)
@@ -412,6 +539,13 @@ class PrefixCachingAllocator(PageAllocator):
         raise RuntimeError(f"page {page}: its cached block is not indexed there")
     if not lru <= set(self._page_block):
       raise RuntimeError("an unregistered page is on the LRU list")
+    for block in self._states.values():
+      if block.state is None or block.tier != "device" or self._index.get(block.key) is not block:
+        raise RuntimeError(f"a boundary state is held for a block not indexed on the device "
+                           f"(tier {block.tier!r})")
+    if self.max_states is not None and len(self._states) > self.max_states:
+      raise RuntimeError(f"{len(self._states)} boundary states held, max_states "
+                         f"{self.max_states}")
     for seq_id, pages in self._pages.items():
       if len(pages) != pages_for(self._tokens[seq_id], self.page_size):
         raise RuntimeError(f"sequence {seq_id!r} holds {len(pages)} pages for "
@@ -471,13 +605,14 @@ class PrefixCachingAllocator(PageAllocator):
     self.counters["evictions"] += 1
     if self.offload is not None and self._reader is not None:
       block.page, block.tier = None, "offloading"
-      self.offload.put(block, self.offload.rows(self._reader([page]))[0])  # sets block.tier
+      self.offload.put(block, self._payload(block, self.offload.rows(self._reader([page]))[0]))
       self.counters["pages_offloaded"] += 1
     else:
       self._forget(block)
     return page
 
   def _forget(self, block: CachedBlock) -> None:
+    self._drop_state(block)
     if self._index.get(block.key) is block:
       del self._index[block.key]
     if block.page is not None and self._page_block.get(block.page) is block:

@@ -125,8 +125,6 @@ def test_batcher_with_rings_gives_the_full_layouts_tokens(gemma3):
   # Retired rows are empty again (no token held), the pool is whole.
   assert np.asarray(ringed.caches[0].pos).max() == -1
   assert ringed.stats()["used_pages"] == 0
-  with pytest.raises(ValueError, match="prefix_cache=True needs local_layers='full'"):
-    kvattn.ContinuousBatcher(model, local_layers="ring", prefix_cache=True, **opts)
   with pytest.raises(ValueError, match="local_layers must be one of"):
     kvattn.ContinuousBatcher(model, local_layers="rings", **opts)
   with pytest.raises(ValueError, match="speculative needs local_layers='full'"):

@@ -311,3 +311,103 @@ def test_generate_with_sharing_through_every_path_equals_dense(spec):
     got, _ = kvattn.generate(model, prompts, lengths, 6,
                              cache_factory=registry.cache_factory_from_config(model, spec))
   np.testing.assert_array_equal(got, want)
+
+
+# ----------------------------------------------------------------------------------------------
+# The scanned forward and the batcher with sharing.
+
+
+# Gemma-like with two layers of each type, so factor 2 pairs (0, 1) locals and (2, 3) globals.
+GEMMA4 = {**GEMMA, "num_layers": 4, "layers": (LOCAL, LOCAL, GLOBAL, GLOBAL)}
+
+
+# The default case: dense caches (cheap to compile); rings (the sharing local layer reading
+# its owner's wrapping ring) in the slow suite.
+@pytest.mark.parametrize("local_layers", ["full", pytest.param("ring", marks=pytest.mark.slow)])
+def test_scan_forward_with_sharing_equals_hidden(local_layers):  # pylint: disable=too-many-locals
+  """`scan_forward` wires each group's sharing layers as `hidden` does: prefill (a chunk
+  wrapping the rings) then a decode step give `hidden`'s states and caches."""
+  from kvattn.models import scan  # pylint: disable=g-import-not-at-top
+  model = _model(GEMMA4, cla_factor=2)
+  defs, params = scan.scan_parts(model)
+  # Locals (0, 1) -> 0, globals (2, 3) -> 2: the layers' graph definitions differ (each
+  # sharing layer names its source), so one group of the whole model, with 2 caches.
+  assert defs[3] == (None, 0, None, 2) and scan.cache_period(defs) == 2
+  tokens = jax.random.randint(jax.random.key(2), (2, 7), 0, V, jnp.int32)
+  lengths = jnp.asarray([7, 5], jnp.int32)
+  caches = model.init_caches(2, 12, local_layers=local_layers)
+  graphdef, state = nnx.split(model)
+  hidden = jax.jit(lambda state, *a: nnx.merge(graphdef, state).hidden(  # eager rings are slow
+      a[0], a[1], new_lengths=a[2]))
+  want, want_caches = hidden(state, tokens, caches, lengths)
+  forward = jax.jit(scan.scan_forward, static_argnums=0)
+  got, stacked = forward(defs, params, scan.stack_caches(caches, 2), tokens, lengths)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(scan.unstack_caches(stacked)), jax.tree.leaves(want_caches)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5)
+  step = tokens[:, :1]
+  want, _ = hidden(state, step, want_caches, jnp.ones(2, jnp.int32))
+  got, _ = forward(defs, params, stacked, step, jnp.ones(2, jnp.int32))
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_scan_period_keeps_a_source_inside_its_group():
+  """Llama with factor 2: layers (0, 1) and (2, 3) share; the sources repeat every 2 layers
+  shifted by the group, so the scan may group by 2 (or by the graph definitions' period)."""
+  from kvattn.models import scan  # pylint: disable=g-import-not-at-top
+  assert scan._sources_periodic((None, 0, None, 2), 2)  # pylint: disable=protected-access
+  assert not scan._sources_periodic((None, 0, None, 0), 2)  # pylint: disable=protected-access
+  assert not scan._sources_periodic((None, None, 1, None), 2)  # pylint: disable=protected-access
+  model = _model(LLAMA, cla_factor=2)
+  defs, _ = scan.scan_parts(model)
+  assert scan.cache_period(defs) * (4 // len(defs[0])) == model.num_caches == 2
+
+
+def _batcher_tokens(model, prompts, waves, new, **opts):
+  """Serves `prompts` in `waves` (lists of indices joining together) through one batcher."""
+  batcher = kvattn.ContinuousBatcher(model, num_slots=2, page_size=2, max_len=20,
+                                     max_prompt_len=16, **opts)
+  got = {}
+  for wave in waves:
+    got.update(batcher.run([(i, prompts[i], new) for i in wave]))
+  return batcher, [got[i].tokens.tolist() for i in range(len(prompts))]
+
+
+def _generate_each(model, prompts, new):
+  lengths = np.asarray([len(p) for p in prompts])
+  padded = np.zeros((len(prompts), lengths.max()), np.int32)
+  for b, p in enumerate(prompts):
+    padded[b, :len(p)] = p
+  out, _ = kvattn.generate(model, padded, lengths, new)
+  return [np.asarray(o).tolist() for o in out]
+
+
+def test_batcher_with_sharing_prefix_cache_and_rings_gives_generates_tokens():
+  """CLA through the batcher: caches for the owning layers only (a ring for the local pair,
+  a pool for the global pair), the prefix cache hitting with two live rows sharing pages
+  (16 pages < 2 slots x 10 pages per sequence, where the default decode backend of a layer
+  reading its owner's pool would otherwise be the one-owner-per-page "xla_pool")."""
+  model = _model(GEMMA4, cla_factor=2)
+  assert model.kv_sources == (None, 0, None, 2)
+  system = np.asarray([5, 17, 33, 2, 40, 8, 9, 11, 60], np.int32)
+  # The first prompt leaves a ring snapshot at token 8; the other two hit it together.
+  prompts = [np.concatenate([system, t]).astype(np.int32) for t in ([], [3], [4, 5])]
+  batcher, got = _batcher_tokens(model, prompts, [[0], [1, 2]], 5, num_pages=16,
+                                 prefix_cache=True, local_layers="ring")
+  assert [type(c).__name__ for c in batcher.caches] == ["RingKVCache", "PagedKVCache"]
+  assert batcher.allocator.counters["cached_tokens"] == 16
+  assert got == _generate_each(model, prompts, 5)
+  # Every layer, the sharing ones included, decodes with a row-by-row backend ("xla" on CPU).
+  assert all(layer.attn.decode_implementation not in (None, "xla_pool")
+             for layer in nnx.merge(batcher._graphdef, batcher._state).layers)  # pylint: disable=protected-access
+  batcher.allocator.check()
+
+
+@pytest.mark.slow  # the default test above runs the prefix cache and rings with sharing
+@pytest.mark.parametrize("opts", [dict(), dict(local_layers="ring"), dict(prefix_cache=True)],
+                         ids=["paged", "rings", "prefix"])
+def test_batcher_with_sharing_gives_generates_tokens(opts):
+  model = _model(GEMMA4, cla_factor=2)
+  prompts = [np.asarray([5, 17, 33, 2, 40, 8, 9, 11, 60, t], np.int32) for t in (1, 2, 3)]
+  _, got = _batcher_tokens(model, prompts, [[0], [1, 2]], 5, num_pages=16, **opts)
+  assert got == _generate_each(model, prompts, 5)

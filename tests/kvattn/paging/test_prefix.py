@@ -283,3 +283,61 @@ def test_shrink_keeps_registered_pages_cached_and_cuts_the_chain():
   assert alloc.register("a", tokens) == 3  # the chain resumes at page 2
   alloc.free("a")
   alloc.check()
+
+
+class _Codec:
+  """A state codec for the allocator tests: a state is an int8 numpy row."""
+
+  @staticmethod
+  def encode(state):
+    return np.asarray(state, np.int8).view(np.uint8)
+
+  @staticmethod
+  def decode(data):
+    return np.asarray(data, np.uint8).view(np.int8)
+
+
+def test_boundary_states_end_matches_are_bounded_and_travel_with_offloaded_blocks():
+  """`boundary_states=True` (the batcher's rings): a match ends at the deepest matched block
+  holding a state; at most `max_states` are kept; an offloaded block's state follows its page
+  in the tier payload and comes back with it."""
+  from kvattn.paging.offload import HostTier, TieredStore  # pylint: disable=g-import-not-at-top
+  store = TieredStore([HostTier(10**6)])
+  alloc = PrefixCachingAllocator(8, PS, boundary_states=True, max_states=2, offload=store)
+  pages = {}  # page -> bytes of its "device contents"
+  alloc.bind_device(lambda ps: np.stack([pages.get(p, np.zeros(3, np.uint8)) for p in ps]),
+                    lambda ps, rows: pages.update(zip(ps, [np.asarray(r) for r in rows])),
+                    state_codec=_Codec)
+  tokens = list(range(1, 14))  # three full pages and one token
+  alloc.allocate_prompt("a", tokens)
+  for p in alloc._pages["a"]:  # pylint: disable=protected-access
+    pages[p] = np.full(3, p, np.uint8)
+  alloc.register("a", tokens)
+  assert alloc.match(tokens) == 0 and alloc.match(tokens, with_state=False) == 12
+  assert not alloc.needs_state("a", 8) and alloc.needs_state("a", 12)
+  assert alloc.set_state("a", 12, np.arange(5, dtype=np.int8), 5)
+  assert not alloc.set_state("a", 12, np.arange(5, dtype=np.int8), 5)  # has one already
+  assert alloc.match(tokens) == 12 and alloc.match(tokens[:11]) == 0  # no state at 8
+  assert alloc.state_bytes == 5 and alloc.num_states == 1
+  alloc.free("a")
+  # Two more chains with states: the first state (least recently used) is dropped.
+  for rid, first in (("b", 50), ("c", 60)):
+    alloc.allocate_prompt(rid, [first] * 5)
+    alloc.register(rid, [first] * 5)
+    assert alloc.set_state(rid, 4, np.full(2, first, np.int8), 2)
+    alloc.free(rid)
+  assert alloc.num_states == 2 and alloc.match(tokens) == 0
+  assert alloc.counters["states_dropped"] == 1
+  alloc.check()
+  # Offload everything: "b"'s state rides in its page's payload (3 + 2 bytes).
+  moved = alloc.offload_cached()
+  assert alloc.num_states == 0 and alloc.state_bytes == 0
+  assert store.used_bytes()["host"] == moved * 3 + 2 * 2
+  assert alloc.match([50] * 5) == 4
+  assert alloc.allocate_prompt("d", [50] * 5) == 4
+  np.testing.assert_array_equal(alloc.state_of("d"), np.full(2, 50, np.int8))
+  assert alloc.num_states == 1 and alloc.state_bytes == 2
+  alloc.free("d")
+  alloc.check()
+  with pytest.raises(ValueError, match="max_states must be an int >= 1 or None; got 0"):
+    PrefixCachingAllocator(8, PS, boundary_states=True, max_states=0)
