@@ -111,7 +111,9 @@ from flax import nnx
 from kvattn import _checks
 from kvattn.training import data as data_lib
 from kvattn.paging.allocator import NO_PAGE, OutOfPagesError, PageAllocator, pages_for
-from kvattn.caches.registry import LOCAL_LAYER_LAYOUTS, gqa_layers
+from kvattn.caches.registry import LOCAL_LAYER_LAYOUTS, cache_options, gqa_layers
+from kvattn.caches import kivi as kivi_lib
+from kvattn.caches import paged_kivi
 from kvattn.caches.window import RingKVCache
 from kvattn.caches import transaction
 from kvattn.caches._slots import LengthsRollback
@@ -122,6 +124,34 @@ from kvattn.caches.paged import PagedKVCache
 from kvattn.paging.prefix import PrefixCachingAllocator, copy_pages
 
 FINISH_REASONS = ("eos", "length", "out_of_pages", "cancelled")
+
+BATCHER_CACHE_KINDS = ("paged", "paged_kivi2", "paged_kivi4")
+"""Registry kinds `ContinuousBatcher(cache=)` takes: the page pools it schedules."""
+
+
+def batcher_cache(cache: Any, *, page_size: int, seed: int | None) -> tuple[str, dict[str, Any]]:
+  """`(kind, options)` of `ContinuousBatcher(cache=)`: None (the paged pool), a kind name or
+  a registry spec (`kvattn.caches.registry.cache_options`) of a kind in `BATCHER_CACHE_KINDS`.
+  The spec's `page_size` and `seed`, when set, must equal the batcher's (it owns the pool).
+
+  Raises:
+    ValueError: another kind, an unknown option, or a `page_size` / `seed` other than the
+      batcher's, naming `cache.<key>`.
+  """
+  if cache is None:
+    return "paged", {}
+  spec = {"kind": cache} if isinstance(cache, str) else cache
+  kind, options = cache_options(spec, "cache")
+  if kind not in BATCHER_CACHE_KINDS:
+    raise ValueError(f"cache.kind must be one of {BATCHER_CACHE_KINDS} for a ContinuousBatcher "
+                     f"(it schedules page pools); got {kind!r}")
+  given = spec.to_dict() if hasattr(spec, "to_dict") else dict(spec)
+  for key, value in (("page_size", page_size), ("seed", seed)):
+    if given.get(key) is not None and given[key] != value:
+      raise ValueError(f"cache.{key} must be unset or the batcher's {key} = {value!r} (the "
+                       f"batcher owns the pool); got {given[key]!r}")
+  options = {k: v for k, v in options.items() if k not in ("page_size", "seed")}
+  return kind, options
 
 
 # Where Pallas kernels compile (kvattn.ops.pallas); elsewhere naming "pallas" runs it interpreted.
@@ -200,7 +230,7 @@ class ContinuousBatcher:
                eos_id: int | None = None, pad_id: int = data_lib.PAD_ID, dtype: Any = None,
                seed: int | None = None, rng: Any = None, prefix_cache: bool = False,
                offload: Any = None, mesh: Any = None, speculative: Any = None,
-               local_layers: str = "full"):
+               local_layers: str = "full", cache: Any = None):
     """Builds the caches, the allocator and the jitted programs.
 
     Args:
@@ -236,6 +266,10 @@ class ContinuousBatcher:
         batch slot (`num_slots` rows, no pages: a local layer never holds more than W
         tokens), the other (global) layers the paged pools of `num_pages` pages, one block
         table for all of them. Not with `prefix_cache` (module docstring).
+      cache: the pools' kind (`BATCHER_CACHE_KINDS`): None or "paged" (`PagedKVCache`, in
+        `dtype`), or "paged_kivi2" / "paged_kivi4" (a name or a registry spec with KIVI's
+        options; `kvattn.caches.paged_kivi.PagedKIVICache`: the 2/4-bit store in the pool,
+        `dtype` the residual ring's): module docstring, "Low-bit pools".
 
     Raises:
       ValueError/TypeError: bad sizes, an MLA layer, `max_prompt_len > max_len`;
@@ -246,7 +280,9 @@ class ContinuousBatcher:
         drafter (TypeError), with `temperature` > 0, a draft model on another
         vocabulary or with dense-incompatible caches, or a `DraftModel` with a mesh;
         `local_layers` not in ("full", "ring"), or "ring" with `prefix_cache` or
-        `speculative` when some layer gets a ring.
+        `speculative` when some layer gets a ring; a `cache` kind the batcher does not
+        schedule, or a low-bit kind with `prefix_cache`, `speculative` or
+        `local_layers="ring"` (each naming the option).
     """
     self.num_slots = _checks.positive_int("num_slots", num_slots)
     self.page_size = _checks.positive_int("page_size", page_size)
@@ -276,7 +312,27 @@ class ContinuousBatcher:
     self._history = np.zeros((self.num_slots, self.max_len + 1), np.int32)
     self._ends = np.zeros((self.num_slots,), np.int32)
     attns = gqa_layers(model)
-    pps = pages_for(self.max_len, self.page_size)
+    self.cache_kind, kind_options = batcher_cache(cache, page_size=self.page_size, seed=seed)
+    lowbit = self.cache_kind != "paged"
+    if lowbit:
+      for name, value, why in (
+          ("prefix_cache", prefix_cache, "a cached prefix would have to restore the newest "
+           "`residual` tokens of every layer in full precision, which the shared pages do not "
+           "hold, and KIVI's prefill attends the prompt in full precision, so a quantized "
+           "prefix would change the rest's outputs: a hit could not be exact"),
+          ("speculative", speculative, "a verify pass may flush a group of drafted tokens "
+           "into the quantized store, which rollback by lengths cannot undo"),
+          ("local_layers", local_layers != "full", "rings for local layers are float caches")):
+        if value:
+          raise ValueError(f"{name} is not supported with cache kind {self.cache_kind!r}: "
+                           f"{why}; got {name}={value if name != 'local_layers' else local_layers!r}")
+      g = kind_options["group_size"]
+      residual = kind_options["residual"]
+      self._pool_tokens = lambda n: paged_kivi.store_tokens(n, residual=residual, group_size=g)
+      pps = max(1, pages_for(kivi_lib.store_slots(self.max_len, residual, g), self.page_size))
+    else:
+      self._pool_tokens = lambda n: n
+      pps = pages_for(self.max_len, self.page_size)
     if prefix_cache and any(a.decode_implementation == "xla_pool" for a in attns):
       raise ValueError("decode_implementation must not be 'xla_pool' with prefix_cache=True "
                        "(shared pages have several owners; that backend allows one); got "
@@ -322,13 +378,20 @@ class ContinuousBatcher:
     self.allocators = tuple(make() for _ in range(shards))
     self.prefill_tokens = 0  # prompt tokens run through the model (the rest came from the cache)
     dtype = getattr(model, "dtype", jnp.float32) if dtype is None else dtype
+
+    def pool(a):
+      if lowbit:
+        return paged_kivi.PagedKIVICache.init_paged(
+            self.num_slots, self.max_len, a.num_kv_heads, a.head_dim, dtype,
+            num_pages=shards * self._pages_per_shard, page_size=self.page_size,
+            bits=int(self.cache_kind[-1]), rope_theta=a.rope_theta,
+            rope_scaling=a.rope_scaling, **kind_options)
+      return PagedKVCache.init(self.num_slots, num_pages=shards * self._pages_per_shard,
+                               page_size=self.page_size, pages_per_seq=pps,
+                               num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, dtype=dtype)
     self.caches = tuple(
         RingKVCache.init(self.num_slots, a.window, a.num_kv_heads, a.head_dim, dtype)
-        if i in rings else
-        PagedKVCache.init(self.num_slots, num_pages=shards * self._pages_per_shard,
-                          page_size=self.page_size, pages_per_seq=pps,
-                          num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, dtype=dtype)
-        for i, a in enumerate(attns))
+        if i in rings else pool(a) for i, a in enumerate(attns))
     # Committed, as the jitted programs' outputs are: the first call then reuses the executable
     # later calls run, instead of compiling once more for uncommitted inputs.
     home = jax.devices()[0]
@@ -337,9 +400,13 @@ class ContinuousBatcher:
       from kvattn.caches import sharded
       model = sharding.place_model(model, mesh)
       paged = [i for i in range(len(attns)) if i not in rings]
-      placed = dict(zip(paged, sharded.place_caches(
-          [self.caches[i] for i in paged], mesh, sharded.BATCHER_RULES,
-          num_heads=[attns[i].num_heads for i in paged])))
+      if lowbit:  # plain caches with placed arrays: XLA partitions their ops (GSPMD)
+        placed = {i: sharded.place_lowbit(self.caches[i], mesh, sharded.BATCHER_RULES)
+                  for i in paged}
+      else:
+        placed = dict(zip(paged, sharded.place_caches(
+            [self.caches[i] for i in paged], mesh, sharded.BATCHER_RULES,
+            num_heads=[attns[i].num_heads for i in paged])))
       self.caches = tuple(placed[i] if i in placed else
                           sharded.place_ring(c, mesh, sharded.BATCHER_RULES)
                           for i, c in enumerate(self.caches))
@@ -391,6 +458,8 @@ class ContinuousBatcher:
       like a sequence split (the other shards see no key)."""
       if isinstance(c, RingKVCache):
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, slot, keepdims=True), c)
+      if isinstance(c, paged_kivi.PagedKIVICache):
+        return c.slot_view(slot)
       view = c.replace(
           block_tables=jax.lax.dynamic_index_in_dim(c.block_tables, slot, keepdims=True),
           lengths=jax.lax.dynamic_index_in_dim(c.lengths, slot, keepdims=True))
@@ -410,7 +479,8 @@ class ContinuousBatcher:
       h, views = model.hidden(prompt[None], views, new_lengths=prompt_len[None])
       caches = tuple(
           jax.tree.map(lambda a, r: jax.lax.dynamic_update_index_in_dim(a, r, slot, 0), c, v)
-          if isinstance(c, RingKVCache) else
+          if isinstance(c, RingKVCache) else c.with_slot_view(slot, v)
+          if isinstance(c, paged_kivi.PagedKIVICache) else
           c.replace(k_pages=v.k_pages, v_pages=v.v_pages, k_scale_pages=v.k_scale_pages,
                     v_scale_pages=v.v_scale_pages,
                     lengths=c.lengths.at[slot].set(v.lengths[0]))
@@ -513,7 +583,7 @@ class ContinuousBatcher:
 
   def can_add(self, prompt_len: int) -> bool:
     """True if a prompt of `prompt_len` tokens would be admitted now."""
-    return any(self.allocators[self._shard(s)].can_allocate(int(prompt_len))
+    return any(self.allocators[self._shard(s)].can_allocate(self._pool_tokens(int(prompt_len)))
                for s in self.free_slots)
 
   def stats(self) -> dict[str, Any]:
@@ -575,7 +645,7 @@ class ContinuousBatcher:
       start = allocator.allocate_prompt(request_id, prompt)
     else:
       start = 0
-      allocator.allocate(request_id, n)
+      allocator.allocate(request_id, self._pool_tokens(n))
     row = self._row(request_id, shard)
     rest = prompt[start:]
     padded = np.zeros((self._bucket(len(rest)),), np.int32)
@@ -611,7 +681,7 @@ class ContinuousBatcher:
         continue
       shard = self._shard(slot)
       try:  # the token fed this step lands in slot live.cache_len
-        added = self.allocators[shard].grow(live.request_id, live.cache_len + 1)
+        added = self.allocators[shard].grow(live.request_id, self._pool_tokens(live.cache_len + 1))
       except OutOfPagesError:
         finished.append(self._finish(slot, "out_of_pages"))
         continue
@@ -743,7 +813,7 @@ class ContinuousBatcher:
           done[rid] = result
       if queue and not self.active:
         rid, prompt, _ = queue[0]
-        raise OutOfPagesError(rid, self.allocators[0].pages_needed(len(prompt)),
+        raise OutOfPagesError(rid, self.allocators[0].pages_needed(self._pool_tokens(len(prompt))),
                               max(a.num_free for a in self.allocators))
       for f in self.step():
         done[f.request_id] = f
@@ -773,7 +843,7 @@ class ContinuousBatcher:
     if self.prefix_cache:
       order.sort(key=lambda j: -self.allocators[j].match(prompt))
     for j in order:
-      if self.allocators[j].can_allocate(len(prompt)):
+      if self.allocators[j].can_allocate(self._pool_tokens(len(prompt))):
         return firsts[j]
     return free[0]
 
