@@ -77,15 +77,17 @@ class PagedKIVICache(kivi.KIVICache):
   @classmethod
   def init_paged(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype=jnp.float32, *, num_pages: int, page_size: int, block_tables: Any = None,
-                 **settings) -> "PagedKIVICache":
+                 pages_per_seq: int | None = None, **settings) -> "PagedKIVICache":
     """An empty cache over a pool of `num_pages` pages.
 
     Args:
       batch, max_len, num_kv_heads, head_dim, dtype: as `KIVICache.init`.
       num_pages: P, pages in the pool.
       page_size: store slots per page, a multiple of `group_size`.
-      block_tables: `int[B, pages_per_seq]` (default all `NO_PAGE`), `pages_per_seq =
-        max(1, ceil(Sq / page_size))`.
+      block_tables: `int[B, pages_per_seq]` (default all `NO_PAGE`).
+      pages_per_seq: block-table width, at least (the default) `max(1, ceil(Sq /
+        page_size))`; wider rows let an allocator counting tokens rather than store tokens
+        give a row pages for all its tokens (`ContinuousBatcher` with the prefix cache).
       **settings: `KIVICache.init`'s (`bits`, `group_size`, `residual`, `pre_rope`,
         `scale_dtype`, `rope_theta`, `rope_scaling`).
 
@@ -103,6 +105,11 @@ class PagedKIVICache(kivi.KIVICache):
       raise ValueError(f"page_size must be a multiple of group_size = {g} (a key group never "
                        f"straddles a page); got {page_size}")
     pps = max(1, pages_for(dense.store_capacity, page_size))
+    if pages_per_seq is not None:
+      if _checks.positive_int("pages_per_seq", pages_per_seq) < pps:
+        raise ValueError(f"pages_per_seq must be at least ceil(Sq / page_size) = {pps} (the "
+                         f"store's pages); got {pages_per_seq}")
+      pps = int(pages_per_seq)
     if block_tables is None:
       block_tables = np.full((batch, pps), NO_PAGE, np.int32)
     block_tables = jnp.asarray(block_tables)

@@ -312,24 +312,34 @@ class ContinuousBatcher:
     self._history = np.zeros((self.num_slots, self.max_len + 1), np.int32)
     self._ends = np.zeros((self.num_slots,), np.int32)
     attns = gqa_layers(model)
+    # Low-bit pools with the prefix cache prefill a page at a time (module docstring).
+    self._chunked_prefill = False
     self.cache_kind, kind_options = batcher_cache(cache, page_size=self.page_size, seed=seed)
     lowbit = self.cache_kind != "paged"
     if lowbit:
-      for name, value, why in (
-          ("prefix_cache", prefix_cache, "a cached prefix would have to restore the newest "
-           "`residual` tokens of every layer in full precision, which the shared pages do not "
-           "hold, and KIVI's prefill attends the prompt in full precision, so a quantized "
-           "prefix would change the rest's outputs: a hit could not be exact"),
-          ("speculative", speculative, "a verify pass may flush a group of drafted tokens "
-           "into the quantized store, which rollback by lengths cannot undo"),
-          ("local_layers", local_layers != "full", "rings for local layers are float caches")):
-        if value:
-          raise ValueError(f"{name} is not supported with cache kind {self.cache_kind!r}: "
-                           f"{why}; got {name}={value if name != 'local_layers' else local_layers!r}")
       g = kind_options["group_size"]
       residual = kind_options["residual"]
-      self._pool_tokens = lambda n: paged_kivi.store_tokens(n, residual=residual, group_size=g)
-      pps = max(1, pages_for(kivi_lib.store_slots(self.max_len, residual, g), self.page_size))
+      for name, value, why in (
+          ("speculative", speculative is not None, "a verify pass may flush a group of drafted "
+           "tokens into the quantized store, which rollback by lengths cannot undo"),
+          ("local_layers", local_layers != "full", "rings for local layers are float caches"),
+          ("offload", offload is not None, "the tiers move float pages (PageCodec)")):
+        if value:
+          raise ValueError(f"{name} is not supported with cache kind {self.cache_kind!r}: {why}; "
+                           f"got {name}={speculative if name == 'speculative' else local_layers if name == 'local_layers' else offload!r}")
+      if prefix_cache and residual:
+        raise ValueError(
+            f"prefix_cache needs cache.residual = 0 with cache kind {self.cache_kind!r}: a hit "
+            f"would have to restore the newest `residual` tokens of every layer in full "
+            f"precision, which the shared pages do not hold (they hold only the packed store); "
+            f"got cache.residual = {residual}")
+      if prefix_cache:  # module docstring: token units, prompts prefilled a page at a time
+        self._chunked_prefill = True
+        self._pool_tokens = lambda n: n
+        pps = pages_for(self.max_len, self.page_size)
+      else:
+        self._pool_tokens = lambda n: paged_kivi.store_tokens(n, residual=residual, group_size=g)
+        pps = max(1, pages_for(kivi_lib.store_slots(self.max_len, residual, g), self.page_size))
     else:
       self._pool_tokens = lambda n: n
       pps = pages_for(self.max_len, self.page_size)
@@ -384,7 +394,7 @@ class ContinuousBatcher:
         return paged_kivi.PagedKIVICache.init_paged(
             self.num_slots, self.max_len, a.num_kv_heads, a.head_dim, dtype,
             num_pages=shards * self._pages_per_shard, page_size=self.page_size,
-            bits=int(self.cache_kind[-1]), rope_theta=a.rope_theta,
+            pages_per_seq=pps, bits=int(self.cache_kind[-1]), rope_theta=a.rope_theta,
             rope_scaling=a.rope_scaling, **kind_options)
       return PagedKVCache.init(self.num_slots, num_pages=shards * self._pages_per_shard,
                                page_size=self.page_size, pages_per_seq=pps,
@@ -469,6 +479,27 @@ class ContinuousBatcher:
             layout, batch=None, seq=layout.pages[0] if layout.pages else None))
       return view
 
+    page_size, chunked = self.page_size, self._chunked_prefill
+
+    def prefill(model, views, prompt, prompt_len):
+      """`(views, last [1, D])`: the prompt `i32[T]` (`prompt_len` real tokens) written into
+      the batch-1 views and the hidden state of its last token. Chunked: a page of tokens at
+      a time (a `fori_loop` over the pages the prompt fills; T a multiple of page_size)."""
+      if not chunked:
+        h, views = model.hidden(prompt[None], views, new_lengths=prompt_len[None])
+        return views, jax.lax.dynamic_index_in_dim(h[0], prompt_len - 1, keepdims=True)
+
+      def chunk(i, views, last):
+        n = jnp.clip(prompt_len - i * page_size, 0, page_size)
+        tokens = jax.lax.dynamic_slice_in_dim(prompt, i * page_size, page_size)
+        h, views = model.hidden(tokens[None], views, new_lengths=n[None])
+        here = jax.lax.dynamic_index_in_dim(h[0], jnp.maximum(n - 1, 0), keepdims=True)
+        return views, jnp.where(prompt_len <= (i + 1) * page_size, here.astype(last.dtype), last)
+
+      last = jnp.zeros((1, model.d_model), model.dtype)
+      return jax.lax.fori_loop(0, (prompt_len + page_size - 1) // page_size,
+                               lambda i, carry: chunk(i, *carry), (views, last))
+
     def join(state, caches, slot, row, prompt, prompt_len, rng, start):
       # prompt: the tokens after the `start` already cached (0 without a prefix cache).
       traces["join"] += 1
@@ -476,7 +507,7 @@ class ContinuousBatcher:
       caches = tuple(_reset_ring_row(c, slot) if isinstance(c, RingKVCache) else
                      c.assign_slot(slot, row, start) for c in caches)
       views = tuple(row_view(c, slot) for c in caches)
-      h, views = model.hidden(prompt[None], views, new_lengths=prompt_len[None])
+      views, last = prefill(model, views, prompt, prompt_len)
       caches = tuple(
           jax.tree.map(lambda a, r: jax.lax.dynamic_update_index_in_dim(a, r, slot, 0), c, v)
           if isinstance(c, RingKVCache) else c.with_slot_view(slot, v)
@@ -486,7 +517,6 @@ class ContinuousBatcher:
                     lengths=c.lengths.at[slot].set(v.lengths[0]))
           for c, v in zip(caches, views))
       rng, key = jax.random.split(rng)
-      last = jax.lax.dynamic_index_in_dim(h[0], prompt_len - 1, keepdims=True)  # [1, D]
       first = sample_logits(model.logits_from_hidden(last), key, sampling)[0]
       return caches, first, rng
 
@@ -655,7 +685,7 @@ class ContinuousBatcher:
                                                np.int32(start))
     self.prefill_tokens += len(rest)
     if self.prefix_cache:
-      allocator.register(request_id, prompt)
+      allocator.register(request_id, prompt)  # full prompt pages: prefilled, so exact
     first = int(first)
     self._slots[slot] = _Live(request_id, [first], max_new_tokens, n, self.steps, prompt)
     self._last[slot] = first
@@ -850,6 +880,8 @@ class ContinuousBatcher:
   def _bucket(self, n: int) -> int:
     """Padded prefill width: `max_prompt_len`, or with the prefix cache the
     next power of two >= n (at most `max_prompt_len`)."""
+    if self._chunked_prefill:  # one width: whole pages
+      return pages_for(self.max_prompt_len, self.page_size) * self.page_size
     if not self.prefix_cache:
       return self.max_prompt_len
     return min(self.max_prompt_len, 1 << max(0, int(n) - 1).bit_length())
@@ -863,7 +895,10 @@ class ContinuousBatcher:
 
   def _finish(self, slot: int, reason: str) -> Finished:
     live = self._slots[slot]
-    if self.prefix_cache:  # the cache holds the prompt and the generated tokens fed back
+    if self.prefix_cache and not self._chunked_prefill:
+      # The cache holds the prompt and the generated tokens fed back. (Low-bit pools register
+      # only their prompt pages, at join: a page a decode step filled holds what attention
+      # over the quantized store computed, not what a prefill of the same text writes.)
       held = np.concatenate([live.prompt, np.asarray(live.tokens[:live.cache_len - len(
           live.prompt)], np.int64)])
       self.allocators[self._shard(slot)].free(live.request_id, tokens=held)

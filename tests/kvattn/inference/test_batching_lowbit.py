@@ -3,6 +3,7 @@
 
 import functools
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -83,9 +84,55 @@ def test_kivi_pools_give_the_tokens_of_generate_with_the_kind(bits):
   assert batcher.add("short", _prompt(1, 3), 2) == 0 and batcher.allocator.num_used == 0
 
 
+@pytest.mark.slow  # ~20 CPU-seconds: the chunked join, the step and a reference program
+def test_prefix_hits_restore_the_state_a_cold_prefill_writes_bit_for_bit():
+  # residual 0: the packed store is all a prefix leaves; prompts are prefilled a page at a time
+  # (module docstring of batching), so a hit is the state a cold prefill reaches there.
+  spec = {"kind": "paged_kivi4", "group_size": 4, "residual": 0}
+  batcher = _batcher(cache=spec, prefix_cache=True, num_slots=2)
+  prompt = _prompt(7, 11)
+  cold = batcher.add("cold", prompt, 6)  # registers its 2 full prompt pages at join
+  assert batcher.prefill_tokens == 11
+  hit = batcher.add("hit", np.concatenate([prompt[:8], prompt[8:]]), 6)
+  assert batcher.prefill_tokens == 11 + 3  # 8 tokens came from the cached pages
+  shared = batcher.allocator.pages("cold")[:2]
+  assert batcher.allocator.pages("hit")[:2] == shared
+  assert batcher.allocator.pages("hit")[2] != batcher.allocator.pages("cold")[2]
+  # The whole state of the row (store read through its table, ring, length): bit-equal...
+  for layer, c in enumerate(batcher.caches):
+    for x, y in zip(c.slot_view(hit).dequantized(), c.slot_view(cold).dequantized()):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"layer {layer}")
+  # ... and the state of the dense kind (`kivi4`) fed the prompt a page at a time (another
+  # program: equal up to f32 rounding, no code flipped).
+  graphdef, state = nnx.split(_model())
+
+  @jax.jit
+  def by_pages(state):
+    model = nnx.merge(graphdef, state)
+    caches = registry.build_caches(model, 1, MAX_PROMPT + MAX_NEW, None, dict(spec, kind="kivi4"))
+    for i in range(0, len(prompt), PAGE):
+      chunk = np.zeros((1, PAGE), np.int32)
+      chunk[0, :len(prompt[i:i + PAGE])] = prompt[i:i + PAGE]
+      _, caches = model.hidden(chunk, caches, new_lengths=np.array([len(prompt[i:i + PAGE])]))
+    return caches
+
+  dense = by_pages(state)
+  for layer, (c, d) in enumerate(zip(batcher.caches, dense)):
+    for x, y in zip(c.slot_view(hit).dequantized(), d.dequantized()):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6,
+                                 err_msg=f"layer {layer}")
+  got = {}
+  while batcher.active:
+    for f in batcher.step():
+      got[f.request_id] = f.tokens
+  np.testing.assert_array_equal(got["hit"], got["cold"])
+  assert batcher.traces["join"] == 1  # one width: whole pages
+  batcher.allocator.check()
+
+
 def test_options_that_cannot_work_with_low_bit_pools_are_refused():
-  with pytest.raises(ValueError, match=r"prefix_cache is not supported with cache kind "
-                     r"'paged_kivi4'.*residual"):
+  with pytest.raises(ValueError, match=r"prefix_cache needs cache.residual = 0 with cache kind "
+                     r"'paged_kivi4'.*got cache.residual = 4"):
     _batcher(prefix_cache=True)
   with pytest.raises(ValueError, match="speculative is not supported with cache kind"):
     _batcher(speculative=PromptLookup(2))
