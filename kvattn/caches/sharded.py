@@ -666,7 +666,7 @@ def _placed_layout(c, mesh: Mesh, rules, num_heads: int | None) -> tuple[CacheLa
 
 def place_lowbit(cache: Any, mesh: Mesh, rules: Mapping[str, Any] | None = None) -> Any:
   """A sub-byte cache (`kvattn.caches._residual.ResidualStoreCache`: `KIVICache`,
-  `RotatedCache`, `PagedKIVICache`) with its arrays placed on `mesh`; it stays the same kind
+  `RotatedCache`, `PagedKIVICache`, `KIVILatentCache`) with its arrays placed on `mesh`; it stays the same kind
   and XLA partitions its ops (GSPMD), as `place_ring` does for rings.
 
   Axes: rows `[B, ...]` (the rings `k_res, v_res: [B, K, Rb, H]`, a dense store's codes,
@@ -690,7 +690,7 @@ def place_lowbit(cache: Any, mesh: Mesh, rules: Mapping[str, Any] | None = None)
   rules = resolve_rules(rules)
   batch_axes, heads_axes = rules["cache_batch"], rules["cache_kv_heads"]
   _divides(mesh, batch_axes, cache.batch, "the batch B")
-  if cache.num_kv_heads % axis_size(mesh, heads_axes):
+  if cache.k_res.shape[1] % axis_size(mesh, heads_axes):  # K (1 for MLA latents)
     heads_axes = None
   paged = isinstance(cache, paged_kivi.PagedKIVICache)
   page_axes = None

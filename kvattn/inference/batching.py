@@ -90,6 +90,16 @@ registered page is never written; a rejected draft's tokens lie past the row's l
 in pages the row owns alone. `spec_stats` counts slot passes, drafted and accepted
 tokens and the pages `shrink` returned.
 
+Low-bit pools (`cache="paged_kivi2"` / `"paged_kivi4"` or a registry spec with KIVI's options,
+`kvattn.caches.paged_kivi.PagedKIVICache`): the packed 2/4-bit store lives in the pool, the
+full-precision residual ring per slot. The allocator counts store tokens (`g * max(0, (n -
+residual) // g)` of n tokens): a sequence gets a page when a flush needs one. With the prefix
+cache (only with `residual=0`: the shared pages hold packed codes, not the newest tokens in full
+precision) prompts are prefilled a page at a time, so the state after m pages depends only on
+those pages' tokens and a hit restores it bit for bit; only prompt pages are registered. Refused
+with low-bit pools (ValueError naming the option): `residual > 0` with `prefix_cache`,
+`speculative`, `local_layers="ring"`, `offload`.
+
 Exhaustion: `add` raises `OutOfPagesError` (or `NoFreeSlotError`) before
 anything changes; check `can_add` first. If a running sequence cannot get its
 next page it is finished early with reason "out_of_pages" (its pages are
