@@ -347,7 +347,7 @@ LOWBIT_SPEC = {"group_size": 4, "residual": 4}  # H = 16: value groups of 4 chan
 
 def check_lowbit(mesh_shape) -> dict:
   """Sub-byte caches on a mesh (`sharded.place_lowbit`, GSPMD): `generate` through `kivi4`
-  (dense store) placed by `sharded.lowbit_cache_factory`, and `ContinuousBatcher(cache=
+  (dense store; and the MLA model's latent store) placed by `sharded.lowbit_cache_factory`, and `ContinuousBatcher(cache=
   "paged_kivi4")` with its pools over KV heads and `data`, give the single-device tokens;
   each device holds 1 / (d * min(K, m)) of the storage (codes, scales, zero points, rings)."""
   model = make_model_fn("gqa", 2)()
@@ -375,7 +375,16 @@ def check_lowbit(mesh_shape) -> dict:
   pool = batcher.caches[0]
   pool_share = sum(a.nbytes for a in pool.storage_arrays()) // (d * min(2, m))
   pool_per_device = set(sharding.per_device_bytes(pool.storage_arrays()).values())
+  # MLA latents (KIVILatentCache): rows over `data`, replicated over `model` (one latent).
+  mla = make_model_fn("mla")()
+  want_m, _ = kvattn.generate(mla, prompts, lengths, NEW_TOKENS + 8,
+                              cache_factory=registry.cache_factory_from_config(mla, spec))
+  got_m, _ = kvattn.generate(sharding.place_model(mla, mesh), prompts, lengths, NEW_TOKENS + 8,
+                             cache_factory=sharded_caches.lowbit_cache_factory(mla, mesh, spec))
+  mla_same = np.asarray(got_m).tolist() == np.asarray(want_m).tolist()
+  gen_same = gen_same and mla_same
   return dict(mesh=list(mesh_shape), generate_tokens_equal=gen_same, tokens_equal=batch_same,
+              mla_generate_tokens_equal=mla_same,
               dense_per_device=sorted(dense_per_device), dense_share=share,
               pool_per_device=sorted(pool_per_device), pool_share=pool_share,
               kinds=[type(c).__name__ for c in (dense, pool)],

@@ -92,6 +92,7 @@ def test_lowbit_caches_on_a_mesh():
   # device holding a quarter of the codes, scales, zero points and rings.
   (result,) = _run("lowbit", timeout=900)
   assert result["generate_tokens_equal"] and result["tokens_equal"]
+  assert result["mla_generate_tokens_equal"]  # KIVILatentCache, rows over data
   assert result["dense_per_device"] == [result["dense_share"]]
   assert result["pool_per_device"] == [result["pool_share"]]
   assert result["kinds"] == ["KIVICache", "PagedKIVICache"]
