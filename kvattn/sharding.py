@@ -30,6 +30,12 @@ replicated (e.g. `k_proj` when K < the model axis). Caches are stricter:
 * MLA latents `[B, S, C]`, `[B, S, R]` (`ShardedLatentCache`): B over `data`, S over `seq`
   (replicated over `model`).
 
+* Sub-byte caches (KIVI, rotated, paged KIVI, MLA latent KIVI: packed codes, scales, zero
+  points, full-precision rings) stay their own kinds with placed arrays
+  (`kvattn.caches.sharded.place_lowbit`; XLA partitions their ops): rows over `data`, K over
+  `model` where it divides K, a paged store's pools over K and `cache_pages`; the store's
+  slots are never split.
+
 Every axis size must divide the dimension it splits (B, S, P), else ValueError naming the
 mesh axis.
 

@@ -13,6 +13,7 @@ Kinds (each a file; `registry` names them for configs, `generate` and the CLI):
                              kivi.py, rotated.py: 2/4-bit KIVI and 3/4-bit rotated codebook
                              stores + a full-precision residual (_residual.py).
   `PagedKIVICache`           paged_kivi.py: the KIVI store in pages.
+  `KIVILatentCache`          kivi_latent.py: MLA's latents at 2/4 bits (kivi2 / kivi4 of MLA).
 Support: `registry` (the one table of cache kinds; `build_caches` and
 `cache_factory_from_config` make a whole model's caches from `{"kind": ..., **options}`),
 `checkpoint` (save / restore with orbax), `protocol` (the interface), `_slots` (the
@@ -27,6 +28,7 @@ from kvattn.caches.eviction import EvictingKVCache
 from kvattn.caches.window import RingKVCache, SinkKVCache
 from kvattn.caches.length_switch import LengthSwitchKVCache
 from kvattn.caches.kivi import KIVICache
+from kvattn.caches.kivi_latent import KIVILatentCache
 from kvattn.caches.paged_kivi import PagedKIVICache
 from kvattn.caches.rotated import RotatedCache
 from kvattn.caches import registry
@@ -35,7 +37,7 @@ from kvattn.caches.registry import (CacheFactory, CacheKind, build_caches,
                                     cache_factory_from_config, register_cache_kind)
 
 __all__ = [
-    "CacheFactory", "CacheKind", "EvictingKVCache", "KIVICache", "KVCache", "LatentCache",
+    "CacheFactory", "CacheKind", "EvictingKVCache", "KIVICache", "KIVILatentCache", "KVCache", "LatentCache",
     "LengthSwitchKVCache", "PagedKIVICache", "PagedKVCache", "RingKVCache", "RotatedCache", "SinkKVCache",
     "build_caches", "cache_factory_from_config", "checkpoint", "protocol",
     "register_cache_kind", "registry", "sharded", "transaction",

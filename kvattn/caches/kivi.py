@@ -52,7 +52,9 @@ NotImplementedError). Prefill chunks (T > 1) always take the XLA loop.
 
 Overflow: as the dense cache (eager ValueError; under jit tokens past S are dropped,
 `lengths` advances and `overflowed` flags the row; attention reads `min(lengths, S)`).
-Not supported: MLA latents, paged layout.
+MLA layers: the registry's `kivi2` / `kivi4` build `kivi_latent.KIVILatentCache` for a model
+whose layers are all MLA (the latent `c_kv` and `k_rope` at the same bits). The paged layout of
+this store is `paged_kivi.py`.
 """
 
 from __future__ import annotations
@@ -246,6 +248,20 @@ def build(bits: int):
   def _build(model, batch, max_len, dtype, options, tokens_per_seq):
     del tokens_per_seq
     from kvattn.caches import registry  # pylint: disable=g-import-not-at-top  (imports this)
+    from kvattn.caches import kivi_latent  # pylint: disable=g-import-not-at-top  (imports this)
+    attns = [layer.attn for layer in registry.cache_owners(model).layers]
+    if any(hasattr(a, "kv_lora_rank") for a in attns):
+      if options["pre_rope"]:
+        raise ValueError("cache.pre_rope must be False for an MLA model (its shared RoPE key "
+                         "k_rope reaches the cache RoPE'd); got cache.pre_rope = True")
+      # MLA layers: their latents (kvattn.caches.kivi_latent); GQA layers checked below.
+      mla = {i: kivi_latent.KIVILatentCache.init(
+          batch, max_len, a.kv_lora_rank, a.qk_rope_head_dim, dtype, bits=bits,
+          group_size=options["group_size"], residual=options["residual"],
+          scale_dtype=options["scale_dtype"])
+             for i, a in enumerate(attns) if hasattr(a, "kv_lora_rank")}
+      if len(mla) == len(attns):
+        return tuple(mla[i] for i in range(len(attns)))
     return tuple(KIVICache.init(
         batch, max_len, a.num_kv_heads, a.head_dim, dtype, bits=bits,
         group_size=options["group_size"], residual=options["residual"],

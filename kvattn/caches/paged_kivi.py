@@ -77,15 +77,17 @@ class PagedKIVICache(kivi.KIVICache):
   @classmethod
   def init_paged(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype=jnp.float32, *, num_pages: int, page_size: int, block_tables: Any = None,
-                 **settings) -> "PagedKIVICache":
+                 pages_per_seq: int | None = None, **settings) -> "PagedKIVICache":
     """An empty cache over a pool of `num_pages` pages.
 
     Args:
       batch, max_len, num_kv_heads, head_dim, dtype: as `KIVICache.init`.
       num_pages: P, pages in the pool.
       page_size: store slots per page, a multiple of `group_size`.
-      block_tables: `int[B, pages_per_seq]` (default all `NO_PAGE`), `pages_per_seq =
-        max(1, ceil(Sq / page_size))`.
+      block_tables: `int[B, pages_per_seq]` (default all `NO_PAGE`).
+      pages_per_seq: block-table width, at least (the default) `max(1, ceil(Sq /
+        page_size))`; wider rows let an allocator counting tokens rather than store tokens
+        give a row pages for all its tokens (`ContinuousBatcher` with the prefix cache).
       **settings: `KIVICache.init`'s (`bits`, `group_size`, `residual`, `pre_rope`,
         `scale_dtype`, `rope_theta`, `rope_scaling`).
 
@@ -103,6 +105,11 @@ class PagedKIVICache(kivi.KIVICache):
       raise ValueError(f"page_size must be a multiple of group_size = {g} (a key group never "
                        f"straddles a page); got {page_size}")
     pps = max(1, pages_for(dense.store_capacity, page_size))
+    if pages_per_seq is not None:
+      if _checks.positive_int("pages_per_seq", pages_per_seq) < pps:
+        raise ValueError(f"pages_per_seq must be at least ceil(Sq / page_size) = {pps} (the "
+                         f"store's pages); got {pages_per_seq}")
+      pps = int(pages_per_seq)
     if block_tables is None:
       block_tables = np.full((batch, pps), NO_PAGE, np.int32)
     block_tables = jnp.asarray(block_tables)
@@ -182,6 +189,58 @@ class PagedKIVICache(kivi.KIVICache):
       return
     paged_lib.check_rows(f"{name} block_tables", self.block_tables,
                          np.asarray(self.num_quantized), self.num_pages, self.page_size)
+
+  # ---------------------------------------------------------------------------- slots
+  POOL_FIELDS = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero")
+  """The fields shared by the batch (page pools); the rest are per row."""
+
+  def assign_slot(self, slot, pages, length=0) -> "PagedKIVICache":
+    """Gives row `slot` the block-table row `pages` and `length` tokens (0: a sequence about
+    to prefill; a row of length 0 reads nothing from its ring, whatever it holds).
+
+    Args:
+      slot: row index (int or traced int32 scalar: a jitted caller does not recompile).
+      pages: `int[pages_per_seq]` row of pool pages for its store tokens, `NO_PAGE`-padded.
+      length: tokens the row holds; only 0 is exact for a length whose residual tokens the
+        ring does not hold (`ContinuousBatcher` always joins at 0).
+
+    Raises:
+      ValueError: a row of the wrong shape; when concrete, a `slot` outside `[0, B)`, a
+        `length` outside `[0, max_len]`, an entry neither a pool page nor `NO_PAGE`, or a
+        logical page the row's store tokens occupy left unassigned.
+    """
+    pages = jnp.asarray(pages, jnp.int32)
+    if pages.shape != (self.pages_per_seq,):
+      raise ValueError(f"pages must have shape [pages_per_seq] = ({self.pages_per_seq},); got "
+                       f"{tuple(pages.shape)}")
+    _checks.values_in_range("slot", slot, 0, self.batch - 1)
+    _checks.values_in_range("length", length, 0, self.max_len)
+    if _checks.is_concrete(pages) and _checks.is_concrete(length):
+      stored = store_tokens(int(length), residual=self.residual, group_size=self.group_size)
+      paged_lib.check_rows("pages", pages[None], np.array([stored]), self.num_pages,
+                           self.page_size)
+    return self.replace(block_tables=self.block_tables.at[slot].set(pages),
+                        lengths=self.lengths.at[slot].set(jnp.asarray(length, jnp.int32)))
+
+  def release_slot(self, slot) -> "PagedKIVICache":
+    """Row `slot` empty: `NO_PAGE` row, length 0 (pages and ring contents left as they are)."""
+    return self.assign_slot(slot, jnp.full((self.pages_per_seq,), NO_PAGE, jnp.int32), 0)
+
+  def slot_view(self, slot) -> "PagedKIVICache":
+    """A batch-1 cache of row `slot` (traced or int) over the shared pools: its block-table
+    row, length and ring. Writes through the view land in the row's pages; `with_slot_view`
+    puts the view back."""
+    row = lambda x: jax.lax.dynamic_index_in_dim(x, slot, 0, keepdims=True)
+    return self.replace(block_tables=row(self.block_tables), lengths=row(self.lengths),
+                        k_res=row(self.k_res), v_res=row(self.v_res))
+
+  def with_slot_view(self, slot, view: "PagedKIVICache") -> "PagedKIVICache":
+    """This cache with `view` (a `slot_view(slot)` after writes) put back: its pools, and
+    its length and ring in row `slot` (the block-table row is the cache's own)."""
+    put = lambda x, r: jax.lax.dynamic_update_index_in_dim(x, r, slot, 0)
+    return self.replace(**{f: getattr(view, f) for f in self.POOL_FIELDS},
+                        lengths=put(self.lengths, view.lengths), k_res=put(self.k_res, view.k_res),
+                        v_res=put(self.v_res, view.v_res))
 
   # ---------------------------------------------------------------------------- pages
   def _pages(self, slots: jax.Array) -> jax.Array:

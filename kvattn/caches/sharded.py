@@ -658,3 +658,79 @@ def _placed_layout(c, mesh: Mesh, rules, num_heads: int | None) -> tuple[CacheLa
   raise TypeError(f"caches must be KVCache, PagedKVCache or LatentCache to shard; got "
                   f"{type(c).__name__}")
 
+
+
+# ----------------------------------------------------------------------------------------------
+# Caches below 8 bits (KIVI, rotated; dense or paged store) on a mesh.
+
+
+def place_lowbit(cache: Any, mesh: Mesh, rules: Mapping[str, Any] | None = None) -> Any:
+  """A sub-byte cache (`kvattn.caches._residual.ResidualStoreCache`: `KIVICache`,
+  `RotatedCache`, `PagedKIVICache`, `KIVILatentCache`) with its arrays placed on `mesh`; it stays the same kind
+  and XLA partitions its ops (GSPMD), as `place_ring` does for rings.
+
+  Axes: rows `[B, ...]` (the rings `k_res, v_res: [B, K, Rb, H]`, a dense store's codes,
+  scales and zero points `[B, K, Sq, ...]`, `lengths`, `block_tables`) over the
+  `cache_batch` rule's axis; the KV-head axis K over `cache_kv_heads` where that axis size
+  divides K (else replicated, each device holding every head); a paged store's pools
+  `[K, P, ...]` over K likewise and over the `cache_pages` axes that divide P. The store's
+  slots are never split (`cache_sequence` is not used: a group of codes and its scale row
+  stay on one device, and the store is read block by block along them).
+
+  Raises:
+    TypeError: a cache of another kind.
+    ValueError: the batch axes do not divide B, or the page axes do not divide P (naming
+      the axis).
+  """
+  from kvattn.caches import _residual  # pylint: disable=g-import-not-at-top
+  from kvattn.caches import paged_kivi  # pylint: disable=g-import-not-at-top
+  if not isinstance(cache, _residual.ResidualStoreCache):
+    raise TypeError(f"cache must be a KIVICache, RotatedCache or PagedKIVICache to place with "
+                    f"place_lowbit; got {type(cache).__name__}")
+  rules = resolve_rules(rules)
+  batch_axes, heads_axes = rules["cache_batch"], rules["cache_kv_heads"]
+  _divides(mesh, batch_axes, cache.batch, "the batch B")
+  if cache.k_res.shape[1] % axis_size(mesh, heads_axes):  # K (1 for MLA latents)
+    heads_axes = None
+  paged = isinstance(cache, paged_kivi.PagedKIVICache)
+  page_axes = None
+  if paged:
+    page_axes = tuple(a for a in mesh_axes(rules["cache_pages"]) if mesh.shape[a] > 1) or None
+    _divides(mesh, page_axes, cache.num_pages, "the page pool P (num_pages)")
+  pools = set(paged_kivi.PagedKIVICache.POOL_FIELDS) if paged else set()
+
+  def place(name, a):
+    if name in pools:
+      spec = P(heads_axes, page_axes, *([None] * (a.ndim - 2)))
+    elif a.ndim >= 3:
+      spec = P(batch_axes, heads_axes, *([None] * (a.ndim - 2)))
+    else:
+      spec = P(batch_axes, *([None] * (a.ndim - 1)))
+    return jax.device_put(a, NamedSharding(mesh, spec))
+
+  return cache.replace(**{f.name: place(f.name, getattr(cache, f.name))
+                          for f in dataclasses.fields(cache)
+                          if isinstance(getattr(cache, f.name), jax.Array)})
+
+
+def lowbit_cache_factory(model, mesh: Mesh, cache: Any, *,
+                         rules: Mapping[str, Any] | None = None):
+  """`(batch, max_len, dtype=None) -> caches` for `kvattn.generate(..., cache_factory=)`:
+  the registry's caches of spec `cache` (a sub-byte kind: `kivi2`, `kivi4`, `rotated3`,
+  `rotated4`, `paged_kivi2`, `paged_kivi4`) built on the host's default device, then placed
+  on `mesh` by `place_lowbit`.
+
+  Raises:
+    ValueError: a spec of another kind (naming `cache.kind`), or as `place_lowbit` (at the
+      factory's call).
+  """
+  cache = {"kind": cache} if isinstance(cache, str) else cache
+  kind, _ = registry.cache_options(cache)
+  if not kind.startswith(("kivi", "rotated", "paged_kivi")):
+    raise ValueError(f"cache.kind must be a sub-byte kind (kivi*, rotated*, paged_kivi*) for "
+                     f"lowbit_cache_factory (the others: cache_factory); got {kind!r}")
+  build = registry.cache_factory_from_config(model, cache)
+
+  def factory(batch: int, max_len: int, dtype: Any = None) -> tuple[Any, ...]:
+    return tuple(place_lowbit(c, mesh, rules) for c in build(batch, max_len, dtype))
+  return factory

@@ -106,6 +106,16 @@ registered page is never written; a rejected draft's tokens lie past the row's l
 in pages the row owns alone. `spec_stats` counts slot passes, drafted and accepted
 tokens and the pages `shrink` returned.
 
+Low-bit pools (`cache="paged_kivi2"` / `"paged_kivi4"` or a registry spec with KIVI's options,
+`kvattn.caches.paged_kivi.PagedKIVICache`): the packed 2/4-bit store lives in the pool, the
+full-precision residual ring per slot. The allocator counts store tokens (`g * max(0, (n -
+residual) // g)` of n tokens): a sequence gets a page when a flush needs one. With the prefix
+cache (only with `residual=0`: the shared pages hold packed codes, not the newest tokens in full
+precision) prompts are prefilled a page at a time, so the state after m pages depends only on
+those pages' tokens and a hit restores it bit for bit; only prompt pages are registered. Refused
+with low-bit pools (ValueError naming the option): `residual > 0` with `prefix_cache`,
+`speculative`, `local_layers="ring"`, `offload`.
+
 Exhaustion: `add` raises `OutOfPagesError` (or `NoFreeSlotError`) before
 anything changes; check `can_add` first. If a running sequence cannot get its
 next page it is finished early with reason "out_of_pages" (its pages are
@@ -127,7 +137,9 @@ from flax import nnx
 from kvattn import _checks
 from kvattn.training import data as data_lib
 from kvattn.paging.allocator import NO_PAGE, OutOfPagesError, PageAllocator, pages_for
-from kvattn.caches.registry import LOCAL_LAYER_LAYOUTS, gqa_layers
+from kvattn.caches.registry import LOCAL_LAYER_LAYOUTS, cache_options, gqa_layers
+from kvattn.caches import kivi as kivi_lib
+from kvattn.caches import paged_kivi
 from kvattn.caches.window import RingKVCache
 from kvattn.caches import transaction
 from kvattn.caches._slots import LengthsRollback
@@ -138,6 +150,34 @@ from kvattn.caches.paged import PagedKVCache
 from kvattn.paging.prefix import PrefixCachingAllocator, copy_pages
 
 FINISH_REASONS = ("eos", "length", "out_of_pages", "cancelled")
+
+BATCHER_CACHE_KINDS = ("paged", "paged_kivi2", "paged_kivi4")
+"""Registry kinds `ContinuousBatcher(cache=)` takes: the page pools it schedules."""
+
+
+def batcher_cache(cache: Any, *, page_size: int, seed: int | None) -> tuple[str, dict[str, Any]]:
+  """`(kind, options)` of `ContinuousBatcher(cache=)`: None (the paged pool), a kind name or
+  a registry spec (`kvattn.caches.registry.cache_options`) of a kind in `BATCHER_CACHE_KINDS`.
+  The spec's `page_size` and `seed`, when set, must equal the batcher's (it owns the pool).
+
+  Raises:
+    ValueError: another kind, an unknown option, or a `page_size` / `seed` other than the
+      batcher's, naming `cache.<key>`.
+  """
+  if cache is None:
+    return "paged", {}
+  spec = {"kind": cache} if isinstance(cache, str) else cache
+  kind, options = cache_options(spec, "cache")
+  if kind not in BATCHER_CACHE_KINDS:
+    raise ValueError(f"cache.kind must be one of {BATCHER_CACHE_KINDS} for a ContinuousBatcher "
+                     f"(it schedules page pools); got {kind!r}")
+  given = spec.to_dict() if hasattr(spec, "to_dict") else dict(spec)
+  for key, value in (("page_size", page_size), ("seed", seed)):
+    if given.get(key) is not None and given[key] != value:
+      raise ValueError(f"cache.{key} must be unset or the batcher's {key} = {value!r} (the "
+                       f"batcher owns the pool); got {given[key]!r}")
+  options = {k: v for k, v in options.items() if k not in ("page_size", "seed")}
+  return kind, options
 
 
 # Where Pallas kernels compile (kvattn.ops.pallas); elsewhere naming "pallas" runs it interpreted.
@@ -320,7 +360,8 @@ class ContinuousBatcher:
                eos_id: int | None = None, pad_id: int = data_lib.PAD_ID, dtype: Any = None,
                seed: int | None = None, rng: Any = None, prefix_cache: bool = False,
                offload: Any = None, mesh: Any = None, speculative: Any = None,
-               local_layers: str = "full", max_ring_snapshots: int | None = None):
+               local_layers: str = "full", max_ring_snapshots: int | None = None,
+               cache: Any = None):
     """Builds the caches, the allocator and the jitted programs.
 
     Args:
@@ -360,6 +401,10 @@ class ContinuousBatcher:
       max_ring_snapshots: with `prefix_cache` and rings, the most ring snapshots kept
         (least recently used dropped first; a prefix whose snapshot is gone no longer
         hits at that length). Default `4 * num_slots`. Their bytes: `stats()`.
+      cache: the pools' kind (`BATCHER_CACHE_KINDS`): None or "paged" (`PagedKVCache`, in
+        `dtype`), or "paged_kivi2" / "paged_kivi4" (a name or a registry spec with KIVI's
+        options; `kvattn.caches.paged_kivi.PagedKIVICache`: the 2/4-bit store in the pool,
+        `dtype` the residual ring's): module docstring, "Low-bit pools".
 
     Raises:
       ValueError/TypeError: bad sizes, an MLA layer, `max_prompt_len > max_len`;
@@ -371,7 +416,9 @@ class ContinuousBatcher:
         vocabulary or with dense-incompatible caches, or a `DraftModel` with a mesh;
         `local_layers` not in ("full", "ring"), or "ring" with `speculative`, or with
         `prefix_cache` and a mesh, when some layer gets a ring; `max_ring_snapshots` not a
-        positive int.
+        positive int; a `cache` kind the batcher does not schedule, or a low-bit kind with
+        `prefix_cache` and a residual, `speculative`, `offload` or `local_layers="ring"`
+        (each naming the option).
     """
     self.num_slots = _checks.positive_int("num_slots", num_slots)
     self.page_size = _checks.positive_int("page_size", page_size)
@@ -401,7 +448,37 @@ class ContinuousBatcher:
     self._history = np.zeros((self.num_slots, self.max_len + 1), np.int32)
     self._ends = np.zeros((self.num_slots,), np.int32)
     attns = gqa_layers(model)
-    pps = pages_for(self.max_len, self.page_size)
+    # Low-bit pools with the prefix cache prefill a page at a time (module docstring).
+    self._chunked_prefill = False
+    self.cache_kind, kind_options = batcher_cache(cache, page_size=self.page_size, seed=seed)
+    lowbit = self.cache_kind != "paged"
+    if lowbit:
+      g = kind_options["group_size"]
+      residual = kind_options["residual"]
+      for name, value, why in (
+          ("speculative", speculative is not None, "a verify pass may flush a group of drafted "
+           "tokens into the quantized store, which rollback by lengths cannot undo"),
+          ("local_layers", local_layers != "full", "rings for local layers are float caches"),
+          ("offload", offload is not None, "the tiers move float pages (PageCodec)")):
+        if value:
+          raise ValueError(f"{name} is not supported with cache kind {self.cache_kind!r}: {why}; "
+                           f"got {name}={speculative if name == 'speculative' else local_layers if name == 'local_layers' else offload!r}")
+      if prefix_cache and residual:
+        raise ValueError(
+            f"prefix_cache needs cache.residual = 0 with cache kind {self.cache_kind!r}: a hit "
+            f"would have to restore the newest `residual` tokens of every layer in full "
+            f"precision, which the shared pages do not hold (they hold only the packed store); "
+            f"got cache.residual = {residual}")
+      if prefix_cache:  # module docstring: token units, prompts prefilled a page at a time
+        self._chunked_prefill = True
+        self._pool_tokens = lambda n: n
+        pps = pages_for(self.max_len, self.page_size)
+      else:
+        self._pool_tokens = lambda n: paged_kivi.store_tokens(n, residual=residual, group_size=g)
+        pps = max(1, pages_for(kivi_lib.store_slots(self.max_len, residual, g), self.page_size))
+    else:
+      self._pool_tokens = lambda n: n
+      pps = pages_for(self.max_len, self.page_size)
     if prefix_cache and any(a.decode_implementation == "xla_pool"
                             for a in _attending_layers(model)):
       raise ValueError("decode_implementation must not be 'xla_pool' with prefix_cache=True "
@@ -450,16 +527,23 @@ class ContinuousBatcher:
     self.allocators = tuple(make() for _ in range(shards))
     self.prefill_tokens = 0  # prompt tokens run through the model (the rest came from the cache)
     dtype = getattr(model, "dtype", jnp.float32) if dtype is None else dtype
+
+    def pool(a):
+      if lowbit:
+        return paged_kivi.PagedKIVICache.init_paged(
+            self.num_slots, self.max_len, a.num_kv_heads, a.head_dim, dtype,
+            num_pages=shards * self._pages_per_shard, page_size=self.page_size,
+            pages_per_seq=pps, bits=int(self.cache_kind[-1]), rope_theta=a.rope_theta,
+            rope_scaling=a.rope_scaling, **kind_options)
+      return PagedKVCache.init(self.num_slots, num_pages=shards * self._pages_per_shard,
+                               page_size=self.page_size, pages_per_seq=pps,
+                               num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, dtype=dtype)
     self.caches = tuple(
         # With the prefix cache, page_size - 1 slots more: the window of the last page
         # boundary stays in the ring until the next (`RingSnapshots`).
         RingKVCache.init(self.num_slots, a.window + (self.page_size - 1 if self.prefix_cache
                                                      else 0), a.num_kv_heads, a.head_dim, dtype)
-        if i in rings else
-        PagedKVCache.init(self.num_slots, num_pages=shards * self._pages_per_shard,
-                          page_size=self.page_size, pages_per_seq=pps,
-                          num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, dtype=dtype)
-        for i, a in enumerate(attns))
+        if i in rings else pool(a) for i, a in enumerate(attns))
     # Committed, as the jitted programs' outputs are: the first call then reuses the executable
     # later calls run, instead of compiling once more for uncommitted inputs.
     home = jax.devices()[0]
@@ -468,9 +552,13 @@ class ContinuousBatcher:
       from kvattn.caches import sharded
       model = sharding.place_model(model, mesh)
       paged = [i for i in range(len(attns)) if i not in rings]
-      placed = dict(zip(paged, sharded.place_caches(
-          [self.caches[i] for i in paged], mesh, sharded.BATCHER_RULES,
-          num_heads=[attns[i].num_heads for i in paged])))
+      if lowbit:  # plain caches with placed arrays: XLA partitions their ops (GSPMD)
+        placed = {i: sharded.place_lowbit(self.caches[i], mesh, sharded.BATCHER_RULES)
+                  for i in paged}
+      else:
+        placed = dict(zip(paged, sharded.place_caches(
+            [self.caches[i] for i in paged], mesh, sharded.BATCHER_RULES,
+            num_heads=[attns[i].num_heads for i in paged])))
       self.caches = tuple(placed[i] if i in placed else
                           sharded.place_ring(c, mesh, sharded.BATCHER_RULES)
                           for i, c in enumerate(self.caches))
@@ -526,6 +614,8 @@ class ContinuousBatcher:
       like a sequence split (the other shards see no key)."""
       if isinstance(c, RingKVCache):
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, slot, keepdims=True), c)
+      if isinstance(c, paged_kivi.PagedKIVICache):
+        return c.slot_view(slot)
       view = c.replace(
           block_tables=jax.lax.dynamic_index_in_dim(c.block_tables, slot, keepdims=True),
           lengths=jax.lax.dynamic_index_in_dim(c.lengths, slot, keepdims=True))
@@ -536,6 +626,26 @@ class ContinuousBatcher:
       return view
 
     snapshots = self._snapshots
+    page_size, chunked = self.page_size, self._chunked_prefill
+
+    def prefill(model, views, prompt, prompt_len):
+      """`(views, last [1, D])`: the prompt `i32[T]` (`prompt_len` real tokens) written into
+      the batch-1 views and the hidden state of its last token. Chunked: a page of tokens at
+      a time (a `fori_loop` over the pages the prompt fills; T a multiple of page_size)."""
+      if not chunked:
+        h, views = model.hidden(prompt[None], views, new_lengths=prompt_len[None])
+        return views, jax.lax.dynamic_index_in_dim(h[0], prompt_len - 1, keepdims=True)
+
+      def chunk(i, views, last):
+        n = jnp.clip(prompt_len - i * page_size, 0, page_size)
+        tokens = jax.lax.dynamic_slice_in_dim(prompt, i * page_size, page_size)
+        h, views = model.hidden(tokens[None], views, new_lengths=n[None])
+        here = jax.lax.dynamic_index_in_dim(h[0], jnp.maximum(n - 1, 0), keepdims=True)
+        return views, jnp.where(prompt_len <= (i + 1) * page_size, here.astype(last.dtype), last)
+
+      last = jnp.zeros((1, model.d_model), model.dtype)
+      return jax.lax.fori_loop(0, (prompt_len + page_size - 1) // page_size,
+                               lambda i, carry: chunk(i, *carry), (views, last))
 
     def join(state, caches, slot, row, prompt, prompt_len, rng, start, snapshot):
       # prompt: the tokens after the `start` already cached (0 without a prefix cache);
@@ -547,16 +657,16 @@ class ContinuousBatcher:
       if snapshots is not None:
         caches = snapshots.restore(caches, slot, snapshot, start)
       views = tuple(row_view(c, slot) for c in caches)
-      h, views = model.hidden(prompt[None], views, new_lengths=prompt_len[None])
+      views, last = prefill(model, views, prompt, prompt_len)
       caches = tuple(
           jax.tree.map(lambda a, r: jax.lax.dynamic_update_index_in_dim(a, r, slot, 0), c, v)
-          if isinstance(c, RingKVCache) else
+          if isinstance(c, RingKVCache) else c.with_slot_view(slot, v)
+          if isinstance(c, paged_kivi.PagedKIVICache) else
           c.replace(k_pages=v.k_pages, v_pages=v.v_pages, k_scale_pages=v.k_scale_pages,
                     v_scale_pages=v.v_scale_pages,
                     lengths=c.lengths.at[slot].set(v.lengths[0]))
           for c, v in zip(caches, views))
       rng, key = jax.random.split(rng)
-      last = jax.lax.dynamic_index_in_dim(h[0], prompt_len - 1, keepdims=True)  # [1, D]
       first = sample_logits(model.logits_from_hidden(last), key, sampling)[0]
       return caches, first, rng
 
@@ -653,7 +763,7 @@ class ContinuousBatcher:
 
   def can_add(self, prompt_len: int) -> bool:
     """True if a prompt of `prompt_len` tokens would be admitted now."""
-    return any(self.allocators[self._shard(s)].can_allocate(int(prompt_len))
+    return any(self.allocators[self._shard(s)].can_allocate(self._pool_tokens(int(prompt_len)))
                for s in self.free_slots)
 
   def stats(self) -> dict[str, Any]:
@@ -719,7 +829,7 @@ class ContinuousBatcher:
       start = allocator.allocate_prompt(request_id, prompt)
     else:
       start = 0
-      allocator.allocate(request_id, n)
+      allocator.allocate(request_id, self._pool_tokens(n))
     row = self._row(request_id, shard)
     snapshot = None
     if self._snapshots is not None:
@@ -742,7 +852,7 @@ class ContinuousBatcher:
     self.caches, first, self._rng = self._prefill(slot, row, prompt[start:], start, snapshot)
     self.prefill_tokens += n - start
     if self.prefix_cache:
-      allocator.register(request_id, prompt)
+      allocator.register(request_id, prompt)  # full prompt pages: prefilled, so exact
       self._keep_snapshot(slot, request_id, n)
     first = int(first)
     self._slots[slot] = _Live(request_id, [first], max_new_tokens, n, self.steps, prompt)
@@ -769,7 +879,7 @@ class ContinuousBatcher:
         continue
       shard = self._shard(slot)
       try:  # the token fed this step lands in slot live.cache_len
-        added = self.allocators[shard].grow(live.request_id, live.cache_len + 1)
+        added = self.allocators[shard].grow(live.request_id, self._pool_tokens(live.cache_len + 1))
       except OutOfPagesError:
         finished.append(self._finish(slot, "out_of_pages"))
         continue
@@ -901,7 +1011,7 @@ class ContinuousBatcher:
           done[rid] = result
       if queue and not self.active:
         rid, prompt, _ = queue[0]
-        raise OutOfPagesError(rid, self.allocators[0].pages_needed(len(prompt)),
+        raise OutOfPagesError(rid, self.allocators[0].pages_needed(self._pool_tokens(len(prompt))),
                               max(a.num_free for a in self.allocators))
       for f in self.step():
         done[f.request_id] = f
@@ -931,13 +1041,15 @@ class ContinuousBatcher:
     if self.prefix_cache:
       order.sort(key=lambda j: -self.allocators[j].match(prompt))
     for j in order:
-      if self.allocators[j].can_allocate(len(prompt)):
+      if self.allocators[j].can_allocate(self._pool_tokens(len(prompt))):
         return firsts[j]
     return free[0]
 
   def _bucket(self, n: int) -> int:
     """Padded prefill width: `max_prompt_len`, or with the prefix cache the
     next power of two >= n (at most `max_prompt_len`)."""
+    if self._chunked_prefill:  # one width: whole pages
+      return pages_for(self.max_prompt_len, self.page_size) * self.page_size
     if not self.prefix_cache:
       return self.max_prompt_len
     return min(self.max_prompt_len, 1 << max(0, int(n) - 1).bit_length())
@@ -970,7 +1082,10 @@ class ContinuousBatcher:
 
   def _finish(self, slot: int, reason: str) -> Finished:
     live = self._slots[slot]
-    if self.prefix_cache:  # the cache holds the prompt and the generated tokens fed back
+    if self.prefix_cache and not self._chunked_prefill:
+      # The cache holds the prompt and the generated tokens fed back. (Low-bit pools register
+      # only their prompt pages, at join: a page a decode step filled holds what attention
+      # over the quantized store computed, not what a prefill of the same text writes.)
       held = np.concatenate([live.prompt, np.asarray(live.tokens[:live.cache_len - len(
           live.prompt)], np.int64)])
       allocator = self.allocators[self._shard(slot)]

@@ -1,6 +1,6 @@
 """Checks of kvattn.sharding on 8 simulated CPU devices, run as their own process.
 
-    python -m tests.sharding._mesh_checks fast|full|batcher|real_model|layers
+    python -m tests.sharding._mesh_checks fast|full|batcher|real_model|layers|lowbit
 
 XLA reads `--xla_force_host_platform_device_count` once, when JAX starts, and the
 pytest process has started it with one device; test_sharding.py therefore runs this
@@ -8,7 +8,8 @@ module in a subprocess. Each check prints one JSON line `{"check": ..., "ok": ..
 ...}`; the exit status is 1 if any failed. `fast` is the compact grid of the default
 suite (with `ContinuousBatcher` on (2,2,1)), `batcher` the batcher on (2,1,1) and
 (2,2,1) alone, `layers` the batcher with the per-layer layout (rings for Gemma 3's local
-layers) on (2,1,1) and (2,2,1), `real_model` the main job's family on (1,2,1) and (1,1,2), `full` the
+layers) on (2,1,1) and (2,2,1), `lowbit` the 2/4-bit KIVI caches (generate and the batcher)
+on (2,2,1), `real_model` the main job's family on (1,2,1) and (1,1,2), `full` the
 grid of issue 17 (meshes (1,8,1), (2,4,1), (2,2,2), (1,1,8) x K in {1, 2, 8} x dense /
 paged / MLA) and the rest.
 """
@@ -37,6 +38,7 @@ from flax import nnx
 
 import kvattn
 from kvattn.caches import dense as cache_lib
+from kvattn.caches import registry
 from kvattn import sharding
 from kvattn.caches import sharded as sharded_caches
 from kvattn.inference.speculative import PromptLookup
@@ -344,6 +346,56 @@ def check_ring_batcher(mesh_shape) -> dict:
               and isinstance(ring, kvattn.RingKVCache))
 
 
+LOWBIT_SPEC = {"group_size": 4, "residual": 4}  # H = 16: value groups of 4 channels
+
+
+def check_lowbit(mesh_shape) -> dict:
+  """Sub-byte caches on a mesh (`sharded.place_lowbit`, GSPMD): `generate` through `kivi4`
+  (dense store; and the MLA model's latent store) placed by `sharded.lowbit_cache_factory`, and `ContinuousBatcher(cache=
+  "paged_kivi4")` with its pools over KV heads and `data`, give the single-device tokens;
+  each device holds 1 / (d * min(K, m)) of the storage (codes, scales, zero points, rings)."""
+  model = make_model_fn("gqa", 2)()
+  mesh = sharding.make_mesh(mesh_shape)
+  d, m, _ = mesh_shape
+  prompts, lengths = _prompts()
+  spec = {"kind": "kivi4", **LOWBIT_SPEC}
+  want, _ = kvattn.generate(model, prompts, lengths, NEW_TOKENS + 8,
+                            cache_factory=registry.cache_factory_from_config(model, spec))
+  factory = sharded_caches.lowbit_cache_factory(model, mesh, spec)
+  got, _ = kvattn.generate(sharding.place_model(model, mesh), prompts, lengths, NEW_TOKENS + 8,
+                           cache_factory=factory)
+  gen_same = np.asarray(got).tolist() == np.asarray(want).tolist()
+  dense = factory(BATCH, 32)[0]
+  share = sum(a.nbytes for a in dense.storage_arrays()) // (d * min(2, m))
+  dense_per_device = set(sharding.per_device_bytes(dense.storage_arrays()).values())
+  # The batcher: four requests on two slots, pages per data shard.
+  requests = [(i, np.asarray(prompts[i, :lengths[i]]).tolist(), 10) for i in range(BATCH)]
+  opts = dict(num_slots=2, num_pages=8, page_size=4, max_len=16, max_prompt_len=8,
+              cache={"kind": "paged_kivi4", **LOWBIT_SPEC})
+  want_b = kvattn.ContinuousBatcher(model, **opts).run(requests)
+  batcher = kvattn.ContinuousBatcher(model, mesh=mesh, **opts)
+  got_b = batcher.run(requests)
+  batch_same = all(list(got_b[i].tokens) == list(want_b[i].tokens) for i in want_b)
+  pool = batcher.caches[0]
+  pool_share = sum(a.nbytes for a in pool.storage_arrays()) // (d * min(2, m))
+  pool_per_device = set(sharding.per_device_bytes(pool.storage_arrays()).values())
+  # MLA latents (KIVILatentCache): rows over `data`, replicated over `model` (one latent).
+  mla = make_model_fn("mla")()
+  want_m, _ = kvattn.generate(mla, prompts, lengths, NEW_TOKENS + 8,
+                              cache_factory=registry.cache_factory_from_config(mla, spec))
+  got_m, _ = kvattn.generate(sharding.place_model(mla, mesh), prompts, lengths, NEW_TOKENS + 8,
+                             cache_factory=sharded_caches.lowbit_cache_factory(mla, mesh, spec))
+  mla_same = np.asarray(got_m).tolist() == np.asarray(want_m).tolist()
+  gen_same = gen_same and mla_same
+  return dict(mesh=list(mesh_shape), generate_tokens_equal=gen_same, tokens_equal=batch_same,
+              mla_generate_tokens_equal=mla_same,
+              dense_per_device=sorted(dense_per_device), dense_share=share,
+              pool_per_device=sorted(pool_per_device), pool_share=pool_share,
+              kinds=[type(c).__name__ for c in (dense, pool)],
+              ok=gen_same and batch_same and dense_per_device == {share}
+              and pool_per_device == {pool_share} and batcher.stats()["used_pages"] == 0)
+
+
 def check_real_model(mesh_shape) -> dict:
   """The main job's family (configs/default.py:smoke on "random-tiny") on a mesh: the
   same perplexity (rel 1e-5) and greedy tokens as on one device, the full cache split;
@@ -415,10 +467,12 @@ def main(argv):
   elif grid == "full":
     cases = [(mesh, kind, k, True) for mesh in MESHES for kind in ("dense", "paged")
              for k in (1, 2, 8)] + [(mesh, "mla", 1, True) for mesh in MESHES]
-  elif grid not in ("batcher", "real_model", "layers"):
+  elif grid not in ("batcher", "real_model", "layers", "lowbit"):
     raise SystemExit(f"usage: python -m tests.sharding._mesh_checks fast|full|batcher|"
                      f"real_model; got {grid!r}")
-  if grid == "layers":  # the per-layer layout's batcher (rings + paged pools)
+  if grid == "lowbit":  # sub-byte caches (issue 28): generate and the batcher
+    checks = [("lowbit", lambda: check_lowbit((2, 2, 1)))]
+  elif grid == "layers":  # the per-layer layout's batcher (rings + paged pools)
     checks = [("ring_batcher", lambda: check_ring_batcher((2, 1, 1))),
               ("ring_batcher", lambda: check_ring_batcher((2, 2, 1)))]
   elif grid == "batcher":  # ContinuousBatcher only

@@ -83,3 +83,16 @@ def test_batcher_with_rings_on_a_mesh():
   assert all(r["kinds"] == ["RingKVCache", "ShardedPagedKVCache"] for r in results)
   assert all(r["generate_tokens_equal"] for r in results)  # sharded.cache_factory(local_layers=)
   assert all(r["generate_kinds"] == ["RingKVCache", "ShardedKVCache"] for r in results)
+
+
+@pytest.mark.slow  # ~45 CPU-seconds: generate and two batchers compiled on 4 simulated devices
+def test_lowbit_caches_on_a_mesh():
+  # Issue 28: KIVI caches placed by sharded.place_lowbit (GSPMD): generate through kivi4 and
+  # ContinuousBatcher(cache="paged_kivi4") on (2, 2, 1) give the single-device tokens, each
+  # device holding a quarter of the codes, scales, zero points and rings.
+  (result,) = _run("lowbit", timeout=900)
+  assert result["generate_tokens_equal"] and result["tokens_equal"]
+  assert result["mla_generate_tokens_equal"]  # KIVILatentCache, rows over data
+  assert result["dense_per_device"] == [result["dense_share"]]
+  assert result["pool_per_device"] == [result["pool_share"]]
+  assert result["kinds"] == ["KIVICache", "PagedKIVICache"]

@@ -1,0 +1,150 @@
+"""ContinuousBatcher over 2/4-bit KIVI page pools (`cache="paged_kivi4"`): the tokens of
+`generate` with the same cache kind, pages counted in store tokens, refusals named."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from kvattn.caches import registry
+from kvattn.caches.paged_kivi import PagedKIVICache
+from kvattn.inference.batching import ContinuousBatcher
+from kvattn.inference.generation import generate
+from kvattn.inference.speculative import PromptLookup
+from kvattn.models import transformer
+
+PAGE = 4  # store slots per page: one key group
+MAX_PROMPT = 12
+MAX_NEW = 10
+KIVI = dict(group_size=4, residual=4)  # small enough that prompts flush groups into pages
+
+
+@functools.lru_cache(maxsize=None)
+def _model():
+  cfg = transformer.model_config(d_model=32, num_layers=2, mlp_dim=64, layers=({}, {"window": 6}),
+                                 attention=dict(num_heads=4, num_kv_heads=2, head_dim=8))
+  return transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
+
+
+def _prompt(seed, n):
+  return np.random.default_rng(seed).integers(0, 256, n).astype(np.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _alone(kind, seed, n):
+  """Greedy tokens of the prompt decoded alone by `generate` through cache kind `kind`."""
+  padded = np.zeros((1, MAX_PROMPT), np.int32)
+  padded[0, :n] = _prompt(seed, n)
+  factory = registry.cache_factory_from_config(_model(), {"kind": kind, **KIVI})
+  tokens, _ = generate(_model(), padded, np.array([n], np.int32), MAX_NEW, cache_factory=factory)
+  return np.asarray(tokens)[0]
+
+
+def _batcher(kind="paged_kivi4", **kw):
+  args = dict(num_slots=3, num_pages=12, page_size=PAGE, max_len=MAX_PROMPT + MAX_NEW,
+              max_prompt_len=MAX_PROMPT, seed=0, cache={"kind": kind, **KIVI})
+  args.update(kw)
+  return ContinuousBatcher(_model(), **args)
+
+
+# Prompts of 1..12 tokens: some flush no group at join (n - residual < group), some two;
+# every sequence flushes more groups while it decodes (its pages grow in store tokens).
+REQUESTS = [("a", 0, 5, 10), ("b", 1, 12, 3), ("c", 2, 1, 7), ("d", 3, 8, 10), ("e", 4, 4, 1),
+            ("f", 5, 3, 6)]
+
+
+@pytest.mark.parametrize("bits", [4, pytest.param(2, marks=pytest.mark.slow)])
+def test_kivi_pools_give_the_tokens_of_generate_with_the_kind(bits):
+  batcher = _batcher(f"paged_kivi{bits}")
+  assert all(isinstance(c, PagedKIVICache) for c in batcher.caches)
+  # Pages follow the store tokens: group 4, residual 4 put 4 * max(0, (n - 4) // 4) of n
+  # tokens in the store. 11 prompt tokens: 4 stored, one page.
+  assert batcher.add("g", _prompt(6, 11), 6) == 0
+  assert len(batcher.allocator.pages("g")) == 1
+  cache = batcher.caches[0]
+  assert int(cache.num_quantized[0]) == 4 and int(cache.lengths[0]) == 11
+  row = np.asarray(cache.block_tables[0])
+  assert row[0] == batcher.allocator.pages("g")[0] and (row[1:] < 0).all()
+  assert batcher.step() == []  # the 12th token: 12 - 4 = 8 stored, a 2nd page given first
+  assert len(batcher.allocator.pages("g")) == 2 and int(batcher.caches[0].num_quantized[0]) == 8
+  assert not np.asarray(batcher.caches[0].overflowed).any()
+  results = batcher.run([(rid, _prompt(seed, n), new) for rid, seed, n, new in REQUESTS])
+  for rid, seed, n, new in REQUESTS + [("g", 6, 11, 6)]:
+    f = results[rid]
+    assert f.reason == "length" and len(f.tokens) == new
+    # The dense KIVI store and the paged one give the same tokens (bit-equal stores).
+    np.testing.assert_array_equal(f.tokens, _alone(f"kivi{bits}", seed, n)[:new], err_msg=rid)
+  assert max(f.joined_step for f in results.values()) > 0  # joined mid-run
+  assert batcher.traces == {"join": 1, "step": 1, "set_row": 1, "release": 1}
+  assert batcher.allocator.num_free == 12 and batcher.free_slots == [0, 1, 2]
+  batcher.allocator.check()
+  # A prompt shorter than the residual needs no page at all.
+  assert batcher.add("short", _prompt(1, 3), 2) == 0 and batcher.allocator.num_used == 0
+
+
+@pytest.mark.slow  # ~20 CPU-seconds: the chunked join, the step and a reference program
+def test_prefix_hits_restore_the_state_a_cold_prefill_writes_bit_for_bit():
+  # residual 0: the packed store is all a prefix leaves; prompts are prefilled a page at a time
+  # (module docstring of batching), so a hit is the state a cold prefill reaches there.
+  spec = {"kind": "paged_kivi4", "group_size": 4, "residual": 0}
+  batcher = _batcher(cache=spec, prefix_cache=True, num_slots=2)
+  prompt = _prompt(7, 11)
+  cold = batcher.add("cold", prompt, 6)  # registers its 2 full prompt pages at join
+  assert batcher.prefill_tokens == 11
+  hit = batcher.add("hit", np.concatenate([prompt[:8], prompt[8:]]), 6)
+  assert batcher.prefill_tokens == 11 + 3  # 8 tokens came from the cached pages
+  shared = batcher.allocator.pages("cold")[:2]
+  assert batcher.allocator.pages("hit")[:2] == shared
+  assert batcher.allocator.pages("hit")[2] != batcher.allocator.pages("cold")[2]
+  # The whole state of the row (store read through its table, ring, length): bit-equal...
+  for layer, c in enumerate(batcher.caches):
+    for x, y in zip(c.slot_view(hit).dequantized(), c.slot_view(cold).dequantized()):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"layer {layer}")
+  # ... and the state of the dense kind (`kivi4`) fed the prompt a page at a time (another
+  # program: equal up to f32 rounding, no code flipped).
+  graphdef, state = nnx.split(_model())
+
+  @jax.jit
+  def by_pages(state):
+    model = nnx.merge(graphdef, state)
+    caches = registry.build_caches(model, 1, MAX_PROMPT + MAX_NEW, None, dict(spec, kind="kivi4"))
+    for i in range(0, len(prompt), PAGE):
+      chunk = np.zeros((1, PAGE), np.int32)
+      chunk[0, :len(prompt[i:i + PAGE])] = prompt[i:i + PAGE]
+      _, caches = model.hidden(chunk, caches, new_lengths=np.array([len(prompt[i:i + PAGE])]))
+    return caches
+
+  dense = by_pages(state)
+  for layer, (c, d) in enumerate(zip(batcher.caches, dense)):
+    for x, y in zip(c.slot_view(hit).dequantized(), d.dequantized()):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6,
+                                 err_msg=f"layer {layer}")
+  got = {}
+  while batcher.active:
+    for f in batcher.step():
+      got[f.request_id] = f.tokens
+  np.testing.assert_array_equal(got["hit"], got["cold"])
+  assert batcher.traces["join"] == 1  # one width: whole pages
+  batcher.allocator.check()
+
+
+def test_options_that_cannot_work_with_low_bit_pools_are_refused():
+  with pytest.raises(ValueError, match=r"prefix_cache needs cache.residual = 0 with cache kind "
+                     r"'paged_kivi4'.*got cache.residual = 4"):
+    _batcher(prefix_cache=True)
+  with pytest.raises(ValueError, match="speculative is not supported with cache kind"):
+    _batcher(speculative=PromptLookup(2))
+  with pytest.raises(ValueError, match="local_layers is not supported with cache kind"):
+    _batcher(local_layers="ring")
+  with pytest.raises(ValueError, match=r"cache.kind must be one of \('paged', 'paged_kivi2', "
+                     r"'paged_kivi4'\).*got 'kivi4'"):
+    _batcher(cache="kivi4")
+  with pytest.raises(ValueError, match=r"cache.page_size must be unset or the batcher's "
+                     r"page_size = 4"):
+    _batcher(cache={"kind": "paged_kivi4", "page_size": 8, **KIVI})
+  with pytest.raises(ValueError, match="page_size must be a multiple of group_size = 8"):
+    _batcher(cache={"kind": "paged_kivi4", "group_size": 8, "residual": 8})
+  with pytest.raises(ValueError, match=r"cache.bits is not an option"):
+    _batcher(cache={"kind": "paged_kivi4", "bits": 3})
