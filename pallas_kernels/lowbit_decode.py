@@ -735,10 +735,21 @@ def kivi_decode_attention_reference(q, k_codes, k_scale, k_zero, v_codes, v_scal
                                     starts, lengths, *, bits, sm_scale=None, soft_cap=None,
                                     return_lse=False, **unused_tunables: Any):
   """Plain-jnp f32 `kivi_decode_attention` (same signature; tunables ignored): the store
-  dequantized up front, `[B, N, Sq]` logits masked outside `[starts, lengths)` by
-  replacement, masked value rows zeroed. `[B, N, H]` in q's dtype (and `f32[B, N]` lse)."""
+  dequantized up front, then `store_attention_reference`. `[B, N, H]` in q's dtype (and
+  `f32[B, N]` lse)."""
   del unused_tunables
   k, v = dequantize_reference(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits)
+  out, lse = store_attention_reference(q, k, v, starts, lengths, sm_scale=sm_scale,
+                                       soft_cap=soft_cap)
+  out = out.astype(q.dtype)
+  return (out, lse) if return_lse else out
+
+
+def store_attention_reference(q, k, v, starts, lengths, *, sm_scale=None, soft_cap=None):
+  """f32 `(out [B, N, Hv], lse [B, N])` of one query per sequence against dense f32 `k, v:
+  [B, K, Sq, H]`: `[B, N, Sq]` logits masked outside `[starts, lengths)` (clamped to `[0,
+  Sq]`) by replacement, masked value rows zeroed (garbage never leaks); an empty range gives
+  zeros and lse -inf. The shared core of the low-bit stores' references."""
   sq = k.shape[2]
   num_kv, num_heads = k.shape[1], q.shape[1]
   sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
@@ -760,8 +771,7 @@ def kivi_decode_attention_reference(q, k_codes, k_scale, k_zero, v_codes, v_scal
   out = jnp.einsum("BNS,BNSH->BNH", p, vh, precision=hi) / jnp.where(denom > 0, denom,
                                                                        1.0)[..., None]
   lse = jnp.where(denom > 0, top[..., 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
-  out = out.astype(q.dtype)
-  return (out, lse) if return_lse else out
+  return out, lse
 
 
 def paged_kivi_decode_attention_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
