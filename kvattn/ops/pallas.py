@@ -102,7 +102,7 @@ def kivi_store_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sta
 def paged_kivi_store_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_tables,
                             starts, lengths, *, bits, explicit, sm_scale, soft_cap=None):
   """`kivi_store_decode` over a paged KIVI store (`lowbit_decode.paged_kivi_decode_attention`;
-  GPU only when compiled: no TPU schedule).
+  compiled: "loop" on GPU, "grid" on TPU).
 
   Raises:
     NotImplementedError: as `kivi_store_decode` (`lowbit_decode.paged_unsupported_reason`).
