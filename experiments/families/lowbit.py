@@ -426,7 +426,8 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
            f"{r0['decode_steps_timed']} steps after the first); passkey at "
            f"{cfg['passkey']['context']} tokens, {cfg['passkey']['samples']} prompts.", ""]
   rows = table_rows(records) + ([] if not peers else peer_rows(records, peers))
-  md += [report_lib.markdown_table(headers, rows), ""]
+  if rows:  # (a run of the speed point alone has none)
+    md += [report_lib.markdown_table(headers, rows), ""]
   if peers:
     info = peers["info"]
     md += [f"Rows `hf-*`: transformers {info.get('version')} (torch {info.get('torch')}, "
