@@ -202,7 +202,7 @@ def _paged(store, page_size, seed=0):
 
 @pytest.mark.parametrize("bits,schedule,page_size,num_heads,num_kv,q_dtype", [
     (4, "loop", 32, 8, 2, jnp.float32),
-    (2, "grid", 16, 32, 1, jnp.bfloat16),  # G = 32 > the G tile (16); pages of one group
+    (2, "grid", 16, 32, 1, jnp.bfloat16),  # G = 32 in one tile; pages of one group
     pytest.param(2, "loop", 16, 32, 1, jnp.bfloat16, marks=pytest.mark.slow),
     pytest.param(4, "grid", 32, 4, 4, jnp.float32, marks=pytest.mark.slow),  # G = 1
 ])
@@ -215,7 +215,7 @@ def test_paged_kernel_matches_the_dense_reference(bits, schedule, page_size, num
   lengths = jnp.asarray(EDGES, jnp.int32)
   starts = _starts("inside", lengths)
   # "grid": 3 pages per block, so a block runs past the table (padded with unassigned pages).
-  tunables = dict(block_g=16, pages_per_block=3) if schedule == "grid" else {}
+  tunables = dict(pages_per_block=3) if schedule == "grid" else {}
   (out, lse), counts = lb.paged_kivi_decode_attention(
       q, *pools, tables, starts, lengths, bits=bits, interpret=True, num_splits=2,
       return_lse=True, schedule=schedule, count_blocks=True, **tunables)
