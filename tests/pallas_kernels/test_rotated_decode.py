@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import rotated_decode as rd
-from tests.pallas_kernels._helpers import TOL, close_lse, jitted
+from tests.pallas_kernels._helpers import TOL, KernelTest, close_lse, jitted
 
 _reference = jitted(rd.rotated_decode_attention_reference)
 
@@ -114,6 +114,24 @@ def _starts(kind, lengths):
         for i, case in enumerate(CASES)])
 def test_kernel_matches_reference_over_edges_and_ignores_garbage(
     bits, schedule, num_heads, num_kv, head_dim, block_g, starts, soft_cap, rotate, q_dtype):
+  _check_case(bits, schedule, num_heads, num_kv, head_dim, block_g, starts, soft_cap, rotate,
+              q_dtype, interpret=True)
+
+
+class TestCompiled(KernelTest):
+  """Every case compiled on a GPU (its "loop" cases) or TPU ("grid"); skipped on CPU.
+  experiments/gpu_check.sh runs this class."""
+
+  @pytest.mark.parametrize("case", CASES)
+  def test_kernel_matches_reference(self, case):
+    bits, schedule, *rest = case
+    self._schedule(schedule)
+    self._require(rd.unsupported_reason(case[4], SIZES[schedule][1]))
+    _check_case(bits, schedule, *rest, interpret=False)
+
+
+def _check_case(bits, schedule, num_heads, num_kv, head_dim, block_g, starts, soft_cap, rotate,
+                q_dtype, *, interpret):
   edges = _edges(schedule)
   block_k, sq = SIZES[schedule]
   batch = len(edges)
@@ -125,7 +143,7 @@ def test_kernel_matches_reference_over_edges_and_ignores_garbage(
   kw = dict(bits=bits, codebook=CODEBOOKS[bits], rotation=rotation, soft_cap=soft_cap,
             return_lse=True)
   run = lambda s: rd.rotated_decode_attention(
-      q, *s, starts, lengths, interpret=True, schedule=schedule, block_k=block_k,
+      q, *s, starts, lengths, interpret=interpret, schedule=schedule, block_k=block_k,
       block_g=block_g, num_splits=2, **kw)
   out, lse = run(store)
   ref, ref_lse = _reference(q, *store, starts, lengths, **kw)
