@@ -2,6 +2,7 @@ r"""KV caches below 8 bits on SmolLM2-135M-Instruct: KIVI 2/4-bit next to f32 / 
 
     python -m experiments.main --config=configs/lowbit.py --workdir=runs/lowbit
     python -m experiments.main --config=configs/lowbit.py:smoke --workdir=/tmp/lowbit
+    python -m experiments.main --config=configs/lowbit.py:speed --workdir=runs/lowbit-speed
     python -m experiments.main --config=configs/lowbit.py --workdir=runs/lowbit \
         --config.peers.run=True --config.peers.python=/path/to/peers-venv/bin/python
 
@@ -19,13 +20,20 @@ retrieval at `passkey.context` tokens. With `peers.run` (the `--peers` step) HF 
 `QuantizedCache` (quanto, `peers.bits` at `peers.residual`) and its f32 `DynamicCache` stream
 the same tokens in a subprocess: perplexity, bytes per token, greedy decode speed.
 
+The speed point (`cache.kind = "speed"`, the sweep of "speed"): the caches of
+`speed.caches` (f32 and int8 dense, KIVI-4 and rotated-4 at their registry defaults) filled
+with `speed.batch` prompts of `speed.prompt` tokens and decoded in interleaved rounds in one
+process (the issue's "at prompt 4000, batch 4, the 4-bit cache decodes faster than int8").
+
 `get_config(arg)` / `get_sweep(arg)` take "" (the full run: 4k tokens), "reduced" (1k tokens,
-fewer points: for a busy machine) or "smoke" (a random tiny model, seconds; for tests).
+fewer points: for a busy machine), "speed" (the speed point alone) or "smoke" (a random tiny
+model, seconds; for tests; its speed section is tiny too).
 """
 
 from ml_collections import config_dict
 
-ARGS = ("", "reduced", "smoke")
+ARGS = ("", "reduced", "smoke", "speed")
+SPEED_CACHES = ("dense:float32", "dense:int8", "kivi4", "rotated4")
 DENSE_DTYPES = ("float32", "bfloat16", "int8")  # Dense-cache storage dtypes compared.
 KIVI_KINDS = ("kivi4", "kivi2")
 ROTATED_KINDS = ("rotated4", "rotated3")
@@ -85,6 +93,13 @@ def get_config(arg=None):
   config.peers.residual = 128  # residual_length (tokens kept in full precision).
   config.peers.q_group_size = 64  # transformers' default group along the head dim.
 
+  config.speed = config_dict.ConfigDict()  # The speed point (cache.kind = "speed").
+  config.speed.batch = 2 if smoke else 4  # Rows decoded together.
+  config.speed.prompt = 40 if smoke else 4000  # Prompt tokens per row (held-out text).
+  config.speed.steps = 2 if smoke else 16  # Decode steps per timed round.
+  config.speed.repeats = 1 if smoke else 5  # Timed rounds (after one untimed, compiling one).
+  config.speed.caches = SPEED_CACHES  # "dense:<dtype>" or a low-bit kind (registry defaults).
+
   config.experiment = config_dict.ConfigDict()
   config.experiment.kind = "lowbit"  # Family: experiments/families/lowbit.py.
   config.experiment.max_points = config_dict.placeholder(int)  # Measure at most this many new
@@ -98,6 +113,8 @@ def get_sweep(arg=None):
   residual 128, the rotated kinds without residual, 2-bit KIVI with keys before RoPE, dense
   int8, KIVI at residual 32, 4-bit keys before RoPE, dense bf16, then the rest."""
   arg = _check_arg(arg)
+  if arg == "speed":
+    return [{"cache.kind": "speed"}]
   dense = [{"cache.kind": "dense", "cache.dtype": d} for d in DENSE_DTYPES]
   if arg == "smoke":
     return dense[:1] + [{"cache.kind": "kivi4", "cache.group_size": 8, "cache.residual": 16},

@@ -51,7 +51,7 @@ fi
 # ---------------------------------------------------------------- 1. tests
 echo "== 1. compiled kernel tests"
 if python -c "import pytest, chex" 2>/dev/null; then
-  TESTS="tests/pallas_kernels/test_decode_attention.py tests/pallas_kernels/test_paged_attention.py tests/pallas_kernels/test_quant_kernels.py"
+  TESTS="tests/pallas_kernels/test_decode_attention.py tests/pallas_kernels/test_paged_attention.py tests/pallas_kernels/test_quant_kernels.py tests/pallas_kernels/test_rotated_decode.py::TestCompiled"
   if python -c "import flax" 2>/dev/null; then TESTS="$TESTS tests/kvattn/test_pallas_dispatch.py"; fi
   timeout 140 python -m pytest -q -p no:cacheprovider -k "not Interpret and (compiled or not test_quant_kernels)" $TESTS \
     > "$OUT_DIR/tests.txt" 2>&1

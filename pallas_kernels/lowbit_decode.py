@@ -25,7 +25,8 @@ log-sum-exp (flash-decoding), masked logits replaced and masked value rows zeroe
 garbage (NaN scales, random codes) in unused slots never reaches an output.
 
 `paged_kivi_decode_attention` reads the same store from page pools through a block table
-(`kvattn.caches.paged_kivi`), "loop" schedule only. Schedules as in `dense_decode.py`: "loop" (GPU, Triton; grid `(B, K, G tiles, splits)`,
+(`kvattn.caches.paged_kivi`), in both schedules ("grid": the tables scalar-prefetched, one
+VMEM block per page, as `paged_decode.py`). Schedules as in `dense_decode.py`: "loop" (GPU, Triton; grid `(B, K, G tiles, splits)`,
 each program a `fori_loop` over its blocks) and "grid" (TPU, Mosaic; key blocks on the last
 grid axis, `starts` / `lengths` scalar-prefetched, the clamped block index map skips
 blocks outside the range; the key scales of a row are one whole-row VMEM block, sliced per
@@ -245,6 +246,60 @@ def _paged_loop_kernel(
   _common.loop_blocks(num_blocks, body, o_ref, lse_ref)
   if rest:
     rest[0][...] = jnp.full(rest[0].shape, num_blocks * pages_per_block, jnp.int32)
+
+
+def _paged_grid_kernel(
+    starts_ref,   # i32[B]                 (SMEM) first attended slot
+    lengths_ref,  # i32[B]                 (SMEM) one past the last attended slot
+    tables_ref,   # i32[B * pages_padded]  (SMEM) block tables, flattened
+    q_ref,        # [Gb, H]
+    *refs,        # for each of the six pools (k codes, k scale, k zero, v codes, v scale,
+                  # v zero) its pages_per_block page operands ([page_size, W], [page_size /
+                  # g, H], ..., [page_size, H / vg]); o f32[Gb, H], lse f32[Gb, 128], (count
+                  # i32[Gb, 128]); scratch m, l f32[Gb, 128], acc f32[Gb, H], (count)
+    bits: int,
+    group_size: int,
+    count: bool,
+    sm_scale: float,
+    soft_cap: float | None,
+    pages_per_block: int,
+    blocks_per_split: int,
+    precision,
+):
+  """"grid" schedule over a paged store: key blocks of `pages_per_block` page operands on
+  the last (sequential) grid axis, each page fetched through the scalar-prefetched block
+  table by its index map (`paged_decode._grid_logical_page`: pages outside the range repeat
+  a needed page, so no DMA is issued for them) and dequantized as in `_grid_kernel`."""
+  del tables_ref  # read by the index maps only
+  ppb = pages_per_block
+  pools = [refs[i * ppb:(i + 1) * ppb] for i in range(6)]
+  rest = refs[6 * ppb:]
+  o_ref, lse_ref = rest[0], rest[1]
+  cnt_ref = rest[2] if count else None
+  m_sc, l_sc, acc_sc = rest[3:6] if count else rest[2:5]
+  cnt_sc = rest[6] if count else None
+  page_size = pools[0][0].shape[0]
+  b, split, step = pl.program_id(0), pl.program_id(3), pl.program_id(4)
+  start, length = starts_ref[b], lengths_ref[b]
+  lo, hi = _common.block_bounds(start, length, page_size)
+  blk = split * blocks_per_split + step
+  _common.grid_init(step, m_sc, l_sc, acc_sc, cnt_sc)
+
+  for j in range(ppb):  # static unroll over the block's pages
+    page = blk * ppb + j
+
+    @pl.when((page >= lo) & (page < hi))
+    def _compute():
+      q = q_ref[...]
+      kc, ks, kz, vc, vs, vz = (pool[j][...] for pool in pools)
+      k = _dequant_keys(kc, ks, kz, bits, group_size).astype(q.dtype)
+      v = _dequant_values(vc, vs, vz, bits).astype(q.dtype)
+      s = _common.logits(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
+      _common.grid_update(m_sc, l_sc, acc_sc, cnt_sc, s, v, page, page_size, start, length,
+                          precision)
+
+  _common.grid_write(step, blocks_per_split, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref,
+                     cnt_ref)
 
 
 # ----------------------------------------------------------------------------
@@ -543,24 +598,23 @@ def unsupported_reason(q_shape, k_codes_shape, k_scale_shape, *,
 
 @functools.partial(jax.jit, static_argnames=(
     "bits", "sm_scale", "soft_cap", "interpret", "pages_per_block", "block_g", "num_splits",
-    "return_lse", "count_blocks", "num_warps", "num_stages"))
+    "schedule", "return_lse", "count_blocks", "num_warps", "num_stages"))
 def _paged_impl(q, pools, block_tables, starts, lengths, *, bits, sm_scale, soft_cap, interpret,
-                pages_per_block, block_g, num_splits, return_lse, count_blocks, num_warps,
-                num_stages):
+                pages_per_block, block_g, num_splits, schedule, return_lse, count_blocks,
+                num_warps, num_stages):
   batch, num_heads, head_dim = q.shape
   num_kv, num_pages, page_size, width = pools[0].shape
   group_size = page_size // pools[1].shape[2]
   vgroups = pools[4].shape[-1]
   pps = block_tables.shape[1]
   groups = num_heads // num_kv
-  ppb = pages_per_block or max(1, min(_common.loop_block_target(2 * head_dim) // page_size,
-                                      _common.next_pow2(pps)), 16 // page_size)
+  ppb = _pages_per_block(schedule, page_size, pps, head_dim, pages_per_block)
   dot_dtype = _common.dot_dtype(q.dtype, jnp.int8)
-  block_g = _common.g_tile("loop", groups, head_dim, dot_dtype, block_g)
+  block_g = _common.g_tile(schedule, groups, head_dim, dot_dtype, block_g)
   gp = _common.round_up(groups, block_g)
   num_blocks = -(-pps // ppb)
   if num_splits is None:
-    num_splits = _common.default_splits("loop", batch * num_kv * (gp // block_g), num_blocks)
+    num_splits = _common.default_splits(schedule, batch * num_kv * (gp // block_g), num_blocks)
   num_splits = min(num_splits, num_blocks)
   bps = -(-num_blocks // num_splits)
   padded = num_splits * bps * ppb
@@ -570,26 +624,68 @@ def _paged_impl(q, pools, block_tables, starts, lengths, *, bits, sm_scale, soft
   starts = jnp.clip(starts.astype(jnp.int32), 0, capacity)
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
   qg = _common.group_queries(q, num_kv, gp, dot_dtype)
-  kernel = functools.partial(
-      _paged_loop_kernel, bits=bits, group_size=group_size, sm_scale=sm_scale,
-      soft_cap=soft_cap, pages_per_block=ppb, blocks_per_split=bps,
-      precision=lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None)
+  kernel_kw = dict(bits=bits, group_size=group_size, sm_scale=sm_scale, soft_cap=soft_cap,
+                   pages_per_block=ppb, blocks_per_split=bps,
+                   precision=lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None)
+  shapes = [(page_size, width), (page_size // group_size, head_dim),
+            (page_size // group_size, head_dim), (page_size, width), (page_size, vgroups),
+            (page_size, vgroups)]
+  if schedule == "loop":
+    def pool(shape):
+      return pl.BlockSpec((None, num_pages) + shape, lambda b, h, g, j: (h, 0, 0, 0))
 
-  def pool(shape):
-    return pl.BlockSpec((None, num_pages) + shape, lambda b, h, g, j: (h, 0, 0, 0))
+    scalar = pl.BlockSpec((None,), lambda b, h, g, j: (b,))
+    in_specs = [scalar, scalar, pl.BlockSpec((None, padded), lambda b, h, g, j: (b, 0)),
+                pl.BlockSpec((None, None, block_g, head_dim), lambda b, h, g, j: (b, h, g, 0))]
+    in_specs += [pool(shape) for shape in shapes]
+    kernel = functools.partial(_paged_loop_kernel, **kernel_kw)
+    operands = [starts, lengths, tables, qg] + list(pools)
+  else:
+    from pallas_kernels.paged_decode import _grid_logical_page  # pylint: disable=g-import-not-at-top
 
-  scalar = pl.BlockSpec((None,), lambda b, h, g, j: (b,))
-  in_specs = [scalar, scalar, pl.BlockSpec((None, padded), lambda b, h, g, j: (b, 0)),
-              pl.BlockSpec((None, None, block_g, head_dim), lambda b, h, g, j: (b, h, g, 0)),
-              pool((page_size, width)), pool((page_size // group_size, head_dim)),
-              pool((page_size // group_size, head_dim)), pool((page_size, width)),
-              pool((page_size, vgroups)), pool((page_size, vgroups))]
-  outs = _common.launch(kernel, [starts, lengths, tables, qg] + list(pools), schedule="loop",
-                        grid=(batch, num_kv, gp // block_g, num_splits), in_specs=in_specs,
-                        block_g=block_g, hv=head_dim, count=count_blocks, num_scalar_prefetch=3,
-                        interpret=interpret, num_warps=num_warps, num_stages=num_stages,
-                        name="kvattn_paged_kivi_decode_attention")
+    def page_spec(j, shape):
+      def index(b, h, g, sp, st, starts_ref, lengths_ref, tables_ref):
+        lo, hi = _common.block_bounds(starts_ref[b], lengths_ref[b], page_size)
+        page = _grid_logical_page(sp * bps + st, j, lo, hi, ppb, padded)
+        phys = tables_ref[b * padded + page]
+        return h, jnp.minimum(jnp.maximum(phys, 0), num_pages - 1), 0, 0
+      return pl.BlockSpec((None, None) + shape, index)
+
+    in_specs = [pl.BlockSpec((None, None, block_g, head_dim),
+                             lambda b, h, g, sp, st, *_: (b, h, g, 0))]
+    for shape in shapes:
+      in_specs += [page_spec(j, shape) for j in range(ppb)]
+    kernel = functools.partial(_paged_grid_kernel, count=count_blocks, **kernel_kw)
+    # Page operand j of each pool is the whole pool; its index map picks the page.
+    operands = [starts, lengths, tables.reshape(-1), qg] + [x for x in pools
+                                                            for _ in range(ppb)]
+  outs = _common.launch(kernel, operands, schedule=schedule,
+                        grid=(batch, num_kv, gp // block_g, num_splits) + (
+                            () if schedule == "loop" else (bps,)),
+                        in_specs=in_specs, block_g=block_g, hv=head_dim, count=count_blocks,
+                        num_scalar_prefetch=3, interpret=interpret, num_warps=num_warps,
+                        num_stages=num_stages, name="kvattn_paged_kivi_decode_attention")
   return _common.finish(outs, num_heads, groups, q.dtype, return_lse, count_blocks, head_dim)
+
+
+def _pages_per_block(schedule: str, page_size: int, pages_per_seq: int, head_dim: int,
+                     pages_per_block: int | None) -> int:
+  """Resolves and checks the pages of one key block; ValueError if unfit. "loop" (Triton):
+  a power of two with a block of >= 16 slots, by default the dense kernel's target (no more
+  pages than the table has). "grid" (Mosaic): any, by default ~512 slots, at most 8 page
+  operands per pool (as `paged_decode`)."""
+  if schedule == "loop":
+    if pages_per_block is None:
+      return max(1, min(_common.loop_block_target(2 * head_dim) // page_size,
+                        _common.next_pow2(pages_per_seq)), 16 // page_size)
+    if not _common.is_pow2(pages_per_block) or pages_per_block * page_size < 16:
+      raise ValueError(f"pages_per_block must be a power of two with pages_per_block * "
+                       f"page_size >= 16 for the \"loop\" schedule; got {pages_per_block} "
+                       f"(page_size {page_size})")
+    return pages_per_block
+  if pages_per_block is None:
+    return max(1, min(8, 512 // page_size, pages_per_seq))
+  return pages_per_block
 
 
 def paged_kivi_decode_attention(
@@ -611,6 +707,7 @@ def paged_kivi_decode_attention(
     pages_per_block: int | None = None,
     block_g: int | None = None,
     num_splits: int | None = None,
+    schedule: str | None = None,
     platform: str | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -620,16 +717,21 @@ def paged_kivi_decode_attention(
   """`kivi_decode_attention` over a paged store (`kvattn.caches.paged_kivi`): logical store
   slot s of sequence b is slot `s % page_size` of page `block_tables[b, s // page_size]`
   (entries outside `[0, P)` unassigned: their slots must lie outside `[starts, lengths)`).
-  Each key block is `pages_per_block` pages gathered through the table, dequantized in
-  registers; pages outside the range are not read. "loop" schedule only (GPU, Triton;
-  interpret mode on CPU): page_size, H and the group size powers of two, a block >= 16 slots.
+  Each key block is `pages_per_block` pages read through the table, dequantized in
+  registers; pages outside the range are not read. Schedules (`schedule`, default by
+  platform as `kivi_decode_attention`): "loop" (GPU, Triton: page_size, H and the group
+  size powers of two, a block >= 16 slots; the block's pages gathered with `ref[page_ids]`)
+  and "grid" (TPU, Mosaic: block tables scalar-prefetched, each page a VMEM block whose
+  index map reads its page id, as `paged_decode`'s "grid" schedule). Both run on CPU with
+  `interpret=True`.
 
   Returns:
-    As `kivi_decode_attention` (`count_blocks`: pages read per row and KV head).
+    As `kivi_decode_attention` (`count_blocks`: pages read per row and KV head; "loop"
+    counts whole blocks of pages, "grid" the pages it dequantized).
 
   Raises:
-    ValueError, TypeError: shapes or dtypes that do not fit (naming the argument), a
-      `platform` that is TPU (no "grid" schedule for the paged store), `check_args`'s.
+    ValueError, TypeError: shapes or dtypes that do not fit (naming the argument), an
+      unfit schedule / platform / tunable, `check_args`'s.
   """
   if q.ndim != 3 or k_codes.ndim != 4 or block_tables.ndim != 2:
     raise ValueError(f"q must be [B, N, H], k_codes [K, P, page_size, W], block_tables [B, "
@@ -654,43 +756,43 @@ def paged_kivi_decode_attention(
       q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_tables, starts, lengths,
       bits=bits, sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret,
       pages_per_block=pages_per_block, block_g=block_g, num_splits=num_splits,
-      platform=platform, num_warps=num_warps, num_stages=num_stages, return_lse=return_lse,
-      count_blocks=count_blocks)
+      schedule=schedule, platform=platform, num_warps=num_warps, num_stages=num_stages,
+      return_lse=return_lse, count_blocks=count_blocks)
 
 
 def paged_kivi_decode_attention_unchecked(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                           block_tables, starts, lengths, *, bits, sm_scale=None,
                                           soft_cap=None, interpret=False, pages_per_block=None,
-                                          block_g=None, num_splits=None, platform=None,
-                                          num_warps=None, num_stages=None, return_lse=False,
-                                          count_blocks=False):
+                                          block_g=None, num_splits=None, schedule=None,
+                                          platform=None, num_warps=None, num_stages=None,
+                                          return_lse=False, count_blocks=False):
   """`paged_kivi_decode_attention` without the argument checks (kvattn's paged KIVI cache);
   the schedule and tunables are still checked here."""
-  _common.check_schedule("loop", interpret, (
+  schedule = _common.check_schedule(schedule, interpret, (
       ("pages_per_block", pages_per_block), ("block_g", block_g), ("num_splits", num_splits)),
       platform)
   page_size, head_dim = k_codes.shape[2], q.shape[-1]
-  reason = paged_unsupported_reason(k_codes.shape, k_scale.shape, head_dim, platform="gpu")
-  if reason is not None:
-    raise ValueError(f"the paged KIVI kernel's \"loop\" schedule cannot take these shapes: "
-                     f"{reason}")
-  if pages_per_block is not None and (not _common.is_pow2(pages_per_block)
-                                      or pages_per_block * page_size < 16):
-    raise ValueError(f"pages_per_block must be a power of two with pages_per_block * page_size "
-                     f">= 16; got {pages_per_block} (page_size {page_size})")
+  if schedule == "loop":
+    reason = paged_unsupported_reason(k_codes.shape, k_scale.shape, head_dim, platform="gpu")
+    if reason is not None:
+      raise ValueError(f"the paged KIVI kernel's \"loop\" schedule cannot take these shapes: "
+                       f"{reason}")
+  _pages_per_block(schedule, page_size, block_tables.shape[1], head_dim, pages_per_block)
   sm_scale = float(head_dim ** -0.5 if sm_scale is None else sm_scale)
   soft_cap = None if soft_cap is None else float(soft_cap)
   return _paged_impl(q, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), block_tables,
                      starts, lengths, bits=bits, sm_scale=sm_scale, soft_cap=soft_cap,
                      interpret=interpret, pages_per_block=pages_per_block, block_g=block_g,
-                     num_splits=num_splits, return_lse=return_lse, count_blocks=count_blocks,
-                     num_warps=num_warps, num_stages=num_stages)
+                     num_splits=num_splits, schedule=schedule, return_lse=return_lse,
+                     count_blocks=count_blocks, num_warps=num_warps, num_stages=num_stages)
 
 
 def paged_unsupported_reason(k_codes_shape, k_scale_shape, head_dim: int, *,
                              platform: str | None = None) -> str | None:
   """Why the compiled paged kernel cannot run these pools, or None: GPU (Triton) needs
-  page_size, H and the group size powers of two (H, group >= 16); no TPU schedule."""
+  page_size, H and the group size powers of two (H, group >= 16); TPU (Mosaic) H a multiple
+  of 64 (lanes) and the group size a power of two (as `unsupported_reason`). Lowered for
+  "cuda" and "tpu" by tests/pallas_kernels/test_lowering.py; never compiled on a device."""
   platform = platform or _common.platform()
   page_size = k_codes_shape[2]
   group_size = page_size // max(1, k_scale_shape[2])
@@ -701,7 +803,11 @@ def paged_unsupported_reason(k_codes_shape, k_scale_shape, head_dim: int, *,
         return f"{what}={d} is not a power of two >= {least} (Triton)"
     return None
   if platform == "tpu":
-    return "no \"grid\" (TPU) schedule for the paged KIVI store yet"
+    if head_dim % 64:
+      return f"head dim H={head_dim} is not a multiple of 64 (TPU lanes)"
+    if not _common.is_pow2(group_size):
+      return f"group_size={group_size} is not a power of two"
+    return None
   return f"no compiled Pallas backend on {platform!r}"
 
 
@@ -735,10 +841,21 @@ def kivi_decode_attention_reference(q, k_codes, k_scale, k_zero, v_codes, v_scal
                                     starts, lengths, *, bits, sm_scale=None, soft_cap=None,
                                     return_lse=False, **unused_tunables: Any):
   """Plain-jnp f32 `kivi_decode_attention` (same signature; tunables ignored): the store
-  dequantized up front, `[B, N, Sq]` logits masked outside `[starts, lengths)` by
-  replacement, masked value rows zeroed. `[B, N, H]` in q's dtype (and `f32[B, N]` lse)."""
+  dequantized up front, then `store_attention_reference`. `[B, N, H]` in q's dtype (and
+  `f32[B, N]` lse)."""
   del unused_tunables
   k, v = dequantize_reference(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits)
+  out, lse = store_attention_reference(q, k, v, starts, lengths, sm_scale=sm_scale,
+                                       soft_cap=soft_cap)
+  out = out.astype(q.dtype)
+  return (out, lse) if return_lse else out
+
+
+def store_attention_reference(q, k, v, starts, lengths, *, sm_scale=None, soft_cap=None):
+  """f32 `(out [B, N, Hv], lse [B, N])` of one query per sequence against dense f32 `k, v:
+  [B, K, Sq, H]`: `[B, N, Sq]` logits masked outside `[starts, lengths)` (clamped to `[0,
+  Sq]`) by replacement, masked value rows zeroed (garbage never leaks); an empty range gives
+  zeros and lse -inf. The shared core of the low-bit stores' references."""
   sq = k.shape[2]
   num_kv, num_heads = k.shape[1], q.shape[1]
   sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
@@ -760,8 +877,7 @@ def kivi_decode_attention_reference(q, k_codes, k_scale, k_zero, v_codes, v_scal
   out = jnp.einsum("BNS,BNSH->BNH", p, vh, precision=hi) / jnp.where(denom > 0, denom,
                                                                        1.0)[..., None]
   lse = jnp.where(denom > 0, top[..., 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
-  out = out.astype(q.dtype)
-  return (out, lse) if return_lse else out
+  return out, lse
 
 
 def paged_kivi_decode_attention_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,

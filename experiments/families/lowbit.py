@@ -20,6 +20,17 @@ Measured per point, batch 1, on `model.name`:
     point's the report computes;
   * passkey retrieval (`streaming.passkey_correct`) at `passkey.context` tokens.
 
+The speed point (`cache.kind = "speed"`, configs/lowbit.py:speed): every cache of
+`speed.caches` ("dense:<dtype>" or a low-bit kind with its registry defaults) is filled with
+the same `speed.batch` rows of `speed.prompt` held-out tokens (`text.chunk` per forward
+pass), then decoded greedily through `kvattn.generate`'s compiled decode loop
+(`timing.decode_rounds`) in `speed.repeats` interleaved rounds of `speed.steps` steps (the
+first, untimed round compiles; the order rotates every round), all in this process. Per
+round the step times become ratios to the int8 and the f32 dense caches' of the same round;
+the report gives their medians (ratios measured side by side survive a shared machine where
+absolute times do not), with decode tokens/s (`batch / step time`) and the greedy agreement
+with the f32 cache's decoded tokens.
+
 The peer step (`peers.run`, off by default): after the points, HF transformers'
 `QuantizedCache` (quanto backend, `peers.bits`, `residual_length = peers.residual`) and its
 f32 `DynamicCache` stream the same `text.num_tokens` tokens `text.chunk` per forward pass in a
@@ -43,6 +54,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from experiments.framework import checks
 from experiments.framework import overrides
@@ -70,6 +82,7 @@ def schema() -> dict[str, tuple[str, ...]]:
       "text": ("num_tokens", "chunk", "new_tokens"),
       "passkey": ("context", "samples", "new_tokens", "seed"),
       "peers": ("run", "python", "threads", "bits", "residual", "q_group_size"),
+      "speed": ("batch", "prompt", "steps", "repeats", "caches"),
       "experiment": ("kind", "name", "max_points"),
   }
 
@@ -79,7 +92,24 @@ def cache_spec(cache: Mapping[str, Any]) -> dict[str, Any]:
   return {"kind": cache["kind"], **{k: cache[k] for k in KIVI_OPTIONS if cache[k] is not None}}
 
 
+def speed_spec(entry: str) -> tuple[dict[str, Any], str | None]:
+  """`(registry spec, dense storage dtype or None)` of a `speed.caches` entry: "dense:<dtype>"
+  or a low-bit kind name (its registry defaults). ValueError for anything else."""
+  kind, _, dtype = entry.partition(":")
+  if kind == "dense":
+    if not dtype:
+      raise ValueError(f"speed.caches: a dense entry needs its dtype, 'dense:<dtype>'; got "
+                       f"{entry!r}")
+    return {"kind": "dense"}, dtype
+  if dtype:
+    raise ValueError(f"speed.caches: only dense entries take a dtype; got {entry!r}")
+  cache_registry.cache_options({"kind": kind}, "speed.caches")
+  return {"kind": kind}, None
+
+
 def _label(cache: Mapping[str, Any]) -> str:
+  if cache["kind"] == "speed":
+    return "speed"
   if cache["kind"] == "dense":
     return f"dense-{cache['dtype']}"
   spec = cache_registry.cache_options(cache_spec(cache))[1]
@@ -105,6 +135,18 @@ class LowbitFamily:
 
   def _check(self, d: Mapping[str, Any], where: str) -> None:
     cache, text = d["cache"], d["text"]
+    if cache["kind"] == "speed":
+      sp = d["speed"]
+      for key, least in (("batch", 1), ("prompt", 1), ("steps", 1), ("repeats", 1)):
+        checks.check_int(f"{where}: speed.{key}", sp[key], least)
+      checks.check_int(f"{where}: text.chunk", text["chunk"], 1)
+      if not sp["caches"]:
+        raise ValueError(f"{where}: speed.caches must name at least one cache")
+      for entry in sp["caches"]:
+        spec, dtype = speed_spec(entry)
+        if dtype is not None:
+          jnp.dtype(dtype)
+      return
     if cache["kind"] == "dense" and any(cache[k] is not None for k in KIVI_OPTIONS):
       raise ValueError(f"{where}: cache.{'/'.join(KIVI_OPTIONS)} apply to the low-bit kinds "
                        f"only; got cache.kind = 'dense'")
@@ -131,6 +173,10 @@ class LowbitFamily:
 
     def point_of(d, where):
       self._check(d, where)
+      if d["cache"]["kind"] == "speed":
+        measured = {"model": d["model"], "speed": d["speed"], "chunk": d["text"]["chunk"]}
+        return runner.PointSpec("speed", measured, d["model"]["name"], {
+            "kind": "speed", "cache_dtype": None, "reference": False})
       measured = {s: d[s] for s in ("model", "cache", "text", "passkey")}
       # `codebook` joined the section later: left out when unset, so earlier points keep ids.
       measured["cache"] = {k: v for k, v in d["cache"].items()
@@ -150,6 +196,8 @@ class LowbitFamily:
   def measure(self, point: runner.Point) -> dict[str, Any]:
     cpu_start = time.process_time()
     d = point.config
+    if d["cache"]["kind"] == "speed":
+      return {**self._speed(d), "point_cpu_s": time.process_time() - cpu_start}
     model, tokenizer = self.model(d)
     text, spec = d["text"], cache_spec(d["cache"])
     dtype = jnp.dtype(d["cache"]["dtype"])
@@ -202,6 +250,54 @@ class LowbitFamily:
         "passkey_accuracy": float(np.mean(found)),
         "point_cpu_s": time.process_time() - cpu_start,
     }
+
+  def _speed(self, d: Mapping[str, Any]) -> dict[str, Any]:
+    """The speed point (module doc): every cache of `speed.caches` filled with the same
+    prompts, then decoded in interleaved rounds."""
+    model, tokenizer = self.model(d)
+    sp, chunk = d["speed"], d["text"]["chunk"]
+    batch, prompt, steps, repeats = sp["batch"], sp["prompt"], sp["steps"], sp["repeats"]
+    ids = text_lib.held_out_tokens(tokenizer, batch * prompt).reshape(batch, prompt)
+    capacity = prompt + (repeats + 1) * steps + 1
+    graphdef, state = nnx.split(model)
+    step = streaming.step_fn(graphdef)
+    runs, info = {}, {}
+    for entry in sp["caches"]:
+      spec, dtype = speed_spec(entry)
+      dtype = jnp.dtype(dtype or d["model"]["dtype"])
+      caches = model.init_caches(batch, capacity, dtype, cache=spec)
+      per_token = sum(memory.measured_bytes_per_token(c) for c in caches)
+      start = time.perf_counter()
+      for s in range(0, prompt, chunk):  # chunked prefill, the last chunk padded
+        n = min(chunk, prompt - s)
+        toks = np.zeros((batch, chunk), np.int32)
+        toks[:, :n] = ids[:, s:s + n]
+        _, argmax, caches = step(state, caches, jnp.asarray(toks),
+                                 jnp.full((batch,), n, jnp.int32), jnp.asarray(toks))
+      first = argmax[:, n - 1]
+      info[entry] = {"cache_bytes_per_token": float(per_token),
+                     "prefill_s": time.perf_counter() - start}
+      runs[entry] = (model, first, caches)
+    rounds = timing.decode_rounds(runs, steps, repeats)  # generate's compiled decode loop
+    wall = {e: np.asarray(rounds[e]["wall"]) for e in runs}
+    f32 = next((e for e in runs if e == "dense:float32"), None)
+    int8 = next((e for e in runs if e == "dense:int8"), None)
+    out = {}
+    for e in runs:
+      t = wall[e]
+      row = {**info[e], "step_ms": float(np.median(t) * 1e3),
+             "step_ms_rounds": [float(x * 1e3) for x in t],
+             "decode_tokens_per_s": float(batch / np.median(t)),
+             "tokens": np.asarray(rounds[e]["tokens"]).tolist()}
+      for name, ref in (("int8", int8), ("f32", f32)):
+        row[f"tokens_per_s_vs_{name}"] = (None if ref is None
+                                          else float(np.median(wall[ref] / t)))
+      if f32 is not None:
+        row["greedy_agreement_vs_f32"] = float(np.mean(
+            np.asarray(rounds[e]["tokens"]) == np.asarray(rounds[f32]["tokens"])))
+      out[e] = row
+    return {"speed": out, "batch": batch, "prompt": prompt, "steps": steps, "repeats": repeats,
+            "chunk": chunk, "load_avg_1min": os.getloadavg()[0]}
 
   def report(self, records: Sequence[Mapping[str, Any]]) -> str:
     peers = self.run_peers(records[0]["config"]) if self._peers["run"] and records else None
@@ -291,10 +387,30 @@ def peer_rows(records: Sequence[Mapping[str, Any]], peers: Mapping[str, Any]) ->
   return rows
 
 
+def speed_table(record: Mapping[str, Any]) -> list[str]:
+  """The speed point's section of report.md (module doc)."""
+  headers = ["cache", "cache B/token", "decode step ms", "decode tok/s", "tok/s vs int8",
+             "tok/s vs f32", "greedy agreement vs f32"]
+  fmt = lambda x, f: "-" if x is None else format(x, f)
+  rows = [[name, f"{r['cache_bytes_per_token']:,.1f}", f"{r['step_ms']:.1f}",
+           f"{r['decode_tokens_per_s']:.2f}", fmt(r["tokens_per_s_vs_int8"], ".3f") + "x",
+           fmt(r["tokens_per_s_vs_f32"], ".3f") + "x", fmt(r.get("greedy_agreement_vs_f32"),
+                                                           ".3f")]
+          for name, r in record["speed"].items()]
+  return [f"## Decode speed at batch {record['batch']}, prompt {record['prompt']}", "",
+          f"Each cache filled with the same {record['batch']} rows of {record['prompt']} held-out "
+          f"tokens ({record['chunk']} per forward pass), then {record['repeats']} interleaved "
+          f"rounds of {record['steps']} greedy decode steps (generate's compiled loop; median "
+          f"step, medians of per-round ratios; 1-minute load {record['load_avg_1min']:.1f}).", "",
+          report_lib.markdown_table(headers, rows), ""]
+
+
 def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: str,
                  peers: Mapping[str, Any] | None = None) -> str:
-  """report.md (one table against the f32 dense point, the peer step's rows last); returns
-  the markdown."""
+  """report.md (one table against the f32 dense point, the peer step's rows last, then the
+  speed point's table); returns the markdown."""
+  speed = [r for r in records if r.get("kind") == "speed"]
+  records = [r for r in records if r.get("kind") != "speed"]
   headers = ["point", "cache B/token", "vs f32", "ppl", "ppl vs f32", "greedy agreement",
              "passkey", "decode tok/s"]
   md = [f"# {title}", ""]
@@ -310,13 +426,16 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
            f"{r0['decode_steps_timed']} steps after the first); passkey at "
            f"{cfg['passkey']['context']} tokens, {cfg['passkey']['samples']} prompts.", ""]
   rows = table_rows(records) + ([] if not peers else peer_rows(records, peers))
-  md += [report_lib.markdown_table(headers, rows), ""]
+  if rows:  # (a run of the speed point alone has none)
+    md += [report_lib.markdown_table(headers, rows), ""]
   if peers:
     info = peers["info"]
     md += [f"Rows `hf-*`: transformers {info.get('version')} (torch {info.get('torch')}, "
            f"optimum-quanto {info.get('optimum_quanto')}, {info.get('threads')} threads) in its "
            f"own process after the points (not interleaved), on the same tokens; bytes per token "
            f"read from its tensors after the text; its own f32 DynamicCache is the first row.", ""]
+  for record in speed:
+    md += speed_table(record)
   text = "\n".join(md)
   results.atomic_write_text(os.path.join(workdir, "report.md"), text)
   return text

@@ -31,7 +31,7 @@ write -- the store read block by block by `kvattn.ops.lowbit.blocked_attention` 
 dequantized copy of the store), the ring -- plus the chunk's own keys and values in full
 precision (as KIVI does for the prompt), then the chunk is written. `attend` (after
 `update`) reads the store and the ring. A kind with a Pallas kernel for its store
-(`_pallas_store`: KIVI) reads the store of a decode step through it when `implementation`
+(`_pallas_store`: KIVI, rotated) reads the store of a decode step through it when `implementation`
 asks ("pallas"; None where it compiles) and merges the rest by log-sum-exp
 (`lowbit.state_from_lse`). With `pre_rope` the store and ring hold keys before
 RoPE and each block is rotated at its tokens' positions (token indices) as it is read.

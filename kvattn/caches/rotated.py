@@ -22,7 +22,9 @@ left to handle). Here:
     token here: `group_size` 1), default 0.
 
 `RotatedCache` is a `GQACache` sharing KIVI's machinery (`kvattn.caches._residual`: the
-store, the ring, block-by-block attention, the step); the registry names it `rotated3` and
+store, the ring, block-by-block attention, the step; a decode step reads the store through
+`pallas_kernels.rotated_decode` with `implementation="pallas"`, and by default where that
+kernel compiles, as KIVI's does); the registry names it `rotated3` and
 `rotated4` (options `residual` = 0, `codebook` = "lloyd-max", `seed` = 0, `scale_dtype` =
 "float16"). Bytes per token per KV head: `(Sq (2 H bits / 8 + 2 s) + Rb 2 H itemsize) / S`.
 """
@@ -295,6 +297,16 @@ class RotatedCache(_residual.ResidualStoreCache):
     sl = lambda x: jax.lax.dynamic_slice_in_dim(x, offset, size, axis=2)
     return tuple(dequantize_rotated(lowbit.unpack_codes(sl(c), self.bits), sl(s), self.codebook)
                  for c, s in ((self.k_codes, self.k_scale), (self.v_codes, self.v_scale)))
+
+  def _pallas_store(self, q, starts, lengths, *, explicit, sm_scale, soft_cap):
+    """The store read by `pallas_kernels.rotated_decode` (through `kvattn.ops.pallas`):
+    `(out f32[B, N, H], lse f32[B, N])` over slots `[starts, lengths)`, q and out in the
+    rotated space."""
+    from kvattn.ops import pallas as pallas_ops  # pylint: disable=g-import-not-at-top
+    return pallas_ops.rotated_store_decode(
+        q, self.k_codes, self.k_scale, self.v_codes, self.v_scale, starts, lengths,
+        bits=self.bits, codebook=self.codebook, explicit=explicit, sm_scale=sm_scale,
+        soft_cap=soft_cap)
 
   def _encode(self, k: jax.Array, v: jax.Array, num_groups: int) -> dict[str, Any]:
     """Store fields of tokens `k, v: [B, K, n, H]` (f32, not rotated): rotated, coded."""

@@ -3,7 +3,8 @@
 Adapters from `kvattn.ops.dispatch` to `pallas_kernels.dense_decode` (dense
 and MLA) and `pallas_kernels.paged_decode`, and from the KIVI cache
 (`kvattn.caches.kivi`, which has no dispatch point: its store is its own layout)
-to `pallas_kernels.lowbit_decode` (`kivi_store_decode`). The dispatch point has checked the
+to `pallas_kernels.lowbit_decode` (`kivi_store_decode`), and from the rotated codebook
+cache (`kvattn.caches.rotated`) to `pallas_kernels.rotated_decode` (`rotated_store_decode`). The dispatch point has checked the
 arguments, so they call the kernels' `*_unchecked` entry points. With
 `implementation=None` a kernel runs compiled on GPU (Triton lowering) and TPU
 (Mosaic) for the shapes its `unsupported_reason` accepts, and raises
@@ -19,6 +20,7 @@ import jax
 from pallas_kernels import dense_decode as _kernels
 from pallas_kernels import lowbit_decode as _lowbit_kernel
 from pallas_kernels import paged_decode as _paged_kernel
+from pallas_kernels import rotated_decode as _rotated_kernel
 
 _COMPILED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
@@ -100,7 +102,7 @@ def kivi_store_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sta
 def paged_kivi_store_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_tables,
                             starts, lengths, *, bits, explicit, sm_scale, soft_cap=None):
   """`kivi_store_decode` over a paged KIVI store (`lowbit_decode.paged_kivi_decode_attention`;
-  GPU only when compiled: no TPU schedule).
+  compiled: "loop" on GPU, "grid" on TPU).
 
   Raises:
     NotImplementedError: as `kivi_store_decode` (`lowbit_decode.paged_unsupported_reason`).
@@ -110,4 +112,23 @@ def paged_kivi_store_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zer
   out, lse = _lowbit_kernel.paged_kivi_decode_attention_unchecked(
       q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_tables, starts, lengths,
       bits=bits, sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret, return_lse=True)
+  return out.astype(jax.numpy.float32), lse
+
+
+def rotated_store_decode(q, k_codes, k_scale, v_codes, v_scale, starts, lengths, *, bits,
+                         codebook, explicit, sm_scale, soft_cap=None):
+  """`(out f32[B, N, H], lse f32[B, N])`: decode queries `q: [B, N, H]` (in the store's
+  rotated space) against slots `[starts, lengths)` of a rotated codebook store
+  (`pallas_kernels.rotated_decode`; the output stays in the rotated space), compiled on
+  GPU / TPU, interpreted on CPU when `explicit`.
+
+  Raises:
+    NotImplementedError: no compiled kernel here (CPU, not `explicit`), or a store the
+      compiled kernel does not take (`rotated_decode.unsupported_reason`).
+  """
+  interpret = _mode(explicit, lambda platform: _rotated_kernel.unsupported_reason(
+      q.shape[-1], k_codes.shape[2], platform=platform))
+  out, lse = _rotated_kernel.rotated_decode_attention_unchecked(
+      q, k_codes, k_scale, v_codes, v_scale, starts, lengths, bits=bits, codebook=codebook,
+      sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret, return_lse=True)
   return out.astype(jax.numpy.float32), lse

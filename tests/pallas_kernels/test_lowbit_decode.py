@@ -200,19 +200,25 @@ def _paged(store, page_size, seed=0):
   return pools, jnp.asarray(tables, jnp.int32)
 
 
-@pytest.mark.parametrize("bits,page_size,num_heads,num_kv,q_dtype", [
-    (4, 32, 8, 2, jnp.float32),
-    pytest.param(2, 16, 32, 1, jnp.bfloat16, marks=pytest.mark.slow),  # fast: the case above
+@pytest.mark.parametrize("bits,schedule,page_size,num_heads,num_kv,q_dtype", [
+    (4, "loop", 32, 8, 2, jnp.float32),
+    (2, "grid", 16, 32, 1, jnp.bfloat16),  # G = 32 in one tile; pages of one group
+    pytest.param(2, "loop", 16, 32, 1, jnp.bfloat16, marks=pytest.mark.slow),
+    pytest.param(4, "grid", 32, 4, 4, jnp.float32, marks=pytest.mark.slow),  # G = 1
 ])
-def test_paged_kernel_matches_the_dense_reference(bits, page_size, num_heads, num_kv, q_dtype):
+def test_paged_kernel_matches_the_dense_reference(bits, schedule, page_size, num_heads, num_kv,
+                                                  q_dtype):
   batch = len(EDGES)
   store = _store(batch, num_kv, 32, bits)
   pools, tables = _paged(store, page_size)
   q = jax.random.normal(jax.random.key(4), (batch, num_heads, 32)).astype(q_dtype)
   lengths = jnp.asarray(EDGES, jnp.int32)
   starts = _starts("inside", lengths)
-  out, lse = lb.paged_kivi_decode_attention(q, *pools, tables, starts, lengths, bits=bits,
-                                            interpret=True, num_splits=2, return_lse=True)
+  # "grid": 3 pages per block, so a block runs past the table (padded with unassigned pages).
+  tunables = dict(pages_per_block=3) if schedule == "grid" else {}
+  (out, lse), counts = lb.paged_kivi_decode_attention(
+      q, *pools, tables, starts, lengths, bits=bits, interpret=True, num_splits=2,
+      return_lse=True, schedule=schedule, count_blocks=True, **tunables)
   ref, ref_lse = _reference(q, *store, starts, lengths, bits=bits, return_lse=True)
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                              atol=TOL[q_dtype], rtol=TOL[q_dtype])
@@ -223,3 +229,9 @@ def test_paged_kernel_matches_the_dense_reference(bits, page_size, num_heads, nu
   with pytest.raises(ValueError, match="block_tables must have one row per sequence"):
     lb.paged_kivi_decode_attention(q, *pools, tables[:2], starts, lengths, bits=bits,
                                    interpret=True)
+  # Pages outside [starts, lengths) are not dequantized (the "grid" schedule counts pages;
+  # at page_size 16 the rows need 0, 1, 2, 2, 3 and 2 of them).
+  if schedule == "grid":
+    first = np.asarray(starts) // page_size
+    last = -(-np.asarray(lengths) // page_size)
+    np.testing.assert_array_equal(np.asarray(counts)[:, 0], np.maximum(last - first, 0))

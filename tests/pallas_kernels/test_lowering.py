@@ -259,7 +259,7 @@ def test_kivi_store_kernel_lowers_or_says_why_not(target, bits, width, option):
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_paged_kivi_store_kernel_lowers_for_cuda_and_says_why_not_for_tpu(target):
+def test_paged_kivi_store_kernel_lowers(target):
   from pallas_kernels import lowbit_decode  # pylint: disable=g-import-not-at-top
   sds, group, width = jax.ShapeDtypeStruct, 32, 64
   codes = sds((NUM_KV, NUM_PAGES, PAGE_SIZE, width // 2), jnp.uint8)
@@ -267,10 +267,9 @@ def test_paged_kivi_store_kernel_lowers_for_cuda_and_says_why_not_for_tpu(target
   v_scale = sds((NUM_KV, NUM_PAGES, PAGE_SIZE, width // group), jnp.float16)
   reason = lowbit_decode.paged_unsupported_reason(codes.shape, k_scale.shape, width,
                                                   platform=target)
-  if target == "tpu":
-    assert reason == "no \"grid\" (TPU) schedule for the paged KIVI store yet"
-    return
   assert reason is None
+  assert "multiple of 64" in lowbit_decode.paged_unsupported_reason(
+      codes.shape, k_scale.shape, 80, platform="tpu")
 
   def f(*args):
     return lowbit_decode.paged_kivi_decode_attention(*args, bits=4, platform=target)
@@ -281,3 +280,48 @@ def test_paged_kivi_store_kernel_lowers_for_cuda_and_says_why_not_for_tpu(target
                                    sds((BATCH, CAPACITY // PAGE_SIZE), jnp.int32), lengths,
                                    lengths), target), target)
   assert len(calls) == 1 and "kvattn_paged_kivi_decode_attention" in calls[0], calls
+
+
+# The rotated codebook store kernel (pallas_kernels/rotated_decode.py): packed 3/4-bit codes
+# with f16 per-token scales, bf16 queries (f32 with the rotation applied around the
+# kernel), S = 256 store slots and 1000 (no whole number of blocks: the "loop" schedule's
+# shifted last block, the "grid" schedule's block past Sq). Accepted configs lower to one
+# custom call of the kernel; head dims the kernel refuses give `unsupported_reason`'s reason.
+ROTATED_GRID = [(target, bits, width, sq, option)
+                for target in TARGETS for bits in (3, 4) for width in (32, 64, 128)
+                for sq in (CAPACITY, 1000) for option in ("plain", "soft_cap+rotation")]
+ROTATED_FAST = {(target,) + case for target in TARGETS
+                for case in [(3, 64, 1000, "soft_cap+rotation"), (4, 128, CAPACITY, "plain"),
+                             (4, 32, CAPACITY, "plain")]}
+ROTATED_REFUSED = {"tpu": {32: r"head dim H=32 is not a multiple of 64 \(TPU lanes\)"}}
+
+
+@pytest.mark.parametrize("target, bits, width, sq, option", [
+    case if case in ROTATED_FAST else pytest.param(*case, marks=pytest.mark.slow)
+    for case in ROTATED_GRID])
+def test_rotated_store_kernel_lowers_or_says_why_not(target, bits, width, sq, option):
+  from pallas_kernels import rotated_decode  # pylint: disable=g-import-not-at-top
+  sds = jax.ShapeDtypeStruct
+  codes = sds((BATCH, NUM_KV, sq, width * bits // 8), jnp.uint8)
+  scale = sds((BATCH, NUM_KV, sq), jnp.float16)
+  lengths = sds((BATCH,), jnp.int32)
+  reason = rotated_decode.unsupported_reason(width, sq, platform=target)
+  refused = ROTATED_REFUSED.get(target, {}).get(width)
+  if refused is not None:
+    assert reason is not None and re.fullmatch(refused, reason), reason
+    return
+  assert reason is None, reason
+  rotate = option == "soft_cap+rotation"
+  codebook = tuple(float(x) for x in range(1 << bits))
+
+  def f(q, k_codes, k_scale, v_codes, v_scale, starts, lengths, rotation=None):
+    return rotated_decode.rotated_decode_attention(
+        q, k_codes, k_scale, v_codes, v_scale, starts, lengths, bits=bits, codebook=codebook,
+        rotation=rotation, soft_cap=30.0 if rotate else None, platform=target,
+        return_lse=True)
+
+  args = (sds((BATCH, NUM_HEADS, width), jnp.float32 if rotate else jnp.bfloat16), codes,
+          scale, codes, scale, lengths, lengths)
+  args += (sds((NUM_KV, width, width), jnp.float32),) if rotate else ()
+  calls = _custom_calls(_lower(f, args, target), target)
+  assert len(calls) == 1 and "kvattn_rotated_decode_attention" in calls[0], calls

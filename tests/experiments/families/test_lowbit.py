@@ -19,9 +19,11 @@ def test_configs_and_sweeps_validate():
       "kivi2-g32-r32", "kivi4-g32-r128-prerope", "dense-bfloat16", "rotated4-r128-lloyd-max",
       "rotated3-r128-lloyd-max", "kivi4-g32-r0", "kivi2-g32-r0", "rotated4-r0-uniform"]
   assert len({p.id for p in points}) == len(points)
-  for arg in ("reduced", "smoke"):
+  for arg in ("reduced", "smoke", "speed"):
     cfg = lowbit_config.get_config(arg)
     assert lowbit.LowbitFamily("/x").points(cfg, lowbit_config.get_sweep(arg))
+  assert [p.label for p in lowbit.LowbitFamily("/x").points(
+      lowbit_config.get_config("speed"), lowbit_config.get_sweep("speed"))] == ["speed"]
   with pytest.raises(ValueError, match="config argument"):
     lowbit_config.get_config("huge")
 
@@ -31,6 +33,9 @@ def test_configs_and_sweeps_validate():
     ({"cache.kind": "kivi4", "cache.residual": 5}, "residual"),
     ({"cache.kind": "rotated4", "cache.group_size": 4}, "not an option"),
     ({"cache.kind": "dense", "cache.residual": 32}, "apply to the low-bit kinds only"),
+    ({"cache.kind": "speed", "speed.caches": ("dense",)}, "needs its dtype"),
+    ({"cache.kind": "speed", "speed.caches": ("kivi5",)}, "kind must be one of"),
+    ({"cache.kind": "speed", "speed.batch": 0}, "speed.batch"),
 ])
 def test_bad_points_fail_before_any_work(overrides, message, tmp_path):
   with pytest.raises(ValueError, match=message):
@@ -72,3 +77,23 @@ def test_peer_step_is_validated_and_joins_the_table(tmp_path):
   with pytest.raises(RuntimeError, match="hf_quantized_cache failed"):
     lowbit.run_peer("python3", {"gguf": str(tmp_path / "none.gguf"), "ids": [1, 2],
                                 "chunk": 1, "new_tokens": 2, "threads": 1, "caches": []})
+
+
+@pytest.mark.slow  # ~1 min on 2 cores (three caches, each compiling its prefill and decode)
+def test_speed_point_times_every_cache_interleaved(tmp_path):
+  cfg = lowbit_config.get_config("smoke")
+  cfg.speed.caches = ("dense:float32", "dense:int8", "kivi4")
+  result = runner.run(cfg, str(tmp_path), [{"cache.kind": "speed"}])
+  assert result.complete and len(result.records) == 1
+  speed = result.records[0]["speed"]
+  assert list(speed) == ["dense:float32", "dense:int8", "kivi4"]
+  assert speed["dense:float32"]["tokens_per_s_vs_f32"] == 1.0
+  assert speed["dense:int8"]["tokens_per_s_vs_int8"] == 1.0
+  for row in speed.values():
+    assert row["decode_tokens_per_s"] > 0 and len(row["step_ms_rounds"]) == 1
+    assert len(row["tokens"][0]) == 2 * 2 + 1  # the first token, then (repeats + 1) * steps
+  # (At this capacity KIVI's residual of 128 holds every token: no store to shrink.)
+  assert speed["dense:int8"]["cache_bytes_per_token"] < speed["dense:float32"][
+      "cache_bytes_per_token"]
+  assert speed["dense:int8"]["greedy_agreement_vs_f32"] > 0.5
+  assert "## Decode speed at batch 2, prompt 40" in (tmp_path / "report.md").read_text()

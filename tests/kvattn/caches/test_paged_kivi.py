@@ -1,7 +1,7 @@
 """Paged KIVI (kvattn/caches/paged_kivi.py): the dense KIVI store, in pages.
 
-  * over shuffled pages of 3 key groups, the paged cache's stored tokens (dequantized) and
-    attention outputs equal the dense `KIVICache`'s bit for bit -- a prefill chunk, then decode
+  * over shuffled pages of 3 key groups, the paged cache's stored tokens (dequantized) equal
+    the dense `KIVICache`'s bit for bit, its attention outputs to f32 rounding -- a prefill chunk, then decode
     steps across page boundaries, rows at store lengths 0, 1 group, page - 1 group, a page,
     page + 1 group and capacity, a window on the decode steps;
   * garbage (codes 255, NaN scales) in every free page and unused slot changes nothing;
@@ -77,7 +77,7 @@ def _run(cache, q, k, v, new_lengths):
 
 
 @pytest.mark.parametrize("bits", [4, pytest.param(2, marks=pytest.mark.slow)])  # fast: one
-def test_paged_equals_dense_bit_for_bit_and_ignores_garbage(bits):
+def test_paged_equals_dense_and_ignores_garbage(bits):
   dense, paged = _caches(bits)
   batch, t = len(PREFILL), max(PREFILL) + STEPS
   keys = jax.random.split(jax.random.key(0), 3)
@@ -88,7 +88,10 @@ def test_paged_equals_dense_bit_for_bit_and_ignores_garbage(bits):
   got, paged_after = _run(paged, q, k, v, new_lengths)
   np.testing.assert_array_equal(np.asarray(paged_after.num_quantized),
                                 [0, 4, 6, 8, 10, 36])  # 0, a group, a page, + a group, full
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # The stores are equal bit for bit; the outputs to f32 rounding: paged and dense attention
+  # are two programs whose reductions XLA compiles apart (an ulp apart with the suite's
+  # elemental emitters, tests/conftest.py).
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
   for a, b in zip(paged_after.dequantized(), dense.dequantized()):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   owned = np.asarray(paged.block_tables)[np.asarray(paged.block_tables) != NO_PAGE]
