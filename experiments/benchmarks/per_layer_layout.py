@@ -13,7 +13,12 @@ layers the dense cache.
   bytes       cache storage bytes of one sequence at each `--lengths` (keys + values, f32 or
               `--cache_dtype`), from the shapes `init_caches` builds (jax.eval_shape, nothing
               allocated), both layouts, and their ratio;
-  decode      one prompt of `--context` tokens of the default corpus prefilled once per layout,
+  decode      one prompt of `--context` tokens of the default corpus prefilled once per layout
+              (`--fill=random`: no prefill; every layer's cache holds `--context` tokens of
+              random keys and values, the rings the same tokens' last W -- what a prefill would
+              leave in them -- so the layouts see the same attention inputs; for contexts whose
+              prefill is too slow to run here, e.g. 32k on 2 cores; the speed is the real
+              decode step's, the tokens mean nothing beyond the layouts' agreement),
               then `--new_tokens` greedy steps through `kvattn.generate`'s compiled decode loop
               (`experiments.framework.timing.timed_decode`, caches donated), `--repeats`
               samples taken round-robin across the layouts so background load hits both alike;
@@ -54,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--cache_dtype", default="float32")
   p.add_argument("--context", type=int, default=1024, help="prompt tokens before decoding "
                  "(0: bytes only)")
+  p.add_argument("--fill", choices=("prefill", "random"), default="prefill",
+                 help="how the decode section's caches get their --context tokens (module doc)")
   p.add_argument("--new_tokens", type=int, default=32)
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--batcher_slots", type=int, default=0,
@@ -70,6 +77,35 @@ def storage_bytes(model, length: int, dtype, layout: str) -> int:
   caches = jax.eval_shape(lambda: model.init_caches(1, length, dtype, local_layers=layout))
   return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
              for c in caches for a in c.storage_arrays())
+
+
+def random_fill(model, context: int, capacity: int, dtype) -> dict:
+  """Both layouts' caches of one sequence holding `context` tokens of random keys and values
+  (N(0, 1), seed 0): the "full" layout's dense caches, and the "ring" layout with each ring
+  holding the same tokens' newest W in their slots (token p in slot p % W) and the global
+  layers the same dense caches. Returns `{layout: caches}`."""
+  from kvattn.caches.window import RingKVCache  # pylint: disable=g-import-not-at-top
+  full = model.init_caches(1, capacity, dtype, local_layers="full")
+  ring = model.init_caches(1, capacity, dtype, local_layers="ring")
+  lengths = jnp.asarray([context], jnp.int32)
+  filled_full, filled_ring = [], []
+  for i, (f, r) in enumerate(zip(full, ring)):
+    keys = jax.random.split(jax.random.fold_in(jax.random.key(0), i))
+    k = jnp.where(jnp.arange(capacity)[:, None] < context,
+                  jax.random.normal(keys[0], f.k.shape), 0).astype(f.k.dtype)
+    v = jnp.where(jnp.arange(capacity)[:, None] < context,
+                  jax.random.normal(keys[1], f.v.shape), 0).astype(f.v.dtype)
+    f = f.replace(k=k, v=v, lengths=lengths)
+    filled_full.append(f)
+    if isinstance(r, RingKVCache):
+      pos = jnp.asarray(r.expected_pos(np.asarray([context])))  # [1, W]
+      take = jnp.maximum(pos, 0)[:, None, :, None]
+      r = r.replace(k=jnp.take_along_axis(k, take, axis=2), v=jnp.take_along_axis(v, take, axis=2),
+                    pos=pos, lengths=lengths)
+    else:
+      r = f
+    filled_ring.append(r)
+  return {"full": tuple(filled_full), "ring": tuple(filled_ring)}
 
 
 def batcher_section(model, tok, args, dtype) -> list[str]:
@@ -138,9 +174,13 @@ def main(argv=None) -> None:
     lengths = jnp.asarray([args.context], jnp.int32)
     capacity = args.context + args.new_tokens
     state = {}
+    filled = random_fill(model, args.context, capacity, dtype) if args.fill == "random" else {}
     for layout in LAYOUTS:
-      caches = model.init_caches(1, capacity, dtype, local_layers=layout)
-      _, first, caches, key = timing.timed_prefill(model, prompts, lengths, caches)
+      if args.fill == "random":
+        first, caches, key = prompts[:, -1], filled[layout], jax.random.key(0)
+      else:
+        caches = model.init_caches(1, capacity, dtype, local_layers=layout)
+        _, first, caches, key = timing.timed_prefill(model, prompts, lengths, caches)
       state[layout] = (first, caches, key)
       timing.timed_decode(model, first, jax.tree.map(jnp.copy, caches), args.new_tokens, key)
     rates, tokens = {layout: [] for layout in LAYOUTS}, {}
@@ -152,13 +192,15 @@ def main(argv=None) -> None:
         rates[layout].append((args.new_tokens - 1) / seconds)
         tokens[layout] = np.asarray(out).tolist()
     same = tokens["full"] == tokens["ring"]
-    lines += ["", f"decode after a {args.context}-token prompt, {args.new_tokens} greedy tokens, "
+    how = ("prompt" if args.fill == "prefill" else
+           "context of random keys and values (--fill=random, no prefill)")
+    lines += ["", f"decode after a {args.context}-token {how}, {args.new_tokens} greedy tokens, "
               f"median of {args.repeats} interleaved samples:", "",
               "| layout | decode tok/s | same tokens as full |", "|---|---|---|"]
     for layout in LAYOUTS:
       lines.append(f"| {layout} | {float(np.median(rates[layout])):.1f} | "
                    f"{'yes' if tokens[layout] == tokens['full'] else 'NO'} |")
-    if tok is not None:
+    if tok is not None and args.fill == "prefill":
       lines.append(f"\ngreedy text: {tok.decode(tokens['ring'][0])!r}")
     if not same:
       lines.append("WARNING: the layouts' greedy tokens differ")
