@@ -21,13 +21,13 @@ Kinds: "ring-layout" (local, local, global, global layers with `--window`; the l
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from experiments.framework import cli
 import kvattn
 from kvattn import memory
 from kvattn.caches import registry
@@ -74,8 +74,9 @@ def measure(kind: str, factor: int | None, *, batch: int, length: int, window: i
           "scatters": hlo.count(" scatter("), "sorts": hlo.count(" sort(")}
 
 
-def main(argv=None) -> list[dict]:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def run(argv=None) -> list[dict]:
+  """The measurement (module doc); returns what it printed."""
+  parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--length", type=int, default=2048, help="cache capacity in tokens")
   parser.add_argument("--window", type=int, default=512, help="local layers' window")
@@ -98,5 +99,9 @@ def main(argv=None) -> list[dict]:
   return rows
 
 
+def main(argv=None) -> None:
+  run(argv)
+
+
 if __name__ == "__main__":
-  main()
+  cli.run_plain(main)

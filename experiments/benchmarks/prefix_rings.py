@@ -19,7 +19,6 @@ pages the hit reused.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -27,6 +26,7 @@ import jax
 import numpy as np
 
 from experiments.evals import models
+from experiments.framework import cli
 from kvattn.inference.batching import ContinuousBatcher
 
 
@@ -42,8 +42,9 @@ def _ttft(batcher, rid, prompt, new):
   return ttft, out
 
 
-def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def run(argv=None) -> dict:
+  """The measurement (module doc); returns what it printed."""
+  parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--model", default="gemma3-270m")
   parser.add_argument("--random_weights", action="store_true")
   parser.add_argument("--system_len", type=int, default=768)
@@ -106,5 +107,9 @@ def main(argv=None) -> dict:
   return {"rows": rows, "stats": stats, "page_bytes": page_bytes}
 
 
+def main(argv=None) -> None:
+  run(argv)
+
+
 if __name__ == "__main__":
-  main()
+  cli.run_plain(main)
