@@ -32,8 +32,8 @@ as `uint8[*out, *in] = w_q + 128`, and multiplies it as the left operand of a
 u8 x s8 -> s32 dot (`u8s8_dot`, which XLA:CPU runs with YNNPACK's AVX512-VNNI
 u8 x s8 kernels, no packing of the weight), subtracting `128 * sum_k x_q`:
 the same int32 accumulator, so the same values bit for bit. (Prefill's many
-rows would amortize the packing; there the left-operand form is 1.2-1.5x slower
-than the s8 x s8 one, a cost taken for one exact code path: docs/benchmarks.md.)
+rows amortize the packing; there the left-operand form is ~1.2x slower than the
+s8 x s8 one, a cost taken for one exact code path: docs/benchmarks.md.)
 
 `google/qwix` 0.1.8 (the JAX quantization library) emits the same dots but was
 not used: its PTQ wraps each weight in a `WithAux` object that only its
