@@ -64,9 +64,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.extend import core as jax_core
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo
 from jax.interpreters import mlir
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import hlo
 
 INT8_MAX = 127
 MIN_ROWS = 2
@@ -236,11 +236,11 @@ def _u8s8_abstract(a, b):
 
 def _u8s8_lower_cpu(ctx, a, b):
   (out,) = ctx.avals_out
-  dims = hlo.DotDimensionNumbers.get(lhs_batching_dimensions=[], rhs_batching_dimensions=[],
-                                     lhs_contracting_dimensions=[1],
-                                     rhs_contracting_dimensions=[1])
+  dims = stablehlo.DotDimensionNumbers.get(
+      lhs_batching_dimensions=[], rhs_batching_dimensions=[], lhs_contracting_dimensions=[1],
+      rhs_contracting_dimensions=[1])
   result = ir.RankedTensorType.get(out.shape, ir.IntegerType.get_signless(32))
-  return [hlo.DotGeneralOp(result, a, b, dims).result]
+  return [stablehlo.DotGeneralOp(result, a, b, dims).result]
 
 
 _u8s8_dot_p.def_abstract_eval(_u8s8_abstract)
