@@ -189,7 +189,8 @@ class GroupedQueryAttention(nnx.Module):
       soft_cap: logit soft cap (Gemma 2), or None.
       dtype: compute dtype (None: the input's dtype).
       param_dtype: parameter storage dtype: a float dtype, or int8 for W8A8
-        (`kvattn.models.int8`: the projections stored int8 with f32
+        (`kvattn.models.int8`: the projections stored packed int8 -- uint8,
+        output-major, `int8.pack_weight` -- with f32
         per-output-channel scales `<name>_scale`, biases f32).
       decode_implementation: backend for T == 1 steps, passed to
         `kvattn.ops.decode_attention` (dense cache) or
@@ -306,8 +307,12 @@ class GroupedQueryAttention(nnx.Module):
     decode loop XLA hoists the loop-invariant concatenation out of the loop)."""
     dtype = self.dtype or x.dtype
     D, N, K, H = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
-    w = jnp.concatenate([self.q_proj[...].reshape(D, N * H), self.k_proj[...].reshape(D, K * H),
-                         self.v_proj[...].reshape(D, K * H)], axis=1)
+    if jnp.dtype(self.q_proj[...].dtype) == int8_lib.UINT8:  # packed: [N, H, D] etc.
+      w = jnp.concatenate([self.q_proj[...].reshape(N * H, D), self.k_proj[...].reshape(
+          K * H, D), self.v_proj[...].reshape(K * H, D)], axis=0)
+    else:
+      w = jnp.concatenate([self.q_proj[...].reshape(D, N * H), self.k_proj[...].reshape(
+          D, K * H), self.v_proj[...].reshape(D, K * H)], axis=1)
     scale = jnp.concatenate([self.q_proj_scale[...].reshape(-1), self.k_proj_scale[...].reshape(
         -1), self.v_proj_scale[...].reshape(-1)])
     out = int8_lib.int8_dot(x, w, scale)  # f32[B, T, (N + 2K) H]

@@ -79,7 +79,8 @@ class SwiGLU(nnx.Module):
   `activation="gelu_tanh"` GeGLU (eq. 5, tanh-approximated GELU, Gemma).
 
   Parameters `gate, up: [D, F]`, `down: [F, D]`; matmuls accumulate in f32.
-  With `param_dtype` int8 (W8A8, `kvattn.models.int8`) the three are int8 with
+  With `param_dtype` int8 (W8A8, `kvattn.models.int8`) the three are stored packed
+  (`int8.pack_weight`: `uint8`, output-major: `gate, up: [F, D]`, `down: [D, F]`) with
   f32 per-output-channel scales `gate_scale, up_scale: [F]`, `down_scale: [D]`.
   """
 
@@ -102,7 +103,9 @@ class SwiGLU(nnx.Module):
     dt = self.dtype
     x = x.astype(dt)
     if hasattr(self, "gate_scale"):  # W8A8: the same products through int8_dot
-      w = jnp.concatenate([self.gate[...], self.up[...]], axis=1)  # int8[D, 2F]
+      # Packed weights are output-major (uint8[F, D], `int8.pack_weight`): stack the rows.
+      axis = 0 if jnp.dtype(self.gate[...].dtype) == int8_lib.UINT8 else 1
+      w = jnp.concatenate([self.gate[...], self.up[...]], axis=axis)  # [2F, D] (int8: [D, 2F])
       w_scale = jnp.concatenate([self.gate_scale[...], self.up_scale[...]])
       g, u = jnp.split(int8_lib.int8_dot(x, w, w_scale), 2, -1)
       h = (jax.nn.silu(g) * u).astype(dt)
@@ -144,13 +147,14 @@ def _value(v):
 def quantize_embeddings(model: "Transformer") -> None:
   """W8A8 (`kvattn.models.int8`) of the embedding table and LM head, in place.
 
-  A tied table `[V, D]` gets one scale per token row (`embedding_scale: f32[V]`):
-  the rows are the LM head's output channels, and the gather dequantizes the
-  rows it reads. An untied `lm_head [D, V]` gets `lm_head_scale: f32[V]` and
-  the embedding keeps one scale per row as well.
+  A tied table `[V, D]` gets one scale per token row (`embedding_scale: f32[V]`) and
+  is stored packed (`int8.pack_weight`: `uint8[V, D]`, its layout kept): the rows
+  are the LM head's output channels, and the gather dequantizes the rows it reads.
+  An untied `lm_head [D, V]` is stored packed as `uint8[V, D]` with
+  `lm_head_scale: f32[V]`, and the embedding keeps one scale per row as well.
   """
   w_q, scale = int8_lib.quantize_weight(model.embedding[...].T, 1)
-  model.embedding = nnx.Param(w_q.T)
+  model.embedding = nnx.Param(int8_lib.pack_weight(w_q, 1))
   model.embedding_scale = nnx.Param(scale)
   if model.lm_head is not None:
     int8_lib.quantize_param(model, "lm_head", 1)
@@ -184,9 +188,10 @@ def quantize_model(model: "Transformer") -> "Transformer":
 def head_logits(h: jax.Array, table: jax.Array, table_scale: jax.Array | None,
                 head: jax.Array | None, head_scale: jax.Array | None) -> jax.Array:
   """f32 logits `[..., V]` of hidden states `h [..., D]`: against the tied `table [V, D]`
-  when `head` is None, else against `head [D, V]`; through `int8_dot` for int8 weights."""
+  when `head` is None, else against `head [D, V]` (packed int8: `uint8[V, D]`); through
+  `int8_dot` for int8 weights."""
   if head is None:
-    if table_scale is not None:
+    if table_scale is not None:  # packed uint8 [V, D], or an unpacked int8 [V, D] table
       return int8_lib.int8_dot(h, table, table_scale, transposed=True)
     return jnp.einsum("...D,VD->...V", h, table.astype(h.dtype),
                       preferred_element_type=jnp.float32)
@@ -244,9 +249,12 @@ class Block(nnx.Module):
 def embed(embedding: jax.Array, scale: jax.Array | None, tokens: jax.Array,
           spec: ModelSpec) -> jax.Array:
   """`[B, T, D]` embeddings: rows `tokens` of `embedding [V, D]` (times their `scale f32[V]`
-  for an int8 table) in the compute dtype, times sqrt(D) when `spec.scale_embeddings`
-  (Gemma; the factor rounded to the compute dtype, as Gemma does)."""
+  for an int8 table: packed `uint8` minus its offset, or plain `int8`) in the compute dtype,
+  times sqrt(D) when `spec.scale_embeddings` (Gemma; the factor rounded to the compute dtype,
+  as Gemma does)."""
   x = jnp.take(embedding, tokens, axis=0)
+  if jnp.dtype(x.dtype) == int8_lib.UINT8:  # a packed int8 table (`int8.pack_weight`)
+    x = x.astype(jnp.int32) - int8_lib.WEIGHT_OFFSET
   if scale is not None:
     x = x.astype(jnp.float32) * jnp.take(scale, tokens, axis=0)[..., None]
   x = x.astype(spec.dtype)

@@ -88,6 +88,60 @@ def test_quantize_weight_bounds_and_edges():
     int8.quantize_weight(w.at[0, 0].set(jnp.inf), 1)
 
 
+@pytest.mark.parametrize("rows", [0, 1, 7, 64])
+@pytest.mark.parametrize("w_shape,num_in", [
+    ((16, 24), 1),  # a plain [D, F] weight
+    ((16, 3, 8), 1),  # q_proj [D, N, H]
+    ((3, 8, 16), 2),  # o_proj [N, H, D]
+    ((16, 40), 1),  # an LM head [D, V]
+])
+def test_packed_weights_give_the_int8_products_bit_for_bit(rows, w_shape, num_in):
+  """The stored form (uint8, output-major: pack_weight) through the u8 x s8 dot equals the
+  int8 weight through the s8 x s8 dot and the integer reference, exactly."""
+  w_q, scale = int8.quantize_weight(_rand(w_shape, 1), num_in)
+  w_p = int8.pack_weight(w_q, num_in)
+  out_shape, in_shape = w_shape[num_in:], w_shape[:num_in]
+  assert w_p.dtype == jnp.uint8 and w_p.shape == out_shape + in_shape
+  np.testing.assert_array_equal(np.asarray(int8.unpack_weight(w_p, len(out_shape))),
+                                np.asarray(w_q))
+  x = _rand((rows,) + in_shape, 2, 3.0)
+  if rows > 2:
+    x = x.at[2].set(0.0).at[1, 0].set(1e-30)  # a zero row; a row with a tiny entry
+  got = jax.jit(int8.int8_dot)(x, w_p, scale)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(int8.int8_dot(x, w_q, scale)))
+  np.testing.assert_array_equal(np.asarray(got),
+                                np.asarray(int8.int8_dot_reference(x, w_p, scale)))
+  np.testing.assert_array_equal(np.asarray(int8.dequantize_weight(w_p, scale)), np.moveaxis(
+      np.asarray(int8.dequantize_weight(w_q, scale)), tuple(range(num_in)),
+      tuple(range(w_q.ndim - num_in, w_q.ndim))))
+  with pytest.raises(ValueError, match="input features"):
+    int8.int8_dot(_rand((2, 5)), w_p, scale)
+
+
+def test_u8s8_dot_is_exact_at_the_int8_extremes_and_checks_its_operands():
+  a = jnp.asarray(np.array([[0, 255, 128], [255, 255, 255]], np.uint8))
+  b = jnp.asarray(np.array([[-127, 127, 0], [-128, -128, -128]], np.int8))
+  want = np.asarray(a, np.int64) @ np.asarray(b, np.int64).T
+  np.testing.assert_array_equal(np.asarray(jax.jit(int8.u8s8_dot)(a, b)), want)
+  np.testing.assert_array_equal(np.asarray(int8.u8s8_dot(a, b)), want)  # eager
+  with pytest.raises(TypeError, match="uint8"):
+    int8.u8s8_dot(b, b)
+  with pytest.raises(TypeError, match="uint8"):
+    int8.u8s8_dot(a, b[:, :2])
+
+
+def test_a_packed_weight_runs_one_u8_x_s8_dot_with_the_weight_on_the_left():
+  """The form XLA:CPU runs without repacking the weight: 2-D u8[N, K] x s8[M, K] -> s32[N, M],
+  a single row padded to MIN_ROWS."""
+  w_p = int8.pack_weight(int8.quantize_weight(_rand((16, 24)), 1)[0], 1)
+  scale = jnp.ones((24,), jnp.float32)
+  hlo = jax.jit(lambda x: int8.int8_dot(x, w_p, scale)).lower(_rand((1, 1, 16))).as_text()
+  dots = [line for line in hlo.splitlines() if "dot_general" in line]
+  assert len(dots) == 1
+  assert "tensor<24x16xui8>" in dots[0] and f"tensor<{int8.MIN_ROWS}x16xi8>" in dots[0]
+  assert f"-> tensor<24x{int8.MIN_ROWS}xi32>" in dots[0]
+
+
 def test_a_single_row_is_padded_into_a_2d_s8_dot():
   """The form XLA:CPU runs fast (module doc): 2-D s8 x s8 -> s32, at least MIN_ROWS rows."""
   w_q, scale = int8.quantize_weight(_rand((16, 24)), 1)
@@ -118,10 +172,14 @@ def test_config_param_dtype_int8_builds_int8_weights_with_f32_scales():
                                           rngs=nnx.Rngs(0))
   assert m.spec.param_dtype == jnp.int8
   attn, mlp = m.layers[0].attn, m.layers[0].mlp
-  for w, s, out in ((attn.q_proj, attn.q_proj_scale, (4, 8)), (attn.o_proj, attn.o_proj_scale,
-                    (32,)), (mlp.gate, mlp.gate_scale, (64,)), (m.lm_head, m.lm_head_scale,
-                    (259,)), (m.embedding, m.embedding_scale, (259,))):
-    assert w[...].dtype == jnp.int8 and s[...].dtype == jnp.float32 and s[...].shape == out
+  for w, s, out, inp in ((attn.q_proj, attn.q_proj_scale, (4, 8), (32,)),
+                         (attn.o_proj, attn.o_proj_scale, (32,), (4, 8)),
+                         (mlp.gate, mlp.gate_scale, (64,), (32,)),
+                         (m.lm_head, m.lm_head_scale, (259,), (32,)),
+                         (m.embedding, m.embedding_scale, (259,), (32,))):
+    # Stored packed: uint8, output channels first (int8.pack_weight).
+    assert w[...].dtype == jnp.uint8 and w[...].shape == out + inp
+    assert s[...].dtype == jnp.float32 and s[...].shape == out
   assert m.layers[0].attn_norm.scale[...].dtype == jnp.float32
   with pytest.raises(ValueError, match="model.param_dtype"):
     transformer.resolve_config(_config(param_dtype="int16"))
@@ -155,7 +213,7 @@ def test_mla_layers_take_int8_projections():
   cfg = _config(param_dtype="int8", layers=({}, {"kind": "mla"}))
   m = transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
   mla = m.layers[1].attn
-  assert mla.kv_down_proj[...].dtype == jnp.int8 and mla.k_up_proj[...].dtype == jnp.float32
+  assert mla.kv_down_proj[...].dtype == jnp.uint8 and mla.k_up_proj[...].dtype == jnp.float32
   ref = transformer.Transformer.from_config(_config(layers=({}, {"kind": "mla"})),
                                             rngs=nnx.Rngs(0))
   tokens = jnp.arange(10, dtype=jnp.int32)[None]
@@ -207,6 +265,43 @@ def test_batcher_with_int8_weights_gives_each_sequence_its_tokens_alone(models):
     padded[0, :len(prompt)] = prompt
     want, _ = generate(w8, padded, np.array([len(prompt)], np.int32), new)
     np.testing.assert_array_equal(results[rid].tokens, np.asarray(want)[0], err_msg=rid)
+
+
+def _unpacked(model):
+  """A copy of a W8A8 model with every packed weight back in its int8 `[*in, *out]` form
+  (the tied table as int8 `[V, D]`): the s8 x s8 path."""
+  out = nnx.clone(model)
+  for _, module in nnx.iter_graph(out):
+    if not isinstance(module, nnx.Module):
+      continue
+    for name, _ in int8.QUANTIZED_WEIGHTS.get(type(module).__name__, ()):
+      w, s = getattr(module, name, None), getattr(module, name + "_scale", None)
+      if w is not None and s is not None:
+        setattr(module, name, nnx.Param(int8.unpack_weight(w[...], s[...].ndim)))
+  out.embedding = nnx.Param(int8.unpack_weight(out.embedding[...], 1).T)
+  return out
+
+
+def test_packed_model_gives_the_unpacked_int8_logits_exactly(models):
+  _, w8 = models
+  old = _unpacked(w8)
+  assert old.layers[0].mlp.gate[...].dtype == jnp.int8 and old.embedding[...].dtype == jnp.int8
+  tokens = jnp.asarray(np.random.default_rng(3).integers(0, 259, (2, 7)), jnp.int32)
+
+  def logits(model):
+    graphdef, state = nnx.split(model)
+    return jax.jit(lambda state: nnx.merge(graphdef, state)(tokens)[0])(state)
+
+  np.testing.assert_array_equal(np.asarray(logits(w8)), np.asarray(logits(old)))
+
+
+@pytest.mark.slow  # ~15 CPU-seconds: two generate compiles
+def test_packed_model_decodes_the_unpacked_int8_tokens(models, prompts):
+  _, w8 = models
+  old = _unpacked(w8)
+  want, _ = generate(old, prompts, PROMPT_LENGTHS, 5)
+  got, _ = generate(w8, prompts, PROMPT_LENGTHS, 5)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_gqa_fused_int8_qkv_equals_three_separate_products(models):
