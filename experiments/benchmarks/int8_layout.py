@@ -1,9 +1,9 @@
 """int8 weights as stored (packed uint8, u8 x s8 dots) against the same int8 values in the
 previous layout (int8 [in, out], s8 x s8 dots), interleaved in one process (issue 31).
 
-    python -m experiments.benchmarks.int8_layout        # env: STEPS (64), ROUNDS (5)
+    python -m experiments.benchmarks.int8_layout --steps=64 --rounds=5
 
-SmolLM2-135M-Instruct, batch 1, a 512-token prompt, STEPS greedy decode steps through
+SmolLM2-135M-Instruct, batch 1, a 512-token prompt, --steps greedy decode steps through
 generate's compiled loop, then prefill of the prompt; every round times each model once.
 Prints whether the two decode the same tokens, wall and process-CPU times per step / token,
 and the per-round ratios (docs/benchmarks.md, issue 31, second round).
@@ -16,15 +16,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from experiments.framework import cli
 import kvattn
 from kvattn.inference import generation as g
 from kvattn.models import int8
 
 
-def main():
-  STEPS = int(os.environ.get("STEPS", 64))
-  P = 512
-  ROUNDS = int(os.environ.get("ROUNDS", 5))
+def main(argv=None) -> None:
+  parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--steps", type=int, default=64, help="greedy decode steps per sample")
+  parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+  args = parser.parse_args(argv)
+  STEPS, ROUNDS, P = args.steps, args.rounds, 512  # pylint: disable=invalid-name
   model, tok = kvattn.from_pretrained("smollm2-135m-instruct", param_dtype="int8")
   def unpacked(model):
     out = nnx.clone(model)
@@ -76,4 +80,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  cli.run_plain(main)
