@@ -30,18 +30,7 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   STEPS, ROUNDS, P = args.steps, args.rounds, 512  # pylint: disable=invalid-name
   model, tok = kvattn.from_pretrained("smollm2-135m-instruct", param_dtype="int8")
-  def unpacked(model):
-    out = nnx.clone(model)
-    for _, module in nnx.iter_graph(out):
-      if not isinstance(module, nnx.Module):
-        continue
-      for name, _ in int8.QUANTIZED_WEIGHTS.get(type(module).__name__, ()):
-        w, s = getattr(module, name, None), getattr(module, name + "_scale", None)
-        if w is not None and s is not None:
-          setattr(module, name, nnx.Param(int8.unpack_weight(w[...], s[...].ndim)))
-    out.embedding = nnx.Param(int8.unpack_weight(out.embedding[...], 1).T)
-    return out
-  models = {"packed u8 (new)": model, "unpacked s8 (old)": unpacked(model)}
+  models = {"packed u8 (new)": model, "unpacked s8 (old)": int8.unpacked_model(model)}
   prompts = jnp.asarray(np.random.RandomState(0).randint(100, 20000, (1, P)), jnp.int32)
   lens = jnp.array([P], jnp.int32)
   state = {}

@@ -263,6 +263,23 @@ def unpack_weight(w_p: jax.Array, num_out: int) -> jax.Array:
   return (jnp.transpose(w_p, axes).astype(jnp.int16) - WEIGHT_OFFSET).astype(jnp.int8)
 
 
+def unpacked_model(model: nnx.Module) -> nnx.Module:
+  """A copy of a W8A8 model with every stored weight back in the plain int8 form
+  (`int8[*in, *out]`; the tied table `int8[V, D]`), which `int8_dot` runs as s8 x s8 dots
+  instead of the packed form's u8 x s8: the same integer products (tests compare the two;
+  experiments/benchmarks/int8_layout.py times them). The model is not changed."""
+  out = nnx.clone(model)
+  for _, module in nnx.iter_graph(out):
+    if not isinstance(module, nnx.Module):
+      continue
+    for name, _ in QUANTIZED_WEIGHTS.get(type(module).__name__, ()):
+      w, s = getattr(module, name, None), getattr(module, name + "_scale", None)
+      if w is not None and s is not None:
+        setattr(module, name, nnx.Param(unpack_weight(w[...], s[...].ndim)))
+  out.embedding = nnx.Param(unpack_weight(out.embedding[...], 1).T)
+  return out
+
+
 def int8_dot_reference(x: jax.Array, w_q: jax.Array, w_scale: jax.Array, *,
                        transposed: bool = False) -> jax.Array:
   """Pure-jnp reference of `int8_dot`: the same quantization, the product as an int32

@@ -267,24 +267,9 @@ def test_batcher_with_int8_weights_gives_each_sequence_its_tokens_alone(models):
     np.testing.assert_array_equal(results[rid].tokens, np.asarray(want)[0], err_msg=rid)
 
 
-def _unpacked(model):
-  """A copy of a W8A8 model with every packed weight back in its int8 `[*in, *out]` form
-  (the tied table as int8 `[V, D]`): the s8 x s8 path."""
-  out = nnx.clone(model)
-  for _, module in nnx.iter_graph(out):
-    if not isinstance(module, nnx.Module):
-      continue
-    for name, _ in int8.QUANTIZED_WEIGHTS.get(type(module).__name__, ()):
-      w, s = getattr(module, name, None), getattr(module, name + "_scale", None)
-      if w is not None and s is not None:
-        setattr(module, name, nnx.Param(int8.unpack_weight(w[...], s[...].ndim)))
-  out.embedding = nnx.Param(int8.unpack_weight(out.embedding[...], 1).T)
-  return out
-
-
 def test_packed_model_gives_the_unpacked_int8_logits_exactly(models):
   _, w8 = models
-  old = _unpacked(w8)
+  old = int8.unpacked_model(w8)
   assert old.layers[0].mlp.gate[...].dtype == jnp.int8 and old.embedding[...].dtype == jnp.int8
   tokens = jnp.asarray(np.random.default_rng(3).integers(0, 259, (2, 7)), jnp.int32)
 
@@ -298,7 +283,7 @@ def test_packed_model_gives_the_unpacked_int8_logits_exactly(models):
 @pytest.mark.slow  # ~15 CPU-seconds: two generate compiles
 def test_packed_model_decodes_the_unpacked_int8_tokens(models, prompts):
   _, w8 = models
-  old = _unpacked(w8)
+  old = int8.unpacked_model(w8)
   want, _ = generate(old, prompts, PROMPT_LENGTHS, 5)
   got, _ = generate(w8, prompts, PROMPT_LENGTHS, 5)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
