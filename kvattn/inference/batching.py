@@ -94,7 +94,9 @@ only): each step drafts k tokens per live slot by prompt lookup over the slot's 
 model (dense caches, one row per slot, prefilled with the prompt at join; one device),
 verifies `[last, d_1..d_k]` in one
 pass through a cache transaction (`kvattn.caches.transaction`; paged caches roll back by
-lengths) and keeps, per slot, the last token and its accepted drafts: each sequence
+lengths, rings (`local_layers="ring"`) from the transaction's undo log: the slots rejected
+drafts overwrote get their old keys, values and positions back, then the kept tokens are
+rewritten) and keeps, per slot, the last token and its accepted drafts: each sequence
 emits 1..k + 1 tokens per step, token for token what the batcher without speculation
 emits. A slot writes at most `min(k + 1, tokens it still owes)` tokens (so the cache never
 exceeds `max_len`); before the step its allocation grows to hold them, and after it
@@ -414,8 +416,8 @@ class ContinuousBatcher:
         whose `decode_implementation` is "xla_pool"; `speculative` that is not a
         drafter (TypeError), with `temperature` > 0, a draft model on another
         vocabulary or with dense-incompatible caches, or a `DraftModel` with a mesh;
-        `local_layers` not in ("full", "ring"), or "ring" with `speculative`, or with
-        `prefix_cache` and a mesh, when some layer gets a ring; `max_ring_snapshots` not a
+        `local_layers` not in ("full", "ring"), or "ring" with `prefix_cache` and a mesh,
+        when some layer gets a ring; `max_ring_snapshots` not a
         positive int; a `cache` kind the batcher does not schedule, or a low-bit kind with
         `prefix_cache` and a residual, `speculative`, `offload` or `local_layers="ring"`
         (each naming the option).
@@ -497,10 +499,6 @@ class ContinuousBatcher:
       raise ValueError(
           "prefix_cache=True with local_layers='ring' runs on one device: mesh must be None "
           f"(ring snapshots are not placed on a mesh); got a mesh of shape {dict(mesh.shape)}")
-    if rings and speculative is not None:
-      raise ValueError("speculative needs local_layers='full' for this model (a verify pass "
-                       "rolls caches back by lengths; a ring overwrites the slots it would "
-                       f"restore); layers {sorted(rings)} have windows shorter than max_len")
     self.ring_layers = tuple(sorted(rings))
     num_pages = _checks.positive_int("num_pages", num_pages)
     shards = 1 if mesh is None else int(mesh.shape["data"])  # data-parallel groups

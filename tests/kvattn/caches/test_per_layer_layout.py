@@ -127,9 +127,6 @@ def test_batcher_with_rings_gives_the_full_layouts_tokens(gemma3):
   assert ringed.stats()["used_pages"] == 0
   with pytest.raises(ValueError, match="local_layers must be one of"):
     kvattn.ContinuousBatcher(model, local_layers="rings", **opts)
-  with pytest.raises(ValueError, match="speculative needs local_layers='full'"):
-    kvattn.ContinuousBatcher(model, local_layers="ring",
-                             speculative=kvattn.inference.speculative.PromptLookup(2), **opts)
 
 
 def test_ring_truncate_keeps_only_what_the_window_still_holds():

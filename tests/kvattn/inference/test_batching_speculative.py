@@ -2,12 +2,15 @@
 batcher without speculation; rejected drafts' pages go back; shared prefix pages unwritten."""
 
 import functools
+import pathlib
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+import kvattn
+from kvattn.caches import registry
 from kvattn.inference.batching import ContinuousBatcher
 from kvattn.inference.speculative import DraftModel, PromptLookup
 from kvattn.models import transformer
@@ -165,3 +168,118 @@ def test_speculative_batcher_bad_arguments():
   other = transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(1))
   with pytest.raises(ValueError, match="share the target's vocabulary"):
     _batcher(speculative=DraftModel(other, 2))
+
+
+# Rings (`local_layers="ring"`) on the tiny Gemma 3 fixture: a local layer of window 4, then a
+# global layer. With k = 4 a verify pass writes 5 tokens into a ring of 4 slots, so every pass
+# wraps the ring inside itself (and the 6- to 11-token prompts wrapped it already); the
+# transaction restores the slots rejected drafts overwrote from its undo log.
+
+GEMMA3 = pathlib.Path(__file__).resolve().parents[2] / "fixtures" / "hf" / "gemma3"
+
+
+@functools.lru_cache(maxsize=None)
+def _gemma3():
+  model, _ = kvattn.from_pretrained(GEMMA3)
+  arrays = np.load(GEMMA3 / "expected.npz")
+  fixture = [arrays[f"tokens_{i}"] for i in range(2)]
+  rng = np.random.default_rng(1)
+  drawn = [rng.integers(3, 128, 11).astype(np.int32) for _ in range(8)]
+  # (id, prompt, max_new_tokens): "b" turns from one repeated token to another mid-pass
+  # (partial acceptance), the others repeat (full acceptance); budgets cut passes short.
+  requests = [("a", fixture[0][:11], 14), ("b", drawn[7], 14), ("c", fixture[1][:6], 9),
+              ("d", drawn[7][:9], 12), ("e", drawn[6], 11)]
+  return model, requests
+
+
+def _ring_batcher(model, **kw):
+  return ContinuousBatcher(model, num_slots=2, num_pages=40, page_size=PAGE, max_len=11 + 14,
+                           max_prompt_len=11, local_layers="ring", seed=0, **kw)
+
+
+def _serve_rings(batcher, requests):
+  """`batcher.run(requests)`, returning also, per step, the tokens each live sequence
+  gained, and, per (request, tokens in its cache), its ring row after a step: `pos` and the
+  keys and values of the slots holding a token. Checks each row holds exactly what a ring
+  of its length keeps (`expected_pos`; with the prefix cache, of the tokens its window of
+  4 still sees): no rejected draft's position is left behind."""
+  queue, done, gained, rings = list(requests), {}, [], {}
+  while queue or batcher.active:
+    while queue and batcher.can_add(len(queue[0][1])):
+      rid, prompt, new = queue.pop(0)
+      result = batcher.add(rid, prompt, new)
+      if not isinstance(result, int):
+        done[rid] = result
+    before = {s.request_id: len(s.tokens) for s in batcher._slots if s is not None}  # pylint: disable=protected-access
+    ring = batcher.caches[0]
+    assert ring.lengths.tolist() == [0 if s is None else s.cache_len for s in batcher._slots]  # pylint: disable=protected-access
+    pos, lengths = np.asarray(ring.pos), np.asarray(ring.lengths)
+    want = ring.expected_pos(lengths)
+    # A row restored from a prefix snapshot holds only the last W = 4 tokens (W + page_size
+    # - 1 slots): slots of older tokens, which no query attends, may be empty.
+    unseen = (pos == -1) & (want < lengths[:, None] - 4)
+    np.testing.assert_array_equal(np.where(unseen, want, pos), want)
+    for slot, live in enumerate(batcher._slots):  # pylint: disable=protected-access
+      if live is not None:
+        held = pos[slot] >= 0
+        rings[live.request_id, live.cache_len] = (
+            pos[slot], np.asarray(ring.k[slot])[:, held], np.asarray(ring.v[slot])[:, held])
+    for f in batcher.step():
+      done[f.request_id] = f
+    gained.append({rid: len((done[rid] if rid in done else
+                             batcher._slots[batcher.active[rid]]).tokens) - n  # pylint: disable=protected-access
+                   for rid, n in before.items()})
+  return done, gained, rings
+
+
+def test_speculative_batcher_with_rings_equals_plain_batcher_and_generate():
+  model, requests = _gemma3()
+  plain, _, plain_rings = _serve_rings(_ring_batcher(model), requests)
+  batcher = _ring_batcher(model, speculative=PromptLookup(4))
+  spec, gained, rings = _serve_rings(batcher, requests)
+  _check_same(spec, plain, requests)
+  # generate (dense global layer, ring local layer) gives the same tokens.
+  prompts = np.zeros((len(requests), 11), np.int32)
+  for b, (_, prompt, _) in enumerate(requests):
+    prompts[b, :len(prompt)] = prompt
+  factory = registry.cache_factory_from_config(model, {"kind": "dense"}, local_layers="ring")
+  out, _ = kvattn.generate(model, prompts, np.asarray([len(p) for _, p, _ in requests]), 14,
+                           cache_factory=factory)
+  for b, (rid, _, new) in enumerate(requests):
+    assert np.asarray(out[b])[:new].tolist() == spec[rid].tokens.tolist(), rid
+  # Acceptance both ways: full passes (k + 1 tokens) and a partial one (the pass of "b"
+  # that keeps 35, 35 and corrects the third draft to 11), not cut by the budget.
+  emitted = [n for step in gained for n in step.values()]
+  assert emitted.count(5) >= 5 and gained[0] == {"a": 5, "b": 3}, gained
+  assert spec["b"].tokens.tolist()[:4] == [35, 35, 35, 11]
+  assert 0 < batcher.spec_stats["accepted"] < batcher.spec_stats["drafted"]
+  # After every verify pass each ring row is the plain batcher's ring at the same length:
+  # the slots rejected drafts overwrote hold their old tokens again.
+  assert len(rings) > 8 and set(rings) <= set(plain_rings)
+  for key, (pos, k, v) in rings.items():
+    want_pos, want_k, want_v = plain_rings[key]
+    np.testing.assert_array_equal(pos, want_pos, err_msg=str(key))
+    np.testing.assert_allclose(k, want_k, rtol=1e-5, atol=1e-5, err_msg=str(key))
+    np.testing.assert_allclose(v, want_v, rtol=1e-5, atol=1e-5, err_msg=str(key))
+  assert batcher.traces["spec_step"] == 1 and batcher.free_slots == [0, 1]
+  assert np.asarray(batcher.caches[0].pos).max() == -1  # retired rows are empty again
+
+
+@pytest.mark.slow  # ~10 CPU-seconds: three batchers compiled
+def test_speculative_batcher_with_rings_and_prefix_cache_or_a_draft_model():
+  """Rings of W + page_size - 1 slots (the prefix cache's, snapshotted at page boundaries)
+  and a draft model's own caches: the same tokens as the plain batcher with rings."""
+  model, requests = _gemma3()
+  plain, _, _ = _serve_rings(_ring_batcher(model), requests)
+  cached = _ring_batcher(model, prefix_cache=True, speculative=PromptLookup(4))
+  assert cached.caches[0].capacity == 4 + PAGE - 1
+  spec, gained, _ = _serve_rings(cached, requests)
+  _check_same(spec, plain, requests)
+  # "d" is a prefix of "b": it hits b's cached pages and the ring snapshot at their end.
+  assert cached.prefill_tokens < sum(len(p) for _, p, _ in requests)
+  assert 0 < cached.spec_stats["accepted"] < cached.spec_stats["drafted"]
+  assert 5 in [n for step in gained for n in step.values()]
+  drafted = _ring_batcher(model, speculative=DraftModel(model.truncated(1), 3))
+  spec, _, _ = _serve_rings(drafted, requests)
+  _check_same(spec, plain, requests)
+  assert 0 < drafted.spec_stats["accepted"], drafted.spec_stats
