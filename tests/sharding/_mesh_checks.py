@@ -325,6 +325,10 @@ def check_ring_batcher(mesh_shape) -> dict:
   batcher = kvattn.ContinuousBatcher(model, mesh=mesh, local_layers="ring", **opts)
   got = batcher.run(requests)
   same = all(list(got[i].tokens) == list(want[i].tokens) for i in want)
+  # speculation with rings on the mesh: each ring commits from the transaction's undo log
+  spec = kvattn.ContinuousBatcher(model, mesh=mesh, local_layers="ring",
+                                  speculative=PromptLookup(4), **opts)
+  spec_same = all(list(f.tokens) == list(want[i].tokens) for i, f in spec.run(requests).items())
   ring = batcher.caches[0]
   share = sum(a.nbytes for a in ring.storage_arrays()) // mesh_shape[0]
   per_device = set(sharding.per_device_bytes(ring.storage_arrays()).values())
@@ -342,7 +346,8 @@ def check_ring_batcher(mesh_shape) -> dict:
   return dict(mesh=list(mesh_shape), tokens_equal=same, per_device=sorted(per_device),
               share=share, kinds=[type(c).__name__ for c in batcher.caches],
               generate_tokens_equal=gen_same, generate_kinds=kinds_gen,
-              ok=same and gen_same and per_device == {share}
+              speculative_tokens_equal=spec_same,
+              ok=same and gen_same and spec_same and per_device == {share}
               and isinstance(ring, kvattn.RingKVCache))
 
 

@@ -83,6 +83,7 @@ def test_batcher_with_rings_on_a_mesh():
   assert all(r["kinds"] == ["RingKVCache", "ShardedPagedKVCache"] for r in results)
   assert all(r["generate_tokens_equal"] for r in results)  # sharded.cache_factory(local_layers=)
   assert all(r["generate_kinds"] == ["RingKVCache", "ShardedKVCache"] for r in results)
+  assert all(r["speculative_tokens_equal"] for r in results)  # rings commit from undo logs
 
 
 @pytest.mark.slow  # ~45 CPU-seconds: generate and two batchers compiled on 4 simulated devices
