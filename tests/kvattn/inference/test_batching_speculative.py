@@ -265,7 +265,7 @@ def test_speculative_batcher_with_rings_equals_plain_batcher_and_generate():
   assert np.asarray(batcher.caches[0].pos).max() == -1  # retired rows are empty again
 
 
-@pytest.mark.slow  # ~10 CPU-seconds: three batchers compiled
+@pytest.mark.slow  # ~8 CPU-seconds: three batchers compiled
 def test_speculative_batcher_with_rings_and_prefix_cache_or_a_draft_model():
   """Rings of W + page_size - 1 slots (the prefix cache's, snapshotted at page boundaries)
   and a draft model's own caches: the same tokens as the plain batcher with rings."""
