@@ -110,11 +110,16 @@ Low-bit pools (`cache="paged_kivi2"` / `"paged_kivi4"` or a registry spec with K
 `kvattn.caches.paged_kivi.PagedKIVICache`): the packed 2/4-bit store lives in the pool, the
 full-precision residual ring per slot. The allocator counts store tokens (`g * max(0, (n -
 residual) // g)` of n tokens): a sequence gets a page when a flush needs one. With the prefix
-cache (only with `residual=0`: the shared pages hold packed codes, not the newest tokens in full
-precision) prompts are prefilled a page at a time, so the state after m pages depends only on
-those pages' tokens and a hit restores it bit for bit; only prompt pages are registered. Refused
-with low-bit pools (ValueError naming the option): `residual > 0` with `prefix_cache`,
-`speculative`, `local_layers="ring"`, `offload`.
+cache prompts are prefilled a page at a time, so the state after m pages depends only on
+those pages' tokens and a hit restores it bit for bit; only prompt pages are registered. With
+a residual R > 0 the shared pages hold the packed store of tokens `[0, m - R)` only: the
+newest R tokens of every layer, in full precision, are the block's boundary state
+(`ResidualSnapshots`, as the rings' snapshots above: bounded by `max_ring_snapshots`, counted
+in `stats()`), restored into the slot's ring on a hit. A flush drops a group's full precision,
+so the prefill is split at the prompt's last page boundary and snapshotted there. A hit row
+flushes the prefix's last R tokens into the shared pages, the bytes any row continuing that
+prefix writes there. Refused with low-bit pools (ValueError naming the option): a mesh with
+`prefix_cache` and R > 0, `speculative`, `local_layers="ring"`, `offload`.
 
 Exhaustion: `add` raises `OutOfPagesError` (or `NoFreeSlotError`) before
 anything changes; check `can_add` first. If a running sequence cannot get its
@@ -482,7 +487,8 @@ class ContinuousBatcher:
         tokens), the other (global) layers the paged pools of `num_pages` pages, one block
         table for all of them. With `prefix_cache` the rings hold `W + page_size - 1`
         slots and each cached prefix keeps a snapshot of them (module docstring).
-      max_ring_snapshots: with `prefix_cache` and rings, the most ring snapshots kept
+      max_ring_snapshots: with `prefix_cache` and rings (or low-bit pools with a residual:
+        their residual rings' snapshots, `ResidualSnapshots`), the most ring snapshots kept
         (least recently used dropped first; a prefix whose snapshot is gone no longer
         hits at that length). Default `4 * num_slots`. Their bytes: `stats()`.
       cache: the pools' kind (`BATCHER_CACHE_KINDS`): None or "paged" (`PagedKVCache`, in
@@ -501,8 +507,8 @@ class ContinuousBatcher:
         `local_layers` not in ("full", "ring"), or "ring" with `speculative`, or with
         `prefix_cache` and a mesh, when some layer gets a ring; `max_ring_snapshots` not a
         positive int; a `cache` kind the batcher does not schedule, or a low-bit kind with
-        `prefix_cache` and a residual, `speculative`, `offload` or `local_layers="ring"`
-        (each naming the option).
+        `prefix_cache`, a residual and a mesh, or with `speculative`, `offload` or
+        `local_layers="ring"` (each naming the option).
     """
     self.num_slots = _checks.positive_int("num_slots", num_slots)
     self.page_size = _checks.positive_int("page_size", page_size)
