@@ -191,10 +191,10 @@ def test_prefix_hits_with_a_residual_restore_the_ring_bit_for_bit():
   batcher.allocator.check()
 
 
-@pytest.mark.slow  # ~60 CPU-seconds: seven batchers' programs
-@pytest.mark.parametrize("bits", [4, 2])
-def test_residual_hits_decode_the_tokens_of_cold_runs(bits):
-  spec = dict(RESIDUAL, kind=f"paged_kivi{bits}")
+@pytest.mark.slow  # ~30 CPU-seconds each: seven batchers' programs
+@pytest.mark.parametrize("bits,residual", [(4, 4), (2, 4), (4, 12)])  # 12: more than a page
+def test_residual_hits_decode_the_tokens_of_cold_runs(bits, residual):
+  spec = dict(RESIDUAL, kind=f"paged_kivi{bits}", residual=residual)
   text, other = _prompt(8, 24), _prompt(11, 19)
   prompts = {"a": text[:11], "b": text[:19], "c": np.concatenate([text[:8], _prompt(9, 9)]),
              "d": np.concatenate([text[:16], _prompt(10, 4)]),
