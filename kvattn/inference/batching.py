@@ -112,11 +112,16 @@ Low-bit pools (`cache="paged_kivi2"` / `"paged_kivi4"` or a registry spec with K
 `kvattn.caches.paged_kivi.PagedKIVICache`): the packed 2/4-bit store lives in the pool, the
 full-precision residual ring per slot. The allocator counts store tokens (`g * max(0, (n -
 residual) // g)` of n tokens): a sequence gets a page when a flush needs one. With the prefix
-cache (only with `residual=0`: the shared pages hold packed codes, not the newest tokens in full
-precision) prompts are prefilled a page at a time, so the state after m pages depends only on
-those pages' tokens and a hit restores it bit for bit; only prompt pages are registered. Refused
-with low-bit pools (ValueError naming the option): `residual > 0` with `prefix_cache`,
-`speculative`, `local_layers="ring"`, `offload`.
+cache prompts are prefilled a page at a time, so the state after m pages depends only on
+those pages' tokens and a hit restores it bit for bit; only prompt pages are registered. With
+a residual R > 0 the shared pages hold the packed store of tokens `[0, m - R)` only: the
+newest R tokens of every layer, in full precision, are the block's boundary state
+(`ResidualSnapshots`, as the rings' snapshots above: bounded by `max_ring_snapshots`, counted
+in `stats()`), restored into the slot's ring on a hit. A flush drops a group's full precision,
+so the prefill is split at the prompt's last page boundary and snapshotted there. A hit row
+flushes the prefix's last R tokens into the shared pages, the bytes any row continuing that
+prefix writes there. Refused with low-bit pools (ValueError naming the option): a mesh with
+`prefix_cache` and R > 0, `speculative`, `local_layers="ring"`, `offload`.
 
 Exhaustion: `add` raises `OutOfPagesError` (or `NoFreeSlotError`) before
 anything changes; check `can_add` first. If a running sequence cannot get its
@@ -310,6 +315,90 @@ class RingSnapshots:
     return jax.device_put(snap, self.home)
 
 
+class ResidualSnapshots:
+  """The residual rings' boundary states for the prefix cache over low-bit pools (module
+  docstring, "Low-bit pools"): the snapshot at token m (a multiple of `group_size`) holds,
+  for each `PagedKIVICache` layer with residual R, the full-precision keys and values of
+  tokens `[m - R, m)` in token order (`k, v: [K, R, H]` in the ring's dtype; entries of
+  tokens < 0 are zeros and never read): what the ring of an m-token row holds (its store
+  holds tokens `[0, m - R)`, in the shared pages). A tuple with one `(k, v)` per layer.
+
+  Unlike `RingSnapshots`, `take` needs the row to hold exactly `end` tokens (the ring keeps
+  no slack: a flush drops a group's full-precision copy), so the batcher splits a prefill at
+  the page boundary it snapshots. `restore` writes a snapshot back into a slot's ring row as
+  the ring of an `end`-token row; `encode` / `decode` as `RingSnapshots`'.
+  """
+
+  def __init__(self, caches: Sequence[Any], home: Any):
+    self.layers = tuple(i for i, c in enumerate(caches)
+                        if isinstance(c, paged_kivi.PagedKIVICache) and c.residual > 0)
+    self.home = home
+    self.layouts = []
+    for i in self.layers:
+      c = caches[i]
+      for a in (c.k_res, c.v_res):
+        self.layouts.append(((c.num_kv_heads, c.residual, c.head_dim), a.dtype))
+    self.nbytes = sum(int(np.prod(sh)) * jnp.dtype(d).itemsize for sh, d in self.layouts)
+    self.empty = jax.device_put(self._snapshot_of(caches, 0, 0), home)
+    self.empty = jax.tree.map(jnp.zeros_like, self.empty)
+    self._take = jax.jit(self._snapshot_of)
+
+  @staticmethod
+  def _tokens(c, end):
+    """`(p i32[R], idx i32[R])`: tokens `[end - R, end)` and their ring slots."""
+    p = end - c.residual + jnp.arange(c.residual, dtype=jnp.int32)
+    return p, jnp.mod(p, c.ring_capacity)
+
+  def _snapshot_of(self, caches, slot, end):
+    out = []
+    for i in self.layers:
+      c = caches[i]
+      p, idx = self._tokens(c, end)
+
+      def gather(a, p=p, idx=idx):
+        row = jnp.take(jax.lax.dynamic_index_in_dim(a, slot, keepdims=False), idx, axis=1)
+        return jnp.where((p >= 0)[None, :, None], row, jnp.zeros_like(row))
+
+      out.append((gather(c.k_res), gather(c.v_res)))
+    return tuple(out)
+
+  def take(self, caches: Sequence[Any], slot: int, end: int) -> tuple:
+    """The snapshot at token `end` of slot `slot`'s rings (the row must hold exactly `end`
+    tokens, `end` a multiple of every layer's `group_size`)."""
+    return self._take(tuple(caches), np.int32(slot), np.int32(end))
+
+  def restore(self, caches: Sequence[Any], slot, snapshot, end) -> tuple:
+    """`caches` with slot `slot`'s ring rows holding what the ring of an `end`-token row
+    holds, from `snapshot`, and its length `end` (`end` 0: an empty row; traceable)."""
+    caches = list(caches)
+    for i, (k, v) in zip(self.layers, snapshot):
+      c = caches[i]
+      _, idx = self._tokens(c, end)  # R distinct slots (R <= ring_capacity)
+
+      def put(a, new, idx=idx):
+        row = jax.lax.dynamic_index_in_dim(a, slot, keepdims=False).at[:, idx].set(new)
+        return jax.lax.dynamic_update_index_in_dim(a, row, slot, 0)
+
+      caches[i] = c.replace(k_res=put(c.k_res, k), v_res=put(c.v_res, v),
+                            lengths=c.lengths.at[slot].set(end))
+    return tuple(caches)
+
+  encode = RingSnapshots.encode
+
+  def decode(self, data: Any) -> tuple:
+    """The snapshot `encode` gave these bytes of, on the batcher's device."""
+    data = np.asarray(data, np.uint8).reshape(-1)
+    if data.size != self.nbytes:
+      raise ValueError(f"data must hold {self.nbytes} bytes; got {data.size}")
+    arrays, offset = [], 0
+    for shape, dtype in self.layouts:
+      size = int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+      arrays.append(np.ascontiguousarray(data[offset:offset + size]).view(
+          jnp.dtype(dtype)).reshape(shape))
+      offset += size
+    return jax.device_put(tuple(zip(arrays[0::2], arrays[1::2])), self.home)
+
+
 class NoFreeSlotError(RuntimeError):
   """Every slot is busy; retire a sequence (step until one finishes) first."""
 
@@ -400,7 +489,8 @@ class ContinuousBatcher:
         tokens), the other (global) layers the paged pools of `num_pages` pages, one block
         table for all of them. With `prefix_cache` the rings hold `W + page_size - 1`
         slots and each cached prefix keeps a snapshot of them (module docstring).
-      max_ring_snapshots: with `prefix_cache` and rings, the most ring snapshots kept
+      max_ring_snapshots: with `prefix_cache` and rings (or low-bit pools with a residual:
+        their residual rings' snapshots, `ResidualSnapshots`), the most ring snapshots kept
         (least recently used dropped first; a prefix whose snapshot is gone no longer
         hits at that length). Default `4 * num_slots`. Their bytes: `stats()`.
       cache: the pools' kind (`BATCHER_CACHE_KINDS`): None or "paged" (`PagedKVCache`, in
@@ -419,8 +509,8 @@ class ContinuousBatcher:
         `local_layers` not in ("full", "ring"), or "ring" with `prefix_cache` and a mesh,
         when some layer gets a ring; `max_ring_snapshots` not a
         positive int; a `cache` kind the batcher does not schedule, or a low-bit kind with
-        `prefix_cache` and a residual, `speculative`, `offload` or `local_layers="ring"`
-        (each naming the option).
+        `prefix_cache`, a residual and a mesh, or with `speculative`, `offload` or
+        `local_layers="ring"` (each naming the option).
     """
     self.num_slots = _checks.positive_int("num_slots", num_slots)
     self.page_size = _checks.positive_int("page_size", page_size)
@@ -452,6 +542,7 @@ class ContinuousBatcher:
     attns = gqa_layers(model)
     # Low-bit pools with the prefix cache prefill a page at a time (module docstring).
     self._chunked_prefill = False
+    residual_states = False
     self.cache_kind, kind_options = batcher_cache(cache, page_size=self.page_size, seed=seed)
     lowbit = self.cache_kind != "paged"
     if lowbit:
@@ -465,12 +556,14 @@ class ContinuousBatcher:
         if value:
           raise ValueError(f"{name} is not supported with cache kind {self.cache_kind!r}: {why}; "
                            f"got {name}={speculative if name == 'speculative' else local_layers if name == 'local_layers' else offload!r}")
-      if prefix_cache and residual:
+      if prefix_cache and residual and mesh is not None:
         raise ValueError(
-            f"prefix_cache needs cache.residual = 0 with cache kind {self.cache_kind!r}: a hit "
-            f"would have to restore the newest `residual` tokens of every layer in full "
-            f"precision, which the shared pages do not hold (they hold only the packed store); "
-            f"got cache.residual = {residual}")
+            f"prefix_cache=True with cache kind {self.cache_kind!r} and a residual runs on one "
+            f"device: mesh must be None (residual snapshots are not placed on a mesh); got "
+            f"cache.residual = {residual} and a mesh of shape {dict(mesh.shape)}")
+      # With the prefix cache a hit restores each layer's residual ring from a snapshot
+      # (`ResidualSnapshots`, module docstring).
+      residual_states = bool(prefix_cache and residual)
       if prefix_cache:  # module docstring: token units, prompts prefilled a page at a time
         self._chunked_prefill = True
         self._pool_tokens = lambda n: n
@@ -517,7 +610,8 @@ class ContinuousBatcher:
     if self.prefix_cache:
       make = lambda: PrefixCachingAllocator(
           self._pages_per_shard, self.page_size, pps, seed=seed, offload=offload,
-          boundary_states=bool(rings), max_states=max_ring_snapshots if rings else None)
+          boundary_states=bool(rings) or residual_states,
+          max_states=max_ring_snapshots if rings or residual_states else None)
     else:
       make = lambda: PageAllocator(self._pages_per_shard, self.page_size, pps, seed=seed)
     # allocators[j] hands out the pages [j * P / d, (j + 1) * P / d) of data shard j (its
@@ -567,6 +661,8 @@ class ContinuousBatcher:
     if self.prefix_cache and rings:
       self._snapshots = RingSnapshots(self.caches, self.ring_layers,
                                       [attns[i].window for i in self.ring_layers], home)
+    elif residual_states:
+      self._snapshots = ResidualSnapshots(self.caches, home)
     if prefix_cache:
       model = _shared_page_decoding(model)
     self._graphdef, self._state = nnx.split(model)
@@ -847,6 +943,17 @@ class ContinuousBatcher:
         allocator.set_state(request_id, mark, snapshot, self._snapshots.nbytes)
         self.prefill_tokens += mark - start
         start = mark
+      end = n // self.page_size * self.page_size
+      if isinstance(self._snapshots, ResidualSnapshots) and start < end < n:
+        # A residual ring drops a group's full precision when it flushes, so it cannot be
+        # snapshotted at the last page boundary after the fact: prefill up to it first
+        # (the same page-by-page chunks, so the same state).
+        self.caches, _, _ = self._prefill(slot, row, prompt[start:end], start, snapshot)
+        snapshot = self._snapshots.take(self.caches, slot, end)
+        allocator.register(request_id, prompt[:end])
+        allocator.set_state(request_id, end, snapshot, self._snapshots.nbytes)
+        self.prefill_tokens += end - start
+        start = end
     self.caches, first, self._rng = self._prefill(slot, row, prompt[start:], start, snapshot)
     self.prefill_tokens += n - start
     if self.prefix_cache:
@@ -1066,6 +1173,8 @@ class ContinuousBatcher:
     if self._snapshots is None:
       return
     end = held // self.page_size * self.page_size
+    if isinstance(self._snapshots, ResidualSnapshots) and end != held:
+      return  # only at the row's exact length (`add` split the prefill there)
     allocator = self.allocators[self._shard(slot)]
     if allocator.needs_state(request_id, end):
       allocator.set_state(request_id, end, self._snapshots.take(self.caches, slot, end),

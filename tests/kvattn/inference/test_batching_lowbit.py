@@ -1,5 +1,6 @@
 """ContinuousBatcher over 2/4-bit KIVI page pools (`cache="paged_kivi4"`): the tokens of
-`generate` with the same cache kind, pages counted in store tokens, refusals named."""
+`generate` with the same cache kind, pages counted in store tokens, prefix hits (with and
+without a residual) bit-equal to cold prefills, refusals named."""
 
 import functools
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kvattn import sharding
 from kvattn.caches import registry
 from kvattn.caches.paged_kivi import PagedKIVICache
 from kvattn.inference.batching import ContinuousBatcher
@@ -130,10 +132,107 @@ def test_prefix_hits_restore_the_state_a_cold_prefill_writes_bit_for_bit():
   batcher.allocator.check()
 
 
+# Residual 4 > 0, group 2, pages of 8: a hit at m restores the ring's tokens [m - 4, m) from
+# the block's boundary state (`ResidualSnapshots`); the store's [0, m - 4) is in the pages.
+RESIDUAL = {"kind": "paged_kivi4", "group_size": 2, "residual": 4}
+RES_PAGE = 8
+
+
+def _residual_batcher(spec=RESIDUAL, **kw):
+  args = dict(num_slots=2, num_pages=12, page_size=RES_PAGE, max_len=32, max_prompt_len=24,
+              seed=0, cache=spec, prefix_cache=True)
+  args.update(kw)
+  return ContinuousBatcher(_model(), **args)
+
+
+def _row_state(batcher, slot):
+  """Everything attention reads of row `slot`: its length and, per layer, the store read
+  through its table and the ring's tokens put in place (host copies)."""
+  return [(int(c.lengths[slot]),) + tuple(np.asarray(x) for x in c.slot_view(slot).dequantized())
+          for c in batcher.caches]
+
+
+def _drain(batcher):
+  got = {}
+  while batcher.active:
+    for f in batcher.step():
+      got[f.request_id] = f.tokens
+  return got
+
+
+def _snapshot_bytes(batcher, spec):
+  c = batcher.caches[0]
+  return len(batcher.caches) * 2 * c.num_kv_heads * spec["residual"] * c.head_dim * 4  # f32
+
+
+def test_prefix_hits_with_a_residual_restore_the_ring_bit_for_bit():
+  # Prompts of whole pages: neither the cold row nor the reference splits its prefill, so
+  # the only restore of a non-empty snapshot is the hit's.
+  batcher = _residual_batcher()
+  text = _prompt(7, 24)
+  cold = batcher.add("cold", text[:16], 6)
+  assert batcher.prefill_tokens == 16
+  stats = batcher.stats()  # the rings at 16, taken after the prefill
+  assert stats["ring_snapshots"] == 1
+  assert stats["ring_snapshot_bytes"] == _snapshot_bytes(batcher, RESIDUAL) == 1024
+  hit = batcher.add("hit", text, 6)
+  assert hit != cold and batcher.prefill_tokens == 16 + 8  # 16 tokens came from the cache
+  assert batcher.allocator.pages("hit")[:2] == batcher.allocator.pages("cold")[:2]
+  assert batcher.stats()["ring_snapshots"] == 2  # and the hit's own at 24
+  reference = _residual_batcher(num_slots=1)  # a cold prefill of the same prompt
+  assert reference.add("hit", text, 6) == 0 and reference.prefill_tokens == 24
+  # The hit row's whole state (length, store through its table, ring) is the cold one's.
+  for layer, (x, y) in enumerate(zip(_row_state(batcher, hit), _row_state(reference, 0))):
+    assert x[0] == y[0] == 24
+    for a, b in zip(x[1:], y[1:]):
+      np.testing.assert_array_equal(a, b, err_msg=f"layer {layer}")
+  np.testing.assert_array_equal(_drain(batcher)["hit"], _drain(reference)["hit"])
+  assert batcher.traces["join"] == 1
+  batcher.allocator.check()
+
+
+@pytest.mark.slow  # ~30 CPU-seconds each: seven batchers' programs
+@pytest.mark.parametrize("bits,residual", [(4, 4), (2, 4), (4, 12)])  # 12: more than a page
+def test_residual_hits_decode_the_tokens_of_cold_runs(bits, residual):
+  spec = dict(RESIDUAL, kind=f"paged_kivi{bits}", residual=residual)
+  text, other = _prompt(8, 24), _prompt(11, 19)
+  prompts = {"a": text[:11], "b": text[:19], "c": np.concatenate([text[:8], _prompt(9, 9)]),
+             "d": np.concatenate([text[:16], _prompt(10, 4)]),
+             "e": np.concatenate([other[:8], _prompt(12, 6)]),
+             "f": np.concatenate([other[:8], _prompt(13, 3)])}
+  batcher = _residual_batcher(spec)
+  # "a" (11 tokens: state at 8), then "b" hits at 8 while "a" decodes: both flush the
+  # prefix's ring tokens [4, 8) into the shared page (the same bytes); b's state at 16.
+  batcher.add("a", prompts["a"], 8)
+  batcher.add("b", prompts["b"], 8)
+  assert batcher.prefill_tokens == 11 + 11
+  assert batcher.allocator.pages("b")[0] == batcher.allocator.pages("a")[0]
+  got = _drain(batcher)
+  batcher.add("c", prompts["c"], 8)  # hits at 8, splits at 16 (a state on its own chain)
+  batcher.add("d", prompts["d"], 8)  # hits at 16 on b's chain
+  assert batcher.prefill_tokens == 22 + 9 + 4
+  got.update(_drain(batcher))
+  # "other" leaves a state at 16 only; "e" shares its first page, which holds none: its
+  # prefill splits there and snapshots it, so "f" hits at 8.
+  batcher.add("other", other, 8)
+  got.update(_drain(batcher))
+  batcher.add("e", prompts["e"], 8)
+  batcher.add("f", prompts["f"], 8)
+  assert batcher.prefill_tokens == 35 + 19 + 14 + 3
+  assert batcher.stats()["ring_snapshots"] == batcher.allocator.num_states == 5
+  assert batcher.stats()["ring_snapshot_bytes"] == 5 * _snapshot_bytes(batcher, spec)
+  got.update(_drain(batcher))
+  batcher.allocator.check()
+  for rid, prompt in prompts.items():
+    alone = _residual_batcher(spec)  # a cold prefill, page by page, of the same prompt
+    alone.add(rid, prompt, 8)
+    np.testing.assert_array_equal(got[rid], _drain(alone)[rid], err_msg=rid)
+
+
 def test_options_that_cannot_work_with_low_bit_pools_are_refused():
-  with pytest.raises(ValueError, match=r"prefix_cache needs cache.residual = 0 with cache kind "
-                     r"'paged_kivi4'.*got cache.residual = 4"):
-    _batcher(prefix_cache=True)
+  with pytest.raises(ValueError, match=r"prefix_cache=True with cache kind 'paged_kivi4' and a "
+                     r"residual runs on one device: mesh must be None.*cache.residual = 4"):
+    _batcher(prefix_cache=True, mesh=sharding.make_mesh((1, 1, 1)))
   with pytest.raises(ValueError, match="speculative is not supported with cache kind"):
     _batcher(speculative=PromptLookup(2))
   with pytest.raises(ValueError, match="local_layers is not supported with cache kind"):
