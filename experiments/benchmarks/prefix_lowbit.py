@@ -20,11 +20,13 @@ import time
 import jax
 import numpy as np
 
+from experiments.framework import cli
 import kvattn
 from kvattn.inference.batching import ContinuousBatcher
 
 
-def main() -> None:
+def main(argv=None) -> None:
+  cli.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv)  # no options
   model, _ = kvattn.from_pretrained("smollm2-135m-instruct")
   rng = np.random.default_rng(0)
   vocab = int(model.vocab_size)
@@ -63,4 +65,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  cli.run_plain(main)
