@@ -217,6 +217,25 @@ def _reset_ring_row(ring: RingKVCache, slot) -> RingKVCache:
   return ring.replace(pos=ring.pos.at[slot].set(-1), lengths=ring.lengths.at[slot].set(0))
 
 
+def _split_bytes(data: Any, nbytes: int, layouts) -> list[np.ndarray]:
+  """The host arrays of `layouts` (`(shape, dtype)` each) that `data`'s `nbytes` bytes hold,
+  one after another (a snapshot's `encode`, inverted).
+
+  Raises:
+    ValueError: `data` does not hold exactly `nbytes` bytes.
+  """
+  data = np.asarray(data, np.uint8).reshape(-1)
+  if data.size != nbytes:
+    raise ValueError(f"data must hold {nbytes} bytes; got {data.size}")
+  arrays, offset = [], 0
+  for shape, dtype in layouts:
+    size = int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+    arrays.append(np.ascontiguousarray(data[offset:offset + size]).view(
+        jnp.dtype(dtype)).reshape(shape))
+    offset += size
+  return arrays
+
+
 class RingSnapshots:
   """The rings' boundary states for the prefix cache (module docstring, "Prefix cache with
   rings"): the snapshot at token m holds, for each ring layer of window W, the keys and
@@ -301,15 +320,7 @@ class RingSnapshots:
 
   def decode(self, data: Any) -> tuple:
     """The snapshot `encode` gave these bytes of, on the batcher's device."""
-    data = np.asarray(data, np.uint8).reshape(-1)
-    if data.size != self.nbytes:
-      raise ValueError(f"data must hold {self.nbytes} bytes; got {data.size}")
-    arrays, offset = [], 0
-    for shape, dtype in self.layouts:
-      size = int(np.prod(shape)) * jnp.dtype(dtype).itemsize
-      arrays.append(np.ascontiguousarray(data[offset:offset + size]).view(
-          jnp.dtype(dtype)).reshape(shape))
-      offset += size
+    arrays = _split_bytes(data, self.nbytes, self.layouts)
     it = iter(arrays)
     snap = tuple(tuple(None if a is None else next(it) for a in layer) for layer in self.empty)
     return jax.device_put(snap, self.home)
@@ -387,15 +398,7 @@ class ResidualSnapshots:
 
   def decode(self, data: Any) -> tuple:
     """The snapshot `encode` gave these bytes of, on the batcher's device."""
-    data = np.asarray(data, np.uint8).reshape(-1)
-    if data.size != self.nbytes:
-      raise ValueError(f"data must hold {self.nbytes} bytes; got {data.size}")
-    arrays, offset = [], 0
-    for shape, dtype in self.layouts:
-      size = int(np.prod(shape)) * jnp.dtype(dtype).itemsize
-      arrays.append(np.ascontiguousarray(data[offset:offset + size]).view(
-          jnp.dtype(dtype)).reshape(shape))
-      offset += size
+    arrays = _split_bytes(data, self.nbytes, self.layouts)
     return jax.device_put(tuple(zip(arrays[0::2], arrays[1::2])), self.home)
 
 
