@@ -100,6 +100,7 @@ def run(argv=None) -> list[dict]:
 
 
 def main(argv=None) -> None:
+  """Prints the compiled steps' table (module doc); `argv` as `run`'s."""
   run(argv)
 
 

@@ -24,6 +24,8 @@ from kvattn.models import int8
 
 
 def main(argv=None) -> None:
+  """Prints the packed vs unpacked int8 timings (module doc); `argv`: the flags (--steps,
+  --rounds), else `sys.argv`."""
   parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--steps", type=int, default=64, help="greedy decode steps per sample")
   parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")

@@ -108,6 +108,7 @@ def run(argv=None) -> dict:
 
 
 def main(argv=None) -> None:
+  """Prints the time-to-first-token table (module doc); `argv` as `run`'s."""
   run(argv)
 
 

@@ -217,26 +217,73 @@ def _reset_ring_row(ring: RingKVCache, slot) -> RingKVCache:
   return ring.replace(pos=ring.pos.at[slot].set(-1), lengths=ring.lengths.at[slot].set(0))
 
 
-def _split_bytes(data: Any, nbytes: int, layouts) -> list[np.ndarray]:
-  """The host arrays of `layouts` (`(shape, dtype)` each) that `data`'s `nbytes` bytes hold,
-  one after another (a snapshot's `encode`, inverted).
+class _BoundarySnapshots:
+  """What `RingSnapshots` and `ResidualSnapshots` share: a snapshot is a tuple of arrays per
+  layer (None where a layer stores no such array) whose `(shape, dtype)`s, in leaf order, are
+  `layouts`; a subclass sets `layers` and `layouts` and defines `_snapshot_of(caches, slot,
+  end)` (traceable) and `restore`, then calls `_setup`. `take` runs `_snapshot_of` jitted;
+  `encode` / `decode` turn a snapshot into its `nbytes` raw bytes and back, bit-exact, for
+  the offload tiers."""
 
-  Raises:
-    ValueError: `data` does not hold exactly `nbytes` bytes.
-  """
-  data = np.asarray(data, np.uint8).reshape(-1)
-  if data.size != nbytes:
-    raise ValueError(f"data must hold {nbytes} bytes; got {data.size}")
-  arrays, offset = [], 0
-  for shape, dtype in layouts:
-    size = int(np.prod(shape)) * jnp.dtype(dtype).itemsize
-    arrays.append(np.ascontiguousarray(data[offset:offset + size]).view(
-        jnp.dtype(dtype)).reshape(shape))
-    offset += size
-  return arrays
+  layers: tuple
+  layouts: list
+
+  def _setup(self, caches: Sequence[Any], home: Any) -> None:
+    self.home = home
+    self.nbytes = sum(int(np.prod(sh)) * jnp.dtype(d).itemsize for sh, d in self.layouts)
+    self.empty = jax.tree.map(jnp.zeros_like,
+                              jax.device_put(self._snapshot_of(caches, 0, 0), home))
+    self._take = jax.jit(self._snapshot_of)
+
+  def _snapshot_of(self, caches, slot, end):
+    raise NotImplementedError
+
+  def take(self, caches: Sequence[Any], slot: int, end: int) -> tuple:
+    """The snapshot at token `end` of slot `slot` (what each kind needs of the row: its
+    class docstring)."""
+    return self._take(tuple(caches), np.int32(slot), np.int32(end))
+
+  def encode(self, snapshot) -> np.ndarray:
+    """`u8[nbytes]`: the snapshot's raw bytes (host)."""
+    leaves = [np.asarray(a) for a in jax.tree.leaves(snapshot)]
+    return np.concatenate([a.reshape(-1).view(np.uint8) for a in leaves])
+
+  def decode(self, data: Any) -> tuple:
+    """The snapshot `encode` gave these bytes of, on the batcher's device.
+
+    Raises:
+      ValueError: `data` does not hold exactly `nbytes` bytes.
+    """
+    data = np.asarray(data, np.uint8).reshape(-1)
+    if data.size != self.nbytes:
+      raise ValueError(f"data must hold {self.nbytes} bytes; got {data.size}")
+    arrays, offset = [], 0
+    for shape, dtype in self.layouts:
+      size = int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+      arrays.append(np.ascontiguousarray(data[offset:offset + size]).view(
+          jnp.dtype(dtype)).reshape(shape))
+      offset += size
+    return jax.device_put(jax.tree.unflatten(jax.tree.structure(self.empty), arrays), self.home)
 
 
-class RingSnapshots:
+def _tokens_before(end, count: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+  """`(p i32[count], idx i32[count])`: tokens `[end - count, end)` and their slots in a ring
+  of `capacity` slots (token p in slot p % capacity)."""
+  p = end - count + jnp.arange(count, dtype=jnp.int32)
+  return p, jnp.mod(p, capacity)
+
+
+def _row_tokens(a: jax.Array | None, slot, p: jax.Array, idx: jax.Array) -> jax.Array | None:
+  """Row `slot` of a ring array `a: [B, K, C, ...]` at slots `idx` (axis 1 of the row), zeros
+  where the token `p` is < 0; None for None."""
+  if a is None:
+    return None
+  row = jnp.take(jax.lax.dynamic_index_in_dim(a, slot, keepdims=False), idx, axis=1)
+  valid = (p >= 0).reshape((1, -1) + (1,) * (row.ndim - 2))
+  return jnp.where(valid, row, jnp.zeros_like(row))
+
+
+class RingSnapshots(_BoundarySnapshots):
   """The rings' boundary states for the prefix cache (module docstring, "Prefix cache with
   rings"): the snapshot at token m holds, for each ring layer of window W, the keys and
   values of tokens `[m - W, m)` in token order (`k, v: [K, W, H]` in the cache dtype,
@@ -254,7 +301,6 @@ class RingSnapshots:
                windows: Sequence[int], home: Any):
     self.layers = tuple(ring_layers)
     self.windows = tuple(int(w) for w in windows)
-    self.home = home
     rings = [caches[i] for i in self.layers]
     # (shape, dtype) of every array of a snapshot, in leaf order.
     self.layouts = []
@@ -265,32 +311,15 @@ class RingSnapshots:
       for a in (c.k_scale, c.v_scale):
         if a is not None:
           self.layouts.append(((k_heads, w), a.dtype))
-    self.nbytes = sum(int(np.prod(sh)) * jnp.dtype(d).itemsize for sh, d in self.layouts)
-    self.empty = jax.device_put(self._snapshot_of(caches, 0, 0), home)
-    self.empty = jax.tree.map(jnp.zeros_like, self.empty)
-    self._take = jax.jit(self._snapshot_of)
+    self._setup(caches, home)
 
   def _snapshot_of(self, caches, slot, end):
     out = []
     for i, w in zip(self.layers, self.windows):
       c = caches[i]
-      p = end - w + jnp.arange(w, dtype=jnp.int32)  # the tokens kept, oldest first
-      idx = jnp.mod(p, c.capacity)
-
-      def gather(a, p=p, idx=idx):
-        if a is None:
-          return None
-        row = jnp.take(jax.lax.dynamic_index_in_dim(a, slot, keepdims=False), idx, axis=1)
-        valid = (p >= 0).reshape((1, -1) + (1,) * (row.ndim - 2))
-        return jnp.where(valid, row, jnp.zeros_like(row))
-
-      out.append(tuple(gather(a) for a in (c.k, c.v, c.k_scale, c.v_scale)))
+      p, idx = _tokens_before(end, w, c.capacity)  # the tokens kept, oldest first
+      out.append(tuple(_row_tokens(a, slot, p, idx) for a in (c.k, c.v, c.k_scale, c.v_scale)))
     return tuple(out)
-
-  def take(self, caches: Sequence[Any], slot: int, end: int) -> tuple:
-    """The snapshot at token `end` of slot `slot`'s rings (which must hold at least `end`
-    and at most `end + page_size - 1` tokens)."""
-    return self._take(tuple(caches), np.int32(slot), np.int32(end))
 
   def restore(self, caches: Sequence[Any], slot, snapshot, end) -> tuple:
     """`caches` with slot `slot`'s ring rows holding what a ring of an `end`-token sequence
@@ -298,8 +327,7 @@ class RingSnapshots:
     caches = list(caches)
     for (i, w), snap in zip(zip(self.layers, self.windows), snapshot):
       c = caches[i]
-      p = end - w + jnp.arange(w, dtype=jnp.int32)
-      idx = jnp.mod(p, c.capacity)  # distinct, and the slots of tokens < 0 are not others'
+      p, idx = _tokens_before(end, w, c.capacity)  # distinct; tokens < 0 take no other's slot
       pos = jnp.full((c.capacity,), -1, jnp.int32).at[idx].set(jnp.where(p >= 0, p, -1))
 
       def put(a, new):
@@ -313,20 +341,8 @@ class RingSnapshots:
                             pos=c.pos.at[slot].set(pos), lengths=c.lengths.at[slot].set(end))
     return tuple(caches)
 
-  def encode(self, snapshot) -> np.ndarray:
-    """`u8[nbytes]`: the snapshot's raw bytes (host)."""
-    leaves = [np.asarray(a) for a in jax.tree.leaves(snapshot)]
-    return np.concatenate([a.reshape(-1).view(np.uint8) for a in leaves])
 
-  def decode(self, data: Any) -> tuple:
-    """The snapshot `encode` gave these bytes of, on the batcher's device."""
-    arrays = _split_bytes(data, self.nbytes, self.layouts)
-    it = iter(arrays)
-    snap = tuple(tuple(None if a is None else next(it) for a in layer) for layer in self.empty)
-    return jax.device_put(snap, self.home)
-
-
-class ResidualSnapshots:
+class ResidualSnapshots(_BoundarySnapshots):
   """The residual rings' boundary states for the prefix cache over low-bit pools (module
   docstring, "Low-bit pools"): the snapshot at token m (a multiple of `group_size`) holds,
   for each `PagedKIVICache` layer with residual R, the full-precision keys and values of
@@ -337,46 +353,26 @@ class ResidualSnapshots:
   Unlike `RingSnapshots`, `take` needs the row to hold exactly `end` tokens (the ring keeps
   no slack: a flush drops a group's full-precision copy), so the batcher splits a prefill at
   the page boundary it snapshots. `restore` writes a snapshot back into a slot's ring row as
-  the ring of an `end`-token row; `encode` / `decode` as `RingSnapshots`'.
+  the ring of an `end`-token row (`end` a multiple of every layer's `group_size`).
   """
 
   def __init__(self, caches: Sequence[Any], home: Any):
     self.layers = tuple(i for i, c in enumerate(caches)
                         if isinstance(c, paged_kivi.PagedKIVICache) and c.residual > 0)
-    self.home = home
     self.layouts = []
     for i in self.layers:
       c = caches[i]
       for a in (c.k_res, c.v_res):
         self.layouts.append(((c.num_kv_heads, c.residual, c.head_dim), a.dtype))
-    self.nbytes = sum(int(np.prod(sh)) * jnp.dtype(d).itemsize for sh, d in self.layouts)
-    self.empty = jax.device_put(self._snapshot_of(caches, 0, 0), home)
-    self.empty = jax.tree.map(jnp.zeros_like, self.empty)
-    self._take = jax.jit(self._snapshot_of)
-
-  @staticmethod
-  def _tokens(c, end):
-    """`(p i32[R], idx i32[R])`: tokens `[end - R, end)` and their ring slots."""
-    p = end - c.residual + jnp.arange(c.residual, dtype=jnp.int32)
-    return p, jnp.mod(p, c.ring_capacity)
+    self._setup(caches, home)
 
   def _snapshot_of(self, caches, slot, end):
     out = []
     for i in self.layers:
       c = caches[i]
-      p, idx = self._tokens(c, end)
-
-      def gather(a, p=p, idx=idx):
-        row = jnp.take(jax.lax.dynamic_index_in_dim(a, slot, keepdims=False), idx, axis=1)
-        return jnp.where((p >= 0)[None, :, None], row, jnp.zeros_like(row))
-
-      out.append((gather(c.k_res), gather(c.v_res)))
+      p, idx = _tokens_before(end, c.residual, c.ring_capacity)
+      out.append((_row_tokens(c.k_res, slot, p, idx), _row_tokens(c.v_res, slot, p, idx)))
     return tuple(out)
-
-  def take(self, caches: Sequence[Any], slot: int, end: int) -> tuple:
-    """The snapshot at token `end` of slot `slot`'s rings (the row must hold exactly `end`
-    tokens, `end` a multiple of every layer's `group_size`)."""
-    return self._take(tuple(caches), np.int32(slot), np.int32(end))
 
   def restore(self, caches: Sequence[Any], slot, snapshot, end) -> tuple:
     """`caches` with slot `slot`'s ring rows holding what the ring of an `end`-token row
@@ -384,7 +380,7 @@ class ResidualSnapshots:
     caches = list(caches)
     for i, (k, v) in zip(self.layers, snapshot):
       c = caches[i]
-      _, idx = self._tokens(c, end)  # R distinct slots (R <= ring_capacity)
+      _, idx = _tokens_before(end, c.residual, c.ring_capacity)  # R distinct slots
 
       def put(a, new, idx=idx):
         row = jax.lax.dynamic_index_in_dim(a, slot, keepdims=False).at[:, idx].set(new)
@@ -393,13 +389,6 @@ class ResidualSnapshots:
       caches[i] = c.replace(k_res=put(c.k_res, k), v_res=put(c.v_res, v),
                             lengths=c.lengths.at[slot].set(end))
     return tuple(caches)
-
-  encode = RingSnapshots.encode
-
-  def decode(self, data: Any) -> tuple:
-    """The snapshot `encode` gave these bytes of, on the batcher's device."""
-    arrays = _split_bytes(data, self.nbytes, self.layouts)
-    return jax.device_put(tuple(zip(arrays[0::2], arrays[1::2])), self.home)
 
 
 class NoFreeSlotError(RuntimeError):
