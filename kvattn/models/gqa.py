@@ -303,26 +303,20 @@ class GroupedQueryAttention(nnx.Module):
     return q, k, v
 
   def _qkv_int8(self, x, biases):
-    """`_qkv` of an int8 layer: the three weights side by side in one `int8_dot` (in the
-    decode loop XLA hoists the loop-invariant concatenation out of the loop)."""
+    """`_qkv` of an int8 layer: q, k and v from one quantization of `x`
+    (`int8.packed_dots`; plain int8 weights: one `int8_dot` each)."""
     dtype = self.dtype or x.dtype
-    D, N, K, H = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
-    if jnp.dtype(self.q_proj[...].dtype) == int8_lib.UINT8:  # packed: [N, H, D] etc.
-      w = jnp.concatenate([self.q_proj[...].reshape(N * H, D), self.k_proj[...].reshape(
-          K * H, D), self.v_proj[...].reshape(K * H, D)], axis=0)
+    names = ("q_proj", "k_proj", "v_proj")
+    weights = [(getattr(self, n)[...], getattr(self, n + "_scale")[...]) for n in names]
+    if jnp.dtype(weights[0][0].dtype) == int8_lib.UINT8:  # packed: [N, H, D] etc.
+      outs = int8_lib.packed_dots(x, weights)  # f32[B, T, N, H], [B, T, K, H], [B, T, K, H]
     else:
-      w = jnp.concatenate([self.q_proj[...].reshape(D, N * H), self.k_proj[...].reshape(
-          D, K * H), self.v_proj[...].reshape(D, K * H)], axis=1)
-    scale = jnp.concatenate([self.q_proj_scale[...].reshape(-1), self.k_proj_scale[...].reshape(
-        -1), self.v_proj_scale[...].reshape(-1)])
-    out = int8_lib.int8_dot(x, w, scale)  # f32[B, T, (N + 2K) H]
-    parts = jnp.split(out, [N * H, (N + K) * H], axis=-1)
+      outs = [int8_lib.int8_dot(x, w, s) for w, s in weights]
     heads = []
-    for part, count, bias in zip(parts, (N, K, K), biases):
-      part = part.reshape(part.shape[:-1] + (count, H))
+    for out, bias in zip(outs, biases):
       if bias is not None:
-        part = part + bias[...].astype(jnp.float32)
-      heads.append(part.astype(dtype))
+        out = out + bias[...].astype(jnp.float32)
+      heads.append(out.astype(dtype))
     return tuple(heads)
 
   def __call__(

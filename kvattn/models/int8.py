@@ -57,7 +57,7 @@ are quantized independently, so right padding cannot disturb real tokens).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -183,20 +183,43 @@ def _check_features(x, x2, k, w):
 
 def _packed_dot(x: jax.Array, w_p: jax.Array, w_scale: jax.Array) -> jax.Array:
   """`int8_dot` of a packed `uint8[*out, *in]` weight (`pack_weight`)."""
-  num_out = w_scale.ndim
-  k = int(np.prod(w_p.shape[num_out:]))
-  x2, lead = _rows(x, w_p.ndim - num_out)
-  _check_features(x, x2, k, w_p)
+  return packed_dots(x, ((w_p, w_scale),))[0]
+
+
+def packed_dots(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]]
+                ) -> list[jax.Array]:
+  """`[int8_dot(x, w_p, w_scale) for w_p, w_scale in weights]` of packed weights
+  (`uint8[*out, *in]`, `pack_weight`) that share their input axes: `x` is quantized
+  once and each weight is its own u8 x s8 dot, read where it is stored. Each result
+  equals `int8_dot`'s bit for bit.
+
+  One dot per weight, not one dot of the weights concatenated: XLA:CPU did not hoist
+  the concatenation of q/k/v out of the decode loop (2.3 MB written per layer and step
+  at SmolLM2's shapes), and hoisted gate/up only to copy them on every call
+  (docs/benchmarks.md, "Decode step cost").
+
+  Raises:
+    ValueError: x's trailing axes do not hold a weight's input features.
+  """
+  w0, s0 = weights[0]
+  num_out = s0.ndim
+  k = int(np.prod(w0.shape[num_out:]))
+  x2, lead = _rows(x, w0.ndim - num_out)
+  for w_p, w_scale in weights:
+    _check_features(x, x2, int(np.prod(w_p.shape[w_scale.ndim:])), w_p)
   x_q, x_scale = quantize_rows(x2)
   m = x_q.shape[0]
   if m == 1:
     x_q = jnp.pad(x_q, ((0, MIN_ROWS - 1), (0, 0)))
-  acc = u8s8_dot(w_p.reshape(-1, k), x_q)  # s32[N, M']: sum_k (w_q + 128) x_q
   # The offset's share, subtracted before the transpose: XLA would otherwise turn the
   # transpose of the dot into the swapped product s8 x u8, which XLA:CPU cannot run.
-  acc = acc - WEIGHT_OFFSET * jnp.sum(x_q.astype(jnp.int32), axis=1)[None, :]
-  y = acc.T[:m].astype(jnp.float32) * x_scale[:, None] * w_scale.reshape(1, -1)
-  return y.reshape(lead + w_scale.shape)
+  offset = WEIGHT_OFFSET * jnp.sum(x_q.astype(jnp.int32), axis=1)[None, :]
+  out = []
+  for w_p, w_scale in weights:
+    acc = u8s8_dot(w_p.reshape(-1, k), x_q) - offset  # s32[N, M']: sum_k w_q x_q
+    y = acc.T[:m].astype(jnp.float32) * x_scale[:, None] * w_scale.reshape(1, -1)
+    out.append(y.reshape(lead + w_scale.shape))
+  return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -103,19 +103,19 @@ class SwiGLU(nnx.Module):
     dt = self.dtype
     x = x.astype(dt)
     if hasattr(self, "gate_scale"):  # W8A8: the same products through int8_dot
-      # Packed weights are output-major (uint8[F, D], `int8.pack_weight`): stack the rows.
-      axis = 0 if jnp.dtype(self.gate[...].dtype) == int8_lib.UINT8 else 1
-      w = jnp.concatenate([self.gate[...], self.up[...]], axis=axis)  # [2F, D] (int8: [D, 2F])
-      w_scale = jnp.concatenate([self.gate_scale[...], self.up_scale[...]])
-      g, u = jnp.split(int8_lib.int8_dot(x, w, w_scale), 2, -1)
-      h = (jax.nn.silu(g) * u).astype(dt)
+      weights = ((self.gate[...], self.gate_scale[...]), (self.up[...], self.up_scale[...]))
+      if jnp.dtype(weights[0][0].dtype) == int8_lib.UINT8:  # packed (`int8.pack_weight`)
+        g, u = int8_lib.packed_dots(x, weights)  # one quantization of x, two dots
+      else:
+        g, u = (int8_lib.int8_dot(x, w, s) for w, s in weights)
+      h = (_ACTIVATIONS[self.activation](g) * u).astype(dt)
       return int8_lib.project("BTF,FD->BTD", h, self.down, getattr(self, "down_scale", None),
                               dt).astype(dt)
-    # One product for gate and up: in the decode loop the concatenation of the (loop-invariant)
-    # weights is hoisted out of the while loop by XLA, and one call beats two (~3% of a K = 1
-    # decode step of the bench_generate model).
-    w = jnp.concatenate([self.gate[...].astype(dt), self.up[...].astype(dt)], axis=1)  # [D, 2F]
-    g, u = jnp.split(jnp.einsum("BTD,DF->BTF", x, w, preferred_element_type=jnp.float32), 2, -1)
+    # Two products, not one of the weights concatenated: XLA:CPU copies the concatenation
+    # on every call (7 MB per layer at SmolLM2's shapes; docs/benchmarks.md, "Decode step
+    # cost").
+    g, u = (jnp.einsum("BTD,DF->BTF", x, w[...].astype(dt), preferred_element_type=jnp.float32)
+            for w in (self.gate, self.up))
     h = (_ACTIVATIONS[self.activation](g) * u).astype(dt)
     return jnp.einsum("BTF,FD->BTD", h, self.down[...].astype(dt),
                       preferred_element_type=jnp.float32).astype(dt)
