@@ -76,6 +76,21 @@ def block_sizes(capacity: int, rows: int, width: int) -> tuple[tuple[int, ...], 
   return tuple(single), loop
 
 
+def is_int8(keys: jax.Array, scale: jax.Array | None) -> bool:
+  """True for an int8 cache part with its per-slot scales (read through s8 dots)."""
+  return scale is not None and jnp.dtype(keys.dtype) == jnp.dtype(jnp.int8)
+
+
+def quantize_query(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`(int8[..., H], f32[...])`: each query row over its last axis at the scale
+  `max |q| / 127` (1 for an all-zero row), as llama.cpp quantizes the query of its q8_0
+  cache's K.Q product. `values * scale` is q to half a step of its row's scale."""
+  absmax = jnp.max(jnp.abs(q), axis=-1)
+  scale = jnp.where(absmax > 0, absmax / 127.0, 1.0).astype(jnp.float32)
+  values = jnp.clip(jnp.round(q / scale[..., None]), -127, 127).astype(jnp.int8)
+  return values, scale
+
+
 def tier(span: jax.Array, single: tuple[int, ...]) -> jax.Array:
   """Index of the smallest size in `single` (ascending) holding `span` slots, or
   `len(single)` (the loop) when none does."""
@@ -133,29 +148,41 @@ def blocked_decode(
   if v is None:
     sv = s1
 
+  # int8 keys: the query quantized per row, the logits one s8 x s8 -> s32 dot per block.
+  q1_int8 = quantize_query(q1) if is_int8(k1, s1) else None
+  q2_int8 = quantize_query(q2) if k2 is not None and is_int8(k2, s2) else None
+
   def run(block_k: int, loop: bool) -> jax.Array:
-    def block(x, offset):  # [B, K, bk, X] f32
-      x = lax.dynamic_slice_in_dim(x, offset, block_k, axis=slot_axis).astype(jnp.float32)
+    def raw(x, offset):  # [B, K, bk, X] as stored
+      x = lax.dynamic_slice_in_dim(x, offset, block_k, axis=slot_axis)
       return x if x.ndim == 4 else x[:, None]
+
+    def block(x, offset):  # [B, K, bk, X] f32
+      return raw(x, offset).astype(jnp.float32)
 
     def scale_block(x, offset):  # [B, K, 1, bk] f32 (broadcasts over G)
       x = lax.dynamic_slice_in_dim(x, offset, block_k, axis=x.ndim - 1).astype(jnp.float32)
       return (x if x.ndim == 3 else x[:, None])[:, :, None, :]
 
-    def logits(q, kb, scale, offset):  # [B, K, G, bk]
-      # Keys as the left operand, then a transpose of the small logits (as in
-      # `xla.decode_attention_xla`; faster on XLA:CPU for G > 1).
-      s = jnp.swapaxes(jnp.einsum("BKSH,BKGH->BKSG", kb, q), -1, -2)
+    def logits(q, q_int8, keys, scale, offset):  # [B, K, G, bk]
+      if q_int8 is not None:  # int8 keys read as stored
+        values, q_scale = q_int8
+        s = jnp.einsum("BKGH,BKSH->BKGS", values, raw(keys, offset),
+                       preferred_element_type=jnp.int32)
+        s = s.astype(jnp.float32) * q_scale[..., None]
+      else:
+        # Keys as the left operand, then a transpose of the small logits (as in
+        # `xla.decode_attention_xla`; faster on XLA:CPU for G > 1).
+        s = jnp.swapaxes(jnp.einsum("BKSH,BKGH->BKSG", block(keys, offset), q), -1, -2)
       return s if scale is None else s * scale_block(scale, offset)
 
     def body(i, carry):
       m, l, acc = carry
       lo = base + i * block_k
       offset = jnp.minimum(lo, capacity - block_k)
-      kb = block(k1, offset)
-      s = logits(q1, kb, s1, offset)
+      s = logits(q1, q1_int8, k1, s1, offset)
       if k2 is not None:
-        s = s + logits(q2, block(k2, offset), s2, offset)
+        s = s + logits(q2, q2_int8, k2, s2, offset)
       if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
       # Slots below `lo` belong to the previous block (a block shifted back to end at S).
@@ -168,7 +195,7 @@ def blocked_decode(
       p = jnp.exp(s - m_next[..., None])  # exact 0 where masked
       p_v = p if sv is None else p * jnp.where(valid[:, None, None, :],
                                                scale_block(sv, offset), 0.0)
-      vb = kb if v is None else block(v, offset)
+      vb = block(k1 if v is None else v, offset)
 
       def weighted(x):  # the barrier keeps both products compiled alike (bit-identical)
         return jnp.einsum("BKGS,BKSV->BKGV", p_v, lax.optimization_barrier(x))

@@ -299,6 +299,38 @@ def test_gqa_fused_int8_qkv_equals_three_separate_products(models):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.parametrize("rows", [0, 1, 5])
+def test_packed_dots_share_one_quantization_and_equal_int8_dot(rows):
+  """`packed_dots` (one quantization of x, a u8 x s8 dot per weight) gives each weight's
+  `int8_dot` bit for bit, for weights of different output shapes; a weight whose input
+  features do not match raises."""
+  weights = []
+  for seed, shape, num_in in ((1, (16, 3, 8), 1), (2, (16, 24), 1), (3, (16, 5), 1)):
+    w_q, scale = int8.quantize_weight(_rand(shape, seed), num_in)
+    weights.append((int8.pack_weight(w_q, num_in), scale))
+  x = _rand((rows, 16), 4, 2.0)
+  got = jax.jit(int8.packed_dots)(x, weights)
+  for out, (w_p, scale) in zip(got, weights):
+    assert out.shape == (rows,) + scale.shape
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(int8.int8_dot(x, w_p, scale)))
+  bad = int8.pack_weight(int8.quantize_weight(_rand((12, 4), 5), 1)[0], 1)
+  with pytest.raises(ValueError, match="input features"):
+    int8.packed_dots(x, [weights[0], (bad, jnp.ones((4,)))])
+
+
+def test_int8_mlp_applies_its_activation():
+  """An int8 GeGLU (Gemma) applies tanh GELU, as its float form does (it once ran silu)."""
+  mlp = transformer.SwiGLU(16, 24, dtype=jnp.float32, param_dtype=jnp.float32,
+                           rngs=nnx.Rngs(0), activation="gelu_tanh")
+  x = _rand((2, 3, 16), 6)
+  want = mlp(x)
+  int8.quantize_module(mlp)
+  got = mlp(x)
+  assert float(jnp.max(jnp.abs(got - want))) < 0.05 * float(jnp.max(jnp.abs(want)))
+  mlp.activation = "silu"
+  assert float(jnp.max(jnp.abs(mlp(x) - want))) > 0.1 * float(jnp.max(jnp.abs(want)))
+
+
 @pytest.mark.slow  # ~10 CPU-seconds of eager ops
 def test_smoothquant_migration_keeps_the_float_function():
   """SmoothQuant (transformer.smooth_model) rescales norms and weights but computes the same
