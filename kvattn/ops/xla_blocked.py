@@ -20,7 +20,10 @@ block's probability-weighted sum is recomputed from zeroed value rows when it
 is not finite (`xla.weighted_values` does the same for the whole cache), so
 clean and dirty caches give bit-identical results. Quantized (int8 / fp8 with
 f32 per-slot scales) and 16-bit caches are converted to f32 block by block,
-the scales multiplying the block's logits and probabilities.
+the scales multiplying the block's logits and probabilities; but the keys of
+an int8 cache are read as stored: the query is quantized per row to int8
+(`quantize_query`) and the logits are one s8 x s8 -> s32 dot per block, times
+the query's and the slots' scales (the K.Q product of llama.cpp's q8_0 cache).
 
 S need not be a multiple of `block_k`: the last block is shifted back to end
 at slot S and the slots it shares with the previous block are masked.

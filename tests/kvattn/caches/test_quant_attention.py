@@ -30,6 +30,15 @@ LENGTHS = jnp.array([0, 1, 15, 17, 63, 64], jnp.int32)  # B = 6 rows, edges of 1
 DENSE_IMPLS = ("xla", "xla_blocked", "pallas")  # "pallas" runs interpreted on CPU
 
 
+def _query_as_read(q, sm_scale, name, impl):
+  """The query the backend's logits use: `xla_blocked` reads an int8 cache's keys through
+  s8 dots, with the (scaled) query quantized per row (`xla_blocked.quantize_query`)."""
+  if not (impl == "xla_blocked" and name == "int8"):
+    return q
+  values, scale = xla_blocked.quantize_query(q.astype(jnp.float32) * sm_scale)
+  return values.astype(jnp.float32) * scale[..., None] / sm_scale
+
+
 def _formats_and_impls(fast_pallas_format):
   """(format, backend) pairs; the Pallas kernel runs interpreted on CPU, so by default only
   for `fast_pallas_format` (tests/pallas_kernels cover the kernels on every format)."""
@@ -71,7 +80,8 @@ def test_dense_decode_paths_apply_the_scales(name, impl):
   out = ops.decode_attention(q, kq, vq, LENGTHS, k_scale=ks, v_scale=vs, window=window,
                              implementation=impl)
   dequantized = kernels.decode_attention_reference(
-      q, ops.dequantize_kv(kq, ks), ops.dequantize_kv(vq, vs), LENGTHS, window=window)
+      _query_as_read(q, q.shape[-1] ** -0.5, name, impl), ops.dequantize_kv(kq, ks),
+      ops.dequantize_kv(vq, vs), LENGTHS, window=window)
   np.testing.assert_allclose(out, dequantized, atol=EXACT, rtol=EXACT)
   exact = kernels.decode_attention_reference(q, k, v, LENGTHS, window=window)
   np.testing.assert_allclose(out, exact, atol=TOL[name])
@@ -93,8 +103,8 @@ def test_latent_decode_paths_apply_the_scales(name, impl):
   out = ops.mla_decode_attention(q_lat, q_rope, cq, rq, LENGTHS, sm_scale=0.15, c_kv_scale=cs,
                                  k_rope_scale=rs, implementation=impl)
   dequantized = kernels.mla_decode_attention_reference(
-      q_lat, q_rope, ops.dequantize_kv(cq, cs), ops.dequantize_kv(rq, rs), LENGTHS,
-      sm_scale=0.15)
+      _query_as_read(q_lat, 0.15, name, impl), _query_as_read(q_rope, 0.15, name, impl),
+      ops.dequantize_kv(cq, cs), ops.dequantize_kv(rq, rs), LENGTHS, sm_scale=0.15)
   np.testing.assert_allclose(out, dequantized, atol=EXACT, rtol=EXACT)
   exact = kernels.mla_decode_attention_reference(q_lat, q_rope, c_kv, k_rope, LENGTHS,
                                                  sm_scale=0.15)

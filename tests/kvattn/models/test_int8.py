@@ -319,16 +319,18 @@ def test_packed_dots_share_one_quantization_and_equal_int8_dot(rows):
 
 
 def test_int8_mlp_applies_its_activation():
-  """An int8 GeGLU (Gemma) applies tanh GELU, as its float form does (it once ran silu)."""
+  """An int8 GeGLU (Gemma) applies tanh GELU, as its float form does (it once ran silu):
+  it is far closer to the float GeGLU than to the float SwiGLU of the same weights."""
   mlp = transformer.SwiGLU(16, 24, dtype=jnp.float32, param_dtype=jnp.float32,
                            rngs=nnx.Rngs(0), activation="gelu_tanh")
   x = _rand((2, 3, 16), 6)
-  want = mlp(x)
+  geglu = mlp(x)
+  mlp.activation = "silu"
+  swiglu = mlp(x)
+  mlp.activation = "gelu_tanh"
   int8.quantize_module(mlp)
   got = mlp(x)
-  assert float(jnp.max(jnp.abs(got - want))) < 0.05 * float(jnp.max(jnp.abs(want)))
-  mlp.activation = "silu"
-  assert float(jnp.max(jnp.abs(mlp(x) - want))) > 0.1 * float(jnp.max(jnp.abs(want)))
+  assert float(jnp.max(jnp.abs(got - geglu))) * 4 < float(jnp.max(jnp.abs(got - swiglu)))
 
 
 @pytest.mark.slow  # ~10 CPU-seconds of eager ops
