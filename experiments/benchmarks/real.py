@@ -133,6 +133,9 @@ def _define_flags() -> None:
                     "other in one invocation (e.g. 1x512,1x4000,4x4000,8x512); default "
                     "--batch x --prompt_len.")
   flags.DEFINE_list("llama_cache_types", ["f16", "q8_0"], "With --peers: llama.cpp KV caches.")
+  flags.DEFINE_list("hf_dtypes", ["float32", "bfloat16"],
+                    "With --peers: HF transformers' weight and compute dtypes, one peer each "
+                    "(bfloat16: its fastest setting on CPUs with avx512_bf16 or AMX).")
   flags.DEFINE_bool("alone_check", True, "With --peers: time each peer once more before any "
                     "kvattn process has run, and report interleaved / alone.")
   flags.DEFINE_bool("quality_only", False, "Only the quality of every --variants entry (no "
@@ -436,7 +439,12 @@ def orchestrate(batch: int, prompt_len: int, new_tokens: int) -> None:
                                        "cache_dtype": cache_dtype, "xla_flags": xla_flags,
                                        "bandwidth_mib": FLAGS.bandwidth_mib},
         ["--child=kvattn", f"--model={FLAGS.model}"])
-  peers = {"hf_transformers": (FLAGS.peer_python, PEERS["hf_transformers"], request, [])}
+  peers = {}
+  for dtype in FLAGS.hf_dtypes:  # f32 keeps the name the ratios have always used
+    if dtype not in ("float32", "bfloat16"):
+      raise app.UsageError(f"--hf_dtypes entries must be float32 or bfloat16; got {dtype!r}")
+    name = "hf_transformers" + ("" if dtype == "float32" else f"_{dtype}")
+    peers[name] = (FLAGS.peer_python, PEERS["hf_transformers"], {**request, "dtype": dtype}, [])
   skipped: dict[str, str] = {}
   for cache_type in FLAGS.llama_cache_types:
     name = f"llama_cpp_{cache_type}"
@@ -493,8 +501,8 @@ def orchestrate(batch: int, prompt_len: int, new_tokens: int) -> None:
   for name, rs in runs.items():
     if not rs:
       continue
-    extra = {k: info[name][k] for k in ("version", "param_dtype", "cache_dtype", "cache_type")
-             if k in info[name]}
+    extra = {k: info[name][k] for k in ("version", "param_dtype", "cache_dtype", "cache_type",
+                                        "dtype") if k in info[name]}
     lines[name] = summary(name, rs, weight_bytes_=info[name]["weight_bytes"],
                           cache_bytes_per_token=info[name]["cache_bytes_per_token"],
                           decode_tokens_per_s_rounds=[batch * (new_tokens - 1) / r.decode_s

@@ -1,7 +1,7 @@
-"""HF transformers peer of `experiments.benchmarks.real` (torch on CPU, f32, the same GGUF).
+"""HF transformers peer of `experiments.benchmarks.real` (torch on CPU, f32 or bf16, the same GGUF).
 
 Loads the GGUF with `AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)`
-(transformers dequantizes it to f32), then per `run`: one prefill call over
+(transformers dequantizes it to the request's `dtype`, f32 by default), then per `run`: one prefill call over
 the prompts with `use_cache=True`, and the cached decode loop -- one call per
 token on the last greedy token with `past_key_values` -- timed directly (not
 as the difference of two `generate` calls). Protocol: `protocol.py`.
@@ -28,15 +28,17 @@ def main() -> None:
   request = protocol.read_request(sys.argv)
   torch.set_num_threads(int(request["threads"]))
   path = request["gguf"]
+  dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[request.get("dtype", "float32")]
   model = transformers.AutoModelForCausalLM.from_pretrained(
-      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
   model.eval()
   prompts = torch.tensor(request["prompts"], dtype=torch.long)
   new_tokens = int(request["new_tokens"])
   cfg = model.config
   head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
   weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-  cache_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
+  cache_bytes_per_token = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim
+                           * torch.tensor([], dtype=dtype).element_size())
 
   @torch.inference_mode()
   def run_once():
@@ -61,7 +63,7 @@ def main() -> None:
             "weight_bytes": weight_bytes, "cache_bytes_per_token": cache_bytes_per_token}
 
   protocol.serve({"system": "hf_transformers", "version": transformers.__version__,
-                  "torch": torch.__version__}, run_once)
+                  "torch": torch.__version__, "dtype": str(dtype)}, run_once)
 
 
 if __name__ == "__main__":
