@@ -133,20 +133,21 @@ def run(argv: Sequence[str] | None = None) -> list[dict]:
   parser.add_argument("--chain", type=int, default=40, help="distinct weights per chain")
   parser.add_argument("--batch", type=int, default=1, help="attention rows B")
   parser.add_argument("--context", type=int, default=4000, help="attention: cached tokens")
+  parser.add_argument("--bandwidth_mib", type=int, default=512, help="the reduction's array")
   args = parser.parse_args(argv)
-  if args.chain < 1 or args.batch < 1 or args.context < 1:
-    raise ValueError(f"--chain, --batch and --context must be >= 1; got {args.chain}, "
-                     f"{args.batch}, {args.context}")
+  if min(args.chain, args.batch, args.context, args.bandwidth_mib) < 1:
+    raise ValueError(f"--chain, --batch, --context and --bandwidth_mib must be >= 1; got "
+                     f"{args.chain}, {args.batch}, {args.context}, {args.bandwidth_mib}")
   try:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
   except ValueError:
     shapes = []
   if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
     raise ValueError(f"--shapes must be comma-separated NxK pairs; got {args.shapes!r}")
-  big = jnp.ones((128 << 20,), jnp.float32)
+  big = jnp.ones((args.bandwidth_mib << 18,), jnp.float32)
   bandwidth = big.nbytes / _per_call(jax.jit(jnp.sum), (big,), 3)
   del big
-  print(f"jnp.sum over 512 MiB: {bandwidth / 1e9:.1f} GB/s\n")
+  print(f"jnp.sum over {args.bandwidth_mib} MiB: {bandwidth / 1e9:.1f} GB/s\n")
   print("| form | shape | us per product | GB/s | of jnp.sum |")
   print("|---|---|---:|---:|---:|")
   rng = np.random.RandomState(0)

@@ -1,4 +1,4 @@
-"""experiments.benchmarks.step_cost: the regression, the thunk grouping and one real run."""
+"""experiments.benchmarks.step_cost (the regression, the thunk grouping, one real run) and xla_cpu_dots."""
 
 import json
 import os
@@ -89,3 +89,15 @@ def test_a_run_on_the_tiny_model_fits_its_points_and_names_the_step_ops():
   assert np.isclose(sum(r["share"] for r in brk["rows"]), 1.0, atol=0.02)
   assert any("exp" in r["op"] for r in brk["rows"])
   assert "| per layer ms |" in proc.stdout
+
+
+def test_xla_cpu_dots_times_every_form_and_checks_its_flags():
+  from experiments.benchmarks import xla_cpu_dots  # pylint: disable=g-import-not-at-top
+  rows = xla_cpu_dots.run(["--shapes=32x16", "--chain=2", "--context=8", "--bandwidth_mib=4"])
+  assert [r["form"] for r in rows] == [
+      "f32 x[1,K]@W[K,N]", "bf16 x[2,K]@W[K,N]", "u8s8 W[N,K].x[2,K]^T", "s8s8 x[2,K].W[K,N]",
+      "attention f32 cache", "attention int8 cache, to f32", "attention int8 cache, s8 logits"]
+  assert all(r["us"] > 0 and r["gb_s"] > 0 and r["of_sum"] > 0 for r in rows)
+  for bad in (["--shapes=32"], ["--shapes=0x4"], ["--chain=0"]):
+    with pytest.raises(ValueError, match="--"):
+      xla_cpu_dots.run(bad)
