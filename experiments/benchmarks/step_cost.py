@@ -33,6 +33,7 @@ Prints JSON lines (`"point"`, `"fit"`, `"breakdown"` records) and a markdown tab
 
 from __future__ import annotations
 
+import argparse
 import collections
 import glob
 import gzip
@@ -284,14 +285,9 @@ def _parser():
   parser.add_argument("--breakdown_layers", type=int, default=2,
                       help="layers of the profiled model (0: no breakdown)")
   parser.add_argument("--top", type=int, default=20, help="breakdown rows printed")
-  parser.add_argument("--child", default=None, help=argparse_hidden())
-  parser.add_argument("--child_dir", default=None, help=argparse_hidden())
+  parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--child_dir", default=None, help=argparse.SUPPRESS)
   return parser
-
-
-def argparse_hidden() -> str:
-  import argparse  # pylint: disable=g-import-not-at-top
-  return argparse.SUPPRESS
 
 
 def _check(args) -> None:

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.framework import cli
+from kvattn import ops
 from kvattn.models import int8
 
 
@@ -105,10 +106,9 @@ def attention_forms(batch: int, context: int, chain: int, rng: np.random.RandomS
 
   def int8_s8_logits(cache, q):
     k, v, s = cache
-    q_scale = jnp.max(jnp.abs(q), -1, keepdims=True) / 127
-    q8 = jnp.round(q / q_scale).astype(jnp.int8)
+    q8, q_scale = ops.quantize_kv(q, jnp.int8)  # as kvattn's xla_blocked path does
     logits = jnp.einsum("BKGH,BKSH->BKGS", q8, k, preferred_element_type=jnp.int32)
-    logits = logits.astype(jnp.float32) * q_scale * s[:, :, None]
+    logits = logits.astype(jnp.float32) * q_scale[..., None] * s[:, :, None]
     return softmax_values(logits, v.astype(jnp.float32), s[:, :, None])
 
   q = jnp.asarray(rng.randn(batch, kv, groups, width), jnp.float32)

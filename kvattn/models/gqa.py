@@ -303,15 +303,11 @@ class GroupedQueryAttention(nnx.Module):
     return q, k, v
 
   def _qkv_int8(self, x, biases):
-    """`_qkv` of an int8 layer: q, k and v from one quantization of `x`
-    (`int8.packed_dots`; plain int8 weights: one `int8_dot` each)."""
+    """`_qkv` of an int8 layer: q, k and v from one quantization of `x` (`int8.int8_dots`)."""
     dtype = self.dtype or x.dtype
     names = ("q_proj", "k_proj", "v_proj")
     weights = [(getattr(self, n)[...], getattr(self, n + "_scale")[...]) for n in names]
-    if jnp.dtype(weights[0][0].dtype) == int8_lib.UINT8:  # packed: [N, H, D] etc.
-      outs = int8_lib.packed_dots(x, weights)  # f32[B, T, N, H], [B, T, K, H], [B, T, K, H]
-    else:
-      outs = [int8_lib.int8_dot(x, w, s) for w, s in weights]
+    outs = int8_lib.int8_dots(x, weights)  # f32[B, T, N, H], [B, T, K, H], [B, T, K, H]
     heads = []
     for out, bias in zip(outs, biases):
       if bias is not None:

@@ -183,15 +183,15 @@ def _check_features(x, x2, k, w):
 
 def _packed_dot(x: jax.Array, w_p: jax.Array, w_scale: jax.Array) -> jax.Array:
   """`int8_dot` of a packed `uint8[*out, *in]` weight (`pack_weight`)."""
-  return packed_dots(x, ((w_p, w_scale),))[0]
+  return _packed_dots(x, ((w_p, w_scale),))[0]
 
 
-def packed_dots(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]]
-                ) -> list[jax.Array]:
-  """`[int8_dot(x, w_p, w_scale) for w_p, w_scale in weights]` of packed weights
-  (`uint8[*out, *in]`, `pack_weight`) that share their input axes: `x` is quantized
-  once and each weight is its own u8 x s8 dot, read where it is stored. Each result
-  equals `int8_dot`'s bit for bit.
+def int8_dots(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]]
+              ) -> list[jax.Array]:
+  """`[int8_dot(x, w_q, w_scale) for w_q, w_scale in weights]` for weights that share their
+  input axes (q/k/v; gate/up). When every weight is packed (`uint8[*out, *in]`,
+  `pack_weight`, as the model stores them) `x` is quantized once and each weight is its
+  own u8 x s8 dot, read where it is stored; each result equals `int8_dot`'s bit for bit.
 
   One dot per weight, not one dot of the weights concatenated: XLA:CPU did not hoist
   the concatenation of q/k/v out of the decode loop (2.3 MB written per layer and step
@@ -201,6 +201,14 @@ def packed_dots(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]]
   Raises:
     ValueError: x's trailing axes do not hold a weight's input features.
   """
+  if all(jnp.dtype(w.dtype) == UINT8 for w, _ in weights):
+    return _packed_dots(x, weights)
+  return [int8_dot(x, w, s) for w, s in weights]
+
+
+def _packed_dots(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]]
+                 ) -> list[jax.Array]:
+  """`int8_dots` of packed weights: one quantization of `x`, one u8 x s8 dot per weight."""
   w0, s0 = weights[0]
   num_out = s0.ndim
   k = int(np.prod(w0.shape[num_out:]))

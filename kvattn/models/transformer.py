@@ -103,11 +103,8 @@ class SwiGLU(nnx.Module):
     dt = self.dtype
     x = x.astype(dt)
     if hasattr(self, "gate_scale"):  # W8A8: the same products through int8_dot
-      weights = ((self.gate[...], self.gate_scale[...]), (self.up[...], self.up_scale[...]))
-      if jnp.dtype(weights[0][0].dtype) == int8_lib.UINT8:  # packed (`int8.pack_weight`)
-        g, u = int8_lib.packed_dots(x, weights)  # one quantization of x, two dots
-      else:
-        g, u = (int8_lib.int8_dot(x, w, s) for w, s in weights)
+      g, u = int8_lib.int8_dots(x, ((self.gate[...], self.gate_scale[...]),
+                                    (self.up[...], self.up_scale[...])))  # one quantization
       h = (_ACTIVATIONS[self.activation](g) * u).astype(dt)
       return int8_lib.project("BTF,FD->BTD", h, self.down, getattr(self, "down_scale", None),
                               dt).astype(dt)

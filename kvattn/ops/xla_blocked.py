@@ -22,7 +22,7 @@ clean and dirty caches give bit-identical results. Quantized (int8 / fp8 with
 f32 per-slot scales) and 16-bit caches are converted to f32 block by block,
 the scales multiplying the block's logits and probabilities; but the keys of
 an int8 cache are read as stored: the query is quantized per row to int8
-(`quantize_query`) and the logits are one s8 x s8 -> s32 dot per block, times
+(`quant.quantize_kv`, the cache's own format) and the logits are one s8 x s8 -> s32 dot per block, times
 the query's and the slots' scales (the K.Q product of llama.cpp's q8_0 cache).
 
 S need not be a multiple of `block_k`: the last block is shifted back to end
@@ -38,6 +38,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from kvattn.ops import quant
 from kvattn.ops import xla
 from pallas_kernels import attention_common as common
 
@@ -82,16 +83,6 @@ def block_sizes(capacity: int, rows: int, width: int) -> tuple[tuple[int, ...], 
 def is_int8(keys: jax.Array, scale: jax.Array | None) -> bool:
   """True for an int8 cache part with its per-slot scales (read through s8 dots)."""
   return scale is not None and jnp.dtype(keys.dtype) == jnp.dtype(jnp.int8)
-
-
-def quantize_query(q: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """`(int8[..., H], f32[...])`: each query row over its last axis at the scale
-  `max |q| / 127` (1 for an all-zero row), as llama.cpp quantizes the query of its q8_0
-  cache's K.Q product. `values * scale` is q to half a step of its row's scale."""
-  absmax = jnp.max(jnp.abs(q), axis=-1)
-  scale = jnp.where(absmax > 0, absmax / 127.0, 1.0).astype(jnp.float32)
-  values = jnp.clip(jnp.round(q / scale[..., None]), -127, 127).astype(jnp.int8)
-  return values, scale
 
 
 def tier(span: jax.Array, single: tuple[int, ...]) -> jax.Array:
@@ -152,8 +143,8 @@ def blocked_decode(
     sv = s1
 
   # int8 keys: the query quantized per row, the logits one s8 x s8 -> s32 dot per block.
-  q1_int8 = quantize_query(q1) if is_int8(k1, s1) else None
-  q2_int8 = quantize_query(q2) if k2 is not None and is_int8(k2, s2) else None
+  q1_int8 = quant.quantize_kv(q1, jnp.int8) if is_int8(k1, s1) else None
+  q2_int8 = quant.quantize_kv(q2, jnp.int8) if k2 is not None and is_int8(k2, s2) else None
 
   def run(block_k: int, loop: bool) -> jax.Array:
     def raw(x, offset):  # [B, K, bk, X] as stored

@@ -32,11 +32,11 @@ DENSE_IMPLS = ("xla", "xla_blocked", "pallas")  # "pallas" runs interpreted on C
 
 def _query_as_read(q, sm_scale, name, impl):
   """The query the backend's logits use: `xla_blocked` reads an int8 cache's keys through
-  s8 dots, with the (scaled) query quantized per row (`xla_blocked.quantize_query`)."""
+  s8 dots, with the (scaled) query quantized per row as the cache is (`ops.quantize_kv`)."""
   if not (impl == "xla_blocked" and name == "int8"):
     return q
-  values, scale = xla_blocked.quantize_query(q.astype(jnp.float32) * sm_scale)
-  return values.astype(jnp.float32) * scale[..., None] / sm_scale
+  values, scale = ops.quantize_kv(q.astype(jnp.float32) * sm_scale, jnp.int8)
+  return ops.dequantize_kv(values, scale, jnp.float32) / sm_scale
 
 
 def _formats_and_impls(fast_pallas_format):

@@ -300,8 +300,8 @@ def test_gqa_fused_int8_qkv_equals_three_separate_products(models):
 
 
 @pytest.mark.parametrize("rows", [0, 1, 5])
-def test_packed_dots_share_one_quantization_and_equal_int8_dot(rows):
-  """`packed_dots` (one quantization of x, a u8 x s8 dot per weight) gives each weight's
+def test_int8_dots_share_one_quantization_and_equal_int8_dot(rows):
+  """`int8_dots` (one quantization of x, a u8 x s8 dot per weight) gives each weight's
   `int8_dot` bit for bit, for weights of different output shapes; a weight whose input
   features do not match raises."""
   weights = []
@@ -309,13 +309,13 @@ def test_packed_dots_share_one_quantization_and_equal_int8_dot(rows):
     w_q, scale = int8.quantize_weight(_rand(shape, seed), num_in)
     weights.append((int8.pack_weight(w_q, num_in), scale))
   x = _rand((rows, 16), 4, 2.0)
-  got = jax.jit(int8.packed_dots)(x, weights)
+  got = jax.jit(int8.int8_dots)(x, weights)
   for out, (w_p, scale) in zip(got, weights):
     assert out.shape == (rows,) + scale.shape
     np.testing.assert_array_equal(np.asarray(out), np.asarray(int8.int8_dot(x, w_p, scale)))
   bad = int8.pack_weight(int8.quantize_weight(_rand((12, 4), 5), 1)[0], 1)
   with pytest.raises(ValueError, match="input features"):
-    int8.packed_dots(x, [weights[0], (bad, jnp.ones((4,)))])
+    int8.int8_dots(x, [weights[0], (bad, jnp.ones((4,)))])
 
 
 def test_int8_mlp_applies_its_activation():
