@@ -47,63 +47,26 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from kvattn.checkpoints import families
 from kvattn.checkpoints import tokenizer as tokenizer_lib
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
                    "Q6_K")
-# general.architecture -> the HF model_type of the config it becomes.
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
-# llama.cpp's Gemma 3 constants the file does not state (llama-model.cpp): one global layer in
-# six (layers 5, 11, ...), local RoPE base 10k unless `gemma3.rope.freq_base_swa` says.
-_GEMMA3_PATTERN = 6
-_GEMMA3_LOCAL_BASE = 10000.0
 
-# GGUF tensor name -> HF name; "{i}" is the layer index.
+# GGUF tensor name -> HF name of the tensors outside the layers (each family's
+# `gguf_layer_names` maps those of a layer, "blk.{i}.<name>").
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_QK_NORM_NAMES = {
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-}
-# Gemma 3's four norms: llama.cpp's ffn_norm is the norm before the MLP, which HF calls
-# pre_feedforward_layernorm (post_attention_layernorm is the norm of the attention output).
-_GEMMA3_LAYER_NAMES = {
-    **{k: v for k, v in _LAYER_NAMES.items() if ".bias" not in k}, **_QK_NORM_NAMES,
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-}
-# Per architecture, GGUF layer tensor -> HF name (qwen2's are llama's with attention biases).
-_ARCH_LAYER_NAMES = {
-    "llama": _LAYER_NAMES, "qwen2": _LAYER_NAMES,
-    "qwen3": {**{k: v for k, v in _LAYER_NAMES.items() if ".bias" not in k}, **_QK_NORM_NAMES},
-    "gemma3": _GEMMA3_LAYER_NAMES,
-}
 
 
-def _required_tensors(arch: str) -> tuple[str, ...]:
-  """Tensors every file of `arch` needs ("{i}": each layer); output.weight is optional (tied
-  head) and qwen2's attention biases too."""
+def _required_tensors(family: families.Family) -> tuple[str, ...]:
+  """Tensors every file of `family` needs ("{i}": each layer); output.weight is optional (tied
+  head) and the attention biases too."""
   return ("token_embd.weight", "output_norm.weight",
-          *(f"blk.{{i}}.{name}" for name in _ARCH_LAYER_NAMES[arch] if name.endswith(".weight")))
+          *(f"blk.{{i}}.{name}" for name in family.gguf_layer_names if name.endswith(".weight")))
 
 # GGUF metadata value types, numbered as gguf.GGUFValueType: id -> (name, bytes per value; 0
 # for the variable-length STRING and ARRAY).
@@ -168,6 +131,7 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
   shapes = {name: tuple(int(n) for n in reversed(info.shape)) for name, info in infos.items()}
   config = gguf_config(metadata, shapes, where=str(path))
   arch = metadata["general.architecture"]
+  family = families.by_gguf_architecture(arch)
   names = {name: hf_tensor_name(name, config["num_hidden_layers"], where=str(path), arch=arch)
            for name in infos}
   check_tensor_shapes(shapes, config, where=str(path))
@@ -176,10 +140,10 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     array = _read_tensor(info, file_size, where=f"{path}: tensor {name!r}")
     if name.startswith("blk.") and name.endswith((".attn_q.weight", ".attn_k.weight",
                                                   ".attn_q.bias", ".attn_k.bias")):
-      if config["model_type"] == "llama":
+      if family.gguf_rope_rows_permuted:
         heads = config["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"]
         array = unpermute_rope_rows(array, heads, where=f"{path}: tensor {name!r}")
-    if arch == "gemma3" and name.endswith("norm.weight"):
+    if family.norm_plus_one and name.endswith("norm.weight"):
       array = array - np.float32(1.0)  # llama.cpp stores Gemma's 1 + w; HF (and weights.py) w
     tensors[names[name]] = array
   del data, infos
@@ -256,9 +220,7 @@ def gguf_config(metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[i
       mixture-of-experts setting kvattn cannot represent.
   """
   arch = metadata.get("general.architecture")
-  if arch not in SUPPORTED_ARCHITECTURES:
-    raise NotImplementedError(f"{where}: general.architecture={arch!r} is not supported; "
-                              f"expected one of {SUPPORTED_ARCHITECTURES}")
+  family = families.by_gguf_architecture(arch, where=where)
 
   def get(key, default=None, *, kind=int):
     value = metadata.get(f"{arch}.{key}", default)
@@ -305,7 +267,7 @@ def gguf_config(metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[i
   else:
     raise ValueError(f"{where}: neither {arch}.vocab_size nor tensor token_embd.weight is present")
   config = {
-      "model_type": _MODEL_TYPES[arch],
+      "model_type": family.model_type,
       "hidden_size": hidden,
       "num_attention_heads": heads,
       "num_key_value_heads": kv_heads,
@@ -331,23 +293,8 @@ def gguf_config(metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[i
   window = metadata.get(f"{arch}.attention.sliding_window")
   if window:
     config["sliding_window"] = get("attention.sliding_window")
-  if arch == "gemma3":
-    if not window:
-      raise ValueError(f"{where}: metadata key {arch}.attention.sliding_window is missing")
-    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", _GEMMA3_PATTERN)
-    if isinstance(pattern, list):  # one flag per layer: true = local (sliding) layer
-      if len(pattern) != config["num_hidden_layers"]:
-        raise ValueError(f"{where}: {arch}.attention.sliding_window_pattern has {len(pattern)} "
-                         f"entries; expected {arch}.block_count = {config['num_hidden_layers']}")
-      config["layer_types"] = ["sliding_attention" if f else "full_attention" for f in pattern]
-    else:
-      config["sliding_window_pattern"] = get("attention.sliding_window_pattern", _GEMMA3_PATTERN)
-    config["rope_local_base_freq"] = float(get("rope.freq_base_swa", _GEMMA3_LOCAL_BASE,
-                                               kind=float))
-    # llama.cpp's query scale: 1 / sqrt(head dim), but 1 / sqrt(D / N) for the 27B (62 layers).
-    config["query_pre_attn_scalar"] = (hidden // heads if config["num_hidden_layers"] == 62
-                                       else head_dim)
-    config["hidden_activation"] = "gelu_pytorch_tanh"
+  if family.gguf_config is not None:
+    config.update(family.gguf_config(get, metadata, config, where))
   return config
 
 
@@ -365,7 +312,8 @@ def check_tensor_shapes(shapes: Mapping[str, tuple[int, ...]], config: Mapping[s
       the metadata implies (the message names the tensor and the metadata keys).
     NotImplementedError: attention biases in a `llama` file.
   """
-  arch = {v: k for k, v in _MODEL_TYPES.items()}[config["model_type"]]
+  family = families.lookup(config["model_type"])
+  arch = family.gguf_architecture
   d, f, v = (f"{arch}.embedding_length", f"{arch}.feed_forward_length", f"{arch}.vocab_size")
   n, k = f"{arch}.attention.head_count", f"{arch}.attention.head_count_kv"
   h = f"head dim ({arch}.attention.key_length)"
@@ -394,7 +342,7 @@ def check_tensor_shapes(shapes: Mapping[str, tuple[int, ...]], config: Mapping[s
   }
   for name, shape in shapes.items():
     kind = name.split(".", 2)[2] if name.startswith("blk.") else name
-    if kind.endswith(".bias") and arch != "qwen2":
+    if kind.endswith(".bias") and not family.gguf_attention_bias:
       raise NotImplementedError(f"{where}: tensor {name!r}: attention biases in a {arch} file "
                                 "are not supported")
     if kind not in expected:  # hf_tensor_name names what kvattn does not know
@@ -403,9 +351,9 @@ def check_tensor_shapes(shapes: Mapping[str, tuple[int, ...]], config: Mapping[s
     if tuple(shape) != want:
       raise ValueError(f"{where}: tensor {name!r} has shape {list(shape)}; expected "
                        f"{list(want)} = {why} from the file's metadata")
-  layer_kinds = ", ".join(n.split(".")[0] for n in _ARCH_LAYER_NAMES[arch]
+  layer_kinds = ", ".join(n.split(".")[0] for n in family.gguf_layer_names
                           if n.endswith(".weight"))
-  for template in _required_tensors(arch):
+  for template in _required_tensors(family):
     for i in range(config["num_hidden_layers"]) if "{i}" in template else (None,):
       name = template.format(i=i)
       if name not in shapes:
@@ -585,7 +533,7 @@ class _HeaderWalk:
 
 def hf_tensor_name(name: str, num_layers: int, *, where: str = "GGUF", arch: str = "llama") -> str:
   """The HF name of GGUF tensor `name` ("blk.3.attn_q.weight" -> "model.layers.3....") in a
-  file of architecture `arch` (one of `SUPPORTED_ARCHITECTURES`).
+  file of architecture `arch` (one of `families.gguf_architectures()`).
 
   Raises:
     NotImplementedError: `name` is not a tensor kvattn knows.
@@ -594,7 +542,7 @@ def hf_tensor_name(name: str, num_layers: int, *, where: str = "GGUF", arch: str
   if name in _GLOBAL_NAMES:
     return _GLOBAL_NAMES[name]
   parts = name.split(".", 2)
-  layer_names = _ARCH_LAYER_NAMES[arch]
+  layer_names = families.by_gguf_architecture(arch, where=where).gguf_layer_names
   if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
     layer = int(parts[1])
     if layer >= num_layers:

@@ -27,8 +27,7 @@ import jax
 
 from kvattn.models import transformer as transformer_lib
 
-from kvattn.checkpoints.hf_config import (  # noqa: F401  (re-exported)
-    SUPPORTED_MODEL_TYPES, model_config_from_hf)
+from kvattn.checkpoints.hf_config import model_config_from_hf  # noqa: F401  (re-exported)
 from kvattn.checkpoints.weights import WeightEntry, build_model, weight_map  # noqa: F401
 
 CONFIG_FILE = "config.json"

@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-from kvattn.checkpoints import chat_template
+from kvattn.checkpoints import chat_template, families
 # Re-exported: the render budgets and their error live with the renderer.
 from kvattn.checkpoints.chat_template import (  # noqa: F401
     TEMPLATE_MAX_CHARS, TEMPLATE_MAX_DIGITS, TEMPLATE_MAX_STEPS, TEMPLATE_WORK_FACTOR,
@@ -37,28 +37,6 @@ from kvattn.checkpoints.chat_template import (  # noqa: F401
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
-# Split regexes of the pre-tokenizers whose merges were learned on another split than GPT-2's,
-# keyed by `tokenizer.ggml.pre`. Any other value (e.g. "gpt2", "smollm") keeps GPT-2's own
-# byte-level split, as transformers' GGUF converter does.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# Architectures whose SentencePiece vocabulary (`tokenizer.ggml.model == "llama"`) is built.
-SENTENCEPIECE_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
-
-PRE_TOKENIZER_SPLITS = {
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT,
-    "falcon3": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
 
 @functools.cache
 def _byte_alphabet() -> dict[int, str]:
@@ -182,8 +160,9 @@ class Tokenizer:
     GGUF converter: tokens not spelled in GPT-2's byte alphabet are respelled
     from their UTF-8 bytes; control tokens (type 3) spelled in that alphabet
     become special tokens and user-defined ones (type 4) added tokens, so both
-    are matched whole in text; the split regex comes from `PRE_TOKENIZER_SPLITS`
-    when `tokenizer.ggml.pre` is listed there, else GPT-2's byte-level split.
+    are matched whole in text; the split regex is the one a family registers for
+    `tokenizer.ggml.pre` (`families.pre_tokenizer_split`: Llama 3's, Qwen2's), else
+    GPT-2's byte-level split.
 
     Args:
       metadata: GGUF key -> value (strings, ints, lists), e.g.
@@ -196,12 +175,12 @@ class Tokenizer:
     """
     kind = metadata.get("tokenizer.ggml.model")
     arch = metadata.get("general.architecture")
-    sentencepiece = kind == "llama" and arch in SENTENCEPIECE_ARCHITECTURES
+    sentencepiece = kind == "llama" and arch in families.sentencepiece_architectures()
     if kind != "gpt2" and not sentencepiece:
       raise NotImplementedError(
           f"tokenizer.ggml.model={kind!r} is not supported for general.architecture={arch!r}; "
           f"expected 'gpt2' (byte-level BPE), or 'llama' (SentencePiece) for one of "
-          f"{SENTENCEPIECE_ARCHITECTURES}")
+          f"{families.sentencepiece_architectures()}")
     tokens = _string_list(metadata, "tokenizer.ggml.tokens")
     token_types = metadata.get("tokenizer.ggml.token_type")
     if token_types is not None and len(token_types) != len(tokens):
@@ -320,7 +299,7 @@ def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str],
     backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
   except Exception as e:  # tokenizers raises a bare Exception for a merge of unknown tokens.
     raise ValueError(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: {e}") from e
-  split = PRE_TOKENIZER_SPLITS.get(metadata.get("tokenizer.ggml.pre"))
+  split = families.pre_tokenizer_split(metadata.get("tokenizer.ggml.pre"))
   if split is None:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
   else:

@@ -27,6 +27,7 @@ from flax import nnx
 from kvattn.models import int8 as int8_lib
 from kvattn.models import transformer as transformer_lib
 
+from kvattn.checkpoints import families
 from kvattn.checkpoints.hf_config import _IGNORED_SUFFIXES, model_config_from_hf
 
 
@@ -72,33 +73,27 @@ def _rope_deinterleave(width: int, rope_dim: int) -> np.ndarray:
   return np.concatenate([np.arange(width - rope_dim), rope[0::2], rope[1::2]])
 
 
-def weight_map(spec: transformer_lib.ModelSpec) -> list[WeightEntry]:
+def weight_map(spec: transformer_lib.ModelSpec, family: families.Family) -> list[WeightEntry]:
   """Every parameter of a `Transformer(spec)` with its HF tensor name, shape and conversion.
 
-  The HF names are those of transformers' `LlamaForCausalLM` family
-  (`model.layers.{i}.self_attn.q_proj.weight`, ...; `q_norm` / `k_norm` of Qwen3), of
-  `Gemma2ForCausalLM` / `Gemma3ForCausalLM` for a model with `post_norms` (four norms per
-  block, scales stored as w and loaded as 1 + w) and of
+  The HF names are those of transformers' `LlamaForCausalLM`
+  (`model.layers.{i}.self_attn.q_proj.weight`, ...; `q_norm` / `k_norm` for
+  qk-norm, `q_proj.bias` ... for q/k/v biases) with the block norms of `family`
+  (`family.hf_layer_norms`; scales stored as w and loaded as 1 + w in f32 when
+  `family.norm_plus_one`, as Gemma computes them), and those of
   `DeepseekV2ForCausalLM` for MLA layers (`q_a_proj`, `kv_a_proj_with_mqa`,
   `kv_b_proj`, ...).
   """
   D, F, V = spec.d_model, spec.mlp_dim, spec.vocab_size
-  # The checkpoints with four norms per block are Gemma's: RMSNorm scales stored as w and
-  # applied as 1 + w (computed here in f32, as Gemma computes it), and Gemma's names.
-  gemma = spec.post_norms
-  norm = _gemma_norm if gemma else _same
+  norm = _plus_one if family.norm_plus_one else _same
   entries = [WeightEntry(("embedding",), "model.embed_tokens.weight", (V, D), _same),
              WeightEntry(("final_norm", "scale"), "model.norm.weight", (D,), norm)]
   if not spec.tie_embeddings:
     entries.append(WeightEntry(("lm_head",), "lm_head.weight", *_linear((D,), (V,))))
   for i, layer in enumerate(spec.layers):
     pre, at = f"model.layers.{i}.", ("layers", i, "attn")
-    norms = (("attn_norm", "input_layernorm"), ("post_attn_norm", "post_attention_layernorm"),
-             ("mlp_norm", "pre_feedforward_layernorm"),
-             ("post_mlp_norm", "post_feedforward_layernorm")) if gemma else \
-        (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"))
     entries += [WeightEntry(("layers", i, ours, "scale"), pre + f"{theirs}.weight", (D,), norm)
-                for ours, theirs in norms]
+                for ours, theirs in family.hf_layer_norms]
     entries += [
         WeightEntry(("layers", i, "mlp", "gate"), pre + "mlp.gate_proj.weight",
                     *_linear((D,), (F,))),
@@ -114,8 +109,8 @@ def weight_map(spec: transformer_lib.ModelSpec) -> list[WeightEntry]:
   return entries
 
 
-def _gemma_norm(w):
-  """Gemma's RMSNorm weight w -> the scale 1 + w (f32)."""
+def _plus_one(w):
+  """A stored RMSNorm weight w -> the scale 1 + w (f32; Gemma's)."""
   return 1.0 + w.astype(jnp.float32)
 
 
@@ -212,7 +207,7 @@ def build_model(config: Mapping[str, Any], tensors: Mapping[str, Any], *, dtype:
   quantize = int8_lib.is_int8(spec.param_dtype)
   if quantize:  # W8A8: fill the f32 model, then quantize it (kvattn.models.int8)
     spec = dataclasses.replace(spec, param_dtype=jnp.dtype(jnp.float32))
-  entries = weight_map(spec)
+  entries = weight_map(spec, families.lookup(config["model_type"]))
   for e in entries:
     if e.tensor not in tensors:
       raise ValueError(f"{_origin(tensors, e.tensor)}tensor {e.tensor!r} is missing from the "
