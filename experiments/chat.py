@@ -38,7 +38,7 @@ from typing import Any, Sequence
 
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 
 from experiments.framework import cli
 from experiments.framework import timing as timing_lib
@@ -202,6 +202,11 @@ def summary(load_s: float, prompt_len: int, timing: Timing, cache: str,
 
 def main(argv: Sequence[str]) -> None:
   """absl entry point: prints the reply, then the measurement line."""
+  if not FLAGS["verbosity"].present:
+    # Only the reply and its line: absl.app shows INFO logs unless told otherwise, and JAX logs
+    # its probe of absent backends at INFO ("Unable to initialize backend 'tpu'") when the
+    # model loads. Warnings and errors still show; `-v 0` shows INFO again.
+    logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not FLAGS.prompt:

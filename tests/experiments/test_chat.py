@@ -12,6 +12,7 @@ from experiments import chat
 from kvattn.caches import paged
 from kvattn.caches import registry as cache_registry
 from kvattn.models import transformer as transformer_lib
+from tests.experiments import subproc
 from tests.kvattn.checkpoints import test_gguf
 
 
@@ -92,3 +93,17 @@ def test_chat_command_on_a_tiny_gguf(tmp_path, capsys):
   assert "load" in line and "prefill" in line and "cache paged int8" in line
   # The tiny vocabulary decodes to a string made of its tokens (or nothing after eos).
   assert set(reply) <= set("ab <|end|>")
+
+
+def test_chat_command_prints_only_the_reply_and_its_summary(tmp_path):
+  # Run as a person runs it: absl's INFO log of JAX's backend probe ("Unable to initialize
+  # backend 'tpu'") used to come first; only warnings and errors may reach stderr now.
+  path = test_gguf.write_tiny_gguf(tmp_path / "tiny.gguf", test_gguf._hf_tensors())
+  proc = subproc.popen("experiments.chat", f"--model={path}", "--prompt=ab ab",
+                       "--max_new_tokens=2", "--nowarmup")
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 0, err
+  assert "Unable to initialize backend" not in out + err
+  assert not [line for line in err.splitlines() if line.startswith("I")], err  # no INFO lines
+  reply, summary = out.splitlines()
+  assert set(reply) <= set("ab <|end|>") and summary.startswith("load ")
