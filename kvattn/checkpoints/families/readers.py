@@ -54,10 +54,12 @@ def check_number(key: str, value: Any, minimum: float | None = 0.0) -> float:
 
 def integer(config: Mapping[str, Any], key: str, default: Any = dataclasses.MISSING, *,
             minimum: int = 1) -> int:
+  """Config key `key` (else `default`) as an integer >= `minimum`; ValueError names the key."""
   return check_int(key, get(config, key, default), minimum)
 
 
 def flag(config: Mapping[str, Any], key: str, default: bool) -> bool:
+  """Config key `key` (else `default`), which must be true or false."""
   value = get(config, key, default)
   if not isinstance(value, bool):
     raise ValueError(f"config key {key!r} must be true or false; got {value!r}")
@@ -65,6 +67,7 @@ def flag(config: Mapping[str, Any], key: str, default: bool) -> bool:
 
 
 def unsupported(key: str, value: Any, why: str) -> NotImplementedError:
+  """The error for a setting the model cannot represent: "config key=value is not supported"."""
   return NotImplementedError(f"config {key}={value!r} is not supported: {why}")
 
 
