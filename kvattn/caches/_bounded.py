@@ -27,6 +27,7 @@ import numpy as np
 from kvattn import _checks
 from kvattn.caches import _slots
 from kvattn.caches import dense as cache_lib
+from kvattn.ops import quant
 
 # ----------------------------------------------------------------------------------------------
 # Shared pieces.
@@ -94,8 +95,8 @@ def scatter_slots(buffer: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Ar
   """`buffer[b, :, slots[b, t]] = new[b, :, t]` for `[B, K, S, ...]` buffers and
   `[B, K, T, ...]` new values; slots >= S are dropped."""
   rows = jnp.broadcast_to(jnp.arange(slots.shape[0], dtype=jnp.int32)[:, None], slots.shape)
-  return buffer.at[rows, :, slots].set(jnp.swapaxes(new, 1, 2).astype(buffer.dtype),
-                                       mode="drop")
+  return quant.set_stored(buffer, (rows, slice(None), slots), jnp.swapaxes(new, 1, 2),
+                          mode="drop")
 
 
 def scale_kwargs(k_scale, v_scale) -> dict[str, Any]:

@@ -140,7 +140,7 @@ def write_tokens(
   slots = jnp.where((t < new_lengths[:, None]) & (slots >= 0), slots, capacity)
   rows = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], slots.shape)
   index = (rows,) + (slice(None),) * (slot_axis - 1) + (slots,)
-  return buffer.at[index].set(new.astype(buffer.dtype), mode="drop")
+  return quant.set_stored(buffer, index, new, mode="drop")
 
 
 def advance_lengths(lengths: jax.Array, new_lengths: jax.Array, capacity: int) -> jax.Array:

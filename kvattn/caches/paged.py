@@ -36,6 +36,7 @@ from kvattn.caches import _slots
 from kvattn.caches import dense as cache_lib
 from kvattn import ops
 from kvattn.paging.allocator import NO_PAGE, pages_for
+from kvattn.ops import quant
 from kvattn.ops import xla_paged as paged_ops
 
 
@@ -274,8 +275,8 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback):
     offset = slots % page_size
 
     def write(pool, new):  # pool[:, page, offset] is [K, B, T, ...]: head-major new tokens
-      return pool.at[:, page, offset].set(jnp.moveaxis(new, 2, 0).astype(pool.dtype),
-                                          mode="drop")
+      return quant.set_stored(pool, (slice(None), page, offset), jnp.moveaxis(new, 2, 0),
+                              mode="drop")
 
     return self.replace(lengths=lengths, **self.written((k_new, v_new), write))
 

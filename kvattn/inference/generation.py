@@ -59,6 +59,7 @@ from kvattn import _checks
 from kvattn.training import data as data_lib
 from kvattn import memory
 from kvattn.caches.registry import CacheFactory
+from kvattn.ops import quant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +139,7 @@ def _decode(graphdef, state, caches, first, rng, *, sampling, max_new_tokens, eo
   tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
   done = (first == eos_id) if eos_id is not None else jnp.zeros((batch,), bool)
   lengths = jnp.ones((batch,), jnp.int32)
+  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), caches)
 
   def cond(carry):
     step, _, _, done, _, _, _ = carry
@@ -147,6 +149,7 @@ def _decode(graphdef, state, caches, first, rng, *, sampling, max_new_tokens, eo
     step, tokens, last, done, lengths, caches, rng = carry
     model = nnx.merge(graphdef, state)
     active = ~done
+    caches = quant.tree_from_bits(caches, like)
     h, caches = model.hidden(last[:, None], caches, new_lengths=active.astype(jnp.int32))
     rng, key = jax.random.split(rng)
     nxt = sample_logits(model.logits_from_hidden(h[:, 0]), key, sampling)
@@ -155,11 +158,13 @@ def _decode(graphdef, state, caches, first, rng, *, sampling, max_new_tokens, eo
     lengths = lengths + active.astype(jnp.int32)
     if eos_id is not None:
       done = done | (nxt == eos_id)
-    return step + 1, tokens, nxt, done, lengths, caches, rng
+    return step + 1, tokens, nxt, done, lengths, quant.tree_as_bits(caches), rng
 
-  carry = (jnp.int32(1), tokens, first, done, lengths, caches, rng)
+  # Narrow-float caches ride the loop as integers (`quant.as_bits`): XLA:CPU would otherwise copy
+  # every layer's cache twice per step around its writes.
+  carry = (jnp.int32(1), tokens, first, done, lengths, quant.tree_as_bits(caches), rng)
   _, tokens, _, _, lengths, caches, _ = jax.lax.while_loop(cond, body, carry)
-  return tokens, lengths, caches
+  return tokens, lengths, quant.tree_from_bits(caches, like)
 
 
 # ----------------------------------------------------------------------------------------------

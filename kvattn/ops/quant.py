@@ -188,3 +188,53 @@ def dequantize_kv(
     raise ValueError(f"scales must have shape values.shape[:-1] = {tuple(values.shape[:-1])}; "
                      f"got {tuple(scales.shape)}")
   return (values.astype(jnp.float32) * scales.astype(jnp.float32)[..., None]).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Moving stored values: narrow floats as integers.
+#
+# XLA:CPU has no bf16/f16/fp8 slice, update, scatter or gather: its float normalization runs
+# them in f32, converting the WHOLE operand -- a converted copy of each layer's cache, and
+# another back, on every decode step (2x the step of an f32 cache at B=4 x 4000 for bf16;
+# docs/benchmarks.md, "Decode step cost"). Moving the same bits as unsigned integers is exact
+# on every backend and free elsewhere (a bitcast), so every path that slices or writes stored
+# keys and values goes through these.
+
+
+def as_bits(x: jax.Array) -> jax.Array:
+  """`x` bitcast to the unsigned int of its width when it is a float narrower than 32 bits
+  (bf16, f16, fp8: `u16[...]` / `u8[...]`), else `x` unchanged."""
+  dtype = jnp.dtype(x.dtype)
+  if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * dtype.itemsize}"))
+  return x
+
+
+def from_bits(x: jax.Array, dtype: Any) -> jax.Array:
+  """The inverse of `as_bits` for values stored as `dtype`."""
+  return x if x.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(x, dtype)
+
+
+def read_stored(take: Any, x: jax.Array) -> jax.Array:
+  """`take(x)` for an index-only `take` (slice, gather), run on `as_bits(x)`."""
+  return from_bits(take(as_bits(x)), x.dtype)
+
+
+def set_stored(buffer: jax.Array, index: Any, new: jax.Array, **kwargs: Any) -> jax.Array:
+  """`buffer.at[index].set(new.astype(buffer.dtype), **kwargs)`, moved as `as_bits`."""
+  dtype = buffer.dtype
+  out = as_bits(buffer).at[index].set(as_bits(new.astype(dtype)), **kwargs)
+  return from_bits(out, dtype)
+
+
+def tree_as_bits(tree: Any) -> Any:
+  """`as_bits` on every array leaf of `tree` (caches carried through a loop: the bitcasts at
+  its ends then cancel those of the slices and writes inside)."""
+  return jax.tree.map(lambda x: as_bits(x) if hasattr(x, "dtype") else x, tree)
+
+
+def tree_from_bits(tree: Any, like: Any) -> Any:
+  """The inverse of `tree_as_bits`, with `like` (the tree before it, or its shapes) giving
+  each leaf's stored dtype."""
+  return jax.tree.map(lambda x, ref: from_bits(x, ref.dtype) if hasattr(x, "dtype") else x,
+                      tree, like)

@@ -146,9 +146,15 @@ def blocked_decode(
   q1_int8 = quant.quantize_kv(q1, jnp.int8) if is_int8(k1, s1) else None
   q2_int8 = quant.quantize_kv(q2, jnp.int8) if k2 is not None and is_int8(k2, s2) else None
 
+  # Narrow floats are sliced as integers (`quant.as_bits`), bitcast once out here: inside the
+  # switch's branches XLA:CPU copies the whole cache for the bitcast.
+  stored = {name: None if x is None else (quant.as_bits(x), x.dtype)
+            for name, x in (("k1", k1), ("k2", k2), ("v", v))}
+
   def run(block_k: int, loop: bool) -> jax.Array:
-    def raw(x, offset):  # [B, K, bk, X] as stored
-      x = lax.dynamic_slice_in_dim(x, offset, block_k, axis=slot_axis)
+    def raw(name, offset):  # [B, K, bk, X] as stored
+      bits, dtype = stored[name]
+      x = quant.from_bits(lax.dynamic_slice_in_dim(bits, offset, block_k, axis=slot_axis), dtype)
       return x if x.ndim == 4 else x[:, None]
 
     def block(x, offset):  # [B, K, bk, X] f32
@@ -174,9 +180,9 @@ def blocked_decode(
       m, l, acc = carry
       lo = base + i * block_k
       offset = jnp.minimum(lo, capacity - block_k)
-      s = logits(q1, q1_int8, k1, s1, offset)
+      s = logits(q1, q1_int8, "k1", s1, offset)
       if k2 is not None:
-        s = s + logits(q2, q2_int8, k2, s2, offset)
+        s = s + logits(q2, q2_int8, "k2", s2, offset)
       if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
       # Slots below `lo` belong to the previous block (a block shifted back to end at S).
@@ -189,7 +195,7 @@ def blocked_decode(
       p = jnp.exp(s - m_next[..., None])  # exact 0 where masked
       p_v = p if sv is None else p * jnp.where(valid[:, None, None, :],
                                                scale_block(sv, offset), 0.0)
-      vb = block(k1 if v is None else v, offset)
+      vb = block("k1" if v is None else "v", offset)
 
       def weighted(x):  # the barrier keeps both products compiled alike (bit-identical)
         return jnp.einsum("BKGS,BKSV->BKGV", p_v, lax.optimization_barrier(x))

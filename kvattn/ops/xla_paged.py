@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvattn import _checks
+from kvattn.ops import quant
 from kvattn.ops import xla as _xla
 from pallas_kernels import attention_common as _common
 
@@ -58,7 +59,8 @@ def gather_pages(
     return gather_pages(pages[..., None], block_tables)[..., 0]
   num_pages = pages.shape[1]
   ids = jnp.clip(block_tables, 0, num_pages - 1)
-  gathered = jnp.take(pages, ids, axis=1)  # [K, B, pages_per_seq, page_size, H]
+  gathered = quant.read_stored(lambda bits: jnp.take(bits, ids, axis=1), pages)
+  # [K, B, pages_per_seq, page_size, H]
   k, b, n, ps, h = gathered.shape
   return jnp.moveaxis(gathered, 0, 1).reshape(b, k, n * ps, h)
 

@@ -4,6 +4,7 @@ EOS semantics, sampling, donation and the up-front ValueErrors."""
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -123,6 +124,7 @@ _COUNTER = _CompileCounter()
 
 
 def test_second_call_with_same_shapes_does_not_compile():
+  jax.clear_caches()  # an earlier test in this process may have compiled these shapes
   model = tiny_model(GQA)
   prompts, lengths = right_padded(PROMPTS, 8)
   with _COUNTER as first:
@@ -333,3 +335,28 @@ def test_bad_sampling_values_and_oversized_caches_raise_before_compute():
     kvattn.generate(model, prompts, lengths, 2, max_len=2**40)  # petabytes of cache
   with pytest.raises(ValueError, match=r"max_new_tokens = .* GiB"):
     kvattn.generate(model, prompts, lengths, 2**40)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_decode_loop_copies_no_narrow_float_cache(dtype):
+  """The compiled decode loop moves a bf16 / fp8 cache as stored: no f32 copy of a whole cache
+  and no whole-cache copy but the writes in place and one bitcast per array at the loop's
+  entry and exit (XLA:CPU ran slices and writes of these floats in f32 over the whole cache,
+  every step: `kvattn.ops.quant.as_bits`). The cache is longer than the largest single block,
+  so no read block spans it either."""
+  from kvattn.inference import generation  # pylint: disable=g-import-not-at-top
+  model = tiny_model(GQA)
+  caches = model.init_caches(3, 9000, dtype=dtype)
+  graphdef, state = nnx.split(model)
+  text = generation._decode.lower(
+      graphdef, state, caches, jnp.zeros((3,), jnp.int32), jax.random.key(0),
+      sampling=generation.Sampling(), max_new_tokens=4, eos_id=None, pad_id=0).compile().as_text()
+  # `%name = dtype[3,2,9000,8]{layout} opcode(`: a whole-cache array made by a convert or a copy
+  # (a bitcast, a write in place or a tuple moves nothing).
+  made = re.findall(r"%([\w.-]+) = (\w+)\[3,2,9000,8\]\{[\d,]*\} ([\w-]+)\(", text)
+  copies = [(name, dtype, op) for name, dtype, op in made
+            if op in ("convert", "bitcast-convert", "copy")
+            or (op == "fusion" and re.match(r"(wrapped_)?(convert|bitcast-convert|copy)", name))]
+  assert not [c for c in made if c[1] == "f32"], made
+  arrays = 2 * len(caches)  # k and v per layer
+  assert len(copies) <= 2 * arrays, copies

@@ -256,3 +256,30 @@ def test_memory_counts_the_scale_bytes(dtype):
   assert memory.mla_bytes_per_token(64, 8, dtype) == 72 * itemsize + 2 * scale
   assert memory.measured_bytes_per_token(latent) == memory.mla_bytes_per_token(64, 8, dtype)
   assert memory.scale_bytes(dtype) == scale
+
+
+@pytest.mark.parametrize("dtype, bits", [(jnp.bfloat16, jnp.uint16), (jnp.float16, jnp.uint16),
+                                         (jnp.float8_e4m3fn, jnp.uint8),
+                                         (jnp.float8_e5m2, jnp.uint8),
+                                         (jnp.float32, jnp.float32), (jnp.int8, jnp.int8)])
+def test_narrow_floats_move_as_their_bits(dtype, bits):
+  """as_bits / read_stored / set_stored: narrow floats as unsigned ints of their width, other
+  dtypes as they are; every bit pattern (NaN payloads, -0.0) comes back as it was."""
+  width = jnp.dtype(dtype).itemsize * 8
+  rng = np.random.default_rng(0)
+  stored = rng.integers(0, 2**width, (4, 6, 8), dtype=np.dtype(f"uint{width}"))
+  x = jax.lax.bitcast_convert_type(jnp.asarray(stored), dtype)
+  view = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, np.dtype(f"uint{width}")))
+  assert quant.as_bits(x).dtype == jnp.dtype(bits)
+  assert np.array_equal(view(quant.from_bits(quant.as_bits(x), x.dtype)), stored)
+  got = quant.read_stored(lambda a: jax.lax.dynamic_slice_in_dim(a, 2, 3, axis=1), x)
+  assert got.dtype == x.dtype and np.array_equal(view(got), stored[:, 2:5])
+  new = jnp.asarray(rng.standard_normal((4, 2, 8)), jnp.float32)
+  index = (slice(None), jnp.asarray([1, 5]))
+  got = jax.jit(lambda b, n: quant.set_stored(b, index, n, mode="drop"))(x, new)
+  want = stored.copy()
+  want[:, [1, 5]] = view(new.astype(dtype))
+  assert got.dtype == x.dtype and np.array_equal(view(got), want)
+  tree = {"k": x, "lengths": jnp.arange(4)}
+  back = quant.tree_from_bits(quant.tree_as_bits(tree), tree)
+  assert np.array_equal(view(back["k"]), stored) and back["lengths"].dtype == jnp.int32
