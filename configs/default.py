@@ -83,6 +83,17 @@ def get_config(arg=None):
   config.text.new_tokens = 8 if smoke else 32  # Greedy tokens (agreement; the decode steps
   # after the first are timed).
 
+  # Decode speed where the cache matters (experiments/evals/decode_speed.py): `speed.batch`
+  # sequences with `speed.context` tokens of random keys and values written through the
+  # point's cache, then `speed.repeats` timed calls of `speed.steps` greedy steps. The report's
+  # speed column and its roofline fraction (the step's weight and cache bytes at the read
+  # bandwidth measured in the run) come from here; batch 0 skips it.
+  config.speed = config_dict.ConfigDict()
+  config.speed.batch = 2 if smoke else 4
+  config.speed.context = 96 if smoke else 4000
+  config.speed.steps = 4 if smoke else 8
+  config.speed.repeats = 1 if smoke else 3
+
   # Device mesh (kvattn.sharding, docs/sharding.md): shape None = one device; (data, model, seq)
   # sizes run each point with params and caches sharded, e.g. --config.mesh.shape="(1,2,1)".
   # The job decodes one sequence, so data must be 1; seq must divide text.chunk; the full

@@ -173,23 +173,6 @@ def roofline_fraction(bytes_per_step: float, decode_tokens_per_s: float, batch: 
   return bytes_per_step * (decode_tokens_per_s / batch) / bandwidth
 
 
-def read_bandwidth(nbytes: int, repeats: int = 3) -> float:
-  """Bytes/s of the best of `repeats` jitted `jnp.sum` over an f32 array of `nbytes`.
-
-  A reduction reads every byte once and writes nothing, so it is the read rate
-  a decode step (which streams weights and cache) can reach at best.
-  """
-  x = jnp.ones((max(1, nbytes // 4),), jnp.float32)
-  total = jax.jit(jnp.sum)
-  total(x).block_until_ready()
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    total(x).block_until_ready()
-    best = min(best, time.perf_counter() - start)
-  return x.nbytes / best
-
-
 def weight_bytes(model: transformer_lib.Transformer) -> int:
   """Parameter bytes one decode step reads (module doc)."""
   total = memory.tree_bytes(nnx.state(model, nnx.Param))
@@ -390,7 +373,7 @@ def kvattn_child(request_path: str) -> None:
   nbytes = int(request["bandwidth_mib"]) << 20
 
   def run_once():
-    bandwidth = read_bandwidth(nbytes)
+    bandwidth = timing_lib.read_bandwidth(nbytes)
     r = run()
     return {"prefill_s": r.prefill_s, "decode_s": r.decode_s, "prefill_cpu_s": r.prefill_cpu_s,
             "decode_cpu_s": r.decode_cpu_s, "tokens": r.tokens.tolist(),
@@ -606,7 +589,7 @@ def main(argv: Sequence[str]) -> None:
   runs: list[Run] = []
   bandwidths = []
   for round_ in range(FLAGS.repeats + 1):  # round 0 compiles
-    bandwidths.append(read_bandwidth(FLAGS.bandwidth_mib << 20))
+    bandwidths.append(timing_lib.read_bandwidth(FLAGS.bandwidth_mib << 20))
     result = run()
     if round_:
       runs.append(result)

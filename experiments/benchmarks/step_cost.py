@@ -17,7 +17,7 @@ goes through the same three measurements, in one process, on `--model` cut to ea
    norm, the LM head, sampling, the loop).
 2. **Bytes and roofline.** The bytes one layer's step must read at least (its parameters plus
    its cache at the mean attended length, scales included) over this machine's read
-   bandwidth measured in the same run (`real.read_bandwidth`) give the read time;
+   bandwidth measured in the same run (`timing.read_bandwidth`) give the read time;
    `roofline_fraction` = read time / `per_layer_ms`.
 3. **Breakdown** (`--breakdown_layers` > 0). A child process of this module runs the decode
    loop of the model cut to that many layers under `jax.profiler` with XLA:CPU's per-thunk
@@ -146,7 +146,7 @@ def measure(args) -> list[dict[str, Any]]:
       name = f"{num_layers}x{context}"
       runs[name] = (model, first, caches)
       info[name] = layer_bytes(model, caches, capacity, args.batch)
-  bandwidth = real.read_bandwidth(args.bandwidth_mib << 20)
+  bandwidth = timing.read_bandwidth(args.bandwidth_mib << 20)
   out = timing.decode_rounds(runs, args.steps, args.repeats)
   records = []
   for num_layers in layers:

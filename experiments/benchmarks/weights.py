@@ -23,7 +23,7 @@ for each form:
 and prints one JSON line per (form, batch) with `ms` (best of `--repeats`
 samples of `--calls` back-to-back calls), `weight_gbps` (stored weight bytes /
 time, 1e9 B/s), `of_read` (that over the read bandwidth of a jitted f32 sum of
-the same bytes measured in the same process, `bench_real.read_bandwidth`), and
+the same bytes measured in the same process, `timing.read_bandwidth`), and
 `vs_f32_dot` (this form's time over f32_dot's at the same batch; < 1 is
 faster). All forms agree with f32_dot within bf16 rounding (checked, not
 timed). Each entry of `--flag_sets` runs in its own subprocess with that
@@ -108,7 +108,7 @@ def measure(batches: Sequence[int], calls: int, repeats: int) -> list[dict]:
   w32 = (rng.standard_normal((LAYERS, D_MODEL, D_OUT), np.float32) / np.sqrt(D_MODEL))
   forms = make_forms(w32)
   fns = {name: stack(mm) for name, (mm, _) in forms.items()}
-  read = bench_real.read_bandwidth(w32.nbytes)
+  read = timing.read_bandwidth(w32.nbytes)
   records = []
   for batch in batches:
     h = jnp.asarray(rng.standard_normal((batch, D_MODEL), np.float32) * 0.1)
@@ -163,7 +163,7 @@ def decode_floor(batch: int, prompt_len: int, repeats: int) -> dict:
   timer.warm()
   timing.round_robin([timer], repeats)
   floor_s = min(timer.samples)
-  read = bench_real.read_bandwidth(nbytes)
+  read = timing.read_bandwidth(nbytes)
   return dict(batch=batch, prompt_len=prompt_len, step_ms=step * 1e3,
               weights_floor_ms=floor_s * 1e3, floor_share=floor_s / step,
               weight_bytes=int(nbytes), floor_gbps=nbytes / floor_s / 1e9,

@@ -52,7 +52,9 @@ from experiments.framework import results
 from experiments.framework import runner
 from experiments.framework import overrides
 from experiments.framework import checks
+from experiments.framework import timing
 from experiments.evals import models
+from experiments.evals import decode_speed
 from experiments.evals import streaming
 from experiments.evals import text as text_lib
 from kvattn.caches import registry as cache_registry
@@ -74,6 +76,7 @@ def schema() -> dict[str, tuple[str, ...]]:
       "cache": ("dtype", "kind", "budget", "num_sinks"),
       "heads": ("num_kv_heads", "method"),
       "text": ("num_tokens", "chunk", "prompt_tokens", "new_tokens"),
+      "speed": ("batch", "context", "steps", "repeats"),
       "mesh": ("shape", "rules"),
       "experiment": ("kind", "name", "max_points"),
   }
@@ -113,6 +116,7 @@ class RealModelFamily:
     self._tokens: dict[tuple[str, int], np.ndarray] = {}
     self._reference: dict[str, np.ndarray] = {}
     self._placed: dict[Any, Any] = {}
+    self._read_bandwidth: float | None = None
 
   def _check(self, d: Mapping[str, Any], where: str) -> None:
     cache, heads, text = d["cache"], d["heads"], d["text"]
@@ -141,6 +145,10 @@ class RealModelFamily:
     checks.check_int(f"{where}: text.chunk", text["chunk"])
     checks.check_int(f"{where}: text.prompt_tokens", text["prompt_tokens"])
     checks.check_int(f"{where}: text.new_tokens", text["new_tokens"], 3)
+    speed = d["speed"]
+    checks.check_int(f"{where}: speed.batch", speed["batch"], 0)
+    for key in ("context", "steps", "repeats"):
+      checks.check_int(f"{where}: speed.{key}", speed[key])
     if cache["kind"] == "sink" and cache["budget"] < cache["num_sinks"] + 1:
       raise ValueError(f"{where}: cache.budget must be >= cache.num_sinks + 1 = "
                        f"{cache['num_sinks'] + 1} for kind 'sink'; got {cache['budget']}")
@@ -194,15 +202,15 @@ class RealModelFamily:
     return self._placed[key], tokenizer, mesh, rules
 
   @staticmethod
-  def _caches(model, capacity: int, dtype, policy, mesh, rules):
-    """Empty batch-1 caches: sharded on a mesh for the full policy (`sharded.init_caches`),
-    replicated over it for a bounded one (no sharded kind; XLA lays out the updated cache),
-    plain without a mesh."""
+  def _caches(model, capacity: int, dtype, policy, mesh, rules, batch: int = 1):
+    """Empty caches of `batch` rows: sharded on a mesh for the full policy
+    (`sharded.init_caches`), replicated over it for a bounded one (no sharded kind; XLA lays
+    out the updated cache), plain without a mesh."""
     if mesh is None:
-      return model.init_caches(1, capacity, dtype, cache=policy)
+      return model.init_caches(batch, capacity, dtype, cache=policy)
     if policy["kind"] == "dense":
-      return sharded.init_caches(model, 1, capacity, mesh, rules=rules, dtype=dtype)
-    caches = model.init_caches(1, capacity, dtype, cache=policy)
+      return sharded.init_caches(model, batch, capacity, mesh, rules=rules, dtype=dtype)
+    caches = model.init_caches(batch, capacity, dtype, cache=policy)
     return jax.device_put(caches, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
   def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
@@ -214,7 +222,7 @@ class RealModelFamily:
 
     def point_of(d, where):
       self._check(d, where)
-      measured = {s: d[s] for s in ("model", "cache", "heads", "text")}
+      measured = {s: d[s] for s in ("model", "cache", "heads", "text", "speed")}
       if d["model"]["param_dtype"] == "float32":  # f32 weights keep the ids of earlier runs
         measured["model"] = {k: v for k, v in d["model"].items() if k != "param_dtype"}
       if d["mesh"]["shape"] is not None:  # one device keeps the ids of earlier runs
@@ -267,6 +275,34 @@ class RealModelFamily:
                              + text["new_tokens"], mesh, rules)
     caches = self._caches(model, capacity, jnp.dtype(cache["dtype"]), policy, mesh, rules)
     return streaming.greedy(model, caches, prompt, text["new_tokens"], text["chunk"])
+
+  def _bandwidth(self) -> float:
+    """Read bytes/s of this machine, measured once per run (`timing.read_bandwidth` over
+    256 MiB, beyond the last-level caches)."""
+    if self._read_bandwidth is None:
+      self._read_bandwidth = timing.read_bandwidth(256 << 20)
+    return self._read_bandwidth
+
+  def _speed(self, d: Mapping[str, Any]) -> dict[str, Any]:
+    """The point's decode speed at `speed.batch` x `speed.context` (module doc); {} for
+    batch 0."""
+    speed, cache = d["speed"], d["cache"]
+    if not speed["batch"]:
+      return {}
+    from experiments.benchmarks import real as bench_real  # pylint: disable=g-import-not-at-top
+    model, _, mesh, rules = self._on_mesh(d)
+    policy = cache_registry.spec_at_budget(cache["kind"], cache["budget"],
+                                           num_sinks=cache["num_sinks"])
+    capacity = _seq_capacity(speed["context"] + (speed["repeats"] + 1) * speed["steps"] + 1,
+                             mesh, rules)
+    caches = self._caches(model, capacity, jnp.dtype(cache["dtype"]), policy, mesh, rules,
+                          batch=speed["batch"])
+    out = decode_speed.long_decode(model, caches, speed["context"], steps=speed["steps"],
+                                   repeats=speed["repeats"],
+                                   weight_bytes=bench_real.weight_bytes(model),
+                                   bandwidth=self._bandwidth())
+    return {f"speed_{k}": v for k, v in out.items()} | {
+        "read_bandwidth_bytes_per_s": self._bandwidth()}
 
   def reference_tokens(self, d: Mapping[str, Any]) -> np.ndarray:
     """Greedy tokens of the reference (float32 full cache, released heads) for `d`'s texts."""
@@ -323,6 +359,7 @@ class RealModelFamily:
         "decode_tokens_per_s": steps / decode_s if decode_s > 0 else float("nan"),
         "greedy_tokens": tokens.tolist(),
         "greedy_agreement": float(np.mean(tokens == reference)),
+        **self._speed(d),
         "point_cpu_s": time.process_time() - cpu_start,
         **on_mesh,
     }
@@ -348,16 +385,30 @@ def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
                  r["policy"] if r["budget"] is None else f"{r['policy']} {r['budget']}",
                  r["cache_dtype"], f"{r['cache_bytes_per_token']:,.0f}",
                  vs("cache_bytes_per_token"), f"{r['cache_bytes_per_seq'] / 2**10:,.0f}",
-                 f"{r['decode_tokens_per_s']:.1f}", f"{r['ppl']:.3f}", vs("ppl"),
-                 f"{r['greedy_agreement']:.2f}"])
+                 f"{r['decode_tokens_per_s']:.1f}", *_speed_cells(r, ref), f"{r['ppl']:.3f}",
+                 vs("ppl"), f"{r['greedy_agreement']:.2f}"])
   return rows
+
+
+def _speed_cells(r: Mapping[str, Any], ref: Mapping[str, Any] | None) -> list[str]:
+  """The long-context decode columns of record `r`: tok/s, ratio to the reference, roofline
+  fraction ("-" for a point measured without them)."""
+  if "speed_tokens_per_s" not in r:
+    return ["-"] * 3
+  vs = (f"{r['speed_tokens_per_s'] / ref['speed_tokens_per_s']:.2f}x"
+        if ref and "speed_tokens_per_s" in ref else "n/a")
+  return [f"{r['speed_tokens_per_s']:.1f}", vs, f"{r['speed_roofline']:.2f}"]
 
 
 def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: str) -> str:
   """report.md and the two plots (linked from it); returns the markdown."""
   first = records[0] if records else None
+  timed = next((r for r in records if "speed_tokens_per_s" in r), None)
+  speed_header = (f"decode tok/s B{timed['speed_batch']}x{timed['speed_context']}" if timed
+                  else "decode tok/s long")
   headers = ["point", "K", "policy", "cache dtype", "cache B/token", "vs ref",
-             "cache KiB/seq", "decode tok/s", "ppl", "vs ref", "greedy agreement"]
+             "cache KiB/seq", "decode tok/s B1", speed_header, "vs ref", "roofline", "ppl",
+             "vs ref", "greedy agreement"]
   md = [f"# {title}", ""]
   if first:
     cfg = first["config"]
@@ -371,6 +422,16 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
            f"{first['decode_steps_timed']} steps after the first. Cache KiB/seq: the storage "
            f"after the scored text (a bounded policy keeps its budget). K = 1 points are "
            f"mean-pooled from the released heads without uptraining.", ""]
+  if timed:
+    md += [f"{speed_header}: {timed['speed_batch']} sequences holding "
+           f"{timed['speed_context']} tokens of random keys and values each, written through "
+           f"the point's cache (a bounded policy keeps its budget), then greedy steps through "
+           f"the compiled decode loop (median of "
+           f"{timed['config']['speed']['repeats']} timed calls of "
+           f"{timed['config']['speed']['steps']} steps); roofline: the step's weight and cache bytes at the read bandwidth "
+           f"measured in the run ({timed['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
+           f"`jnp.sum` over 256 MiB) over the step time. Batch-1 tok/s: the greedy run "
+           f"above, where the cache is about 2% of a step's reads.", ""]
   md += [report_lib.markdown_table(headers, table_rows(records)), "",
          f"![quality vs cache bytes]({PLOTS['quality']})", "",
          f"![decode speed]({PLOTS['speed']})", ""]
@@ -394,8 +455,15 @@ def _plots(workdir: str, records: Sequence[Mapping[str, Any]]) -> None:
   ax.set_title("quality vs cache size (o full, s bounded policy)")
   report_lib.save_figure(fig, os.path.join(workdir, PLOTS["quality"]))
   fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(records)), 4))
-  ax.bar(range(len(records)), [r["decode_tokens_per_s"] for r in records])
-  ax.set_xticks(range(len(records)), [r["label"] for r in records], rotation=60, ha="right",
+  timed = [r for r in records if "speed_tokens_per_s" in r]
+  if timed:  # the long-context point ranks kinds on their bytes
+    ax.bar(range(len(timed)), [r["speed_tokens_per_s"] for r in timed])
+    ax.set_ylabel(f"decode tokens/s (batch {timed[0]['speed_batch']}, "
+                  f"{timed[0]['speed_context']} tokens)")
+  else:
+    timed = records
+    ax.bar(range(len(timed)), [r["decode_tokens_per_s"] for r in timed])
+    ax.set_ylabel("decode tokens/s (batch 1)")
+  ax.set_xticks(range(len(timed)), [r["label"] for r in timed], rotation=60, ha="right",
                 fontsize=7)
-  ax.set_ylabel("decode tokens/s (batch 1)")
   report_lib.save_figure(fig, os.path.join(workdir, PLOTS["speed"]))

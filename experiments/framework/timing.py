@@ -97,6 +97,24 @@ def round_robin(timers: Iterable[Timer], repeats: int) -> None:
       timer.sample()
 
 
+def read_bandwidth(nbytes: int, repeats: int = 3) -> float:
+  """Bytes/s of the best of `repeats` jitted `jnp.sum` over an f32 array of `nbytes`.
+
+  A reduction reads every byte once and writes nothing, so it is the read rate
+  a decode step (which streams weights and cache) can reach at best.
+  """
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  x = jnp.ones((max(1, nbytes // 4),), jnp.float32)
+  total = jax.jit(jnp.sum)
+  total(x).block_until_ready()
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    total(x).block_until_ready()
+    best = min(best, time.perf_counter() - start)
+  return x.nbytes / best
+
+
 def stats(name: str, values: Sequence[float]) -> dict[str, float]:
   """`{name: median, name_min: min, name_max: max}` of `values`."""
   return {name: statistics.median(values), f"{name}_min": min(values),

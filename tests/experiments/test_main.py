@@ -67,6 +67,13 @@ def check_run(workdir, rc, out, err, num_layers):
   for r in records.values():
     assert r["decode_tokens_per_s"] > 0 and math.isfinite(r["ppl"]) and r["ppl"] > 1
     assert len(r["greedy_tokens"]) == 8
+    # The long-context speed point: B = 2 rows of 96 random tokens through the point's cache.
+    assert (r["speed_batch"], r["speed_context"]) == (2, 96) and r["speed_tokens_per_s"] > 0
+    assert r["speed_read_bytes"] > r["speed_cache_read_bytes"] > 0 and r["speed_roofline"] > 0
+  # The f32 full cache reads all 96 tokens, the int8 H2O its 48 slots.
+  assert ref["speed_cache_read_bytes"] == ref["cache_bytes_per_token"] * 2 * 96
+  assert other["speed_cache_read_bytes"] == other["cache_bytes_per_token"] * 2 * 48
+  assert "decode tok/s B2x96" in out and "roofline" in out
 
 
 def test_main_smoke_reads_well(tmp_path):

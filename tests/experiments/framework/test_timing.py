@@ -37,3 +37,7 @@ def test_decode_rounds_times_every_run_in_every_round_and_continues_the_decode()
   want, _, _ = decode(model, first, caches, steps * (repeats + 1) + 1)
   for name in timed:
     np.testing.assert_array_equal(np.asarray(timed[name]["tokens"]), np.asarray(want))
+
+
+def test_read_bandwidth_is_a_rate():
+  assert 1e6 < timing.read_bandwidth(1 << 20, repeats=2) < 1e13
