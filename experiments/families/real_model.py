@@ -20,7 +20,12 @@ bounded kind of `kvattn.caches.registry` at `cache.budget` tokens) and a head gr
     `text.prompt_tokens` held-out tokens that follow the scored text: decode
     tokens/s over its steps after the first (which compiles), and greedy
     agreement = the fraction of positions equal to the reference's (the
-    float32 full cache of the released model; 1 for the reference itself).
+    float32 full cache of the released model; 1 for the reference itself);
+  * decode speed where the cache matters (`speed.*`, batch 0 skips it): `speed.batch`
+    rows holding `speed.context` random tokens written through the point's cache
+    (experiments/evals/decode_speed.py), greedy steps timed through the same compiled
+    loop, and the roofline fraction: the step's weight and cache bytes at the read
+    bandwidth measured once per run (`timing.read_bandwidth`) over the step time.
 
 On a mesh (`mesh.shape`, kvattn.sharding): the parameters are placed by the
 sharding rules (`sharding.place_model`) and the full cache is created sharded
@@ -33,7 +38,8 @@ the key); records then add `mesh` and `per_device_cache_bytes`. One device
 (shape None) keeps the point ids of earlier runs.
 
 The report (report.md) has one table (ratios against the reference point)
-and two plots, quality_vs_cache.png and decode_speed.png, linked from it.
+and two plots linked from it, quality_vs_cache.png and decode_speed.png (the
+long-context tok/s).
 """
 
 from __future__ import annotations
