@@ -25,7 +25,8 @@ goes through the same three measurements, in one process, on `--model` cut to ea
    thunk's time is matched to its HLO instruction (kind, shape and the JAX op that made it)
    and summed per step. The trace events cost a few microseconds each, so these times
    run above the untraced step; read them as shares. Rows: the largest groups, then the
-   count of thunks per step and the time in thunks under 10 us.
+   count of thunks per step and the time in thunks under 10 us. `--breakdown_program=prefill`
+   profiles one prefill of the last `--contexts` value instead (per-prefill times).
 
 Prints JSON lines (`"point"`, `"fit"`, `"breakdown"` records) and a markdown table of each.
 `--random_weights` uses the architecture with random weights (no checkpoint download).
@@ -230,22 +231,29 @@ def breakdown_child(args) -> dict[str, Any]:
   num_layers = args.breakdown_layers
   model = base if num_layers == base.num_layers else base.truncated(num_layers)
   context, steps = args.contexts[-1], args.steps * 2
-  first, caches = _prefilled(model, args.cache, args.batch, context, context + 3 * steps + 8)
-  tokens, _, caches = decode(model, first, caches, steps + 1)  # compiles
-  jax.block_until_ready(caches)
   trace_dir = os.path.join(args.child_dir, "trace")
-  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-    tokens, _, caches = decode(model, tokens[:, -1], caches, steps + 1)
+  if args.breakdown_program == "prefill":  # one traced prefill of `context` tokens per row
+    steps = 1
+    _prefilled(model, args.cache, args.batch, context, context)  # compiles
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      jax.block_until_ready(_prefilled(model, args.cache, args.batch, context, context))
+  else:
+    first, caches = _prefilled(model, args.cache, args.batch, context, context + 3 * steps + 8)
+    tokens, _, caches = decode(model, first, caches, steps + 1)  # compiles
     jax.block_until_ready(caches)
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      tokens, _, caches = decode(model, tokens[:, -1], caches, steps + 1)
+      jax.block_until_ready(caches)
   (trace,) = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
   with gzip.open(trace) as f:
     events = json.load(f)
   events = events["traceEvents"] if isinstance(events, dict) else events
-  hlos = glob.glob(os.path.join(args.child_dir, "hlo", "*jit__decode*cpu_after_optimizations.txt"))
+  program = f"jit__{args.breakdown_program}"
+  hlos = glob.glob(os.path.join(args.child_dir, "hlo", f"*{program}*cpu_after_optimizations.txt"))
   if len(hlos) != 1:
-    raise RuntimeError(f"expected one optimized HLO of the decode loop; found {hlos}")
+    raise RuntimeError(f"expected one optimized HLO of {program}; found {hlos}")
   out = group_thunks(events, _hlo_instructions(hlos[0]), steps)
-  out.update(record="breakdown", layers=num_layers, context=context, batch=args.batch,
+  out.update(record="breakdown", program=args.breakdown_program, layers=num_layers, context=context, batch=args.batch,
              param_dtype=args.param_dtype, cache=args.cache)
   return out
 
@@ -285,6 +293,9 @@ def _parser():
   parser.add_argument("--breakdown_layers", type=int, default=2,
                       help="layers of the profiled model (0: no breakdown)")
   parser.add_argument("--top", type=int, default=20, help="breakdown rows printed")
+  parser.add_argument("--breakdown_program", default="decode", choices=("decode", "prefill"),
+                      help="the profiled program: the decode loop (per step), or one prefill "
+                           "of the last --contexts value")
   parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--child_dir", default=None, help=argparse.SUPPRESS)
   return parser
@@ -315,10 +326,12 @@ def print_tables(records: list[dict[str, Any]], top: int) -> None:
   for r in records:
     if r["record"] != "breakdown":
       continue
-    print(f"\nBreakdown, {r['layers']} layers, context {r['context']}, B={r['batch']}: "
-          f"{r['thunk_us_per_step']:.0f} us/step in {r['thunks_per_step']:.0f} thunks "
-          f"({r['small_thunk_us_per_step']:.0f} us in thunks under {THUNK_SMALL_US:.0f} us)")
-    print("\n| us/step | share | per step | thunk, shape, JAX op |")
+    unit = "prefill" if r.get("program") == "prefill" else "step"
+    print(f"\nBreakdown of {r.get('program', 'decode')}, {r['layers']} layers, context "
+          f"{r['context']}, B={r['batch']}: {r['thunk_us_per_step']:.0f} us/{unit} in "
+          f"{r['thunks_per_step']:.0f} thunks ({r['small_thunk_us_per_step']:.0f} us in thunks "
+          f"under {THUNK_SMALL_US:.0f} us)")
+    print(f"\n| us/{unit} | share | per {unit} | thunk, shape, JAX op |")
     print("|---:|---:|---:|---|")
     for row in r["rows"][:top]:
       print(f"| {row['us_per_step']:.1f} | {100 * row['share']:.1f}% | {row['per_step']:.0f} "

@@ -18,7 +18,10 @@ of one product) next to `jnp.sum` over a 512 MiB array in the same run:
   * attention over `--context` cached tokens of one layer (`B x K x S x H`, G queries per KV
     head): the logits and the probability-weighted values as f32 einsums over an f32
     cache, and over an int8 cache converted to f32, or with the query quantized per row
-    and the logits as one s8 x s8 -> s32 einsum.
+    and the logits as one s8 x s8 -> s32 einsum; a bf16 cache converted to f32, or read by
+    bf16 x bf16 -> f32 einsums (the query and probabilities rounded to bf16); a 4-bit cache
+    (two codes per byte, f32 per-token scale and zero) unpacked to f32 before the einsums,
+    or unpacked as the producer of a multiply-reduce (no dot).
 
 Prints a markdown table: form, shape, microseconds per product, GB/s, and GB/s over the
 reduction's.
@@ -111,6 +114,34 @@ def attention_forms(batch: int, context: int, chain: int, rng: np.random.RandomS
     logits = logits.astype(jnp.float32) * q_scale[..., None] * s[:, :, None]
     return softmax_values(logits, v.astype(jnp.float32), s[:, :, None])
 
+  def bf16_converted(cache, q):
+    k, v = cache
+    return softmax_values(jnp.einsum("BKGH,BKSH->BKGS", q, k.astype(jnp.float32)),
+                          v.astype(jnp.float32), 1.0)
+
+  def bf16_dots(cache, q):  # the query rounded to bf16, f32 accumulation
+    k, v = cache
+    logits = jnp.einsum("BKGH,BKSH->BKGS", q.astype(jnp.bfloat16), k,
+                        preferred_element_type=jnp.float32)
+    p = jnp.exp(logits - jnp.max(logits, -1, keepdims=True))
+    return jnp.einsum("BKGS,BKSH->BKGH", p.astype(jnp.bfloat16), v,
+                      preferred_element_type=jnp.float32)
+
+  def unpack4(packed, scale, zero):  # two 4-bit codes per byte -> f32, per-token scale/zero
+    codes = jnp.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[:-1] + (-1,))
+    return codes.astype(jnp.float32) * scale[..., None] + zero[..., None]
+
+  def int4_converted(cache, q):
+    k, v, ks, kz, vs, vz = cache
+    return softmax_values(jnp.einsum("BKGH,BKSH->BKGS", q, unpack4(k, ks, kz)),
+                          unpack4(v, vs, vz), 1.0)
+
+  def int4_fused(cache, q):  # the unpack as the producer of a multiply-reduce, no dot
+    k, v, ks, kz, vs, vz = cache
+    logits = jnp.sum(q[:, :, :, None, :] * unpack4(k, ks, kz)[:, :, None], axis=-1)
+    p = jnp.exp(logits - jnp.max(logits, -1, keepdims=True))
+    return jnp.sum(p[..., None] * unpack4(v, vs, vz)[:, :, None], axis=3)
+
   q = jnp.asarray(rng.randn(batch, kv, groups, width), jnp.float32)
   f32 = [(jnp.asarray(rng.randn(*shape), jnp.float32),
           jnp.asarray(rng.randn(*shape), jnp.float32)) for _ in range(chain)]
@@ -123,6 +154,19 @@ def attention_forms(batch: int, context: int, chain: int, rng: np.random.RandomS
   nbytes = 2 * np.prod(shape) + 4 * batch * kv * context
   yield "attention int8 cache, to f32", chained(int8_converted), q8, q, nbytes
   yield "attention int8 cache, s8 logits", chained(int8_s8_logits), q8, q, nbytes
+  del q8
+  b16 = [(jnp.asarray(rng.randn(*shape), jnp.bfloat16),
+          jnp.asarray(rng.randn(*shape), jnp.bfloat16)) for _ in range(chain)]
+  yield "attention bf16 cache, to f32", chained(bf16_converted), b16, q, 2 * 2 * np.prod(shape)
+  yield "attention bf16 cache, bf16 dots", chained(bf16_dots), b16, q, 2 * 2 * np.prod(shape)
+  del b16
+  packed = shape[:-1] + (width // 2,)
+  q4 = [tuple(jnp.asarray(rng.randint(0, 256, packed), jnp.uint8) for _ in range(2))
+        + tuple(jnp.asarray(rng.rand(batch, kv, context), jnp.float32) for _ in range(4))
+        for _ in range(chain)]
+  nbytes = 2 * np.prod(packed) + 4 * 4 * batch * kv * context
+  yield "attention 4-bit cache, to f32", chained(int4_converted), q4, q, nbytes
+  yield "attention 4-bit cache, fused reduce", chained(int4_fused), q4, q, nbytes
 
 
 def run(argv: Sequence[str] | None = None) -> list[dict]:

@@ -96,7 +96,9 @@ def test_xla_cpu_dots_times_every_form_and_checks_its_flags():
   rows = xla_cpu_dots.run(["--shapes=32x16", "--chain=2", "--context=8", "--bandwidth_mib=4"])
   assert [r["form"] for r in rows] == [
       "f32 x[1,K]@W[K,N]", "bf16 x[2,K]@W[K,N]", "u8s8 W[N,K].x[2,K]^T", "s8s8 x[2,K].W[K,N]",
-      "attention f32 cache", "attention int8 cache, to f32", "attention int8 cache, s8 logits"]
+      "attention f32 cache", "attention int8 cache, to f32", "attention int8 cache, s8 logits",
+      "attention bf16 cache, to f32", "attention bf16 cache, bf16 dots",
+      "attention 4-bit cache, to f32", "attention 4-bit cache, fused reduce"]
   assert all(r["us"] > 0 and r["gb_s"] > 0 and r["of_sum"] > 0 for r in rows)
   for bad in (["--shapes=32"], ["--shapes=0x4"], ["--chain=0"]):
     with pytest.raises(ValueError, match="--"):
