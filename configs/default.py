@@ -17,9 +17,17 @@ float32 full cache of the released model (experiments/families/real_model.py). A
 minutes on a 2-core CPU, 6 of them the long-context speed point (README: measured time;
 `--config.speed.batch=0` skips it).
 
-`get_config(arg)` and `get_sweep(arg)` take "" (the full run) or "smoke" (two
-points on short texts, for tests and a quick look). The byte-level
-train-from-scratch comparison of MHA/GQA/MQA/MLA is configs/toy.py.
+`get_config(arg)` and `get_sweep(arg)` take "" (the full run), "smoke" (two
+points on short texts, for tests and a quick look; every text holds more tokens than
+`cache.budget`, so a bounded kind evicts in each measurement), "kind" or "kind-smoke"
+(one point, the config as given: `cache.kind`, default h2o, at `cache.dtype` and
+`heads.num_kv_heads`, scored against the float32 full cache computed in the run; the
+sweep sets no key, so any kind -- one of yours loaded by `--import` -- is an override):
+
+    python -m experiments.main --config=configs/default.py:kind-smoke --workdir=/tmp/mine \
+        --import=my_policy.py --config.cache.kind=my-policy
+
+The byte-level train-from-scratch comparison of MHA/GQA/MQA/MLA is configs/toy.py.
 
 On several devices (docs/sharding.md; on a CPU host simulate them with
 XLA_FLAGS=--xla_force_host_platform_device_count=2):
@@ -38,7 +46,7 @@ from ml_collections import config_dict
 import configs
 from kvattn import sharding
 
-ARGS = ("", "smoke")
+ARGS = ("", "smoke", "kind", "kind-smoke")
 CACHE_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3fn")
 KINDS = ("dense", "h2o")  # Issue 21's length-switch kind joins here once it lands.
 KV_HEADS = (0, 1)  # 0 = as released (SmolLM2-135M: 3).
@@ -49,8 +57,10 @@ def _check_arg(arg):
 
 
 def get_config(arg=None):
-  """The full config; `arg="smoke"` shrinks the texts so the run takes about a minute."""
-  smoke = _check_arg(arg) == "smoke"
+  """The full config; `arg="smoke"` shrinks the texts so the run takes about a minute; "kind"
+  and "kind-smoke" (the same sizes) measure `cache.kind` (h2o unless overridden) alone."""
+  arg = _check_arg(arg)
+  smoke = arg in ("smoke", "kind-smoke")
   config = config_dict.ConfigDict()
 
   config.model = config_dict.ConfigDict()
@@ -65,10 +75,13 @@ def get_config(arg=None):
   config.cache = config_dict.ConfigDict()
   config.cache.dtype = "float32"  # Storage: a float dtype, or int8 / float8_e4m3fn /
   # float8_e5m2 with f32 per-token scales (kvattn.ops.quantize_kv).
-  config.cache.kind = "dense"  # A kind of kvattn.caches.registry: "dense" (every token), "ring",
-  # "sink", or an eviction policy of kvattn.caches.eviction (h2o, snapkv, tova, recent, random, knorm).
+  config.cache.kind = "h2o" if arg.startswith("kind") else "dense"  # A kind of
+  # kvattn.caches.registry: "dense" (every token), "ring", "sink", an eviction policy of
+  # kvattn.caches.eviction (h2o, snapkv, tova, recent, random, knorm), or one registered by
+  # a module of `--import`.
   config.cache.budget = 48 if smoke else 128  # Slots per sequence (and KV head) of a bounded
-  # policy; the held-out text is longer, so the policy evicts.
+  # policy; the scored text, the greedy prompt + continuation and the speed context are each
+  # longer, so the policy evicts in every measurement.
   config.cache.num_sinks = 4  # Sinks of kind "sink".
 
   # Head grouping: the released KV heads, or fewer by kvattn.models.convert.regroup_kv_heads.
@@ -80,7 +93,7 @@ def get_config(arg=None):
   config.text = config_dict.ConfigDict()
   config.text.num_tokens = 64 if smoke else 512  # Tokens scored by streaming perplexity.
   config.text.chunk = 32 if smoke else 64  # Tokens per forward pass (prefill chunk).
-  config.text.prompt_tokens = 32 if smoke else 192  # Prompt of the greedy continuation.
+  config.text.prompt_tokens = 48 if smoke else 192  # Prompt of the greedy continuation.
   config.text.new_tokens = 8 if smoke else 32  # Greedy tokens (agreement; the decode steps
   # after the first are timed).
 
@@ -110,8 +123,12 @@ def get_config(arg=None):
 
 
 def get_sweep(arg=None):
-  """Cache dtype x policy x KV heads; the smoke run: the f32 full cache and int8 H2O at K = 1."""
-  if _check_arg(arg) == "smoke":
+  """Cache dtype x policy x KV heads; the smoke run: the f32 full cache and int8 H2O at K = 1;
+  "kind" / "kind-smoke": one point, the config as given."""
+  arg = _check_arg(arg)
+  if arg.startswith("kind"):
+    return [{}]
+  if arg == "smoke":
     return [{"cache.dtype": "float32", "cache.kind": "dense", "heads.num_kv_heads": 0},
             {"cache.dtype": "int8", "cache.kind": "h2o", "heads.num_kv_heads": 1}]
   return [{"heads.num_kv_heads": k, "cache.kind": p, "cache.dtype": d}

@@ -105,12 +105,17 @@ def test_bad_point_is_named_before_any_work(tmp_path, overrides, match):
   assert not os.listdir(tmp_path)
 
 
-@pytest.mark.parametrize("arg", ["", "smoke"])
+@pytest.mark.parametrize("arg", default.ARGS)
 def test_shipped_config_validates(tmp_path, arg):
-  points = rme.RealModelFamily(str(tmp_path)).points(default.get_config(arg),
-                                                     default.get_sweep(arg))
+  config = default.get_config(arg)
+  points = rme.RealModelFamily(str(tmp_path)).points(config, default.get_sweep(arg))
   assert len({p.id for p in points}) == len(points) == len(default.get_sweep(arg))
-  assert sum(p.params["reference"] for p in points) == 1
+  assert sum(p.params["reference"] for p in points) == (0 if arg.startswith("kind") else 1)
+  # Every measurement holds more tokens than the budget, so a bounded kind evicts in each
+  # (the scored text, the greedy prompt + continuation, the speed context).
+  text = config.text
+  assert min(text.num_tokens, text.prompt_tokens + text.new_tokens,
+             config.speed.context) > config.cache.budget
   if not arg:  # cache dtype x policy x head grouping
     assert {(p.params["cache_dtype"], p.params["policy"], p.params["num_kv_heads_setting"])
             for p in points} == {(d, p, k) for d in default.CACHE_DTYPES
@@ -160,3 +165,4 @@ def test_a_kind_added_by_one_file_runs_in_the_main_job(tmp_path):
     records = [json.loads(line) for line in f]
   (record,) = records
   assert record["policy"] == "reversed" and record["greedy_agreement"] == 1.0
+
