@@ -26,7 +26,9 @@ is a second one, so the rates exclude compilation (its time is reported too).
 optionally with a storage-dtype suffix `-bf16`, `-int8`, `-fp8` (float8_e4m3fn;
 int8/fp8 store one f32 scale per token per head); its options come from
 `--cache_option key=value` (e.g. `--cache=h2o --cache_option=budget=256`) and
-`--page_size` (paged). `--weights int8` stores the weights as int8 with per-channel
+`--page_size` (paged); `--import=MODULE_OR_FILE` (repeatable: a dotted name importable from the
+current directory, or a .py file) first imports a module of yours that registers a kind, e.g.
+`--import=my_policy.py --cache=my-policy --cache_option=budget=256`. `--weights int8` stores the weights as int8 with per-channel
 scales and runs the products as int8 x int8 -> int32 (W8A8, `kvattn.models.int8`).
 """
 
@@ -100,6 +102,7 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute and para
 flags.DEFINE_enum("weights", None, ["int8"], "Weight storage other than --dtype: int8 = W8A8 "
                   "(int8 weights with per-channel scales, int8 activations per token; "
                   "kvattn.models.int8).")
+cli.define_import_flag()
 flags.DEFINE_bool("warmup", True, "Run once untimed first, so the rates exclude compilation.")
 
 FLAGS = flags.FLAGS
@@ -213,6 +216,10 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError("--prompt is required, e.g. --prompt 'What is the capital of France?'")
   if FLAGS.max_new_tokens < 1:
     raise app.UsageError(f"--max_new_tokens must be >= 1; got {FLAGS.max_new_tokens}")
+  cli.import_modules(FLAGS[cli.IMPORT_FLAG].value)  # a kind it registers is a --cache choice
+  with cli.config_errors():  # checked before the model loads
+    parse_cache(FLAGS.cache)
+    options = parse_options(FLAGS.cache_option)
   model, tok, load_s = load(FLAGS.model, FLAGS.dtype, FLAGS.weights)
   if tok.chat_template is None:
     print(f"note: {FLAGS.model} has no chat template (a base model): completing the raw prompt")
@@ -224,7 +231,7 @@ def main(argv: Sequence[str]) -> None:
 
   def once():
     return run(model, prompts, lengths, FLAGS.max_new_tokens, cache=FLAGS.cache,
-               page_size=FLAGS.page_size, options=parse_options(FLAGS.cache_option),
+               page_size=FLAGS.page_size, options=options,
                sampling=sampling, eos_id=tok.eos_id, seed=FLAGS.seed)
 
   compile_s = None

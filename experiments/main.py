@@ -14,6 +14,14 @@ the trained params; rerunning the same command skips finished points. The
 terminal shows a progress bar and a short summary (`--verbosity=1` adds the
 log records). See experiments/framework/runner.py.
 
+`--import=MODULE_OR_FILE` (repeatable) imports a module of your own first -- a dotted
+name importable from the current directory, or a .py file -- so a cache kind or eviction
+policy it registers is a valid `--config.cache.kind` (docs/DESIGN.md, "Adding a cache
+kind"); `configs/default.py:kind` runs one point of any kind:
+
+    python -m experiments.main --config=configs/default.py:kind --workdir=runs/mine \
+        --import=my_policy.py --config.cache.kind=my-policy
+
 On a multi-host slice (docs/sharding.md) every host runs the same command with
 `--distributed`, which calls `jax.distributed.initialize()` before anything
 else (its arguments are detected on Cloud TPU, SLURM and Open MPI; elsewhere
@@ -48,6 +56,7 @@ flags.DEFINE_integer("num_processes", None, "With --distributed: number of proce
                      "detected).")
 flags.DEFINE_integer("process_id", None, "With --distributed: this process's id in [0, "
                      "num_processes) (None: detected).")
+cli.define_import_flag()
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -58,6 +67,7 @@ def main(argv):
   if FLAGS.distributed:  # before any JAX call (loading the config touches no backend)
     import jax  # pylint: disable=g-import-not-at-top
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  cli.import_modules(FLAGS[cli.IMPORT_FLAG].value)  # before the config is validated
   # Imported here so that a mistake on the command line is reported before JAX loads.
   from experiments.framework import runner  # pylint: disable=g-import-not-at-top
   runner.main(FLAGS.config, FLAGS.workdir, config_flags.get_config_filename(FLAGS["config"]),

@@ -25,6 +25,10 @@ deep inside a run is *not* a user error unless the code that validates
 input marks it (the runner turns the ValueErrors of its validation phase,
 before any work, into `ConfigError`).
 
+`--import=MODULE_OR_FILE` (`define_import_flag`, `import_modules`) loads a user's own
+module -- one that registers a cache kind or an eviction policy -- before the entry
+point validates its config, so the kind is a valid `cache.kind` / `--cache`.
+
 This module imports only the standard library at import time (absl and
 ml_collections on use), so argparse entry points that run on machines with
 nothing but JAX (experiments/benchmarks/decode.py) can use it.
@@ -35,6 +39,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import importlib
+import importlib.util
 import os
 import re
 import sys
@@ -162,6 +168,80 @@ class ArgumentParser(argparse.ArgumentParser):
 
   def error(self, message: str) -> NoReturn:
     raise UserError(f"{message} (see {self.prog} --help)")
+
+
+# ----------------------------------------------------------------------------------------------
+# --import: a user's module (a cache kind or eviction policy of their own) loaded by name.
+
+IMPORT_FLAG = "import"
+
+
+def define_import_flag() -> None:
+  """Defines absl's repeatable `--import=MODULE_OR_FILE` (read by `import_modules`)."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  if IMPORT_FLAG in flags.FLAGS:  # main.py and chat.py in one process (tests)
+    return
+  flags.DEFINE_multi_string(
+      IMPORT_FLAG, [], "A module of your own to import first, e.g. one that registers a cache "
+      "kind or eviction policy: a dotted name importable from the current directory "
+      "(my_pkg.my_policy) or a .py file (path/to/my_policy.py); repeat for several.")
+
+
+def _import_file(path: str) -> None:
+  """Executes the .py file `path` as module `<its stem>`, unless some module (say, one a config
+  file imported by its dotted name) already is that file: a kind registers once."""
+  path = os.path.realpath(path)
+  files = {os.path.realpath(f) for m in list(sys.modules.values())
+           if isinstance(f := getattr(m, "__file__", None), str)}
+  if path in files:
+    return
+  name = os.path.splitext(os.path.basename(path))[0]
+  if name in sys.modules:
+    raise UserError(f"a module named {name!r} is already imported (from "
+                    f"{getattr(sys.modules[name], '__file__', None)}); rename the file")
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module  # dataclasses and pickling look their module up here
+  try:
+    spec.loader.exec_module(module)
+  except BaseException:
+    del sys.modules[name]
+    raise
+
+
+def import_modules(values: Sequence[str], flag: str = IMPORT_FLAG) -> None:
+  """Imports each `--import` value in order: a path ending in `.py` (relative to the current
+  directory) or a dotted module name (sys.path: the current directory under `python -m`).
+
+  Raises:
+    UserError: a file or module that does not exist, or one whose import raised (the
+      message names `--<flag>=<value>` and the error; the original is chained).
+  """
+  for value in values:
+    where = f"--{flag}={value}"
+    if value.endswith(".py"):
+      if not os.path.isfile(value):
+        raise UserError(f"{where}: file {value!r} does not exist (relative paths start at "
+                        f"{os.getcwd()})")
+      load = lambda v=value: _import_file(v)
+    else:
+      if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", value):
+        raise UserError(f"{where}: expected a dotted module name (my_pkg.my_policy) or a .py "
+                        "file")
+      load = lambda v=value: importlib.import_module(v)
+    try:
+      load()
+    except UserError as e:
+      raise UserError(f"{where}: {e}") from e
+    except ModuleNotFoundError as e:
+      if e.name is not None and value.startswith(e.name) and (
+          value == e.name or value[len(e.name)] == "."):
+        raise UserError(f"{where}: no module named {e.name!r} on sys.path (the current directory "
+                        f"is {os.getcwd()}); give a dotted name or a .py file") from e
+      raise UserError(f"{where}: importing it raised ModuleNotFoundError: {e}") from e
+    except Exception as e:  # pylint: disable=broad-except
+      raise UserError(f"{where}: importing it raised {type(e).__name__}: {one_line(str(e))}"
+                      ) from e
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from absl import flags
@@ -9,6 +11,7 @@ from absl.testing import flagsaver
 from flax import nnx
 
 from experiments import chat
+from kvattn import memory
 from kvattn.caches import paged
 from kvattn.caches import registry as cache_registry
 from kvattn.models import transformer as transformer_lib
@@ -107,3 +110,26 @@ def test_chat_command_prints_only_the_reply_and_its_summary(tmp_path):
   assert not [line for line in err.splitlines() if line.startswith("I")], err  # no INFO lines
   reply, summary = out.splitlines()
   assert set(reply) <= set("ab <|end|>") and summary.startswith("load ")
+
+
+def test_chat_runs_a_policy_from_the_users_own_module(tmp_path):
+  # --import loads a module outside kvattn (by dotted name here; test_main.py gives a file)
+  # before --cache is checked; the cache then holds its budget of 2 slots per layer.
+  path = test_gguf.write_tiny_gguf(tmp_path / "tiny.gguf", test_gguf._hf_tensors())
+  proc = subproc.popen("experiments.chat", f"--model={path}", "--prompt=ab ab ab ab",
+                       "--max_new_tokens=3", "--nowarmup", "--import=tests.experiments.user_policy",
+                       "--cache=keydiff-lite", "--cache_option=budget=2")
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 0, err
+  summary = out.splitlines()[-1]
+  prompt_len = int(re.search(r"prefill (\d+) tok", summary).group(1))
+  cache_bytes = int(re.search(r"cache keydiff-lite model dtype ([\d,]+) bytes",
+                              summary).group(1).replace(",", ""))
+  from tests.experiments import user_policy  # pylint: disable=g-import-not-at-top
+  model, _, _ = chat.load(str(path), "float32")
+  max_len = prompt_len + 3 - 1
+  assert prompt_len > 2  # the prompt alone overflows the budget: the policy evicts
+  caches = chat.make_caches(model, user_policy.NAME, 1, max_len, options={"budget": 2})
+  assert caches[0].capacity == 2 and cache_bytes == memory.tree_bytes(caches)
+  assert cache_bytes < memory.tree_bytes(chat.make_caches(model, "dense", 1, max_len))
+

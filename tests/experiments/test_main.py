@@ -166,3 +166,24 @@ def test_a_kind_added_by_one_file_runs_in_the_main_job(tmp_path):
   (record,) = records
   assert record["policy"] == "reversed" and record["greedy_agreement"] == 1.0
 
+
+USER_POLICY = "tests/experiments/user_policy.py"  # outside kvattn; registers "keydiff-lite"
+
+
+def test_a_policy_from_the_users_own_file_runs_in_the_main_job(tmp_path):
+  # --import loads the file before the config is validated; :kind-smoke's sweep sets no key,
+  # so --config.cache.kind names the user's kind (docs/DESIGN.md, "Adding a cache kind").
+  proc = subproc.popen("experiments.main", *subproc.main_args(
+      str(tmp_path), "model.name=random-tiny", "cache.kind=keydiff-lite",
+      config="configs/default.py:kind-smoke"), f"--import={USER_POLICY}")
+  out, err = proc.communicate(timeout=900)
+  assert proc.returncode == 0, err
+  with open(os.path.join(tmp_path, "results.jsonl")) as f:
+    (record,) = [json.loads(line) for line in f]
+  budget = default.get_config("kind-smoke").cache.budget
+  assert record["policy"] == "keydiff-lite" and record["budget"] == budget
+  # The cache holds its budget: 48 slots, and the speed point reads 48 of its 96 tokens.
+  assert record["cache_slots_per_seq"] == budget
+  assert record["speed_cache_read_bytes"] == record["cache_bytes_per_token"] * 2 * budget
+  assert 0.0 <= record["greedy_agreement"] <= 1.0 and math.isfinite(record["ppl"])
+

@@ -9,6 +9,7 @@ so nothing trains.
 
 import os
 import re
+import sys
 
 import pytest
 from ml_collections import config_dict
@@ -49,6 +50,17 @@ CASES = {
     "missing_flag": ("experiments.main", [f"--config={SMOKE}"], r"error: --workdir is required$"),
     "positional_argument": ("experiments.main", [f"--config={SMOKE}", "--workdir={workdir}", "x"],
                             r"error: unexpected arguments: x"),
+    # --import (a user's module that registers a cache kind) names the flag and the value.
+    "import_missing_file": ("experiments.main", [*subproc.main_args("{workdir}", config=SMOKE),
+                                                 "--import=my/policy.py"],
+                            r"error: --import=my/policy\.py: file 'my/policy\.py' does not "
+                            r"exist \(relative paths start at "),
+    "import_missing_module": ("experiments.chat", ["--prompt=hi", "--import=my_policy"],
+                              r"error: --import=my_policy: no module named 'my_policy' on "
+                              r"sys\.path"),
+    "chat_unknown_cache": ("experiments.chat", ["--prompt=hi", "--cache=keydiff-lite"],
+                           r"error: cache must be one of \[.*'dense'.*\], optionally with a "
+                           r"suffix of .*; got 'keydiff-lite'$"),
     # The other entry points share the wrapper (test_every_entry_point_uses_the_wrapper): one
     # absl and one argparse entry point here.
     "demo": ("experiments.demo", ["--num_head=3"], r"error: --num_head=3: no such flag; "
@@ -66,7 +78,8 @@ FAULT = ("experiments.main", subproc.main_args("{workdir}", "standin.fail_at=1")
 # ways a config override or argument is refused, which share the one-line error wrapper that
 # the fast cases (typo_key, unknown_flag, and an argparse entry point) go through.
 SLOW_CASES = ("unknown_key", "key_in_wrong_section", "value_of_wrong_type", "missing_config_file",
-              "positional_argument", "bad_config_argument", "missing_flag", "demo")
+              "positional_argument", "bad_config_argument", "missing_flag", "demo",
+              "import_missing_module", "chat_unknown_cache")
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +153,30 @@ def test_config_errors_marks_validation_errors():
     with cli.config_errors():
       raise KeyError("x")
   assert not cli.is_user_error(RuntimeError("bug")) and not cli.is_user_error(ValueError("x"))
+
+
+def test_import_modules_names_the_flag_and_runs_a_file_once(tmp_path, monkeypatch):
+  (tmp_path / "user_kind.py").write_text("TOKEN = object()\n")
+  (tmp_path / "raises_on_import.py").write_text("raise RuntimeError('boom')\n")
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  try:
+    cli.import_modules(["user_kind.py"])
+    token = sys.modules["user_kind"].TOKEN
+    # The same file again, by its absolute path and by its module name: not executed again
+    # (a kind registers once; a second registration would raise).
+    cli.import_modules([str(tmp_path / "user_kind.py"), "user_kind"])
+    assert sys.modules["user_kind"].TOKEN is token
+    with pytest.raises(cli.UserError, match=r"^--import=user_kind\.nope: no module named"):
+      cli.import_modules(["user_kind.nope"])
+  finally:
+    sys.modules.pop("user_kind", None)
+  with pytest.raises(cli.UserError, match=r"^--import=raises_on_import\.py: importing it raised "
+                     r"RuntimeError: boom$"):
+    cli.import_modules(["raises_on_import.py"])
+  assert "raises_on_import" not in sys.modules
+  with pytest.raises(cli.UserError, match=r"^--import=a b: expected a dotted module name"):
+    cli.import_modules(["a b"])
 
 
 def test_one_line():
