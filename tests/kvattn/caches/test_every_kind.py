@@ -5,7 +5,9 @@ an easy setting (room for every token: results equal the dense cache's) and a
 hard one (small windows, budgets and pages: wrapping, eviction, page boundaries).
 A kind registered without settings fails `test_every_registered_kind_has_settings`,
 so a new kind cannot skip the invariants (kvpress's `default_presses` is the
-model). The test-only kind of `reversed_kind.py` is registered by importing it.
+model). The test-only kind of `reversed_kind.py` and the policy of a module outside the
+package, `tests/experiments/user_policy.py`, are registered by importing them: a kind of
+your own joins by one import line and one `SETTINGS` entry here.
 
 Invariants (DESIGN.md, "Cache protocol"):
   * room for every token: prefill logits and greedy tokens equal the dense cache's;
@@ -40,6 +42,7 @@ from kvattn.caches.paged import PagedKVCache
 from kvattn.inference import speculative
 from kvattn.inference.generation import generate, prefill
 from kvattn.models import transformer
+from tests.experiments import user_policy  # noqa: F401  (registers policy "keydiff-lite")
 from tests.kvattn.caches import reversed_kind  # noqa: F401  (registers kind "reversed")
 
 _POLICY = ({"budget": 64}, {"budget": 6})
@@ -49,7 +52,7 @@ SETTINGS = {
     "ring": ({"window": 64}, {"window": 5}),
     "sink": ({"num_sinks": 2, "window": 62}, {"num_sinks": 1, "window": 4}),
     "h2o": _POLICY, "snapkv": _POLICY, "tova": _POLICY, "recent": _POLICY,
-    "random": _POLICY, "knorm": _POLICY,
+    "random": _POLICY, "knorm": _POLICY, "keydiff-lite": _POLICY,
     "length_switch": ({"switch_length": 64, "num_kv_heads_after": 1},
                       {"switch_length": 5, "num_kv_heads_after": 1}),
     "reversed": ({}, {}),
@@ -74,10 +77,11 @@ FLOAT_ONLY = {"reversed", "kivi2", "kivi4", "rotated3", "rotated4", "paged_kivi2
 """Kinds that store no quantization scales: building them int8 is a TypeError."""
 
 KINDS = sorted(SETTINGS)
-SLOW_KINDS = {"snapkv", "tova", "recent", "random", "knorm", "kivi2", "rotated3",
+SLOW_KINDS = {"snapkv", "tova", "recent", "random", "knorm", "keydiff-lite", "kivi2", "rotated3",
               "paged_kivi2", "paged_kivi4", "rotated4"}
 """Kinds that share another kind's class and differ in a setting: the eviction policies
-share h2o's (only the score differs; each score has its own tests in test_eviction.py),
+share h2o's (only the score differs; each score has its own tests in test_eviction.py,
+the test-only keydiff-lite's in tests/experiments: the main job and chat run it),
 kivi2, rotated3 and paged_kivi2 share kivi4's, rotated4's and paged_kivi4's (other bit
 widths: test_kivi.py, test_rotated.py, test_paged_kivi.py); paged_kivi4 is kivi4's class
 with the store in pages, which test_paged_kivi.py checks against kivi4 bit for bit in the
