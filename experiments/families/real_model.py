@@ -131,8 +131,8 @@ class RealModelFamily:
                        f"{d['model']['param_dtype']!r}")
     if cache["kind"] not in cache_registry.CACHE_KIND_TABLE:
       raise ValueError(f"{where}: cache.kind must be one of "
-                       f"{tuple(cache_registry.CACHE_KIND_TABLE)}; got "
-                       f"{cache['kind']!r}")
+                       f"{tuple(cache_registry.CACHE_KIND_TABLE)} (a kind of your own: load "
+                       f"its module with --import); got {cache['kind']!r}")
     try:
       dtype = jnp.dtype(cache["dtype"])
     except TypeError:
