@@ -13,6 +13,7 @@ step does not depend on them, and filling 4 x 4000 tokens costs writes, not a
 
 from __future__ import annotations
 
+import functools
 import statistics
 from typing import Any, Sequence
 
@@ -51,7 +52,7 @@ def random_context(caches: Sequence[Any], context: int, *, chunk: int = 512,
       raise ValueError(f"{name} must be a positive int; got {value!r}")
   chunk = min(chunk, context)
 
-  @jax.jit
+  @functools.partial(jax.jit, donate_argnums=0)
   def write(caches, key, count):
     out = []
     for i, cache in enumerate(caches):

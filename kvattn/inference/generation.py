@@ -139,7 +139,7 @@ def _decode(graphdef, state, caches, first, rng, *, sampling, max_new_tokens, eo
   tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
   done = (first == eos_id) if eos_id is not None else jnp.zeros((batch,), bool)
   lengths = jnp.ones((batch,), jnp.int32)
-  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), caches)
+  like = caches  # the stored dtypes (`quant.tree_from_bits` reads only those)
 
   def cond(carry):
     step, _, _, done, _, _, _ = carry

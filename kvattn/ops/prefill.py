@@ -34,6 +34,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from kvattn.ops import quant
+
 # Defaults measured on the 2-core CPU with SmolLM2's shapes (docs/benchmarks.md, "bench_real").
 BLOCK_Q = 256
 BLOCK_K = 512
@@ -91,6 +93,9 @@ def blocked_attention(
   static = q_offsets is None
   offsets = jnp.zeros((batch,), jnp.int32) if static else q_offsets.astype(jnp.int32)
   kv_lengths = kv_lengths.astype(jnp.int32)
+  # Narrow floats are sliced as their bits (`quant.as_bits`: XLA:CPU would slice them from an
+  # f32 copy of the whole cache), bitcast once out here rather than per block.
+  k_bits, v_bits = quant.as_bits(k), quant.as_bits(v)
 
   def key_block(j, q_blk, pos, carry):
     """One online-softmax step of query block `q_blk` ([B, K, G, bq, H]) over key block j."""
@@ -98,7 +103,7 @@ def blocked_attention(
     start = jnp.minimum(j * bk, capacity - bk)
     slots = start + jnp.arange(bk, dtype=jnp.int32)  # [bk]
     cut = lambda x: lax.dynamic_slice_in_dim(x, start, bk, axis=2)
-    kb, vb = cut(k), cut(v)
+    kb, vb = quant.from_bits(cut(k_bits), k.dtype), quant.from_bits(cut(v_bits), v.dtype)
     # Slots of this block no query may read: before the block's nominal start (the overlap
     # of a clamped last block) or at/after the sequence's length.
     valid = (slots[None] >= j * bk) & (slots[None] < kv_lengths[:, None])  # [B, bk]
