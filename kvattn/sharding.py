@@ -60,7 +60,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 
 MESH_AXES = ("data", "model", "seq")
-CACHE_KINDS = ("dense", "paged")  # GQA layers; MLA layers always get a latent cache
 
 # Logical axis name -> mesh axis (str), axes (tuple) or None (replicated).
 DEFAULT_RULES: dict[str, Any] = {

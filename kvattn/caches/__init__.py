@@ -22,15 +22,17 @@ tentatively and rolled back exactly, for speculative decoding).
 """
 
 from kvattn.caches import protocol
+from kvattn.caches import capabilities
+# Each kind's file registers it; the import order is the registry's order.
 from kvattn.caches.dense import KVCache, LatentCache
 from kvattn.caches.paged import PagedKVCache
-from kvattn.caches.eviction import EvictingKVCache
 from kvattn.caches.window import RingKVCache, SinkKVCache
+from kvattn.caches.eviction import EvictingKVCache
 from kvattn.caches.length_switch import LengthSwitchKVCache
 from kvattn.caches.kivi import KIVICache
 from kvattn.caches.kivi_latent import KIVILatentCache
-from kvattn.caches.paged_kivi import PagedKIVICache
 from kvattn.caches.rotated import RotatedCache
+from kvattn.caches.paged_kivi import PagedKIVICache
 from kvattn.caches import registry
 from kvattn.caches import transaction
 from kvattn.caches.registry import (CacheFactory, CacheKind, build_caches,
@@ -39,7 +41,7 @@ from kvattn.caches.registry import (CacheFactory, CacheKind, build_caches,
 __all__ = [
     "CacheFactory", "CacheKind", "EvictingKVCache", "KIVICache", "KIVILatentCache", "KVCache", "LatentCache",
     "LengthSwitchKVCache", "PagedKIVICache", "PagedKVCache", "RingKVCache", "RotatedCache", "SinkKVCache",
-    "build_caches", "cache_factory_from_config", "checkpoint", "protocol",
+    "build_caches", "cache_factory_from_config", "capabilities", "checkpoint", "protocol",
     "register_cache_kind", "registry", "sharded", "transaction",
 ]
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from kvattn import _checks
 from kvattn.caches import _slots
+from kvattn.caches import capabilities
 from kvattn.caches import dense as cache_lib
 from kvattn.ops import quant
 
@@ -114,11 +115,12 @@ def float_keys(k: jax.Array) -> jax.Array:
   return k.astype(jnp.float32)
 
 
-class BoundedCache(_slots.Slots, _slots.KVHeads):
+class BoundedCache(_slots.Slots, _slots.KVHeads, capabilities.Rows):
   """Members the three kinds share (sizes and storage from `_slots`, the protocol's
   bookkeeping). `capacity` is the window / budget the cache was built with; these kinds
   never overflow (`lengths` grows past it by design), so they have no `overflowed`."""
 
+  BOUNDED = True
   _SIZES = {"batch": ("k", 0), "num_kv_heads": ("k", 1), "capacity": ("k", 2),
             "head_dim": ("k", 3)}
   _VALUES, _SCALES = ("k", "v"), ("k_scale", "v_scale")

@@ -51,6 +51,7 @@ import numpy as np
 
 from kvattn import _checks
 from kvattn.caches import _slots
+from kvattn.caches import capabilities
 from kvattn.caches import dense as dense_lib
 from kvattn.ops import lowbit
 from kvattn.ops.rope import apply_rope
@@ -128,8 +129,13 @@ def check_implementation(implementation) -> None:
   store_backends(implementation)
 
 
-class ResidualStoreCache:
+SCALE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+class ResidualStoreCache(capabilities.Rows):
   """The shared members (module doc); subclasses are `flax.struct.dataclass`es."""
+
+  FLOAT_ONLY = True
 
   # ---------------------------------------------------------------------------- hooks
   def _to_space(self, x: jax.Array) -> jax.Array:

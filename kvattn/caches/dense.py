@@ -48,6 +48,8 @@ from jax.experimental import checkify
 from kvattn import _checks
 from kvattn import ops
 from kvattn.caches import _slots
+from kvattn.caches import capabilities
+from kvattn.caches import registry
 from kvattn.caches.protocol import Expand
 from kvattn.ops import quant
 
@@ -170,7 +172,7 @@ slot_positions = _slots.slot_positions  # token t in slot t (used by the paged k
 
 
 @struct.dataclass
-class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback):
+class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback, capabilities.Rows):
   """Dense KV cache of one attention layer (MHA, GQA or MQA).
 
   Attributes:
@@ -370,7 +372,7 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback):
 
 
 @struct.dataclass
-class LatentCache(_slots.TokenSlots, _slots.LengthsRollback):
+class LatentCache(_slots.TokenSlots, _slots.LengthsRollback, capabilities.Rows):
   """Latent cache of one MLA layer (DeepSeek-V2, arXiv 2405.04434, §2.1.2-2.1.3).
 
   Instead of per-head keys and values, MLA caches per token one compressed
@@ -396,6 +398,11 @@ class LatentCache(_slots.TokenSlots, _slots.LengthsRollback):
   lengths: jax.Array
   c_kv_scale: jax.Array | None = None
   k_rope_scale: jax.Array | None = None
+
+  def logical_axes(self):
+    """Rows `[B, S, ...]`: batch, then the slots."""
+    return {n: (capabilities.BATCH, capabilities.SEQ)[:a.ndim] + (None,) * (a.ndim - 2)
+            for n, a in capabilities._arrays(self).items()}  # pylint: disable=protected-access
 
   @classmethod
   def init(cls, batch: int, max_len: int, kv_lora_rank: int, qk_rope_head_dim: int,
@@ -520,3 +527,12 @@ class LatentCache(_slots.TokenSlots, _slots.LengthsRollback):
     k, v = expand(c_kv, k_rope)
     return ops.attention(q, k, v, q_offsets=q_offsets, kv_lengths=self.lengths,
                          sm_scale=sm_scale, window=window)
+
+
+def _build(model, batch, max_len, dtype, options, tokens_per_seq):
+  del options, tokens_per_seq
+  return tuple(layer.attn.init_cache(batch, max_len, dtype) for layer in model.layers)
+
+
+registry.register_cache_kind("dense", registry.CacheKind(
+    _build, {}, "KVCache / LatentCache of max_len (layer.attn.init_cache)"))

@@ -35,6 +35,8 @@ import numpy as np
 from flax import struct
 
 from kvattn import _checks
+from kvattn.caches import registry
+from kvattn.caches._layers import gqa_layers
 from kvattn.caches import dense as cache_lib
 from kvattn.caches._bounded import (BoundedCache, check_implementation, check_lengths, concat,
                                     empty_storage, encode_new, float_keys, new_positions, prelude,
@@ -129,7 +131,7 @@ POLICY_TABLE: dict[str, EvictionPolicy] = {
                             protected="recent_size"),
 }
 """Policy name -> `EvictionPolicy`. A new policy is a score function and one entry
-(`kvattn.caches.registry.register_eviction_policy` also makes it a cache kind)."""
+(`register_eviction_policy` also makes it a cache kind)."""
 
 POLICIES = tuple(POLICY_TABLE)
 """The eviction policies when this module was imported (the table may grow)."""
@@ -202,6 +204,8 @@ class EvictingKVCache(BoundedCache):
   v_scale: jax.Array | None = None
   policy: str = struct.field(pytree_node=False, default="h2o")
   options: tuple = struct.field(pytree_node=False, default=())
+
+  ROW_EMPTY = {"pos": -1, "scores": 0.0}
 
   @classmethod
   def init(cls, batch: int, budget: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32,
@@ -375,3 +379,42 @@ class EvictingKVCache(BoundedCache):
                                                                             num_tokens),
         **scale_kwargs(concat(self.k_scale, ks), concat(self.v_scale, vs)))
     return out, self._select(kq, vq, ks, vs, new_lengths, mass)
+
+
+def eviction_kind(policy: str) -> registry.CacheKind:
+  """The `CacheKind` of `EvictingKVCache(policy=policy)`: `budget` slots per KV head."""
+
+  def build(model, batch, max_len, dtype, o, tokens_per_seq):
+    del max_len, tokens_per_seq  # bounded: the capacity is the budget
+    options = {k: v for k, v in o.items() if k != "budget" and v is not None}
+    return tuple(EvictingKVCache.init(batch, o["budget"], a.num_kv_heads, a.head_dim, dtype,
+                                      policy=policy, **options)
+                 for a in gqa_layers(model))
+
+  return registry.CacheKind(
+      build, {"budget": registry.REQUIRED, "num_sinks": None,
+              **{o: None for o in policy_options(policy)}},
+      f"EvictingKVCache(policy={policy!r}): `budget` slots per KV head",
+      at_budget=lambda budget, num_sinks: {"budget": budget})
+
+
+def register_eviction_policy(name: str, policy: EvictionPolicy) -> None:
+  """Adds an eviction policy to `POLICY_TABLE` and its cache kind `name` to the registry.
+
+  Raises:
+    ValueError: `name` empty or taken (as a policy or a cache kind).
+    TypeError: `policy` is not an `EvictionPolicy`.
+  """
+  if not isinstance(name, str) or not name or name in POLICY_TABLE:
+    raise ValueError(f"policy name must be a new non-empty string; got {name!r} (taken: "
+                     f"{tuple(POLICY_TABLE)})")
+  if not isinstance(policy, EvictionPolicy):
+    raise TypeError(f"policy must be an EvictionPolicy; got {type(policy).__name__}")
+  if name in registry.CACHE_KIND_TABLE:
+    raise ValueError(f"cache kind {name!r} is taken")
+  POLICY_TABLE[name] = policy
+  registry.register_cache_kind(name, eviction_kind(name))
+
+
+for _name in POLICIES:
+  registry.register_cache_kind(_name, eviction_kind(_name))

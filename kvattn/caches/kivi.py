@@ -67,9 +67,12 @@ from flax import struct
 
 from kvattn import _checks
 from kvattn.caches import _residual
+from kvattn.caches import kivi_latent
+from kvattn.caches import registry
+from kvattn.caches._layers import cache_owners, gqa_layers
 from kvattn.ops import lowbit
 
-SCALE_DTYPES = ("float16", "bfloat16", "float32")
+SCALE_DTYPES = _residual.SCALE_DTYPES
 store_slots, ring_slots = _residual.store_slots, _residual.ring_slots
 
 
@@ -247,9 +250,7 @@ def build(bits: int):
 
   def _build(model, batch, max_len, dtype, options, tokens_per_seq):
     del tokens_per_seq
-    from kvattn.caches import registry  # pylint: disable=g-import-not-at-top  (imports this)
-    from kvattn.caches import kivi_latent  # pylint: disable=g-import-not-at-top  (imports this)
-    attns = [layer.attn for layer in registry.cache_owners(model).layers]
+    attns = [layer.attn for layer in cache_owners(model).layers]
     if any(hasattr(a, "kv_lora_rank") for a in attns):
       if options["pre_rope"]:
         raise ValueError("cache.pre_rope must be False for an MLA model (its shared RoPE key "
@@ -267,10 +268,16 @@ def build(bits: int):
         group_size=options["group_size"], residual=options["residual"],
         pre_rope=options["pre_rope"], scale_dtype=options["scale_dtype"],
         rope_theta=a.rope_theta, rope_scaling=a.rope_scaling)
-                 for a in registry.gqa_layers(model))
+                 for a in gqa_layers(model))
 
   return _build
 
 
 OPTIONS = {"group_size": 32, "residual": 128, "pre_rope": False, "scale_dtype": "float16"}
 """The registry options of `kivi2` / `kivi4` and their defaults (KIVI's G = 32, R = 128)."""
+
+
+for _bits in (2, 4):
+  registry.register_cache_kind(f"kivi{_bits}", registry.CacheKind(
+      build(_bits), OPTIONS, f"KIVICache: {_bits}-bit keys per channel / values per token, "
+      f"`residual` newest tokens in full precision", float_only=True))

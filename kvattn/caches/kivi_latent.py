@@ -60,7 +60,6 @@ from flax import struct
 from kvattn import _checks
 from kvattn.caches import _residual
 from kvattn.caches import dense as dense_lib
-from kvattn.caches import kivi
 from kvattn.ops import lowbit
 
 LATENT_BACKENDS = (None, "xla")
@@ -140,9 +139,9 @@ class KIVILatentCache(_residual.ResidualStoreCache):
         raise ValueError(f"{name} must be a multiple of 8 // bits = {8 // bits} to pack "
                          f"{bits}-bit codes; got {width}")
     dtype = _residual.check_float_dtype(dtype)
-    if str(scale_dtype) not in kivi.SCALE_DTYPES and (
-        jnp.dtype(scale_dtype).name not in kivi.SCALE_DTYPES):
-      raise ValueError(f"scale_dtype must be one of {kivi.SCALE_DTYPES}; got {scale_dtype!r}")
+    if str(scale_dtype) not in _residual.SCALE_DTYPES and (
+        jnp.dtype(scale_dtype).name not in _residual.SCALE_DTYPES):
+      raise ValueError(f"scale_dtype must be one of {_residual.SCALE_DTYPES}; got {scale_dtype!r}")
     sdt = jnp.dtype(scale_dtype)
     sq = _residual.store_slots(max_len, residual, group_size)
     rb = _residual.ring_slots(max_len, residual, group_size)

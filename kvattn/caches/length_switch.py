@@ -63,6 +63,9 @@ from flax import struct
 
 from kvattn import _checks
 from kvattn.caches import _slots
+from kvattn.caches import capabilities
+from kvattn.caches import registry
+from kvattn.caches._layers import gqa_layers
 from kvattn.caches import dense as cache_lib
 
 # Phases of a step (the lax.switch index): which segment the queries read.
@@ -107,7 +110,8 @@ def pool_heads(x: jax.Array, num_groups: int, axis: int) -> jax.Array:
 
 
 @struct.dataclass
-class LengthSwitchKVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback):
+class LengthSwitchKVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback,
+                          capabilities.Rows):
   """K KV heads for the first `switch_length` tokens of a sequence, K' pooled heads after.
 
   Attributes:
@@ -310,3 +314,15 @@ class LengthSwitchKVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollb
     if _checks.is_concrete(self.lengths) and _checks.is_concrete(q_offsets):
       return branches[int(self.phase(q_offsets))](self, q, q_offsets)
     return jax.lax.switch(self.phase(q_offsets), branches, self, q, q_offsets)
+
+
+def _build(model, batch, max_len, dtype, o, tokens_per_seq):
+  del tokens_per_seq
+  return tuple(LengthSwitchKVCache.init(
+      batch, max_len, a.num_kv_heads, a.head_dim, dtype, switch_length=o["switch_length"],
+      num_kv_heads_after=o["num_kv_heads_after"]) for a in gqa_layers(model))
+
+
+registry.register_cache_kind("length_switch", registry.CacheKind(
+    _build, {"switch_length": registry.REQUIRED, "num_kv_heads_after": registry.REQUIRED},
+    "LengthSwitchKVCache: K heads up to switch_length, then num_kv_heads_after pooled heads"))

@@ -23,7 +23,8 @@ last page, unassigned table entries and free pages hold never changes a result.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +34,12 @@ from jax.experimental import checkify
 
 from kvattn import _checks
 from kvattn.caches import _slots
+from kvattn.caches import capabilities
 from kvattn.caches import dense as cache_lib
+from kvattn.caches import registry
+from kvattn.caches._layers import gqa_layers
 from kvattn import ops
-from kvattn.paging.allocator import NO_PAGE, pages_for
+from kvattn.paging.allocator import NO_PAGE, PageAllocator, pages_for
 from kvattn.ops import quant
 from kvattn.ops import xla_paged as paged_ops
 
@@ -64,7 +68,7 @@ def check_rows(name: str, tables: Any, lengths: Any, num_pages: int, page_size: 
 
 
 @struct.dataclass
-class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback):
+class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback, capabilities.Pages):
   """Paged KV cache of one attention layer (MHA, GQA or MQA).
 
   Attributes:
@@ -386,3 +390,99 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback):
         k=paged_ops.gather_pages_zeroed(self.k_pages, self.block_tables),
         v=paged_ops.gather_pages_zeroed(self.v_pages, self.block_tables),
         lengths=self.lengths, **scales)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+  """How a serving loop holds a pageable kind: one pool per layer, rows per request slot.
+
+  Attributes:
+    pages_per_seq: block-table width.
+    tokens: `n -> ` tokens of a sequence of n the pool holds (what the allocator counts).
+    init: `(attn, rows, num_pages, dtype) -> ` one layer's empty pool.
+    chunked_prefill: with the prefix cache, prompts prefill a page at a time.
+    residual: newest tokens each row keeps outside its pages (a boundary state), or 0.
+    refuses: `(option, why)` serving options the kind cannot take.
+  """
+
+  pages_per_seq: int
+  tokens: Callable[[int], int]
+  init: Callable[..., Any]
+  chunked_prefill: bool = False
+  residual: int = 0
+  refuses: tuple[tuple[str, str], ...] = ()
+
+
+def init_paged_caches(model, tokens_per_seq: Iterable[int], *, page_size: int = 16,
+                      max_len: int | None = None, dtype: Any = None, extra_pages: int = 0,
+                      seed: int | None = None, cls: type = PagedKVCache
+                      ) -> tuple[tuple[PagedKVCache, ...], PageAllocator]:
+  """Empty paged caches for every layer of `model`, `ceil(tokens_per_seq[b] / page_size)`
+  pages for sequence b from one `PageAllocator` (seq ids 0..B-1); each layer its own pool
+  of the sequences' pages plus `extra_pages`, one block table for all.
+
+  Args:
+    model: a `kvattn.Transformer` whose layers are all GQA-family attention.
+    tokens_per_seq: `int[B]` tokens each sequence will hold.
+    page_size: tokens per page.
+    max_len: per-sequence capacity (default the largest `tokens_per_seq`).
+    dtype: cache dtype (default the model's compute dtype).
+    extra_pages: free pages left in the pool.
+    seed: shuffles the free list; None = ascending.
+    cls: `PagedKVCache` or a subclass with its `init`.
+
+  Returns:
+    `(caches, allocator)`.
+
+  Raises:
+    ValueError: an MLA layer, a sequence longer than `max_len`, bad sizes.
+  """
+  attns = gqa_layers(model)
+  tokens = [int(t) for t in tokens_per_seq]
+  if not tokens or min(tokens) < 0:
+    raise ValueError(f"tokens_per_seq must be a non-empty list of ints >= 0; got {tokens}")
+  page_size = _checks.positive_int("page_size", page_size)
+  max_len = max(max(tokens), 1) if max_len is None else _checks.positive_int("max_len", max_len)
+  if max(tokens) > max_len:
+    raise ValueError(f"tokens_per_seq must be <= max_len = {max_len}; got {tokens}")
+  if isinstance(extra_pages, bool) or not isinstance(extra_pages, int) or extra_pages < 0:
+    raise ValueError(f"extra_pages must be an int >= 0; got {extra_pages!r}")
+  pps = pages_for(max_len, page_size)
+  num_pages = max(1, sum(pages_for(t, page_size) for t in tokens) + extra_pages)
+  allocator = PageAllocator(num_pages, page_size, pps, seed=seed)
+  for b, t in enumerate(tokens):
+    allocator.allocate(b, t)
+  tables = allocator.block_tables(range(len(tokens)), pps)
+  dtype = getattr(model, "dtype", jnp.float32) if dtype is None else dtype
+  caches = tuple(
+      cls.init(len(tokens), num_pages=num_pages, page_size=page_size, pages_per_seq=pps,
+               num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, dtype=dtype,
+               block_tables=tables)
+      for attn in attns)
+  return caches, allocator
+
+
+def kind(cls: type = PagedKVCache, doc: str | None = None) -> registry.CacheKind:
+  """The `CacheKind` of a paged class (`PagedKVCache` or a subclass with its `init`)."""
+
+  def build(model, batch, max_len, dtype, o, tokens_per_seq):
+    tokens = [max_len] * batch if tokens_per_seq is None else list(tokens_per_seq)
+    if len(tokens) != batch:
+      raise ValueError(f"tokens_per_seq must have one entry per sequence ({batch}); got "
+                       f"{len(tokens)}")
+    return init_paged_caches(model, tokens, page_size=o["page_size"], max_len=max_len,
+                             dtype=dtype, seed=o["seed"], cls=cls)[0]
+
+  def pool(options, *, max_len, page_size, prefix_cache):
+    del options, prefix_cache
+    pps = pages_for(max_len, page_size)
+    return PoolPlan(pps, lambda n: n, lambda a, rows, num_pages, dtype: cls.init(
+        rows, num_pages=num_pages, page_size=page_size, pages_per_seq=pps,
+        num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, dtype=dtype))
+
+  return registry.CacheKind(build, {"page_size": 16, "seed": None},
+                            doc or f"{cls.__name__}, pages per sequence", pool=pool)
+
+
+registry.register_cache_kind("paged", kind(doc="PagedKVCache, pages per sequence "
+                                               "(init_paged_caches)"))

@@ -47,6 +47,9 @@ from flax import struct
 
 from kvattn import _checks
 from kvattn.caches import _residual
+from kvattn.caches import capabilities
+from kvattn.caches import registry
+from kvattn.caches._layers import gqa_layers
 from kvattn.caches import kivi
 from kvattn.caches import paged as paged_lib
 from kvattn.paging.allocator import NO_PAGE, PageAllocator, pages_for
@@ -59,7 +62,7 @@ def store_tokens(num_tokens: int, *, residual: int, group_size: int) -> int:
 
 
 @struct.dataclass
-class PagedKIVICache(kivi.KIVICache):
+class PagedKIVICache(capabilities.Pages, kivi.KIVICache):
   """KIVI cache of one GQA layer with a paged store (module doc).
 
   Attributes:
@@ -73,6 +76,8 @@ class PagedKIVICache(kivi.KIVICache):
   """
 
   block_tables: jax.Array = None
+
+  FLOAT_ONLY = True
 
   @classmethod
   def init_paged(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
@@ -324,7 +329,6 @@ def build(bits: int):
   `tokens_per_seq`, default `max_len`) from a `PageAllocator`."""
 
   def _build(model, batch, max_len, dtype, options, tokens_per_seq):
-    from kvattn.caches import registry  # pylint: disable=g-import-not-at-top  (imports this)
     g = _checks.positive_int("group_size", options["group_size"])
     residual = _residual.check_residual(options["residual"], g)
     tokens = [max_len] * batch if tokens_per_seq is None else [int(t) for t in tokens_per_seq]
@@ -345,7 +349,7 @@ def build(bits: int):
         page_size=page_size, block_tables=tables, bits=bits, group_size=g, residual=residual,
         pre_rope=options["pre_rope"], scale_dtype=options["scale_dtype"],
         rope_theta=a.rope_theta, rope_scaling=a.rope_scaling)
-                 for a in registry.gqa_layers(model))
+                 for a in gqa_layers(model))
 
   return _build
 
@@ -353,3 +357,39 @@ def build(bits: int):
 OPTIONS = {**kivi.OPTIONS, "page_size": 128, "seed": None}
 """The registry options of `paged_kivi2` / `paged_kivi4`: KIVI's plus `page_size` (store
 slots per page, a multiple of `group_size`) and `seed` (shuffles the free list)."""
+
+
+def _pool(bits: int):
+  """`CacheKind.pool` of `paged_kivi{bits}`: the allocator counts store tokens; with the prefix
+  cache every token (prompts prefill a page at a time, so a hit restores the state exactly)."""
+
+  def pool(options, *, max_len, page_size, prefix_cache):
+    g = _checks.positive_int("group_size", options["group_size"])
+    residual = _residual.check_residual(options["residual"], g)
+    settings = {k: options[k] for k in ("group_size", "residual", "pre_rope", "scale_dtype")}
+    if prefix_cache:
+      pps, tokens = pages_for(max_len, page_size), lambda n: n
+    else:
+      pps = max(1, pages_for(kivi.store_slots(max_len, residual, g), page_size))
+      tokens = lambda n: store_tokens(n, residual=residual, group_size=g)
+
+    def init(a, rows, num_pages, dtype):
+      return PagedKIVICache.init_paged(
+          rows, max_len, a.num_kv_heads, a.head_dim, dtype, num_pages=num_pages,
+          page_size=page_size, pages_per_seq=pps, bits=bits, rope_theta=a.rope_theta,
+          rope_scaling=a.rope_scaling, **settings)
+
+    return paged_lib.PoolPlan(pps, tokens, init, chunked_prefill=prefix_cache,
+                              residual=residual if prefix_cache else 0, refuses=(
+        ("speculative", "a verify pass may flush a group of drafted tokens into the quantized "
+         "store, which rollback by lengths cannot undo"),
+        ("local_layers", "rings for local layers are float caches"),
+        ("offload", "the tiers move float pages (PageCodec)")))
+
+  return pool
+
+
+for _bits in (2, 4):
+  registry.register_cache_kind(f"paged_kivi{_bits}", registry.CacheKind(
+      build(_bits), OPTIONS, f"PagedKIVICache: kivi{_bits} with its quantized store in pages of "
+      f"`page_size` slots (a multiple of group_size)", pool=_pool(_bits), float_only=True))

@@ -41,11 +41,13 @@ from flax import struct
 
 from kvattn import _checks
 from kvattn.caches import _residual
+from kvattn.caches import registry
+from kvattn.caches._layers import gqa_layers
 from kvattn.ops import lowbit
 
 BITS = (3, 4)
 CODEBOOKS = ("lloyd-max", "uniform")
-SCALE_DTYPES = ("float16", "bfloat16", "float32")
+SCALE_DTYPES = _residual.SCALE_DTYPES
 
 
 # ------------------------------------------------------------------------------ codebooks
@@ -347,15 +349,20 @@ def build(bits: int):
 
   def _build(model, batch, max_len, dtype, options, tokens_per_seq):
     del tokens_per_seq
-    from kvattn.caches import registry  # pylint: disable=g-import-not-at-top  (imports this)
     return tuple(RotatedCache.init(batch, max_len, a.num_kv_heads, a.head_dim, dtype, bits=bits,
                                    codebook=options["codebook"], seed=options["seed"],
                                    residual=options["residual"],
                                    scale_dtype=options["scale_dtype"])
-                 for a in registry.gqa_layers(model))
+                 for a in gqa_layers(model))
 
   return _build
 
 
 OPTIONS = {"residual": 0, "codebook": "lloyd-max", "seed": 0, "scale_dtype": "float16"}
 """The registry options of `rotated3` / `rotated4` and their defaults."""
+
+
+for _bits in (3, 4):
+  registry.register_cache_kind(f"rotated{_bits}", registry.CacheKind(
+      build(_bits), OPTIONS, f"RotatedCache: Hadamard-rotated K/V, {_bits}-bit codebook per "
+      f"token (+ `residual` newest tokens in full precision)", float_only=True))

@@ -21,6 +21,8 @@ import numpy as np
 from flax import struct
 
 from kvattn import _checks
+from kvattn.caches import registry
+from kvattn.caches._layers import gqa_layers
 from kvattn.ops.positional import positional_attention
 from kvattn.ops.rope import apply_rope
 
@@ -293,3 +295,33 @@ class SinkKVCache(WrappingCache):
                        f"{rope_theta}, {rope_scaling}")
     return self._step(q, k, v, new_lengths,
                       dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap))
+
+
+def _ring(model, batch, max_len, dtype, o, tokens_per_seq):
+  del max_len, tokens_per_seq  # bounded: the capacity is the window
+  return tuple(RingKVCache.init(batch, o["window"], a.num_kv_heads, a.head_dim, dtype)
+               for a in gqa_layers(model))
+
+
+def _sink(model, batch, max_len, dtype, o, tokens_per_seq):
+  del max_len, tokens_per_seq
+  return tuple(SinkKVCache.init(batch, o["num_sinks"], o["window"], a.num_kv_heads,
+                                a.head_dim, dtype, rope_theta=a.rope_theta,
+                                rope_scaling=a.rope_scaling)
+               for a in gqa_layers(model))
+
+
+def _sink_at_budget(budget: int, num_sinks: int) -> dict:
+  if budget <= num_sinks:
+    raise ValueError(f"budget must be > num_sinks = {num_sinks} for kind 'sink'; got {budget}")
+  return {"num_sinks": num_sinks, "window": budget - num_sinks}
+
+
+registry.register_cache_kind("ring", registry.CacheKind(
+    _ring, {"window": registry.REQUIRED},
+    "RingKVCache: the last `window` tokens (sliding-window attention)",
+    at_budget=lambda budget, num_sinks: {"window": budget}))
+registry.register_cache_kind("sink", registry.CacheKind(
+    _sink, {"num_sinks": 4, "window": registry.REQUIRED},
+    "SinkKVCache: StreamingLLM, `num_sinks` first tokens + a ring of `window`",
+    at_budget=_sink_at_budget))

@@ -1,0 +1,139 @@
+"""What a cache kind can do, asked of the cache (its class) instead of kept in lists.
+
+A kind's class declares, as class attributes and methods (defaults below, so a class from
+outside kvattn that declares nothing is a growing, unpaged, float-or-int8 kind):
+
+  BOUNDED      capacity fixed whatever the sequence length (window, budget).
+  POOL_FIELDS  page pools `[K, P, ...]` indexed by page id (empty: not paged). A paged
+               kind also has `block_tables: i32[B, pages_per_seq]` and `assign_slot`,
+               `release_slot`, `slot_view`, `with_slot_view` (`Pages`).
+  FLOAT_ONLY   stores no quantization scales (an int8 / fp8 dtype is a TypeError).
+  logical_axes()  field -> logical axis names of its dimensions (`kvattn.sharding` rules
+               map them to mesh axes).
+  rollback     "lengths" (`_slots.LengthsRollback`), "journal" (`draft_journal`) or None.
+  boundary_state / with_boundary_state  the state a prefix boundary needs beyond pages.
+
+`Rows` and `Pages` give the row operations a serving loop needs (one batch row per request
+slot): a batch-1 view of a slot, writing it back, emptying a row.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Mapping
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+BATCH, HEADS, SEQ, PAGES = "cache_batch", "cache_kv_heads", "cache_sequence", "cache_pages"
+
+
+def _arrays(cache) -> dict[str, jax.Array]:
+  return {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)
+          if isinstance(getattr(cache, f.name), jax.Array)}
+
+
+def bounded(cache) -> bool:
+  return bool(getattr(cache, "BOUNDED", False))
+
+
+def paged(cache) -> bool:
+  return bool(getattr(cache, "POOL_FIELDS", ()))
+
+
+def rollback(cache) -> str | None:
+  if hasattr(cache, "undo_draft") and not hasattr(cache, "draft_journal"):
+    return "lengths"
+  return "journal" if hasattr(cache, "draft_journal") else None
+
+
+def logical_axes(cache) -> dict[str, tuple[str | None, ...]]:
+  """Field -> logical names of its dims: the class's own `logical_axes()`, else rows
+  `[B, K, ...]` (a rank >= 3 array) or `[B, ...]`."""
+  own = getattr(cache, "logical_axes", None)
+  if callable(own):
+    return own()
+  return Rows.logical_axes(cache)
+
+
+class Rows:
+  """Fixed rows: every array leaf holds batch row b at index b of axis 0."""
+
+  BOUNDED: ClassVar[bool] = False
+  POOL_FIELDS: ClassVar[tuple[str, ...]] = ()
+  FLOAT_ONLY: ClassVar[bool] = False
+  ROW_EMPTY: ClassVar[Mapping[str, Any]] = {"pos": -1}
+  """Fields an empty row sets, and their fill (others keep their bytes; `lengths` is 0)."""
+
+  def logical_axes(self) -> dict[str, tuple[str | None, ...]]:
+    return {n: (BATCH, HEADS) + (None,) * (a.ndim - 2) if a.ndim >= 3 else
+            (BATCH,) + (None,) * (a.ndim - 1) for n, a in _arrays(self).items()}
+
+  def slot_view(self, slot):
+    """The batch-1 cache of row `slot` (traced)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, slot, keepdims=True), self)
+
+  def with_slot_view(self, slot, view):
+    """This cache with row `slot` replaced by the batch-1 `view`."""
+    return jax.tree.map(lambda a, r: jax.lax.dynamic_update_index_in_dim(a, r, slot, 0),
+                        self, view)
+
+  def reset_slot(self, slot):
+    """Row `slot` empty: `lengths` 0 and the `ROW_EMPTY` fields filled."""
+    fills = {n: getattr(self, n).at[slot].set(v) for n, v in self.ROW_EMPTY.items()
+             if getattr(self, n, None) is not None}
+    return self.replace(lengths=self.lengths.at[slot].set(0), **fills)
+
+  def assign_slot(self, slot, pages=None, length=0):
+    """Row `slot` empty for a new sequence (`pages` unused; `length` must be 0 or the row is
+    then restored from a boundary state)."""
+    del pages, length
+    return self.reset_slot(slot)
+
+  def release_slot(self, slot):
+    return self.reset_slot(slot)
+
+  def set_block_row(self, slot, row):
+    del slot, row
+    return self
+
+
+class Pages:
+  """Paged kinds: `POOL_FIELDS` pools `[K, P, ...]`, `block_tables: i32[B, W]`, `lengths`."""
+
+  BOUNDED: ClassVar[bool] = False
+  FLOAT_ONLY: ClassVar[bool] = False
+  POOL_FIELDS: ClassVar[tuple[str, ...]] = ("k_pages", "v_pages", "k_scale_pages",
+                                            "v_scale_pages")
+
+  def logical_axes(self) -> dict[str, tuple[str | None, ...]]:
+    rows = Rows.logical_axes(self)
+    return {n: (HEADS, PAGES) + (None,) * (a.ndim - 2) if n in self.POOL_FIELDS else rows[n]
+            for n, a in _arrays(self).items()}
+
+  def pools(self) -> list[jax.Array]:
+    return [getattr(self, n) for n in self.POOL_FIELDS if getattr(self, n) is not None]
+
+  def slot_view(self, slot):
+    """A batch-1 view: row `slot` of the block table and lengths over the shared pools."""
+    return self.replace(
+        block_tables=jax.lax.dynamic_index_in_dim(self.block_tables, slot, keepdims=True),
+        lengths=jax.lax.dynamic_index_in_dim(self.lengths, slot, keepdims=True))
+
+  def with_slot_view(self, slot, view):
+    """The pools `view` wrote, and row `slot`'s length."""
+    pools = {n: getattr(view, n) for n in self.POOL_FIELDS if getattr(view, n) is not None}
+    return self.replace(lengths=self.lengths.at[slot].set(view.lengths[0]), **pools)
+
+  def set_block_row(self, slot, row):
+    return self.replace(block_tables=self.block_tables.at[slot].set(row))
+
+  def copy_pages(self, old: jax.Array, new: jax.Array):
+    """Page `old[i]` copied to page `new[i]` in every pool (`i32[n]` each)."""
+    return self.replace(**{n: getattr(self, n).at[:, new].set(getattr(self, n)[:, old])
+                           for n in self.POOL_FIELDS if getattr(self, n) is not None})
+
+
+def empty_like_row(a: jax.Array) -> jax.Array:
+  return jnp.zeros_like(a[:1])
