@@ -159,6 +159,8 @@ class BoundedCache(_slots.Slots, _slots.KVHeads, capabilities.Rows):
 class WrappingCache(BoundedCache):
   """Ring and sinks: new tokens overwrite slots chosen by `_slots`; no scoring."""
 
+  ROLLBACK = "journal"
+
   chunk_equals_steps = True
   """A chunk attends the stored slots plus its own tokens, masked by position: what the
   one-token steps attend (`kvattn.caches.transaction`)."""

@@ -169,6 +169,8 @@ class LengthsRollback:
   step equal one-token steps. A subclass that writes otherwise (a residual window, groups
   quantized as they fill) must not inherit this."""
 
+  ROLLBACK = "lengths"
+
   chunk_equals_steps = True
 
   def draft_journal(self, new_lengths: jax.Array, num_tokens: int) -> jax.Array:

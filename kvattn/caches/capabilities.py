@@ -10,7 +10,7 @@ outside kvattn that declares nothing is a growing, unpaged, float-or-int8 kind):
   FLOAT_ONLY   stores no quantization scales (an int8 / fp8 dtype is a TypeError).
   logical_axes()  field -> logical axis names of its dimensions (`kvattn.sharding` rules
                map them to mesh axes).
-  rollback     "lengths" (`_slots.LengthsRollback`), "journal" (`draft_journal`) or None.
+  rollback     "lengths" (`_slots.LengthsRollback`), "journal" (`draft_journal`) or "copy".
   boundary_state / with_boundary_state  the state a prefix boundary needs beyond pages.
 
 `Rows` and `Pages` give the row operations a serving loop needs (one batch row per request
@@ -43,9 +43,40 @@ def paged(cache) -> bool:
 
 
 def rollback(cache) -> str | None:
-  if hasattr(cache, "undo_draft") and not hasattr(cache, "draft_journal"):
-    return "lengths"
-  return "journal" if hasattr(cache, "draft_journal") else None
+  """How a draft written into `cache` is undone (`kvattn.caches.transaction`): "lengths",
+  "journal" (an undo log) or "copy" (the cache from before the write)."""
+  return getattr(cache, "ROLLBACK", "journal" if hasattr(cache, "draft_journal") else "copy")
+
+
+def op(cache, name: str):
+  """`cache.<name>` (a row operation of `Rows` / `Pages`), or `Rows`' for a class from
+  outside kvattn whose every array holds the batch on axis 0."""
+  method = getattr(type(cache), name, None) or getattr(Rows, name)
+  return method.__get__(cache)
+
+
+def tokens_before(end, count: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+  """`(p i32[count], idx i32[count])`: tokens `[end - count, end)` and their slots in a ring of
+  `capacity` slots (token p in slot p % capacity)."""
+  p = end - count + jnp.arange(count, dtype=jnp.int32)
+  return p, jnp.mod(p, capacity)
+
+
+def row_tokens(a: jax.Array | None, slot, p: jax.Array, idx: jax.Array) -> jax.Array | None:
+  """Row `slot` of a ring array `a: [B, K, C, ...]` at slots `idx`, zeros where `p < 0`."""
+  if a is None:
+    return None
+  row = jnp.take(jax.lax.dynamic_index_in_dim(a, slot, keepdims=False), idx, axis=1)
+  valid = (p >= 0).reshape((1, -1) + (1,) * (row.ndim - 2))
+  return jnp.where(valid, row, jnp.zeros_like(row))
+
+
+def put_row_tokens(a: jax.Array | None, slot, idx: jax.Array, new) -> jax.Array | None:
+  """`a: [B, K, C, ...]` with row `slot`'s slots `idx` set to `new: [K, n, ...]`."""
+  if a is None:
+    return None
+  row = jax.lax.dynamic_index_in_dim(a, slot, keepdims=False).at[:, idx].set(new)
+  return jax.lax.dynamic_update_index_in_dim(a, row, slot, 0)
 
 
 def logical_axes(cache) -> dict[str, tuple[str | None, ...]]:
@@ -55,6 +86,14 @@ def logical_axes(cache) -> dict[str, tuple[str | None, ...]]:
   if callable(own):
     return own()
   return Rows.logical_axes(cache)
+
+
+class TruncateByLengths:
+  """Token t in slot t and slots past `lengths` unused: truncating only lowers `lengths`."""
+
+  def truncate(self, length):
+    """This cache holding only its first `length` tokens per row (`i32[B]`)."""
+    return self.replace(lengths=jnp.minimum(self.lengths, length))
 
 
 class Rows:
@@ -81,7 +120,8 @@ class Rows:
 
   def reset_slot(self, slot):
     """Row `slot` empty: `lengths` 0 and the `ROW_EMPTY` fields filled."""
-    fills = {n: getattr(self, n).at[slot].set(v) for n, v in self.ROW_EMPTY.items()
+    empty = getattr(self, "ROW_EMPTY", Rows.ROW_EMPTY)
+    fills = {n: getattr(self, n).at[slot].set(v) for n, v in empty.items()
              if getattr(self, n, None) is not None}
     return self.replace(lengths=self.lengths.at[slot].set(0), **fills)
 
@@ -89,10 +129,10 @@ class Rows:
     """Row `slot` empty for a new sequence (`pages` unused; `length` must be 0 or the row is
     then restored from a boundary state)."""
     del pages, length
-    return self.reset_slot(slot)
+    return op(self, "reset_slot")(slot)
 
   def release_slot(self, slot):
-    return self.reset_slot(slot)
+    return op(self, "reset_slot")(slot)
 
   def set_block_row(self, slot, row):
     del slot, row
@@ -135,5 +175,3 @@ class Pages:
                            for n in self.POOL_FIELDS if getattr(self, n) is not None})
 
 
-def empty_like_row(a: jax.Array) -> jax.Array:
-  return jnp.zeros_like(a[:1])

@@ -48,15 +48,12 @@ import numpy as np
 
 from kvattn import _checks
 from kvattn.paging.allocator import PageAllocator, pages_for
-from kvattn.caches.dense import KVCache, LatentCache
-from kvattn.caches.paged import PagedKVCache
+from kvattn.caches import capabilities
 from kvattn.paging.prefix import PrefixCachingAllocator
 
 FORMAT_VERSION = 1
 COMMIT_MARKER = "commit_success.txt"
 """The file orbax writes last, when it finalizes a checkpoint (kept also on local disks)."""
-TRUNCATABLE = (KVCache, LatentCache, PagedKVCache)
-"""Kinds that keep token t in slot t, so shortening `lengths` truncates them."""
 
 
 def _ocp():
@@ -391,7 +388,7 @@ def check_values(caches: Sequence[Any], allocator: PageAllocator | None = None,
   if allocator is not None:
     holders = collections.Counter(p for s in allocator.live for p in allocator.pages(s))
   for i, cache in enumerate(caches):
-    if isinstance(cache, PagedKVCache):
+    if capabilities.paged(cache):
       _check_shared_pages(f"layer {i}", cache, allocator, holders)
   if isinstance(tokens, list):
     for i, cache in enumerate(caches):
@@ -407,7 +404,7 @@ def check_values(caches: Sequence[Any], allocator: PageAllocator | None = None,
                            f"{int(lengths[b])}")
 
 
-def _check_shared_pages(name: str, cache: PagedKVCache, allocator: PageAllocator | None,
+def _check_shared_pages(name: str, cache: Any, allocator: PageAllocator | None,
                         holders: collections.Counter | None) -> None:
   if allocator is not None and (allocator.num_pages, allocator.page_size) != (
       cache.num_pages, cache.page_size):

@@ -172,7 +172,8 @@ slot_positions = _slots.slot_positions  # token t in slot t (used by the paged k
 
 
 @struct.dataclass
-class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback, capabilities.Rows):
+class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback, capabilities.Rows,
+              capabilities.TruncateByLengths):
   """Dense KV cache of one attention layer (MHA, GQA or MQA).
 
   Attributes:
@@ -372,7 +373,8 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback, capabil
 
 
 @struct.dataclass
-class LatentCache(_slots.TokenSlots, _slots.LengthsRollback, capabilities.Rows):
+class LatentCache(_slots.TokenSlots, _slots.LengthsRollback, capabilities.Rows,
+                  capabilities.TruncateByLengths):
   """Latent cache of one MLA layer (DeepSeek-V2, arXiv 2405.04434, §2.1.2-2.1.3).
 
   Instead of per-head keys and values, MLA caches per token one compressed

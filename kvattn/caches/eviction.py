@@ -205,7 +205,7 @@ class EvictingKVCache(BoundedCache):
   policy: str = struct.field(pytree_node=False, default="h2o")
   options: tuple = struct.field(pytree_node=False, default=())
 
-  ROW_EMPTY = {"pos": -1, "scores": 0.0}
+  ROW_EMPTY = {"pos": -1, "scores": 0.0, "k": 0, "v": 0, "k_scale": 1.0, "v_scale": 1.0}
 
   @classmethod
   def init(cls, batch: int, budget: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32,

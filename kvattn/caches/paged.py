@@ -68,7 +68,8 @@ def check_rows(name: str, tables: Any, lengths: Any, num_pages: int, page_size: 
 
 
 @struct.dataclass
-class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback, capabilities.Pages):
+class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback, capabilities.Pages,
+                   capabilities.TruncateByLengths):
   """Paged KV cache of one attention layer (MHA, GQA or MQA).
 
   Attributes:

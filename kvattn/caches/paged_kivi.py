@@ -247,6 +247,29 @@ class PagedKIVICache(capabilities.Pages, kivi.KIVICache):
                         lengths=put(self.lengths, view.lengths), k_res=put(self.k_res, view.k_res),
                         v_res=put(self.v_res, view.v_res))
 
+  # Boundary state (a prefix cache's snapshot: `kvattn.inference.batching.snapshots`): the
+  # residual ring's tokens `[end - R, end)`; the store of `[0, end - R)` is in the pages.
+  def boundary_layout(self, count: int) -> list[tuple[tuple[int, ...], Any]]:
+    del count
+    return [((self.num_kv_heads, self.residual, self.head_dim), a.dtype)
+            for a in (self.k_res, self.v_res)]
+
+  def boundary_state(self, slot, end, count: int) -> tuple:
+    """`(k, v)`: `[K, R, H]` of row `slot`'s last R tokens (zeros for tokens < 0); the row
+    must hold exactly `end` tokens."""
+    del count
+    p, idx = capabilities.tokens_before(end, self.residual, self.ring_capacity)
+    return (capabilities.row_tokens(self.k_res, slot, p, idx),
+            capabilities.row_tokens(self.v_res, slot, p, idx))
+
+  def with_boundary_state(self, slot, state, end, count: int) -> "PagedKIVICache":
+    """Row `slot`'s ring as that of an `end`-token row, from `boundary_state`."""
+    del count
+    _, idx = capabilities.tokens_before(end, self.residual, self.ring_capacity)
+    return self.replace(k_res=capabilities.put_row_tokens(self.k_res, slot, idx, state[0]),
+                        v_res=capabilities.put_row_tokens(self.v_res, slot, idx, state[1]),
+                        lengths=self.lengths.at[slot].set(end))
+
   # ---------------------------------------------------------------------------- pages
   def _pages(self, slots: jax.Array) -> jax.Array:
     """`i32[B, n]` the page of logical store slots `slots: i32[B, n] or [n]` (unassigned

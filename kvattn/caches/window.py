@@ -21,6 +21,7 @@ import numpy as np
 from flax import struct
 
 from kvattn import _checks
+from kvattn.caches import capabilities
 from kvattn.caches import registry
 from kvattn.caches._layers import gqa_layers
 from kvattn.ops.positional import positional_attention
@@ -149,6 +150,30 @@ class RingKVCache(WrappingCache):
     q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
     return self._step(q, k, v, new_lengths,
                       dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap))
+
+  # Boundary state (a prefix cache's snapshot: `kvattn.inference.batching.snapshots`).
+  def boundary_layout(self, count: int) -> list[tuple[tuple[int, ...], Any]]:
+    """`(shape, dtype)` of each array of a boundary state of `count` tokens."""
+    k_heads, _, head_dim = self.k.shape[1:]
+    out = [((k_heads, count, head_dim), a.dtype) for a in (self.k, self.v)]
+    return out + [((k_heads, count), a.dtype) for a in (self.k_scale, self.v_scale)
+                  if a is not None]
+
+  def boundary_state(self, slot, end, count: int) -> tuple:
+    """`(k, v, k_scale, v_scale)` of row `slot`'s tokens `[end - count, end)` in token order
+    (`[K, count, ...]`; zeros for tokens < 0; None for a float ring's scales)."""
+    p, idx = capabilities.tokens_before(end, count, self.capacity)
+    return tuple(capabilities.row_tokens(a, slot, p, idx)
+                 for a in (self.k, self.v, self.k_scale, self.v_scale))
+
+  def with_boundary_state(self, slot, state, end, count: int) -> "RingKVCache":
+    """Row `slot` as the ring of an `end`-token sequence, from `boundary_state` (traceable)."""
+    p, idx = capabilities.tokens_before(end, count, self.capacity)
+    pos = jnp.full((self.capacity,), -1, jnp.int32).at[idx].set(jnp.where(p >= 0, p, -1))
+    put = lambda a, new: capabilities.put_row_tokens(a, slot, idx, new)
+    return self.replace(k=put(self.k, state[0]), v=put(self.v, state[1]),
+                        k_scale=put(self.k_scale, state[2]), v_scale=put(self.v_scale, state[3]),
+                        pos=self.pos.at[slot].set(pos), lengths=self.lengths.at[slot].set(end))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvattn.caches._bounded import BoundedCache
-from kvattn.caches.checkpoint import TRUNCATABLE, _as_tuple
+from kvattn.caches import capabilities
+from kvattn.caches.checkpoint import _as_tuple
 from kvattn.inference.generation import Sampling, decode, prefill
 from kvattn.training import data as data_lib
 
@@ -46,9 +46,8 @@ def reusable_length(cached_tokens: Sequence[int], prompt: Sequence[int]) -> int:
 def truncate(caches: Any, length: Any) -> Any:
   """Caches that hold only their first `length` tokens per row (`int` or `i32[B]`).
 
-  Kinds that keep token t in slot t (`TRUNCATABLE`) only lower `lengths`
-  (slots past it are unused and never read); another kind must offer a
-  `truncate(length)` method.
+  Each cache's `truncate(length)` (kinds that keep token t in slot t only lower `lengths`:
+  `capabilities.TruncateByLengths`).
 
   Raises:
     ValueError: a negative length, or a kind that cannot be truncated.
@@ -58,9 +57,7 @@ def truncate(caches: Any, length: Any) -> Any:
     n = jnp.broadcast_to(jnp.asarray(length, jnp.int32), cache.lengths.shape)
     if _is_concrete_negative(n):
       raise ValueError(f"length must be >= 0; got {np.asarray(length).tolist()}")
-    if isinstance(cache, TRUNCATABLE):
-      out.append(cache.replace(lengths=jnp.minimum(cache.lengths, n)))
-    elif hasattr(cache, "truncate"):
+    if hasattr(cache, "truncate"):
       out.append(cache.truncate(n))
     else:
       raise ValueError(f"cache of kind {type(cache).__name__} cannot be truncated (it does not "
@@ -107,7 +104,7 @@ def resume(model: nnx.Module, caches: Sequence[Any], cached_tokens: Sequence[int
   if any(int(c.lengths.shape[0]) != 1 for c in caches):
     raise ValueError(f"caches must have batch 1; got {[int(c.lengths.shape[0]) for c in caches]}")
   # Bounded kinds (a local layer's ring) never overflow: their capacity is their window.
-  capacity = min((int(c.capacity) for c in caches if not isinstance(c, BoundedCache)),
+  capacity = min((int(c.capacity) for c in caches if not capabilities.bounded(c)),
                  default=None)
   if capacity is not None and len(prompt) + max_new_tokens - 1 > capacity:
     raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) - 1 exceeds the "

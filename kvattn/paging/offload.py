@@ -334,7 +334,8 @@ def _uint(width: int):
 
 
 class PageCodec:
-  """Page payloads of a model's `PagedKVCache`s: the bytes of one page in every pool.
+  """Page payloads of a model's paged caches: the bytes of one page in every pool (each
+  cache's `POOL_FIELDS`, `kvattn.caches.capabilities`).
 
   Caches without pages (the rings of a per-layer layout) are passed through untouched;
   their state at a prefix boundary travels as the block's boundary state
@@ -364,11 +365,11 @@ class PageCodec:
       it = iter(parts)
       out = []
       for c in caches:
-        if not hasattr(c, "k_pages"):  # a layer without pages (a ring): no page bytes
+        if not getattr(c, "POOL_FIELDS", ()):  # a layer without pages (a ring): no page bytes
           out.append(c)
           continue
         fields = {}
-        for name in ("k_pages", "v_pages", "k_scale_pages", "v_scale_pages"):
+        for name in c.POOL_FIELDS:
           pool = getattr(c, name)
           if pool is None:
             continue
@@ -386,8 +387,8 @@ class PageCodec:
 
   @staticmethod
   def _pools(caches):
-    return [p for c in caches if hasattr(c, "k_pages")
-            for p in (c.k_pages, c.v_pages, c.k_scale_pages, c.v_scale_pages) if p is not None]
+    return [p for c in caches for name in getattr(c, "POOL_FIELDS", ())
+            if (p := getattr(c, name)) is not None]
 
   def read(self, caches: Sequence[Any], pages: Sequence[int]) -> np.ndarray:
     """`u8[len(pages), page_bytes]` (host) the contents of `pages` in every pool: one

@@ -621,17 +621,12 @@ class PrefixCachingAllocator(PageAllocator):
 
 
 def copy_pages(caches: Sequence[Any], copies: Sequence[tuple[int, int]]) -> tuple[Any, ...]:
-  """Copies page `old` to page `new` in every pool of every `PagedKVCache` (scales too),
-  for each `(old, new)` of `PrefixCachingAllocator.prepare_write`."""
+  """Copies page `old` to page `new` in every pool of every paged cache (its
+  `copy_pages`; a cache without pages is passed through), for each `(old, new)` of
+  `PrefixCachingAllocator.prepare_write`."""
   caches = tuple(caches)
   if not copies:
     return caches
   old = jnp.asarray([o for o, _ in copies], jnp.int32)
   new = jnp.asarray([n for _, n in copies], jnp.int32)
-
-  def copy(pool):
-    return None if pool is None else pool.at[:, new].set(pool[:, old])
-
-  return tuple(c.replace(k_pages=copy(c.k_pages), v_pages=copy(c.v_pages),
-                         k_scale_pages=copy(c.k_scale_pages), v_scale_pages=copy(c.v_scale_pages))
-               for c in caches)
+  return tuple(c.copy_pages(old, new) if getattr(c, "POOL_FIELDS", ()) else c for c in caches)
