@@ -1,19 +1,4 @@
 """What the bounded cache kinds share (`window.py`: ring, sinks; `eviction.py`).
-
-Each kind is a `flax.struct` pytree whose storage is allocated at its capacity
-(`storage_arrays()` / `storage_slots`, so `kvattn.memory` reports capacity x
-bytes per token) and whose slots carry the original token index they hold
-(`pos`, -1 for none): attention masks by original position (causality,
-windows) through `kvattn.ops.positional.positional_attention`.
-
-Protocol use: the attention module calls `update_attend` (the optional member
-of `kvattn.caches.protocol`) with queries and keys *before* RoPE, so each kind
-rotates as its method requires, sees the queries that score the slots, and
-attends the chunk's own keys before any of them is evicted or overwritten. The
-plain `update` + `attend` pair works too: for a single token it equals
-`update_attend`; for a chunk it attends only what the cache kept. The decode
-path is XLA (`implementation` None or "xla"). Quantized storage (int8 / fp8,
-one f32 scale per token per KV head) works for every kind.
 """
 
 from __future__ import annotations

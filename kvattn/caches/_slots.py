@@ -1,27 +1,4 @@
 """The cache protocol's bookkeeping members, written once for every kind.
-
-Each kind (`KVCache`, `LatentCache`, `PagedKVCache`, the bounded kinds of `_bounded.py`,
-`LengthSwitchKVCache`) declares where its sizes and storage live, as class attributes
-(not dataclass fields, so not pytree leaves):
-
-  * `_SIZES`: size name -> `(field, axis)`: the array a size is read from and its axis
-    ("batch", "capacity" for every kind; "num_kv_heads", "head_dim" for GQA kinds).
-  * `_VALUES`: the fields holding the stored values (the first gives `dtype`).
-  * `_SCALES`: the fields of their f32 scales, in the same order (None in a float cache).
-  * `_SCALE_ARGS`: the keyword names of the scales for the attention ops (default the
-    field names).
-
-and inherits the members from:
-
-  * `Slots`: `batch`, `capacity`, `dtype`, `quantized`, `storage_slots` (B * capacity),
-    `storage_arrays()`, `scale_kwargs()`, `dequantized()`.
-  * `TokenSlots(Slots)`: kinds that hold token t in slot t of a row and overflow past
-    their capacity (dense, latent, length-switch): `slot_positions()`, `overflowed`,
-    `check_state()` (lengths in [0, capacity]).
-  * `KVHeads`: the sizes a GQA module checks, `num_kv_heads` and `head_dim`. Kept apart
-    so an MLA cache never looks like a `GQACache` to the runtime-checkable protocols.
-
-A kind overrides what differs (a page pool's capacity and overflow, a ring's positions).
 """
 
 from __future__ import annotations

@@ -1,20 +1,4 @@
 """What a cache kind can do, asked of the cache (its class) instead of kept in lists.
-
-A kind's class declares, as class attributes and methods (defaults below, so a class from
-outside kvattn that declares nothing is a growing, unpaged, float-or-int8 kind):
-
-  BOUNDED      capacity fixed whatever the sequence length (window, budget).
-  POOL_FIELDS  page pools `[K, P, ...]` indexed by page id (empty: not paged). A paged
-               kind also has `block_tables: i32[B, pages_per_seq]` and `assign_slot`,
-               `release_slot`, `slot_view`, `with_slot_view` (`Pages`).
-  FLOAT_ONLY   stores no quantization scales (an int8 / fp8 dtype is a TypeError).
-  logical_axes()  field -> logical axis names of its dimensions (`kvattn.sharding` rules
-               map them to mesh axes).
-  rollback     "lengths" (`_slots.LengthsRollback`), "journal" (`draft_journal`) or "copy".
-  boundary_state / with_boundary_state  the state a prefix boundary needs beyond pages.
-
-`Rows` and `Pages` give the row operations a serving loop needs (one batch row per request
-slot): a batch-1 view of a slot, writing it back, emptying a row.
 """
 
 from __future__ import annotations

@@ -1,39 +1,4 @@
 """Save and restore KV caches with orbax-checkpoint (resuming from them: `kvattn.inference.resume`).
-
-`save_caches(path, caches, allocator=, tokens=)` writes any pytree of caches
-(a model's tuple of per-layer `KVCache`, `PagedKVCache`, `LatentCache`,
-quantized ones with their scales, or any other registered cache kind) and,
-optionally, the `PageAllocator` that hands out a paged pool's pages (a
-`PrefixCachingAllocator` keeps its shared pages and refcounts; its
-unreferenced cached pages are saved as free and its prefix index is rebuilt
-by `register`) and the token ids the caches hold. `restore_caches(path, like)` reads it back into
-the structure of `like` (a template: freshly built caches of the same kinds
-and shapes).
-
-Bit-exact: every array leaf is stored as its raw bits (viewed as an unsigned
-integer of its width, so bf16, fp8 and NaN payloads survive whatever the
-storage format makes of floats) and viewed back on restore.
-
-Atomic: orbax writes into a temporary directory and renames it into place
-with a commit marker only when everything is written (its "finalize");
-`restore_caches` refuses a directory that orbax does not report finalized or
-that lacks the marker, so an interrupted save never leaves a checkpoint that
-restores (what it leaves is a `<path>.orbax-checkpoint-tmp*` directory).
-
-Mismatches: the checkpoint records, per cache, its kind (class name) and,
-per leaf, its pytree path, shape and dtype; restoring into a template that
-differs in any of them raises ValueError naming the first difference.
-
-Values: a checkpoint is read as untrusted data, and `restore_caches` serves
-nothing it has not checked (ValueError naming the checkpoint and the leaf,
-e.g. "layer 3 lengths[1] = -2 must lie in [0, 8]"): each cache's own
-`check_state` (lengths in range, `pos` what the kind keeps, block-table
-entries inside the pool and covering each row's tokens); pages shared by
-block-table rows only as often as the saved allocator gives them to live
-sequences (never without one); the allocator's state (free list without
-duplicates, no page both free and held, none lost, pages matching token
-counts, sharing only in a `PrefixCachingAllocator`); and per-row `tokens` as
-many as each cache's `lengths`.
 """
 
 from __future__ import annotations
@@ -368,12 +333,6 @@ def _read_tokens(saved: Any) -> list[list[int]] | dict[Any, list[int]] | None:
 def check_values(caches: Sequence[Any], allocator: PageAllocator | None = None,
                  tokens: Any = None) -> None:
   """Checks restored per-layer `caches` against themselves, `allocator` and `tokens`.
-
-  Each cache's `check_state(f"layer {i}")` (a kind without one: `lengths >= 0`);
-  pages of paged caches shared by block-table rows at most as often as `allocator`
-  gives them to live sequences (once without an allocator; never a free page),
-  pools of the allocator's sizes; per-row `tokens` (a list) as many as each
-  cache's `lengths`.
 
   Raises:
     ValueError: naming the layer, leaf and entry.

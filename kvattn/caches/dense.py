@@ -1,38 +1,4 @@
 """Functional KV caches: registered pytrees with pure update functions.
-
-Every cache here is a `flax.struct.dataclass`: its arrays are pytree leaves and
-its sizes and dtypes are read from those arrays, so a cache passes through
-`jax.jit`, `lax.scan` and `lax.while_loop` as data, and a jitted step that
-donates the old cache lets XLA write the new one in place. `KVCache`
-implements `kvattn.caches.protocol.GQACache` and `LatentCache` `MLACache`: the
-attention modules write with `update` and read with `attend`, which calls the
-`kvattn.ops` dispatch point of the layout.
-
-Slot convention (DESIGN.md): sequence b occupies slots `[0, lengths[b])`;
-slots past that may hold anything (zeros, 1e30, NaN) and never change a
-result. An update writes token t of sequence b to slot `lengths[b] + t` for
-`t < new_lengths[b]` (right padding: tokens at `t >= new_lengths[b]` are not
-written and do not advance `lengths`).
-
-Overflow (a write past `max_len`) never wraps and never clamps onto other
-slots:
-  * when `lengths` and `new_lengths` are concrete (eager calls), `update`
-    raises `ValueError` before writing;
-  * under `jit`, tokens that do not fit are dropped (scatter `mode='drop'`)
-    and `lengths` still advances past `max_len`, so `cache.overflowed` (`lengths
-    > max_len`) is a sticky per-sequence flag: lengths never decrease. The
-    same condition is a `checkify.debug_check`, so a function transformed by
-    `jax.experimental.checkify.checkify` reports it as an error.
-    `kvattn.generate` validates prompt length + new tokens against `max_len`
-    up front, so generation never overflows.
-
-Quantized storage: `KVCache.init` and `LatentCache.init` also take the 1-byte
-dtypes int8, float8_e4m3fn and float8_e5m2 (`kvattn.ops.quant`). Such a cache
-stores values in that dtype plus f32 scales, one per token per KV head (per
-token for each MLA part), and `update` quantizes on write (absmax scaling,
-`kvattn.ops.quantize_kv`); readers pass the scales to the attention ops, which
-apply them inside the computation. Float caches have `None` scales, so their
-pytree leaves are unchanged.
 """
 
 from __future__ import annotations
@@ -127,12 +93,6 @@ def write_tokens(
     slot_axis: int,
 ) -> jax.Array:
   """Scatters T new tokens per sequence into slots `lengths[b] + t`.
-
-  Tokens with `t >= new_lengths[b]` and tokens whose slot is `>= S` are
-  dropped (never wrapped or clamped), and so are negative slots (a shard of the
-  slot axis passes `lengths` minus its first slot). `new` is `[B, T, *rest]` where `rest` is
-  buffer's shape without the batch and slot axes. The cast to buffer's dtype
-  happens here.
   """
   batch, num_tokens = new.shape[:2]
   capacity = buffer.shape[slot_axis]
@@ -147,12 +107,6 @@ def write_tokens(
 
 def advance_lengths(lengths: jax.Array, new_lengths: jax.Array, capacity: int) -> jax.Array:
   """Returns `lengths + new_lengths`, enforcing the overflow contract above.
-
-  Eager (concrete lengths), before anything is written: the cache's `lengths` must
-  lie in `[0, capacity]` (a state built with `.replace` or read from elsewhere;
-  a negative length would drop the written tokens) and the sum must not pass
-  `capacity`. Under jit neither is checked here: the sum advances and
-  `overflowed` flags the row.
   """
   _checks.values_in_range("cache lengths", lengths, 0, capacity)
   if _checks.is_concrete(lengths) and _checks.is_concrete(new_lengths):
@@ -197,9 +151,6 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback, capabil
   def init(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
            dtype=jnp.float32) -> "KVCache":
     """An empty cache: zeros, `lengths == 0`.
-
-    `dtype` may be a float dtype or int8 / float8_e4m3fn / float8_e5m2, which
-    store values quantized with `f32[B, K, S]` scales (initialised to 1).
 
     Raises:
       ValueError: a size that is not a positive int.
@@ -272,10 +223,6 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback, capabil
       implementation: str | None = None,
   ) -> jax.Array:
     """`GQACache.attend` (`kvattn.caches.protocol`): `[B, T, N, H]` in q's dtype.
-
-    T == 1 through `kvattn.ops.decode_attention` (backend `implementation`),
-    T > 1 through `kvattn.ops.attention`; a quantized cache's scales are
-    applied inside the ops.
     """
     opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap, **self.scale_kwargs())
     if q.shape[1] == 1:
@@ -299,10 +246,6 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback, capabil
       implementation: str | Sequence[str] | None = None,
   ) -> tuple[jax.Array, "KVCache"]:
     """One attention step (`cache_protocol.update_attend`): `(out [B, T, N, H], new_cache)`.
-
-    Checks `k`, `v` and `new_lengths` as `update` does, then
-    `update_attend_unchecked` (where the step is described). `q, k, v` come before
-    RoPE; the other arguments are the module's (`cache_protocol.update_attend`).
 
     Raises:
       ValueError, TypeError: as `update` and `ops.decode_attention` (shapes,
@@ -330,18 +273,6 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback, capabil
       implementation: str | Sequence[str] | None = None,
   ) -> tuple[jax.Array, "KVCache"]:
     """`update_attend` for callers that checked `k`, `v`, `new_lengths` (the modules).
-
-    RoPE at `positions`, `update`, then `attend` -- except a decode step (T ==
-    1) whose backend takes the newest token apart (the dispatcher says so:
-    `ops.dispatch.appends_newest(implementation)`, the XLA backends), which
-    attends THIS cache, from before the write, with the new token's key and
-    value given apart (`ops.decode_attention(..., k_new=, v_new=)`, one softmax
-    over both, so the same result). Nothing then reads the buffer the write
-    updates in place: at batch 1 XLA:CPU otherwise fused the write twice (once
-    into the shape the attention read, without the unit batch axis) and copied
-    each layer's K and V four times per step inside the decode loop
-    (docs/benchmarks.md). A subclass that overrides `update_unchecked` or
-    `attend` (a sharded cache) gets plain update-then-attend.
     """
     rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
     q, k = ops.apply_rope(q, positions, **rope), ops.apply_rope(k, positions, **rope)
@@ -377,13 +308,6 @@ class LatentCache(_slots.TokenSlots, _slots.LengthsRollback, capabilities.Rows,
                   capabilities.TruncateByLengths):
   """Latent cache of one MLA layer (DeepSeek-V2, arXiv 2405.04434, §2.1.2-2.1.3).
 
-  Instead of per-head keys and values, MLA caches per token one compressed
-  latent `c_kv` (width C = `kv_lora_rank`, RMSNorm already applied) and one
-  decoupled RoPE key `k_rope` (width R = `qk_rope_head_dim`, RoPE already
-  applied) shared by every head: `(C + R) * itemsize` bytes per token per
-  layer. Update semantics (slots, `new_lengths`, overflow) are those of
-  `KVCache`; see the module docstring.
-
   Attributes:
     c_kv: `[B, S, C]` normalised KV latents.
     k_rope: `[B, S, R]` shared RoPE keys, same dtype as `c_kv`.
@@ -410,9 +334,6 @@ class LatentCache(_slots.TokenSlots, _slots.LengthsRollback, capabilities.Rows,
   def init(cls, batch: int, max_len: int, kv_lora_rank: int, qk_rope_head_dim: int,
            dtype=jnp.float32) -> "LatentCache":
     """An empty cache: zeros, `lengths == 0`.
-
-    `dtype` may be a float dtype or int8 / float8_e4m3fn / float8_e5m2 (then
-    `f32[B, S]` scales for each part, initialised to 1).
 
     Raises:
       ValueError: a size that is not a positive int.
@@ -499,10 +420,6 @@ class LatentCache(_slots.TokenSlots, _slots.LengthsRollback, capabilities.Rows,
       implementation: str | None = None,
   ) -> jax.Array:
     """`MLACache.attend` (`kvattn.caches.protocol`), absorbed: `[B, T, N, C]`.
-
-    T == 1 through `kvattn.ops.mla_decode_attention` (backend
-    `implementation`), T > 1 through `kvattn.ops.mla_attention`; a quantized
-    cache's scales are applied inside the ops.
     """
     opts = dict(sm_scale=sm_scale, window=window, **self.scale_kwargs())
     if q_latent.shape[1] == 1:

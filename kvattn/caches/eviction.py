@@ -178,10 +178,6 @@ def _policy_options(policy: str, budget: int, options: dict[str, Any]) -> tuple:
 class EvictingKVCache(BoundedCache):
   """A fixed budget of slots per sequence and KV head, filled by an eviction policy.
 
-  Each KV head of each sequence keeps its own `budget` tokens (policies in the
-  module doc), stored sorted by original position; keys keep the RoPE of
-  their original position, and attention masks by it (causality, windows).
-
   Attributes:
     k: `[B, K, budget, H]` keys, RoPE'd at their original positions.
     v: `[B, K, budget, H]` values.
@@ -211,10 +207,6 @@ class EvictingKVCache(BoundedCache):
   def init(cls, batch: int, budget: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32,
            *, policy: str, **policy_options) -> "EvictingKVCache":
     """An empty cache of `budget` slots per sequence and KV head.
-
-    Options (module doc): `num_sinks` (all policies, default 0), `recent_size`
-    (h2o: default budget // 2; tova, knorm: default 0), `window_size` and
-    `kernel_size` (snapkv: default min(32, budget // 2) and 5), `seed` (random).
 
     Raises:
       ValueError: an unknown policy or option, budget < num_sinks + 1, protected

@@ -7,54 +7,11 @@ zero point per token over groups of `group_size` channels), both asymmetric (min
 the newest tokens stay in the compute dtype and are flushed into the quantized store one
 group of `group_size` tokens at a time (KIVI's algorithm 1; the paper's R is `residual`).
 
-`KIVICache` is a `GQACache` (`kvattn.caches.protocol`); the registry names it `kivi2` and
-`kivi4` (options `group_size` = 32, `residual` = 128, `pre_rope` = False, `scale_dtype` =
-"float16"). Layout of one layer (B sequences, K KV heads, head width H, capacity S):
-
-  * quantized store of `Sq = group_size * max(0, (S - residual) // group_size)` token slots
-    (the most tokens ever flushed when at most S are held); token s in slot s:
-      `k_codes, v_codes: u8[B, K, Sq, H * bits / 8]` (codes packed along H, `8 // bits` per
-      byte, `kvattn.ops.lowbit.pack_codes`),
-      `k_scale, k_zero: [B, K, Sq / group_size, H]` (per channel per token group),
-      `v_scale, v_zero: [B, K, Sq, H / value_group]` (per token, `value_group =
-      min(group_size, H)` channels each), all in `scale_dtype`;
-  * residual ring `k_res, v_res: [B, K, Rb, H]` in the compute dtype, `Rb = min(residual +
-    group_size - 1, S)` slots: token t in slot `t % Rb`. It holds tokens `[nq, n)` where n
-    = `min(lengths, S)` and `nq = group_size * max(0, (n - residual) // group_size)`: the
-    newest `residual` tokens plus the partly filled group.
-
-Bytes per token (`analytic_bytes_per_token`, what `kvattn.memory.measured_bytes_per_token`
-reads from the arrays): `(Sq * (2 H bits / 8 + 2 H s / group_size + 2 (H / value_group) s) +
-Rb * 2 H itemsize) / S` per KV head, with s the scale dtype's bytes.
-
-Writing (`update`): the tokens that complete a group beyond the residual are quantized and
-scattered into the store (a static number of candidate groups, `ceil(T / group_size)`, the
-unused ones dropped), the rest written into the ring; a chunk's tokens are gathered from
-the old ring and the chunk, so nothing is read after it is overwritten. Attention
-(`update_attend`, the module's step): the queries attend the cache from before the write --
-the store read block by block (`kvattn.ops.lowbit.blocked_attention`: each block's codes
-are unpacked and dequantized in f32 inside the loop, no dequantized copy of the store) and
-the ring -- plus the chunk's own keys and values in full precision (as KIVI does for the
-prompt), then the chunk is written. `attend` (after `update`) reads the store and the ring.
-
 Keys before RoPE (KVQuant, Hooper et al. 2024, arXiv 2401.18079): with `pre_rope=True` the
 store holds keys before RoPE and each dequantized block is rotated at its tokens' positions
 inside the loop (the queries at theirs). Key positions are the token indices, so this mode
 assumes the default positions (token t at position t, what `Transformer` and `generate`
 use); `update_attend` checks that eagerly. `update` then takes keys BEFORE RoPE.
-
-Backends (`implementation`): a decode step (T = 1) with "pallas" reads the store through
-`pallas_kernels.lowbit_decode` (the packed blocks dequantized in registers; interpret mode on
-CPU), None does so where the kernel compiles (GPU / TPU, `unsupported_reason`) and uses the
-XLA loop elsewhere, "xla" always uses the loop; the ring and the new token are merged with
-the kernel's output by log-sum-exp. Keys before RoPE have no kernel ("pallas" raises
-NotImplementedError). Prefill chunks (T > 1) always take the XLA loop.
-
-Overflow: as the dense cache (eager ValueError; under jit tokens past S are dropped,
-`lengths` advances and `overflowed` flags the row; attention reads `min(lengths, S)`).
-MLA layers: the registry's `kivi2` / `kivi4` build `kivi_latent.KIVILatentCache` for a model
-whose layers are all MLA (the latent `c_kv` and `k_rope` at the same bits). The paged layout of
-this store is `paged_kivi.py`.
 """
 
 from __future__ import annotations

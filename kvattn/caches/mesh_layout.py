@@ -1,10 +1,5 @@
 """Where a cache's dimensions live on a device mesh: `CacheLayout` (the shard_map twins of
 `kvattn.caches.sharded`) and `place` (any kind, from its declared logical axes).
-
-A kind declares `logical_axes()` (`kvattn.caches.capabilities`): field -> logical names
-("cache_batch", "cache_kv_heads", "cache_pages", "cache_sequence", ...); the rules of
-`kvattn.sharding` map them to mesh axes. `place` puts each array there, XLA partitions the
-kind's ops (GSPMD); a KV-head axis the mesh axis does not divide stays replicated.
 """
 
 from __future__ import annotations
@@ -16,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from kvattn import _checks
 from kvattn.caches import capabilities
 from kvattn.sharding import axis_size, mesh_axes, resolve_rules
 
@@ -104,13 +100,7 @@ def _head_mesh(mesh: Mesh, axis: str, num_kv_heads: int) -> tuple[Mesh, tuple[st
 
 def _query_heads(mesh: Mesh, view: Mesh, axis: str, heads: tuple[str, ...],
                  num_kv_heads: int, num_heads: int | None) -> tuple[str, ...]:
-  """The mesh axes of the query heads N of a layer with `num_kv_heads` K on `axis`.
-
-  With K >= the axis (K heads split over it) N splits likewise. With fewer, the KV heads
-  are replicated (the `view` of `axis` as (K, m / K)); N then splits over both view axes
-  when m divides it, else over the K part only (each query group whole on the devices of
-  its KV head). Only N tells the two apart, so it is required then.
-  """
+  """The mesh axes of the query heads N of a layer with `num_kv_heads` K on `axis`."""
   m = mesh.shape[axis]
   if num_heads is not None:
     _checks.head_layout(num_heads, num_kv_heads)
@@ -130,11 +120,6 @@ def cache_layout(mesh: Mesh, rules: Mapping[str, Any] | None, *, kind: str, batc
                  max_len: int, num_kv_heads: int | None = None, num_heads: int | None = None,
                  num_pages: int | None = None) -> CacheLayout:
   """The layout of one layer's cache of `kind` ("dense", "paged" or "latent") on `mesh`.
-
-  Every layout it returns runs: the attention of a layer with `num_heads` query heads
-  over `num_kv_heads` KV heads fits it (`check_query_heads`). `num_heads` is needed
-  only when the heads axis is larger than `num_kv_heads` (the KV heads are then
-  replicated, and how the query heads split depends on N).
 
   Raises:
     ValueError: a mesh axis that does not divide the dimension it splits (batch B,
@@ -204,9 +189,6 @@ def _spec(*axes, ndim: int | None = None) -> P:
 def place(cache: Any, mesh: Mesh, rules: Mapping[str, Any] | None = None) -> Any:
   """`cache` (any kind) with each array placed on `mesh` by its logical axes
   (`capabilities.logical_axes`) and `rules`; it stays the same kind.
-
-  A batch, page or slot axis must divide its dimension; a KV-head axis that does not is
-  replicated (every device holds every head).
 
   Raises:
     ValueError: a batch / page / slot dimension its mesh axes do not divide (naming the axis).

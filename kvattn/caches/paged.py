@@ -5,20 +5,6 @@ with PagedAttention" (SOSP 2023): a contiguous per-request cache must reserve
 the maximum length for every request, and the paper measures 60-80% of such
 KV memory unused; storing the cache in fixed-size pages handed out on demand
 bounds the waste to less than one page per sequence (< 4% in their traces).
-
-`PagedKVCache` is the device pytree: page pools `k_pages, v_pages: [K, P,
-page_size, H]`, `block_tables: i32[B, pages_per_seq]` (logical page j of
-sequence b is physical page `block_tables[b, j]`; `NO_PAGE` = none) and
-`lengths: i32[B]`. Pure updates: `update` writes tokens through the block
-table, `assign_slot` / `release_slot` change one row. It implements
-`kvattn.caches.protocol.GQACache`: `attend` decodes through
-`kvattn.ops.paged_decode_attention`. The host-side `PageAllocator` that hands
-out the pages is in `kvattn.paging.allocator`; model-wide factories in
-`kvattn.caches.registry`.
-
-Slot convention, as for `kvattn.KVCache`: sequence b occupies slots
-`[0, lengths[b])`, capacity `pages_per_seq * page_size`; what the rest of its
-last page, unassigned table entries and free pages hold never changes a result.
 """
 
 from __future__ import annotations
@@ -229,14 +215,6 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback, capabil
              new_lengths: jax.Array | None = None) -> "PagedKVCache":
     """Writes T new tokens per sequence through the block table.
 
-    Token t of sequence b (t < new_lengths[b]) goes to slot `s = lengths[b]
-    + t`, i.e. to slot `s % page_size` of page `block_tables[b, s //
-    page_size]`. Under jit, tokens at or past the slots the row's assigned
-    pages hold (`assigned_slots`: past the capacity, or at or after the
-    row's first unassigned logical page) are dropped (scatter `mode='drop'`,
-    never wrapped onto another page); `lengths` still advances, as for
-    `KVCache`, and `overflowed` flags the row.
-
     Args:
       k_new: `[B, T, K, H]` keys (RoPE applied), cast to the cache dtype
         (quantized, one scale per token and head, for int8/fp8 pools).
@@ -296,11 +274,6 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback, capabil
       implementation: str | None = None,
   ) -> jax.Array:
     """`GQACache.attend` (`kvattn.caches.protocol`): `[B, T, N, H]` in q's dtype.
-
-    T == 1 through `kvattn.ops.paged_decode_attention` over the pools
-    (backend `implementation`); T > 1 through `kvattn.ops.attention` over the
-    pools gathered through the block table, reading `readable_lengths` tokens
-    per row, as the decode op does. Scale pools go with the values.
     """
     opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap)
     if q.shape[1] == 1:

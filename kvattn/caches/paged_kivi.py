@@ -6,34 +6,6 @@ compute dtype) whose quantized store lives in a page pool shared by the batch, a
 `PagedKVCache`'s tokens do (Kwon et al. 2023, "PagedAttention"): a sequence holds pages for
 the tokens it has flushed, not for the capacity. Registry kinds `paged_kivi2`,
 `paged_kivi4` (KIVI's options plus `page_size` and `seed`).
-
-Layout of one layer (K KV heads, P pages of `page_size` slots, W = H * bits / 8):
-
-  * `k_codes, v_codes: u8[K, P, page_size, W]` packed codes;
-  * `k_scale, k_zero: [K, P, page_size / group_size, H]` per channel per key group;
-  * `v_scale, v_zero: [K, P, page_size, H / value_group]` per token;
-  * `block_tables: i32[B, pages_per_seq]`: logical store slot s of sequence b is slot
-    `s % page_size` of page `block_tables[b, s // page_size]` (`NO_PAGE` = unassigned);
-    `pages_per_seq = ceil(Sq / page_size)` with `Sq` the dense KIVI store's slots;
-  * `k_res, v_res: [B, K, Rb, H]` the per-sequence residual ring (as `KIVICache`), `lengths`.
-
-`page_size` is a multiple of `group_size`, so a key group (and its scale row) never
-straddles a page. Store slot s holds token s, as in the dense layout: a sequence holding
-n tokens has `nq = g * max(0, (n - residual) // g)` of them in the store and needs
-`ceil(nq / page_size)` pages (`store_tokens(n, ...)`), which the registry's builder takes
-from a `kvattn.paging.PageAllocator`.
-
-Reading gathers each block's slots through the block table inside the attention loop (the
-same `lowbit.blocked_attention` loop as the dense store: no dequantized copy, no gathered
-copy of the whole store); writing scatters the flushed groups to their pages. Overflow as
-`PagedKVCache`: an eager write that flushes a group onto an unassigned page raises
-ValueError; under jit it is dropped, `overflowed` flags the row and attention reads only the
-store tokens the assigned pages hold (`readable_quantized`). A decode step with
-`implementation="pallas"` (None: on a GPU) reads the store through
-`pallas_kernels.lowbit_decode.paged_kivi_decode_attention` (pages gathered through the table
-inside the kernel; GPU "loop" schedule only, interpret mode on CPU), as `KIVICache` does.
-Bytes: `storage_slots` is `P * page_size` (the pool's store slots; the rings amortised over
-them), `analytic_bytes_per_token()` the count from sizes.
 """
 
 from __future__ import annotations

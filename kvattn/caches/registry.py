@@ -1,10 +1,4 @@
 """The cache registry: every cache kind by name, and the caches of a whole model.
-
-A cache is chosen by a spec `{"kind": <name>, **options}` (a dict or a ConfigDict) whose kind
-is a key of `CACHE_KIND_TABLE`; `build_caches`, `cache_factory_from_config`,
-`Transformer.init_caches(cache=)` and the experiment configs take it. Each kind's file
-registers itself with `register_cache_kind`; what a kind can do is asked of its record
-(`CacheKind`) and its class (`kvattn.caches.capabilities`). This module imports no kind.
 """
 
 from __future__ import annotations
@@ -87,10 +81,6 @@ EXPERIMENT_CACHE_KEYS = ("max_len", "dtype")
 
 def cache_options(spec: Any, where: str = "cache") -> tuple[str, dict[str, Any]]:
   """`(kind, options)` of a cache spec, checked against `CACHE_KIND_TABLE`.
-
-  `spec`: a dict or ConfigDict with `kind` and that kind's options; a key set to
-  None counts as unset (flat ml_collections schemas keep every key), so defaults
-  fill it. `max_len` and `dtype` are the experiments' own keys and are ignored.
 
   Raises:
     ValueError: an unknown kind, a key the kind does not take, a required option
@@ -180,13 +170,6 @@ def build_caches(model, batch: int, max_len: int, dtype: Any = None, cache: Any 
 def cache_factory_from_config(model, cache: Any, *, tokens_per_seq: Iterable[int] | None = None,
                               where: str = "cache", local_layers: str = "full") -> CacheFactory:
   """A `CacheFactory` (`kvattn.generate(cache_factory=)`) building `build_caches(..., cache)`.
-
-  The spec is checked and the caches' sizes validated now (one sequence of one
-  token is built), so a bad config fails before any work.
-
-  Usage: `kvattn.generate(model, prompts, lengths, n,
-  cache_factory=cache_factory_from_config(model, config.cache))`; `local_layers` as in
-  `build_caches` ("ring": the per-layer layout).
 
   Raises:
     ValueError: an unknown kind, an option the kind does not take, a missing or bad

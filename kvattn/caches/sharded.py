@@ -1,10 +1,4 @@
 """KV caches sharded over a device mesh (`kvattn.sharding` holds the mesh and its rules).
-
-`ShardedKVCache`, `ShardedPagedKVCache`, `ShardedLatentCache` subclass the dense, paged and
-latent kinds with a static `CacheLayout` and run `update` / `attend` in `jax.shard_map`
-(docs/sharding.md). Every other kind is placed from its logical axes
-(`kvattn.caches.mesh_layout.place`). `init_caches` / `cache_factory` create caches placed;
-`place_caches` moves existing caches onto a mesh.
 """
 
 from __future__ import annotations
@@ -17,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from kvattn import _checks
 from kvattn.caches import dense as cache_lib
@@ -66,9 +60,6 @@ def _write_slots(cache, names, new_a, new_b, new_lengths, buf_axes, new_axes, *,
 class ShardedKVCache(cache_lib.KVCache):
   """A `KVCache` whose arrays are sharded by `layout` (B over data, K over model, S over
   seq); `update` and `attend` run per shard in `jax.shard_map` (module docstring).
-
-  Logical axes: `k, v`: (cache_batch, cache_kv_heads, cache_sequence, cache_head_dim);
-  `k_scale, v_scale`: the first three; `lengths`: (cache_batch,).
   """
 
   layout: CacheLayout | None = struct.field(pytree_node=False, default=None)
@@ -130,10 +121,6 @@ class ShardedPagedKVCache(paged_lib.PagedKVCache):
   only that shard's pages (`init_caches` builds such tables; a page outside the range
   is never written or read). With the pool split over `seq` too, each shard attends
   the row's pages it holds and the partials are merged (LSE).
-
-  Logical axes: pools (cache_kv_heads, cache_pages, cache_page_slots, cache_head_dim);
-  scale pools the first three; `block_tables` (cache_batch, cache_table); `lengths`
-  (cache_batch,).
   """
 
   layout: CacheLayout | None = struct.field(pytree_node=False, default=None)
@@ -242,10 +229,6 @@ class ShardedLatentCache(cache_lib.LatentCache):
   """A `LatentCache` sharded by `layout`: B over data, S over seq (replicated over
   model). The absorbed `attend` runs per shard (partials merged by LSE over a sequence
   split); `attend_expanded` (the naive prefill path) runs on the global arrays.
-
-  Logical axes: `c_kv` (cache_batch, cache_sequence, cache_latent), `k_rope`
-  (cache_batch, cache_sequence, cache_rope), scales the first two, `lengths`
-  (cache_batch,).
   """
 
   layout: CacheLayout | None = struct.field(pytree_node=False, default=None)
@@ -424,10 +407,6 @@ def _fields(cache) -> dict[str, Any]:
 def cache_factory(model, mesh: Mesh, *, rules: Mapping[str, Any] | None = None,
                   kind: Any = "dense", page_size: int = 16, local_layers: str = "full"):
   """`(batch, max_len, dtype=None) -> caches` for `kvattn.generate(..., cache_factory=)`.
-
-  The capacity is `max_len` rounded up to what the sequence split needs (the `seq` axis
-  size, times `page_size` for "paged"); the batch must divide over `data` (ValueError).
-  `kind`, `local_layers` as in `init_caches`.
   """
   seq = _single_axis(resolve_rules(rules), "cache_sequence")
   step = axis_size(mesh, seq) * (page_size if kind == "paged" else 1) if kind in TWIN_KINDS \
@@ -459,9 +438,6 @@ def place_caches(caches: Sequence[Any], mesh: Mesh, rules: Mapping[str, Any] | N
   """Existing caches moved onto `mesh`: `KVCache` / `PagedKVCache` / `LatentCache` as their
   shard_map twins, every other kind `place`d by its logical axes. A paged cache's rows must
   use the pages of their data shard (or use `HEADS_ONLY_RULES`).
-
-  Where the KV heads are fewer than the heads axis (replicated) a twin's layout depends on
-  the layer's query heads N: `num_heads`, one int or one entry per cache (None for latent).
 
   Raises:
     ValueError: as `cache_layout` / `place` (naming the mesh axis, the head counts and the

@@ -55,9 +55,6 @@ class RingKVCache(WrappingCache):
     lengths: `i32[B]` tokens written per sequence (grows past W: a ring does
       not overflow, it overwrites the oldest token by design).
     k_scale, v_scale: `f32[B, K, W]` scales of an int8/fp8 cache, else None.
-
-  Attention sees, for the query at token p, the tokens `(p - W, p]`: full
-  attention with window W (and the module's own window, if smaller).
   """
 
   k: jax.Array
@@ -183,14 +180,6 @@ class RingKVCache(WrappingCache):
 @struct.dataclass
 class SinkKVCache(WrappingCache):
   """StreamingLLM cache: `num_sinks` first tokens plus a ring of the W most recent.
-
-  Slots `[0, num_sinks)` hold tokens `0..num_sinks-1`; token p >= num_sinks
-  goes to slot `num_sinks + (p - num_sinks) % W`. Keys are stored before
-  RoPE and rotated at read at the positions the method assigns inside the
-  cache (`cache_positions()`): a kept token's rank among the kept tokens
-  (sinks keep 0..num_sinks-1; once the cache is full the ring tokens take
-  `num_sinks..capacity-1`, oldest first). The decode query takes the next
-  position (`query_position()`), so no position reaches the capacity.
 
   Attributes:
     k: `[B, K, S, H]` keys before RoPE, S = num_sinks + W.

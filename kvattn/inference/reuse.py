@@ -1,18 +1,4 @@
 """Resume generation from a restored cache (`kvattn.caches.checkpoint.restore_caches`).
-
-Resuming (`reusable_length`, `truncate`, `resume`): a restored cache used for
-a prompt keeps the longest common prefix of the tokens it holds and the
-prompt, but never the whole prompt: the last prompt token is always
-evaluated again, so the first new token comes from a fresh forward pass and
-never from the old prompt's state. For a prompt that is a strict prefix of
-the saved tokens the cache is truncated to `len(prompt) - 1` tokens.
-
-Per-layer layouts (`init_caches(local_layers="ring")`): a `RingKVCache` (a local layer's
-window) that has wrapped no longer holds the tokens a shorter prefix's last token attends,
-so it can keep all of its tokens or none (`RingKVCache.can_truncate`). `resume` then keeps
-the common prefix only when every ring can serve it -- the prompt extends everything cached,
-or no ring has wrapped -- and otherwise recomputes the whole prompt (keep 0): a hit is
-always exact for the windowed layers.
 """
 
 from __future__ import annotations
@@ -46,9 +32,6 @@ def reusable_length(cached_tokens: Sequence[int], prompt: Sequence[int]) -> int:
 def truncate(caches: Any, length: Any) -> Any:
   """Caches that hold only their first `length` tokens per row (`int` or `i32[B]`).
 
-  Each cache's `truncate(length)` (kinds that keep token t in slot t only lower `lengths`:
-  `capabilities.TruncateByLengths`).
-
   Raises:
     ValueError: a negative length, or a kind that cannot be truncated.
   """
@@ -77,11 +60,6 @@ def resume(model: nnx.Module, caches: Sequence[Any], cached_tokens: Sequence[int
            eos_id: int | None = None, pad_id: int = data_lib.PAD_ID, rng: Any = None
            ) -> tuple[np.ndarray, tuple[Any, ...]]:
   """Generates for one `prompt` from caches that hold `cached_tokens` (batch 1).
-
-  Keeps `reusable_length(cached_tokens, prompt)` tokens of the caches (0 when a
-  wrapped ring cannot keep that many; module docstring), prefills the rest of the prompt (at least its last token) and decodes.
-  With greedy sampling the tokens equal `kvattn.generate` on `prompt` from
-  empty caches.
 
   Args:
     model: the `kvattn.Transformer` that filled the caches.

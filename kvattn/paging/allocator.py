@@ -1,13 +1,4 @@
 """Host-side page allocator of a paged KV cache (PagedAttention, Kwon et al., SOSP 2023).
-
-`PageAllocator` is plain numpy / Python bookkeeping: which pages of a
-`kvattn.PagedKVCache` pool each live sequence owns, allocation on join, one
-more page when a sequence crosses a page boundary, freeing on retire,
-used/free/waste statistics (`PoolStats`). A page is never owned by two live
-sequences; exhaustion raises `OutOfPagesError` and leaves every existing
-allocation untouched. Nothing here touches device arrays: a caller turns an
-allocation into block-table rows (`block_table_row`, `block_tables`) and hands
-them to the cache (`PagedKVCache.init(block_tables=)`, `assign_slot`).
 """
 
 from __future__ import annotations
@@ -30,11 +21,6 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 class OutOfPagesError(RuntimeError):
   """The pool has fewer free pages than a request needs.
-
-  Raised by `PageAllocator.allocate`/`grow` before anything changes, so every
-  existing allocation (and the cache contents behind it) is intact. A
-  scheduler can read `needed` and `available` and retry after retiring a
-  sequence, or check `PageAllocator.can_allocate` beforehand.
   """
 
   def __init__(self, seq_id: Hashable, needed: int, available: int):
@@ -75,18 +61,6 @@ class PoolStats:
 
 class PageAllocator:
   """Host-side allocator of the pages of a `PagedKVCache` pool.
-
-  Every live sequence (any hashable id, e.g. a request id) owns an ordered
-  list of pages: its logical page j is `pages(seq_id)[j]`. Pages come from a
-  free list; a page is on the free list or owned by exactly one sequence.
-  All operations are atomic: on any error nothing changes.
-
-  Example:
-    alloc = PageAllocator(num_pages=64, page_size=16, max_pages_per_seq=8)
-    alloc.allocate("a", 20)           # 2 pages
-    alloc.grow("a", 33)               # crosses into a 3rd page: 1 new page
-    row = alloc.block_table_row("a")  # i32[8], padded with NO_PAGE
-    alloc.free("a")                   # all 3 pages back on the free list
   """
 
   def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int | None = None, *,

@@ -1,54 +1,4 @@
 """Automatic prefix caching for the paged KV cache (vLLM APC / SGLang RadixAttention).
-
-`PrefixCachingAllocator` is a `kvattn.PageAllocator` whose full pages outlive
-the sequence that wrote them: once a page holds `page_size` tokens it is
-*registered* under a key chained over its parent page's key and its own
-token ids,
-
-    key_j = sha256(key_{j-1} || int32 little-endian bytes of tokens[j*ps:(j+1)*ps]),
-    key_{-1} = b"",
-
-so a key names the whole prefix up to the end of page j (vLLM's block hash).
-A later prompt walks its full pages from the first: page j is a hit only if
-the key is registered *and* the block under it holds exactly these token ids
-*and* its parent is the block matched for page j-1 (object identity), so two
-different blocks whose keys collide never share KV, whatever the hash. The
-walk stops at the first miss; matches are whole pages (a partly filled page
-is never shared through the index), and an empty match is a plain miss.
-
-Sharing: a page is reference-counted; every live sequence that holds it in
-its block table counts once. Registered pages are read-only. A sequence that
-must write into a page it shares (`fork` shares every page including the
-partly filled last one, as parallel sampling does) first calls
-`prepare_write`, which gives it a private copy of each shared page it will
-write into (copy-on-write; the caller copies the device contents with
-`copy_pages`).
-
-Eviction: a registered page nobody references stays cached (it counts as
-free: `num_free` includes it) on an LRU list; when the free list runs dry the
-least recently released cached page is reused. With an offload store
-(`kvattn.paging.offload.TieredStore`) its contents are first copied out (the reader
-callback) and the block stays in the index, now held by a slower tier; a hit
-on it takes a fresh page and copies the contents back (the writer callback).
-A block a tier drops, or whose disk copy fails its checksum, leaves the index:
-the prefix is recomputed, never served stale.
-
-Release order: `free` puts a sequence's cached pages on the LRU list last
-page first, so the tail of a prefix is evicted before its head (a head
-without its tail still hits; a tail without its head never can).
-
-Boundary states (`boundary_states=True`): layers whose KV does not live in the
-pages (the rings of sliding-window layers, `kvattn.inference.batching` with
-`local_layers="ring"`) need, to continue a prefix of m tokens, their own state at
-token m (a ring: the KV of tokens `[m - W, m)`). The caller attaches such a state to
-the block ending at m (`set_state`, after `register`; `needs_state` says whether it
-is wanted); a match then ends at the deepest matched block holding one (`match`,
-`allocate_prompt`; `state_of` hands it over), so a hit is exactly a block chain plus
-the state at its end. At most `max_states` states are kept (least recently used or
-attached dropped first: the block stays, it just no longer ends a match);
-`state_bytes` counts the bytes held. With offload a state leaves with its block: its
-bytes (`bind_device(state_codec=)`) follow the page's in the same tier payload, and come
-back with it on a hit.
 """
 
 from __future__ import annotations
@@ -104,17 +54,6 @@ Writer = Callable[[Sequence[int], Any], None]
 
 class PrefixCachingAllocator(PageAllocator):
   """A `PageAllocator` that caches full pages by their token prefix and shares them.
-
-  Example:
-    alloc = PrefixCachingAllocator(num_pages=64, page_size=16)
-    cached = alloc.allocate_prompt("a", prompt)  # tokens already in the cache
-    ...prefill prompt[cached:] into alloc.block_table_row("a")...
-    alloc.register("a", prompt)                  # its full pages become shareable
-    alloc.free("a", tokens=prompt + generated)   # pages stay cached until evicted
-
-  Invariants (`check`): every page is exactly one of free, referenced by live
-  sequences (count = number of block-table entries holding it), or cached
-  with no reference (on the LRU list and in the index).
   """
 
   def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int | None = None, *,

@@ -7,12 +7,6 @@ layer under one block table (PagedAttention, Kwon et al., SOSP 2023), a host `Pa
 and optionally the prefix cache with offload (`kvattn.paging.prefix`, `.offload`); every other
 kind (ring, sink, each eviction policy, the low-bit kinds, dense) gets fixed rows, one per
 slot. Greedy decoding gives each sequence the tokens `kvattn.generate` gives it alone.
-
-  batcher.py      the host scheduler (`add`, `step`, `cancel`, `run`).
-  programs.py     the jitted join / step / row programs (the caches' own row operations).
-  options.py      options checked, caches built through the registry and placed on a mesh.
-  snapshots.py    boundary states of cached prefixes (rings, residuals) and their bytes.
-  speculation.py  the speculative step (`PromptLookup`, `DraftModel`).
 """
 
 from kvattn.inference.batching.batcher import ContinuousBatcher

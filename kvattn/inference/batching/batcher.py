@@ -24,12 +24,6 @@ class ContinuousBatcher:
   """Fixed-slot continuous batching (Orca, OSDI 2022) of a `kvattn.Transformer` over caches
   of any registered kind: a pageable kind as page pools (PagedAttention, SOSP 2023; prefix
   cache and offload), any other as fixed rows per slot.
-
-  Example:
-    batcher = ContinuousBatcher(model, num_slots=4, num_pages=64, page_size=16,
-                                max_len=256, max_prompt_len=64)
-    results = batcher.run([("a", prompt_a, 32), ("b", prompt_b, 8), ...])
-    results["a"].tokens  # what generate(model, prompt_a[None], ...) gives alone (greedy)
   """
 
   def __init__(self, model: nnx.Module, *, num_slots: int, num_pages: int, page_size: int,
@@ -275,11 +269,6 @@ class ContinuousBatcher:
   def cancel(self, request_id: Hashable) -> Finished:
     """Retires a live sequence now, as `step` retires a finished one.
 
-    Its slot is free and its pages go back to the allocator; with the prefix
-    cache its full pages are registered first and stay cached (they hold the
-    KV of its prompt and of the tokens fed back so far, like a retirement's).
-    It runs the retirement's jitted program (no new trace).
-
     Args:
       request_id: the id of a live sequence (`active`).
 
@@ -300,10 +289,6 @@ class ContinuousBatcher:
   def run(self, requests: Iterable[tuple[Hashable, Sequence[int], int]]
           ) -> dict[Hashable, Finished]:
     """Serves `requests` (id, prompt, max_new_tokens) first-come first-served.
-
-    Before every step, waiting requests join while a slot and their prompt
-    pages are free (in order: a request that does not fit blocks those
-    behind it). Returns every request's `Finished` record.
 
     Raises:
       OutOfPagesError: a prompt needs more pages than the whole pool has.

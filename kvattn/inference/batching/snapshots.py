@@ -1,10 +1,4 @@
 """Boundary states of a prefix cache: what a cached prefix of m tokens needs besides its pages.
-
-A layer that keeps tokens outside the pages declares `boundary_layout(count)`,
-`boundary_state(slot, end, count)` and `with_boundary_state(slot, state, end, count)`
-(`RingKVCache`: the last W tokens of a local layer; `PagedKIVICache`: its full-precision
-residual). A snapshot is a tuple with one state per such layer; `encode` / `decode` turn it
-into its `nbytes` raw bytes and back, bit-exact, for the offload tiers.
 """
 
 from __future__ import annotations
