@@ -193,23 +193,15 @@ class ContinuousBatcher:
       mark = allocator.match(prompt[:(n - 1) // self.page_size * self.page_size],
                              with_state=False)
       if mark > start:
-        self.caches, _, _ = self._prefill(slot, row, prompt[start:mark], start, snapshot)
-        snapshot = self._snapshots.take(self.caches, slot, mark)
-        allocator.register(request_id, prompt[:mark])
-        allocator.set_state(request_id, mark, snapshot, self._snapshots.nbytes)
-        self.prefill_tokens += mark - start
-        start = mark
+        start, snapshot = self._prefill_to(mark, slot, row, request_id, prompt, start,
+                                           snapshot)
       end = n // self.page_size * self.page_size
       if self._snapshots.exact_only and start < end < n:
         # A residual ring drops a group's full precision when it flushes, so it cannot be
         # snapshotted at the last page boundary after the fact: prefill up to it first
         # (the same page-by-page chunks, so the same state).
-        self.caches, _, _ = self._prefill(slot, row, prompt[start:end], start, snapshot)
-        snapshot = self._snapshots.take(self.caches, slot, end)
-        allocator.register(request_id, prompt[:end])
-        allocator.set_state(request_id, end, snapshot, self._snapshots.nbytes)
-        self.prefill_tokens += end - start
-        start = end
+        start, snapshot = self._prefill_to(end, slot, row, request_id, prompt, start,
+                                           snapshot)
     self.caches, first, self._rng = self._prefill(slot, row, prompt[start:], start, snapshot)
     self.prefill_tokens += n - start
     if self.prefix_cache:
@@ -353,6 +345,17 @@ class ContinuousBatcher:
     padded[:len(rest)] = rest
     return self._join(self._state, self.caches, np.int32(slot), row, padded,
                       np.int32(len(rest)), self._rng, np.int32(start), snapshot)
+
+  def _prefill_to(self, end: int, slot: int, row, request_id, prompt, start: int, snapshot):
+    """Prefills `prompt[start:end]`, registers `prompt[:end]` and its boundary snapshot.
+    Returns `(end, snapshot)`."""
+    allocator = self.allocators[self._shard(slot)]
+    self.caches, _, _ = self._prefill(slot, row, prompt[start:end], start, snapshot)
+    snapshot = self._snapshots.take(self.caches, slot, end)
+    allocator.register(request_id, prompt[:end])
+    allocator.set_state(request_id, end, snapshot, self._snapshots.nbytes)
+    self.prefill_tokens += end - start
+    return end, snapshot
 
   def _keep_snapshot(self, slot: int, request_id: Hashable, held: int) -> None:
     """With rings and the prefix cache: snapshots the slot's rings at the last page boundary
