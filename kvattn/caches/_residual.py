@@ -185,9 +185,7 @@ class ResidualStoreCache(capabilities.Rows):
     return self.lengths > self.max_len
 
   def slot_positions(self) -> jax.Array:
-    """`i32[B, S]`, the logical view: token s at slot s below `min(lengths, S)`, else -1.
-    (The store holds token s in its slot s; the ring holds the newest tokens at `t % Rb`,
-    `ring_tokens()` says which.)"""
+    """`i32[B, S]`, the logical view: token s at slot s below `min(lengths, S)`, else -1."""
     return _slots.slot_positions(self._stored(), self.max_len)
 
   def ring_tokens(self) -> jax.Array:

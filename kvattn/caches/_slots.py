@@ -64,9 +64,8 @@ class Slots:
     return self.batch * self.capacity
 
   def storage_arrays(self) -> tuple[jax.Array, ...]:
-    """The arrays whose size grows with the token slots (for `kvattn.memory`): the
-    values, and their scales when quantized; bookkeeping (`lengths`, `pos`) is not
-    storage."""
+    """The arrays whose size grows with the token slots (for `kvattn.memory`): the values, and
+    their scales when quantized; bookkeeping (`lengths`, `pos`) is not storage."""
     fields = self._VALUES + (self._SCALES if self.quantized else ())
     return tuple(getattr(self, f) for f in fields)
 

@@ -196,11 +196,9 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback, capabil
 
   def update_unchecked(self, k_new: jax.Array, v_new: jax.Array,
                        new_lengths: jax.Array) -> "KVCache":
-    """`update` for callers that checked its arguments (`k_new, v_new: [B, T, K, H]`
-    floating of this cache's sizes, `new_lengths: i32[B]` in [0, T]): kvattn's modules,
-    through `cache_protocol.update_attend`. The cache's own state is still checked
-    (eager `lengths` and overflow, `advance_lengths`). A subclass that writes
-    otherwise (the sharded cache) overrides this, and `update` reaches it too."""
+    """`update` for callers that checked its arguments (`k_new, v_new: [B, T, K, H]` floating
+    of this cache's sizes, `new_lengths: i32[B]` in [0, T]): kvattn's modules, through
+    `cache_protocol.update_attend`."""
     lengths = advance_lengths(self.lengths, new_lengths, self.max_len)  # raises first
     return self._write(k_new, v_new, new_lengths, lengths)
 

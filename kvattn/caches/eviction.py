@@ -326,9 +326,8 @@ class EvictingKVCache(BoundedCache):
 
   def update(self, k_new: jax.Array, v_new: jax.Array,
              new_lengths: jax.Array | None = None) -> "EvictingKVCache":
-    """Writes `k_new, v_new: [B, T, K, H]` (keys RoPE'd) for `t < new_lengths[b]`,
-    evicting by the policy with no query scores for the new tokens (`update_attend`
-    supplies them)."""
+    """Writes `k_new, v_new: [B, T, K, H]` (keys RoPE'd) for `t < new_lengths[b]`, evicting by
+    the policy with no query scores for the new tokens (`update_attend` supplies them)."""
     return self.update_unchecked(k_new, v_new,
                                  cache_lib.check_new_kv(self, k_new, v_new, new_lengths))
 

@@ -331,15 +331,13 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback, capabil
                         lengths=self.lengths.at[slot].set(jnp.asarray(length, jnp.int32)))
 
   def release_slot(self, slot) -> "PagedKVCache":
-    """Marks slot `slot` empty: its row becomes `NO_PAGE` and its length 0.
-    The pages' contents are left as they are (free pages may hold anything)."""
+    """Marks slot `slot` empty: its row becomes `NO_PAGE` and its length 0."""
     return self.assign_slot(slot, jnp.full((self.pages_per_seq,), NO_PAGE, jnp.int32), 0)
 
   # Views.
   def dense_kv(self) -> tuple[jax.Array, jax.Array]:
-    """`(k, v)`, each `[B, K, pages_per_seq * page_size, H]`, gathered through
-    the block table (unassigned pages read an arbitrary page; mask by
-    `min(lengths, assigned_slots)`)."""
+    """`(k, v)`, each `[B, K, pages_per_seq * page_size, H]`, gathered through the block table
+    (unassigned pages read an arbitrary page; mask by `min(lengths, assigned_slots)`)."""
     return (paged_ops.gather_pages(self.k_pages, self.block_tables),
             paged_ops.gather_pages(self.v_pages, self.block_tables))
 

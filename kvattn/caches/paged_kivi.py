@@ -205,8 +205,7 @@ class PagedKIVICache(capabilities.Pages, kivi.KIVICache):
 
   def slot_view(self, slot) -> "PagedKIVICache":
     """A batch-1 cache of row `slot` (traced or int) over the shared pools: its block-table
-    row, length and ring. Writes through the view land in the row's pages; `with_slot_view`
-    puts the view back."""
+    row, length and ring."""
     row = lambda x: jax.lax.dynamic_index_in_dim(x, slot, 0, keepdims=True)
     return self.replace(block_tables=row(self.block_tables), lengths=row(self.lengths),
                         k_res=row(self.k_res), v_res=row(self.v_res))

@@ -37,11 +37,9 @@ class Cache(Protocol):
     when quantized); bookkeeping such as `lengths` is not storage."""
 
   def slot_positions(self) -> jax.Array:
-    """`i32[B, capacity]`: the token index held by slot s of sequence b (its
-    s-th slot in storage order; through the block table for a paged cache),
-    or -1 where the slot holds no token. Dense and paged caches hold token s
-    in slot s (`arange` below `lengths`); kinds that reorder, evict or wrap
-    tokens report what each slot really holds."""
+    """`i32[B, capacity]`: the token index held by slot s of sequence b (its s-th slot in
+    storage order; through the block table for a paged cache), or -1 where the slot holds no
+    token."""
 
 
 @runtime_checkable
@@ -64,13 +62,8 @@ class GQACache(Cache, Protocol):
   def attend(self, q: jax.Array, *, q_offsets: jax.Array, sm_scale: float | None = None,
              window: int | None = None, soft_cap: float | None = None,
              implementation: str | None = None) -> jax.Array:
-    """Causal attention of `q: [B, T, N, H]` (RoPE'd) against this cache,
-    called after `update` wrote the same T tokens. Query t of sequence b is
-    the token at `q_offsets[b] + t` (`q_offsets` = `lengths` before the
-    update) and attends tokens `[0, q_offsets[b] + t]` (the last `window`).
-    T == 1 goes through the layout's decode dispatch point with
-    `implementation`; T > 1 through `kvattn.ops.attention`. Returns
-    `[B, T, N, H]` in q's dtype."""
+    """Causal attention of `q: [B, T, N, H]` (RoPE'd) against this cache, called after `update`
+    wrote the same T tokens."""
 
 
 def update_attend(cache: GQACache, q: jax.Array, k: jax.Array, v: jax.Array, *,
@@ -90,8 +83,7 @@ def update_attend(cache: GQACache, q: jax.Array, k: jax.Array, v: jax.Array, *,
 
 
 def write(cache: "Cache", *new: jax.Array, new_lengths: jax.Array | None) -> "Cache":
-  """`cache.update(*new, new_lengths)` for a module that has checked the arguments.
-  """
+  """`cache.update(*new, new_lengths)` for a module that has checked the arguments."""
   update = getattr(cache, "update_unchecked", None) or cache.update
   return update(*new, _all_tokens(new[0], new_lengths))
 
@@ -129,19 +121,15 @@ class MLACache(Cache, Protocol):
   def attend(self, q_latent: jax.Array, q_rope: jax.Array, *, q_offsets: jax.Array,
              sm_scale: float, window: int | None = None,
              implementation: str | None = None) -> jax.Array:
-    """Absorbed MLA attention (DeepSeek-V2 appendix C) of `q_latent: [B, T,
-    N, C]` and `q_rope: [B, T, N, R]` against the latents, after `update`;
-    positions as in `GQACache.attend`. T == 1 goes through
-    `kvattn.ops.mla_decode_attention` (with `implementation`), T > 1 through
-    `kvattn.ops.mla_attention`. Returns `[B, T, N, C]`."""
+    """Absorbed MLA attention (DeepSeek-V2 appendix C) of `q_latent: [B, T, N, C]` and `q_rope:
+    [B, T, N, R]` against the latents, after `update`; positions as in `GQACache.attend`."""
 
   def attend_expanded(self, q: jax.Array, expand: Expand, *, dtype: Any,
                       q_offsets: jax.Array, sm_scale: float,
                       window: int | None = None) -> jax.Array:
-    """Attention of `q: [B, T, N, Hk]` against the per-head keys and values
-    `expand` makes from the latents read in `dtype` (dequantized when the
-    cache is quantized), through `kvattn.ops.attention`; positions as in
-    `attend`. Returns `[B, T, N, Hv]`."""
+    """Attention of `q: [B, T, N, Hk]` against the per-head keys and values `expand` makes from
+    the latents read in `dtype` (dequantized when the cache is quantized), through
+    `kvattn.ops.attention`; positions as in `attend`."""
 
 
 def type_error(module: str, protocol: type, kinds: str, cache: Any) -> TypeError:

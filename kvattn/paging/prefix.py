@@ -203,10 +203,8 @@ class PrefixCachingAllocator(PageAllocator):
     return dict(collections.Counter(b.tier for b in self._index.values()))
 
   def match(self, tokens: Sequence[int], *, with_state: bool = True) -> int:
-    """Tokens of `tokens` served by cached blocks (any tier): a multiple of
-    `page_size`, 0 on a miss. Changes nothing. With boundary states the match ends at
-    the deepest block holding one, unless `with_state=False` (the whole chain of cached
-    blocks: where a state would be worth taking)."""
+    """Tokens of `tokens` served by cached blocks (any tier): a multiple of `page_size`, 0 on a
+    miss."""
     blocks = self._walk(np.asarray(tokens, np.int64).reshape(-1), None)
     return len(self._trim(blocks) if with_state else blocks) * self.page_size
 

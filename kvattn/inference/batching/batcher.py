@@ -99,11 +99,7 @@ class ContinuousBatcher:
 
   @property
   def allocator(self) -> PageAllocator:
-    """The page allocator of the whole pool (one data shard; else see `allocators`).
-
-    Raises:
-      AttributeError: the pool is split over a `data` axis of size > 1.
-    """
+    """The page allocator of the whole pool (one data shard; else see `allocators`)."""
     if len(self.allocators) > 1:
       raise AttributeError(
           f"the pool is split over mesh axis 'data' into {len(self.allocators)} shards: use "
