@@ -62,8 +62,7 @@ def make_mesh(shape: Sequence[int], *, devices: Sequence[Any] | None = None) -> 
 
   Args:
     shape: three positive ints, the sizes of `MESH_AXES`.
-    devices: the devices to use (default `jax.devices()`, every host's under
-      `jax.distributed`).
+    devices: the devices to use (default `jax.devices()`, every host's under `jax.distributed`).
 
   Raises:
     ValueError: not three positive ints, or more devices asked than exist.
@@ -95,8 +94,7 @@ def mesh_config():
 
 
 def mesh_from_config(cfg: Mapping[str, Any] | None) -> tuple[Mesh | None, dict[str, Any]]:
-  """`(mesh or None, rules)` from a config's `mesh` section (None or shape None: one
-  device).
+  """`(mesh or None, rules)` from a config's `mesh` section (None or shape None: one device).
 
   Raises:
     ValueError: a bad shape or rule, naming `mesh.shape` / `mesh.rules`.

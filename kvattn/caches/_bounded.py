@@ -151,11 +151,10 @@ class WrappingCache(BoundedCache):
   one-token steps attend (`kvattn.caches.transaction`)."""
 
   def draft_journal(self, new_lengths: jax.Array, num_tokens: int) -> dict[str, Any]:
-    """The undo log of a draft of `num_tokens` tokens (`kvattn.caches.transaction`): the
-    slots it writes (`i32[B, T]`, the capacity where none) and their old contents (keys,
-    values, scales `[B, T, K, ...]`, `pos` `[B, T]`), and `lengths`. At most
-    `min(T, capacity)` distinct slots per row: the chunk's write keeps only its last
-    `capacity` tokens."""
+    """The undo log of a draft of `num_tokens` tokens (`kvattn.caches.transaction`): the slots it
+    writes (`i32[B, T]`, the capacity where none) and their old contents (keys, values, scales `[B,
+    T, K, ...]`, `pos` `[B, T]`), and `lengths`. At most `min(T, capacity)` distinct slots per row:
+    the chunk's write keeps only its last `capacity` tokens."""
     slots = self._slots(new_lengths, num_tokens)
     rows = jnp.broadcast_to(jnp.arange(self.batch, dtype=jnp.int32)[:, None], slots.shape)
     safe = jnp.minimum(slots, self.capacity - 1)

@@ -304,13 +304,11 @@ class ResidualStoreCache(capabilities.Rows):
   # ---------------------------------------------------------------------------- writing
   def update(self, k_new: jax.Array, v_new: jax.Array,
              new_lengths: jax.Array | None = None) -> "ResidualStoreCache":
-    """Writes `k_new, v_new: [B, T, K, H]` (keys RoPE'd; before RoPE in pre-RoPE mode) for
-    tokens `t < new_lengths[b]`: complete groups beyond the residual into the store, the
-    rest into the ring.
+    """Writes `k_new, v_new: [B, T, K, H]` (keys RoPE'd; before RoPE in pre-RoPE mode) for tokens `t
+    < new_lengths[b]`: complete groups beyond the residual into the store, the rest into the ring.
 
     Raises:
-      ValueError, TypeError: as `KVCache.update` (shapes, dtypes, `new_lengths`, an eager
-        overflow).
+      ValueError, TypeError: as `KVCache.update` (shapes, dtypes, `new_lengths`, an eager overflow).
     """
     return self.update_unchecked(k_new, v_new,
                                  dense_lib.check_new_kv(self, k_new, v_new, new_lengths))

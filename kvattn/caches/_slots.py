@@ -70,10 +70,9 @@ class Slots:
     return tuple(getattr(self, f) for f in fields)
 
   def written(self, new: tuple[jax.Array, ...], write) -> dict[str, jax.Array]:
-    """The `_VALUES` fields (and their `_SCALES` when quantized) after a write, for
-    `self.replace`: `new[i]` (the tokens for value i, in its layout minus the slots) is
-    encoded in the cache dtype (`encode`) and `write(buffer, tokens)` scatters values and
-    scales into their buffers."""
+    """The `_VALUES` fields (and their `_SCALES` when quantized) after a write, for `self.replace`:
+    `new[i]` (the tokens for value i, in its layout minus the slots) is encoded in the cache dtype
+    (`encode`) and `write(buffer, tokens)` scatters values and scales into their buffers."""
     out = {}
     for field, scale_field, tokens in zip(self._VALUES, self._SCALES, new):
       values, scales = encode(tokens, self.dtype)

@@ -85,11 +85,10 @@ def check_allocator_state(state: Any) -> None:
   """Checks a saved `allocator_state` before anything is built from it.
 
   Raises:
-    ValueError: naming the key: sizes that are not positive ints, a page outside
-      the pool, a page twice on the free list or in one sequence, a page both
-      free and held, a page held by two sequences of a plain `PageAllocator`
-      (only a `PrefixCachingAllocator` shares), pages that do not match a
-      sequence's token count, or pages neither free nor held (lost).
+    ValueError: naming the key: sizes that are not positive ints, a page outside the pool, a page
+      twice on the free list or in one sequence, a page both free and held, a page held by two
+      sequences of a plain `PageAllocator` (only a `PrefixCachingAllocator` shares), pages that do
+      not match a sequence's token count, or pages neither free nor held (lost).
   """
   if not isinstance(state, dict) or not {"kind", "num_pages", "page_size", "max_pages_per_seq",
                                          "free", "live"} <= set(state):
@@ -138,10 +137,9 @@ def check_allocator_state(state: Any) -> None:
 
 
 def allocator_from_state(state: dict[str, Any]) -> PageAllocator:
-  """The allocator `allocator_state` described (same kind, free-list order,
-  pages and token counts; a `PrefixCachingAllocator` with its refcounts and
-  an empty prefix index), checked first (`check_allocator_state`) and then
-  with its `check`.
+  """The allocator `allocator_state` described (same kind, free-list order, pages and token counts;
+  a `PrefixCachingAllocator` with its refcounts and an empty prefix index), checked first
+  (`check_allocator_state`) and then with its `check`.
 
   Raises:
     ValueError: a state that breaks the allocator's invariants, naming the key.
@@ -172,14 +170,13 @@ def save_caches(path: str | os.PathLike, caches: Any, *, allocator: PageAllocato
     path: directory to create; must not exist yet.
     caches: a cache pytree or a tuple/list of them (a model's per-layer caches).
     allocator: the `PageAllocator` of a paged pool, saved with its state.
-    tokens: token ids the caches hold, per batch row (list of lists) or per
-      sequence id (dict), for `resume` / `reusable_length`.
+    tokens: token ids the caches hold, per batch row (list of lists) or per sequence id (dict), for
+      `resume` / `reusable_length`.
     extra: more JSON-serialisable metadata.
 
   Raises:
     ValueError: `path` exists.
-    TypeError: metadata that is not JSON-serialisable (nothing restorable is
-      left at `path`).
+    TypeError: metadata that is not JSON-serialisable (nothing restorable is left at `path`).
   """
   ocp = _ocp()
   path = os.path.abspath(os.fspath(path))
@@ -259,8 +256,8 @@ def restore_caches(path: str | os.PathLike, like: Any
 
   Args:
     path: the checkpoint directory.
-    like: caches of the saved kinds, shapes and dtypes (contents ignored),
-      one or a tuple/list as saved; restored arrays go to `like`'s devices.
+    like: caches of the saved kinds, shapes and dtypes (contents ignored), one or a tuple/list as
+      saved; restored arrays go to `like`'s devices.
 
   Returns:
     `(caches, allocator or None, tokens or None)`: caches in `like`'s form
@@ -268,12 +265,11 @@ def restore_caches(path: str | os.PathLike, like: Any
     ids (list of rows, or dict by sequence id).
 
   Raises:
-    ValueError: an incomplete checkpoint (interrupted save), one whose cache
-      kinds, leaves, shapes or dtypes differ from `like` (the message names
-      the first difference), or one whose values break a cache's, the
-      allocator's or the tokens' invariants (`check_values`,
-      `check_allocator_state`; the message names the layer and leaf). Nothing
-      of such a checkpoint is returned.
+    ValueError: an incomplete checkpoint (interrupted save), one whose cache kinds, leaves, shapes
+      or dtypes differ from `like` (the message names the first difference), or one whose values
+      break a cache's, the allocator's or the tokens' invariants (`check_values`,
+      `check_allocator_state`; the message names the layer and leaf). Nothing of such a checkpoint
+      is returned.
   """
   ocp = _ocp()
   path = os.path.abspath(os.fspath(path))

@@ -63,9 +63,8 @@ def resolve_new_lengths(new_lengths, batch: int, num_tokens: int) -> jax.Array:
 
 
 def check_new_kv(cache: Any, k_new: Any, v_new: Any, new_lengths: Any) -> jax.Array:
-  """The arguments of a GQA cache's `update`: `k_new, v_new: [B, T, K, H]` floating, with
-  the cache's B, K, H, and `new_lengths` (`resolve_new_lengths`); returns `new_lengths`
-  as `i32[B]`.
+  """The arguments of a GQA cache's `update`: `k_new, v_new: [B, T, K, H]` floating, with the
+  cache's B, K, H, and `new_lengths` (`resolve_new_lengths`); returns `new_lengths` as `i32[B]`.
 
   Raises:
     ValueError, TypeError: naming the argument.
@@ -131,13 +130,12 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback, capabil
   """Dense KV cache of one attention layer (MHA, GQA or MQA).
 
   Attributes:
-    k: `[B, K, S, H]` keys, head-major (each (b, k) sequence is contiguous),
-      RoPE already applied.
+    k: `[B, K, S, H]` keys, head-major (each (b, k) sequence is contiguous), RoPE already applied.
     v: `[B, K, S, H]` values.
-    lengths: `i32[B]` valid tokens per sequence; may exceed S only after an
-      overflow under jit (see `overflowed`).
-    k_scale: `f32[B, K, S]` per-token per-head key scales when `k` is int8 or
-      fp8 (key `k[b, h, s] * k_scale[b, h, s]`), else None.
+    lengths: `i32[B]` valid tokens per sequence; may exceed S only after an overflow under jit (see
+      `overflowed`).
+    k_scale: `f32[B, K, S]` per-token per-head key scales when `k` is int8 or fp8 (key `k[b, h, s] *
+      k_scale[b, h, s]`), else None.
     v_scale: `f32[B, K, S]` value scales likewise, else None.
   """
 
@@ -177,9 +175,8 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback, capabil
     """Writes T new tokens per sequence at each sequence's own offset.
 
     Args:
-      k_new: `[B, T, K, H]` keys (RoPE applied), any float dtype (cast to the
-        cache dtype; quantized with one scale per token and head for an
-        int8/fp8 cache).
+      k_new: `[B, T, K, H]` keys (RoPE applied), any float dtype (cast to the cache dtype; quantized
+        with one scale per token and head for an int8/fp8 cache).
       v_new: `[B, T, K, H]` values.
       new_lengths: `i32[B]` real tokens per sequence among the T (default T).
 
@@ -187,9 +184,9 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback, capabil
       The updated cache; `lengths` grows by `new_lengths`.
 
     Raises:
-      ValueError: wrong shapes, `new_lengths` outside [0, T], or (when lengths
-        are concrete) cache `lengths` outside [0, max_len] or a write past
-        `max_len`. Under jit: see the module doc (dropped tokens, `overflowed`).
+      ValueError: wrong shapes, `new_lengths` outside [0, T], or (when lengths are concrete) cache
+        `lengths` outside [0, max_len] or a write past `max_len`. Under jit: see the module doc
+        (dropped tokens, `overflowed`).
       TypeError: non-floating `k_new` / `v_new`.
     """
     return self.update_unchecked(k_new, v_new, check_new_kv(self, k_new, v_new, new_lengths))

@@ -1,11 +1,10 @@
 """Score-based eviction: a fixed budget of slots per sequence and KV head.
 
-`EvictingKVCache` keeps, per sequence and KV head, `budget` tokens chosen by an
-eviction policy; keys keep the RoPE of their original position (as in H2O and
-SnapKV). A policy is one entry of `POLICY_TABLE`, an `EvictionPolicy`: its
-score function (higher is kept), which queries' attention feeds it, and its
-options (kvpress's `ScorerPress.score` is the model: the cache does the top-k,
-the gather and the protected windows once). Policies:
+`EvictingKVCache` keeps, per sequence and KV head, `budget` tokens chosen by an eviction policy;
+keys keep the RoPE of their original position (as in H2O and SnapKV). A policy is one entry of
+`POLICY_TABLE`, an `EvictionPolicy`: its score function (higher is kept), which queries' attention
+feeds it, and its options (kvpress's `ScorerPress.score` is the model: the cache does the top-k, the
+gather and the protected windows once). Policies:
   - "h2o" (Zhang et al. 2023, arXiv 2306.14048): attention mass accumulated per
     slot over every query since the token arrived; keep the heavy hitters plus
     the `recent_size` most recent tokens;
@@ -17,10 +16,9 @@ the gather and the protected windows once). Policies:
     attends most;
   - baselines "recent", "random", "knorm" (keep the smallest key L2 norms,
     kvpress's KnormPress).
-Scores of a KV head are the sum over its G query heads (the cache is never
-expanded to N heads). Every policy may protect `num_sinks` first tokens.
-Candidates are the kept slots plus the new chunk: each chunk attends all of
-them (exact for that chunk), then the budget is chosen among them, so no
+Scores of a KV head are the sum over its G query heads (the cache is never expanded to N heads).
+Every policy may protect `num_sinks` first tokens. Candidates are the kept slots plus the new chunk:
+each chunk attends all of them (exact for that chunk), then the budget is chosen among them, so no
 `[S, S]` matrix is built.
 """
 
@@ -182,9 +180,8 @@ class EvictingKVCache(BoundedCache):
     k: `[B, K, budget, H]` keys, RoPE'd at their original positions.
     v: `[B, K, budget, H]` values.
     pos: `i32[B, K, budget]` original token index per slot, -1 for none.
-    scores: `f32[B, K, budget]` the policy's score of each kept slot
-      (accumulated attention mass for h2o / snapkv, the newest query's mass
-      for tova).
+    scores: `f32[B, K, budget]` the policy's score of each kept slot (accumulated attention mass for
+      h2o / snapkv, the newest query's mass for tova).
     lengths: `i32[B]` tokens written per sequence (grows past the budget).
     k_scale, v_scale: `f32[B, K, budget]` scales of an int8/fp8 cache, else None.
     policy: static policy name.

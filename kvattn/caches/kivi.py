@@ -41,9 +41,8 @@ def value_group(group_size: int, head_dim: int) -> int:
 def analytic_bytes_per_token(*, max_len: int, num_kv_heads: int, head_dim: int, bits: int,
                              group_size: int, residual: int, dtype: Any,
                              scale_dtype: Any = "float16") -> float:
-  """Bytes per token slot of one layer's KIVI cache of capacity `max_len` (module doc):
-  packed codes, scales and zero points of the store plus the residual ring, divided by
-  `max_len`."""
+  """Bytes per token slot of one layer's KIVI cache of capacity `max_len` (module doc): packed
+  codes, scales and zero points of the store plus the residual ring, divided by `max_len`."""
   h, s = head_dim, jnp.dtype(scale_dtype).itemsize
   sq, rb = store_slots(max_len, residual, group_size), ring_slots(max_len, residual, group_size)
   per_store_slot = 2 * h * bits / 8 + 2 * h * s / group_size + 2 * (h // value_group(
@@ -149,9 +148,8 @@ class KIVICache(_residual.ResidualStoreCache):
         scale_dtype=self.k_scale.dtype)
 
   def read_block(self, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-    """Store slots `[offset, offset + size)` dequantized: f32 `(k, v)` `[B, K, size, H]`
-    (keys as stored). `offset` and `size` must be multiples
-    of `group_size`."""
+    """Store slots `[offset, offset + size)` dequantized: f32 `(k, v)` `[B, K, size, H]` (keys as
+    stored). `offset` and `size` must be multiples of `group_size`."""
     g = self.group_size
     sl = lambda x, o, n: jax.lax.dynamic_slice_in_dim(x, o, n, axis=2)
     return self._dequantize(sl(self.k_codes, offset, size), sl(self.k_scale, offset // g, size // g),

@@ -1,13 +1,11 @@
 """A cache that switches a sequence from K KV heads to fewer pooled heads past a length.
 
-The "hybrid attention" of this project's source material: short sequences attend
-with all K KV heads, long ones with `num_kv_heads_after` = K' heads, each the
-mean of a group of K / K' heads -- the GQA paper's conversion (Ainslie et al.
-2023, arXiv 2305.13245, §2.1, `kvattn.models.convert.regroup_kv_heads`) applied to
-the cache at run time. Query head n reads KV head n // G before the switch and
-pooled head n // G' after it (G = N / K, G' = N / K'; contiguous groups, so
-pooled head j merges heads `[j f, (j + 1) f)`, f = K / K', and the query
-groups line up).
+The "hybrid attention" of this project's source material: short sequences attend with all K KV
+heads, long ones with `num_kv_heads_after` = K' heads, each the mean of a group of K / K' heads --
+the GQA paper's conversion (Ainslie et al. 2023, arXiv 2305.13245, §2.1,
+`kvattn.models.convert.regroup_kv_heads`) applied to the cache at run time. Query head n reads KV
+head n // G before the switch and pooled head n // G' after it (G = N / K, G' = N / K'; contiguous
+groups, so pooled head j merges heads `[j f, (j + 1) f)`, f = K / K', and the query groups line up).
 """
 
 from __future__ import annotations
@@ -71,16 +69,15 @@ class LengthSwitchKVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollb
   """K KV heads for the first `switch_length` tokens of a sequence, K' pooled heads after.
 
   Attributes:
-    k: `[B, K, switch_length, H]` the full segment's keys (RoPE'd), token t in
-      slot t for t < switch_length.
+    k: `[B, K, switch_length, H]` the full segment's keys (RoPE'd), token t in slot t for t <
+      switch_length.
     v: `[B, K, switch_length, H]` its values.
-    k_pooled: `[B, K', S, H]` every token's pooled key (mean of its group's
-      RoPE'd keys), token t in slot t.
+    k_pooled: `[B, K', S, H]` every token's pooled key (mean of its group's RoPE'd keys), token t in
+      slot t.
     v_pooled: `[B, K', S, H]` pooled values.
-    lengths: `i32[B]` tokens written per sequence (> `switch_length`: the
-      sequence has switched); exceeds S only after an overflow under jit.
-    k_scale, v_scale: `f32[B, K, switch_length]` scales of an int8/fp8 cache,
-      else None.
+    lengths: `i32[B]` tokens written per sequence (> `switch_length`: the sequence has switched);
+      exceeds S only after an overflow under jit.
+    k_scale, v_scale: `f32[B, K, switch_length]` scales of an int8/fp8 cache, else None.
     k_pooled_scale, v_pooled_scale: `f32[B, K', S]` likewise.
   """
 
@@ -105,17 +102,16 @@ class LengthSwitchKVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollb
       max_len: tokens one sequence can hold (S, the pooled segment's slots).
       num_kv_heads: K, the layer's KV heads (the full segment's).
       head_dim: H.
-      dtype: storage dtype: floating, or int8 / float8_e4m3fn / float8_e5m2
-        (values plus f32 scales).
-      switch_length: tokens a sequence holds with all K heads; its token
-        `switch_length` and later ones read the pooled heads. A positive int;
-        from `max_len` on the sequences never switch (the full segment has
-        `min(switch_length, max_len)` slots).
+      dtype: storage dtype: floating, or int8 / float8_e4m3fn / float8_e5m2 (values plus f32
+        scales).
+      switch_length: tokens a sequence holds with all K heads; its token `switch_length` and later
+        ones read the pooled heads. A positive int; from `max_len` on the sequences never switch
+        (the full segment has `min(switch_length, max_len)` slots).
       num_kv_heads_after: K' pooled heads; must divide K.
 
     Raises:
-      ValueError: a size (switch_length included) that is not a positive int;
-        `num_kv_heads_after` not dividing `num_kv_heads`.
+      ValueError: a size (switch_length included) that is not a positive int; `num_kv_heads_after`
+        not dividing `num_kv_heads`.
       TypeError: a dtype that is neither floating nor a quantized format.
     """
     batch = _checks.positive_int("batch", batch)
@@ -242,11 +238,10 @@ class LengthSwitchKVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollb
   def attend(self, q: jax.Array, *, q_offsets: jax.Array, sm_scale: float | None = None,
              window: int | None = None, soft_cap: float | None = None,
              implementation: str | None = None) -> jax.Array:
-    """`GQACache.attend`: queries `q: [B, T, N, H]` (RoPE'd) at tokens
-    `q_offsets[b] + t`, after `update` wrote them; a query below `switch_length`
-    reads the K full heads, a later one the K' pooled heads (through the dense
-    dispatch points, `ops.decode_attention` for T == 1 with `implementation`).
-    Returns `[B, T, N, H]` in q's dtype.
+    """`GQACache.attend`: queries `q: [B, T, N, H]` (RoPE'd) at tokens `q_offsets[b] + t`, after
+    `update` wrote them; a query below `switch_length` reads the K full heads, a later one the K'
+    pooled heads (through the dense dispatch points, `ops.decode_attention` for T == 1 with
+    `implementation`). Returns `[B, T, N, H]` in q's dtype.
     """
     _checks.rank("q", q, 4, "[B, T, N, H]")
     _checks.head_layout(q.shape[2], self.num_kv_heads)

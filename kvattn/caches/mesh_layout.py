@@ -122,11 +122,10 @@ def cache_layout(mesh: Mesh, rules: Mapping[str, Any] | None, *, kind: str, batc
   """The layout of one layer's cache of `kind` ("dense", "paged" or "latent") on `mesh`.
 
   Raises:
-    ValueError: a mesh axis that does not divide the dimension it splits (batch B,
-      slots S, page pool P), naming the axis; K and the heads axis where neither
-      divides the other; `num_heads` missing where needed (naming the axis, K and
-      the splits N may take) or not a multiple of `num_kv_heads`; a multi-axis rule
-      for the batch, slots or KV heads.
+    ValueError: a mesh axis that does not divide the dimension it splits (batch B, slots S, page
+      pool P), naming the axis; K and the heads axis where neither divides the other; `num_heads`
+      missing where needed (naming the axis, K and the splits N may take) or not a multiple of
+      `num_kv_heads`; a multi-axis rule for the batch, slots or KV heads.
   """
   rules = resolve_rules(rules)
   batch_axis = _single_axis(rules, "cache_batch", mesh)

@@ -1,10 +1,9 @@
 """Paged KV cache of one layer (PagedAttention).
 
-Kwon et al., "Efficient Memory Management for Large Language Model Serving
-with PagedAttention" (SOSP 2023): a contiguous per-request cache must reserve
-the maximum length for every request, and the paper measures 60-80% of such
-KV memory unused; storing the cache in fixed-size pages handed out on demand
-bounds the waste to less than one page per sequence (< 4% in their traces).
+Kwon et al., "Efficient Memory Management for Large Language Model Serving with PagedAttention"
+(SOSP 2023): a contiguous per-request cache must reserve the maximum length for every request, and
+the paper measures 60-80% of such KV memory unused; storing the cache in fixed-size pages handed out
+on demand bounds the waste to less than one page per sequence (< 4% in their traces).
 """
 
 from __future__ import annotations
@@ -59,18 +58,16 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback, capabil
   """Paged KV cache of one attention layer (MHA, GQA or MQA).
 
   Attributes:
-    k_pages: `[K, P, page_size, H]` key page pool (RoPE applied), shared by
-      all sequences of the batch.
+    k_pages: `[K, P, page_size, H]` key page pool (RoPE applied), shared by all sequences of the
+      batch.
     v_pages: `[K, P, page_size, H]` value page pool.
-    block_tables: `i32[B, pages_per_seq]`: slot s of sequence b is slot
-      `s % page_size` of page `block_tables[b, s // page_size]`; entries
-      outside `[0, P)` (`NO_PAGE`) are unassigned.
-    lengths: `i32[B]` tokens written per sequence; exceeds what the row's
-      assigned pages hold (`assigned_slots`) only after an overflow under jit
-      (see `overflowed`).
-    k_scale_pages: `f32[K, P, page_size]` per-slot key scales when the pools
-      are int8/fp8 (`kvattn.ops.quant`; slot s of a page holds `k_pages[...,
-      s, :] * k_scale_pages[..., s]`), written with the values; else None.
+    block_tables: `i32[B, pages_per_seq]`: slot s of sequence b is slot `s % page_size` of page
+      `block_tables[b, s // page_size]`; entries outside `[0, P)` (`NO_PAGE`) are unassigned.
+    lengths: `i32[B]` tokens written per sequence; exceeds what the row's assigned pages hold
+      (`assigned_slots`) only after an overflow under jit (see `overflowed`).
+    k_scale_pages: `f32[K, P, page_size]` per-slot key scales when the pools are int8/fp8
+      (`kvattn.ops.quant`; slot s of a page holds `k_pages[..., s, :] * k_scale_pages[..., s]`),
+      written with the values; else None.
     v_scale_pages: `f32[K, P, page_size]` value scales likewise, else None.
   """
 
@@ -91,17 +88,16 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback, capabil
       batch: sequences (slots) B.
       num_pages: pages P in the pool.
       page_size: tokens per page.
-      pages_per_seq: block-table width; the per-sequence capacity is
-        `pages_per_seq * page_size` tokens.
+      pages_per_seq: block-table width; the per-sequence capacity is `pages_per_seq * page_size`
+        tokens.
       num_kv_heads, head_dim: K and H.
-      dtype: storage dtype: floating, or int8 / float8_e4m3fn / float8_e5m2
-        (quantized on write, with `f32[K, P, page_size]` scale pools).
-      block_tables: optional `int[B, pages_per_seq]` initial table (default
-        all `NO_PAGE`; fill rows with `assign_slot` from a `PageAllocator`).
+      dtype: storage dtype: floating, or int8 / float8_e4m3fn / float8_e5m2 (quantized on write,
+        with `f32[K, P, page_size]` scale pools).
+      block_tables: optional `int[B, pages_per_seq]` initial table (default all `NO_PAGE`; fill rows
+        with `assign_slot` from a `PageAllocator`).
 
     Raises:
-      ValueError: a size that is not a positive int, or a block table of the
-        wrong shape.
+      ValueError: a size that is not a positive int, or a block table of the wrong shape.
       TypeError: a non-floating dtype or non-integer block table.
     """
     batch = _checks.positive_int("batch", batch)
@@ -189,11 +185,10 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback, capabil
     return cache_lib.slot_positions(self.readable_lengths, self.max_len)
 
   def check_state(self, name: str = "cache") -> None:
-    """Eager check of the bookkeeping (`kvattn.caches.checkpoint.restore_caches` runs it):
-    `lengths` in `[0, max_len]`, every block-table entry a page of the pool or `NO_PAGE`,
-    and every logical page a row's tokens occupy assigned. Whether rows may share pages
-    is the allocator's business (the checkpoint checks it against the saved one).
-    Traced: no check.
+    """Eager check of the bookkeeping (`kvattn.caches.checkpoint.restore_caches` runs it): `lengths`
+    in `[0, max_len]`, every block-table entry a page of the pool or `NO_PAGE`, and every logical
+    page a row's tokens occupy assigned. Whether rows may share pages is the allocator's business
+    (the checkpoint checks it against the saved one). Traced: no check.
 
     Raises:
       ValueError: naming the leaf and entry, e.g. "layer 0 block_tables[1, 0] = 7 ...".
@@ -216,8 +211,8 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback, capabil
     """Writes T new tokens per sequence through the block table.
 
     Args:
-      k_new: `[B, T, K, H]` keys (RoPE applied), cast to the cache dtype
-        (quantized, one scale per token and head, for int8/fp8 pools).
+      k_new: `[B, T, K, H]` keys (RoPE applied), cast to the cache dtype (quantized, one scale per
+        token and head, for int8/fp8 pools).
       v_new: `[B, T, K, H]` values.
       new_lengths: `i32[B]` real tokens per sequence among the T (default T).
 
@@ -225,10 +220,9 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback, capabil
       The updated cache.
 
     Raises:
-      ValueError: wrong shapes; `new_lengths` outside [0, T]; and, when the
-        lengths and block table are concrete (eager calls), a write past the
-        capacity or onto (or past) a logical page the block table does not
-        assign.
+      ValueError: wrong shapes; `new_lengths` outside [0, T]; and, when the lengths and block table
+        are concrete (eager calls), a write past the capacity or onto (or past) a logical page the
+        block table does not assign.
       TypeError: non-floating `k_new` / `v_new`.
     """
     return self.update_unchecked(k_new, v_new,
@@ -304,17 +298,16 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback, capabil
     """Gives slot `slot` the block-table row `pages` and length `length`.
 
     Args:
-      slot: slot index (Python int or traced int32 scalar, so a jitted caller
-        does not recompile per slot).
+      slot: slot index (Python int or traced int32 scalar, so a jitted caller does not recompile per
+        slot).
       pages: `int[pages_per_seq]` row (pad with `NO_PAGE`).
       length: tokens already in those pages (0 for a sequence about to prefill).
 
     Raises:
-      ValueError: a row of the wrong shape; and, when they are concrete (an
-        eager call), a `slot` outside `[0, B)`, a `length` outside `[0,
-        max_len]`, an entry of `pages` that is neither a page of the pool nor
-        `NO_PAGE`, or a logical page the `length` tokens occupy left unassigned.
-        Traced values are not checked (a jitted caller's rows come from its
+      ValueError: a row of the wrong shape; and, when they are concrete (an eager call), a `slot`
+        outside `[0, B)`, a `length` outside `[0, max_len]`, an entry of `pages` that is neither a
+        page of the pool nor `NO_PAGE`, or a logical page the `length` tokens occupy left
+        unassigned. Traced values are not checked (a jitted caller's rows come from its
         `PageAllocator`).
     """
     pages = jnp.asarray(pages, jnp.int32)

@@ -1,11 +1,10 @@
 """KIVI with its quantized store in pages (PagedAttention's layout for a 2/4-bit store).
 
-`PagedKIVICache` is `kivi.KIVICache` (Liu et al. 2024, arXiv 2402.02750: keys per channel
-over groups of `group_size` tokens, values per token, the newest `residual` tokens in the
-compute dtype) whose quantized store lives in a page pool shared by the batch, as
-`PagedKVCache`'s tokens do (Kwon et al. 2023, "PagedAttention"): a sequence holds pages for
-the tokens it has flushed, not for the capacity. Registry kinds `paged_kivi2`,
-`paged_kivi4` (KIVI's options plus `page_size` and `seed`).
+`PagedKIVICache` is `kivi.KIVICache` (Liu et al. 2024, arXiv 2402.02750: keys per channel over
+groups of `group_size` tokens, values per token, the newest `residual` tokens in the compute dtype)
+whose quantized store lives in a page pool shared by the batch, as `PagedKVCache`'s tokens do (Kwon
+et al. 2023, "PagedAttention"): a sequence holds pages for the tokens it has flushed, not for the
+capacity. Registry kinds `paged_kivi2`, `paged_kivi4` (KIVI's options plus `page_size` and `seed`).
 """
 
 from __future__ import annotations
@@ -250,9 +249,8 @@ class PagedKIVICache(capabilities.Pages, kivi.KIVICache):
     return jnp.take_along_axis(self.block_tables, logical, axis=1)
 
   def read_block(self, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-    """Store slots `[offset, offset + size)` gathered through the block table and
-    dequantized: f32 `(k, v)` `[B, K, size, H]`. `offset` and `size` multiples of
-    `group_size`."""
+    """Store slots `[offset, offset + size)` gathered through the block table and dequantized: f32
+    `(k, v)` `[B, K, size, H]`. `offset` and `size` multiples of `group_size`."""
     g, ps = self.group_size, self.page_size
     slots = offset + jnp.arange(size, dtype=jnp.int32)
     page = jnp.clip(self._pages(slots), 0, self.num_pages - 1)  # [B, size]
@@ -267,8 +265,7 @@ class PagedKIVICache(capabilities.Pages, kivi.KIVICache):
 
   def _put_store(self, buf, x, index, per):
     """Scatters `x: [B, K, n, ...]` to the pages of store slots (`per` "token") or key groups
-    ("group") `index: i32[B, n]`; the end index, and slots on unassigned pages, are
-    dropped."""
+    ("group") `index: i32[B, n]`; the end index, and slots on unassigned pages, are dropped."""
     g, ps = self.group_size, self.page_size
     slots = index if per == "token" else index * g
     page = self._pages(slots)

@@ -37,9 +37,8 @@ class Cache(Protocol):
     when quantized); bookkeeping such as `lengths` is not storage."""
 
   def slot_positions(self) -> jax.Array:
-    """`i32[B, capacity]`: the token index held by slot s of sequence b (its s-th slot in
-    storage order; through the block table for a paged cache), or -1 where the slot holds no
-    token."""
+    """`i32[B, capacity]`: the token index held by slot s of sequence b (its s-th slot in storage
+    order; through the block table for a paged cache), or -1 where the slot holds no token."""
 
 
 @runtime_checkable

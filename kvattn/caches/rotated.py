@@ -279,9 +279,8 @@ class RotatedCache(_residual.ResidualStoreCache):
                  for c, s in ((self.k_codes, self.k_scale), (self.v_codes, self.v_scale)))
 
   def _pallas_store(self, q, starts, lengths, *, explicit, sm_scale, soft_cap):
-    """The store read by `pallas_kernels.rotated_decode` (through `kvattn.ops.pallas`):
-    `(out f32[B, N, H], lse f32[B, N])` over slots `[starts, lengths)`, q and out in the
-    rotated space."""
+    """The store read by `pallas_kernels.rotated_decode` (through `kvattn.ops.pallas`): `(out f32[B,
+    N, H], lse f32[B, N])` over slots `[starts, lengths)`, q and out in the rotated space."""
     from kvattn.ops import pallas as pallas_ops  # pylint: disable=g-import-not-at-top
     return pallas_ops.rotated_store_decode(
         q, self.k_codes, self.k_scale, self.v_codes, self.v_scale, starts, lengths,

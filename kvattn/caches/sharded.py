@@ -469,13 +469,12 @@ def place_caches(caches: Sequence[Any], mesh: Mesh, rules: Mapping[str, Any] | N
 
 def lowbit_cache_factory(model, mesh: Mesh, cache: Any, *,
                          rules: Mapping[str, Any] | None = None):
-  """`(batch, max_len, dtype=None) -> caches` for `kvattn.generate(..., cache_factory=)`:
-  the registry's caches of spec `cache` (any kind) built on the default device, then
-  `place`d on `mesh`.
+  """`(batch, max_len, dtype=None) -> caches` for `kvattn.generate(..., cache_factory=)`: the
+  registry's caches of spec `cache` (any kind) built on the default device, then `place`d on `mesh`.
 
   Raises:
-    ValueError: an unknown kind or option (naming `cache.<key>`), or as `place` (at the
-      factory's call).
+    ValueError: an unknown kind or option (naming `cache.<key>`), or as `place` (at the factory's
+      call).
   """
   cache = {"kind": cache} if isinstance(cache, str) else cache
   build = registry.cache_factory_from_config(model, cache)

@@ -140,10 +140,9 @@ def begin(cache: Any) -> Draft:
 
 
 def commit(draft: Draft, keep: jax.Array) -> Any:
-  """The cache holding, of the T tokens written through `draft`, only the first `keep[b]`
-  of row b (`i32[B]`, in `[0, new_lengths[b]]` of the write): equal to the cache of a run
-  that wrote only those (module doc). A draft nothing was written through returns its
-  cache."""
+  """The cache holding, of the T tokens written through `draft`, only the first `keep[b]` of row b
+  (`i32[B]`, in `[0, new_lengths[b]]` of the write): equal to the cache of a run that wrote only
+  those (module doc). A draft nothing was written through returns its cache."""
   if not isinstance(draft, Draft):
     raise TypeError(f"draft must be a transaction.Draft (from begin); got "
                     f"{type(draft).__name__}")

@@ -127,8 +127,7 @@ class RingKVCache(WrappingCache):
     return jnp.where(keep, (self.lengths[:, None] + t) % self.window, self.window)
 
   def _attend(self, q, k, v, ks, vs, kv_pos, q_pos, lengths, *, sm_scale, window, soft_cap):
-    """RoPE'd queries at tokens `q_pos` against keys at tokens `kv_pos`, window
-    `min(W, window)`."""
+    """RoPE'd queries at tokens `q_pos` against keys at tokens `kv_pos`, window `min(W, window)`."""
     del lengths  # the ring's positions are the tokens' own
     out, _ = positional_attention(q, k, v, q_pos, kv_pos, sm_scale=sm_scale,
                                   window=min_window(window, self.window), soft_cap=soft_cap,
@@ -138,10 +137,9 @@ class RingKVCache(WrappingCache):
   def update_attend_unchecked(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
                               new_lengths, sm_scale=None, window=None, soft_cap=None,
                               implementation=None):
-    """`cache_protocol.update_attend` (checked arguments; `update_attend` checks them): RoPE
-    at `positions`, then the chunk attends the ring as it was plus its own tokens (exact
-    window-W attention for any T), and is written (keys RoPE'd). Returns `(out [B, T, N,
-    H], new cache)`."""
+    """`cache_protocol.update_attend` (checked arguments; `update_attend` checks them): RoPE at
+    `positions`, then the chunk attends the ring as it was plus its own tokens (exact window-W
+    attention for any T), and is written (keys RoPE'd). Returns `(out [B, T, N, H], new cache)`."""
     prelude(self, implementation)
     rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
     q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
@@ -188,9 +186,8 @@ class SinkKVCache(WrappingCache):
     lengths: `i32[B]` tokens written per sequence (grows past S).
     k_scale, v_scale: `f32[B, K, S]` scales of an int8/fp8 cache, else None.
     num_sinks: static, the sink tokens kept.
-    rope_theta, rope_scaling: static, the RoPE used at read (base and
-      `kvattn.ops.RopeScaling` or None); `update_attend` checks that the
-      module's are the same.
+    rope_theta, rope_scaling: static, the RoPE used at read (base and `kvattn.ops.RopeScaling` or
+      None); `update_attend` checks that the module's are the same.
   """
 
   k: jax.Array
@@ -297,10 +294,9 @@ class SinkKVCache(WrappingCache):
   def update_attend_unchecked(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
                               new_lengths, sm_scale=None, window=None, soft_cap=None,
                               implementation=None):
-    """`cache_protocol.update_attend` (checked arguments; `update_attend` checks them): the
-    module's `positions` are not used (the cache assigns RoPE positions); `rope_theta`
-    must be the cache's. A chunk attends the cache as it was plus its own tokens, then is
-    written."""
+    """`cache_protocol.update_attend` (checked arguments; `update_attend` checks them): the module's
+    `positions` are not used (the cache assigns RoPE positions); `rope_theta` must be the cache's. A
+    chunk attends the cache as it was plus its own tokens, then is written."""
     del positions  # StreamingLLM: positions inside the cache, not in the text
     prelude(self, implementation)
     if (float(rope_theta), rope_scaling) != (self.rope_theta, self.rope_scaling):

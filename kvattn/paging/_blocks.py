@@ -55,10 +55,9 @@ class BoundaryStates:
   `_state_codec`, `_seq_blocks`, `_reader` / `_writer`, `offload` and `counters`)."""
 
   def bind_device(self, reader: Reader, writer: Writer, state_codec: Any = None) -> None:
-    """Sets the callbacks that read and write device page contents (for offload), and for
-    boundary states the object whose `encode(state) -> u8[n]` and `decode(u8[n]) -> state`
-    move a state to and from its tier payload (None: a block's state is dropped when the
-    block is offloaded)."""
+    """Sets the callbacks that read and write device page contents (for offload), and for boundary
+    states the object whose `encode(state) -> u8[n]` and `decode(u8[n]) -> state` move a state to
+    and from its tier payload (None: a block's state is dropped when the block is offloaded)."""
     self._reader, self._writer = reader, writer
     self._state_codec = state_codec
 

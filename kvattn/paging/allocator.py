@@ -70,11 +70,9 @@ class PageAllocator:
     Args:
       num_pages: pages P in the pool.
       page_size: tokens per page.
-      max_pages_per_seq: block-table width (default P): a sequence may own at
-        most this many pages.
-      seed: if given, the free list starts in a random order (pages are then
-        handed out non-contiguously, which exercises page-order independence);
-        default ascending page ids.
+      max_pages_per_seq: block-table width (default P): a sequence may own at most this many pages.
+      seed: if given, the free list starts in a random order (pages are then handed out
+        non-contiguously, which exercises page-order independence); default ascending page ids.
 
     Raises:
       ValueError/TypeError: a size that is not a positive int.
@@ -207,16 +205,15 @@ class PageAllocator:
     return tuple(added)
 
   def shrink(self, seq_id: Hashable, num_tokens: int) -> tuple[int, ...]:
-    """Cuts `seq_id` back to `num_tokens` tokens in total: the pages past the ones they
-    occupy go back on the free list (speculative decoding returns the pages only its
-    rejected draft tokens used; `kvattn.inference.batching`).
+    """Cuts `seq_id` back to `num_tokens` tokens in total: the pages past the ones they occupy go
+    back on the free list (speculative decoding returns the pages only its rejected draft tokens
+    used; `kvattn.inference.batching`).
 
     Returns:
       The pages freed (empty when the last page is still needed).
 
     Raises:
-      ValueError: unknown `seq_id`; `num_tokens` above the sequence's current count or
-        negative.
+      ValueError: unknown `seq_id`; `num_tokens` above the sequence's current count or negative.
     """
     pages = self._owned(seq_id)
     num_tokens = self._check_tokens(num_tokens)

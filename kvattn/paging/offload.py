@@ -51,9 +51,8 @@ class _LruTier:
     return len(self._items)
 
   def put(self, block, payload) -> list[tuple[Any, Any]]:
-    """Stores `payload` (`u8[page_bytes]`); returns what no longer fits,
-    least recently stored first, as `(block, payload)` (the new page itself
-    when it alone exceeds the capacity)."""
+    """Stores `payload` (`u8[page_bytes]`); returns what no longer fits, least recently stored
+    first, as `(block, payload)` (the new page itself when it alone exceeds the capacity)."""
     size = int(np.prod(np.shape(payload)))
     if size > self.capacity_bytes:
       return [(block, payload)]

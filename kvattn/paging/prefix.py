@@ -21,11 +21,10 @@ class PrefixCachingAllocator(BoundaryStates, PageAllocator):
   def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int | None = None, *,
                seed: int | None = None, offload: Any = None, boundary_states: bool = False,
                max_states: int | None = None):
-    """Args as `PageAllocator`; `offload` is a `kvattn.paging.offload.TieredStore`
-    (or None: evicted blocks are forgotten). With `offload`, call
-    `bind_device(reader, writer)` before the first eviction. `boundary_states`: a match
-    must end at a block holding a state (module docstring); `max_states` (an int >= 1,
-    None: no limit) bounds how many are kept.
+    """Args as `PageAllocator`; `offload` is a `kvattn.paging.offload.TieredStore` (or None: evicted
+    blocks are forgotten). With `offload`, call `bind_device(reader, writer)` before the first
+    eviction. `boundary_states`: a match must end at a block holding a state (module docstring);
+    `max_states` (an int >= 1, None: no limit) bounds how many are kept.
 
     Raises:
       ValueError: bad sizes; `max_states` not a positive int.
@@ -83,10 +82,9 @@ class PrefixCachingAllocator(BoundaryStates, PageAllocator):
 
   # Mutations.
   def allocate_prompt(self, seq_id: Hashable, prompt: Sequence[int]) -> int:
-    """Registers `seq_id` for `prompt`, reusing cached pages for its longest
-    cached prefix of whole pages, but never all of it: at most
-    `(len(prompt) - 1) // page_size` pages, so the last prompt token is
-    evaluated and produces the first new token.
+    """Registers `seq_id` for `prompt`, reusing cached pages for its longest cached prefix of whole
+    pages, but never all of it: at most `(len(prompt) - 1) // page_size` pages, so the last prompt
+    token is evaluated and produces the first new token.
 
     Returns:
       Tokens already in the cache (prefill `prompt[returned:]`).
@@ -188,12 +186,11 @@ class PrefixCachingAllocator(BoundaryStates, PageAllocator):
     return dropped
 
   def register(self, seq_id: Hashable, tokens: Sequence[int]) -> int:
-    """Makes the full pages of `seq_id` shareable: `tokens` are the token ids
-    written into its cache so far (at most its token count); each full page
-    not yet registered is entered in the index under its chained key. A key
-    already held by an identical block (the same prefix computed twice) is
-    kept and the chain continues through it; a key held by a different block
-    (a hash collision) ends registration for this sequence.
+    """Makes the full pages of `seq_id` shareable: `tokens` are the token ids written into its cache
+    so far (at most its token count); each full page not yet registered is entered in the index
+    under its chained key. A key already held by an identical block (the same prefix computed twice)
+    is kept and the chain continues through it; a key held by a different block (a hash collision)
+    ends registration for this sequence.
 
     Returns:
       Full pages of the sequence now registered or identical to a cached block.
@@ -231,10 +228,9 @@ class PrefixCachingAllocator(BoundaryStates, PageAllocator):
     return self._registered[seq_id][0]
 
   def free(self, seq_id: Hashable, tokens: Sequence[int] | None = None) -> tuple[int, ...]:
-    """Retires `seq_id`, first registering its full pages when `tokens` (the
-    ids written into its cache) are given. Each page loses one reference; an
-    unreferenced registered page stays cached (LRU, tail pages first), the
-    others go back on the free list.
+    """Retires `seq_id`, first registering its full pages when `tokens` (the ids written into its
+    cache) are given. Each page loses one reference; an unreferenced registered page stays cached
+    (LRU, tail pages first), the others go back on the free list.
 
     Returns:
       The sequence's pages.
@@ -251,9 +247,8 @@ class PrefixCachingAllocator(BoundaryStates, PageAllocator):
     return tuple(pages)
 
   def fork(self, src: Hashable, dst: Hashable) -> tuple[int, ...]:
-    """Registers `dst` sharing every page of `src` (its partly filled last
-    page included); each gains a reference. Call `prepare_write` before
-    either writes.
+    """Registers `dst` sharing every page of `src` (its partly filled last page included); each
+    gains a reference. Call `prepare_write` before either writes.
 
     Raises:
       ValueError: `src` not live or `dst` live.
@@ -268,10 +263,9 @@ class PrefixCachingAllocator(BoundaryStates, PageAllocator):
     return tuple(pages)
 
   def prepare_write(self, seq_id: Hashable, start: int) -> list[tuple[int, int]]:
-    """Copy-on-write before `seq_id` writes tokens from position `start` on:
-    every page of it at or after `start // page_size` that another sequence
-    also references, or that is registered (read-only), is replaced by a
-    private page.
+    """Copy-on-write before `seq_id` writes tokens from position `start` on: every page of it at or
+    after `start // page_size` that another sequence also references, or that is registered
+    (read-only), is replaced by a private page.
 
     Returns:
       `(old_page, new_page)` pairs; copy their device contents

@@ -50,20 +50,19 @@ class ContinuousBatcher:
       seed: shuffles the allocator's free list (None: ascending pages).
       rng: jax key or int seed for sampling (None: 0).
       prefix_cache: share cached prompt prefixes (`kvattn.paging.prefix`); pageable kinds.
-      offload: a `kvattn.paging.offload.TieredStore` for evicted cached pages; needs
-        `prefix_cache`.
-      mesh: a `kvattn.sharding.make_mesh` mesh or None: parameters by the sharding rules,
-        every cache by its logical axes (`kvattn.caches.sharded.BATCHER_RULES`).
+      offload: a `kvattn.paging.offload.TieredStore` for evicted cached pages; needs `prefix_cache`.
+      mesh: a `kvattn.sharding.make_mesh` mesh or None: parameters by the sharding rules, every
+        cache by its logical axes (`kvattn.caches.sharded.BATCHER_RULES`).
       speculative: a `PromptLookup` or `DraftModel` (greedy only).
       local_layers: "full" or "ring" (`kvattn.caches.registry.build_caches`).
-      max_ring_snapshots: with `prefix_cache`, the most boundary snapshots kept (LRU);
-        default `4 * num_slots`.
+      max_ring_snapshots: with `prefix_cache`, the most boundary snapshots kept (LRU); default `4 *
+        num_slots`.
       cache: the kind: None ("paged"), a registered kind's name or a registry spec.
 
     Raises:
-      ValueError/TypeError: bad sizes or options (naming the option), an MLA layer, a mesh
-        axis that does not divide `num_slots` / `num_pages` or the heads, an option the kind
-        refuses (`PoolPlan.refuses`; `prefix_cache` / `offload` with a kind of fixed rows).
+      ValueError/TypeError: bad sizes or options (naming the option), an MLA layer, a mesh axis that
+        does not divide `num_slots` / `num_pages` or the heads, an option the kind refuses
+        (`PoolPlan.refuses`; `prefix_cache` / `offload` with a kind of fixed rows).
     """
     model = options_lib.configure(
         self, model, num_slots=num_slots, num_pages=num_pages, page_size=page_size,
@@ -308,10 +307,9 @@ class ContinuousBatcher:
     return np.where(row == NO_PAGE, NO_PAGE, row + shard * self._pages_per_shard).astype(np.int32)
 
   def _choose_slot(self, free: list[int], prompt: np.ndarray) -> int:
-    """The slot a joining prompt takes: the first free slot whose data shard can take it
-    (with the prefix cache, shards holding a longer cached prefix first); if none can,
-    the first free slot (whose allocator then raises OutOfPagesError). One data shard:
-    always `free[0]`."""
+    """The slot a joining prompt takes: the first free slot whose data shard can take it (with the
+    prefix cache, shards holding a longer cached prefix first); if none can, the first free slot
+    (whose allocator then raises OutOfPagesError). One data shard: always `free[0]`."""
     if len(self.allocators) == 1:
       return free[0]
     firsts = {}
