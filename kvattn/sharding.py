@@ -1,5 +1,4 @@
-"""Parameters and KV caches sharded over a device mesh, on JAX's own sharding machinery.
-"""
+"""Parameters and KV caches sharded over a device mesh, on JAX's own sharding machinery."""
 
 from __future__ import annotations
 

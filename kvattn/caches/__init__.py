@@ -1,5 +1,4 @@
-"""KV caches: one layer's cache is a registered pytree behind `protocol`.
-"""
+"""KV caches: one layer's cache is a registered pytree behind `protocol`."""
 
 from kvattn.caches import protocol
 from kvattn.caches import capabilities

@@ -1,5 +1,4 @@
-"""What the bounded cache kinds share (`window.py`: ring, sinks; `eviction.py`).
-"""
+"""What the bounded cache kinds share (`window.py`: ring, sinks; `eviction.py`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The cache protocol's bookkeeping members, written once for every kind.
-"""
+"""The cache protocol's bookkeeping members, written once for every kind."""
 
 from __future__ import annotations
 

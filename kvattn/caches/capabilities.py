@@ -1,5 +1,4 @@
-"""What a cache kind can do, asked of the cache (its class) instead of kept in lists.
-"""
+"""What a cache kind can do, asked of the cache (its class) instead of kept in lists."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Functional KV caches: registered pytrees with pure update functions.
-"""
+"""Functional KV caches: registered pytrees with pure update functions."""
 
 from __future__ import annotations
 
@@ -91,8 +90,7 @@ def write_tokens(
     *,
     slot_axis: int,
 ) -> jax.Array:
-  """Scatters T new tokens per sequence into slots `lengths[b] + t`.
-  """
+  """Scatters T new tokens per sequence into slots `lengths[b] + t`."""
   batch, num_tokens = new.shape[:2]
   capacity = buffer.shape[slot_axis]
   t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
@@ -105,8 +103,7 @@ def write_tokens(
 
 
 def advance_lengths(lengths: jax.Array, new_lengths: jax.Array, capacity: int) -> jax.Array:
-  """Returns `lengths + new_lengths`, enforcing the overflow contract above.
-  """
+  """Returns `lengths + new_lengths`, enforcing the overflow contract above."""
   _checks.values_in_range("cache lengths", lengths, 0, capacity)
   if _checks.is_concrete(lengths) and _checks.is_concrete(new_lengths):
     end = np.asarray(lengths) + np.asarray(new_lengths)
@@ -217,8 +214,7 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback, capabil
       soft_cap: float | None = None,
       implementation: str | None = None,
   ) -> jax.Array:
-    """`GQACache.attend` (`kvattn.caches.protocol`): `[B, T, N, H]` in q's dtype.
-    """
+    """`GQACache.attend` (`kvattn.caches.protocol`): `[B, T, N, H]` in q's dtype."""
     opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap, **self.scale_kwargs())
     if q.shape[1] == 1:
       return ops.decode_attention(q[:, 0], self.k, self.v, self.lengths,
@@ -267,8 +263,7 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback, capabil
       soft_cap: float | None = None,
       implementation: str | Sequence[str] | None = None,
   ) -> tuple[jax.Array, "KVCache"]:
-    """`update_attend` for callers that checked `k`, `v`, `new_lengths` (the modules).
-    """
+    """`update_attend` for callers that checked `k`, `v`, `new_lengths` (the modules)."""
     rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
     q, k = ops.apply_rope(q, positions, **rope), ops.apply_rope(k, positions, **rope)
     opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap)
@@ -414,8 +409,7 @@ class LatentCache(_slots.TokenSlots, _slots.LengthsRollback, capabilities.Rows,
       window: int | None = None,
       implementation: str | None = None,
   ) -> jax.Array:
-    """`MLACache.attend` (`kvattn.caches.protocol`), absorbed: `[B, T, N, C]`.
-    """
+    """`MLACache.attend` (`kvattn.caches.protocol`), absorbed: `[B, T, N, C]`."""
     opts = dict(sm_scale=sm_scale, window=window, **self.scale_kwargs())
     if q_latent.shape[1] == 1:
       return ops.mla_decode_attention(q_latent[:, 0], q_rope[:, 0], self.c_kv, self.k_rope,

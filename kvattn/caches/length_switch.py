@@ -56,8 +56,7 @@ def check_switch(num_kv_heads: int, num_kv_heads_after: Any,
 
 
 def pool_heads(x: jax.Array, num_groups: int, axis: int) -> jax.Array:
-  """Mean of each contiguous group of heads along `axis` (K -> `num_groups` heads), in f32.
-  """
+  """Mean of each contiguous group of heads along `axis` (K -> `num_groups` heads), in f32."""
   axis = axis % x.ndim
   shape = x.shape[:axis] + (num_groups, x.shape[axis] // num_groups) + x.shape[axis + 1:]
   return jnp.mean(x.astype(jnp.float32).reshape(shape), axis=axis + 1)

@@ -1,10 +1,5 @@
-"""Paged KV cache of one layer (PagedAttention).
-
-Kwon et al., "Efficient Memory Management for Large Language Model Serving with PagedAttention"
-(SOSP 2023): a contiguous per-request cache must reserve the maximum length for every request, and
-the paper measures 60-80% of such KV memory unused; storing the cache in fixed-size pages handed out
-on demand bounds the waste to less than one page per sequence (< 4% in their traces).
-"""
+"""Paged KV cache of one layer: PagedAttention (Kwon et al., "Efficient Memory Management for
+Large Language Model Serving with PagedAttention", SOSP 2023)."""
 
 from __future__ import annotations
 
@@ -185,10 +180,8 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback, capabil
     return cache_lib.slot_positions(self.readable_lengths, self.max_len)
 
   def check_state(self, name: str = "cache") -> None:
-    """Eager check of the bookkeeping (`kvattn.caches.checkpoint.restore_caches` runs it): `lengths`
-    in `[0, max_len]`, every block-table entry a page of the pool or `NO_PAGE`, and every logical
-    page a row's tokens occupy assigned. Whether rows may share pages is the allocator's business
-    (the checkpoint checks it against the saved one). Traced: no check.
+    """Eager check: `lengths` in `[0, max_len]`, every block-table entry a page of the pool or
+    `NO_PAGE`, every logical page a row's tokens occupy assigned. Traced: no check.
 
     Raises:
       ValueError: naming the leaf and entry, e.g. "layer 0 block_tables[1, 0] = 7 ...".
@@ -267,8 +260,7 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback, capabil
       soft_cap: float | None = None,
       implementation: str | None = None,
   ) -> jax.Array:
-    """`GQACache.attend` (`kvattn.caches.protocol`): `[B, T, N, H]` in q's dtype.
-    """
+    """`GQACache.attend` (`kvattn.caches.protocol`): `[B, T, N, H]` in q's dtype."""
     opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap)
     if q.shape[1] == 1:
       return ops.paged_decode_attention(
@@ -307,8 +299,7 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback, capabil
       ValueError: a row of the wrong shape; and, when they are concrete (an eager call), a `slot`
         outside `[0, B)`, a `length` outside `[0, max_len]`, an entry of `pages` that is neither a
         page of the pool nor `NO_PAGE`, or a logical page the `length` tokens occupy left
-        unassigned. Traced values are not checked (a jitted caller's rows come from its
-        `PageAllocator`).
+        unassigned (traced values are not checked).
     """
     pages = jnp.asarray(pages, jnp.int32)
     if pages.shape != (self.pages_per_seq,):

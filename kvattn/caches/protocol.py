@@ -1,5 +1,4 @@
-"""The cache protocol: what an attention module asks of a KV cache.
-"""
+"""The cache protocol: what an attention module asks of a KV cache."""
 
 from __future__ import annotations
 
@@ -68,8 +67,7 @@ class GQACache(Cache, Protocol):
 def update_attend(cache: GQACache, q: jax.Array, k: jax.Array, v: jax.Array, *,
                   positions: jax.Array, rope_theta: float, rope_scaling: Any = None,
                   new_lengths: jax.Array, **options: Any) -> tuple[jax.Array, GQACache]:
-  """One attention step of a GQA module against `cache`; returns `(out, new_cache)`.
-  """
+  """One attention step of a GQA module against `cache`; returns `(out, new_cache)`."""
   new_lengths = _all_tokens(k, new_lengths)
   step = getattr(cache, "update_attend_unchecked", None) or getattr(cache, "update_attend", None)
   if step is not None:

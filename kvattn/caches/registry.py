@@ -1,5 +1,4 @@
-"""The cache registry: every cache kind by name, and the caches of a whole model.
-"""
+"""The cache registry: every cache kind by name, and the caches of a whole model."""
 
 from __future__ import annotations
 

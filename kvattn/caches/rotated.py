@@ -300,8 +300,7 @@ class RotatedCache(_residual.ResidualStoreCache):
 
 def calibrate_codebook(model, tokens: np.ndarray, bits: int, *, seed: int = 0,
                        iters: int = 100) -> tuple[float, ...]:
-  """A Lloyd-Max codebook fitted on `model`'s keys and values over calibration `tokens`.
-  """
+  """A Lloyd-Max codebook fitted on `model`'s keys and values over calibration `tokens`."""
   tokens = jnp.asarray(tokens, jnp.int32)
   caches = model.init_caches(tokens.shape[0], tokens.shape[1], jnp.float32)
   _, caches = model(tokens, caches)

@@ -1,5 +1,4 @@
-"""KV caches sharded over a device mesh (`kvattn.sharding` holds the mesh and its rules).
-"""
+"""KV caches sharded over a device mesh (`kvattn.sharding` holds the mesh and its rules)."""
 
 from __future__ import annotations
 
@@ -406,8 +405,7 @@ def _fields(cache) -> dict[str, Any]:
 
 def cache_factory(model, mesh: Mesh, *, rules: Mapping[str, Any] | None = None,
                   kind: Any = "dense", page_size: int = 16, local_layers: str = "full"):
-  """`(batch, max_len, dtype=None) -> caches` for `kvattn.generate(..., cache_factory=)`.
-  """
+  """`(batch, max_len, dtype=None) -> caches` for `kvattn.generate(..., cache_factory=)`."""
   seq = _single_axis(resolve_rules(rules), "cache_sequence")
   step = axis_size(mesh, seq) * (page_size if kind == "paged" else 1) if kind in TWIN_KINDS \
       else 1

@@ -1,5 +1,4 @@
-"""Resume generation from a restored cache (`kvattn.caches.checkpoint.restore_caches`).
-"""
+"""Resume generation from a restored cache (`kvattn.caches.checkpoint.restore_caches`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Host-side paging of a paged KV pool: allocation, prefix sharing, offload tiers.
-"""
+"""Host-side paging of a paged KV pool: allocation, prefix sharing, offload tiers."""
 
 from kvattn.paging.allocator import OutOfPagesError, PageAllocator, PoolStats, pages_for
 from kvattn.paging.prefix import PrefixCachingAllocator

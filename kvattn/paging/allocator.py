@@ -1,5 +1,4 @@
-"""Host-side page allocator of a paged KV cache (PagedAttention, Kwon et al., SOSP 2023).
-"""
+"""Host-side page allocator of a paged KV cache (PagedAttention, Kwon et al., SOSP 2023)."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 class OutOfPagesError(RuntimeError):
-  """The pool has fewer free pages than a request needs.
-  """
+  """The pool has fewer free pages than a request needs."""
 
   def __init__(self, seq_id: Hashable, needed: int, available: int):
     self.seq_id, self.needed, self.available = seq_id, needed, available
@@ -60,8 +58,7 @@ class PoolStats:
 
 
 class PageAllocator:
-  """Host-side allocator of the pages of a `PagedKVCache` pool.
-  """
+  """Host-side allocator of the pages of a `PagedKVCache` pool."""
 
   def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int | None = None, *,
                seed: int | None = None):

@@ -1,5 +1,4 @@
-"""Offload tiers for cold KV pages: host memory, then disk (vLLM offloading, SGLang HiCache).
-"""
+"""Offload tiers for cold KV pages: host memory, then disk (vLLM offloading, SGLang HiCache)."""
 
 from __future__ import annotations
 
@@ -205,8 +204,7 @@ def _write_file(path: str, data: bytes) -> None:
 
 
 class TieredStore:
-  """Offload tiers in order (fastest first): where evicted cached pages go.
-  """
+  """Offload tiers in order (fastest first): where evicted cached pages go."""
 
   def __init__(self, tiers: Sequence[_LruTier]):
     tiers = list(tiers)

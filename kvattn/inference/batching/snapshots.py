@@ -1,5 +1,4 @@
-"""Boundary states of a prefix cache: what a cached prefix of m tokens needs besides its pages.
-"""
+"""Boundary states of a prefix cache: what a cached prefix of m tokens needs besides its pages."""
 
 from __future__ import annotations
 
