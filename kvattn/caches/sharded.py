@@ -344,6 +344,8 @@ def init_caches(model, batch: int, max_len: int, mesh: Mesh, *,
     raise ValueError(f"local_layers must be one of {registry.LOCAL_LAYER_LAYOUTS}; got "
                      f"{local_layers!r}")
   if kind not in TWIN_KINDS:
+    if isinstance(kind, str) and kind not in registry.CACHE_KIND_TABLE:
+      raise ValueError(f"kind must be one of {tuple(registry.CACHE_KIND_TABLE)}; got {kind!r}")
     spec = {"kind": kind} if isinstance(kind, str) else kind
     registry.cache_options(spec, "kind")
     return tuple(place(c, mesh, rules) for c in registry.build_caches(
