@@ -10,6 +10,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -63,6 +65,7 @@ def _checks() -> dict:
   return out
 
 
+@pytest.mark.slow  # a subprocess with 2 devices (~25 CPU-s), as the other mesh batcher checks
 def test_any_kind_is_placed_from_its_logical_axes():
   env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
              JAX_PLATFORMS="cpu",

