@@ -1,53 +1,4 @@
-"""Parameters and KV caches sharded over a device mesh, on JAX's own sharding machinery.
-
-A mesh has three named axes (`MESH_AXES`): `data` (batch), `model` (tensor parallel over
-heads) and `seq` (context parallel over cache slots); `make_mesh((d, m, s))` builds it over
-the first d * m * s devices (`jax.make_mesh`, every axis `AxisType.Auto`). On several hosts
-the same code runs after `jax.distributed.initialize()` (docs/sharding.md).
-
-Logical axes, in the style of MaxText / flax logical partitioning: every parameter and
-cache array names its dimensions (`PARAM_AXES` by parameter name; each sharded cache class
-names its fields), and a rules table (`DEFAULT_RULES`, overridden by a config's
-`mesh.rules`) maps each logical name to a mesh axis, a tuple of axes, or None (replicated).
-`logical_to_spec` turns names into a `PartitionSpec`.
-
-Placement: `shard_model` builds the model inside `jax.jit` with `out_shardings` (each
-device materialises only its shard; no full copy on one device first); `init_caches`
-does the same for the caches. A parameter dimension that its mesh axes do not divide is
-replicated (e.g. `k_proj` when K < the model axis). Caches are stricter:
-
-* Dense `[B, K, S, H]` (`ShardedKVCache`): B over `data`, K over `model`, S over `seq`.
-  When K < the model axis m (and K divides m) the KV heads are replicated: the model axis
-  is viewed as (K, m / K) and each device holds K / min(K, m) = 1 whole head; the query
-  heads follow their KV head (query head n reads KV head n // G on every device), split
-  over the whole axis when m divides N and over the K part of it otherwise; which one
-  depends on N, so `place_caches` takes `num_heads=` then. K and m where neither divides
-  the other raise ValueError, at creation.
-* Paged pools `[K, P, page_size, H]` (`ShardedPagedKVCache`): K over `model`, P over
-  (`data`, `seq`): the rows of data shard j use only pages of that shard's range, and the
-  logical pages of a row are spread over the `seq` shards (`init_caches` builds such
-  block tables).
-* MLA latents `[B, S, C]`, `[B, S, R]` (`ShardedLatentCache`): B over `data`, S over `seq`
-  (replicated over `model`).
-
-* Sub-byte caches (KIVI, rotated, paged KIVI, MLA latent KIVI: packed codes, scales, zero
-  points, full-precision rings) stay their own kinds with placed arrays
-  (`kvattn.caches.sharded.place_lowbit`; XLA partitions their ops): rows over `data`, K over
-  `model` where it divides K, a paged store's pools over K and `cache_pages`; the store's
-  slots are never split.
-
-Every axis size must divide the dimension it splits (B, S, P), else ValueError naming the
-mesh axis.
-
-Compute: a sharded cache's `update` and `attend` run in `jax.shard_map` over its mesh.
-Without a sequence split each device runs the single-device code on its shard (the
-`kvattn.ops` dispatch points, Pallas kernels included). With one (context parallelism),
-each shard computes its partial attention and log-sum-exp
-(`kvattn.ops.context_parallel`) and the partials are merged with `lax.pmax` / `lax.psum`
-over `seq`; an empty shard contributes LSE -inf and nothing else, whatever its buffer
-holds. The compiled decode step moves O(B N H) numbers per layer across devices (the
-merge, and the all-reduce after `o_proj`), never the cache.
-"""
+"""Parameters and KV caches sharded over a device mesh, on JAX's own sharding machinery."""
 
 from __future__ import annotations
 
@@ -60,7 +11,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 
 MESH_AXES = ("data", "model", "seq")
-CACHE_KINDS = ("dense", "paged")  # GQA layers; MLA layers always get a latent cache
 
 # Logical axis name -> mesh axis (str), axes (tuple) or None (replicated).
 DEFAULT_RULES: dict[str, Any] = {
@@ -111,8 +61,7 @@ def make_mesh(shape: Sequence[int], *, devices: Sequence[Any] | None = None) -> 
 
   Args:
     shape: three positive ints, the sizes of `MESH_AXES`.
-    devices: the devices to use (default `jax.devices()`, every host's under
-      `jax.distributed`).
+    devices: the devices to use (default `jax.devices()`, every host's under `jax.distributed`).
 
   Raises:
     ValueError: not three positive ints, or more devices asked than exist.
@@ -144,8 +93,7 @@ def mesh_config():
 
 
 def mesh_from_config(cfg: Mapping[str, Any] | None) -> tuple[Mesh | None, dict[str, Any]]:
-  """`(mesh or None, rules)` from a config's `mesh` section (None or shape None: one
-  device).
+  """`(mesh or None, rules)` from a config's `mesh` section (None or shape None: one device).
 
   Raises:
     ValueError: a bad shape or rule, naming `mesh.shape` / `mesh.rules`.
@@ -239,9 +187,6 @@ def param_shardings(state: nnx.State, mesh: Mesh, rules: Mapping[str, Any] | Non
 def shard_model(make_model: Callable[[], nnx.Module], mesh: Mesh,
                 rules: Mapping[str, Any] | None = None) -> nnx.Module:
   """Builds `make_model()` with its parameters created directly sharded over `mesh`.
-
-  The model is traced abstractly (`nnx.eval_shape`) for its shapes, then built inside
-  `jax.jit(..., out_shardings=...)`, so each device computes only its shard.
 
   Raises:
     ValueError: a parameter without logical axes (`PARAM_AXES`), a bad rule.

@@ -71,7 +71,7 @@ from experiments.evals import text as text_lib
 from kvattn.caches import registry as cache_registry
 from kvattn.models import scan
 
-BOUNDED = cache_registry.BOUNDED_KINDS  # The kinds with a budget.
+BOUNDED = cache_registry.bounded_kinds()  # The kinds with a budget.
 KINDS = ("dense",) + BOUNDED
 SPEED = "speed"  # cache.kind of the speed point (module doc).
 FILES = {"plot": "ppl_vs_position.png", "heatmap": "passkey_{kind}.png"}

@@ -16,7 +16,7 @@ and the paged cache at each page size. Every point serves the same workload:
     long-tailed mix, as request lengths are in serving traces.
   * dense: `model.init_caches(B, cache.max_len)`, the contiguous
     per-request cache that must reserve the longest length for everyone.
-    paged: `kvattn.caches.registry.init_paged_caches` with each sequence's own L_b,
+    paged: `kvattn.caches.paged.init_paged_caches` with each sequence's own L_b,
     pages from a `PageAllocator` (shuffled free list), the pool exactly the
     pages handed out.
 
@@ -60,7 +60,7 @@ from experiments.framework import checks
 from experiments.framework import timing
 from kvattn import memory
 from kvattn.paging import allocator as allocator_lib
-from kvattn.caches import registry as cache_factories
+from kvattn.caches import paged as cache_factories
 from kvattn.models import transformer as transformer_lib
 
 # Kwon et al., "Efficient Memory Management for Large Language Model Serving with
@@ -69,7 +69,7 @@ from kvattn.models import transformer as transformer_lib
 PAPER = {"contiguous_waste": (0.60, 0.80), "paged_waste_max": 0.04,
          "source": "Kwon et al., SOSP 2023 (PagedAttention)"}
 
-CACHE_KINDS = ("dense", "paged")  # the kinds this family measures (of cache_factories's table)
+CACHE_KINDS = ("dense", "paged")  # the kinds this family measures
 FILES = {"waste_md": "waste.md", "waste_json": "waste.json", "plot": "paged_waste.png"}
 
 

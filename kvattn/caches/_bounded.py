@@ -1,20 +1,4 @@
-"""What the bounded cache kinds share (`window.py`: ring, sinks; `eviction.py`).
-
-Each kind is a `flax.struct` pytree whose storage is allocated at its capacity
-(`storage_arrays()` / `storage_slots`, so `kvattn.memory` reports capacity x
-bytes per token) and whose slots carry the original token index they hold
-(`pos`, -1 for none): attention masks by original position (causality,
-windows) through `kvattn.ops.positional.positional_attention`.
-
-Protocol use: the attention module calls `update_attend` (the optional member
-of `kvattn.caches.protocol`) with queries and keys *before* RoPE, so each kind
-rotates as its method requires, sees the queries that score the slots, and
-attends the chunk's own keys before any of them is evicted or overwritten. The
-plain `update` + `attend` pair works too: for a single token it equals
-`update_attend`; for a chunk it attends only what the cache kept. The decode
-path is XLA (`implementation` None or "xla"). Quantized storage (int8 / fp8,
-one f32 scale per token per KV head) works for every kind.
-"""
+"""What the bounded cache kinds share (`window.py`: ring, sinks; `eviction.py`)."""
 
 from __future__ import annotations
 
@@ -26,6 +10,7 @@ import numpy as np
 
 from kvattn import _checks
 from kvattn.caches import _slots
+from kvattn.caches import capabilities
 from kvattn.caches import dense as cache_lib
 from kvattn.ops import quant
 
@@ -114,11 +99,12 @@ def float_keys(k: jax.Array) -> jax.Array:
   return k.astype(jnp.float32)
 
 
-class BoundedCache(_slots.Slots, _slots.KVHeads):
+class BoundedCache(_slots.Slots, _slots.KVHeads, capabilities.Rows):
   """Members the three kinds share (sizes and storage from `_slots`, the protocol's
   bookkeeping). `capacity` is the window / budget the cache was built with; these kinds
   never overflow (`lengths` grows past it by design), so they have no `overflowed`."""
 
+  BOUNDED = True
   _SIZES = {"batch": ("k", 0), "num_kv_heads": ("k", 1), "capacity": ("k", 2),
             "head_dim": ("k", 3)}
   _VALUES, _SCALES = ("k", "v"), ("k_scale", "v_scale")
@@ -157,16 +143,17 @@ class BoundedCache(_slots.Slots, _slots.KVHeads):
 class WrappingCache(BoundedCache):
   """Ring and sinks: new tokens overwrite slots chosen by `_slots`; no scoring."""
 
+  ROLLBACK = "journal"
+
   chunk_equals_steps = True
   """A chunk attends the stored slots plus its own tokens, masked by position: what the
   one-token steps attend (`kvattn.caches.transaction`)."""
 
   def draft_journal(self, new_lengths: jax.Array, num_tokens: int) -> dict[str, Any]:
-    """The undo log of a draft of `num_tokens` tokens (`kvattn.caches.transaction`): the
-    slots it writes (`i32[B, T]`, the capacity where none) and their old contents (keys,
-    values, scales `[B, T, K, ...]`, `pos` `[B, T]`), and `lengths`. At most
-    `min(T, capacity)` distinct slots per row: the chunk's write keeps only its last
-    `capacity` tokens."""
+    """The undo log of a draft of `num_tokens` tokens (`kvattn.caches.transaction`): the slots it
+    writes (`i32[B, T]`, the capacity where none) and their old contents (keys, values, scales `[B,
+    T, K, ...]`, `pos` `[B, T]`), and `lengths`. At most `min(T, capacity)` distinct slots per row:
+    the chunk's write keeps only its last `capacity` tokens."""
     slots = self._slots(new_lengths, num_tokens)
     rows = jnp.broadcast_to(jnp.arange(self.batch, dtype=jnp.int32)[:, None], slots.shape)
     safe = jnp.minimum(slots, self.capacity - 1)

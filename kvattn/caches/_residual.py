@@ -2,42 +2,6 @@
 
 A `ResidualStoreCache` holds one GQA layer's tokens in two places (KIVI's layout, Liu et al.
 2024, arXiv 2402.02750, algorithm 1):
-
-  * a quantized store of `Sq` token slots, token s in slot s, written a group of
-    `group_size` tokens at a time (`group_size` 1: a token at a time);
-  * a residual ring `k_res, v_res: [B, K, Rb, H]` in the compute dtype, `Rb = min(residual +
-    group_size - 1, S)` slots, token t in slot `t % Rb`, holding tokens `[nq, n)` with n =
-    `min(lengths, S)` and `nq = group_size * max(0, (n - residual) // group_size)`: the
-    newest `residual` tokens plus the partly filled group.
-
-The base class does the bookkeeping, the writes (which groups leave the ring, gathered from
-the old ring and the chunk, so nothing is read after it is overwritten; a static number of
-candidate groups, `ceil(T / group_size)`, the unused ones dropped), the checks and the
-attention step; a kind is a `flax.struct.dataclass` with the fields `k_codes, v_codes` (the
-store's codes, `[B, K, Sq, ...]`), `k_res, v_res`, `lengths` and its own scales, the static
-fields `group_size, residual, max_len, pre_rope, rope_theta, rope_scaling`, and the hooks:
-
-  * `read_block(offset, size) -> (k, v)`: store slots `[offset, offset + size)` dequantized,
-    f32 `[B, K, size, H]`, in the kind's attention space (keys as stored);
-  * `_encode(k, v, num_groups) -> {field: (array, "token" | "group")}`: the store fields of
-    `num_groups * group_size` tokens (`[B, K, n g, H]` f32), per token or per group along
-    axis 2;
-  * `_to_space(x)`, `_q_to_space(q)`, `_out_from_space(out)`, `_from_space(x)`: the kind's
-    attention space (identity for KIVI; a Hadamard rotation for `rotated.py`);
-  * `storage_arrays()`, `analytic_bytes_per_token()`.
-
-Attention (`update_attend`, the module's step): the queries attend the cache from before the
-write -- the store read block by block by `kvattn.ops.lowbit.blocked_attention` (no
-dequantized copy of the store), the ring -- plus the chunk's own keys and values in full
-precision (as KIVI does for the prompt), then the chunk is written. `attend` (after
-`update`) reads the store and the ring. A kind with a Pallas kernel for its store
-(`_pallas_store`: KIVI, rotated) reads the store of a decode step through it when `implementation`
-asks ("pallas"; None where it compiles) and merges the rest by log-sum-exp
-(`lowbit.state_from_lse`). With `pre_rope` the store and ring hold keys before
-RoPE and each block is rotated at its tokens' positions (token indices) as it is read.
-
-Overflow: as the dense cache (eager ValueError; under jit tokens past S are dropped,
-`lengths` advances, `overflowed` flags the row; attention reads `min(lengths, S)` tokens).
 """
 
 from __future__ import annotations
@@ -51,6 +15,7 @@ import numpy as np
 
 from kvattn import _checks
 from kvattn.caches import _slots
+from kvattn.caches import capabilities
 from kvattn.caches import dense as dense_lib
 from kvattn.ops import lowbit
 from kvattn.ops.rope import apply_rope
@@ -128,8 +93,13 @@ def check_implementation(implementation) -> None:
   store_backends(implementation)
 
 
-class ResidualStoreCache:
+SCALE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+class ResidualStoreCache(capabilities.Rows):
   """The shared members (module doc); subclasses are `flax.struct.dataclass`es."""
+
+  FLOAT_ONLY = True
 
   # ---------------------------------------------------------------------------- hooks
   def _to_space(self, x: jax.Array) -> jax.Array:
@@ -215,9 +185,7 @@ class ResidualStoreCache:
     return self.lengths > self.max_len
 
   def slot_positions(self) -> jax.Array:
-    """`i32[B, S]`, the logical view: token s at slot s below `min(lengths, S)`, else -1.
-    (The store holds token s in its slot s; the ring holds the newest tokens at `t % Rb`,
-    `ring_tokens()` says which.)"""
+    """`i32[B, S]`, the logical view: token s at slot s below `min(lengths, S)`, else -1."""
     return _slots.slot_positions(self._stored(), self.max_len)
 
   def ring_tokens(self) -> jax.Array:
@@ -249,12 +217,7 @@ class ResidualStoreCache:
 
   def _attend(self, q, q_tokens, *, extra: Sequence[lowbit.Segment] = (), sm_scale=None,
               window=None, soft_cap=None, implementation=None) -> jax.Array:
-    """f32 `[B, T, N, H]`: `q` (RoPE'd) against the store, the ring and `extra`.
-
-    The store is read by the kind's Pallas kernel for a decode step (T = 1) when
-    `implementation` asks for it (`store_backends`: "pallas", or None where the kernel
-    compiles), its `(out, lse)` then seeding the online softmax that reads the ring and
-    `extra`; else by the XLA loop (`lowbit.blocked_attention`, every T)."""
+    """f32 `[B, T, N, H]`: `q` (RoPE'd) against the store, the ring and `extra`."""
     nq = self.readable_quantized
     ring_tokens = self.ring_tokens()
     k_res = self.k_res.astype(jnp.float32)
@@ -341,13 +304,11 @@ class ResidualStoreCache:
   # ---------------------------------------------------------------------------- writing
   def update(self, k_new: jax.Array, v_new: jax.Array,
              new_lengths: jax.Array | None = None) -> "ResidualStoreCache":
-    """Writes `k_new, v_new: [B, T, K, H]` (keys RoPE'd; before RoPE in pre-RoPE mode) for
-    tokens `t < new_lengths[b]`: complete groups beyond the residual into the store, the
-    rest into the ring.
+    """Writes `k_new, v_new: [B, T, K, H]` (keys RoPE'd; before RoPE in pre-RoPE mode) for tokens `t
+    < new_lengths[b]`: complete groups beyond the residual into the store, the rest into the ring.
 
     Raises:
-      ValueError, TypeError: as `KVCache.update` (shapes, dtypes, `new_lengths`, an eager
-        overflow).
+      ValueError, TypeError: as `KVCache.update` (shapes, dtypes, `new_lengths`, an eager overflow).
     """
     return self.update_unchecked(k_new, v_new,
                                  dense_lib.check_new_kv(self, k_new, v_new, new_lengths))

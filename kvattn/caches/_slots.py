@@ -1,28 +1,4 @@
-"""The cache protocol's bookkeeping members, written once for every kind.
-
-Each kind (`KVCache`, `LatentCache`, `PagedKVCache`, the bounded kinds of `_bounded.py`,
-`LengthSwitchKVCache`) declares where its sizes and storage live, as class attributes
-(not dataclass fields, so not pytree leaves):
-
-  * `_SIZES`: size name -> `(field, axis)`: the array a size is read from and its axis
-    ("batch", "capacity" for every kind; "num_kv_heads", "head_dim" for GQA kinds).
-  * `_VALUES`: the fields holding the stored values (the first gives `dtype`).
-  * `_SCALES`: the fields of their f32 scales, in the same order (None in a float cache).
-  * `_SCALE_ARGS`: the keyword names of the scales for the attention ops (default the
-    field names).
-
-and inherits the members from:
-
-  * `Slots`: `batch`, `capacity`, `dtype`, `quantized`, `storage_slots` (B * capacity),
-    `storage_arrays()`, `scale_kwargs()`, `dequantized()`.
-  * `TokenSlots(Slots)`: kinds that hold token t in slot t of a row and overflow past
-    their capacity (dense, latent, length-switch): `slot_positions()`, `overflowed`,
-    `check_state()` (lengths in [0, capacity]).
-  * `KVHeads`: the sizes a GQA module checks, `num_kv_heads` and `head_dim`. Kept apart
-    so an MLA cache never looks like a `GQACache` to the runtime-checkable protocols.
-
-A kind overrides what differs (a page pool's capacity and overflow, a ring's positions).
-"""
+"""The cache protocol's bookkeeping members, written once for every kind."""
 
 from __future__ import annotations
 
@@ -87,17 +63,15 @@ class Slots:
     return self.batch * self.capacity
 
   def storage_arrays(self) -> tuple[jax.Array, ...]:
-    """The arrays whose size grows with the token slots (for `kvattn.memory`): the
-    values, and their scales when quantized; bookkeeping (`lengths`, `pos`) is not
-    storage."""
+    """The arrays whose size grows with the token slots (for `kvattn.memory`): the values, and
+    their scales when quantized; bookkeeping (`lengths`, `pos`) is not storage."""
     fields = self._VALUES + (self._SCALES if self.quantized else ())
     return tuple(getattr(self, f) for f in fields)
 
   def written(self, new: tuple[jax.Array, ...], write) -> dict[str, jax.Array]:
-    """The `_VALUES` fields (and their `_SCALES` when quantized) after a write, for
-    `self.replace`: `new[i]` (the tokens for value i, in its layout minus the slots) is
-    encoded in the cache dtype (`encode`) and `write(buffer, tokens)` scatters values and
-    scales into their buffers."""
+    """The `_VALUES` fields (and their `_SCALES` when quantized) after a write, for `self.replace`:
+    `new[i]` (the tokens for value i, in its layout minus the slots) is encoded in the cache dtype
+    (`encode`) and `write(buffer, tokens)` scatters values and scales into their buffers."""
     out = {}
     for field, scale_field, tokens in zip(self._VALUES, self._SCALES, new):
       values, scales = encode(tokens, self.dtype)
@@ -168,6 +142,8 @@ class LengthsRollback:
   by setting `lengths = journal + keep` (no copy, no replay). Chunks through the layer's
   step equal one-token steps. A subclass that writes otherwise (a residual window, groups
   quantized as they fill) must not inherit this."""
+
+  ROLLBACK = "lengths"
 
   chunk_equals_steps = True
 

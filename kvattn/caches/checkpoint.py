@@ -1,39 +1,4 @@
 """Save and restore KV caches with orbax-checkpoint (resuming from them: `kvattn.inference.resume`).
-
-`save_caches(path, caches, allocator=, tokens=)` writes any pytree of caches
-(a model's tuple of per-layer `KVCache`, `PagedKVCache`, `LatentCache`,
-quantized ones with their scales, or any other registered cache kind) and,
-optionally, the `PageAllocator` that hands out a paged pool's pages (a
-`PrefixCachingAllocator` keeps its shared pages and refcounts; its
-unreferenced cached pages are saved as free and its prefix index is rebuilt
-by `register`) and the token ids the caches hold. `restore_caches(path, like)` reads it back into
-the structure of `like` (a template: freshly built caches of the same kinds
-and shapes).
-
-Bit-exact: every array leaf is stored as its raw bits (viewed as an unsigned
-integer of its width, so bf16, fp8 and NaN payloads survive whatever the
-storage format makes of floats) and viewed back on restore.
-
-Atomic: orbax writes into a temporary directory and renames it into place
-with a commit marker only when everything is written (its "finalize");
-`restore_caches` refuses a directory that orbax does not report finalized or
-that lacks the marker, so an interrupted save never leaves a checkpoint that
-restores (what it leaves is a `<path>.orbax-checkpoint-tmp*` directory).
-
-Mismatches: the checkpoint records, per cache, its kind (class name) and,
-per leaf, its pytree path, shape and dtype; restoring into a template that
-differs in any of them raises ValueError naming the first difference.
-
-Values: a checkpoint is read as untrusted data, and `restore_caches` serves
-nothing it has not checked (ValueError naming the checkpoint and the leaf,
-e.g. "layer 3 lengths[1] = -2 must lie in [0, 8]"): each cache's own
-`check_state` (lengths in range, `pos` what the kind keeps, block-table
-entries inside the pool and covering each row's tokens); pages shared by
-block-table rows only as often as the saved allocator gives them to live
-sequences (never without one); the allocator's state (free list without
-duplicates, no page both free and held, none lost, pages matching token
-counts, sharing only in a `PrefixCachingAllocator`); and per-row `tokens` as
-many as each cache's `lengths`.
 """
 
 from __future__ import annotations
@@ -48,15 +13,12 @@ import numpy as np
 
 from kvattn import _checks
 from kvattn.paging.allocator import PageAllocator, pages_for
-from kvattn.caches.dense import KVCache, LatentCache
-from kvattn.caches.paged import PagedKVCache
+from kvattn.caches import capabilities
 from kvattn.paging.prefix import PrefixCachingAllocator
 
 FORMAT_VERSION = 1
 COMMIT_MARKER = "commit_success.txt"
 """The file orbax writes last, when it finalizes a checkpoint (kept also on local disks)."""
-TRUNCATABLE = (KVCache, LatentCache, PagedKVCache)
-"""Kinds that keep token t in slot t, so shortening `lengths` truncates them."""
 
 
 def _ocp():
@@ -123,11 +85,10 @@ def check_allocator_state(state: Any) -> None:
   """Checks a saved `allocator_state` before anything is built from it.
 
   Raises:
-    ValueError: naming the key: sizes that are not positive ints, a page outside
-      the pool, a page twice on the free list or in one sequence, a page both
-      free and held, a page held by two sequences of a plain `PageAllocator`
-      (only a `PrefixCachingAllocator` shares), pages that do not match a
-      sequence's token count, or pages neither free nor held (lost).
+    ValueError: naming the key: sizes that are not positive ints, a page outside the pool, a page
+      twice on the free list or in one sequence, a page both free and held, a page held by two
+      sequences of a plain `PageAllocator` (only a `PrefixCachingAllocator` shares), pages that do
+      not match a sequence's token count, or pages neither free nor held (lost).
   """
   if not isinstance(state, dict) or not {"kind", "num_pages", "page_size", "max_pages_per_seq",
                                          "free", "live"} <= set(state):
@@ -176,10 +137,9 @@ def check_allocator_state(state: Any) -> None:
 
 
 def allocator_from_state(state: dict[str, Any]) -> PageAllocator:
-  """The allocator `allocator_state` described (same kind, free-list order,
-  pages and token counts; a `PrefixCachingAllocator` with its refcounts and
-  an empty prefix index), checked first (`check_allocator_state`) and then
-  with its `check`.
+  """The allocator `allocator_state` described (same kind, free-list order, pages and token counts;
+  a `PrefixCachingAllocator` with its refcounts and an empty prefix index), checked first
+  (`check_allocator_state`) and then with its `check`.
 
   Raises:
     ValueError: a state that breaks the allocator's invariants, naming the key.
@@ -210,14 +170,13 @@ def save_caches(path: str | os.PathLike, caches: Any, *, allocator: PageAllocato
     path: directory to create; must not exist yet.
     caches: a cache pytree or a tuple/list of them (a model's per-layer caches).
     allocator: the `PageAllocator` of a paged pool, saved with its state.
-    tokens: token ids the caches hold, per batch row (list of lists) or per
-      sequence id (dict), for `resume` / `reusable_length`.
+    tokens: token ids the caches hold, per batch row (list of lists) or per sequence id (dict), for
+      `resume` / `reusable_length`.
     extra: more JSON-serialisable metadata.
 
   Raises:
     ValueError: `path` exists.
-    TypeError: metadata that is not JSON-serialisable (nothing restorable is
-      left at `path`).
+    TypeError: metadata that is not JSON-serialisable (nothing restorable is left at `path`).
   """
   ocp = _ocp()
   path = os.path.abspath(os.fspath(path))
@@ -297,8 +256,8 @@ def restore_caches(path: str | os.PathLike, like: Any
 
   Args:
     path: the checkpoint directory.
-    like: caches of the saved kinds, shapes and dtypes (contents ignored),
-      one or a tuple/list as saved; restored arrays go to `like`'s devices.
+    like: caches of the saved kinds, shapes and dtypes (contents ignored), one or a tuple/list as
+      saved; restored arrays go to `like`'s devices.
 
   Returns:
     `(caches, allocator or None, tokens or None)`: caches in `like`'s form
@@ -306,12 +265,11 @@ def restore_caches(path: str | os.PathLike, like: Any
     ids (list of rows, or dict by sequence id).
 
   Raises:
-    ValueError: an incomplete checkpoint (interrupted save), one whose cache
-      kinds, leaves, shapes or dtypes differ from `like` (the message names
-      the first difference), or one whose values break a cache's, the
-      allocator's or the tokens' invariants (`check_values`,
-      `check_allocator_state`; the message names the layer and leaf). Nothing
-      of such a checkpoint is returned.
+    ValueError: an incomplete checkpoint (interrupted save), one whose cache kinds, leaves, shapes
+      or dtypes differ from `like` (the message names the first difference), or one whose values
+      break a cache's, the allocator's or the tokens' invariants (`check_values`,
+      `check_allocator_state`; the message names the layer and leaf). Nothing of such a checkpoint
+      is returned.
   """
   ocp = _ocp()
   path = os.path.abspath(os.fspath(path))
@@ -372,12 +330,6 @@ def check_values(caches: Sequence[Any], allocator: PageAllocator | None = None,
                  tokens: Any = None) -> None:
   """Checks restored per-layer `caches` against themselves, `allocator` and `tokens`.
 
-  Each cache's `check_state(f"layer {i}")` (a kind without one: `lengths >= 0`);
-  pages of paged caches shared by block-table rows at most as often as `allocator`
-  gives them to live sequences (once without an allocator; never a free page),
-  pools of the allocator's sizes; per-row `tokens` (a list) as many as each
-  cache's `lengths`.
-
   Raises:
     ValueError: naming the layer, leaf and entry.
   """
@@ -391,7 +343,7 @@ def check_values(caches: Sequence[Any], allocator: PageAllocator | None = None,
   if allocator is not None:
     holders = collections.Counter(p for s in allocator.live for p in allocator.pages(s))
   for i, cache in enumerate(caches):
-    if isinstance(cache, PagedKVCache):
+    if capabilities.paged(cache):
       _check_shared_pages(f"layer {i}", cache, allocator, holders)
   if isinstance(tokens, list):
     for i, cache in enumerate(caches):
@@ -407,7 +359,7 @@ def check_values(caches: Sequence[Any], allocator: PageAllocator | None = None,
                            f"{int(lengths[b])}")
 
 
-def _check_shared_pages(name: str, cache: PagedKVCache, allocator: PageAllocator | None,
+def _check_shared_pages(name: str, cache: Any, allocator: PageAllocator | None,
                         holders: collections.Counter | None) -> None:
   if allocator is not None and (allocator.num_pages, allocator.page_size) != (
       cache.num_pages, cache.page_size):

@@ -1,39 +1,4 @@
-"""Functional KV caches: registered pytrees with pure update functions.
-
-Every cache here is a `flax.struct.dataclass`: its arrays are pytree leaves and
-its sizes and dtypes are read from those arrays, so a cache passes through
-`jax.jit`, `lax.scan` and `lax.while_loop` as data, and a jitted step that
-donates the old cache lets XLA write the new one in place. `KVCache`
-implements `kvattn.caches.protocol.GQACache` and `LatentCache` `MLACache`: the
-attention modules write with `update` and read with `attend`, which calls the
-`kvattn.ops` dispatch point of the layout.
-
-Slot convention (DESIGN.md): sequence b occupies slots `[0, lengths[b])`;
-slots past that may hold anything (zeros, 1e30, NaN) and never change a
-result. An update writes token t of sequence b to slot `lengths[b] + t` for
-`t < new_lengths[b]` (right padding: tokens at `t >= new_lengths[b]` are not
-written and do not advance `lengths`).
-
-Overflow (a write past `max_len`) never wraps and never clamps onto other
-slots:
-  * when `lengths` and `new_lengths` are concrete (eager calls), `update`
-    raises `ValueError` before writing;
-  * under `jit`, tokens that do not fit are dropped (scatter `mode='drop'`)
-    and `lengths` still advances past `max_len`, so `cache.overflowed` (`lengths
-    > max_len`) is a sticky per-sequence flag: lengths never decrease. The
-    same condition is a `checkify.debug_check`, so a function transformed by
-    `jax.experimental.checkify.checkify` reports it as an error.
-    `kvattn.generate` validates prompt length + new tokens against `max_len`
-    up front, so generation never overflows.
-
-Quantized storage: `KVCache.init` and `LatentCache.init` also take the 1-byte
-dtypes int8, float8_e4m3fn and float8_e5m2 (`kvattn.ops.quant`). Such a cache
-stores values in that dtype plus f32 scales, one per token per KV head (per
-token for each MLA part), and `update` quantizes on write (absmax scaling,
-`kvattn.ops.quantize_kv`); readers pass the scales to the attention ops, which
-apply them inside the computation. Float caches have `None` scales, so their
-pytree leaves are unchanged.
-"""
+"""Functional KV caches: registered pytrees with pure update functions."""
 
 from __future__ import annotations
 
@@ -48,6 +13,8 @@ from jax.experimental import checkify
 from kvattn import _checks
 from kvattn import ops
 from kvattn.caches import _slots
+from kvattn.caches import capabilities
+from kvattn.caches import registry
 from kvattn.caches.protocol import Expand
 from kvattn.ops import quant
 
@@ -95,9 +62,8 @@ def resolve_new_lengths(new_lengths, batch: int, num_tokens: int) -> jax.Array:
 
 
 def check_new_kv(cache: Any, k_new: Any, v_new: Any, new_lengths: Any) -> jax.Array:
-  """The arguments of a GQA cache's `update`: `k_new, v_new: [B, T, K, H]` floating, with
-  the cache's B, K, H, and `new_lengths` (`resolve_new_lengths`); returns `new_lengths`
-  as `i32[B]`.
+  """The arguments of a GQA cache's `update`: `k_new, v_new: [B, T, K, H]` floating, with the
+  cache's B, K, H, and `new_lengths` (`resolve_new_lengths`); returns `new_lengths` as `i32[B]`.
 
   Raises:
     ValueError, TypeError: naming the argument.
@@ -124,14 +90,7 @@ def write_tokens(
     *,
     slot_axis: int,
 ) -> jax.Array:
-  """Scatters T new tokens per sequence into slots `lengths[b] + t`.
-
-  Tokens with `t >= new_lengths[b]` and tokens whose slot is `>= S` are
-  dropped (never wrapped or clamped), and so are negative slots (a shard of the
-  slot axis passes `lengths` minus its first slot). `new` is `[B, T, *rest]` where `rest` is
-  buffer's shape without the batch and slot axes. The cast to buffer's dtype
-  happens here.
-  """
+  """Scatters T new tokens per sequence into slots `lengths[b] + t`."""
   batch, num_tokens = new.shape[:2]
   capacity = buffer.shape[slot_axis]
   t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
@@ -144,14 +103,7 @@ def write_tokens(
 
 
 def advance_lengths(lengths: jax.Array, new_lengths: jax.Array, capacity: int) -> jax.Array:
-  """Returns `lengths + new_lengths`, enforcing the overflow contract above.
-
-  Eager (concrete lengths), before anything is written: the cache's `lengths` must
-  lie in `[0, capacity]` (a state built with `.replace` or read from elsewhere;
-  a negative length would drop the written tokens) and the sum must not pass
-  `capacity`. Under jit neither is checked here: the sum advances and
-  `overflowed` flags the row.
-  """
+  """Returns `lengths + new_lengths`, enforcing the overflow contract above."""
   _checks.values_in_range("cache lengths", lengths, 0, capacity)
   if _checks.is_concrete(lengths) and _checks.is_concrete(new_lengths):
     end = np.asarray(lengths) + np.asarray(new_lengths)
@@ -170,17 +122,17 @@ slot_positions = _slots.slot_positions  # token t in slot t (used by the paged k
 
 
 @struct.dataclass
-class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback):
+class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback, capabilities.Rows,
+              capabilities.TruncateByLengths):
   """Dense KV cache of one attention layer (MHA, GQA or MQA).
 
   Attributes:
-    k: `[B, K, S, H]` keys, head-major (each (b, k) sequence is contiguous),
-      RoPE already applied.
+    k: `[B, K, S, H]` keys, head-major (each (b, k) sequence is contiguous), RoPE already applied.
     v: `[B, K, S, H]` values.
-    lengths: `i32[B]` valid tokens per sequence; may exceed S only after an
-      overflow under jit (see `overflowed`).
-    k_scale: `f32[B, K, S]` per-token per-head key scales when `k` is int8 or
-      fp8 (key `k[b, h, s] * k_scale[b, h, s]`), else None.
+    lengths: `i32[B]` valid tokens per sequence; may exceed S only after an overflow under jit (see
+      `overflowed`).
+    k_scale: `f32[B, K, S]` per-token per-head key scales when `k` is int8 or fp8 (key `k[b, h, s] *
+      k_scale[b, h, s]`), else None.
     v_scale: `f32[B, K, S]` value scales likewise, else None.
   """
 
@@ -194,9 +146,6 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback):
   def init(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
            dtype=jnp.float32) -> "KVCache":
     """An empty cache: zeros, `lengths == 0`.
-
-    `dtype` may be a float dtype or int8 / float8_e4m3fn / float8_e5m2, which
-    store values quantized with `f32[B, K, S]` scales (initialised to 1).
 
     Raises:
       ValueError: a size that is not a positive int.
@@ -223,9 +172,8 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback):
     """Writes T new tokens per sequence at each sequence's own offset.
 
     Args:
-      k_new: `[B, T, K, H]` keys (RoPE applied), any float dtype (cast to the
-        cache dtype; quantized with one scale per token and head for an
-        int8/fp8 cache).
+      k_new: `[B, T, K, H]` keys (RoPE applied), any float dtype (cast to the cache dtype; quantized
+        with one scale per token and head for an int8/fp8 cache).
       v_new: `[B, T, K, H]` values.
       new_lengths: `i32[B]` real tokens per sequence among the T (default T).
 
@@ -233,20 +181,18 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback):
       The updated cache; `lengths` grows by `new_lengths`.
 
     Raises:
-      ValueError: wrong shapes, `new_lengths` outside [0, T], or (when lengths
-        are concrete) cache `lengths` outside [0, max_len] or a write past
-        `max_len`. Under jit: see the module doc (dropped tokens, `overflowed`).
+      ValueError: wrong shapes, `new_lengths` outside [0, T], or (when lengths are concrete) cache
+        `lengths` outside [0, max_len] or a write past `max_len`. Under jit: see the module doc
+        (dropped tokens, `overflowed`).
       TypeError: non-floating `k_new` / `v_new`.
     """
     return self.update_unchecked(k_new, v_new, check_new_kv(self, k_new, v_new, new_lengths))
 
   def update_unchecked(self, k_new: jax.Array, v_new: jax.Array,
                        new_lengths: jax.Array) -> "KVCache":
-    """`update` for callers that checked its arguments (`k_new, v_new: [B, T, K, H]`
-    floating of this cache's sizes, `new_lengths: i32[B]` in [0, T]): kvattn's modules,
-    through `cache_protocol.update_attend`. The cache's own state is still checked
-    (eager `lengths` and overflow, `advance_lengths`). A subclass that writes
-    otherwise (the sharded cache) overrides this, and `update` reaches it too."""
+    """`update` for callers that checked its arguments (`k_new, v_new: [B, T, K, H]` floating
+    of this cache's sizes, `new_lengths: i32[B]` in [0, T]): kvattn's modules, through
+    `cache_protocol.update_attend`."""
     lengths = advance_lengths(self.lengths, new_lengths, self.max_len)  # raises first
     return self._write(k_new, v_new, new_lengths, lengths)
 
@@ -268,12 +214,7 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback):
       soft_cap: float | None = None,
       implementation: str | None = None,
   ) -> jax.Array:
-    """`GQACache.attend` (`kvattn.caches.protocol`): `[B, T, N, H]` in q's dtype.
-
-    T == 1 through `kvattn.ops.decode_attention` (backend `implementation`),
-    T > 1 through `kvattn.ops.attention`; a quantized cache's scales are
-    applied inside the ops.
-    """
+    """`GQACache.attend` (`kvattn.caches.protocol`): `[B, T, N, H]` in q's dtype."""
     opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap, **self.scale_kwargs())
     if q.shape[1] == 1:
       return ops.decode_attention(q[:, 0], self.k, self.v, self.lengths,
@@ -296,10 +237,6 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback):
       implementation: str | Sequence[str] | None = None,
   ) -> tuple[jax.Array, "KVCache"]:
     """One attention step (`cache_protocol.update_attend`): `(out [B, T, N, H], new_cache)`.
-
-    Checks `k`, `v` and `new_lengths` as `update` does, then
-    `update_attend_unchecked` (where the step is described). `q, k, v` come before
-    RoPE; the other arguments are the module's (`cache_protocol.update_attend`).
 
     Raises:
       ValueError, TypeError: as `update` and `ops.decode_attention` (shapes,
@@ -326,20 +263,7 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback):
       soft_cap: float | None = None,
       implementation: str | Sequence[str] | None = None,
   ) -> tuple[jax.Array, "KVCache"]:
-    """`update_attend` for callers that checked `k`, `v`, `new_lengths` (the modules).
-
-    RoPE at `positions`, `update`, then `attend` -- except a decode step (T ==
-    1) whose backend takes the newest token apart (the dispatcher says so:
-    `ops.dispatch.appends_newest(implementation)`, the XLA backends), which
-    attends THIS cache, from before the write, with the new token's key and
-    value given apart (`ops.decode_attention(..., k_new=, v_new=)`, one softmax
-    over both, so the same result). Nothing then reads the buffer the write
-    updates in place: at batch 1 XLA:CPU otherwise fused the write twice (once
-    into the shape the attention read, without the unit batch axis) and copied
-    each layer's K and V four times per step inside the decode loop
-    (docs/benchmarks.md). A subclass that overrides `update_unchecked` or
-    `attend` (a sharded cache) gets plain update-then-attend.
-    """
+    """`update_attend` for callers that checked `k`, `v`, `new_lengths` (the modules)."""
     rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
     q, k = ops.apply_rope(q, positions, **rope), ops.apply_rope(k, positions, **rope)
     opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap)
@@ -370,15 +294,9 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback):
 
 
 @struct.dataclass
-class LatentCache(_slots.TokenSlots, _slots.LengthsRollback):
+class LatentCache(_slots.TokenSlots, _slots.LengthsRollback, capabilities.Rows,
+                  capabilities.TruncateByLengths):
   """Latent cache of one MLA layer (DeepSeek-V2, arXiv 2405.04434, §2.1.2-2.1.3).
-
-  Instead of per-head keys and values, MLA caches per token one compressed
-  latent `c_kv` (width C = `kv_lora_rank`, RMSNorm already applied) and one
-  decoupled RoPE key `k_rope` (width R = `qk_rope_head_dim`, RoPE already
-  applied) shared by every head: `(C + R) * itemsize` bytes per token per
-  layer. Update semantics (slots, `new_lengths`, overflow) are those of
-  `KVCache`; see the module docstring.
 
   Attributes:
     c_kv: `[B, S, C]` normalised KV latents.
@@ -397,13 +315,15 @@ class LatentCache(_slots.TokenSlots, _slots.LengthsRollback):
   c_kv_scale: jax.Array | None = None
   k_rope_scale: jax.Array | None = None
 
+  def logical_axes(self):
+    """Rows `[B, S, ...]`: batch, then the slots."""
+    return {n: (capabilities.BATCH, capabilities.SEQ)[:a.ndim] + (None,) * (a.ndim - 2)
+            for n, a in capabilities._arrays(self).items()}  # pylint: disable=protected-access
+
   @classmethod
   def init(cls, batch: int, max_len: int, kv_lora_rank: int, qk_rope_head_dim: int,
            dtype=jnp.float32) -> "LatentCache":
     """An empty cache: zeros, `lengths == 0`.
-
-    `dtype` may be a float dtype or int8 / float8_e4m3fn / float8_e5m2 (then
-    `f32[B, S]` scales for each part, initialised to 1).
 
     Raises:
       ValueError: a size that is not a positive int.
@@ -489,12 +409,7 @@ class LatentCache(_slots.TokenSlots, _slots.LengthsRollback):
       window: int | None = None,
       implementation: str | None = None,
   ) -> jax.Array:
-    """`MLACache.attend` (`kvattn.caches.protocol`), absorbed: `[B, T, N, C]`.
-
-    T == 1 through `kvattn.ops.mla_decode_attention` (backend
-    `implementation`), T > 1 through `kvattn.ops.mla_attention`; a quantized
-    cache's scales are applied inside the ops.
-    """
+    """`MLACache.attend` (`kvattn.caches.protocol`), absorbed: `[B, T, N, C]`."""
     opts = dict(sm_scale=sm_scale, window=window, **self.scale_kwargs())
     if q_latent.shape[1] == 1:
       return ops.mla_decode_attention(q_latent[:, 0], q_rope[:, 0], self.c_kv, self.k_rope,
@@ -520,3 +435,12 @@ class LatentCache(_slots.TokenSlots, _slots.LengthsRollback):
     k, v = expand(c_kv, k_rope)
     return ops.attention(q, k, v, q_offsets=q_offsets, kv_lengths=self.lengths,
                          sm_scale=sm_scale, window=window)
+
+
+def _build(model, batch, max_len, dtype, options, tokens_per_seq):
+  del options, tokens_per_seq
+  return tuple(layer.attn.init_cache(batch, max_len, dtype) for layer in model.layers)
+
+
+registry.register_cache_kind("dense", registry.CacheKind(
+    _build, {}, "KVCache / LatentCache of max_len (layer.attn.init_cache)"))

@@ -1,11 +1,10 @@
 """Score-based eviction: a fixed budget of slots per sequence and KV head.
 
-`EvictingKVCache` keeps, per sequence and KV head, `budget` tokens chosen by an
-eviction policy; keys keep the RoPE of their original position (as in H2O and
-SnapKV). A policy is one entry of `POLICY_TABLE`, an `EvictionPolicy`: its
-score function (higher is kept), which queries' attention feeds it, and its
-options (kvpress's `ScorerPress.score` is the model: the cache does the top-k,
-the gather and the protected windows once). Policies:
+`EvictingKVCache` keeps, per sequence and KV head, `budget` tokens chosen by an eviction policy;
+keys keep the RoPE of their original position (as in H2O and SnapKV). A policy is one entry of
+`POLICY_TABLE`, an `EvictionPolicy`: its score function (higher is kept), which queries' attention
+feeds it, and its options (kvpress's `ScorerPress.score` is the model: the cache does the top-k, the
+gather and the protected windows once). Policies:
   - "h2o" (Zhang et al. 2023, arXiv 2306.14048): attention mass accumulated per
     slot over every query since the token arrived; keep the heavy hitters plus
     the `recent_size` most recent tokens;
@@ -17,10 +16,9 @@ the gather and the protected windows once). Policies:
     attends most;
   - baselines "recent", "random", "knorm" (keep the smallest key L2 norms,
     kvpress's KnormPress).
-Scores of a KV head are the sum over its G query heads (the cache is never
-expanded to N heads). Every policy may protect `num_sinks` first tokens.
-Candidates are the kept slots plus the new chunk: each chunk attends all of
-them (exact for that chunk), then the budget is chosen among them, so no
+Scores of a KV head are the sum over its G query heads (the cache is never expanded to N heads).
+Every policy may protect `num_sinks` first tokens. Candidates are the kept slots plus the new chunk:
+each chunk attends all of them (exact for that chunk), then the budget is chosen among them, so no
 `[S, S]` matrix is built.
 """
 
@@ -35,6 +33,8 @@ import numpy as np
 from flax import struct
 
 from kvattn import _checks
+from kvattn.caches import registry
+from kvattn.caches._layers import gqa_layers
 from kvattn.caches import dense as cache_lib
 from kvattn.caches._bounded import (BoundedCache, check_implementation, check_lengths, concat,
                                     empty_storage, encode_new, float_keys, new_positions, prelude,
@@ -129,7 +129,7 @@ POLICY_TABLE: dict[str, EvictionPolicy] = {
                             protected="recent_size"),
 }
 """Policy name -> `EvictionPolicy`. A new policy is a score function and one entry
-(`kvattn.caches.registry.register_eviction_policy` also makes it a cache kind)."""
+(`register_eviction_policy` also makes it a cache kind)."""
 
 POLICIES = tuple(POLICY_TABLE)
 """The eviction policies when this module was imported (the table may grow)."""
@@ -176,17 +176,12 @@ def _policy_options(policy: str, budget: int, options: dict[str, Any]) -> tuple:
 class EvictingKVCache(BoundedCache):
   """A fixed budget of slots per sequence and KV head, filled by an eviction policy.
 
-  Each KV head of each sequence keeps its own `budget` tokens (policies in the
-  module doc), stored sorted by original position; keys keep the RoPE of
-  their original position, and attention masks by it (causality, windows).
-
   Attributes:
     k: `[B, K, budget, H]` keys, RoPE'd at their original positions.
     v: `[B, K, budget, H]` values.
     pos: `i32[B, K, budget]` original token index per slot, -1 for none.
-    scores: `f32[B, K, budget]` the policy's score of each kept slot
-      (accumulated attention mass for h2o / snapkv, the newest query's mass
-      for tova).
+    scores: `f32[B, K, budget]` the policy's score of each kept slot (accumulated attention mass for
+      h2o / snapkv, the newest query's mass for tova).
     lengths: `i32[B]` tokens written per sequence (grows past the budget).
     k_scale, v_scale: `f32[B, K, budget]` scales of an int8/fp8 cache, else None.
     policy: static policy name.
@@ -203,14 +198,12 @@ class EvictingKVCache(BoundedCache):
   policy: str = struct.field(pytree_node=False, default="h2o")
   options: tuple = struct.field(pytree_node=False, default=())
 
+  ROW_EMPTY = {"pos": -1, "scores": 0.0, "k": 0, "v": 0, "k_scale": 1.0, "v_scale": 1.0}
+
   @classmethod
   def init(cls, batch: int, budget: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32,
            *, policy: str, **policy_options) -> "EvictingKVCache":
     """An empty cache of `budget` slots per sequence and KV head.
-
-    Options (module doc): `num_sinks` (all policies, default 0), `recent_size`
-    (h2o: default budget // 2; tova, knorm: default 0), `window_size` and
-    `kernel_size` (snapkv: default min(32, budget // 2) and 5), `seed` (random).
 
     Raises:
       ValueError: an unknown policy or option, budget < num_sinks + 1, protected
@@ -330,9 +323,8 @@ class EvictingKVCache(BoundedCache):
 
   def update(self, k_new: jax.Array, v_new: jax.Array,
              new_lengths: jax.Array | None = None) -> "EvictingKVCache":
-    """Writes `k_new, v_new: [B, T, K, H]` (keys RoPE'd) for `t < new_lengths[b]`,
-    evicting by the policy with no query scores for the new tokens (`update_attend`
-    supplies them)."""
+    """Writes `k_new, v_new: [B, T, K, H]` (keys RoPE'd) for `t < new_lengths[b]`, evicting by
+    the policy with no query scores for the new tokens (`update_attend` supplies them)."""
     return self.update_unchecked(k_new, v_new,
                                  cache_lib.check_new_kv(self, k_new, v_new, new_lengths))
 
@@ -375,3 +367,42 @@ class EvictingKVCache(BoundedCache):
                                                                             num_tokens),
         **scale_kwargs(concat(self.k_scale, ks), concat(self.v_scale, vs)))
     return out, self._select(kq, vq, ks, vs, new_lengths, mass)
+
+
+def eviction_kind(policy: str) -> registry.CacheKind:
+  """The `CacheKind` of `EvictingKVCache(policy=policy)`: `budget` slots per KV head."""
+
+  def build(model, batch, max_len, dtype, o, tokens_per_seq):
+    del max_len, tokens_per_seq  # bounded: the capacity is the budget
+    options = {k: v for k, v in o.items() if k != "budget" and v is not None}
+    return tuple(EvictingKVCache.init(batch, o["budget"], a.num_kv_heads, a.head_dim, dtype,
+                                      policy=policy, **options)
+                 for a in gqa_layers(model))
+
+  return registry.CacheKind(
+      build, {"budget": registry.REQUIRED, "num_sinks": None,
+              **{o: None for o in policy_options(policy)}},
+      f"EvictingKVCache(policy={policy!r}): `budget` slots per KV head",
+      at_budget=lambda budget, num_sinks: {"budget": budget})
+
+
+def register_eviction_policy(name: str, policy: EvictionPolicy) -> None:
+  """Adds an eviction policy to `POLICY_TABLE` and its cache kind `name` to the registry.
+
+  Raises:
+    ValueError: `name` empty or taken (as a policy or a cache kind).
+    TypeError: `policy` is not an `EvictionPolicy`.
+  """
+  if not isinstance(name, str) or not name or name in POLICY_TABLE:
+    raise ValueError(f"policy name must be a new non-empty string; got {name!r} (taken: "
+                     f"{tuple(POLICY_TABLE)})")
+  if not isinstance(policy, EvictionPolicy):
+    raise TypeError(f"policy must be an EvictionPolicy; got {type(policy).__name__}")
+  if name in registry.CACHE_KIND_TABLE:
+    raise ValueError(f"cache kind {name!r} is taken")
+  POLICY_TABLE[name] = policy
+  registry.register_cache_kind(name, eviction_kind(name))
+
+
+for _name in POLICIES:
+  registry.register_cache_kind(_name, eviction_kind(_name))

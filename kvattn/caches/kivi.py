@@ -7,54 +7,11 @@ zero point per token over groups of `group_size` channels), both asymmetric (min
 the newest tokens stay in the compute dtype and are flushed into the quantized store one
 group of `group_size` tokens at a time (KIVI's algorithm 1; the paper's R is `residual`).
 
-`KIVICache` is a `GQACache` (`kvattn.caches.protocol`); the registry names it `kivi2` and
-`kivi4` (options `group_size` = 32, `residual` = 128, `pre_rope` = False, `scale_dtype` =
-"float16"). Layout of one layer (B sequences, K KV heads, head width H, capacity S):
-
-  * quantized store of `Sq = group_size * max(0, (S - residual) // group_size)` token slots
-    (the most tokens ever flushed when at most S are held); token s in slot s:
-      `k_codes, v_codes: u8[B, K, Sq, H * bits / 8]` (codes packed along H, `8 // bits` per
-      byte, `kvattn.ops.lowbit.pack_codes`),
-      `k_scale, k_zero: [B, K, Sq / group_size, H]` (per channel per token group),
-      `v_scale, v_zero: [B, K, Sq, H / value_group]` (per token, `value_group =
-      min(group_size, H)` channels each), all in `scale_dtype`;
-  * residual ring `k_res, v_res: [B, K, Rb, H]` in the compute dtype, `Rb = min(residual +
-    group_size - 1, S)` slots: token t in slot `t % Rb`. It holds tokens `[nq, n)` where n
-    = `min(lengths, S)` and `nq = group_size * max(0, (n - residual) // group_size)`: the
-    newest `residual` tokens plus the partly filled group.
-
-Bytes per token (`analytic_bytes_per_token`, what `kvattn.memory.measured_bytes_per_token`
-reads from the arrays): `(Sq * (2 H bits / 8 + 2 H s / group_size + 2 (H / value_group) s) +
-Rb * 2 H itemsize) / S` per KV head, with s the scale dtype's bytes.
-
-Writing (`update`): the tokens that complete a group beyond the residual are quantized and
-scattered into the store (a static number of candidate groups, `ceil(T / group_size)`, the
-unused ones dropped), the rest written into the ring; a chunk's tokens are gathered from
-the old ring and the chunk, so nothing is read after it is overwritten. Attention
-(`update_attend`, the module's step): the queries attend the cache from before the write --
-the store read block by block (`kvattn.ops.lowbit.blocked_attention`: each block's codes
-are unpacked and dequantized in f32 inside the loop, no dequantized copy of the store) and
-the ring -- plus the chunk's own keys and values in full precision (as KIVI does for the
-prompt), then the chunk is written. `attend` (after `update`) reads the store and the ring.
-
 Keys before RoPE (KVQuant, Hooper et al. 2024, arXiv 2401.18079): with `pre_rope=True` the
 store holds keys before RoPE and each dequantized block is rotated at its tokens' positions
 inside the loop (the queries at theirs). Key positions are the token indices, so this mode
 assumes the default positions (token t at position t, what `Transformer` and `generate`
 use); `update_attend` checks that eagerly. `update` then takes keys BEFORE RoPE.
-
-Backends (`implementation`): a decode step (T = 1) with "pallas" reads the store through
-`pallas_kernels.lowbit_decode` (the packed blocks dequantized in registers; interpret mode on
-CPU), None does so where the kernel compiles (GPU / TPU, `unsupported_reason`) and uses the
-XLA loop elsewhere, "xla" always uses the loop; the ring and the new token are merged with
-the kernel's output by log-sum-exp. Keys before RoPE have no kernel ("pallas" raises
-NotImplementedError). Prefill chunks (T > 1) always take the XLA loop.
-
-Overflow: as the dense cache (eager ValueError; under jit tokens past S are dropped,
-`lengths` advances and `overflowed` flags the row; attention reads `min(lengths, S)`).
-MLA layers: the registry's `kivi2` / `kivi4` build `kivi_latent.KIVILatentCache` for a model
-whose layers are all MLA (the latent `c_kv` and `k_rope` at the same bits). The paged layout of
-this store is `paged_kivi.py`.
 """
 
 from __future__ import annotations
@@ -67,9 +24,12 @@ from flax import struct
 
 from kvattn import _checks
 from kvattn.caches import _residual
+from kvattn.caches import kivi_latent
+from kvattn.caches import registry
+from kvattn.caches._layers import cache_owners, gqa_layers
 from kvattn.ops import lowbit
 
-SCALE_DTYPES = ("float16", "bfloat16", "float32")
+SCALE_DTYPES = _residual.SCALE_DTYPES
 store_slots, ring_slots = _residual.store_slots, _residual.ring_slots
 
 
@@ -81,9 +41,8 @@ def value_group(group_size: int, head_dim: int) -> int:
 def analytic_bytes_per_token(*, max_len: int, num_kv_heads: int, head_dim: int, bits: int,
                              group_size: int, residual: int, dtype: Any,
                              scale_dtype: Any = "float16") -> float:
-  """Bytes per token slot of one layer's KIVI cache of capacity `max_len` (module doc):
-  packed codes, scales and zero points of the store plus the residual ring, divided by
-  `max_len`."""
+  """Bytes per token slot of one layer's KIVI cache of capacity `max_len` (module doc): packed
+  codes, scales and zero points of the store plus the residual ring, divided by `max_len`."""
   h, s = head_dim, jnp.dtype(scale_dtype).itemsize
   sq, rb = store_slots(max_len, residual, group_size), ring_slots(max_len, residual, group_size)
   per_store_slot = 2 * h * bits / 8 + 2 * h * s / group_size + 2 * (h // value_group(
@@ -189,9 +148,8 @@ class KIVICache(_residual.ResidualStoreCache):
         scale_dtype=self.k_scale.dtype)
 
   def read_block(self, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-    """Store slots `[offset, offset + size)` dequantized: f32 `(k, v)` `[B, K, size, H]`
-    (keys as stored). `offset` and `size` must be multiples
-    of `group_size`."""
+    """Store slots `[offset, offset + size)` dequantized: f32 `(k, v)` `[B, K, size, H]` (keys as
+    stored). `offset` and `size` must be multiples of `group_size`."""
     g = self.group_size
     sl = lambda x, o, n: jax.lax.dynamic_slice_in_dim(x, o, n, axis=2)
     return self._dequantize(sl(self.k_codes, offset, size), sl(self.k_scale, offset // g, size // g),
@@ -247,9 +205,7 @@ def build(bits: int):
 
   def _build(model, batch, max_len, dtype, options, tokens_per_seq):
     del tokens_per_seq
-    from kvattn.caches import registry  # pylint: disable=g-import-not-at-top  (imports this)
-    from kvattn.caches import kivi_latent  # pylint: disable=g-import-not-at-top  (imports this)
-    attns = [layer.attn for layer in registry.cache_owners(model).layers]
+    attns = [layer.attn for layer in cache_owners(model).layers]
     if any(hasattr(a, "kv_lora_rank") for a in attns):
       if options["pre_rope"]:
         raise ValueError("cache.pre_rope must be False for an MLA model (its shared RoPE key "
@@ -267,10 +223,16 @@ def build(bits: int):
         group_size=options["group_size"], residual=options["residual"],
         pre_rope=options["pre_rope"], scale_dtype=options["scale_dtype"],
         rope_theta=a.rope_theta, rope_scaling=a.rope_scaling)
-                 for a in registry.gqa_layers(model))
+                 for a in gqa_layers(model))
 
   return _build
 
 
 OPTIONS = {"group_size": 32, "residual": 128, "pre_rope": False, "scale_dtype": "float16"}
 """The registry options of `kivi2` / `kivi4` and their defaults (KIVI's G = 32, R = 128)."""
+
+
+for _bits in (2, 4):
+  registry.register_cache_kind(f"kivi{_bits}", registry.CacheKind(
+      build(_bits), OPTIONS, f"KIVICache: {_bits}-bit keys per channel / values per token, "
+      f"`residual` newest tokens in full precision", float_only=True))

@@ -7,46 +7,6 @@ cache stores both as KIVI does keys (Liu et al. 2024, arXiv 2402.02750): asymmet
 tokens, packed into `uint8` along the channels (`8 // bits` per byte), and the newest
 `residual` tokens (plus the partly filled group) in a ring in the compute dtype, flushed into
 the store a group at a time (`_residual.ResidualStoreCache`'s writing, with one "KV head").
-
-Why per channel (not per token, KIVI's choice for values): in the absorbed decode `c_kv` is
-the key (`q_latent . c_kv`) as well as the value, and its channels carry the latent
-RMSNorm's learned per-channel gain, so channel magnitudes differ by a fixed factor: one scale
-per channel absorbs it exactly, while a per-token scale over a group of channels would spend
-its levels on the largest gain of the group. `k_rope` is a RoPE'd key: KIVI's keys, per
-channel. Both parts use the same `bits`.
-
-Layout of one layer (B sequences, capacity S; the axis of size 1 is the latent's single
-shared "head", so the store machinery of the GQA kinds applies unchanged):
-
-  * store of `Sq = g * max(0, (S - residual) // g)` slots, token s in slot s:
-      `k_codes: u8[B, 1, Sq, C * bits / 8]` (c_kv), `v_codes: u8[B, 1, Sq, R * bits / 8]`
-      (k_rope), `k_scale, k_zero: [B, 1, Sq / g, C]`, `v_scale, v_zero: [B, 1, Sq / g, R]` in
-      `scale_dtype` (f16 by default);
-  * ring `k_res: [B, 1, Rb, C]`, `v_res: [B, 1, Rb, R]` in the compute dtype, `Rb = min(residual
-    + g - 1, S)`, token t in slot `t % Rb` (tokens `[nq, min(lengths, S))`).
-
-(`k_*` hold `c_kv`, `v_*` hold `k_rope`: the field names of the shared machinery.)
-
-Bytes per token slot (`analytic_bytes_per_token`, equal to `kvattn.memory
-.measured_bytes_per_token`): `(Sq ((C + R) bits / 8 + 2 (C + R) s / g) + Rb (C + R) itemsize)
-/ S` with s the scale dtype's bytes.
-
-Attention (after `update`, the `MLACache` protocol):
-  * `attend` (absorbed, DeepSeek-V2 appendix C; the MLA module's decode step): the queries
-    `[q_latent, q_rope]` against keys `[c_kv, k_rope]` with values `c_kv`, the store read
-    block by block by `kvattn.ops.lowbit.blocked_attention` (each block's codes unpacked and
-    dequantized in f32 inside the loop: the compiled decode holds no dequantized copy of the
-    store), then the ring. Backends: None or "xla" (that loop); others raise
-    NotImplementedError (no Pallas kernel reads a latent store yet).
-  * `attend_expanded` (the naive path, prefill chunks): the latents dequantized in token order
-    (`latents`, a copy: as the int8 latent cache does), expanded by the module, then
-    `ops.attention`.
-  A chunk's tokens are written first and read back as stored (the MLA protocol's order; the
-  GQA kinds' prefill attends its chunk in full precision instead).
-
-`latent_attention_reference` is the plain-jnp reference of `attend` on dequantized latents.
-Registry: kinds `kivi2` / `kivi4` build this cache for MLA layers (`pre_rope` must be False:
-`k_rope` arrives RoPE'd). Overflow as the dense cache.
 """
 
 from __future__ import annotations
@@ -60,7 +20,6 @@ from flax import struct
 from kvattn import _checks
 from kvattn.caches import _residual
 from kvattn.caches import dense as dense_lib
-from kvattn.caches import kivi
 from kvattn.ops import lowbit
 
 LATENT_BACKENDS = (None, "xla")
@@ -140,9 +99,9 @@ class KIVILatentCache(_residual.ResidualStoreCache):
         raise ValueError(f"{name} must be a multiple of 8 // bits = {8 // bits} to pack "
                          f"{bits}-bit codes; got {width}")
     dtype = _residual.check_float_dtype(dtype)
-    if str(scale_dtype) not in kivi.SCALE_DTYPES and (
-        jnp.dtype(scale_dtype).name not in kivi.SCALE_DTYPES):
-      raise ValueError(f"scale_dtype must be one of {kivi.SCALE_DTYPES}; got {scale_dtype!r}")
+    if str(scale_dtype) not in _residual.SCALE_DTYPES and (
+        jnp.dtype(scale_dtype).name not in _residual.SCALE_DTYPES):
+      raise ValueError(f"scale_dtype must be one of {_residual.SCALE_DTYPES}; got {scale_dtype!r}")
     sdt = jnp.dtype(scale_dtype)
     sq = _residual.store_slots(max_len, residual, group_size)
     rb = _residual.ring_slots(max_len, residual, group_size)

@@ -1,54 +1,11 @@
 """A cache that switches a sequence from K KV heads to fewer pooled heads past a length.
 
-The "hybrid attention" of this project's source material: short sequences attend
-with all K KV heads, long ones with `num_kv_heads_after` = K' heads, each the
-mean of a group of K / K' heads -- the GQA paper's conversion (Ainslie et al.
-2023, arXiv 2305.13245, §2.1, `kvattn.models.convert.regroup_kv_heads`) applied to
-the cache at run time. Query head n reads KV head n // G before the switch and
-pooled head n // G' after it (G = N / K, G' = N / K'; contiguous groups, so
-pooled head j merges heads `[j f, (j + 1) f)`, f = K / K', and the query
-groups line up).
-
-`LengthSwitchKVCache` (a `kvattn.caches.protocol.GQACache`) holds two segments
-with static shapes:
-  * the full segment `k, v: [B, K, switch_length, H]`: tokens
-    `0 .. switch_length - 1` with all K heads;
-  * the pooled segment `k_pooled, v_pooled: [B, K', S, H]` (S = capacity):
-    every token with the pooled heads, `mean_i k[j f + i]`.
-
-The switch, per sequence: the first `switch_length` tokens of a sequence
-attend the full segment; token `switch_length` and every later one (the query
-of a sequence that then holds more than `switch_length` tokens) attend the
-pooled segment. Each sequence switches at its own length, inside the jitted
-step: a `lax.switch` picks, from the lengths, the attention that reads only
-the full segment (no row has switched), only the pooled one (every row has),
-or both with a per-row / per-query choice (a mixed batch, or a chunk that
-crosses the switch). Writes are scatters of the T new tokens into both
-segments (O(T) per step, in place under donation), so the conditional outputs
-only the attention result and XLA copies no segment; once every row of the
-batch has switched, a step reads the pooled segment and nothing of the full
-one (K / K' fewer cache bytes than the unswitched cache).
-
-Pooling: the pooled copy of each token is written when the token arrives, as
-the mean over its group of the RoPE'd keys (and of the values) written to the
-full segment, so at the switch the pooled segment's first `switch_length`
-slots are exactly the group means of the cached K and V (checked by the tests)
-and the switch moves no data. Projections after the switch: the model's own
-K/V projections pooled the same way. The layer still projects K heads and the
-cache averages them; projection and RoPE are linear, so
-`mean_i RoPE(x W_k[j f + i]) = RoPE(x mean_i W_k[j f + i])`, the key of the
-model `regroup_kv_heads(model, K')` (and likewise values and qkv biases): the
-tokens after the switch are written in that model's space, with no second set
-of kernels to keep in step with the layer and no change to `gqa.py`; the
-cache needs no `update_attend` member either (the module's default step of
-`cache_protocol.update_attend`: RoPE at its positions, `update`, `attend`). (What is
-not saved: the K-head projection of the new token, `2 D K H` weights per
-layer and step instead of `2 D K' H`; a batch whose rows have not all
-switched needs them anyway.)
-
-Quantized storage (int8 / fp8) works as for `KVCache`: each segment stores
-values and one f32 scale per token per head; a pooled token is the mean of
-the group's unquantized keys, quantized once.
+The "hybrid attention" of this project's source material: short sequences attend with all K KV
+heads, long ones with `num_kv_heads_after` = K' heads, each the mean of a group of K / K' heads --
+the GQA paper's conversion (Ainslie et al. 2023, arXiv 2305.13245, §2.1,
+`kvattn.models.convert.regroup_kv_heads`) applied to the cache at run time. Query head n reads KV
+head n // G before the switch and pooled head n // G' after it (G = N / K, G' = N / K'; contiguous
+groups, so pooled head j merges heads `[j f, (j + 1) f)`, f = K / K', and the query groups line up).
 """
 
 from __future__ import annotations
@@ -63,6 +20,9 @@ from flax import struct
 
 from kvattn import _checks
 from kvattn.caches import _slots
+from kvattn.caches import capabilities
+from kvattn.caches import registry
+from kvattn.caches._layers import gqa_layers
 from kvattn.caches import dense as cache_lib
 
 # Phases of a step (the lax.switch index): which segment the queries read.
@@ -96,36 +56,28 @@ def check_switch(num_kv_heads: int, num_kv_heads_after: Any,
 
 
 def pool_heads(x: jax.Array, num_groups: int, axis: int) -> jax.Array:
-  """Mean of each contiguous group of heads along `axis` (K -> `num_groups` heads), in f32.
-
-  `x[..., K, ...]` -> `f32[..., num_groups, ...]`: pooled head j is the mean
-  of heads `[j f, (j + 1) f)`, f = K / num_groups (`regroup_kv_heads`' order).
-  """
+  """Mean of each contiguous group of heads along `axis` (K -> `num_groups` heads), in f32."""
   axis = axis % x.ndim
   shape = x.shape[:axis] + (num_groups, x.shape[axis] // num_groups) + x.shape[axis + 1:]
   return jnp.mean(x.astype(jnp.float32).reshape(shape), axis=axis + 1)
 
 
 @struct.dataclass
-class LengthSwitchKVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback):
+class LengthSwitchKVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback,
+                          capabilities.Rows):
   """K KV heads for the first `switch_length` tokens of a sequence, K' pooled heads after.
 
   Attributes:
-    k: `[B, K, switch_length, H]` the full segment's keys (RoPE'd), token t in
-      slot t for t < switch_length.
+    k: `[B, K, switch_length, H]` the full segment's keys (RoPE'd), token t in slot t for t <
+      switch_length.
     v: `[B, K, switch_length, H]` its values.
-    k_pooled: `[B, K', S, H]` every token's pooled key (mean of its group's
-      RoPE'd keys), token t in slot t.
+    k_pooled: `[B, K', S, H]` every token's pooled key (mean of its group's RoPE'd keys), token t in
+      slot t.
     v_pooled: `[B, K', S, H]` pooled values.
-    lengths: `i32[B]` tokens written per sequence (> `switch_length`: the
-      sequence has switched); exceeds S only after an overflow under jit.
-    k_scale, v_scale: `f32[B, K, switch_length]` scales of an int8/fp8 cache,
-      else None.
+    lengths: `i32[B]` tokens written per sequence (> `switch_length`: the sequence has switched);
+      exceeds S only after an overflow under jit.
+    k_scale, v_scale: `f32[B, K, switch_length]` scales of an int8/fp8 cache, else None.
     k_pooled_scale, v_pooled_scale: `f32[B, K', S]` likewise.
-
-  Sizes are read from the shapes: `switch_length`, `num_kv_heads` (K, what
-  the layer projects), `num_kv_heads_after` (K'), `capacity` (S). Bytes:
-  `B (K switch_length + K' S) 2 H itemsize` (+ scales), `storage_bytes()`.
   """
 
   k: jax.Array
@@ -149,17 +101,16 @@ class LengthSwitchKVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollb
       max_len: tokens one sequence can hold (S, the pooled segment's slots).
       num_kv_heads: K, the layer's KV heads (the full segment's).
       head_dim: H.
-      dtype: storage dtype: floating, or int8 / float8_e4m3fn / float8_e5m2
-        (values plus f32 scales).
-      switch_length: tokens a sequence holds with all K heads; its token
-        `switch_length` and later ones read the pooled heads. A positive int;
-        from `max_len` on the sequences never switch (the full segment has
-        `min(switch_length, max_len)` slots).
+      dtype: storage dtype: floating, or int8 / float8_e4m3fn / float8_e5m2 (values plus f32
+        scales).
+      switch_length: tokens a sequence holds with all K heads; its token `switch_length` and later
+        ones read the pooled heads. A positive int; from `max_len` on the sequences never switch
+        (the full segment has `min(switch_length, max_len)` slots).
       num_kv_heads_after: K' pooled heads; must divide K.
 
     Raises:
-      ValueError: a size (switch_length included) that is not a positive int;
-        `num_kv_heads_after` not dividing `num_kv_heads`.
+      ValueError: a size (switch_length included) that is not a positive int; `num_kv_heads_after`
+        not dividing `num_kv_heads`.
       TypeError: a dtype that is neither floating nor a quantized format.
     """
     batch = _checks.positive_int("batch", batch)
@@ -227,10 +178,6 @@ class LengthSwitchKVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollb
              new_lengths: jax.Array | None = None) -> "LengthSwitchKVCache":
     """Writes `k_new, v_new: [B, T, K, H]` (keys RoPE'd) for `t < new_lengths[b]`.
 
-    Token `lengths[b] + t` goes to that slot of the full segment when it is
-    below `switch_length`, and pooled (`pool_heads`) to that slot of the
-    pooled segment always: two scatters of T tokens.
-
     Raises:
       ValueError: wrong shapes, `new_lengths` outside [0, T], or (concrete
         lengths) a write past `capacity`, before anything is written.
@@ -290,15 +237,10 @@ class LengthSwitchKVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollb
   def attend(self, q: jax.Array, *, q_offsets: jax.Array, sm_scale: float | None = None,
              window: int | None = None, soft_cap: float | None = None,
              implementation: str | None = None) -> jax.Array:
-    """`GQACache.attend`: queries `q: [B, T, N, H]` (RoPE'd) at tokens
-    `q_offsets[b] + t`, after `update` wrote them; a query below `switch_length`
-    reads the K full heads, a later one the K' pooled heads (through the dense
-    dispatch points, `ops.decode_attention` for T == 1 with `implementation`).
-    Returns `[B, T, N, H]` in q's dtype.
-
-    The phase (module doc) is chosen in Python when the lengths are concrete,
-    by `lax.switch` under jit; the switch outputs only the result, so the
-    branch that runs once every row has switched reads only the pooled segment.
+    """`GQACache.attend`: queries `q: [B, T, N, H]` (RoPE'd) at tokens `q_offsets[b] + t`, after
+    `update` wrote them; a query below `switch_length` reads the K full heads, a later one the K'
+    pooled heads (through the dense dispatch points, `ops.decode_attention` for T == 1 with
+    `implementation`). Returns `[B, T, N, H]` in q's dtype.
     """
     _checks.rank("q", q, 4, "[B, T, N, H]")
     _checks.head_layout(q.shape[2], self.num_kv_heads)
@@ -310,3 +252,15 @@ class LengthSwitchKVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollb
     if _checks.is_concrete(self.lengths) and _checks.is_concrete(q_offsets):
       return branches[int(self.phase(q_offsets))](self, q, q_offsets)
     return jax.lax.switch(self.phase(q_offsets), branches, self, q, q_offsets)
+
+
+def _build(model, batch, max_len, dtype, o, tokens_per_seq):
+  del tokens_per_seq
+  return tuple(LengthSwitchKVCache.init(
+      batch, max_len, a.num_kv_heads, a.head_dim, dtype, switch_length=o["switch_length"],
+      num_kv_heads_after=o["num_kv_heads_after"]) for a in gqa_layers(model))
+
+
+registry.register_cache_kind("length_switch", registry.CacheKind(
+    _build, {"switch_length": registry.REQUIRED, "num_kv_heads_after": registry.REQUIRED},
+    "LengthSwitchKVCache: K heads up to switch_length, then num_kv_heads_after pooled heads"))

@@ -1,29 +1,10 @@
-"""Paged KV cache of one layer (PagedAttention).
-
-Kwon et al., "Efficient Memory Management for Large Language Model Serving
-with PagedAttention" (SOSP 2023): a contiguous per-request cache must reserve
-the maximum length for every request, and the paper measures 60-80% of such
-KV memory unused; storing the cache in fixed-size pages handed out on demand
-bounds the waste to less than one page per sequence (< 4% in their traces).
-
-`PagedKVCache` is the device pytree: page pools `k_pages, v_pages: [K, P,
-page_size, H]`, `block_tables: i32[B, pages_per_seq]` (logical page j of
-sequence b is physical page `block_tables[b, j]`; `NO_PAGE` = none) and
-`lengths: i32[B]`. Pure updates: `update` writes tokens through the block
-table, `assign_slot` / `release_slot` change one row. It implements
-`kvattn.caches.protocol.GQACache`: `attend` decodes through
-`kvattn.ops.paged_decode_attention`. The host-side `PageAllocator` that hands
-out the pages is in `kvattn.paging.allocator`; model-wide factories in
-`kvattn.caches.registry`.
-
-Slot convention, as for `kvattn.KVCache`: sequence b occupies slots
-`[0, lengths[b])`, capacity `pages_per_seq * page_size`; what the rest of its
-last page, unassigned table entries and free pages hold never changes a result.
-"""
+"""Paged KV cache of one layer: PagedAttention (Kwon et al., "Efficient Memory Management for
+Large Language Model Serving with PagedAttention", SOSP 2023)."""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +14,12 @@ from jax.experimental import checkify
 
 from kvattn import _checks
 from kvattn.caches import _slots
+from kvattn.caches import capabilities
 from kvattn.caches import dense as cache_lib
+from kvattn.caches import registry
+from kvattn.caches._layers import gqa_layers
 from kvattn import ops
-from kvattn.paging.allocator import NO_PAGE, pages_for
+from kvattn.paging.allocator import NO_PAGE, PageAllocator, pages_for
 from kvattn.ops import quant
 from kvattn.ops import xla_paged as paged_ops
 
@@ -64,22 +48,21 @@ def check_rows(name: str, tables: Any, lengths: Any, num_pages: int, page_size: 
 
 
 @struct.dataclass
-class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback):
+class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback, capabilities.Pages,
+                   capabilities.TruncateByLengths):
   """Paged KV cache of one attention layer (MHA, GQA or MQA).
 
   Attributes:
-    k_pages: `[K, P, page_size, H]` key page pool (RoPE applied), shared by
-      all sequences of the batch.
+    k_pages: `[K, P, page_size, H]` key page pool (RoPE applied), shared by all sequences of the
+      batch.
     v_pages: `[K, P, page_size, H]` value page pool.
-    block_tables: `i32[B, pages_per_seq]`: slot s of sequence b is slot
-      `s % page_size` of page `block_tables[b, s // page_size]`; entries
-      outside `[0, P)` (`NO_PAGE`) are unassigned.
-    lengths: `i32[B]` tokens written per sequence; exceeds what the row's
-      assigned pages hold (`assigned_slots`) only after an overflow under jit
-      (see `overflowed`).
-    k_scale_pages: `f32[K, P, page_size]` per-slot key scales when the pools
-      are int8/fp8 (`kvattn.ops.quant`; slot s of a page holds `k_pages[...,
-      s, :] * k_scale_pages[..., s]`), written with the values; else None.
+    block_tables: `i32[B, pages_per_seq]`: slot s of sequence b is slot `s % page_size` of page
+      `block_tables[b, s // page_size]`; entries outside `[0, P)` (`NO_PAGE`) are unassigned.
+    lengths: `i32[B]` tokens written per sequence; exceeds what the row's assigned pages hold
+      (`assigned_slots`) only after an overflow under jit (see `overflowed`).
+    k_scale_pages: `f32[K, P, page_size]` per-slot key scales when the pools are int8/fp8
+      (`kvattn.ops.quant`; slot s of a page holds `k_pages[..., s, :] * k_scale_pages[..., s]`),
+      written with the values; else None.
     v_scale_pages: `f32[K, P, page_size]` value scales likewise, else None.
   """
 
@@ -100,17 +83,16 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback):
       batch: sequences (slots) B.
       num_pages: pages P in the pool.
       page_size: tokens per page.
-      pages_per_seq: block-table width; the per-sequence capacity is
-        `pages_per_seq * page_size` tokens.
+      pages_per_seq: block-table width; the per-sequence capacity is `pages_per_seq * page_size`
+        tokens.
       num_kv_heads, head_dim: K and H.
-      dtype: storage dtype: floating, or int8 / float8_e4m3fn / float8_e5m2
-        (quantized on write, with `f32[K, P, page_size]` scale pools).
-      block_tables: optional `int[B, pages_per_seq]` initial table (default
-        all `NO_PAGE`; fill rows with `assign_slot` from a `PageAllocator`).
+      dtype: storage dtype: floating, or int8 / float8_e4m3fn / float8_e5m2 (quantized on write,
+        with `f32[K, P, page_size]` scale pools).
+      block_tables: optional `int[B, pages_per_seq]` initial table (default all `NO_PAGE`; fill rows
+        with `assign_slot` from a `PageAllocator`).
 
     Raises:
-      ValueError: a size that is not a positive int, or a block table of the
-        wrong shape.
+      ValueError: a size that is not a positive int, or a block table of the wrong shape.
       TypeError: a non-floating dtype or non-integer block table.
     """
     batch = _checks.positive_int("batch", batch)
@@ -198,11 +180,8 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback):
     return cache_lib.slot_positions(self.readable_lengths, self.max_len)
 
   def check_state(self, name: str = "cache") -> None:
-    """Eager check of the bookkeeping (`kvattn.caches.checkpoint.restore_caches` runs it):
-    `lengths` in `[0, max_len]`, every block-table entry a page of the pool or `NO_PAGE`,
-    and every logical page a row's tokens occupy assigned. Whether rows may share pages
-    is the allocator's business (the checkpoint checks it against the saved one).
-    Traced: no check.
+    """Eager check: `lengths` in `[0, max_len]`, every block-table entry a page of the pool or
+    `NO_PAGE`, every logical page a row's tokens occupy assigned. Traced: no check.
 
     Raises:
       ValueError: naming the leaf and entry, e.g. "layer 0 block_tables[1, 0] = 7 ...".
@@ -224,17 +203,9 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback):
              new_lengths: jax.Array | None = None) -> "PagedKVCache":
     """Writes T new tokens per sequence through the block table.
 
-    Token t of sequence b (t < new_lengths[b]) goes to slot `s = lengths[b]
-    + t`, i.e. to slot `s % page_size` of page `block_tables[b, s //
-    page_size]`. Under jit, tokens at or past the slots the row's assigned
-    pages hold (`assigned_slots`: past the capacity, or at or after the
-    row's first unassigned logical page) are dropped (scatter `mode='drop'`,
-    never wrapped onto another page); `lengths` still advances, as for
-    `KVCache`, and `overflowed` flags the row.
-
     Args:
-      k_new: `[B, T, K, H]` keys (RoPE applied), cast to the cache dtype
-        (quantized, one scale per token and head, for int8/fp8 pools).
+      k_new: `[B, T, K, H]` keys (RoPE applied), cast to the cache dtype (quantized, one scale per
+        token and head, for int8/fp8 pools).
       v_new: `[B, T, K, H]` values.
       new_lengths: `i32[B]` real tokens per sequence among the T (default T).
 
@@ -242,10 +213,9 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback):
       The updated cache.
 
     Raises:
-      ValueError: wrong shapes; `new_lengths` outside [0, T]; and, when the
-        lengths and block table are concrete (eager calls), a write past the
-        capacity or onto (or past) a logical page the block table does not
-        assign.
+      ValueError: wrong shapes; `new_lengths` outside [0, T]; and, when the lengths and block table
+        are concrete (eager calls), a write past the capacity or onto (or past) a logical page the
+        block table does not assign.
       TypeError: non-floating `k_new` / `v_new`.
     """
     return self.update_unchecked(k_new, v_new,
@@ -290,13 +260,7 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback):
       soft_cap: float | None = None,
       implementation: str | None = None,
   ) -> jax.Array:
-    """`GQACache.attend` (`kvattn.caches.protocol`): `[B, T, N, H]` in q's dtype.
-
-    T == 1 through `kvattn.ops.paged_decode_attention` over the pools
-    (backend `implementation`); T > 1 through `kvattn.ops.attention` over the
-    pools gathered through the block table, reading `readable_lengths` tokens
-    per row, as the decode op does. Scale pools go with the values.
-    """
+    """`GQACache.attend` (`kvattn.caches.protocol`): `[B, T, N, H]` in q's dtype."""
     opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap)
     if q.shape[1] == 1:
       return ops.paged_decode_attention(
@@ -326,18 +290,16 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback):
     """Gives slot `slot` the block-table row `pages` and length `length`.
 
     Args:
-      slot: slot index (Python int or traced int32 scalar, so a jitted caller
-        does not recompile per slot).
+      slot: slot index (Python int or traced int32 scalar, so a jitted caller does not recompile per
+        slot).
       pages: `int[pages_per_seq]` row (pad with `NO_PAGE`).
       length: tokens already in those pages (0 for a sequence about to prefill).
 
     Raises:
-      ValueError: a row of the wrong shape; and, when they are concrete (an
-        eager call), a `slot` outside `[0, B)`, a `length` outside `[0,
-        max_len]`, an entry of `pages` that is neither a page of the pool nor
-        `NO_PAGE`, or a logical page the `length` tokens occupy left unassigned.
-        Traced values are not checked (a jitted caller's rows come from its
-        `PageAllocator`).
+      ValueError: a row of the wrong shape; and, when they are concrete (an eager call), a `slot`
+        outside `[0, B)`, a `length` outside `[0, max_len]`, an entry of `pages` that is neither a
+        page of the pool nor `NO_PAGE`, or a logical page the `length` tokens occupy left
+        unassigned (traced values are not checked).
     """
     pages = jnp.asarray(pages, jnp.int32)
     if pages.shape != (self.pages_per_seq,):
@@ -353,15 +315,13 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback):
                         lengths=self.lengths.at[slot].set(jnp.asarray(length, jnp.int32)))
 
   def release_slot(self, slot) -> "PagedKVCache":
-    """Marks slot `slot` empty: its row becomes `NO_PAGE` and its length 0.
-    The pages' contents are left as they are (free pages may hold anything)."""
+    """Marks slot `slot` empty: its row becomes `NO_PAGE` and its length 0."""
     return self.assign_slot(slot, jnp.full((self.pages_per_seq,), NO_PAGE, jnp.int32), 0)
 
   # Views.
   def dense_kv(self) -> tuple[jax.Array, jax.Array]:
-    """`(k, v)`, each `[B, K, pages_per_seq * page_size, H]`, gathered through
-    the block table (unassigned pages read an arbitrary page; mask by
-    `min(lengths, assigned_slots)`)."""
+    """`(k, v)`, each `[B, K, pages_per_seq * page_size, H]`, gathered through the block table
+    (unassigned pages read an arbitrary page; mask by `min(lengths, assigned_slots)`)."""
     return (paged_ops.gather_pages(self.k_pages, self.block_tables),
             paged_ops.gather_pages(self.v_pages, self.block_tables))
 
@@ -386,3 +346,99 @@ class PagedKVCache(_slots.Slots, _slots.KVHeads, _slots.LengthsRollback):
         k=paged_ops.gather_pages_zeroed(self.k_pages, self.block_tables),
         v=paged_ops.gather_pages_zeroed(self.v_pages, self.block_tables),
         lengths=self.lengths, **scales)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+  """How a serving loop holds a pageable kind: one pool per layer, rows per request slot.
+
+  Attributes:
+    pages_per_seq: block-table width.
+    tokens: `n -> ` tokens of a sequence of n the pool holds (what the allocator counts).
+    init: `(attn, rows, num_pages, dtype) -> ` one layer's empty pool.
+    chunked_prefill: with the prefix cache, prompts prefill a page at a time.
+    residual: newest tokens each row keeps outside its pages (a boundary state), or 0.
+    refuses: `(option, why)` serving options the kind cannot take.
+  """
+
+  pages_per_seq: int
+  tokens: Callable[[int], int]
+  init: Callable[..., Any]
+  chunked_prefill: bool = False
+  residual: int = 0
+  refuses: tuple[tuple[str, str], ...] = ()
+
+
+def init_paged_caches(model, tokens_per_seq: Iterable[int], *, page_size: int = 16,
+                      max_len: int | None = None, dtype: Any = None, extra_pages: int = 0,
+                      seed: int | None = None, cls: type = PagedKVCache
+                      ) -> tuple[tuple[PagedKVCache, ...], PageAllocator]:
+  """Empty paged caches for every layer of `model`, `ceil(tokens_per_seq[b] / page_size)`
+  pages for sequence b from one `PageAllocator` (seq ids 0..B-1); each layer its own pool
+  of the sequences' pages plus `extra_pages`, one block table for all.
+
+  Args:
+    model: a `kvattn.Transformer` whose layers are all GQA-family attention.
+    tokens_per_seq: `int[B]` tokens each sequence will hold.
+    page_size: tokens per page.
+    max_len: per-sequence capacity (default the largest `tokens_per_seq`).
+    dtype: cache dtype (default the model's compute dtype).
+    extra_pages: free pages left in the pool.
+    seed: shuffles the free list; None = ascending.
+    cls: `PagedKVCache` or a subclass with its `init`.
+
+  Returns:
+    `(caches, allocator)`.
+
+  Raises:
+    ValueError: an MLA layer, a sequence longer than `max_len`, bad sizes.
+  """
+  attns = gqa_layers(model)
+  tokens = [int(t) for t in tokens_per_seq]
+  if not tokens or min(tokens) < 0:
+    raise ValueError(f"tokens_per_seq must be a non-empty list of ints >= 0; got {tokens}")
+  page_size = _checks.positive_int("page_size", page_size)
+  max_len = max(max(tokens), 1) if max_len is None else _checks.positive_int("max_len", max_len)
+  if max(tokens) > max_len:
+    raise ValueError(f"tokens_per_seq must be <= max_len = {max_len}; got {tokens}")
+  if isinstance(extra_pages, bool) or not isinstance(extra_pages, int) or extra_pages < 0:
+    raise ValueError(f"extra_pages must be an int >= 0; got {extra_pages!r}")
+  pps = pages_for(max_len, page_size)
+  num_pages = max(1, sum(pages_for(t, page_size) for t in tokens) + extra_pages)
+  allocator = PageAllocator(num_pages, page_size, pps, seed=seed)
+  for b, t in enumerate(tokens):
+    allocator.allocate(b, t)
+  tables = allocator.block_tables(range(len(tokens)), pps)
+  dtype = getattr(model, "dtype", jnp.float32) if dtype is None else dtype
+  caches = tuple(
+      cls.init(len(tokens), num_pages=num_pages, page_size=page_size, pages_per_seq=pps,
+               num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, dtype=dtype,
+               block_tables=tables)
+      for attn in attns)
+  return caches, allocator
+
+
+def kind(cls: type = PagedKVCache, doc: str | None = None) -> registry.CacheKind:
+  """The `CacheKind` of a paged class (`PagedKVCache` or a subclass with its `init`)."""
+
+  def build(model, batch, max_len, dtype, o, tokens_per_seq):
+    tokens = [max_len] * batch if tokens_per_seq is None else list(tokens_per_seq)
+    if len(tokens) != batch:
+      raise ValueError(f"tokens_per_seq must have one entry per sequence ({batch}); got "
+                       f"{len(tokens)}")
+    return init_paged_caches(model, tokens, page_size=o["page_size"], max_len=max_len,
+                             dtype=dtype, seed=o["seed"], cls=cls)[0]
+
+  def pool(options, *, max_len, page_size, prefix_cache):
+    del options, prefix_cache
+    pps = pages_for(max_len, page_size)
+    return PoolPlan(pps, lambda n: n, lambda a, rows, num_pages, dtype: cls.init(
+        rows, num_pages=num_pages, page_size=page_size, pages_per_seq=pps,
+        num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, dtype=dtype))
+
+  return registry.CacheKind(build, {"page_size": 16, "seed": None},
+                            doc or f"{cls.__name__}, pages per sequence", pool=pool)
+
+
+registry.register_cache_kind("paged", kind(doc="PagedKVCache, pages per sequence "
+                                               "(init_paged_caches)"))

@@ -1,39 +1,10 @@
 """KIVI with its quantized store in pages (PagedAttention's layout for a 2/4-bit store).
 
-`PagedKIVICache` is `kivi.KIVICache` (Liu et al. 2024, arXiv 2402.02750: keys per channel
-over groups of `group_size` tokens, values per token, the newest `residual` tokens in the
-compute dtype) whose quantized store lives in a page pool shared by the batch, as
-`PagedKVCache`'s tokens do (Kwon et al. 2023, "PagedAttention"): a sequence holds pages for
-the tokens it has flushed, not for the capacity. Registry kinds `paged_kivi2`,
-`paged_kivi4` (KIVI's options plus `page_size` and `seed`).
-
-Layout of one layer (K KV heads, P pages of `page_size` slots, W = H * bits / 8):
-
-  * `k_codes, v_codes: u8[K, P, page_size, W]` packed codes;
-  * `k_scale, k_zero: [K, P, page_size / group_size, H]` per channel per key group;
-  * `v_scale, v_zero: [K, P, page_size, H / value_group]` per token;
-  * `block_tables: i32[B, pages_per_seq]`: logical store slot s of sequence b is slot
-    `s % page_size` of page `block_tables[b, s // page_size]` (`NO_PAGE` = unassigned);
-    `pages_per_seq = ceil(Sq / page_size)` with `Sq` the dense KIVI store's slots;
-  * `k_res, v_res: [B, K, Rb, H]` the per-sequence residual ring (as `KIVICache`), `lengths`.
-
-`page_size` is a multiple of `group_size`, so a key group (and its scale row) never
-straddles a page. Store slot s holds token s, as in the dense layout: a sequence holding
-n tokens has `nq = g * max(0, (n - residual) // g)` of them in the store and needs
-`ceil(nq / page_size)` pages (`store_tokens(n, ...)`), which the registry's builder takes
-from a `kvattn.paging.PageAllocator`.
-
-Reading gathers each block's slots through the block table inside the attention loop (the
-same `lowbit.blocked_attention` loop as the dense store: no dequantized copy, no gathered
-copy of the whole store); writing scatters the flushed groups to their pages. Overflow as
-`PagedKVCache`: an eager write that flushes a group onto an unassigned page raises
-ValueError; under jit it is dropped, `overflowed` flags the row and attention reads only the
-store tokens the assigned pages hold (`readable_quantized`). A decode step with
-`implementation="pallas"` (None: on a GPU) reads the store through
-`pallas_kernels.lowbit_decode.paged_kivi_decode_attention` (pages gathered through the table
-inside the kernel; GPU "loop" schedule only, interpret mode on CPU), as `KIVICache` does.
-Bytes: `storage_slots` is `P * page_size` (the pool's store slots; the rings amortised over
-them), `analytic_bytes_per_token()` the count from sizes.
+`PagedKIVICache` is `kivi.KIVICache` (Liu et al. 2024, arXiv 2402.02750: keys per channel over
+groups of `group_size` tokens, values per token, the newest `residual` tokens in the compute dtype)
+whose quantized store lives in a page pool shared by the batch, as `PagedKVCache`'s tokens do (Kwon
+et al. 2023, "PagedAttention"): a sequence holds pages for the tokens it has flushed, not for the
+capacity. Registry kinds `paged_kivi2`, `paged_kivi4` (KIVI's options plus `page_size` and `seed`).
 """
 
 from __future__ import annotations
@@ -47,6 +18,9 @@ from flax import struct
 
 from kvattn import _checks
 from kvattn.caches import _residual
+from kvattn.caches import capabilities
+from kvattn.caches import registry
+from kvattn.caches._layers import gqa_layers
 from kvattn.caches import kivi
 from kvattn.caches import paged as paged_lib
 from kvattn.paging.allocator import NO_PAGE, PageAllocator, pages_for
@@ -59,7 +33,7 @@ def store_tokens(num_tokens: int, *, residual: int, group_size: int) -> int:
 
 
 @struct.dataclass
-class PagedKIVICache(kivi.KIVICache):
+class PagedKIVICache(capabilities.Pages, kivi.KIVICache):
   """KIVI cache of one GQA layer with a paged store (module doc).
 
   Attributes:
@@ -73,6 +47,8 @@ class PagedKIVICache(kivi.KIVICache):
   """
 
   block_tables: jax.Array = None
+
+  FLOAT_ONLY = True
 
   @classmethod
   def init_paged(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
@@ -228,8 +204,7 @@ class PagedKIVICache(kivi.KIVICache):
 
   def slot_view(self, slot) -> "PagedKIVICache":
     """A batch-1 cache of row `slot` (traced or int) over the shared pools: its block-table
-    row, length and ring. Writes through the view land in the row's pages; `with_slot_view`
-    puts the view back."""
+    row, length and ring."""
     row = lambda x: jax.lax.dynamic_index_in_dim(x, slot, 0, keepdims=True)
     return self.replace(block_tables=row(self.block_tables), lengths=row(self.lengths),
                         k_res=row(self.k_res), v_res=row(self.v_res))
@@ -242,6 +217,29 @@ class PagedKIVICache(kivi.KIVICache):
                         lengths=put(self.lengths, view.lengths), k_res=put(self.k_res, view.k_res),
                         v_res=put(self.v_res, view.v_res))
 
+  # Boundary state (a prefix cache's snapshot: `kvattn.inference.batching.snapshots`): the
+  # residual ring's tokens `[end - R, end)`; the store of `[0, end - R)` is in the pages.
+  def boundary_layout(self, count: int) -> list[tuple[tuple[int, ...], Any]]:
+    del count
+    return [((self.num_kv_heads, self.residual, self.head_dim), a.dtype)
+            for a in (self.k_res, self.v_res)]
+
+  def boundary_state(self, slot, end, count: int) -> tuple:
+    """`(k, v)`: `[K, R, H]` of row `slot`'s last R tokens (zeros for tokens < 0); the row
+    must hold exactly `end` tokens."""
+    del count
+    p, idx = capabilities.tokens_before(end, self.residual, self.ring_capacity)
+    return (capabilities.row_tokens(self.k_res, slot, p, idx),
+            capabilities.row_tokens(self.v_res, slot, p, idx))
+
+  def with_boundary_state(self, slot, state, end, count: int) -> "PagedKIVICache":
+    """Row `slot`'s ring as that of an `end`-token row, from `boundary_state`."""
+    del count
+    _, idx = capabilities.tokens_before(end, self.residual, self.ring_capacity)
+    return self.replace(k_res=capabilities.put_row_tokens(self.k_res, slot, idx, state[0]),
+                        v_res=capabilities.put_row_tokens(self.v_res, slot, idx, state[1]),
+                        lengths=self.lengths.at[slot].set(end))
+
   # ---------------------------------------------------------------------------- pages
   def _pages(self, slots: jax.Array) -> jax.Array:
     """`i32[B, n]` the page of logical store slots `slots: i32[B, n] or [n]` (unassigned
@@ -251,9 +249,8 @@ class PagedKIVICache(kivi.KIVICache):
     return jnp.take_along_axis(self.block_tables, logical, axis=1)
 
   def read_block(self, offset: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-    """Store slots `[offset, offset + size)` gathered through the block table and
-    dequantized: f32 `(k, v)` `[B, K, size, H]`. `offset` and `size` multiples of
-    `group_size`."""
+    """Store slots `[offset, offset + size)` gathered through the block table and dequantized: f32
+    `(k, v)` `[B, K, size, H]`. `offset` and `size` multiples of `group_size`."""
     g, ps = self.group_size, self.page_size
     slots = offset + jnp.arange(size, dtype=jnp.int32)
     page = jnp.clip(self._pages(slots), 0, self.num_pages - 1)  # [B, size]
@@ -268,8 +265,7 @@ class PagedKIVICache(kivi.KIVICache):
 
   def _put_store(self, buf, x, index, per):
     """Scatters `x: [B, K, n, ...]` to the pages of store slots (`per` "token") or key groups
-    ("group") `index: i32[B, n]`; the end index, and slots on unassigned pages, are
-    dropped."""
+    ("group") `index: i32[B, n]`; the end index, and slots on unassigned pages, are dropped."""
     g, ps = self.group_size, self.page_size
     slots = index if per == "token" else index * g
     page = self._pages(slots)
@@ -324,7 +320,6 @@ def build(bits: int):
   `tokens_per_seq`, default `max_len`) from a `PageAllocator`."""
 
   def _build(model, batch, max_len, dtype, options, tokens_per_seq):
-    from kvattn.caches import registry  # pylint: disable=g-import-not-at-top  (imports this)
     g = _checks.positive_int("group_size", options["group_size"])
     residual = _residual.check_residual(options["residual"], g)
     tokens = [max_len] * batch if tokens_per_seq is None else [int(t) for t in tokens_per_seq]
@@ -345,7 +340,7 @@ def build(bits: int):
         page_size=page_size, block_tables=tables, bits=bits, group_size=g, residual=residual,
         pre_rope=options["pre_rope"], scale_dtype=options["scale_dtype"],
         rope_theta=a.rope_theta, rope_scaling=a.rope_scaling)
-                 for a in registry.gqa_layers(model))
+                 for a in gqa_layers(model))
 
   return _build
 
@@ -353,3 +348,39 @@ def build(bits: int):
 OPTIONS = {**kivi.OPTIONS, "page_size": 128, "seed": None}
 """The registry options of `paged_kivi2` / `paged_kivi4`: KIVI's plus `page_size` (store
 slots per page, a multiple of `group_size`) and `seed` (shuffles the free list)."""
+
+
+def _pool(bits: int):
+  """`CacheKind.pool` of `paged_kivi{bits}`: the allocator counts store tokens; with the prefix
+  cache every token (prompts prefill a page at a time, so a hit restores the state exactly)."""
+
+  def pool(options, *, max_len, page_size, prefix_cache):
+    g = _checks.positive_int("group_size", options["group_size"])
+    residual = _residual.check_residual(options["residual"], g)
+    settings = {k: options[k] for k in ("group_size", "residual", "pre_rope", "scale_dtype")}
+    if prefix_cache:
+      pps, tokens = pages_for(max_len, page_size), lambda n: n
+    else:
+      pps = max(1, pages_for(kivi.store_slots(max_len, residual, g), page_size))
+      tokens = lambda n: store_tokens(n, residual=residual, group_size=g)
+
+    def init(a, rows, num_pages, dtype):
+      return PagedKIVICache.init_paged(
+          rows, max_len, a.num_kv_heads, a.head_dim, dtype, num_pages=num_pages,
+          page_size=page_size, pages_per_seq=pps, bits=bits, rope_theta=a.rope_theta,
+          rope_scaling=a.rope_scaling, **settings)
+
+    return paged_lib.PoolPlan(pps, tokens, init, chunked_prefill=prefix_cache,
+                              residual=residual if prefix_cache else 0, refuses=(
+        ("speculative", "a verify pass may flush a group of drafted tokens into the quantized "
+         "store, which rollback by lengths cannot undo"),
+        ("local_layers", "rings for local layers are float caches"),
+        ("offload", "the tiers move float pages (PageCodec)")))
+
+  return pool
+
+
+for _bits in (2, 4):
+  registry.register_cache_kind(f"paged_kivi{_bits}", registry.CacheKind(
+      build(_bits), OPTIONS, f"PagedKIVICache: kivi{_bits} with its quantized store in pages of "
+      f"`page_size` slots (a multiple of group_size)", pool=_pool(_bits), float_only=True))

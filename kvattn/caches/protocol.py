@@ -1,36 +1,4 @@
-"""The cache protocol: what an attention module asks of a KV cache.
-
-A module (`kvattn.GroupedQueryAttention`, `kvattn.MultiHeadLatentAttention`)
-never looks at a cache's type or layout: it writes the new tokens with
-`update`, then asks the updated cache to `attend` the queries; the cache
-routes that through the `kvattn.ops` dispatch point of its own layout. A new
-cache kind (ring buffer, sinks, eviction, offloaded pages, ...) is a pytree
-that implements one of these protocols; no module changes.
-
-The protocols are structural (`typing.Protocol`, runtime-checkable): a class
-implements one by having its members, with no registration and no base class.
-`GQACache` and `MLACache` differ in their size members (`num_kv_heads` /
-`head_dim` versus `kv_lora_rank` / `qk_rope_head_dim`), so `isinstance` tells
-them apart. Implementers here: `kvattn.KVCache` and `kvattn.PagedKVCache`
-(`GQACache`), `kvattn.LatentCache` (`MLACache`).
-
-Contract every implementer keeps (DESIGN.md, "Cache protocol"):
-  * Tokens and slots: sequence b's token t (0-based, in write order) is the
-    t-th token written for it; `lengths[b]` tokens have been written. Which
-    of the sequence's `capacity` slots holds a token (which array index,
-    which page) is the kind's own business; `slot_positions()` reports it.
-  * `update` is pure: it returns a new cache, writes only tokens
-    `t < new_lengths[b]` (right padding is neither written nor counted) and
-    raises ValueError eagerly (concrete lengths) on a write past `capacity`;
-    under jit such tokens are dropped (never written over another token),
-    `lengths` still advances and the row reads as overflowed. (A kind that
-    overwrites old tokens by design, such as a ring buffer, says so.)
-  * `attend` reads only the slots that hold the sequence's tokens: whatever
-    the other slots hold (zeros, 1e30, NaN) never changes a result, and a row
-    of length 0 gives zeros.
-  * Arrays are pytree leaves and sizes are static (read from shapes), so a
-    cache passes through `jit`, `scan` and `while_loop` and can be donated.
-"""
+"""The cache protocol: what an attention module asks of a KV cache."""
 
 from __future__ import annotations
 
@@ -68,11 +36,8 @@ class Cache(Protocol):
     when quantized); bookkeeping such as `lengths` is not storage."""
 
   def slot_positions(self) -> jax.Array:
-    """`i32[B, capacity]`: the token index held by slot s of sequence b (its
-    s-th slot in storage order; through the block table for a paged cache),
-    or -1 where the slot holds no token. Dense and paged caches hold token s
-    in slot s (`arange` below `lengths`); kinds that reorder, evict or wrap
-    tokens report what each slot really holds."""
+    """`i32[B, capacity]`: the token index held by slot s of sequence b (its s-th slot in storage
+    order; through the block table for a paged cache), or -1 where the slot holds no token."""
 
 
 @runtime_checkable
@@ -95,34 +60,14 @@ class GQACache(Cache, Protocol):
   def attend(self, q: jax.Array, *, q_offsets: jax.Array, sm_scale: float | None = None,
              window: int | None = None, soft_cap: float | None = None,
              implementation: str | None = None) -> jax.Array:
-    """Causal attention of `q: [B, T, N, H]` (RoPE'd) against this cache,
-    called after `update` wrote the same T tokens. Query t of sequence b is
-    the token at `q_offsets[b] + t` (`q_offsets` = `lengths` before the
-    update) and attends tokens `[0, q_offsets[b] + t]` (the last `window`).
-    T == 1 goes through the layout's decode dispatch point with
-    `implementation`; T > 1 through `kvattn.ops.attention`. Returns
-    `[B, T, N, H]` in q's dtype."""
+    """Causal attention of `q: [B, T, N, H]` (RoPE'd) against this cache, called after `update`
+    wrote the same T tokens."""
 
 
 def update_attend(cache: GQACache, q: jax.Array, k: jax.Array, v: jax.Array, *,
                   positions: jax.Array, rope_theta: float, rope_scaling: Any = None,
                   new_lengths: jax.Array, **options: Any) -> tuple[jax.Array, GQACache]:
-  """One attention step of a GQA module against `cache`; returns `(out, new_cache)`.
-
-  The module has checked the arguments (validate once: see `write`): `q: [B, T,
-  N, H]` and `k, v: [B, T, K, H]` of the cache's sizes, BEFORE RoPE;
-  `new_lengths: i32[B]` in [0, T] (None: T); `positions: i32[B, T]` the module's RoPE
-  positions, `rope_theta` / `rope_scaling` (a `kvattn.ops.RopeScaling` or None)
-  its RoPE. A cache with its own step (`update_attend_unchecked`, or a kind from
-  outside kvattn with only the public `update_attend`: the optional protocol
-  member of kinds that place tokens themselves, `kvattn.caches.window` /
-  `kvattn.caches.eviction`, and of `KVCache`) gets the whole step: it may rotate
-  at positions of its own choosing (attention sinks), score its slots with the
-  queries (eviction) or attend a chunk before the chunk overwrites anything (a
-  ring). Any other `GQACache`: RoPE at `positions`, `write`, then `attend` with
-  `q_offsets` = the lengths before the update. `options`: `sm_scale`, `window`,
-  `soft_cap`, `implementation`.
-  """
+  """One attention step of a GQA module against `cache`; returns `(out, new_cache)`."""
   new_lengths = _all_tokens(k, new_lengths)
   step = getattr(cache, "update_attend_unchecked", None) or getattr(cache, "update_attend", None)
   if step is not None:
@@ -135,17 +80,7 @@ def update_attend(cache: GQACache, q: jax.Array, k: jax.Array, v: jax.Array, *,
 
 
 def write(cache: "Cache", *new: jax.Array, new_lengths: jax.Array | None) -> "Cache":
-  """`cache.update(*new, new_lengths)` for a module that has checked the arguments.
-
-  Validate once: a public entry point checks its arguments and what it calls
-  trusts them. The modules check `x`, the cache's sizes, `positions` and
-  `new_lengths` (once per layer and step); a cache's public `update` /
-  `update_attend` check theirs when called directly. kvattn's kinds also have
-  `update_unchecked` / `update_attend_unchecked`, the same steps without the
-  argument checks (the cache's own state -- eager lengths, overflow -- is still
-  checked there), which the modules reach through this function and
-  `update_attend`; a kind without them gets its public `update`, checked again.
-  """
+  """`cache.update(*new, new_lengths)` for a module that has checked the arguments."""
   update = getattr(cache, "update_unchecked", None) or cache.update
   return update(*new, _all_tokens(new[0], new_lengths))
 
@@ -183,19 +118,15 @@ class MLACache(Cache, Protocol):
   def attend(self, q_latent: jax.Array, q_rope: jax.Array, *, q_offsets: jax.Array,
              sm_scale: float, window: int | None = None,
              implementation: str | None = None) -> jax.Array:
-    """Absorbed MLA attention (DeepSeek-V2 appendix C) of `q_latent: [B, T,
-    N, C]` and `q_rope: [B, T, N, R]` against the latents, after `update`;
-    positions as in `GQACache.attend`. T == 1 goes through
-    `kvattn.ops.mla_decode_attention` (with `implementation`), T > 1 through
-    `kvattn.ops.mla_attention`. Returns `[B, T, N, C]`."""
+    """Absorbed MLA attention (DeepSeek-V2 appendix C) of `q_latent: [B, T, N, C]` and `q_rope:
+    [B, T, N, R]` against the latents, after `update`; positions as in `GQACache.attend`."""
 
   def attend_expanded(self, q: jax.Array, expand: Expand, *, dtype: Any,
                       q_offsets: jax.Array, sm_scale: float,
                       window: int | None = None) -> jax.Array:
-    """Attention of `q: [B, T, N, Hk]` against the per-head keys and values
-    `expand` makes from the latents read in `dtype` (dequantized when the
-    cache is quantized), through `kvattn.ops.attention`; positions as in
-    `attend`. Returns `[B, T, N, Hv]`."""
+    """Attention of `q: [B, T, N, Hk]` against the per-head keys and values `expand` makes from
+    the latents read in `dtype` (dequantized when the cache is quantized), through
+    `kvattn.ops.attention`; positions as in `attend`."""
 
 
 def type_error(module: str, protocol: type, kinds: str, cache: Any) -> TypeError:

@@ -5,28 +5,6 @@ arXiv 2402.04396; vLLM's 2-4-bit presets): a fixed random orthogonal rotation sp
 key's and value's energy evenly over the coordinates, which then look Gaussian, so one scalar
 codebook quantizes every coordinate well with one scale per token (no per-channel outliers
 left to handle). Here:
-
-  * rotation: per KV head k, `M_k = diag(signs_k) Had_H / sqrt(H)` (a randomized Walsh-Hadamard
-    matrix, orthogonal; H a power of two; signs from `seed`). Keys (after RoPE) and values
-    are stored rotated, `x M_k`. Attention runs in the rotated space: `q . k = (q M_k) .
-    (k M_k)`, so the rotation is folded into the queries and the keys are never rotated back;
-    the output `sum_s p_s (v_s M_k)` is turned back once per query by `M_k^T`.
-  * per token and head: scale `rms = ||x M_k|| / sqrt(H)` (stored in `scale_dtype`), codes
-    `argmin_j |x_h M_k / rms - c_j|` for a sorted codebook c of `2^bits` levels; read back as
-    `c[code] * rms`. Codebooks (`codebook=`): "lloyd-max" (Lloyd-Max levels of the standard
-    normal, the default), "uniform" (the MSE-optimal uniform levels for the standard normal),
-    or an explicit tuple of `2^bits` increasing floats, e.g. fitted on calibration text by
-    `calibrate_codebook` (it is a static option, so a config or spec stores it).
-  * codes packed into uint8 (`kvattn.ops.lowbit.pack_codes`: 3-bit codes 8 per 3 bytes).
-  * an optional full-precision residual of the newest `residual` tokens (KIVI's idea, per
-    token here: `group_size` 1), default 0.
-
-`RotatedCache` is a `GQACache` sharing KIVI's machinery (`kvattn.caches._residual`: the
-store, the ring, block-by-block attention, the step; a decode step reads the store through
-`pallas_kernels.rotated_decode` with `implementation="pallas"`, and by default where that
-kernel compiles, as KIVI's does); the registry names it `rotated3` and
-`rotated4` (options `residual` = 0, `codebook` = "lloyd-max", `seed` = 0, `scale_dtype` =
-"float16"). Bytes per token per KV head: `(Sq (2 H bits / 8 + 2 s) + Rb 2 H itemsize) / S`.
 """
 
 from __future__ import annotations
@@ -41,11 +19,13 @@ from flax import struct
 
 from kvattn import _checks
 from kvattn.caches import _residual
+from kvattn.caches import registry
+from kvattn.caches._layers import gqa_layers
 from kvattn.ops import lowbit
 
 BITS = (3, 4)
 CODEBOOKS = ("lloyd-max", "uniform")
-SCALE_DTYPES = ("float16", "bfloat16", "float32")
+SCALE_DTYPES = _residual.SCALE_DTYPES
 
 
 # ------------------------------------------------------------------------------ codebooks
@@ -299,9 +279,8 @@ class RotatedCache(_residual.ResidualStoreCache):
                  for c, s in ((self.k_codes, self.k_scale), (self.v_codes, self.v_scale)))
 
   def _pallas_store(self, q, starts, lengths, *, explicit, sm_scale, soft_cap):
-    """The store read by `pallas_kernels.rotated_decode` (through `kvattn.ops.pallas`):
-    `(out f32[B, N, H], lse f32[B, N])` over slots `[starts, lengths)`, q and out in the
-    rotated space."""
+    """The store read by `pallas_kernels.rotated_decode` (through `kvattn.ops.pallas`): `(out f32[B,
+    N, H], lse f32[B, N])` over slots `[starts, lengths)`, q and out in the rotated space."""
     from kvattn.ops import pallas as pallas_ops  # pylint: disable=g-import-not-at-top
     return pallas_ops.rotated_store_decode(
         q, self.k_codes, self.k_scale, self.v_codes, self.v_scale, starts, lengths,
@@ -321,13 +300,7 @@ class RotatedCache(_residual.ResidualStoreCache):
 
 def calibrate_codebook(model, tokens: np.ndarray, bits: int, *, seed: int = 0,
                        iters: int = 100) -> tuple[float, ...]:
-  """A Lloyd-Max codebook fitted on `model`'s keys and values over calibration `tokens`.
-
-  Runs one forward pass of `tokens` (`i32[B, T]`) into dense f32 caches, rotates every layer's
-  keys (after RoPE) and values with the cache's rotation (`seed`), divides each token's
-  vector by its RMS and fits `2^bits` levels to all coordinates (`lloyd_max`, starting from
-  the normal's). Store the result in the cache spec (`{"kind": "rotated4", "codebook": ...}`).
-  """
+  """A Lloyd-Max codebook fitted on `model`'s keys and values over calibration `tokens`."""
   tokens = jnp.asarray(tokens, jnp.int32)
   caches = model.init_caches(tokens.shape[0], tokens.shape[1], jnp.float32)
   _, caches = model(tokens, caches)
@@ -347,15 +320,20 @@ def build(bits: int):
 
   def _build(model, batch, max_len, dtype, options, tokens_per_seq):
     del tokens_per_seq
-    from kvattn.caches import registry  # pylint: disable=g-import-not-at-top  (imports this)
     return tuple(RotatedCache.init(batch, max_len, a.num_kv_heads, a.head_dim, dtype, bits=bits,
                                    codebook=options["codebook"], seed=options["seed"],
                                    residual=options["residual"],
                                    scale_dtype=options["scale_dtype"])
-                 for a in registry.gqa_layers(model))
+                 for a in gqa_layers(model))
 
   return _build
 
 
 OPTIONS = {"residual": 0, "codebook": "lloyd-max", "seed": 0, "scale_dtype": "float16"}
 """The registry options of `rotated3` / `rotated4` and their defaults."""
+
+
+for _bits in (3, 4):
+  registry.register_cache_kind(f"rotated{_bits}", registry.CacheKind(
+      build(_bits), OPTIONS, f"RotatedCache: Hadamard-rotated K/V, {_bits}-bit codebook per "
+      f"token (+ `residual` newest tokens in full precision)", float_only=True))

@@ -1,206 +1,26 @@
-"""KV caches sharded over a device mesh (`kvattn.sharding` holds the mesh and its rules).
-
-`ShardedKVCache`, `ShardedPagedKVCache`, `ShardedLatentCache` subclass the dense, paged and
-latent kinds with a static `CacheLayout` and run `update` / `attend` in `jax.shard_map`
-(the layouts, the context-parallel merge and the placement rules: `kvattn.sharding`'s module
-doc and docs/sharding.md). `init_caches` / `cache_factory` create them directly sharded;
-`place_caches` moves existing caches onto a mesh.
-"""
+"""KV caches sharded over a device mesh (`kvattn.sharding` holds the mesh and its rules)."""
 
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from kvattn import _checks
 from kvattn.caches import dense as cache_lib
 from kvattn.caches import paged as paged_lib
 from kvattn.caches import registry
-from kvattn.caches import window as window_lib
+from kvattn.caches.mesh_layout import (CacheLayout, _divides, _single_axis, _spec,  # noqa: F401
+                                       cache_layout, check_query_heads, place)
 from kvattn.paging.allocator import NO_PAGE, pages_for
 from kvattn.ops import context_parallel as cp
-
-from kvattn.sharding import CACHE_KINDS, axis_size, mesh_axes, resolve_rules
-
-
-# ----------------------------------------------------------------------------------------------
-# Cache layouts.
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheLayout:
-  """Where a sharded cache's dimensions live (static; hashable).
-
-  Attributes:
-    mesh: the cache's mesh: the model mesh, with its heads axis viewed as
-      (heads, heads + "_rep") when KV heads are replicated.
-    batch: mesh axis of the batch dimension, or None.
-    seq: mesh axis of the slot dimension (context parallel), or None.
-    kv_heads: mesh axes of the KV-head dimension (dense, paged).
-    q_heads: mesh axes of the query-head dimension of the attention inputs.
-    pages: mesh axes of the page-pool dimension (paged).
-  """
-
-  mesh: Mesh
-  batch: str | None = None
-  seq: str | None = None
-  kv_heads: tuple[str, ...] = ()
-  q_heads: tuple[str, ...] = ()
-  pages: tuple[str, ...] = ()
-
-  def sharding(self, *spec) -> NamedSharding:
-    """`NamedSharding` of this layout's mesh for the mesh axes `spec` (one per array axis)."""
-    return NamedSharding(self.mesh, P(*spec))
-
-  def shard_index(self, axes: tuple[str, ...]) -> jax.Array:
-    """Inside `shard_map`: this device's linear index along `axes` (row-major)."""
-    index = jnp.int32(0)
-    for a in axes:
-      index = index * self.mesh.shape[a] + jax.lax.axis_index(a)
-    return index
-
-  def smap(self, f, in_specs, out_specs):
-    """`jax.shard_map` of `f` over this layout's mesh (per-device code of the cache ops)."""
-    return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=False)
-
-
-def _single_axis(rules, name, mesh: Mesh | None = None) -> str | None:
-  """The one mesh axis `rules[name]` names, or None (none, or of size 1 on `mesh`: a
-  size-1 axis splits nothing, so the cache takes the single-device path)."""
-  axes = mesh_axes(rules[name])
-  if len(axes) > 1:
-    raise ValueError(f"mesh.rules[{name!r}] must be one mesh axis or None for a cache; "
-                     f"got {rules[name]!r}")
-  if not axes or (mesh is not None and mesh.shape[axes[0]] == 1):
-    return None
-  return axes[0]
-
-
-def _divides(mesh: Mesh, axes: Any, size: int, what: str) -> None:
-  n = axis_size(mesh, axes)
-  if size % n:
-    raise ValueError(f"mesh axis {axes!r} of size {n} must divide {what}; got {size}")
-
-
-def _head_mesh(mesh: Mesh, axis: str, num_kv_heads: int) -> tuple[Mesh, tuple[str, ...]]:
-  """The mesh with `axis` (size m) viewed as (K, m / K) when K < m, and the q-head axes."""
-  m = mesh.shape[axis]
-  if num_kv_heads % m == 0:
-    return mesh, (axis,)
-  if m % num_kv_heads:
-    raise ValueError(
-        f"num_kv_heads {num_kv_heads} and mesh axis {axis!r} of size {m}: one must divide "
-        f"the other (KV heads are split over the axis, or replicated K / min(K, {m}) per "
-        f"device)")
-  names = list(mesh.axis_names)
-  i = names.index(axis)
-  shape = list(mesh.devices.shape)
-  shape[i:i + 1] = [num_kv_heads, m // num_kv_heads]
-  names[i:i + 1] = [axis, axis + "_rep"]
-  view = Mesh(mesh.devices.reshape(shape), tuple(names),
-              axis_types=(jax.sharding.AxisType.Auto,) * len(names))
-  return view, (axis, axis + "_rep")
-
-
-def _query_heads(mesh: Mesh, view: Mesh, axis: str, heads: tuple[str, ...],
-                 num_kv_heads: int, num_heads: int | None) -> tuple[str, ...]:
-  """The mesh axes of the query heads N of a layer with `num_kv_heads` K on `axis`.
-
-  With K >= the axis (K heads split over it) N splits likewise. With fewer, the KV heads
-  are replicated (the `view` of `axis` as (K, m / K)); N then splits over both view axes
-  when m divides it, else over the K part only (each query group whole on the devices of
-  its KV head). Only N tells the two apart, so it is required then.
-  """
-  m = mesh.shape[axis]
-  if num_heads is not None:
-    _checks.head_layout(num_heads, num_kv_heads)
-  if len(heads) == 1:  # K split over the axis; N, a multiple of K, splits the same way
-    return heads
-  if num_heads is None:
-    raise ValueError(
-        f"num_heads is required for a cache of num_kv_heads = {num_kv_heads} on mesh axis "
-        f"{axis!r} of size {m}: the KV heads are replicated {m // num_kv_heads}x and the query "
-        f"heads split over {heads} ({m} devices) when {m} divides num_heads, else over "
-        f"({axis!r},) ({num_kv_heads} devices); pass the layer's num_heads "
-        "(place_caches(..., num_heads=))")
-  return heads if num_heads % axis_size(view, heads) == 0 else (axis,)
-
-
-def cache_layout(mesh: Mesh, rules: Mapping[str, Any] | None, *, kind: str, batch: int,
-                 max_len: int, num_kv_heads: int | None = None, num_heads: int | None = None,
-                 num_pages: int | None = None) -> CacheLayout:
-  """The layout of one layer's cache of `kind` ("dense", "paged" or "latent") on `mesh`.
-
-  Every layout it returns runs: the attention of a layer with `num_heads` query heads
-  over `num_kv_heads` KV heads fits it (`check_query_heads`). `num_heads` is needed
-  only when the heads axis is larger than `num_kv_heads` (the KV heads are then
-  replicated, and how the query heads split depends on N).
-
-  Raises:
-    ValueError: a mesh axis that does not divide the dimension it splits (batch B,
-      slots S, page pool P), naming the axis; K and the heads axis where neither
-      divides the other; `num_heads` missing where needed (naming the axis, K and
-      the splits N may take) or not a multiple of `num_kv_heads`; a multi-axis rule
-      for the batch, slots or KV heads.
-  """
-  rules = resolve_rules(rules)
-  batch_axis = _single_axis(rules, "cache_batch", mesh)
-  seq_axis = _single_axis(rules, "cache_sequence", mesh)
-  _divides(mesh, batch_axis, batch, "the batch B")
-  if kind == "latent":
-    _divides(mesh, seq_axis, max_len, "the cache slots S (max_len)")
-    return CacheLayout(mesh=mesh, batch=batch_axis, seq=seq_axis)
-  head_axis = _single_axis(rules, "cache_kv_heads", mesh)
-  view, q_heads = mesh, ()
-  if head_axis is not None:
-    if num_kv_heads is None:
-      raise ValueError(f"num_kv_heads is required for a {kind} cache with its KV heads on "
-                       f"mesh axis {head_axis!r}")
-    view, heads = _head_mesh(mesh, head_axis, num_kv_heads)
-    q_heads = _query_heads(mesh, view, head_axis, heads, num_kv_heads, num_heads)
-  kv_heads = () if head_axis is None else (head_axis,)
-  if kind == "dense":
-    _divides(mesh, seq_axis, max_len, "the cache slots S (max_len)")
-    return CacheLayout(mesh=view, batch=batch_axis, seq=seq_axis, kv_heads=kv_heads,
-                       q_heads=q_heads)
-  if kind != "paged":
-    raise ValueError(f"kind must be one of {CACHE_KINDS + ('latent',)}; got {kind!r}")
-  pages = tuple(a for a in mesh_axes(rules["cache_pages"]) if mesh.shape[a] > 1)
-  allowed = tuple(a for a in (batch_axis, seq_axis) if a is not None)
-  if any(a not in allowed for a in pages) or (batch_axis and pages[:1] != (batch_axis,)):
-    raise ValueError(f"mesh.rules['cache_pages'] must be the batch axis then optionally the "
-                     f"sequence axis of {allowed} (each data shard's rows use its own pages); "
-                     f"got {rules['cache_pages']!r}")
-  _divides(mesh, pages, num_pages, "the page pool P (num_pages)")
-  return CacheLayout(mesh=view, batch=batch_axis, seq=seq_axis if seq_axis in pages else None,
-                     kv_heads=kv_heads, q_heads=q_heads, pages=pages)
-
-
-def check_query_heads(layout: CacheLayout, num_heads: int, num_kv_heads: int) -> None:
-  """Raises ValueError, before any shard_map, unless `num_heads` query heads fit `layout`
-  (a layout made for another N: `cache_layout(num_heads=)`, `place_caches(num_heads=)`)."""
-  n = axis_size(layout.mesh, layout.q_heads)
-  if num_heads % n:
-    axis = layout.kv_heads[0]
-    raise ValueError(
-        f"the query heads ({num_heads}) must split over the cache layout's mesh axes "
-        f"{layout.q_heads} ({n} devices, the KV heads ({num_kv_heads}) replicated over "
-        f"{axis!r}); the layout was made for another num_heads: build the caches with "
-        f"num_heads={num_heads} (init_caches, place_caches(..., num_heads=))")
-
-
-def _spec(*axes, ndim: int | None = None) -> P:
-  """A PartitionSpec of the first `ndim` of `axes` (each None, an axis or a tuple)."""
-  entries = tuple(None if not a else a if isinstance(a, str) else
-                  (a[0] if len(a) == 1 else tuple(a)) for a in axes)
-  return P(*entries[:ndim])
+from kvattn.sharding import axis_size, resolve_rules
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,12 +59,14 @@ def _write_slots(cache, names, new_a, new_b, new_lengths, buf_axes, new_axes, *,
 class ShardedKVCache(cache_lib.KVCache):
   """A `KVCache` whose arrays are sharded by `layout` (B over data, K over model, S over
   seq); `update` and `attend` run per shard in `jax.shard_map` (module docstring).
-
-  Logical axes: `k, v`: (cache_batch, cache_kv_heads, cache_sequence, cache_head_dim);
-  `k_scale, v_scale`: the first three; `lengths`: (cache_batch,).
   """
 
   layout: CacheLayout | None = struct.field(pytree_node=False, default=None)
+
+  @staticmethod
+  def layout_for(c, mesh, rules, num_heads) -> CacheLayout:
+    return cache_layout(mesh, rules, kind="dense", batch=c.batch, max_len=c.max_len,
+                        num_kv_heads=c.num_kv_heads, num_heads=num_heads)
 
   def shardings(self) -> "ShardedKVCache":
     """This cache with a `NamedSharding` in place of each array (for `out_shardings`)."""
@@ -298,13 +120,25 @@ class ShardedPagedKVCache(paged_lib.PagedKVCache):
   only that shard's pages (`init_caches` builds such tables; a page outside the range
   is never written or read). With the pool split over `seq` too, each shard attends
   the row's pages it holds and the partials are merged (LSE).
-
-  Logical axes: pools (cache_kv_heads, cache_pages, cache_page_slots, cache_head_dim);
-  scale pools the first three; `block_tables` (cache_batch, cache_table); `lengths`
-  (cache_batch,).
   """
 
   layout: CacheLayout | None = struct.field(pytree_node=False, default=None)
+
+  @staticmethod
+  def layout_for(c, mesh, rules, num_heads) -> CacheLayout:
+    return cache_layout(mesh, rules, kind="paged", batch=c.batch, max_len=c.max_len,
+                        num_kv_heads=c.num_kv_heads, num_heads=num_heads,
+                        num_pages=c.num_pages)
+
+  def slot_view(self, slot):
+    """A batch-1 view; the row is replicated, the pool stays split (the shard holding the
+    row's pages writes them; attention merges the shards' partials over `data`)."""
+    view = super().slot_view(slot)
+    lay = self.layout
+    if lay is None:
+      return view
+    return view.replace(layout=dataclasses.replace(
+        lay, batch=None, seq=lay.pages[0] if lay.pages else None))
 
   def shardings(self) -> "ShardedPagedKVCache":
     """This cache with a `NamedSharding` in place of each array (for `out_shardings`)."""
@@ -394,13 +228,14 @@ class ShardedLatentCache(cache_lib.LatentCache):
   """A `LatentCache` sharded by `layout`: B over data, S over seq (replicated over
   model). The absorbed `attend` runs per shard (partials merged by LSE over a sequence
   split); `attend_expanded` (the naive prefill path) runs on the global arrays.
-
-  Logical axes: `c_kv` (cache_batch, cache_sequence, cache_latent), `k_rope`
-  (cache_batch, cache_sequence, cache_rope), scales the first two, `lengths`
-  (cache_batch,).
   """
 
   layout: CacheLayout | None = struct.field(pytree_node=False, default=None)
+
+  @staticmethod
+  def layout_for(c, mesh, rules, num_heads) -> CacheLayout:
+    del num_heads
+    return cache_layout(mesh, rules, kind="latent", batch=c.batch, max_len=c.max_len)
 
   def shardings(self) -> "ShardedLatentCache":
     """This cache with a `NamedSharding` in place of each array (for `out_shardings`)."""
@@ -474,12 +309,15 @@ def _layer_kind(attn) -> str:
   return "latent" if hasattr(attn, "kv_lora_rank") else "gqa"
 
 
+TWIN_KINDS = ("dense", "paged")
+"""Kinds `init_caches` builds as shard_map twins; every other kind is placed (`place`)."""
+
+
 def init_caches(model, batch: int, max_len: int, mesh: Mesh, *,
                 rules: Mapping[str, Any] | None = None, dtype: Any = None,
-                kind: str = "dense", page_size: int = 16,
+                kind: Any = "dense", page_size: int = 16,
                 local_layers: str = "full") -> tuple[Any, ...]:
-  """One empty sharded cache per layer of `model`, created directly sharded (built
-  inside `jax.jit` with `out_shardings`).
+  """One empty cache per layer of `model` that owns one, on `mesh`.
 
   Args:
     model: a `kvattn.Transformer`.
@@ -487,20 +325,17 @@ def init_caches(model, batch: int, max_len: int, mesh: Mesh, *,
     mesh: a `make_mesh` mesh.
     rules: logical-axis rule overrides (`resolve_rules`).
     dtype: cache storage dtype (default the model's compute dtype; int8 / fp8 too).
-    kind: "dense" (`ShardedKVCache`) or "paged" (`ShardedPagedKVCache`, `max_len /
-      page_size` pages per row, the pool exactly the batch's pages, tables from
-      `sharded_block_tables`) for GQA layers; MLA layers get `ShardedLatentCache`.
+    kind: "dense" (`ShardedKVCache`; MLA layers `ShardedLatentCache`) or "paged"
+      (`ShardedPagedKVCache`, `max_len / page_size` pages per row, tables from
+      `sharded_block_tables`), built inside `jax.jit` with `out_shardings`; or any other
+      registered kind's name or spec, built by the registry and `place`d.
     page_size: tokens per page (paged).
-    local_layers: "full" (every layer `kind`) or "ring": the per-layer layout
-      (`registry.build_caches`): layers with a sliding window shorter than `max_len` get a
-      `RingKVCache` of the window placed by `place_ring`, the others `kind`.
+    local_layers: "full" or "ring" (`registry.build_caches`); rings are `place`d.
 
   Raises:
-    ValueError: an unknown kind or `local_layers`; a mesh axis that does not divide B, S or the pool
-      (naming the axis); K and the model axis where neither divides the other.
+    ValueError: an unknown kind or `local_layers`; a mesh axis that does not divide B, S or
+      the pool (naming the axis); K and the model axis where neither divides the other.
   """
-  if kind not in CACHE_KINDS:
-    raise ValueError(f"kind must be one of {CACHE_KINDS}; got {kind!r}")
   batch = _checks.positive_int("batch", batch)
   max_len = _checks.positive_int("max_len", max_len)
   page_size = _checks.positive_int("page_size", page_size)
@@ -508,6 +343,13 @@ def init_caches(model, batch: int, max_len: int, mesh: Mesh, *,
   if local_layers not in registry.LOCAL_LAYER_LAYOUTS:
     raise ValueError(f"local_layers must be one of {registry.LOCAL_LAYER_LAYOUTS}; got "
                      f"{local_layers!r}")
+  if kind not in TWIN_KINDS:
+    if isinstance(kind, str) and kind not in registry.CACHE_KIND_TABLE:
+      raise ValueError(f"kind must be one of {tuple(registry.CACHE_KIND_TABLE)}; got {kind!r}")
+    spec = {"kind": kind} if isinstance(kind, str) else kind
+    registry.cache_options(spec, "kind")
+    return tuple(place(c, mesh, rules) for c in registry.build_caches(
+        model, batch, max_len, dtype, spec, local_layers=local_layers))
   rings = set(registry.ring_layers(model, max_len)) if local_layers == "ring" else set()
   builders = []
   owners = getattr(model, "cache_layers", range(len(model.layers)))  # cross-layer KV sharing
@@ -542,34 +384,21 @@ def init_caches(model, batch: int, max_len: int, mesh: Mesh, *,
     return tuple(b() for b in builders)
   shardings = tuple(c.shardings() for c in jax.eval_shape(build))
   built = iter(jax.jit(build, out_shardings=shardings)())
+  ring = registry.CACHE_KIND_TABLE["ring"].build
   return tuple(
-      place_ring(window_lib.RingKVCache.init(batch, layer.attn.window, layer.attn.num_kv_heads,
-                                             layer.attn.head_dim, dtype), mesh, rules)
+      place(ring(types.SimpleNamespace(layers=[layer]), batch, max_len, dtype,
+                 {"window": layer.attn.window}, None)[0], mesh, rules)
       if i in rings else next(built) for i, layer in ((i, model.layers[i]) for i in owners))
 
 
-def place_ring(ring: window_lib.RingKVCache, mesh: Mesh,
-               rules: Mapping[str, Any] | None = None) -> window_lib.RingKVCache:
-  """A `RingKVCache` (a local layer's window in the per-layer layout) on `mesh`: rows over
-  the `cache_batch` rule's axes (`data`), KV heads over `cache_kv_heads` (`model`) where
-  that axis divides them (else replicated), the W slots whole (a window is small: no
-  sequence split). It stays a plain `RingKVCache`: XLA partitions its attention (GSPMD).
+def place_ring(ring: Any, mesh: Mesh, rules: Mapping[str, Any] | None = None) -> Any:
+  """`place` (kept for callers of the per-layer layout's rings)."""
+  return place(ring, mesh, rules)
 
-  Raises:
-    ValueError: the batch axes do not divide the rows (naming the axis).
-  """
-  rules = resolve_rules(rules)
-  batch_axes, heads_axes = rules["cache_batch"], rules["cache_kv_heads"]
-  if ring.batch % axis_size(mesh, batch_axes):
-    raise ValueError(f"mesh axis {batch_axes!r} of size {axis_size(mesh, batch_axes)} must "
-                     f"divide the ring's batch {ring.batch}")
-  if ring.num_kv_heads % axis_size(mesh, heads_axes):
-    heads_axes = None
 
-  def spec(a):
-    return P(batch_axes, heads_axes, *([None] * (a.ndim - 2))) if a.ndim >= 3 else \
-        P(batch_axes, *([None] * (a.ndim - 1)))
-  return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, spec(a))), ring)
+def place_lowbit(cache: Any, mesh: Mesh, rules: Mapping[str, Any] | None = None) -> Any:
+  """`place` (kept for callers of the sub-byte kinds)."""
+  return place(cache, mesh, rules)
 
 
 def _fields(cache) -> dict[str, Any]:
@@ -577,16 +406,11 @@ def _fields(cache) -> dict[str, Any]:
 
 
 def cache_factory(model, mesh: Mesh, *, rules: Mapping[str, Any] | None = None,
-                  kind: str = "dense", page_size: int = 16, local_layers: str = "full"):
-  """`(batch, max_len, dtype=None) -> caches` for `kvattn.generate(..., cache_factory=)`.
-
-  The capacity is `max_len` rounded up to a multiple of what the sequence split needs
-  (the `seq` axis size times `page_size` for paged caches), so any length `generate`
-  asks for fits; the batch must still divide over `data` (ValueError). `local_layers`
-  as in `init_caches`.
-  """
+                  kind: Any = "dense", page_size: int = 16, local_layers: str = "full"):
+  """`(batch, max_len, dtype=None) -> caches` for `kvattn.generate(..., cache_factory=)`."""
   seq = _single_axis(resolve_rules(rules), "cache_sequence")
-  step = axis_size(mesh, seq) * (page_size if kind == "paged" else 1)
+  step = axis_size(mesh, seq) * (page_size if kind == "paged" else 1) if kind in TWIN_KINDS \
+      else 1
 
   def factory(batch: int, max_len: int, dtype: Any = None) -> tuple[Any, ...]:
     max_len = -(-_checks.positive_int("max_len", max_len) // step) * step
@@ -604,23 +428,19 @@ BATCHER_RULES = {"cache_sequence": None, "cache_pages": "data"}
 # device).
 HEADS_ONLY_RULES = {"cache_batch": None, "cache_sequence": None, "cache_pages": None}
 
+_TWINS = {cls.__mro__[1]: cls for cls in (ShardedKVCache, ShardedPagedKVCache,
+                                          ShardedLatentCache)}
+"""Exact class -> its shard_map twin (a subclass of a kind is `place`d, not twinned)."""
+
 
 def place_caches(caches: Sequence[Any], mesh: Mesh, rules: Mapping[str, Any] | None = None,
                  *, num_heads: int | Sequence[int | None] | None = None) -> tuple[Any, ...]:
-  """Existing `KVCache` / `PagedKVCache` / `LatentCache`s moved onto `mesh` as their
-  sharded kinds (`jax.device_put`; for caches built or restored elsewhere). A paged
-  cache's rows must use the pages of their data shard (or use `HEADS_ONLY_RULES`).
-
-  A cache does not know the query heads N of its layer, and where the KV heads are
-  fewer than the heads axis (replicated) the layout depends on N, so `num_heads` is
-  then required: the layers' N, one int for all or a sequence with one entry per
-  cache (e.g. `[layer.attn.num_heads for layer in model.layers]`; None for latent
-  caches). Every layout is checked here, so a placed cache either runs with its
-  layer or this raises (`cache_layout`), never the first attention call.
+  """Existing caches moved onto `mesh`: `KVCache` / `PagedKVCache` / `LatentCache` as their
+  shard_map twins, every other kind `place`d by its logical axes. A paged cache's rows must
+  use the pages of their data shard (or use `HEADS_ONLY_RULES`).
 
   Raises:
-    TypeError: a cache of another kind.
-    ValueError: as `cache_layout` (naming the mesh axis, the head counts and the
+    ValueError: as `cache_layout` / `place` (naming the mesh axis, the head counts and the
       splits that would fit), or a `num_heads` sequence of another length.
   """
   caches = tuple(caches)
@@ -633,104 +453,32 @@ def place_caches(caches: Sequence[Any], mesh: Mesh, rules: Mapping[str, Any] | N
                        f"got {len(heads)}")
   out = []
   for i, (c, n) in enumerate(zip(caches, heads)):
+    twin = _TWINS.get(type(c))
     try:
-      lay, cls = _placed_layout(c, mesh, rules, n)
+      if twin is None:
+        out.append(place(c, mesh, rules))
+        continue
+      lay = twin.layout_for(c, mesh, rules, n)
     except ValueError as e:
       raise ValueError(f"caches[{i}]: {e}") from None
     fields = {k: v for k, v in _fields(c).items() if k != "layout"}
-    sharded = cls(**fields, layout=lay)
+    sharded = twin(**fields, layout=lay)
     out.append(jax.device_put(sharded, sharded.shardings()))
   return tuple(out)
 
 
-def _placed_layout(c, mesh: Mesh, rules, num_heads: int | None) -> tuple[CacheLayout, type]:
-  """The layout and sharded class of existing cache `c` (`place_caches`)."""
-  if isinstance(c, paged_lib.PagedKVCache):
-    return cache_layout(mesh, rules, kind="paged", batch=c.batch, max_len=c.max_len,
-                        num_kv_heads=c.num_kv_heads, num_heads=num_heads,
-                        num_pages=c.num_pages), ShardedPagedKVCache
-  if isinstance(c, cache_lib.KVCache):
-    return cache_layout(mesh, rules, kind="dense", batch=c.batch, max_len=c.max_len,
-                        num_kv_heads=c.num_kv_heads, num_heads=num_heads), ShardedKVCache
-  if isinstance(c, cache_lib.LatentCache):
-    return (cache_layout(mesh, rules, kind="latent", batch=c.batch, max_len=c.max_len),
-            ShardedLatentCache)
-  raise TypeError(f"caches must be KVCache, PagedKVCache or LatentCache to shard; got "
-                  f"{type(c).__name__}")
-
-
-
-# ----------------------------------------------------------------------------------------------
-# Caches below 8 bits (KIVI, rotated; dense or paged store) on a mesh.
-
-
-def place_lowbit(cache: Any, mesh: Mesh, rules: Mapping[str, Any] | None = None) -> Any:
-  """A sub-byte cache (`kvattn.caches._residual.ResidualStoreCache`: `KIVICache`,
-  `RotatedCache`, `PagedKIVICache`, `KIVILatentCache`) with its arrays placed on `mesh`; it stays the same kind
-  and XLA partitions its ops (GSPMD), as `place_ring` does for rings.
-
-  Axes: rows `[B, ...]` (the rings `k_res, v_res: [B, K, Rb, H]`, a dense store's codes,
-  scales and zero points `[B, K, Sq, ...]`, `lengths`, `block_tables`) over the
-  `cache_batch` rule's axis; the KV-head axis K over `cache_kv_heads` where that axis size
-  divides K (else replicated, each device holding every head); a paged store's pools
-  `[K, P, ...]` over K likewise and over the `cache_pages` axes that divide P. The store's
-  slots are never split (`cache_sequence` is not used: a group of codes and its scale row
-  stay on one device, and the store is read block by block along them).
-
-  Raises:
-    TypeError: a cache of another kind.
-    ValueError: the batch axes do not divide B, or the page axes do not divide P (naming
-      the axis).
-  """
-  from kvattn.caches import _residual  # pylint: disable=g-import-not-at-top
-  from kvattn.caches import paged_kivi  # pylint: disable=g-import-not-at-top
-  if not isinstance(cache, _residual.ResidualStoreCache):
-    raise TypeError(f"cache must be a KIVICache, RotatedCache or PagedKIVICache to place with "
-                    f"place_lowbit; got {type(cache).__name__}")
-  rules = resolve_rules(rules)
-  batch_axes, heads_axes = rules["cache_batch"], rules["cache_kv_heads"]
-  _divides(mesh, batch_axes, cache.batch, "the batch B")
-  if cache.k_res.shape[1] % axis_size(mesh, heads_axes):  # K (1 for MLA latents)
-    heads_axes = None
-  paged = isinstance(cache, paged_kivi.PagedKIVICache)
-  page_axes = None
-  if paged:
-    page_axes = tuple(a for a in mesh_axes(rules["cache_pages"]) if mesh.shape[a] > 1) or None
-    _divides(mesh, page_axes, cache.num_pages, "the page pool P (num_pages)")
-  pools = set(paged_kivi.PagedKIVICache.POOL_FIELDS) if paged else set()
-
-  def place(name, a):
-    if name in pools:
-      spec = P(heads_axes, page_axes, *([None] * (a.ndim - 2)))
-    elif a.ndim >= 3:
-      spec = P(batch_axes, heads_axes, *([None] * (a.ndim - 2)))
-    else:
-      spec = P(batch_axes, *([None] * (a.ndim - 1)))
-    return jax.device_put(a, NamedSharding(mesh, spec))
-
-  return cache.replace(**{f.name: place(f.name, getattr(cache, f.name))
-                          for f in dataclasses.fields(cache)
-                          if isinstance(getattr(cache, f.name), jax.Array)})
-
-
 def lowbit_cache_factory(model, mesh: Mesh, cache: Any, *,
                          rules: Mapping[str, Any] | None = None):
-  """`(batch, max_len, dtype=None) -> caches` for `kvattn.generate(..., cache_factory=)`:
-  the registry's caches of spec `cache` (a sub-byte kind: `kivi2`, `kivi4`, `rotated3`,
-  `rotated4`, `paged_kivi2`, `paged_kivi4`) built on the host's default device, then placed
-  on `mesh` by `place_lowbit`.
+  """`(batch, max_len, dtype=None) -> caches` for `kvattn.generate(..., cache_factory=)`: the
+  registry's caches of spec `cache` (any kind) built on the default device, then `place`d on `mesh`.
 
   Raises:
-    ValueError: a spec of another kind (naming `cache.kind`), or as `place_lowbit` (at the
-      factory's call).
+    ValueError: an unknown kind or option (naming `cache.<key>`), or as `place` (at the factory's
+      call).
   """
   cache = {"kind": cache} if isinstance(cache, str) else cache
-  kind, _ = registry.cache_options(cache)
-  if not kind.startswith(("kivi", "rotated", "paged_kivi")):
-    raise ValueError(f"cache.kind must be a sub-byte kind (kivi*, rotated*, paged_kivi*) for "
-                     f"lowbit_cache_factory (the others: cache_factory); got {kind!r}")
   build = registry.cache_factory_from_config(model, cache)
 
   def factory(batch: int, max_len: int, dtype: Any = None) -> tuple[Any, ...]:
-    return tuple(place_lowbit(c, mesh, rules) for c in build(batch, max_len, dtype))
+    return tuple(place(c, mesh, rules) for c in build(batch, max_len, dtype))
   return factory

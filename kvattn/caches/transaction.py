@@ -4,52 +4,6 @@ Speculative decoding (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023,
 2302.01318) writes T draft tokens into every layer's cache, verifies them in one forward
 pass and must then drop the rejected ones. Here that is a property of the cache protocol,
 so every kind -- including one registered later -- rolls back exactly:
-
-    drafts = tuple(transaction.begin(c) for c in caches)   # one `Draft` per layer
-    logits, drafts = model(tokens, drafts, new_lengths=n)  # T tokens written
-    caches = tuple(transaction.commit(d, keep) for d in drafts)  # keep: i32[B] in [0, n]
-
-After `commit` each cache equals the cache of a run that wrote only the first `keep[b]`
-of the T tokens of row b (the rejected ones left no trace: slots, evictions, scores,
-quantization scales, pages' contents as read). Shapes are static: T is fixed per
-compiled program, `keep` is data.
-
-A `Draft` wraps one layer's cache for one forward pass. It forwards every protocol
-member to the cache, and in the write it (1) saves what the rollback needs, the
-*journal*, and (2) records the layer's arguments (queries, keys, values, positions:
-`[B, T, ...]`, the options static). `commit` then rebuilds the cache:
-
-  * the kind's cheap commit, when it has one: `commit_draft(journal, keep)`. Kinds that
-    keep token t in slot t (`KVCache`, `LatentCache`, `PagedKVCache`,
-    `LengthSwitchKVCache`, their sharded subclasses; `_slots.TokenSlots`) journal their
-    `lengths` and commit by setting `lengths = journal + keep`: no copy, the draft's
-    slots past the new length are unused slots (which never change a result).
-  * otherwise the *replay*: the cache from before the draft, `undo_draft(journal)` when
-    the kind journals its own undo log (ring and sinks: the old contents of the at most
-    T slots the draft overwrote, `min(T, capacity)` slots per layer) or else the journal
-    IS the cache from before the draft (the generic default: a copy of the cache, which
-    a kind registered later gets without any edit), then the layer's recorded call
-    replayed on it with `new_lengths = keep` -- exactly the write of a run that never
-    saw the rejected tokens (padding is neither written nor scored). The replayed
-    attention output is unused and XLA removes it, unless the write needs it (eviction
-    scores).
-
-Verification must see what token-by-token decoding sees. A kind whose chunk of T tokens
-through `update_attend` gives the outputs and state of T one-token steps declares
-`chunk_equals_steps = True` (dense, paged, latent, ring, sinks, length switch: their
-chunks attend exactly the tokens the per-token steps would). Any other kind (eviction
-chooses after each token; a kind registered later) is verified stepwise: the layer's
-projections run once over the T tokens and the cache steps through them one at a time
-(`lax.scan` of one-token `update_attend` calls), so eviction caused by token t is seen
-by token t + 1 as in plain decoding. Kinds reached through plain `update` + `attend` (no
-`update_attend`; the MLA modules) are verified as a chunk, which the protocol's
-`attend` contract makes exact (query t attends tokens `[0, q_offsets[b] + t]`).
-
-Memory (per layer, T draft tokens): lengths-commit kinds nothing beyond `i32[B]`; ring
-and sinks `B * min(T, W) * K * (2 H itemsize + 4 + scales)` bytes of undo log plus
-the recorded `[B, T, N + 2K, H]` inputs; the generic default one copy of the cache
-(for eviction that copy is the budget's size, which `_select`'s gather materialises
-anyway).
 """
 
 from __future__ import annotations
@@ -86,9 +40,6 @@ class Draft:
     journal_kind: static, `COPY` or `KIND`.
     call: static, "update_attend" or "update" (which call `record` holds).
     options: static, the recorded call's keyword options as sorted `(name, value)`.
-
-  Every other attribute (`lengths`, `batch`, `num_kv_heads`, `attend`, ...) is the
-  cache's, so the attention modules take a `Draft` wherever they take its cache.
   """
 
   cache: Any
@@ -189,10 +140,9 @@ def begin(cache: Any) -> Draft:
 
 
 def commit(draft: Draft, keep: jax.Array) -> Any:
-  """The cache holding, of the T tokens written through `draft`, only the first `keep[b]`
-  of row b (`i32[B]`, in `[0, new_lengths[b]]` of the write): equal to the cache of a run
-  that wrote only those (module doc). A draft nothing was written through returns its
-  cache."""
+  """The cache holding, of the T tokens written through `draft`, only the first `keep[b]` of row b
+  (`i32[B]`, in `[0, new_lengths[b]]` of the write): equal to the cache of a run that wrote only
+  those (module doc). A draft nothing was written through returns its cache."""
   if not isinstance(draft, Draft):
     raise TypeError(f"draft must be a transaction.Draft (from begin); got "
                     f"{type(draft).__name__}")

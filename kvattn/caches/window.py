@@ -21,6 +21,9 @@ import numpy as np
 from flax import struct
 
 from kvattn import _checks
+from kvattn.caches import capabilities
+from kvattn.caches import registry
+from kvattn.caches._layers import gqa_layers
 from kvattn.ops.positional import positional_attention
 from kvattn.ops.rope import apply_rope
 
@@ -52,9 +55,6 @@ class RingKVCache(WrappingCache):
     lengths: `i32[B]` tokens written per sequence (grows past W: a ring does
       not overflow, it overwrites the oldest token by design).
     k_scale, v_scale: `f32[B, K, W]` scales of an int8/fp8 cache, else None.
-
-  Attention sees, for the query at token p, the tokens `(p - W, p]`: full
-  attention with window W (and the module's own window, if smaller).
   """
 
   k: jax.Array
@@ -127,8 +127,7 @@ class RingKVCache(WrappingCache):
     return jnp.where(keep, (self.lengths[:, None] + t) % self.window, self.window)
 
   def _attend(self, q, k, v, ks, vs, kv_pos, q_pos, lengths, *, sm_scale, window, soft_cap):
-    """RoPE'd queries at tokens `q_pos` against keys at tokens `kv_pos`, window
-    `min(W, window)`."""
+    """RoPE'd queries at tokens `q_pos` against keys at tokens `kv_pos`, window `min(W, window)`."""
     del lengths  # the ring's positions are the tokens' own
     out, _ = positional_attention(q, k, v, q_pos, kv_pos, sm_scale=sm_scale,
                                   window=min_window(window, self.window), soft_cap=soft_cap,
@@ -138,15 +137,38 @@ class RingKVCache(WrappingCache):
   def update_attend_unchecked(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
                               new_lengths, sm_scale=None, window=None, soft_cap=None,
                               implementation=None):
-    """`cache_protocol.update_attend` (checked arguments; `update_attend` checks them): RoPE
-    at `positions`, then the chunk attends the ring as it was plus its own tokens (exact
-    window-W attention for any T), and is written (keys RoPE'd). Returns `(out [B, T, N,
-    H], new cache)`."""
+    """`cache_protocol.update_attend` (checked arguments; `update_attend` checks them): RoPE at
+    `positions`, then the chunk attends the ring as it was plus its own tokens (exact window-W
+    attention for any T), and is written (keys RoPE'd). Returns `(out [B, T, N, H], new cache)`."""
     prelude(self, implementation)
     rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
     q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
     return self._step(q, k, v, new_lengths,
                       dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap))
+
+  # Boundary state (a prefix cache's snapshot: `kvattn.inference.batching.snapshots`).
+  def boundary_layout(self, count: int) -> list[tuple[tuple[int, ...], Any]]:
+    """`(shape, dtype)` of each array of a boundary state of `count` tokens."""
+    k_heads, _, head_dim = self.k.shape[1:]
+    out = [((k_heads, count, head_dim), a.dtype) for a in (self.k, self.v)]
+    return out + [((k_heads, count), a.dtype) for a in (self.k_scale, self.v_scale)
+                  if a is not None]
+
+  def boundary_state(self, slot, end, count: int) -> tuple:
+    """`(k, v, k_scale, v_scale)` of row `slot`'s tokens `[end - count, end)` in token order
+    (`[K, count, ...]`; zeros for tokens < 0; None for a float ring's scales)."""
+    p, idx = capabilities.tokens_before(end, count, self.capacity)
+    return tuple(capabilities.row_tokens(a, slot, p, idx)
+                 for a in (self.k, self.v, self.k_scale, self.v_scale))
+
+  def with_boundary_state(self, slot, state, end, count: int) -> "RingKVCache":
+    """Row `slot` as the ring of an `end`-token sequence, from `boundary_state` (traceable)."""
+    p, idx = capabilities.tokens_before(end, count, self.capacity)
+    pos = jnp.full((self.capacity,), -1, jnp.int32).at[idx].set(jnp.where(p >= 0, p, -1))
+    put = lambda a, new: capabilities.put_row_tokens(a, slot, idx, new)
+    return self.replace(k=put(self.k, state[0]), v=put(self.v, state[1]),
+                        k_scale=put(self.k_scale, state[2]), v_scale=put(self.v_scale, state[3]),
+                        pos=self.pos.at[slot].set(pos), lengths=self.lengths.at[slot].set(end))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,14 +179,6 @@ class RingKVCache(WrappingCache):
 class SinkKVCache(WrappingCache):
   """StreamingLLM cache: `num_sinks` first tokens plus a ring of the W most recent.
 
-  Slots `[0, num_sinks)` hold tokens `0..num_sinks-1`; token p >= num_sinks
-  goes to slot `num_sinks + (p - num_sinks) % W`. Keys are stored before
-  RoPE and rotated at read at the positions the method assigns inside the
-  cache (`cache_positions()`): a kept token's rank among the kept tokens
-  (sinks keep 0..num_sinks-1; once the cache is full the ring tokens take
-  `num_sinks..capacity-1`, oldest first). The decode query takes the next
-  position (`query_position()`), so no position reaches the capacity.
-
   Attributes:
     k: `[B, K, S, H]` keys before RoPE, S = num_sinks + W.
     v: `[B, K, S, H]` values.
@@ -172,9 +186,8 @@ class SinkKVCache(WrappingCache):
     lengths: `i32[B]` tokens written per sequence (grows past S).
     k_scale, v_scale: `f32[B, K, S]` scales of an int8/fp8 cache, else None.
     num_sinks: static, the sink tokens kept.
-    rope_theta, rope_scaling: static, the RoPE used at read (base and
-      `kvattn.ops.RopeScaling` or None); `update_attend` checks that the
-      module's are the same.
+    rope_theta, rope_scaling: static, the RoPE used at read (base and `kvattn.ops.RopeScaling` or
+      None); `update_attend` checks that the module's are the same.
   """
 
   k: jax.Array
@@ -281,10 +294,9 @@ class SinkKVCache(WrappingCache):
   def update_attend_unchecked(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
                               new_lengths, sm_scale=None, window=None, soft_cap=None,
                               implementation=None):
-    """`cache_protocol.update_attend` (checked arguments; `update_attend` checks them): the
-    module's `positions` are not used (the cache assigns RoPE positions); `rope_theta`
-    must be the cache's. A chunk attends the cache as it was plus its own tokens, then is
-    written."""
+    """`cache_protocol.update_attend` (checked arguments; `update_attend` checks them): the module's
+    `positions` are not used (the cache assigns RoPE positions); `rope_theta` must be the cache's. A
+    chunk attends the cache as it was plus its own tokens, then is written."""
     del positions  # StreamingLLM: positions inside the cache, not in the text
     prelude(self, implementation)
     if (float(rope_theta), rope_scaling) != (self.rope_theta, self.rope_scaling):
@@ -293,3 +305,33 @@ class SinkKVCache(WrappingCache):
                        f"{rope_theta}, {rope_scaling}")
     return self._step(q, k, v, new_lengths,
                       dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap))
+
+
+def _ring(model, batch, max_len, dtype, o, tokens_per_seq):
+  del max_len, tokens_per_seq  # bounded: the capacity is the window
+  return tuple(RingKVCache.init(batch, o["window"], a.num_kv_heads, a.head_dim, dtype)
+               for a in gqa_layers(model))
+
+
+def _sink(model, batch, max_len, dtype, o, tokens_per_seq):
+  del max_len, tokens_per_seq
+  return tuple(SinkKVCache.init(batch, o["num_sinks"], o["window"], a.num_kv_heads,
+                                a.head_dim, dtype, rope_theta=a.rope_theta,
+                                rope_scaling=a.rope_scaling)
+               for a in gqa_layers(model))
+
+
+def _sink_at_budget(budget: int, num_sinks: int) -> dict:
+  if budget <= num_sinks:
+    raise ValueError(f"budget must be > num_sinks = {num_sinks} for kind 'sink'; got {budget}")
+  return {"num_sinks": num_sinks, "window": budget - num_sinks}
+
+
+registry.register_cache_kind("ring", registry.CacheKind(
+    _ring, {"window": registry.REQUIRED},
+    "RingKVCache: the last `window` tokens (sliding-window attention)",
+    at_budget=lambda budget, num_sinks: {"window": budget}))
+registry.register_cache_kind("sink", registry.CacheKind(
+    _sink, {"num_sinks": 4, "window": registry.REQUIRED},
+    "SinkKVCache: StreamingLLM, `num_sinks` first tokens + a ring of `window`",
+    at_budget=_sink_at_budget))

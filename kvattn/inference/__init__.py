@@ -1,7 +1,7 @@
 """Inference: generation in one compiled loop, continuous batching, resuming from a cache.
 
   `generate`, `prefill`, `decode`, `Sampling`   generation.py.
-  `ContinuousBatcher`                           batching.py: slots over a paged pool.
+  `ContinuousBatcher`                           batching/: slots over pools or rows of any kind.
   `resume`                                      reuse.py: reuse a restored cache's prefix.
   `PromptLookup`, `DraftModel`                  speculative.py: drafters for
                                                 `generate(speculative=)`.

@@ -1,19 +1,4 @@
-"""Resume generation from a restored cache (`kvattn.caches.checkpoint.restore_caches`).
-
-Resuming (`reusable_length`, `truncate`, `resume`): a restored cache used for
-a prompt keeps the longest common prefix of the tokens it holds and the
-prompt, but never the whole prompt: the last prompt token is always
-evaluated again, so the first new token comes from a fresh forward pass and
-never from the old prompt's state. For a prompt that is a strict prefix of
-the saved tokens the cache is truncated to `len(prompt) - 1` tokens.
-
-Per-layer layouts (`init_caches(local_layers="ring")`): a `RingKVCache` (a local layer's
-window) that has wrapped no longer holds the tokens a shorter prefix's last token attends,
-so it can keep all of its tokens or none (`RingKVCache.can_truncate`). `resume` then keeps
-the common prefix only when every ring can serve it -- the prompt extends everything cached,
-or no ring has wrapped -- and otherwise recomputes the whole prompt (keep 0): a hit is
-always exact for the windowed layers.
-"""
+"""Resume generation from a restored cache (`kvattn.caches.checkpoint.restore_caches`)."""
 
 from __future__ import annotations
 
@@ -24,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvattn.caches._bounded import BoundedCache
-from kvattn.caches.checkpoint import TRUNCATABLE, _as_tuple
+from kvattn.caches import capabilities
+from kvattn.caches.checkpoint import _as_tuple
 from kvattn.inference.generation import Sampling, decode, prefill
 from kvattn.training import data as data_lib
 
@@ -46,10 +31,6 @@ def reusable_length(cached_tokens: Sequence[int], prompt: Sequence[int]) -> int:
 def truncate(caches: Any, length: Any) -> Any:
   """Caches that hold only their first `length` tokens per row (`int` or `i32[B]`).
 
-  Kinds that keep token t in slot t (`TRUNCATABLE`) only lower `lengths`
-  (slots past it are unused and never read); another kind must offer a
-  `truncate(length)` method.
-
   Raises:
     ValueError: a negative length, or a kind that cannot be truncated.
   """
@@ -58,9 +39,7 @@ def truncate(caches: Any, length: Any) -> Any:
     n = jnp.broadcast_to(jnp.asarray(length, jnp.int32), cache.lengths.shape)
     if _is_concrete_negative(n):
       raise ValueError(f"length must be >= 0; got {np.asarray(length).tolist()}")
-    if isinstance(cache, TRUNCATABLE):
-      out.append(cache.replace(lengths=jnp.minimum(cache.lengths, n)))
-    elif hasattr(cache, "truncate"):
+    if hasattr(cache, "truncate"):
       out.append(cache.truncate(n))
     else:
       raise ValueError(f"cache of kind {type(cache).__name__} cannot be truncated (it does not "
@@ -80,11 +59,6 @@ def resume(model: nnx.Module, caches: Sequence[Any], cached_tokens: Sequence[int
            eos_id: int | None = None, pad_id: int = data_lib.PAD_ID, rng: Any = None
            ) -> tuple[np.ndarray, tuple[Any, ...]]:
   """Generates for one `prompt` from caches that hold `cached_tokens` (batch 1).
-
-  Keeps `reusable_length(cached_tokens, prompt)` tokens of the caches (0 when a
-  wrapped ring cannot keep that many; module docstring), prefills the rest of the prompt (at least its last token) and decodes.
-  With greedy sampling the tokens equal `kvattn.generate` on `prompt` from
-  empty caches.
 
   Args:
     model: the `kvattn.Transformer` that filled the caches.
@@ -107,7 +81,7 @@ def resume(model: nnx.Module, caches: Sequence[Any], cached_tokens: Sequence[int
   if any(int(c.lengths.shape[0]) != 1 for c in caches):
     raise ValueError(f"caches must have batch 1; got {[int(c.lengths.shape[0]) for c in caches]}")
   # Bounded kinds (a local layer's ring) never overflow: their capacity is their window.
-  capacity = min((int(c.capacity) for c in caches if not isinstance(c, BoundedCache)),
+  capacity = min((int(c.capacity) for c in caches if not capabilities.bounded(c)),
                  default=None)
   if capacity is not None and len(prompt) + max_new_tokens - 1 > capacity:
     raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) - 1 exceeds the "

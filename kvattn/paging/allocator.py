@@ -1,14 +1,4 @@
-"""Host-side page allocator of a paged KV cache (PagedAttention, Kwon et al., SOSP 2023).
-
-`PageAllocator` is plain numpy / Python bookkeeping: which pages of a
-`kvattn.PagedKVCache` pool each live sequence owns, allocation on join, one
-more page when a sequence crosses a page boundary, freeing on retire,
-used/free/waste statistics (`PoolStats`). A page is never owned by two live
-sequences; exhaustion raises `OutOfPagesError` and leaves every existing
-allocation untouched. Nothing here touches device arrays: a caller turns an
-allocation into block-table rows (`block_table_row`, `block_tables`) and hands
-them to the cache (`PagedKVCache.init(block_tables=)`, `assign_slot`).
-"""
+"""Host-side page allocator of a paged KV cache (PagedAttention, Kwon et al., SOSP 2023)."""
 
 from __future__ import annotations
 
@@ -29,13 +19,7 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 class OutOfPagesError(RuntimeError):
-  """The pool has fewer free pages than a request needs.
-
-  Raised by `PageAllocator.allocate`/`grow` before anything changes, so every
-  existing allocation (and the cache contents behind it) is intact. A
-  scheduler can read `needed` and `available` and retry after retiring a
-  sequence, or check `PageAllocator.can_allocate` beforehand.
-  """
+  """The pool has fewer free pages than a request needs."""
 
   def __init__(self, seq_id: Hashable, needed: int, available: int):
     self.seq_id, self.needed, self.available = seq_id, needed, available
@@ -74,20 +58,7 @@ class PoolStats:
 
 
 class PageAllocator:
-  """Host-side allocator of the pages of a `PagedKVCache` pool.
-
-  Every live sequence (any hashable id, e.g. a request id) owns an ordered
-  list of pages: its logical page j is `pages(seq_id)[j]`. Pages come from a
-  free list; a page is on the free list or owned by exactly one sequence.
-  All operations are atomic: on any error nothing changes.
-
-  Example:
-    alloc = PageAllocator(num_pages=64, page_size=16, max_pages_per_seq=8)
-    alloc.allocate("a", 20)           # 2 pages
-    alloc.grow("a", 33)               # crosses into a 3rd page: 1 new page
-    row = alloc.block_table_row("a")  # i32[8], padded with NO_PAGE
-    alloc.free("a")                   # all 3 pages back on the free list
-  """
+  """Host-side allocator of the pages of a `PagedKVCache` pool."""
 
   def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int | None = None, *,
                seed: int | None = None):
@@ -96,11 +67,9 @@ class PageAllocator:
     Args:
       num_pages: pages P in the pool.
       page_size: tokens per page.
-      max_pages_per_seq: block-table width (default P): a sequence may own at
-        most this many pages.
-      seed: if given, the free list starts in a random order (pages are then
-        handed out non-contiguously, which exercises page-order independence);
-        default ascending page ids.
+      max_pages_per_seq: block-table width (default P): a sequence may own at most this many pages.
+      seed: if given, the free list starts in a random order (pages are then handed out
+        non-contiguously, which exercises page-order independence); default ascending page ids.
 
     Raises:
       ValueError/TypeError: a size that is not a positive int.
@@ -233,16 +202,15 @@ class PageAllocator:
     return tuple(added)
 
   def shrink(self, seq_id: Hashable, num_tokens: int) -> tuple[int, ...]:
-    """Cuts `seq_id` back to `num_tokens` tokens in total: the pages past the ones they
-    occupy go back on the free list (speculative decoding returns the pages only its
-    rejected draft tokens used; `kvattn.inference.batching`).
+    """Cuts `seq_id` back to `num_tokens` tokens in total: the pages past the ones they occupy go
+    back on the free list (speculative decoding returns the pages only its rejected draft tokens
+    used; `kvattn.inference.batching`).
 
     Returns:
       The pages freed (empty when the last page is still needed).
 
     Raises:
-      ValueError: unknown `seq_id`; `num_tokens` above the sequence's current count or
-        negative.
+      ValueError: unknown `seq_id`; `num_tokens` above the sequence's current count or negative.
     """
     pages = self._owned(seq_id)
     num_tokens = self._check_tokens(num_tokens)

@@ -1,35 +1,4 @@
-"""Offload tiers for cold KV pages: host memory, then disk (vLLM offloading, SGLang HiCache).
-
-A cached page nobody references (`kvattn.paging.prefix.PrefixCachingAllocator`)
-that must give its device page up is copied out instead of forgotten:
-`TieredStore.put` hands it to the first tier; a tier over its capacity pushes
-its least recently stored pages to the next tier, and the last tier drops
-them (the allocator then forgets the block: the prefix is recomputed, never
-served stale). A hit takes the page back out (`take`) into a fresh device page.
-
-Tiers (capacity in bytes, `>= 0`; 0 passes everything through):
-  * `HostTier`: host memory. Where an accelerator offers the `pinned_host`
-    memory kind (`jax.devices()[0].addressable_memories()`), pages are
-    `jax.Array`s placed there with `jax.device_put` (page-locked, so
-    device<->host copies are DMA); otherwise numpy buffers. The CPU backend
-    offers `pinned_host` too, but there device memory is host memory, so by
-    default it gets numpy rows (one copy per batch instead of a transfer per
-    page); `pinned=True` forces the memory kind.
-  * `DiskTier`: one file of raw bytes per page in a directory (written with
-    plain writes, read back as a `numpy.memmap`), with its sha256 kept in
-    memory: a file that is missing, truncated or altered is detected on
-    `take` and reported as a miss. A directory that cannot be created or
-    written (read-only, full, not a directory) disables the tier: one
-    `logging` warning, then it holds nothing new and every page it is
-    offered passes on (from the last tier: dropped, so the allocator forgets
-    the block and recomputes it). Plain writes report a full disk as
-    `OSError` (ENOSPC); stores into a writable memmap of a file on a full
-    filesystem fault (SIGBUS) instead.
-
-A page's payload is the raw bytes of that page in every layer's pools
-(`PageCodec`: values and, when quantized, scales, viewed as uint8), so every
-round trip is bit-exact whatever the dtype.
-"""
+"""Offload tiers for cold KV pages: host memory, then disk (vLLM offloading, SGLang HiCache)."""
 
 from __future__ import annotations
 
@@ -81,9 +50,8 @@ class _LruTier:
     return len(self._items)
 
   def put(self, block, payload) -> list[tuple[Any, Any]]:
-    """Stores `payload` (`u8[page_bytes]`); returns what no longer fits,
-    least recently stored first, as `(block, payload)` (the new page itself
-    when it alone exceeds the capacity)."""
+    """Stores `payload` (`u8[page_bytes]`); returns what no longer fits, least recently stored
+    first, as `(block, payload)` (the new page itself when it alone exceeds the capacity)."""
     size = int(np.prod(np.shape(payload)))
     if size > self.capacity_bytes:
       return [(block, payload)]
@@ -236,12 +204,7 @@ def _write_file(path: str, data: bytes) -> None:
 
 
 class TieredStore:
-  """Offload tiers in order (fastest first): where evicted cached pages go.
-
-  `on_drop(block)` is called for a page that falls off the last tier (the
-  allocator sets it to forget the block). `moves` counts pages per
-  (from, to) tier move, "drop" included.
-  """
+  """Offload tiers in order (fastest first): where evicted cached pages go."""
 
   def __init__(self, tiers: Sequence[_LruTier]):
     tiers = list(tiers)
@@ -298,9 +261,6 @@ def make_store(mode: str, *, host_bytes: int = 0, disk_bytes: int = 0,
                directory: str | os.PathLike | None = None) -> TieredStore | None:
   """The offload store of a prefix-cache mode (`PREFIX_CACHE_MODES`).
 
-  "off" and "device" have none; "host" a `HostTier(host_bytes)`; "disk" a
-  `HostTier(host_bytes)` then a `DiskTier(directory, disk_bytes)`.
-
   Raises:
     ValueError: an unknown mode, a negative capacity, "disk" without `directory`.
   """
@@ -334,16 +294,8 @@ def _uint(width: int):
 
 
 class PageCodec:
-  """Page payloads of a model's `PagedKVCache`s: the bytes of one page in every pool.
-
-  Caches without pages (the rings of a per-layer layout) are passed through untouched;
-  their state at a prefix boundary travels as the block's boundary state
-  (`kvattn.paging.prefix`, `kvattn.inference.batching.RingSnapshots`).
-
-  `read(caches, pages) -> u8[n, page_bytes]` (one jitted gather per pool,
-  bytes packed on the host) and `write(caches, pages, u8[n, page_bytes]) ->
-  caches` (one jitted scatter per pool, donated); values and scales move as
-  raw bits, so a round trip is bit-exact.
+  """Page payloads of a model's paged caches: the bytes of one page in every pool (each
+  cache's `POOL_FIELDS`, `kvattn.caches.capabilities`).
   """
 
   def __init__(self, caches: Sequence[Any]):
@@ -364,11 +316,11 @@ class PageCodec:
       it = iter(parts)
       out = []
       for c in caches:
-        if not hasattr(c, "k_pages"):  # a layer without pages (a ring): no page bytes
+        if not getattr(c, "POOL_FIELDS", ()):  # a layer without pages (a ring): no page bytes
           out.append(c)
           continue
         fields = {}
-        for name in ("k_pages", "v_pages", "k_scale_pages", "v_scale_pages"):
+        for name in c.POOL_FIELDS:
           pool = getattr(c, name)
           if pool is None:
             continue
@@ -386,8 +338,8 @@ class PageCodec:
 
   @staticmethod
   def _pools(caches):
-    return [p for c in caches if hasattr(c, "k_pages")
-            for p in (c.k_pages, c.v_pages, c.k_scale_pages, c.v_scale_pages) if p is not None]
+    return [p for c in caches for name in getattr(c, "POOL_FIELDS", ())
+            if (p := getattr(c, name)) is not None]
 
   def read(self, caches: Sequence[Any], pages: Sequence[int]) -> np.ndarray:
     """`u8[len(pages), page_bytes]` (host) the contents of `pages` in every pool: one

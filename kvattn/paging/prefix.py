@@ -1,130 +1,30 @@
-"""Automatic prefix caching for the paged KV cache (vLLM APC / SGLang RadixAttention).
-
-`PrefixCachingAllocator` is a `kvattn.PageAllocator` whose full pages outlive
-the sequence that wrote them: once a page holds `page_size` tokens it is
-*registered* under a key chained over its parent page's key and its own
-token ids,
-
-    key_j = sha256(key_{j-1} || int32 little-endian bytes of tokens[j*ps:(j+1)*ps]),
-    key_{-1} = b"",
-
-so a key names the whole prefix up to the end of page j (vLLM's block hash).
-A later prompt walks its full pages from the first: page j is a hit only if
-the key is registered *and* the block under it holds exactly these token ids
-*and* its parent is the block matched for page j-1 (object identity), so two
-different blocks whose keys collide never share KV, whatever the hash. The
-walk stops at the first miss; matches are whole pages (a partly filled page
-is never shared through the index), and an empty match is a plain miss.
-
-Sharing: a page is reference-counted; every live sequence that holds it in
-its block table counts once. Registered pages are read-only. A sequence that
-must write into a page it shares (`fork` shares every page including the
-partly filled last one, as parallel sampling does) first calls
-`prepare_write`, which gives it a private copy of each shared page it will
-write into (copy-on-write; the caller copies the device contents with
-`copy_pages`).
-
-Eviction: a registered page nobody references stays cached (it counts as
-free: `num_free` includes it) on an LRU list; when the free list runs dry the
-least recently released cached page is reused. With an offload store
-(`kvattn.paging.offload.TieredStore`) its contents are first copied out (the reader
-callback) and the block stays in the index, now held by a slower tier; a hit
-on it takes a fresh page and copies the contents back (the writer callback).
-A block a tier drops, or whose disk copy fails its checksum, leaves the index:
-the prefix is recomputed, never served stale.
-
-Release order: `free` puts a sequence's cached pages on the LRU list last
-page first, so the tail of a prefix is evicted before its head (a head
-without its tail still hits; a tail without its head never can).
-
-Boundary states (`boundary_states=True`): layers whose KV does not live in the
-pages (the rings of sliding-window layers, `kvattn.inference.batching` with
-`local_layers="ring"`) need, to continue a prefix of m tokens, their own state at
-token m (a ring: the KV of tokens `[m - W, m)`). The caller attaches such a state to
-the block ending at m (`set_state`, after `register`; `needs_state` says whether it
-is wanted); a match then ends at the deepest matched block holding one (`match`,
-`allocate_prompt`; `state_of` hands it over), so a hit is exactly a block chain plus
-the state at its end. At most `max_states` states are kept (least recently used or
-attached dropped first: the block stays, it just no longer ends a match);
-`state_bytes` counts the bytes held. With offload a state leaves with its block: its
-bytes (`bind_device(state_codec=)`) follow the page's in the same tier payload, and come
-back with it on a hit.
-"""
+"""Automatic prefix caching for the paged KV cache (vLLM APC / SGLang RadixAttention): full
+pages keyed by their chained token prefix (`page_digest`), shared by refcount, evicted LRU,
+optionally offloaded (`kvattn.paging.offload`); boundary states in `_blocks`."""
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import hashlib
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
+from kvattn.paging._blocks import (ROOT_KEY, BoundaryStates, CachedBlock, Reader,  # noqa: F401
+                                   Writer, page_digest)
 from kvattn.paging.allocator import OutOfPagesError, PageAllocator, PoolStats, pages_for
 
-ROOT_KEY = b""
-"""The key a first page's key is chained from."""
 
-
-def page_digest(parent: bytes, tokens: np.ndarray) -> bytes:
-  """The key of a full page: `sha256(parent || int32-LE bytes of tokens)` (32 bytes)."""
-  return hashlib.sha256(parent + np.asarray(tokens, "<i4").tobytes()).digest()
-
-
-@dataclasses.dataclass(eq=False)
-class CachedBlock:
-  """One registered full page of token ids and where its KV lives now.
-
-  Attributes:
-    key: its chained key (`page_digest`).
-    tokens: `i32[page_size]` the token ids it holds.
-    parent: the block of the previous page (None for a first page).
-    page: the device page holding its KV, or None while offloaded.
-    tier: "device", or the name of the offload tier holding it.
-    state: the boundary state at the end of this block (module docstring), or None
-      (also while offloaded: then its bytes follow the page's in the tier payload).
-    state_bytes: bytes of that state (on the device, or in the tier payload), 0 for none.
-  """
-
-  key: bytes
-  tokens: np.ndarray
-  parent: "CachedBlock | None"
-  page: int | None
-  tier: str = "device"
-  state: Any = None
-  state_bytes: int = 0
-
-
-Reader = Callable[[Sequence[int]], Any]
-"""`pages -> u8[n, page_bytes]`: the contents of device pages (all layers)."""
-Writer = Callable[[Sequence[int], Any], None]
-"""`(pages, u8[n, page_bytes]) -> None`: writes contents into device pages."""
-
-
-class PrefixCachingAllocator(PageAllocator):
-  """A `PageAllocator` that caches full pages by their token prefix and shares them.
-
-  Example:
-    alloc = PrefixCachingAllocator(num_pages=64, page_size=16)
-    cached = alloc.allocate_prompt("a", prompt)  # tokens already in the cache
-    ...prefill prompt[cached:] into alloc.block_table_row("a")...
-    alloc.register("a", prompt)                  # its full pages become shareable
-    alloc.free("a", tokens=prompt + generated)   # pages stay cached until evicted
-
-  Invariants (`check`): every page is exactly one of free, referenced by live
-  sequences (count = number of block-table entries holding it), or cached
-  with no reference (on the LRU list and in the index).
-  """
+class PrefixCachingAllocator(BoundaryStates, PageAllocator):
+  """A `PageAllocator` that caches full pages by their token prefix and shares them."""
 
   def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int | None = None, *,
                seed: int | None = None, offload: Any = None, boundary_states: bool = False,
                max_states: int | None = None):
-    """Args as `PageAllocator`; `offload` is a `kvattn.paging.offload.TieredStore`
-    (or None: evicted blocks are forgotten). With `offload`, call
-    `bind_device(reader, writer)` before the first eviction. `boundary_states`: a match
-    must end at a block holding a state (module docstring); `max_states` (an int >= 1,
-    None: no limit) bounds how many are kept.
+    """Args as `PageAllocator`; `offload` is a `kvattn.paging.offload.TieredStore` (or None: evicted
+    blocks are forgotten). With `offload`, call `bind_device(reader, writer)` before the first
+    eviction. `boundary_states`: a match must end at a block holding a state (module docstring);
+    `max_states` (an int >= 1, None: no limit) bounds how many are kept.
 
     Raises:
       ValueError: bad sizes; `max_states` not a positive int.
@@ -149,95 +49,6 @@ class PrefixCachingAllocator(PageAllocator):
     if offload is not None:
       offload.on_drop = self._forget
     self.counters = collections.Counter()
-
-  def bind_device(self, reader: Reader, writer: Writer, state_codec: Any = None) -> None:
-    """Sets the callbacks that read and write device page contents (for offload), and for
-    boundary states the object whose `encode(state) -> u8[n]` and `decode(u8[n]) -> state`
-    move a state to and from its tier payload (None: a block's state is dropped when the
-    block is offloaded)."""
-    self._reader, self._writer = reader, writer
-    self._state_codec = state_codec
-
-  # Boundary states.
-  @property
-  def state_bytes(self) -> int:
-    """Bytes of the boundary states held on the device (offloaded ones count in the tiers)."""
-    return sum(b.state_bytes for b in self._states.values())
-
-  @property
-  def num_states(self) -> int:
-    """Boundary states held on the device."""
-    return len(self._states)
-
-  def needs_state(self, seq_id: Hashable, end: int) -> bool:
-    """True if the registered chain of `seq_id` ends exactly at token `end` (> 0) and that
-    block holds no state yet: a state taken at `end` would be kept by `set_state`."""
-    done, last = self._registered[seq_id]
-    return (self.boundary_states and end > 0 and last is not None and done * self.page_size
-            == end and last.state is None and last.tier == "device")
-
-  def set_state(self, seq_id: Hashable, end: int, state: Any, nbytes: int) -> bool:
-    """Attaches `state` (`nbytes` bytes) to the block of `seq_id` ending at token `end`
-    when `needs_state(seq_id, end)`; drops the least recently used states beyond
-    `max_states`. Returns whether it was attached."""
-    if not self.needs_state(seq_id, end):
-      return False
-    block = self._registered[seq_id][1]
-    block.state, block.state_bytes = state, int(nbytes)
-    self._states[id(block)] = block
-    self.counters["states_set"] += 1
-    self._bound_states()
-    return True
-
-  def _bound_states(self) -> None:
-    """Drops the least recently used states beyond `max_states`."""
-    while self.max_states is not None and len(self._states) > self.max_states:
-      _, old = self._states.popitem(last=False)
-      old.state, old.state_bytes = None, 0
-      self.counters["states_dropped"] += 1
-
-  def state_of(self, seq_id: Hashable) -> Any:
-    """The boundary state at the end of the prefix `allocate_prompt` matched for `seq_id`
-    (None on a miss, or once its chain has grown past the match)."""
-    return self._registered[seq_id][1].state if self._registered[seq_id][1] else None
-
-  @staticmethod
-  def _has_state(block: CachedBlock) -> bool:
-    return block.state is not None or (block.tier != "device" and block.state_bytes > 0)
-
-  def _trim(self, blocks: list[CachedBlock]) -> list[CachedBlock]:
-    """`blocks` cut after the last block holding a state (boundary states), else as given."""
-    if not self.boundary_states:
-      return blocks
-    end = max((j + 1 for j, b in enumerate(blocks) if self._has_state(b)), default=0)
-    return blocks[:end]
-
-  def _drop_state(self, block: CachedBlock) -> None:
-    self._states.pop(id(block), None)
-    block.state, block.state_bytes = None, 0
-
-  def _payload(self, block: CachedBlock, row: Any) -> Any:
-    """The tier payload of an evicted block: its page's bytes, then its state's (if any)."""
-    self._states.pop(id(block), None)
-    if block.state is None:
-      return row
-    if self._state_codec is None:
-      self._drop_state(block)
-      return row
-    extra = np.asarray(self._state_codec.encode(block.state), np.uint8).reshape(-1)
-    block.state, block.state_bytes = None, int(extra.size)
-    return np.concatenate([np.asarray(row, np.uint8).reshape(-1), extra])
-
-  def _unpack(self, block: CachedBlock, payload: Any) -> Any:
-    """A tier payload back into the page's bytes; the state (if any) back on the block."""
-    if block.state_bytes == 0:
-      return payload
-    payload = np.asarray(payload, np.uint8).reshape(-1)
-    row, extra = payload[:-block.state_bytes], payload[-block.state_bytes:]
-    block.state = self._state_codec.decode(extra)
-    self._states[id(block)] = block  # the newest: a chain's deepest state is loaded last
-    self._bound_states()
-    return row
 
   # Queries.
   @property
@@ -264,19 +75,16 @@ class PrefixCachingAllocator(PageAllocator):
     return dict(collections.Counter(b.tier for b in self._index.values()))
 
   def match(self, tokens: Sequence[int], *, with_state: bool = True) -> int:
-    """Tokens of `tokens` served by cached blocks (any tier): a multiple of
-    `page_size`, 0 on a miss. Changes nothing. With boundary states the match ends at
-    the deepest block holding one, unless `with_state=False` (the whole chain of cached
-    blocks: where a state would be worth taking)."""
+    """Tokens of `tokens` served by cached blocks (any tier): a multiple of `page_size`, 0 on a
+    miss."""
     blocks = self._walk(np.asarray(tokens, np.int64).reshape(-1), None)
     return len(self._trim(blocks) if with_state else blocks) * self.page_size
 
   # Mutations.
   def allocate_prompt(self, seq_id: Hashable, prompt: Sequence[int]) -> int:
-    """Registers `seq_id` for `prompt`, reusing cached pages for its longest
-    cached prefix of whole pages, but never all of it: at most
-    `(len(prompt) - 1) // page_size` pages, so the last prompt token is
-    evaluated and produces the first new token.
+    """Registers `seq_id` for `prompt`, reusing cached pages for its longest cached prefix of whole
+    pages, but never all of it: at most `(len(prompt) - 1) // page_size` pages, so the last prompt
+    token is evaluated and produces the first new token.
 
     Returns:
       Tokens already in the cache (prefill `prompt[returned:]`).
@@ -378,12 +186,11 @@ class PrefixCachingAllocator(PageAllocator):
     return dropped
 
   def register(self, seq_id: Hashable, tokens: Sequence[int]) -> int:
-    """Makes the full pages of `seq_id` shareable: `tokens` are the token ids
-    written into its cache so far (at most its token count); each full page
-    not yet registered is entered in the index under its chained key. A key
-    already held by an identical block (the same prefix computed twice) is
-    kept and the chain continues through it; a key held by a different block
-    (a hash collision) ends registration for this sequence.
+    """Makes the full pages of `seq_id` shareable: `tokens` are the token ids written into its cache
+    so far (at most its token count); each full page not yet registered is entered in the index
+    under its chained key. A key already held by an identical block (the same prefix computed twice)
+    is kept and the chain continues through it; a key held by a different block (a hash collision)
+    ends registration for this sequence.
 
     Returns:
       Full pages of the sequence now registered or identical to a cached block.
@@ -421,10 +228,9 @@ class PrefixCachingAllocator(PageAllocator):
     return self._registered[seq_id][0]
 
   def free(self, seq_id: Hashable, tokens: Sequence[int] | None = None) -> tuple[int, ...]:
-    """Retires `seq_id`, first registering its full pages when `tokens` (the
-    ids written into its cache) are given. Each page loses one reference; an
-    unreferenced registered page stays cached (LRU, tail pages first), the
-    others go back on the free list.
+    """Retires `seq_id`, first registering its full pages when `tokens` (the ids written into its
+    cache) are given. Each page loses one reference; an unreferenced registered page stays cached
+    (LRU, tail pages first), the others go back on the free list.
 
     Returns:
       The sequence's pages.
@@ -441,9 +247,8 @@ class PrefixCachingAllocator(PageAllocator):
     return tuple(pages)
 
   def fork(self, src: Hashable, dst: Hashable) -> tuple[int, ...]:
-    """Registers `dst` sharing every page of `src` (its partly filled last
-    page included); each gains a reference. Call `prepare_write` before
-    either writes.
+    """Registers `dst` sharing every page of `src` (its partly filled last page included); each
+    gains a reference. Call `prepare_write` before either writes.
 
     Raises:
       ValueError: `src` not live or `dst` live.
@@ -458,10 +263,9 @@ class PrefixCachingAllocator(PageAllocator):
     return tuple(pages)
 
   def prepare_write(self, seq_id: Hashable, start: int) -> list[tuple[int, int]]:
-    """Copy-on-write before `seq_id` writes tokens from position `start` on:
-    every page of it at or after `start // page_size` that another sequence
-    also references, or that is registered (read-only), is replaced by a
-    private page.
+    """Copy-on-write before `seq_id` writes tokens from position `start` on: every page of it at or
+    after `start // page_size` that another sequence also references, or that is registered
+    (read-only), is replaced by a private page.
 
     Returns:
       `(old_page, new_page)` pairs; copy their device contents
@@ -621,17 +425,12 @@ class PrefixCachingAllocator(PageAllocator):
 
 
 def copy_pages(caches: Sequence[Any], copies: Sequence[tuple[int, int]]) -> tuple[Any, ...]:
-  """Copies page `old` to page `new` in every pool of every `PagedKVCache` (scales too),
-  for each `(old, new)` of `PrefixCachingAllocator.prepare_write`."""
+  """Copies page `old` to page `new` in every pool of every paged cache (its
+  `copy_pages`; a cache without pages is passed through), for each `(old, new)` of
+  `PrefixCachingAllocator.prepare_write`."""
   caches = tuple(caches)
   if not copies:
     return caches
   old = jnp.asarray([o for o, _ in copies], jnp.int32)
   new = jnp.asarray([n for _, n in copies], jnp.int32)
-
-  def copy(pool):
-    return None if pool is None else pool.at[:, new].set(pool[:, old])
-
-  return tuple(c.replace(k_pages=copy(c.k_pages), v_pages=copy(c.v_pages),
-                         k_scale_pages=copy(c.k_scale_pages), v_scale_pages=copy(c.v_scale_pages))
-               for c in caches)
+  return tuple(c.copy_pages(old, new) if getattr(c, "POOL_FIELDS", ()) else c for c in caches)

@@ -34,7 +34,7 @@ def test_every_kind_holds_the_context_it_was_written(tiny, kind):
                if jnp.issubdtype(a.dtype, jnp.floating))
   want = sum(memory.measured_bytes_per_token(c) * 2 * min(c.capacity, CONTEXT) for c in filled)
   assert decode_speed.cache_read_bytes(filled, CONTEXT) == int(want)
-  if kind in registry.BOUNDED_KINDS:  # a bounded kind reads its budget, not the context
+  if kind in registry.bounded_kinds():  # a bounded kind reads its budget, not the context
     assert all(c.capacity <= BUDGET for c in filled)
 
 

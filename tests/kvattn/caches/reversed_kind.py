@@ -105,4 +105,5 @@ def _build(model, batch, max_len, dtype, options, tokens_per_seq):
 
 if "reversed" not in registry.CACHE_KIND_TABLE:  # the one registry line (module reloads skip it)
   registry.register_cache_kind("reversed", registry.CacheKind(
-      _build, {}, "test-only: token t in slot S - 1 - t (tests/kvattn/caches/reversed_kind.py)"))
+      _build, {}, "test-only: token t in slot S - 1 - t (tests/kvattn/caches/reversed_kind.py)",
+      float_only=True))

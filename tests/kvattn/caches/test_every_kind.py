@@ -44,6 +44,7 @@ from kvattn.inference.generation import generate, prefill
 from kvattn.models import transformer
 from tests.experiments import user_policy  # noqa: F401  (registers policy "keydiff-lite")
 from tests.kvattn.caches import reversed_kind  # noqa: F401  (registers kind "reversed")
+from tests.kvattn.caches import toy_paged_kind  # noqa: F401  (registers kind "toy_paged")
 
 _POLICY = ({"budget": 64}, {"budget": 6})
 SETTINGS = {
@@ -56,6 +57,7 @@ SETTINGS = {
     "length_switch": ({"switch_length": 64, "num_kv_heads_after": 1},
                       {"switch_length": 5, "num_kv_heads_after": 1}),
     "reversed": ({}, {}),
+    "toy_paged": ({"page_size": 4}, {"page_size": 3, "seed": 1}),
     # KIVI: easy = every token in the residual; hard = groups of 2 flushed behind 2 residual
     # tokens (kivi2), and behind none with keys before RoPE and f32 scales (kivi4).
     "kivi2": ({"group_size": 4, "residual": 16}, {"group_size": 2, "residual": 2}),
@@ -72,13 +74,12 @@ SETTINGS = {
                     {"group_size": 2, "residual": 2, "page_size": 6, "seed": 1}),
 }
 """Cache kind -> (easy options, hard options)."""
-FLOAT_ONLY = {"reversed", "kivi2", "kivi4", "rotated3", "rotated4", "paged_kivi2",
-              "paged_kivi4"}
-"""Kinds that store no quantization scales: building them int8 is a TypeError."""
+FLOAT_ONLY = {k for k, v in registry.CACHE_KIND_TABLE.items() if v.float_only}
+"""Kinds that store no quantization scales (`CacheKind.float_only`): int8 is a TypeError."""
 
 KINDS = sorted(SETTINGS)
 SLOW_KINDS = {"snapkv", "tova", "recent", "random", "knorm", "keydiff-lite", "kivi2", "rotated3",
-              "paged_kivi2", "paged_kivi4", "rotated4"}
+              "paged_kivi2", "paged_kivi4", "rotated4", "toy_paged"}
 """Kinds that share another kind's class and differ in a setting: the eviction policies
 share h2o's (only the score differs; each score has its own tests in test_eviction.py,
 the test-only keydiff-lite's in tests/experiments: the main job and chat run it),
@@ -90,7 +91,8 @@ shares kivi4's base (`caches._residual`: the full-precision window, its flush in
 store, per-sequence lengths and rollback are that base's code, which kivi4 runs here), and
 its rotation and codebook have their own reference tests in test_rotated.py (~25 CPU-s
 saved). Every kind-parametrized test runs them under `-m slow`; every other kind, a new one
-included, runs in the fast suite."""
+included, runs in the fast suite (toy_paged, the test-only pageable kind, is paged's class
+under another name: tests/kvattn/caches/test_toy_paged_kind.py runs it fast)."""
 HEAVY_KINDS = [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_KINDS else k for k in KINDS]
 PROMPT_LENGTHS = np.array([9, 5], np.int32)
 NEW_TOKENS = 6
