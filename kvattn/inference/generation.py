@@ -329,7 +329,10 @@ def generate(
     caches: prebuilt empty per-layer caches (lengths 0, batch B); consumed
       (donated). Lets a caller choose the cache kind.
     cache_factory: `(batch, max_len, dtype) -> caches`, used when `caches`
-      is None; default `model.init_caches`.
+      is None; default `model.init_caches`, which gives a model with local layers
+      (Gemma 2/3) the per-layer layout: a ring of the window on each local layer.
+      Pass `lambda b, s, d: model.init_caches(b, s, d, local_layers="full")` for
+      full-length caches on every layer.
     speculative: None, or a drafter of `kvattn.inference.speculative`
       (`PromptLookup(num_draft_tokens=k, ...)`, `DraftModel(model, num_draft_tokens=k)`):
       speculative decoding, greedy only, token for token the output of plain greedy

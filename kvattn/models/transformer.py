@@ -355,7 +355,7 @@ class Transformer(nnx.Module):
     return cache_bytes_per_token(self.spec, dtype)
 
   def init_caches(self, batch: int, max_len: int, dtype: Any = None, *,
-                  cache: Any = None, local_layers: str = "full") -> tuple[Any, ...]:
+                  cache: Any = None, local_layers: str = "ring") -> tuple[Any, ...]:
     """One empty cache per layer that owns one (`cache_layers`: every layer, but those that
     read another layer's cache under cross-layer KV sharing), as a tuple pytree.
 
@@ -369,20 +369,24 @@ class Transformer(nnx.Module):
         spec `{"kind": ..., **options}` of `kvattn.caches.registry`, e.g.
         `{"kind": "sink", "num_sinks": 4, "window": 252}` or
         `{"kind": "h2o", "budget": 256}`.
-      local_layers: "full" (every layer the same kind) or "ring", the per-layer layout:
-        layers with a sliding window W < max_len (Gemma's local layers) get a
-        `RingKVCache` of W slots, the others the chosen kind
-        (`kvattn.caches.registry.build_caches`).
+      local_layers: "ring" (default, the per-layer layout, as HF and llama.cpp
+        allocate): layers with a sliding window W < max_len (Gemma 2/3's local layers)
+        get a `RingKVCache` of W slots, exact for their attention, the others the
+        chosen kind (`kvattn.caches.registry.build_caches`); a model without such
+        layers gets the same caches as "full". "full": every layer the chosen kind at
+        `max_len`.
 
     Raises:
       ValueError: non-positive sizes; an unknown kind or a bad option.
       TypeError: a dtype that is neither floating nor a quantized KV format.
     """
     dtype = self.dtype if dtype is None else dtype
-    if cache is not None or local_layers != "full":
-      return cache_registry.build_caches(self, batch, max_len, dtype, cache,
-                                         local_layers=local_layers)
-    return tuple(self.layers[i].attn.init_cache(batch, max_len, dtype) for i in self.cache_layers)
+    if cache is None and (local_layers == "full" or (
+        local_layers == "ring" and not cache_registry.ring_layers(self, max_len))):
+      return tuple(self.layers[i].attn.init_cache(batch, max_len, dtype)
+                   for i in self.cache_layers)
+    return cache_registry.build_caches(self, batch, max_len, dtype, cache,
+                                       local_layers=local_layers)
 
   def _check_tokens(self, tokens):
     _checks.rank("tokens", tokens, 2, "[B, T]")

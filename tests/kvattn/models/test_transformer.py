@@ -70,8 +70,10 @@ def test_per_layer_overrides_mix_variants():
   assert kinds == ["GroupedQueryAttention", "MultiHeadLatentAttention", "GroupedQueryAttention"]
   assert model.layers[0].attn.num_kv_heads == 2 and model.layers[2].attn.num_kv_heads == 1
   assert model.layers[2].attn.window == 3 and model.layers[0].attn.window is None
-  caches = model.init_caches(2, 10)
+  caches = model.init_caches(2, 10, local_layers="full")
   assert [type(c).__name__ for c in caches] == ["KVCache", "LatentCache", "KVCache"]
+  caches = model.init_caches(2, 10)  # default: the windowed layer gets a ring of 3
+  assert [type(c).__name__ for c in caches] == ["KVCache", "LatentCache", "RingKVCache"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
