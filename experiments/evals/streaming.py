@@ -49,15 +49,27 @@ def streaming_nll(model, caches, ids: np.ndarray, chunk: int) -> tuple[np.ndarra
   """
   graphdef, state = nnx.split(model)
   step = step_fn(graphdef)
-  num_tokens = len(ids) - 1
-  nll = np.zeros(num_tokens, np.float64)
-  for s in range(0, num_tokens, chunk):
-    e = min(num_tokens, s + chunk)
+
+  def nll_step(caches, tokens, lengths, targets):
+    nll, _, caches = step(state, caches, tokens, lengths, targets)
+    return nll, caches
+
+  return feed_chunks(nll_step, caches, ids, len(ids) - 1, chunk)
+
+
+def feed_chunks(nll_step, caches, ids: np.ndarray, count: int,
+                chunk: int) -> tuple[np.ndarray, Any]:
+  """Feeds `ids[:count]` (batch 1) `chunk` tokens per call of `nll_step(caches, tokens
+  i32[1, chunk], lengths i32[1], targets i32[1, chunk]) -> (nll [1, chunk], caches)`, the
+  last chunk right-padded; returns `(nll f64[count], caches)`."""
+  nll = np.zeros(count, np.float64)
+  for s in range(0, count, chunk):
+    e = min(count, s + chunk)
     toks = np.zeros((1, chunk), np.int32)
     tgts = np.zeros((1, chunk), np.int32)
     toks[0, :e - s], tgts[0, :e - s] = ids[s:e], ids[s + 1:e + 1]
-    out, _, caches = step(state, caches, jnp.asarray(toks), jnp.array([e - s], jnp.int32),
-                          jnp.asarray(tgts))
+    out, caches = nll_step(caches, jnp.asarray(toks), jnp.array([e - s], jnp.int32),
+                           jnp.asarray(tgts))
     nll[s:e] = np.asarray(out[0, :e - s])
   return nll, caches
 

@@ -61,12 +61,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.framework import report as report_lib
-from experiments.framework import results
 from experiments.framework import runner
 from experiments.framework import overrides
 from experiments.framework import checks
 from experiments.framework import timing
 from experiments.evals import models
+from experiments.evals import streaming
 from experiments.evals import text as text_lib
 from kvattn.caches import registry as cache_registry
 from kvattn.models import scan
@@ -291,16 +291,8 @@ class LongContextFamily:
 
   def _fill(self, params, nll_step, caches, ids, count, chunk):
     """Feeds `ids[:count]` (batch 1) `chunk` tokens at a time; `(nll f64[count], caches)`."""
-    nll = np.zeros(count, np.float64)
-    for s in range(0, count, chunk):
-      e = min(count, s + chunk)
-      toks = np.zeros((1, chunk), np.int32)
-      tgts = np.zeros((1, chunk), np.int32)
-      toks[0, :e - s], tgts[0, :e - s] = ids[s:e], ids[s + 1:e + 1]
-      out, caches = nll_step(params, caches, jnp.asarray(toks), jnp.array([e - s], jnp.int32),
-                             jnp.asarray(tgts))
-      nll[s:e] = np.asarray(out[0, :e - s])
-    return nll, caches
+    return streaming.feed_chunks(lambda c, *args: nll_step(params, c, *args), caches, ids, count,
+                                 chunk)
 
   def measure(self, point: runner.Point) -> dict[str, Any]:
     cpu0 = time.process_time()
@@ -579,11 +571,7 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
          f"![perplexity vs position]({FILES['plot']})", ""]
   md += [f"![passkey {k}]({FILES['heatmap'].format(kind=k)})"
          for k in sorted({r["kind"] for r in records})]
-  text = "\n".join(md) + "\n"
-  results.atomic_write_text(os.path.join(workdir, "report.md"), text)
-  if records:
-    _plots(workdir, records)
-  return text
+  return report_lib.write_report(workdir, "\n".join(md) + "\n", records, _plots)
 
 
 def _plots(workdir: str, records: Sequence[Mapping[str, Any]]) -> None:
