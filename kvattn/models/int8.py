@@ -1,14 +1,10 @@
 """int8 weights and activations (W8A8) through XLA's integer dots.
 
-Weights: `w_q = round(W / w_scale)` in [-127, 127] with `w_scale: f32[*out] = max |W[..., o]|
-/ 127` per output channel (symmetric absmax: LLM.int8(), Dettmers et al. 2022; SmoothQuant's
-W8A8 baseline, Xiao et al. 2023), stored packed output-major as `uint8[*out, *in] = w_q + 128`
-(`pack_weight`). Activations: each row quantized on the fly with `max |x_row| / 127`. Then
-`y ~= (x_q @ w_q) * x_scale[:, None] * w_scale[None, :]` with exact int32 accumulation
-(`int8_dot`). A row with NaN or inf gets scale NaN, so its output row is NaN; rows are
-independent. `quantize_model` quantizes the GQA / MLA projections (not MLA's k_up / v_up), the
-MLP and the LM head; a tied embedding is one `uint8[V, D]` table with `f32[V]` scales. Why this
-form: docs/models.md.
+Weights: `w_q = round(W / w_scale)`, `w_scale: f32[*out]` the absmax / 127 per output channel
+(LLM.int8(), Dettmers et al. 2022; SmoothQuant's W8A8 baseline, Xiao et al. 2023), stored as
+`uint8[*out, *in] = w_q + 128` (`pack_weight`). Each activation row is quantized by its own
+absmax / 127; `y ~= (x_q @ w_q) * x_scale * w_scale` with exact int32 accumulation
+(`int8_dot`); a row with NaN or inf comes out NaN. Why this form: docs/models.md.
 """
 
 from __future__ import annotations
@@ -63,11 +59,8 @@ def quantize_weight(w: jax.Array, num_in: int) -> tuple[jax.Array, jax.Array]:
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Per-row dynamic quantization: `(x_q int8[M, K], x_scale f32[M])` of `x: float[M, K]`.
-
-  `x_scale = max |x_row| / 127` (1 for an all-zero row; NaN for a row with a
-  NaN or inf, whose values are then 0).
-  """
+  """`(x_q int8[M, K], x_scale f32[M])` of `x: float[M, K]`, `x_scale = max |x_row| / 127`
+  (1 for a zero row, NaN for a non-finite one)."""
   x = x.astype(jnp.float32)
   absmax = jnp.max(jnp.abs(x), axis=-1)
   finite = jnp.isfinite(absmax)

@@ -1,11 +1,6 @@
-"""`Transformer.hidden` with the layers in one `lax.scan`, over groups of identical layers.
-
-Scanning compiles one body instead of L. Layers that differ in a repeating pattern (Gemma 3:
-five local, one global) scan in groups of the smallest period p (`layer_period`), the p
-layers of a group unrolled in the body; without a period (p = L) one unrolled step. Under
-cross-layer KV sharing a source must lie in its reader's group (the period grows until it
-does). Tested equal to `Transformer.hidden` / `logits_from_hidden`.
-"""
+"""`Transformer.hidden` with the layers in one `lax.scan`: layers alike with period p
+(`layer_period`; Gemma 3: 6) scan in groups of p, unrolled in the body (p = L: one step);
+under cross-layer KV sharing a source lies in its reader's group. Tested equal to the model."""
 
 from __future__ import annotations
 
@@ -20,10 +15,8 @@ from kvattn.models import transformer as transformer_lib
 
 
 def layer_period(layer_defs: Sequence[Any]) -> int:
-  """The smallest p dividing L with `layer_defs[i] == layer_defs[i % p]` for every i (the
-  layers' `nnx` graph definitions: structure and static attributes such as the window):
-  1 for alike layers, 6 for Gemma 3's five local and one global layers, L without a
-  repeating pattern."""
+  """The smallest p dividing L with `layer_defs[i] == layer_defs[i % p]` (nnx graph
+  definitions, which hold the window): 1 for alike layers, 6 for Gemma 3, else L."""
   n = len(layer_defs)
   for p in range(1, n + 1):
     if n % p == 0 and all(layer_defs[i] == layer_defs[i % p] for i in range(n)):

@@ -1,11 +1,7 @@
-"""Training a `kvattn.Transformer` with exact checkpoint resume.
-
-Next-token cross-entropy in f32 over targets that are not `pad_id`; `clip_by_global_norm`
-then AdamW (Loshchilov & Hutter 2019) with linear warmup and cosine decay; one jitted,
-donating train step; evaluation in nats per token and bits per byte (total nats / ln 2 /
-byte targets); orbax checkpoints of params, optimiser state, step and data position, from
-which a run continues bit for bit. The `train` section's schema: `train_config`.
-"""
+"""Training a `kvattn.Transformer` with exact checkpoint resume: next-token cross-entropy in f32
+(targets != `pad_id`), global-norm clip then AdamW (Loshchilov & Hutter 2019) with warmup and
+cosine decay, one jitted donating step, loss in nats per token and bits per byte, orbax
+checkpoints of params, optimiser state, step and data position. Schema: `train_config`."""
 
 from __future__ import annotations
 
@@ -158,11 +154,8 @@ def _compiled_steps(graphdef, config: dict[str, Any], tx, pad_id: int):
 
 
 class Trainer:
-  """Holds a model's params and optimiser state and runs jitted train / eval steps.
-
-  The trainer takes the model's param arrays over and every `train_step` donates them, so
-  the model passed in refers to deleted buffers afterwards; read `trainer.model` (a copy).
-  """
+  """Holds a model's params and optimiser state and runs jitted train / eval steps; it takes
+  the model's arrays over (donated), so read the trained model from `trainer.model`."""
 
   def __init__(self, model: transformer_lib.Transformer, cfg: Any, *,
                trainable: Any = nnx.Param, pad_id: int = data_lib.PAD_ID):
