@@ -74,6 +74,16 @@ def feed_chunks(nll_step, caches, ids: np.ndarray, count: int,
   return nll, caches
 
 
+def padded_rows(prompts: Sequence[Sequence[int]], chunk: int) -> tuple[np.ndarray, np.ndarray]:
+  """`(tokens i32[B, P], lengths i32[B])`: the prompts right-padded with 0 to P, the longest
+  length rounded up to a multiple of `chunk`."""
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  toks = np.zeros((len(prompts), -(-int(lengths.max()) // chunk) * chunk), np.int32)
+  for b, p in enumerate(prompts):
+    toks[b, :len(p)] = p
+  return toks, lengths
+
+
 def passkey_correct(model, make_caches, prompts: Sequence[Sequence[int]], keys: Sequence[int],
                     chunk: int, new_tokens: int, tokenizer) -> list[int]:
   """Chunked prefill of the prompts (one row each), greedy decode; 1 where the key appears.
@@ -92,12 +102,8 @@ def passkey_correct(model, make_caches, prompts: Sequence[Sequence[int]], keys: 
   """
   graphdef, state = nnx.split(model)
   step = step_fn(graphdef)
-  batch, width = len(prompts), max(len(p) for p in prompts)
-  lengths = np.array([len(p) for p in prompts], np.int32)
-  padded = -(-width // chunk) * chunk
-  toks = np.zeros((batch, padded), np.int32)
-  for b, p in enumerate(prompts):
-    toks[b, :len(p)] = p
+  toks, lengths = padded_rows(prompts, chunk)
+  batch, padded = toks.shape
   caches = make_caches(batch, padded + new_tokens)
   last = np.zeros(batch, np.int32)
   for s in range(0, padded, chunk):

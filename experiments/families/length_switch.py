@@ -103,17 +103,13 @@ def _step_fn(graphdef):
   return step
 
 
-class LengthSwitchFamily:
+class LengthSwitchFamily(runner.FamilyState):
   """Switch lengths x contexts on one real model (module doc)."""
 
   kind = "length_switch"
 
   def __init__(self, workdir: str):
-    self.workdir = workdir
-    self.schema = schema()
-    self._title = "kvattn: length-switch cache"
-    self._config: dict[str, Any] | None = None
-    self._model: tuple[str, Any, Any] | None = None
+    super().__init__(workdir, schema(), "kvattn: length-switch cache")
     self._mha: tuple[str, Any] | None = None
 
   def _check(self, d: Mapping[str, Any], where: str) -> None:

@@ -130,17 +130,13 @@ def _steps(defs):
   return nll_step, next_step
 
 
-class LongContextFamily:
+class LongContextFamily(runner.FamilyState):
   """Cache policies x budgets on one real model (module doc)."""
 
   kind = "long_context"
 
   def __init__(self, workdir: str):
-    self.workdir = workdir
-    self.schema = schema()
-    self._title = "kvattn: long-context caches"
-    self._config: dict[str, Any] | None = None
-    self._model: tuple[str, Any, Any] | None = None
+    super().__init__(workdir, schema(), "kvattn: long-context caches")
     self._params: tuple[Any, Any, Any] | None = None  # (model, scan params, steps)
     self._inputs_cache: dict[str, Any] = {}
 
@@ -384,12 +380,8 @@ class LongContextFamily:
   def _passkey(self, model, params, next_step, policy, dtype, prompts, keys, chunk, new_tokens,
                tokenizer, full_len, local_layers="full") -> list[int]:
     """Chunked prefill of the prompts (one row each), greedy decode; 1 where the key appears."""
-    batch, width = len(prompts), max(len(p) for p in prompts)
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    padded = -(-width // chunk) * chunk
-    toks = np.zeros((batch, padded), np.int32)
-    for b, p in enumerate(prompts):
-      toks[b, :len(p)] = p
+    toks, lengths = streaming.padded_rows(prompts, chunk)
+    batch, padded = toks.shape
     caches = self._caches(model, batch, full_len, dtype, policy, local_layers)[0]
     last = np.zeros(batch, np.int32)
     for s in range(0, padded, chunk):

@@ -110,6 +110,18 @@ class Family(Protocol):
     ...
 
 
+class FamilyState:
+  """What a family holds from the start: its workdir, config schema and report title
+  (`experiment.name` may replace it), and the config and model it loaded last (None)."""
+
+  def __init__(self, workdir: str, schema: Any, title: str):
+    self.workdir = workdir
+    self.schema = schema
+    self._title = title
+    self._config: dict[str, Any] | None = None
+    self._model: Any = None
+
+
 FamilyFactory = Callable[[str], Family]  # workdir -> Family
 FAMILIES: dict[str, FamilyFactory] = {}
 

@@ -1,10 +1,5 @@
-"""Pretrained checkpoints as `kvattn.Transformer`s: `from_pretrained`.
-
-A source (a HF directory with `config.json` and safetensors, a `.gguf` file, or a name of
-`kvattn.checkpoints.hub`) becomes an HF-style config mapping and HF-named tensors in torch
-layout; `hf_config.model_config_from_hf` maps the config and `weights.build_model` fills
-the model (both re-exported here).
-"""
+"""Pretrained checkpoints as `kvattn.Transformer`s (`from_pretrained`): a source becomes an HF
+config mapping (`hf_config.model_config_from_hf`) and HF-named tensors (`weights.build_model`)."""
 
 from __future__ import annotations
 
@@ -31,20 +26,15 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 class SafetensorsCheckpoint(Mapping[str, jax.Array]):
-  """The tensors of `model.safetensors`, or of the shards `model.safetensors.index.json` lists,
-  read lazily (each tensor is read from its memory-mapped file when indexed).
-
-  `shape(name)` and `origin(name)` (the file that holds it) need no read.
-  """
+  """The tensors of `model.safetensors` or of the shards of `model.safetensors.index.json`,
+  read lazily; `shape(name)` and `origin(name)` need no read."""
 
   def __init__(self, directory: str | os.PathLike):
     """Opens the checkpoint's safetensors file(s) and reads their headers.
 
     Raises:
-      FileNotFoundError: neither `model.safetensors` nor the index exists in
-        `directory`, or a shard the index names is missing (names the file).
-      ValueError: an index without a `weight_map`, a tensor the index puts in
-        a shard that does not hold it, or an unreadable safetensors file.
+      FileNotFoundError: no `model.safetensors` nor index, or a missing shard (named).
+      ValueError: an index without `weight_map`, a misplaced tensor, an unreadable file.
     """
     from safetensors import safe_open  # pylint: disable=g-import-not-at-top
     self._open = safe_open

@@ -37,10 +37,8 @@ def _init(in_axis, out_axis):
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-  """RMSNorm (Zhang & Sennrich 2019) over the last axis, computed in f32.
-
-  Returns `x / sqrt(mean(x^2) + eps) * scale` in x's dtype.
-  """
+  """RMSNorm (Zhang & Sennrich 2019) over the last axis in f32: `x / sqrt(mean(x^2) + eps) *
+  scale` in x's dtype."""
   xf = x.astype(jnp.float32)
   norm = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
   return (xf * norm * scale.astype(jnp.float32)).astype(x.dtype)
@@ -239,12 +237,11 @@ class MultiHeadLatentAttention(nnx.Module):
       positions: jax.Array | None = None,  # i32[B, T]
       new_lengths: jax.Array | None = None,  # i32[B]
   ) -> tuple[jax.Array, MLACache | None]:
-    """Like `__call__` but stops before `o_proj`: returns per-head outputs `[B, T, N, Hv]`.
+    """`__call__` before `o_proj`: per-head outputs `[B, T, N, Hv]`.
 
     Raises:
-      ValueError/TypeError: `x` not `[B, T, D]` floating, a cache that is not
-        an `MLACache` (e.g. a `LatentCache`) of this layer's shape, bad
-        positions or new_lengths, or (eager) a cache overflow.
+      ValueError/TypeError: `x` not `[B, T, D]` floating, a cache that is no `MLACache` of
+        this layer's shape, bad positions or new_lengths, or (eager) an overflow.
     """
     check_input(x, self.d_model)
     batch, num_tokens, _ = x.shape
@@ -278,11 +275,7 @@ class MultiHeadLatentAttention(nnx.Module):
       positions: jax.Array | None = None,  # i32[B, T]
       new_lengths: jax.Array | None = None,  # i32[B]
   ) -> tuple[jax.Array, MLACache | None]:
-    """Returns `(y [B, T, D] in the compute dtype, updated cache or None)`.
-
-    Raises:
-      ValueError/TypeError: as `attend_heads`.
-    """
+    """`(y [B, T, D] in the compute dtype, updated cache or None)`; raises as `attend_heads`."""
     out, new_cache = self.attend_heads(x, cache=cache, positions=positions,
                                        new_lengths=new_lengths)
     y = self._einsum("BTNV,NVD->BTD", out, "o_proj", out.dtype)

@@ -1,6 +1,5 @@
-"""The model-family record (`Family`) and its registry (`register`, `lookup`, ...): the only
-place `kvattn.checkpoints` learns a `model_type`'s config mapping, tensor names, GGUF
-architecture and tokenizer quirks. A new family: docs/DESIGN.md, "Recipes"."""
+"""The model-family record (`Family`) and its registry (`register`, `lookup`, ...), the only
+place `kvattn.checkpoints` learns a `model_type`'s quirks (docs/DESIGN.md, "Recipes")."""
 
 from __future__ import annotations
 
@@ -10,11 +9,8 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 
 class ModelParts(NamedTuple):
-  """What a family reads from config.json beyond the keys every family shares.
-
-  `attention`: the `model.attention` fields; `model`: extra `model` fields
-  (e.g. `mlp_activation`); `layers`: per-layer overrides (`model.layers`, () for none).
-  """
+  """What a family reads from config.json beyond the shared keys: `attention` (the
+  `model.attention` fields), `model` (extra `model` fields), `layers` (per-layer overrides)."""
 
   attention: dict[str, Any]
   model: dict[str, Any]
@@ -22,11 +18,8 @@ class ModelParts(NamedTuple):
 
 
 class UnsupportedError(ValueError, NotImplementedError):
-  """A `model_type` or GGUF architecture no registered family reads.
-
-  A ValueError naming the value and the supported ones; a NotImplementedError
-  too, like every other setting kvattn cannot represent.
-  """
+  """A `model_type` or GGUF architecture no registered family reads (a ValueError and a
+  NotImplementedError naming the value and the supported ones)."""
 
 
 # kvattn norm module -> HF module under "model.layers.{i}.", as Llama lays a block out.
@@ -80,8 +73,7 @@ def register(family: Family) -> Family:
   """Adds `family` to the registry and returns it.
 
   Raises:
-    ValueError: its `model_type`, GGUF architecture or a pre-tokenizer name is
-      already registered by another family.
+    ValueError: its `model_type`, GGUF architecture or a pre-tokenizer name is taken.
   """
   if family.model_type in _FAMILIES:
     raise ValueError(f"model_type {family.model_type!r} is already registered")
