@@ -58,7 +58,6 @@ from experiments.evals import text as text_lib
 from experiments.framework import report as report_lib
 from experiments.framework import results
 from experiments.framework import runner
-from experiments.framework import overrides
 from experiments.framework import checks
 from experiments.framework import timing
 from kvattn.models import convert
@@ -133,11 +132,7 @@ class LengthSwitchFamily(runner.FamilyState):
 
   def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
     """One point per sweep entry; all validated before any work (ValueError naming the key)."""
-    base = overrides.to_dict(config)
-    overrides.check_schema(base, self.schema)
-    self._check(base, "config")
-    self._config = base
-    self._title = base["experiment"]["name"] or self._title
+    base = self.load_config(config)
 
     def point_of(d, where):
       self._check(d, where)

@@ -178,11 +178,7 @@ class LongContextFamily(runner.FamilyState):
 
   def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
     """One point per sweep entry; all validated before any work (ValueError naming the key)."""
-    base = overrides.to_dict(config)
-    overrides.check_schema(base, self.schema)
-    self._check(base, "config")
-    self._config = base
-    self._title = base["experiment"]["name"] or self._title
+    base = self.load_config(config)
 
     def point_of(d, where):
       self._check(d, where)
