@@ -23,6 +23,7 @@ from flax import nnx
 from kvattn import _checks
 from kvattn.training import data as data_lib
 from kvattn import memory
+from kvattn.caches import registry as cache_registry
 from kvattn.caches.registry import CacheFactory
 from kvattn.ops import quant
 
@@ -220,9 +221,9 @@ def _host_ints(name: str, x: Any, rank: int, shape_doc: str) -> np.ndarray:
 
 def _check_fits_memory(model, batch: int, capacity: int, max_new_tokens: int, cache_dtype: Any,
                        name: str, *, default_caches: bool) -> None:
-  """Raises ValueError naming `name` if the caches (`batch * capacity *
-  model.cache_bytes_per_token`, when generate builds them) and the token buffer
-  (`i32[B, max_new_tokens]`) would not fit the memory available now."""
+  """Raises ValueError naming `name` if the caches (those `model.init_caches` builds, when
+  generate builds them: rings for local layers) and the token buffer (`i32[B,
+  max_new_tokens]`) would not fit the memory available now."""
   available = memory.available_bytes()
   if available is None:
     return
@@ -230,6 +231,12 @@ def _check_fits_memory(model, batch: int, capacity: int, max_new_tokens: int, ca
   per_token = getattr(model, "cache_bytes_per_token", None)
   if default_caches and per_token is not None:
     need += batch * capacity * int(per_token(cache_dtype))
+    owners = cache_registry.cache_owners(model)
+    dtype = getattr(model, "dtype", jnp.float32) if cache_dtype is None else cache_dtype
+    for i in cache_registry.ring_layers(owners, capacity):  # a ring of W slots, not capacity
+      attn = owners.layers[i].attn
+      need -= batch * (capacity - attn.window) * memory.gqa_bytes_per_token(
+          attn.num_kv_heads, attn.head_dim, dtype)
   if need > available:
     value = capacity if name == "max_len" else max_new_tokens
     raise ValueError(

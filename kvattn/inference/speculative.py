@@ -53,7 +53,7 @@ class DraftModel:
   """A draft model (module doc).
 
   model: a `kvattn.Transformer` with the target's vocabulary; its caches are dense
-    (`model.init_caches`), rolled back by lengths.
+    (`model.init_caches(..., local_layers="full")`), rolled back by lengths.
   num_draft_tokens: k, tokens drafted per verify pass (>= 1).
   """
 
@@ -232,7 +232,9 @@ def decode(model: nnx.Module, first_tokens: jax.Array, caches: Sequence[Any],
   else:
     draft = speculative.model
     draft_graphdef, draft_state = nnx.split(draft)
-    draft_caches = draft.init_caches(batch, width + max_new_tokens + k + 1)
+    # Full-length caches on every layer: rings (the local layers' default) cannot roll back
+    # by lengths.
+    draft_caches = draft.init_caches(batch, width + max_new_tokens + k + 1, local_layers="full")
     if not all(isinstance(c, LengthsRollback) for c in draft_caches):
       raise ValueError("speculative.model must build caches that roll back by lengths "
                        "(kvattn.caches._slots.LengthsRollback: dense, latent, paged); got "

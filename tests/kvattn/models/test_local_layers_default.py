@@ -3,6 +3,7 @@ layout by default (issue 38 item 7a): a ring of the window on each local layer."
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import kvattn
@@ -35,3 +36,29 @@ def test_default_layout_rings_the_local_layers_and_keeps_greedy_tokens():
       cache_factory=lambda b, s, d: model.init_caches(b, s, d, local_layers="full"))
   np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(got_len, want_len)
+
+
+def test_generate_sizes_its_memory_check_by_the_rings(monkeypatch):
+  model = _gemma_like()
+  full = memory.tree_bytes(model.init_caches(1, 4000, local_layers="full"))
+  rings = memory.tree_bytes(model.init_caches(1, 4000))
+  assert rings < full
+  prompts, lengths = jnp.ones((1, 4), jnp.int32), jnp.array([4], jnp.int32)
+  # Room for the rings and the output tokens, not for full-length caches on every layer.
+  monkeypatch.setattr(memory, "available_bytes", lambda: (rings + full) // 2)
+  kvattn.generate(model, prompts, lengths, 1, max_len=4000)
+  monkeypatch.setattr(memory, "available_bytes", lambda: rings // 2)
+  with pytest.raises(ValueError, match="max_len = 4000 needs about"):
+    kvattn.generate(model, prompts, lengths, 1, max_len=4000)
+
+
+def test_a_draft_model_with_local_layers_keeps_full_caches():
+  # Draft caches roll back by lengths, which rings cannot: the draft keeps full-length caches.
+  from kvattn.inference import speculative  # pylint: disable=g-import-not-at-top
+  model = _gemma_like()
+  prompts = jnp.asarray(np.random.default_rng(1).integers(0, 64, (1, 7)), jnp.int32)
+  lengths = jnp.array([7], jnp.int32)
+  want, _ = kvattn.generate(model, prompts, lengths, 6)
+  got, _ = kvattn.generate(model, prompts, lengths, 6,
+                           speculative=speculative.DraftModel(model.truncated(2), 2))
+  np.testing.assert_array_equal(got, want)
