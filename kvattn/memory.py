@@ -1,9 +1,5 @@
-"""KV-cache memory: analytic bytes per token and layer (batch 1), and measured bytes.
-
-GQA (Shazeer 2019; Ainslie et al. 2023): `2 K H itemsize`; MLA (DeepSeek-V2, arXiv
-2405.04434, §2.1.2, Table 1): `(C + R) itemsize`; int8 / fp8 caches add f32 scales (`2 K 4`
-bytes for GQA, `2 * 4` for MLA). Measured figures read the `.nbytes` of a cache's arrays.
-"""
+"""KV-cache bytes: analytic per token and layer (GQA `2 K H itemsize`, Ainslie et al. 2023; MLA
+`(C + R) itemsize`, DeepSeek-V2 §2.1.2; int8 / fp8 add f32 scales) and measured from arrays."""
 
 from __future__ import annotations
 
@@ -53,11 +49,8 @@ def mla_bytes_per_token(kv_lora_rank: int, qk_rope_head_dim: int, dtype: Any) ->
 
 def mla_to_mha_cache_ratio(kv_lora_rank: int, qk_rope_head_dim: int, num_heads: int,
                            head_dim: int) -> float:
-  """`(C + R) / (2 N H)`: MLA's cached elements over MHA's (DeepSeek-V2, Table 1).
-
-  Raises:
-    ValueError/TypeError: a size that is not a positive int.
-  """
+  """`(C + R) / (2 N H)`, MLA's cached elements over MHA's (DeepSeek-V2, Table 1); ValueError
+  or TypeError for a size that is not a positive int."""
   mla = mla_bytes_per_token(kv_lora_rank, qk_rope_head_dim, jnp.float32)
   return mla / mha_bytes_per_token(num_heads, head_dim, jnp.float32)
 
