@@ -19,6 +19,7 @@ docs/benchmarks.md "Cross-layer KV sharing") or "smoke" (a tiny random 2-layer l
 tokenizer, seconds).
 """
 
+import configs
 from configs import heads_sweep_pretrained
 
 ARGS = ("", "smoke")
@@ -26,16 +27,9 @@ SOURCES = (("smollm2-135m-instruct", 3), ("gemma3-270m", 1))
 """(source, its KV heads K): the control point regroups to K, i.e. copies the source."""
 
 
-def _check_arg(arg):
-  arg = arg or ""
-  if arg not in ARGS:
-    raise ValueError(f"config argument must be one of {ARGS}; got {arg!r}")
-  return arg
-
-
 def get_config(arg=None):
   """heads_sweep_pretrained's reduced budget (30 steps), or its smoke config on 2 layers."""
-  smoke = _check_arg(arg) == "smoke"
+  smoke = configs.check_arg(arg, ARGS) == "smoke"
   config = heads_sweep_pretrained.get_config("smoke" if smoke else "reduced")
   config.model.num_layers = 2  # smoke: two layers, one pair to share
   config.convert.kind = "cla"
@@ -52,7 +46,7 @@ def get_config(arg=None):
 def get_sweep(arg=None):
   """CLA2-mean on both sources, the sources as released (regrouped to their own K: a copy),
   CLA2-first on both."""
-  if _check_arg(arg) == "smoke":
+  if configs.check_arg(arg, ARGS) == "smoke":
     return [{"convert.kind": "regroup", "convert.num_kv_heads": 3},
             {"convert.kind": "cla", "convert.method": "mean"}]
   cla = [{"source.name": source, "convert.kind": "cla", "convert.method": method}

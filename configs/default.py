@@ -63,10 +63,7 @@ def get_config(arg=None):
   smoke = arg in ("smoke", "kind-smoke")
   config = config_dict.ConfigDict()
 
-  config.model = config_dict.ConfigDict()
-  config.model.name = "smollm2-135m-instruct"  # kvattn.from_pretrained name, or "random-tiny"
-  # (a 2-layer random GQA model with the byte tokenizer, for tests).
-  config.model.dtype = "float32"  # Compute dtype of the model.
+  config.model = configs.named_model()
   config.model.param_dtype = "float32"  # Weight storage: "float32", or "int8" (W8A8: int8
   # weights with per-channel scales, int8 activations per token, kvattn.models.int8); agreement
   # and the reference point stay against float32 weights.

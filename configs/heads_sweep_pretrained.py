@@ -38,6 +38,8 @@ K9-dup), so a run stopped early has the informative ones.
 
 from ml_collections import config_dict
 
+import configs
+
 from kvattn.training import trainer as train
 
 from kvattn.models import transformer
@@ -45,16 +47,9 @@ from kvattn.models import transformer
 ARGS = ("", "reduced", "smoke")
 
 
-def _check_arg(arg):
-  arg = arg or ""
-  if arg not in ARGS:
-    raise ValueError(f"config argument must be one of {ARGS}; got {arg!r}")
-  return arg
-
-
 def get_config(arg=None):
   """The full config; "reduced" shrinks the budget, "smoke" uses a tiny random model."""
-  arg = _check_arg(arg)
+  arg = configs.check_arg(arg, ARGS)
   smoke, reduced = arg == "smoke", arg == "reduced"
   config = config_dict.ConfigDict()
 
@@ -120,7 +115,7 @@ def get_config(arg=None):
 
 def get_sweep(arg=None):
   """K = 9 (dup), 3, 1 (mean, first) and MLA at three ranks (module doc)."""
-  arg = _check_arg(arg)
+  arg = configs.check_arg(arg, ARGS)
   if arg == "smoke":  # source K = 3, H = 8: full MLA rank 3 * (16 - 2) = 42
     return [{"convert.num_kv_heads": 6}, {"convert.num_kv_heads": 1},
             {"convert.kind": "mla", "convert.method": "joint", "convert.kv_lora_rank": 10}]

@@ -17,6 +17,8 @@ machine too busy for the full run).
 
 from ml_collections import config_dict
 
+import configs
+
 ARGS = ("", "smoke", "reduced")
 CONTEXTS = (1024, 4096)  # Context lengths (tokens) of the full run.
 SWITCH_LENGTHS = (256, 1024)  # Switch lengths of the full run (plus "never": the dense cache).
@@ -25,24 +27,13 @@ SMOKE_SWITCH_LENGTHS = (64,)
 REDUCED_SWITCH_LENGTHS = (256,)  # "reduced": both contexts, one switch length, one depth.
 
 
-def _check_arg(arg):
-  arg = arg or ""
-  if arg not in ARGS:
-    raise ValueError(f"config argument must be one of {ARGS} (':smoke' selects the small run); "
-                     f"got {arg!r}")
-  return arg
-
-
 def get_config(arg=None):
   """The full config; `arg="smoke"` shrinks it to under a minute on a quiet machine."""
-  arg = _check_arg(arg)
+  arg = configs.check_arg(arg, ARGS)
   smoke, reduced = arg == "smoke", arg == "reduced"
   config = config_dict.ConfigDict()
 
-  config.model = config_dict.ConfigDict()
-  config.model.name = "smollm2-135m-instruct"  # kvattn.from_pretrained name, or "random-tiny"
-  # (a 2-layer random GQA model with the byte tokenizer, for tests).
-  config.model.dtype = "float32"  # Compute and cache dtype.
+  config.model = configs.named_model()
 
   # The point's cache: "dense" (the unswitched KVCache) or "length_switch"
   # (kvattn.LengthSwitchKVCache: K heads for the first switch_length tokens of a sequence, then
@@ -82,7 +73,7 @@ def get_config(arg=None):
 
 def get_sweep(arg=None):
   """At each context: the dense cache, then the switch cache at each switch length."""
-  arg = _check_arg(arg)
+  arg = configs.check_arg(arg, ARGS)
   contexts = SMOKE_CONTEXTS if arg == "smoke" else CONTEXTS
   switches = {"smoke": SMOKE_SWITCH_LENGTHS, "reduced": REDUCED_SWITCH_LENGTHS}.get(
       arg, SWITCH_LENGTHS)

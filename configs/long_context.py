@@ -27,6 +27,8 @@ rings of 512 for the local layers) and bounded caches on its global layers only:
 
 from ml_collections import config_dict
 
+import configs
+
 ARGS = ("", "smoke", "gemma3", "gemma3-16k")
 GEMMA_TOKENS = {"gemma3": 8192, "gemma3-16k": 16384}  # Text and passkey length per argument.
 GEMMA_BUDGET = 1024  # Budget of the bounded caches on Gemma's global layers (2x its window).
@@ -37,25 +39,14 @@ EVICTION = ("h2o", "snapkv", "tova", "recent", "random", "knorm")
 SMOKE_KINDS = ("ring", "sink", "h2o")
 
 
-def _check_arg(arg):  # "" | "smoke" | a GEMMA_TOKENS key
-  arg = arg or ""
-  if arg not in ARGS:
-    raise ValueError(f"config argument must be one of {ARGS} (':smoke' selects the small run); "
-                     f"got {arg!r}")
-  return arg
-
-
 def get_config(arg=None):
   """The full config; `arg="smoke"` shrinks it to about a minute; "gemma3" / "gemma3-16k":
   Gemma 3 270M at 8k / 16k tokens (module doc)."""
-  arg = _check_arg(arg)
+  arg = configs.check_arg(arg, ARGS)
   smoke = arg == "smoke"
   config = config_dict.ConfigDict()
 
-  config.model = config_dict.ConfigDict()
-  config.model.name = "smollm2-135m-instruct"  # kvattn.from_pretrained name, or "random-tiny"
-  # (a 2-layer random GQA model with the byte tokenizer, for tests).
-  config.model.dtype = "float32"  # Compute and cache dtype.
+  config.model = configs.named_model()
 
   # The cache of the point, a kind of kvattn.caches.registry: "dense" (capacity = everything), "ring" (RingKVCache of
   # `budget` slots), "sink" (SinkKVCache: num_sinks + budget - num_sinks), or an eviction policy
@@ -124,7 +115,7 @@ def get_sweep(arg=None):
   """The full cache, the speed point, then every bounded kind at every budget; Gemma: the
   full cache in the per-layer layout and in full allocation, then StreamingLLM and H2O at
   GEMMA_BUDGET on the global layers (rings on the local ones), most informative first."""
-  arg = _check_arg(arg)
+  arg = configs.check_arg(arg, ARGS)
   if arg in GEMMA_TOKENS:
     ring = {"cache.local_layers": "ring"}
     return [{"cache.kind": "dense", **ring}, {"cache.kind": "dense"},

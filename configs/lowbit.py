@@ -32,6 +32,8 @@ model, seconds; for tests; its speed section is tiny too).
 
 from ml_collections import config_dict
 
+import configs
+
 ARGS = ("", "reduced", "smoke", "speed")
 SPEED_CACHES = ("dense:float32", "dense:int8", "kivi4", "rotated4")
 DENSE_DTYPES = ("float32", "bfloat16", "int8")  # Dense-cache storage dtypes compared.
@@ -41,22 +43,12 @@ RESIDUALS = (0, 32, 128)  # KIVI's R (tokens kept in the compute dtype), keys af
 PRE_ROPE_RESIDUAL = 128  # The residual of the keys-before-RoPE points.
 
 
-def _check_arg(arg):
-  arg = arg or ""
-  if arg not in ARGS:
-    raise ValueError(f"config argument must be one of {ARGS}; got {arg!r}")
-  return arg
-
-
 def get_config(arg=None):
   """The full config; "reduced" and "smoke" shrink the texts (module doc)."""
-  arg = _check_arg(arg)
+  arg = configs.check_arg(arg, ARGS)
   smoke, reduced = arg == "smoke", arg == "reduced"
   config = config_dict.ConfigDict()
-  config.model = config_dict.ConfigDict()
-  config.model.name = "random-tiny" if smoke else "smollm2-135m-instruct"  # from_pretrained
-  # name, or "random-tiny" (a 2-layer random model with the byte tokenizer, for tests).
-  config.model.dtype = "float32"  # Compute dtype of the model (and of KIVI's residual).
+  config.model = configs.named_model("random-tiny" if smoke else "smollm2-135m-instruct")
 
   config.cache = config_dict.ConfigDict()
   config.cache.kind = "dense"  # "dense", "kivi4" or "kivi2" (kvattn.caches.registry).
@@ -112,7 +104,7 @@ def get_sweep(arg=None):
   """Most telling first (a run cut short still has the comparison): dense f32, KIVI at
   residual 128, the rotated kinds without residual, 2-bit KIVI with keys before RoPE, dense
   int8, KIVI at residual 32, 4-bit keys before RoPE, dense bf16, then the rest."""
-  arg = _check_arg(arg)
+  arg = configs.check_arg(arg, ARGS)
   if arg == "speed":
     return [{"cache.kind": "speed"}]
   dense = [{"cache.kind": "dense", "cache.dtype": d} for d in DENSE_DTYPES]

@@ -24,23 +24,17 @@ on a 2-core CPU) or "smoke" (seconds).
 
 from ml_collections import config_dict
 
+import configs
+
 from kvattn.models import transformer
 
 ARGS = ("", "smoke")
 PAGE_SIZES = (8, 16, 32, 64, 128)  # The page-size sweep.
 
 
-def _check_arg(arg):
-  arg = arg or ""
-  if arg not in ARGS:
-    raise ValueError(f"config argument must be one of {ARGS} (':smoke' selects the small run); "
-                     f"got {arg!r}")
-  return arg
-
-
 def get_config(arg=None):
   """The full config; `arg="smoke"` shrinks everything to seconds."""
-  smoke = _check_arg(arg) == "smoke"
+  smoke = configs.check_arg(arg, ARGS) == "smoke"
   config = config_dict.ConfigDict()
 
   # The model (kvattn.models.transformer schema: `ModelSpec` and `AttentionSpec` list every field, its
@@ -104,6 +98,6 @@ def get_config(arg=None):
 
 def get_sweep(arg=None):
   """Dense, then paged at every page size of PAGE_SIZES."""
-  _check_arg(arg)
+  configs.check_arg(arg, ARGS)
   return [{"cache.kind": "dense"}] + [
       {"cache.kind": "paged", "cache.page_size": p} for p in PAGE_SIZES]

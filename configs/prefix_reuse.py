@@ -19,23 +19,17 @@ random model, under a minute).
 
 from ml_collections import config_dict
 
+import configs
+
 from kvattn.models import transformer
 
 ARGS = ("", "smoke")
 MODES = ("off", "device", "host", "disk")  # The sweep: kvattn.paging.offload.PREFIX_CACHE_MODES.
 
 
-def _check_arg(arg):
-  arg = arg or ""
-  if arg not in ARGS:
-    raise ValueError(f"config argument must be one of {ARGS} (':smoke' selects the small run); "
-                     f"got {arg!r}")
-  return arg
-
-
 def get_config(arg=None):
   """The full config; `arg="smoke"` shrinks everything to seconds."""
-  smoke = _check_arg(arg) == "smoke"
+  smoke = configs.check_arg(arg, ARGS) == "smoke"
   config = config_dict.ConfigDict()
 
   # Where the weights come from: a name or file for kvattn.from_pretrained, or "" for a model
@@ -79,5 +73,5 @@ def get_config(arg=None):
 
 def get_sweep(arg=None):
   """One point per prefix-cache mode."""
-  _check_arg(arg)
+  configs.check_arg(arg, ARGS)
   return [{"prefix_cache.mode": mode} for mode in MODES]

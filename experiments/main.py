@@ -16,8 +16,8 @@ log records). See experiments/framework/runner.py.
 
 `--import=MODULE_OR_FILE` (repeatable) imports a module of your own first -- a dotted
 name importable from the current directory, or a .py file -- so a cache kind or eviction
-policy it registers is a valid `--config.cache.kind` (docs/DESIGN.md, "Adding a cache
-kind"); `configs/default.py:kind` runs one point of any kind:
+policy it registers is a valid `--config.cache.kind` (docs/DESIGN.md,
+"Recipes"); `configs/default.py:kind` runs one point of any kind:
 
     python -m experiments.main --config=configs/default.py:kind --workdir=runs/mine \
         --import=my_policy.py --config.cache.kind=my-policy

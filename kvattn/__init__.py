@@ -1,19 +1,7 @@
 """kvattn: attention variants and their KV caches in JAX, Flax NNX and Pallas.
 
-DESIGN.md has the contract. Every name below is reachable after `import kvattn`.
-
-  Subpackages: `caches` (cache kinds, their registry, save / restore), `paging`
-  (page allocator, prefix sharing, offload tiers), `models` (attention modules,
-  Transformer, conversions), `checkpoints` (`from_pretrained`, GGUF, tokenizer, hub),
-  `inference` (generate, batching, resume), `training` (corpus, training loop),
-  `ops` (attention ops and dispatch), `memory` (cache bytes), `sharding` (meshes).
-  Attention modules: `GroupedQueryAttention` (MHA / GQA / MQA), `MultiHeadLatentAttention`.
-  Model: `Transformer`; `transformer` (its config schema), `data` (the default corpus)
-  and `train` (the training loop) keep their earlier top-level names.
-  Caches: `KVCache`, `LatentCache`, `PagedKVCache`, `RingKVCache`, `SinkKVCache`,
-  `EvictingKVCache`, `LengthSwitchKVCache`; pages: `PageAllocator`,
-  `PrefixCachingAllocator`, `OutOfPagesError`.
-  Generation: `generate`, `ContinuousBatcher`; checkpoints: `from_pretrained`.
+Every subpackage and public name below is reachable after `import kvattn` (docs/DESIGN.md has
+the contract); `transformer`, `data` and `train` keep their earlier top-level names.
 """
 
 # ---- Subpackages, one job each ---------------------------------------------------------------

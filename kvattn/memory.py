@@ -1,20 +1,5 @@
-"""KV-cache memory: analytic bytes per token per layer, and measured bytes.
-
-Analytic figures (per token, per layer, batch 1):
-  * MHA/GQA/MQA (Shazeer 2019; Ainslie et al. 2023): keys and values for K
-    KV heads of width H: `2 * K * H * itemsize` bytes. MHA has K = N, MQA K = 1.
-  * MLA (DeepSeek-V2, arXiv 2405.04434, §2.1.2 and Table 1): one latent of
-    width C (`kv_lora_rank`) plus one shared RoPE key of width R
-    (`qk_rope_head_dim`): `(C + R) * itemsize` bytes.
-  * Quantized caches (int8, float8_e4m3fn, float8_e5m2; `kvattn.ops.quant`)
-    add their f32 scales: one per token per KV head for keys and one for
-    values (`2 * K * 4` bytes), MLA one for `c_kv` and one for `k_rope`
-    (`2 * 4` bytes). With H = 128 an int8/fp8 cache is then `(H + 4) / 2H`
-    = 52% of a bf16 one; with H = 16, 62.5%.
-
-Measured figures read the `.nbytes` of the real arrays of a cache pytree, so a
-caller can check the analytic model against what is actually allocated.
-"""
+"""KV-cache bytes: analytic per token and layer (GQA `2 K H itemsize`, Ainslie et al. 2023; MLA
+`(C + R) itemsize`, DeepSeek-V2 §2.1.2; int8 / fp8 add f32 scales) and measured from arrays."""
 
 from __future__ import annotations
 
@@ -64,14 +49,8 @@ def mla_bytes_per_token(kv_lora_rank: int, qk_rope_head_dim: int, dtype: Any) ->
 
 def mla_to_mha_cache_ratio(kv_lora_rank: int, qk_rope_head_dim: int, num_heads: int,
                            head_dim: int) -> float:
-  """MLA cache size over an MHA layer's with the same N and H: `(C + R) / (2 * N * H)`.
-
-  DeepSeek-V2 (arXiv 2405.04434, Table 1) compares MLA's `(C + R)` cached
-  elements per token per layer with MHA's `2 * N * H`; the dtype cancels.
-
-  Raises:
-    ValueError/TypeError: a size that is not a positive int.
-  """
+  """`(C + R) / (2 N H)`, MLA's cached elements over MHA's (DeepSeek-V2, Table 1); ValueError
+  or TypeError for a size that is not a positive int."""
   mla = mla_bytes_per_token(kv_lora_rank, qk_rope_head_dim, jnp.float32)
   return mla / mha_bytes_per_token(num_heads, head_dim, jnp.float32)
 
@@ -83,11 +62,8 @@ def host_available_bytes() -> int:
 
 
 def available_bytes(device: Any = None) -> int | None:
-  """Bytes free for new arrays on `device` (default `jax.devices()[0]`), or None if unknown.
-
-  Accelerators: `bytes_limit - bytes_in_use` of `device.memory_stats()`. CPU
-  (or no stats): `host_available_bytes()`.
-  """
+  """Bytes free for new arrays on `device` (default `jax.devices()[0]`), or None if unknown:
+  `bytes_limit - bytes_in_use`, or `host_available_bytes()` on CPU."""
   device = jax.devices()[0] if device is None else device
   if device.platform != "cpu":
     try:
@@ -106,16 +82,11 @@ def tree_bytes(tree: Any) -> int:
 
 
 def measured_bytes_per_token(cache: Any) -> float:
-  """Bytes per token slot of one layer's cache, read from its real arrays.
-
-  Counts the arrays that grow with the number of token slots (keys, values,
-  latents, and scales when a cache stores them: `cache.storage_arrays()`) and
-  divides by the token slots they hold (`cache.storage_slots`: B * S for a
-  dense cache, P * page_size for a page pool; `kvattn.caches.protocol.Cache`).
-  Bookkeeping such as `lengths` is left out; `tree_bytes` counts everything.
+  """Bytes per token slot of one cache: `cache.storage_arrays()` bytes over
+  `cache.storage_slots` (bookkeeping such as `lengths` left out; `tree_bytes` counts all).
 
   Raises:
-    TypeError: `cache` does not implement `storage_arrays()`/`storage_slots`.
+    TypeError: `cache` does not implement `storage_arrays()` / `storage_slots`.
   """
   if not hasattr(cache, "storage_arrays") or not hasattr(cache, "storage_slots"):
     raise TypeError(f"cache must be a kvattn cache with storage_arrays() and storage_slots; "

@@ -17,7 +17,7 @@ tests passing). It also compiles XLA:CPU's fusions with the older elemental emit
 (`--xla_cpu_use_fusion_emitters=false` appended to XLA_FLAGS, exported the same way, for the
 jaxlib versions in `_EMITTER_FLAG_VERSIONS`, whose XLA is known to have the flag: an unknown
 flag aborts XLA): compiling a tiny program then costs about half the CPU time (two test files
-measured 128 -> 62 CPU-s; docs/benchmarks.md, "Suite time"). The numerics tests compare a fast
+measured 128 -> 62 CPU-s; docs/benchmarks.md, "Test suite cost"). The numerics tests compare a fast
 path with its reference compiled the same way; the HLO-structure tests (copies per decode step)
 hold either way. Set JAX_DISABLE_MOST_OPTIMIZATIONS=0 to test the programs exactly as users
 compile them (neither setting is applied then).

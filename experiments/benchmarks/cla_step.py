@@ -5,7 +5,7 @@
 
 For kinds with a step of their own (ring, sinks, eviction, the low-bit kinds) a layer reading
 its owner's cache (`kv_source`) runs that step again on the owner's cache before its write, with
-the owner's keys and its own queries, and drops the cache it returns (docs/DESIGN.md, "Cross-
+the owner's keys and its own queries, and drops the cache it returns (docs/caches.md, "Cross-
 layer KV sharing"). This compiles one step of `--tokens` tokens (1: decode; more: a prefill
 chunk) of a small random model (4 layers, MQA with head_dim 256, as Gemma 3) with and without
 sharing (`cla_factor` 2) for each kind, and reads from the compiled program (XLA's own numbers,

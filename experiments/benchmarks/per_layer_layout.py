@@ -206,11 +206,7 @@ def main(argv=None) -> None:
       lines.append("WARNING: the layouts' greedy tokens differ")
   if args.batcher_slots:
     lines += batcher_section(model, tok, args, dtype)
-  report = "\n".join(lines)
-  print(report)
-  if args.out:
-    with open(args.out, "w", encoding="utf-8") as f:
-      f.write(report + "\n")
+  cli.print_and_save("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

@@ -112,11 +112,7 @@ def table(rows: list[dict]) -> str:
 def main(argv=None):
   """Command-line entry point (`--help` lists the flags)."""
   args = _parser().parse_args(argv)
-  markdown = table(run(args))
-  print(markdown)
-  if args.out:
-    with open(args.out, "w", encoding="utf-8") as f:
-      f.write(markdown + "\n")
+  cli.print_and_save(table(run(args)), args.out)
 
 
 if __name__ == "__main__":

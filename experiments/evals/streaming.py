@@ -49,17 +49,39 @@ def streaming_nll(model, caches, ids: np.ndarray, chunk: int) -> tuple[np.ndarra
   """
   graphdef, state = nnx.split(model)
   step = step_fn(graphdef)
-  num_tokens = len(ids) - 1
-  nll = np.zeros(num_tokens, np.float64)
-  for s in range(0, num_tokens, chunk):
-    e = min(num_tokens, s + chunk)
+
+  def nll_step(caches, tokens, lengths, targets):
+    nll, _, caches = step(state, caches, tokens, lengths, targets)
+    return nll, caches
+
+  return feed_chunks(nll_step, caches, ids, len(ids) - 1, chunk)
+
+
+def feed_chunks(nll_step, caches, ids: np.ndarray, count: int,
+                chunk: int) -> tuple[np.ndarray, Any]:
+  """Feeds `ids[:count]` (batch 1) `chunk` tokens per call of `nll_step(caches, tokens
+  i32[1, chunk], lengths i32[1], targets i32[1, chunk]) -> (nll [1, chunk], caches)`, the
+  last chunk right-padded; returns `(nll f64[count], caches)`."""
+  nll = np.zeros(count, np.float64)
+  for s in range(0, count, chunk):
+    e = min(count, s + chunk)
     toks = np.zeros((1, chunk), np.int32)
     tgts = np.zeros((1, chunk), np.int32)
     toks[0, :e - s], tgts[0, :e - s] = ids[s:e], ids[s + 1:e + 1]
-    out, _, caches = step(state, caches, jnp.asarray(toks), jnp.array([e - s], jnp.int32),
-                          jnp.asarray(tgts))
+    out, caches = nll_step(caches, jnp.asarray(toks), jnp.array([e - s], jnp.int32),
+                           jnp.asarray(tgts))
     nll[s:e] = np.asarray(out[0, :e - s])
   return nll, caches
+
+
+def padded_rows(prompts: Sequence[Sequence[int]], chunk: int) -> tuple[np.ndarray, np.ndarray]:
+  """`(tokens i32[B, P], lengths i32[B])`: the prompts right-padded with 0 to P, the longest
+  length rounded up to a multiple of `chunk`."""
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  toks = np.zeros((len(prompts), -(-int(lengths.max()) // chunk) * chunk), np.int32)
+  for b, p in enumerate(prompts):
+    toks[b, :len(p)] = p
+  return toks, lengths
 
 
 def passkey_correct(model, make_caches, prompts: Sequence[Sequence[int]], keys: Sequence[int],
@@ -80,12 +102,8 @@ def passkey_correct(model, make_caches, prompts: Sequence[Sequence[int]], keys: 
   """
   graphdef, state = nnx.split(model)
   step = step_fn(graphdef)
-  batch, width = len(prompts), max(len(p) for p in prompts)
-  lengths = np.array([len(p) for p in prompts], np.int32)
-  padded = -(-width // chunk) * chunk
-  toks = np.zeros((batch, padded), np.int32)
-  for b, p in enumerate(prompts):
-    toks[b, :len(p)] = p
+  toks, lengths = padded_rows(prompts, chunk)
+  batch, padded = toks.shape
   caches = make_caches(batch, padded + new_tokens)
   last = np.zeros(batch, np.int32)
   for s in range(0, padded, chunk):

@@ -36,7 +36,6 @@ import numpy as np
 from flax import nnx
 
 from experiments.framework import report as report_lib
-from experiments.framework import results
 from experiments.framework import runner
 from experiments.framework import overrides
 from experiments.framework import checks
@@ -313,11 +312,9 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
         f"CPU-seconds, {wall:.0f} s wall{load} (wall time grows with the machine's load, CPU "
         f"time much less).", ""]
   lines += [table, "", "![quality vs cache](quality_vs_cache.png)", ""]
-  markdown = "\n".join(lines)
-  results.atomic_write_text(os.path.join(workdir, "report.md"), markdown)
-  if records:
-    _plot(records, os.path.join(workdir, "quality_vs_cache.png"))
-  return markdown
+  return report_lib.write_report(
+      workdir, "\n".join(lines), records,
+      lambda workdir, records: _plot(records, os.path.join(workdir, "quality_vs_cache.png")))
 
 
 def _plot(records, path: str) -> None:

@@ -58,7 +58,6 @@ from experiments.evals import text as text_lib
 from experiments.framework import report as report_lib
 from experiments.framework import results
 from experiments.framework import runner
-from experiments.framework import overrides
 from experiments.framework import checks
 from experiments.framework import timing
 from kvattn.models import convert
@@ -103,17 +102,13 @@ def _step_fn(graphdef):
   return step
 
 
-class LengthSwitchFamily:
+class LengthSwitchFamily(runner.FamilyState):
   """Switch lengths x contexts on one real model (module doc)."""
 
   kind = "length_switch"
 
   def __init__(self, workdir: str):
-    self.workdir = workdir
-    self.schema = schema()
-    self._title = "kvattn: length-switch cache"
-    self._config: dict[str, Any] | None = None
-    self._model: tuple[str, Any, Any] | None = None
+    super().__init__(workdir, schema(), "kvattn: length-switch cache")
     self._mha: tuple[str, Any] | None = None
 
   def _check(self, d: Mapping[str, Any], where: str) -> None:
@@ -137,11 +132,7 @@ class LengthSwitchFamily:
 
   def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
     """One point per sweep entry; all validated before any work (ValueError naming the key)."""
-    base = overrides.to_dict(config)
-    overrides.check_schema(base, self.schema)
-    self._check(base, "config")
-    self._config = base
-    self._title = base["experiment"]["name"] or self._title
+    base = self.load_config(config)
 
     def point_of(d, where):
       self._check(d, where)

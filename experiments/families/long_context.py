@@ -61,12 +61,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.framework import report as report_lib
-from experiments.framework import results
 from experiments.framework import runner
 from experiments.framework import overrides
 from experiments.framework import checks
 from experiments.framework import timing
 from experiments.evals import models
+from experiments.evals import streaming
 from experiments.evals import text as text_lib
 from kvattn.caches import registry as cache_registry
 from kvattn.models import scan
@@ -130,17 +130,13 @@ def _steps(defs):
   return nll_step, next_step
 
 
-class LongContextFamily:
+class LongContextFamily(runner.FamilyState):
   """Cache policies x budgets on one real model (module doc)."""
 
   kind = "long_context"
 
   def __init__(self, workdir: str):
-    self.workdir = workdir
-    self.schema = schema()
-    self._title = "kvattn: long-context caches"
-    self._config: dict[str, Any] | None = None
-    self._model: tuple[str, Any, Any] | None = None
+    super().__init__(workdir, schema(), "kvattn: long-context caches")
     self._params: tuple[Any, Any, Any] | None = None  # (model, scan params, steps)
     self._inputs_cache: dict[str, Any] = {}
 
@@ -182,11 +178,7 @@ class LongContextFamily:
 
   def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
     """One point per sweep entry; all validated before any work (ValueError naming the key)."""
-    base = overrides.to_dict(config)
-    overrides.check_schema(base, self.schema)
-    self._check(base, "config")
-    self._config = base
-    self._title = base["experiment"]["name"] or self._title
+    base = self.load_config(config)
 
     def point_of(d, where):
       self._check(d, where)
@@ -291,16 +283,8 @@ class LongContextFamily:
 
   def _fill(self, params, nll_step, caches, ids, count, chunk):
     """Feeds `ids[:count]` (batch 1) `chunk` tokens at a time; `(nll f64[count], caches)`."""
-    nll = np.zeros(count, np.float64)
-    for s in range(0, count, chunk):
-      e = min(count, s + chunk)
-      toks = np.zeros((1, chunk), np.int32)
-      tgts = np.zeros((1, chunk), np.int32)
-      toks[0, :e - s], tgts[0, :e - s] = ids[s:e], ids[s + 1:e + 1]
-      out, caches = nll_step(params, caches, jnp.asarray(toks), jnp.array([e - s], jnp.int32),
-                             jnp.asarray(tgts))
-      nll[s:e] = np.asarray(out[0, :e - s])
-    return nll, caches
+    return streaming.feed_chunks(lambda c, *args: nll_step(params, c, *args), caches, ids, count,
+                                 chunk)
 
   def measure(self, point: runner.Point) -> dict[str, Any]:
     cpu0 = time.process_time()
@@ -392,12 +376,8 @@ class LongContextFamily:
   def _passkey(self, model, params, next_step, policy, dtype, prompts, keys, chunk, new_tokens,
                tokenizer, full_len, local_layers="full") -> list[int]:
     """Chunked prefill of the prompts (one row each), greedy decode; 1 where the key appears."""
-    batch, width = len(prompts), max(len(p) for p in prompts)
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    padded = -(-width // chunk) * chunk
-    toks = np.zeros((batch, padded), np.int32)
-    for b, p in enumerate(prompts):
-      toks[b, :len(p)] = p
+    toks, lengths = streaming.padded_rows(prompts, chunk)
+    batch, padded = toks.shape
     caches = self._caches(model, batch, full_len, dtype, policy, local_layers)[0]
     last = np.zeros(batch, np.int32)
     for s in range(0, padded, chunk):
@@ -579,11 +559,7 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
          f"![perplexity vs position]({FILES['plot']})", ""]
   md += [f"![passkey {k}]({FILES['heatmap'].format(kind=k)})"
          for k in sorted({r["kind"] for r in records})]
-  text = "\n".join(md) + "\n"
-  results.atomic_write_text(os.path.join(workdir, "report.md"), text)
-  if records:
-    _plots(workdir, records)
-  return text
+  return report_lib.write_report(workdir, "\n".join(md) + "\n", records, _plots)
 
 
 def _plots(workdir: str, records: Sequence[Mapping[str, Any]]) -> None:

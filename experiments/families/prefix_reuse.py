@@ -73,16 +73,13 @@ def _block(tree: Any) -> None:
   jax.block_until_ready([x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)])
 
 
-class PrefixReuseFamily:
+class PrefixReuseFamily(runner.FamilyState):
   """Shared-system-prompt serving with the prefix cache off / device / host / disk."""
 
   kind = "prefix_reuse"
 
   def __init__(self, workdir: str):
-    self.workdir = workdir
-    self.schema = schema()
-    self._title = "kvattn: prefix reuse (cached system prompt)"
-    self._model: tuple[str, nnx.Module] | None = None
+    super().__init__(workdir, schema(), "kvattn: prefix reuse (cached system prompt)")
 
   def _check(self, d: Mapping[str, Any], where: str) -> None:
     work, cache, pc = d["workload"], d["cache"], d["prefix_cache"]
@@ -106,10 +103,7 @@ class PrefixReuseFamily:
 
   def points(self, config: Any, sweep: Sequence[Mapping[str, Any]]) -> list[runner.Point]:
     """One point per sweep entry, validated before any work (ValueError naming the key)."""
-    base = overrides.to_dict(config)
-    overrides.check_schema(base, self.schema)
-    self._check(base, "config")
-    self._title = base["experiment"]["name"] or self._title
+    base = self.load_config(config)
 
     def point_of(d, where):
       self._check(d, where)

@@ -347,11 +347,9 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
               "tens of percent between runs; on CPU the 1-byte formats are converted to f32 "
               "before the dots, so they save memory, not time.", "",
               f"![quality vs bytes]({FILES['plot']})", ""]
-  markdown = "\n".join(lines)
-  results.atomic_write_text(os.path.join(workdir, "report.md"), markdown)
-  if records:
-    _plot(records, os.path.join(workdir, FILES["plot"]))
-  return markdown
+  return report_lib.write_report(
+      workdir, "\n".join(lines), records,
+      lambda workdir, records: _plot(records, os.path.join(workdir, FILES["plot"])))
 
 
 def _plot(records, path: str) -> None:

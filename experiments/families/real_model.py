@@ -54,7 +54,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.framework import report as report_lib
-from experiments.framework import results
 from experiments.framework import runner
 from experiments.framework import overrides
 from experiments.framework import checks
@@ -441,11 +440,7 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
   md += [report_lib.markdown_table(headers, table_rows(records)), "",
          f"![quality vs cache bytes]({PLOTS['quality']})", "",
          f"![decode speed]({PLOTS['speed']})", ""]
-  text = "\n".join(md)
-  results.atomic_write_text(os.path.join(workdir, "report.md"), text)
-  if records:
-    _plots(workdir, records)
-  return text
+  return report_lib.write_report(workdir, "\n".join(md), records, _plots)
 
 
 def _plots(workdir: str, records: Sequence[Mapping[str, Any]]) -> None:

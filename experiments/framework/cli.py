@@ -148,6 +148,14 @@ def run(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> 
   sys.exit(0)  # app.run exits itself; not reached
 
 
+def print_and_save(text: str, path: str | None) -> None:
+  """Prints `text` and, when `path` is set, writes it there with a final newline."""
+  print(text)
+  if path:
+    with open(path, "w", encoding="utf-8") as f:
+      f.write(text + "\n")
+
+
 def run_plain(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None
               ) -> NoReturn:
   """`sys.exit(main(argv))` (argv: `sys.argv[1:]`) with user errors reported as one line and

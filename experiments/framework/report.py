@@ -7,7 +7,8 @@ these helpers.
 from __future__ import annotations
 
 import io
-from typing import Any, Sequence
+import os
+from typing import Any, Callable, Sequence
 
 from experiments.framework import results
 
@@ -37,3 +38,13 @@ def pyplot():
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   return plt
+
+
+def write_report(workdir: str, text: str, records: Sequence[Any] = (),
+                 plots: Callable[[str, Sequence[Any]], None] | None = None) -> str:
+  """Writes `text` to `<workdir>/report.md` atomically, then `plots(workdir, records)` when
+  there are records; returns `text`."""
+  results.atomic_write_text(os.path.join(workdir, "report.md"), text)
+  if records and plots is not None:
+    plots(workdir, records)
+  return text

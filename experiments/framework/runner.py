@@ -68,7 +68,7 @@ from experiments.framework import cli
 from experiments.framework import results
 from experiments.framework import workdir as workdir_lib
 from experiments.framework.logs import LOG_FILE, quiet_terminal, workdir_log
-from experiments.framework.overrides import apply_overrides, check_overrides_kept, digest, load_config_defaults, load_sweep, to_dict
+from experiments.framework.overrides import apply_overrides, check_overrides_kept, check_schema, digest, load_config_defaults, load_sweep, to_dict
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,6 +108,31 @@ class Family(Protocol):
   def report(self, records: Sequence[Mapping[str, Any]]) -> str:
     """Writes report.md (and its plots) into the workdir from every record; returns the markdown."""
     ...
+
+
+class FamilyState:
+  """What a family holds from the start: its workdir, config schema and report title
+  (`experiment.name` may replace it), and the config and model it loaded last (None)."""
+
+  def __init__(self, workdir: str, schema: Any, title: str):
+    self.workdir = workdir
+    self.schema = schema
+    self._title = title
+    self._config: dict[str, Any] | None = None
+    self._model: Any = None
+
+  def _check(self, d: Mapping[str, Any], where: str) -> None:
+    """The family's checks of a config dict beyond its schema (ValueError naming `where`)."""
+
+  def load_config(self, config: Any) -> dict[str, Any]:
+    """`config` as a dict, checked against the schema and by `_check`; keeps it as `_config`
+    and takes `experiment.name`, when set, as the report title."""
+    base = to_dict(config)
+    check_schema(base, self.schema)
+    self._check(base, "config")
+    self._config = base
+    self._title = base["experiment"]["name"] or self._title
+    return base
 
 
 FamilyFactory = Callable[[str], Family]  # workdir -> Family

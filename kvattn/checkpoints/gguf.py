@@ -1,35 +1,12 @@
 """GGUF checkpoints (llama.cpp's format): hyperparameters, f32 weights and tokenizer.
 
-`load_gguf(path)` reads a `.gguf` file with the `gguf` package and returns a
-`GGUFCheckpoint` in HF's vocabulary, ready for `kvattn.checkpoints.pretrained.build_model`:
-
-  * `config`: a HF `config.json`-style dict (`model_type`, `hidden_size`,
-    `num_attention_heads`, `num_key_value_heads`, `head_dim`,
-    `intermediate_size`, `num_hidden_layers`, `rms_norm_eps`, `rope_theta`,
-    `vocab_size`, `tie_word_embeddings`, `max_position_embeddings`, and
-    `rope_scaling` / `sliding_window` when the file sets them).
-  * `tensors`: HF names (`model.layers.0.self_attn.q_proj.weight`, ...) ->
-    `f32` arrays in torch layout `[out_features, in_features]`, dequantized
-    (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), named and
-    fixed up as the file's family says (`kvattn.checkpoints.families`: the family whose
-    `gguf_architecture` is `general.architecture` -- llama, qwen2, qwen3, gemma3 ->
-    model_type `gemma3_text`): llama.cpp's row permutation of Llama's Q and K
-    projections undone, Gemma's norm scales stored as 1 + w turned back into HF's w,
-    and the hyperparameters llama.cpp assumes for the family (Gemma 3's layer pattern,
-    local RoPE base and query scale) added. `lm_head.weight` is present only when the
-    file has `output.weight` (otherwise the head is tied to the embedding).
-  * `tokenizer`: a `kvattn.checkpoints.tokenizer.Tokenizer` from the file's metadata, or
-    None when the file has none or one `kvattn.checkpoints.tokenizer` cannot build (a
-    sentencepiece vocabulary, `tokenizer.ggml.model == "llama"`, of an architecture other
-    than Gemma's: a warning says so; pass a `tokenizer.json` to `Tokenizer.from_file`
-    instead).
-
-The header is read by kvattn's own checked walk (`kvattn.checkpoints.gguf_header`:
-metadata values and tensor records, the data memory-mapped); `gguf` only dequantizes.
-The file is untrusted: the walk checks every length, type and offset against the file
-as it goes, every tensor's shape is checked against the hyperparameters and its byte
-extent against the file before it is read, and a file that fails a check raises
-ValueError naming it and the metadata key or tensor at fault.
+`load_gguf(path)` returns a `GGUFCheckpoint` in HF's vocabulary for
+`kvattn.checkpoints.pretrained.build_model`: an HF `config.json`-style dict, HF-named f32
+tensors in torch layout `[out, in]` (dequantized: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1, Q4_K, Q5_K, Q6_K; the family's storage quirks undone, `kvattn.checkpoints.families`)
+and the tokenizer (or None, with a warning, when the file has none kvattn can build). The
+file is untrusted: `gguf_header`'s walk checks every length, type and offset, and every
+tensor's shape and byte extent is checked before it is read.
 """
 
 from __future__ import annotations
@@ -70,16 +47,8 @@ def _required_tensors(family: families.Family) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class GGUFCheckpoint:
-  """A GGUF file's contents in HF's vocabulary.
-
-  Attributes:
-    config: HF `config.json`-style hyperparameters (see the module docstring).
-    tensors: HF parameter name -> f32 array, torch layout `[out, in]` for
-      matrices, `[D]` for norms.
-    tokenizer: the file's tokenizer, or None when it has none or an
-      unsupported kind (with a warning).
-    path: the file read.
-  """
+  """A GGUF file's contents in HF's vocabulary: `config` (HF hyperparameters), `tensors` (HF
+  name -> f32 array, `[out, in]` for matrices), `tokenizer` (or None), `path`."""
 
   config: dict[str, Any]
   tensors: dict[str, np.ndarray]
@@ -88,24 +57,14 @@ class GGUFCheckpoint:
 
 
 def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
-  """Reads, checks and dequantizes a GGUF checkpoint.
-
-  Memory: the dequantized f32 weights (540 MB for SmolLM2-135M) plus one tensor's
-  temporaries; the file itself is memory-mapped.
-
-  Args:
-    path: a `.gguf` file.
-
-  Returns:
-    A `GGUFCheckpoint`.
+  """Reads, checks and dequantizes a GGUF checkpoint (memory: the f32 weights plus one
+  tensor's temporaries; the file is memory-mapped).
 
   Raises:
     FileNotFoundError: `path` does not exist.
-    ValueError: the file is truncated or malformed (the message names the file
-      and, where one is at fault, the tensor or key).
-    NotImplementedError: the architecture, a tensor type, a tensor name or a
-      hyperparameter (mixture of experts, partial RoPE, a RoPE scaling type) is
-      one kvattn cannot represent; the message names the key and value.
+    ValueError: a truncated or malformed file (naming the file and tensor or key).
+    NotImplementedError: an architecture, tensor type, tensor name or hyperparameter
+      kvattn cannot represent (naming the key and value).
   """
   path = pathlib.Path(path)
   if not path.is_file():
@@ -152,18 +111,12 @@ def read_metadata(reader) -> dict[str, Any]:
 
 def gguf_config(metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]], *,
                 where: str = "GGUF") -> dict[str, Any]:
-  """HF `config.json`-style hyperparameters from GGUF metadata (llama.cpp key names).
-
-  Args:
-    metadata: GGUF key -> value (`read_metadata`).
-    tensor_shapes: the file's tensor names -> numpy-order shapes (decide
-      `tie_word_embeddings` and, as a fallback, `vocab_size`).
-    where: what to name in error messages (the file).
+  """HF `config.json`-style hyperparameters from GGUF `metadata` (llama.cpp key names);
+  `tensor_shapes` decide `tie_word_embeddings` (and `vocab_size` as a fallback).
 
   Raises:
     ValueError: a required key is missing or has a bad value.
-    NotImplementedError: an architecture, RoPE scaling type, partial RoPE or
-      mixture-of-experts setting kvattn cannot represent.
+    NotImplementedError: an architecture or setting kvattn cannot represent.
   """
   arch = metadata.get("general.architecture")
   family = families.by_gguf_architecture(arch, where=where)
@@ -246,16 +199,10 @@ def gguf_config(metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[i
 
 def check_tensor_shapes(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any], *,
                         where: str = "GGUF") -> None:
-  """Checks a file's tensors against its hyperparameters, in the file's own names.
-
-  Args:
-    shapes: GGUF tensor name -> numpy-order shape (`[out, in]`).
-    config: `gguf_config`'s result for the file.
-    where: what to name in error messages (the file).
+  """Checks a file's tensor `shapes` (GGUF names, `[out, in]`) against `config`.
 
   Raises:
-    ValueError: a required tensor is missing, or a tensor's shape is not the one
-      the metadata implies (the message names the tensor and the metadata keys).
+    ValueError: a missing tensor, or a shape the metadata does not imply (naming both).
     NotImplementedError: attention biases in a `llama` file.
   """
   family = families.lookup(config["model_type"])
@@ -330,19 +277,9 @@ def hf_tensor_name(name: str, num_layers: int, *, where: str = "GGUF", arch: str
 
 
 def unpermute_rope_rows(w: np.ndarray, num_heads: int, *, where: str = "tensor") -> np.ndarray:
-  """Undoes llama.cpp's row permutation of a Q or K projection (`convert_hf_to_gguf.permute`).
-
-  llama.cpp stores each head's rows in interleaved RoPE order: HF row
-  `h*H + i*(H/2) + j` (half i of head h, offset j) is GGUF row
-  `h*H + 2*j + i`. This maps GGUF back to HF's half-split order.
-
-  Args:
-    w: `[num_heads * H, D]` weight (or `[num_heads * H]` bias) in GGUF row order.
-    num_heads: heads of this projection (query heads N for Q, KV heads K for K).
-    where: what to name in error messages.
-
-  Returns:
-    A new array of `w`'s shape and dtype, rows in HF order.
+  """Undoes llama.cpp's interleaved RoPE row order of a Q or K projection
+  (`convert_hf_to_gguf.permute`): GGUF row `h*H + 2*j + i` -> HF row `h*H + i*(H/2) + j`.
+  `w: [num_heads * H, D]` (or a bias); returns a new array.
 
   Raises:
     ValueError: the row count is not num_heads times an even head dim.
@@ -357,17 +294,7 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int, *, where: str = "tensor")
 
 def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...], *,
                where: str = "tensor") -> np.ndarray:
-  """f32 values of one tensor's raw GGUF bytes.
-
-  Args:
-    data: `u8[..., row_bytes]` raw blocks (or the typed F32/F16/BF16 array) as
-      `gguf.GGUFReader` maps them.
-    type_name: GGML type name, one of `SUPPORTED_TYPES`.
-    shape: the tensor's shape in numpy order (`[out, in]` for a matrix).
-    where: what to name in error messages.
-
-  Returns:
-    `f32[shape]`, a new array (never a view of the file).
+  """`f32[shape]` (a new array) of one tensor's raw GGUF `data` of GGML type `type_name`.
 
   Raises:
     NotImplementedError: `type_name` is not in `SUPPORTED_TYPES`.

@@ -1,16 +1,5 @@
-"""HF `config.json` -> the kvattn `model` config (`model_config_from_hf`).
-
-The keys every family shares (`vocab_size`, `hidden_size`, `num_hidden_layers`,
-`intermediate_size`, `rms_norm_eps`, `tie_word_embeddings`, no `mlp_bias`, no
-`quantization_config`) are read here; the rest by the family of the config's
-`model_type` (`kvattn.checkpoints.families`: llama, mistral, qwen2, qwen3, gemma2,
-gemma3_text, deepseek_v2 with dense MLP layers). Whatever the model cannot represent --
-mixture-of-experts layers, an unknown rope type, a bias the architecture does not have,
-another activation -- raises NotImplementedError naming the config key and value instead
-of building a different model; an unknown `model_type` raises
-`families.UnsupportedError` (a ValueError and a NotImplementedError) listing the
-supported ones; a malformed value raises ValueError naming the file's own key.
-"""
+"""HF `config.json` -> the kvattn `model` config (`model_config_from_hf`): the shared keys
+here, the rest by the family of `model_type` (`kvattn.checkpoints.families`)."""
 
 from __future__ import annotations
 
@@ -53,25 +42,14 @@ _CONFIG_KEYS = {
 def model_config_from_hf(config: Mapping[str, Any], *, dtype: Any = None,
                          param_dtype: Any = None, where: str | None = None
                          ) -> config_dict.ConfigDict:
-  """The kvattn `model` ConfigDict of an HF config.json mapping (architecture mapping).
-
-  Every value is checked in the config's own terms: errors name the config.json
-  key (`num_key_value_heads`, `rope_parameters.factor`), never kvattn's field
-  (`model.attention.num_kv_heads`).
-
-  Args:
-    config: config.json keys (`model_type`, `hidden_size`, ...).
-    dtype: compute dtype name or dtype; default float32.
-    param_dtype: parameter dtype; default `dtype`.
-    where: the file `config` came from (e.g. ".../config.json"); errors start
-      with it.
+  """The kvattn `model` ConfigDict of an HF config.json mapping; errors name the config.json
+  key (e.g. `num_key_value_heads`) and start with `where`.
 
   Raises:
-    families.UnsupportedError: a `model_type` no family reads (a ValueError
-      and a NotImplementedError; names it and the supported ones).
-    NotImplementedError: a setting the model cannot represent (message names
-      the key and value).
-    ValueError: a missing or invalid required key (message names the key).
+    families.UnsupportedError: a `model_type` no family reads (a ValueError and a
+      NotImplementedError; lists the supported ones).
+    NotImplementedError: a setting the model cannot represent (naming key and value).
+    ValueError: a missing or invalid required key.
   """
   try:
     cfg = _model_config_from_hf(config, dtype=dtype, param_dtype=param_dtype)

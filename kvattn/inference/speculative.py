@@ -1,31 +1,13 @@
 """Speculative decoding with greedy acceptance: draft k tokens, verify them in one pass.
 
-Leviathan et al. 2023 (arXiv 2211.17192), Chen et al. 2023 (arXiv 2302.01318), greedy
-case: a drafter proposes `d_1..d_k`; the model runs once over `[last, d_1..d_k]` (T = k + 1
-tokens, `new_lengths = k + 1`) and takes its greedy tokens `g_0..g_k`; the longest prefix
-with `d_{i+1} == g_i` (a tokens) is accepted and `g_0..g_a` are emitted: a + 1 tokens per
-pass, token for token what plain greedy decoding emits (the verify pass computes the same
-logits, up to float rounding between a chunk and one-token steps). Each layer's cache is
-written through a `kvattn.caches.transaction` and keeps the first `a + 1` tokens (`last`
-and the accepted drafts) per sequence, whatever its kind.
-
-Drafters (`speculative=` of `kvattn.generate`):
-  * `PromptLookup(num_draft_tokens, max_ngram_size, min_ngram_size)`: prompt lookup
-    decoding (Saxena 2023; transformers' `prompt_lookup_num_tokens`): the trailing
-    n-gram of the text so far (prompt + generated), n from `max_ngram_size` down to
-    `min_ngram_size`, is searched for in the earlier text; the tokens that followed its
-    most recent earlier occurrence are the draft (continued periodically when they run
-    into the end of the text, so a repeating loop drafts itself). No match: the last
-    token repeated (a draft like any other; rejected drafts cost nothing extra in a
-    fixed-shape pass).
-  * `DraftModel(model, num_draft_tokens)`: a smaller `kvattn.Transformer` on the same
-    vocabulary (e.g. the target with fewer layers) drafts greedily with its own dense
-    caches, rolled back by lengths after each verify.
-
-Static shapes: k is fixed per compiled program, acceptance is data; the whole loop is one
-`lax.while_loop` (one XLA program). Per-sequence acceptance: each row keeps its own a.
-Only greedy decoding (temperature 0) is offered: the sampled case needs the rejection
-scheme of Leviathan et al., not implemented.
+Leviathan et al. 2023 (arXiv 2211.17192), Chen et al. 2023 (arXiv 2302.01318), greedy case:
+the model runs once over `[last, d_1..d_k]`, takes its greedy `g_0..g_k`, accepts the longest
+prefix with `d_{i+1} == g_i` (a tokens) and emits `g_0..g_a`, what plain greedy emits. Each
+cache is written through a `kvattn.caches.transaction` and keeps `a + 1` tokens per row.
+Drafters: `PromptLookup` (Saxena 2023; transformers' `prompt_lookup_num_tokens`: the tokens
+after the latest earlier occurrence of the trailing n-gram, else the last token repeated)
+and `DraftModel` (a smaller model with its own dense caches). One `lax.while_loop`, k
+static. Sampling (Leviathan et al.'s rejection scheme) is not offered.
 """
 
 from __future__ import annotations
@@ -71,7 +53,7 @@ class DraftModel:
   """A draft model (module doc).
 
   model: a `kvattn.Transformer` with the target's vocabulary; its caches are dense
-    (`model.init_caches`), rolled back by lengths.
+    (`model.init_caches(..., local_layers="full")`), rolled back by lengths.
   num_draft_tokens: k, tokens drafted per verify pass (>= 1).
   """
 
@@ -224,22 +206,16 @@ def decode(model: nnx.Module, first_tokens: jax.Array, caches: Sequence[Any],
 
   Args:
     model: the target model passed to `prefill`.
-    first_tokens: `i32[B]` tokens `prefill` sampled (greedy).
-    caches: the caches `prefill` returned (any kinds), with room for
-      `max(prompt_lengths) + max_new_tokens - 1 + k` tokens where the kind has a
-      capacity per sequence; donated.
-    prompts: `i32[B, T]` the right-padded prompts (prompt lookup searches them; the
-      draft model prefills them).
-    prompt_lengths: `i32[B]`.
+    first_tokens: `i32[B]` tokens `prefill` sampled.
+    caches: the caches `prefill` returned, with room for k more tokens; donated.
+    prompts, prompt_lengths: `i32[B, T]` right-padded prompts and `i32[B]` lengths.
     max_new_tokens: tokens to return per sequence, the first included.
     speculative: a `PromptLookup` or a `DraftModel`.
     eos_id, pad_id: as in `kvattn.generate`.
 
   Returns:
-    `(tokens i32[B, max_new_tokens], lengths i32[B], caches, stats)`: as `generate`;
-    `stats["passes"]` (`i32[B]`) verify passes each row took part in and
-    `stats["accepted"]` (`i32[B]`) drafts accepted, so a row emitted `1 + passes +
-    accepted` tokens (before EOS or the budget cut a pass short).
+    `(tokens i32[B, max_new_tokens], lengths i32[B], caches, stats)`; `stats["passes"]`
+    and `stats["accepted"]` (`i32[B]`): verify passes and accepted drafts per row.
   """
   prompts = np.asarray(prompts, np.int32)
   prompt_lengths = np.asarray(prompt_lengths, np.int32)
@@ -256,7 +232,9 @@ def decode(model: nnx.Module, first_tokens: jax.Array, caches: Sequence[Any],
   else:
     draft = speculative.model
     draft_graphdef, draft_state = nnx.split(draft)
-    draft_caches = draft.init_caches(batch, width + max_new_tokens + k + 1)
+    # Full-length caches on every layer: rings (the local layers' default) cannot roll back
+    # by lengths.
+    draft_caches = draft.init_caches(batch, width + max_new_tokens + k + 1, local_layers="full")
     if not all(isinstance(c, LengthsRollback) for c in draft_caches):
       raise ValueError("speculative.model must build caches that roll back by lengths "
                        "(kvattn.caches._slots.LengthsRollback: dense, latent, paged); got "

@@ -1,11 +1,5 @@
-"""Models: attention modules, the decoder-only Transformer and checkpoint conversions.
-
-  `GroupedQueryAttention`      gqa.py: MHA / GQA / MQA through `num_kv_heads`.
-  `MultiHeadLatentAttention`   mla.py: DeepSeek-V2 MLA, latent cache, absorbed decode.
-  `Transformer`                transformer.py: the LM; its config schema is config.py
-                               (`model_config`, `resolve_config`).
-  `convert`                    KV-head regrouping and conversion to MLA.
-"""
+"""Models: `GroupedQueryAttention` (gqa.py), `MultiHeadLatentAttention` (mla.py), `Transformer`
+(transformer.py; schema in config.py), `convert`, `int8`, `scan`."""
 
 from kvattn.models.gqa import GroupedQueryAttention
 from kvattn.models.mla import MultiHeadLatentAttention

@@ -1,26 +1,11 @@
 """The `model` config schema: `ModelSpec` and `AttentionSpec`, `model_config`, `resolve_config`.
 
-Config schema: the `model` section of an ml_collections config. Its single
-source is two frozen dataclasses, `ModelSpec` (sizes, dtypes, per-layer
-overrides) and `AttentionSpec` (its `attention` subsection), each field with
-its type, default and a comment. `model_config(...)` derives the ConfigDict
-from them and `resolve_config` validates a config against them, naming the
-dotted key (e.g. "model.attention.num_kv_heads must divide
-model.attention.num_heads; got 3 and 4"). A setting has one path everywhere --
-in code, config files, on the command line (`--config.model.attention.kind=mla`)
-and in sweeps (`{"model.attention.num_kv_heads": 2}`): `model.<field>` or
-`model.attention.<field>`. Adding a field is one line in its dataclass (an
-`AttentionSpec` field is also a keyword of the attention modules of the kinds
-that use it). Field types: bool, int (checked positive), float (positive and
-finite), str, each optionally `| None` (None: off); a field of another type
-needs its check in `_check_field`.
-
-`model.layers` is empty (every layer uses `model.attention`) or has one entry
-per layer: None / {} (use `model.attention`) or a dict of `AttentionSpec`
-fields overriding it for that layer, e.g. `({}, {"kind": "mla"})` or
-`({"window": 128}, {})`. Fields of the kind a layer does not use are ignored
-(they stay in the config so that an override such as
-`--config.model.attention.kind=mla` finds every key).
+The two frozen dataclasses are the single source of the `model` ConfigDict (`model_config`)
+and its validation (`resolve_config`, errors naming the dotted key, e.g.
+"model.attention.num_kv_heads must divide model.attention.num_heads; got 3 and 4"). A
+setting is `model.<field>` or `model.attention.<field>` in code, config files, the command
+line and sweeps; a new field is one line in its dataclass. `model.layers` is empty or has
+one entry per layer: None / {} or a dict of `AttentionSpec` overrides for that layer.
 """
 
 from __future__ import annotations
@@ -50,18 +35,9 @@ _DECODE_IMPLEMENTATIONS = {"gqa": gqa_lib.decode_implementations,
 def _field(default: Any, *, kinds: Sequence[str] = ATTENTION_KINDS, even: bool = False,
            choices: Sequence[str] | None = None, dtype: bool = False,
            int8: bool = False, minimum: int = 1) -> Any:
-  """A schema field: its default and what `resolve_config` checks beyond the field's type.
-
-  Args:
-    default: the default value (None: the field is optional and None turns it off).
-    kinds: attention kinds whose layers use the field (AttentionSpec only); the
-      resolved spec of a layer of another kind holds None.
-    even: an int that must be even (RoPE rotates pairs).
-    choices: the allowed values of a str field.
-    dtype: a str naming a floating dtype; resolved to a `jnp.dtype`.
-    int8: with `dtype`, "int8" is allowed too (W8A8 weights, `kvattn.models.int8`).
-    minimum: the smallest value of an int field (1: positive; 0 for a layer index).
-  """
+  """A schema field: its default and the checks beyond its type (`kinds`: the attention
+  kinds that use it; `even`; `choices`; `dtype`: names a float dtype, `int8` allowing int8;
+  `minimum` of an int)."""
   return dataclasses.field(default=default, metadata=dict(
       kinds=tuple(kinds), even=even, choices=None if choices is None else tuple(choices),
       dtype=dtype, int8=int8, minimum=minimum))
@@ -69,14 +45,9 @@ def _field(default: Any, *, kinds: Sequence[str] = ATTENTION_KINDS, even: bool =
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
-  """The `model.attention` section (and a `model.layers[i]` override): one layer's attention.
-
-  A field whose type admits None is optional (None turns it off); the others
-  must be set for the kinds that use them. The defaults are the default
-  config: GQA with N = K = 8, H = 32. `resolve_config` returns validated
-  instances, one per layer, in which the fields of the kind the layer does not
-  use are None.
-  """
+  """The `model.attention` section (or a `model.layers[i]` override): one layer's attention.
+  Optional fields admit None (off). Resolved instances hold None in the fields of the kinds
+  a layer does not use."""
 
   kind: str = _field("gqa", choices=ATTENTION_KINDS)  # "gqa" (MHA/GQA/MQA) or "mla".
   num_heads: int = 8  # Query heads N.
@@ -141,13 +112,8 @@ class AttentionSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-  """The `model` section: sizes, dtypes and the attention of every layer.
-
-  The defaults are the default config. `resolve_config` returns a validated
-  instance whose dtypes are `jnp.dtype`s, whose `attention` is resolved and
-  whose `layers` holds one resolved AttentionSpec per layer (`attention` with
-  that layer's override applied).
-  """
+  """The `model` section: sizes, dtypes and the attention of every layer; resolved, its
+  dtypes are `jnp.dtype`s and `layers` holds one AttentionSpec per layer."""
 
   vocab_size: int = 259  # V: 256 bytes + BOS/EOS/PAD (kvattn.training.data).
   d_model: int = 256  # Model width D.
@@ -227,17 +193,11 @@ def attention_config(**overrides: Any) -> config_dict.ConfigDict:
 
 
 def model_config(**overrides: Any) -> config_dict.ConfigDict:
-  """The `model` ConfigDict of `ModelSpec`'s defaults with top-level overrides.
-
-  `attention=` takes a dict of `model.attention` overrides (applied to the
-  defaults of `AttentionSpec`), an AttentionSpec or a full ConfigDict. Example:
-
-      model_config(d_model=64, num_layers=2, mlp_dim=128,
-                   attention=dict(num_heads=4, num_kv_heads=1, head_dim=16))
+  """The `model` ConfigDict of `ModelSpec`'s defaults with top-level overrides; `attention=`
+  takes a dict of overrides, an AttentionSpec or a ConfigDict.
 
   Raises:
-    ValueError: an override names a key that is not a `ModelSpec` /
-      `AttentionSpec` field.
+    ValueError: an override that is not a `ModelSpec` / `AttentionSpec` field.
   """
   attention = overrides.pop("attention", None)
   cfg = _config_dict(_replace(ModelSpec, ModelSpec(), overrides, "model"))
@@ -355,15 +315,10 @@ def _attention_spec(d: Mapping[str, Any], where: str) -> AttentionSpec:
 
 
 def resolve_config(cfg: Any) -> ModelSpec:
-  """Validates a `model` config and returns its resolved ModelSpec.
-
-  Args:
-    cfg: a ConfigDict (`model_config()`), a mapping of `ModelSpec` fields
-      (missing fields take their defaults) or a ModelSpec.
+  """Validates a `model` config (ConfigDict, mapping or ModelSpec) and returns its ModelSpec.
 
   Raises:
-    ValueError: an unknown key or an invalid value, naming the dotted key
-      (e.g. "model.layers[1].num_kv_heads must divide ...").
+    ValueError: an unknown key or invalid value, naming the dotted key.
     TypeError: `cfg` is not a ConfigDict, mapping or ModelSpec.
   """
   d = _as_dict(cfg, "model")
@@ -412,12 +367,9 @@ def kv_type(layer: AttentionSpec) -> tuple[Any, ...]:
 
 
 def cla_sources(layers: Sequence[AttentionSpec], cla_factor: int | None) -> list[int | None]:
-  """Per layer, the layer whose cache it reads under `cla_factor` (None: its own cache).
-
-  CLA (Brandon et al. 2024): the GQA layers of each `kv_type`, in layer order, form groups of
-  `cla_factor`; the first of a group owns the cache, the others read it. One type (Llama):
-  layers (0, 1), (2, 3), ... at factor 2. Gemma 3's pattern (five local layers, then one
-  global): locals (0, 1), (2, 3), (4, 6), ..., globals (5, 11), (17, ...).
+  """Per layer, the layer whose cache it reads under `cla_factor` (None: its own). CLA
+  (Brandon et al. 2024): each `kv_type`'s GQA layers in groups of `cla_factor`, the first
+  owning the cache (Gemma 3: locals (0, 1), (2, 3), (4, 6), ..., globals (5, 11), ...).
 
   Raises:
     ValueError: `cla_factor` > 1 on a model with MLA layers.
@@ -468,16 +420,8 @@ def _resolve_kv_sharing(layers: list[AttentionSpec], cla_factor: int | None
 
 
 def cache_bytes_per_token(cfg: Any, dtype: Any = None) -> int:
-  """Analytic KV-cache bytes per token of the whole model (sum over layers).
-
-  Per layer `kvattn.memory.gqa_bytes_per_token` (`2 K H itemsize`) or
-  `mla_bytes_per_token` (`(C + R) itemsize`), over the layers that own a cache (a layer
-  with a `kv_source` reads another's: cross-layer KV sharing); batch 1, so a cache of batch B
-  and capacity S holds `B * S *` this many bytes (lengths bookkeeping aside).
-
-  Args:
-    cfg: a `model` config (ConfigDict/mapping) or a `ModelSpec`.
-    dtype: cache dtype; default the model's compute dtype.
+  """Analytic cache bytes per token summed over the layers that own a cache: `2 K H itemsize`
+  (GQA) or `(C + R) itemsize` (MLA); a batch-B cache of capacity S holds `B * S *` this.
 
   Raises:
     ValueError: an invalid config (see `resolve_config`).

@@ -1,80 +1,16 @@
 r"""Converting a pretrained GQA checkpoint to fewer KV heads, to MLA, or to cross-layer KV
-sharing (no training).
+sharing (no training); each returns a new `kvattn.Transformer` and leaves the source intact.
 
-Three conversions of a `kvattn.Transformer` whose layers are all
-`GroupedQueryAttention` (MHA / GQA / MQA); each returns a new Transformer (the
-source is left intact) that shares every non-attention parameter's values.
+* `regroup_kv_heads`: GQA, Ainslie et al. 2023 (arXiv 2305.13245) §2.1 -- duplicate heads
+  (exact) or mean-pool / keep the first of each group.
+* `to_mla`: MHA2MLA, Ji et al. 2025 (arXiv 2502.14837) -- partial RoPE (§3.2, the only
+  approximation; `partial_rope`), then an SVD of the stacked no-RoPE K and V projections
+  (§3.3): `M = U S V^T`, `W_DKV = U_C S_C: [D, C]`, `[W_UK | W_UV] = V_C^T: [C, F]`, exact at
+  C = F = K (2H - w). Cache: `C + R` numbers per token and layer instead of `2 K H`.
+* `to_cla`: cross-layer attention, Brandon et al. 2024 (arXiv 2405.12981) -- groups of s
+  layers of one type share the first layer's K/V projection (mean or first).
 
-**Cross-layer KV sharing** (`to_cla`; CLA, Brandon et al. 2024, "Reducing Transformer
-Key-Value Cache Size with Cross-Layer Attention", arXiv 2405.12981). With sharing factor s the
-layers of each type (`kvattn.models.config.kv_type`: Gemma's local and global layers apart)
-form groups of s adjacent layers of that type (`config.cla_sources`); the first layer of a
-group keeps a K/V projection, `method="mean"`: the mean of the group's `W_k` (and `W_v`, the
-k/v biases and the k-norm scale) as the GQA paper mean-pools heads, `"first"`: its own; the
-others lose theirs and attend to it. The cache shrinks by the groups' factor; the logits
-change (the paper trains CLA models from scratch; here `kvattn.training.trainer.uptrain`
-recovers what it can).
-
-**Regrouping KV heads** (`regroup_kv_heads`; Ainslie et al. 2023, "GQA",
-arXiv 2305.13245, §2.1). Source K KV heads, target K'. Query head n reads KV
-head n // G (DESIGN.md), so
-
-* K' = f K (expanding): target head j is a copy of source head j // f. Query
-  head n reads target n // (G / f), a copy of source n // G: the logits are
-  unchanged exactly (the MHA end of a sweep over a GQA checkpoint).
-* K = f K' (pooling): target head j merges source heads [j f, (j + 1) f):
-  `method="mean"`: `W_k'[j] = mean_i W_k[j f + i]` (and likewise `W_v`, and
-  the k/v biases of a Qwen2-style `qkv_bias` layer), the paper's
-  mean-pooling; `method="first"`: `W_k'[j] = W_k[j f]` (the baseline the
-  paper compares with). RoPE is linear in the key, so pooling the projections
-  equals pooling the rotated keys.
-
-**GQA -> MLA** (`to_mla`), the MHA2MLA recipe (Ji et al. 2025, "Towards
-Economical Inference: Enabling DeepSeek's Multi-Head Latent Attention in Any
-Transformer-based LLMs", arXiv 2502.14837) in two steps:
-
-1. *Partial RoPE* (MHA2MLA §3.2). RoPE rotates pairs `(i, i + H/2)` of a head
-   with frequency `w_i = theta^(-2i/H)` (`kvattn.ops.apply_rope`). Keep the
-   rotation on r of the H/2 pairs, the same pairs in every head and layer, and
-   drop it on the others: `rope_selection="high"` keeps the r highest
-   frequencies, `i = 0 .. r-1` (MHA2MLA's S_high); `"uniform"` keeps every
-   s-th pair, `i = 0, s, 2s, ..` with `s = H / (2r)` (S_uniform). This step is
-   the only approximation of the conversion; `partial_rope` builds this
-   intermediate model (a reference forward without caches, trainable).
-   MHA2MLA's 2-norm selection (S_2-norm) picks different pairs per head, i.e.
-   different frequencies per rope-key chunk, which one MLA rope base cannot
-   express; it is not offered.
-2. *Low-rank KV* (MHA2MLA §3.3, SVD_joint). Per layer, stack the no-RoPE
-   columns of the K projections of all K heads and all V projections:
-
-       M = [W_k,nope[0] .. W_k,nope[K-1] | W_v[0] .. W_v[K-1]]     D x F,
-       F = K (H - w) + K H,   w = 2r (rope dims per head)
-
-   and factor `M = U S V^T` (f64). With rank C: `W_DKV = M V_C = U_C S_C`
-   `[D, C]` (the latent `c = x W_DKV`, cached) and `[W_UK | W_UV] = V_C^T`
-   `[C, F]` (orthonormal rows), sliced per KV head and copied to the query
-   heads of its group. `W_DKV W_UKV = M V_C V_C^T` is the best rank-C
-   approximation of M (Eckart-Young) and M itself at C = F, so the full-rank
-   MLA model equals the partial-RoPE model; lower C truncates the spectrum.
-   `method="split"` (SVD_split) factors the K and V blocks separately, with
-   ranks in proportion to their widths (`C_k = round(C K (H - w) / F)`,
-   `C_v = C - C_k`; MHA2MLA splits C in halves, which cannot reach F when the
-   two widths differ), the latent being `[c_k | c_v]`.
-
-The MLA layers (`MultiHeadLatentAttention` with `latent_norm=False`, since
-an RMSNorm on the latent would break `c W_UK = x M_k`; `num_rope_heads=K`) hold:
-`qk_nope_head_dim = H - w`, `qk_rope_head_dim = R = K w` (one rotated key
-chunk of width w per source KV head, cached: MHA2MLA keeps per-head rope keys,
-DeepSeek's single shared rope key cannot hold K different ones),
-`v_head_dim = H`, `q_proj [D, N, (H - w) + R]` whose rope part for head n is
-the source query's kept dims in chunk n // G and zero elsewhere (so
-`q_rope[n] . k_rope = q_rope,src[n] . k_rope,src[n // G]`), the RoPE base
-`theta' = theta^(s w / H)` (chunk pair j then has frequency
-`theta'^(-2j/w) = theta^(-2 s j / H)`, the source frequency of pair s j; a
-rope scaling is kept and the equality checked), and
-`softmax_scale_factor = sqrt((H - w + R) / H)` so that the MLA scale
-`(qk_nope_head_dim + R)^-1/2 * factor` is the source's `H^-1/2`. Per token
-and layer the cache holds `C + R` numbers instead of `2 K H`.
+The derivations: docs/models.md, "The conversions step by step".
 """
 
 from __future__ import annotations
@@ -171,24 +107,17 @@ def check_regroup(model: transformer_lib.Transformer, num_kv_heads: int, *,
 
 def regroup_kv_heads(model: transformer_lib.Transformer, num_kv_heads: int, *,
                      method: str = "mean") -> transformer_lib.Transformer:
-  """A copy of `model` with `num_kv_heads` KV heads per layer (see the module doc).
+  """A copy of `model` with `num_kv_heads` KV heads per layer.
 
   Args:
     model: a `kvattn.Transformer` whose layers are all GQA (K KV heads each).
-    num_kv_heads: K'. A multiple of K (duplicated heads, exact) that divides
-      N, or a divisor of K (groups of K / K' heads merged by `method`).
-    method: "mean" (mean-pool the K and V projections and biases of each
-      group, Ainslie et al. 2023 §2.1) or "first" (keep the first head of
-      each group). Ignored when expanding.
-
-  Returns:
-    A new Transformer; the source model is not modified.
+    num_kv_heads: K', a multiple of K dividing N (exact copies) or a divisor of K.
+    method: "mean" (mean-pool each group's K/V projections and biases) or "first".
 
   Raises:
     TypeError: `model` is not a Transformer.
-    ValueError: a layer that is not GQA; `num_kv_heads` not a positive int,
-      neither a multiple nor a divisor of a layer's K, or not dividing N; an
-      unknown method.
+    ValueError: a layer that is not GQA; a K' neither a multiple nor a divisor of K, or
+      not dividing N; an unknown method.
   """
   attns = check_regroup(model, num_kv_heads, method=method)
   layers, params = [], []
@@ -220,14 +149,12 @@ def regroup_kv_heads(model: transformer_lib.Transformer, num_kv_heads: int, *,
 
 
 def rope_pairs(head_dim: int, num_pairs: int, selection: str = "high") -> np.ndarray:
-  """Indices `i32[num_pairs]` of the RoPE pairs `(i, i + H/2)` partial RoPE keeps.
-
-  "high": `0 .. r-1` (highest frequencies, MHA2MLA's S_high); "uniform":
-  `0, s, 2s, ..` with `s = H / (2r)` (S_uniform).
+  """Indices `i32[num_pairs]` of the RoPE pairs `(i, i + H/2)` partial RoPE keeps: "high"
+  `0 .. r-1` (S_high), "uniform" `0, s, 2s, ..` with `s = H / (2r)` (S_uniform).
 
   Raises:
-    ValueError: `num_pairs` not in [1, H/2), an unknown selection, or for
-      "uniform" an r that does not divide H / 2.
+    ValueError: `num_pairs` not in [1, H/2), an unknown selection, or for "uniform" an r
+      that does not divide H / 2.
   """
   half = head_dim // 2
   if isinstance(num_pairs, bool) or not isinstance(num_pairs, int) or not 0 < num_pairs < half:
@@ -265,13 +192,8 @@ def _per_head_rope_width(qk_rope_head_dim: Any, attn: GroupedQueryAttention) -> 
 
 
 class PartialRopeAttention(nnx.Module):
-  """A GQA layer with RoPE on `rope_pairs` only: step 1 of `to_mla`, the reference of step 2.
-
-  Holds the source `GroupedQueryAttention` (`self.attn`, its parameters and
-  biases) and rotates only the pairs `(i, i + H/2)`, `i` in `rope_pairs`, of
-  every query and key head with the source's frequencies; the other dims are
-  not rotated. Causal attention over the T tokens, without a cache.
-  """
+  """A cacheless GQA layer with RoPE on `rope_pairs` only (step 1 of `to_mla`), wrapping the
+  source `GroupedQueryAttention` (`self.attn`)."""
 
   def __init__(self, attn: GroupedQueryAttention, rope_pairs: Sequence[int]):
     self.attn = attn
@@ -304,14 +226,11 @@ class PartialRopeAttention(nnx.Module):
 
 def partial_rope(model: transformer_lib.Transformer, qk_rope_head_dim: int, *,
                  rope_selection: str = "high") -> transformer_lib.Transformer:
-  """Step 1 of `to_mla` alone: a copy of `model` whose layers keep RoPE on
-  `qk_rope_head_dim / K` dims per head (`PartialRopeAttention`).
-
-  The copy runs without caches (training, evaluation): it is the model the
-  full-rank MLA conversion reproduces and the reference of step 2.
+  """Step 1 of `to_mla` alone: a cacheless copy of `model` with RoPE on `qk_rope_head_dim / K`
+  dims per head (`PartialRopeAttention`), the model full-rank MLA reproduces.
 
   Raises:
-    TypeError/ValueError: as `to_mla` for these arguments.
+    TypeError/ValueError: as `to_mla`.
   """
   attns = _gqa_layers(model, "partial_rope")
   new = nnx.clone(model)
@@ -323,13 +242,8 @@ def partial_rope(model: transformer_lib.Transformer, qk_rope_head_dim: int, *,
 
 
 def _svd_factors(m: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
-  """`(A [D, rank], B [rank, F])` with `A B` the best rank-`rank` approximation of `m [D, F]`.
-
-  `m = U S V^T`; `B = V_rank^T` (orthonormal rows, the top right singular
-  vectors, from the eigendecomposition of `m^T m` in f64) and `A = m V_rank =
-  U_rank S_rank`, so `A B = m V V^T` is `m` itself at rank F whatever the
-  precision of the eigenvalues.
-  """
+  """`(A [D, rank], B [rank, F])`, `A B` the best rank-`rank` approximation of `m [D, F]`:
+  `B = V_rank^T` (from `m^T m` in f64), `A = m V_rank`, so `A B = m` at rank F."""
   eigvals, vecs = np.linalg.eigh(m.T @ m)  # ascending
   v = vecs[:, np.argsort(eigvals)[::-1][:rank]]  # [F, rank]
   return m @ v, v.T
@@ -416,33 +330,21 @@ def check_to_mla(model: transformer_lib.Transformer, kv_lora_rank: int, qk_rope_
 
 def to_mla(model: transformer_lib.Transformer, kv_lora_rank: int, qk_rope_head_dim: int, *,
            method: str = "joint", rope_selection: str = "high") -> transformer_lib.Transformer:
-  """A copy of `model` whose layers are `MultiHeadLatentAttention` (MHA2MLA; module doc).
+  """A copy of `model` whose layers are `MultiHeadLatentAttention` (MHA2MLA).
 
   Args:
-    model: a `kvattn.Transformer` whose layers are all GQA without qkv biases
-      or soft cap.
-    kv_lora_rank: latent width C, at most `mla_full_rank(model,
-      qk_rope_head_dim)` (= K (2H - w)); at that rank the result equals
-      `partial_rope(model, qk_rope_head_dim)`.
-    qk_rope_head_dim: cached rope-key width R = K w: w = R / K rotated dims
-      (w / 2 pairs, chosen by `rope_selection`) per source KV head, w < H.
-    method: "joint" (SVD_joint: one SVD of the stacked no-RoPE K and V
-      projections) or "split" (SVD_split: K and V factored apart, ranks in
-      proportion to their widths).
+    model: a `kvattn.Transformer` of GQA layers without qkv biases or soft cap.
+    kv_lora_rank: latent width C, at most `mla_full_rank(model, qk_rope_head_dim)`.
+    qk_rope_head_dim: cached rope-key width R = K w (w < H rotated dims per KV head).
+    method: "joint" (SVD_joint) or "split" (SVD_split: K and V apart).
     rope_selection: "high" or "uniform" (`rope_pairs`).
-
-  Returns:
-    A new Transformer with a latent cache of `C + R` numbers per token and
-    layer (`model.cache_bytes_per_token()`); the source is not modified.
 
   Raises:
     TypeError: `model` is not a Transformer.
-    ValueError: a layer that is not GQA; qk_rope_head_dim not a positive
-      multiple of 2K or with R / K >= head_dim; kv_lora_rank not a positive
-      int or above the full rank; an unknown method or rope_selection;
-      "uniform" pairs not dividing H/2.
-    NotImplementedError: qkv biases or a soft cap (MLA has neither), or a rope
-      scaling whose frequencies the chunked RoPE base cannot reproduce.
+    ValueError: a layer that is not GQA; R not a positive multiple of 2K or R / K >= H; C
+      not a positive int or above the full rank; an unknown method or rope_selection.
+    NotImplementedError: qkv biases, a soft cap, or a rope scaling the chunked RoPE base
+      cannot reproduce.
   """
   C = kv_lora_rank
   layers, params = [], []
@@ -480,22 +382,17 @@ def check_cla(model: transformer_lib.Transformer, cla_factor: int, *,
 
 def to_cla(model: transformer_lib.Transformer, cla_factor: int = 2, *,
            method: str = "mean") -> transformer_lib.Transformer:
-  """A copy of `model` with cross-layer KV sharing at factor `cla_factor` (module doc).
+  """A copy of `model` with cross-layer KV sharing at factor `cla_factor`.
 
   Args:
-    model: a `kvattn.Transformer` whose layers are all GQA with their own K/V.
-    cla_factor: s, layers per group (of one type) sharing one K/V projection and cache;
-      1 copies the model unchanged.
-    method: "mean" (the group's K/V projections, k/v biases and k-norm scales averaged into
-      the first layer's) or "first" (the first layer's kept).
-
-  Returns:
-    A new Transformer with `spec.cla_factor = cla_factor`; the source is not modified.
+    model: a `kvattn.Transformer` of GQA layers with their own K/V.
+    cla_factor: s, layers per group of one type sharing a K/V projection (1: a copy).
+    method: "mean" (the group's K/V projections, biases and k-norm averaged) or "first".
 
   Raises:
     TypeError: `model` is not a Transformer.
-    ValueError: a layer that is not GQA or already reads another's K/V; `cla_factor` not a
-      positive int; an unknown method.
+    ValueError: a layer that is not GQA or already shares; a bad `cla_factor`; an unknown
+      method.
   """
   sources = check_cla(model, cla_factor, method=method)
   attns = [layer.attn for layer in model.layers]

@@ -1,11 +1,6 @@
-"""One attention module for MHA, GQA and MQA.
-
-Multi-head attention (Vaswani et al. 2017), multi-query attention (Shazeer
-2019, "Fast Transformer Decoding") and grouped-query attention (Ainslie et al.
-2023, arXiv 2305.13245) differ only in the number of KV heads K: MHA has
-K = N, MQA K = 1, GQA anything that divides N. Query head n reads KV head
-n // G with G = N // K (contiguous groups, as in Llama-family checkpoints).
-"""
+"""One attention module for MHA (Vaswani et al. 2017), MQA (Shazeer 2019) and GQA (Ainslie et
+al. 2023, arXiv 2305.13245): K KV heads, K = N for MHA, 1 for MQA; query head n reads KV head
+n // G, G = N // K (contiguous groups, as Llama-family checkpoints)."""
 
 from __future__ import annotations
 
@@ -73,15 +68,12 @@ def check_input(x: Any, d_model: int) -> None:
 
 
 class SharedKV(NamedTuple):
-  """What a layer that owns its K/V hands to the layers that read it (cross-layer KV sharing,
-  `GroupedQueryAttention(kv_source=)`), for one forward pass; a pytree.
+  """A K/V owner's pass, handed to the layers that read it (cross-layer KV sharing); a pytree.
 
   Attributes:
-    k, v: `[B, T, K, H]` the owner's keys (BEFORE RoPE) and values of this pass's T tokens.
-    k_rope: `[B, K, T, H]` the keys after RoPE and `v_heads` `[B, K, T, H]` the values, head
-      major (the cacheless path; None with a cache).
-    cache_before, cache_after: the owner's cache before and after it wrote the T tokens
-      (None without a cache).
+    k, v: `[B, T, K, H]` keys before RoPE and values of the pass.
+    k_rope, v_heads: `[B, K, T, H]` rotated keys and values, head-major (cacheless; else None).
+    cache_before, cache_after: the owner's cache around its write (None without a cache).
   """
 
   k: jax.Array
@@ -114,46 +106,23 @@ def _rms_norm(x: jax.Array, scale: nnx.Param, eps: float) -> jax.Array:  # [...,
 class GroupedQueryAttention(nnx.Module):
   """Causal self-attention with K KV heads shared by groups of G query heads.
 
-  Caches: any `kvattn.caches.protocol.GQACache`; the module writes the new
-  keys and values with `cache.update` and attends with `cache.attend`, which
-  routes to the dispatch point of the cache's layout (through
-  `cache_protocol.update_attend`: a cache with its own `update_attend`, such as
-  the long-context kinds, takes q and k before RoPE and does the whole step). `kvattn.KVCache`: `k,
-  v: [B, K, S, H]` in the cache dtype, RoPE applied to k before it is
-  written, `lengths: i32[B]`, for an int8 / fp8 cache also `k_scale, v_scale:
-  f32[B, K, S]` (quantized on write; the attention ops apply the scales as
-  they read, no dequantized copy). `kvattn.PagedKVCache`: page pools `[K, P,
-  page_size, H]` and block tables, decoded through
-  `kvattn.ops.paged_decode_attention`.
+  Cache: any `kvattn.caches.protocol.GQACache`, reached through
+  `protocol.update_attend`. `kvattn.KVCache`: `k, v: [B, K, S, H]` (keys after RoPE),
+  `lengths: i32[B]`, int8 / fp8 also `k_scale, v_scale: f32[B, K, S]`.
 
-  Call: `y, cache = attn(x, cache=None, positions=None, new_lengths=None)`
-    * `x: [B, T, D]`. Without a cache the T tokens attend causally to each
-      other (training); the returned cache is None.
-    * With a cache, token t of sequence b is written to slot
-      `cache.lengths[b] + t` and attends slots `[0, cache.lengths[b] + t]`
-      (the last `window` of them when a window is set). T == 1 goes through
-      the cache's decode dispatch point (`kvattn.ops.decode_attention` for a
-      `KVCache`) with `decode_implementation`.
-    * `positions: i32[B, T]` drive RoPE only; default cache length + arange(T).
-    * `new_lengths: i32[B]` real tokens per sequence (right padding; default
-      T); padded tokens are not written and their outputs are unspecified.
+  Call: `y, cache = attn(x, cache=None, positions=None, new_lengths=None)`: `x: [B, T, D]`;
+  without a cache causal over T (returns None); with one, token t of row b goes to slot
+  `lengths[b] + t` and attends `[0, lengths[b] + t]` (the last `window`); `positions:
+  i32[B, T]` drive RoPE only (default lengths + arange(T)); `new_lengths: i32[B]` real
+  tokens per row (right padding: padded tokens are not written, their outputs unspecified).
 
-  Cross-layer KV sharing (CLA, Brandon et al. 2024, arXiv 2405.12981): a layer built with
-  `kv_source=j` has no K/V projections (nor k/v biases, k-norm) and no cache of its own; it is
-  called with `shared_kv=` (a `SharedKV` from layer j's `call_sharing_kv`) and attends its own
-  queries to layer j's keys and values: after layer j's write, through `cache_after.attend`
-  for the kinds whose step is update-then-attend (dense, paged, ...), else by repeating the
-  cache's own step on `cache_before` with j's keys and its queries and dropping the cache it
-  returns (ring, sinks, eviction, low-bit: the sharing layer sees what layer j saw).
-  `kvattn.Transformer` does the wiring (`model.cla_factor`, `model.layers[i].kv_source`).
+  Cross-layer KV sharing (CLA, Brandon et al. 2024, arXiv 2405.12981): with `kv_source=j`
+  the layer has no K/V projections or cache and is called with `shared_kv=` (layer j's
+  `SharedKV`), attending its queries to what layer j attended.
 
-  Parameters: `q_proj [D, N, H]`, `k_proj [D, K, H]`, `v_proj [D, K, H]`,
-  `o_proj [N, H, D]` (no biases, as in Llama); with `qkv_bias` also
-  `q_bias [N, H]`, `k_bias [K, H]`, `v_bias [K, H]` (Qwen2), added before
-  RoPE; with `qk_norm` also `q_norm, k_norm [H]`, the scales of an RMSNorm
-  over each head's query and key after the biases and before RoPE (Qwen3,
-  Gemma 3). Projections and attention accumulate in f32
-  (`preferred_element_type`) for low-precision inputs.
+  Parameters: `q_proj [D, N, H]`, `k_proj, v_proj [D, K, H]`, `o_proj [N, H, D]`; with
+  `qkv_bias` `q_bias [N, H]`, `k_bias, v_bias [K, H]` (Qwen2); with `qk_norm` `q_norm,
+  k_norm [H]` before RoPE (Qwen3, Gemma 3). Accumulation in f32.
   """
 
   def __init__(
@@ -180,44 +149,20 @@ class GroupedQueryAttention(nnx.Module):
     """Builds the projections.
 
     Args:
-      d_model: model width D.
-      num_heads: query heads N.
-      num_kv_heads: KV heads K; must divide N (K = N: MHA, K = 1: MQA).
-      head_dim: per-head width H (even, for RoPE).
-      rope_theta: RoPE base.
-      window: sliding-window size in tokens, or None for full attention.
-      soft_cap: logit soft cap (Gemma 2), or None.
-      dtype: compute dtype (None: the input's dtype).
-      param_dtype: parameter storage dtype: a float dtype, or int8 for W8A8
-        (`kvattn.models.int8`: the projections stored packed int8 -- uint8,
-        output-major, `int8.pack_weight` -- with f32
-        per-output-channel scales `<name>_scale`, biases f32).
-      decode_implementation: backend for T == 1 steps, passed to
-        `kvattn.ops.decode_attention` (dense cache) or
-        `kvattn.ops.paged_decode_attention` (paged cache): one of
-        `decode_implementations()` or None (the best available). A backend
-        that cannot run a call's shapes raises NotImplementedError then.
-      qkv_bias: learn biases of the q/k/v projections (initialised to 0).
-      rope_scaling: a `kvattn.ops.RopeScaling` context extension of the RoPE
-        frequencies ("linear", "llama3", "yarn"), or None for plain RoPE.
-      qk_norm: RMSNorm over each head's query and key (width H) before RoPE,
-        with learned scales `q_norm, k_norm: [H]` (Qwen3; Gemma 3, whose
-        `1 + w` scales the loader folds into the scale).
-      norm_eps: epsilon of the qk-norm.
-      sm_scale: softmax scale of the attention logits; None = 1 / sqrt(H)
-        (Gemma: `query_pre_attn_scalar ** -0.5`).
-      kv_source: None (own K/V projections and cache) or the index of the layer whose keys and
-        values this layer reads (cross-layer KV sharing, see the class doc): no `k_proj`,
-        `v_proj`, `k_bias`, `v_bias`, `k_norm`; called with `shared_kv=`.
+      d_model, num_heads, num_kv_heads, head_dim: D, N, K (dividing N) and H (even).
+      rope_theta, rope_scaling: RoPE base and `kvattn.ops.RopeScaling` (or None).
+      window: sliding window in tokens, or None. soft_cap: logit soft cap (Gemma 2), or None.
+      dtype: compute dtype (None: the input's); param_dtype: float, or int8 (W8A8).
+      decode_implementation: backend of the T == 1 dispatch point, or None (best available).
+      qkv_bias: learn q/k/v biases. qk_norm, norm_eps: per-head RMSNorm of q and k.
+      sm_scale: softmax scale; None = 1 / sqrt(H).
+      kv_source: None, or the layer whose K/V this one reads (no K/V parameters).
       rngs: `nnx.Rngs` with a `params` stream.
 
     Raises:
-      ValueError: non-positive sizes, K not dividing N, odd head_dim,
-        non-positive window / rope_theta / soft_cap, an unknown
-        decode_implementation.
-      TypeError: a decode_implementation that is not a str or None; a dtype
-        or param_dtype that is not a floating dtype; a rope_scaling that is
-        not a RopeScaling or None; a qkv_bias that is not a bool.
+      ValueError: non-positive sizes, K not dividing N, odd H, a non-positive window /
+        rope_theta / soft_cap, an unknown decode_implementation.
+      TypeError: a bad option type, or a non-float dtype.
     """
     self.d_model = _checks.positive_int("d_model", d_model)
     self.num_heads, self.num_kv_heads, self.num_groups = _checks.head_layout(num_heads, num_kv_heads)
@@ -324,12 +269,10 @@ class GroupedQueryAttention(nnx.Module):
       *,
       shared_kv: SharedKV | None = None,
   ) -> tuple[jax.Array, GQACache | None]:
-    """`(y [B, T, D], new_cache)`; a layer with a `kv_source` takes `shared_kv` (the owner's
-    `SharedKV` of this pass) instead of a cache and returns `(y, None)`.
+    """`(y [B, T, D], new_cache)`; a `kv_source` layer takes `shared_kv` and returns `(y, None)`.
 
     Raises:
-      ValueError: a `kv_source` layer without `shared_kv` or with a cache; `shared_kv`
-        given to a layer that owns its K/V; bad shapes (see the class doc).
+      ValueError: `shared_kv` missing or misplaced; bad shapes or lengths.
     """
     if self.kv_source is not None or shared_kv is not None:
       return self._call_shared(x, cache, positions, new_lengths, shared_kv), None

@@ -1,58 +1,10 @@
-"""int8 weights and activations (W8A8) through XLA's s8 x s8 -> s32 dots.
+"""int8 weights and activations (W8A8) through XLA's integer dots.
 
-A linear layer `y = x @ W` with `W: f32[*in, *out]` is quantized to
-
-  * `w_q: int8[*in, *out]`, `round(W / w_scale)` in [-127, 127] (stored
-    packed: `pack_weight`, below), and
-  * `w_scale: f32[*out]`, one scale per output channel: `max |W[..., o]| / 127`
-    over the input axes (symmetric absmax, as in LLM.int8(), Dettmers et al.
-    2022, and SmoothQuant's W8A8 baseline, Xiao et al. 2023).
-
-At run time each activation row (one token) is quantized on the fly with its
-own scale `x_scale = max |x_row| / 127` (per-token dynamic quantization), the
-int8 rows and the int8 weights are multiplied with int32 accumulation, and
-the product is rescaled: `y ~= (x_q @ w_q) * x_scale[:, None] * w_scale[None, :]`
-(`int8_dot`). The accumulation is exact (|sum| <= K * 127^2 < 2^31 for
-K < 133,000), so the only errors are the two roundings.
-
-Why this form: XLA:CPU hands a `lax.dot_general(s8[M, K], s8[K, N],
-preferred_element_type=s32)` of 2-D operands without batch dimensions to its
-fast integer GEMM (YNNPACK), which reads the weights at 4x fewer bytes than f32
-(docs/benchmarks.md, issue 31). With a single row (M = 1: batch-1 decode) XLA
-takes a slow path (~10x slower than f32 on SmolLM2's shapes), so `int8_dot`
-pads one row to `MIN_ROWS` = 2. Every product flattens the activation to 2-D
-`[M, K]` and the weight to 2-D.
-
-Stored form (`pack_weight`): YNNPACK repacks the right operand of an s8 x s8
-dot (interleaving 4 rows of K for its kernels) on every call, and at decode's
-2 rows that repacking is ~85% of the dot's time (a perf profile:
-`ynn::interleave4_x8_avx512` against `ynn::dot_int8_int8_int32_2x64x4`).
-It reads a left operand in place. So the model stores each weight output-major,
-as `uint8[*out, *in] = w_q + 128`, and multiplies it as the left operand of a
-u8 x s8 -> s32 dot (`u8s8_dot`, which XLA:CPU runs with YNNPACK's AVX512-VNNI
-u8 x s8 kernels, no packing of the weight), subtracting `128 * sum_k x_q`:
-the same int32 accumulator, so the same values bit for bit. (Prefill's many
-rows amortize the packing; there the left-operand form is ~1.2x slower than the
-s8 x s8 one, a cost taken for one exact code path: docs/benchmarks.md.)
-
-`google/qwix` 0.1.8 (the JAX quantization library) emits the same dots but was
-not used: its PTQ wraps each weight in a `WithAux` object that only its
-intercepted `einsum`/`dot_general` understands, so the model's own code
-(`jnp.take` of the tied embedding, `w.astype(...)` before the einsum) fails on
-it, and it does not pad the one-row case out of XLA's slow path.
-
-Quantized weights (`quantize_model`; stored packed, `pack_weight`): the
-attention projections (GQA q/k/v/o; MLA's q, q_down, q_up, kv_down and o --
-its absorbed `k_up`/`v_up` products contract over a non-leading axis and stay
-f32), the SwiGLU gate/up/down and the LM head. A tied embedding is stored once
-(packed `uint8[V, D]`, its layout kept) with one scale per token row: the LM
-head is `int8_dot` against its rows and the input embedding stays a gather (of
-its rows minus the offset, times their scales). Norm scales and biases stay
-f32. Compute (activations, attention, caches) is unchanged.
-
-Non-finite activations: a row with NaN or inf gets scale NaN, so its output
-row is NaN (never a plausible finite value); other rows are unaffected (rows
-are quantized independently, so right padding cannot disturb real tokens).
+Weights: `w_q = round(W / w_scale)`, `w_scale: f32[*out]` the absmax / 127 per output channel
+(LLM.int8(), Dettmers et al. 2022; SmoothQuant's W8A8 baseline, Xiao et al. 2023), stored as
+`uint8[*out, *in] = w_q + 128` (`pack_weight`). Each activation row is quantized by its own
+absmax / 127; `y ~= (x_q @ w_q) * x_scale * w_scale` with exact int32 accumulation
+(`int8_dot`); a row with NaN or inf comes out NaN. Why this form: docs/models.md.
 """
 
 from __future__ import annotations
@@ -87,16 +39,11 @@ def is_int8(dtype: Any) -> bool:
 
 
 def quantize_weight(w: jax.Array, num_in: int) -> tuple[jax.Array, jax.Array]:
-  """`(w_q int8[*in, *out], w_scale f32[*out])` of `w: float[*in, *out]` (module doc).
-
-  Args:
-    w: the float weight; its first `num_in` axes are the input (contracted) axes.
-    num_in: number of leading input axes (>= 1, < w.ndim).
-
-  An all-zero output channel gets scale 1 (and stays exactly 0).
+  """`(w_q int8[*in, *out], w_scale f32[*out])` of `w: float[*in, *out]` whose first `num_in`
+  axes are the input axes. An all-zero output channel gets scale 1.
 
   Raises:
-    ValueError: `num_in` out of range, or a non-finite weight (names the count).
+    ValueError: `num_in` out of `[1, w.ndim)`, or a non-finite weight (names the count).
   """
   if not 1 <= num_in < w.ndim:
     raise ValueError(f"num_in must lie in [1, {w.ndim - 1}] for a weight of shape "
@@ -112,11 +59,8 @@ def quantize_weight(w: jax.Array, num_in: int) -> tuple[jax.Array, jax.Array]:
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Per-row dynamic quantization: `(x_q int8[M, K], x_scale f32[M])` of `x: float[M, K]`.
-
-  `x_scale = max |x_row| / 127` (1 for an all-zero row; NaN for a row with a
-  NaN or inf, whose values are then 0).
-  """
+  """`(x_q int8[M, K], x_scale f32[M])` of `x: float[M, K]`, `x_scale = max |x_row| / 127`
+  (1 for a zero row, NaN for a non-finite one)."""
   x = x.astype(jnp.float32)
   absmax = jnp.max(jnp.abs(x), axis=-1)
   finite = jnp.isfinite(absmax)
@@ -136,23 +80,11 @@ def int8_dot(x: jax.Array, w_q: jax.Array, w_scale: jax.Array, *,
   """`f32[*lead, *out] ~= x @ W` for a weight quantized by `quantize_weight`.
 
   Args:
-    x: `float[*lead, *in]` activations (any float dtype).
-    w_q: the weight in one of three forms: `int8[*in, *out]` (`quantize_weight`'s);
-      with `transposed` `int8[*out, *in]` (an unpacked tied embedding table `[V, D]`);
-      or, as the model stores it, `uint8[*out, *in]` (`pack_weight`: output channels
-      first, `w_q + 128`), which takes the fast form below (`transposed` is ignored:
-      a packed weight is always output-major).
+    x: `float[*lead, *in]` activations.
+    w_q: `int8[*in, *out]`; with `transposed`, `int8[*out, *in]`; or packed
+      `uint8[*out, *in]` (`pack_weight`; `transposed` ignored). All give the same values.
     w_scale: `f32[*out]` per-output-channel scales.
     transposed: an int8 weight's input axes are its trailing ones.
-
-  The rows of `x` are flattened to `[M, K]`, quantized per row
-  (`quantize_rows`) and padded to `MIN_ROWS` rows when M = 1. An int8 weight
-  is multiplied as the right operand of one 2-D s8 x s8 -> s32
-  `lax.dot_general`; a packed weight as the left operand of a u8 x s8 -> s32
-  dot (`u8s8_dot`, `uint8[N, K] . int8[M, K]^T`), minus `128 * sum_k x_q`
-  per row, which is the same int32 accumulator. Then
-  `acc * x_scale[:, None] * w_scale[None, :]` in f32. All forms give the same
-  values bit for bit.
 
   Raises:
     ValueError: x's trailing axes do not hold the weight's input features.
@@ -188,15 +120,9 @@ def _packed_dot(x: jax.Array, w_p: jax.Array, w_scale: jax.Array) -> jax.Array:
 
 def int8_dots(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]]
               ) -> list[jax.Array]:
-  """`[int8_dot(x, w_q, w_scale) for w_q, w_scale in weights]` for weights that share their
-  input axes (q/k/v; gate/up). When every weight is packed (`uint8[*out, *in]`,
-  `pack_weight`, as the model stores them) `x` is quantized once and each weight is its
-  own u8 x s8 dot, read where it is stored; each result equals `int8_dot`'s bit for bit.
-
-  One dot per weight, not one dot of the weights concatenated: XLA:CPU did not hoist
-  the concatenation of q/k/v out of the decode loop (2.3 MB written per layer and step
-  at SmolLM2's shapes), and hoisted gate/up only to copy them on every call
-  (docs/benchmarks.md, "Decode step cost").
+  """`[int8_dot(x, w_q, w_scale) for w_q, w_scale in weights]` for weights sharing their
+  input axes (q/k/v; gate/up), quantizing `x` once when every weight is packed; bit for bit
+  `int8_dot`'s.
 
   Raises:
     ValueError: x's trailing axes do not hold a weight's input features.
@@ -237,15 +163,8 @@ _u8s8_dot_p = jax_core.Primitive("kvattn_u8s8_dot")
 
 
 def u8s8_dot(a: jax.Array, b: jax.Array) -> jax.Array:
-  """`s32[N, M] = a @ b^T` of `a: uint8[N, K]` and `b: int8[M, K]`, exact.
-
-  JAX's own `lax.dot_general` converts mixed integer operands to a common type, so this
-  primitive emits the mixed `stablehlo.dot_general` itself; XLA:CPU hands it to
-  YNNPACK's u8 x s8 (AVX512-VNNI) kernels with `a` as the left operand, read as
-  stored (no per-call packing of the weights, which the s8 x s8 form with the weights
-  on the right pays on every call: docs/benchmarks.md, issue 31). Other platforms
-  (and eager calls) lower it to an int32 `dot_general`. No autodiff or vmap rules
-  (the int8 model is not trained).
+  """`s32[N, M] = a @ b^T` of `a: uint8[N, K]` and `b: int8[M, K]`, exact; a primitive
+  emitting the mixed-type `stablehlo.dot_general` (int32 elsewhere and eagerly). No autodiff.
 
   Raises:
     TypeError: operands that are not uint8[N, K] and int8[M, K].
@@ -295,10 +214,8 @@ def unpack_weight(w_p: jax.Array, num_out: int) -> jax.Array:
 
 
 def unpacked_model(model: nnx.Module) -> nnx.Module:
-  """A copy of a W8A8 model with every stored weight back in the plain int8 form
-  (`int8[*in, *out]`; the tied table `int8[V, D]`), which `int8_dot` runs as s8 x s8 dots
-  instead of the packed form's u8 x s8: the same integer products (tests compare the two;
-  experiments/benchmarks/int8_layout.py times them). The model is not changed."""
+  """A copy of a W8A8 model with every weight in the plain `int8[*in, *out]` form (s8 x s8
+  dots; the same integer products). The model is not changed."""
   out = nnx.clone(model)
   for _, module in nnx.iter_graph(out):
     if not isinstance(module, nnx.Module):

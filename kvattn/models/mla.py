@@ -1,28 +1,7 @@
 """Multi-head Latent Attention (DeepSeek-V2, arXiv 2405.04434, §2.1 and appendix C).
 
-MLA compresses keys and values jointly into one low-rank latent per token,
-
-  c_kv = RMSNorm(x W_DKV)                        [B, T, C]     (eq. 9)
-  k_nope = c_kv W_UK,  v = c_kv W_UV             per head      (eq. 10-11)
-
-and carries position through a *decoupled* RoPE key computed from x and shared
-by every head, `k_rope = RoPE(x W_KR)` of width R (eq. 15-17). Queries are a
-full-rank projection of x, or low rank (`c_q = RMSNorm(x W_DQ)`, then W_UQ,
-eq. 12-13) when `q_lora_rank` is set; each head's query is split into a
-no-RoPE part of width `qk_nope_head_dim` and a RoPE part of width R (eq. 14).
-Head n's logit for key slot s is
-
-  (q_nope[n] . k_nope[s, n] + q_rope[n] . k_rope[s]) / sqrt(qk_nope_head_dim + R)
-
-(eq. 18: the scale is the trained head width, never C + R). Only `c_kv` and
-`k_rope` are cached: `(C + R) * itemsize` bytes per token per layer.
-
-Because `q_nope . (W_UK c) = (q_nope W_UK^T) . c`, W_UK can be folded into
-the query and W_UV into the output projection (appendix C, "absorbed"): every
-head then attends the latent cache directly, as single-KV-head attention with
-key `[c_kv | k_rope]` (width C + R) and value `c_kv` (width C), reading C + R
-numbers per cached token instead of the N (qk_nope_head_dim + R + v_head_dim)
-of the expanded per-head keys and values.
+Caches only `c_kv = RMSNorm(x W_DKV): [B, T, C]` (eq. 9) and the shared rope key
+`k_rope = RoPE(x W_KR): [B, T, R]` (eq. 15-17): `(C + R) * itemsize` bytes per token and layer.
 """
 
 from __future__ import annotations
@@ -58,65 +37,29 @@ def _init(in_axis, out_axis):
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-  """RMSNorm (Zhang & Sennrich 2019) over the last axis, computed in f32.
-
-  Returns `x / sqrt(mean(x^2) + eps) * scale` in x's dtype.
-  """
+  """RMSNorm (Zhang & Sennrich 2019) over the last axis in f32: `x / sqrt(mean(x^2) + eps) *
+  scale` in x's dtype."""
   xf = x.astype(jnp.float32)
   norm = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
   return (xf * norm * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 class MultiHeadLatentAttention(nnx.Module):
-  """DeepSeek-V2 Multi-head Latent Attention with a latent KV cache.
+  """DeepSeek-V2 Multi-head Latent Attention with a latent KV cache (any `MLACache`).
 
-  Caches: any `kvattn.caches.protocol.MLACache`; the module writes with
-  `cache.update` and reads with `cache.attend` (absorbed path) or
-  `cache.attend_expanded` (naive path). Schema of `kvattn.LatentCache`:
-  `c_kv: [B, S, C]` (RMSNorm applied),
-  `k_rope: [B, S, R]` (RoPE applied, one key shared by all heads), `lengths:
-  i32[B]`, in the cache dtype. An int8 / fp8 cache also holds `c_kv_scale,
-  k_rope_scale: f32[B, S]` (one scale per token for each part; the parts are
-  quantized on write). The absorbed path applies the scales inside the
-  attention ops (no dequantized copy); the naive path, which expands per-head
-  keys and values from every latent anyway, dequantizes the latents it reads.
+  `kvattn.LatentCache`: `c_kv: [B, S, C]` (normed), `k_rope: [B, S, R]` (rotated), `lengths:
+  i32[B]`; int8 / fp8 add `c_kv_scale, k_rope_scale: f32[B, S]`. Call as
+  `kvattn.GroupedQueryAttention`: `y, cache = attn(x [B, T, D], cache=None, positions=None,
+  new_lengths=None)`.
 
-  Call: `y, cache = attn(x, cache=None, positions=None, new_lengths=None)`,
-  with the conventions of `kvattn.GroupedQueryAttention`:
-    * `x: [B, T, D]`. Without a cache the T tokens attend causally to each
-      other (training); the returned cache is None.
-    * With a cache, token t of sequence b is written to slot
-      `cache.lengths[b] + t` and attends slots `[0, cache.lengths[b] + t]`
-      (the last `window` of them when a window is set).
-    * `positions: i32[B, T]` drive RoPE only; default cache length + arange(T).
-    * `new_lengths: i32[B]` real tokens per sequence (right padding; default
-      T); padded tokens are not written and their outputs are unspecified.
+  Paths (`path`), equal up to float reassociation: `"naive"` expands per-head keys
+  `[c_kv W_UK | k_rope]` and values `c_kv W_UV` (`ops.attention`); `"absorbed"` attends the
+  latents with `q_nope W_UK^T: [B, T, N, C]` (appendix C; `ops.mla_decode_attention` for
+  T == 1); `"auto"` (default): absorbed for T == 1 with a cache, else naive.
 
-  Paths (constructor argument `path`); all give the same result up to float
-  reassociation:
-    * `"naive"`: expand per-head keys `[c_kv W_UK | k_rope]` (width
-      qk_nope_head_dim + R; the rope key broadcast over heads) and values
-      `c_kv W_UV` (width v_head_dim) from every latent read, then ordinary
-      multi-head attention (`kvattn.ops.attention`). Cheapest when T is
-      large compared with S (training, prefill).
-    * `"absorbed"`: fold W_UK into the query (`q_latent = q_nope W_UK^T`,
-      `[B, T, N, C]`) and W_UV into the output, and attend the latent cache
-      directly (`cache.attend`: `kvattn.ops.mla_decode_attention` for T == 1,
-      the dispatch point of the decode kernels; `kvattn.ops.mla_attention`
-      otherwise). The cache is never expanded or copied.
-    * `"auto"` (default): absorbed for one-token decode steps with a cache
-      (T == 1), naive for everything else (no cache, multi-token prefill).
-
-  Parameters (no biases): `q_proj [D, N, Hn + R]`, or with `q_lora_rank` =
-  Cq: `q_down_proj [D, Cq]`, `q_norm [Cq]`, `q_up_proj [Cq, N, Hn + R]`;
-  `kv_down_proj [D, C + R]` (first C columns the latent W_DKV, last R the
-  rope-key projection W_KR, as DeepSeek's `kv_a_proj_with_mqa`); `kv_norm
-  [C]` (unless `latent_norm=False`); `k_up_proj [C, N, Hn]` (W_UK);
-  `v_up_proj [C, N, Hv]` (W_UV); `o_proj [N, Hv, D]`; here Hn =
-  qk_nope_head_dim and Hv = v_head_dim.
-  Products of low-precision inputs, including the absorbed `q_nope W_UK^T`,
-  accumulate in f32 (`preferred_element_type`); RMSNorm, RoPE and softmax
-  run in f32.
+  Parameters (Hn = qk_nope_head_dim, Hv = v_head_dim): `q_proj [D, N, Hn + R]` or
+  `q_down_proj [D, Cq]`, `q_norm [Cq]`, `q_up_proj [Cq, N, Hn + R]`; `kv_down_proj [D, C + R]`;
+  `kv_norm [C]`; `k_up_proj [C, N, Hn]`; `v_up_proj [C, N, Hv]`; `o_proj [N, Hv, D]`.
   """
 
   def __init__(
@@ -145,52 +88,23 @@ class MultiHeadLatentAttention(nnx.Module):
     """Builds the projections.
 
     Args:
-      d_model: model width D.
-      num_heads: query heads N.
-      kv_lora_rank: KV latent width C (what is cached per token).
-      qk_nope_head_dim: per-head width of the no-RoPE query/key part.
-      qk_rope_head_dim: width R of the RoPE query part and of the shared rope
-        key (even).
-      v_head_dim: per-head value width Hv.
-      q_lora_rank: query latent width Cq, or None for a full-rank query.
-      rope_theta: RoPE base.
-      window: sliding-window size in tokens, or None for full attention.
-      rms_eps: epsilon of the RMSNorms on the latents.
-      path: `"auto"`, `"naive"` or `"absorbed"` (see the class docstring).
-      dtype: compute dtype (None: the input's dtype).
-      param_dtype: parameter storage dtype: a float dtype, or int8 for W8A8
-        (`kvattn.models.int8`: q/q_down/q_up/kv_down/o stored int8 with f32
-        per-output-channel scales `<name>_scale`; k_up/v_up and norms f32).
-      decode_implementation: backend for T == 1 absorbed steps, passed to
-        `kvattn.ops.mla_decode_attention`: one of `decode_implementations()`
-        or None (the best available).
-      softmax_scale_factor: multiplies the eq. 18 softmax scale
-        `(qk_nope_head_dim + R)^-0.5` (DeepSeek's YaRN: `yarn_mscale(factor,
-        mscale_all_dim)^2`, as transformers' `yarn_apply_mscale`).
-      rope_scaling: a `kvattn.ops.RopeScaling` context extension of the
-        frequencies of the R rope dims, or None for plain RoPE.
-      num_rope_heads: RoPE is applied to the R rope dims (of the query and of the
-        cached rope key) as `num_rope_heads` independent chunks of width
-        R / num_rope_heads, each with the frequencies of a RoPE head of that
-        width. 1 (default) is DeepSeek-V2. A GQA checkpoint converted by
-        `kvattn.models.convert.to_mla` keeps one rope-key chunk per source KV head
-        (MHA2MLA keeps per-head rope keys) and zeroes the other chunks of
-        each query head's rope part.
-      latent_norm: apply the RMSNorm `kv_norm` to the latent (DeepSeek-V2,
-        default). False caches the linear latent `x W_DKV` (no `kv_norm`
-        parameter), which is what an SVD factorisation of a checkpoint's
-        K/V projections produces (`kvattn.models.convert.to_mla`).
+      d_model, num_heads: D and N.
+      kv_lora_rank: latent width C; qk_nope_head_dim: Hn; qk_rope_head_dim: R (even);
+        v_head_dim: Hv; q_lora_rank: Cq, or None for a full-rank query.
+      rope_theta, rope_scaling: RoPE base and `kvattn.ops.RopeScaling` (or None).
+      window: sliding window in tokens, or None. rms_eps: latent RMSNorm epsilon.
+      path: `"auto"`, `"naive"` or `"absorbed"`.
+      dtype: compute dtype (None: the input's); param_dtype: float, or int8 (W8A8).
+      decode_implementation: backend of `ops.mla_decode_attention`, or None.
+      softmax_scale_factor: multiplies `(Hn + R)^-0.5` (DeepSeek's YaRN mscale^2).
+      num_rope_heads: RoPE over R in this many chunks (1: DeepSeek-V2; `convert.to_mla`
+        keeps one per source KV head). latent_norm: False caches `x W_DKV` unnormed.
       rngs: `nnx.Rngs` with a `params` stream.
 
     Raises:
-      ValueError: a non-positive size, an odd qk_rope_head_dim, non-positive
-        rope_theta / rms_eps / window / softmax_scale_factor, an unknown path
-        or decode_implementation, a num_rope_heads that does not split R into
-        chunks of even width.
-      TypeError: a size that is not an int; a decode_implementation that is
-        not a str or None; a dtype or param_dtype that is not a floating dtype;
-        a rope_scaling that is not a RopeScaling or None; a latent_norm that
-        is not a bool.
+      ValueError: a non-positive size or scale, odd R, an unknown path or backend, a
+        num_rope_heads that does not split R into even chunks.
+      TypeError: a non-int size, a non-float dtype, a bad option type.
     """
     self.d_model = _checks.positive_int("d_model", d_model)
     self.num_heads = _checks.positive_int("num_heads", num_heads)
@@ -323,12 +237,11 @@ class MultiHeadLatentAttention(nnx.Module):
       positions: jax.Array | None = None,  # i32[B, T]
       new_lengths: jax.Array | None = None,  # i32[B]
   ) -> tuple[jax.Array, MLACache | None]:
-    """Like `__call__` but stops before `o_proj`: returns per-head outputs `[B, T, N, Hv]`.
+    """`__call__` before `o_proj`: per-head outputs `[B, T, N, Hv]`.
 
     Raises:
-      ValueError/TypeError: `x` not `[B, T, D]` floating, a cache that is not
-        an `MLACache` (e.g. a `LatentCache`) of this layer's shape, bad
-        positions or new_lengths, or (eager) a cache overflow.
+      ValueError/TypeError: `x` not `[B, T, D]` floating, a cache that is no `MLACache` of
+        this layer's shape, bad positions or new_lengths, or (eager) an overflow.
     """
     check_input(x, self.d_model)
     batch, num_tokens, _ = x.shape
@@ -362,11 +275,7 @@ class MultiHeadLatentAttention(nnx.Module):
       positions: jax.Array | None = None,  # i32[B, T]
       new_lengths: jax.Array | None = None,  # i32[B]
   ) -> tuple[jax.Array, MLACache | None]:
-    """Returns `(y [B, T, D] in the compute dtype, updated cache or None)`.
-
-    Raises:
-      ValueError/TypeError: as `attend_heads`.
-    """
+    """`(y [B, T, D] in the compute dtype, updated cache or None)`; raises as `attend_heads`."""
     out, new_cache = self.attend_heads(x, cache=cache, positions=positions,
                                        new_lengths=new_lengths)
     y = self._einsum("BTNV,NVD->BTD", out, "o_proj", out.dtype)

@@ -1,22 +1,6 @@
-"""`Transformer.hidden` with the layers in one `lax.scan`, over groups of identical layers.
-
-A forward pass over L unrolled layers compiles L layer bodies; scanning over the stacked
-layer states compiles one, which is what long streaming evaluations of a 30-layer model
-need (seconds instead of tens of seconds per compile). Models whose layers differ in a
-repeating pattern (Gemma 2/3: local sliding-window layers and global ones, five local per
-global in Gemma 3) scan over groups: the smallest period p with layer i alike layer i % p
-(`layer_period`); the scanned body runs the p layers of one group unrolled, so it compiles
-p layer bodies and scans L / p times. A model without such a period (p = L) runs its layers
-unrolled in one scan step: the plain forward pass. `scan_forward` computes what
-`Transformer.hidden` computes (tested equal); `logits_from_hidden` what
-`Transformer.logits_from_hidden` computes.
-
-Cross-layer KV sharing (CLA, `model.kv_sources`): the scanned body wires each group's
-layers as `Transformer.hidden` does (an owner hands its `SharedKV` to the layers reading it),
-so a source must lie in its reader's group at the same place in every group (else the
-period grows until it does: at worst L, one unrolled step); the caches are those of the
-owning layers only, `cache_period(defs)` of them per group.
-"""
+"""`Transformer.hidden` with the layers in one `lax.scan`: layers alike with period p
+(`layer_period`; Gemma 3: 6) scan in groups of p, unrolled in the body (p = L: one step);
+under cross-layer KV sharing a source lies in its reader's group. Tested equal to the model."""
 
 from __future__ import annotations
 
@@ -31,10 +15,8 @@ from kvattn.models import transformer as transformer_lib
 
 
 def layer_period(layer_defs: Sequence[Any]) -> int:
-  """The smallest p dividing L with `layer_defs[i] == layer_defs[i % p]` for every i (the
-  layers' `nnx` graph definitions: structure and static attributes such as the window):
-  1 for alike layers, 6 for Gemma 3's five local and one global layers, L without a
-  repeating pattern."""
+  """The smallest p dividing L with `layer_defs[i] == layer_defs[i % p]` (nnx graph
+  definitions, which hold the window): 1 for alike layers, 6 for Gemma 3, else L."""
   n = len(layer_defs)
   for p in range(1, n + 1):
     if n % p == 0 and all(layer_defs[i] == layer_defs[i % p] for i in range(n)):
@@ -45,14 +27,12 @@ def layer_period(layer_defs: Sequence[Any]) -> int:
 def scan_parts(model) -> tuple[Any, Any]:
   """`(defs, params)` of `scan_forward` for a `kvattn.Transformer`.
 
-  `defs = (layer graph definitions of one group (p of them, `layer_period`), final-norm
-  graphdef, model spec)`; `params = (stacked layer states: a tuple of p pytrees, entry j
-  stacking layers j, j + p, ... along a new leading axis of L / p, final-norm state,
-  (embedding [V, D], its int8 row scales or None), (lm_head [D, V] or None when tied, its
-  int8 scales or None))` -- the layer states are a copy of the layer weights.
+  `defs = (p layer graphdefs, final-norm graphdef, spec, ...)`; `params = (p stacked layer
+  states [L / p, ...], final-norm state, (embedding [V, D], scales | None), (lm_head [D, V]
+  | None, scales | None))`, a copy of the weights.
 
   Raises:
-    ValueError: a final logit soft cap (Gemma 2), which `logits_from_hidden` does not apply.
+    ValueError: a final logit soft cap (Gemma 2).
   """
   parts = [nnx.split(layer) for layer in model.layers]
   sources = tuple(getattr(model, "kv_sources", None) or (None,) * len(parts))
@@ -91,12 +71,8 @@ def cache_period(defs) -> int:
 
 
 def stack_caches(caches: Sequence[Any], period: int = 1) -> tuple[Any, ...]:
-  """Per-layer caches (a tuple of L pytrees) -> `scan_forward`'s caches: a tuple of
-  `period` pytrees, entry j stacking the caches of layers j, j + period, ... along a new
-  leading axis (they must be alike: the per-layer layout gives a pattern's local layers
-  rings and its global ones the chosen kind, both periodic). `period`: `cache_period(defs)`
-  of `scan_parts` (`len(defs[0])` without cross-layer KV sharing); `caches` are the owning
-  layers' under sharing.
+  """Per-layer caches (a tuple of L, or of the owners under sharing) -> a tuple of `period`
+  pytrees, entry j stacking the caches of layers j, j + period, ... on a new leading axis.
 
   Raises:
     ValueError: `period` does not divide the number of caches.
@@ -117,14 +93,8 @@ def unstack_caches(stacked: Sequence[Any]) -> tuple[Any, ...]:
 
 
 def scan_forward(defs, params, caches, tokens, new_lengths):
-  """`Transformer.hidden` with the layers in one `lax.scan`: `(h [B, T, D], caches)`.
-
-  The same computation as `model.hidden(tokens, caches, new_lengths=...)`
-  (default positions from the first layer's cache, embedding lookup, the
-  Block modules in order, the final norm); `caches` are `stack_caches(caches,
-  cache_period(defs))` of the model's per-layer caches (one per owning layer under
-  cross-layer KV sharing). Tested equal to the model's own call.
-  """
+  """`(h [B, T, D], caches)`: `model.hidden(tokens, caches, new_lengths=...)` with the layers
+  in one `lax.scan`; `caches` are `stack_caches(caches, cache_period(defs))`."""
   layer_defs, norm_def, spec, group_sources = defs
   read = {s for s in group_sources if s is not None}
   layers, norm, embedding, _ = params

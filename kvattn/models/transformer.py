@@ -1,29 +1,10 @@
 """Decoder-only Transformer LM whose layers take their attention from a config.
 
-Architecture (Llama-style, Touvron et al. 2023): token embedding, L pre-norm
-blocks `x += attn(rmsnorm(x)); x += mlp(rmsnorm(x))` with RMSNorm (Zhang &
-Sennrich 2019) and a SwiGLU MLP (Shazeer 2020, "GLU Variants Improve
-Transformer", eq. 6: `W2 (silu(x W1) * (x W3))`), a final RMSNorm and an LM
-head (optionally tied to the embedding). Each layer's attention is a
-`kvattn.GroupedQueryAttention` (MHA / GQA / MQA) or a
-`kvattn.MultiHeadLatentAttention` (DeepSeek-V2 MLA), chosen per layer by the
-config, so a model may mix variants.
-
-Gemma 2/3 and Qwen3 options (`ModelSpec` / `AttentionSpec` fields): GeGLU with tanh GELU
-(`mlp_activation`), embeddings times sqrt(D) (`scale_embeddings`), RMSNorm also on the
-attention and MLP outputs (`post_norms`, Gemma's four norms per block), a final logit soft
-cap (`final_soft_cap`), qk-norm (`qk_norm`), the query scale (`sm_scale`), and per-layer
-windows and RoPE bases through `model.layers` (local / global layers).
-
-Cross-layer KV sharing (CLA, Brandon et al. 2024, arXiv 2405.12981; Gemma 3n's KV sharing):
-`model.cla_factor` (groups of that many layers of one type share the first one's K/V) or
-`model.layers[i].kv_source = j`: layer i has no K/V projections and no cache; it attends its
-queries to layer j's keys and values of the same pass. `init_caches` builds caches for
-`cache_layers` only and the model takes them in that order; `cache_bytes_per_token` counts
-them only.
-
-Config schema: `kvattn.models.config` (`ModelSpec`, `AttentionSpec`, `model_config`,
-`resolve_config`, `cache_bytes_per_token`), whose names this module re-exports.
+Llama-style (Touvron et al. 2023): embedding, L pre-norm blocks `x += attn(rmsnorm(x)); x +=
+mlp(rmsnorm(x))` (RMSNorm, Zhang & Sennrich 2019; SwiGLU, Shazeer 2020 eq. 6), final RMSNorm
+and LM head (optionally tied). Each layer is `GroupedQueryAttention` or
+`MultiHeadLatentAttention`, per the config; Gemma 2/3 and Qwen3 options and cross-layer KV
+sharing (`kv_source`, `cla_factor`) are fields of `kvattn.models.config`, re-exported here.
 """
 
 from __future__ import annotations
@@ -75,13 +56,9 @@ _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda g: jax.nn.gelu(g, appro
 
 
 class SwiGLU(nnx.Module):
-  """SwiGLU MLP (Shazeer 2020, eq. 6): `down(silu(x @ gate) * (x @ up))`; with
-  `activation="gelu_tanh"` GeGLU (eq. 5, tanh-approximated GELU, Gemma).
-
-  Parameters `gate, up: [D, F]`, `down: [F, D]`; matmuls accumulate in f32.
-  With `param_dtype` int8 (W8A8, `kvattn.models.int8`) the three are stored packed
-  (`int8.pack_weight`: `uint8`, output-major: `gate, up: [F, D]`, `down: [D, F]`) with
-  f32 per-output-channel scales `gate_scale, up_scale: [F]`, `down_scale: [D]`.
+  """SwiGLU MLP (Shazeer 2020, eq. 6) `down(silu(x @ gate) * (x @ up))`, or GeGLU (eq. 5,
+  tanh GELU) with `activation="gelu_tanh"`. Parameters `gate, up: [D, F]`, `down: [F, D]`
+  (int8: packed output-major with f32 `*_scale`); matmuls accumulate in f32.
   """
 
   def __init__(self, d_model: int, mlp_dim: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs,
@@ -120,14 +97,9 @@ class SwiGLU(nnx.Module):
 
 def make_attention(spec: AttentionSpec, *, d_model: int, dtype: Any, param_dtype: Any,
                    rngs: nnx.Rngs, norm_eps: float = 1e-6) -> nnx.Module:
-  """Builds one layer's attention module from its resolved AttentionSpec (the layer factory).
-
-  "gqa" -> `kvattn.GroupedQueryAttention`, "mla" ->
-  `kvattn.MultiHeadLatentAttention`; every field the kind uses (`kind` aside)
-  is passed as the keyword of the same name, but the `rope_*` scaling fields,
-  which are passed as one `rope_scaling=spec.rope()`; a GQA layer with
-  `qk_norm` also gets `norm_eps` (the model's).
-  """
+  """One layer's attention from its resolved AttentionSpec: "gqa" ->
+  `GroupedQueryAttention`, "mla" -> `MultiHeadLatentAttention`, each field as the keyword
+  of its name (the `rope_*` fields as one `rope_scaling=`)."""
   kwargs = {name: getattr(spec, name) for name in attention_fields(spec.kind)
             if name != "kind" and name not in ROPE_SCALING_FIELDS}
   kwargs["rope_scaling"] = spec.rope()
@@ -142,14 +114,9 @@ def _value(v):
 
 
 def quantize_embeddings(model: "Transformer") -> None:
-  """W8A8 (`kvattn.models.int8`) of the embedding table and LM head, in place.
-
-  A tied table `[V, D]` gets one scale per token row (`embedding_scale: f32[V]`) and
-  is stored packed (`int8.pack_weight`: `uint8[V, D]`, its layout kept): the rows
-  are the LM head's output channels, and the gather dequantizes the rows it reads.
-  An untied `lm_head [D, V]` is stored packed as `uint8[V, D]` with
-  `lm_head_scale: f32[V]`, and the embedding keeps one scale per row as well.
-  """
+  """W8A8 of the embedding and LM head, in place: a tied table becomes packed `uint8[V, D]`
+  with `embedding_scale: f32[V]`; an untied `lm_head` packed `uint8[V, D]` with
+  `lm_head_scale: f32[V]`."""
   w_q, scale = int8_lib.quantize_weight(model.embedding[...].T, 1)
   model.embedding = nnx.Param(int8_lib.pack_weight(w_q, 1))
   model.embedding_scale = nnx.Param(scale)
@@ -158,12 +125,8 @@ def quantize_embeddings(model: "Transformer") -> None:
 
 
 def quantize_model(model: "Transformer") -> "Transformer":
-  """Turns a float `Transformer` into its W8A8 form in place (`kvattn.models.int8`) and returns it.
-
-  The same as building it with `param_dtype="int8"` from these float weights:
-  every weight `int8.QUANTIZED_WEIGHTS` lists, the LM head and the embedding
-  (`quantize_embeddings`) become int8 with f32 scales; `model.spec.param_dtype`
-  becomes int8. Norm scales and biases are cast to f32.
+  """Turns a float `Transformer` into its W8A8 form in place (as `param_dtype="int8"`)
+  and returns it; norms and biases are cast to f32.
 
   Raises:
     ValueError: the model is already int8, or a weight is not finite.
@@ -245,10 +208,8 @@ class Block(nnx.Module):
 
 def embed(embedding: jax.Array, scale: jax.Array | None, tokens: jax.Array,
           spec: ModelSpec) -> jax.Array:
-  """`[B, T, D]` embeddings: rows `tokens` of `embedding [V, D]` (times their `scale f32[V]`
-  for an int8 table: packed `uint8` minus its offset, or plain `int8`) in the compute dtype,
-  times sqrt(D) when `spec.scale_embeddings` (Gemma; the factor rounded to the compute dtype,
-  as Gemma does)."""
+  """`[B, T, D]` rows `tokens` of `embedding [V, D]` (times `scale f32[V]` for int8) in the
+  compute dtype, times sqrt(D) rounded to it when `spec.scale_embeddings` (Gemma)."""
   x = jnp.take(embedding, tokens, axis=0)
   if jnp.dtype(x.dtype) == int8_lib.UINT8:  # a packed int8 table (`int8.pack_weight`)
     x = x.astype(jnp.int32) - int8_lib.WEIGHT_OFFSET
@@ -268,23 +229,11 @@ def soft_cap_logits(logits: jax.Array, cap: float | None) -> jax.Array:
 class Transformer(nnx.Module):
   """Decoder-only LM; each layer's attention variant comes from the config.
 
-  Call: `logits, caches = model(tokens, caches=None, positions=None, new_lengths=None)`
-    * `tokens: i32[B, T]`.
-    * `caches`: None (training: causal over T, returned caches are None) or a
-      sequence of per-layer caches (one per layer that owns one, `cache_layers`:
-      all L without cross-layer KV sharing), e.g. from `init_caches` (one `KVCache`
-      per GQA layer, one `LatentCache` per MLA layer) or a cache factory
-      (`kvattn.caches.registry`; any `kvattn.caches.protocol` implementer of
-      the layer's kind); a tuple of updated caches is returned.
-    * `positions: i32[B, T]`, `new_lengths: i32[B]`: as in the attention
-      modules (DESIGN.md) -- RoPE positions (default: the first cache's
-      length + arange(T), computed once for all layers) and real tokens per
-      sequence (right padding).
-    * `logits: f32[B, T, V]` (computed in f32 whatever the compute dtype).
-
-  `hidden(...)` returns the final-normed hidden states `[B, T, D]` instead of
-  logits and `logits_from_hidden(h)` projects them, so generation can project
-  only the positions it samples from.
+  Call: `logits f32[B, T, V], caches = model(tokens i32[B, T], caches=None, positions=None,
+  new_lengths=None)`. `caches`: None (causal over T; returns None) or one cache per layer
+  that owns one (`cache_layers`), e.g. from `init_caches`. `positions: i32[B, T]` and
+  `new_lengths: i32[B]` as in the attention modules. `hidden(...)` returns the normed
+  `[B, T, D]` states and `logits_from_hidden(h)` projects them.
   """
 
   def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
@@ -317,9 +266,8 @@ class Transformer(nnx.Module):
     self.cache_layers = tuple(i for i, j in enumerate(self.kv_sources) if j is None)
 
   def truncated(self, num_layers: int) -> "Transformer":
-    """A copy with the first `num_layers` layers, the same embedding, final norm
-    and head (e.g. a draft model for speculative decoding, or layer-dropping
-    studies); parameters are copied (`nnx.clone`), not shared.
+    """A copy (`nnx.clone`) with the first `num_layers` layers, embedding, norm and head
+    (e.g. a draft model).
 
     Raises:
       ValueError: `num_layers` not an int in [1, L].
@@ -343,7 +291,7 @@ class Transformer(nnx.Module):
 
   @classmethod
   def from_config(cls, cfg: Any, *, rngs: nnx.Rngs) -> "Transformer":
-    """Builds a Transformer from the `model` section of a config (schema in the module doc).
+    """Builds a Transformer from a config's `model` section (`kvattn.models.config`).
 
     Raises:
       ValueError: unknown key or invalid value, naming the dotted key.
@@ -355,34 +303,31 @@ class Transformer(nnx.Module):
     return cache_bytes_per_token(self.spec, dtype)
 
   def init_caches(self, batch: int, max_len: int, dtype: Any = None, *,
-                  cache: Any = None, local_layers: str = "full") -> tuple[Any, ...]:
-    """One empty cache per layer that owns one (`cache_layers`: every layer, but those that
-    read another layer's cache under cross-layer KV sharing), as a tuple pytree.
+                  cache: Any = None, local_layers: str = "ring") -> tuple[Any, ...]:
+    """One empty cache per layer that owns one (`cache_layers`), as a tuple.
 
     Args:
       batch: B.
       max_len: capacity S in tokens (the bounded kinds ignore it).
-      dtype: cache storage dtype; default the model's compute dtype. A float
-        dtype, or a quantized KV format (int8, float8_e4m3fn, float8_e5m2)
-        stored with f32 per-token scales (`kvattn.ops.quantize_kv`).
-      cache: None (dense caches of `max_len`, `layer.attn.init_cache`) or a cache
-        spec `{"kind": ..., **options}` of `kvattn.caches.registry`, e.g.
-        `{"kind": "sink", "num_sinks": 4, "window": 252}` or
-        `{"kind": "h2o", "budget": 256}`.
-      local_layers: "full" (every layer the same kind) or "ring", the per-layer layout:
-        layers with a sliding window W < max_len (Gemma's local layers) get a
-        `RingKVCache` of W slots, the others the chosen kind
-        (`kvattn.caches.registry.build_caches`).
+      dtype: storage dtype (default the compute dtype): float, or int8 / float8_e4m3fn /
+        float8_e5m2 with f32 per-token scales.
+      cache: None (dense) or a spec `{"kind": ..., **options}` of `kvattn.caches.registry`.
+      local_layers: "ring" (default, as HF and llama.cpp allocate): each layer with a
+        window W < max_len (Gemma 2/3's local layers) gets a `RingKVCache` of W slots,
+        exact for its attention, the others the chosen kind; "full": every layer the
+        kind at `max_len`.
 
     Raises:
-      ValueError: non-positive sizes; an unknown kind or a bad option.
+      ValueError: non-positive sizes; an unknown kind, option or `local_layers`.
       TypeError: a dtype that is neither floating nor a quantized KV format.
     """
     dtype = self.dtype if dtype is None else dtype
-    if cache is not None or local_layers != "full":
-      return cache_registry.build_caches(self, batch, max_len, dtype, cache,
-                                         local_layers=local_layers)
-    return tuple(self.layers[i].attn.init_cache(batch, max_len, dtype) for i in self.cache_layers)
+    if cache is None and (local_layers == "full" or (
+        local_layers == "ring" and not cache_registry.ring_layers(self, max_len))):
+      return tuple(self.layers[i].attn.init_cache(batch, max_len, dtype)
+                   for i in self.cache_layers)
+    return cache_registry.build_caches(self, batch, max_len, dtype, cache,
+                                       local_layers=local_layers)
 
   def _check_tokens(self, tokens):
     _checks.rank("tokens", tokens, 2, "[B, T]")
@@ -442,20 +387,15 @@ def smooth_model(model: "Transformer", tokens: jax.Array, *, alpha: float = 0.5
                  ) -> "Transformer":
   """SmoothQuant's scale migration (Xiao et al. 2023, eq. 4), in place on a float model.
 
-  For the input channels j of three products of every GQA block -- the
-  attention input (q/k/v), the MLP input (gate/up) and the down projection's
-  input -- `s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)` from the activations
-  `X` of the calibration `tokens`; `X / s` is folded into what produces `X`
-  (the RMSNorm scale before q/k/v and gate/up; the up projection's output
-  column j before down) and `W * s` into the weight rows, so the float model
-  computes the same function while activation outliers move into the weights,
-  which `quantize_model` then quantizes per output channel. MLA layers are
-  left as they are. Call before `quantize_model`.
+  For the inputs of q/k/v, gate/up and down of every GQA block, `s_j = max|X_j|^alpha /
+  max|W_j|^(1 - alpha)` from the calibration activations; `X / s` is folded into what
+  produces X and `W * s` into the weight rows, so the float function is unchanged. Call
+  before `quantize_model`.
 
   Args:
     model: a float `Transformer`.
-    tokens: `i32[B, T]` calibration tokens (text apart from any evaluation text).
-    alpha: migration strength in [0, 1] (0.5: the paper's default).
+    tokens: `i32[B, T]` calibration tokens.
+    alpha: migration strength in [0, 1].
 
   Raises:
     ValueError: an int8 model, or alpha outside [0, 1].

@@ -1,8 +1,5 @@
-"""Training: the default corpus and the training loop (uptraining converted models).
-
-  `data`      byte tokenizer, the default corpus (CPython's stdlib sources), datasets.
-  `trainer`   `Trainer`, `uptrain`, evaluation, orbax checkpoints (imported on first use).
-"""
+"""Training: `data` (byte tokenizer, default corpus, datasets), `trainer` (`Trainer`, `uptrain`;
+imported on first use)."""
 
 from kvattn.training import data
 

@@ -1,26 +1,9 @@
 """Byte-level text data: tokenizer, corpora, train/validation split, packed batches.
 
-Tokenizer: every UTF-8 byte is its own token (ids 0..255), plus three special
-ids -- `BOS_ID = 256` (start of a document), `EOS_ID = 257` (end of a
-document) and `PAD_ID = 258` (padding; never a training target) -- so
-`VOCAB_SIZE = 259`. Bits per byte therefore need no tokenizer correction.
-
-Corpus: a list of `Document(name, data: bytes)`. `load_corpus(None)` is the
-default corpus, real text that ships with every CPython and needs no
-download: the standard library's own `.py` sources (the `stdlib` path of
-`sysconfig`, without site-packages/dist-packages and, by default, without
-test directories) and the English help topics of `pydoc_data.topics`.
-`load_corpus("path/or/glob")` reads UTF-8 files from a file, a directory
-(recursively) or a glob. Reading stops at `max_bytes` (documents are taken in
-a fixed pseudo-random order -- by hash of their name -- so a cap gives an
-unbiased, deterministic subset).
-
-Split: a document goes to validation iff the hash of its name falls below
-`validation_fraction`; the split is deterministic and never cuts a document.
-
-Packing: documents become `[BOS, bytes..., EOS]`, are concatenated in corpus
-order and cut into rows of `seq_len + 1` tokens (inputs are row[:-1],
-targets row[1:]); the last partial row is padded with PAD_ID.
+Tokens: each UTF-8 byte (0..255), `BOS_ID = 256`, `EOS_ID = 257`, `PAD_ID = 258` (never a
+target); `VOCAB_SIZE = 259`. The default corpus ships with CPython (the stdlib's `.py`
+sources and `pydoc_data.topics`). Documents are split by the hash of their name and packed
+as `[BOS, bytes..., EOS]` into rows of `seq_len + 1` tokens, the last row padded.
 """
 
 from __future__ import annotations
@@ -94,13 +77,8 @@ def decode(ids: Any, *, stop_at_eos: bool = True) -> str:
 
 
 class ByteTokenizer:
-  """`encode` / `decode` above behind the calls of `kvattn.checkpoints.Tokenizer`
-  (`encode(text) -> list[int]`, `decode(ids) -> str`, `bos_id`, `eos_id`), so code written
-  for a pretrained model's tokenizer runs on byte-level models.
-
-  Args:
-    bos: prepend BOS_ID on `encode`.
-  """
+  """`encode` / `decode` behind `kvattn.checkpoints.Tokenizer`'s calls (`bos_id`, `eos_id`),
+  so code for a pretrained tokenizer runs on byte-level models; `bos` prepends BOS_ID."""
 
   bos_id, eos_id, chat_template = BOS_ID, EOS_ID, None
 
@@ -174,22 +152,13 @@ def _read_text(path: str) -> bytes | None:
 
 def load_corpus(path: str | None = None, *, max_bytes: int | None = DEFAULT_MAX_BYTES,
                 include_tests: bool = False) -> list[Document]:
-  """Loads the documents of a corpus.
+  """Loads a corpus's documents in a deterministic order (by name hash).
 
   Args:
-    path: None for the default corpus (CPython stdlib `.py` sources + the
-      English `pydoc_data.topics`), or a UTF-8 file, a directory (all files
-      below it) or a glob (`**` allowed). Files that are not valid UTF-8 text
-      are skipped.
-    max_bytes: stop after this many bytes of text (None: no cap). Documents
-      are visited in the order of the hash of their name, so the cap takes a
-      deterministic, unbiased subset; the document that crosses the cap is
-      kept whole.
-    include_tests: default corpus only: also read the stdlib's test
-      directories.
-
-  Returns:
-    Documents in a deterministic order (by name hash).
+    path: None (the default corpus), or a UTF-8 file, a directory or a glob (`**`);
+      files that are not UTF-8 text are skipped.
+    max_bytes: stop after this many bytes (None: no cap); the crossing document is kept.
+    include_tests: default corpus only: also the stdlib's test directories.
 
   Raises:
     ValueError: `path` matches no readable UTF-8 text, or a bad `max_bytes`.
@@ -227,8 +196,7 @@ def split_documents(docs: Sequence[Document], validation_fraction: float = 0.05
   """Deterministic train/validation split by document (hash of the name).
 
   Raises:
-    ValueError: `validation_fraction` outside (0, 1), or a split that comes
-      out empty (too few documents for the fraction).
+    ValueError: `validation_fraction` outside (0, 1), or an empty side.
   """
   if not 0.0 < validation_fraction < 1.0:
     raise ValueError(f"validation_fraction must lie in (0, 1); got {validation_fraction!r}")
@@ -264,17 +232,11 @@ def pack(docs: Sequence[Document], seq_len: int) -> np.ndarray:
 
 def pack_token_ids(docs: Sequence[Document], seq_len: int, encode: Callable[[str], Sequence[int]],
                    *, eos_id: int | None = None) -> np.ndarray:
-  """Packs documents tokenized by a subword tokenizer into rows `i32[num_rows, seq_len + 1]`.
-
-  Each document becomes `encode(text)` (its UTF-8 bytes decoded with
-  replacement; the tokenizer adds BOS if it does) followed by `eos_id` (when
-  not None); the documents are concatenated in order and cut into full rows.
-  The last partial row is dropped, so no padding id is needed and every
-  target is a real token (a subword vocabulary has no free id for PAD_ID).
+  """Rows `i32[num_rows, seq_len + 1]` of `encode(text)` + `eos_id` per document, cut into
+  full rows (the last partial row dropped: no padding id needed).
 
   Raises:
-    ValueError: `seq_len` not a positive int, no documents, or too few tokens
-      for one row.
+    ValueError: `seq_len` not a positive int, no documents, or too few tokens for a row.
   """
   if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
     raise ValueError(f"seq_len must be a positive int; got {seq_len!r}")
@@ -290,16 +252,9 @@ def pack_token_ids(docs: Sequence[Document], seq_len: int, encode: Callable[[str
 
 
 class BatchIterator:
-  """Seeded, resumable iterator over batches of packed rows.
-
-  Each epoch visits every row once in the order of a permutation drawn from
-  `np.random.default_rng([seed, epoch])`; a batch never spans two epochs (the
-  last rows of an epoch that do not fill a batch are skipped). The iterator's
-  whole state is `(epoch, index)` -- `state()`/`restore()` -- so training
-  resumes on exactly the batch it would have seen.
-
-  Yields `i32[batch_size, seq_len + 1]` numpy arrays.
-  """
+  """Seeded, resumable iterator over `i32[batch_size, seq_len + 1]` batches: each epoch a
+  permutation from `np.random.default_rng([seed, epoch])`, a batch never spanning epochs;
+  the whole state is `(epoch, index)` (`state()` / `restore()`)."""
 
   def __init__(self, rows: np.ndarray, batch_size: int, *, seed: int = 0, shuffle: bool = True):
     if rows.ndim != 2:
@@ -415,12 +370,8 @@ def load_token_dataset(encode: Callable[[str], Sequence[int]], *, seq_len: int,
                        validation_fraction: float = 0.05,
                        max_bytes: int | None = DEFAULT_MAX_BYTES,
                        include_tests: bool = False) -> Dataset:
-  """`load_dataset` for a subword tokenizer: corpus -> split -> `pack_token_ids` rows.
-
-  `encode` is e.g. `kvattn.checkpoints.tokenizer.Tokenizer.encode` and `eos_id` its
-  `eos_id` (the default corpus, tokenized the way a pretrained model reads
-  text, for evaluating and uptraining it).
-  """
+  """`load_dataset` for a subword tokenizer (`encode`, `eos_id`, e.g. a pretrained model's):
+  corpus -> split -> `pack_token_ids` rows."""
   docs = load_corpus(path, max_bytes=max_bytes, include_tests=include_tests)
   train, val = split_documents(docs, validation_fraction)
   return Dataset(pack_token_ids(train, seq_len, encode, eos_id=eos_id),

@@ -1,40 +1,7 @@
-"""Training a `kvattn.Transformer` on byte-level text, with exact checkpoint resume.
-
-* Objective: next-token cross-entropy in f32 over targets that are not
-  `kvattn.training.data.PAD_ID` (padding mask), averaged over real targets.
-* Optimiser (optax): `clip_by_global_norm(grad_clip_norm)` then AdamW
-  (Loshchilov & Hutter 2019) with a linear warmup + cosine decay schedule
-  (`optax.warmup_cosine_decay_schedule`, from 0 to `learning_rate` over
-  `warmup_steps`, then down to `learning_rate * end_learning_rate_ratio` at
-  `steps`).
-* One jitted train step (`Trainer.train_step`) over (params, optimiser state)
-  that donates both, so XLA updates them in place.
-* Evaluation: loss (nats per target token) and bits per byte = total nats /
-  ln 2 / number of byte targets (targets < 256; BOS/EOS predictions count in
-  the numerator, as in byte-level LM reporting).
-* Checkpoints (orbax-checkpoint): params, optimiser state (its step count
-  included), the train step and the data iterator position in one
-  `CheckpointManager` step; `Trainer.restore` + `BatchIterator.restore`
-  continue bit-for-bit where the saved run would have gone (no other random
-  state exists: no dropout).
-
-Config schema (`train` section; build one with `train_config(...)`):
-  train.steps                   int    optimiser steps.
-  train.batch_size              int    rows per step.
-  train.learning_rate           float  peak learning rate.
-  train.warmup_steps            int    linear warmup steps (< steps).
-  train.end_learning_rate_ratio float  final lr / peak lr of the cosine.
-  train.weight_decay            float  AdamW decoupled weight decay.
-  train.b1, train.b2            float  Adam moments.
-  train.grad_clip_norm          float  global-norm clip.
-  train.seed                    int    parameter init and data order.
-  train.log_every               int    log train metrics every N steps.
-  train.eval_every              int    evaluate every N steps (0: at the end only).
-  train.eval_batches            int    validation batches per evaluation (0: all).
-  train.checkpoint_every        int    save every N steps (0: at the end only;
-                                       only when a workdir is given).
-  train.progress                bool   show a tqdm progress bar.
-"""
+"""Training a `kvattn.Transformer` with exact checkpoint resume: next-token cross-entropy in f32
+(targets != `pad_id`), global-norm clip then AdamW (Loshchilov & Hutter 2019) with warmup and
+cosine decay, one jitted donating step, loss in nats per token and bits per byte, orbax
+checkpoints of params, optimiser state, step and data position. Schema: `train_config`."""
 
 from __future__ import annotations
 
@@ -139,19 +106,9 @@ def make_optimizer(cfg: Any) -> optax.GradientTransformation:
 
 def token_losses(model: transformer_lib.Transformer, batch: jax.Array,
                  pad_id: int = data_lib.PAD_ID) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Per-target cross-entropy of packed rows.
-
-  Args:
-    model: the LM.
-    batch: `i32[B, L + 1]` packed rows; inputs `batch[:, :-1]`, targets
-      `batch[:, 1:]`.
-    pad_id: targets equal to it are masked out (`kvattn.training.data.PAD_ID` for the
-      byte tokenizer; -1 masks none, for rows of `kvattn.training.data.pack_token_ids`).
-
-  Returns:
-    `(nll f32[B, L] in nats, mask f32[B, L] (target != pad_id), is_byte f32[B, L]
-    (target < 256))`.
-  """
+  """Per-target cross-entropy of packed rows `batch: i32[B, L + 1]` (inputs `[:, :-1]`,
+  targets `[:, 1:]`): `(nll f32[B, L] in nats, mask f32[B, L] (target != pad_id), is_byte
+  f32[B, L] (target < 256))`; `pad_id` -1 masks none."""
   inputs, targets = batch[:, :-1], batch[:, 1:]
   logits, _ = model(inputs)
   nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
@@ -197,40 +154,22 @@ def _compiled_steps(graphdef, config: dict[str, Any], tx, pad_id: int):
 
 
 class Trainer:
-  """Holds params and optimiser state of a model and runs jitted train/eval steps.
-
-  The trainer takes over the model it is given: it keeps the model's param
-  arrays and every `train_step` donates them to XLA (updated in place), so
-  after the first step the model object passed in refers to deleted buffers
-  (using it raises "Array has been deleted"). Read the trained model from
-  `trainer.model` instead: it rebuilds the `nnx` model from copies of the
-  current params, sharing nothing with the trainer (later steps do not
-  touch it).
-
-  Example:
-    trainer = Trainer(model, cfg)   # `model` belongs to the trainer now
-    for batch in batches:
-      trainer.train_step(batch)
-    model = trainer.model           # the trained model, safe to keep
-  """
+  """Holds a model's params and optimiser state and runs jitted train / eval steps; it takes
+  the model's arrays over (donated), so read the trained model from `trainer.model`."""
 
   def __init__(self, model: transformer_lib.Transformer, cfg: Any, *,
                trainable: Any = nnx.Param, pad_id: int = data_lib.PAD_ID):
     """Builds the optimiser and the jitted steps.
 
     Args:
-      model: the LM to train. Its params are taken over (donated by every
-        train step): do not use `model` afterwards; use `trainer.model`.
+      model: the LM; its params are taken over (use `trainer.model`).
       cfg: the `train` section (`train_config()` schema).
-      trainable: an `nnx` filter of the variables to train (default every
-        `nnx.Param`; `ATTENTION_PARAMS` trains the attention layers only).
-        The others stay fixed (no gradients, no optimiser state) and are not
-        checkpointed: `restore` takes them from `model`.
+      trainable: an `nnx` filter of the variables to train (default every `nnx.Param`;
+        `ATTENTION_PARAMS`); the others get no gradients or state and are not saved.
       pad_id: targets to mask out (`token_losses`).
 
     Raises:
-      ValueError: a bad `train` config (naming the key); a filter that
-        selects no parameter.
+      ValueError: a bad `train` config (naming the key); a filter selecting nothing.
     """
     self.config = check_train_config(cfg)
     self.pad_id = int(pad_id)
@@ -281,8 +220,7 @@ class Trainer:
             "tokens": count}
 
   def evaluate_tokens(self, batches: Iterable[Any]) -> dict[str, float]:
-    """Loss (nats per target token), perplexity `exp(loss)` and target count over `batches`
-    (for subword tokenizers, where bits per byte need the text's byte count).
+    """`(loss in nats per target token, perplexity, target count)` over `batches`.
 
     Raises:
       ValueError: the batches hold no targets.
@@ -378,20 +316,12 @@ def _train_loop(trainer: Trainer, iterator: Any, tcfg: dict[str, Any],
 
 
 def train_and_evaluate(config: Any, workdir: str | None = None) -> TrainResult:
-  """Trains `Transformer.from_config(config.model)` on `config.data` per `config.train`.
-
-  With a workdir, checkpoints go to `workdir/checkpoints` and a rerun resumes
-  from the latest one (params, optimiser state, step and data position).
-
-  Args:
-    config: ConfigDict with sections `model` (kvattn.models.transformer schema),
-      `data` (`kvattn.training.data.data_config`) and `train` (`train_config`).
-    workdir: directory for checkpoints, or None (no checkpoints).
+  """Trains `Transformer.from_config(config.model)` on `config.data` per `config.train`;
+  with a workdir, checkpoints to `workdir/checkpoints` and resumes from the latest.
 
   Returns:
-    A TrainResult; `metrics` holds `steps`, `train_loss` (mean of the last
-    `log_every` steps), `validation_loss`, `validation_bits_per_byte`,
-    `train_seconds`.
+    A TrainResult; `metrics`: `steps`, `train_loss`, `validation_loss`,
+    `validation_bits_per_byte`, `train_seconds`.
 
   Raises:
     ValueError: invalid config values, naming the key.
@@ -452,28 +382,21 @@ def token_eval_batches(rows: np.ndarray, batch_size: int, max_batches: int | Non
 def uptrain(model: transformer_lib.Transformer, dataset: data_lib.Dataset, cfg: Any, *,
             attention_only: bool = False, checkpoint_dir: str | None = None,
             pad_id: int = -1) -> TrainResult:
-  """Continues training a (pretrained or converted) model on `dataset`, resumably.
-
-  The uptraining of Ainslie et al. 2023 (§2.1) and Ji et al. 2025 (MHA2MLA):
-  the model's own weights, the optimiser of `cfg` (`train_config()` schema;
-  `train.seed` orders the batches), next-token loss on every target of rows
-  such as `kvattn.training.data.load_token_dataset`'s (subword ids; `pad_id` -1 masks
-  none). With `checkpoint_dir`, params, optimiser state, step and data
-  position are saved there (orbax) and a rerun resumes from the latest
-  checkpoint, applied to `model`'s structure (the frozen parameters come
-  from `model`, which must be the same starting point).
+  """Continues training a pretrained or converted model on `dataset`, resumably (the
+  uptraining of Ainslie et al. 2023 §2.1 and of MHA2MLA, Ji et al. 2025).
 
   Args:
     model: the LM; taken over by the trainer (use the result's `model`).
-    dataset: `train_rows` to train on, `validation_rows` to evaluate.
+    dataset: `train_rows` and `validation_rows` of token ids.
     cfg: the `train` section.
-    attention_only: train only `ATTENTION_PARAMS` (the converted layers).
-    checkpoint_dir: orbax checkpoint directory, or None.
-    pad_id: masked target id (see `token_losses`).
+    attention_only: train only `ATTENTION_PARAMS`.
+    checkpoint_dir: orbax directory to save to and resume from (the frozen parameters
+      come from `model`), or None.
+    pad_id: masked target id (-1: none).
 
   Returns:
-    A TrainResult: the trained model; `metrics` with `steps`, `train_loss`,
-    `validation_loss`, `validation_perplexity`, `train_seconds`.
+    A TrainResult: the trained model; `metrics`: `steps`, `train_loss`, `validation_loss`,
+    `validation_perplexity`, `train_seconds`.
 
   Raises:
     ValueError: a bad `train` config or a batch larger than the train rows.

@@ -172,7 +172,7 @@ USER_POLICY = "tests/experiments/user_policy.py"  # outside kvattn; registers "k
 
 def test_a_policy_from_the_users_own_file_runs_in_the_main_job(tmp_path):
   # --import loads the file before the config is validated; :kind-smoke's sweep sets no key,
-  # so --config.cache.kind names the user's kind (docs/DESIGN.md, "Adding a cache kind").
+  # so --config.cache.kind names the user's kind (docs/DESIGN.md, "Recipes").
   proc = subproc.popen("experiments.main", *subproc.main_args(
       str(tmp_path), "model.name=random-tiny", "cache.kind=keydiff-lite",
       config="configs/default.py:kind-smoke"), f"--import={USER_POLICY}")

@@ -13,11 +13,9 @@ tokens, as kvattn's decode loop is timed) and their `*_tokens`. Never imported b
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
-import transformers
 
 from experiments.benchmarks.peers import protocol
 
@@ -25,11 +23,7 @@ from experiments.benchmarks.peers import protocol
 def main() -> None:
   """Serves the request of the module doc: loads the GGUF, then one JSON line per `run` line."""
   request = protocol.read_request(sys.argv)
-  torch.set_num_threads(int(request["threads"]))
-  path = request["gguf"]
-  model = transformers.AutoModelForCausalLM.from_pretrained(
-      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-  model.eval()
+  model = protocol.load_hf_gguf(request)
   prompt = torch.tensor([request["prompt"]], dtype=torch.long)
   n = int(request["new_tokens"])
   common = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import sys
 import time
 
@@ -114,11 +113,7 @@ def main() -> None:
   `AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)` and serves `run` lines: each
   measures every requested cache in order (module doc) and prints `{"results": [...]}`."""
   request = protocol.read_request(sys.argv)
-  torch.set_num_threads(int(request["threads"]))
-  path = request["gguf"]
-  model = transformers.AutoModelForCausalLM.from_pretrained(
-      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-  model.eval()
+  model = protocol.load_hf_gguf(request)
   ids = torch.tensor(request["ids"], dtype=torch.long)
   chunk, new_tokens = int(request["chunk"]), int(request["new_tokens"])
   import optimum.quanto  # pylint: disable=g-import-not-at-top  (its version for the record)

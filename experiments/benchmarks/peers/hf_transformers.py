@@ -10,7 +10,6 @@ Never imported by kvattn or its tests; needs the `[peers]` extra.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -26,12 +25,7 @@ def main() -> None:
   `bench_real` asks for (`protocol.serve`): each times prefill and the cached greedy decode
   loop directly and returns seconds, process CPU seconds, tokens and the bytes per step."""
   request = protocol.read_request(sys.argv)
-  torch.set_num_threads(int(request["threads"]))
-  path = request["gguf"]
-  dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[request.get("dtype", "float32")]
-  model = transformers.AutoModelForCausalLM.from_pretrained(
-      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
-  model.eval()
+  model = protocol.load_hf_gguf(request, request.get("dtype", "float32"))
   prompts = torch.tensor(request["prompts"], dtype=torch.long)
   new_tokens = int(request["new_tokens"])
   cfg = model.config

@@ -56,3 +56,20 @@ def read_request(argv: list[str]) -> dict[str, Any]:
     raise SystemExit(f"usage: {argv[0]} --request FILE; got {argv[1:]}")
   with open(argv[2], encoding="utf-8") as f:
     return json.load(f)
+
+
+def load_hf_gguf(request: dict[str, Any], dtype: str = "float32"):
+  """Sets torch's threads to `request["threads"]` and loads `request["gguf"]` in `dtype`
+  ("float32" or "bfloat16") with `transformers.AutoModelForCausalLM.from_pretrained(dir,
+  gguf_file=name)`, in eval mode (torch and transformers are imported here: only the HF
+  peers call it)."""
+  import os  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  torch.set_num_threads(int(request["threads"]))
+  path = request["gguf"]
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      os.path.dirname(path), gguf_file=os.path.basename(path),
+      dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
+  model.eval()
+  return model

@@ -1,13 +1,5 @@
-"""The model-family record (`Family`) and its registry (`register`, `lookup`, ...).
-
-A family is everything kvattn knows about one HF config.json `model_type`: how
-its config maps onto the kvattn `model` config, the names of its per-layer norm
-tensors, the GGUF architecture that loads as it (with llama.cpp's tensor names
-and storage quirks) and the tokenizer quirks of its GGUF files. The readers of
-`kvattn.checkpoints` (hf_config, weights, gguf, tokenizer) consult only this
-registry; a new family is one module under `kvattn/checkpoints/families/` that
-calls `register`, plus its import line in `families/__init__.py`.
-"""
+"""The model-family record (`Family`) and its registry (`register`, `lookup`, ...), the only
+place `kvattn.checkpoints` learns a `model_type`'s quirks (docs/DESIGN.md, "Recipes")."""
 
 from __future__ import annotations
 
@@ -17,11 +9,8 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 
 class ModelParts(NamedTuple):
-  """What a family reads from config.json beyond the keys every family shares.
-
-  `attention`: the `model.attention` fields; `model`: extra `model` fields
-  (e.g. `mlp_activation`); `layers`: per-layer overrides (`model.layers`, () for none).
-  """
+  """What a family reads from config.json beyond the shared keys: `attention` (the
+  `model.attention` fields), `model` (extra `model` fields), `layers` (per-layer overrides)."""
 
   attention: dict[str, Any]
   model: dict[str, Any]
@@ -29,11 +18,8 @@ class ModelParts(NamedTuple):
 
 
 class UnsupportedError(ValueError, NotImplementedError):
-  """A `model_type` or GGUF architecture no registered family reads.
-
-  A ValueError naming the value and the supported ones; a NotImplementedError
-  too, like every other setting kvattn cannot represent.
-  """
+  """A `model_type` or GGUF architecture no registered family reads (a ValueError and a
+  NotImplementedError naming the value and the supported ones)."""
 
 
 # kvattn norm module -> HF module under "model.layers.{i}.", as Llama lays a block out.
@@ -50,29 +36,17 @@ class Family:
 
   Attributes:
     model_type: the config.json `model_type` it reads.
-    model_config: config.json mapping -> `ModelParts`; raises ValueError
-      (a malformed value) or NotImplementedError (a setting the model cannot
-      represent), naming the config key.
-    hf_layer_norms: `(kvattn norm module, HF module)` pairs of each block
-      (`attn_norm`, `mlp_norm`, and `post_attn_norm` / `post_mlp_norm` for a
-      model with `post_norms`); the HF tensor is "model.layers.{i}.<HF module>.weight".
-    norm_plus_one: RMSNorm scales are stored as w and applied as 1 + w (Gemma;
-      llama.cpp's files store 1 + w, which the GGUF reader turns back into w).
-    gguf_architecture: the GGUF `general.architecture` that loads as this
-      family (None: no GGUF support).
-    gguf_layer_names: GGUF layer tensor ("attn_q.weight") -> HF name after
-      "model.layers.{i}." ("self_attn.q_proj.weight").
-    gguf_config: extra config.json keys from GGUF metadata, called as
-      `gguf_config(get, metadata, config, where)` with `get(key, default,
-      kind=int)` the checked reader of "<arch>.<key>", `config` the keys read
-      so far and `where` the file (its errors start with it).
-    gguf_rope_rows_permuted: llama.cpp stores the Q/K projection rows in
-      interleaved-RoPE order (Llama), undone at load.
-    gguf_attention_bias: a GGUF file may hold q/k/v biases (Qwen2).
-    sentencepiece_architectures: GGUF architectures whose `tokenizer.ggml.model
-      == "llama"` vocabulary is built as Gemma's SentencePiece vocabulary.
-    pre_tokenizer_splits: `tokenizer.ggml.pre` value -> the split regex of that
-      pre-tokenizer (GGUF byte-level BPE vocabularies).
+    model_config: config.json mapping -> `ModelParts`; raises ValueError (malformed) or
+      NotImplementedError (unrepresentable), naming the key.
+    hf_layer_norms: `(kvattn norm module, HF module)` pairs of each block.
+    norm_plus_one: RMSNorm scales applied as 1 + w (Gemma).
+    gguf_architecture: the GGUF `general.architecture` that loads as it (None: none).
+    gguf_layer_names: GGUF layer tensor -> HF name after "model.layers.{i}.".
+    gguf_config: `(get, metadata, config, where) -> extra config.json keys`.
+    gguf_rope_rows_permuted: Q/K rows stored in interleaved-RoPE order (Llama).
+    gguf_attention_bias: the file may hold q/k/v biases (Qwen2).
+    sentencepiece_architectures: GGUF architectures whose "llama" vocabulary is Gemma's.
+    pre_tokenizer_splits: `tokenizer.ggml.pre` -> split regex.
   """
 
   model_type: str
@@ -99,8 +73,7 @@ def register(family: Family) -> Family:
   """Adds `family` to the registry and returns it.
 
   Raises:
-    ValueError: its `model_type`, GGUF architecture or a pre-tokenizer name is
-      already registered by another family.
+    ValueError: its `model_type`, GGUF architecture or a pre-tokenizer name is taken.
   """
   if family.model_type in _FAMILIES:
     raise ValueError(f"model_type {family.model_type!r} is already registered")

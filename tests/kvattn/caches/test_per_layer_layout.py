@@ -46,7 +46,7 @@ def test_local_layers_get_a_ring_of_their_window(gemma3):
   # Storage: the ring holds W slots whatever the capacity; K = 1, H = 16, f32 keys + values.
   assert [memory.tree_bytes(c.storage_arrays()) for c in caches] == [
       2 * 4 * 2 * 16 * 4, 2 * 19 * 2 * 16 * 4]
-  full = model.init_caches(2, 19)
+  full = model.init_caches(2, 19, local_layers="full")
   assert [type(c).__name__ for c in full] == ["KVCache", "KVCache"]
   # A window no shorter than the capacity keeps the chosen kind; quantized rings; paged pools
   # for the global layers only.

@@ -15,6 +15,13 @@ from kvattn.checkpoints import gguf as gguf_lib
 Q = gguf.GGMLQuantizationType
 
 
+def _close(w):
+  """Writes a `gguf.GGUFWriter`'s header, metadata and tensors, and closes it."""
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+
 def _f16_bytes(x: float) -> np.ndarray:
   return np.frombuffer(np.float16(x).tobytes(), np.uint8)
 
@@ -233,10 +240,7 @@ def write_tiny_gguf(path: pathlib.Path, tensors: dict[str, np.ndarray], *, arch:
       w.add_tensor(gname, array)
   for gname, array in (extra_tensors or {}).items():
     w.add_tensor(gname, array)
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
+  _close(w)
   return path
 
 
@@ -295,10 +299,7 @@ def test_qwen2_rows_are_not_permuted(tmp_path):
   for name, array in tensors.items():
     w.add_tensor(_gguf_name(name), array)
   w.add_tensor("blk.0.attn_q.bias", np.arange(N * H, dtype=np.float32))
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
+  _close(w)
   ck = gguf_lib.load_gguf(path)
   assert ck.config["model_type"] == "qwen2" and ck.config["rope_theta"] == 10000.0
   assert ck.config["vocab_size"] == V  # no qwen2.vocab_size key: the embedding's rows
@@ -386,10 +387,7 @@ def test_missing_key_names_it(tmp_path):
   w = gguf.GGUFWriter(str(path), "llama")
   w.add_block_count(1)
   w.add_tensor("output_norm.weight", np.ones(4, np.float32))
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
+  _close(w)
   with pytest.raises(ValueError, match="nokey.gguf: metadata key llama.embedding_length"):
     gguf_lib.load_gguf(path)
 
@@ -551,10 +549,7 @@ def test_bad_metadata_value_names_the_key(tmp_path, extra, match):
   for key, (value, vtype) in extra.items():
     w.add_key_value(key, value, vtype)
   w.add_tensor("output_norm.weight", np.ones(D, np.float32))
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
+  _close(w)
   with pytest.raises(ValueError, match=rf"md.gguf: {match}"):
     gguf_lib.load_gguf(path)
 
@@ -626,10 +621,7 @@ def _write_fixture_gguf(path: pathlib.Path, name: str, arch: str) -> pathlib.Pat
     if arch == "gemma3" and gname.endswith("norm.weight"):
       array = array + 1.0  # llama.cpp's Gemma converter stores 1 + w
     w.add_tensor(gname, array)
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
+  _close(w)
   return path
 
 

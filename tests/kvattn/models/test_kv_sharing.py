@@ -15,6 +15,7 @@ from kvattn import memory
 from kvattn import ops
 from kvattn.models import convert
 from kvattn.models import transformer
+from tests.kvattn.models import cached_forward
 
 V = 61
 LLAMA = dict(vocab_size=V, d_model=32, num_layers=4, mlp_dim=48,
@@ -213,24 +214,12 @@ def test_cached_prefill_and_decode_match_full_forward(local_layers):
   """Invariant 1 with sharing on the Gemma-like model: dense caches, and rings of the window
   (4) for the local layers, into which the prefill chunk (5 tokens) wraps."""
   model = _model(GEMMA, cla_factor=2)
-  graphdef, state = nnx.split(model)
   lengths = np.array([5, 2], np.int32)
   steps, width = 3, 5
   seqs = jax.random.randint(jax.random.key(0), (2, width + steps), 0, V, jnp.int32)
-  full, _ = _apply(graphdef, state, seqs, None, None)
   caches = model.init_caches(2, 12, local_layers=local_layers)
-  caches = tuple(jax.tree.map(lambda a: jnp.full_like(a, jnp.nan)
-                              if jnp.issubdtype(a.dtype, jnp.floating) else a, c) for c in caches)
-  prompts = jnp.where(jnp.arange(width)[None] < lengths[:, None], seqs[:, :width], 0)
-  logits, caches = _apply(graphdef, state, prompts, caches, jnp.asarray(lengths))
+  caches = cached_forward.assert_cached_steps_match_full(model, caches, seqs, lengths, width, steps)
   assert len(caches) == 3
-  for b, n in enumerate(lengths):
-    np.testing.assert_allclose(logits[b, :n], full[b, :n], atol=1e-5)
-  for t in range(steps):
-    nxt = seqs[np.arange(2), lengths + t][:, None]
-    logits, caches = _apply(graphdef, state, nxt, caches, None)
-    for b, n in enumerate(lengths):
-      np.testing.assert_allclose(logits[b, 0], full[b, n + t], atol=1e-5)
 
 
 def test_generate_equals_greedy_forward():

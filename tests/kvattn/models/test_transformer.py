@@ -14,6 +14,7 @@ from ml_collections import config_dict
 import kvattn
 from kvattn import memory
 from kvattn.models import transformer
+from tests.kvattn.models import cached_forward
 
 SMALL = dict(d_model=32, num_layers=2, mlp_dim=64)
 GQA = dict(kind="gqa", num_heads=4, num_kv_heads=2, head_dim=8)
@@ -70,8 +71,10 @@ def test_per_layer_overrides_mix_variants():
   assert kinds == ["GroupedQueryAttention", "MultiHeadLatentAttention", "GroupedQueryAttention"]
   assert model.layers[0].attn.num_kv_heads == 2 and model.layers[2].attn.num_kv_heads == 1
   assert model.layers[2].attn.window == 3 and model.layers[0].attn.window is None
-  caches = model.init_caches(2, 10)
+  caches = model.init_caches(2, 10, local_layers="full")
   assert [type(c).__name__ for c in caches] == ["KVCache", "LatentCache", "KVCache"]
+  caches = model.init_caches(2, 10)  # default: the windowed layer gets a ring of 3
+  assert [type(c).__name__ for c in caches] == ["KVCache", "LatentCache", "RingKVCache"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -92,24 +95,11 @@ def test_cached_prefill_and_decode_match_full_forward():
   """DESIGN invariant 1 for a model mixing GQA (windowed MQA) and MLA layers."""
   cfg = small_config(layers=({"num_kv_heads": 1, "window": 3}, {"kind": "mla"}))
   model = kvattn.Transformer.from_config(cfg, rngs=nnx.Rngs(1))
-  graphdef, state = nnx.split(model)
   lengths = np.array([5, 2, 1], np.int32)
   steps, width = 3, 5
   seqs = jax.random.randint(jax.random.key(0), (3, width + steps), 0, 259, jnp.int32)
-  full, _ = _apply(graphdef, state, seqs, None, None)  # causal over each sequence
-  caches = model.init_caches(3, 12)
-  # Poison unused slots: results must not depend on them (invariant 2).
-  caches = tuple(jax.tree.map(lambda a: jnp.full_like(a, jnp.nan)
-                              if jnp.issubdtype(a.dtype, jnp.floating) else a, c) for c in caches)
-  prompts = jnp.where(jnp.arange(width)[None] < lengths[:, None], seqs[:, :width], 0)
-  logits, caches = _apply(graphdef, state, prompts, caches, jnp.asarray(lengths))
-  for b, n in enumerate(lengths):
-    np.testing.assert_allclose(logits[b, :n], full[b, :n], atol=1e-5)
-  for t in range(steps):
-    nxt = seqs[np.arange(3), lengths + t][:, None]
-    logits, caches = _apply(graphdef, state, nxt, caches, None)
-    for b, n in enumerate(lengths):
-      np.testing.assert_allclose(logits[b, 0], full[b, n + t], atol=1e-5)
+  caches = model.init_caches(3, 12, local_layers="full")  # the windowed layer over a full cache
+  caches = cached_forward.assert_cached_steps_match_full(model, caches, seqs, lengths, width, steps)
   np.testing.assert_array_equal(caches[0].lengths, lengths + steps)
 
 
