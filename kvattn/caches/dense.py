@@ -142,6 +142,8 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback, capabil
   k_scale: jax.Array | None = None
   v_scale: jax.Array | None = None
 
+  ATTENDS_AFTER_UPDATE = True  # its one-token step equals `update` then `attend`
+
   @classmethod
   def init(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
            dtype=jnp.float32) -> "KVCache":

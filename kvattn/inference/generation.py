@@ -21,8 +21,8 @@ import numpy as np
 from flax import nnx
 
 from kvattn import _checks
-from kvattn.training import data as data_lib
 from kvattn import memory
+from kvattn import vocab
 from kvattn.caches import registry as cache_registry
 from kvattn.caches.registry import CacheFactory
 from kvattn.ops import quant
@@ -194,7 +194,7 @@ def prefill(model: nnx.Module, prompts: jax.Array, prompt_lengths: jax.Array,
 
 def decode(model: nnx.Module, first_tokens: jax.Array, caches: Sequence[Any],
            max_new_tokens: int, *, sampling: Sampling = Sampling(), eos_id: int | None = None,
-           pad_id: int = data_lib.PAD_ID, rng: Any = None
+           pad_id: int = vocab.PAD_ID, rng: Any = None
            ) -> tuple[jax.Array, jax.Array, tuple[Any, ...]]:
   """The compiled decode loop after `prefill`: at most `max_new_tokens - 1` steps from
   `first_tokens: i32[B]` over the donated `caches`; other arguments as in `generate`.
@@ -256,7 +256,7 @@ def generate(
     top_p: float | None = None,
     eos_id: int | None = None,
     rng: Any = None,
-    pad_id: int = data_lib.PAD_ID,
+    pad_id: int = vocab.PAD_ID,
     max_len: int | None = None,
     cache_dtype: Any = None,
     caches: Sequence[Any] | None = None,

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvattn import vocab
 from kvattn.caches import capabilities
 from kvattn.caches.checkpoint import _as_tuple
 from kvattn.inference.generation import Sampling, decode, prefill
-from kvattn.training import data as data_lib
 
 
 def reusable_length(cached_tokens: Sequence[int], prompt: Sequence[int]) -> int:
@@ -56,7 +56,7 @@ def _is_concrete_negative(n: jax.Array) -> bool:
 
 def resume(model: nnx.Module, caches: Sequence[Any], cached_tokens: Sequence[int],
            prompt: Sequence[int], max_new_tokens: int, *, sampling: Sampling = Sampling(),
-           eos_id: int | None = None, pad_id: int = data_lib.PAD_ID, rng: Any = None
+           eos_id: int | None = None, pad_id: int = vocab.PAD_ID, rng: Any = None
            ) -> tuple[np.ndarray, tuple[Any, ...]]:
   """Generates for one `prompt` from caches that hold `cached_tokens` (batch 1).
 

@@ -23,7 +23,7 @@ from flax import nnx
 
 from kvattn import _checks
 from kvattn.caches import transaction
-from kvattn.caches._slots import LengthsRollback
+from kvattn.caches import capabilities
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,9 +235,9 @@ def decode(model: nnx.Module, first_tokens: jax.Array, caches: Sequence[Any],
     # Full-length caches on every layer: rings (the local layers' default) cannot roll back
     # by lengths.
     draft_caches = draft.init_caches(batch, width + max_new_tokens + k + 1, local_layers="full")
-    if not all(isinstance(c, LengthsRollback) for c in draft_caches):
+    if not all(capabilities.rollback(c) == "lengths" for c in draft_caches):
       raise ValueError("speculative.model must build caches that roll back by lengths "
-                       "(kvattn.caches._slots.LengthsRollback: dense, latent, paged); got "
+                       "(dense, latent, paged); got "
                        f"{sorted({type(c).__name__ for c in draft_caches})}")
     draft_caches = _draft_prefill(draft_graphdef, draft_state, tuple(draft_caches),
                                   jnp.asarray(prompts), jnp.asarray(prompt_lengths))

@@ -88,9 +88,10 @@ def _attends_after_update(cache: Any) -> bool:
   """True when `cache.attend` after its `update` is the cache's whole attention step: kinds
   without a step of their own (the protocol's RoPE, update, attend) and `KVCache` (whose step
   is that, or an equal decode step). Ring, sinks, eviction and the low-bit kinds attend a chunk
-  differently (before it overwrites a window; with the chunk in full precision)."""
+  differently (before it overwrites a window; with the chunk in full precision). A kind says
+so with the class attribute `ATTENDS_AFTER_UPDATE`."""
   cache = getattr(cache, "cache", cache) if isinstance(cache, transaction.Draft) else cache
-  if isinstance(cache, cache_lib.KVCache):
+  if getattr(type(cache), "ATTENDS_AFTER_UPDATE", False):  # a kind's declaration
     return True
   return getattr(cache, "update_attend_unchecked", None) is None and \
       getattr(cache, "update_attend", None) is None

@@ -18,11 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 from ml_collections import config_dict
 
-NUM_BYTES = 256
-BOS_ID = 256
-EOS_ID = 257
-PAD_ID = 258
-VOCAB_SIZE = 259
+from kvattn.vocab import BOS_ID, EOS_ID, NUM_BYTES, PAD_ID, VOCAB_SIZE  # pylint: disable=unused-import
 
 DEFAULT_MAX_BYTES = 8 * 2**20  # 8 MiB: ~60% of the stdlib sources, read in well under a second.
 

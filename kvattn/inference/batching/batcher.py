@@ -11,13 +11,13 @@ import numpy as np
 from flax import nnx
 
 from kvattn import _checks
+from kvattn import vocab
 from kvattn.inference.batching import options as options_lib
 from kvattn.inference.batching import programs
 from kvattn.inference.batching import speculation
 from kvattn.inference.batching.options import Finished, Live, NoFreeSlotError
 from kvattn.paging.allocator import NO_PAGE, OutOfPagesError, PageAllocator, pages_for
 from kvattn.paging.offload import PageCodec
-from kvattn.training import data as data_lib
 
 
 class ContinuousBatcher:
@@ -29,7 +29,7 @@ class ContinuousBatcher:
   def __init__(self, model: nnx.Module, *, num_slots: int, num_pages: int, page_size: int,
                max_len: int, max_prompt_len: int, temperature: float = 0.0,
                top_k: int | None = None, top_p: float | None = None,
-               eos_id: int | None = None, pad_id: int = data_lib.PAD_ID, dtype: Any = None,
+               eos_id: int | None = None, pad_id: int = vocab.PAD_ID, dtype: Any = None,
                seed: int | None = None, rng: Any = None, prefix_cache: bool = False,
                offload: Any = None, mesh: Any = None, speculative: Any = None,
                local_layers: str = "full", max_ring_snapshots: int | None = None,

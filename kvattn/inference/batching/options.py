@@ -237,9 +237,10 @@ def configure(b, model, *, num_slots, num_pages, page_size, max_len, max_prompt_
   if isinstance(speculative, speculative_lib.DraftModel):
     draft = speculative.model
     b._draft_graphdef, b._draft_state = nnx.split(draft)
-    # One dense row per slot; room for a pass that drafts k past the last kept token.
+    # One dense row per slot at full length (rings cannot roll back by lengths); room for a
+    # pass that drafts k past the last kept token.
     b._draft_caches = tuple(draft.init_caches(
-        b.num_slots, b.max_len + speculative.num_draft_tokens + 1))
+        b.num_slots, b.max_len + speculative.num_draft_tokens + 1, local_layers="full"))
     if not all(capabilities.rollback(c) == "lengths" for c in b._draft_caches):
       raise ValueError("speculative.model must build caches that roll back by lengths "
                        "(dense, latent, paged); got "
