@@ -71,6 +71,8 @@ flags.DEFINE_integer("max_ngram_size", 3, "Prompt lookup: longest n-gram matched
 flags.DEFINE_integer("draft_layers", 0, "Also a draft model of the first N layers (0: off).")
 flags.DEFINE_enum("param_dtype", "float32", ["float32", "int8"],
                   "Weights: f32, or int8 (W8A8, kvattn.models.int8) -- the HF peer stays f32.")
+flags.DEFINE_enum("cache_dtype", "float32", ["float32", "bfloat16", "int8", "float8_e4m3fn"],
+                  "Dtype of the dense caches (plain and speculative alike).")
 flags.DEFINE_integer("rounds", 5, "Interleaved timed rounds (after one untimed warm-up).")
 flags.DEFINE_bool("peers", False, "Also time HF transformers (subprocess of --peer_python).")
 flags.DEFINE_string("peer_python", "/work/peers-venv/bin/python", "Python of the HF peer.")
@@ -300,7 +302,7 @@ def main(argv):
   for spec in FLAGS.prompts:
     prompt = _prompt(tokenizer, spec)[None]
     lengths = np.array([prompt.shape[1]], np.int32)
-    caches = model.init_caches(1, prompt.shape[1] + n + k)
+    caches = model.init_caches(1, prompt.shape[1] + n + k, jnp.dtype(FLAGS.cache_dtype))
     _, first, caches, key = timing.timed_prefill(model, prompt, lengths, caches)
     copy = lambda: jax.tree.map(jnp.copy, caches)
 
@@ -331,8 +333,10 @@ def main(argv):
         seconds, tokens, stats = spec_run(drafter)
         times[name].append(seconds)
         same = bool(np.array_equal(np.asarray(tokens), np.asarray(want)))
+        differ = np.flatnonzero(np.asarray(tokens)[0] != np.asarray(want)[0])
         per_pass = 1 + int(stats["accepted"][0]) / max(int(stats["passes"][0]), 1)
         times[name + "/info"] = dict(equal_to_plain=same, tokens_per_pass=per_pass,
+                                     first_divergence=int(differ[0]) if len(differ) else None,
                                      passes=int(stats["passes"][0]))
       if peer is not None and not r % 2:
         out = peer()
@@ -341,7 +345,7 @@ def main(argv):
     plain_s = statistics.median(times["plain"][1:])
     base = dict(prompt=spec, prompt_len=int(prompt.shape[1]), new_tokens=n, k=k,
                 max_ngram_size=FLAGS.max_ngram_size, rounds=FLAGS.rounds,
-                param_dtype=FLAGS.param_dtype, **env)
+                param_dtype=FLAGS.param_dtype, cache_dtype=FLAGS.cache_dtype, **env)
     print(json.dumps(dict(base, system="kvattn_plain", **timing.stats("decode_s",
                                                                       times["plain"][1:]),
                           decode_tokens_per_s=(n - 1) / plain_s)))

@@ -144,6 +144,12 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback, capabil
 
   ATTENDS_AFTER_UPDATE = True  # its one-token step equals `update` then `attend`
 
+  @property
+  def chunk_equals_steps(self) -> bool:
+    """False for int8 storage: its one-token step reads keys through a quantized query (s8
+    logits, `ops.xla_blocked`) and a chunk does not, so a speculative verify pass steps."""
+    return self.k.dtype != jnp.int8
+
   @classmethod
   def init(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
            dtype=jnp.float32) -> "KVCache":

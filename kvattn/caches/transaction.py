@@ -21,9 +21,9 @@ COPY, KIND = "copy", "kind"
 
 
 def chunk_equals_steps(cache: Any) -> bool:
-  """True when `cache`'s kind declares that a chunk through `update_attend` equals one-token
-  steps (class attribute `chunk_equals_steps`; default False: verify stepwise)."""
-  return bool(getattr(type(cache), "chunk_equals_steps", False))
+  """True when `cache` declares that a chunk through `update_attend` equals one-token steps
+  (attribute or property `chunk_equals_steps`; default False: verify stepwise)."""
+  return bool(getattr(cache, "chunk_equals_steps", False))
 
 
 @struct.dataclass
