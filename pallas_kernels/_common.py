@@ -17,6 +17,8 @@ kernels. Imports only jax.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -106,43 +108,46 @@ def dot(a, b, *, trans_b: bool = False, precision=None):
 
 
 def logits(q1, k1, q2=None, k2=None, *, sm_scale: float, soft_cap: float | None = None,
-           precision):
-  """f32 `[Gb, bk]` logits `(q1 . k1 + q2 . k2) * sm_scale` (second part optional),
-  soft-capped (`cap * tanh(s / cap)`) when asked."""
+           precision, k_scale=None):
+  """f32 `[Gb, bk]` logits `(q1 . k1 + q2 . k2) * sm_scale` (second part optional; times
+  the per-key `k_scale [1, bk]` when given), soft-capped (`cap * tanh(s / cap)`) when asked."""
   s = dot(q1, k1, trans_b=True, precision=precision)
   if q2 is not None:
     s = s + dot(q2, k2, trans_b=True, precision=precision)
-  s = s * sm_scale
+  s = s * (sm_scale if k_scale is None else k_scale.astype(jnp.float32) * sm_scale)
   if soft_cap is not None:
     s = soft_cap * jnp.tanh(s / soft_cap)
   return s
 
 
-def online_softmax_step(m_prev, l_prev, acc_prev, s, v, slot0, start, length, precision):
+def online_softmax_step(m_prev, l_prev, acc_prev, s, v, slot0, start, length, precision,
+                        v_scale=None):
   """One FlashAttention-2 update with a key block at slots `slot0 + [0, bk)`.
 
-  Masked logits are replaced (not added to), so their probabilities are exact
-  zeros, and masked value rows are zeroed before the product (0 * NaN would
-  be NaN): garbage in slots outside the range never reaches the result.
+  Masked logits are replaced (not added to) and masked value rows zeroed, so garbage
+  outside `[start, length)` never reaches the result (0 * NaN would be NaN).
 
   Args:
-    m_prev, l_prev: f32[Gb, 1] running max and running sum of exp.
-    acc_prev: f32[Gb, Hv] running unnormalised output.
+    m_prev, l_prev: f32[Gb, 1] running max and sum of exp; acc_prev: f32[Gb, Hv].
     s: f32[Gb, bk] logits of this block (unmasked).
-    v: [bk, Hv] values of this block (may hold garbage outside the range).
-    slot0: i32 scalar, (logical) slot of the block's first key.
-    start, length: i32 scalars, the attended slot range `[start, length)`.
+    v: [bk, Hv] values of this block.
+    slot0, start, length: i32 scalars: the block's first slot, the attended range.
+    v_scale: optional per-token value scales `[1, bk]`, applied to the probabilities
+      (zeroed where masked) rather than to the `[bk, Hv]` values.
 
   Returns:
     `(m_next, l_next, acc_next)`.
   """
   bk = s.shape[1]
   cols = slot0 + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-  s = jnp.where((cols >= start) & (cols < length), s, -jnp.inf)
+  valid = (cols >= start) & (cols < length)
+  s = jnp.where(valid, s, -jnp.inf)
   m_next = jnp.maximum(m_prev, jnp.max(s, axis=1)[:, None])
   alpha = jnp.exp(m_prev - m_next)
   p = jnp.exp(s - m_next)  # exact 0 where masked
   l_next = alpha * l_prev + jnp.sum(p, axis=1)[:, None]
+  if v_scale is not None:
+    p = jnp.where(valid, p * v_scale.astype(jnp.float32), 0.0)
   rows = slot0 + lax.broadcasted_iota(jnp.int32, (bk, v.shape[1]), 0)
   v = jnp.where((rows >= start) & (rows < length), v, jnp.zeros((), v.dtype))
   pv = dot(p.astype(v.dtype), v, precision=precision)
@@ -189,18 +194,35 @@ def grid_init(step, m_sc, l_sc, acc_sc, cnt_sc):
 
 
 def grid_update(m_sc, l_sc, acc_sc, cnt_sc, s, v, block, block_size: int, start, length,
-                precision):
+                precision, v_scale=None):
   """"grid" schedule: one `online_softmax_step` on the scratch state (statistics
   lane-replicated `[Gb, 128]`) with the key block `block` of `block_size` slots
   (first slot `block * block_size`), counting it when `cnt_sc` is given."""
   m_prev, l_prev = m_sc[...], l_sc[...]
   m, l, acc = online_softmax_step(m_prev[:, :1], l_prev[:, :1], acc_sc[...], s, v,
-                                  block * block_size, start, length, precision)
+                                  block * block_size, start, length, precision, v_scale)
   m_sc[...] = jnp.broadcast_to(m, m_sc.shape)
   l_sc[...] = jnp.broadcast_to(l, l_sc.shape)
   acc_sc[...] = acc
   if cnt_sc is not None:
     cnt_sc[...] += 1
+
+
+def grid_refs(rest, count: bool):
+  """"grid" schedule: the kernel's trailing refs (after the inputs) as `(o, lse, count,
+  m, l, acc, count scratch)`; the count refs are None without `count`."""
+  o_ref, lse_ref, *rest = rest
+  cnt_ref = rest.pop(0) if count else None
+  m_sc, l_sc, acc_sc = rest[:3]
+  return o_ref, lse_ref, cnt_ref, m_sc, l_sc, acc_sc, rest[3] if count else None
+
+
+def grid_pages(pages_per_block: int, blk, lo, hi, compute):
+  """"grid" schedule over pages: `compute(j, page)` for each page operand j of key block
+  `blk` (page `blk * ppb + j`) that lies in the needed pages `[lo, hi)` (static unroll)."""
+  for j in range(pages_per_block):
+    page = blk * pages_per_block + j
+    pl.when((page >= lo) & (page < hi))(functools.partial(compute, j, page))
 
 
 def grid_write(step, blocks_per_split: int, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref,
@@ -369,6 +391,88 @@ def launch(kernel, operands, *, schedule: str, grid, in_specs, block_g: int, hv:
   if count:
     outs[2] = outs[2][..., 0]
   return tuple(outs)
+
+
+def kv_block_index(split, step, lo, hi, blocks_per_split: int):
+  """Key block fetched at grid step (split, step) of the "grid" schedule.
+
+  The natural block `split * blocks_per_split + step` is clamped into the
+  needed range `[lo, hi)`. Steps before the range fetch block `lo` (which the
+  first needed step then reuses), steps after it repeat block `hi - 1` (which
+  the last needed step already fetched), so the pipeline, which skips the copy
+  when consecutive steps name the same block, reads each needed block once and
+  nothing else. A length-0 row (`hi == lo == 0`) names block 0 throughout.
+  """
+  blk = split * blocks_per_split + step
+  return jnp.minimum(jnp.maximum(blk, lo), jnp.maximum(hi - 1, lo))
+
+
+# Page pools (`paged_decode.py`, `lowbit_paged_decode.py`): a key block is
+# `pages_per_block` pages named by a sequence's block-table row.
+
+
+def page_ids(table_ref, blk, pages_per_block: int, num_pages: int):
+  """("loop") The physical pages of key block `blk`, clamped into `[0, P)`: unassigned
+  entries (-1) read a pool page instead of faulting; their slots lie past the length."""
+  ids = table_ref[pl.ds(pl.multiple_of(blk * pages_per_block, pages_per_block),
+                        pages_per_block)]
+  return jnp.clip(ids, 0, num_pages - 1)
+
+
+def gather_pages(ref, ids, rows: int):
+  """("loop") `[rows, X]`: the pages `ids` of a `[P, page_rows, X]` pool ref, in order."""
+  return ref[ids].reshape(rows, ref.shape[-1])
+
+
+def pool_spec(num_pages: int, shape):
+  """("loop") The whole `[P, *shape]` pool of KV head h; the kernel gathers pages from it."""
+  return pl.BlockSpec((None, num_pages) + tuple(shape), lambda b, h, g, j: (h, 0, 0, 0))
+
+
+def grid_logical_page(blk, j, lo, hi, pages_per_block: int, pages_padded: int):
+  """("grid") Logical page that page operand j fetches at key block `blk`.
+
+  Operand j holds pages `j, j + ppb, ...`; its page `blk * ppb + j` is clamped into
+  the needed pages of its residue class inside `[lo, hi)`, so steps outside them
+  repeat a needed page and the pipeline issues no DMA for them.
+  """
+  ppb = pages_per_block
+  first = lo + lax.rem(j - lax.rem(lo, ppb) + ppb, ppb)  # smallest page >= lo, = j mod ppb
+  top = jnp.maximum(hi - 1, 0)
+  last = top - lax.rem(lax.rem(top, ppb) - j + ppb, ppb)  # largest page <= hi - 1, = j mod ppb
+  page = jnp.minimum(jnp.maximum(blk * ppb + j, first), jnp.maximum(last, first))
+  return jnp.minimum(page, pages_padded - 1)
+
+
+def page_spec(j: int, shape, *, num_pages: int, page_size: int, pages_per_block: int,
+              blocks_per_split: int, pages_padded: int):
+  """("grid") BlockSpec of page operand j of a `[K, P, *shape]` pool: its index map reads
+  the physical page from the scalar-prefetched tables (`grid_logical_page`)."""
+
+  def index(b, h, g, sp, st, starts_ref, lengths_ref, tables_ref):
+    lo, hi = block_bounds(starts_ref[b], lengths_ref[b], page_size)
+    page = grid_logical_page(sp * blocks_per_split + st, j, lo, hi, pages_per_block,
+                             pages_padded)
+    phys = tables_ref[b * pages_padded + page]
+    return h, jnp.minimum(jnp.maximum(phys, 0), num_pages - 1), 0, 0
+
+  return pl.BlockSpec((None, None) + tuple(shape), index)
+
+
+def page_splits(block_tables, schedule: str, programs: int, pages_per_block: int,
+                num_splits: int | None):
+  """`(tables i32[B, padded], num_splits, blocks_per_split)`: the page axis cut into
+  splits of whole key blocks, the tables padded with -1 (never inside a range)."""
+  pps = block_tables.shape[1]
+  num_blocks = -(-pps // pages_per_block)
+  if num_splits is None:
+    num_splits = default_splits(schedule, programs, num_blocks)
+  num_splits = min(num_splits, num_blocks)
+  bps = -(-num_blocks // num_splits)
+  padded = num_splits * bps * pages_per_block
+  tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded - pps)),
+                   constant_values=-1)
+  return tables, num_splits, bps
 
 
 def merge_splits(out, lse):

@@ -197,20 +197,6 @@ def _grid_kernel(
 # ----------------------------------------------------------------------------
 
 
-def _kv_block_index(split, step, lo, hi, blocks_per_split: int):
-  """Key block fetched at grid step (split, step) of the "grid" schedule.
-
-  The natural block `split * blocks_per_split + step` is clamped into the
-  needed range `[lo, hi)`. Steps before the range fetch block `lo` (which the
-  first needed step then reuses), steps after it repeat block `hi - 1` (which
-  the last needed step already fetched), so the pipeline, which skips the copy
-  when consecutive steps name the same block, reads each needed block once and
-  nothing else. A length-0 row (`hi == lo == 0`) names block 0 throughout.
-  """
-  blk = split * blocks_per_split + step
-  return jnp.minimum(jnp.maximum(blk, lo), jnp.maximum(hi - 1, lo))
-
-
 def _pick_block_k(capacity: int, target: int, granule: int) -> int | None:
   """Largest power-of-two multiple of `granule` <= target that divides S."""
   bk = _common.next_pow2(target) if target & (target - 1) else target
@@ -319,7 +305,7 @@ def _decode_partials(
     def kv_spec(width):
       def index(b, h, g, j, i, st, ln):
         lo, hi = _common.block_bounds(st[b], ln[b], block_k)
-        return b, h, _kv_block_index(j, i, lo, hi, bps), 0
+        return b, h, _common.kv_block_index(j, i, lo, hi, bps), 0
       return pl.BlockSpec((None, None, block_k, width), index)
 
     in_specs = [q_spec(h1)] + ([q_spec(q2.shape[-1])] if has_rope else [])

@@ -98,32 +98,26 @@ def _loop_kernel(
   ks_ref, vs_ref = refs[:2] if scaled else (None, None)
   o_ref, lse_ref, *cnt_ref = refs[2:] if scaled else refs
   split = pl.program_id(3)
-  num_pages, page_size, head_dim = k_ref.shape
+  num_pages, page_size, _ = k_ref.shape
   block_k = pages_per_block * page_size
   start, length = start_ref[()], length_ref[()]
   first, num_blocks = _common.split_blocks(split, start, length, block_k, blocks_per_split)
   q = q_ref[...]
-  hv = o_ref.shape[-1]
 
-  def gather(ref, scale_ref, ids, width):  # [block_k, width], dequantized when quantized
-    x = ref[ids].reshape(block_k, width)
+  def gather(ref, scale_ref, ids):  # [block_k, X], dequantized when quantized
+    x = _common.gather_pages(ref, ids, block_k)
     if scale_ref is None:
       return x
-    return _common.dequant(x, scale_ref[ids].reshape(block_k, 1), q.dtype)
+    return _common.dequant(x, _common.gather_pages(scale_ref, ids, block_k), q.dtype)
 
   def body(i, carry):
     m, l, acc = carry
     blk = first + i
-    ids = table_ref[pl.ds(pl.multiple_of(blk * pages_per_block, pages_per_block),
-                          pages_per_block)]
-    # Unassigned entries (-1) and anything else out of range read page 0 or
-    # P - 1 instead of faulting; those slots are past the length and masked.
-    ids = jnp.clip(ids, 0, num_pages - 1)
-    k = gather(k_ref, ks_ref, ids, head_dim)
-    v = gather(v_ref, vs_ref, ids, hv)
-    s = _common.logits(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
-    return _common.online_softmax_step(m, l, acc, s, v, blk * block_k, start, length,
-                                       precision)
+    ids = _common.page_ids(table_ref, blk, pages_per_block, num_pages)
+    s = _common.logits(q, gather(k_ref, ks_ref, ids), sm_scale=sm_scale, soft_cap=soft_cap,
+                       precision=precision)
+    return _common.online_softmax_step(m, l, acc, s, gather(v_ref, vs_ref, ids),
+                                       blk * block_k, start, length, precision)
 
   _common.loop_blocks(num_blocks, body, o_ref, lse_ref)
   if count:
@@ -153,34 +147,26 @@ def _grid_kernel(
   k_refs, v_refs = refs[:ppb], refs[ppb:2 * ppb]
   ks_refs, vs_refs = ((refs[2 * ppb:3 * ppb], refs[3 * ppb:4 * ppb]) if scaled
                       else ((None,) * ppb, (None,) * ppb))
-  rest = refs[(4 if scaled else 2) * ppb:]
-  o_ref, lse_ref = rest[0], rest[1]
-  cnt_ref = rest[2] if count else None
-  m_sc, l_sc, acc_sc = rest[3:6] if count else rest[2:5]
-  cnt_sc = rest[6] if count else None
+  o_ref, lse_ref, cnt_ref, m_sc, l_sc, acc_sc, cnt_sc = _common.grid_refs(
+      refs[(4 if scaled else 2) * ppb:], count)
   page_size = k_refs[0].shape[0]
   b, split, step = pl.program_id(0), pl.program_id(3), pl.program_id(4)
   start, length = starts_ref[b], lengths_ref[b]
   lo, hi = _common.block_bounds(start, length, page_size)
-  blk = split * blocks_per_split + step
   _common.grid_init(step, m_sc, l_sc, acc_sc, cnt_sc)
 
-  for j in range(ppb):  # static unroll over the block's pages
-    page = blk * ppb + j
+  def compute(j, page):
+    q = q_ref[...]
 
-    @pl.when((page >= lo) & (page < hi))
-    def _compute():
-      q = q_ref[...]
+    def load(ref, scale_ref):  # [page_size, X] page, dequantized when quantized
+      return _common.dequant(ref[...], None if scale_ref is None else scale_ref[...], q.dtype)
 
-      def load(ref, scale_ref):  # [page_size, X] page, dequantized when quantized
-        return _common.dequant(ref[...], None if scale_ref is None else scale_ref[...],
-                               q.dtype)
+    s = _common.logits(q, load(k_refs[j], ks_refs[j]), sm_scale=sm_scale, soft_cap=soft_cap,
+                       precision=precision)
+    _common.grid_update(m_sc, l_sc, acc_sc, cnt_sc, s, load(v_refs[j], vs_refs[j]), page,
+                        page_size, start, length, precision)
 
-      s = _common.logits(q, load(k_refs[j], ks_refs[j]), sm_scale=sm_scale,
-                         soft_cap=soft_cap, precision=precision)
-      _common.grid_update(m_sc, l_sc, acc_sc, cnt_sc, s, load(v_refs[j], vs_refs[j]), page,
-                          page_size, start, length, precision)
-
+  _common.grid_pages(ppb, split * blocks_per_split + step, lo, hi, compute)
   _common.grid_write(step, blocks_per_split, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref,
                      cnt_ref)
 
@@ -188,26 +174,6 @@ def _grid_kernel(
 # ----------------------------------------------------------------------------
 # Launcher.
 # ----------------------------------------------------------------------------
-
-
-def _grid_logical_page(blk, j, lo, hi, pages_per_block: int, pages_padded: int):
-  """Logical page that page operand j fetches at key block `blk` ("grid" schedule).
-
-  Operand j holds pages `j, j + ppb, j + 2 ppb, ...` (ppb = pages_per_block).
-  Its natural page `blk * ppb + j` is clamped into the needed pages of its own
-  residue class inside `[lo, hi)`: steps before them fetch the first, steps
-  after them repeat the last, so the pipeline, which skips the copy when an
-  operand's block index repeats, reads each needed page once and nothing
-  else (an operand with no needed page stays on one page throughout). All
-  arithmetic is on non-negative scalars (`lax.rem` truncates), and the result
-  stays inside the padded table.
-  """
-  ppb = pages_per_block
-  first = lo + lax.rem(j - lax.rem(lo, ppb) + ppb, ppb)  # smallest page >= lo, = j mod ppb
-  top = jnp.maximum(hi - 1, 0)
-  last = top - lax.rem(lax.rem(top, ppb) - j + ppb, ppb)  # largest page <= hi - 1, = j mod ppb
-  page = jnp.minimum(jnp.maximum(blk * ppb + j, first), jnp.maximum(last, first))
-  return jnp.minimum(page, pages_padded - 1)
 
 
 def _tiles(schedule: str, num_groups: int, page_size: int, pages_per_seq: int, head_dim: int,
@@ -290,31 +256,23 @@ def _paged_partials(
                    pages_per_block=pages_per_block, blocks_per_split=bps, precision=precision)
 
   if schedule == "loop":
-    def pool_spec(width):  # the whole pool of KV head h; the kernel gathers pages from it
-      return pl.BlockSpec((None, num_pages, page_size, width), lambda b, h, g, j: (h, 0, 0, 0))
-
     scalar = pl.BlockSpec((None,), lambda b, h, g, j: (b,))
     in_specs = [
         scalar, scalar,
         pl.BlockSpec((None, pages_padded), lambda b, h, g, j: (b, 0)),
         pl.BlockSpec((None, None, block_g, head_dim), lambda b, h, g, j: (b, h, g, 0)),
-        pool_spec(head_dim), pool_spec(hv),
-    ] + [pool_spec(1) for _ in scale_pools]
+    ] + [_common.pool_spec(num_pages, (page_size, w)) for w in [head_dim, hv] + [1] * len(
+        scale_pools)]
     kernel, grid = _loop_kernel, (batch, num_kv, num_gt, num_splits)
     operands = [starts, lengths, block_tables, q, k_pages, v_pages] + scale_pools
   else:
-    def page_spec(j, width):
-      def index(b, h, g, sp, st, starts_ref, lengths_ref, tables_ref):
-        lo, hi = _common.block_bounds(starts_ref[b], lengths_ref[b], page_size)
-        page = _grid_logical_page(sp * bps + st, j, lo, hi, pages_per_block, pages_padded)
-        phys = tables_ref[b * pages_padded + page]
-        return h, jnp.minimum(jnp.maximum(phys, 0), num_pages - 1), 0, 0
-      return pl.BlockSpec((None, None, page_size, width), index)
-
     in_specs = [pl.BlockSpec((None, None, block_g, head_dim),
                              lambda b, h, g, sp, st, *_: (b, h, g, 0))]
     for width in [head_dim, hv] + [1 for _ in scale_pools]:
-      in_specs += [page_spec(j, width) for j in range(pages_per_block)]
+      in_specs += [_common.page_spec(j, (page_size, width), num_pages=num_pages,
+                                     page_size=page_size, pages_per_block=pages_per_block,
+                                     blocks_per_split=bps, pages_padded=pages_padded)
+                   for j in range(pages_per_block)]
     kernel, grid = _grid_kernel, (batch, num_kv, num_gt, num_splits, bps)
     # Page operand j of each pool is the whole pool; its index map picks the page.
     operands = [starts, lengths, block_tables.reshape(-1), q] + [
@@ -343,16 +301,9 @@ def _paged_impl(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *,
   groups = num_heads // num_kv
   pages_per_block, block_g, gp = _tiles(schedule, groups, page_size, pages_per_seq, head_dim,
                                         hv, k_pages.dtype, pages_per_block, block_g)
-  num_blocks = -(-pages_per_seq // pages_per_block)
-  if num_splits is None:
-    num_splits = _common.default_splits(schedule, batch * num_kv * (gp // block_g), num_blocks)
-  num_splits = min(num_splits, num_blocks)
-  blocks_per_split = -(-num_blocks // num_splits)
-  pages_padded = num_splits * blocks_per_split * pages_per_block
-  # Padding entries are never inside [start, length): they are only ever read
-  # (clamped) by a block straddling the end of the table, and masked.
-  tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pages_padded - pages_per_seq)),
-                   constant_values=-1)
+  tables, num_splits, _ = _common.page_splits(block_tables, schedule,
+                                              batch * num_kv * (gp // block_g),
+                                              pages_per_block, num_splits)
   starts, lengths = common.attended_range(lengths, pages_per_seq * page_size, window)
   qg = _common.group_queries(q, num_kv, gp, _common.dot_dtype(q.dtype, k_pages.dtype))
   scale_pools = () if k_scale is None else _common.scale_columns((k_scale, v_scale))

@@ -53,7 +53,6 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _common
 from pallas_kernels import attention_common as common
-from pallas_kernels.dense_decode import _kv_block_index
 from pallas_kernels.lowbit_decode import store_attention_reference
 
 BITS = (3, 4)
@@ -120,31 +119,6 @@ def _decode_block(packed, matrix, bits, levels, dtype):
   return _lookup(_unpack(packed, matrix, bits), levels).astype(dtype)
 
 
-def _logits(q, k, k_scale, sm_scale, soft_cap, precision):
-  """f32 `[Gb, bk]`: `(q . c[k_codes]) * k_scale * sm_scale`, soft-capped."""
-  s = _common.dot(q, k, trans_b=True, precision=precision)
-  s = s * (k_scale.astype(jnp.float32) * sm_scale)
-  if soft_cap is not None:
-    s = soft_cap * jnp.tanh(s / soft_cap)
-  return s
-
-
-def _softmax_step(m_prev, l_prev, acc_prev, s, v, v_scale, slot0, start, length, precision):
-  """`_common.online_softmax_step` with per-token value scales `[1, bk]` applied to the
-  probabilities (zeroed outside `[start, length)`: 0 * NaN would be NaN). `v` (codebook
-  levels) is always finite, so its rows need no masking."""
-  cols = slot0 + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-  valid = (cols >= start) & (cols < length)
-  s = jnp.where(valid, s, -jnp.inf)
-  m_next = jnp.maximum(m_prev, jnp.max(s, axis=1)[:, None])
-  alpha = jnp.exp(m_prev - m_next)
-  p = jnp.exp(s - m_next)  # exact 0 where masked
-  l_next = alpha * l_prev + jnp.sum(p, axis=1)[:, None]
-  pw = jnp.where(valid, p * v_scale.astype(jnp.float32), 0.0)
-  pv = _common.dot(pw.astype(v.dtype), v, precision=precision)
-  return m_next, l_next, alpha * acc_prev + pv
-
-
 # ----------------------------------------------------------------------------
 # Kernels.
 # ----------------------------------------------------------------------------
@@ -188,10 +162,11 @@ def _loop_kernel(
       offset = pl.multiple_of(lo, block_k)
     rows = pl.ds(offset, block_k)
     k = _decode_block(_common.load_rows(kc_ref, rows, width), e, bits, levels, q.dtype)
-    s = _logits(q, k, ks_ref[:, rows], sm_scale, soft_cap, precision)
+    s = _common.logits(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision,
+                       k_scale=ks_ref[:, rows])
     v = _decode_block(_common.load_rows(vc_ref, rows, width), e, bits, levels, q.dtype)
-    return _softmax_step(m, l, acc, s, v, vs_ref[:, rows], offset, jnp.maximum(start, lo),
-                         length, precision)
+    return _common.online_softmax_step(m, l, acc, s, v, offset, jnp.maximum(start, lo),
+                                       length, precision, v_scale=vs_ref[:, rows])
 
   _common.loop_blocks(num_blocks, body, o_ref, lse_ref)
   if rest:
@@ -219,10 +194,8 @@ def _grid_kernel(
     precision,
 ):
   """"grid" schedule: key blocks on the last (sequential) grid axis."""
-  count = len(rest) == 5
-  cnt_ref = rest[0] if count else None
-  m_sc, l_sc, acc_sc = rest[1:4] if count else rest[:3]
-  cnt_sc = rest[4] if count else None
+  o_ref, lse_ref, cnt_ref, m_sc, l_sc, acc_sc, cnt_sc = _common.grid_refs(
+      (o_ref, lse_ref) + rest, len(rest) == 5)
   b, split, step = pl.program_id(0), pl.program_id(3), pl.program_id(4)
   start, length = starts_ref[b], lengths_ref[b]
   lo, hi = _common.block_bounds(start, length, block_k)
@@ -234,15 +207,11 @@ def _grid_kernel(
     q = q_ref[...]
     e = e_ref[...]
     k = _decode_block(kc_ref[...], e, bits, levels, q.dtype)
-    s = _logits(q, k, ks_ref[...], sm_scale, soft_cap, precision)
+    s = _common.logits(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision,
+                       k_scale=ks_ref[...])
     v = _decode_block(vc_ref[...], e, bits, levels, q.dtype)
-    m, l, acc = _softmax_step(m_sc[...][:, :1], l_sc[...][:, :1], acc_sc[...], s, v,
-                              vs_ref[...], blk * block_k, start, length, precision)
-    m_sc[...] = jnp.broadcast_to(m, m_sc.shape)
-    l_sc[...] = jnp.broadcast_to(l, l_sc.shape)
-    acc_sc[...] = acc
-    if cnt_sc is not None:
-      cnt_sc[...] += 1
+    _common.grid_update(m_sc, l_sc, acc_sc, cnt_sc, s, v, blk, block_k, start, length,
+                        precision, v_scale=vs_ref[...])
 
   _common.grid_write(step, blocks_per_split, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref,
                      cnt_ref)
@@ -310,7 +279,7 @@ def _partials(q, store, matrix, starts, lengths, *, bits, levels, sm_scale, soft
   else:
     def blk(b, j, i, st, ln):
       lo, hi = _common.block_bounds(st[b], ln[b], block_k)
-      return _kv_block_index(j, i, lo, hi, bps)
+      return _common.kv_block_index(j, i, lo, hi, bps)
 
     codes = pl.BlockSpec((None, None, block_k, width),
                          lambda b, h, g, j, i, st, ln: (b, h, blk(b, j, i, st, ln), 0))

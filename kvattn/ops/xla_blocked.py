@@ -324,13 +324,15 @@ def mla_decode_attention_blocked(
   return out[:, 0].astype(q_latent.dtype)
 
 
-def _decode(q, k, v, lengths, *, explicit, **options):
+def decode(q, k, v, lengths, *, explicit, **options):
+  """The "xla_blocked" backend of `dispatch.decode_attention`."""
   if not explicit:
     _fits(k.shape[2])
   return decode_attention_blocked(q, k, v, lengths, **options)
 
 
-def _mla_decode(q_latent, q_rope, c_kv, k_rope, lengths, *, explicit, **options):
+def mla_decode(q_latent, q_rope, c_kv, k_rope, lengths, *, explicit, **options):
+  """The "xla_blocked" backend of `dispatch.mla_decode_attention`."""
   if not explicit:
     _fits(c_kv.shape[1])
   return mla_decode_attention_blocked(q_latent, q_rope, c_kv, k_rope, lengths, **options)

@@ -217,14 +217,9 @@ def paged_decode_attention_pool_xla(
   return out.reshape(batch, num_heads, v_pages.shape[-1]).astype(q.dtype)
 
 
-def _xla_paged(q, k_pages, v_pages, block_tables, lengths, *, explicit, **options):
-  del explicit
-  return paged_decode_attention_xla(q, k_pages, v_pages, block_tables, lengths, **options)
-
-
-def _xla_pool(q, k_pages, v_pages, block_tables, lengths, *, explicit, **options):
-  """Picked (when not named) if the pool is smaller than the gathered view:
-  P < B * pages_per_seq, i.e. when scanning the pool reads less than gathering."""
+def pool_decode(q, k_pages, v_pages, block_tables, lengths, *, explicit, **options):
+  """The "xla_pool" backend of `dispatch.paged_decode_attention`; picked (when not named)
+  if scanning the pool reads less than gathering (P < B * pages_per_seq)."""
   if not explicit and k_pages.shape[1] >= block_tables.shape[0] * block_tables.shape[1]:
     raise NotImplementedError(
         f"xla_pool: the pool ({k_pages.shape[1]} pages) is not smaller than the gathered view "

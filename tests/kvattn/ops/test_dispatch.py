@@ -25,6 +25,9 @@ def test_table_states_every_backend_and_the_default_order():
       "decode_attention": ("pallas", "xla_blocked", "xla"),
       "paged_decode_attention": ("pallas", "xla_pool", "xla"),
       "mla_decode_attention": ("pallas", "xla_blocked", "xla"),
+      "kivi_store_decode": ("pallas", "xla"),
+      "paged_kivi_store_decode": ("pallas", "xla"),
+      "rotated_store_decode": ("pallas", "xla"),
   }
   with pytest.raises(ValueError, match=r"op must be one of \[.*\]; got 'prefill'"):
     ops.available_implementations("prefill")
