@@ -1,10 +1,9 @@
-"""Argument validation shared by kvattn's public functions.
+"""Argument checks of kvattn: every kvattn module takes its checks from here.
 
-Every check raises before any compute, with a message that names the argument,
-the value it got and what was expected (DESIGN.md, invariant 7). The checks of
-single arrays and numbers are the ones the kernels use
-(`pallas_kernels.attention_common`), re-exported here under kvattn's names;
-this module adds the checks only kvattn needs (dtypes, backend names, host values).
+Each raises before any compute, naming the argument, the value it got and what was
+expected. The checks the kernels run on their own arguments (shapes, dtypes, scales,
+numbers) are `pallas_kernels.attention_common`'s, imported here once; the rest are
+kvattn's (dtypes, backend names, host values).
 """
 
 from __future__ import annotations
@@ -15,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.attention_common import (dim, floating, head_layout, integer,  # noqa: F401
-                                             optional_positive_float, optional_positive_int,
-                                             positive_float, positive_int, rank, same_dtype)
+from pallas_kernels.attention_common import (  # noqa: F401  (kvattn's names for them)
+    check_decode_args, check_dense_args, check_mla_args, check_mla_decode_args,
+    check_paged_args, dim, floating, head_layout, integer, lengths_arg, optional_positive_float,
+    optional_positive_int, positive_float, positive_int, rank, same_dtype)
 
 
 def float_dtype(name: str, value: Any) -> jnp.dtype:
@@ -56,14 +56,6 @@ def implementation(name: str, value: Any, choices: Sequence[str]) -> str | None:
 def is_concrete(x: Any) -> bool:
   """True when `x` holds values known on the host (not a tracer)."""
   return not isinstance(x, jax.core.Tracer)
-
-
-def rope_scaling(value: Any) -> Any:
-  """`value` if it is a `kvattn.ops.RopeScaling` or None; TypeError naming `rope_scaling` else."""
-  from kvattn.ops import rope  # pylint: disable=g-import-not-at-top  (ops imports _checks)
-  if value is not None and not isinstance(value, rope.RopeScaling):
-    raise TypeError(f"rope_scaling must be a kvattn.ops.RopeScaling or None; got {value!r}")
-  return value
 
 
 def values_in_range(name: str, x: Any, low: int, high: int | None = None) -> None:

@@ -72,26 +72,6 @@ def decode_mask(lengths: jax.Array, capacity: int, window: int | None) -> jax.Ar
   return (slots >= starts[:, None]) & (slots < lengths[:, None])
 
 
-def attention_mask(q_offsets: jax.Array, kv_lengths: jax.Array, num_tokens: int, capacity: int,
-                   window: int | None) -> tuple[jax.Array, jax.Array]:
-  """`(bool[B, T, S] attend mask, bool[B, S] valid-slot mask)` for T new tokens per sequence.
-
-  Query t of sequence b sits at slot `p = q_offsets[b] + t` and attends slot s
-  iff `s <= p`, `s < kv_lengths[b]` and (with a window W) `s > p - W`. After an
-  overflow (`kv_lengths > S`) lengths are clamped to S and query slots to
-  S - 1, as in `attended_range`. With T = 1 and `q_offsets = lengths - 1` the
-  mask is `decode_mask`.
-  """
-  slots = jnp.arange(capacity, dtype=jnp.int32)  # [S]
-  q_slots = q_offsets[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)  # [B, T]
-  q_slots = jnp.minimum(q_slots, capacity - 1)
-  valid = slots[None, :] < jnp.minimum(kv_lengths, capacity)[:, None]  # [B, S]
-  mask = valid[:, None, :] & (slots[None, None, :] <= q_slots[:, :, None])  # [B, T, S]
-  if window is not None:
-    mask &= slots[None, None, :] > q_slots[:, :, None] - window
-  return mask, valid
-
-
 # ----------------------------------------------------------------------------
 # Checks of single arguments.
 # ----------------------------------------------------------------------------

@@ -23,7 +23,6 @@ from kvattn.ops import pallas
 from kvattn.ops import xla
 from kvattn.ops import xla_blocked
 from kvattn.ops import xla_paged
-from pallas_kernels import attention_common as common
 
 Implementation = Callable[..., Any]
 
@@ -209,7 +208,7 @@ def decode_attention(
       without scales (or scales for a float cache).
     NotImplementedError: no named backend can run these shapes here.
   """
-  lengths = common.check_decode_args(q, k, v, lengths, window, soft_cap, sm_scale, k_scale,
+  lengths = _checks.check_decode_args(q, k, v, lengths, window, soft_cap, sm_scale, k_scale,
                                      v_scale)
   _checks.values_in_range("lengths", lengths, 0, k.shape[2])
   if (k_new is None) != (v_new is None):
@@ -220,7 +219,7 @@ def decode_attention(
     batch, num_kv, _, head_dim = k.shape
     for name, x, want in (("k_new", k_new, (batch, num_kv, head_dim)),
                           ("v_new", v_new, (batch, num_kv, v.shape[-1]))):
-      common.floating(name, x)
+      _checks.floating(name, x)
       if tuple(x.shape) != want:
         raise ValueError(f"{name} must have shape [B, K, {name[0].upper()}] = {want}; "
                          f"got {tuple(x.shape)}")
@@ -259,7 +258,7 @@ def paged_decode_attention(
       `[0, pages_per_seq * page_size]`, an unassigned page in use or a page used twice.
     TypeError, NotImplementedError: as `decode_attention`.
   """
-  lengths = common.check_paged_args(q, k_pages, v_pages, block_tables, lengths, window=window,
+  lengths = _checks.check_paged_args(q, k_pages, v_pages, block_tables, lengths, window=window,
                                     soft_cap=soft_cap, sm_scale=sm_scale, k_scale=k_scale,
                                     v_scale=v_scale)
   num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
@@ -295,7 +294,7 @@ def mla_decode_attention(
   Raises:
     ValueError, TypeError, NotImplementedError: as `decode_attention`.
   """
-  lengths = common.check_mla_decode_args(q_latent, q_rope, c_kv, k_rope, lengths, sm_scale,
+  lengths = _checks.check_mla_decode_args(q_latent, q_rope, c_kv, k_rope, lengths, sm_scale,
                                          window, c_kv_scale, k_rope_scale)
   _checks.values_in_range("lengths", lengths, 0, c_kv.shape[1])
   return dispatch("mla_decode_attention", implementation, q_latent, q_rope, c_kv, k_rope,

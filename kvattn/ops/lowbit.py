@@ -27,7 +27,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_kernels import attention_common as common
+from kvattn.ops import xla
 
 BITS = (2, 3, 4)
 """Code widths packed into uint8: 4 or 2 codes per byte, or 8 3-bit codes per 3 bytes."""
@@ -214,7 +214,7 @@ def blocked_attention(
     return m_next, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
 
   carry = initial if initial is not None else (
-      jnp.full((batch, num_kv, groups, num_tokens), common.M_INIT, jnp.float32),
+      jnp.full((batch, num_kv, groups, num_tokens), xla.M_INIT, jnp.float32),
       jnp.zeros((batch, num_kv, groups, num_tokens), jnp.float32),
       jnp.zeros((batch, num_kv, groups, num_tokens, hv), jnp.float32))
   if read_block is not None and store_capacity > 0:
@@ -253,7 +253,7 @@ def state_from_lse(out: jax.Array, lse: jax.Array,
   lse = lse.astype(jnp.float32).reshape(shape)
   seen = jnp.isfinite(lse)
   acc = jnp.where(seen[..., None], out.astype(jnp.float32).reshape(shape + (hv,)), 0.0)
-  return jnp.where(seen, lse, common.M_INIT), seen.astype(jnp.float32), acc
+  return jnp.where(seen, lse, xla.M_INIT), seen.astype(jnp.float32), acc
 
 
 def blocked_attention_reference(

@@ -129,6 +129,13 @@ class RopeScaling:
     return (inv_freq / f * (1 - extrapolation) + inv_freq * extrapolation).astype(np.float32)
 
 
+def check_scaling(value):
+  """`value` if it is a `RopeScaling` or None; TypeError naming `rope_scaling` else."""
+  if value is not None and not isinstance(value, RopeScaling):
+    raise TypeError(f"rope_scaling must be a kvattn.ops.RopeScaling or None; got {value!r}")
+  return value
+
+
 def rope_scaling_from_fields(rope_scaling: str | None, *, rope_factor: float | None = None,
                              rope_original_max_position: int | None = None,
                              rope_low_freq_factor: float | None = None,

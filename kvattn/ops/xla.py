@@ -35,7 +35,28 @@ import jax
 import jax.numpy as jnp
 
 from kvattn.ops import prefill
-from pallas_kernels import attention_common as common
+from kvattn import _checks
+from pallas_kernels.attention_common import M_INIT, attended_range, decode_mask  # noqa: F401
+
+
+def attention_mask(q_offsets: jax.Array, kv_lengths: jax.Array, num_tokens: int, capacity: int,
+                   window: int | None) -> tuple[jax.Array, jax.Array]:
+  """`(bool[B, T, S] attend mask, bool[B, S] valid-slot mask)` for T new tokens per sequence.
+
+  Query t of sequence b sits at slot `p = q_offsets[b] + t` and attends slot s
+  iff `s <= p`, `s < kv_lengths[b]` and (with a window W) `s > p - W`. After an
+  overflow (`kv_lengths > S`) lengths are clamped to S and query slots to
+  S - 1, as in `attended_range`. With T = 1 and `q_offsets = lengths - 1` the
+  mask is `decode_mask`.
+  """
+  slots = jnp.arange(capacity, dtype=jnp.int32)  # [S]
+  q_slots = q_offsets[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)  # [B, T]
+  q_slots = jnp.minimum(q_slots, capacity - 1)
+  valid = slots[None, :] < jnp.minimum(kv_lengths, capacity)[:, None]  # [B, S]
+  mask = valid[:, None, :] & (slots[None, None, :] <= q_slots[:, :, None])  # [B, T, S]
+  if window is not None:
+    mask &= slots[None, None, :] > q_slots[:, :, None] - window
+  return mask, valid
 
 
 def masked_softmax(logits: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -168,13 +189,13 @@ def attention(
   Raises:
     ValueError/TypeError: on ranks, shapes, dtypes or options that do not fit.
   """
-  common.check_dense_args(q, k, v, 2, window, soft_cap, sm_scale, k_scale, v_scale)
+  _checks.check_dense_args(q, k, v, 2, window, soft_cap, sm_scale, k_scale, v_scale)
   batch, num_kv_heads, capacity, head_dim = k.shape
   _, num_tokens, num_heads, _ = q.shape
   groups = num_heads // num_kv_heads
   causal_from_zero = q_offsets is None
-  q_offsets = common.lengths_arg("q_offsets", q_offsets, batch, 0)
-  kv_lengths = common.lengths_arg("kv_lengths", kv_lengths, batch, capacity)
+  q_offsets = _checks.lengths_arg("q_offsets", q_offsets, batch, 0)
+  kv_lengths = _checks.lengths_arg("kv_lengths", kv_lengths, batch, capacity)
   if sm_scale is None:
     sm_scale = head_dim ** -0.5
   if num_tokens > 1 and num_tokens * capacity >= prefill.MIN_LOGITS:  # a long prefill
@@ -186,7 +207,7 @@ def attention(
   qg = jnp.moveaxis(q.reshape(batch, num_tokens, num_kv_heads, groups, head_dim), 1, 3)
   logits = jnp.einsum("BKGTH,BKSH->BKGTS", qg, k, preferred_element_type=jnp.float32) * sm_scale
   logits = _soft_cap(scale_logits(logits, k_scale), soft_cap)
-  mask, valid = common.attention_mask(q_offsets, kv_lengths, num_tokens, capacity, window)
+  mask, valid = attention_mask(q_offsets, kv_lengths, num_tokens, capacity, window)
   out = attend(logits, mask[:, None, None], "BKGTS,BKSV->BKGTV", v, v_scale, valid, slot_axis=2)
   out = jnp.moveaxis(out, 3, 1)  # [B, T, K, G, V]
   return out.reshape(batch, num_tokens, num_heads, v.shape[-1]).astype(q.dtype)
@@ -249,7 +270,7 @@ def decode_attention_xla(
   logits_t = jnp.einsum("BKSH,BKGH->BKSG", k, qg, preferred_element_type=jnp.float32)
   logits = jnp.swapaxes(jax.lax.optimization_barrier(logits_t), -1, -2) * sm_scale
   logits = _soft_cap(scale_logits(logits, k_scale), soft_cap)
-  mask = common.decode_mask(lengths, capacity, window)  # [B, S]
+  mask = decode_mask(lengths, capacity, window)  # [B, S]
   if k_new is None:
     out = attend(logits, mask[:, None, None], "BKGS,BKSV->BKGV", v, v_scale, mask, slot_axis=2)
     return out.reshape(batch, num_heads, v.shape[-1]).astype(q.dtype)
@@ -314,15 +335,15 @@ def mla_attention(
   Raises:
     ValueError/TypeError: on ranks, shapes, dtypes or options that do not fit.
   """
-  common.check_mla_args(q_latent, q_rope, c_kv, k_rope, 2, sm_scale, c_kv_scale, k_rope_scale,
+  _checks.check_mla_args(q_latent, q_rope, c_kv, k_rope, 2, sm_scale, c_kv_scale, k_rope_scale,
                         window)
   batch, capacity, _ = c_kv.shape
   num_tokens = q_latent.shape[1]
-  q_offsets = common.lengths_arg("q_offsets", q_offsets, batch, 0)
-  kv_lengths = common.lengths_arg("kv_lengths", kv_lengths, batch, capacity)
+  q_offsets = _checks.lengths_arg("q_offsets", q_offsets, batch, 0)
+  kv_lengths = _checks.lengths_arg("kv_lengths", kv_lengths, batch, capacity)
   logits = _mla_logits("BTNC,BSC->BNTS", "BTNR,BSR->BNTS", q_latent, q_rope, c_kv, k_rope,
                        c_kv_scale, k_rope_scale, sm_scale)
-  mask, valid = common.attention_mask(q_offsets, kv_lengths, num_tokens, capacity, window)
+  mask, valid = attention_mask(q_offsets, kv_lengths, num_tokens, capacity, window)
   out = attend(logits, mask[:, None], "BNTS,BSC->BNTC", c_kv, c_kv_scale, valid, slot_axis=1)
   return jnp.moveaxis(out, 1, 2).astype(q_latent.dtype)  # [B, T, N, C]
 
@@ -348,6 +369,6 @@ def mla_decode_attention_xla(
   """
   logits = _mla_logits("BNC,BSC->BNS", "BNR,BSR->BNS", q_latent, q_rope, c_kv, k_rope,
                        c_kv_scale, k_rope_scale, sm_scale)
-  mask = common.decode_mask(lengths, c_kv.shape[1], window)  # [B, S]
+  mask = decode_mask(lengths, c_kv.shape[1], window)  # [B, S]
   out = attend(logits, mask[:, None], "BNS,BSC->BNC", c_kv, c_kv_scale, mask, slot_axis=1)
   return out.astype(q_latent.dtype)

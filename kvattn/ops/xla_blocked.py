@@ -40,7 +40,6 @@ import jax.numpy as jnp
 
 from kvattn.ops import quant
 from kvattn.ops import xla
-from pallas_kernels import attention_common as common
 
 # Block sizes. XLA:CPU pays a fixed cost per loop iteration (tens of microseconds for the ~15
 # small ops of the body, more than a short block's work), so a call reads the attended span
@@ -131,7 +130,7 @@ def blocked_decode(
   batch, capacity = k1.shape[0], k1.shape[slot_axis]
   num_kv = k1.shape[1] if k1.ndim == 4 else 1
   has_new = None if new is None else xla.newest_token(lengths, capacity)
-  starts, lengths = common.attended_range(lengths, capacity, window)
+  starts, lengths = xla.attended_range(lengths, capacity, window)
   if has_new is not None:  # the cache's part ends before the newest token
     lengths = lengths - has_new.astype(jnp.int32)
   base = jnp.min(starts)
@@ -206,7 +205,7 @@ def blocked_decode(
                     lambda: weighted(jnp.where(valid[:, None, :, None], vb, 0.0)))
       return m_next, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
 
-    init = (jnp.full((batch, num_kv, groups), common.M_INIT, jnp.float32),
+    init = (jnp.full((batch, num_kv, groups), xla.M_INIT, jnp.float32),
             jnp.zeros((batch, num_kv, groups), jnp.float32),
             jnp.zeros((batch, num_kv, groups, hv), jnp.float32))
     if new is not None:  # the newest token alone: max its logit, sum exp(0) = 1, acc its value

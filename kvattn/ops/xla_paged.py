@@ -40,7 +40,6 @@ import numpy as np
 from kvattn import _checks
 from kvattn.ops import quant
 from kvattn.ops import xla as _xla
-from pallas_kernels import attention_common as _common
 
 
 def gather_pages(
@@ -169,7 +168,7 @@ def paged_decode_attention_pool_xla(
   pages_per_seq = block_tables.shape[1]
   groups = num_heads // num_kv
   scale = head_dim ** -0.5 if sm_scale is None else sm_scale
-  starts, lengths = _common.attended_range(lengths, pages_per_seq * page_size, window)
+  starts, lengths = _xla.attended_range(lengths, pages_per_seq * page_size, window)
 
   # Invert the tables: page -> (owner, logical index). Entries a sequence does
   # not use (past its length, unassigned) are scattered out of range (dropped).

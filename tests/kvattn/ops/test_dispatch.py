@@ -9,6 +9,7 @@ import pytest
 
 from kvattn import ops
 from kvattn.ops import dispatch
+from kvattn import _checks
 from pallas_kernels import attention_common
 
 
@@ -74,8 +75,9 @@ def test_bad_implementation_is_a_caller_error(implementation):
 def _count_checks(monkeypatch, name):
   calls = []
   original = getattr(attention_common, name)
-  monkeypatch.setattr(attention_common, name,
-                      lambda *a, **kw: calls.append(1) or original(*a, **kw))
+  counted = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+  monkeypatch.setattr(attention_common, name, counted)  # calls inside the kernels' checks
+  monkeypatch.setattr(_checks, name, counted)  # kvattn's calls
   return calls
 
 
