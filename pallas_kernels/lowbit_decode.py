@@ -384,16 +384,7 @@ def kivi_decode_attention(
     bits: int,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
-    interpret: bool = False,
-    block_k: int | None = None,
-    block_g: int | None = None,
-    num_splits: int | None = None,
-    schedule: str | None = None,
-    platform: str | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    return_lse: bool = False,
-    count_blocks: bool = False,
+    **tunables: Any,
 ):
   """Decode attention of one query token per sequence against a packed KIVI store.
 
@@ -413,9 +404,8 @@ def kivi_decode_attention(
     bits: 2 or 4.
     sm_scale: logit scale, default `1 / sqrt(H)`.
     soft_cap: `cap * tanh(s / cap)` of the scaled logits, or None.
-    interpret, block_k, block_g, num_splits, schedule, platform, num_warps, num_stages,
-      return_lse, count_blocks: as `dense_decode.decode_attention` (`block_k` must also
-      be a multiple of g and divide Sq).
+    **tunables: as `dense_decode.decode_attention_unchecked` (`block_k` a multiple of g
+      dividing Sq).
 
   Returns:
     `[B, N, H]` in q's dtype (f32 accumulation); with `return_lse`, `(out, f32[B, N])`;
@@ -429,10 +419,7 @@ def kivi_decode_attention(
              sm_scale, soft_cap)
   return kivi_decode_attention_unchecked(
       q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, lengths, bits=bits,
-      sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret, block_k=block_k,
-      block_g=block_g, num_splits=num_splits, schedule=schedule, platform=platform,
-      num_warps=num_warps, num_stages=num_stages, return_lse=return_lse,
-      count_blocks=count_blocks)
+      sm_scale=sm_scale, soft_cap=soft_cap, **tunables)
 
 
 def kivi_decode_attention_unchecked(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,

@@ -429,16 +429,7 @@ def rotated_decode_attention(
     rotation: jax.Array | None = None,  # [K, H, H]
     sm_scale: float | None = None,
     soft_cap: float | None = None,
-    interpret: bool = False,
-    block_k: int | None = None,
-    block_g: int | None = None,
-    num_splits: int | None = None,
-    schedule: str | None = None,
-    platform: str | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    return_lse: bool = False,
-    count_blocks: bool = False,
+    **tunables: Any,
 ):
   """Decode attention of one query token per sequence against a rotated codebook store.
 
@@ -461,10 +452,7 @@ def rotated_decode_attention(
       it (lse is unchanged: rotations keep dot products).
     sm_scale: logit scale, default `1 / sqrt(H)`.
     soft_cap: `cap * tanh(s / cap)` of the scaled logits, or None.
-    interpret, block_g, num_splits, schedule, platform, num_warps, num_stages, return_lse,
-      count_blocks: as `dense_decode.decode_attention`.
-    block_k: key slots per block (`_block_k`: "loop" a power of two in [16, Sq]; "grid" a
-      multiple of 128 or Sq).
+    **tunables: as `dense_decode.decode_attention_unchecked` (`block_k`: `_block_k`).
 
   Returns:
     `[B, N, H]` in q's dtype (f32 accumulation); with `return_lse`, `(out, f32[B, N])`;
@@ -477,10 +465,7 @@ def rotated_decode_attention(
                       rotation, sm_scale, soft_cap)
   return rotated_decode_attention_unchecked(
       q, k_codes, k_scale, v_codes, v_scale, starts, lengths, bits=bits, codebook=levels,
-      rotation=rotation, sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret,
-      block_k=block_k, block_g=block_g, num_splits=num_splits, schedule=schedule,
-      platform=platform, num_warps=num_warps, num_stages=num_stages, return_lse=return_lse,
-      count_blocks=count_blocks)
+      rotation=rotation, sm_scale=sm_scale, soft_cap=soft_cap, **tunables)
 
 
 def rotated_decode_attention_unchecked(q, k_codes, k_scale, v_codes, v_scale, starts, lengths, *,
