@@ -21,11 +21,7 @@ from pallas_kernels.attention_common import (  # noqa: F401  (kvattn's names for
 
 
 def float_dtype(name: str, value: Any) -> jnp.dtype:
-  """Returns `value` as a floating jnp.dtype (e.g. a compute or parameter dtype).
-
-  Raises:
-    TypeError: `value` does not name a dtype, or names a non-floating one.
-  """
+  """`value` as a floating jnp.dtype; TypeError unless it names one."""
   try:
     dtype = jnp.dtype(value)
   except TypeError:
@@ -38,12 +34,7 @@ def float_dtype(name: str, value: Any) -> jnp.dtype:
 
 
 def implementation(name: str, value: Any, choices: Sequence[str]) -> str | None:
-  """Returns `value` if it is None or one of `choices` (backend names), else raises.
-
-  Raises:
-    TypeError: a value that is neither a str nor None.
-    ValueError: a str that is not one of `choices`.
-  """
+  """`value` if None or one of `choices`; TypeError for a non-str, ValueError else."""
   if value is None:
     return None
   if not isinstance(value, str):
@@ -59,13 +50,10 @@ def is_concrete(x: Any) -> bool:
 
 
 def values_in_range(name: str, x: Any, low: int, high: int | None = None) -> None:
-  """Eager check of an integer array's values: each lies in `[low, high]` (`high` None:
-  no upper bound). Skipped when `x` is traced (under jit the caller's documented
-  behaviour -- clipping, overflow flags -- applies instead).
+  """Eager: each value of integer `x` lies in `[low, high]` (skipped when traced).
 
   Raises:
-    ValueError: naming the first bad element and its value, e.g.
-      "lengths[1] = -2 must lie in [0, 8]".
+    ValueError: naming the first bad element, e.g. "lengths[1] = -2 must lie in [0, 8]".
   """
   if not is_concrete(x):
     return

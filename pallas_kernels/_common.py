@@ -1,18 +1,12 @@
-"""Pieces shared by the fused decode kernels (`dense_decode.py`, `paged_decode.py`).
+"""The skeleton every fused decode kernel shares (`dense_decode`, `paged_decode`,
+`lowbit_decode`, `lowbit_paged_decode`, `rotated_decode`).
 
-Both kernels compute the same math -- GQA-grouped online softmax over key
-blocks (FlashAttention-2, Dao 2023, algorithm 1), split into partitions merged
-by their log-sum-exp (flash-decoding, Dao, Haziza, Massa, Sizov 2023), with
-per-slot dequantization of int8/fp8 caches -- and differ only in where a key
-block comes from (a slice of a dense row, or pages named by a block table).
-This module holds what does not depend on that, in the order of a kernel
-file: kernel-side helpers (values, and the refs of the "grid" schedule's
-scratch), launcher helpers (tiles, splits, output BlockSpecs, compiler
-parameters, the merge of split partials), wrapper helpers (query grouping,
-scale columns, the merge into the output) and the schedule/platform checks.
-The attended ranges, constants and argument checks every attention path
-shares are in `attention_common`; the f32 references sit next to their
-kernels. Imports only jax.
+GQA-grouped online softmax over key blocks (FlashAttention-2, Dao 2023, algorithm 1),
+split into partitions merged by log-sum-exp (flash-decoding, Dao et al. 2023), with
+optional per-key / per-value scales. In kernel-file order: kernel math (values), the
+schedules' kernel bodies (refs), launcher helpers (tiles, splits, pages, BlockSpecs,
+`launch`), wrapper helpers (query grouping, the merge) and schedule/platform checks.
+Imports only jax.
 """
 
 from __future__ import annotations

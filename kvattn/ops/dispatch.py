@@ -1,14 +1,9 @@
-"""The dispatch points of kvattn's decode attention and low-bit store reads.
+"""Dispatch points of decode attention and the low-bit store reads (as openxla/tokamax).
 
-Modelled on openxla/tokamax's attention API: one public function per operation,
-`implementation=` a backend name, a sequence of names to try in order, or None
-for the order of `IMPLEMENTATIONS`. A backend that cannot take the device,
-shapes or options raises `NotImplementedError` and the next one is tried; a
-caller error raises `ValueError`/`TypeError` before any backend runs.
-
-A backend is `fn(*args, explicit: bool, **options)`; `explicit` is True when
-the caller named it (a Pallas kernel then runs interpreted on CPU). Options
-that are None are not passed.
+`implementation=` names a backend, a sequence to try in order, or None for the order of
+`IMPLEMENTATIONS`. A backend `fn(*args, explicit, **options)` that cannot run raises
+`NotImplementedError` and the next is tried; caller errors raise before any backend
+runs. `explicit`: the caller named it (a Pallas kernel then runs interpreted on CPU).
 """
 
 from __future__ import annotations
@@ -39,8 +34,7 @@ def _runs_anywhere(fn: Callable[..., Any]) -> Implementation:
 
 
 def _in_callers_loop(*args, explicit: bool, **options) -> None:
-  """The "xla" backend of the store ops: None, so the cache's XLA loop
-  (`kvattn.ops.lowbit.blocked_attention`) reads the store together with its ring."""
+  """"xla" of the store ops: None, so the cache's XLA loop reads the store with its ring."""
   del args, explicit, options
 
 
@@ -89,12 +83,8 @@ def available_implementations(op: str = "decode_attention") -> tuple[str, ...]:
 
 def register_implementation(op: str, name: str, fn: Implementation, *,
                             preferred: bool = False, appends_newest: bool = False) -> None:
-  """Adds (or replaces) backend `name` of `op`: first in the default order with
-  `preferred=True`, else last; `appends_newest=True` if it takes `k_new=`/`v_new=`.
-
-  Raises:
-    ValueError: an unknown `op`.
-  """
+  """Adds (or replaces) backend `name` of `op`, first with `preferred`; ValueError for
+  an unknown op."""
   impls = {k: v for k, v in _backends(op).items() if k != name}
   IMPLEMENTATIONS[op] = {name: fn, **impls} if preferred else {**impls, name: fn}
   appending = APPENDS_NEWEST.setdefault(op, set())
@@ -106,12 +96,7 @@ def register_implementation(op: str, name: str, fn: Implementation, *,
 
 def appends_newest(implementation: str | Sequence[str] | None = None, *,
                    op: str = "decode_attention") -> bool:
-  """True when every backend `implementation` may run on this platform takes the newest
-  token apart (`APPENDS_NEWEST`): the caller then passes the cache from before the write.
-
-  Raises:
-    ValueError: an unknown `op` or `implementation`.
-  """
+  """Whether every backend `implementation` may run here takes `k_new` / `v_new`."""
   names = check_implementation(op, implementation)
   if names is None:
     platform = jax.default_backend()
@@ -120,11 +105,7 @@ def appends_newest(implementation: str | Sequence[str] | None = None, *,
 
 
 def check_implementation(op: str, implementation: Any) -> tuple[str, ...] | None:
-  """The names `implementation` gives (None for the default order).
-
-  Raises:
-    ValueError: not None, one of `op`'s backends, or a non-empty sequence of them.
-  """
+  """The names `implementation` gives (None: the default order); ValueError if unknown."""
   impls = _backends(op)
   if implementation is None:
     return None
@@ -138,10 +119,9 @@ def check_implementation(op: str, implementation: Any) -> tuple[str, ...] | None
 
 def dispatch(op: str, implementation: str | Sequence[str] | None, *args: Any,
              **options: Any) -> Any:
-  """Runs `op` with the named backend(s), or the first in the default order that fits.
+  """Runs `op` by the named backend(s), or the first of the default order that fits.
 
   Raises:
-    ValueError: an unknown `op` or `implementation`.
     NotImplementedError: no backend fits (naming why each declined).
   """
   impls = _backends(op)
@@ -185,27 +165,15 @@ def decode_attention(
   """Attention of one new token per sequence against a dense KV cache (Vaswani et al.
   2017, eq. 1; GQA: query head n reads KV head `n // (N // K)`).
 
-  The query sits at slot `lengths[b] - 1` and attends `[max(0, lengths[b] - window),
-  lengths[b])`; slots past the length may hold anything.
-
-  Args:
-    q, k, v, lengths: as the shape comments; k, v float, or int8 / float8_e4m3fn /
-      float8_e5m2 with `k_scale`, `v_scale: f32[B, K, S]`. `lengths` in `[0, S]`
-      (checked when concrete; under jit clamped).
-    sm_scale: default `1/sqrt(H)`. window: tokens, or None. soft_cap: `cap * tanh(s /
-      cap)`, or None.
-    k_new, v_new: the newest token apart from the cache (slot `lengths[b] - 1` is then
-      not read); only the backends of `APPENDS_NEWEST` take them.
-    implementation: "pallas", "xla_blocked", "xla", a sequence of them, or None.
-
-  Returns:
-    `[B, N, Hv]` in q's dtype, f32-accumulated; length-0 rows are zeros.
+  The query at slot `lengths[b] - 1` attends `[max(0, lengths[b] - window), lengths[b])`.
+  `k_new, v_new`: the newest token apart from the cache (`APPENDS_NEWEST` backends).
+  Returns `[B, N, Hv]` in q's dtype; length-0 rows are zeros.
 
   Raises:
     ValueError: shapes or options that do not fit, an unknown `implementation`, a
       concrete length outside `[0, S]` (`lengths[1] = -2`).
-    TypeError: non-float q, k/v dtype mismatch, non-integer lengths, a quantized cache
-      without scales (or scales for a float cache).
+    TypeError: non-float q, k/v dtype mismatch, non-integer lengths, scales missing or
+      given for a float cache.
     NotImplementedError: no named backend can run these shapes here.
   """
   lengths = _checks.check_decode_args(q, k, v, lengths, window, soft_cap, sm_scale, k_scale,
@@ -242,20 +210,11 @@ def paged_decode_attention(
     v_scale: jax.Array | None = None,  # f32[K, P, page_size]
     implementation: str | Sequence[str] | None = None,
 ) -> jax.Array:
-  """`decode_attention` against a page pool (PagedAttention, Kwon et al. 2023, §4.1):
-  slot s of sequence b is slot `s % page_size` of page `block_tables[b, s // page_size]`.
-
-  Entries outside `[0, P)` mean "no page" (allowed past `ceil(lengths[b] / page_size)`).
-  Every row's length is clamped to its leading assigned pages
-  (`xla_paged.assigned_slots`) before any backend runs, so no backend reads a page the
-  row does not own. `implementation`: "pallas", "xla_pool", "xla", a sequence, or None.
-
-  Returns:
-    `[B, N, Hv]` in q's dtype, f32-accumulated; length-0 rows are zeros.
+  """`decode_attention` against a page pool (PagedAttention, Kwon et al. 2023, §4.1);
+  lengths are clamped to the row's leading assigned pages before any backend runs.
 
   Raises:
-    ValueError: as `decode_attention`; with concrete tables and lengths, a length outside
-      `[0, pages_per_seq * page_size]`, an unassigned page in use or a page used twice.
+    ValueError: as `decode_attention`; concrete tables with a page unassigned or shared.
     TypeError, NotImplementedError: as `decode_attention`.
   """
   lengths = _checks.check_paged_args(q, k_pages, v_pages, block_tables, lengths, window=window,
@@ -283,13 +242,7 @@ def mla_decode_attention(
     implementation: str | Sequence[str] | None = None,
 ) -> jax.Array:
   """Absorbed MLA decode (DeepSeek-V2, appendix C): logits `(q_latent . c_kv + q_rope .
-  k_rope) * sm_scale`, value `c_kv`; the query sits at slot `lengths[b] - 1`.
-
-  `sm_scale` is required (`1/sqrt(qk_nope_head_dim + qk_rope_head_dim)`); the scales are
-  those of an int8 / fp8 latent cache. `implementation` as in `decode_attention`.
-
-  Returns:
-    `[B, N, C]` in q_latent's dtype (apply W_UV afterwards); length-0 rows are zeros.
+  k_rope) * sm_scale`, value c_kv; returns `[B, N, C]` (apply W_UV afterwards).
 
   Raises:
     ValueError, TypeError, NotImplementedError: as `decode_attention`.
