@@ -233,6 +233,31 @@ def grid_write(step, blocks_per_split: int, m_sc, l_sc, acc_sc, cnt_sc, o_ref, l
       cnt_ref[...] = cnt_sc[...]
 
 
+def grid_body(starts_ref, lengths_ref, rest, block, *, count: bool, block_size: int,
+              blocks_per_split: int, precision, pages_per_block: int = 0):
+  """"grid" schedule's kernel body. `rest` are the refs after the inputs (`grid_refs`);
+  `block(j, index)` gives `(s, v)` or `(s, v, v_scale)` of key block `index` (j None), or
+  of page operand j (page `index`) when `pages_per_block`; only blocks inside `[start,
+  length)` are computed. The split's output is written at its last step."""
+  o_ref, lse_ref, cnt_ref, m_sc, l_sc, acc_sc, cnt_sc = grid_refs(rest, count)
+  b, split, step = pl.program_id(0), pl.program_id(3), pl.program_id(4)
+  start, length = starts_ref[b], lengths_ref[b]
+  lo, hi = block_bounds(start, length, block_size)
+  blk = split * blocks_per_split + step
+  grid_init(step, m_sc, l_sc, acc_sc, cnt_sc)
+
+  def compute(j, index):
+    s, v, *v_scale = block(j, index)
+    grid_update(m_sc, l_sc, acc_sc, cnt_sc, s, v, index, block_size, start, length, precision,
+                *v_scale)
+
+  if pages_per_block:
+    grid_pages(pages_per_block, blk, lo, hi, compute)
+  else:
+    pl.when((blk >= lo) & (blk < hi))(functools.partial(compute, None, blk))
+  grid_write(step, blocks_per_split, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref, cnt_ref)
+
+
 # ----------------------------------------------------------------------------
 # Launcher helpers.
 # ----------------------------------------------------------------------------

@@ -122,16 +122,8 @@ def _grid_kernel(
   """"grid" schedule: key blocks on the last (sequential) grid axis."""
   (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, (s1_ref, s2_ref, sv_ref), o_ref, lse_ref, cnt_ref,
    scratch) = _split_refs(refs, has_rope, has_v, count, scaled)
-  m_sc, l_sc, acc_sc = scratch[:3]
-  cnt_sc = scratch[3] if count else None
-  b, split, step = pl.program_id(0), pl.program_id(3), pl.program_id(4)
-  start, length = starts_ref[b], lengths_ref[b]
-  lo, hi = _common.block_bounds(start, length, block_k)
-  blk = split * blocks_per_split + step
-  _common.grid_init(step, m_sc, l_sc, acc_sc, cnt_sc)
 
-  @pl.when((blk >= lo) & (blk < hi))
-  def _compute():
+  def block(*_):
     q1 = q1_ref[...]
 
     def load(ref, scale_ref):  # [bk, X] block, dequantized when the cache is quantized
@@ -141,13 +133,12 @@ def _grid_kernel(
     k2 = load(k2_ref, s2_ref) if has_rope else None
     v = load(v_ref, sv_ref) if has_v else k1
     q2 = q2_ref[...] if has_rope else None
-    s = _common.logits(q1, k1, q2, k2, sm_scale=sm_scale, soft_cap=soft_cap,
-                       precision=precision)
-    _common.grid_update(m_sc, l_sc, acc_sc, cnt_sc, s, v, blk, block_k, start, length,
-                        precision)
+    return _common.logits(q1, k1, q2, k2, sm_scale=sm_scale, soft_cap=soft_cap,
+                          precision=precision), v
 
-  _common.grid_write(step, blocks_per_split, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref,
-                     cnt_ref)
+  outs = (o_ref, lse_ref) + ((cnt_ref,) if count else ()) + tuple(scratch)
+  _common.grid_body(starts_ref, lengths_ref, outs, block, count=count, block_size=block_k,
+                    blocks_per_split=blocks_per_split, precision=precision)
 
 
 # ----------------------------------------------------------------------------

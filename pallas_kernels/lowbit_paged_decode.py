@@ -95,25 +95,17 @@ def _grid_kernel(
   del tables_ref  # read by the index maps only
   ppb = pages_per_block
   pools = [refs[i * ppb:(i + 1) * ppb] for i in range(6)]
-  o_ref, lse_ref, cnt_ref, m_sc, l_sc, acc_sc, cnt_sc = _common.grid_refs(refs[6 * ppb:], count)
-  page_size = pools[0][0].shape[0]
-  b, split, step = pl.program_id(0), pl.program_id(3), pl.program_id(4)
-  start, length = starts_ref[b], lengths_ref[b]
-  lo, hi = _common.block_bounds(start, length, page_size)
-  _common.grid_init(step, m_sc, l_sc, acc_sc, cnt_sc)
 
-  def compute(j, page):
+  def block(j, _):  # page j, dequantized
     q = q_ref[...]
     kc, ks, kz, vc, vs, vz = (pool[j][...] for pool in pools)
     k = dequant_keys(kc, ks, kz, bits, group_size).astype(q.dtype)
     v = dequant_values(vc, vs, vz, bits).astype(q.dtype)
-    s = _common.logits(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
-    _common.grid_update(m_sc, l_sc, acc_sc, cnt_sc, s, v, page, page_size, start, length,
-                        precision)
+    return _common.logits(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision), v
 
-  _common.grid_pages(ppb, split * blocks_per_split + step, lo, hi, compute)
-  _common.grid_write(step, blocks_per_split, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref,
-                     cnt_ref)
+  _common.grid_body(starts_ref, lengths_ref, refs[6 * ppb:], block, count=count,
+                    block_size=pools[0][0].shape[0], blocks_per_split=blocks_per_split,
+                    precision=precision, pages_per_block=ppb)
 
 
 def _pages_per_block(schedule: str, page_size: int, pages_per_seq: int, head_dim: int,

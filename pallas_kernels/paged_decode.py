@@ -104,28 +104,21 @@ def _grid_kernel(
   k_refs, v_refs = refs[:ppb], refs[ppb:2 * ppb]
   ks_refs, vs_refs = ((refs[2 * ppb:3 * ppb], refs[3 * ppb:4 * ppb]) if scaled
                       else ((None,) * ppb, (None,) * ppb))
-  o_ref, lse_ref, cnt_ref, m_sc, l_sc, acc_sc, cnt_sc = _common.grid_refs(
-      refs[(4 if scaled else 2) * ppb:], count)
-  page_size = k_refs[0].shape[0]
-  b, split, step = pl.program_id(0), pl.program_id(3), pl.program_id(4)
-  start, length = starts_ref[b], lengths_ref[b]
-  lo, hi = _common.block_bounds(start, length, page_size)
-  _common.grid_init(step, m_sc, l_sc, acc_sc, cnt_sc)
 
-  def compute(j, page):
+  def block(j, _):  # page j: logits and values, dequantized when the pool is quantized
     q = q_ref[...]
 
-    def load(ref, scale_ref):  # [page_size, X] page, dequantized when quantized
+    def load(ref, scale_ref):
       return _common.dequant(ref[...], None if scale_ref is None else scale_ref[...], q.dtype)
 
     s = _common.logits(q, load(k_refs[j], ks_refs[j]), sm_scale=sm_scale, soft_cap=soft_cap,
                        precision=precision)
-    _common.grid_update(m_sc, l_sc, acc_sc, cnt_sc, s, load(v_refs[j], vs_refs[j]), page,
-                        page_size, start, length, precision)
+    return s, load(v_refs[j], vs_refs[j])
 
-  _common.grid_pages(ppb, split * blocks_per_split + step, lo, hi, compute)
-  _common.grid_write(step, blocks_per_split, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref,
-                     cnt_ref)
+  _common.grid_body(starts_ref, lengths_ref, refs[(4 if scaled else 2) * ppb:], block,
+                    count=count, block_size=k_refs[0].shape[0],
+                    blocks_per_split=blocks_per_split, precision=precision,
+                    pages_per_block=ppb)
 
 
 # ----------------------------------------------------------------------------

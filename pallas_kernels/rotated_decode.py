@@ -194,27 +194,18 @@ def _grid_kernel(
     precision,
 ):
   """"grid" schedule: key blocks on the last (sequential) grid axis."""
-  o_ref, lse_ref, cnt_ref, m_sc, l_sc, acc_sc, cnt_sc = _common.grid_refs(
-      (o_ref, lse_ref) + rest, len(rest) == 5)
-  b, split, step = pl.program_id(0), pl.program_id(3), pl.program_id(4)
-  start, length = starts_ref[b], lengths_ref[b]
-  lo, hi = _common.block_bounds(start, length, block_k)
-  blk = split * blocks_per_split + step
-  _common.grid_init(step, m_sc, l_sc, acc_sc, cnt_sc)
 
-  @pl.when((blk >= lo) & (blk < hi))
-  def _compute():
+  def block(*_):
     q = q_ref[...]
     e = e_ref[...]
     k = _decode_block(kc_ref[...], e, bits, levels, q.dtype)
     s = _common.logits(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision,
                        k_scale=ks_ref[...])
-    v = _decode_block(vc_ref[...], e, bits, levels, q.dtype)
-    _common.grid_update(m_sc, l_sc, acc_sc, cnt_sc, s, v, blk, block_k, start, length,
-                        precision, v_scale=vs_ref[...])
+    return s, _decode_block(vc_ref[...], e, bits, levels, q.dtype), vs_ref[...]
 
-  _common.grid_write(step, blocks_per_split, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref,
-                     cnt_ref)
+  _common.grid_body(starts_ref, lengths_ref, (o_ref, lse_ref) + rest, block,
+                    count=len(rest) == 5, block_size=block_k,
+                    blocks_per_split=blocks_per_split, precision=precision)
 
 
 # ----------------------------------------------------------------------------
