@@ -161,10 +161,10 @@ def finalize(m, l, acc):
 # ----------------------------------------------------------------------------
 
 
-def loop_blocks(num_blocks, body, o_ref, lse_ref):
+def loop_blocks(num_blocks, body, o_ref, lse_ref, cnt_ref=None, per_block: int = 1):
   """"loop" schedule: `fori_loop(0, num_blocks, body)` over the online-softmax state
-  `(m, l, acc)` from empty, then writes the normalised `o_ref [Gb, Hv]` and
-  `lse_ref [Gb, 1]`."""
+  `(m, l, acc)` from empty, then writes the normalised `o_ref [Gb, Hv]` and `lse_ref
+  [Gb, 1]` (and `num_blocks * per_block`, blocks or pages read, into `cnt_ref`)."""
   block_g, hv = o_ref.shape
   init = (jnp.full((block_g, 1), M_INIT, jnp.float32),
           jnp.zeros((block_g, 1), jnp.float32),
@@ -173,6 +173,8 @@ def loop_blocks(num_blocks, body, o_ref, lse_ref):
   out, lse = finalize(m, l, acc)
   o_ref[...] = out
   lse_ref[...] = lse
+  if cnt_ref is not None:
+    cnt_ref[...] = jnp.full(cnt_ref.shape, num_blocks * per_block, jnp.int32)
 
 
 def grid_init(step, m_sc, l_sc, acc_sc, cnt_sc):

@@ -97,9 +97,7 @@ def _loop_kernel(
                        precision=precision)
     return _common.online_softmax_step(m, l, acc, s, v, slot0, start, length, precision)
 
-  _common.loop_blocks(num_blocks, body, o_ref, lse_ref)
-  if count:
-    cnt_ref[...] = jnp.full(cnt_ref.shape, num_blocks, jnp.int32)
+  _common.loop_blocks(num_blocks, body, o_ref, lse_ref, cnt_ref)
 
 
 def _grid_kernel(

@@ -136,9 +136,7 @@ def _loop_kernel(
     s = _common.logits(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
     return _common.online_softmax_step(m, l, acc, s, v, slot0, start, length, precision)
 
-  _common.loop_blocks(num_blocks, body, o_ref, lse_ref)
-  if rest:
-    rest[0][...] = jnp.full(rest[0].shape, num_blocks, jnp.int32)
+  _common.loop_blocks(num_blocks, body, o_ref, lse_ref, *rest)
 
 
 def _grid_kernel(

@@ -69,9 +69,7 @@ def _loop_kernel(
     return _common.online_softmax_step(m, l, acc, s, v, blk * block_k, start, length,
                                        precision)
 
-  _common.loop_blocks(num_blocks, body, o_ref, lse_ref)
-  if rest:
-    rest[0][...] = jnp.full(rest[0].shape, num_blocks * pages_per_block, jnp.int32)
+  _common.loop_blocks(num_blocks, body, o_ref, lse_ref, *rest, per_block=pages_per_block)
 
 
 def _grid_kernel(

@@ -76,9 +76,7 @@ def _loop_kernel(
     return _common.online_softmax_step(m, l, acc, s, gather(v_ref, vs_ref, ids),
                                        blk * block_k, start, length, precision)
 
-  _common.loop_blocks(num_blocks, body, o_ref, lse_ref)
-  if count:
-    cnt_ref[0][...] = jnp.full(cnt_ref[0].shape, num_blocks * pages_per_block, jnp.int32)
+  _common.loop_blocks(num_blocks, body, o_ref, lse_ref, *cnt_ref, per_block=pages_per_block)
 
 
 def _grid_kernel(

@@ -168,9 +168,7 @@ def _loop_kernel(
     return _common.online_softmax_step(m, l, acc, s, v, offset, jnp.maximum(start, lo),
                                        length, precision, v_scale=vs_ref[:, rows])
 
-  _common.loop_blocks(num_blocks, body, o_ref, lse_ref)
-  if rest:
-    rest[0][...] = jnp.full(rest[0].shape, num_blocks, jnp.int32)
+  _common.loop_blocks(num_blocks, body, o_ref, lse_ref, *rest)
 
 
 def _grid_kernel(
