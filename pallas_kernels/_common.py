@@ -213,14 +213,6 @@ def grid_refs(rest, count: bool):
   return o_ref, lse_ref, cnt_ref, m_sc, l_sc, acc_sc, rest[3] if count else None
 
 
-def grid_pages(pages_per_block: int, blk, lo, hi, compute):
-  """"grid" schedule over pages: `compute(j, page)` for each page operand j of key block
-  `blk` (page `blk * ppb + j`) that lies in the needed pages `[lo, hi)` (static unroll)."""
-  for j in range(pages_per_block):
-    page = blk * pages_per_block + j
-    pl.when((page >= lo) & (page < hi))(functools.partial(compute, j, page))
-
-
 def grid_write(step, blocks_per_split: int, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref,
                cnt_ref):
   """"grid" schedule: writes the split's normalised output, lse (and block count)
@@ -254,7 +246,9 @@ def grid_body(starts_ref, lengths_ref, rest, block, *, count: bool, block_size: 
                 *v_scale)
 
   if pages_per_block:
-    grid_pages(pages_per_block, blk, lo, hi, compute)
+    for j in range(pages_per_block):  # static unroll over the block's pages
+      page = blk * pages_per_block + j
+      pl.when((page >= lo) & (page < hi))(functools.partial(compute, j, page))
   else:
     pl.when((blk >= lo) & (blk < hi))(functools.partial(compute, None, blk))
   grid_write(step, blocks_per_split, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref, cnt_ref)
@@ -426,74 +420,6 @@ def kv_block_index(split, step, lo, hi, blocks_per_split: int):
   """
   blk = split * blocks_per_split + step
   return jnp.minimum(jnp.maximum(blk, lo), jnp.maximum(hi - 1, lo))
-
-
-# Page pools (`paged_decode.py`, `lowbit_paged_decode.py`): a key block is
-# `pages_per_block` pages named by a sequence's block-table row.
-
-
-def page_ids(table_ref, blk, pages_per_block: int, num_pages: int):
-  """("loop") The physical pages of key block `blk`, clamped into `[0, P)`: unassigned
-  entries (-1) read a pool page instead of faulting; their slots lie past the length."""
-  ids = table_ref[pl.ds(pl.multiple_of(blk * pages_per_block, pages_per_block),
-                        pages_per_block)]
-  return jnp.clip(ids, 0, num_pages - 1)
-
-
-def gather_pages(ref, ids, rows: int):
-  """("loop") `[rows, X]`: the pages `ids` of a `[P, page_rows, X]` pool ref, in order."""
-  return ref[ids].reshape(rows, ref.shape[-1])
-
-
-def pool_spec(num_pages: int, shape):
-  """("loop") The whole `[P, *shape]` pool of KV head h; the kernel gathers pages from it."""
-  return pl.BlockSpec((None, num_pages) + tuple(shape), lambda b, h, g, j: (h, 0, 0, 0))
-
-
-def grid_logical_page(blk, j, lo, hi, pages_per_block: int, pages_padded: int):
-  """("grid") Logical page that page operand j fetches at key block `blk`.
-
-  Operand j holds pages `j, j + ppb, ...`; its page `blk * ppb + j` is clamped into
-  the needed pages of its residue class inside `[lo, hi)`, so steps outside them
-  repeat a needed page and the pipeline issues no DMA for them.
-  """
-  ppb = pages_per_block
-  first = lo + lax.rem(j - lax.rem(lo, ppb) + ppb, ppb)  # smallest page >= lo, = j mod ppb
-  top = jnp.maximum(hi - 1, 0)
-  last = top - lax.rem(lax.rem(top, ppb) - j + ppb, ppb)  # largest page <= hi - 1, = j mod ppb
-  page = jnp.minimum(jnp.maximum(blk * ppb + j, first), jnp.maximum(last, first))
-  return jnp.minimum(page, pages_padded - 1)
-
-
-def page_spec(j: int, shape, *, num_pages: int, page_size: int, pages_per_block: int,
-              blocks_per_split: int, pages_padded: int):
-  """("grid") BlockSpec of page operand j of a `[K, P, *shape]` pool: its index map reads
-  the physical page from the scalar-prefetched tables (`grid_logical_page`)."""
-
-  def index(b, h, g, sp, st, starts_ref, lengths_ref, tables_ref):
-    lo, hi = block_bounds(starts_ref[b], lengths_ref[b], page_size)
-    page = grid_logical_page(sp * blocks_per_split + st, j, lo, hi, pages_per_block,
-                             pages_padded)
-    phys = tables_ref[b * pages_padded + page]
-    return h, jnp.minimum(jnp.maximum(phys, 0), num_pages - 1), 0, 0
-
-  return pl.BlockSpec((None, None) + tuple(shape), index)
-
-
-def page_splits(block_tables, schedule: str, programs: int, pages_per_block: int,
-                num_splits: int | None):
-  """`(tables i32[B, padded], num_splits, blocks_per_split)`: the page axis cut into
-  splits of whole key blocks, the tables padded with -1 (never inside a range)."""
-  pps = block_tables.shape[1]
-  num_blocks = -(-pps // pages_per_block)
-  if num_splits is None:
-    num_splits = default_splits(schedule, programs, num_blocks)
-  num_splits = min(num_splits, num_blocks)
-  bps = -(-num_blocks // num_splits)
-  padded = num_splits * bps * pages_per_block
-  tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded - pps)),
-                   constant_values=-1)
-  return tables, num_splits, bps
 
 
 def merge_splits(out, lse):

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _common
+from pallas_kernels import _paging
 from pallas_kernels import lowbit_decode
 from pallas_kernels.lowbit_decode import dequant_keys, dequant_values
 
@@ -54,12 +55,12 @@ def _loop_kernel(
   start, length = start_ref[()], length_ref[()]
   first, num_blocks = _common.split_blocks(split, start, length, block_k, blocks_per_split)
   q = q_ref[...]
-  gather = _common.gather_pages
+  gather = _paging.gather_pages
 
   def body(i, carry):
     m, l, acc = carry
     blk = first + i
-    ids = _common.page_ids(table_ref, blk, pages_per_block, num_pages)
+    ids = _paging.page_ids(table_ref, blk, pages_per_block, num_pages)
     rows = block_k // group_size
     k = dequant_keys(gather(kc_ref, ids, block_k), gather(ks_ref, ids, rows),
                      gather(kz_ref, ids, rows), bits, group_size).astype(q.dtype)
@@ -89,7 +90,7 @@ def _grid_kernel(
     blocks_per_split: int,
     precision,
 ):
-  """"grid" schedule: page operands fetched by their index maps (`_common.page_spec`)."""
+  """"grid" schedule: page operands fetched by their index maps (`_paging.page_spec`)."""
   del tables_ref  # read by the index maps only
   ppb = pages_per_block
   pools = [refs[i * ppb:(i + 1) * ppb] for i in range(6)]
@@ -141,7 +142,7 @@ def _paged_impl(q, pools, block_tables, starts, lengths, *, bits, sm_scale, soft
   dot_dtype = _common.dot_dtype(q.dtype, jnp.int8)
   block_g = _common.g_tile(schedule, groups, head_dim, dot_dtype, block_g)
   gp = _common.round_up(groups, block_g)
-  tables, num_splits, bps = _common.page_splits(block_tables, schedule,
+  tables, num_splits, bps = _paging.page_splits(block_tables, schedule,
                                                 batch * num_kv * (gp // block_g), ppb,
                                                 num_splits)
   padded = tables.shape[1]
@@ -159,14 +160,14 @@ def _paged_impl(q, pools, block_tables, starts, lengths, *, bits, sm_scale, soft
     scalar = pl.BlockSpec((None,), lambda b, h, g, j: (b,))
     in_specs = [scalar, scalar, pl.BlockSpec((None, padded), lambda b, h, g, j: (b, 0)),
                 pl.BlockSpec((None, None, block_g, head_dim), lambda b, h, g, j: (b, h, g, 0))]
-    in_specs += [_common.pool_spec(num_pages, shape) for shape in shapes]
+    in_specs += [_paging.pool_spec(num_pages, shape) for shape in shapes]
     kernel = functools.partial(_loop_kernel, **kernel_kw)
     operands = [starts, lengths, tables, qg] + list(pools)
   else:
     in_specs = [pl.BlockSpec((None, None, block_g, head_dim),
                              lambda b, h, g, sp, st, *_: (b, h, g, 0))]
     for shape in shapes:
-      in_specs += [_common.page_spec(j, shape, num_pages=num_pages, page_size=page_size,
+      in_specs += [_paging.page_spec(j, shape, num_pages=num_pages, page_size=page_size,
                                      pages_per_block=ppb, blocks_per_split=bps,
                                      pages_padded=padded) for j in range(ppb)]
     kernel = functools.partial(_grid_kernel, count=count_blocks, **kernel_kw)

@@ -11,7 +11,7 @@ fp8 pools carry scale pools `f32[K, P, page_size]` whose pages travel with the v
 Schedules: "loop" (GPU, Triton; each program gathers its block's pages through the
 table, `k_ref[page_ids]`, as jax/experimental/pallas/ops/gpu/paged_attention.py) and
 "grid" (TPU, Mosaic; tables scalar-prefetched, one VMEM block per page whose index map
-reads the page id, `_common.page_spec`). Both run on CPU with `interpret=True`.
+reads the page id, `_paging.page_spec`). Both run on CPU with `interpret=True`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _common
+from pallas_kernels import _paging
 from pallas_kernels import attention_common as common
 from pallas_kernels import dense_decode
 
@@ -62,15 +63,15 @@ def _loop_kernel(
   q = q_ref[...]
 
   def gather(ref, scale_ref, ids):  # [block_k, X], dequantized when quantized
-    x = _common.gather_pages(ref, ids, block_k)
+    x = _paging.gather_pages(ref, ids, block_k)
     if scale_ref is None:
       return x
-    return _common.dequant(x, _common.gather_pages(scale_ref, ids, block_k), q.dtype)
+    return _common.dequant(x, _paging.gather_pages(scale_ref, ids, block_k), q.dtype)
 
   def body(i, carry):
     m, l, acc = carry
     blk = first + i
-    ids = _common.page_ids(table_ref, blk, pages_per_block, num_pages)
+    ids = _paging.page_ids(table_ref, blk, pages_per_block, num_pages)
     s = _common.logits(q, gather(k_ref, ks_ref, ids), sm_scale=sm_scale, soft_cap=soft_cap,
                        precision=precision)
     return _common.online_softmax_step(m, l, acc, s, gather(v_ref, vs_ref, ids),
@@ -209,7 +210,7 @@ def _paged_partials(
         scalar, scalar,
         pl.BlockSpec((None, pages_padded), lambda b, h, g, j: (b, 0)),
         pl.BlockSpec((None, None, block_g, head_dim), lambda b, h, g, j: (b, h, g, 0)),
-    ] + [_common.pool_spec(num_pages, (page_size, w)) for w in [head_dim, hv] + [1] * len(
+    ] + [_paging.pool_spec(num_pages, (page_size, w)) for w in [head_dim, hv] + [1] * len(
         scale_pools)]
     kernel, grid = _loop_kernel, (batch, num_kv, num_gt, num_splits)
     operands = [starts, lengths, block_tables, q, k_pages, v_pages] + scale_pools
@@ -217,7 +218,7 @@ def _paged_partials(
     in_specs = [pl.BlockSpec((None, None, block_g, head_dim),
                              lambda b, h, g, sp, st, *_: (b, h, g, 0))]
     for width in [head_dim, hv] + [1 for _ in scale_pools]:
-      in_specs += [_common.page_spec(j, (page_size, width), num_pages=num_pages,
+      in_specs += [_paging.page_spec(j, (page_size, width), num_pages=num_pages,
                                      page_size=page_size, pages_per_block=pages_per_block,
                                      blocks_per_split=bps, pages_padded=pages_padded)
                    for j in range(pages_per_block)]
@@ -249,7 +250,7 @@ def _paged_impl(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *,
   groups = num_heads // num_kv
   pages_per_block, block_g, gp = _tiles(schedule, groups, page_size, pages_per_seq, head_dim,
                                         hv, k_pages.dtype, pages_per_block, block_g)
-  tables, num_splits, _ = _common.page_splits(block_tables, schedule,
+  tables, num_splits, _ = _paging.page_splits(block_tables, schedule,
                                               batch * num_kv * (gp // block_g),
                                               pages_per_block, num_splits)
   starts, lengths = common.attended_range(lengths, pages_per_seq * page_size, window)
