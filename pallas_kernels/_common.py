@@ -11,7 +11,9 @@ Imports only jax.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 from jax import lax
@@ -43,6 +45,20 @@ PLATFORMS = ("cpu", "tpu") + GPU_PLATFORMS
 _GPU_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) + (
     QUANT_DTYPES)
 _TPU_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """Static parameters of every kernel body: logit scale and soft cap, the key block
+  (`block_k` slots, or `pages_per_block` pages), key blocks per split, dot precision."""
+  sm_scale: float
+  soft_cap: float | None
+  block: int
+  blocks_per_split: int
+  precision: Any
+
+  def __iter__(self):
+    return iter(dataclasses.astuple(self))
 
 
 # ----------------------------------------------------------------------------

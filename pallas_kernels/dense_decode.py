@@ -63,17 +63,14 @@ def _loop_kernel(
     has_v: bool,
     count: bool,
     scaled: bool,
-    sm_scale: float,
-    soft_cap: float | None,
-    block_k: int,
-    blocks_per_split: int,
-    precision,
+    step: _common.Step,
 ):
   """"loop" schedule: one program per (b, k, G tile, split), fori_loop over blocks.
 
   Widths that are not powers of two arrive padded in q (and in the output); their
   K/V blocks are loaded at the padded width with zero lanes (`_common.load_rows`).
   """
+  sm_scale, soft_cap, block_k, blocks_per_split, precision = step
   (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, (s1_ref, s2_ref, sv_ref), o_ref, lse_ref, cnt_ref,
    _) = _split_refs(refs, has_rope, has_v, count, scaled)
   split = pl.program_id(3)
@@ -111,13 +108,10 @@ def _grid_kernel(
     has_v: bool,
     count: bool,
     scaled: bool,
-    sm_scale: float,
-    soft_cap: float | None,
-    block_k: int,
-    blocks_per_split: int,
-    precision,
+    step: _common.Step,
 ):
   """"grid" schedule: key blocks on the last (sequential) grid axis."""
+  sm_scale, soft_cap, block_k, blocks_per_split, precision = step
   (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, (s1_ref, s2_ref, sv_ref), o_ref, lse_ref, cnt_ref,
    scratch) = _split_refs(refs, has_rope, has_v, count, scaled)
 
@@ -227,8 +221,7 @@ def _decode_partials(
   scaled = scales is not None
   precision = (lax.Precision.HIGHEST if q1.dtype == jnp.float32 else None)
   kernel_kw = dict(has_rope=has_rope, has_v=has_v, count=count, scaled=scaled,
-                   sm_scale=sm_scale, soft_cap=soft_cap, block_k=block_k, blocks_per_split=bps,
-                   precision=precision)
+                   step=_common.Step(sm_scale, soft_cap, block_k, bps, precision))
   operands = [q1] + ([q2] if has_rope else []) + [k1] + ([k2] if has_rope else []) + (
       [v] if has_v else [])
   scale_ops = [] if not scaled else [x for x in scales if x is not None]

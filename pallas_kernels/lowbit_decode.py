@@ -111,13 +111,10 @@ def _loop_kernel(
     *rest,       # (count i32[Gb, 1])
     bits: int,
     group_size: int,
-    sm_scale: float,
-    soft_cap: float | None,
-    block_k: int,
-    blocks_per_split: int,
-    precision,
+    step: _common.Step,
 ):
   """"loop" schedule: one program per (b, k, G tile, split), fori_loop over blocks."""
+  sm_scale, soft_cap, block_k, blocks_per_split, precision = step
   split = pl.program_id(3)
   start, length = start_ref[()], length_ref[()]
   first, num_blocks = _common.split_blocks(split, start, length, block_k, blocks_per_split)
@@ -154,13 +151,10 @@ def _grid_kernel(
     *rest,        # (count i32[Gb, 128]), scratch m, l f32[Gb, 128], acc f32[Gb, H], (count)
     bits: int,
     group_size: int,
-    sm_scale: float,
-    soft_cap: float | None,
-    block_k: int,
-    blocks_per_split: int,
-    precision,
+    step: _common.Step,
 ):
   """"grid" schedule: key blocks on the last (sequential) grid axis."""
+  sm_scale, soft_cap, block_k, blocks_per_split, precision = step
   groups_per_block = block_k // group_size
 
   def block(_, blk):
@@ -233,9 +227,9 @@ def _partials(q, store, starts, lengths, *, bits, group_size, sm_scale, soft_cap
   vgroups = store[4].shape[-1]
   num_blocks = sq // block_k
   bps = -(-num_blocks // num_splits)
-  kernel_kw = dict(bits=bits, group_size=group_size, sm_scale=sm_scale, soft_cap=soft_cap,
-                   block_k=block_k, blocks_per_split=bps,
-                   precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+  precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+  kernel_kw = dict(bits=bits, group_size=group_size,
+                   step=_common.Step(sm_scale, soft_cap, block_k, bps, precision))
   gs = sq // group_size
   if schedule == "loop":
     def spec(shape):

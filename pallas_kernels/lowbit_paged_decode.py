@@ -42,13 +42,10 @@ def _loop_kernel(
     *rest,       # (count i32[Gb, 1])
     bits: int,
     group_size: int,
-    sm_scale: float,
-    soft_cap: float | None,
-    pages_per_block: int,
-    blocks_per_split: int,
-    precision,
+    step: _common.Step,
 ):
   """"loop" schedule: each key block is `pages_per_block` pages gathered through the table."""
+  sm_scale, soft_cap, pages_per_block, blocks_per_split, precision = step
   split = pl.program_id(3)
   num_pages, page_size, _ = kc_ref.shape
   block_k = pages_per_block * page_size
@@ -84,13 +81,10 @@ def _grid_kernel(
     bits: int,
     group_size: int,
     count: bool,
-    sm_scale: float,
-    soft_cap: float | None,
-    pages_per_block: int,
-    blocks_per_split: int,
-    precision,
+    step: _common.Step,
 ):
   """"grid" schedule: page operands fetched by their index maps (`_paging.page_spec`)."""
+  sm_scale, soft_cap, pages_per_block, blocks_per_split, precision = step
   del tables_ref  # read by the index maps only
   ppb = pages_per_block
   pools = [refs[i * ppb:(i + 1) * ppb] for i in range(6)]
@@ -150,9 +144,9 @@ def _paged_impl(q, pools, block_tables, starts, lengths, *, bits, sm_scale, soft
   starts = jnp.clip(starts.astype(jnp.int32), 0, capacity)
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
   qg = _common.group_queries(q, num_kv, gp, dot_dtype)
-  kernel_kw = dict(bits=bits, group_size=group_size, sm_scale=sm_scale, soft_cap=soft_cap,
-                   pages_per_block=ppb, blocks_per_split=bps,
-                   precision=lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None)
+  precision = lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
+  kernel_kw = dict(bits=bits, group_size=group_size,
+                   step=_common.Step(sm_scale, soft_cap, ppb, bps, precision))
   shapes = [(page_size, width), (page_size // group_size, head_dim),
             (page_size // group_size, head_dim), (page_size, width), (page_size, vgroups),
             (page_size, vgroups)]

@@ -46,13 +46,10 @@ def _loop_kernel(
                  # o f32[Gb, Hv], lse f32[Gb, 1], (count i32[Gb, 1]) pages read
     scaled: bool,
     count: bool,
-    sm_scale: float,
-    soft_cap: float | None,
-    pages_per_block: int,
-    blocks_per_split: int,
-    precision,
+    step: _common.Step,
 ):
   """"loop" schedule: one program per (b, k, G tile, split), fori_loop over key blocks."""
+  sm_scale, soft_cap, pages_per_block, blocks_per_split, precision = step
   ks_ref, vs_ref = refs[:2] if scaled else (None, None)
   o_ref, lse_ref, *cnt_ref = refs[2:] if scaled else refs
   split = pl.program_id(3)
@@ -91,13 +88,10 @@ def _grid_kernel(
                   # scratch m, l f32[Gb, 128], acc f32[Gb, Hv], (count)
     scaled: bool,
     count: bool,
-    sm_scale: float,
-    soft_cap: float | None,
-    pages_per_block: int,
-    blocks_per_split: int,
-    precision,
+    step: _common.Step,
 ):
   """"grid" schedule: key blocks on the last (sequential) grid axis."""
+  sm_scale, soft_cap, pages_per_block, blocks_per_split, precision = step
   del tables_ref  # read by the index maps only
   ppb = pages_per_block
   k_refs, v_refs = refs[:ppb], refs[ppb:2 * ppb]
@@ -201,8 +195,8 @@ def _paged_partials(
   scaled = k_scale is not None
   scale_pools = [k_scale, v_scale] if scaled else []
   precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-  kernel_kw = dict(scaled=scaled, count=count, sm_scale=sm_scale, soft_cap=soft_cap,
-                   pages_per_block=pages_per_block, blocks_per_split=bps, precision=precision)
+  kernel_kw = dict(scaled=scaled, count=count,
+                   step=_common.Step(sm_scale, soft_cap, pages_per_block, bps, precision))
 
   if schedule == "loop":
     scalar = pl.BlockSpec((None,), lambda b, h, g, j: (b,))

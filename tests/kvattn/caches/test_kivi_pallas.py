@@ -15,6 +15,7 @@ import pytest
 
 from kvattn.caches.kivi import KIVICache
 from tests.kvattn.caches import _store_kernel as store_kernel
+from tests.kvattn.caches.test_kivi import _poison  # garbage in every unused slot
 
 K, H, N, G = 2, 16, 8, 16  # H and the group: the smallest the kernel's GPU schedule takes
 CAPACITY, RESIDUAL = 96, 16  # Sq = 80 store slots, ring 31
@@ -31,21 +32,6 @@ def _filled(bits, pre_rope=False, seed=0):
   k, v = (jnp.asarray(rng.standard_normal((batch, CAPACITY, K, H)), jnp.float32)
           for _ in range(2))
   return jax.jit(KIVICache.update)(cache, k, v, jnp.asarray(LENGTHS, jnp.int32))
-
-
-def _poison(cache):
-  """Codes 255 and NaN scales / residual entries in every slot no token occupies."""
-  nq = cache.num_quantized
-  used = jnp.arange(cache.store_capacity)[None] < nq[:, None]
-  used_g = jnp.arange(cache.store_capacity // G)[None] * G < nq[:, None]
-  ring = cache.ring_tokens() >= 0
-  nan = lambda x, u: jnp.where(u[:, None, :, None], x, jnp.asarray(jnp.nan, x.dtype))
-  return cache.replace(
-      k_codes=jnp.where(used[:, None, :, None], cache.k_codes, jnp.uint8(255)),
-      v_codes=jnp.where(used[:, None, :, None], cache.v_codes, jnp.uint8(255)),
-      k_scale=nan(cache.k_scale, used_g), k_zero=nan(cache.k_zero, used_g),
-      v_scale=nan(cache.v_scale, used), v_zero=nan(cache.v_zero, used),
-      k_res=nan(cache.k_res, ring), v_res=nan(cache.v_res, ring))
 
 
 def _qkv():

@@ -16,6 +16,7 @@ import pytest
 
 from kvattn.caches.rotated import RotatedCache
 from tests.kvattn.caches import _store_kernel as store_kernel
+from tests.kvattn.caches.test_rotated import _poison  # garbage in every unused slot
 
 K, H, N = 2, 16, 8  # H: the smallest the kernel's GPU schedule takes
 CAPACITY, RESIDUAL = 56, 4  # Sq = 52 store slots: one 32-slot block and a shifted one
@@ -31,19 +32,6 @@ def _filled(bits, seed=0):
   k, v = (jnp.asarray(rng.standard_normal((batch, CAPACITY, K, H)), jnp.float32)
           for _ in range(2))
   return jax.jit(RotatedCache.update)(cache, k, v, jnp.asarray(LENGTHS, jnp.int32))
-
-
-def _poison(cache):
-  """Codes 255 and NaN scales / residual entries in every slot no token occupies."""
-  used = jnp.arange(cache.store_capacity)[None] < cache.num_quantized[:, None]
-  ring = cache.ring_tokens() >= 0
-  nan = lambda x, u: jnp.where(u[:, None, :] if x.ndim == 3 else u[:, None, :, None], x,
-                               jnp.asarray(jnp.nan, x.dtype))
-  return cache.replace(
-      k_codes=jnp.where(used[:, None, :, None], cache.k_codes, jnp.uint8(255)),
-      v_codes=jnp.where(used[:, None, :, None], cache.v_codes, jnp.uint8(255)),
-      k_scale=nan(cache.k_scale, used), v_scale=nan(cache.v_scale, used),
-      k_res=nan(cache.k_res, ring), v_res=nan(cache.v_res, ring))
 
 
 @pytest.mark.parametrize("bits,options", [
