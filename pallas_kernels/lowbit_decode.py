@@ -293,33 +293,62 @@ def _decode_impl(q, store, starts, lengths, *, bits, sm_scale, soft_cap, interpr
 # ----------------------------------------------------------------------------
 
 
-def check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, lengths, bits,
-               sm_scale=None, soft_cap=None) -> int:
-  """The argument checks of `kivi_decode_attention`; returns the group size.
+def store_dims(q, k_codes, bits: int, bit_widths) -> tuple[int, int, int, int]:
+  """`(B, H, K, Sq)` of a low-bit kernel's `q: [B, N, H]` and `k_codes: u8[B, K, Sq, W]`.
 
   Raises:
-    ValueError: `bits` not 2 / 4; shapes that do not fit together (naming the argument,
-      its shape and the expected one); an empty store; a bad `sm_scale` / `soft_cap`.
-    TypeError: codes not uint8, float arguments that are not floating, integer arguments
-      that are not integers.
+    ValueError: `bits` not in `bit_widths`, wrong ranks, N not a multiple of K, Sq = 0.
   """
-  if isinstance(bits, bool) or bits not in BITS:
-    raise ValueError(f"bits must be one of {BITS}; got {bits!r}")
+  if isinstance(bits, bool) or bits not in bit_widths:
+    raise ValueError(f"bits must be one of {bit_widths}; got {bits!r}")
   if q.ndim != 3:
     raise ValueError(f"q must be [B, N, H]; got shape {q.shape}")
-  batch, num_heads, head_dim = q.shape
   if k_codes.ndim != 4:
     raise ValueError(f"k_codes must be u8[B, K, Sq, H * bits / 8]; got shape {k_codes.shape}")
+  batch, num_heads, head_dim = q.shape
   num_kv, sq = k_codes.shape[1], k_codes.shape[2]
-  per_byte = 8 // bits
-  if head_dim % per_byte:
-    raise ValueError(f"head_dim must be a multiple of 8 // bits = {per_byte}; got {head_dim}")
   if num_kv < 1 or num_heads % num_kv:
     raise ValueError(f"num_heads must be divisible by num_kv_heads; got {num_heads} and "
                      f"{num_kv}")
   if sq < 1:
     raise ValueError("k_codes must hold at least one store slot (Sq >= 1); got Sq = 0")
-  codes_shape = (batch, num_kv, sq, head_dim // per_byte)
+  return batch, head_dim, num_kv, sq
+
+
+def check_store(q, starts, lengths, want, given, sm_scale, soft_cap) -> None:
+  """Each array of `given` (name -> array) has the shape `want[name]`, codes (`*_codes`) are
+  uint8 and the rest (and q) floating, `starts` / `lengths` are integer `[B]`.
+
+  Raises:
+    ValueError: a shape that does not fit (naming the argument); a bad `sm_scale` /
+      `soft_cap`.
+    TypeError: a wrong dtype (naming the argument).
+  """
+  for name, shape in want.items():
+    if tuple(given[name].shape) != shape:
+      raise ValueError(f"{name} must have shape {shape}; got {tuple(given[name].shape)}")
+  for name, x in given.items():
+    if name.endswith("_codes") and x.dtype != jnp.uint8:
+      raise TypeError(f"{name} must be uint8 (packed codes); got {x.dtype}")
+  for name, x in [("q", q)] + [(n, x) for n, x in given.items() if not n.endswith("_codes")]:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must be floating; got {x.dtype}")
+  for name, x in (("starts", starts), ("lengths", lengths)):
+    if x.shape != (q.shape[0],):
+      raise ValueError(f"{name} must be i32[B] with B = {q.shape[0]}; got shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise TypeError(f"{name} must be integers; got {x.dtype}")
+  common.options(None, soft_cap, sm_scale)
+
+
+def check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, lengths, bits,
+               sm_scale=None, soft_cap=None) -> int:
+  """The argument checks of `kivi_decode_attention` (`store_dims`, `check_store`, H a
+  multiple of `8 // bits`, the group sizes dividing Sq and H); returns the group size."""
+  batch, head_dim, num_kv, sq = store_dims(q, k_codes, bits, BITS)
+  per_byte = 8 // bits
+  if head_dim % per_byte:
+    raise ValueError(f"head_dim must be a multiple of 8 // bits = {per_byte}; got {head_dim}")
   if k_scale.ndim != 4 or k_scale.shape[2] < 1 or sq % k_scale.shape[2]:
     raise ValueError(f"k_scale must be [B, K, Sq / group_size, H] with Sq = {sq}; got shape "
                      f"{k_scale.shape}")
@@ -327,29 +356,14 @@ def check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, le
   if v_scale.ndim != 4 or v_scale.shape[3] < 1 or head_dim % v_scale.shape[3]:
     raise ValueError(f"v_scale must be [B, K, Sq, H / value_group] with H = {head_dim}; got "
                      f"shape {v_scale.shape}")
-  want = {"k_codes": codes_shape, "v_codes": codes_shape,
-          "k_scale": (batch, num_kv, sq // group_size, head_dim),
-          "k_zero": (batch, num_kv, sq // group_size, head_dim),
-          "v_scale": (batch, num_kv, sq, v_scale.shape[3]),
-          "v_zero": (batch, num_kv, sq, v_scale.shape[3])}
-  given = {"k_codes": k_codes, "v_codes": v_codes, "k_scale": k_scale, "k_zero": k_zero,
-           "v_scale": v_scale, "v_zero": v_zero}
-  for name, shape in want.items():
-    if tuple(given[name].shape) != shape:
-      raise ValueError(f"{name} must have shape {shape}; got {tuple(given[name].shape)}")
-  for name in ("k_codes", "v_codes"):
-    if given[name].dtype != jnp.uint8:
-      raise TypeError(f"{name} must be uint8 (packed codes); got {given[name].dtype}")
-  for name, x in (("q", q), ("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale),
-                  ("v_zero", v_zero)):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise TypeError(f"{name} must be floating; got {x.dtype}")
-  for name, x in (("starts", starts), ("lengths", lengths)):
-    if x.shape != (batch,):
-      raise ValueError(f"{name} must be i32[B] with B = {batch}; got shape {x.shape}")
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-      raise TypeError(f"{name} must be integers; got {x.dtype}")
-  common.options(None, soft_cap, sm_scale)
+  codes_shape = (batch, num_kv, sq, head_dim // per_byte)
+  groups_shape = (batch, num_kv, sq // group_size, head_dim)
+  values_shape = (batch, num_kv, sq, v_scale.shape[3])
+  check_store(q, starts, lengths,
+              {"k_codes": codes_shape, "v_codes": codes_shape, "k_scale": groups_shape,
+               "k_zero": groups_shape, "v_scale": values_shape, "v_zero": values_shape},
+              {"k_codes": k_codes, "v_codes": v_codes, "k_scale": k_scale, "k_zero": k_zero,
+               "v_scale": v_scale, "v_zero": v_zero}, sm_scale, soft_cap)
   return group_size
 
 

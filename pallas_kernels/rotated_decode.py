@@ -53,6 +53,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _common
 from pallas_kernels import attention_common as common
+from pallas_kernels import lowbit_decode
 from pallas_kernels.lowbit_decode import store_attention_reference
 
 BITS = (3, 4)
@@ -362,39 +363,14 @@ def check_args(q, k_codes, k_scale, v_codes, v_scale, starts, lengths, bits, cod
   if len(levels) != 1 << bits or not np.all(np.isfinite(arr)) or np.any(np.diff(arr) <= 0):
     raise ValueError(f"codebook must hold {1 << bits} increasing finite floats for bits = "
                      f"{bits}; got {codebook!r}")
-  if q.ndim != 3:
-    raise ValueError(f"q must be [B, N, H]; got shape {q.shape}")
-  batch, num_heads, head_dim = q.shape
-  if k_codes.ndim != 4:
-    raise ValueError(f"k_codes must be u8[B, K, Sq, H * bits / 8]; got shape {k_codes.shape}")
-  num_kv, sq = k_codes.shape[1], k_codes.shape[2]
+  batch, head_dim, num_kv, sq = lowbit_decode.store_dims(q, k_codes, bits, BITS)
   width = packed_width(head_dim, bits)
-  if num_kv < 1 or num_heads % num_kv:
-    raise ValueError(f"num_heads must be divisible by num_kv_heads; got {num_heads} and "
-                     f"{num_kv}")
-  if sq < 1:
-    raise ValueError("k_codes must hold at least one store slot (Sq >= 1); got Sq = 0")
   want = {"k_codes": (batch, num_kv, sq, width), "v_codes": (batch, num_kv, sq, width),
           "k_scale": (batch, num_kv, sq), "v_scale": (batch, num_kv, sq)}
   given = {"k_codes": k_codes, "v_codes": v_codes, "k_scale": k_scale, "v_scale": v_scale}
   if rotation is not None:
     want["rotation"], given["rotation"] = (num_kv, head_dim, head_dim), rotation
-  for name, shape in want.items():
-    if tuple(given[name].shape) != shape:
-      raise ValueError(f"{name} must have shape {shape}; got {tuple(given[name].shape)}")
-  for name in ("k_codes", "v_codes"):
-    if given[name].dtype != jnp.uint8:
-      raise TypeError(f"{name} must be uint8 (packed codes); got {given[name].dtype}")
-  for name in ("q", "k_scale", "v_scale") + (("rotation",) if rotation is not None else ()):
-    x = q if name == "q" else given[name]
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise TypeError(f"{name} must be floating; got {x.dtype}")
-  for name, x in (("starts", starts), ("lengths", lengths)):
-    if x.shape != (batch,):
-      raise ValueError(f"{name} must be i32[B] with B = {batch}; got shape {x.shape}")
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-      raise TypeError(f"{name} must be integers; got {x.dtype}")
-  common.options(None, soft_cap, sm_scale)
+  lowbit_decode.check_store(q, starts, lengths, want, given, sm_scale, soft_cap)
   return levels
 
 
