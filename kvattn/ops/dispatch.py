@@ -126,8 +126,7 @@ def dispatch(op: str, implementation: str | Sequence[str] | None, *args: Any,
   """
   impls = _backends(op)
   names = check_implementation(op, implementation)
-  options = {k: v for k, v in options.items() if v is not None}
-  newest = "k_new" in options  # only backends that take it apart can run
+  newest = options.get("k_new") is not None  # only backends that take it apart can run
   if isinstance(implementation, str):
     _takes_newest(op, implementation, newest)
     return impls[implementation](*args, explicit=True, **options)
@@ -139,6 +138,11 @@ def dispatch(op: str, implementation: str | Sequence[str] | None, *args: Any,
     except NotImplementedError as e:
       errors.append(f"{name}: {e}")
   raise NotImplementedError(f"no {op} implementation fits: " + "; ".join(errors))
+
+
+def _given(**arrays: Any) -> dict[str, Any]:
+  """The optional arrays that were given (a float cache passes no scales to a backend)."""
+  return {k: v for k, v in arrays.items() if v is not None}
 
 
 def _takes_newest(op: str, name: str, newest: bool) -> None:
@@ -192,8 +196,8 @@ def decode_attention(
         raise ValueError(f"{name} must have shape [B, K, {name[0].upper()}] = {want}; "
                          f"got {tuple(x.shape)}")
   return dispatch("decode_attention", implementation, q, k, v, lengths, sm_scale=sm_scale,
-                  window=window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
-                  k_new=k_new, v_new=v_new)
+                  window=window, soft_cap=soft_cap,
+                  **_given(k_scale=k_scale, v_scale=v_scale, k_new=k_new, v_new=v_new))
 
 
 def paged_decode_attention(
@@ -225,7 +229,7 @@ def paged_decode_attention(
   lengths = jnp.clip(lengths, 0, xla_paged.assigned_slots(block_tables, num_pages, page_size))
   return dispatch("paged_decode_attention", implementation, q, k_pages, v_pages, block_tables,
                   lengths, sm_scale=sm_scale, window=window, soft_cap=soft_cap,
-                  k_scale=k_scale, v_scale=v_scale)
+                  **_given(k_scale=k_scale, v_scale=v_scale))
 
 
 def mla_decode_attention(
@@ -251,5 +255,5 @@ def mla_decode_attention(
                                          window, c_kv_scale, k_rope_scale)
   _checks.values_in_range("lengths", lengths, 0, c_kv.shape[1])
   return dispatch("mla_decode_attention", implementation, q_latent, q_rope, c_kv, k_rope,
-                  lengths, sm_scale=sm_scale, window=window, c_kv_scale=c_kv_scale,
-                  k_rope_scale=k_rope_scale)
+                  lengths, sm_scale=sm_scale, window=window,
+                  **_given(c_kv_scale=c_kv_scale, k_rope_scale=k_rope_scale))
