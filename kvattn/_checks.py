@@ -1,9 +1,5 @@
-"""Argument checks of kvattn: every kvattn module takes its checks from here.
-
-Each raises before any compute, naming the argument, the value it got and what was
-expected. The checks the kernels run on their own arguments (shapes, dtypes, scales,
-numbers) are `pallas_kernels.attention_common`'s, imported here once; the rest are
-kvattn's (dtypes, backend names, host values).
+"""kvattn's argument checks: each raises before any compute, naming the argument. The
+kernels' own checks (`pallas_kernels.attention_common`) are imported here once.
 """
 
 from __future__ import annotations
