@@ -27,23 +27,10 @@ def _cap(logits: jax.Array, soft_cap: float | None) -> jax.Array:
   return logits if soft_cap is None else soft_cap * jnp.tanh(logits / soft_cap)
 
 
-def blocked_attention(
-    q: jax.Array,  # [B, T, N, H]
-    k: jax.Array,  # [B, K, S, H]
-    v: jax.Array,  # [B, K, S, Hv]
-    *,
-    q_offsets: jax.Array | None,  # i32[B] or None (zeros, static)
-    kv_lengths: jax.Array,  # i32[B]
-    sm_scale: float,
-    window: int | None = None,
-    soft_cap: float | None = None,
-    k_scale: jax.Array | None = None,  # f32[B, K, S]
-    v_scale: jax.Array | None = None,  # f32[B, K, S]
-    block_q: int | None = None,
-    block_k: int | None = None,
-) -> jax.Array:
-  """`kvattn.ops.attention`'s result, blocked; arguments already checked. Returns
-  `[B, T, N, Hv]` in q's dtype.
+def blocked_attention(q, k, v, *, q_offsets, kv_lengths, sm_scale, window=None, soft_cap=None,
+                      k_scale=None, v_scale=None, block_q=None, block_k=None) -> jax.Array:
+  """`kvattn.ops.attention`'s result for `q: [B, T, N, H]`, blocked (arguments already
+  checked; `q_offsets` None means zeros, static). Returns `[B, T, N, Hv]` in q's dtype.
 
   Raises:
     ValueError: `block_q` or `block_k` not positive.
