@@ -242,8 +242,8 @@ class ResidualStoreCache:
               window=None, soft_cap=None, implementation=None) -> jax.Array:
     """f32 `[B, T, N, H]`: `q` (RoPE'd) against the store, the ring and `extra`.
 
-    The store is read by the kind's Pallas kernel for a decode step (T = 1) when
-    `implementation` asks for it (`store_backends`: "pallas", or None where the kernel
+    The store is read by the kind's store op in `kvattn.ops.dispatch` for a decode step
+    (T = 1) when `implementation` picks "pallas" (named, or None where the kernel
     compiles), its `(out, lse)` then seeding the online softmax that reads the ring and
     `extra`; else by the XLA loop (`lowbit.blocked_attention`, every T)."""
     nq = self.readable_quantized

@@ -30,7 +30,7 @@ copy of the whole store); writing scatters the flushed groups to their pages. Ov
 ValueError; under jit it is dropped, `overflowed` flags the row and attention reads only the
 store tokens the assigned pages hold (`readable_quantized`). A decode step with
 `implementation="pallas"` (None: on a GPU) reads the store through
-`pallas_kernels.lowbit_decode.paged_kivi_decode_attention` (pages gathered through the table
+`pallas_kernels.lowbit_paged_decode.paged_kivi_decode_attention` (pages gathered through the table
 inside the kernel; GPU "loop" schedule only, interpret mode on CPU), as `KIVICache` does.
 Bytes: `storage_slots` is `P * page_size` (the pool's store slots; the rings amortised over
 them), `analytic_bytes_per_token()` the count from sizes.
