@@ -106,6 +106,14 @@ def split_blocks(split, start, length, block_k: int, blocks_per_split: int):
   return first, jnp.maximum(last - first, 0)
 
 
+def loop_range(start_ref, length_ref, block_k: int, blocks_per_split: int):
+  """("loop" schedule) `(start, length, first block, number of blocks)` of this program's
+  split (grid axis 3) over the sequence's attended range."""
+  start, length = start_ref[()], length_ref[()]
+  first, num_blocks = split_blocks(pl.program_id(3), start, length, block_k, blocks_per_split)
+  return start, length, first, num_blocks
+
+
 def dot(a, b, *, trans_b: bool = False, precision=None):
   """f32 `a @ b` (or `a @ b.T`) of 2-D tiles.
 

@@ -73,9 +73,8 @@ def _loop_kernel(
   sm_scale, soft_cap, block_k, blocks_per_split, precision = step
   (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, (s1_ref, s2_ref, sv_ref), o_ref, lse_ref, cnt_ref,
    _) = _split_refs(refs, has_rope, has_v, count, scaled)
-  split = pl.program_id(3)
-  start, length = start_ref[()], length_ref[()]
-  first, num_blocks = _common.split_blocks(split, start, length, block_k, blocks_per_split)
+  start, length, first, num_blocks = _common.loop_range(start_ref, length_ref, block_k,
+                                                        blocks_per_split)
   q1 = q1_ref[...]
   q2 = q2_ref[...] if has_rope else None
 

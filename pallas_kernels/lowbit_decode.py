@@ -115,9 +115,8 @@ def _loop_kernel(
 ):
   """"loop" schedule: one program per (b, k, G tile, split), fori_loop over blocks."""
   sm_scale, soft_cap, block_k, blocks_per_split, precision = step
-  split = pl.program_id(3)
-  start, length = start_ref[()], length_ref[()]
-  first, num_blocks = _common.split_blocks(split, start, length, block_k, blocks_per_split)
+  start, length, first, num_blocks = _common.loop_range(start_ref, length_ref, block_k,
+                                                        blocks_per_split)
   q = q_ref[...]
   groups_per_block = block_k // group_size
 

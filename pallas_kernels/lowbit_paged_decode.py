@@ -46,11 +46,10 @@ def _loop_kernel(
 ):
   """"loop" schedule: each key block is `pages_per_block` pages gathered through the table."""
   sm_scale, soft_cap, pages_per_block, blocks_per_split, precision = step
-  split = pl.program_id(3)
   num_pages, page_size, _ = kc_ref.shape
   block_k = pages_per_block * page_size
-  start, length = start_ref[()], length_ref[()]
-  first, num_blocks = _common.split_blocks(split, start, length, block_k, blocks_per_split)
+  start, length, first, num_blocks = _common.loop_range(start_ref, length_ref, block_k,
+                                                        blocks_per_split)
   q = q_ref[...]
   gather = _paging.gather_pages
 

@@ -52,11 +52,10 @@ def _loop_kernel(
   sm_scale, soft_cap, pages_per_block, blocks_per_split, precision = step
   ks_ref, vs_ref = refs[:2] if scaled else (None, None)
   o_ref, lse_ref, *cnt_ref = refs[2:] if scaled else refs
-  split = pl.program_id(3)
   num_pages, page_size, _ = k_ref.shape
   block_k = pages_per_block * page_size
-  start, length = start_ref[()], length_ref[()]
-  first, num_blocks = _common.split_blocks(split, start, length, block_k, blocks_per_split)
+  start, length, first, num_blocks = _common.loop_range(start_ref, length_ref, block_k,
+                                                        blocks_per_split)
   q = q_ref[...]
 
   def gather(ref, scale_ref, ids):  # [block_k, X], dequantized when quantized
