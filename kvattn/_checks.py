@@ -1,10 +1,5 @@
-"""Argument validation shared by kvattn's public functions.
-
-Every check raises before any compute, with a message that names the argument,
-the value it got and what was expected (DESIGN.md, invariant 7). The checks of
-single arrays and numbers are the ones the kernels use
-(`pallas_kernels.attention_common`), re-exported here under kvattn's names;
-this module adds the checks only kvattn needs (dtypes, backend names, host values).
+"""kvattn's argument checks: each raises before any compute, naming the argument. The
+kernels' own checks (`pallas_kernels.attention_common`) are imported here once.
 """
 
 from __future__ import annotations
@@ -15,17 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.attention_common import (dim, floating, head_layout, integer,  # noqa: F401
-                                             optional_positive_float, optional_positive_int,
-                                             positive_float, positive_int, rank, same_dtype)
+from pallas_kernels.attention_common import (  # noqa: F401  (kvattn's names for them)
+    check_decode_args, check_dense_args, check_mla_args, check_mla_decode_args,
+    check_paged_args, dim, floating, head_layout, integer, lengths_arg, optional_positive_float,
+    optional_positive_int, positive_float, positive_int, rank, same_dtype)
 
 
 def float_dtype(name: str, value: Any) -> jnp.dtype:
-  """Returns `value` as a floating jnp.dtype (e.g. a compute or parameter dtype).
-
-  Raises:
-    TypeError: `value` does not name a dtype, or names a non-floating one.
-  """
+  """`value` as a floating jnp.dtype; TypeError unless it names one."""
   try:
     dtype = jnp.dtype(value)
   except TypeError:
@@ -38,12 +30,7 @@ def float_dtype(name: str, value: Any) -> jnp.dtype:
 
 
 def implementation(name: str, value: Any, choices: Sequence[str]) -> str | None:
-  """Returns `value` if it is None or one of `choices` (backend names), else raises.
-
-  Raises:
-    TypeError: a value that is neither a str nor None.
-    ValueError: a str that is not one of `choices`.
-  """
+  """`value` if None or one of `choices`; TypeError for a non-str, ValueError else."""
   if value is None:
     return None
   if not isinstance(value, str):
@@ -58,22 +45,11 @@ def is_concrete(x: Any) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
-def rope_scaling(value: Any) -> Any:
-  """`value` if it is a `kvattn.ops.RopeScaling` or None; TypeError naming `rope_scaling` else."""
-  from kvattn.ops import rope  # pylint: disable=g-import-not-at-top  (ops imports _checks)
-  if value is not None and not isinstance(value, rope.RopeScaling):
-    raise TypeError(f"rope_scaling must be a kvattn.ops.RopeScaling or None; got {value!r}")
-  return value
-
-
 def values_in_range(name: str, x: Any, low: int, high: int | None = None) -> None:
-  """Eager check of an integer array's values: each lies in `[low, high]` (`high` None:
-  no upper bound). Skipped when `x` is traced (under jit the caller's documented
-  behaviour -- clipping, overflow flags -- applies instead).
+  """Eager: each value of integer `x` lies in `[low, high]` (skipped when traced).
 
   Raises:
-    ValueError: naming the first bad element and its value, e.g.
-      "lengths[1] = -2 must lie in [0, 8]".
+    ValueError: naming the first bad element, e.g. "lengths[1] = -2 must lie in [0, 8]".
   """
   if not is_concrete(x):
     return

@@ -1,21 +1,19 @@
-"""Pieces shared by the fused decode kernels (`dense_decode.py`, `paged_decode.py`).
+"""The skeleton every fused decode kernel shares (`dense_decode`, `paged_decode`,
+`lowbit_decode`, `lowbit_paged_decode`, `rotated_decode`).
 
-Both kernels compute the same math -- GQA-grouped online softmax over key
-blocks (FlashAttention-2, Dao 2023, algorithm 1), split into partitions merged
-by their log-sum-exp (flash-decoding, Dao, Haziza, Massa, Sizov 2023), with
-per-slot dequantization of int8/fp8 caches -- and differ only in where a key
-block comes from (a slice of a dense row, or pages named by a block table).
-This module holds what does not depend on that, in the order of a kernel
-file: kernel-side helpers (values, and the refs of the "grid" schedule's
-scratch), launcher helpers (tiles, splits, output BlockSpecs, compiler
-parameters, the merge of split partials), wrapper helpers (query grouping,
-scale columns, the merge into the output) and the schedule/platform checks.
-The attended ranges, constants and argument checks every attention path
-shares are in `attention_common`; the f32 references sit next to their
-kernels. Imports only jax.
+GQA-grouped online softmax over key blocks (FlashAttention-2, Dao 2023, algorithm 1),
+split into partitions merged by log-sum-exp (flash-decoding, Dao et al. 2023), with
+optional per-key / per-value scales. In kernel-file order: kernel math (values), the
+schedules' kernel bodies (refs), launcher helpers (tiles, splits, pages, BlockSpecs,
+`launch`), wrapper helpers (query grouping, the merge) and schedule/platform checks.
+Imports only jax.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
 
 import jax
 from jax import lax
@@ -47,6 +45,20 @@ PLATFORMS = ("cpu", "tpu") + GPU_PLATFORMS
 _GPU_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) + (
     QUANT_DTYPES)
 _TPU_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """Static parameters of every kernel body: logit scale and soft cap, the key block
+  (`block_k` slots, or `pages_per_block` pages), key blocks per split, dot precision."""
+  sm_scale: float
+  soft_cap: float | None
+  block: int
+  blocks_per_split: int
+  precision: Any
+
+  def __iter__(self):
+    return iter(dataclasses.astuple(self))
 
 
 # ----------------------------------------------------------------------------
@@ -94,6 +106,14 @@ def split_blocks(split, start, length, block_k: int, blocks_per_split: int):
   return first, jnp.maximum(last - first, 0)
 
 
+def loop_range(start_ref, length_ref, block_k: int, blocks_per_split: int):
+  """("loop" schedule) `(start, length, first block, number of blocks)` of this program's
+  split (grid axis 3) over the sequence's attended range."""
+  start, length = start_ref[()], length_ref[()]
+  first, num_blocks = split_blocks(pl.program_id(3), start, length, block_k, blocks_per_split)
+  return start, length, first, num_blocks
+
+
 def dot(a, b, *, trans_b: bool = False, precision=None):
   """f32 `a @ b` (or `a @ b.T`) of 2-D tiles.
 
@@ -106,43 +126,46 @@ def dot(a, b, *, trans_b: bool = False, precision=None):
 
 
 def logits(q1, k1, q2=None, k2=None, *, sm_scale: float, soft_cap: float | None = None,
-           precision):
-  """f32 `[Gb, bk]` logits `(q1 . k1 + q2 . k2) * sm_scale` (second part optional),
-  soft-capped (`cap * tanh(s / cap)`) when asked."""
+           precision, k_scale=None):
+  """f32 `[Gb, bk]` logits `(q1 . k1 + q2 . k2) * sm_scale` (second part optional; times
+  the per-key `k_scale [1, bk]` when given), soft-capped (`cap * tanh(s / cap)`) when asked."""
   s = dot(q1, k1, trans_b=True, precision=precision)
   if q2 is not None:
     s = s + dot(q2, k2, trans_b=True, precision=precision)
-  s = s * sm_scale
+  s = s * (sm_scale if k_scale is None else k_scale.astype(jnp.float32) * sm_scale)
   if soft_cap is not None:
     s = soft_cap * jnp.tanh(s / soft_cap)
   return s
 
 
-def online_softmax_step(m_prev, l_prev, acc_prev, s, v, slot0, start, length, precision):
+def online_softmax_step(m_prev, l_prev, acc_prev, s, v, slot0, start, length, precision,
+                        v_scale=None):
   """One FlashAttention-2 update with a key block at slots `slot0 + [0, bk)`.
 
-  Masked logits are replaced (not added to), so their probabilities are exact
-  zeros, and masked value rows are zeroed before the product (0 * NaN would
-  be NaN): garbage in slots outside the range never reaches the result.
+  Masked logits are replaced (not added to) and masked value rows zeroed, so garbage
+  outside `[start, length)` never reaches the result (0 * NaN would be NaN).
 
   Args:
-    m_prev, l_prev: f32[Gb, 1] running max and running sum of exp.
-    acc_prev: f32[Gb, Hv] running unnormalised output.
+    m_prev, l_prev: f32[Gb, 1] running max and sum of exp; acc_prev: f32[Gb, Hv].
     s: f32[Gb, bk] logits of this block (unmasked).
-    v: [bk, Hv] values of this block (may hold garbage outside the range).
-    slot0: i32 scalar, (logical) slot of the block's first key.
-    start, length: i32 scalars, the attended slot range `[start, length)`.
+    v: [bk, Hv] values of this block.
+    slot0, start, length: i32 scalars: the block's first slot, the attended range.
+    v_scale: optional per-token value scales `[1, bk]`, applied to the probabilities
+      (zeroed where masked) rather than to the `[bk, Hv]` values.
 
   Returns:
     `(m_next, l_next, acc_next)`.
   """
   bk = s.shape[1]
   cols = slot0 + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-  s = jnp.where((cols >= start) & (cols < length), s, -jnp.inf)
+  valid = (cols >= start) & (cols < length)
+  s = jnp.where(valid, s, -jnp.inf)
   m_next = jnp.maximum(m_prev, jnp.max(s, axis=1)[:, None])
   alpha = jnp.exp(m_prev - m_next)
   p = jnp.exp(s - m_next)  # exact 0 where masked
   l_next = alpha * l_prev + jnp.sum(p, axis=1)[:, None]
+  if v_scale is not None:
+    p = jnp.where(valid, p * v_scale.astype(jnp.float32), 0.0)
   rows = slot0 + lax.broadcasted_iota(jnp.int32, (bk, v.shape[1]), 0)
   v = jnp.where((rows >= start) & (rows < length), v, jnp.zeros((), v.dtype))
   pv = dot(p.astype(v.dtype), v, precision=precision)
@@ -162,10 +185,10 @@ def finalize(m, l, acc):
 # ----------------------------------------------------------------------------
 
 
-def loop_blocks(num_blocks, body, o_ref, lse_ref):
+def loop_blocks(num_blocks, body, o_ref, lse_ref, cnt_ref=None, per_block: int = 1):
   """"loop" schedule: `fori_loop(0, num_blocks, body)` over the online-softmax state
-  `(m, l, acc)` from empty, then writes the normalised `o_ref [Gb, Hv]` and
-  `lse_ref [Gb, 1]`."""
+  `(m, l, acc)` from empty, then writes the normalised `o_ref [Gb, Hv]` and `lse_ref
+  [Gb, 1]` (and `num_blocks * per_block`, blocks or pages read, into `cnt_ref`)."""
   block_g, hv = o_ref.shape
   init = (jnp.full((block_g, 1), M_INIT, jnp.float32),
           jnp.zeros((block_g, 1), jnp.float32),
@@ -174,6 +197,8 @@ def loop_blocks(num_blocks, body, o_ref, lse_ref):
   out, lse = finalize(m, l, acc)
   o_ref[...] = out
   lse_ref[...] = lse
+  if cnt_ref is not None:
+    cnt_ref[...] = jnp.full(cnt_ref.shape, num_blocks * per_block, jnp.int32)
 
 
 def grid_init(step, m_sc, l_sc, acc_sc, cnt_sc):
@@ -189,18 +214,27 @@ def grid_init(step, m_sc, l_sc, acc_sc, cnt_sc):
 
 
 def grid_update(m_sc, l_sc, acc_sc, cnt_sc, s, v, block, block_size: int, start, length,
-                precision):
+                precision, v_scale=None):
   """"grid" schedule: one `online_softmax_step` on the scratch state (statistics
   lane-replicated `[Gb, 128]`) with the key block `block` of `block_size` slots
   (first slot `block * block_size`), counting it when `cnt_sc` is given."""
   m_prev, l_prev = m_sc[...], l_sc[...]
   m, l, acc = online_softmax_step(m_prev[:, :1], l_prev[:, :1], acc_sc[...], s, v,
-                                  block * block_size, start, length, precision)
+                                  block * block_size, start, length, precision, v_scale)
   m_sc[...] = jnp.broadcast_to(m, m_sc.shape)
   l_sc[...] = jnp.broadcast_to(l, l_sc.shape)
   acc_sc[...] = acc
   if cnt_sc is not None:
     cnt_sc[...] += 1
+
+
+def grid_refs(rest, count: bool):
+  """"grid" schedule: the kernel's trailing refs (after the inputs) as `(o, lse, count,
+  m, l, acc, count scratch)`; the count refs are None without `count`."""
+  o_ref, lse_ref, *rest = rest
+  cnt_ref = rest.pop(0) if count else None
+  m_sc, l_sc, acc_sc = rest[:3]
+  return o_ref, lse_ref, cnt_ref, m_sc, l_sc, acc_sc, rest[3] if count else None
 
 
 def grid_write(step, blocks_per_split: int, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref,
@@ -215,6 +249,33 @@ def grid_write(step, blocks_per_split: int, m_sc, l_sc, acc_sc, cnt_sc, o_ref, l
     lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
     if cnt_ref is not None:
       cnt_ref[...] = cnt_sc[...]
+
+
+def grid_body(starts_ref, lengths_ref, rest, block, *, count: bool, block_size: int,
+              blocks_per_split: int, precision, pages_per_block: int = 0):
+  """"grid" schedule's kernel body. `rest` are the refs after the inputs (`grid_refs`);
+  `block(j, index)` gives `(s, v)` or `(s, v, v_scale)` of key block `index` (j None), or
+  of page operand j (page `index`) when `pages_per_block`; only blocks inside `[start,
+  length)` are computed. The split's output is written at its last step."""
+  o_ref, lse_ref, cnt_ref, m_sc, l_sc, acc_sc, cnt_sc = grid_refs(rest, count)
+  b, split, step = pl.program_id(0), pl.program_id(3), pl.program_id(4)
+  start, length = starts_ref[b], lengths_ref[b]
+  lo, hi = block_bounds(start, length, block_size)
+  blk = split * blocks_per_split + step
+  grid_init(step, m_sc, l_sc, acc_sc, cnt_sc)
+
+  def compute(j, index):
+    s, v, *v_scale = block(j, index)
+    grid_update(m_sc, l_sc, acc_sc, cnt_sc, s, v, index, block_size, start, length, precision,
+                *v_scale)
+
+  if pages_per_block:
+    for j in range(pages_per_block):  # static unroll over the block's pages
+      page = blk * pages_per_block + j
+      pl.when((page >= lo) & (page < hi))(functools.partial(compute, j, page))
+  else:
+    pl.when((blk >= lo) & (blk < hi))(functools.partial(compute, None, blk))
+  grid_write(step, blocks_per_split, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref, cnt_ref)
 
 
 # ----------------------------------------------------------------------------
@@ -369,6 +430,20 @@ def launch(kernel, operands, *, schedule: str, grid, in_specs, block_g: int, hv:
   if count:
     outs[2] = outs[2][..., 0]
   return tuple(outs)
+
+
+def kv_block_index(split, step, lo, hi, blocks_per_split: int):
+  """Key block fetched at grid step (split, step) of the "grid" schedule.
+
+  The natural block `split * blocks_per_split + step` is clamped into the
+  needed range `[lo, hi)`. Steps before the range fetch block `lo` (which the
+  first needed step then reuses), steps after it repeat block `hi - 1` (which
+  the last needed step already fetched), so the pipeline, which skips the copy
+  when consecutive steps name the same block, reads each needed block once and
+  nothing else. A length-0 row (`hi == lo == 0`) names block 0 throughout.
+  """
+  blk = split * blocks_per_split + step
+  return jnp.minimum(jnp.maximum(blk, lo), jnp.maximum(hi - 1, lo))
 
 
 def merge_splits(out, lse):

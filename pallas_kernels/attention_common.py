@@ -72,26 +72,6 @@ def decode_mask(lengths: jax.Array, capacity: int, window: int | None) -> jax.Ar
   return (slots >= starts[:, None]) & (slots < lengths[:, None])
 
 
-def attention_mask(q_offsets: jax.Array, kv_lengths: jax.Array, num_tokens: int, capacity: int,
-                   window: int | None) -> tuple[jax.Array, jax.Array]:
-  """`(bool[B, T, S] attend mask, bool[B, S] valid-slot mask)` for T new tokens per sequence.
-
-  Query t of sequence b sits at slot `p = q_offsets[b] + t` and attends slot s
-  iff `s <= p`, `s < kv_lengths[b]` and (with a window W) `s > p - W`. After an
-  overflow (`kv_lengths > S`) lengths are clamped to S and query slots to
-  S - 1, as in `attended_range`. With T = 1 and `q_offsets = lengths - 1` the
-  mask is `decode_mask`.
-  """
-  slots = jnp.arange(capacity, dtype=jnp.int32)  # [S]
-  q_slots = q_offsets[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)  # [B, T]
-  q_slots = jnp.minimum(q_slots, capacity - 1)
-  valid = slots[None, :] < jnp.minimum(kv_lengths, capacity)[:, None]  # [B, S]
-  mask = valid[:, None, :] & (slots[None, None, :] <= q_slots[:, :, None])  # [B, T, S]
-  if window is not None:
-    mask &= slots[None, None, :] > q_slots[:, :, None] - window
-  return mask, valid
-
-
 # ----------------------------------------------------------------------------
 # Checks of single arguments.
 # ----------------------------------------------------------------------------
@@ -215,6 +195,18 @@ def scales(names: tuple[str, str], values: Any, scale: Any, slot_shape: tuple[in
                      f"{tuple(scale.shape)}")
 
 
+def kv_pair(names: tuple[str, str], k, v, k_scale, v_scale, doc: str, scale_doc: str) -> None:
+  """A key / value cache pair: rank 4 (`doc` with H / Hv), floating or a quantized format
+  with scales `scale_doc` of their first three axes, one dtype."""
+  rank(names[0], k, 4, doc.format("H"))
+  rank(names[1], v, 4, doc.format("Hv"))
+  cache_dtype(names[0], k)
+  cache_dtype(names[1], v)
+  same_dtype(names, (k, v))
+  scales((names[0], "k_scale"), k, k_scale, k.shape[:3], scale_doc)
+  scales((names[1], "v_scale"), v, v_scale, k.shape[:3], scale_doc)
+
+
 def options(window: Any, soft_cap: Any, sm_scale: Any) -> None:
   """ValueError/TypeError unless `window` is a positive int and `soft_cap` / `sm_scale`
   positive finite numbers (each may be None)."""
@@ -238,14 +230,8 @@ def check_dense_args(q, k, v, num_q_axes: int, window, soft_cap, sm_scale, k_sca
   """
   q_doc = "[B, T, N, H]" if num_q_axes == 2 else "[B, N, H]"
   rank("q", q, 2 + num_q_axes, q_doc)
-  rank("k", k, 4, "[B, K, S, H]")
-  rank("v", v, 4, "[B, K, S, Hv]")
+  kv_pair(("k", "v"), k, v, k_scale, v_scale, "[B, K, S, {}]", "f32[B, K, S]")
   floating("q", q)
-  cache_dtype("k", k)
-  cache_dtype("v", v)
-  same_dtype(("k", "v"), (k, v))
-  scales(("k", "k_scale"), k, k_scale, k.shape[:3], "f32[B, K, S]")
-  scales(("v", "v_scale"), v, v_scale, k.shape[:3], "f32[B, K, S]")
   batch, num_kv_heads, capacity, head_dim = k.shape
   dim("q", q, 0, batch, "batch B, from k")
   dim("q", q, q.ndim - 1, head_dim, "head dim H, from k")
@@ -322,16 +308,11 @@ def check_paged_args(q, k_pages, v_pages, block_tables, lengths, *, window=None,
       and v_pages of different dtypes, non-integer block_tables or lengths.
   """
   rank("q", q, 3, "[B, N, H]")
-  rank("k_pages", k_pages, 4, "[K, P, page_size, H]")
-  rank("v_pages", v_pages, 4, "[K, P, page_size, Hv]")
+  kv_pair(("k_pages", "v_pages"), k_pages, v_pages, k_scale, v_scale,
+          "[K, P, page_size, {}]", "f32[K, P, page_size]")
   rank("block_tables", block_tables, 2, "[B, pages_per_seq]")
   rank("lengths", lengths, 1, "[B]")
   floating("q", q)
-  cache_dtype("k_pages", k_pages)
-  cache_dtype("v_pages", v_pages)
-  same_dtype(("k_pages", "v_pages"), (k_pages, v_pages))
-  scales(("k_pages", "k_scale"), k_pages, k_scale, k_pages.shape[:3], "f32[K, P, page_size]")
-  scales(("v_pages", "v_scale"), v_pages, v_scale, k_pages.shape[:3], "f32[K, P, page_size]")
   integer("block_tables", block_tables)
   integer("lengths", lengths)
   batch, num_heads, _ = q.shape

@@ -1,61 +1,19 @@
 """Fused decode attention: one new query token per sequence against a dense KV cache.
 
-One kernel serves MHA, GQA, MQA and MLA's absorbed decode:
+One kernel serves MHA, GQA (Ainslie et al. 2023: the G = N // K heads of KV head k are
+one `[G, H]` tile), MQA and MLA's absorbed decode (DeepSeek-V2, appendix C: the key in
+two parts `q1 . k1 + q2 . k2` with `k1 = c_kv` also the value, read once). Online softmax
+over key blocks (FlashAttention-2, Dao 2023, algorithm 1) split into partitions merged by
+log-sum-exp (flash-decoding, Dao et al. 2023); sequence b attends `[start_b, length_b)`
+and blocks outside it are skipped. Masked logits are replaced and masked value rows
+zeroed, so garbage in unused slots never reaches an output. int8 / fp8 caches (one f32
+scale per slot, passed as `[B, K, S, 1]` columns) are dequantized per block after the load.
 
-* GQA grouping (Ainslie et al. 2023): the G = N // K query heads that share KV
-  head k are one `[G, H]` tile, so every K/V block is read once per group.
-  The tile is padded to what the hardware needs (a power of two >= 16 for
-  Triton dots, a multiple of the sublane count on TPU) and the padding rows
-  are zero queries whose outputs are dropped.
-* Online softmax over key blocks (FlashAttention-2, Dao 2023, algorithm 1)
-  with f32 statistics and accumulator for f32/bf16/f16 inputs.
-* Split-K / flash-decoding (Dao, Haziza, Massa, Sizov 2023): the key axis is
-  cut into `num_splits` partitions that run in parallel; each writes a
-  normalised partial output and its log-sum-exp, merged afterwards with
-  `out = sum_j exp(lse_j - lse) * out_j`, `lse = logsumexp_j lse_j`.
-* Length-aware: sequence b attends slots `[start_b, length_b)` with
-  `start_b = max(0, length_b - window)`. Key blocks outside that range are
-  skipped, not masked, so work grows with the real length, not the capacity.
-* The key may come in two parts with separate queries, logits
-  `q1 . k1 + q2 . k2`, and the value may be `k1` itself. MLA's absorbed decode
-  (DeepSeek-V2, appendix C) is then `k1 = c_kv`, `k2 = k_rope`, `v = c_kv`:
-  every cache byte is read once and nothing cache-sized is concatenated.
-* Garbage in unused slots (NaN, inf, 1e30) never reaches an output: masked
-  logits are replaced (not added to), masked probabilities are exact zeros and
-  value rows of masked slots are zeroed before the probability-weighted sum
-  (0 * NaN would be NaN). A length-0 row gives zeros and log-sum-exp -inf.
-* Quantized caches (int8, float8_e4m3fn, float8_e5m2 values with one f32
-  scale per slot: `k[s] = k_q[s] * k_scale[s]`): each key/value block is
-  dequantized in the kernel right after it is loaded (`k_q.astype(f32) *
-  scale`, then cast to the dot's dtype: f32, or q's dtype when q is
-  bf16/f16), so the cache is read in its 1-byte form and no dequantized copy
-  of it exists outside the kernel. Scales are passed as `[B, K, S, 1]` so a
-  block's scales are a `[bk, 1]` column that broadcasts over the block's
-  width on every backend. Garbage scales of unused slots are masked like
-  garbage values.
-
-Two schedules of the same math, chosen by `schedule=`:
-
-* `"loop"` (GPU, Triton lowering): grid `(B, K, G tiles, splits)`; each
-  program runs a `fori_loop` over exactly the key blocks its split needs
-  (bounds computed from `lengths`), loading blocks with dynamic slices.
-* `"grid"` (TPU, Mosaic): grid `(B, K, G tiles, splits, blocks per split)`
-  with `lengths`/window starts scalar-prefetched into SMEM. The K/V index map
-  clamps the block index into the needed range, so steps outside it repeat
-  the previous block index and the pipeline issues no DMA for them, and
-  `pl.when` skips their compute.
-
-Both run on CPU with `interpret=True` (what the tests do). The schedule follows
-the platform the call is lowered for (`platform=`, default the JAX default
-backend), so a CPU host can also lower the compiled kernel for "cuda" or "tpu"
-(tests/pallas_kernels/test_lowering.py).
-
-Layout follows jax/experimental/pallas/ops/gpu/decode_attention.py: kernels
-(refs only), then the launcher, then the public jitted wrappers, then the
-pure-jnp references. What this kernel shares with the paged one (the
-online-softmax math, the schedules' launch configuration) is in `_common.py`;
-the attended range, constants and argument checks of every attention path are
-in `attention_common.py`.
+Schedules: "loop" (GPU, Triton; grid `(B, K, G tiles, splits)`, a `fori_loop` over the
+split's blocks) and "grid" (TPU, Mosaic; key blocks on the last grid axis, lengths
+scalar-prefetched, the clamped index map `_common.kv_block_index` issues no DMA outside
+the range). Both run on CPU with `interpret=True`; `platform=` lowers for a device.
+Layout: kernels, launcher, public wrappers, references.
 """
 
 from __future__ import annotations
@@ -105,22 +63,18 @@ def _loop_kernel(
     has_v: bool,
     count: bool,
     scaled: bool,
-    sm_scale: float,
-    soft_cap: float | None,
-    block_k: int,
-    blocks_per_split: int,
-    precision,
+    step: _common.Step,
 ):
   """"loop" schedule: one program per (b, k, G tile, split), fori_loop over blocks.
 
   Widths that are not powers of two arrive padded in q (and in the output); their
   K/V blocks are loaded at the padded width with zero lanes (`_common.load_rows`).
   """
+  sm_scale, soft_cap, block_k, blocks_per_split, precision = step
   (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, (s1_ref, s2_ref, sv_ref), o_ref, lse_ref, cnt_ref,
    _) = _split_refs(refs, has_rope, has_v, count, scaled)
-  split = pl.program_id(3)
-  start, length = start_ref[()], length_ref[()]
-  first, num_blocks = _common.split_blocks(split, start, length, block_k, blocks_per_split)
+  start, length, first, num_blocks = _common.loop_range(start_ref, length_ref, block_k,
+                                                        blocks_per_split)
   q1 = q1_ref[...]
   q2 = q2_ref[...] if has_rope else None
 
@@ -139,9 +93,7 @@ def _loop_kernel(
                        precision=precision)
     return _common.online_softmax_step(m, l, acc, s, v, slot0, start, length, precision)
 
-  _common.loop_blocks(num_blocks, body, o_ref, lse_ref)
-  if count:
-    cnt_ref[...] = jnp.full(cnt_ref.shape, num_blocks, jnp.int32)
+  _common.loop_blocks(num_blocks, body, o_ref, lse_ref, cnt_ref)
 
 
 def _grid_kernel(
@@ -155,25 +107,14 @@ def _grid_kernel(
     has_v: bool,
     count: bool,
     scaled: bool,
-    sm_scale: float,
-    soft_cap: float | None,
-    block_k: int,
-    blocks_per_split: int,
-    precision,
+    step: _common.Step,
 ):
   """"grid" schedule: key blocks on the last (sequential) grid axis."""
+  sm_scale, soft_cap, block_k, blocks_per_split, precision = step
   (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, (s1_ref, s2_ref, sv_ref), o_ref, lse_ref, cnt_ref,
    scratch) = _split_refs(refs, has_rope, has_v, count, scaled)
-  m_sc, l_sc, acc_sc = scratch[:3]
-  cnt_sc = scratch[3] if count else None
-  b, split, step = pl.program_id(0), pl.program_id(3), pl.program_id(4)
-  start, length = starts_ref[b], lengths_ref[b]
-  lo, hi = _common.block_bounds(start, length, block_k)
-  blk = split * blocks_per_split + step
-  _common.grid_init(step, m_sc, l_sc, acc_sc, cnt_sc)
 
-  @pl.when((blk >= lo) & (blk < hi))
-  def _compute():
+  def block(*_):
     q1 = q1_ref[...]
 
     def load(ref, scale_ref):  # [bk, X] block, dequantized when the cache is quantized
@@ -183,32 +124,17 @@ def _grid_kernel(
     k2 = load(k2_ref, s2_ref) if has_rope else None
     v = load(v_ref, sv_ref) if has_v else k1
     q2 = q2_ref[...] if has_rope else None
-    s = _common.logits(q1, k1, q2, k2, sm_scale=sm_scale, soft_cap=soft_cap,
-                       precision=precision)
-    _common.grid_update(m_sc, l_sc, acc_sc, cnt_sc, s, v, blk, block_k, start, length,
-                        precision)
+    return _common.logits(q1, k1, q2, k2, sm_scale=sm_scale, soft_cap=soft_cap,
+                          precision=precision), v
 
-  _common.grid_write(step, blocks_per_split, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref,
-                     cnt_ref)
+  outs = (o_ref, lse_ref) + ((cnt_ref,) if count else ()) + tuple(scratch)
+  _common.grid_body(starts_ref, lengths_ref, outs, block, count=count, block_size=block_k,
+                    blocks_per_split=blocks_per_split, precision=precision)
 
 
 # ----------------------------------------------------------------------------
 # Launcher.
 # ----------------------------------------------------------------------------
-
-
-def _kv_block_index(split, step, lo, hi, blocks_per_split: int):
-  """Key block fetched at grid step (split, step) of the "grid" schedule.
-
-  The natural block `split * blocks_per_split + step` is clamped into the
-  needed range `[lo, hi)`. Steps before the range fetch block `lo` (which the
-  first needed step then reuses), steps after it repeat block `hi - 1` (which
-  the last needed step already fetched), so the pipeline, which skips the copy
-  when consecutive steps name the same block, reads each needed block once and
-  nothing else. A length-0 row (`hi == lo == 0`) names block 0 throughout.
-  """
-  blk = split * blocks_per_split + step
-  return jnp.minimum(jnp.maximum(blk, lo), jnp.maximum(hi - 1, lo))
 
 
 def _pick_block_k(capacity: int, target: int, granule: int) -> int | None:
@@ -294,8 +220,7 @@ def _decode_partials(
   scaled = scales is not None
   precision = (lax.Precision.HIGHEST if q1.dtype == jnp.float32 else None)
   kernel_kw = dict(has_rope=has_rope, has_v=has_v, count=count, scaled=scaled,
-                   sm_scale=sm_scale, soft_cap=soft_cap, block_k=block_k, blocks_per_split=bps,
-                   precision=precision)
+                   step=_common.Step(sm_scale, soft_cap, block_k, bps, precision))
   operands = [q1] + ([q2] if has_rope else []) + [k1] + ([k2] if has_rope else []) + (
       [v] if has_v else [])
   scale_ops = [] if not scaled else [x for x in scales if x is not None]
@@ -319,7 +244,7 @@ def _decode_partials(
     def kv_spec(width):
       def index(b, h, g, j, i, st, ln):
         lo, hi = _common.block_bounds(st[b], ln[b], block_k)
-        return b, h, _kv_block_index(j, i, lo, hi, bps), 0
+        return b, h, _common.kv_block_index(j, i, lo, hi, bps), 0
       return pl.BlockSpec((None, None, block_k, width), index)
 
     in_specs = [q_spec(h1)] + ([q_spec(q2.shape[-1])] if has_rope else [])
@@ -378,85 +303,34 @@ def decode_attention(
     v: jax.Array,        # [B, K, S, Hv]
     lengths: jax.Array,  # i32[B]
     *,
-    sm_scale: float | None = None,
-    window: int | None = None,
-    soft_cap: float | None = None,
     k_scale: jax.Array | None = None,  # f32[B, K, S]
     v_scale: jax.Array | None = None,  # f32[B, K, S]
-    interpret: bool = False,
-    block_k: int | None = None,
-    block_g: int | None = None,
-    num_splits: int | None = None,
-    schedule: str | None = None,
-    platform: str | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    return_lse: bool = False,
-    count_blocks: bool = False,
+    sm_scale: float | None = None, window: int | None = None, soft_cap: float | None = None,
+    **tunables: Any,
 ):
   """Fused decode attention of one new token per sequence against a dense cache.
 
-  Sequence b's query sits at slot `lengths[b] - 1` (its key is already
-  written) and attends slots `[max(0, lengths[b] - window), lengths[b])`;
-  query head n reads KV head `n // (N // K)`. Computes softmax(q k^T *
-  sm_scale) v (Vaswani et al. 2017, eq. 1) with an online softmax over key
-  blocks (FlashAttention-2) split into parallel partitions merged by their
-  log-sum-exp (flash-decoding). Key blocks outside the attended range are not
-  read or computed.
-
-  Args:
-    q: `[B, N, H]` queries (cast to k's dtype for the dot products; for a
-      quantized cache kept in bf16/f16, or f32 otherwise).
-    k: `[B, K, S, H]` keys; slots outside the attended range may hold anything.
-      Float, or int8 / float8_e4m3fn / float8_e5m2 with `k_scale`.
-    v: `[B, K, S, Hv]` values, same dtype as k; Hv may differ from H.
-    lengths: `i32[B]` valid slots per sequence; values are clamped to `[0, S]`
-      (a sticky overflow under jit may exceed S).
-    sm_scale: logit scale, default `1/sqrt(H)`.
-    window: sliding-window size W in tokens (the W most recent keys), or None.
-    soft_cap: logit soft cap (Gemma 2: `cap * tanh(s / cap)` of the scaled logits),
-      or None.
-    k_scale, v_scale: `f32[B, K, S]` per-slot scales of a quantized cache
-      (`k[b, h, s] * k_scale[b, h, s]`); each block is dequantized in the
-      kernel after it is loaded. None for float caches.
-    interpret: run the kernel with the Pallas interpreter (CPU).
-    block_k: keys per block (static). Default: "loop" a power of two <= 128
-      dividing S; "grid" 512 or the largest power-of-two divisor of S.
-    block_g: query heads per tile (static); G is padded to a multiple of it.
-    num_splits: key-axis partitions run in parallel (static); default fills
-      the device for small B*K. Results do not depend on it.
-    schedule: `"loop"` (Triton GPU) or `"grid"` (Mosaic TPU); default by
-      `platform` ("loop" on CPU). Compiled runs need the platform's schedule.
-    platform: the platform the call is lowered for (static): "cuda"/"gpu",
-      "rocm", "tpu" or "cpu"; default the JAX default backend. It picks the
-      default schedule and the compiled one `interpret=False` needs, so a CPU
-      host can lower the compiled kernel for a device it does not have
-      (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`, as
-      tests/pallas_kernels/test_lowering.py does) but not run it.
-    num_warps, num_stages: Triton compiler options ("loop", compiled only).
-    return_lse: also return the `f32[B, N]` log-sum-exp of the scaled logits
-      (natural log; -inf for length-0 rows).
-    count_blocks: test hook; also return `i32[B, K]`, the number of key blocks
-      the kernel processed per sequence and KV head.
+  softmax(q k^T * sm_scale) v (Vaswani et al. 2017, eq. 1) for the query at slot
+  `lengths[b] - 1` over slots `[max(0, lengths[b] - window), lengths[b])` (lengths
+  clamped to `[0, S]`); query head n reads KV head `n // (N // K)`. k, v float, or int8 /
+  float8_e4m3fn / float8_e5m2 with their per-slot scales. `soft_cap`: `cap * tanh(s /
+  cap)`. Tunables: `decode_attention_unchecked`.
 
   Returns:
-    `[B, N, Hv]` in q's dtype (f32 accumulation); length-0 rows are zeros.
-    With `return_lse`, `(out, lse)`; with `count_blocks`, `(result, counts)`.
+    `[B, N, Hv]` in q's dtype (f32 accumulation), length-0 rows zeros; with
+    `return_lse`, `(out, f32[B, N] lse)`; with `count_blocks`, `(result, i32[B, K])`.
 
   Raises:
-    ValueError: shapes that do not fit, S not divisible into blocks the
-      schedule supports, a bad tunable, or `interpret=False` for a `platform` that is
-      not a GPU/TPU, or an unknown `platform`.
-    TypeError: non-float q/k/v, k/v dtype mismatch, non-integer lengths.
+    ValueError: shapes that do not fit, S not divisible into the schedule's blocks, a
+      bad tunable, `interpret=False` off GPU/TPU, an unknown `platform`.
+    TypeError: non-float q, k/v dtype mismatch, non-integer lengths, scales missing or
+      given for a float cache.
   """
   lengths = common.check_decode_args(q, k, v, lengths, window, soft_cap, sm_scale, k_scale,
                                      v_scale)
-  return decode_attention_unchecked(
-      q, k, v, lengths, sm_scale=sm_scale, window=window, soft_cap=soft_cap, k_scale=k_scale,
-      v_scale=v_scale,
-      interpret=interpret, block_k=block_k, block_g=block_g, num_splits=num_splits,
-      schedule=schedule, platform=platform, num_warps=num_warps, num_stages=num_stages,
-      return_lse=return_lse, count_blocks=count_blocks)
+  return decode_attention_unchecked(q, k, v, lengths, sm_scale=sm_scale, window=window,
+                                    soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
+                                    **tunables)
 
 
 def decode_attention_unchecked(q, k, v, lengths, *, sm_scale=None, window=None, soft_cap=None,
@@ -464,9 +338,18 @@ def decode_attention_unchecked(q, k, v, lengths, *, sm_scale=None, window=None, 
                                block_g=None, num_splits=None, schedule=None, platform=None,
                                num_warps=None, num_stages=None, return_lse=False,
                                count_blocks=False):
-  """`decode_attention` without the argument checks, for callers that ran them
-  (`attention_common.check_decode_args`; kvattn's dispatch point). The tunables
-  are still checked: they are resolved here."""
+  """`decode_attention` without the argument checks (kvattn's dispatch point ran them).
+
+  Tunables (static; every kernel takes them):
+    interpret: run with the Pallas interpreter (CPU).
+    block_k, block_g: keys per block (default "loop" <= 128 dividing S, "grid" 512) and
+      query heads per tile (G is padded to a multiple of it).
+    num_splits: key-axis partitions (default fills the device); results do not depend on it.
+    schedule: "loop" (Triton) or "grid" (Mosaic); default by `platform` (the platform
+      lowered for, default the JAX backend), so a CPU host can lower for "cuda" / "tpu".
+    num_warps, num_stages: Triton options. return_lse: also the `f32[B, N]` log-sum-exp.
+    count_blocks: test hook, also `i32[B, K]` key blocks processed.
+  """
   _, num_kv, capacity, head_dim = k.shape
   schedule = _common.check_schedule(schedule, interpret, (
       ("block_k", block_k), ("block_g", block_g), ("num_splits", num_splits)), platform)
@@ -489,56 +372,26 @@ def mla_decode_attention(
     k_rope: jax.Array,    # [B, S, R]
     lengths: jax.Array,   # i32[B]
     *,
-    sm_scale: float,
-    window: int | None = None,
     c_kv_scale: jax.Array | None = None,  # f32[B, S]
     k_rope_scale: jax.Array | None = None,  # f32[B, S]
-    interpret: bool = False,
-    block_k: int | None = None,
-    block_g: int | None = None,
-    num_splits: int | None = None,
-    schedule: str | None = None,
-    platform: str | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    return_lse: bool = False,
-    count_blocks: bool = False,
+    sm_scale: float, window: int | None = None,
+    **tunables: Any,
 ):
-  """Absorbed MLA decode (DeepSeek-V2, appendix C) through the fused kernel.
-
-  Single-KV-head attention with logits `(q_latent . c_kv[s] + q_rope .
-  k_rope[s]) * sm_scale` and value `c_kv[s]`. The kernel takes the key as two
-  parts, so the cache is read in place (c_kv once, serving as key and value;
-  k_rope once) and no `[c_kv | k_rope]` copy is made.
-
-  Args:
-    q_latent: `[B, N, C]` query with W_UK absorbed.
-    q_rope: `[B, N, R]` RoPE part of the query.
-    c_kv: `[B, S, C]` latent cache; `k_rope: [B, S, R]` shared RoPE keys
-      (same dtype). Slots outside the attended range may hold anything.
-    lengths: `i32[B]` valid slots per sequence, clamped to `[0, S]`.
-    sm_scale: required, `1/sqrt(qk_nope_head_dim + qk_rope_head_dim)`.
-    c_kv_scale, k_rope_scale: `f32[B, S]` per-token scales of a quantized
-      (int8/fp8) latent cache, one per part; blocks are dequantized in the
-      kernel. None for float caches.
-    window, interpret, block_k, block_g, num_splits, schedule, platform,
-      num_warps, num_stages, return_lse, count_blocks: as in `decode_attention`.
+  """Absorbed MLA decode (DeepSeek-V2, appendix C): logits `(q_latent . c_kv[s] + q_rope .
+  k_rope[s]) * sm_scale`, value `c_kv[s]`, the cache read in place (no `[c_kv | k_rope]`
+  copy). `sm_scale` is required; tunables as `decode_attention_unchecked`.
 
   Returns:
-    `[B, N, C]` in q_latent's dtype (apply W_UV afterwards); length-0 rows are
-    zeros. With `return_lse`, `(out, f32[B, N] lse)`.
+    `[B, N, C]` in q_latent's dtype (apply W_UV afterwards); length-0 rows are zeros.
 
   Raises:
-    ValueError/TypeError: as `decode_attention`, naming the argument.
+    ValueError, TypeError: as `decode_attention`, naming the argument.
   """
   lengths = common.check_mla_decode_args(q_latent, q_rope, c_kv, k_rope, lengths, sm_scale,
                                          window, c_kv_scale, k_rope_scale)
   return mla_decode_attention_unchecked(
       q_latent, q_rope, c_kv, k_rope, lengths, sm_scale=sm_scale, window=window,
-      c_kv_scale=c_kv_scale, k_rope_scale=k_rope_scale, interpret=interpret, block_k=block_k,
-      block_g=block_g, num_splits=num_splits, schedule=schedule, platform=platform,
-      num_warps=num_warps, num_stages=num_stages, return_lse=return_lse,
-      count_blocks=count_blocks)
+      c_kv_scale=c_kv_scale, k_rope_scale=k_rope_scale, **tunables)
 
 
 def mla_decode_attention_unchecked(q_latent, q_rope, c_kv, k_rope, lengths, *, sm_scale,
@@ -546,8 +399,7 @@ def mla_decode_attention_unchecked(q_latent, q_rope, c_kv, k_rope, lengths, *, s
                                    interpret=False, block_k=None, block_g=None, num_splits=None,
                                    schedule=None, platform=None, num_warps=None,
                                    num_stages=None, return_lse=False, count_blocks=False):
-  """`mla_decode_attention` without the argument checks, for callers that ran them
-  (`attention_common.check_mla_decode_args`; kvattn's dispatch point)."""
+  """`mla_decode_attention` without the argument checks (kvattn's dispatch point)."""
   capacity, latent = c_kv.shape[1], c_kv.shape[2]
   schedule = _common.check_schedule(schedule, interpret, (
       ("block_k", block_k), ("block_g", block_g), ("num_splits", num_splits)), platform)
@@ -626,30 +478,11 @@ def _dequant_reference(x, scale):
   return x.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
 
 
-def decode_attention_reference(
-    q: jax.Array,        # [B, N, H]
-    k: jax.Array,        # [B, K, S, H]
-    v: jax.Array,        # [B, K, S, Hv]
-    lengths: jax.Array,  # i32[B]
-    *,
-    sm_scale: float | None = None,
-    window: int | None = None,
-    soft_cap: float | None = None,
-    k_scale: jax.Array | None = None,  # f32[B, K, S]
-    v_scale: jax.Array | None = None,  # f32[B, K, S]
-    return_lse: bool = False,
-    **unused_tunables: Any,
-):
-  """Plain-jnp f32 `decode_attention` (same signature; tunables are ignored).
-
-  Materialises the `[B, N, S]` logits (soft-capped, `cap * tanh(s / cap)`, when
-  `soft_cap` is given: the paged reference uses that), masks slots outside
-  `[max(0, L - W), L)` by replacement and zeroes masked value rows, so garbage
-  cannot leak. A quantized cache is dequantized up front (`k * k_scale[...,
-  None]` in f32). Query head n reads KV head `n // (N // K)`. Returns `[B, N,
-  Hv]` in q's dtype (and the `f32[B, N]` log-sum-exp of the scaled logits with
-  `return_lse`).
-  """
+def decode_attention_reference(q, k, v, lengths, *, sm_scale=None, window=None, soft_cap=None,
+                               k_scale=None, v_scale=None, return_lse=False,
+                               **unused_tunables: Any):
+  """Plain-jnp f32 `decode_attention` (tunables ignored): `[B, N, S]` logits, masked by
+  replacement, masked value rows zeroed; a quantized cache dequantized up front."""
   del unused_tunables
   sm_scale = k.shape[-1] ** -0.5 if sm_scale is None else sm_scale
   k, v = _dequant_reference(k, k_scale), _dequant_reference(v, v_scale)
@@ -667,26 +500,10 @@ def decode_attention_reference(
   return (out, lse) if return_lse else out
 
 
-def mla_decode_attention_reference(
-    q_latent: jax.Array,  # [B, N, C]
-    q_rope: jax.Array,    # [B, N, R]
-    c_kv: jax.Array,      # [B, S, C]
-    k_rope: jax.Array,    # [B, S, R]
-    lengths: jax.Array,   # i32[B]
-    *,
-    sm_scale: float,
-    window: int | None = None,
-    c_kv_scale: jax.Array | None = None,  # f32[B, S]
-    k_rope_scale: jax.Array | None = None,  # f32[B, S]
-    return_lse: bool = False,
-    **unused_tunables: Any,
-):
-  """Plain-jnp f32 `mla_decode_attention` (tunables are ignored).
-
-  Logits `(q_latent . c_kv + q_rope . k_rope) * sm_scale`, value `c_kv`; a
-  quantized cache is dequantized up front. Returns `[B, N, C]` in q_latent's
-  dtype (and `f32[B, N]` lse).
-  """
+def mla_decode_attention_reference(q_latent, q_rope, c_kv, k_rope, lengths, *, sm_scale,
+                                   window=None, c_kv_scale=None, k_rope_scale=None,
+                                   return_lse=False, **unused_tunables: Any):
+  """Plain-jnp f32 `mla_decode_attention` (tunables ignored)."""
   del unused_tunables
   c_kv = _dequant_reference(c_kv, c_kv_scale)
   k_rope = _dequant_reference(k_rope, k_rope_scale)

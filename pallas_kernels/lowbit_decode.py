@@ -24,9 +24,8 @@ tile), an online softmax over key blocks (FlashAttention-2), key-axis splits mer
 log-sum-exp (flash-decoding), masked logits replaced and masked value rows zeroed, so
 garbage (NaN scales, random codes) in unused slots never reaches an output.
 
-`paged_kivi_decode_attention` reads the same store from page pools through a block table
-(`kvattn.caches.paged_kivi`), in both schedules ("grid": the tables scalar-prefetched, one
-VMEM block per page, as `paged_decode.py`). Schedules as in `dense_decode.py`: "loop" (GPU, Triton; grid `(B, K, G tiles, splits)`,
+`lowbit_paged_decode` reads the same store from page pools. Schedules as in
+`dense_decode.py`: "loop" (GPU, Triton; grid `(B, K, G tiles, splits)`,
 each program a `fori_loop` over its blocks) and "grid" (TPU, Mosaic; key blocks on the last
 grid axis, `starts` / `lengths` scalar-prefetched, the clamped block index map skips
 blocks outside the range; the key scales of a row are one whole-row VMEM block, sliced per
@@ -46,7 +45,6 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _common
 from pallas_kernels import attention_common as common
-from pallas_kernels.dense_decode import _kv_block_index
 
 BITS = (2, 4)
 """Code widths the kernel unpacks (KIVI's)."""
@@ -68,7 +66,7 @@ def _unpack(packed, bits: int):
   return codes.reshape(packed.shape[0], packed.shape[1] * per_byte)
 
 
-def _dequant_keys(packed, scale, zero, bits: int, group_size: int):
+def dequant_keys(packed, scale, zero, bits: int, group_size: int):
   """f32 `[bk, H]` keys from codes `u8[bk, W]` and per-channel group rows `[bk / g, H]`."""
   codes = _unpack(packed, bits).astype(jnp.float32)
   bk, h = codes.shape
@@ -80,7 +78,7 @@ def _dequant_keys(packed, scale, zero, bits: int, group_size: int):
   return codes * rows(scale) + rows(zero)
 
 
-def _dequant_values(packed, scale, zero, bits: int):
+def dequant_values(packed, scale, zero, bits: int):
   """f32 `[bk, H]` values from codes `u8[bk, W]` and per-token channel groups `[bk, H / vg]`."""
   codes = _unpack(packed, bits).astype(jnp.float32)
   bk, h = codes.shape
@@ -113,16 +111,12 @@ def _loop_kernel(
     *rest,       # (count i32[Gb, 1])
     bits: int,
     group_size: int,
-    sm_scale: float,
-    soft_cap: float | None,
-    block_k: int,
-    blocks_per_split: int,
-    precision,
+    step: _common.Step,
 ):
   """"loop" schedule: one program per (b, k, G tile, split), fori_loop over blocks."""
-  split = pl.program_id(3)
-  start, length = start_ref[()], length_ref[()]
-  first, num_blocks = _common.split_blocks(split, start, length, block_k, blocks_per_split)
+  sm_scale, soft_cap, block_k, blocks_per_split, precision = step
+  start, length, first, num_blocks = _common.loop_range(start_ref, length_ref, block_k,
+                                                        blocks_per_split)
   q = q_ref[...]
   groups_per_block = block_k // group_size
 
@@ -132,15 +126,13 @@ def _loop_kernel(
     rows = pl.ds(slot0, block_k)
     group_rows = pl.ds(pl.multiple_of((first + i) * groups_per_block, groups_per_block),
                        groups_per_block)
-    k = _dequant_keys(kc_ref[rows, :], ks_ref[group_rows, :], kz_ref[group_rows, :], bits,
+    k = dequant_keys(kc_ref[rows, :], ks_ref[group_rows, :], kz_ref[group_rows, :], bits,
                       group_size).astype(q.dtype)
-    v = _dequant_values(vc_ref[rows, :], vs_ref[rows, :], vz_ref[rows, :], bits).astype(q.dtype)
+    v = dequant_values(vc_ref[rows, :], vs_ref[rows, :], vz_ref[rows, :], bits).astype(q.dtype)
     s = _common.logits(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
     return _common.online_softmax_step(m, l, acc, s, v, slot0, start, length, precision)
 
-  _common.loop_blocks(num_blocks, body, o_ref, lse_ref)
-  if rest:
-    rest[0][...] = jnp.full(rest[0].shape, num_blocks, jnp.int32)
+  _common.loop_blocks(num_blocks, body, o_ref, lse_ref, *rest)
 
 
 def _grid_kernel(
@@ -158,148 +150,23 @@ def _grid_kernel(
     *rest,        # (count i32[Gb, 128]), scratch m, l f32[Gb, 128], acc f32[Gb, H], (count)
     bits: int,
     group_size: int,
-    sm_scale: float,
-    soft_cap: float | None,
-    block_k: int,
-    blocks_per_split: int,
-    precision,
+    step: _common.Step,
 ):
   """"grid" schedule: key blocks on the last (sequential) grid axis."""
-  count = len(rest) == 5
-  cnt_ref = rest[0] if count else None
-  m_sc, l_sc, acc_sc = rest[1:4] if count else rest[:3]
-  cnt_sc = rest[4] if count else None
-  b, split, step = pl.program_id(0), pl.program_id(3), pl.program_id(4)
-  start, length = starts_ref[b], lengths_ref[b]
-  lo, hi = _common.block_bounds(start, length, block_k)
-  blk = split * blocks_per_split + step
-  _common.grid_init(step, m_sc, l_sc, acc_sc, cnt_sc)
+  sm_scale, soft_cap, block_k, blocks_per_split, precision = step
   groups_per_block = block_k // group_size
 
-  @pl.when((blk >= lo) & (blk < hi))
-  def _compute():
+  def block(_, blk):
     q = q_ref[...]
     group_rows = pl.ds(blk * groups_per_block, groups_per_block)
-    k = _dequant_keys(kc_ref[...], ks_ref[group_rows, :], kz_ref[group_rows, :], bits,
-                      group_size).astype(q.dtype)
-    v = _dequant_values(vc_ref[...], vs_ref[...], vz_ref[...], bits).astype(q.dtype)
-    s = _common.logits(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
-    _common.grid_update(m_sc, l_sc, acc_sc, cnt_sc, s, v, blk, block_k, start, length,
-                        precision)
+    k = dequant_keys(kc_ref[...], ks_ref[group_rows, :], kz_ref[group_rows, :], bits,
+                     group_size).astype(q.dtype)
+    v = dequant_values(vc_ref[...], vs_ref[...], vz_ref[...], bits).astype(q.dtype)
+    return _common.logits(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision), v
 
-  _common.grid_write(step, blocks_per_split, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref,
-                     cnt_ref)
-
-
-def _paged_loop_kernel(
-    start_ref,   # i32[]              first attended slot of this sequence
-    length_ref,  # i32[]              one past the last attended slot
-    table_ref,   # i32[pages_padded]  this sequence's block-table row
-    q_ref,       # [Gb, H]
-    kc_ref,      # u8[P, page_size, W]       the whole pools of this KV head
-    ks_ref,      # [P, page_size / g, H]
-    kz_ref,      # [P, page_size / g, H]
-    vc_ref,      # u8[P, page_size, W]
-    vs_ref,      # [P, page_size, H / vg]
-    vz_ref,      # [P, page_size, H / vg]
-    o_ref,       # f32[Gb, H]
-    lse_ref,     # f32[Gb, 1]
-    *rest,       # (count i32[Gb, 1])
-    bits: int,
-    group_size: int,
-    sm_scale: float,
-    soft_cap: float | None,
-    pages_per_block: int,
-    blocks_per_split: int,
-    precision,
-):
-  """"loop" schedule over a paged store: each key block is `pages_per_block` pages gathered
-  through the block table (`ref[page_ids]`, as `paged_decode.py`), then dequantized as in
-  `_loop_kernel`."""
-  split = pl.program_id(3)
-  num_pages, page_size, _ = kc_ref.shape
-  block_k = pages_per_block * page_size
-  start, length = start_ref[()], length_ref[()]
-  first, num_blocks = _common.split_blocks(split, start, length, block_k, blocks_per_split)
-  q = q_ref[...]
-
-  def gather(ref, ids, rows):
-    return ref[ids].reshape(rows, ref.shape[-1])
-
-  def body(i, carry):
-    m, l, acc = carry
-    blk = first + i
-    ids = table_ref[pl.ds(pl.multiple_of(blk * pages_per_block, pages_per_block),
-                          pages_per_block)]
-    # Unassigned entries (NO_PAGE) read a page of the pool instead of faulting; their slots
-    # lie past the length and are masked.
-    ids = jnp.clip(ids, 0, num_pages - 1)
-    k = _dequant_keys(gather(kc_ref, ids, block_k), gather(ks_ref, ids, block_k // group_size),
-                      gather(kz_ref, ids, block_k // group_size), bits,
-                      group_size).astype(q.dtype)
-    v = _dequant_values(gather(vc_ref, ids, block_k), gather(vs_ref, ids, block_k),
-                        gather(vz_ref, ids, block_k), bits).astype(q.dtype)
-    s = _common.logits(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
-    return _common.online_softmax_step(m, l, acc, s, v, blk * block_k, start, length,
-                                       precision)
-
-  _common.loop_blocks(num_blocks, body, o_ref, lse_ref)
-  if rest:
-    rest[0][...] = jnp.full(rest[0].shape, num_blocks * pages_per_block, jnp.int32)
-
-
-def _paged_grid_kernel(
-    starts_ref,   # i32[B]                 (SMEM) first attended slot
-    lengths_ref,  # i32[B]                 (SMEM) one past the last attended slot
-    tables_ref,   # i32[B * pages_padded]  (SMEM) block tables, flattened
-    q_ref,        # [Gb, H]
-    *refs,        # for each of the six pools (k codes, k scale, k zero, v codes, v scale,
-                  # v zero) its pages_per_block page operands ([page_size, W], [page_size /
-                  # g, H], ..., [page_size, H / vg]); o f32[Gb, H], lse f32[Gb, 128], (count
-                  # i32[Gb, 128]); scratch m, l f32[Gb, 128], acc f32[Gb, H], (count)
-    bits: int,
-    group_size: int,
-    count: bool,
-    sm_scale: float,
-    soft_cap: float | None,
-    pages_per_block: int,
-    blocks_per_split: int,
-    precision,
-):
-  """"grid" schedule over a paged store: key blocks of `pages_per_block` page operands on
-  the last (sequential) grid axis, each page fetched through the scalar-prefetched block
-  table by its index map (`paged_decode._grid_logical_page`: pages outside the range repeat
-  a needed page, so no DMA is issued for them) and dequantized as in `_grid_kernel`."""
-  del tables_ref  # read by the index maps only
-  ppb = pages_per_block
-  pools = [refs[i * ppb:(i + 1) * ppb] for i in range(6)]
-  rest = refs[6 * ppb:]
-  o_ref, lse_ref = rest[0], rest[1]
-  cnt_ref = rest[2] if count else None
-  m_sc, l_sc, acc_sc = rest[3:6] if count else rest[2:5]
-  cnt_sc = rest[6] if count else None
-  page_size = pools[0][0].shape[0]
-  b, split, step = pl.program_id(0), pl.program_id(3), pl.program_id(4)
-  start, length = starts_ref[b], lengths_ref[b]
-  lo, hi = _common.block_bounds(start, length, page_size)
-  blk = split * blocks_per_split + step
-  _common.grid_init(step, m_sc, l_sc, acc_sc, cnt_sc)
-
-  for j in range(ppb):  # static unroll over the block's pages
-    page = blk * ppb + j
-
-    @pl.when((page >= lo) & (page < hi))
-    def _compute():
-      q = q_ref[...]
-      kc, ks, kz, vc, vs, vz = (pool[j][...] for pool in pools)
-      k = _dequant_keys(kc, ks, kz, bits, group_size).astype(q.dtype)
-      v = _dequant_values(vc, vs, vz, bits).astype(q.dtype)
-      s = _common.logits(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
-      _common.grid_update(m_sc, l_sc, acc_sc, cnt_sc, s, v, page, page_size, start, length,
-                          precision)
-
-  _common.grid_write(step, blocks_per_split, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref,
-                     cnt_ref)
+  _common.grid_body(starts_ref, lengths_ref, (o_ref, lse_ref) + rest, block,
+                    count=len(rest) == 5, block_size=block_k,
+                    blocks_per_split=blocks_per_split, precision=precision)
 
 
 # ----------------------------------------------------------------------------
@@ -359,9 +226,9 @@ def _partials(q, store, starts, lengths, *, bits, group_size, sm_scale, soft_cap
   vgroups = store[4].shape[-1]
   num_blocks = sq // block_k
   bps = -(-num_blocks // num_splits)
-  kernel_kw = dict(bits=bits, group_size=group_size, sm_scale=sm_scale, soft_cap=soft_cap,
-                   block_k=block_k, blocks_per_split=bps,
-                   precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+  precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+  kernel_kw = dict(bits=bits, group_size=group_size,
+                   step=_common.Step(sm_scale, soft_cap, block_k, bps, precision))
   gs = sq // group_size
   if schedule == "loop":
     def spec(shape):
@@ -377,7 +244,7 @@ def _partials(q, store, starts, lengths, *, bits, group_size, sm_scale, soft_cap
     def block(width_):
       def index(b, h, g, j, i, st, ln):
         lo, hi = _common.block_bounds(st[b], ln[b], block_k)
-        return b, h, _kv_block_index(j, i, lo, hi, bps), 0
+        return b, h, _common.kv_block_index(j, i, lo, hi, bps), 0
       return pl.BlockSpec((None, None, block_k, width_), index)
 
     whole = pl.BlockSpec((None, None, gs, head_dim), lambda b, h, g, j, i, st, ln: (b, h, 0, 0))
@@ -425,33 +292,62 @@ def _decode_impl(q, store, starts, lengths, *, bits, sm_scale, soft_cap, interpr
 # ----------------------------------------------------------------------------
 
 
-def check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, lengths, bits,
-               sm_scale=None, soft_cap=None) -> int:
-  """The argument checks of `kivi_decode_attention`; returns the group size.
+def store_dims(q, k_codes, bits: int, bit_widths) -> tuple[int, int, int, int]:
+  """`(B, H, K, Sq)` of a low-bit kernel's `q: [B, N, H]` and `k_codes: u8[B, K, Sq, W]`.
 
   Raises:
-    ValueError: `bits` not 2 / 4; shapes that do not fit together (naming the argument,
-      its shape and the expected one); an empty store; a bad `sm_scale` / `soft_cap`.
-    TypeError: codes not uint8, float arguments that are not floating, integer arguments
-      that are not integers.
+    ValueError: `bits` not in `bit_widths`, wrong ranks, N not a multiple of K, Sq = 0.
   """
-  if isinstance(bits, bool) or bits not in BITS:
-    raise ValueError(f"bits must be one of {BITS}; got {bits!r}")
+  if isinstance(bits, bool) or bits not in bit_widths:
+    raise ValueError(f"bits must be one of {bit_widths}; got {bits!r}")
   if q.ndim != 3:
     raise ValueError(f"q must be [B, N, H]; got shape {q.shape}")
-  batch, num_heads, head_dim = q.shape
   if k_codes.ndim != 4:
     raise ValueError(f"k_codes must be u8[B, K, Sq, H * bits / 8]; got shape {k_codes.shape}")
+  batch, num_heads, head_dim = q.shape
   num_kv, sq = k_codes.shape[1], k_codes.shape[2]
-  per_byte = 8 // bits
-  if head_dim % per_byte:
-    raise ValueError(f"head_dim must be a multiple of 8 // bits = {per_byte}; got {head_dim}")
   if num_kv < 1 or num_heads % num_kv:
     raise ValueError(f"num_heads must be divisible by num_kv_heads; got {num_heads} and "
                      f"{num_kv}")
   if sq < 1:
     raise ValueError("k_codes must hold at least one store slot (Sq >= 1); got Sq = 0")
-  codes_shape = (batch, num_kv, sq, head_dim // per_byte)
+  return batch, head_dim, num_kv, sq
+
+
+def check_store(q, starts, lengths, want, given, sm_scale, soft_cap) -> None:
+  """Each array of `given` (name -> array) has the shape `want[name]`, codes (`*_codes`) are
+  uint8 and the rest (and q) floating, `starts` / `lengths` are integer `[B]`.
+
+  Raises:
+    ValueError: a shape that does not fit (naming the argument); a bad `sm_scale` /
+      `soft_cap`.
+    TypeError: a wrong dtype (naming the argument).
+  """
+  for name, shape in want.items():
+    if tuple(given[name].shape) != shape:
+      raise ValueError(f"{name} must have shape {shape}; got {tuple(given[name].shape)}")
+  for name, x in given.items():
+    if name.endswith("_codes") and x.dtype != jnp.uint8:
+      raise TypeError(f"{name} must be uint8 (packed codes); got {x.dtype}")
+  for name, x in [("q", q)] + [(n, x) for n, x in given.items() if not n.endswith("_codes")]:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must be floating; got {x.dtype}")
+  for name, x in (("starts", starts), ("lengths", lengths)):
+    if x.shape != (q.shape[0],):
+      raise ValueError(f"{name} must be i32[B] with B = {q.shape[0]}; got shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise TypeError(f"{name} must be integers; got {x.dtype}")
+  common.options(None, soft_cap, sm_scale)
+
+
+def check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, lengths, bits,
+               sm_scale=None, soft_cap=None) -> int:
+  """The argument checks of `kivi_decode_attention` (`store_dims`, `check_store`, H a
+  multiple of `8 // bits`, the group sizes dividing Sq and H); returns the group size."""
+  batch, head_dim, num_kv, sq = store_dims(q, k_codes, bits, BITS)
+  per_byte = 8 // bits
+  if head_dim % per_byte:
+    raise ValueError(f"head_dim must be a multiple of 8 // bits = {per_byte}; got {head_dim}")
   if k_scale.ndim != 4 or k_scale.shape[2] < 1 or sq % k_scale.shape[2]:
     raise ValueError(f"k_scale must be [B, K, Sq / group_size, H] with Sq = {sq}; got shape "
                      f"{k_scale.shape}")
@@ -459,29 +355,14 @@ def check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, le
   if v_scale.ndim != 4 or v_scale.shape[3] < 1 or head_dim % v_scale.shape[3]:
     raise ValueError(f"v_scale must be [B, K, Sq, H / value_group] with H = {head_dim}; got "
                      f"shape {v_scale.shape}")
-  want = {"k_codes": codes_shape, "v_codes": codes_shape,
-          "k_scale": (batch, num_kv, sq // group_size, head_dim),
-          "k_zero": (batch, num_kv, sq // group_size, head_dim),
-          "v_scale": (batch, num_kv, sq, v_scale.shape[3]),
-          "v_zero": (batch, num_kv, sq, v_scale.shape[3])}
-  given = {"k_codes": k_codes, "v_codes": v_codes, "k_scale": k_scale, "k_zero": k_zero,
-           "v_scale": v_scale, "v_zero": v_zero}
-  for name, shape in want.items():
-    if tuple(given[name].shape) != shape:
-      raise ValueError(f"{name} must have shape {shape}; got {tuple(given[name].shape)}")
-  for name in ("k_codes", "v_codes"):
-    if given[name].dtype != jnp.uint8:
-      raise TypeError(f"{name} must be uint8 (packed codes); got {given[name].dtype}")
-  for name, x in (("q", q), ("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale),
-                  ("v_zero", v_zero)):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise TypeError(f"{name} must be floating; got {x.dtype}")
-  for name, x in (("starts", starts), ("lengths", lengths)):
-    if x.shape != (batch,):
-      raise ValueError(f"{name} must be i32[B] with B = {batch}; got shape {x.shape}")
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-      raise TypeError(f"{name} must be integers; got {x.dtype}")
-  common.options(None, soft_cap, sm_scale)
+  codes_shape = (batch, num_kv, sq, head_dim // per_byte)
+  groups_shape = (batch, num_kv, sq // group_size, head_dim)
+  values_shape = (batch, num_kv, sq, v_scale.shape[3])
+  check_store(q, starts, lengths,
+              {"k_codes": codes_shape, "v_codes": codes_shape, "k_scale": groups_shape,
+               "k_zero": groups_shape, "v_scale": values_shape, "v_zero": values_shape},
+              {"k_codes": k_codes, "v_codes": v_codes, "k_scale": k_scale, "k_zero": k_zero,
+               "v_scale": v_scale, "v_zero": v_zero}, sm_scale, soft_cap)
   return group_size
 
 
@@ -499,16 +380,7 @@ def kivi_decode_attention(
     bits: int,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
-    interpret: bool = False,
-    block_k: int | None = None,
-    block_g: int | None = None,
-    num_splits: int | None = None,
-    schedule: str | None = None,
-    platform: str | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    return_lse: bool = False,
-    count_blocks: bool = False,
+    **tunables: Any,
 ):
   """Decode attention of one query token per sequence against a packed KIVI store.
 
@@ -528,9 +400,8 @@ def kivi_decode_attention(
     bits: 2 or 4.
     sm_scale: logit scale, default `1 / sqrt(H)`.
     soft_cap: `cap * tanh(s / cap)` of the scaled logits, or None.
-    interpret, block_k, block_g, num_splits, schedule, platform, num_warps, num_stages,
-      return_lse, count_blocks: as `dense_decode.decode_attention` (`block_k` must also
-      be a multiple of g and divide Sq).
+    **tunables: as `dense_decode.decode_attention_unchecked` (`block_k` a multiple of g
+      dividing Sq).
 
   Returns:
     `[B, N, H]` in q's dtype (f32 accumulation); with `return_lse`, `(out, f32[B, N])`;
@@ -544,10 +415,7 @@ def kivi_decode_attention(
              sm_scale, soft_cap)
   return kivi_decode_attention_unchecked(
       q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, lengths, bits=bits,
-      sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret, block_k=block_k,
-      block_g=block_g, num_splits=num_splits, schedule=schedule, platform=platform,
-      num_warps=num_warps, num_stages=num_stages, return_lse=return_lse,
-      count_blocks=count_blocks)
+      sm_scale=sm_scale, soft_cap=soft_cap, **tunables)
 
 
 def kivi_decode_attention_unchecked(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
@@ -573,232 +441,22 @@ def kivi_decode_attention_unchecked(q, k_codes, k_scale, k_zero, v_codes, v_scal
 
 def unsupported_reason(q_shape, k_codes_shape, k_scale_shape, *,
                        platform: str | None = None) -> str | None:
-  """Why the compiled kernel cannot run these shapes, or None if it can (kvattn's KIVI
-  cache then reads its store with the XLA loop). GPU (Triton): H and the group size
-  powers of two >= 16 (tensor sizes and dots). TPU (Mosaic): H a multiple of 64 and
-  the group size a power of two. Lowered for "cuda" and "tpu" by
-  tests/pallas_kernels/test_lowering.py; never compiled on a device yet."""
+  """Why the compiled kernel cannot run these shapes, or None (`store_reason`)."""
   del q_shape
+  return store_reason(platform, k_scale_shape[3],
+                      k_codes_shape[2] // max(1, k_scale_shape[2]))
+
+
+def store_reason(platform: str | None, head_dim: int, group_size: int,
+                 page_size: int | None = None) -> str | None:
+  """Why a compiled KIVI kernel cannot read a store, or None. GPU (Triton): H and the group
+  size powers of two >= 16 (and a page size a power of two). TPU (Mosaic): H a multiple of
+  64 and the group size a power of two. Lowered for "cuda" and "tpu" by
+  tests/pallas_kernels/test_lowering.py; never compiled on a device yet."""
   platform = platform or _common.platform()
-  sq, head_dim = k_codes_shape[2], k_scale_shape[3]
-  group_size = sq // max(1, k_scale_shape[2])
   if platform in _common.GPU_PLATFORMS:
-    for what, d in (("head dim H", head_dim), ("group_size", group_size)):
-      if d < 16 or not _common.is_pow2(d):
-        return f"{what}={d} is not a power of two >= 16 (Triton)"
-    return None
-  if platform == "tpu":
-    if head_dim % 64:
-      return f"head dim H={head_dim} is not a multiple of 64 (TPU lanes)"
-    if not _common.is_pow2(group_size):
-      return f"group_size={group_size} is not a power of two"
-    return None
-  return f"no compiled Pallas backend on {platform!r}"
-
-
-@functools.partial(jax.jit, static_argnames=(
-    "bits", "sm_scale", "soft_cap", "interpret", "pages_per_block", "block_g", "num_splits",
-    "schedule", "return_lse", "count_blocks", "num_warps", "num_stages"))
-def _paged_impl(q, pools, block_tables, starts, lengths, *, bits, sm_scale, soft_cap, interpret,
-                pages_per_block, block_g, num_splits, schedule, return_lse, count_blocks,
-                num_warps, num_stages):
-  batch, num_heads, head_dim = q.shape
-  num_kv, num_pages, page_size, width = pools[0].shape
-  group_size = page_size // pools[1].shape[2]
-  vgroups = pools[4].shape[-1]
-  pps = block_tables.shape[1]
-  groups = num_heads // num_kv
-  ppb = _pages_per_block(schedule, page_size, pps, head_dim, pages_per_block)
-  dot_dtype = _common.dot_dtype(q.dtype, jnp.int8)
-  block_g = _common.g_tile(schedule, groups, head_dim, dot_dtype, block_g)
-  gp = _common.round_up(groups, block_g)
-  num_blocks = -(-pps // ppb)
-  if num_splits is None:
-    num_splits = _common.default_splits(schedule, batch * num_kv * (gp // block_g), num_blocks)
-  num_splits = min(num_splits, num_blocks)
-  bps = -(-num_blocks // num_splits)
-  padded = num_splits * bps * ppb
-  tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded - pps)),
-                   constant_values=-1)
-  capacity = pps * page_size
-  starts = jnp.clip(starts.astype(jnp.int32), 0, capacity)
-  lengths = jnp.clip(lengths.astype(jnp.int32), 0, capacity)
-  qg = _common.group_queries(q, num_kv, gp, dot_dtype)
-  kernel_kw = dict(bits=bits, group_size=group_size, sm_scale=sm_scale, soft_cap=soft_cap,
-                   pages_per_block=ppb, blocks_per_split=bps,
-                   precision=lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None)
-  shapes = [(page_size, width), (page_size // group_size, head_dim),
-            (page_size // group_size, head_dim), (page_size, width), (page_size, vgroups),
-            (page_size, vgroups)]
-  if schedule == "loop":
-    def pool(shape):
-      return pl.BlockSpec((None, num_pages) + shape, lambda b, h, g, j: (h, 0, 0, 0))
-
-    scalar = pl.BlockSpec((None,), lambda b, h, g, j: (b,))
-    in_specs = [scalar, scalar, pl.BlockSpec((None, padded), lambda b, h, g, j: (b, 0)),
-                pl.BlockSpec((None, None, block_g, head_dim), lambda b, h, g, j: (b, h, g, 0))]
-    in_specs += [pool(shape) for shape in shapes]
-    kernel = functools.partial(_paged_loop_kernel, **kernel_kw)
-    operands = [starts, lengths, tables, qg] + list(pools)
-  else:
-    from pallas_kernels.paged_decode import _grid_logical_page  # pylint: disable=g-import-not-at-top
-
-    def page_spec(j, shape):
-      def index(b, h, g, sp, st, starts_ref, lengths_ref, tables_ref):
-        lo, hi = _common.block_bounds(starts_ref[b], lengths_ref[b], page_size)
-        page = _grid_logical_page(sp * bps + st, j, lo, hi, ppb, padded)
-        phys = tables_ref[b * padded + page]
-        return h, jnp.minimum(jnp.maximum(phys, 0), num_pages - 1), 0, 0
-      return pl.BlockSpec((None, None) + shape, index)
-
-    in_specs = [pl.BlockSpec((None, None, block_g, head_dim),
-                             lambda b, h, g, sp, st, *_: (b, h, g, 0))]
-    for shape in shapes:
-      in_specs += [page_spec(j, shape) for j in range(ppb)]
-    kernel = functools.partial(_paged_grid_kernel, count=count_blocks, **kernel_kw)
-    # Page operand j of each pool is the whole pool; its index map picks the page.
-    operands = [starts, lengths, tables.reshape(-1), qg] + [x for x in pools
-                                                            for _ in range(ppb)]
-  outs = _common.launch(kernel, operands, schedule=schedule,
-                        grid=(batch, num_kv, gp // block_g, num_splits) + (
-                            () if schedule == "loop" else (bps,)),
-                        in_specs=in_specs, block_g=block_g, hv=head_dim, count=count_blocks,
-                        num_scalar_prefetch=3, interpret=interpret, num_warps=num_warps,
-                        num_stages=num_stages, name="kvattn_paged_kivi_decode_attention")
-  return _common.finish(outs, num_heads, groups, q.dtype, return_lse, count_blocks, head_dim)
-
-
-def _pages_per_block(schedule: str, page_size: int, pages_per_seq: int, head_dim: int,
-                     pages_per_block: int | None) -> int:
-  """Resolves and checks the pages of one key block; ValueError if unfit. "loop" (Triton):
-  a power of two with a block of >= 16 slots, by default the dense kernel's target (no more
-  pages than the table has). "grid" (Mosaic): any, by default ~512 slots, at most 8 page
-  operands per pool (as `paged_decode`)."""
-  if schedule == "loop":
-    if pages_per_block is None:
-      return max(1, min(_common.loop_block_target(2 * head_dim) // page_size,
-                        _common.next_pow2(pages_per_seq)), 16 // page_size)
-    if not _common.is_pow2(pages_per_block) or pages_per_block * page_size < 16:
-      raise ValueError(f"pages_per_block must be a power of two with pages_per_block * "
-                       f"page_size >= 16 for the \"loop\" schedule; got {pages_per_block} "
-                       f"(page_size {page_size})")
-    return pages_per_block
-  if pages_per_block is None:
-    return max(1, min(8, 512 // page_size, pages_per_seq))
-  return pages_per_block
-
-
-def paged_kivi_decode_attention(
-    q: jax.Array,             # [B, N, H]
-    k_codes: jax.Array,       # u8[K, P, page_size, H * bits / 8]
-    k_scale: jax.Array,       # [K, P, page_size / g, H]
-    k_zero: jax.Array,        # [K, P, page_size / g, H]
-    v_codes: jax.Array,       # u8[K, P, page_size, H * bits / 8]
-    v_scale: jax.Array,       # [K, P, page_size, H / vg]
-    v_zero: jax.Array,        # [K, P, page_size, H / vg]
-    block_tables: jax.Array,  # i32[B, pages_per_seq]
-    starts: jax.Array,        # i32[B]
-    lengths: jax.Array,       # i32[B]
-    *,
-    bits: int,
-    sm_scale: float | None = None,
-    soft_cap: float | None = None,
-    interpret: bool = False,
-    pages_per_block: int | None = None,
-    block_g: int | None = None,
-    num_splits: int | None = None,
-    schedule: str | None = None,
-    platform: str | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    return_lse: bool = False,
-    count_blocks: bool = False,
-):
-  """`kivi_decode_attention` over a paged store (`kvattn.caches.paged_kivi`): logical store
-  slot s of sequence b is slot `s % page_size` of page `block_tables[b, s // page_size]`
-  (entries outside `[0, P)` unassigned: their slots must lie outside `[starts, lengths)`).
-  Each key block is `pages_per_block` pages read through the table, dequantized in
-  registers; pages outside the range are not read. Schedules (`schedule`, default by
-  platform as `kivi_decode_attention`): "loop" (GPU, Triton: page_size, H and the group
-  size powers of two, a block >= 16 slots; the block's pages gathered with `ref[page_ids]`)
-  and "grid" (TPU, Mosaic: block tables scalar-prefetched, each page a VMEM block whose
-  index map reads its page id, as `paged_decode`'s "grid" schedule). Both run on CPU with
-  `interpret=True`.
-
-  Returns:
-    As `kivi_decode_attention` (`count_blocks`: pages read per row and KV head; "loop"
-    counts whole blocks of pages, "grid" the pages it dequantized).
-
-  Raises:
-    ValueError, TypeError: shapes or dtypes that do not fit (naming the argument), an
-      unfit schedule / platform / tunable, `check_args`'s.
-  """
-  if q.ndim != 3 or k_codes.ndim != 4 or block_tables.ndim != 2:
-    raise ValueError(f"q must be [B, N, H], k_codes [K, P, page_size, W], block_tables [B, "
-                     f"pages_per_seq]; got shapes {q.shape}, {k_codes.shape}, "
-                     f"{block_tables.shape}")
-  if block_tables.shape[0] != q.shape[0]:
-    raise ValueError(f"block_tables must have one row per sequence ({q.shape[0]}); got "
-                     f"{block_tables.shape[0]}")
-  if not jnp.issubdtype(block_tables.dtype, jnp.integer):
-    raise TypeError(f"block_tables must be integers; got {block_tables.dtype}")
-  # The pools are checked as a dense store of P rows of one page each (same shape rules).
-  probe = [jax.ShapeDtypeStruct((x.shape[1], x.shape[0]) + tuple(x.shape[2:]), x.dtype)
-           if x.ndim == 4 else x for x in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)]
-  check_args(jax.ShapeDtypeStruct((k_codes.shape[1],) + q.shape[1:], q.dtype), *probe,
-             jax.ShapeDtypeStruct((k_codes.shape[1],), starts.dtype),
-             jax.ShapeDtypeStruct((k_codes.shape[1],), lengths.dtype), bits, sm_scale,
-             soft_cap)
-  for name, x in (("starts", starts), ("lengths", lengths)):
-    if x.shape != (q.shape[0],):
-      raise ValueError(f"{name} must be i32[B] with B = {q.shape[0]}; got shape {x.shape}")
-  return paged_kivi_decode_attention_unchecked(
-      q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_tables, starts, lengths,
-      bits=bits, sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret,
-      pages_per_block=pages_per_block, block_g=block_g, num_splits=num_splits,
-      schedule=schedule, platform=platform, num_warps=num_warps, num_stages=num_stages,
-      return_lse=return_lse, count_blocks=count_blocks)
-
-
-def paged_kivi_decode_attention_unchecked(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                                          block_tables, starts, lengths, *, bits, sm_scale=None,
-                                          soft_cap=None, interpret=False, pages_per_block=None,
-                                          block_g=None, num_splits=None, schedule=None,
-                                          platform=None, num_warps=None, num_stages=None,
-                                          return_lse=False, count_blocks=False):
-  """`paged_kivi_decode_attention` without the argument checks (kvattn's paged KIVI cache);
-  the schedule and tunables are still checked here."""
-  schedule = _common.check_schedule(schedule, interpret, (
-      ("pages_per_block", pages_per_block), ("block_g", block_g), ("num_splits", num_splits)),
-      platform)
-  page_size, head_dim = k_codes.shape[2], q.shape[-1]
-  if schedule == "loop":
-    reason = paged_unsupported_reason(k_codes.shape, k_scale.shape, head_dim, platform="gpu")
-    if reason is not None:
-      raise ValueError(f"the paged KIVI kernel's \"loop\" schedule cannot take these shapes: "
-                       f"{reason}")
-  _pages_per_block(schedule, page_size, block_tables.shape[1], head_dim, pages_per_block)
-  sm_scale = float(head_dim ** -0.5 if sm_scale is None else sm_scale)
-  soft_cap = None if soft_cap is None else float(soft_cap)
-  return _paged_impl(q, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), block_tables,
-                     starts, lengths, bits=bits, sm_scale=sm_scale, soft_cap=soft_cap,
-                     interpret=interpret, pages_per_block=pages_per_block, block_g=block_g,
-                     num_splits=num_splits, schedule=schedule, return_lse=return_lse,
-                     count_blocks=count_blocks, num_warps=num_warps, num_stages=num_stages)
-
-
-def paged_unsupported_reason(k_codes_shape, k_scale_shape, head_dim: int, *,
-                             platform: str | None = None) -> str | None:
-  """Why the compiled paged kernel cannot run these pools, or None: GPU (Triton) needs
-  page_size, H and the group size powers of two (H, group >= 16); TPU (Mosaic) H a multiple
-  of 64 (lanes) and the group size a power of two (as `unsupported_reason`). Lowered for
-  "cuda" and "tpu" by tests/pallas_kernels/test_lowering.py; never compiled on a device."""
-  platform = platform or _common.platform()
-  page_size = k_codes_shape[2]
-  group_size = page_size // max(1, k_scale_shape[2])
-  if platform in _common.GPU_PLATFORMS:
-    for what, d, least in (("head dim H", head_dim, 16), ("group_size", group_size, 16),
-                           ("page_size", page_size, 1)):
+    sizes = [("head dim H", head_dim, 16), ("group_size", group_size, 16)]
+    for what, d, least in sizes + ([("page_size", page_size, 1)] if page_size else []):
       if d < least or not _common.is_pow2(d):
         return f"{what}={d} is not a power of two >= {least} (Triton)"
     return None
@@ -878,23 +536,3 @@ def store_attention_reference(q, k, v, starts, lengths, *, sm_scale=None, soft_c
                                                                        1.0)[..., None]
   lse = jnp.where(denom > 0, top[..., 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
   return out, lse
-
-
-def paged_kivi_decode_attention_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                                          block_tables, starts, lengths, *, bits, sm_scale=None,
-                                          soft_cap=None, return_lse=False,
-                                          **unused_tunables: Any):
-  """Plain-jnp f32 `paged_kivi_decode_attention`: the pools gathered through the block table
-  into a dense store (`[B, K, pages_per_seq * page_size, ...]`, unassigned pages read page 0
-  and lie outside the range), then `kivi_decode_attention_reference`."""
-  del unused_tunables
-  tables = jnp.clip(block_tables, 0, k_codes.shape[1] - 1)
-
-  def dense(pool):  # [K, P, rows, X] -> [B, K, pages_per_seq * rows, X]
-    x = pool[:, tables]  # [K, B, pps, rows, X]
-    k, b, pps, rows, width = x.shape
-    return jnp.moveaxis(x, 0, 1).reshape(b, k, pps * rows, width)
-
-  return kivi_decode_attention_reference(
-      q, *(dense(x) for x in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)), starts,
-      lengths, bits=bits, sm_scale=sm_scale, soft_cap=soft_cap, return_lse=return_lse)

@@ -1,60 +1,17 @@
 """Fused paged decode attention: one new query token per sequence against a page pool.
 
-PagedAttention (Kwon et al., SOSP 2023, §4.1) keeps every sequence's keys and
-values in fixed-size pages of a shared pool, `k_pages, v_pages: [K, P,
-page_size, H]`; `block_tables: i32[B, pages_per_seq]` maps logical page j of
-sequence b (its slots `[j * page_size, (j + 1) * page_size)`) to a physical
-page. This kernel computes the decode step's attention directly from the pool:
+PagedAttention (Kwon et al., SOSP 2023, §4.1): keys and values live in pages of a
+shared pool `[K, P, page_size, H]`; `block_tables: i32[B, pages_per_seq]` maps logical
+page j of sequence b to a physical page. The math is `dense_decode`'s (`_common`: GQA
+tiles, online softmax, splits merged by log-sum-exp); a key block is `pages_per_block`
+pages, only pages holding attended slots are read, page ids are clamped into `[0, P)`
+and slots outside the range masked, so free pages and unused tails never leak. int8 /
+fp8 pools carry scale pools `f32[K, P, page_size]` whose pages travel with the values.
 
-* GQA grouping (Ainslie et al. 2023): the G = N // K query heads sharing KV
-  head k form one `[G, H]` tile (padded to what the hardware needs, the
-  padding rows are zero queries whose outputs are dropped), so each page is
-  read once per group.
-* Online softmax over key blocks of `pages_per_block` pages (FlashAttention-2,
-  Dao 2023, algorithm 1) with f32 statistics and accumulator for f32, bf16
-  and f16 inputs.
-* Split over pages (flash-decoding, Dao, Haziza, Massa, Sizov 2023): the
-  logical pages are cut into `num_splits` partitions run in parallel; each
-  writes a normalised partial output and its log-sum-exp, merged afterwards
-  (`out = sum_j exp(lse_j - lse) out_j`).
-* Length-aware: sequence b attends slots `[start_b, length_b)`, `start_b =
-  max(0, length_b - window)`. Only the pages holding such slots are read;
-  pages before the window, past the length and unassigned table entries are
-  skipped, not masked, so work grows with the real length.
-* Garbage never leaks: page ids are clamped into `[0, P)` before any read;
-  logits of slots outside the range are replaced by -inf, their probabilities
-  are exact zeros and their value rows are zeroed before the weighted sum (0 *
-  NaN would be NaN), so NaN/inf/1e30 in the unused tail of a sequence's last
-  page or in free pages cannot reach an output. A length-0 row gives zeros.
-* Quantized pools (int8, float8_e4m3fn, float8_e5m2 values with scale pools
-  `k_scale, v_scale: f32[K, P, page_size]`, `k[s] = k_q[s] * k_scale[s]`, as
-  `PagedKVCache` stores them): the scale pages travel with the value pages
-  (same gather, same index maps) and each block is dequantized in the kernel
-  right after it is loaded, exactly as in `dense_decode.py` (`k_q.astype(f32)
-  * scale`, cast to the dot's dtype: f32, or q's dtype when q is bf16/f16).
-  The pool is read in its 1-byte form; garbage scales of unused slots and free
-  pages are masked like garbage values.
-
-Two schedules of the same math, chosen by `schedule=`:
-
-* `"loop"` (GPU, Triton lowering): grid `(B, K, G tiles, splits)`; each
-  program holds its KV head's page pool as a pointer and runs a `fori_loop`
-  over exactly the key blocks its split needs, gathering the block's
-  `pages_per_block` pages through the block table (`k_ref[page_ids]`, as in
-  jax/experimental/pallas/ops/gpu/paged_attention.py).
-* `"grid"` (TPU, Mosaic): grid `(B, K, G tiles, splits, blocks per split)`
-  with the starts, lengths and the flattened block table scalar-prefetched
-  into SMEM. A key block is `pages_per_block` page operands whose index maps
-  read the page id from the block table; the logical page is clamped into the
-  needed range, so steps outside it repeat the previous page and the pipeline
-  issues no DMA for them, and `pl.when` skips their compute.
-
-Both run on CPU with `interpret=True` (what the tests do); as in
-`dense_decode.py`, the schedule follows the platform the call is lowered for
-(`platform=`), so a CPU host can lower the compiled kernel for "cuda" or "tpu".
-Layout as in `dense_decode.py`: kernels (refs only), launcher, public wrapper,
-pure-jnp reference; the math both kernels share is in `_common.py`, the
-attended range and argument checks in `attention_common.py`.
+Schedules: "loop" (GPU, Triton; each program gathers its block's pages through the
+table, `k_ref[page_ids]`, as jax/experimental/pallas/ops/gpu/paged_attention.py) and
+"grid" (TPU, Mosaic; tables scalar-prefetched, one VMEM block per page whose index map
+reads the page id, `_paging.page_spec`). Both run on CPU with `interpret=True`.
 """
 
 from __future__ import annotations
@@ -68,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _common
+from pallas_kernels import _paging
 from pallas_kernels import attention_common as common
 from pallas_kernels import dense_decode
 
@@ -88,46 +46,34 @@ def _loop_kernel(
                  # o f32[Gb, Hv], lse f32[Gb, 1], (count i32[Gb, 1]) pages read
     scaled: bool,
     count: bool,
-    sm_scale: float,
-    soft_cap: float | None,
-    pages_per_block: int,
-    blocks_per_split: int,
-    precision,
+    step: _common.Step,
 ):
   """"loop" schedule: one program per (b, k, G tile, split), fori_loop over key blocks."""
+  sm_scale, soft_cap, pages_per_block, blocks_per_split, precision = step
   ks_ref, vs_ref = refs[:2] if scaled else (None, None)
   o_ref, lse_ref, *cnt_ref = refs[2:] if scaled else refs
-  split = pl.program_id(3)
-  num_pages, page_size, head_dim = k_ref.shape
+  num_pages, page_size, _ = k_ref.shape
   block_k = pages_per_block * page_size
-  start, length = start_ref[()], length_ref[()]
-  first, num_blocks = _common.split_blocks(split, start, length, block_k, blocks_per_split)
+  start, length, first, num_blocks = _common.loop_range(start_ref, length_ref, block_k,
+                                                        blocks_per_split)
   q = q_ref[...]
-  hv = o_ref.shape[-1]
 
-  def gather(ref, scale_ref, ids, width):  # [block_k, width], dequantized when quantized
-    x = ref[ids].reshape(block_k, width)
+  def gather(ref, scale_ref, ids):  # [block_k, X], dequantized when quantized
+    x = _paging.gather_pages(ref, ids, block_k)
     if scale_ref is None:
       return x
-    return _common.dequant(x, scale_ref[ids].reshape(block_k, 1), q.dtype)
+    return _common.dequant(x, _paging.gather_pages(scale_ref, ids, block_k), q.dtype)
 
   def body(i, carry):
     m, l, acc = carry
     blk = first + i
-    ids = table_ref[pl.ds(pl.multiple_of(blk * pages_per_block, pages_per_block),
-                          pages_per_block)]
-    # Unassigned entries (-1) and anything else out of range read page 0 or
-    # P - 1 instead of faulting; those slots are past the length and masked.
-    ids = jnp.clip(ids, 0, num_pages - 1)
-    k = gather(k_ref, ks_ref, ids, head_dim)
-    v = gather(v_ref, vs_ref, ids, hv)
-    s = _common.logits(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
-    return _common.online_softmax_step(m, l, acc, s, v, blk * block_k, start, length,
-                                       precision)
+    ids = _paging.page_ids(table_ref, blk, pages_per_block, num_pages)
+    s = _common.logits(q, gather(k_ref, ks_ref, ids), sm_scale=sm_scale, soft_cap=soft_cap,
+                       precision=precision)
+    return _common.online_softmax_step(m, l, acc, s, gather(v_ref, vs_ref, ids),
+                                       blk * block_k, start, length, precision)
 
-  _common.loop_blocks(num_blocks, body, o_ref, lse_ref)
-  if count:
-    cnt_ref[0][...] = jnp.full(cnt_ref[0].shape, num_blocks * pages_per_block, jnp.int32)
+  _common.loop_blocks(num_blocks, body, o_ref, lse_ref, *cnt_ref, per_block=pages_per_block)
 
 
 def _grid_kernel(
@@ -141,73 +87,35 @@ def _grid_kernel(
                   # scratch m, l f32[Gb, 128], acc f32[Gb, Hv], (count)
     scaled: bool,
     count: bool,
-    sm_scale: float,
-    soft_cap: float | None,
-    pages_per_block: int,
-    blocks_per_split: int,
-    precision,
+    step: _common.Step,
 ):
   """"grid" schedule: key blocks on the last (sequential) grid axis."""
+  sm_scale, soft_cap, pages_per_block, blocks_per_split, precision = step
   del tables_ref  # read by the index maps only
   ppb = pages_per_block
   k_refs, v_refs = refs[:ppb], refs[ppb:2 * ppb]
   ks_refs, vs_refs = ((refs[2 * ppb:3 * ppb], refs[3 * ppb:4 * ppb]) if scaled
                       else ((None,) * ppb, (None,) * ppb))
-  rest = refs[(4 if scaled else 2) * ppb:]
-  o_ref, lse_ref = rest[0], rest[1]
-  cnt_ref = rest[2] if count else None
-  m_sc, l_sc, acc_sc = rest[3:6] if count else rest[2:5]
-  cnt_sc = rest[6] if count else None
-  page_size = k_refs[0].shape[0]
-  b, split, step = pl.program_id(0), pl.program_id(3), pl.program_id(4)
-  start, length = starts_ref[b], lengths_ref[b]
-  lo, hi = _common.block_bounds(start, length, page_size)
-  blk = split * blocks_per_split + step
-  _common.grid_init(step, m_sc, l_sc, acc_sc, cnt_sc)
 
-  for j in range(ppb):  # static unroll over the block's pages
-    page = blk * ppb + j
+  def block(j, _):  # page j: logits and values, dequantized when the pool is quantized
+    q = q_ref[...]
 
-    @pl.when((page >= lo) & (page < hi))
-    def _compute():
-      q = q_ref[...]
+    def load(ref, scale_ref):
+      return _common.dequant(ref[...], None if scale_ref is None else scale_ref[...], q.dtype)
 
-      def load(ref, scale_ref):  # [page_size, X] page, dequantized when quantized
-        return _common.dequant(ref[...], None if scale_ref is None else scale_ref[...],
-                               q.dtype)
+    s = _common.logits(q, load(k_refs[j], ks_refs[j]), sm_scale=sm_scale, soft_cap=soft_cap,
+                       precision=precision)
+    return s, load(v_refs[j], vs_refs[j])
 
-      s = _common.logits(q, load(k_refs[j], ks_refs[j]), sm_scale=sm_scale,
-                         soft_cap=soft_cap, precision=precision)
-      _common.grid_update(m_sc, l_sc, acc_sc, cnt_sc, s, load(v_refs[j], vs_refs[j]), page,
-                          page_size, start, length, precision)
-
-  _common.grid_write(step, blocks_per_split, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref,
-                     cnt_ref)
+  _common.grid_body(starts_ref, lengths_ref, refs[(4 if scaled else 2) * ppb:], block,
+                    count=count, block_size=k_refs[0].shape[0],
+                    blocks_per_split=blocks_per_split, precision=precision,
+                    pages_per_block=ppb)
 
 
 # ----------------------------------------------------------------------------
 # Launcher.
 # ----------------------------------------------------------------------------
-
-
-def _grid_logical_page(blk, j, lo, hi, pages_per_block: int, pages_padded: int):
-  """Logical page that page operand j fetches at key block `blk` ("grid" schedule).
-
-  Operand j holds pages `j, j + ppb, j + 2 ppb, ...` (ppb = pages_per_block).
-  Its natural page `blk * ppb + j` is clamped into the needed pages of its own
-  residue class inside `[lo, hi)`: steps before them fetch the first, steps
-  after them repeat the last, so the pipeline, which skips the copy when an
-  operand's block index repeats, reads each needed page once and nothing
-  else (an operand with no needed page stays on one page throughout). All
-  arithmetic is on non-negative scalars (`lax.rem` truncates), and the result
-  stays inside the padded table.
-  """
-  ppb = pages_per_block
-  first = lo + lax.rem(j - lax.rem(lo, ppb) + ppb, ppb)  # smallest page >= lo, = j mod ppb
-  top = jnp.maximum(hi - 1, 0)
-  last = top - lax.rem(lax.rem(top, ppb) - j + ppb, ppb)  # largest page <= hi - 1, = j mod ppb
-  page = jnp.minimum(jnp.maximum(blk * ppb + j, first), jnp.maximum(last, first))
-  return jnp.minimum(page, pages_padded - 1)
 
 
 def _tiles(schedule: str, num_groups: int, page_size: int, pages_per_seq: int, head_dim: int,
@@ -286,35 +194,27 @@ def _paged_partials(
   scaled = k_scale is not None
   scale_pools = [k_scale, v_scale] if scaled else []
   precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-  kernel_kw = dict(scaled=scaled, count=count, sm_scale=sm_scale, soft_cap=soft_cap,
-                   pages_per_block=pages_per_block, blocks_per_split=bps, precision=precision)
+  kernel_kw = dict(scaled=scaled, count=count,
+                   step=_common.Step(sm_scale, soft_cap, pages_per_block, bps, precision))
 
   if schedule == "loop":
-    def pool_spec(width):  # the whole pool of KV head h; the kernel gathers pages from it
-      return pl.BlockSpec((None, num_pages, page_size, width), lambda b, h, g, j: (h, 0, 0, 0))
-
     scalar = pl.BlockSpec((None,), lambda b, h, g, j: (b,))
     in_specs = [
         scalar, scalar,
         pl.BlockSpec((None, pages_padded), lambda b, h, g, j: (b, 0)),
         pl.BlockSpec((None, None, block_g, head_dim), lambda b, h, g, j: (b, h, g, 0)),
-        pool_spec(head_dim), pool_spec(hv),
-    ] + [pool_spec(1) for _ in scale_pools]
+    ] + [_paging.pool_spec(num_pages, (page_size, w)) for w in [head_dim, hv] + [1] * len(
+        scale_pools)]
     kernel, grid = _loop_kernel, (batch, num_kv, num_gt, num_splits)
     operands = [starts, lengths, block_tables, q, k_pages, v_pages] + scale_pools
   else:
-    def page_spec(j, width):
-      def index(b, h, g, sp, st, starts_ref, lengths_ref, tables_ref):
-        lo, hi = _common.block_bounds(starts_ref[b], lengths_ref[b], page_size)
-        page = _grid_logical_page(sp * bps + st, j, lo, hi, pages_per_block, pages_padded)
-        phys = tables_ref[b * pages_padded + page]
-        return h, jnp.minimum(jnp.maximum(phys, 0), num_pages - 1), 0, 0
-      return pl.BlockSpec((None, None, page_size, width), index)
-
     in_specs = [pl.BlockSpec((None, None, block_g, head_dim),
                              lambda b, h, g, sp, st, *_: (b, h, g, 0))]
     for width in [head_dim, hv] + [1 for _ in scale_pools]:
-      in_specs += [page_spec(j, width) for j in range(pages_per_block)]
+      in_specs += [_paging.page_spec(j, (page_size, width), num_pages=num_pages,
+                                     page_size=page_size, pages_per_block=pages_per_block,
+                                     blocks_per_split=bps, pages_padded=pages_padded)
+                   for j in range(pages_per_block)]
     kernel, grid = _grid_kernel, (batch, num_kv, num_gt, num_splits, bps)
     # Page operand j of each pool is the whole pool; its index map picks the page.
     operands = [starts, lengths, block_tables.reshape(-1), q] + [
@@ -343,16 +243,9 @@ def _paged_impl(q, k_pages, v_pages, block_tables, lengths, k_scale, v_scale, *,
   groups = num_heads // num_kv
   pages_per_block, block_g, gp = _tiles(schedule, groups, page_size, pages_per_seq, head_dim,
                                         hv, k_pages.dtype, pages_per_block, block_g)
-  num_blocks = -(-pages_per_seq // pages_per_block)
-  if num_splits is None:
-    num_splits = _common.default_splits(schedule, batch * num_kv * (gp // block_g), num_blocks)
-  num_splits = min(num_splits, num_blocks)
-  blocks_per_split = -(-num_blocks // num_splits)
-  pages_padded = num_splits * blocks_per_split * pages_per_block
-  # Padding entries are never inside [start, length): they are only ever read
-  # (clamped) by a block straddling the end of the table, and masked.
-  tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pages_padded - pages_per_seq)),
-                   constant_values=-1)
+  tables, num_splits, _ = _paging.page_splits(block_tables, schedule,
+                                              batch * num_kv * (gp // block_g),
+                                              pages_per_block, num_splits)
   starts, lengths = common.attended_range(lengths, pages_per_seq * page_size, window)
   qg = _common.group_queries(q, num_kv, gp, _common.dot_dtype(q.dtype, k_pages.dtype))
   scale_pools = () if k_scale is None else _common.scale_columns((k_scale, v_scale))
@@ -371,93 +264,33 @@ def paged_decode_attention(
     block_tables: jax.Array,  # i32[B, pages_per_seq]
     lengths: jax.Array,       # i32[B]
     *,
-    sm_scale: float | None = None,
-    window: int | None = None,
-    soft_cap: float | None = None,
     k_scale: jax.Array | None = None,  # f32[K, P, page_size]
     v_scale: jax.Array | None = None,  # f32[K, P, page_size]
-    interpret: Any = False,
-    pages_per_block: int | None = None,
-    block_g: int | None = None,
-    num_splits: int | None = None,
-    schedule: str | None = None,
-    platform: str | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    return_lse: bool = False,
-    count_pages: bool = False,
+    sm_scale: float | None = None, window: int | None = None, soft_cap: float | None = None,
+    **tunables: Any,
 ):
-  """Fused decode attention of one new token per sequence against a paged cache.
-
-  Sequence b's slot s lives in slot `s % page_size` of page
-  `block_tables[b, s // page_size]`. Its query sits at slot `lengths[b] - 1`
-  (its key already written) and attends slots `[max(0, lengths[b] - window),
-  lengths[b])`; query head n reads KV head `n // (N // K)`. Computes
-  softmax(q k^T * sm_scale) v (Vaswani et al. 2017, eq. 1) page by page
-  (PagedAttention, Kwon et al. 2023) with an online softmax
-  (FlashAttention-2) over blocks of pages split into parallel partitions
-  merged by their log-sum-exp (flash-decoding). Pages outside the attended
-  range are neither read nor computed.
-
-  Args:
-    q: `[B, N, H]` queries (cast to the pages' dtype for the dot products; for
-      a quantized pool kept in bf16/f16, or f32 otherwise).
-    k_pages: `[K, P, page_size, H]` key page pool; slots outside a sequence's
-      attended range and pages no sequence uses may hold anything. Float, or
-      int8 / float8_e4m3fn / float8_e5m2 with `k_scale`.
-    v_pages: `[K, P, page_size, Hv]` value page pool, same dtype as k_pages.
-    block_tables: `i32[B, pages_per_seq]`; entries outside `[0, P)` (e.g. -1
-      for "no page") are allowed at logical pages a sequence does not use.
-    lengths: `i32[B]` valid slots per sequence, clamped to
-      `[0, pages_per_seq * page_size]` (a sticky overflow under jit may exceed it).
-    sm_scale: logit scale, default `1/sqrt(H)`.
-    window: sliding-window size W in tokens, or None.
-    soft_cap: logit soft cap (`cap * tanh(s / cap)`), or None.
-    k_scale, v_scale: `f32[K, P, page_size]` scale pools of quantized page
-      pools (`k_pages[h, p, s] * k_scale[h, p, s]`; `PagedKVCache.k_scale_pages`,
-      `v_scale_pages`); each page is dequantized in the kernel after it is
-      loaded. None for float pools.
-    interpret: run with the Pallas interpreter (True, or a
-      `pltpu.InterpretParams` for TPU-faithful interpretation of "grid").
-    pages_per_block: pages per key block (static). Default: "loop" ~64-128
-      keys per block; "grid" min(8, 512 // page_size).
-    block_g: query heads per tile (static); G is padded to a multiple of it.
-    num_splits: page-axis partitions run in parallel (static); default fills
-      the device for small B*K. Results do not depend on it.
-    schedule: `"loop"` (Triton GPU) or `"grid"` (Mosaic TPU); default by
-      `platform` ("loop" on CPU). Compiled runs need the platform's schedule.
-    platform: the platform the call is lowered for (static): "cuda"/"gpu",
-      "rocm", "tpu" or "cpu"; default the JAX default backend. It picks the
-      default schedule and the compiled one `interpret=False` needs, so a CPU
-      host can lower the compiled kernel for a device it does not have
-      (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`, as
-      tests/pallas_kernels/test_lowering.py does) but not run it.
-    num_warps, num_stages: Triton compiler options ("loop", compiled only).
-    return_lse: also return the `f32[B, N]` log-sum-exp of the scaled logits
-      (natural log; -inf for length-0 rows).
-    count_pages: test hook; also return `i32[B, K]`, the pages the kernel read
-      per sequence and KV head ("loop" reads whole blocks, "grid" single pages).
+  """`dense_decode.decode_attention` against a page pool (PagedAttention, Kwon et al.
+  2023): slot s of sequence b is slot `s % page_size` of page `block_tables[b, s //
+  page_size]`; entries outside `[0, P)` are allowed at pages a sequence does not use.
+  Pages outside the attended range are neither read nor computed. Tunables as
+  `dense_decode.decode_attention_unchecked`, with `pages_per_block` for `block_k` and
+  `count_pages` (pages read) for `count_blocks`.
 
   Returns:
-    `[B, N, Hv]` in q's dtype (f32 accumulation); length-0 rows are zeros.
-    With `return_lse`, `(out, lse)`; with `count_pages`, `(result, counts)`.
+    `[B, N, Hv]` in q's dtype; with `return_lse` / `count_pages` as `decode_attention`.
 
   Raises:
-    ValueError: shapes that do not fit; a page size, head dim or tunable the
-      schedule cannot tile; `interpret=False` for a `platform` that is
-      not a GPU/TPU, or an unknown `platform`.
-    TypeError: non-float q/pages, k/v dtype mismatch, non-integer tables/lengths,
-      a quantized pool without its scales or scales for a float pool.
+    ValueError: shapes that do not fit; a page size, head dim or tunable the schedule
+      cannot tile; `interpret=False` off GPU/TPU.
+    TypeError: non-float q, k/v dtype mismatch, non-integer tables or lengths, scales
+      missing or given for a float pool.
   """
   lengths = common.check_paged_args(q, k_pages, v_pages, block_tables, lengths, window=window,
                                     soft_cap=soft_cap, sm_scale=sm_scale, k_scale=k_scale,
                                     v_scale=v_scale)
   return paged_decode_attention_unchecked(
       q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, window=window,
-      soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, interpret=interpret,
-      pages_per_block=pages_per_block, block_g=block_g, num_splits=num_splits,
-      schedule=schedule, platform=platform, num_warps=num_warps, num_stages=num_stages,
-      return_lse=return_lse, count_pages=count_pages)
+      soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, **tunables)
 
 
 def paged_decode_attention_unchecked(q, k_pages, v_pages, block_tables, lengths, *,
@@ -466,9 +299,7 @@ def paged_decode_attention_unchecked(q, k_pages, v_pages, block_tables, lengths,
                                      block_g=None, num_splits=None, schedule=None,
                                      platform=None, num_warps=None, num_stages=None,
                                      return_lse=False, count_pages=False):
-  """`paged_decode_attention` without the argument checks, for callers that ran them
-  (`attention_common.check_paged_args`; kvattn's dispatch point). The tunables are
-  still checked: they are resolved here."""
+  """`paged_decode_attention` without the argument checks (kvattn's dispatch point)."""
   schedule = _common.check_schedule(schedule, interpret, (
       ("pages_per_block", pages_per_block), ("block_g", block_g), ("num_splits", num_splits)),
       platform)
@@ -518,32 +349,10 @@ def unsupported_reason(q_shape, k_pages_shape, v_pages_shape, dtype, *,
 # ----------------------------------------------------------------------------
 
 
-def paged_decode_attention_reference(
-    q: jax.Array,             # [B, N, H]
-    k_pages: jax.Array,       # [K, P, page_size, H]
-    v_pages: jax.Array,       # [K, P, page_size, Hv]
-    block_tables: jax.Array,  # i32[B, pages_per_seq]
-    lengths: jax.Array,       # i32[B]
-    *,
-    sm_scale: float | None = None,
-    window: int | None = None,
-    soft_cap: float | None = None,
-    k_scale: jax.Array | None = None,  # f32[K, P, page_size]
-    v_scale: jax.Array | None = None,  # f32[K, P, page_size]
-    return_lse: bool = False,
-    **unused_tunables: Any,
-):
-  """Plain-jnp f32 `paged_decode_attention` (same signature; tunables ignored).
-
-  Gathers every sequence's pages (and, for a quantized pool, its scale pages)
-  into a dense `[B, K, S, H]` view (S = pages_per_seq * page_size, page ids
-  clamped into `[0, P)`), dequantizes it up front (`k * k_scale[..., None]`
-  in f32), materialises the `[B, N, S]` logits, masks slots outside
-  `[max(0, L - W), L)` by replacement and zeroes masked value rows, so
-  garbage cannot leak. Returns `[B, N, Hv]` in q's dtype (and `f32[B, N]`
-  lse with `return_lse`).
-  """
-  del unused_tunables
+def paged_decode_attention_reference(q, k_pages, v_pages, block_tables, lengths, *,
+                                     k_scale=None, v_scale=None, **options: Any):
+  """Plain-jnp f32 `paged_decode_attention`: every sequence's pages (and scale pages)
+  gathered into a dense view, then `dense_decode.decode_attention_reference`."""
   ids = jnp.clip(block_tables, 0, k_pages.shape[1] - 1)
 
   def dense(pool):  # [K, P, page_size, ...] -> [B, K, S, ...]
@@ -551,6 +360,6 @@ def paged_decode_attention_reference(
     return x.reshape(x.shape[:2] + (-1,) + x.shape[4:])
 
   return dense_decode.decode_attention_reference(
-      q, dense(k_pages), dense(v_pages), lengths, sm_scale=sm_scale, window=window,
-      soft_cap=soft_cap, k_scale=None if k_scale is None else dense(k_scale),
-      v_scale=None if v_scale is None else dense(v_scale), return_lse=return_lse)
+      q, dense(k_pages), dense(v_pages), lengths,
+      k_scale=None if k_scale is None else dense(k_scale),
+      v_scale=None if v_scale is None else dense(v_scale), **options)

@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _common
 from pallas_kernels import attention_common as common
-from pallas_kernels.dense_decode import _kv_block_index
+from pallas_kernels import lowbit_decode
 from pallas_kernels.lowbit_decode import store_attention_reference
 
 BITS = (3, 4)
@@ -120,31 +120,6 @@ def _decode_block(packed, matrix, bits, levels, dtype):
   return _lookup(_unpack(packed, matrix, bits), levels).astype(dtype)
 
 
-def _logits(q, k, k_scale, sm_scale, soft_cap, precision):
-  """f32 `[Gb, bk]`: `(q . c[k_codes]) * k_scale * sm_scale`, soft-capped."""
-  s = _common.dot(q, k, trans_b=True, precision=precision)
-  s = s * (k_scale.astype(jnp.float32) * sm_scale)
-  if soft_cap is not None:
-    s = soft_cap * jnp.tanh(s / soft_cap)
-  return s
-
-
-def _softmax_step(m_prev, l_prev, acc_prev, s, v, v_scale, slot0, start, length, precision):
-  """`_common.online_softmax_step` with per-token value scales `[1, bk]` applied to the
-  probabilities (zeroed outside `[start, length)`: 0 * NaN would be NaN). `v` (codebook
-  levels) is always finite, so its rows need no masking."""
-  cols = slot0 + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-  valid = (cols >= start) & (cols < length)
-  s = jnp.where(valid, s, -jnp.inf)
-  m_next = jnp.maximum(m_prev, jnp.max(s, axis=1)[:, None])
-  alpha = jnp.exp(m_prev - m_next)
-  p = jnp.exp(s - m_next)  # exact 0 where masked
-  l_next = alpha * l_prev + jnp.sum(p, axis=1)[:, None]
-  pw = jnp.where(valid, p * v_scale.astype(jnp.float32), 0.0)
-  pv = _common.dot(pw.astype(v.dtype), v, precision=precision)
-  return m_next, l_next, alpha * acc_prev + pv
-
-
 # ----------------------------------------------------------------------------
 # Kernels.
 # ----------------------------------------------------------------------------
@@ -164,16 +139,12 @@ def _loop_kernel(
     *rest,       # (count i32[Gb, 1])
     bits: int,
     levels: tuple,
-    sm_scale: float,
-    soft_cap: float | None,
-    block_k: int,
-    blocks_per_split: int,
-    precision,
+    step: _common.Step,
 ):
   """"loop" schedule: one program per (b, k, G tile, split), fori_loop over blocks."""
-  split = pl.program_id(3)
-  start, length = start_ref[()], length_ref[()]
-  first, num_blocks = _common.split_blocks(split, start, length, block_k, blocks_per_split)
+  sm_scale, soft_cap, block_k, blocks_per_split, precision = step
+  start, length, first, num_blocks = _common.loop_range(start_ref, length_ref, block_k,
+                                                        blocks_per_split)
   sq = kc_ref.shape[0]
   width = e_ref.shape[0]
   q = q_ref[...]
@@ -188,14 +159,13 @@ def _loop_kernel(
       offset = pl.multiple_of(lo, block_k)
     rows = pl.ds(offset, block_k)
     k = _decode_block(_common.load_rows(kc_ref, rows, width), e, bits, levels, q.dtype)
-    s = _logits(q, k, ks_ref[:, rows], sm_scale, soft_cap, precision)
+    s = _common.logits(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision,
+                       k_scale=ks_ref[:, rows])
     v = _decode_block(_common.load_rows(vc_ref, rows, width), e, bits, levels, q.dtype)
-    return _softmax_step(m, l, acc, s, v, vs_ref[:, rows], offset, jnp.maximum(start, lo),
-                         length, precision)
+    return _common.online_softmax_step(m, l, acc, s, v, offset, jnp.maximum(start, lo),
+                                       length, precision, v_scale=vs_ref[:, rows])
 
-  _common.loop_blocks(num_blocks, body, o_ref, lse_ref)
-  if rest:
-    rest[0][...] = jnp.full(rest[0].shape, num_blocks, jnp.int32)
+  _common.loop_blocks(num_blocks, body, o_ref, lse_ref, *rest)
 
 
 def _grid_kernel(
@@ -212,40 +182,22 @@ def _grid_kernel(
     *rest,        # (count i32[Gb, 128]), scratch m, l f32[Gb, 128], acc f32[Gb, H], (count)
     bits: int,
     levels: tuple,
-    sm_scale: float,
-    soft_cap: float | None,
-    block_k: int,
-    blocks_per_split: int,
-    precision,
+    step: _common.Step,
 ):
   """"grid" schedule: key blocks on the last (sequential) grid axis."""
-  count = len(rest) == 5
-  cnt_ref = rest[0] if count else None
-  m_sc, l_sc, acc_sc = rest[1:4] if count else rest[:3]
-  cnt_sc = rest[4] if count else None
-  b, split, step = pl.program_id(0), pl.program_id(3), pl.program_id(4)
-  start, length = starts_ref[b], lengths_ref[b]
-  lo, hi = _common.block_bounds(start, length, block_k)
-  blk = split * blocks_per_split + step
-  _common.grid_init(step, m_sc, l_sc, acc_sc, cnt_sc)
+  sm_scale, soft_cap, block_k, blocks_per_split, precision = step
 
-  @pl.when((blk >= lo) & (blk < hi))
-  def _compute():
+  def block(*_):
     q = q_ref[...]
     e = e_ref[...]
     k = _decode_block(kc_ref[...], e, bits, levels, q.dtype)
-    s = _logits(q, k, ks_ref[...], sm_scale, soft_cap, precision)
-    v = _decode_block(vc_ref[...], e, bits, levels, q.dtype)
-    m, l, acc = _softmax_step(m_sc[...][:, :1], l_sc[...][:, :1], acc_sc[...], s, v,
-                              vs_ref[...], blk * block_k, start, length, precision)
-    m_sc[...] = jnp.broadcast_to(m, m_sc.shape)
-    l_sc[...] = jnp.broadcast_to(l, l_sc.shape)
-    acc_sc[...] = acc
-    if cnt_sc is not None:
-      cnt_sc[...] += 1
+    s = _common.logits(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision,
+                       k_scale=ks_ref[...])
+    return s, _decode_block(vc_ref[...], e, bits, levels, q.dtype), vs_ref[...]
 
-  _common.grid_write(step, blocks_per_split, m_sc, l_sc, acc_sc, cnt_sc, o_ref, lse_ref,
-                     cnt_ref)
+  _common.grid_body(starts_ref, lengths_ref, (o_ref, lse_ref) + rest, block,
+                    count=len(rest) == 5, block_size=block_k,
+                    blocks_per_split=blocks_per_split, precision=precision)
 
 
 # ----------------------------------------------------------------------------
@@ -293,9 +245,9 @@ def _partials(q, store, matrix, starts, lengths, *, bits, levels, sm_scale, soft
   sq, width = kc.shape[2], kc.shape[3]
   num_blocks = -(-sq // block_k)
   bps = -(-num_blocks // num_splits)
-  kernel_kw = dict(bits=bits, levels=levels, sm_scale=sm_scale, soft_cap=soft_cap,
-                   block_k=block_k, blocks_per_split=bps,
-                   precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
+  precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+  kernel_kw = dict(bits=bits, levels=levels,
+                   step=_common.Step(sm_scale, soft_cap, block_k, bps, precision))
   rows = matrix.shape[0]
   if schedule == "loop":
     def spec(shape):
@@ -310,7 +262,7 @@ def _partials(q, store, matrix, starts, lengths, *, bits, levels, sm_scale, soft
   else:
     def blk(b, j, i, st, ln):
       lo, hi = _common.block_bounds(st[b], ln[b], block_k)
-      return _kv_block_index(j, i, lo, hi, bps)
+      return _common.kv_block_index(j, i, lo, hi, bps)
 
     codes = pl.BlockSpec((None, None, block_k, width),
                          lambda b, h, g, j, i, st, ln: (b, h, blk(b, j, i, st, ln), 0))
@@ -410,39 +362,14 @@ def check_args(q, k_codes, k_scale, v_codes, v_scale, starts, lengths, bits, cod
   if len(levels) != 1 << bits or not np.all(np.isfinite(arr)) or np.any(np.diff(arr) <= 0):
     raise ValueError(f"codebook must hold {1 << bits} increasing finite floats for bits = "
                      f"{bits}; got {codebook!r}")
-  if q.ndim != 3:
-    raise ValueError(f"q must be [B, N, H]; got shape {q.shape}")
-  batch, num_heads, head_dim = q.shape
-  if k_codes.ndim != 4:
-    raise ValueError(f"k_codes must be u8[B, K, Sq, H * bits / 8]; got shape {k_codes.shape}")
-  num_kv, sq = k_codes.shape[1], k_codes.shape[2]
+  batch, head_dim, num_kv, sq = lowbit_decode.store_dims(q, k_codes, bits, BITS)
   width = packed_width(head_dim, bits)
-  if num_kv < 1 or num_heads % num_kv:
-    raise ValueError(f"num_heads must be divisible by num_kv_heads; got {num_heads} and "
-                     f"{num_kv}")
-  if sq < 1:
-    raise ValueError("k_codes must hold at least one store slot (Sq >= 1); got Sq = 0")
   want = {"k_codes": (batch, num_kv, sq, width), "v_codes": (batch, num_kv, sq, width),
           "k_scale": (batch, num_kv, sq), "v_scale": (batch, num_kv, sq)}
   given = {"k_codes": k_codes, "v_codes": v_codes, "k_scale": k_scale, "v_scale": v_scale}
   if rotation is not None:
     want["rotation"], given["rotation"] = (num_kv, head_dim, head_dim), rotation
-  for name, shape in want.items():
-    if tuple(given[name].shape) != shape:
-      raise ValueError(f"{name} must have shape {shape}; got {tuple(given[name].shape)}")
-  for name in ("k_codes", "v_codes"):
-    if given[name].dtype != jnp.uint8:
-      raise TypeError(f"{name} must be uint8 (packed codes); got {given[name].dtype}")
-  for name in ("q", "k_scale", "v_scale") + (("rotation",) if rotation is not None else ()):
-    x = q if name == "q" else given[name]
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise TypeError(f"{name} must be floating; got {x.dtype}")
-  for name, x in (("starts", starts), ("lengths", lengths)):
-    if x.shape != (batch,):
-      raise ValueError(f"{name} must be i32[B] with B = {batch}; got shape {x.shape}")
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-      raise TypeError(f"{name} must be integers; got {x.dtype}")
-  common.options(None, soft_cap, sm_scale)
+  lowbit_decode.check_store(q, starts, lengths, want, given, sm_scale, soft_cap)
   return levels
 
 
@@ -460,16 +387,7 @@ def rotated_decode_attention(
     rotation: jax.Array | None = None,  # [K, H, H]
     sm_scale: float | None = None,
     soft_cap: float | None = None,
-    interpret: bool = False,
-    block_k: int | None = None,
-    block_g: int | None = None,
-    num_splits: int | None = None,
-    schedule: str | None = None,
-    platform: str | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    return_lse: bool = False,
-    count_blocks: bool = False,
+    **tunables: Any,
 ):
   """Decode attention of one query token per sequence against a rotated codebook store.
 
@@ -492,10 +410,7 @@ def rotated_decode_attention(
       it (lse is unchanged: rotations keep dot products).
     sm_scale: logit scale, default `1 / sqrt(H)`.
     soft_cap: `cap * tanh(s / cap)` of the scaled logits, or None.
-    interpret, block_g, num_splits, schedule, platform, num_warps, num_stages, return_lse,
-      count_blocks: as `dense_decode.decode_attention`.
-    block_k: key slots per block (`_block_k`: "loop" a power of two in [16, Sq]; "grid" a
-      multiple of 128 or Sq).
+    **tunables: as `dense_decode.decode_attention_unchecked` (`block_k`: `_block_k`).
 
   Returns:
     `[B, N, H]` in q's dtype (f32 accumulation); with `return_lse`, `(out, f32[B, N])`;
@@ -508,10 +423,7 @@ def rotated_decode_attention(
                       rotation, sm_scale, soft_cap)
   return rotated_decode_attention_unchecked(
       q, k_codes, k_scale, v_codes, v_scale, starts, lengths, bits=bits, codebook=levels,
-      rotation=rotation, sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret,
-      block_k=block_k, block_g=block_g, num_splits=num_splits, schedule=schedule,
-      platform=platform, num_warps=num_warps, num_stages=num_stages, return_lse=return_lse,
-      count_blocks=count_blocks)
+      rotation=rotation, sm_scale=sm_scale, soft_cap=soft_cap, **tunables)
 
 
 def rotated_decode_attention_unchecked(q, k_codes, k_scale, v_codes, v_scale, starts, lengths, *,

@@ -70,27 +70,17 @@ def _ring_tokens(stored: jax.Array, nq: jax.Array, ring: int) -> jax.Array:
   return jnp.where(t < stored[:, None], t, -1)
 
 
-def store_backends(implementation) -> tuple:
-  """The backends named by `implementation` for reading the store, in the order to try:
-  None (the kind's Pallas kernel where one compiles, else the XLA loop), "pallas" (the
-  kernel; interpret mode on CPU), "xla" (the loop). NotImplementedError for other names."""
-  names = (implementation,) if implementation is None or isinstance(implementation, str) else (
-      tuple(implementation))
-  for name in names:
-    if name not in STORE_BACKENDS:
-      raise NotImplementedError(
-          f"a quantized-store cache is read by the XLA loop (kvattn.ops.lowbit) or its kind's "
-          f"Pallas kernel; implementation must be None, 'pallas' or 'xla' (or a sequence of "
-          f"them), got {implementation!r}")
-  return names
-
-
-STORE_BACKENDS = (None, "pallas", "xla")
-
-
 def check_implementation(implementation) -> None:
-  """NotImplementedError unless `implementation` names only backends of `STORE_BACKENDS`."""
-  store_backends(implementation)
+  """NotImplementedError unless `implementation` names only backends of the store ops
+  (`kvattn.ops.dispatch.STORE_OPS`: "pallas", "xla", or None)."""
+  from kvattn.ops import dispatch  # pylint: disable=g-import-not-at-top
+  try:
+    dispatch.check_implementation(dispatch.STORE_OPS[0], implementation)
+  except ValueError:
+    raise NotImplementedError(
+        f"a quantized-store cache is read by the XLA loop (kvattn.ops.lowbit) or its kind's "
+        f"Pallas kernel; implementation must be None, 'pallas' or 'xla' (or a sequence of "
+        f"them), got {implementation!r}") from None
 
 
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
@@ -118,13 +108,14 @@ class ResidualStoreCache(capabilities.Rows):
     """Attention output `[B, T, N, H]` f32 back from the attention space (identity)."""
     return out
 
-  def _pallas_store(self, q, starts, lengths, *, explicit: bool, sm_scale: float,
-                    soft_cap: float | None) -> tuple[jax.Array, jax.Array]:
-    """`(out f32[B, N, H], lse f32[B, N])` of decode queries `q: [B, N, H]` (in the attention
-    space) against store slots `[starts, lengths)` through the kind's Pallas kernel
-    (`kvattn.ops.pallas`), or NotImplementedError when it has none or cannot run here."""
-    del q, starts, lengths, explicit, sm_scale, soft_cap
-    raise NotImplementedError(f"pallas: no kernel reads a {type(self).__name__} store")
+  def _store_decode(self, q, starts, lengths, implementation, **options):
+    """`(out f32[B, N, H], lse f32[B, N])` of decode queries `q: [B, N, H]` (in the
+    attention space) against store slots `[starts, lengths)` by the kind's store op in
+    `kvattn.ops.dispatch`, or None where its "xla" backend (the XLA loop) is picked."""
+    del q, starts, lengths, options
+    if implementation not in (None, "xla"):
+      raise NotImplementedError(f"pallas: no kernel reads a {type(self).__name__} store")
+    return None
 
   # ---------------------------------------------------------------------------- sizes
   @property
@@ -217,7 +208,8 @@ class ResidualStoreCache(capabilities.Rows):
 
   def _attend(self, q, q_tokens, *, extra: Sequence[lowbit.Segment] = (), sm_scale=None,
               window=None, soft_cap=None, implementation=None) -> jax.Array:
-    """f32 `[B, T, N, H]`: `q` (RoPE'd) against the store, the ring and `extra`."""
+    """f32 `[B, T, N, H]`: `q` (RoPE'd) against the store, the ring and `extra`; a decode
+    step reads the store through the kind's store op of `kvattn.ops.dispatch`."""
     nq = self.readable_quantized
     ring_tokens = self.ring_tokens()
     k_res = self.k_res.astype(jnp.float32)
@@ -247,21 +239,9 @@ class ResidualStoreCache(capabilities.Rows):
       return None
     token = q_tokens[:, 0]
     starts = jnp.zeros_like(token) if window is None else jnp.maximum(token - window + 1, 0)
-    errors = []
-    for name in store_backends(implementation):
-      if name == "xla":
-        return None
-      try:
-        out, lse = self._pallas_store(q[:, 0], starts, jnp.minimum(nq, token + 1),
-                                      explicit=name == "pallas", sm_scale=sm_scale,
-                                      soft_cap=soft_cap)
-      except NotImplementedError as e:
-        if name is None:  # the kernel where it runs, else the XLA loop
-          return None
-        errors.append(str(e))
-        continue
-      return lowbit.state_from_lse(out, lse, self.num_kv_heads)
-    raise NotImplementedError("; ".join(errors))
+    found = self._store_decode(q[:, 0], starts, jnp.minimum(nq, token + 1), implementation,
+                               sm_scale=sm_scale, soft_cap=soft_cap)
+    return None if found is None else lowbit.state_from_lse(*found, self.num_kv_heads)
 
   def attend(self, q: jax.Array, *, q_offsets: jax.Array, sm_scale: float | None = None,
              window: int | None = None, soft_cap: float | None = None,

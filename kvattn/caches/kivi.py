@@ -170,18 +170,13 @@ class KIVICache(_residual.ResidualStoreCache):
     v = lowbit.dequantize_groups(vc, v_scale, v_zero, axis=4).reshape(b, kh, size, h)
     return k, v
 
-  def _pallas_store(self, q, starts, lengths, *, explicit, sm_scale, soft_cap):
-    """The store read by `pallas_kernels.lowbit_decode` (through `kvattn.ops.pallas`):
-    `(out f32[B, N, H], lse f32[B, N])` over slots `[starts, lengths)`. Keys stored before
-    RoPE are rotated at read by the XLA loop only (NotImplementedError)."""
-    if self.pre_rope:
-      raise NotImplementedError("pallas: keys stored before RoPE (pre_rope=True) are rotated "
-                                "at read by the XLA loop only")
-    from kvattn.ops import pallas as pallas_ops  # pylint: disable=g-import-not-at-top
-    return pallas_ops.kivi_store_decode(
-        q, self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
-        starts, lengths, bits=self.bits, explicit=explicit, sm_scale=sm_scale,
-        soft_cap=soft_cap)
+  def _store_decode(self, q, starts, lengths, implementation, **options):
+    """The store by `kvattn.ops.dispatch`'s "kivi_store_decode" (`_residual`)."""
+    from kvattn.ops import dispatch  # pylint: disable=g-import-not-at-top
+    return dispatch.dispatch(
+        "kivi_store_decode", implementation, q, self.k_codes, self.k_scale, self.k_zero,
+        self.v_codes, self.v_scale, self.v_zero, starts, lengths, bits=self.bits,
+        pre_rope=self.pre_rope, **options)
 
   def _encode(self, k: jax.Array, v: jax.Array, num_groups: int) -> dict[str, Any]:
     """The store fields of `num_groups` groups of tokens `k, v: [B, K, n g, H]` (f32): keys

@@ -300,18 +300,15 @@ class PagedKIVICache(capabilities.Pages, kivi.KIVICache):
               f"to hold {nq} store tokens; got {page} (allocate the page with a PageAllocator "
               f"first)")
 
-  def _pallas_store(self, q, starts, lengths, *, explicit, sm_scale, soft_cap):
-    """The paged store read by `pallas_kernels.lowbit_decode.paged_kivi_decode_attention`
-    (through `kvattn.ops.pallas`); `lengths` capped at the assigned pages' store slots.
-    NotImplementedError for keys before RoPE or where the kernel cannot run."""
-    if self.pre_rope:
-      raise NotImplementedError("pallas: keys stored before RoPE (pre_rope=True) are rotated "
-                                "at read by the XLA loop only")
-    from kvattn.ops import pallas as pallas_ops  # pylint: disable=g-import-not-at-top
-    return pallas_ops.paged_kivi_store_decode(
-        q, self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
-        self.block_tables, starts, jnp.minimum(lengths, self.assigned_store_slots),
-        bits=self.bits, explicit=explicit, sm_scale=sm_scale, soft_cap=soft_cap)
+  def _store_decode(self, q, starts, lengths, implementation, **options):
+    """The paged store by `kvattn.ops.dispatch`'s "paged_kivi_store_decode"; `lengths`
+    capped at the assigned pages' store slots."""
+    from kvattn.ops import dispatch  # pylint: disable=g-import-not-at-top
+    return dispatch.dispatch(
+        "paged_kivi_store_decode", implementation, q, self.k_codes, self.k_scale, self.k_zero,
+        self.v_codes, self.v_scale, self.v_zero, self.block_tables, starts,
+        jnp.minimum(lengths, self.assigned_store_slots), bits=self.bits,
+        pre_rope=self.pre_rope, **options)
 
 
 def build(bits: int):

@@ -278,14 +278,13 @@ class RotatedCache(_residual.ResidualStoreCache):
     return tuple(dequantize_rotated(lowbit.unpack_codes(sl(c), self.bits), sl(s), self.codebook)
                  for c, s in ((self.k_codes, self.k_scale), (self.v_codes, self.v_scale)))
 
-  def _pallas_store(self, q, starts, lengths, *, explicit, sm_scale, soft_cap):
-    """The store read by `pallas_kernels.rotated_decode` (through `kvattn.ops.pallas`): `(out f32[B,
-    N, H], lse f32[B, N])` over slots `[starts, lengths)`, q and out in the rotated space."""
-    from kvattn.ops import pallas as pallas_ops  # pylint: disable=g-import-not-at-top
-    return pallas_ops.rotated_store_decode(
-        q, self.k_codes, self.k_scale, self.v_codes, self.v_scale, starts, lengths,
-        bits=self.bits, codebook=self.codebook, explicit=explicit, sm_scale=sm_scale,
-        soft_cap=soft_cap)
+  def _store_decode(self, q, starts, lengths, implementation, **options):
+    """The store by `kvattn.ops.dispatch`'s "rotated_store_decode"; q and the output in
+    the rotated space."""
+    from kvattn.ops import dispatch  # pylint: disable=g-import-not-at-top
+    return dispatch.dispatch(
+        "rotated_store_decode", implementation, q, self.k_codes, self.k_scale, self.v_codes,
+        self.v_scale, starts, lengths, bits=self.bits, codebook=self.codebook, **options)
 
   def _encode(self, k: jax.Array, v: jax.Array, num_groups: int) -> dict[str, Any]:
     """Store fields of tokens `k, v: [B, K, n, H]` (f32, not rotated): rotated, coded."""

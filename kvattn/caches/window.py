@@ -25,7 +25,7 @@ from kvattn.caches import capabilities
 from kvattn.caches import registry
 from kvattn.caches._layers import gqa_layers
 from kvattn.ops.positional import positional_attention
-from kvattn.ops.rope import apply_rope
+from kvattn.ops.rope import apply_rope, check_scaling
 
 from kvattn.caches._bounded import (WrappingCache, empty_storage, float_keys, min_window, prelude,
                                     scale_kwargs)
@@ -223,7 +223,7 @@ class SinkKVCache(WrappingCache):
     storage = empty_storage(batch, capacity, num_kv_heads, head_dim, dtype)
     return cls(pos=jnp.full((storage["k"].shape[0], capacity), -1, jnp.int32),
                num_sinks=int(num_sinks), rope_theta=rope_theta,
-               rope_scaling=_checks.rope_scaling(rope_scaling), **storage)
+               rope_scaling=check_scaling(rope_scaling), **storage)
 
   @property
   def _rope(self) -> dict[str, Any]:

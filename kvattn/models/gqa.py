@@ -171,7 +171,7 @@ class GroupedQueryAttention(nnx.Module):
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for RoPE; got {head_dim}")
     self.rope_theta = _checks.positive_float("rope_theta", rope_theta)
-    self.rope_scaling = _checks.rope_scaling(rope_scaling)
+    self.rope_scaling = ops.rope.check_scaling(rope_scaling)
     self.window = _checks.optional_positive_int("window", window)
     self.sm_scale = _checks.optional_positive_float("sm_scale", sm_scale)
     self.soft_cap = _checks.optional_positive_float("soft_cap", soft_cap)

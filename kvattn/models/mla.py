@@ -123,7 +123,7 @@ class MultiHeadLatentAttention(nnx.Module):
     self.latent_norm = latent_norm
     self.q_lora_rank = _checks.optional_positive_int("q_lora_rank", q_lora_rank)
     self.rope_theta = _checks.positive_float("rope_theta", rope_theta)
-    self.rope_scaling = _checks.rope_scaling(rope_scaling)
+    self.rope_scaling = ops.rope.check_scaling(rope_scaling)
     self.window = _checks.optional_positive_int("window", window)
     self.rms_eps = _checks.positive_float("rms_eps", rms_eps)
     if path not in PATHS:

@@ -1,25 +1,10 @@
 """Context-parallel attention: partial attention over one shard of the keys, merged by LSE.
 
-When a cache is split on its sequence axis over devices (MaxText's decode context
-parallelism, the ring/flash-decoding split of Dao et al. 2023 "Flash-Decoding"), each
-shard computes softmax attention over the keys it holds and reports, per query and head,
-its output `o_i` (normalised over its own keys) and the log-sum-exp `lse_i` of its
-scores. The full result is the LSE-weighted mean (Milakov & Gimelshein 2018, online
-softmax):
-
-    m = max_i lse_i,   w_i = exp(lse_i - m),   o = sum_i w_i o_i / sum_i w_i.
-
-A shard without a visible key reports `lse = -inf` and `o = 0` whatever its buffer holds
-(masked values are zeroed before the weighted sum, so a NaN in an unused slot never reaches
-the output); if every shard is empty the merged output is 0, as a length-0 row of the
-single-device ops.
-
-`partial_attention` (GQA keys and values) and `partial_mla_attention` (MLA latents,
-absorbed form) are plain jnp computed in f32; keys are masked by the token each slot
-holds (`key_pos`, -1 for none), so one function serves dense shards (a contiguous range
-of slots) and gathered page pools. `merge_partials` merges across a named mesh axis
-inside `jax.shard_map` (`lax.pmax` / `lax.psum`); `combine_partials` is its pure-jnp
-reference over a stacked shard axis.
+With a cache split on its sequence axis (decode context parallelism, flash-decoding of
+Dao et al. 2023), each shard reports its normalised output `o_i` and log-sum-exp
+`lse_i`; the result is `sum_i exp(lse_i - m) o_i / sum_i exp(lse_i - m)`, `m = max_i
+lse_i` (online softmax, Milakov & Gimelshein 2018). An empty shard reports `lse = -inf`,
+`o = 0`. Keys are masked by the token each slot holds (`key_pos`, -1 for none).
 """
 
 from __future__ import annotations
@@ -36,10 +21,8 @@ def visible_keys(
     kv_lengths: jax.Array,  # i32[B]
     window: int | None,
 ) -> jax.Array:
-  """`bool[B, T, S]`: key slot s is visible to query t of row b.
-
-  Visible iff the slot holds a token `0 <= p < kv_lengths[b]`, `p <= q_pos[b, t]` and,
-  with a window W, `p > q_pos[b, t] - W` (the attended range of DESIGN.md).
+  """`bool[B, T, S]`: slot s holds a token `0 <= p < kv_lengths[b]`, `p <= q_pos[b, t]`
+  and `p > q_pos[b, t] - window`.
   """
   p = key_pos[:, None, :]
   q = q_pos[:, :, None]
@@ -50,9 +33,7 @@ def visible_keys(
 
 
 def _softmax_stats(s: jax.Array, ok: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """`(p, l, lse)` of masked scores `s: f32[..., T, S]` (`ok` broadcastable):
-  unnormalised probabilities (0 where masked), their sum and the log-sum-exp
-  (-inf for a query with no visible key)."""
+  """`(p, l, lse)` of masked scores `s: f32[..., T, S]` (lse -inf where nothing is visible)."""
   s = jnp.where(ok, s, -jnp.inf)
   m = jnp.max(s, axis=-1)
   m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -81,11 +62,7 @@ def partial_attention(
     k_scale: jax.Array | None = None,  # f32[B, K, S]
     v_scale: jax.Array | None = None,  # f32[B, K, S]
 ) -> tuple[jax.Array, jax.Array]:
-  """Softmax attention of GQA queries over one shard of keys: `(o f32[B, T, N, H],
-  lse f32[B, T, N])`, `o` normalised over the shard's visible keys (0 and lse -inf
-  where none is visible). Query head n reads KV head n // G. Quantized keys / values
-  are read times their scales. Masked slots never change a result (values are zeroed
-  before the weighted sum)."""
+  """`(o f32[B, T, N, H], lse f32[B, T, N])` of GQA queries over one shard's keys."""
   batch, num_tokens, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[1]
   groups = num_heads // num_kv_heads
@@ -118,9 +95,7 @@ def partial_mla_attention(
     c_kv_scale: jax.Array | None = None,  # f32[B, S]
     k_rope_scale: jax.Array | None = None,  # f32[B, S]
 ) -> tuple[jax.Array, jax.Array]:
-  """Absorbed MLA attention (DeepSeek-V2 appendix C) over one shard of latents:
-  scores `q_latent . c_kv + q_rope . k_rope`, values `c_kv`; returns `(o f32[B, T, N,
-  C], lse f32[B, T, N])` as `partial_attention`."""
+  """`(o f32[B, T, N, C], lse f32[B, T, N])` of absorbed MLA over one shard's latents."""
   c = _dequant(c_kv, c_kv_scale)
   s = (jnp.einsum("BTNC,BSC->BNTS", q_latent.astype(jnp.float32), c)
        + jnp.einsum("BTNR,BSR->BNTS", q_rope.astype(jnp.float32),
@@ -139,15 +114,8 @@ def _weights(lse: jax.Array, m: jax.Array) -> jax.Array:
 
 
 def merge_partials(o: jax.Array, lse: jax.Array, axis_name) -> jax.Array:
-  """Merges shard partials across mesh axis `axis_name` (inside `jax.shard_map`).
-
-  Args:
-    o: `f32[..., W]` this shard's normalised output (W the value width).
-    lse: `f32[...]` its log-sum-exp, -inf for an empty shard.
-    axis_name: the mesh axis (or tuple of axes) the keys are split over.
-
-  Returns:
-    `f32[..., W]`, the attention over every shard's keys; 0 where no shard has a key.
+  """`f32[..., W]`: shard partials `o f32[..., W]`, `lse f32[...]` merged across mesh axis
+  `axis_name` (inside `jax.shard_map`); 0 where no shard has a key.
   """
   w = _weights(lse, jax.lax.pmax(lse, axis_name))
   num = jax.lax.psum(w[..., None] * o, axis_name)

@@ -1,42 +1,9 @@
-"""The decode-attention dispatch points: one public function per operation and its backend table.
+"""Dispatch points of decode attention and the low-bit store reads (as openxla/tokamax).
 
-Modelled on openxla/tokamax's attention API. `IMPLEMENTATIONS` states, for
-each operation, every backend and -- by its order -- the order in which
-`implementation=None` tries them:
-
-| operation                  | backends, in the default order                   |
-|----------------------------|--------------------------------------------------|
-| `decode_attention`         | `"pallas"`, `"xla_blocked"`, `"xla"`             |
-| `paged_decode_attention`   | `"pallas"`, `"xla_pool"`, `"xla"`                |
-| `mla_decode_attention`     | `"pallas"`, `"xla_blocked"`, `"xla"`             |
-
-* `"pallas"` (`pallas_backend`): the fused kernels, compiled on GPU/TPU for
-  the shapes they support; on CPU only when named (interpret mode).
-* `"xla_blocked"` (`xla_blocked`): flash-decoding in XLA whose work follows the
-  live length, not the capacity; picked on CPU for every cache of more than
-  256 slots (float, 16-bit or int8/fp8).
-* `"xla_pool"` (`paged`): scans the page pool in place; picked when the pool
-  is smaller than the gathered view (P < B * pages_per_seq).
-* `"xla"` (`xla`, `paged`): the plain XLA path; runs everywhere.
-
-The public function checks its arguments once
-(`pallas_kernels.attention_common`) and raises `ValueError`/`TypeError` before
-any backend runs; backends trust them. `implementation=` is a backend name, a
-sequence of names to try in that order, or None for the default order. A
-backend that cannot handle the device, shapes or options raises
-`NotImplementedError` and the next one is tried; when none is left, the
-`NotImplementedError` says why each declined (a single name: its own error).
-
-A backend is `fn(*args, explicit: bool, **options)` with the operation's
-arguments; `explicit` is True when the caller named it, and a backend may then
-run where it would not be picked by default (a Pallas kernel in interpret mode
-on CPU). Options with value None (no quantization scales) are not passed.
-
-The newest token apart: `decode_attention(..., k_new=, v_new=)` runs only the
-backends of `APPENDS_NEWEST` (the XLA ones), and `appends_newest(implementation)`
-tells a caller beforehand whether its request will run one of them (a dense
-cache's decode step then attends the cache from before the token's write; else it
-writes first). The cache asks; the table and the platform rules stay here.
+`implementation=` names a backend, a sequence to try in order, or None for the order of
+`IMPLEMENTATIONS`. A backend `fn(*args, explicit, **options)` that cannot run raises
+`NotImplementedError` and the next is tried; caller errors raise before any backend
+runs. `explicit`: the caller named it (a Pallas kernel then runs interpreted on CPU).
 """
 
 from __future__ import annotations
@@ -47,16 +14,15 @@ import jax
 import jax.numpy as jnp
 
 from kvattn import _checks
-from kvattn.ops import xla_paged
 from kvattn.ops import pallas
 from kvattn.ops import xla
 from kvattn.ops import xla_blocked
-from pallas_kernels import attention_common as common
+from kvattn.ops import xla_paged
 
-Implementation = Callable[..., jax.Array]
+Implementation = Callable[..., Any]
 
 
-def _runs_anywhere(fn: Callable[..., jax.Array]) -> Implementation:
+def _runs_anywhere(fn: Callable[..., Any]) -> Implementation:
   """A backend for `fn`, which takes every device, shape and option."""
 
   def backend(*args, explicit: bool, **options):
@@ -67,34 +33,41 @@ def _runs_anywhere(fn: Callable[..., jax.Array]) -> Implementation:
   return backend
 
 
+def _in_callers_loop(*args, explicit: bool, **options) -> None:
+  """"xla" of the store ops: None, so the cache's XLA loop reads the store with its ring."""
+  del args, explicit, options
+
+
+STORE_OPS = ("kivi_store_decode", "paged_kivi_store_decode", "rotated_store_decode")
+
 IMPLEMENTATIONS: dict[str, dict[str, Implementation]] = {
     "decode_attention": {
-        "pallas": pallas._decode,  # pylint: disable=protected-access
-        "xla_blocked": xla_blocked._decode,  # pylint: disable=protected-access
+        "pallas": pallas.decode,
+        "xla_blocked": xla_blocked.decode,
         "xla": _runs_anywhere(xla.decode_attention_xla),
     },
     "paged_decode_attention": {
-        "pallas": pallas._paged_decode,  # pylint: disable=protected-access
-        "xla_pool": xla_paged._xla_pool,  # pylint: disable=protected-access
+        "pallas": pallas.paged_decode,
+        "xla_pool": xla_paged.pool_decode,
         "xla": _runs_anywhere(xla_paged.paged_decode_attention_xla),
     },
     "mla_decode_attention": {
-        "pallas": pallas._mla_decode,  # pylint: disable=protected-access
-        "xla_blocked": xla_blocked._mla_decode,  # pylint: disable=protected-access
+        "pallas": pallas.mla_decode,
+        "xla_blocked": xla_blocked.mla_decode,
         "xla": _runs_anywhere(xla.mla_decode_attention_xla),
     },
+    # `(out f32[B, N, H], lse f32[B, N])` of a low-bit store, or None ("xla").
+    "kivi_store_decode": {"pallas": pallas.kivi_store_decode, "xla": _in_callers_loop},
+    "paged_kivi_store_decode": {"pallas": pallas.paged_kivi_store_decode,
+                                "xla": _in_callers_loop},
+    "rotated_store_decode": {"pallas": pallas.rotated_store_decode, "xla": _in_callers_loop},
 }
 
-
+# Per operation, the backends that take the newest token apart (`k_new=`, `v_new=`).
 APPENDS_NEWEST: dict[str, set[str]] = {"decode_attention": {"xla_blocked", "xla"}}
-"""Per operation, the backends that take the newest token apart from the cache (`k_new=`,
-`v_new=` of `decode_attention`); the others read it from the cache (written first)."""
 
-DEFAULT_PLATFORMS: dict[str, tuple[str, ...]] = {
-    "pallas": pallas._COMPILED_PLATFORMS,  # pylint: disable=protected-access
-}
-"""Backends that `implementation=None` runs only on these platforms (`jax.default_backend()`;
-elsewhere they decline unless named). A backend not listed may run anywhere."""
+# Backends that `implementation=None` runs only on these platforms (elsewhere only when named).
+DEFAULT_PLATFORMS: dict[str, tuple[str, ...]] = {"pallas": pallas.COMPILED_PLATFORMS}
 
 
 def _backends(op: str) -> dict[str, Implementation]:
@@ -110,17 +83,8 @@ def available_implementations(op: str = "decode_attention") -> tuple[str, ...]:
 
 def register_implementation(op: str, name: str, fn: Implementation, *,
                             preferred: bool = False, appends_newest: bool = False) -> None:
-  """Adds (or replaces) backend `name` of operation `op` in `IMPLEMENTATIONS`.
-
-  For backends outside kvattn (kvattn's own are declared in the table). `fn`
-  follows the backend contract of the module doc. The new backend goes first
-  in the default order with `preferred=True`, else last (where None reaches
-  it only if every other backend declines). `appends_newest=True` declares
-  that it takes `k_new=` / `v_new=` (`decode_attention`; `APPENDS_NEWEST`).
-
-  Raises:
-    ValueError: `op` is not one of the operations above.
-  """
+  """Adds (or replaces) backend `name` of `op`, first with `preferred`; ValueError for
+  an unknown op."""
   impls = {k: v for k, v in _backends(op).items() if k != name}
   IMPLEMENTATIONS[op] = {name: fn, **impls} if preferred else {**impls, name: fn}
   appending = APPENDS_NEWEST.setdefault(op, set())
@@ -132,29 +96,16 @@ def register_implementation(op: str, name: str, fn: Implementation, *,
 
 def appends_newest(implementation: str | Sequence[str] | None = None, *,
                    op: str = "decode_attention") -> bool:
-  """Whether `op` with `implementation` runs a backend that takes the newest token apart.
-
-  The dispatcher's answer for a caller that can give its request either way (a
-  cache's decode step, `KVCache.update_attend`): True when every backend the
-  request may run is in `APPENDS_NEWEST`, so the caller passes the cache from
-  before the token's write and the token as `k_new=` / `v_new=`; False when one
-  of them reads the token from the cache, so the caller writes first. The
-  backends the request may run: the named ones, or for None those of the default
-  order that run on this platform (`DEFAULT_PLATFORMS`: `"pallas"` on GPU and TPU).
-  Given `k_new`, `decode_attention` itself tries only the backends that take it.
-
-  Raises:
-    ValueError: an unknown `op` or `implementation`.
-  """
-  names = _names(op, implementation)
+  """Whether every backend `implementation` may run here takes `k_new` / `v_new`."""
+  names = check_implementation(op, implementation)
   if names is None:
     platform = jax.default_backend()
     names = tuple(n for n in _backends(op) if platform in DEFAULT_PLATFORMS.get(n, (platform,)))
   return all(n in APPENDS_NEWEST.get(op, ()) for n in names)
 
 
-def _names(op: str, implementation: Any) -> tuple[str, ...] | None:
-  """Checks `implementation` (None, a name, or a sequence of names) against `op`'s table."""
+def check_implementation(op: str, implementation: Any) -> tuple[str, ...] | None:
+  """The names `implementation` gives (None: the default order); ValueError if unknown."""
   impls = _backends(op)
   if implementation is None:
     return None
@@ -167,37 +118,37 @@ def _names(op: str, implementation: Any) -> tuple[str, ...] | None:
 
 
 def dispatch(op: str, implementation: str | Sequence[str] | None, *args: Any,
-             **options: Any) -> jax.Array:
-  """Runs `op` with the named backend(s), or the first in the default order that fits.
+             **options: Any) -> Any:
+  """Runs `op` by the named backend(s), or the first of the default order that fits.
 
-  Arguments are not checked here (the public functions do that first).
+  Raises:
+    NotImplementedError: no backend fits (naming why each declined).
   """
   impls = _backends(op)
-  names = _names(op, implementation)
+  names = check_implementation(op, implementation)
   newest = options.get("k_new") is not None  # only backends that take it apart can run
   if isinstance(implementation, str):
     _takes_newest(op, implementation, newest)
     return impls[implementation](*args, explicit=True, **options)
-  explicit = names is not None
   errors = []
   for name in names or impls:
     try:
       _takes_newest(op, name, newest)
-      return impls[name](*args, explicit=explicit, **options)
+      return impls[name](*args, explicit=names is not None, **options)
     except NotImplementedError as e:
       errors.append(f"{name}: {e}")
   raise NotImplementedError(f"no {op} implementation fits: " + "; ".join(errors))
+
+
+def _given(**arrays: Any) -> dict[str, Any]:
+  """The optional arrays that were given (a float cache passes no scales to a backend)."""
+  return {k: v for k, v in arrays.items() if v is not None}
 
 
 def _takes_newest(op: str, name: str, newest: bool) -> None:
   if newest and name not in APPENDS_NEWEST.get(op, ()):
     raise NotImplementedError(f"{name} reads the newest token from the cache (k_new / v_new "
                               f"are for {sorted(APPENDS_NEWEST.get(op, ()))})")
-
-
-def _given(**options: Any) -> dict[str, Any]:
-  """The scale options that were given (a float cache passes none to a backend)."""
-  return {k: v for k, v in options.items() if v is not None}
 
 
 def decode_attention(
@@ -215,55 +166,21 @@ def decode_attention(
     v_new: jax.Array | None = None,  # [B, K, Hv]
     implementation: str | Sequence[str] | None = None,
 ) -> jax.Array:
-  """Attention of one new token per sequence against a dense KV cache.
+  """Attention of one new token per sequence against a dense KV cache (Vaswani et al.
+  2017, eq. 1; GQA: query head n reads KV head `n // (N // K)`).
 
-  Sequence b's query sits at slot `lengths[b] - 1` (the new token has already
-  been written) and attends slots `[max(0, lengths[b] - window), lengths[b])`;
-  query head n reads KV head `n // (N // K)`.
-
-  Args:
-    q: `[B, N, H]` queries.
-    k: `[B, K, S, H]` keys; slots at or past `lengths[b]` may hold anything.
-      Float, or int8 / float8_e4m3fn / float8_e5m2 with `k_scale`.
-    v: `[B, K, S, Hv]` values (same dtype as k).
-    lengths: `i32[B]` valid slots per sequence, in `[0, S]`: checked when
-      concrete (an eager call); under jit a length past S reads the S slots
-      (an overflowed cache) and a negative one reads nothing (zeros).
-    sm_scale: logit scale, default `1/sqrt(H)`.
-    window: sliding-window size in tokens, or None.
-    soft_cap: logit soft cap, or None.
-    k_scale, v_scale: `f32[B, K, S]` per-slot scales of a quantized cache
-      (key `k[b, h, s] * k_scale[b, h, s]`), applied inside the attention
-      computation (no dequantized copy of the cache); None for float caches.
-    k_new, v_new: the newest token's key `[B, K, H]` and value `[B, K, Hv]`
-      (float; dequantized for a quantized cache), given apart from the cache:
-      slot `lengths[b] - 1` of k / v is then not read and may hold anything,
-      so a caller can pass the cache from before the token's write (XLA:CPU
-      then need not copy the written buffer; `KVCache.update_attend`). Under
-      jit a row with `lengths[b] > S` (overflowed: its token was dropped)
-      attends the cache alone. Both or neither; only the backends of
-      `APPENDS_NEWEST` take them (the others are skipped: `appends_newest()`
-      tells a caller beforehand whether one of them runs).
-    implementation: `"pallas"` (the fused kernel; picked by None on GPU/TPU
-      for the shapes it supports, interpreted on CPU when named),
-      `"xla_blocked"` (flash-decoding in XLA reading only the attended
-      span; picked by None on CPU for caches of more than 256 slots),
-      `"xla"` (the plain XLA path, reading every slot), a
-      sequence of these to try in order, or None to take the first in
-      `available_implementations()` that supports the device, dtypes and
-      shapes.
-
-  Returns:
-    `[B, N, Hv]` in q's dtype, accumulated in f32; length-0 rows are zeros.
+  The query at slot `lengths[b] - 1` attends `[max(0, lengths[b] - window), lengths[b])`.
+  `k_new, v_new`: the newest token apart from the cache (`APPENDS_NEWEST` backends).
+  Returns `[B, N, Hv]` in q's dtype; length-0 rows are zeros.
 
   Raises:
-    ValueError: unknown `implementation`; shapes/options that do not fit; a
-      concrete (eager) length outside `[0, S]`, naming it (`lengths[1] = -2`).
-    TypeError: non-float inputs, k/v dtype mismatch, non-integer lengths, a
-      quantized cache without scales (or scales for a float cache).
-    NotImplementedError: the named implementation(s) cannot run these shapes.
+    ValueError: shapes or options that do not fit, an unknown `implementation`, a
+      concrete length outside `[0, S]` (`lengths[1] = -2`).
+    TypeError: non-float q, k/v dtype mismatch, non-integer lengths, scales missing or
+      given for a float cache.
+    NotImplementedError: no named backend can run these shapes here.
   """
-  lengths = common.check_decode_args(q, k, v, lengths, window, soft_cap, sm_scale, k_scale,
+  lengths = _checks.check_decode_args(q, k, v, lengths, window, soft_cap, sm_scale, k_scale,
                                      v_scale)
   _checks.values_in_range("lengths", lengths, 0, k.shape[2])
   if (k_new is None) != (v_new is None):
@@ -274,7 +191,7 @@ def decode_attention(
     batch, num_kv, _, head_dim = k.shape
     for name, x, want in (("k_new", k_new, (batch, num_kv, head_dim)),
                           ("v_new", v_new, (batch, num_kv, v.shape[-1]))):
-      common.floating(name, x)
+      _checks.floating(name, x)
       if tuple(x.shape) != want:
         raise ValueError(f"{name} must have shape [B, K, {name[0].upper()}] = {want}; "
                          f"got {tuple(x.shape)}")
@@ -297,60 +214,18 @@ def paged_decode_attention(
     v_scale: jax.Array | None = None,  # f32[K, P, page_size]
     implementation: str | Sequence[str] | None = None,
 ) -> jax.Array:
-  """Attention of one new token per sequence against a paged KV cache.
-
-  PagedAttention (Kwon et al., SOSP 2023, §4.1): sequence b's slot s lives in
-  slot `s % page_size` of page `block_tables[b, s // page_size]`. The query
-  sits at slot `lengths[b] - 1` (its token already written) and attends slots
-  `[max(0, lengths[b] - window), lengths[b])` with scaled dot-product
-  attention (Vaswani et al. 2017, eq. 1); query head n reads KV head
-  `n // (N // K)`.
-
-  Args:
-    q: `[B, N, H]` queries.
-    k_pages: `[K, P, page_size, H]` key page pool.
-    v_pages: `[K, P, page_size, Hv]` value page pool (same dtype as k_pages).
-    block_tables: `i32[B, pages_per_seq]` physical page of each logical page;
-      entries outside `[0, P)` mean "no page" (only allowed at or past
-      `ceil(lengths[b] / page_size)`).
-    lengths: `i32[B]` valid tokens per sequence.
-    sm_scale: logit scale, default `1/sqrt(H)`.
-    window: sliding-window size in tokens, or None.
-    soft_cap: logit soft cap (`cap * tanh(s / cap)`), or None.
-    k_scale, v_scale: `f32[K, P, page_size]` scale pools of int8/fp8 page
-      pools (`PagedKVCache.scale_kwargs()`), applied inside the attention
-      computation; None for float pools.
-    implementation: `"pallas"`, `"xla_pool"`, `"xla"`, a sequence of them, or
-      None (the first backend that fits the device: the Pallas kernel on
-      GPU/TPU; on CPU the pool scan when the pool is smaller than the
-      gathered view, else the XLA gather path).
-
-  Lengths the block table does not cover: every row's length is clamped to
-  `[0, paged.assigned_slots(block_tables, P, page_size)[b]]` (the leading assigned
-  pages) before any backend runs, so no backend ever reads a page the row
-  does not own (an unassigned entry is never resolved to another sequence's
-  page) and all backends agree. This only matters under jit after an update
-  past the assigned pages dropped tokens: those tokens are not attended, and
-  `PagedKVCache.overflowed` tells which rows lost some. With concrete
-  (eager) lengths and block tables such inputs raise instead.
-
-  Returns:
-    `[B, N, Hv]` in q's dtype, f32-accumulated; length-0 rows are zeros.
+  """`decode_attention` against a page pool (PagedAttention, Kwon et al. 2023, §4.1);
+  lengths are clamped to the row's leading assigned pages before any backend runs.
 
   Raises:
-    ValueError: unknown `implementation`; shapes or options that do not fit;
-      and, when `lengths` and `block_tables` are concrete, a length outside
-      `[0, pages_per_seq * page_size]`, a page a sequence uses that the table
-      does not assign, or one page used twice (`check_block_tables`).
-    TypeError: non-float q/pages, k/v dtype mismatch, non-integer tables/lengths.
-    NotImplementedError: the named implementation cannot run these shapes here.
+    ValueError: as `decode_attention`; concrete tables with a page unassigned or shared.
+    TypeError, NotImplementedError: as `decode_attention`.
   """
-  lengths = common.check_paged_args(q, k_pages, v_pages, block_tables, lengths, window=window,
+  lengths = _checks.check_paged_args(q, k_pages, v_pages, block_tables, lengths, window=window,
                                     soft_cap=soft_cap, sm_scale=sm_scale, k_scale=k_scale,
                                     v_scale=v_scale)
   num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
   xla_paged.check_block_tables(block_tables, lengths, num_pages, page_size)
-  # Under jit the lengths may run past the assigned pages (dropped tokens): read only those.
   lengths = jnp.clip(lengths, 0, xla_paged.assigned_slots(block_tables, num_pages, page_size))
   return dispatch("paged_decode_attention", implementation, q, k_pages, v_pages, block_tables,
                   lengths, sm_scale=sm_scale, window=window, soft_cap=soft_cap,
@@ -370,36 +245,13 @@ def mla_decode_attention(
     k_rope_scale: jax.Array | None = None,  # f32[B, S]
     implementation: str | Sequence[str] | None = None,
 ) -> jax.Array:
-  """Absorbed MLA decode (DeepSeek-V2 appendix C) against a latent cache.
-
-  Single-KV-head attention with key `[c_kv | k_rope]` (width C + R) and value
-  `c_kv` (width C): logits `(q_latent . c_kv + q_rope . k_rope) * sm_scale`.
-  The query sits at slot `lengths[b] - 1`.
-
-  Args:
-    q_latent: `[B, N, C]` query with W_UK absorbed.
-    q_rope: `[B, N, R]` RoPE part of the query.
-    c_kv: `[B, S, C]` latent cache; `k_rope: [B, S, R]` shared RoPE keys
-      (same dtype as c_kv). Slots at or past `lengths[b]` may hold anything.
-    lengths: `i32[B]` valid slots per sequence, in `[0, S]` (checked when
-      concrete; under jit clamped to it, as in `decode_attention`).
-    sm_scale: required, `1/sqrt(qk_nope_head_dim + qk_rope_head_dim)`.
-    window: sliding-window size in tokens, or None.
-    c_kv_scale, k_rope_scale: `f32[B, S]` per-token scales of a quantized
-      (int8/fp8) latent cache, applied inside the computation; None for float.
-    implementation: `"pallas"`, `"xla_blocked"`, `"xla"`, a sequence of
-      them or None, as in `decode_attention`.
-
-  Returns:
-    `[B, N, C]` attention-weighted latent in q_latent's dtype (apply W_UV
-    afterwards); length-0 rows are zeros.
+  """Absorbed MLA decode (DeepSeek-V2, appendix C): logits `(q_latent . c_kv + q_rope .
+  k_rope) * sm_scale`, value c_kv; returns `[B, N, C]` (apply W_UV afterwards).
 
   Raises:
-    ValueError/TypeError: as `decode_attention`, naming the argument (a concrete
-      length outside `[0, S]` included).
-    NotImplementedError: the named implementation(s) cannot run these shapes.
+    ValueError, TypeError, NotImplementedError: as `decode_attention`.
   """
-  lengths = common.check_mla_decode_args(q_latent, q_rope, c_kv, k_rope, lengths, sm_scale,
+  lengths = _checks.check_mla_decode_args(q_latent, q_rope, c_kv, k_rope, lengths, sm_scale,
                                          window, c_kv_scale, k_rope_scale)
   _checks.values_in_range("lengths", lengths, 0, c_kv.shape[1])
   return dispatch("mla_decode_attention", implementation, q_latent, q_rope, c_kv, k_rope,

@@ -1,22 +1,11 @@
-"""Sub-byte KV storage: asymmetric group quantization, code packing, and blocked attention.
+"""Sub-byte KV storage: asymmetric group quantization, code packing, blocked attention.
 
 The ops behind `kvattn.caches.kivi` (KIVI, Liu et al. 2024, arXiv 2402.02750):
-
-  * `quantize_groups(x, bits, axis)`: asymmetric (min / max) quantization of `x` with one
-    scale and one zero point per slice along `axis`, `x ~= codes * scale + zero`, codes in
-    `[0, 2^bits - 1]` (KIVI eq. 1; the paper's "zero point" is the slice minimum).
-  * `pack_codes` / `unpack_codes`: `8 // bits` codes per uint8 along the last axis
-    (little end first: code `i` of a byte sits at bits `[i * bits, (i + 1) * bits)`).
-  * `blocked_attention`: attention of T queries per sequence against a quantized store read
-    block by block (a `read_block` callback dequantizes `block_size` slots in f32 inside the
-    loop: no dequantized copy of the store exists) followed by full-precision segments (a
-    residual window, the chunk being written) in the same online softmax
-    (FlashAttention-2, Dao 2023, algorithm 1). `blocked_attention_reference` is the same in
-    plain jnp over dense f32 keys and values.
-
-Garbage in unused slots (codes, NaN scales) cannot leak: masked logits are replaced by -inf
-before the softmax and the value rows of unused slots are zeroed with `where` before the
-probability-weighted sum, so clean and dirty caches give bit-identical results.
+`quantize_groups` (one scale and zero point per slice, KIVI eq. 1), `pack_codes` /
+`unpack_codes` (`8 // bits` codes per byte, low bits first; 3-bit codes 8 per 3 bytes),
+and `blocked_attention`: queries against a store dequantized block by block inside the
+loop, then full-precision segments, in one online softmax (FlashAttention-2). Masked
+logits are replaced and unused value rows zeroed, so garbage never leaks.
 """
 
 from __future__ import annotations
@@ -27,7 +16,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_kernels import attention_common as common
+from kvattn.ops import xla
 
 BITS = (2, 3, 4)
 """Code widths packed into uint8: 4 or 2 codes per byte, or 8 3-bit codes per 3 bytes."""
@@ -87,23 +76,10 @@ def unpack_codes(packed: jax.Array, bits: int) -> jax.Array:
 
 def quantize_groups(x: jax.Array, bits: int, axis: int,
                     scale_dtype=jnp.float16) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Asymmetric quantization with one `(scale, zero)` per slice of `x` along `axis`.
-
-  `zero = min`, `scale = (max - min) / (2^bits - 1)` (both rounded to `scale_dtype` first,
-  and the codes computed against the rounded pair, so the reader's `codes * scale + zero`
-  uses exactly what the writer quantized with); `codes = round((x - zero) / scale)` clipped
-  to `[0, 2^bits - 1]`. A constant slice gets scale 0 and codes 0 (it dequantizes exactly to
-  its value, up to `scale_dtype`). A slice with a NaN / inf gets NaN scale and zero (it
-  dequantizes to NaN, never to a plausible vector).
-
-  Args:
-    x: floating array.
-    bits: 2 or 4.
-    axis: the axis each scale / zero point spans (reduced).
-    scale_dtype: storage dtype of scales and zero points.
-
-  Returns:
-    `(codes u8 of x's shape, scale, zero)`, scale and zero of x's shape without `axis`.
+  """`(codes u8, scale, zero)`: `x ~= codes * scale + zero` with one `(scale, zero)` per
+  slice along `axis` (`zero = min`, `scale = (max - min) / (2^bits - 1)`, rounded to
+  `scale_dtype` before the codes are computed). A constant slice gets scale 0; a slice
+  with NaN / inf gets NaN scale and zero.
   """
   top = (1 << check_bits(bits)) - 1
   xf = x.astype(jnp.float32)
@@ -158,33 +134,12 @@ def blocked_attention(
     soft_cap: float | None = None,
     initial: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
-  """Attention of queries against a quantized store read block by block, then `segments`.
+  """f32 `[B, T, N, Hv]`: queries `q: [B, T, N, H]` at tokens `q_tokens: i32[B, T]`
+  against the store (`num_quantized: i32[B]` tokens, read by `read_block` in blocks of
+  `block_size` slots) and then `segments`; causal, with `window` and `soft_cap`.
 
-  Query t of row b is token `q_tokens[b, t]` and attends every token `s <= q_tokens[b, t]`
-  (the last `window` of them) that the store (`s < num_quantized[b]`, slot s) or a segment
-  holds. The store is read in blocks of `block_size` slots from the first block some query
-  may see to the last holding a token (a `lax.fori_loop` with a dynamic trip count, so the
-  work follows the longest live length, not the capacity); a block running past the store
-  is shifted back to end at its last slot, its slots before the block's start masked.
-
-  Args:
-    q: `[B, T, N, H]` queries, any float dtype (f32 inside).
-    q_tokens: `i32[B, T]`.
-    num_quantized: `i32[B]`.
-    store_capacity: slots of the store (0: no store).
-    read_block: dequantizes one block (`ReadBlock`), offsets multiples of the alignment
-      the caller needs (every offset is a multiple of `block_size` or `store_capacity -
-      block_size`).
-    block_size: slots per block, in `[1, store_capacity]`.
-    segments: full-precision `Segment`s.
-    sm_scale: default `1 / sqrt(H)`.
-    window, soft_cap: as `kvattn.ops.attention`.
-    initial: the online-softmax state `(m f32[B, K, G, T], l f32[B, K, G, T], acc
-      f32[B, K, G, T, Hv])` of keys attended elsewhere (`state_from_lse`: a Pallas kernel
-      read the store), or None (nothing yet).
-
-  Returns:
-    f32 `[B, T, N, Hv]`; a query with nothing to attend gives zeros.
+  `initial`: the online-softmax state `(m, l, acc)` of keys attended elsewhere
+  (`state_from_lse`), or None. A query with nothing to attend gives zeros.
   """
   batch, num_tokens, num_heads, head_dim = q.shape
   num_kv = segments[0][0].shape[1] if segments else None
@@ -214,7 +169,7 @@ def blocked_attention(
     return m_next, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
 
   carry = initial if initial is not None else (
-      jnp.full((batch, num_kv, groups, num_tokens), common.M_INIT, jnp.float32),
+      jnp.full((batch, num_kv, groups, num_tokens), xla.M_INIT, jnp.float32),
       jnp.zeros((batch, num_kv, groups, num_tokens), jnp.float32),
       jnp.zeros((batch, num_kv, groups, num_tokens, hv), jnp.float32))
   if read_block is not None and store_capacity > 0:
@@ -243,17 +198,15 @@ def blocked_attention(
 
 def state_from_lse(out: jax.Array, lse: jax.Array,
                    num_kv_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The online-softmax state `(m, l, acc)` of `blocked_attention` (T = 1) that a decode
-  kernel's normalised `out f32[B, N, Hv]` and log-sum-exp `lse f32[B, N]` stand for:
-  `m = lse, l = 1, acc = out` (the partial softmax renormalised to its own total), or the
-  empty state where `lse` is -inf (nothing attended). Later blocks then merge exactly as
-  flash-decoding's split merge does."""
+  """The online-softmax state `(m = lse, l = 1, acc = out)` that a kernel's `out f32[B, N,
+  Hv]` and `lse f32[B, N]` stand for (empty where lse is -inf).
+  """
   batch, num_heads, hv = out.shape
   shape = (batch, num_kv_heads, num_heads // num_kv_heads, 1)
   lse = lse.astype(jnp.float32).reshape(shape)
   seen = jnp.isfinite(lse)
   acc = jnp.where(seen[..., None], out.astype(jnp.float32).reshape(shape + (hv,)), 0.0)
-  return jnp.where(seen, lse, common.M_INIT), seen.astype(jnp.float32), acc
+  return jnp.where(seen, lse, xla.M_INIT), seen.astype(jnp.float32), acc
 
 
 def blocked_attention_reference(

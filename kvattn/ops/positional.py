@@ -1,27 +1,11 @@
 """XLA attention over cache slots that carry their token positions.
 
-The dense ops (`kvattn.ops.attention`, `decode_attention`) assume slot s holds
-token s. The long-context caches (`kvattn.caches.window` / `kvattn.caches.eviction`) hold tokens out of
-order (a ring wraps, eviction keeps a subset, per KV head), so each slot
-carries the original token index of what it holds (`kv_pos`, -1 for none)
-and the mask is built from positions: query t (token `q_pos[b, t]`) sees the
-key in slot s iff
-
-  0 <= kv_pos[s] <= q_pos[t]    and, with a window W,    kv_pos[s] > q_pos[t] - W
-
-(`always_visible[s]` slots skip the window test: attention sinks). The math
-is that of `kvattn.ops.attention` (f32 logits, softmax and accumulation, GQA
-query head n reads KV head n // G, int8/fp8 values with f32 per-slot scales
-applied to logits and probabilities); masked entries are replaced, not added
-to, and values of invisible slots are zeroed, so garbage there never reaches
-the output, and a query that sees nothing returns zeros.
-
-Besides the output, `positional_attention` returns the probability mass per
-KV head and slot that the chosen queries gave each slot, summed over the G
-query heads of the KV head (`f32[B, K, S]`): the score every attention-based
-eviction policy (H2O, SnapKV, TOVA) is built on. Long query blocks are
-processed in chunks of `query_chunk` queries (`lax.scan`), so the logits held
-at once are `[B, K, G, query_chunk, S]`, never `[T, S]` for T in the thousands.
+The long-context caches (`caches.window`, `caches.eviction`) hold tokens out of order,
+so each slot carries its token (`kv_pos`, -1 for none) and query t (token `q_pos[b, t]`)
+sees slot s iff `0 <= kv_pos[s] <= q_pos[t]` and, with a window W, `kv_pos[s] > q_pos[t]
+- W` (`always_visible` slots, attention sinks, skip the window). The math is
+`kvattn.ops.attention`'s; the probability mass per KV head and slot is returned for the
+eviction policies (H2O, SnapKV, TOVA). Queries run in chunks of `query_chunk` (`lax.scan`).
 """
 
 from __future__ import annotations
@@ -94,35 +78,17 @@ def positional_attention(
     score_queries: jax.Array | None = None,  # bool[B, T]
     query_chunk: int = 256,
 ) -> tuple[jax.Array, jax.Array | None]:
-  """Attention of T queries against S slots whose token positions are given.
+  """Attention of `q: [B, T, N, H]` against S slots holding tokens `kv_pos` (`i32[B, S]` or
+  per KV head `i32[B, K, S]`).
 
-  Args:
-    q: `[B, T, N, H]` queries (RoPE applied as the caller wants it).
-    k: `[B, K, S, H]` keys, float, or int8/fp8 values with `k_scale`.
-    v: `[B, K, S, Hv]` values, float, or int8/fp8 with `v_scale`.
-    q_pos: `i32[B, T]` token index of each query.
-    kv_pos: `i32[B, S]` (shared by the KV heads) or `i32[B, K, S]` (per KV
-      head) token index held by each slot, -1 where it holds none.
-    sm_scale: logit scale (default 1/sqrt(H)).
-    window: sliding window W in tokens or None.
-    soft_cap: logit soft cap or None.
-    k_scale, v_scale: `f32[B, K, S]` per-slot scales, or None.
-    always_visible: `bool[B, S]` slots exempt from the window (attention
-      sinks); still causal.
-    q_always_visible: `[B, T, N, H]` the queries to use against the
-      `always_visible` slots (a sink cache rotates them to another
-      position); default `q`.
-    score_queries: `bool[B, T]` which queries' probabilities to add up into
-      the returned mass; None returns no mass.
-    query_chunk: queries per block of the scan over T.
+  `q_always_visible`: the queries used against `always_visible: bool[B, S]` slots (default
+  q). `score_queries: bool[B, T]`: whose probabilities make the mass (None: no mass).
 
   Returns:
-    `(out [B, T, N, Hv]` in q's dtype, `mass f32[B, K, S]` or None)`: `mass[b,
-    k, s]` is the sum over the chosen queries and the G query heads of KV
-    head k of the normalised probability of slot s.
+    `(out [B, T, N, Hv]` in q's dtype, `mass f32[B, K, S]` or None)`.
 
   Raises:
-    ValueError/TypeError: ranks, shapes or dtypes that do not fit.
+    ValueError, TypeError: ranks, shapes or dtypes that do not fit.
   """
   _checks.rank("q", q, 4, "[B, T, N, H]")
   _checks.rank("k", k, 4, "[B, K, S, H]")
@@ -192,12 +158,8 @@ def positional_decode_attention(
     kv_pos: jax.Array,  # i32[B, S] or i32[B, K, S]
     **options,
 ) -> tuple[jax.Array, jax.Array]:
-  """One decode query per sequence; returns `(out [B, N, Hv], probs f32[B, K, S])`.
-
-  `probs[b, k, s]` is the probability mass the query heads of KV head k gave
-  slot s (summed over the G heads: each head's row sums to 1), the per-slot
-  scores an eviction policy reads at decode. Options as in
-  `positional_attention` (without `score_queries`).
+  """One decode query per sequence: `(out [B, N, Hv], probs f32[B, K, S])`, the
+  probability mass the G heads of KV head k gave each slot.
   """
   _checks.rank("q", q, 3, "[B, N, H]")
   q_pos = jnp.asarray(q_pos)

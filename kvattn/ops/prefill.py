@@ -1,31 +1,11 @@
 """Blocked (flash-style) XLA attention for long prefills: no `[T, S]` logits.
 
-`blocked_attention` computes exactly what `kvattn.ops.attention` computes --
-T new query tokens per sequence at slots `q_offsets[b] + t` against S cache
-slots, causal, per-sequence `kv_lengths`, optional window and soft cap,
-optional int8/fp8 per-slot scales -- but walks the queries in blocks of
-`block_q` and, for each, the key slots in blocks of `block_k`, keeping the
-running max, sum and f32 accumulator of the online softmax (FlashAttention-2,
-Dao 2023, algorithm 1). Memory is `O(block_q * block_k)` per head instead of
-`O(T * S)`, and only the key blocks some query of the block can attend are
-visited (causality and the window skip the rest), so a 4,000-token prefill
-does about half the work of the plain path and never materialises its
-`B * N * T * S` logits.
-
-Key blocks are cut with `lax.dynamic_slice` at `min(j * block_k, S -
-block_k)` (no padding copy of the cache): the last block overlaps the one
-before it, and its slots below `j * block_k` are masked, so every slot counts
-once. Masked logits are -inf, their probabilities exact zeros, and value rows
-of slots no query may attend are zeroed in the block, so NaN or inf stored in
-unused slots cannot reach the output; a query with nothing to attend gets
-zeros.
-
-Loops: with `q_offsets` None (a causal pass from slot 0, as in training) the
-query blocks are a Python loop and each visits a static number of key blocks
-(a scan), so the function is reverse-differentiable. With traced
-`q_offsets` (a prefill into a cache) the query blocks are a `fori_loop` and
-each visits the key blocks between the first and the last slot its queries
-may attend, a dynamic trip count (forward only).
+`blocked_attention` computes `kvattn.ops.attention`'s result walking query blocks of
+`block_q` and key blocks of `block_k` with an online softmax (FlashAttention-2, Dao 2023,
+algorithm 1), visiting only the key blocks some query may attend. The last key block is
+cut at `S - block_k` and its slots already seen masked. With `q_offsets` None (a causal
+pass from slot 0) the loops are static and reverse-differentiable; with traced offsets
+the trip count is dynamic (forward only).
 """
 
 from __future__ import annotations
@@ -47,28 +27,10 @@ def _cap(logits: jax.Array, soft_cap: float | None) -> jax.Array:
   return logits if soft_cap is None else soft_cap * jnp.tanh(logits / soft_cap)
 
 
-def blocked_attention(
-    q: jax.Array,  # [B, T, N, H]
-    k: jax.Array,  # [B, K, S, H]
-    v: jax.Array,  # [B, K, S, Hv]
-    *,
-    q_offsets: jax.Array | None,  # i32[B] or None (zeros, static)
-    kv_lengths: jax.Array,  # i32[B]
-    sm_scale: float,
-    window: int | None = None,
-    soft_cap: float | None = None,
-    k_scale: jax.Array | None = None,  # f32[B, K, S]
-    v_scale: jax.Array | None = None,  # f32[B, K, S]
-    block_q: int | None = None,
-    block_k: int | None = None,
-) -> jax.Array:
-  """`kvattn.ops.attention`'s result, blocked (module doc); arguments already checked.
-
-  `block_q` / `block_k`: query tokens and key slots per block (None: `BLOCK_Q`,
-  `BLOCK_K`; clipped to T and S).
-
-  Returns:
-    `[B, T, N, Hv]` in q's dtype, f32 logits, softmax and accumulation.
+def blocked_attention(q, k, v, *, q_offsets, kv_lengths, sm_scale, window=None, soft_cap=None,
+                      k_scale=None, v_scale=None, block_q=None, block_k=None) -> jax.Array:
+  """`kvattn.ops.attention`'s result for `q: [B, T, N, H]`, blocked (arguments already
+  checked; `q_offsets` None means zeros, static). Returns `[B, T, N, Hv]` in q's dtype.
 
   Raises:
     ValueError: `block_q` or `block_k` not positive.

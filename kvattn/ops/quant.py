@@ -1,39 +1,8 @@
-"""KV-cache quantization: int8 and fp8 values with f32 scales.
+"""KV-cache quantization: int8 and fp8 values with one f32 scale per vector.
 
-A quantized cache stores each token's key (and value) of one head as `H`
-numbers in a 1-byte format plus one f32 scale, `x ~= values * scale`:
-
-  * symmetric absmax scaling per token per head (as in LLM.int8(), Dettmers
-    et al. 2022, and the fp8 KV caches of TensorRT-LLM / vLLM): `scale =
-    max_h |x_h| / format_max`, so the largest entry maps onto the format's
-    largest finite value (int8: 127, float8_e4m3fn: 448, float8_e5m2: 57344)
-    and the format's whole range serves every token whatever its magnitude;
-  * or a static per-tensor scale (`scale=`: e.g. calibrated offline, the
-    `k_scale`/`v_scale` of fp8 checkpoints); values beyond `scale * max`
-    are clamped.
-
-Formats (`QUANT_DTYPES`):
-  * int8: `round(x / scale)` (round half to even) in [-127, 127] (symmetric:
-    -128 is never used). Error per entry <= scale / 2 = absmax / 254.
-  * float8_e4m3fn (3 mantissa bits, max 448, no inf) and float8_e5m2 (2
-    mantissa bits, max 57344): `x / scale` clamped to [-max, max] and rounded
-    to nearest by the cast. Relative error <= 2^-4 (e4m3) / 2^-3 (e5m2) of
-    the entry (half a step of 2^-3 / 2^-2) for entries in the normal range;
-    entries below the normal range (< 2^-6 / 2^-14 of `max * scale`) have an
-    absolute error of at most half a subnormal step times the scale.
-
-Non-finite inputs: a vector (one token of one head) with any NaN or inf
-entry is not representable; it gets scale NaN and values 0, so it
-dequantizes to all-NaN and a reader sees NaN where a float cache would have
-held NaN/inf (never a plausible finite vector). Other vectors are unaffected.
-
-Guarantees: values are clamped to the format's range before the cast, so
-finite inputs never give inf/NaN; an all-zero token gets scale 1 and stays
-exactly zero; a token with a tiny absmax (0.05, 1e-30) keeps the format's
-full resolution (the scale is never clamped to >= 1); the scale returned is
-the one a reader must use (`dequantize_kv(values, scales)` and the decode
-paths multiply by exactly it). Scales are f32: 4 bytes per token per head,
-counted by `kvattn.memory`.
+Symmetric absmax scaling per token per head (LLM.int8(), Dettmers et al. 2022; the fp8
+KV caches of TensorRT-LLM / vLLM): `scale = max_h |x_h| / format_max`, or a static
+scale. A vector with NaN / inf gets scale NaN and values 0; an all-zero one scale 1.
 """
 
 from __future__ import annotations
@@ -59,11 +28,7 @@ def _as_dtype(name: str, dtype: Any) -> jnp.dtype:
 
 
 def check_quant_dtype(dtype: Any, name: str = "dtype") -> jnp.dtype:
-  """Returns `dtype` as a jnp.dtype if it is a quantized KV format.
-
-  Raises:
-    TypeError: `dtype` is not a dtype, or not one of `QUANT_NAMES`.
-  """
+  """`dtype` as a jnp.dtype; TypeError unless one of `QUANT_NAMES`."""
   dtype = _as_dtype(name, dtype)
   if dtype not in FORMAT_MAX:
     raise TypeError(f"{name} must be one of the quantized KV formats {QUANT_NAMES}; got "
@@ -105,29 +70,15 @@ def quantize_kv(
     *,
     scale: Any = None,  # f32 scalar or broadcastable to x.shape[:-1]
 ) -> tuple[jax.Array, jax.Array]:
-  """Quantizes keys/values to a 1-byte format with one scale per vector.
+  """`(values, scales)`: `x: [..., H]` float in `dtype` with `scales f32[x.shape[:-1]]`,
+  `dequantize_kv(values, scales) ~= x`.
 
-  Args:
-    x: `[..., H]` floating keys, values or latents; the last axis (head dim,
-      MLA's C or R) shares one scale, every other axis (token, head) gets its
-      own. A vector with a NaN or inf entry gets scale NaN and values 0
-      (it dequantizes to NaN; see the module doc); no error is raised, so
-      this works under jit.
-    dtype: `int8`, `float8_e4m3fn` or `float8_e5m2`.
-    scale: None for dynamic absmax scaling (`max_h |x_h| / format_max`, 1 for
-      an all-zero vector), or a static positive scale -- a scalar (per
-      tensor) or an array broadcastable to `x.shape[:-1]` (e.g. per head) --
-      with which values beyond `scale * format_max` are clamped.
-
-  Returns:
-    `(values, scales)`: `values` in `dtype` with x's shape, `scales`
-    `f32[x.shape[:-1]]`, such that `dequantize_kv(values, scales)` ~= x.
+  `scale`: None for absmax scaling, or a static positive scale broadcastable to
+  `x.shape[:-1]` (values beyond `scale * format_max` clamped).
 
   Raises:
-    TypeError: `dtype` is not a quantized format, x is not floating, or a
-      non-numeric scale.
-    ValueError: x has rank 0, or a scale that is not positive and finite or
-      does not broadcast to `x.shape[:-1]`.
+    TypeError: `dtype` not a quantized format, x not floating, a non-numeric scale.
+    ValueError: x of rank 0, a scale not positive and finite or not broadcastable.
   """
   dtype = check_quant_dtype(dtype)
   if not hasattr(x, "ndim"):
@@ -160,15 +111,11 @@ def dequantize_kv(
     scales: jax.Array,  # f32[...]
     dtype: Any = jnp.float32,
 ) -> jax.Array:
-  """`values * scales[..., None]` computed in f32, returned in `dtype` (`[..., H]`).
-
-  `scales` may be any array-like of numbers (a list, numpy array, scalar
-  array); it is converted with `jnp.asarray`.
+  """`values * scales[..., None]` in f32, returned in `dtype` (`[..., H]`).
 
   Raises:
-    TypeError: `values` is not a quantized format, `dtype` is not floating,
-      or `scales` is not numeric.
-    ValueError: `scales` is not `values.shape[:-1]`.
+    TypeError: `values` not a quantized format, `dtype` not floating, non-numeric scales.
+    ValueError: `scales` not of shape `values.shape[:-1]`.
   """
   if not hasattr(values, "dtype"):
     raise TypeError(f"values must be an array; got {type(values).__name__}")

@@ -1,23 +1,8 @@
-"""Rotary position embeddings (RoPE) from explicit integer positions.
-
-Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding"
-(arXiv 2104.09864), eq. 34, in the *rotate-half* layout used by Llama-family
-checkpoints (HF `LlamaRotaryEmbedding`): the head dim is split into two halves
-(x1, x2) and pair i is (x1[i], x2[i]) rotated by angle pos * theta^(-2i/H).
-
-Context-extension scalings of the frequencies (`RopeScaling`), as
-transformers' `modeling_rope_utils` computes them:
-
-  "linear"  position interpolation (Chen et al. 2023, arXiv 2306.15595):
-            every frequency divided by `factor`.
-  "llama3"  Llama 3.1: wavelengths below original_max / high_freq_factor
-            kept, above original_max / low_freq_factor divided by `factor`,
-            a smooth interpolation between.
-  "yarn"    YaRN (Peng et al. 2023, arXiv 2309.00071, eq. 17-20): a linear
-            ramp between interpolated and original frequencies over the dims
-            whose rotation counts within original_max lie between beta_slow
-            and beta_fast (bounds floored/ceiled), and cos/sin multiplied by
-            the attention factor (default `yarn_mscale(factor)`).
+"""Rotary position embeddings (RoPE, Su et al., arXiv 2104.09864, eq. 34) at explicit
+integer positions, in the rotate-half layout of Llama checkpoints (HF
+`LlamaRotaryEmbedding`), with the context-extension scalings of transformers'
+`modeling_rope_utils` (`RopeScaling`): "linear" (Chen et al. 2023, arXiv 2306.15595),
+"llama3" (Llama 3.1 bands) and "yarn" (Peng et al. 2023, arXiv 2309.00071, eq. 17-20).
 """
 
 from __future__ import annotations
@@ -41,18 +26,11 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-  """A context-extension scaling of the RoPE frequencies (module docstring).
-
-  kind: one of `ROPE_SCALINGS`.
-  factor: context extension factor (> 0).
-  original_max_position: pretraining context in tokens ("llama3", "yarn").
-  low_freq_factor, high_freq_factor: "llama3" band edges (high > low).
-  beta_fast, beta_slow: "yarn" ramp bounds in rotations (default 32, 1).
-  attention_factor: "yarn" cos/sin multiplier (default `yarn_mscale(factor)`).
+  """A context-extension scaling of the RoPE frequencies (`ROPE_SCALINGS`).
 
   Raises (at construction):
-    ValueError: an unknown kind, a non-positive value, a parameter the kind
-      needs missing or one it does not use set (naming the keyword).
+    ValueError: an unknown kind, a non-positive value, a parameter the kind needs
+      missing or one it does not use set (naming the keyword).
   """
 
   kind: str
@@ -129,6 +107,13 @@ class RopeScaling:
     return (inv_freq / f * (1 - extrapolation) + inv_freq * extrapolation).astype(np.float32)
 
 
+def check_scaling(value):
+  """`value` if it is a `RopeScaling` or None; TypeError naming `rope_scaling` else."""
+  if value is not None and not isinstance(value, RopeScaling):
+    raise TypeError(f"rope_scaling must be a kvattn.ops.RopeScaling or None; got {value!r}")
+  return value
+
+
 def rope_scaling_from_fields(rope_scaling: str | None, *, rope_factor: float | None = None,
                              rope_original_max_position: int | None = None,
                              rope_low_freq_factor: float | None = None,
@@ -177,22 +162,12 @@ def rope_frequencies(head_dim: int, rope_theta: float = 10000.0,
 
 def apply_rope(x: jax.Array, positions: jax.Array, *, rope_theta: float = 10000.0,
                scaling: RopeScaling | None = None) -> jax.Array:
-  """Rotates `x` by RoPE at integer `positions` (rotate-half convention).
-
-  Args:
-    x: `[B, T, ..., H]` floating array (e.g. `[B, T, N, H]` queries or
-      `[B, T, R]` MLA rope keys). H must be even.
-    positions: `i32[B, T]` absolute token positions.
-    rope_theta: base of the geometric frequency progression.
-    scaling: a context-extension `RopeScaling` (frequencies, and YaRN's cos/sin
-      factor), or None.
-
-  Returns:
-    Array of `x`'s shape and dtype; the rotation is computed in f32.
+  """`x: [B, T, ..., H]` (H even) rotated at `positions: i32[B, T]`, in x's dtype (f32
+  inside); `scaling` a `RopeScaling` or None.
 
   Raises:
-    ValueError/TypeError: on a non-float `x`, non-integer `positions`, or
-      positions whose shape is not `x.shape[:2]`.
+    ValueError, TypeError: a non-float x, non-integer positions, positions not of shape
+      `x.shape[:2]`.
   """
   _checks.floating("x", x)
   _checks.integer("positions", positions)

@@ -1,32 +1,14 @@
-"""Blocked XLA decode attention: the flash-decoding recurrence as an XLA while loop.
+"""Blocked XLA decode attention: the flash-decoding recurrence as an XLA loop.
 
-The `"xla_blocked"` backend of `kvattn.ops.decode_attention` and
-`mla_decode_attention`, and what `implementation=None` runs on CPU for every
-cache of more than `MIN_CAPACITY` slots (float, 16-bit and quantized alike).
-It walks the key axis in blocks of `block_k` slots (with `lax.fori_loop` over
-long spans), keeping the running max, sum and f32 accumulator of the online
-softmax (FlashAttention-2, Dao 2023, algorithm 1), so each K/V block is read
-once and no `[B, N, S]` logits exist. The trip count is dynamic: it covers the slots some sequence of the batch attends
-(`[min_b start_b, max_b length_b)`), so the work follows the longest live
-length, not the capacity, and one compiled program serves every length: each
-call reads its span as one block of the smallest of a few static sizes that
-holds it, or loops over big blocks (`block_sizes`, `tier`, `lax.switch`).
-
-Semantics are `decode_attention_xla`'s (query at slot `lengths[b] - 1`,
-window, soft cap, zeros for length-0 rows, lengths clamped to S). Garbage in
-unused slots cannot leak: masked logits are replaced by -inf (their
-probabilities are exact zeros), scales of masked slots are zeroed, and a
-block's probability-weighted sum is recomputed from zeroed value rows when it
-is not finite (`xla.weighted_values` does the same for the whole cache), so
-clean and dirty caches give bit-identical results. Quantized (int8 / fp8 with
-f32 per-slot scales) and 16-bit caches are converted to f32 block by block,
-the scales multiplying the block's logits and probabilities; but the keys of
-an int8 cache are read as stored: the query is quantized per row to int8
-(`quant.quantize_kv`, the cache's own format) and the logits are one s8 x s8 -> s32 dot per block, times
-the query's and the slots' scales (the K.Q product of llama.cpp's q8_0 cache).
-
-S need not be a multiple of `block_k`: the last block is shifted back to end
-at slot S and the slots it shares with the previous block are masked.
+The "xla_blocked" backend of `dispatch.decode_attention` / `mla_decode_attention`
+(picked by None on CPU for caches of more than `MIN_CAPACITY` slots). An online softmax
+(FlashAttention-2, Dao 2023, algorithm 1) over the span some row attends, `[min_b
+start_b, max_b length_b)`, read as one block of a few static sizes or a loop over big
+blocks, so work follows the live length. Semantics are `decode_attention_xla`'s; a
+block's weighted sum is recomputed from zeroed values when not finite, so clean and
+dirty caches give bit-identical results. int8 keys are read as stored: the query is
+quantized per row and the logits are one s8 x s8 -> s32 dot per block (llama.cpp's q8_0
+K.Q product). A last block past S is shifted back to end at S.
 """
 
 from __future__ import annotations
@@ -40,7 +22,6 @@ import jax.numpy as jnp
 
 from kvattn.ops import quant
 from kvattn.ops import xla
-from pallas_kernels import attention_common as common
 
 # Block sizes. XLA:CPU pays a fixed cost per loop iteration (tens of microseconds for the ~15
 # small ops of the body, more than a short block's work), so a call reads the attended span
@@ -58,16 +39,10 @@ MIN_CAPACITY = 256
 
 
 def block_sizes(capacity: int, rows: int, width: int) -> tuple[tuple[int, ...], int | None]:
-  """The block sizes for a cache of `capacity` slots.
-
-  Returns `(single, loop)`: ascending sizes `single` (64, 96, 128, 192, ..., each
-  <= 1.5x the previous; the last is `capacity` when a block of all of it fits in
-  `_MAX_BLOCK_BYTES` of f32, `rows * bk * width * 4` bytes, and `MAX_BLOCK` slots),
-  read as one block, and the
-  block size `loop` (a power of two, half the largest single size) of the loop that
-  serves longer spans, or None when the last single size is the capacity.
-
-  `rows` is B * K (MLA: B), `width` the elements read per slot (H + Hv; MLA C + R).
+  """`(single, loop)`: ascending one-block sizes (64, 96, 128, ..., each <= 1.5x the
+  previous, up to `_MAX_BLOCK_BYTES` of f32 and `MAX_BLOCK` slots; the last is S when S
+  fits) and the loop's block (half the largest single size), or None when S fits.
+  `rows` is B * K (MLA: B), `width` the elements read per slot.
   """
   cap = min(MAX_BLOCK, max(MIN_BLOCK, _MAX_BLOCK_BYTES // (rows * width * 4)))
   single, size = [], MIN_BLOCK
@@ -105,33 +80,18 @@ def blocked_decode(
     scales: tuple[jax.Array | None, jax.Array | None, jax.Array | None] = (None, None, None),
     new: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
-  """Returns f32 `[B, K, G, Hv]`: attention over slots `[max(0, L - W), L)`.
+  """f32 `[B, K, G, Hv]`: attention over slots `[max(0, L - W), L)`, block by block.
 
-  The attended span `[min_b start_b, max_b length_b)` is read in blocks from
-  its first slot on; a block running past S is shifted back to end at S, the
-  slots it shares with the block before masked. `block_k` is one block size
-  (in `[1, S]`; a loop over the span), or `block_sizes`' `(single, loop)`, of
-  which each call runs (`lax.switch` on `tier`) the smallest single size
-  holding the span as one block, else the loop. Three-axis caches (MLA's
-  `[B, S, C]`) are sliced as they are and given their unit K axis per block:
-  reshaping the whole cache outside the loop made XLA:CPU copy it into the
-  loop state on every call.
-
-  `scales = (s1, s2, sv)`: per-slot scales (`f32[B, K, S]`, or `[B, S]` for
-  three-axis caches) of a quantized k1, k2 and v (sv is ignored when the
-  value is k1, which then uses s1), or None for float operands.
-
-  `new = (s_new, v_new)`: the logits (`f32[B, K, G]`, scaled and soft-capped)
-  and value (`[B, K, Hv]`) of each row's newest token, slot `L - 1`, which is
-  then not read from the cache (`xla.newest_token`): the online softmax starts
-  from that one token instead of from nothing, so the result is exact and the
-  cache may be the one from before the token's write.
+  `block_k` is one block size (a loop over the span) or `block_sizes`' `(single, loop)`
+  (`lax.switch` on `tier`). `scales = (s1, s2, sv)`: per-slot scales of a quantized k1,
+  k2, v, or None. `new = (s_new f32[B, K, G], v_new [B, K, Hv])`: the newest token's
+  scaled logits and value, slot `L - 1` then not read from the cache.
   """
   slot_axis = k1.ndim - 2
   batch, capacity = k1.shape[0], k1.shape[slot_axis]
   num_kv = k1.shape[1] if k1.ndim == 4 else 1
   has_new = None if new is None else xla.newest_token(lengths, capacity)
-  starts, lengths = common.attended_range(lengths, capacity, window)
+  starts, lengths = xla.attended_range(lengths, capacity, window)
   if has_new is not None:  # the cache's part ends before the newest token
     lengths = lengths - has_new.astype(jnp.int32)
   base = jnp.min(starts)
@@ -206,7 +166,7 @@ def blocked_decode(
                     lambda: weighted(jnp.where(valid[:, None, :, None], vb, 0.0)))
       return m_next, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
 
-    init = (jnp.full((batch, num_kv, groups), common.M_INIT, jnp.float32),
+    init = (jnp.full((batch, num_kv, groups), xla.M_INIT, jnp.float32),
             jnp.zeros((batch, num_kv, groups), jnp.float32),
             jnp.zeros((batch, num_kv, groups, hv), jnp.float32))
     if new is not None:  # the newest token alone: max its logit, sum exp(0) = 1, acc its value
@@ -232,9 +192,9 @@ def blocked_decode(
 
 
 def _fits(capacity: int) -> None:
-  """Raises NotImplementedError where `implementation=None` should not pick this path:
-  off CPU (the loop is tuned for XLA:CPU), and for caches of at most `MIN_CAPACITY`
-  slots, where reading every slot costs little more than the loop's fixed cost."""
+  """NotImplementedError where None should not pick this path: off CPU, or S <=
+  `MIN_CAPACITY`.
+  """
   if jax.default_backend() != "cpu":
     raise NotImplementedError("xla_blocked: tuned for XLA:CPU only")
   if capacity <= MIN_CAPACITY:
@@ -253,29 +213,10 @@ def _block_arg(block_k: int | None, capacity: int, rows: int, width: int
   return block_k
 
 
-def decode_attention_blocked(
-    q: jax.Array,        # [B, N, H]
-    k: jax.Array,        # [B, K, S, H]
-    v: jax.Array,        # [B, K, S, Hv]
-    lengths: jax.Array,  # i32[B]
-    *,
-    sm_scale: float | None = None,
-    window: int | None = None,
-    soft_cap: float | None = None,
-    block_k: int | None = None,
-    k_scale: jax.Array | None = None,  # f32[B, K, S]
-    v_scale: jax.Array | None = None,  # f32[B, K, S]
-    k_new: jax.Array | None = None,  # [B, K, H]
-    v_new: jax.Array | None = None,  # [B, K, Hv]
-) -> jax.Array:
-  """`decode_attention_xla` semantics computed block by block.
-
-  `block_k` (slots per loop iteration, in `[1, S]`) defaults to the sizes
-  `block_sizes(S, B * K, H + Hv)`, one picked per call by the attended span.
-  `k_scale, v_scale` are the scales of a quantized (int8/fp8) cache, applied
-  per block. `k_new, v_new`: the newest token given apart from the cache, as
-  in `decode_attention_xla` (the online softmax starts from it). Returns
-  `[B, N, Hv]` in q's dtype.
+def decode_attention_blocked(q, k, v, lengths, *, sm_scale=None, window=None, soft_cap=None,
+                             block_k=None, k_scale=None, v_scale=None, k_new=None,
+                             v_new=None) -> jax.Array:
+  """`decode_attention_xla` block by block; `block_k` in `[1, S]` or None (`block_sizes`).
 
   Raises:
     ValueError: `block_k` outside `[1, S]`.
@@ -292,24 +233,10 @@ def decode_attention_blocked(
   return out.reshape(batch, q.shape[1], v.shape[-1]).astype(q.dtype)
 
 
-def mla_decode_attention_blocked(
-    q_latent: jax.Array,  # [B, N, C]
-    q_rope: jax.Array,    # [B, N, R]
-    c_kv: jax.Array,      # [B, S, C]
-    k_rope: jax.Array,    # [B, S, R]
-    lengths: jax.Array,   # i32[B]
-    *,
-    sm_scale: float,
-    window: int | None = None,
-    block_k: int | None = None,
-    c_kv_scale: jax.Array | None = None,  # f32[B, S]
-    k_rope_scale: jax.Array | None = None,  # f32[B, S]
-) -> jax.Array:
-  """`mla_decode_attention_xla` semantics, blocked: key `[c_kv | k_rope]`, value c_kv.
-
-  The two key parts are read in place (no concatenation); a quantized cache's
-  scales are applied per block. `block_k` defaults to the sizes
-  `block_sizes(S, B, C + R)`. Returns `[B, N, C]`.
+def mla_decode_attention_blocked(q_latent, q_rope, c_kv, k_rope, lengths, *, sm_scale,
+                                 window=None, block_k=None, c_kv_scale=None,
+                                 k_rope_scale=None) -> jax.Array:
+  """`mla_decode_attention_xla` block by block (key parts read in place).
 
   Raises:
     ValueError: `block_k` outside `[1, S]`.
@@ -324,13 +251,15 @@ def mla_decode_attention_blocked(
   return out[:, 0].astype(q_latent.dtype)
 
 
-def _decode(q, k, v, lengths, *, explicit, **options):
+def decode(q, k, v, lengths, *, explicit, **options):
+  """The "xla_blocked" backend of `dispatch.decode_attention`."""
   if not explicit:
     _fits(k.shape[2])
   return decode_attention_blocked(q, k, v, lengths, **options)
 
 
-def _mla_decode(q_latent, q_rope, c_kv, k_rope, lengths, *, explicit, **options):
+def mla_decode(q_latent, q_rope, c_kv, k_rope, lengths, *, explicit, **options):
+  """The "xla_blocked" backend of `dispatch.mla_decode_attention`."""
   if not explicit:
     _fits(c_kv.shape[1])
   return mla_decode_attention_blocked(q_latent, q_rope, c_kv, k_rope, lengths, **options)

@@ -1,34 +1,13 @@
-"""Paged decode attention: the XLA backends, the page gather and the block-table checks.
+"""The XLA paths of paged decode attention (PagedAttention, Kwon et al. 2023, §4.1).
 
-A paged KV cache (PagedAttention, Kwon et al., SOSP 2023, §4.1) stores keys and
-values in a pool of fixed-size pages shared by all sequences, `k_pages,
-v_pages: [K, P, page_size, H]`, and a block table `i32[B, pages_per_seq]`
-maps the j-th logical page of sequence b (slots `[j * page_size, (j + 1) *
-page_size)`) to a physical page. An entry outside `[0, P)` (the allocator
-writes -1) means "no page": such a logical page is never read into a result
-and never written.
-
-Attention is the same as for a dense cache whose slot `s` of sequence b is
-slot `s % page_size` of page `block_tables[b, s // page_size]`: the query of
-sequence b sits at slot `lengths[b] - 1` and attends
-`[max(0, lengths[b] - window), lengths[b])`. Results never depend on page
-order, on what unused slots of a sequence's last page hold, or on what free
-pages hold (DESIGN.md, invariant 2).
-
-The XLA backends of `kvattn.ops.paged_decode_attention` (`kvattn.ops.dispatch`
-lists every backend and the order None tries them in; the public function
-checks the arguments once and clamps every row's length to its assigned pages,
-`assigned_slots`, so these trust them):
-  * `paged_decode_attention_pool_xla` (`"xla_pool"`) scans the page pool in
-    place; work follows the pool size P.
-  * `paged_decode_attention_xla` (`"xla"`) gathers each sequence's pages into a
-    dense `[B, K, S, H]` view and runs `decode_attention_xla`.
-
-Quantized pools (int8 / fp8 values with `f32[K, P, page_size]` scale pools,
-passed as `k_scale=`, `v_scale=`): both XLA paths apply the scales to the
-logits and probabilities (`kvattn.ops.xla`); the Pallas paged kernel
-gathers the scale pages with the value pages and dequantizes each block after
-loading it.
+A page pool `[K, P, page_size, H]` holds every sequence's keys and values;
+`block_tables: i32[B, pages_per_seq]` maps logical page j of sequence b (slots
+`[j * page_size, (j + 1) * page_size)`) to a physical page, entries outside `[0, P)`
+meaning "no page". Attention equals the dense one on the gathered view and never depends
+on page order or on what unused slots and free pages hold. Backends of
+`dispatch.paged_decode_attention` (which checked the arguments and clamped the lengths
+to the assigned pages): "xla_pool" scans the pool in place (work follows P), "xla"
+gathers each sequence's pages and runs `decode_attention_xla`.
 """
 
 from __future__ import annotations
@@ -40,20 +19,15 @@ import numpy as np
 from kvattn import _checks
 from kvattn.ops import quant
 from kvattn.ops import xla as _xla
-from pallas_kernels import attention_common as _common
 
 
 def gather_pages(
     pages: jax.Array,  # [K, P, page_size, H] (or a scale pool f32[K, P, page_size])
     block_tables: jax.Array,  # i32[B, pages_per_seq]
 ) -> jax.Array:  # [B, K, pages_per_seq * page_size, H] (scales: [B, K, S])
-  """Dense head-major view of each sequence's pages: slot s of sequence b is
-  slot `s % page_size` of page `block_tables[b, s // page_size]`. A scale
-  pool `[K, P, page_size]` gives `[B, K, pages_per_seq * page_size]`.
-
-  Entries outside `[0, P)` are clamped into range, so the slots of an
-  unassigned logical page hold an arbitrary page's contents; callers mask
-  them with the lengths (or use `gather_pages_zeroed`).
+  """`[B, K, pages_per_seq * page_size, H]` view of each sequence's pages (a scale pool
+  `[K, P, page_size]` gives `[B, K, S]`); entries outside `[0, P)` read a clamped page, so
+  callers mask by length (or use `gather_pages_zeroed`).
   """
   if pages.ndim == 3:  # a scale pool: one number per slot
     return gather_pages(pages[..., None], block_tables)[..., 0]
@@ -70,12 +44,8 @@ def assigned_slots(
     num_pages: int,
     page_size: int,
 ) -> jax.Array:  # i32[B]
-  """Token slots each sequence's assigned pages hold: `page_size` times the
-  number of leading block-table entries in `[0, num_pages)` (the entries
-  before a row's first unassigned one; at most `pages_per_seq * page_size`).
-
-  A sequence whose `lengths[b]` exceeds this lost tokens (an update under
-  jit dropped them); `paged_decode_attention` clamps its length to it.
+  """`i32[B]`: `page_size` times the leading block-table entries in `[0, num_pages)`; a
+  length past it lost tokens under jit.
   """
   assigned = (block_tables >= 0) & (block_tables < num_pages)  # [B, pages_per_seq]
   leading = jnp.sum(jnp.cumprod(assigned.astype(jnp.int32), axis=1), axis=1)
@@ -83,9 +53,7 @@ def assigned_slots(
 
 
 def gather_pages_zeroed(pages: jax.Array, block_tables: jax.Array, fill: float = 0) -> jax.Array:
-  """`gather_pages` with the slots of unassigned logical pages (entries outside
-  `[0, P)`) set to `fill` (default zero): `[B, K, pages_per_seq * page_size, H]`
-  (a scale pool: `[B, K, S]`)."""
+  """`gather_pages` with the slots of unassigned pages set to `fill`."""
   num_pages, page_size = pages.shape[1], pages.shape[2]
   dense = gather_pages(pages, block_tables)
   assigned = (block_tables >= 0) & (block_tables < num_pages)  # [B, pages_per_seq]
@@ -95,28 +63,10 @@ def gather_pages_zeroed(pages: jax.Array, block_tables: jax.Array, fill: float =
   return jnp.where(assigned, dense, jnp.asarray(fill, dense.dtype))
 
 
-def paged_decode_attention_xla(
-    q: jax.Array,  # [B, N, H]
-    k_pages: jax.Array,  # [K, P, page_size, H]
-    v_pages: jax.Array,  # [K, P, page_size, Hv]
-    block_tables: jax.Array,  # i32[B, pages_per_seq]
-    lengths: jax.Array,  # i32[B]
-    *,
-    sm_scale: float | None = None,
-    window: int | None = None,
-    soft_cap: float | None = None,
-    k_scale: jax.Array | None = None,  # f32[K, P, page_size]
-    v_scale: jax.Array | None = None,  # f32[K, P, page_size]
-) -> jax.Array:  # [B, N, Hv]
-  """The XLA paged path: gather through the block table, then dense decode.
-
-  Equivalent to `decode_attention_xla` on the dense view `gather_pages(...)`;
-  the gather reads all `pages_per_seq` pages of every sequence (the Pallas
-  kernel reads only those below `lengths[b]`). Slots past `lengths[b]`, pages
-  the block table does not assign and free pages never reach the output;
-  length-0 rows are zeros. Returns `[B, N, Hv]` in q's dtype, f32-accumulated.
-  Quantized pools: the scale pools are gathered alike (`[B, K, S]`, S floats
-  per row) and applied by `decode_attention_xla`.
+def paged_decode_attention_xla(q, k_pages, v_pages, block_tables, lengths, *, k_scale=None,
+                               v_scale=None, **options) -> jax.Array:
+  """The "xla" backend: `decode_attention_xla` on the gathered view (scale pools
+  gathered alike); reads all `pages_per_seq` pages of every sequence.
   """
   k = gather_pages(k_pages, block_tables)
   v = gather_pages(v_pages, block_tables)
@@ -126,50 +76,25 @@ def paged_decode_attention_xla(
               "v_scale": gather_pages(v_scale, block_tables)}
   # Slots outside the window (and past the length) cannot leak: the dense path keeps only the
   # attended slots' values and scales (no zeroed copy of the gathered V needed here).
-  return _xla.decode_attention_xla(q, k, v, lengths, sm_scale=sm_scale, window=window,
-                                   soft_cap=soft_cap, **scales)
+  return _xla.decode_attention_xla(q, k, v, lengths, **scales, **options)
 
 
-def paged_decode_attention_pool_xla(
-    q: jax.Array,  # [B, N, H]
-    k_pages: jax.Array,  # [K, P, page_size, H]
-    v_pages: jax.Array,  # [K, P, page_size, Hv]
-    block_tables: jax.Array,  # i32[B, pages_per_seq]
-    lengths: jax.Array,  # i32[B]
-    *,
-    sm_scale: float | None = None,
-    window: int | None = None,
-    soft_cap: float | None = None,
-    k_scale: jax.Array | None = None,  # f32[K, P, page_size]
-    v_scale: jax.Array | None = None,  # f32[K, P, page_size]
-) -> jax.Array:  # [B, N, Hv]
-  """The XLA pool-scan path: attention computed page by page over the pool.
+def paged_decode_attention_pool_xla(q, k_pages, v_pages, block_tables, lengths, *,
+                                    sm_scale=None, window=None, soft_cap=None, k_scale=None,
+                                    v_scale=None) -> jax.Array:
+  """The "xla_pool" backend: attention page by page over the pool, in place.
 
-  Instead of gathering every sequence's pages into a dense `[B, K, S, H]`
-  copy, this path reads the pool in place: the block tables are inverted
-  into `owner[p]` (the sequence using physical page p, or none) and
-  `logical[p]` (its index in that sequence), each page's keys are scored
-  against its owner's query, and the softmax over a sequence's pages is a
-  segmented reduction over the pool (`jax.ops.segment_max`/`segment_sum`:
-  max, sum of exp, probability-weighted values). Each pool page is read once,
-  so the work follows the pool size P, not B * pages_per_seq: a pool sized to
-  the pages in use (what paging is for) costs about the tokens held, not the
-  capacity of every slot.
-
-  Requires what `PageAllocator` guarantees: no physical page is used by two
-  sequences (logical pages `[0, ceil(lengths[b] / page_size))`). Slots outside
-  `[max(0, L - window), L)`, unassigned entries and free pages never reach the
-  output (masked logits replaced, masked values zeroed); length-0 rows are
-  zeros. Same semantics as `paged_decode_attention_xla`; `[B, N, Hv]` in q's
-  dtype, f32-accumulated. Quantized pools: each page's scales multiply its
-  logits and (masked slots zeroed) its probabilities.
+  The tables are inverted into `owner[p]` and `logical[p]`; each page's keys meet its
+  owner's query and the softmax over a sequence's pages is a segmented reduction
+  (`segment_max` / `segment_sum`), so each pool page is read once. Needs what
+  `PageAllocator` guarantees: no page used by two sequences.
   """
   batch, num_heads, head_dim = q.shape
   num_kv, num_pages, page_size, _ = k_pages.shape
   pages_per_seq = block_tables.shape[1]
   groups = num_heads // num_kv
   scale = head_dim ** -0.5 if sm_scale is None else sm_scale
-  starts, lengths = _common.attended_range(lengths, pages_per_seq * page_size, window)
+  starts, lengths = _xla.attended_range(lengths, pages_per_seq * page_size, window)
 
   # Invert the tables: page -> (owner, logical index). Entries a sequence does
   # not use (past its length, unassigned) are scattered out of range (dropped).
@@ -217,14 +142,9 @@ def paged_decode_attention_pool_xla(
   return out.reshape(batch, num_heads, v_pages.shape[-1]).astype(q.dtype)
 
 
-def _xla_paged(q, k_pages, v_pages, block_tables, lengths, *, explicit, **options):
-  del explicit
-  return paged_decode_attention_xla(q, k_pages, v_pages, block_tables, lengths, **options)
-
-
-def _xla_pool(q, k_pages, v_pages, block_tables, lengths, *, explicit, **options):
-  """Picked (when not named) if the pool is smaller than the gathered view:
-  P < B * pages_per_seq, i.e. when scanning the pool reads less than gathering."""
+def pool_decode(q, k_pages, v_pages, block_tables, lengths, *, explicit, **options):
+  """The "xla_pool" backend of `dispatch.paged_decode_attention`; picked (when not named)
+  if scanning the pool reads less than gathering (P < B * pages_per_seq)."""
   if not explicit and k_pages.shape[1] >= block_tables.shape[0] * block_tables.shape[1]:
     raise NotImplementedError(
         f"xla_pool: the pool ({k_pages.shape[1]} pages) is not smaller than the gathered view "
@@ -233,17 +153,11 @@ def _xla_pool(q, k_pages, v_pages, block_tables, lengths, *, explicit, **options
 
 
 def check_block_tables(block_tables, lengths, num_pages: int, page_size: int) -> None:
-  """Host check that lengths fit, every page a sequence uses is assigned and none is shared.
-
-  For concrete `block_tables: i32[B, pages_per_seq]` and `lengths: i32[B]`:
-  every length must lie in `[0, pages_per_seq * page_size]`; logical pages
-  `[0, ceil(lengths[b] / page_size))` of every sequence must map into
-  `[0, num_pages)`; and no physical page may be used by two sequences (or
-  twice by one). Skipped for traced values (under jit,
-  `paged_decode_attention` clamps the lengths to the assigned pages instead).
+  """Host check of concrete `block_tables` and `lengths` (skipped when traced).
 
   Raises:
-    ValueError: naming the sequence and page (or length) that break the rule.
+    ValueError: a length outside `[0, pages_per_seq * page_size]`, a page a sequence uses
+      that is not in `[0, num_pages)`, or one page used twice (naming row and page).
   """
   if not (_checks.is_concrete(block_tables) and _checks.is_concrete(lengths)):
     return

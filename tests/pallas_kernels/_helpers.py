@@ -151,3 +151,18 @@ def poison(values, scales, lengths, window, slot_axis):
   v_shape[0], v_shape[slot_axis] = unused.shape
   return (jnp.where(unused.reshape(v_shape), junk(values.dtype), values),
           jnp.where(unused.reshape(s_shape), jnp.nan, scales))
+
+
+def check_store_kernel(run, store, poisoned, ref, ref_lse, dtype, shape, tol):
+  """A low-bit store kernel: `(out, lse) = run(store)` matches the reference, row 0 (an
+  empty range) gives zeros and lse -inf, and garbage in unused slots (`poisoned`)
+  changes no bit."""
+  out, lse = run(store)
+  assert out.dtype == dtype and out.shape == shape
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                             atol=tol, rtol=tol)
+  close_lse(lse, ref_lse, dtype)
+  assert np.all(np.asarray(out[0]) == 0) and np.all(np.isneginf(np.asarray(lse[0])))
+  dirty, dirty_lse = run(poisoned)
+  np.testing.assert_array_equal(np.asarray(dirty), np.asarray(out))
+  np.testing.assert_array_equal(np.asarray(dirty_lse), np.asarray(lse))

@@ -342,7 +342,7 @@ def test_grid_schedule_fetches_only_needed_blocks(blocks_per_split, num_splits):
   for start, length in [(0, 0), (0, 1), (0, 16 * num_blocks), (20, 37), (33, 33 + 16)]:
     lo, hi = (int(x) for x in _common.block_bounds(jnp.int32(start), jnp.int32(length), 16))
     hi = min(hi, num_blocks)
-    visited = [int(da._kv_block_index(j, i, lo, hi, blocks_per_split))
+    visited = [int(_common.kv_block_index(j, i, lo, hi, blocks_per_split))
                for j in range(num_splits) for i in range(blocks_per_split)]
     copies = 1 + sum(a != b for a, b in zip(visited, visited[1:]))
     assert copies == max(hi - lo, 1), (start, length, visited)

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import lowbit_decode as lb
-from tests.pallas_kernels._helpers import TOL, close_lse, jitted
+from pallas_kernels import lowbit_paged_decode as lpd
+from tests.pallas_kernels._helpers import TOL, check_store_kernel, close_lse, jitted
 
 _reference = jitted(lb.kivi_decode_attention_reference)
 
@@ -109,17 +110,10 @@ def test_kernel_matches_reference_over_edges_and_ignores_garbage(
   run = lambda s: lb.kivi_decode_attention(
       q, *s, starts, lengths, bits=bits, soft_cap=soft_cap, interpret=True, schedule=schedule,
       block_k=BLOCK, num_splits=2, return_lse=True)
-  out, lse = run(store)
   ref, ref_lse = _reference(q, *store, starts, lengths, bits=bits, soft_cap=soft_cap,
                             return_lse=True)
-  assert out.dtype == q_dtype and out.shape == (batch, num_heads, head_dim)
-  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
-                             atol=TOL[q_dtype], rtol=TOL[q_dtype])
-  close_lse(lse, ref_lse, q_dtype)
-  assert np.all(np.asarray(out[0]) == 0) and np.all(np.isneginf(np.asarray(lse[0])))
-  dirty, dirty_lse = run(_poison(store, starts, lengths))
-  np.testing.assert_array_equal(np.asarray(dirty), np.asarray(out))
-  np.testing.assert_array_equal(np.asarray(dirty_lse), np.asarray(lse))
+  check_store_kernel(run, store, _poison(store, starts, lengths), ref, ref_lse, q_dtype,
+                     (batch, num_heads, head_dim), TOL[q_dtype])
 
 
 def test_blocks_outside_the_range_are_not_processed():
@@ -216,18 +210,18 @@ def test_paged_kernel_matches_the_dense_reference(bits, schedule, page_size, num
   starts = _starts("inside", lengths)
   # "grid": 3 pages per block, so a block runs past the table (padded with unassigned pages).
   tunables = dict(pages_per_block=3) if schedule == "grid" else {}
-  (out, lse), counts = lb.paged_kivi_decode_attention(
+  (out, lse), counts = lpd.paged_kivi_decode_attention(
       q, *pools, tables, starts, lengths, bits=bits, interpret=True, num_splits=2,
       return_lse=True, schedule=schedule, count_blocks=True, **tunables)
   ref, ref_lse = _reference(q, *store, starts, lengths, bits=bits, return_lse=True)
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                              atol=TOL[q_dtype], rtol=TOL[q_dtype])
   close_lse(lse, ref_lse, q_dtype)
-  paged_ref = lb.paged_kivi_decode_attention_reference(q, *pools, tables, starts, lengths,
+  paged_ref = lpd.paged_kivi_decode_attention_reference(q, *pools, tables, starts, lengths,
                                                        bits=bits)
   np.testing.assert_array_equal(np.asarray(paged_ref), np.asarray(ref))
   with pytest.raises(ValueError, match="block_tables must have one row per sequence"):
-    lb.paged_kivi_decode_attention(q, *pools, tables[:2], starts, lengths, bits=bits,
+    lpd.paged_kivi_decode_attention(q, *pools, tables[:2], starts, lengths, bits=bits,
                                    interpret=True)
   # Pages outside [starts, lengths) are not dequantized (the "grid" schedule counts pages;
   # at page_size 16 the rows need 0, 1, 2, 2, 3 and 2 of them).

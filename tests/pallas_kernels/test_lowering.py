@@ -260,19 +260,19 @@ def test_kivi_store_kernel_lowers_or_says_why_not(target, bits, width, option):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_paged_kivi_store_kernel_lowers(target):
-  from pallas_kernels import lowbit_decode  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import lowbit_paged_decode  # pylint: disable=g-import-not-at-top
   sds, group, width = jax.ShapeDtypeStruct, 32, 64
   codes = sds((NUM_KV, NUM_PAGES, PAGE_SIZE, width // 2), jnp.uint8)
   k_scale = sds((NUM_KV, NUM_PAGES, PAGE_SIZE // group, width), jnp.float16)
   v_scale = sds((NUM_KV, NUM_PAGES, PAGE_SIZE, width // group), jnp.float16)
-  reason = lowbit_decode.paged_unsupported_reason(codes.shape, k_scale.shape, width,
+  reason = lowbit_paged_decode.unsupported_reason(codes.shape, k_scale.shape, width,
                                                   platform=target)
   assert reason is None
-  assert "multiple of 64" in lowbit_decode.paged_unsupported_reason(
+  assert "multiple of 64" in lowbit_paged_decode.unsupported_reason(
       codes.shape, k_scale.shape, 80, platform="tpu")
 
   def f(*args):
-    return lowbit_decode.paged_kivi_decode_attention(*args, bits=4, platform=target)
+    return lowbit_paged_decode.paged_kivi_decode_attention(*args, bits=4, platform=target)
 
   lengths = sds((BATCH,), jnp.int32)
   calls = _custom_calls(_lower(f, (sds((BATCH, NUM_HEADS, width), jnp.bfloat16), codes, k_scale,

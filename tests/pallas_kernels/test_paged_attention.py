@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import _paging
 from pallas_kernels import paged_decode as pa
 from pallas_kernels.attention_common import attended_range
 from tests.pallas_kernels._helpers import (DTYPES, FORMATS, KernelTest, assert_errors, close,
@@ -387,7 +388,7 @@ def test_grid_index_map_fetches_only_needed_pages(pages_per_block, num_blocks):
   ppb, padded = pages_per_block, pages_per_block * num_blocks
   for lo, hi in [(0, 0), (0, 1), (0, padded), (2, 5), (3, 4), (padded - 1, padded)]:
     for j in range(ppb):
-      visited = [int(pa._grid_logical_page(jnp.int32(blk), j, jnp.int32(lo), jnp.int32(hi),
+      visited = [int(_paging.grid_logical_page(jnp.int32(blk), j, jnp.int32(lo), jnp.int32(hi),
                                            ppb, padded)) for blk in range(num_blocks)]
       needed = [p for p in range(lo, hi) if p % ppb == j]
       copies = 1 + sum(a != b for a, b in zip(visited, visited[1:]))

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import rotated_decode as rd
-from tests.pallas_kernels._helpers import TOL, KernelTest, close_lse, jitted
+from tests.pallas_kernels._helpers import TOL, KernelTest, check_store_kernel, jitted
 
 _reference = jitted(rd.rotated_decode_attention_reference)
 
@@ -145,16 +145,9 @@ def _check_case(bits, schedule, num_heads, num_kv, head_dim, block_g, starts, so
   run = lambda s: rd.rotated_decode_attention(
       q, *s, starts, lengths, interpret=interpret, schedule=schedule, block_k=block_k,
       block_g=block_g, num_splits=2, **kw)
-  out, lse = run(store)
   ref, ref_lse = _reference(q, *store, starts, lengths, **kw)
-  assert out.dtype == q_dtype and out.shape == (batch, num_heads, head_dim)
-  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
-                             atol=TOL[q_dtype], rtol=TOL[q_dtype])
-  close_lse(lse, ref_lse, q_dtype)
-  assert np.all(np.asarray(out[0]) == 0) and np.all(np.isneginf(np.asarray(lse[0])))
-  dirty, dirty_lse = run(_poison(store, starts, lengths))
-  np.testing.assert_array_equal(np.asarray(dirty), np.asarray(out))
-  np.testing.assert_array_equal(np.asarray(dirty_lse), np.asarray(lse))
+  check_store_kernel(run, store, _poison(store, starts, lengths), ref, ref_lse, q_dtype,
+                     (batch, num_heads, head_dim), TOL[q_dtype])
 
 
 def test_blocks_outside_the_range_are_not_processed():

@@ -12,12 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from kvattn import generate
-from kvattn.caches import registry
 from kvattn.caches.kivi import KIVICache
-from kvattn.models import transformer
+from tests.kvattn.caches import _store_kernel as store_kernel
+from tests.kvattn.caches.test_kivi import _poison  # garbage in every unused slot
 
 K, H, N, G = 2, 16, 8, 16  # H and the group: the smallest the kernel's GPU schedule takes
 CAPACITY, RESIDUAL = 96, 16  # Sq = 80 store slots, ring 31
@@ -36,37 +34,11 @@ def _filled(bits, pre_rope=False, seed=0):
   return jax.jit(KIVICache.update)(cache, k, v, jnp.asarray(LENGTHS, jnp.int32))
 
 
-def _poison(cache):
-  """Codes 255 and NaN scales / residual entries in every slot no token occupies."""
-  nq = cache.num_quantized
-  used = jnp.arange(cache.store_capacity)[None] < nq[:, None]
-  used_g = jnp.arange(cache.store_capacity // G)[None] * G < nq[:, None]
-  ring = cache.ring_tokens() >= 0
-  nan = lambda x, u: jnp.where(u[:, None, :, None], x, jnp.asarray(jnp.nan, x.dtype))
-  return cache.replace(
-      k_codes=jnp.where(used[:, None, :, None], cache.k_codes, jnp.uint8(255)),
-      v_codes=jnp.where(used[:, None, :, None], cache.v_codes, jnp.uint8(255)),
-      k_scale=nan(cache.k_scale, used_g), k_zero=nan(cache.k_zero, used_g),
-      v_scale=nan(cache.v_scale, used), v_zero=nan(cache.v_zero, used),
-      k_res=nan(cache.k_res, ring), v_res=nan(cache.v_res, ring))
-
-
-@jax.jit
 def _qkv():
-  keys = jax.random.split(jax.random.key(1), 3)
-  batch = len(LENGTHS)
-  return (jax.random.normal(keys[0], (batch, 1, N, H)),
-          jax.random.normal(keys[1], (batch, 1, K, H)),
-          jax.random.normal(keys[2], (batch, 1, K, H)))
+  return store_kernel.qkv(len(LENGTHS), N, K, H)
 
 
-def _step(implementation, options):
-  def step(cache, q, k, v):
-    out, new = cache.update_attend(q, k, v, positions=cache.lengths[:, None], rope_theta=1e4,
-                                   new_lengths=None, implementation=implementation, **options)
-    return out, new, new.attend(q, q_offsets=cache.lengths, implementation=implementation,
-                                **options)
-  return jax.jit(step)
+_step = store_kernel.step
 
 
 @pytest.mark.parametrize("bits,options", [
@@ -80,50 +52,26 @@ def test_decode_through_the_kernel_equals_the_xla_loop(bits, options):
   cache = _filled(bits)
   assert cache.store_capacity == 80
   np.testing.assert_array_equal(cache.num_quantized, [0, 0, 0, 16, 16, 64])
-  q, k, v = _qkv()
-  want, want_cache, want_attend = _step("xla", options)(cache, q, k, v)
-  got, got_cache, got_attend = _step("pallas", options)(cache, q, k, v)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
-  np.testing.assert_allclose(np.asarray(got_attend), np.asarray(want_attend), atol=2e-5,
-                             rtol=2e-5)
-  for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the write is the same
-  dirty, _, dirty_attend = _step("pallas", options)(_poison(cache), q, k, v)
-  np.testing.assert_array_equal(np.asarray(dirty), np.asarray(got))
-  np.testing.assert_array_equal(np.asarray(dirty_attend), np.asarray(got_attend))
+  store_kernel.check_kernel_equals_loop(cache, _poison(cache), *_qkv(), options)
 
 
 def test_pre_rope_keys_have_no_kernel():
   cache = _filled(4, pre_rope=True)
   q, k, v = _qkv()
   with pytest.raises(NotImplementedError, match=r"pre_rope=True.*XLA loop only"):
-    _step("pallas", {})(cache, q, k, v)
+    _step("pallas")(cache, q, k, v)
   with pytest.raises(NotImplementedError, match="implementation must be None, 'pallas' or"):
-    _step("xla_blocked", {})(cache, q, k, v)
+    _step("xla_blocked")(cache, q, k, v)
 
 
 @pytest.mark.slow  # two more compiled programs; fast: the refusal above
 def test_pre_rope_keys_fall_back_to_the_xla_loop():
   cache = _filled(4, pre_rope=True)
   q, k, v = _qkv()
-  got = _step(("pallas", "xla"), {})(cache, q, k, v)[0]
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(_step("xla", {})(cache, q, k, v)[0]))
+  got = _step(("pallas", "xla"))(cache, q, k, v)[0]
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(_step("xla")(cache, q, k, v)[0]))
 
 
 @pytest.mark.slow  # ~15 s of interpret-mode compilation; fast: the step parity above
 def test_generate_through_the_kernel_equals_the_xla_loop():
-  cfg = transformer.model_config(d_model=32, num_layers=2, mlp_dim=64, vocab_size=64,
-                                 attention=dict(kind="gqa", num_heads=4, num_kv_heads=2,
-                                                head_dim=16))
-  model = transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
-  spec = {"kind": "kivi4", "group_size": 16, "residual": 16}
-  prompts = jax.random.randint(jax.random.key(0), (2, 40), 0, 64)
-  lengths = jnp.asarray([40, 23], jnp.int32)
-  runs = {}
-  for implementation in ("xla", "pallas"):
-    for layer in model.layers:
-      layer.attn.decode_implementation = implementation
-    runs[implementation] = generate(
-        model, prompts, lengths, 12,
-        cache_factory=registry.cache_factory_from_config(model, spec))[0]
-  np.testing.assert_array_equal(runs["pallas"], runs["xla"])
+  store_kernel.check_generate_equals_loop({"kind": "kivi4", "group_size": 16, "residual": 16})

@@ -386,7 +386,7 @@ def test_pool_scan_is_picked_only_for_a_pool_smaller_than_the_gathered_view():
   np.testing.assert_allclose(np.asarray(picked), np.asarray(gathered), rtol=1e-6, atol=1e-6)
   big = jnp.concatenate([k_pages, k_pages, k_pages], axis=1)  # 27 pages >= 4 x 5
   with pytest.raises(NotImplementedError, match="xla_pool: the pool \\(27 pages\\) is not smaller"):
-    paged_ops._xla_pool(q, big, big, tables, jnp.asarray(lengths), explicit=False)
+    paged_ops.pool_decode(q, big, big, tables, jnp.asarray(lengths), explicit=False)
 
 
 def test_dispatch_validates_before_compute():

@@ -179,7 +179,7 @@ def test_cpu_dispatch_reads_quantized_caches_block_by_block():
   np.testing.assert_array_equal(auto, step(q, kq, kq, lengths, k_scale=ks, v_scale=ks,
                                            implementation="xla_blocked"))
   with pytest.raises(NotImplementedError, match="S=64 <= 256 slots"):
-    xla_blocked._decode(q, kq[:, :, :64], kq[:, :, :64], lengths, explicit=False,
+    xla_blocked.decode(q, kq[:, :, :64], kq[:, :, :64], lengths, explicit=False,
                         k_scale=ks[:, :, :64], v_scale=ks[:, :, :64])
 
 

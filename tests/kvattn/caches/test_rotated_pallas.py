@@ -9,18 +9,14 @@ window and soft cap, with garbage in every unused slot, for `update_attend` and 
 after `update`; a model decoding through it generates the XLA loop's tokens.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from kvattn import generate
-from kvattn.caches import registry
 from kvattn.caches.rotated import RotatedCache
-from kvattn.models import transformer
+from tests.kvattn.caches import _store_kernel as store_kernel
+from tests.kvattn.caches.test_rotated import _poison  # garbage in every unused slot
 
 K, H, N = 2, 16, 8  # H: the smallest the kernel's GPU schedule takes
 CAPACITY, RESIDUAL = 56, 4  # Sq = 52 store slots: one 32-slot block and a shifted one
@@ -38,40 +34,6 @@ def _filled(bits, seed=0):
   return jax.jit(RotatedCache.update)(cache, k, v, jnp.asarray(LENGTHS, jnp.int32))
 
 
-def _poison(cache):
-  """Codes 255 and NaN scales / residual entries in every slot no token occupies."""
-  used = jnp.arange(cache.store_capacity)[None] < cache.num_quantized[:, None]
-  ring = cache.ring_tokens() >= 0
-  nan = lambda x, u: jnp.where(u[:, None, :] if x.ndim == 3 else u[:, None, :, None], x,
-                               jnp.asarray(jnp.nan, x.dtype))
-  return cache.replace(
-      k_codes=jnp.where(used[:, None, :, None], cache.k_codes, jnp.uint8(255)),
-      v_codes=jnp.where(used[:, None, :, None], cache.v_codes, jnp.uint8(255)),
-      k_scale=nan(cache.k_scale, used), v_scale=nan(cache.v_scale, used),
-      k_res=nan(cache.k_res, ring), v_res=nan(cache.v_res, ring))
-
-
-@jax.jit
-def _qkv():
-  keys = jax.random.split(jax.random.key(1), 3)
-  batch = len(LENGTHS)
-  return (jax.random.normal(keys[0], (batch, 1, N, H)),
-          jax.random.normal(keys[1], (batch, 1, K, H)),
-          jax.random.normal(keys[2], (batch, 1, K, H)))
-
-
-@functools.lru_cache(maxsize=None)  # one compiled program per backend and options
-def _step(implementation, options):
-  options = dict(options)
-
-  def step(cache, q, k, v):
-    out, new = cache.update_attend(q, k, v, positions=cache.lengths[:, None], rope_theta=1e4,
-                                   new_lengths=None, implementation=implementation, **options)
-    return out, new, new.attend(q, q_offsets=cache.lengths, implementation=implementation,
-                                **options)
-  return jax.jit(step)
-
-
 @pytest.mark.parametrize("bits,options", [
     (3, {"window": 20, "soft_cap": 3.0}),  # the window starts inside the store (rows 3-5)
     # Fast: one case (the kernel's own tests cover both widths); each compiles 3 programs.
@@ -82,18 +44,8 @@ def test_decode_through_the_kernel_equals_the_xla_loop(bits, options):
   cache = _filled(bits)
   assert cache.store_capacity == 52
   np.testing.assert_array_equal(cache.num_quantized, [0, 0, 1, 28, 48, 51])
-  q, k, v = _qkv()
-  options = tuple(sorted(options.items()))
-  want, want_cache, want_attend = _step("xla", options)(cache, q, k, v)
-  got, got_cache, got_attend = _step("pallas", options)(cache, q, k, v)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
-  np.testing.assert_allclose(np.asarray(got_attend), np.asarray(want_attend), atol=2e-5,
-                             rtol=2e-5)
-  for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the write is the same
-  dirty, _, dirty_attend = _step("pallas", options)(_poison(cache), q, k, v)
-  np.testing.assert_array_equal(np.asarray(dirty), np.asarray(got))
-  np.testing.assert_array_equal(np.asarray(dirty_attend), np.asarray(got_attend))
+  store_kernel.check_kernel_equals_loop(cache, _poison(cache),
+                                        *store_kernel.qkv(len(LENGTHS), N, K, H), options)
 
 
 def test_a_store_under_one_block_has_no_kernel():
@@ -117,18 +69,4 @@ def test_a_store_under_one_block_has_no_kernel():
 
 @pytest.mark.slow  # ~15 s of interpret-mode compilation; fast: the step parity above
 def test_generate_through_the_kernel_equals_the_xla_loop():
-  cfg = transformer.model_config(d_model=32, num_layers=2, mlp_dim=64, vocab_size=64,
-                                 attention=dict(kind="gqa", num_heads=4, num_kv_heads=2,
-                                                head_dim=16))
-  model = transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
-  spec = {"kind": "rotated4", "residual": 4}
-  prompts = jax.random.randint(jax.random.key(0), (2, 40), 0, 64)
-  lengths = jnp.asarray([40, 23], jnp.int32)
-  runs = {}
-  for implementation in ("xla", "pallas"):
-    for layer in model.layers:
-      layer.attn.decode_implementation = implementation
-    runs[implementation] = generate(
-        model, prompts, lengths, 12,
-        cache_factory=registry.cache_factory_from_config(model, spec))[0]
-  np.testing.assert_array_equal(runs["pallas"], runs["xla"])
+  store_kernel.check_generate_equals_loop({"kind": "rotated4", "residual": 4})

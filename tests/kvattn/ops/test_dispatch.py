@@ -9,6 +9,7 @@ import pytest
 
 from kvattn import ops
 from kvattn.ops import dispatch
+from kvattn import _checks
 from pallas_kernels import attention_common
 
 
@@ -25,6 +26,9 @@ def test_table_states_every_backend_and_the_default_order():
       "decode_attention": ("pallas", "xla_blocked", "xla"),
       "paged_decode_attention": ("pallas", "xla_pool", "xla"),
       "mla_decode_attention": ("pallas", "xla_blocked", "xla"),
+      "kivi_store_decode": ("pallas", "xla"),
+      "paged_kivi_store_decode": ("pallas", "xla"),
+      "rotated_store_decode": ("pallas", "xla"),
   }
   with pytest.raises(ValueError, match=r"op must be one of \[.*\]; got 'prefill'"):
     ops.available_implementations("prefill")
@@ -71,8 +75,9 @@ def test_bad_implementation_is_a_caller_error(implementation):
 def _count_checks(monkeypatch, name):
   calls = []
   original = getattr(attention_common, name)
-  monkeypatch.setattr(attention_common, name,
-                      lambda *a, **kw: calls.append(1) or original(*a, **kw))
+  counted = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+  monkeypatch.setattr(attention_common, name, counted)  # calls inside the kernels' checks
+  monkeypatch.setattr(_checks, name, counted)  # kvattn's calls
   return calls
 
 

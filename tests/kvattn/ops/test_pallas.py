@@ -46,7 +46,7 @@ def test_auto_falls_back_to_xla_on_cpu():
   q, k, v = _dense()
   lengths = jnp.array([0, 5, 32])
   with pytest.raises(NotImplementedError, match="no compiled kernel on 'cpu'"):
-    pallas_backend._decode(q, k, v, lengths, explicit=False)
+    pallas_backend.decode(q, k, v, lengths, explicit=False)
   auto = ops.decode_attention(q, k, v, lengths, window=7)
   xla = ops.decode_attention(q, k, v, lengths, window=7, implementation="xla")
   np.testing.assert_array_equal(auto, xla)
@@ -113,24 +113,24 @@ def test_auto_picks_the_compiled_kernel_on_accelerators(monkeypatch, platform):
   # compiled (interpret=False) kernel for supported shapes, and decline the rest.
   calls = []
   monkeypatch.setattr(pallas_backend.jax, "default_backend", lambda: platform)
-  monkeypatch.setattr(pallas_backend._kernels, "decode_attention_unchecked",
+  monkeypatch.setattr(pallas_backend.dense_decode, "decode_attention_unchecked",
                       lambda *a, **kw: calls.append(kw) or jnp.zeros(()))
-  monkeypatch.setattr(pallas_backend._kernels, "mla_decode_attention_unchecked",
+  monkeypatch.setattr(pallas_backend.dense_decode, "mla_decode_attention_unchecked",
                       lambda *a, **kw: calls.append(kw) or jnp.zeros(()))
   q, k, v = _dense(capacity=64, head_dim=64, v_dim=128)
-  pallas_backend._decode(q, k, v, jnp.array([1, 2, 3]), explicit=False, window=4)
+  pallas_backend.decode(q, k, v, jnp.array([1, 2, 3]), explicit=False, window=4)
   assert calls[-1]["interpret"] is False and calls[-1]["window"] == 4
   q_latent, q_rope, c_kv, k_rope = _latent(capacity=64, latent=128, rope=64)
-  pallas_backend._mla_decode(q_latent, q_rope, c_kv, k_rope, jnp.array([1, 2]),
+  pallas_backend.mla_decode(q_latent, q_rope, c_kv, k_rope, jnp.array([1, 2]),
                              explicit=False, sm_scale=0.1)
   assert calls[-1]["interpret"] is False and calls[-1]["sm_scale"] == 0.1
   q, k, v = _dense(capacity=64, head_dim=48)  # 48: padded to 64 on GPU; not a TPU width
   if platform == "gpu":
-    pallas_backend._decode(q, k, v, jnp.array([1, 2, 3]), explicit=False, soft_cap=20.0)
+    pallas_backend.decode(q, k, v, jnp.array([1, 2, 3]), explicit=False, soft_cap=20.0)
     assert calls[-1]["soft_cap"] == 20.0 and len(calls) == 3
   else:
     with pytest.raises(NotImplementedError, match="head dim H=48"):
-      pallas_backend._decode(q, k, v, jnp.array([1, 2, 3]), explicit=False)
+      pallas_backend.decode(q, k, v, jnp.array([1, 2, 3]), explicit=False)
     assert len(calls) == 2
 
 

@@ -158,4 +158,4 @@ def test_dispatch_picks_it_on_cpu_above_min_capacity():
   named = jax.jit(lambda *a: ops.decode_attention(*a, window=100, implementation="xla_blocked"))
   np.testing.assert_array_equal(default(q, k, v, lengths), named(q, k, v, lengths))
   with pytest.raises(NotImplementedError, match="S=256 <= 256 slots"):
-    xla_blocked._decode(q, k[:, :, :256], v[:, :, :256], lengths, explicit=False)
+    xla_blocked.decode(q, k[:, :, :256], v[:, :, :256], lengths, explicit=False)
