@@ -1,7 +1,16 @@
 """kvattn: attention variants and their KV caches in JAX, Flax NNX and Pallas.
 
-Every subpackage and public name below is reachable after `import kvattn` (docs/DESIGN.md has
-the contract); `transformer`, `data` and `train` keep their earlier top-level names.
+Every subpackage and public name is reachable after `import kvattn` (docs/DESIGN.md has the
+contract):
+
+  subpackages: `ops`, `memory`, `caches`, `paging`, `models`, `checkpoints`, `inference`,
+    `training`, `sharding` (imported on first use);
+  modules: `GroupedQueryAttention`, `MultiHeadLatentAttention`, `Transformer`;
+  caches: `KVCache`, `LatentCache`, `PagedKVCache`, `RingKVCache`, `SinkKVCache`,
+    `EvictingKVCache`, `LengthSwitchKVCache`; paging: `PageAllocator`,
+    `PrefixCachingAllocator`, `OutOfPagesError`;
+  generation and serving: `generate`, `ContinuousBatcher`, `from_pretrained`;
+  earlier top-level names: `transformer`, `data`, `train`.
 """
 
 # ---- Subpackages, one job each ---------------------------------------------------------------

@@ -257,3 +257,50 @@ def score(example: Example, output: str) -> float:
   (case-insensitive substrings)."""
   found = sum(a.lower() in output.lower() for a in example.answers)
   return found / len(example.answers)
+
+
+MAX_NEW_TOKENS = {"niah_single": 24, "niah_multikey": 24, "niah_multivalue": 64,
+                  "niah_multiquery": 64, "variable_tracking": 40, "common_words": 96,
+                  "frequent_words": 40}
+"""Greedy tokens per answer: room for the references and their separators."""
+
+
+def evaluate(model: Any, tokenizer: Any, examples: Sequence[Example], *, chat: bool = True,
+             batch: int = 4, generate_kwargs: dict[str, Any] | None = None
+             ) -> tuple[list[float], list[str]]:
+  """Greedy answers of `model` to `examples` through `kvattn.generate`, and their scores.
+
+  Examples of one task run `batch` at a time, right-padded, for `MAX_NEW_TOKENS[task]`
+  tokens (stopping at the tokenizer's EOS, if it has one).
+
+  Args:
+    model: a `kvattn.Transformer`.
+    tokenizer: its tokenizer (`encode`, `decode`, `apply_chat_template` when `chat`).
+    examples: from `make`.
+    chat: wrap each prompt in the chat template (`encode`).
+    batch: sequences per `generate` call.
+    generate_kwargs: passed on to `kvattn.generate` (e.g. `cache_factory=`).
+
+  Returns:
+    `(scores, outputs)`: one float in [0, 1] and one decoded answer per example, in order.
+  """
+  import kvattn  # pylint: disable=g-import-not-at-top
+
+  scores, outputs = [0.0] * len(examples), [""] * len(examples)
+  eos = getattr(tokenizer, "eos_id", None)
+  for task in dict.fromkeys(e.task for e in examples):
+    index = [i for i, e in enumerate(examples) if e.task == task]
+    for start in range(0, len(index), batch):
+      rows = index[start:start + batch]
+      ids = [encode(tokenizer, examples[i], chat=chat) for i in rows]
+      lengths = np.array([len(r) for r in ids], np.int32)
+      prompts = np.zeros((len(rows), lengths.max()), np.int32)
+      for b, r in enumerate(ids):
+        prompts[b, :len(r)] = r
+      tokens, counts = kvattn.generate(model, prompts, lengths, MAX_NEW_TOKENS[task],
+                                       eos_id=eos, **(generate_kwargs or {}))
+      tokens, counts = np.asarray(tokens), np.asarray(counts)
+      for b, i in enumerate(rows):
+        outputs[i] = tokenizer.decode(tokens[b, :counts[b]].tolist(), skip_special_tokens=True)
+        scores[i] = score(examples[i], outputs[i])
+  return scores, outputs

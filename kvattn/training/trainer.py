@@ -162,7 +162,7 @@ class Trainer:
     """Builds the optimiser and the jitted steps.
 
     Args:
-      model: the LM; its params are taken over (use `trainer.model`).
+      model: the LM; its params are taken over (donated: use `trainer.model`).
       cfg: the `train` section (`train_config()` schema).
       trainable: an `nnx` filter of the variables to train (default every `nnx.Param`;
         `ATTENTION_PARAMS`); the others get no gradients or state and are not saved.

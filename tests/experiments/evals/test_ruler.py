@@ -4,8 +4,11 @@ task's references are what its context says, recomputed from the text."""
 import collections
 import re
 
+import numpy as np
 import pytest
 
+import kvattn
+from experiments.evals import models
 from experiments.evals import ruler
 from kvattn.training import data as data_lib
 
@@ -16,6 +19,10 @@ class ByteTokenizer:
   def encode(self, text, add_special_tokens=False):
     del add_special_tokens
     return data_lib.encode(text).tolist()
+
+  def decode(self, ids, skip_special_tokens=True):
+    del skip_special_tokens
+    return data_lib.decode(ids)
 
   def apply_chat_template(self, messages, add_generation_prompt=True):
     return f"<user>{messages[0]['content']}</user><assistant>" if add_generation_prompt else ""
@@ -88,3 +95,15 @@ def test_bad_arguments_are_named():
     ruler.make("niah", TOK, 1024)
   with pytest.raises(ValueError, match="length must be an int >= 128"):
     ruler.make("niah_single", TOK, 64)
+
+
+def test_evaluate_scores_the_greedy_answer_of_each_prompt():
+  model = models.tiny_model()
+  examples = [ruler.make(t, TOK, 256, seed=0) for t in ("niah_single", "frequent_words")]
+  scores, outputs = ruler.evaluate(model, TOK, examples, chat=False, batch=1)
+  for ex, got, s in zip(examples, outputs, scores):
+    ids = np.asarray([ruler.encode(TOK, ex)], np.int32)
+    tokens, count = kvattn.generate(model, ids, np.array([ids.shape[1]], np.int32),
+                                    ruler.MAX_NEW_TOKENS[ex.task])
+    assert got == TOK.decode(np.asarray(tokens)[0, :int(count[0])].tolist())
+    assert s == ruler.score(ex, got)

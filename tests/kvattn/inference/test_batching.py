@@ -5,28 +5,19 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from kvattn import OutOfPagesError
 
-from kvattn.models import transformer
 from kvattn.inference.batching import ContinuousBatcher, Finished, NoFreeSlotError
 from kvattn.inference.generation import generate
+from tests.kvattn.inference import _tiny
 
 PAGE = 4
 MAX_PROMPT = 12
 MAX_NEW = 10  # the references decode this many; shorter requests compare a prefix
 
 
-@functools.lru_cache(maxsize=None)
-def _model():
-  cfg = transformer.model_config(d_model=32, num_layers=2, mlp_dim=64, layers=({}, {"window": 6}),
-                                 attention=dict(num_heads=4, num_kv_heads=2, head_dim=8))
-  return transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
-
-
-def _prompt(seed, n):
-  return np.random.default_rng(seed).integers(0, 256, n).astype(np.int32)
+_model, _prompt = _tiny.model, _tiny.prompt
 
 
 @functools.lru_cache(maxsize=None)

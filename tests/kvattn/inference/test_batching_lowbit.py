@@ -15,7 +15,7 @@ from kvattn.caches.paged_kivi import PagedKIVICache
 from kvattn.inference.batching import ContinuousBatcher
 from kvattn.inference.generation import generate
 from kvattn.inference.speculative import PromptLookup
-from kvattn.models import transformer
+from tests.kvattn.inference import _tiny
 
 PAGE = 4  # store slots per page: one key group
 MAX_PROMPT = 12
@@ -23,15 +23,7 @@ MAX_NEW = 10
 KIVI = dict(group_size=4, residual=4)  # small enough that prompts flush groups into pages
 
 
-@functools.lru_cache(maxsize=None)
-def _model():
-  cfg = transformer.model_config(d_model=32, num_layers=2, mlp_dim=64, layers=({}, {"window": 6}),
-                                 attention=dict(num_heads=4, num_kv_heads=2, head_dim=8))
-  return transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
-
-
-def _prompt(seed, n):
-  return np.random.default_rng(seed).integers(0, 256, n).astype(np.int32)
+_model, _prompt = _tiny.model, _tiny.prompt
 
 
 @functools.lru_cache(maxsize=None)

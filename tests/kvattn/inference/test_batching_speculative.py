@@ -15,21 +15,14 @@ from kvattn.inference.batching import ContinuousBatcher
 from kvattn.inference.speculative import DraftModel, PromptLookup
 from kvattn.models import transformer
 from kvattn.paging.allocator import pages_for
+from tests.kvattn.inference import _tiny
 
 PAGE = 4
 MAX_PROMPT = 12
 MAX_NEW = 14
 
 
-@functools.lru_cache(maxsize=None)
-def _model():
-  cfg = transformer.model_config(d_model=32, num_layers=2, mlp_dim=64, layers=({}, {"window": 6}),
-                                 attention=dict(num_heads=4, num_kv_heads=2, head_dim=8))
-  return transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
-
-
-def _prompt(seed, n):
-  return np.random.default_rng(seed).integers(0, 256, n).astype(np.int32)
+_model, _prompt = _tiny.model, _tiny.prompt
 
 
 def _batcher(**kw):
