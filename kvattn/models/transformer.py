@@ -372,13 +372,8 @@ class Transformer(nnx.Module):
                          _value(self.lm_head), _value(getattr(self, "lm_head_scale", None)))
     return soft_cap_logits(logits, self.spec.final_soft_cap)
 
-  def __call__(
-      self,
-      tokens: jax.Array,  # i32[B, T]
-      caches: Sequence[Any] | None = None,
-      positions: jax.Array | None = None,  # i32[B, T]
-      new_lengths: jax.Array | None = None,  # i32[B]
-  ) -> tuple[jax.Array, tuple[Any, ...] | None]:
+  def __call__(self, tokens, caches=None, positions=None, new_lengths=None):
+    """`hidden`'s arguments; returns `(logits f32[B, T, V], caches)`."""
     h, caches = self.hidden(tokens, caches, positions, new_lengths)
     return self.logits_from_hidden(h), caches
 
