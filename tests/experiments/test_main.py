@@ -167,6 +167,22 @@ def test_a_kind_added_by_one_file_runs_in_the_main_job(tmp_path):
   assert record["policy"] == "reversed" and record["greedy_agreement"] == 1.0
 
 
+TOY_PAGED = "tests/kvattn/caches/toy_paged_kind.py"  # a pageable kind in one test-only file
+
+
+@pytest.mark.slow  # issue 38 item 9's proof; the fast suite runs the user's policy below
+def test_a_pageable_kind_from_one_file_runs_in_the_main_job(tmp_path):
+  proc = subproc.popen("experiments.main", *subproc.main_args(
+      str(tmp_path), "model.name=random-tiny", "cache.kind=toy_paged",
+      config="configs/default.py:kind-smoke"), f"--import={TOY_PAGED}")
+  out, err = proc.communicate(timeout=900)
+  assert proc.returncode == 0, err
+  with open(os.path.join(tmp_path, "results.jsonl")) as f:
+    (record,) = [json.loads(line) for line in f]
+  # Paged storage holds every token: greedy decoding equals the dense reference's.
+  assert record["policy"] == "toy_paged" and record["greedy_agreement"] == 1.0
+
+
 USER_POLICY = "tests/experiments/user_policy.py"  # outside kvattn; registers "keydiff-lite"
 
 
