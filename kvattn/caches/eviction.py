@@ -12,8 +12,9 @@ gather and the protected windows once). Policies:
     of the last `window_size` queries of each chunk, average-pooled over
     `kernel_size` neighbouring slots, accumulated; keep the top slots plus the
     observation window;
-  - "tova" (Oren et al. 2024, arXiv 2401.06104): keep the slots the newest query
-    attends most;
+  - "tova" (Oren et al. 2024, arXiv 2401.06104): keep the slots the newest query attends
+    most, its attention averaged over the layer's heads: one kept set per layer, as the paper
+    and kvpress's TOVAPress; "tova_per_head" scores each KV head by its own query group;
   - baselines "recent", "random", "knorm" (keep the smallest key L2 norms,
     kvpress's KnormPress).
 Scores of a KV head are the sum over its G query heads (the cache is never expanded to N heads).
@@ -108,6 +109,14 @@ def _knorm_score(c: Candidates, o: dict[str, int]) -> jax.Array:
   return -(norms if c.k_scale is None else norms * jnp.abs(c.k_scale))
 
 
+def _tova_score(c: Candidates, o: dict[str, int]) -> jax.Array:
+  """The newest query's mass averaged over the KV heads (each already the sum over its G
+  query heads), the same for every head. Every head keeps the same tokens in the same slots,
+  so slot j is one token across heads and the average is per token."""
+  del o
+  return jnp.broadcast_to(jnp.mean(c.mass, axis=1, keepdims=True), c.mass.shape)
+
+
 _ZERO = (lambda budget: 0, 0)
 POLICY_TABLE: dict[str, EvictionPolicy] = {
     "h2o": EvictionPolicy(
@@ -121,6 +130,9 @@ POLICY_TABLE: dict[str, EvictionPolicy] = {
         score_queries=lambda t, n, o: (t < n) & (t >= n - o["window_size"]),
         protected="window_size"),
     "tova": EvictionPolicy(
+        score=_tova_score, options={"recent_size": _ZERO},
+        score_queries=lambda t, n, o: t == n - 1, protected="recent_size"),
+    "tova_per_head": EvictionPolicy(
         score=lambda c, o: c.mass, options={"recent_size": _ZERO},
         score_queries=lambda t, n, o: t == n - 1, protected="recent_size"),
     "recent": EvictionPolicy(score=lambda c, o: c.pos.astype(jnp.float32), options={}),

@@ -52,7 +52,7 @@ SETTINGS = {
     "paged": ({"page_size": 4}, {"page_size": 3, "seed": 1}),
     "ring": ({"window": 64}, {"window": 5}),
     "sink": ({"num_sinks": 2, "window": 62}, {"num_sinks": 1, "window": 4}),
-    "h2o": _POLICY, "snapkv": _POLICY, "tova": _POLICY, "recent": _POLICY,
+    "h2o": _POLICY, "snapkv": _POLICY, "tova": _POLICY, "tova_per_head": _POLICY, "recent": _POLICY,
     "random": _POLICY, "knorm": _POLICY, "keydiff-lite": _POLICY,
     "length_switch": ({"switch_length": 64, "num_kv_heads_after": 1},
                       {"switch_length": 5, "num_kv_heads_after": 1}),
@@ -78,7 +78,7 @@ FLOAT_ONLY = {k for k, v in registry.CACHE_KIND_TABLE.items() if v.float_only}
 """Kinds that store no quantization scales (`CacheKind.float_only`): int8 is a TypeError."""
 
 KINDS = sorted(SETTINGS)
-SLOW_KINDS = {"snapkv", "tova", "recent", "random", "knorm", "keydiff-lite", "kivi2", "rotated3",
+SLOW_KINDS = {"snapkv", "tova", "tova_per_head", "recent", "random", "knorm", "keydiff-lite", "kivi2", "rotated3",
               "paged_kivi2", "paged_kivi4", "rotated4", "toy_paged"}
 """Kinds that share another kind's class and differ in a setting: the eviction policies
 share h2o's (only the score differs; each score has its own tests in test_eviction.py,

@@ -234,7 +234,7 @@ def _two_group_case():
   return jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
 
 
-@pytest.mark.parametrize("policy", ["h2o", "tova", "snapkv"])
+@pytest.mark.parametrize("policy", ["h2o", "tova_per_head", "snapkv"])
 def test_kv_heads_whose_groups_attend_different_slots_keep_different_slots(policy):
   q, k, v = _two_group_case()
   options = {"recent_size": 0} if policy != "snapkv" else {"window_size": 1, "kernel_size": 1}
@@ -244,6 +244,26 @@ def test_kv_heads_whose_groups_attend_different_slots_keep_different_slots(polic
   kept = np.asarray(cache.slot_positions())[0]  # [K, budget]
   assert 1 in kept[0] and 3 not in kept[0]
   assert 3 in kept[1] and 1 not in kept[1]
+
+
+def test_tova_keeps_one_set_per_layer_the_head_averaged_newest_attention():
+  # TOVA (Oren et al. 2024): the last query's softmax averaged over every head of the layer.
+  q, k, v = _two_group_case()
+  rng = np.random.default_rng(12)
+  q = q + jnp.asarray(rng.normal(size=q.shape), jnp.float32)  # heads disagree by degrees
+  k = k + jnp.asarray(rng.normal(size=k.shape), jnp.float32)
+  cache = kvattn.EvictingKVCache.init(1, 2, K, 4, policy="tova")
+  pos = _positions(5, 1)
+  _, cache = cache.update_attend(q, k, v, positions=pos, rope_theta=THETA)
+  kept = np.asarray(cache.slot_positions())[0]  # [K, budget]
+  np.testing.assert_array_equal(kept[0], kept[1])  # one set, in the same slots
+  qr = np.asarray(ops.apply_rope(q, pos, rope_theta=THETA))[0, -1]  # [N, H], the newest query
+  kr = np.asarray(ops.apply_rope(k, pos, rope_theta=THETA))[0]  # [T, K, H]
+  logits = np.einsum("nh,tnh->nt", qr, np.repeat(kr, N // K, axis=1)) / np.sqrt(4)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  want = np.argsort(-probs.mean(0))[:2]
+  assert set(kept[0].tolist()) == set(want.tolist())
 
 
 @pytest.mark.parametrize("policy", eviction.POLICIES)
