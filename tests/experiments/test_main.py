@@ -168,36 +168,36 @@ def test_a_kind_added_by_one_file_runs_in_the_main_job(tmp_path):
 
 
 TOY_PAGED = "tests/kvattn/caches/toy_paged_kind.py"  # a pageable kind in one test-only file
+USER_POLICY = "tests/experiments/user_policy.py"  # outside kvattn; registers "keydiff-lite"
+
+
+def _main_with_import(tmp_path, kind, path):
+  """The one record of `:kind-smoke` on the random tiny model with `cache.kind=kind`, the
+  kind's module loaded by `--import=path`."""
+  # --import loads the file before the config is validated; :kind-smoke's sweep sets no key,
+  # so --config.cache.kind names the user's kind (docs/DESIGN.md, "Recipes").
+  proc = subproc.popen("experiments.main", *subproc.main_args(
+      str(tmp_path), "model.name=random-tiny", f"cache.kind={kind}",
+      config="configs/default.py:kind-smoke"), f"--import={path}")
+  out, err = proc.communicate(timeout=900)
+  assert proc.returncode == 0, err
+  with open(os.path.join(tmp_path, "results.jsonl")) as f:
+    (record,) = [json.loads(line) for line in f]
+  assert record["policy"] == kind
+  return record
 
 
 @pytest.mark.slow  # issue 38 item 9's proof; the fast suite runs the user's policy below
 def test_a_pageable_kind_from_one_file_runs_in_the_main_job(tmp_path):
-  proc = subproc.popen("experiments.main", *subproc.main_args(
-      str(tmp_path), "model.name=random-tiny", "cache.kind=toy_paged",
-      config="configs/default.py:kind-smoke"), f"--import={TOY_PAGED}")
-  out, err = proc.communicate(timeout=900)
-  assert proc.returncode == 0, err
-  with open(os.path.join(tmp_path, "results.jsonl")) as f:
-    (record,) = [json.loads(line) for line in f]
+  record = _main_with_import(tmp_path, "toy_paged", TOY_PAGED)
   # Paged storage holds every token: greedy decoding equals the dense reference's.
-  assert record["policy"] == "toy_paged" and record["greedy_agreement"] == 1.0
-
-
-USER_POLICY = "tests/experiments/user_policy.py"  # outside kvattn; registers "keydiff-lite"
+  assert record["greedy_agreement"] == 1.0
 
 
 def test_a_policy_from_the_users_own_file_runs_in_the_main_job(tmp_path):
-  # --import loads the file before the config is validated; :kind-smoke's sweep sets no key,
-  # so --config.cache.kind names the user's kind (docs/DESIGN.md, "Recipes").
-  proc = subproc.popen("experiments.main", *subproc.main_args(
-      str(tmp_path), "model.name=random-tiny", "cache.kind=keydiff-lite",
-      config="configs/default.py:kind-smoke"), f"--import={USER_POLICY}")
-  out, err = proc.communicate(timeout=900)
-  assert proc.returncode == 0, err
-  with open(os.path.join(tmp_path, "results.jsonl")) as f:
-    (record,) = [json.loads(line) for line in f]
+  record = _main_with_import(tmp_path, "keydiff-lite", USER_POLICY)
   budget = default.get_config("kind-smoke").cache.budget
-  assert record["policy"] == "keydiff-lite" and record["budget"] == budget
+  assert record["budget"] == budget
   # The cache holds its budget: 48 slots, and the speed point reads 48 of its 96 tokens.
   assert record["cache_slots_per_seq"] == budget
   assert record["speed_cache_read_bytes"] == record["cache_bytes_per_token"] * 2 * budget
