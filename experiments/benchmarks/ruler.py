@@ -4,8 +4,8 @@
         --lengths 1024,2048,4096,8192 --samples 4 --out runs/ruler_smollm2.jsonl
     python -m experiments.benchmarks.ruler --cache '{"kind": "snapkv", "budget": 512}' ...
 
-Each `(task, length, seed)` example is answered greedily through `kvattn.generate` (chat
-template on, `--batch` prompts per call) and scored by `string_match_all`. One JSON line per
+Each `(task, length, seed)` example is answered greedily through `kvattn.generate` (through
+the chat template when the tokenizer has one, else as raw text; `--batch` prompts per call) and scored by `string_match_all`. One JSON line per
 example is appended to `--out` as soon as its batch finishes; a rerun with the same `--out`
 skips the examples already there (an interrupted run loses no finished result). At the end
 a table of mean scores, task by length, is printed, and the tasks whose mean over lengths
@@ -60,6 +60,7 @@ def main(argv) -> None:
     raise cli.UserError(str(e)) from e
   cache = json.dumps(spec, sort_keys=True)
   model, tok = models.load_model(FLAGS.model)
+  chat = getattr(tok, "chat_template", None) is not None  # a base model gets raw text
   done = _done(FLAGS.out)
   kwargs = {} if spec["kind"] == "dense" else {
       "cache_factory": registry.cache_factory_from_config(model, spec)}
@@ -68,7 +69,7 @@ def main(argv) -> None:
             if (FLAGS.model, cache, t, length, s) not in done]
     for start in range(0, len(todo), FLAGS.batch):
       chunk = todo[start:start + FLAGS.batch]
-      scores, outputs = ruler.evaluate(model, tok, chunk, batch=FLAGS.batch,
+      scores, outputs = ruler.evaluate(model, tok, chunk, chat=chat, batch=FLAGS.batch,
                                        generate_kwargs=kwargs)
       for ex, s, out in zip(chunk, scores, outputs):
         row = {"model": FLAGS.model, "cache": cache, "task": ex.task, "length": length,
@@ -81,7 +82,8 @@ def main(argv) -> None:
   for (m, c, task, length, _), r in done.items():
     if m == FLAGS.model and c == cache and length in lengths and task in FLAGS.tasks:
       table[task, length].append(r["score"])
-  print(f"{FLAGS.model}, cache {cache}: mean score of {FLAGS.samples} examples")
+  print(f"{FLAGS.model} ({'chat template' if chat else 'raw text'}), cache {cache}: mean "
+        f"score of {FLAGS.samples} examples")
   print("| task | " + " | ".join(str(n) for n in lengths) + " |")
   print("|---|" + "---|" * len(lengths))
   qualified = []
