@@ -5,10 +5,11 @@
     python -m experiments.benchmarks.ruler --cache '{"kind": "snapkv", "budget": 512}' ...
 
 Each `(task, length, seed)` example is answered greedily through `kvattn.generate` (through
-the chat template when the tokenizer has one, else as raw text; `--batch` prompts per call) and scored by `string_match_all`. One JSON line per
-example is appended to `--out` as soon as its batch finishes; a rerun with the same `--out`
-skips the examples already there (an interrupted run loses no finished result). At the end
-a table of mean scores, task by length, is printed, and the tasks whose mean over lengths
+the chat template when the tokenizer has one, else as raw text; `--batch` prompts per call)
+and scored by `string_match_all`. One JSON line per example is appended to `--out` as soon as
+its batch finishes; a rerun with the same `--out` skips the examples already there (an
+interrupted run loses no finished result). At the end a table of mean scores, task by length,
+is printed, and the tasks whose mean over lengths
 is at least `--qualify` are named: only there does comparing caches mean anything.
 """
 
