@@ -61,6 +61,7 @@ def test_thunks_are_grouped_by_kind_shape_and_op(tmp_path):
   assert sum(r["share"] for r in out["rows"]) == pytest.approx(1.0)
 
 
+@pytest.mark.slow  # a whole benchmark run; the fast suite checks its parts above
 def test_a_run_on_the_tiny_model_fits_its_points_and_names_the_step_ops():
   """The whole benchmark, breakdown child included, on the 2-layer random model: every
   point is timed, the fit has the bytes of one layer, and the breakdown finds the decode

@@ -97,6 +97,7 @@ def test_bad_arguments_are_named():
     ruler.make("niah_single", TOK, 64)
 
 
+@pytest.mark.slow  # generates with a model; the task builders are tested above
 def test_evaluate_scores_the_greedy_answer_of_each_prompt():
   model = models.tiny_model()
   examples = [ruler.make(t, TOK, 256, seed=0) for t in ("niah_single", "frequent_words")]

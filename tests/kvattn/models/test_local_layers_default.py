@@ -52,6 +52,7 @@ def test_generate_sizes_its_memory_check_by_the_rings(monkeypatch):
     kvattn.generate(model, prompts, lengths, 1, max_len=4000)
 
 
+@pytest.mark.slow  # the suite-time budget; the default layout itself is tested above
 def test_a_draft_model_with_local_layers_keeps_full_caches():
   # Draft caches roll back by lengths, which rings cannot: the draft keeps full-length caches.
   from kvattn.inference import speculative  # pylint: disable=g-import-not-at-top
