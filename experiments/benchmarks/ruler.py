@@ -49,6 +49,8 @@ def _done(path: str) -> dict[tuple, dict]:
 
 
 def main(argv) -> None:
+  """Scores every `(task, length, seed)` not yet in `--out`, then prints the table (module
+  doc); a bad `--tasks`, `--lengths` or `--cache` is a one-line user error."""
   del argv
   for task in FLAGS.tasks:
     if task not in ruler.TASKS:

@@ -18,10 +18,13 @@ def _arrays(cache) -> dict[str, jax.Array]:
 
 
 def bounded(cache) -> bool:
+  """True when `cache` holds at most a fixed budget of tokens (class attribute `BOUNDED`)."""
   return bool(getattr(cache, "BOUNDED", False))
 
 
 def paged(cache) -> bool:
+  """True when `cache` is a page pool (class attribute `POOL_FIELDS` names its `[K, P, ...]`
+  arrays)."""
   return bool(getattr(cache, "POOL_FIELDS", ()))
 
 

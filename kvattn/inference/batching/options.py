@@ -55,6 +55,8 @@ class Finished:
 
 @dataclasses.dataclass
 class Live:
+  """A request in a slot: its id, the tokens generated so far, its budget and when it joined."""
+
   request_id: Hashable
   tokens: list
   max_new_tokens: int
