@@ -12,6 +12,7 @@ from kvattn.caches.kivi import KIVICache
 from kvattn.caches.kivi_latent import KIVILatentCache
 from kvattn.caches.rotated import RotatedCache
 from kvattn.caches.paged_kivi import PagedKIVICache
+from kvattn.caches import presses  # the presses' policies and kinds (one file each)
 from kvattn.caches import registry
 from kvattn.caches import transaction
 from kvattn.caches.registry import (CacheFactory, CacheKind, build_caches,
@@ -20,7 +21,7 @@ from kvattn.caches.registry import (CacheFactory, CacheKind, build_caches,
 __all__ = [
     "CacheFactory", "CacheKind", "EvictingKVCache", "KIVICache", "KIVILatentCache", "KVCache", "LatentCache",
     "LengthSwitchKVCache", "PagedKIVICache", "PagedKVCache", "RingKVCache", "RotatedCache", "SinkKVCache",
-    "build_caches", "cache_factory_from_config", "capabilities", "checkpoint", "protocol",
+    "build_caches", "cache_factory_from_config", "capabilities", "checkpoint", "presses", "protocol",
     "register_cache_kind", "registry", "sharded", "transaction",
 ]
 
