@@ -12,17 +12,18 @@ The filters are computed HERE from the model: `calibrate(model, tokens)` runs th
 `tokens` once, with caches that record each layer's queries (their Gram matrix), and keeps the
 result for that model's attention modules. The kind "qfilter" (`QFilterKVCache`, an
 `EvictingKVCache` with a `filters: f32[B, K, H]` leaf, batch-major so every row operation,
-checkpoint and mesh placement treats it as any other leaf) builds from those filters; a model of
-the byte vocabulary (`kvattn.vocab`) it has not seen is calibrated on the spot on
-`calibration_tokens()` (a sample of the default corpus, the standard library's sources); any
-other model must be calibrated first, with its tokenizer: `calibrate(model,
-calibration_tokens(tokenizer))`. Filters stay with the modules they were computed for: after
-changing the weights, calibrate again.
+checkpoint and mesh placement treats it as any other leaf) builds from those filters. A model it
+has not seen is calibrated on the spot on `calibration_tokens()` (a sample of the default
+corpus, the standard library's sources) as bytes -- the right tokens for the byte vocabulary
+(`kvattn.vocab`); any other vocabulary gets the byte ids folded into it, with a warning: calibrate
+a model with its own tokenizer first, `calibrate(model, calibration_tokens(tokenizer))`. Filters
+stay with the modules they were computed for: after changing the weights, calibrate again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import weakref
 from typing import Any
@@ -144,23 +145,32 @@ def _known(attn) -> np.ndarray | None:
 
 
 def model_filters(model) -> tuple[np.ndarray, ...]:
-  """The filters kept for `model`'s cache-owning layers; a byte-vocabulary model not seen yet is
-  calibrated on `calibration_tokens()`.
+  """The filters kept for `model`'s cache-owning layers. A model `calibrate` has not seen is
+  calibrated now on `calibration_tokens()`: as bytes for the byte vocabulary, else folded into
+  its vocabulary (`ids % vocab_size`, with a warning: a model with its own tokenizer should be
+  calibrated first with it).
 
   Raises:
-    ValueError: a model with another vocabulary that `calibrate` has not seen.
+    ValueError: an uncalibrated model given as a stand-in of some of its layers (the per-layer
+      layout of a model with local layers) -- it cannot be run.
   """
   attns = gqa_layers(model)
   known = [_known(a) for a in attns]
   if all(f is not None for f in known):
     return tuple(known)
-  owners = cache_owners(model)
-  if owners is model and getattr(model, "vocab_size", None) == vocab.VOCAB_SIZE and callable(model):
-    return calibrate(model, calibration_tokens())
-  raise ValueError(
-      "cache kind 'qfilter' needs the model's Q-Filters: call kvattn.caches.presses.qfilter."
-      "calibrate(model, calibration_tokens(tokenizer)) before building its caches (a "
-      "byte-vocabulary model is calibrated on its own)")
+  vocab_size = getattr(model, "vocab_size", None)
+  if cache_owners(model) is not model or not callable(model) or vocab_size is None:
+    raise ValueError(
+        "cache kind 'qfilter' needs the model's Q-Filters: call kvattn.caches.presses.qfilter."
+        "calibrate(model, calibration_tokens(tokenizer)) before building its caches")
+  tokens = calibration_tokens()
+  if vocab_size != vocab.VOCAB_SIZE:
+    logging.getLogger(__name__).warning(
+        "Q-Filters of a model of vocabulary %d calibrated on byte ids folded into it; for "
+        "filters from real text call qfilter.calibrate(model, calibration_tokens(tokenizer))",
+        vocab_size)
+    tokens = tokens % vocab_size
+  return calibrate(model, tokens)
 
 
 def score(c: eviction.Candidates, options: dict[str, int]) -> jax.Array:

@@ -69,18 +69,20 @@ def test_calibrate_takes_the_first_layers_own_rope_queries(model):
   assert caches[1].filters.shape == (2, 2, 8)
 
 
-def test_a_model_without_the_byte_vocabulary_must_be_calibrated_first(model):
+def test_bad_calibration_input_raises_and_other_vocabularies_fold_the_bytes(model, caplog):
   with pytest.raises(ValueError, match="tokens"):
     qfilter.calibrate(model, np.zeros((2,), np.int32))
   with pytest.raises(ValueError, match="lengths"):
     qfilter.calibrate(model, np.zeros((1, 4), np.int32), np.array([5]))
   with pytest.raises(ValueError, match="num_tokens"):
     qfilter.calibration_tokens(num_tokens=0)
-  cfg = transformer.model_config(d_model=32, num_layers=1, mlp_dim=64, vocab_size=300,
+  cfg = transformer.model_config(d_model=32, num_layers=1, mlp_dim=64, vocab_size=40,
                                  attention=dict(num_heads=4, num_kv_heads=2, head_dim=8))
   other = transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(2))
-  with pytest.raises(ValueError, match="calibrate"):
-    registry.build_caches(other, 1, 16, None, {"kind": "qfilter", "budget": 4})
+  (cache,) = registry.build_caches(other, 1, 16, None, {"kind": "qfilter", "budget": 4})
+  assert "folded" in caplog.text
+  want = qfilter.calibrate(other, qfilter.calibration_tokens() % 40)
+  np.testing.assert_array_equal(np.asarray(cache.filters[0]), want[0])
 
 
 @pytest.mark.slow  # SmolLM2: one calibration and one 600-token prefill (~1 min of CPU)
