@@ -72,10 +72,11 @@ def chunked(inner: str) -> eviction.EvictionPolicy:
 
 
 def register(inner: str) -> str:
-  """Registers ChunkKV over `inner` as policy and cache kind `chunkkv_<inner>`; returns the
-  name (`chunkkv` itself is SnapKV's)."""
+  """Registers ChunkKV over `inner` as policy and cache kind `chunkkv_<inner>` (once); returns
+  the name (`chunkkv` itself is SnapKV's)."""
   name = f"{NAME}_{inner}"
-  eviction.register_eviction_policy(name, chunked(inner))
+  if name not in eviction.POLICY_TABLE:
+    eviction.register_eviction_policy(name, chunked(inner))
   return name
 
 

@@ -58,6 +58,7 @@ SETTINGS = {
     "keydiff": _POLICY, "qfilter": _POLICY,
     "expected_attention": ({"budget": 64}, {"budget": 6, "num_sinks": 1, "n_future_positions": 4}),
     "chunkkv": ({"budget": 64}, {"budget": 6, "chunk_size": 2, "window_size": 2}),
+    "criticalkv": ({"budget": 64}, {"budget": 6, "window_size": 2, "first_keep": 2}),
     "snapkv+knorm": ({"budget": 64}, {"budget": 6, "window_size": 2, "first_keep": 8}),
     "decoding_knorm": ({"budget": 64}, {"budget": 6, "compression_interval": 2}),
     "length_switch": ({"switch_length": 64, "num_kv_heads_after": 1},
@@ -89,7 +90,8 @@ SLOW_KINDS = {"snapkv", "tova", "tova_per_head", "recent", "random", "knorm", "k
               # The presses (~20 CPU-s each here): EvictingKVCache (and two subclasses: a filters
               # leaf; eviction only when full) with another score, each checked against its numpy
               # reference over ragged rows, NaN slots and budget +-1 in tests/kvattn/caches/presses.
-              "keydiff", "expected_attention", "qfilter", "chunkkv", "snapkv+knorm", "decoding_knorm"}
+              "keydiff", "expected_attention", "qfilter", "chunkkv", "criticalkv", "snapkv+knorm",
+              "decoding_knorm"}
 """Kinds that share another kind's class and differ in a setting: the eviction policies
 share h2o's (only the score differs; each score has its own tests in test_eviction.py,
 the test-only keydiff-lite's in tests/experiments: the main job and chat run it),

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvattn.caches import eviction
-from kvattn.caches.presses import chunkkv, composed, decoding, qfilter
+from kvattn.caches.presses import chunkkv, composed, criticalkv, decoding, qfilter
 from tests.kvattn.caches.presses import reference as ref
 
 B, K, N, H = 2, 2, 4, 8
@@ -178,6 +178,29 @@ def test_composition_narrows_by_snapkv_then_chooses_by_key_norm(budget):
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
+def test_criticalkv_keeps_snapkvs_best_then_score_times_value_norm(budget):
+  first_keep = 2
+  cache = eviction.EvictingKVCache.init(B, budget, K, H, policy="criticalkv", window_size=1,
+                                        kernel_size=1, first_keep=first_keep)
+  snap = _snapkv(1, 1)
+
+  def score_fn(b, cands, chunk):
+    ranks, carries = [], []
+    for h, c in enumerate(cands):
+      live = c["pos"] >= 0
+      s = np.where(live, snap(c, h, chunk), 0.0)
+      second = np.where(live, (s + 1e-4) * np.linalg.norm(c["v"], axis=-1), -np.inf)
+      s = np.where(live, s, -np.inf)
+      num = len(live)
+      ranks.append(np.where(ref.descending_rank(s) < first_keep, num, 0)
+                   + (num - 1 - ref.descending_rank(second)))
+      carries.append(s)
+    return np.stack(ranks).astype(np.float64), np.stack(carries)
+
+  _check(cache, ref.Simulation(B, K, budget, recent=1), score_fn, _inputs(6))
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
 def test_decoding_evicts_only_when_full_back_to_the_target(budget):
   interval = 2
   cache = decoding.DecodingKVCache.init(B, budget, K, H, policy="knorm",
@@ -204,6 +227,10 @@ def test_bad_options_raise_value_errors_naming_them():
     composed.compose("snapkv", "lru")
   with pytest.raises(ValueError, match="inner"):
     chunkkv.chunked("lru")
+  with pytest.raises(ValueError, match="inner"):
+    criticalkv.critical("lru")
+  with pytest.raises(ValueError, match="first_keep"):
+    eviction.EvictingKVCache.init(B, 6, K, H, policy="criticalkv", first_keep=-1)
   with pytest.raises(ValueError, match="compression_interval"):
     decoding.DecodingKVCache.init(B, 6, K, H, policy="knorm", compression_interval=6)
   with pytest.raises(ValueError, match="target"):
