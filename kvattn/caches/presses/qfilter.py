@@ -115,6 +115,8 @@ def calibrate(model, tokens: Any, lengths: Any = None) -> tuple[np.ndarray, ...]
   run = jax.jit(lambda s, c, t, n: nnx.merge(graphdef, s)(t, c, new_lengths=n)[1])
   recorded = run(state, caches, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32))
   filters = tuple(filters_from_gram(c.gram, c.total) for c in recorded)
+  for key in [key for key, (ref, _) in _FILTERS.items() if ref() is None]:
+    del _FILTERS[key]  # modules gone: their ids may be reused
   for attn, f in zip(attns, filters):
     _FILTERS[id(attn)] = (weakref.ref(attn), f)
   return filters
