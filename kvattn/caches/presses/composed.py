@@ -40,9 +40,13 @@ def composed(first: str, second: str) -> eviction.EvictionPolicy:
   both policies' (a shared name is one option) and `first_keep`.
 
   Raises:
-    ValueError: an unregistered policy name.
+    ValueError: an unregistered policy name, or one taking `first_keep` itself.
   """
   a, b = _policy(first, "first"), _policy(second, "second")
+  for where, name, p in (("first", first, a), ("second", second, b)):
+    if "first_keep" in p.options:
+      raise ValueError(f"{where} must not take an option first_keep (the composition's own); "
+                       f"got {name!r}")
 
   def score(c: eviction.Candidates, options: dict[str, int]):
     mask = live(c)
@@ -70,7 +74,7 @@ def compose(first: str, second: str) -> str:
   a second call returns the name); returns the name.
 
   Raises:
-    ValueError: an unregistered policy name.
+    ValueError: an unregistered policy name, or one taking `first_keep` itself.
   """
   name = f"{first}+{second}"
   if name not in eviction.POLICY_TABLE:

@@ -225,6 +225,8 @@ def test_bad_options_raise_value_errors_naming_them():
     eviction.EvictingKVCache.init(B, 6, K, H, policy="keydiff", window_size=2)
   with pytest.raises(ValueError, match="second"):
     composed.compose("snapkv", "lru")
+  with pytest.raises(ValueError, match="first_keep"):
+    composed.compose("criticalkv", "knorm")
   with pytest.raises(ValueError, match="inner"):
     chunkkv.chunked("lru")
   with pytest.raises(ValueError, match="inner"):
