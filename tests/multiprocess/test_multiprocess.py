@@ -93,3 +93,37 @@ def test_one_process_with_eight_devices_gives_the_same_tokens():
          if r["process"] == 0}
   for name in one:
     assert one[name]["tokens"] == two[name]["tokens"], name
+
+
+def _main_job(workdir: str, num_processes: int) -> list[dict]:
+  """The main job's smoke config on a random model over a (1, 8, 1) mesh, as
+  `num_processes` processes of `8 // num_processes` devices; process 0's records."""
+  port = _free_port()
+  env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+             JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // num_processes}")
+  flags = ["--config=configs/default.py:smoke", "--config.model.name=random-tiny",
+           "--config.mesh.shape=(1,8,1)", f"--workdir={workdir}"]
+  if num_processes > 1:
+    flags += ["--distributed", f"--coordinator_address=localhost:{port}",
+              f"--num_processes={num_processes}"]
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "experiments.main", *flags]
+      + ([f"--process_id={i}"] if num_processes > 1 else []), cwd=ROOT, env=env,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(num_processes)]
+  outs = [p.communicate(timeout=600)[0] for p in procs]
+  assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+  with open(os.path.join(workdir, "results.jsonl"), encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow  # two main-job runs, ~3 CPU-minutes
+def test_main_job_on_two_processes_equals_one_process(tmp_path):
+  two = _main_job(str(tmp_path / "two"), 2)
+  one = _main_job(str(tmp_path / "one"), 1)
+  with open(tmp_path / "two" / "process_1" / "results.jsonl", encoding="utf-8") as f:
+    other = [json.loads(line) for line in f]
+  assert [r["point"] for r in two] == [r["point"] for r in one] == [r["point"] for r in other]
+  for a, b, c in zip(two, one, other):
+    assert a["greedy_tokens"] == b["greedy_tokens"] == c["greedy_tokens"], a["point"]
+    assert a["ppl"] == pytest.approx(b["ppl"], rel=1e-6) and a["ppl"] == c["ppl"], a["point"]
