@@ -12,6 +12,7 @@ from kvattn.caches.kivi import KIVICache
 from kvattn.caches.kivi_latent import KIVILatentCache
 from kvattn.caches.rotated import RotatedCache
 from kvattn.caches.paged_kivi import PagedKIVICache
+from kvattn.caches import pyramid  # noqa: F401  (registers kind "pyramidkv")
 from kvattn.caches import registry
 from kvattn.caches import transaction
 from kvattn.caches.registry import (CacheFactory, CacheKind, build_caches,

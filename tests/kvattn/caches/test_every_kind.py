@@ -57,6 +57,7 @@ SETTINGS = {
     "length_switch": ({"switch_length": 64, "num_kv_heads_after": 1},
                       {"switch_length": 5, "num_kv_heads_after": 1}),
     "reversed": ({}, {}),
+    "pyramidkv": ({"budget": 64}, {"budget": 6}),  # layers (94, 34) / (9, 3) slots
     "toy_paged": ({"page_size": 4}, {"page_size": 3, "seed": 1}),
     # KIVI: easy = every token in the residual; hard = groups of 2 flushed behind 2 residual
     # tokens (kivi2), and behind none with keys before RoPE and f32 scales (kivi4).
@@ -78,7 +79,7 @@ FLOAT_ONLY = {k for k, v in registry.CACHE_KIND_TABLE.items() if v.float_only}
 """Kinds that store no quantization scales (`CacheKind.float_only`): int8 is a TypeError."""
 
 KINDS = sorted(SETTINGS)
-SLOW_KINDS = {"snapkv", "tova", "tova_per_head", "recent", "random", "knorm", "keydiff-lite", "kivi2", "rotated3",
+SLOW_KINDS = {"pyramidkv", "snapkv", "tova", "tova_per_head", "recent", "random", "knorm", "keydiff-lite", "kivi2", "rotated3",
               "paged_kivi2", "paged_kivi4", "rotated4", "toy_paged"}
 """Kinds that share another kind's class and differ in a setting: the eviction policies
 share h2o's (only the score differs; each score has its own tests in test_eviction.py,
