@@ -15,6 +15,7 @@ from kvattn.caches.paged_kivi import PagedKIVICache
 from kvattn.caches import pyramid  # noqa: F401  (registers kind "pyramidkv")
 from kvattn.caches.adakv import AdaKVCache
 from kvattn.caches.duo import DuoKVCache
+from kvattn.caches.think import ThinKCache
 from kvattn.caches import registry
 from kvattn.caches import transaction
 from kvattn.caches.registry import (CacheFactory, CacheKind, build_caches,
@@ -22,7 +23,7 @@ from kvattn.caches.registry import (CacheFactory, CacheKind, build_caches,
 
 __all__ = [
     "AdaKVCache", "CacheFactory", "CacheKind", "DuoKVCache", "EvictingKVCache", "KIVICache", "KIVILatentCache", "KVCache", "LatentCache",
-    "LengthSwitchKVCache", "PagedKIVICache", "PagedKVCache", "RingKVCache", "RotatedCache", "SinkKVCache",
+    "LengthSwitchKVCache", "PagedKIVICache", "PagedKVCache", "RingKVCache", "RotatedCache", "SinkKVCache", "ThinKCache",
     "build_caches", "cache_factory_from_config", "capabilities", "checkpoint", "protocol",
     "register_cache_kind", "registry", "sharded", "transaction",
 ]

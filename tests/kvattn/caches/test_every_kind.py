@@ -59,6 +59,7 @@ SETTINGS = {
     "reversed": ({}, {}),
     "pyramidkv": ({"budget": 64}, {"budget": 6}),  # layers (94, 34) / (9, 3) slots
     "duo": ({"num_sinks": 2, "window": 62}, {"num_sinks": 1, "window": 3, "pattern": "RS,SR"}),
+    "think": ({"keep_channels": 8}, {"keep_channels": 3, "window_size": 2}),  # of head_dim 8
     "adakv": ({"budget": 16}, {"budget": 3, "kernel_size": 3, "window_size": 1}),
     "toy_paged": ({"page_size": 4}, {"page_size": 3, "seed": 1}),
     # KIVI: easy = every token in the residual; hard = groups of 2 flushed behind 2 residual
