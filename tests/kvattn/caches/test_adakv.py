@@ -147,6 +147,7 @@ def test_heads_get_different_counts_and_the_floor_holds():
     assert 3 in _held(cache, 0)[0]
 
 
+@pytest.mark.slow  # the conformance suite runs adakv's garbage and ragged-row checks fast
 def test_garbage_in_unused_slots_changes_nothing_and_rows_equal_rows_alone():
   rng = np.random.default_rng(5)
   q, k, v = (rng.normal(size=s).astype(np.float32) for s in
@@ -204,3 +205,16 @@ def test_bad_options_raise_value_errors_naming_them():
     AdaKVCache.init(B, 0, K, H)
   with pytest.raises(TypeError, match="dtype"):
     AdaKVCache.init(B, 4, K, H, jnp.int32)
+
+
+@pytest.mark.slow  # compiles the batcher (tests/kvattn/inference/test_batching_rows.py's setup)
+def test_the_batcher_gives_each_sequence_its_tokens_alone():
+  from kvattn.inference.batching import ContinuousBatcher  # pylint: disable=g-import-not-at-top
+  from tests.kvattn.inference import test_batching_rows as rows  # pylint: disable=g-import-not-at-top
+  spec = {"kind": "adakv", "budget": 6}
+  batcher = ContinuousBatcher(rows._model(), num_slots=2, num_pages=1, page_size=4,  # pylint: disable=protected-access
+                              max_len=rows.MAX_PROMPT + rows.MAX_NEW,
+                              max_prompt_len=rows.MAX_PROMPT, cache=spec)
+  done = batcher.run([(rid, rows._prompt(seed, n), new) for rid, seed, n, new in rows.REQUESTS])  # pylint: disable=protected-access
+  for rid, seed, n, new in rows.REQUESTS:
+    np.testing.assert_array_equal(done[rid].tokens, rows._alone(spec, seed, n)[:new])  # pylint: disable=protected-access

@@ -82,7 +82,7 @@ FLOAT_ONLY = {k for k, v in registry.CACHE_KIND_TABLE.items() if v.float_only}
 """Kinds that store no quantization scales (`CacheKind.float_only`): int8 is a TypeError."""
 
 KINDS = sorted(SETTINGS)
-SLOW_KINDS = {"pyramidkv", "snapkv", "tova", "tova_per_head", "recent", "random", "knorm", "keydiff-lite", "kivi2", "rotated3",
+SLOW_KINDS = {"pyramidkv", "duo", "think", "snapkv", "tova", "tova_per_head", "recent", "random", "knorm", "keydiff-lite", "kivi2", "rotated3",
               "paged_kivi2", "paged_kivi4", "rotated4", "toy_paged"}
 """Kinds that share another kind's class and differ in a setting: the eviction policies
 share h2o's (only the score differs; each score has its own tests in test_eviction.py,

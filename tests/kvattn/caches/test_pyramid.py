@@ -153,7 +153,7 @@ def test_every_layer_keeps_snapkvs_selection_at_its_own_budget_and_attends_it():
              [(B, num_tokens, N, H), (B, num_tokens, K, H), (B, num_tokens, K, H)])
   pos = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (B, num_tokens))
   qr, kr = (np.asarray(ops.apply_rope(x, pos, rope_theta=THETA)) for x in (q, k))
-  for budget in budgets:
+  for budget in (budgets[0], budgets[-1]):  # the bottom and the top layer
     cache = EvictingKVCache.init(B, budget, K, H, policy="snapkv", window_size=4, kernel_size=3)
     _, cache = _prefill_step(cache, q, k, v, pos)
     kept = np.asarray(cache.slot_positions())
@@ -198,6 +198,7 @@ def test_a_prompt_at_the_top_budget_evicts_nothing_and_one_more_evicts_only_ther
                                  np.asarray(dense_logits)[0, :length], atol=1e-5)
 
 
+@pytest.mark.slow  # the builder is EvictingKVCache.init per layer; this runs it through prefill
 def test_layers_equal_evicting_caches_built_alone_at_their_budgets(model):
   spec = {"kind": "pyramidkv", "budget": 6, "beta": 3}
   caches = registry.build_caches(model, B, 32, None, spec)
@@ -210,3 +211,16 @@ def test_layers_equal_evicting_caches_built_alone_at_their_budgets(model):
   np.testing.assert_array_equal(np.asarray(first), np.asarray(first_alone))
   for a, b in zip(caches, alone):
     np.testing.assert_array_equal(np.asarray(a.pos), np.asarray(b.pos))
+
+
+@pytest.mark.slow  # compiles the batcher (tests/kvattn/inference/test_batching_rows.py's setup)
+def test_the_batcher_gives_each_sequence_its_tokens_alone():
+  from kvattn.inference.batching import ContinuousBatcher  # pylint: disable=g-import-not-at-top
+  from tests.kvattn.inference import test_batching_rows as rows  # pylint: disable=g-import-not-at-top
+  spec = {"kind": "pyramidkv", "budget": 6}
+  batcher = ContinuousBatcher(rows._model(), num_slots=2, num_pages=1, page_size=4,  # pylint: disable=protected-access
+                              max_len=rows.MAX_PROMPT + rows.MAX_NEW,
+                              max_prompt_len=rows.MAX_PROMPT, cache=spec)
+  done = batcher.run([(rid, rows._prompt(seed, n), new) for rid, seed, n, new in rows.REQUESTS])  # pylint: disable=protected-access
+  for rid, seed, n, new in rows.REQUESTS:
+    np.testing.assert_array_equal(done[rid].tokens, rows._alone(spec, seed, n)[:new])  # pylint: disable=protected-access
