@@ -23,6 +23,7 @@ retrieval (induction) heads do; `calibrate(model, tokens)` takes real text inste
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import jax
@@ -421,8 +422,9 @@ def streaming_pattern(losses, streaming_fraction: float) -> tuple[tuple[bool, ..
 
 
 _CALIBRATED: dict[int, tuple[Any, dict]] = {}
-"""id(attention module) -> (the module, {(num_sinks, window): its loss f32[K]}), filled by
-`calibrate`: the builder reads it for the layers it is given (a stand-in of some layers, too)."""
+"""id(attention module) -> (a weak reference to the module, {(num_sinks, window): its loss
+f32[K]}), filled by `calibrate`: the builder reads it for the layers it is given (a stand-in of
+some layers, too). Weak, so a calibrated model is still freed."""
 
 
 def calibrate(model, tokens=None, *, num_sinks: int = 4, window: int = 64,
@@ -440,7 +442,10 @@ def calibrate(model, tokens=None, *, num_sinks: int = 4, window: int = 64,
   losses = head_losses(model, default_sample(model) if tokens is None else tokens,
                        num_sinks=int(num_sinks), window=window)
   for attn, row in zip(gqa_layers(model), losses):
-    _CALIBRATED.setdefault(id(attn), (attn, {}))[1][(int(num_sinks), window)] = row
+    entry = _CALIBRATED.get(id(attn))
+    if entry is None or entry[0]() is not attn:  # new, or an id reused by a freed module
+      entry = _CALIBRATED[id(attn)] = (weakref.ref(attn), {})
+    entry[1][(int(num_sinks), window)] = row
   return streaming_pattern(losses, streaming_fraction)
 
 
@@ -472,7 +477,7 @@ def build(model, batch, max_len, dtype, o, tokens_per_seq) -> tuple[DuoKVCache, 
   else:
     key = (num_sinks, window)
     known = [_CALIBRATED.get(id(a)) for a in attns]
-    if not all(entry and entry[0] is a and key in entry[1] for entry, a in zip(known, attns)):
+    if not all(entry and entry[0]() is a and key in entry[1] for entry, a in zip(known, attns)):
       if not callable(model) or cache_owners(model) is not model:
         raise ValueError("pattern must be set, or calibrate(model) run first, for a subset of "
                          "a model's layers (local_layers='ring', cross-layer sharing)")
