@@ -78,7 +78,7 @@ def resolve_options(budget: int, *, window_size=None, kernel_size=None, num_sink
   return tuple(sorted((k, int(v)) for k, v in resolved.items()))
 
 
-def pool_positions(score: jax.Array, pos: jax.Array, size: int) -> jax.Array:
+def avg_pool_by_position(score: jax.Array, pos: jax.Array, size: int) -> jax.Array:
   """SnapKV's average pooling of `score: f32[B, K, C]` over `size` neighbouring candidates of
   the same row in token order (`pos: i32[B, K, C]`, -1 for none, sorted last), zero-padded;
   returns the pooled scores in the candidates' own order."""
@@ -227,7 +227,7 @@ class AdaKVCache(_slots.Slots, capabilities.Rows):
   def _view(self, kq=None, vq=None, ks=None, vs=None, new_pos=None):
     """The pool as K per-head rows `[B, K, P (+ T), ...]` (slots of other heads at pos -1),
     followed by the new tokens of each head."""
-    batch, pool, num_kv_heads = self.batch, self.pool, self.num_kv_heads
+    batch, num_kv_heads = self.batch, self.num_kv_heads
     own = self.head[:, None, :] == jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
     wide = lambda x: None if x is None else jnp.broadcast_to(
         x[:, None], (batch, num_kv_heads) + x.shape[1:])
@@ -236,7 +236,6 @@ class AdaKVCache(_slots.Slots, capabilities.Rows):
     if kq is None:
       return k, v, k_scale, v_scale, pos
     new_pos = jnp.broadcast_to(new_pos[:, None], (batch, num_kv_heads, new_pos.shape[1]))
-    del pool
     return (concat(k, kq), concat(v, vq), concat(k_scale, ks), concat(v_scale, vs),
             concat(pos, new_pos))
 
@@ -250,7 +249,7 @@ class AdaKVCache(_slots.Slots, capabilities.Rows):
     own = view_pos[..., :pool] >= 0
     carried = concat(jnp.where(own, self.scores[:, None, :], 0.0),
                      jnp.zeros((batch, num_kv_heads, num_tokens), jnp.float32))
-    score = carried + pool_positions(mass, view_pos, o["kernel_size"])  # [B, K, P + T]
+    score = carried + avg_pool_by_position(mass, view_pos, o["kernel_size"])  # [B, K, P + T]
     valid = view_pos >= 0
     protect = valid & ((view_pos < o["num_sinks"]) | (view_pos > end - 1 - o["window_size"]))
     priority = jnp.where(valid, jnp.where(protect, jnp.inf, score), -jnp.inf)
