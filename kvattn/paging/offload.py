@@ -6,7 +6,7 @@ import collections
 import hashlib
 import logging
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -444,15 +444,22 @@ class PageCodec:
     out = self._read(tuple(caches), rows, starts, counts, bucket)
     return np.asarray(out)[:n]
 
-  def write(self, caches: Sequence[Any], pages: Sequence[int], payload: Any) -> tuple[Any, ...]:
-    """`caches` with `pages` overwritten by `payload` (`u8[len(pages), page_bytes]`, or
-    a list of `u8[page_bytes]` rows); `caches` are donated. Runs of consecutive pages are
-    written as whole blocks (class doc); a page listed twice gets its last row.
+  def stage(self, pages: Sequence[int], payload: Any, num_pages: int) -> "StagedPages":
+    """Starts moving `payload` for `pages` to the device, without touching any cache: the
+    host copy and the transfer can run (on another thread) while a decode step computes;
+    `write(caches, pages, staged)` then only updates the pools.
+
+    Args:
+      pages: pool pages, payload order.
+      payload: `u8[len(pages), page_bytes]`, or a list of `u8[page_bytes]` rows.
+      num_pages: pages in each pool (the pages are checked against it).
 
     Raises:
-      ValueError: a payload of the wrong shape, or a page outside the pool.
+      ValueError: a payload of the wrong shape, or a page outside [0, num_pages).
     """
-    pages = self._pages(caches, pages)
+    pages = np.asarray(pages, np.int64).reshape(-1)
+    if len(pages) and (pages.min() < 0 or pages.max() >= num_pages):
+      raise ValueError(f"pages must lie in [0, {num_pages}); got {pages.tolist()}")
     n = len(pages)
     bucket = _bucket(max(n, 1))
     # One host copy into the padded block; its padding rows are never read (`page_runs`).
@@ -469,13 +476,41 @@ class PageCodec:
         raise ValueError(f"payload must have shape [len(pages), page_bytes] = ({n}, "
                          f"{self.page_bytes}); got {tuple(payload.shape)}")
       buf[:n] = payload
-    if not n:
-      return tuple(caches)
     # A page listed twice: its last row wins, as with a scatter; the runs see each page once.
     last = {int(p): i for i, p in enumerate(pages)}
     if len(last) < n:
       keep = np.array(sorted(last.values()))
       buf[:len(keep)] = buf[keep]
       pages = pages[keep]
-    rows, starts, counts = page_runs(pages, bucket)
-    return self._write(tuple(caches), rows, starts, counts, jax.device_put(buf))
+    return StagedPages(pages, page_runs(pages, bucket), jax.device_put(buf) if n else None)
+
+  def write(self, caches: Sequence[Any], pages: Sequence[int], payload: Any) -> tuple[Any, ...]:
+    """`caches` with `pages` overwritten by `payload` (`u8[len(pages), page_bytes]`, a list
+    of `u8[page_bytes]` rows, or what `stage` returned for these pages); `caches` are
+    donated. Runs of consecutive pages are written as whole blocks (class doc); a page listed
+    twice gets its last row.
+
+    Raises:
+      ValueError: a payload of the wrong shape, a page outside the pool, or a staged payload
+        of other pages.
+    """
+    pools = self._pools(caches)
+    if not isinstance(payload, StagedPages):
+      payload = self.stage(pages, payload, pools[0].shape[1] if pools else 0)
+    elif not np.array_equal(np.unique(np.asarray(pages, np.int64)), np.unique(payload.pages)):
+      raise ValueError(f"pages must be the pages staged ({payload.pages.tolist()}); got "
+                       f"{np.asarray(pages).tolist()}")
+    if payload.device is None:
+      return tuple(caches)
+    return self._write(tuple(caches), *payload.runs, payload.device)
+
+
+class StagedPages(NamedTuple):
+  """A payload on its way to the device (`PageCodec.stage`)."""
+
+  pages: np.ndarray
+  """`i64[n]` the pool pages, each once, in payload order."""
+  runs: tuple[np.ndarray, np.ndarray, np.ndarray]
+  """`page_runs(pages, bucket)`."""
+  device: Any
+  """`u8[bucket, page_bytes]` jax array (rows past n unused), or None for no pages."""

@@ -120,3 +120,19 @@ def test_bad_pages_or_payloads_are_refused(call, match):
   src = (_cache(0), _cache(1))
   with pytest.raises(ValueError, match=match):
     call(_codec(jnp.float32), src)
+
+
+def test_a_staged_payload_writes_what_the_direct_write_does():
+  """`stage` (the copy and transfer, on any thread, before the caches are free) then `write`
+  gives the same pools as one `write`; a staged payload of other pages is refused."""
+  src = (_cache(0), _cache(1))
+  codec = _codec(jnp.float32)
+  payload = codec.read(src, GAPS)
+  staged = codec.stage(GAPS, list(payload), NUM_PAGES)
+  direct = codec.write((_cache(7), _cache(8)), GAPS, payload)
+  for a, b in zip(_pools(codec.write((_cache(7), _cache(8)), GAPS, staged)), _pools(direct)):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match=r"pages must be the pages staged"):
+    codec.write((_cache(7), _cache(8)), [0], staged)
+  with pytest.raises(ValueError, match=rf"pages must lie in \[0, {NUM_PAGES}\)"):
+    codec.stage([NUM_PAGES], payload[:1], NUM_PAGES)
