@@ -519,7 +519,10 @@ def plot_quality(records: Sequence[Mapping[str, Any]], path: str) -> None:
     top.set_xscale("log")
     top.grid(True, alpha=0.3, which="both")
     bottom.grid(True, alpha=0.3, which="both")
-    bottom.set_ylim(-0.02, 1.02)
+    agreement = [r["top1_agreement"] for r in groups[k] if r.get("top1_agreement") is not None]
+    if agreement:  # its own range too: 0.96 and 1.00 apart, not squeezed into [0, 1]
+      pad = max(0.01, 0.1 * (max(agreement) - min(agreement)))
+      bottom.set_ylim(max(-0.02, min(agreement) - pad), min(1.02, max(agreement) + pad))
     bottom.set_xlabel("cache KiB per sequence (log)")
   axes[0, 0].set_ylabel("held-out perplexity (lower is better)")
   axes[1, 0].set_ylabel("top-1 agreement with the reference")
