@@ -8,10 +8,10 @@ K = 3, H = 64, f32, pages of 16 tokens = 0.70 MiB over all layers; 360 pages). F
 list -- `--pages` consecutive pages, the same count in runs of 4 with gaps, one page, the
 whole pool -- the median over `--repeats` of:
 
-  * memcpy GB/s: `np.copyto` of as many bytes into a preallocated array, in the same run;
-  * spill GB/s: `PageCodec.read` of the pages, then each row put in a `HostTier` (pool ->
+  * memcpy: `np.copyto` of as many bytes into a preallocated array, in the same run;
+  * spill: `PageCodec.read` of the pages, then each row put in a `HostTier` (pool ->
     host tier, as the prefix cache evicts);
-  * reload GB/s: the rows taken from the tier, then `PageCodec.write` into the pool until the
+  * reload: the rows taken from the tier, then `PageCodec.write` into the pool until the
     caches are ready (host tier -> pool, as a prefix hit reloads), also through a
     `pinned_host` tier where the backend offers that memory kind;
   * the per-pool gather / scatter `PageCodec` used before (one `pool.at[:, pages].set` per
@@ -42,14 +42,26 @@ from kvattn.inference.batching import ContinuousBatcher
 from kvattn.paging import offload
 
 
-def _median_s(fn, repeats: int) -> float:
-  fn()  # compiles / warms the allocator
+def _median_s(fn, repeats: int, setup=None, clock=time.perf_counter) -> float:
+  """Median seconds of `fn()` over `repeats` runs after one untimed run (it compiles and
+  warms the allocator); `setup()` runs untimed before each; `clock` is wall time, or
+  `time.process_time` (CPU seconds of every thread of the process)."""
   times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
+  for i in range(repeats + 1):
+    if setup is not None:
+      setup()
+    start = clock()
     fn()
-    times.append(time.perf_counter() - start)
+    if i:
+      times.append(clock() - start)
   return statistics.median(times)
+
+
+def _rates(nbytes: int, fn, repeats: int, setup=None) -> tuple[float, float]:
+  """`(GB/s of wall time, GB per CPU-second)` of `fn` moving `nbytes` (medians). The second
+  counts the CPU time the process got, so it moves less with the machine's load."""
+  return (nbytes / _median_s(fn, repeats, setup) / 1e9,
+          nbytes / _median_s(fn, repeats, setup, time.process_time) / 1e9)
 
 
 def _scatter_codec(codec: offload.PageCodec):
@@ -92,36 +104,38 @@ def page_lists(count: int, num_pages: int) -> dict[str, list[int]]:
           f"whole pool ({num_pages})": list(range(num_pages))}
 
 
-def measure(batcher: ContinuousBatcher, pages: list[int], repeats: int) -> dict[str, float]:
-  """GB/s of memcpy, spill, reload (host and pinned tiers) and the earlier scatter for `pages`
-  of the batcher's pool (module doc)."""
+def measure(batcher: ContinuousBatcher, pages: list[int], repeats: int
+            ) -> dict[str, tuple[float, float]]:
+  """`_rates` of memcpy, spill, reload (host and pinned tiers) and the earlier scatter for
+  `pages` of the batcher's pool (module doc)."""
   codec = offload.PageCodec(batcher.caches)
   nbytes = len(pages) * codec.page_bytes
   src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
   dst = np.empty_like(src)
-  out = {"MiB": nbytes / 2**20,
-         "memcpy": nbytes / _median_s(lambda: np.copyto(dst, src), repeats) / 1e9}
+  out = {"MiB": nbytes / 2**20, "memcpy": _rates(nbytes, lambda: np.copyto(dst, src), repeats)}
   blocks = [object() for _ in pages]
 
   def spill(tier):
     for b, row in zip(blocks, codec.read(batcher.caches, pages)):
-      tier.discard(b)
       tier.put(b, row)
+
+  def empty(tier):
+    for b in blocks:
+      tier.discard(b)
 
   def reload(tier):
     rows = [tier.take(b) for b in blocks]
     batcher.caches = codec.write(batcher.caches, pages, rows)
     jax.block_until_ready(batcher.caches)
-    for b, row in zip(blocks, rows):  # back in the tier for the next repeat
-      tier.put(b, row)
 
   host = offload.HostTier(2 * nbytes, pinned=False)
-  out["spill"] = nbytes / _median_s(lambda: spill(host), repeats) / 1e9
-  out["reload"] = nbytes / _median_s(lambda: reload(host), repeats) / 1e9
+  out["spill"] = _rates(nbytes, lambda: spill(host), repeats, setup=lambda: empty(host))
+  out["reload"] = _rates(nbytes, lambda: reload(host), repeats, setup=lambda: (
+      empty(host), spill(host)))
   if offload.pinned_host_available():
     pinned = offload.HostTier(2 * nbytes, pinned=True)
-    spill(pinned)
-    out["reload pinned"] = nbytes / _median_s(lambda: reload(pinned), repeats) / 1e9
+    out["reload pinned"] = _rates(nbytes, lambda: reload(pinned), repeats, setup=lambda: (
+        empty(pinned), spill(pinned)))
   scatter = _scatter_codec(codec)
   rows = list(codec.read(batcher.caches, pages))
 
@@ -129,7 +143,7 @@ def measure(batcher: ContinuousBatcher, pages: list[int], repeats: int) -> dict[
     batcher.caches = scatter(batcher.caches, pages, rows)
     jax.block_until_ready(batcher.caches)
 
-  out["scatter reload"] = nbytes / _median_s(old, repeats) / 1e9
+  out["scatter reload"] = _rates(nbytes, old, repeats)
   return out
 
 
@@ -185,14 +199,17 @@ def main(argv=None) -> None:
   batcher = ContinuousBatcher(model, num_slots=2, num_pages=args.num_pages, page_size=16,
                               max_len=256, max_prompt_len=64, prefix_cache=True, seed=0)
   rows = []
+  cell = lambda r: f"{r[0]:.2f} ({r[1]:.2f})"
   for name, pages in page_lists(args.pages, args.num_pages).items():
     r = measure(batcher, pages, args.repeats)
-    rows.append([name, f"{r['MiB']:.1f}", f"{r['memcpy']:.2f}", f"{r['spill']:.2f}",
-                 f"{r['reload']:.2f}", f"{r.get('reload pinned', float('nan')):.2f}",
-                 f"{r['scatter reload']:.2f}", f"{r['reload'] / r['memcpy']:.0%}"])
+    rows.append([name, f"{r['MiB']:.1f}", cell(r["memcpy"]), cell(r["spill"]),
+                 cell(r["reload"]), cell(r.get("reload pinned", (float("nan"),) * 2)),
+                 cell(r["scatter reload"]), f"{r['reload'][0] / r['memcpy'][0]:.0%} "
+                 f"({r['reload'][1] / r['memcpy'][1]:.0%})"])
+  print("GB/s of wall time (GB per CPU-second of the process)")
   print(report_lib.markdown_table(
-      ["pages", "MiB", "memcpy GB/s", "spill GB/s", "reload GB/s", "reload pinned GB/s",
-       "earlier scatter GB/s", "reload / memcpy"], rows))
+      ["pages", "MiB", "memcpy", "spill", "reload", "reload pinned", "earlier scatter reload",
+       "reload / memcpy"], rows))
   rng = np.random.default_rng(1)
   vocab = int(model.vocab_size)
   for rid in ("a", "b"):  # two live requests: every step decodes both

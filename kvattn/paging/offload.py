@@ -349,6 +349,26 @@ def _from_bytes(raw, dtype):
   return jax.lax.bitcast_convert_type(raw, dtype)
 
 
+_ALIGN = 4096  # a page of host memory: a CPU backend's device_put aliases such a buffer
+
+
+def _aligned_empty(shape: tuple[int, int]) -> np.ndarray:
+  """`u8[shape]`, uninitialised, its first byte on an `_ALIGN`-byte boundary."""
+  size = int(np.prod(shape))
+  raw = np.empty(size + _ALIGN, np.uint8)
+  start = -raw.ctypes.data % _ALIGN
+  return raw[start:start + size].reshape(shape)
+
+
+def _on_host(pool) -> bool:
+  """True for a jax array on one CPU device (its `np.asarray` is a view, not a copy)."""
+  try:
+    devices = pool.sharding.device_set
+  except AttributeError:
+    return False
+  return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+
 class PageCodec:
   """Page payloads of a model's paged caches: the bytes of one page in every pool (each
   cache's `POOL_FIELDS`, `kvattn.caches.capabilities`).
@@ -430,7 +450,10 @@ class PageCodec:
 
   def read(self, caches: Sequence[Any], pages: Sequence[int]) -> np.ndarray:
     """`u8[len(pages), page_bytes]` (host) the contents of `pages` in every pool, moved as
-    runs of consecutive pages (class doc).
+    runs of consecutive pages (class doc). Pools in host memory already (one CPU device,
+    where `np.asarray` is a view) are copied from directly, one strided copy per run and
+    pool; others are gathered on the device by one jitted program and fetched in one
+    transfer.
 
     Raises:
       ValueError: a page outside the pool.
@@ -439,10 +462,29 @@ class PageCodec:
     n = len(pages)
     if not n:
       return np.zeros((0, self.page_bytes), np.uint8)
+    pools = self._pools(caches)
+    if all(_on_host(p) for p in pools):
+      return self._read_host(pools, pages)
     bucket = _bucket(n)
     rows, starts, counts = page_runs(pages, bucket)
     out = self._read(tuple(caches), rows, starts, counts, bucket)
     return np.asarray(out)[:n]
+
+  def _read_host(self, pools, pages: np.ndarray) -> np.ndarray:
+    out = _aligned_empty((len(pages), self.page_bytes))
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    runs = [(int(r[0]), int(pages[r[0]]), len(r))
+            for r in np.split(np.arange(len(pages)), breaks)]
+    offset = 0
+    for pool, size in zip(pools, self.sizes):
+      k = pool.shape[0]
+      # [K, P, bytes per head and page]: a view of the device buffer, read as bytes.
+      view = np.asarray(pool).reshape(k, pool.shape[1], -1).view(np.uint8)
+      for row, page, length in runs:
+        dst = out[row:row + length, offset:offset + size].reshape(length, k, -1)
+        np.copyto(dst, view[:, page:page + length].transpose(1, 0, 2))
+      offset += size
+    return out
 
   def stage(self, pages: Sequence[int], payload: Any, num_pages: int) -> "StagedPages":
     """Starts moving `payload` for `pages` to the device, without touching any cache: the
@@ -463,7 +505,8 @@ class PageCodec:
     n = len(pages)
     bucket = _bucket(max(n, 1))
     # One host copy into the padded block; its padding rows are never read (`page_runs`).
-    buf = np.empty((bucket, self.page_bytes), np.uint8)
+    # Aligned, so a CPU backend's device_put takes it without a second copy.
+    buf = _aligned_empty((bucket, self.page_bytes))
     if isinstance(payload, (list, tuple)):
       if len(payload) != n or any(np.shape(p) != (self.page_bytes,) for p in payload):
         raise ValueError(f"payload must be {n} rows of page_bytes = {self.page_bytes} bytes; "

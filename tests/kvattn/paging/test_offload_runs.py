@@ -136,3 +136,15 @@ def test_a_staged_payload_writes_what_the_direct_write_does():
     codec.write((_cache(7), _cache(8)), [0], staged)
   with pytest.raises(ValueError, match=rf"pages must lie in \[0, {NUM_PAGES}\)"):
     codec.stage([NUM_PAGES], payload[:1], NUM_PAGES)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_device_read_equals_the_host_read(dtype, monkeypatch):
+  """Pools off the host (an accelerator, a mesh) are read by the jitted run gather; on this
+  CPU it is forced, and must give the host path's bytes (bf16 moved as bits: NaNs kept)."""
+  src = (_cache(0, dtype), _cache(1, dtype))
+  codec = _codec(dtype)
+  want = codec.read(src, GAPS)
+  monkeypatch.setattr(offload, "_on_host", lambda pool: False)
+  np.testing.assert_array_equal(codec.read(src, GAPS), want)
+  np.testing.assert_array_equal(want, _reference_rows(src, GAPS))
