@@ -517,6 +517,7 @@ def plot_quality(records: Sequence[Mapping[str, Any]], path: str) -> None:
       if r.get("top1_agreement") is not None:
         bottom.scatter([x], [r["top1_agreement"]], **style)
     top.set_xscale("log")
+    top.xaxis.set_minor_formatter(plt.NullFormatter())  # minor labels overlap on short ranges
     top.grid(True, alpha=0.3, which="both")
     bottom.grid(True, alpha=0.3, which="both")
     agreement = [r["top1_agreement"] for r in groups[k] if r.get("top1_agreement") is not None]
