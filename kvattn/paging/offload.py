@@ -6,7 +6,7 @@ import collections
 import hashlib
 import logging
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -278,24 +278,107 @@ def make_store(mode: str, *, host_bytes: int = 0, disk_bytes: int = 0,
   return TieredStore(tiers)
 
 
-def _pad_bucket(pages: np.ndarray) -> np.ndarray:
-  """`pages` padded by repeating its last entry to the next of 1, 2, 3, 4, 6, 8, 12, 16,
-  24, ... (powers of two and their halfway points: at most a third wasted), so the jitted
-  reads and writes compile once per bucket, not once per page count."""
-  n = len(pages)
+def _bucket(n: int) -> int:
+  """The next of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... at or above `n` (powers of two and their
+  halfway points: at most a third wasted), so the jitted reads and writes compile once per
+  bucket, not once per page count."""
   size = 1 << max(0, n - 1).bit_length()
   if size >= 4 and n <= size * 3 // 4:
     size = size * 3 // 4
-  return np.concatenate([pages, np.full((size - len(pages),), pages[-1], pages.dtype)])
+  return size
+
+
+def page_runs(pages: Sequence[int], bucket: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The copies that move `pages` as runs of consecutive pages, each split in power-of-two parts.
+
+  Payload row i belongs to pool page `pages[i]`. A run is a maximal stretch where the next row
+  holds the next page; a run of length r is copied as the parts of r's binary form, so a
+  part of size 2^c is one static-shape slice at a dynamic offset.
+
+  Args:
+    pages: pool pages (ints >= 0), payload order.
+    bucket: the padded page count (>= len(pages)); parts have sizes 2^c <= bucket.
+
+  Returns:
+    `(rows i32[C, bucket], starts i32[C, bucket], counts i32[C])` with C = bucket's bit
+    length: class c's first `counts[c]` parts start at payload row `rows[c, j]` and pool page
+    `starts[c, j]` and span 2^c pages; the rest of each row is zero padding.
+  """
+  pages = np.asarray(pages, np.int64).reshape(-1)
+  classes = max(1, int(bucket).bit_length())
+  rows = np.zeros((classes, bucket), np.int32)
+  starts = np.zeros((classes, bucket), np.int32)
+  counts = np.zeros((classes,), np.int32)
+  breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+  for run in np.split(np.arange(len(pages)), breaks):
+    if not len(run):
+      continue
+    row, left = int(run[0]), len(run)
+    for c in reversed(range(classes)):
+      while left >= 1 << c:
+        rows[c, counts[c]], starts[c, counts[c]] = row, pages[row]
+        counts[c] += 1
+        row, left = row + (1 << c), left - (1 << c)
+  return rows, starts, counts
 
 
 def _uint(width: int):
   return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[width]
 
 
+def _stored(pool):
+  """`pool` as moved: floats narrower than 32 bits as unsigned ints of their width (XLA:CPU
+  computes bf16/fp8 in f32 and would quiet signalling NaNs, even in a slice), the rest as
+  they are."""
+  if jnp.issubdtype(pool.dtype, jnp.floating) and pool.dtype.itemsize < 4:
+    return jax.lax.bitcast_convert_type(pool, _uint(pool.dtype.itemsize))
+  return pool
+
+
+def _as_bytes(x):
+  """`x` (any dtype) as u8 with one more trailing axis of its item size."""
+  if x.dtype.itemsize == 1:
+    return jax.lax.bitcast_convert_type(x, jnp.uint8)[..., None]
+  return jax.lax.bitcast_convert_type(x, jnp.uint8)
+
+
+def _from_bytes(raw, dtype):
+  """Inverse of `_as_bytes`: u8 `[..., itemsize]` as `dtype` `[...]`."""
+  if jnp.dtype(dtype).itemsize == 1:
+    return jax.lax.bitcast_convert_type(raw[..., 0], dtype)
+  return jax.lax.bitcast_convert_type(raw, dtype)
+
+
+_ALIGN = 4096  # a page of host memory: a CPU backend's device_put aliases such a buffer
+
+
+def _aligned_empty(shape: tuple[int, int]) -> np.ndarray:
+  """`u8[shape]`, uninitialised, its first byte on an `_ALIGN`-byte boundary."""
+  size = int(np.prod(shape))
+  raw = np.empty(size + _ALIGN, np.uint8)
+  start = -raw.ctypes.data % _ALIGN
+  return raw[start:start + size].reshape(shape)
+
+
+def _on_host(pool) -> bool:
+  """True for a jax array on one CPU device (its `np.asarray` is a view, not a copy)."""
+  try:
+    devices = pool.sharding.device_set
+  except AttributeError:
+    return False
+  return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+
 class PageCodec:
   """Page payloads of a model's paged caches: the bytes of one page in every pool (each
   cache's `POOL_FIELDS`, `kvattn.caches.capabilities`).
+
+  A payload row is one page: every pool's `[K, page_size, ...]` block in pool order, as bytes.
+  Reads and writes move whole runs of consecutive pages (`page_runs`): one dynamic slice or
+  dynamic update of static shape per run part and pool inside one jitted program (the caches
+  donated on write, so the pools are updated in place), the payload crossing between host and
+  device as one `u8[n, page_bytes]` array (`jax.device_put`; a read comes back without a copy
+  on a CPU backend).
   """
 
   def __init__(self, caches: Sequence[Any]):
@@ -304,36 +387,51 @@ class PageCodec:
     self.sizes = [int(np.prod(s)) * jnp.dtype(d).itemsize for s, d in self.layouts]
     self.page_bytes = sum(self.sizes)
     layouts, sizes = self.layouts, self.sizes
+    offsets = np.cumsum([0] + sizes[:-1]).tolist()
 
-    def read(caches, pages):  # the pages of every pool, native dtype: [K, n, page_size, ...]
-      return [pool[:, pages] for pool in self._pools(caches)]
+    def part(pool, start, length):  # pool pages [start, start + length) as u8[length, size]
+      x = jax.lax.dynamic_slice_in_dim(pool, start, length, axis=1)
+      return _as_bytes(jnp.moveaxis(x, 1, 0)).reshape(length, -1)
 
-    def write(caches, pages, parts):
-      # parts: per pool, [K, n, page_size, ...] as unsigned ints of the pool's width. Floats
-      # narrower than 32 bits are scattered as those ints (XLA:CPU computes bf16/fp8 in f32
-      # and would quiet signalling NaNs); wider ones and ints are bitcast first and scattered
-      # in their own dtype (a plain data move, and in place under donation).
-      it = iter(parts)
+    def read(caches, rows, starts, counts, bucket):
+      pools = [_stored(p) for p in self._pools(caches)]
+      out = jnp.zeros((bucket, self.page_bytes), jnp.uint8)
+      for c in range(rows.shape[0]):
+        def body(j, out, c=c):
+          for pool, offset in zip(pools, offsets):
+            out = jax.lax.dynamic_update_slice(out, part(pool, starts[c, j], 1 << c),
+                                               (rows[c, j], offset))
+          return out
+        out = jax.lax.fori_loop(0, counts[c], body, out)
+      return out
+
+    def write(caches, rows, starts, counts, payload):
+      pools = [_stored(p) for p in self._pools(caches)]
+      for c in range(rows.shape[0]):
+        length = 1 << c
+        def body(j, pools, c=c, length=length):
+          block = jax.lax.dynamic_slice_in_dim(payload, rows[c, j], length, axis=0)
+          out = []
+          for pool, offset, size, (shape, _) in zip(pools, offsets, sizes, layouts):
+            raw = block[:, offset:offset + size].reshape((length,) + shape +
+                                                         (pool.dtype.itemsize,))
+            new = jnp.moveaxis(_from_bytes(raw, pool.dtype), 0, 1)
+            index = (0, starts[c, j]) + (0,) * (pool.ndim - 2)
+            out.append(jax.lax.dynamic_update_slice(pool, new, index))
+          return out
+        pools = jax.lax.fori_loop(0, counts[c], body, pools)
+      it = iter(pools)
       out = []
-      for c in caches:
-        if not getattr(c, "POOL_FIELDS", ()):  # a layer without pages (a ring): no page bytes
-          out.append(c)
-          continue
+      for cache in caches:
         fields = {}
-        for name in c.POOL_FIELDS:
-          pool = getattr(c, name)
-          if pool is None:
-            continue
-          new = next(it)
-          if jnp.issubdtype(pool.dtype, jnp.floating) and pool.dtype.itemsize < 4:
-            bits = jax.lax.bitcast_convert_type(pool, new.dtype)
-            fields[name] = jax.lax.bitcast_convert_type(bits.at[:, pages].set(new), pool.dtype)
-          else:
-            fields[name] = pool.at[:, pages].set(jax.lax.bitcast_convert_type(new, pool.dtype))
-        out.append(c.replace(**fields))
+        for name in getattr(cache, "POOL_FIELDS", ()):
+          pool = getattr(cache, name)
+          if pool is not None:
+            fields[name] = jax.lax.bitcast_convert_type(next(it), pool.dtype)
+        out.append(cache.replace(**fields) if fields else cache)
       return tuple(out)
 
-    self._read = jax.jit(read)
+    self._read = jax.jit(read, static_argnums=(4,))
     self._write = jax.jit(write, donate_argnums=(0,))
 
   @staticmethod
@@ -341,37 +439,121 @@ class PageCodec:
     return [p for c in caches for name in getattr(c, "POOL_FIELDS", ())
             if (p := getattr(c, name)) is not None]
 
-  def read(self, caches: Sequence[Any], pages: Sequence[int]) -> np.ndarray:
-    """`u8[len(pages), page_bytes]` (host) the contents of `pages` in every pool: one
-    gather per pool on the device, the bytes packed on the host."""
-    n = len(pages)
-    padded = _pad_bucket(np.asarray(pages, np.int32).reshape(-1))
-    parts = self._read(tuple(caches), jnp.asarray(padded))
-    rows = [np.moveaxis(np.asarray(p)[:, :n], 1, 0).reshape(n, -1).view(np.uint8)
-            for p in parts]
-    return np.concatenate(rows, axis=1)
+  def _pages(self, caches: Sequence[Any], pages: Sequence[int]) -> np.ndarray:
+    pages = np.asarray(pages, np.int64).reshape(-1)
+    pools = self._pools(caches)
+    if len(pages) and pools:
+      num_pages = pools[0].shape[1]
+      if pages.min() < 0 or pages.max() >= num_pages:
+        raise ValueError(f"pages must lie in [0, {num_pages}); got {pages.tolist()}")
+    return pages
 
-  def write(self, caches: Sequence[Any], pages: Sequence[int], payload: Any) -> tuple[Any, ...]:
-    """`caches` with `pages` overwritten by `payload` (`u8[len(pages), page_bytes]`, or
-    a list of `u8[page_bytes]` rows); `caches` are donated.
+  def read(self, caches: Sequence[Any], pages: Sequence[int]) -> np.ndarray:
+    """`u8[len(pages), page_bytes]` (host) the contents of `pages` in every pool, moved as
+    runs of consecutive pages (class doc). Pools in host memory already (one CPU device,
+    where `np.asarray` is a view) are copied from directly, one strided copy per run and
+    pool; others are gathered on the device by one jitted program and fetched in one
+    transfer.
 
     Raises:
-      ValueError: a payload of the wrong shape.
+      ValueError: a page outside the pool.
     """
-    if isinstance(payload, (list, tuple)):
-      payload = np.stack([np.asarray(p) for p in payload])
-    payload = np.asarray(payload, np.uint8)
-    pages = np.asarray(pages, np.int32).reshape(-1)
-    if payload.shape != (len(pages), self.page_bytes):
-      raise ValueError(f"payload must have shape [len(pages), page_bytes] = ({len(pages)}, "
-                       f"{self.page_bytes}); got {tuple(payload.shape)}")
-    # Padding repeats the last page and its payload: a duplicate write of equal bits.
-    padded = _pad_bucket(pages)
-    payload = np.concatenate([payload, np.repeat(payload[-1:], len(padded) - len(pages), 0)])
-    parts, offset = [], 0
-    for (shape, dtype), size in zip(self.layouts, self.sizes):
-      width = jnp.dtype(dtype).itemsize
-      raw = np.ascontiguousarray(payload[:, offset:offset + size]).view(f"u{width}")
-      parts.append(np.moveaxis(raw.reshape((len(padded),) + shape), 0, 1))
+    pages = self._pages(caches, pages)
+    n = len(pages)
+    if not n:
+      return np.zeros((0, self.page_bytes), np.uint8)
+    pools = self._pools(caches)
+    if all(_on_host(p) for p in pools):
+      return self._read_host(pools, pages)
+    bucket = _bucket(n)
+    rows, starts, counts = page_runs(pages, bucket)
+    out = self._read(tuple(caches), rows, starts, counts, bucket)
+    return np.asarray(out)[:n]
+
+  def _read_host(self, pools, pages: np.ndarray) -> np.ndarray:
+    out = _aligned_empty((len(pages), self.page_bytes))
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    runs = [(int(r[0]), int(pages[r[0]]), len(r))
+            for r in np.split(np.arange(len(pages)), breaks)]
+    offset = 0
+    for pool, size in zip(pools, self.sizes):
+      k = pool.shape[0]
+      # [K, P, bytes per head and page]: a view of the device buffer, read as bytes.
+      view = np.asarray(pool).reshape(k, pool.shape[1], -1).view(np.uint8)
+      for row, page, length in runs:
+        dst = out[row:row + length, offset:offset + size].reshape(length, k, -1)
+        np.copyto(dst, view[:, page:page + length].transpose(1, 0, 2))
       offset += size
-    return self._write(tuple(caches), jnp.asarray(padded), parts)
+    return out
+
+  def stage(self, pages: Sequence[int], payload: Any, num_pages: int) -> "StagedPages":
+    """Starts moving `payload` for `pages` to the device, without touching any cache: the
+    host copy and the transfer can run (on another thread) while a decode step computes;
+    `write(caches, pages, staged)` then only updates the pools.
+
+    Args:
+      pages: pool pages, payload order.
+      payload: `u8[len(pages), page_bytes]`, or a list of `u8[page_bytes]` rows.
+      num_pages: pages in each pool (the pages are checked against it).
+
+    Raises:
+      ValueError: a payload of the wrong shape, or a page outside [0, num_pages).
+    """
+    pages = np.asarray(pages, np.int64).reshape(-1)
+    if len(pages) and (pages.min() < 0 or pages.max() >= num_pages):
+      raise ValueError(f"pages must lie in [0, {num_pages}); got {pages.tolist()}")
+    n = len(pages)
+    bucket = _bucket(max(n, 1))
+    # One host copy into the padded block; its padding rows are never read (`page_runs`).
+    # Aligned, so a CPU backend's device_put takes it without a second copy.
+    buf = _aligned_empty((bucket, self.page_bytes))
+    if isinstance(payload, (list, tuple)):
+      if len(payload) != n or any(np.shape(p) != (self.page_bytes,) for p in payload):
+        raise ValueError(f"payload must be {n} rows of page_bytes = {self.page_bytes} bytes; "
+                         f"got {[np.shape(p) for p in payload]}")
+      if n:
+        np.stack([np.asarray(p, np.uint8) for p in payload], out=buf[:n])
+    else:
+      payload = np.asarray(payload)
+      if payload.shape != (n, self.page_bytes):
+        raise ValueError(f"payload must have shape [len(pages), page_bytes] = ({n}, "
+                         f"{self.page_bytes}); got {tuple(payload.shape)}")
+      buf[:n] = payload
+    # A page listed twice: its last row wins, as with a scatter; the runs see each page once.
+    last = {int(p): i for i, p in enumerate(pages)}
+    if len(last) < n:
+      keep = np.array(sorted(last.values()))
+      buf[:len(keep)] = buf[keep]
+      pages = pages[keep]
+    return StagedPages(pages, page_runs(pages, bucket), jax.device_put(buf) if n else None)
+
+  def write(self, caches: Sequence[Any], pages: Sequence[int], payload: Any) -> tuple[Any, ...]:
+    """`caches` with `pages` overwritten by `payload` (`u8[len(pages), page_bytes]`, a list
+    of `u8[page_bytes]` rows, or what `stage` returned for these pages); `caches` are
+    donated. Runs of consecutive pages are written as whole blocks (class doc); a page listed
+    twice gets its last row.
+
+    Raises:
+      ValueError: a payload of the wrong shape, a page outside the pool, or a staged payload
+        of other pages.
+    """
+    pools = self._pools(caches)
+    if not isinstance(payload, StagedPages):
+      payload = self.stage(pages, payload, pools[0].shape[1] if pools else 0)
+    elif not np.array_equal(np.unique(np.asarray(pages, np.int64)), np.unique(payload.pages)):
+      raise ValueError(f"pages must be the pages staged ({payload.pages.tolist()}); got "
+                       f"{np.asarray(pages).tolist()}")
+    if payload.device is None:
+      return tuple(caches)
+    return self._write(tuple(caches), *payload.runs, payload.device)
+
+
+class StagedPages(NamedTuple):
+  """A payload on its way to the device (`PageCodec.stage`)."""
+
+  pages: np.ndarray
+  """`i64[n]` the pool pages, each once, in payload order."""
+  runs: tuple[np.ndarray, np.ndarray, np.ndarray]
+  """`page_runs(pages, bucket)`."""
+  device: Any
+  """`u8[bucket, page_bytes]` jax array (rows past n unused), or None for no pages."""

@@ -59,6 +59,12 @@ def check_run(workdir, rc, out, err, num_layers):
   ref, other = records["Krel-dense-float32"], records["K1-h2o48-int8"]
   assert ref["reference"] and not other["reference"]
   assert ref["greedy_agreement"] == 1.0 and 0.0 <= other["greedy_agreement"] <= 1.0
+  # Teacher-forced top-1 agreement over the scored positions: 1 for the reference itself, a
+  # multiple of 1 / num_tokens for the others.
+  assert ref["top1_agreement"] == 1.0 and 0.0 <= other["top1_agreement"] <= 1.0
+  matches = other["top1_agreement"] * other["num_tokens"]
+  assert matches == pytest.approx(round(matches), abs=1e-9)
+  assert "| top-1 agreement | greedy agreement |" in report
   assert ref["num_layers"] == other["num_layers"] == num_layers and other["num_kv_heads"] == 1
   # f32: 2 (K and V) x K x H x 4 bytes per layer; int8 K = 1: 2 x (H + 4-byte scale) per layer.
   head_dim = ref["cache_bytes_per_token"] / (num_layers * 2 * ref["num_kv_heads"] * 4)
@@ -165,6 +171,9 @@ def test_a_kind_added_by_one_file_runs_in_the_main_job(tmp_path):
     records = [json.loads(line) for line in f]
   (record,) = records
   assert record["policy"] == "reversed" and record["greedy_agreement"] == 1.0
+  # Its reference is streamed in the run (no reference point in the sweep): the kind holds
+  # every token, so every position's top-1 equals the reference's.
+  assert record["top1_agreement"] == 1.0
 
 
 TOY_PAGED = "tests/kvattn/caches/toy_paged_kind.py"  # a pageable kind in one test-only file
@@ -202,4 +211,5 @@ def test_a_policy_from_the_users_own_file_runs_in_the_main_job(tmp_path):
   assert record["cache_slots_per_seq"] == budget
   assert record["speed_cache_read_bytes"] == record["cache_bytes_per_token"] * 2 * budget
   assert 0.0 <= record["greedy_agreement"] <= 1.0 and math.isfinite(record["ppl"])
+  assert 0.0 <= record["top1_agreement"] <= 1.0
 
