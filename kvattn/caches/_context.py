@@ -132,5 +132,8 @@ def check_context_lengths(context_lengths: Any, prompt_lengths: np.ndarray) -> n
 
 
 def positive_capacity(capacity: Any) -> int:
-  """The storage slots of a context-compressing cache (a positive int)."""
+  """The storage slots of a context-compressing cache (a positive int); ValueError for None."""
+  if capacity is None:
+    raise ValueError("capacity must be set for compress='context' (slots per sequence and KV "
+                     "head: the kept context plus everything after it; slots_needed)")
   return _checks.positive_int("capacity", capacity)
