@@ -101,11 +101,18 @@ def _avg_pool(x: jax.Array, size: int) -> jax.Array:
 
 
 def _random_score(c: Candidates, o: dict[str, int]) -> jax.Array:
-  """Uniform scores, keyed per sequence by its own length, so a row's evictions do not
-  depend on the other rows of its batch."""
+  """Uniform scores, one per (sequence length, KV head, token): a row's evictions depend
+  neither on the other rows of its batch nor on the cache's capacity or the chunk's padded
+  width (which a draw over the candidate axis would)."""
   base = jax.random.key(o["seed"])
-  keys = jax.vmap(lambda end: jax.random.fold_in(base, end))(c.end[:, 0, 0])
-  return jax.vmap(lambda key: jax.random.uniform(key, c.pos.shape[1:]))(keys)
+
+  def row(end, pos):  # pos: i32[K, S + T]
+    key = jax.random.fold_in(base, end)
+    draw = lambda h, p: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, h), p))
+    heads = jnp.arange(pos.shape[0], dtype=jnp.int32)
+    return jax.vmap(lambda h, ps: jax.vmap(lambda p: draw(h, p))(ps))(heads, pos)
+
+  return jax.vmap(row)(c.end[:, 0, 0], c.pos)
 
 
 def _knorm_score(c: Candidates, o: dict[str, int]) -> jax.Array:

@@ -11,18 +11,18 @@ answer appended and attending the kept tokens plus themselves.
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from kvattn.caches import _context
 from kvattn.caches import eviction
 from kvattn.caches import protocol as cache_protocol
 from kvattn.caches import registry
 from kvattn.inference.generation import generate
-from kvattn.models import transformer
 
 B, K, N, H = 2, 2, 4, 8
 G = N // K
@@ -273,30 +273,22 @@ def test_bad_options_raise_naming_the_argument():
 
 
 # ----------------------------------------------------------------------------------------------
-# Through the model and generate.
+# generate's sizing and checks (no program is compiled; tests/kvattn/caches/test_every_kind.py
+# runs every policy through generate against the dense cache).
 
 
 @pytest.fixture(scope="module")
 def model():
-  cfg = transformer.model_config(d_model=32, num_layers=2, mlp_dim=64,
-                                 attention=dict(num_heads=4, num_kv_heads=2, head_dim=8))
-  return transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
+  """What `generate` and the builders read before compiling: layers of K heads of H dims."""
+  attn = types.SimpleNamespace(num_kv_heads=K, head_dim=H, window=None)
+  return types.SimpleNamespace(layers=[types.SimpleNamespace(attn=attn)] * 2, vocab_size=256,
+                               dtype=jnp.float32)
 
 
 @pytest.fixture(scope="module")
 def prompts():
   rng = np.random.default_rng(0)
   return rng.integers(0, 256, (2, 12), dtype=np.int32), np.array([12, 7], np.int32)
-
-
-def test_generate_at_ratio_zero_equals_the_dense_cache(model, prompts):
-  tokens, lengths = prompts
-  want, _ = generate(model, tokens, lengths, 6)
-  factory = registry.cache_factory_from_config(
-      model, {"kind": "snapkv", "compress": "context", "compression_ratio": 0.0})
-  got, _ = generate(model, tokens, lengths, 6, cache_factory=factory,
-                    context_lengths=np.array([9, 0]))
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_generate_sizes_the_cache_to_the_kept_context_and_checks_context_lengths(model, prompts):
@@ -326,3 +318,29 @@ def test_generate_sizes_the_cache_to_the_kept_context_and_checks_context_lengths
   caches = factory(2, 9)
   with pytest.raises(ValueError, match=r"would overflow the cache: the kept context"):
     generate(model, tokens, lengths, 4, caches=caches, context_lengths=[8, 6])
+
+
+def test_the_batcher_refuses_context_compression_by_name():
+  from kvattn.inference.batching import options  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=r"cache.compress = 'context' is not supported by the "
+                     r"ContinuousBatcher"):
+    options.batcher_cache({"kind": "snapkv", "compress": "context", "compression_ratio": 0.5},
+                          page_size=16, seed=None)
+  assert options.batcher_cache({"kind": "snapkv", "budget": 8}, page_size=16, seed=None)[0] == \
+      "snapkv"
+
+
+def test_random_scores_depend_on_the_token_not_on_the_capacity_or_padding():
+  # The same tokens among 3 or 6 stored slots and 2 or 4 new ones get the same scores.
+  score = eviction.POLICY_TABLE["random"].score
+  tokens = np.array([[[0, 2, 5], [1, 2, 4]]], np.int32)  # [B, K, 3]
+  def scores(slots, width):
+    pos = np.full((1, K, slots + width), -1, np.int32)
+    pos[..., :3] = tokens
+    pos[..., slots:slots + 2] = [7, 8]
+    c = eviction.Candidates(pos=jnp.asarray(pos), k=None, k_scale=None, carried=None,
+                            mass=None, end=jnp.full((1, 1, 1), 9, jnp.int32))
+    out = np.asarray(score(c, {"seed": 3}))
+    return np.concatenate([out[..., :3], out[..., slots:slots + 2]], -1)
+  np.testing.assert_array_equal(scores(3, 2), scores(6, 4))
+  assert len(np.unique(scores(3, 2))) == 2 * 5  # one draw per KV head and token
