@@ -5,8 +5,8 @@ prefill, keeps `int(n_context * (1 - compression_ratio))` of them per KV head, a
 the question and the answer uncompressed. `EvictingKVCache(compress="context")` does the same
 under jit with per-sequence lengths: a row's first write is its context (every row of the
 cache's first `update` / `update_attend` call, 0 tokens included); later writes append. These
-are the pieces that do not depend on the cache: the kept count (exactly Python's
-`int(n * (1 - ratio))`, in float64 as kvpress computes it), the option checks of the cache
+are the pieces that do not depend on the cache: the kept count (exactly kvpress's
+`max(1, int(n * (1 - ratio)))`, in float64), the option checks of the cache
 spec, and the slots a sequence needs.
 """
 
@@ -69,11 +69,11 @@ def check_spec(options: dict[str, Any], where: str) -> None:
 
 
 def kept_count(num_context: int, ratio: float | None, budget: int | None) -> int:
-  """Context tokens a sequence keeps: `int(n * (1 - ratio))` (kvpress, float64), at most
-  `budget`; `n` without either."""
+  """Context tokens a sequence keeps: `max(1, int(n * (1 - ratio)))` for n >= 1 (kvpress
+  0.5.5's `compute_n_kept`, float64), at most `budget`; `n` without either; 0 for n = 0."""
   kept = int(num_context)
-  if ratio is not None:
-    kept = int(num_context * (1 - ratio))
+  if ratio is not None and kept > 0:
+    kept = max(1, int(num_context * (1 - ratio)))
   if budget is not None:
     kept = min(kept, int(budget))
   return kept
@@ -84,7 +84,7 @@ def kept_counts(new_lengths: jax.Array, num_tokens: int, ratio: float | None,
   """`i32[B]`: `kept_count` of `new_lengths: i32[B]` (each in `[0, num_tokens]`), traced.
 
   The counts come from a static table of `num_tokens + 1` entries computed in Python, so they
-  equal kvpress's float64 `int(n * (1 - ratio))` exactly (f32 arithmetic differs at
+  equal kvpress's float64 `max(1, int(n * (1 - ratio)))` exactly (f32 arithmetic differs at
   boundaries, e.g. `int(10 * (1 - 0.3)) == 7`).
   """
   table = np.array([kept_count(n, ratio, budget) for n in range(num_tokens + 1)], np.int32)

@@ -23,7 +23,8 @@ each chunk attends all of them (exact for that chunk), then the budget is chosen
 `[S, S]` matrix is built.
 
 `compress="context"` runs any policy as kvpress's protocol instead (`caches/_context.py`): a row's
-first write (its context) keeps `int(n * (1 - compression_ratio))` tokens (or at most `budget`),
+first write (its context) keeps `max(1, int(n * (1 - compression_ratio)))` tokens (or at most
+`budget`),
 scored by that write's own queries, and later writes are appended until the capacity is full.
 """
 
@@ -205,8 +206,9 @@ class EvictingKVCache(BoundedCache):
 
   `compress="fixed"`: every write keeps `capacity` (= `budget`) of the kept slots plus its new
   tokens. `compress="context"` (kvpress's protocol, `ScorerPress.compress`): the cache's first
-  write to a row is the row's context; it keeps `kept = int(n * (1 - compression_ratio))` of its
-  n tokens (float64, exactly as kvpress; at most `budget` when set), chosen by the policy's
+  write to a row is the row's context; it keeps `kept = max(1, int(n * (1 - compression_ratio)))`
+  of its n >= 1 tokens (float64, exactly kvpress 0.5.5's `compute_n_kept`; at most `budget` when
+  set), chosen by the policy's
   score from that write's own queries (SnapKV's observation window = the context's last
   tokens), and every later write (question, answer) is appended, evicting nothing while the
   row holds at most `capacity` tokens; past that it evicts by the policy as the fixed mode does

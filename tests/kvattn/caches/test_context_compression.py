@@ -5,7 +5,7 @@ The cache is checked against a numpy reference of the protocol: full causal atte
 context, the policy's score of each context token from the context's own queries (h2o: every
 query's mass; snapkv: the last `window_size` queries' mass, average-pooled; tova: the last
 query's mass averaged over the heads; knorm: minus the key norm), the protected sinks and
-recent window, the top `int(n * (1 - ratio))` kept per KV head, then the question and the
+recent window, the top `max(1, int(n * (1 - ratio)))` kept per KV head, then the question and the
 answer appended and attending the kept tokens plus themselves.
 """
 
@@ -207,7 +207,7 @@ def test_a_ragged_row_equals_the_row_alone_and_nan_in_unused_slots_changes_nothi
 
 
 @pytest.mark.parametrize("context,ratio,budget,kept", [
-    (np.array([0, 1]), 0.5, None, [0, 0]),  # an empty context; int(1 * 0.5) = 0
+    (np.array([0, 1]), 0.5, None, [0, 1]),  # an empty context; max(1, int(1 * 0.5)) = 1
     pytest.param(np.array([1, 4]), 0.0, None, [1, 4],  # ratio 0: every token kept (fast:
                  marks=pytest.mark.slow),  # generate at ratio 0 equals the dense cache)
     (np.array([6, 4]), None, 5, [5, 4]),  # budget = context - 1, = context + 1
@@ -245,10 +245,11 @@ def test_the_kept_count_is_pythons_float64_int_of_n_times_one_minus_ratio():
   n = np.arange(0, 41, dtype=np.int32)
   for ratio in (0.0, 0.1, 0.25, 0.3, 0.5, 0.7, 0.9, 0.99):
     got = np.asarray(_context.kept_counts(jnp.asarray(n), 40, ratio, None))
-    np.testing.assert_array_equal(got, [int(int(x) * (1 - ratio)) for x in n], err_msg=ratio)
+    want = [max(1, int(int(x) * (1 - ratio))) if x else 0 for x in n]  # kvpress's
+    np.testing.assert_array_equal(got, want, err_msg=ratio)
   assert int(_context.kept_counts(jnp.asarray([10]), 10, 0.3, None)[0]) == 7  # f32 gives 6
   np.testing.assert_array_equal(np.asarray(_context.kept_counts(jnp.asarray(n), 40, 0.5, 8)),
-                                np.minimum(n // 2, 8))
+                                np.minimum(np.maximum(n // 2, n > 0), 8))
 
 
 def test_bad_options_raise_naming_the_argument():
