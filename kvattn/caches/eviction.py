@@ -171,9 +171,11 @@ def policy_options(policy: str) -> tuple[str, ...]:
 
 
 def _policy_options(policy: str, budget: int, options: dict[str, Any], *,
-                    at_least_minimum: bool = False) -> tuple:
-  """Validated options of `policy` as a sorted tuple of (name, value) (static, hashable);
-  `at_least_minimum`: a default below its option's minimum is raised to it."""
+                    context: bool = False) -> tuple:
+  """Validated options of `policy` as a sorted tuple of (name, value) (static, hashable).
+  `context` (compress="context", `budget` = the capacity): a default below its option's
+  minimum is raised to it, and the protected tokens need not fit (kept first; past the kept
+  count or the capacity, the oldest of them)."""
   spec_options = {"num_sinks": _ZERO, **POLICY_TABLE[policy].options} if isinstance(
       policy, str) and policy in POLICY_TABLE else None
   if spec_options is None:
@@ -182,13 +184,15 @@ def _policy_options(policy: str, budget: int, options: dict[str, Any], *,
   unknown = sorted(set(options) - set(allowed))
   if unknown:
     raise ValueError(f"unknown option(s) {unknown} for policy {policy!r}; it takes {allowed}")
-  resolved = {name: options.get(name, max(default(budget), low) if at_least_minimum
+  resolved = {name: options.get(name, max(default(budget), low) if context
                                 else default(budget))
               for name, (default, low) in spec_options.items()}
   for name, value in resolved.items():
     minimum = spec_options[name][1]
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
       raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
+  if context:
+    return tuple(sorted((name, int(value)) for name, value in resolved.items()))
   if budget < resolved["num_sinks"] + 1:
     raise ValueError(f"budget must be >= num_sinks + 1 = {resolved['num_sinks'] + 1} (one slot "
                      f"for the newest token); got {budget}")
@@ -270,11 +274,12 @@ class EvictingKVCache(BoundedCache):
         "fixed": None or equal to `budget`.
 
     The policy's option defaults (e.g. h2o's `recent_size = budget // 2`) are computed from the
-    capacity, at least their minimum in context mode.
+    capacity, at least their minimum in context mode (where the protected sinks and windows
+    need not fit the kept count or the capacity: the oldest of them are kept then).
 
     Raises:
-      ValueError: an unknown policy, option or mode, budget < num_sinks + 1, protected
-        windows larger than the capacity, a ratio outside [0, 1), "fixed" with a ratio or a
+      ValueError: an unknown policy, option or mode; "fixed": budget < num_sinks + 1,
+        protected windows larger than the budget; a ratio outside [0, 1), "fixed" with a ratio or a
         capacity other than the budget, "context" with neither budget nor ratio, or a
         budget larger than the capacity; sizes that are not positive ints.
       TypeError: a dtype that is neither floating nor int8 / fp8.
@@ -297,8 +302,7 @@ class EvictingKVCache(BoundedCache):
         raise ValueError(f"budget must be <= capacity = {capacity} (the context tokens kept "
                          f"must fit); got {budget}")
       context = jnp.full((_checks.positive_int("batch", batch),), -1, jnp.int32)
-    options = _policy_options(policy, capacity, policy_options, at_least_minimum=context
-                              is not None)
+    options = _policy_options(policy, capacity, policy_options, context=context is not None)
     storage = empty_storage(batch, capacity, num_kv_heads, head_dim, dtype)
     shape = storage["k"].shape[:3]
     return cls(pos=jnp.full(shape, -1, jnp.int32), scores=jnp.zeros(shape, jnp.float32),
