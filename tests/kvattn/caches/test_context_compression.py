@@ -345,3 +345,55 @@ def test_random_scores_depend_on_the_token_not_on_the_capacity_or_padding():
     return np.concatenate([out[..., :3], out[..., slots:slots + 2]], -1)
   np.testing.assert_array_equal(scores(3, 2), scores(6, 4))
   assert len(np.unique(scores(3, 2))) == 2 * 5  # one draw per KV head and token
+
+
+# ----------------------------------------------------------------------------------------------
+# Through the other paths (slow: each compiles a model's prefill and decode loop).
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from kvattn.models import transformer  # pylint: disable=g-import-not-at-top
+  cfg = transformer.model_config(d_model=32, num_layers=2, mlp_dim=64,
+                                 attention=dict(num_heads=N, num_kv_heads=K, head_dim=H))
+  return transformer.Transformer.from_config(cfg, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.slow  # the fast suite runs generate at ratio 0 in test_every_kind.py
+def test_chat_with_compress_context_at_ratio_zero_equals_the_dense_cache(tiny, prompts):
+  from experiments import chat  # pylint: disable=g-import-not-at-top
+  tokens, lengths = prompts
+  dense = chat.run(tiny, tokens, lengths, 5, cache="dense")
+  got = chat.run(tiny, tokens, lengths, 5, cache="tova",
+                 options={"compress": "context", "compression_ratio": 0.0})
+  np.testing.assert_array_equal(got.tokens, dense.tokens)
+  half = chat.run(tiny, tokens, lengths, 5, cache="tova",
+                  options={"compress": "context", "compression_ratio": 0.5})
+  assert half.cache_bytes < got.cache_bytes  # the kept prompt + the reply: 6 + 4 of 16 slots
+
+
+@pytest.mark.slow  # save / restore and rollback of the fixed mode run in test_every_kind.py
+def test_save_restore_and_speculative_decoding_keep_the_context_state(tiny, prompts, tmp_path):
+  from kvattn.caches import checkpoint  # pylint: disable=g-import-not-at-top
+  from kvattn.inference import speculative  # pylint: disable=g-import-not-at-top
+  from kvattn.inference.generation import generate, prefill  # pylint: disable=g-import-not-at-top
+  tokens, lengths = prompts
+  tokens = tokens.copy()
+  tokens[0, 8:12] = tokens[0, 4:8]  # prompt lookup drafts there
+  spec = {"kind": "h2o", "compress": "context", "compression_ratio": 0.5}
+  factory = registry.cache_factory_from_config(tiny, spec)
+  context = np.array([8, 3], np.int32)
+  _, caches, _ = prefill(tiny, tokens, lengths, factory(2, 24), context_lengths=context)
+  checkpoint.save_caches(tmp_path / "ckpt", caches)
+  restored, _, _ = checkpoint.restore_caches(tmp_path / "ckpt", factory(2, 24))
+  for a, b in zip(jax.tree.leaves(caches), jax.tree.leaves(restored)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert np.asarray(restored[0].context_lengths).tolist() == [8, 3]
+  bad = restored[0].replace(context_lengths=jnp.array([13, 3], jnp.int32))
+  with pytest.raises(ValueError, match=r"context_lengths\[0\] = 13 must lie in"):
+    bad.check_state()
+  want, _ = generate(tiny, tokens, lengths, 12, cache_factory=factory, context_lengths=context)
+  got, _ = generate(tiny, tokens, lengths, 12, cache_factory=factory, context_lengths=context,
+                    speculative=speculative.PromptLookup(3, max_ngram_size=2))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
