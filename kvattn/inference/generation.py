@@ -5,6 +5,8 @@ prompts, `new_lengths = prompt_lengths`, the first token sampled from each last 
 position) and `decode` (one jitted `lax.while_loop` of T = 1 steps over donated caches). A
 sequence that emits `eos_id` then emits `pad_id` with `new_lengths = 0`. Sampling: greedy at
 temperature 0, else temperature, top-k (Fan et al. 2018) and top-p (Holtzman et al. 2020).
+With `context_lengths` the prefill is two writes in one program, each prompt's context and then
+the rest (kvpress's context and question; a context-compressing cache compresses the first).
 Both programs are jitted on `(graphdef, state)` with shapes and sampling static; `eos_id` and
 `pad_id` are traced. Any cache kind works: the loop reads only `lengths` and `capacity`.
 """
@@ -343,10 +345,11 @@ def generate(
 
   Raises:
     ValueError: prompt lengths outside `[1, T]` or past the cache, a `max_new_tokens`
-      that would overflow it, ids outside `[0, V)`, bad sampling settings, caches that are
+      that would overflow it (a context-compressing cache: its kept context plus the rest),
+      `context_lengths` of another shape or outside `[0, prompt_lengths[b]]`, ids outside `[0, V)`, bad sampling settings, caches that are
       not empty or do not match the batch, or caches and tokens that would not fit the
       memory available now (`kvattn.memory.available_bytes`).
-    TypeError: non-integer prompts / lengths, traced inputs, a bad rng, temperature or top_p.
+    TypeError: non-integer prompts / lengths / context_lengths, traced inputs, a bad rng, temperature or top_p.
   """
   sampling = Sampling(_host_float("temperature", temperature),
                       top_k if not isinstance(top_k, np.integer) else int(top_k),
