@@ -270,7 +270,10 @@ class RealModelFamily:
         measured["mesh"] = d["mesh"]
       return runner.PointSpec(_label(d), measured, f"K{d['heads']['num_kv_heads']}", {
           "cache_dtype": d["cache"]["dtype"], "policy": d["cache"]["kind"],
-          "budget": None if d["cache"]["kind"] == "dense" else d["cache"]["budget"],
+          "budget": None if d["cache"]["kind"] == "dense" else cache_spec(d["cache"]).get(
+              "budget"),
+          "compress": d["cache"].get("compress") or "fixed",
+          "compression_ratio": d["cache"].get("compression_ratio"),
           "num_kv_heads_setting": d["heads"]["num_kv_heads"],
           "param_dtype": d["model"]["param_dtype"],
           "reference": _is_reference(d)})
@@ -347,6 +350,7 @@ class RealModelFamily:
     """Greedy tokens of the reference (float32 full cache, released heads) for `d`'s texts."""
     ref = overrides.apply_overrides(d, {"cache.dtype": REFERENCE["dtype"],
                                      "cache.kind": REFERENCE["kind"],
+                                     "cache.compress": "fixed", "cache.compression_ratio": None,
                                      "heads.num_kv_heads": REFERENCE["num_kv_heads"],
                                      "model.param_dtype": REFERENCE["param_dtype"]}, "reference")
     key = overrides.digest({s: ref[s] for s in ("model", "text", "mesh")})
@@ -420,7 +424,10 @@ def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
   for r in records:
     vs = lambda key, r=r: f"{r[key] / ref[key]:.2f}x" if ref else "n/a"
     rows.append([r["label"], r["num_kv_heads"],
-                 r["policy"] if r["budget"] is None else f"{r['policy']} {r['budget']}",
+                 (r["policy"] if r["budget"] is None else f"{r['policy']} {r['budget']}")
+                 + ("" if r.get("compress", "fixed") == "fixed" else " context"
+                    + ("" if r.get("compression_ratio") is None
+                       else f" r{r['compression_ratio']:g}")),
                  r["cache_dtype"], f"{r['cache_bytes_per_token']:,.0f}",
                  vs("cache_bytes_per_token"), f"{r['cache_bytes_per_seq'] / 2**10:,.0f}",
                  f"{r['decode_tokens_per_s']:.1f}", *_speed_cells(r, ref), f"{r['ppl']:.3f}",
