@@ -66,6 +66,8 @@ def main(argv):
     raise cli.UserError(f"unexpected arguments: {' '.join(argv[1:])} (flags are --name=value)")
   if FLAGS.distributed:  # before any JAX call (loading the config touches no backend)
     import jax  # pylint: disable=g-import-not-at-top
+    # CPU devices of several processes need a collectives backend (GPU / TPU bring their own).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   cli.import_modules(FLAGS[cli.IMPORT_FLAG].value)  # before the config is validated
   # Imported here so that a mistake on the command line is reported before JAX loads.

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvattn import _multihost
+
 from pallas_kernels.attention_common import (  # noqa: F401  (kvattn's names for them)
     check_decode_args, check_dense_args, check_mla_args, check_mla_decode_args,
     check_paged_args, dim, floating, head_layout, integer, lengths_arg, optional_positive_float,
@@ -53,7 +55,7 @@ def values_in_range(name: str, x: Any, low: int, high: int | None = None) -> Non
   """
   if not is_concrete(x):
     return
-  host = np.asarray(x)
+  host = _multihost.host_array(x)
   bad = host < low if high is None else (host < low) | (host > high)
   if not bad.any():
     return

@@ -62,9 +62,9 @@ def host_available_bytes() -> int:
 
 
 def available_bytes(device: Any = None) -> int | None:
-  """Bytes free for new arrays on `device` (default `jax.devices()[0]`), or None if unknown:
+  """Bytes free for new arrays on `device` (default `jax.local_devices()[0]`), or None if unknown:
   `bytes_limit - bytes_in_use`, or `host_available_bytes()` on CPU."""
-  device = jax.devices()[0] if device is None else device
+  device = jax.local_devices()[0] if device is None else device
   if device.platform != "cpu":
     try:
       stats = device.memory_stats() or {}

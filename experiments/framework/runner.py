@@ -60,6 +60,7 @@ import time
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import jax
+import numpy as np
 import psutil
 import tqdm
 from absl import logging
@@ -281,6 +282,10 @@ def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *
       raise ValueError(f"experiment.max_points must be a non-negative int or None; got "
                        f"{max_points!r}")
     workdir = os.path.abspath(workdir)
+    if jax.process_count() > 1 and jax.process_index() > 0:
+      # A multi-process run (`--distributed`): every process measures every point (SPMD),
+      # and process i > 0 keeps its records apart, so no two processes write one file.
+      workdir = os.path.join(workdir, f"process_{jax.process_index()}")
     # One run per workdir (and per training directory, which other workdirs may share): a
     # busy one fails now, before the validation below (seconds: data, pre-flight traces).
     lock_dirs = {workdir: "workdir"}
@@ -309,6 +314,11 @@ def run(config: Any, workdir: str, sweep: Sequence[Mapping[str, Any]] = ({},), *
     store.recover()  # a torn final line (killed mid-append) is set aside; its point reruns
     done = store.done()
     todo = [p for p in points if p.id not in done]
+    if jax.process_count() > 1:  # process 0's records decide, so every process runs the same
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      mask = multihost_utils.broadcast_one_to_all(
+          np.array([p.id not in done for p in points], bool))
+      todo = [p for p, run in zip(points, np.asarray(mask)) if run]
     if len(todo) < len(points):  # on the terminal too: a resumed run says so
       resuming = (f"resuming: {len(points) - len(todo)} of {len(points)} points already in "
                   f"{store.path}")

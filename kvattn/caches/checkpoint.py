@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvattn import _checks
+from kvattn import _multihost
 from kvattn.paging.allocator import PageAllocator, pages_for
 from kvattn.caches import capabilities
 from kvattn.paging.prefix import PrefixCachingAllocator
@@ -45,7 +46,7 @@ def _leaf_specs(caches: Sequence[Any]) -> list[dict[str, Any]]:
 
 def _bits(x: Any) -> np.ndarray:
   """The raw bits of `x` as an unsigned-integer numpy array of the same shape."""
-  arr = np.ascontiguousarray(np.asarray(x))
+  arr = np.ascontiguousarray(_multihost.host_array(x))
   return arr.view(f"u{arr.dtype.itemsize}") if arr.dtype.itemsize > 0 else arr
 
 
@@ -291,7 +292,7 @@ def restore_caches(path: str | os.PathLike, like: Any
     new = []
     for x in leaves:
       value = np.asarray(bits[f"leaf_{n:05d}"]).view(jnp.asarray(x).dtype)
-      new.append(jax.device_put(value, x.sharding) if isinstance(x, jax.Array)
+      new.append(_multihost.put(value, x.sharding) if isinstance(x, jax.Array)
                  else jnp.asarray(value))
       n += 1
     result.append(jax.tree_util.tree_unflatten(treedef, new))
@@ -349,7 +350,7 @@ def check_values(caches: Sequence[Any], allocator: PageAllocator | None = None,
     for i, cache in enumerate(caches):
       if not hasattr(cache, "lengths"):
         continue
-      lengths = np.asarray(cache.lengths)
+      lengths = _multihost.host_array(cache.lengths)
       if len(tokens) != lengths.shape[0]:
         raise ValueError(f"tokens holds {len(tokens)} rows, but layer {i} has batch "
                          f"{lengths.shape[0]}")
@@ -366,7 +367,7 @@ def _check_shared_pages(name: str, cache: Any, allocator: PageAllocator | None,
     raise ValueError(f"allocator num_pages, page_size = {allocator.num_pages}, "
                      f"{allocator.page_size}, but {name} has a pool of {cache.num_pages} pages "
                      f"of {cache.page_size} tokens")
-  tables = np.asarray(cache.block_tables)
+  tables = _multihost.host_array(cache.block_tables)
   assigned = (tables >= 0) & (tables < cache.num_pages)
   pages, counts = np.unique(tables[assigned], return_counts=True)
   for page, count in zip(pages.tolist(), counts.tolist()):

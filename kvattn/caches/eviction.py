@@ -31,6 +31,7 @@ scored by that write's own queries, and later writes are appended until the capa
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -61,6 +62,15 @@ class Candidates(NamedTuple):
     mass: `f32[B, K, S + T]` attention mass the chunk's scoring queries gave each slot
       (0 when the policy scores with no queries).
     end: `i32[B, 1, 1]` tokens of each sequence after the chunk.
+    v: `[B, K, S + T, H]` stored values (quantized when the cache is).
+    v_scale: `f32[B, K, S + T]` value scales of an int8 / fp8 cache, else None.
+    queries: `[B, T, N, H]` the chunk's queries BEFORE RoPE, or None (a write through
+      `update`, which has no queries).
+    query_pos: `i32[B, T]` each query's token index, -1 for padding (None without queries).
+    rope: `(x [B, T, ..., H], positions i32[B, T]) -> x` rotated by the module's RoPE (its
+      theta and scaling), None without queries.
+    state: what the cache kind holds for its policy (`policy_state()`: the Q-Filter kind's
+      filters), None for `EvictingKVCache`.
   """
 
   pos: jax.Array
@@ -69,6 +79,13 @@ class Candidates(NamedTuple):
   carried: jax.Array
   mass: jax.Array
   end: jax.Array
+  # Added for the presses (kvattn/caches/presses/): values, the chunk's queries, kind state.
+  v: jax.Array | None = None
+  v_scale: jax.Array | None = None
+  queries: jax.Array | None = None
+  query_pos: jax.Array | None = None
+  rope: Callable[[jax.Array, jax.Array], jax.Array] | None = None
+  state: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +94,8 @@ class EvictionPolicy:
 
   Attributes:
     score: `(Candidates, options) -> f32[B, K, S + T]`, higher is kept; the result is
-      stored as the kept slots' `scores`.
+      stored as the kept slots' `scores`. It may return `(rank, carry)` instead: `rank`
+      orders the candidates, `carry` is stored (what `carried` holds next time).
     options: option name -> `(default(budget), minimum)`; every policy also takes
       `num_sinks` (default 0).
     score_queries: `(t i32[1, T], new_lengths i32[B, 1], options) -> bool[B, T]`, the
@@ -411,10 +429,17 @@ class EvictingKVCache(BoundedCache):
     t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
     return score_queries(t, new_lengths[:, None], dict(self.options))
 
-  def _select(self, k, v, ks, vs, new_lengths, mass) -> "EvictingKVCache":
+  def policy_state(self) -> Any:
+    """`Candidates.state`: arrays a subclass holds for its policy (None here)."""
+    return None
+
+  def _select(self, k, v, ks, vs, new_lengths, mass, queries=None,
+              keep_best=None) -> "EvictingKVCache":
     """Chooses `capacity` of the kept slots + the new tokens (`[B, K, T, ...]`) per
-    sequence and KV head (context mode: a row's first write keeps `kept_context` of them);
-    `mass` is the chunk's `f32[B, K, S + T]` score mass or None."""
+    sequence and KV head; `mass` is the chunk's `f32[B, K, S + T]` score mass or None;
+    `queries` None or `(q [B, T, N, H] before RoPE, query_pos i32[B, T], rope)`; `keep_best`
+    None or `i32[B]`: only the best `keep_best[b]` of them stay, the other slots are emptied
+    (context mode: a row's first write keeps at most `kept_context` of them)."""
     num_tokens = k.shape[2]
     new_pos = jnp.broadcast_to(new_positions(self.lengths, new_lengths, num_tokens)[:, None],
                                (self.batch, self.num_kv_heads, num_tokens))
@@ -425,9 +450,14 @@ class EvictingKVCache(BoundedCache):
     mass = jnp.zeros(cand_pos.shape, jnp.float32) if mass is None else mass
     carried = concat(self.scores, jnp.zeros(new_pos.shape, jnp.float32))
     options = dict(self.options)
+    cand_v, cand_vs = concat(self.v, v), concat(self.v_scale, vs)
+    q_raw, q_pos, rope = (None, None, None) if queries is None else queries
     score = POLICY_TABLE[self.policy].score(
-        Candidates(pos=cand_pos, k=cand_k, k_scale=cand_ks, carried=carried, mass=mass, end=end),
+        Candidates(pos=cand_pos, k=cand_k, k_scale=cand_ks, carried=carried, mass=mass, end=end,
+                   v=cand_v, v_scale=cand_vs, queries=q_raw, query_pos=q_pos, rope=rope,
+                   state=self.policy_state()),
         options)
+    score, stored = score if isinstance(score, tuple) else (score, score)
     recent = options[POLICY_TABLE[self.policy].protected] if POLICY_TABLE[self.policy].protected \
         else 0
     protect = (cand_pos < options["num_sinks"]) | (cand_pos > end - 1 - recent)
@@ -440,11 +470,14 @@ class EvictingKVCache(BoundedCache):
       first = context < 0
       kept = _context.kept_counts(new_lengths, num_tokens, self.compression_ratio,
                                   self.context_budget)
-      limit = jnp.where(first, kept, self.capacity)[:, None, None]
-      kept_pos = jnp.where(jnp.arange(self.capacity)[None, None, :] < limit, kept_pos, -1)
+      limit = jnp.where(first, kept, self.capacity)
+      keep_best = limit if keep_best is None else jnp.minimum(keep_best, limit)
       context = jnp.where(first, new_lengths, context)
+    if keep_best is not None:  # top_k ranks best first
+      kept_pos = jnp.where(jnp.arange(self.capacity) < keep_best[:, None, None], kept_pos, -1)
     order = jnp.argsort(jnp.where(kept_pos < 0, jnp.iinfo(jnp.int32).max, kept_pos), axis=2)
     idx = jnp.take_along_axis(idx, order, axis=2)
+    kept_pos = jnp.take_along_axis(kept_pos, order, axis=2)
     take = lambda x: None if x is None else jnp.take_along_axis(
         x, idx.reshape(idx.shape + (1,) * (x.ndim - 3)), axis=2)
     # A row that writes no token keeps its state bit for bit (a finished row; the rows of
@@ -452,14 +485,13 @@ class EvictingKVCache(BoundedCache):
     wrote = new_lengths > 0
     keep = lambda new, old: None if new is None else jnp.where(
         wrote.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
-    return self.replace(k=keep(take(cand_k), self.k), v=keep(take(concat(self.v, v)), self.v),
-                        pos=keep(jnp.take_along_axis(kept_pos, order, axis=2), self.pos),
-                        context_lengths=context,
-                        scores=keep(take(jnp.where(jnp.isfinite(score), score, 0.0)),
+    return self.replace(k=keep(take(cand_k), self.k), v=keep(take(cand_v), self.v),
+                        pos=keep(kept_pos, self.pos), context_lengths=context,
+                        scores=keep(take(jnp.where(jnp.isfinite(stored), stored, 0.0)),
                                     self.scores),
                         lengths=self.lengths + new_lengths,
                         k_scale=keep(take(cand_ks), self.k_scale),
-                        v_scale=keep(take(concat(self.v_scale, vs)), self.v_scale))
+                        v_scale=keep(take(cand_vs), self.v_scale))
 
   def update(self, k_new: jax.Array, v_new: jax.Array,
              new_lengths: jax.Array | None = None) -> "EvictingKVCache":
@@ -496,6 +528,8 @@ class EvictingKVCache(BoundedCache):
     prelude(self, implementation)
     num_tokens = k.shape[1]
     rope = dict(rope_theta=rope_theta, scaling=rope_scaling)
+    queries = (q, jnp.where(jnp.arange(num_tokens)[None, :] < new_lengths[:, None], positions, -1),
+               functools.partial(apply_rope, **rope))
     q, k = apply_rope(q, positions, **rope), apply_rope(k, positions, **rope)
     kq, vq, ks, vs = encode_new(self, k, v)
     new_pos = new_positions(self.lengths, new_lengths, num_tokens)
@@ -506,7 +540,7 @@ class EvictingKVCache(BoundedCache):
         window=window, soft_cap=soft_cap, score_queries=self._score_queries(new_lengths,
                                                                             num_tokens),
         **scale_kwargs(concat(self.k_scale, ks), concat(self.v_scale, vs)))
-    return out, self._select(kq, vq, ks, vs, new_lengths, mass)
+    return out, self._select(kq, vq, ks, vs, new_lengths, mass, queries)
 
 
 def eviction_kind(policy: str) -> registry.CacheKind:

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from kvattn import _checks
+from kvattn import _multihost
 from kvattn import memory
 from kvattn import vocab
 from kvattn.caches import registry as cache_registry
@@ -408,7 +409,7 @@ def generate(
     if max_len is not None and max_len != capacity:
       raise ValueError(f"max_len must match the caches' max_len {capacity}; got {max_len}")
     for i, c in enumerate(caches):
-      lengths = np.asarray(c.lengths)
+      lengths = _multihost.host_array(c.lengths)
       if lengths.shape != (batch,):
         raise ValueError(f"caches[{i}].lengths must have shape ({batch},); got {lengths.shape}")
       if lengths.any():

@@ -26,7 +26,7 @@ def _capacity(name: str, value: Any) -> int:
 
 def pinned_host_available(device: Any = None) -> bool:
   """True if `device` (default the first) can address the `pinned_host` memory kind."""
-  device = jax.devices()[0] if device is None else device
+  device = jax.local_devices()[0] if device is None else device
   try:
     return any(m.kind == "pinned_host" for m in device.addressable_memories())
   except (AttributeError, NotImplementedError):
@@ -105,10 +105,10 @@ class HostTier(_LruTier):
       raise ValueError("pinned must be False or None: the device offers no pinned_host memory")
     # On a CPU backend device memory is host memory already: numpy rows cost one copy, while
     # pinned_host arrays add a transfer dispatch per page. Elsewhere pinned pages are DMA'd.
-    default = available and jax.devices()[0].platform != "cpu"
+    default = available and jax.local_devices()[0].platform != "cpu"
     self.pinned = default if pinned is None else bool(pinned)
     if self.pinned:
-      device = jax.devices()[0]
+      device = jax.local_devices()[0]
       self._sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
 
   def _store(self, block, payload):

@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from kvattn import _checks
+from kvattn import _multihost
 from kvattn import vocab
 from kvattn.inference.batching import options as options_lib
 from kvattn.inference.batching import programs
@@ -202,7 +203,7 @@ class ContinuousBatcher:
     if self.prefix_cache:
       allocator.register(request_id, prompt)  # full prompt pages: prefilled, so exact
       self._keep_snapshot(slot, request_id, n)
-    first = int(first)
+    first = int(_multihost.host_array(first))
     self._slots[slot] = Live(request_id, [first], max_new_tokens, n, self.steps, prompt)
     self._last[slot] = first
     self._history[slot, :n] = prompt
@@ -239,7 +240,7 @@ class ContinuousBatcher:
       return finished
     self.caches, nxt, self._rng = self._step(self._state, self.caches, self._last, active,
                                              self._rng)
-    nxt = np.asarray(nxt)
+    nxt = _multihost.host_array(nxt)
     self.steps += 1
     for slot, live in enumerate(self._slots):
       if live is None:

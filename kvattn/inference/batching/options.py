@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from kvattn import _checks
+from kvattn import _multihost
 from kvattn.caches import capabilities
 from kvattn.caches import registry
 from kvattn.caches._layers import gqa_layers
@@ -218,7 +219,7 @@ def configure(b, model, *, num_slots, num_pages, page_size, max_len, max_prompt_
   b.caches = _build_caches(b, model, attns, rings, plan, entry, kind_options, dtype,
                            shards * b._pages_per_shard)
   # Committed, as the jitted programs' outputs are: the first call reuses their executable.
-  home = jax.devices()[0]
+  home = jax.local_devices()[0]
   if mesh is not None:
     from kvattn import sharding  # pylint: disable=g-import-not-at-top
     from kvattn.caches import sharded  # pylint: disable=g-import-not-at-top
@@ -252,11 +253,11 @@ def configure(b, model, *, num_slots, num_pages, page_size, max_len, max_prompt_
       raise ValueError("speculative.model must build caches that roll back by lengths "
                        "(dense, latent, paged); got "
                        f"{sorted({type(c).__name__ for c in b._draft_caches})}")
-    b._draft_caches = jax.device_put(b._draft_caches, home)
-    b._draft_state = jax.device_put(b._draft_state, home)
+    b._draft_caches = jax.tree.map(lambda x: _multihost.put(x, home), b._draft_caches)
+    b._draft_state = jax.tree.map(lambda x: _multihost.put(x, home), b._draft_state)
   if rng is None or (isinstance(rng, int) and not isinstance(rng, bool)):
     rng = jax.random.key(0 if rng is None else rng)
-  b._rng = jax.device_put(rng, home)  # committed, like the caches
+  b._rng = _multihost.put(rng, home)  # committed, like the caches
   return model
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvattn import _multihost
 from kvattn.paging.allocator import OutOfPagesError
 from kvattn.paging.prefix import copy_pages
 
@@ -42,7 +43,7 @@ def speculative_step(self) -> list:
   self.caches, greedy, emit, self._draft_caches = self._spec_step(
       self._state, self.caches, self._history, self._ends, new_lengths, self._draft_state,
       self._draft_caches)
-  greedy, emit = np.asarray(greedy), np.asarray(emit)
+  greedy, emit = _multihost.host_array(greedy), _multihost.host_array(emit)
   self.steps += 1
   for slot, live in enumerate(self._slots):
     if live is None or not new_lengths[slot]:

@@ -35,7 +35,8 @@ def test_every_kind_holds_the_context_it_was_written(tiny, kind):
   want = sum(memory.measured_bytes_per_token(c) * 2 * min(c.capacity, CONTEXT) for c in filled)
   assert decode_speed.cache_read_bytes(filled, CONTEXT) == int(want)
   if kind in registry.bounded_kinds():  # a bounded kind reads its budget, not the context
-    assert all(c.capacity <= BUDGET for c in filled)
+    # (on average over the layers: PyramidKV's budgets differ per layer, their mean is BUDGET)
+    assert sum(c.capacity for c in filled) <= BUDGET * len(filled)
 
 
 def test_dense_keys_fill_exactly_the_context_slots(tiny):

@@ -55,9 +55,20 @@ SETTINGS = {
     "sink": ({"num_sinks": 2, "window": 62}, {"num_sinks": 1, "window": 4}),
     "h2o": _POLICY, "snapkv": _POLICY, "tova": _POLICY, "tova_per_head": _POLICY, "recent": _POLICY,
     "random": _POLICY, "knorm": _POLICY, "keydiff-lite": _POLICY,
+    # The presses (kvattn/caches/presses/): hard = budget 6 with their own windows and chunks.
+    "keydiff": _POLICY, "qfilter": _POLICY,
+    "expected_attention": ({"budget": 64}, {"budget": 6, "num_sinks": 1, "n_future_positions": 4}),
+    "chunkkv": ({"budget": 64}, {"budget": 6, "chunk_size": 2, "window_size": 2}),
+    "criticalkv": ({"budget": 64}, {"budget": 6, "window_size": 2, "first_keep": 2}),
+    "snapkv+knorm": ({"budget": 64}, {"budget": 6, "window_size": 2, "first_keep": 8}),
+    "decoding_knorm": ({"budget": 64}, {"budget": 6, "compression_interval": 2}),
     "length_switch": ({"switch_length": 64, "num_kv_heads_after": 1},
                       {"switch_length": 5, "num_kv_heads_after": 1}),
     "reversed": ({}, {}),
+    "pyramidkv": ({"budget": 64}, {"budget": 6}),  # layers (94, 34) / (9, 3) slots
+    "duo": ({"num_sinks": 2, "window": 62}, {"num_sinks": 1, "window": 3, "pattern": "RS,SR"}),
+    "think": ({"keep_channels": 8}, {"keep_channels": 3, "window_size": 2}),  # of head_dim 8
+    "adakv": ({"budget": 16}, {"budget": 3, "kernel_size": 3, "window_size": 1}),
     "toy_paged": ({"page_size": 4}, {"page_size": 3, "seed": 1}),
     # KIVI: easy = every token in the residual; hard = groups of 2 flushed behind 2 residual
     # tokens (kivi2), and behind none with keys before RoPE and f32 scales (kivi4).
@@ -80,7 +91,15 @@ FLOAT_ONLY = {k for k, v in registry.CACHE_KIND_TABLE.items() if v.float_only}
 
 KINDS = sorted(SETTINGS)
 SLOW_KINDS = {"snapkv", "tova", "tova_per_head", "recent", "random", "knorm", "keydiff-lite", "kivi2", "rotated3",
-              "paged_kivi2", "paged_kivi4", "rotated4", "toy_paged"}
+              "paged_kivi2", "paged_kivi4", "rotated4", "toy_paged",
+              # PyramidKV shares h2o's class; DuoKVCache and ThinKCache are checked against
+              # numpy references step by step in test_duo.py / test_think.py.
+              "pyramidkv", "duo", "think",
+              # The presses (~20 CPU-s each here): EvictingKVCache (and two subclasses: a filters
+              # leaf; eviction only when full) with another score, each checked against its numpy
+              # reference over ragged rows, NaN slots and budget +-1 in tests/kvattn/caches/presses.
+              "keydiff", "expected_attention", "qfilter", "chunkkv", "criticalkv", "snapkv+knorm",
+              "decoding_knorm"}
 """Kinds that share another kind's class and differ in a setting: the eviction policies
 share h2o's (only the score differs; each score has its own tests in test_eviction.py,
 the test-only keydiff-lite's in tests/experiments: the main job and chat run it),

@@ -72,6 +72,7 @@ def test_logits_match_transformers(smollm2):
   np.testing.assert_array_equal(logits.argmax(-1), top_ids[:, 0])
 
 
+@pytest.mark.slow  # ~17 s; the fast suite compares the logits (test_logits_match_transformers)
 def test_batched_greedy_matches_transformers_alone(smollm2):
   # Three right-padded prompts of different lengths in one batch; each gets the greedy tokens
   # transformers produced for it alone (no eos stop, so all 20 steps run). The smallest recorded

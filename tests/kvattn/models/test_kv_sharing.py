@@ -371,6 +371,7 @@ def _generate_each(model, prompts, new):
   return [np.asarray(o).tolist() for o in out]
 
 
+@pytest.mark.slow  # ~12 s; the batcher's prefix cache and rings run fast in test_batching_rings_prefix.py
 def test_batcher_with_sharing_prefix_cache_and_rings_gives_generates_tokens():
   """CLA through the batcher: caches for the owning layers only (a ring for the local pair,
   a pool for the global pair), the prefix cache hitting with two live rows sharing pages
