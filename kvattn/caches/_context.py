@@ -26,6 +26,31 @@ MODES = ("fixed", "context")
 write past it) or "context" (the first write is compressed, later writes appended)."""
 
 
+SPEC_OPTIONS = {"budget": None, "compress": "fixed", "compression_ratio": None}
+"""The options a kind built on `EvictingKVCache` adds to its `CacheKind` for this protocol
+(`budget` is then required by `check_spec` with "fixed" only)."""
+
+
+def split_options(options: dict[str, Any], max_len: int) -> tuple[Any, dict[str, Any],
+                                                                  dict[str, Any]]:
+  """`(budget, mode, rest)` of a builder's options: `EvictingKVCache.init(batch, budget, ...,
+  **mode, **rest)` (`mode` empty for "fixed"; for "context" the compress keywords and
+  `capacity=max_len`), `rest` the other options set."""
+  compress = options.get("compress") or "fixed"
+  rest = {k: v for k, v in options.items() if k not in SPEC_OPTIONS and v is not None}
+  mode = {} if compress == "fixed" else {
+      "compress": compress, "compression_ratio": options.get("compression_ratio"),
+      "capacity": max_len}
+  return options.get("budget"), mode, rest
+
+
+def kind_slots(options: dict[str, Any], context_lengths, total_lengths) -> int | None:
+  """`CacheKind.slots` of such a kind: `slots_needed` with "context", None with "fixed"."""
+  if (options.get("compress") or "fixed") == "fixed":
+    return None
+  return slots_needed(options, context_lengths, total_lengths)
+
+
 def check_ratio(name: str, ratio: Any) -> float | None:
   """`ratio` as a float in [0, 1), or None; ValueError naming `name` otherwise."""
   if ratio is None:

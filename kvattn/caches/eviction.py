@@ -550,28 +550,18 @@ def eviction_kind(policy: str) -> registry.CacheKind:
 
   def build(model, batch, max_len, dtype, o, tokens_per_seq):
     del tokens_per_seq  # fixed: the capacity is the budget; context: max_len slots
-    compress = o.get("compress") or "fixed"
-    options = {k: v for k, v in o.items()
-               if k not in ("budget", "compress", "compression_ratio") and v is not None}
-    mode = {} if compress == "fixed" else {
-        "compress": compress, "compression_ratio": o.get("compression_ratio"),
-        "capacity": max_len}
-    return tuple(EvictingKVCache.init(batch, o["budget"], a.num_kv_heads, a.head_dim, dtype,
+    budget, mode, options = _context.split_options(o, max_len)
+    return tuple(EvictingKVCache.init(batch, budget, a.num_kv_heads, a.head_dim, dtype,
                                       policy=policy, **mode, **options)
                  for a in gqa_layers(model))
 
-  def slots(o, context_lengths, total_lengths):
-    if (o.get("compress") or "fixed") == "fixed":
-      return None
-    return _context.slots_needed(o, context_lengths, total_lengths)
-
   return registry.CacheKind(
-      build, {"budget": None, "compress": "fixed", "compression_ratio": None, "num_sinks": None,
+      build, {**_context.SPEC_OPTIONS, "num_sinks": None,
               **{o: None for o in policy_options(policy)}},
       f"EvictingKVCache(policy={policy!r}): `budget` slots per KV head, or with "
       f"compress='context' a context compressed to compression_ratio / budget, then grown",
       at_budget=lambda budget, num_sinks: {"budget": budget}, check=_context.check_spec,
-      slots=slots)
+      slots=_context.kind_slots)
 
 
 def register_eviction_policy(name: str, policy: EvictionPolicy) -> None:
