@@ -80,6 +80,12 @@ def get_config(arg=None):
   # policy; the scored text, the greedy prompt + continuation and the speed context are each
   # longer, so the policy evicts in every measurement.
   config.cache.num_sinks = 4  # Sinks of kind "sink".
+  config.cache.compress = "fixed"  # Eviction kinds: "fixed" (`cache.budget` slots held
+  # forever) or "context" (kvpress's protocol: a sequence's first write -- here the first
+  # `text.chunk` tokens -- is compressed once, later tokens appended until the capacity is
+  # full; kvattn.caches.eviction).
+  config.cache.compression_ratio = config_dict.placeholder(float)  # compress="context": the
+  # fraction in [0, 1) of the context's tokens dropped (kvpress's); None: keep `cache.budget`.
 
   # Head grouping: the released KV heads, or fewer by kvattn.models.convert.regroup_kv_heads.
   config.heads = config_dict.ConfigDict()

@@ -30,6 +30,10 @@ int8/fp8 store one f32 scale per token per head); its options come from
 current directory, or a .py file) first imports a module of yours that registers a kind, e.g.
 `--import=my_policy.py --cache=my-policy --cache_option=budget=256`. `--weights int8` stores the weights as int8 with per-channel
 scales and runs the products as int8 x int8 -> int32 (W8A8, `kvattn.models.int8`).
+An eviction policy runs as kvpress's protocol with `--compress=context` and
+`--compression_ratio=0.5` (or `--cache_option=budget=N`): the rendered prompt is the context,
+compressed once at prefill, and the reply is appended uncompressed; the cache holds the kept
+prompt tokens plus max_new_tokens - 1 (`kvattn.caches.eviction`, "compress").
 """
 
 from __future__ import annotations
@@ -97,6 +101,11 @@ flags.DEFINE_string("cache", "dense", "KV-cache kind of kvattn.caches.registry (
                     "ring, sink, h2o, snapkv, ...), optionally with -bf16, -int8 or -fp8.")
 flags.DEFINE_multi_string("cache_option", [], "An option of the cache kind, key=int (e.g. "
                           "budget=256, window=512); repeat for several.")
+flags.DEFINE_enum("compress", None, ["fixed", "context"], "Eviction policies: 'fixed' (a budget "
+                  "held forever) or 'context' (kvpress's protocol: the prompt compressed once "
+                  "at prefill, the reply appended). Default: the kind's ('fixed').")
+flags.DEFINE_float("compression_ratio", None, "With --compress=context: the fraction in [0, 1) "
+                   "of the prompt's tokens dropped (kvpress's compression_ratio).")
 flags.DEFINE_integer("page_size", 16, "Tokens per page of the paged caches.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute and parameter dtype.")
 flags.DEFINE_enum("weights", None, ["int8"], "Weight storage other than --dtype: int8 = W8A8 "
@@ -125,6 +134,17 @@ class Timing:
   cache_bytes: int
 
 
+def cache_spec(cache: str, *, page_size: int = 16,
+               options: dict[str, Any] | None = None) -> dict[str, Any]:
+  """The registry spec of the `--cache` choice `cache` with `options` (ValueError naming an
+  unknown choice)."""
+  kind, _ = parse_cache(cache)
+  spec = {"kind": kind, **(options or {})}
+  if kind == "paged":
+    spec.setdefault("page_size", page_size)
+  return spec
+
+
 def make_caches(model, cache: str, batch: int, max_len: int, *, page_size: int = 16,
                 options: dict[str, Any] | None = None) -> tuple[Any, ...]:
   """Empty per-layer caches of the `--cache` choice `cache` for `batch` x `max_len` tokens,
@@ -133,11 +153,9 @@ def make_caches(model, cache: str, batch: int, max_len: int, *, page_size: int =
   Raises:
     ValueError: an unknown choice, or an option the kind rejects (naming it).
   """
-  kind, dtype = parse_cache(cache)
-  spec = {"kind": kind, **(options or {})}
-  if kind == "paged":
-    spec.setdefault("page_size", page_size)
-  return model.init_caches(batch, max_len, dtype, cache=spec)
+  _, dtype = parse_cache(cache)
+  return model.init_caches(batch, max_len, dtype,
+                           cache=cache_spec(cache, page_size=page_size, options=options))
 
 
 def run(model, prompts: np.ndarray, lengths: np.ndarray, max_new_tokens: int, *,
@@ -150,7 +168,11 @@ def run(model, prompts: np.ndarray, lengths: np.ndarray, max_new_tokens: int, *,
   wall and CPU seconds from `experiments.framework.timing.timed`.
   """
   batch = prompts.shape[0]
-  max_len = int(lengths.max()) + max_new_tokens - 1
+  totals = np.asarray(lengths) + max_new_tokens - 1
+  # A context-compressing cache holds the kept prompt plus the reply (the prompt is its context).
+  compressed = cache_factories.slots_needed(
+      cache_spec(cache, page_size=page_size, options=options), np.asarray(lengths), totals)
+  max_len = int(totals.max()) if compressed is None else compressed
   caches = make_caches(model, cache, batch, max_len, page_size=page_size, options=options)
   cache_bytes = memory.tree_bytes(caches)
   prompts, lengths = jnp.asarray(prompts, jnp.int32), jnp.asarray(lengths, jnp.int32)
@@ -220,6 +242,11 @@ def main(argv: Sequence[str]) -> None:
   with cli.config_errors():  # checked before the model loads
     parse_cache(FLAGS.cache)
     options = parse_options(FLAGS.cache_option)
+    options.update({k: v for k, v in (("compress", FLAGS.compress),
+                                      ("compression_ratio", FLAGS.compression_ratio))
+                    if v is not None})
+    cache_factories.cache_options(cache_spec(FLAGS.cache, page_size=FLAGS.page_size,
+                                             options=options))
   model, tok, load_s = load(FLAGS.model, FLAGS.dtype, FLAGS.weights)
   if tok.chat_template is None:
     print(f"note: {FLAGS.model} has no chat template (a base model): completing the raw prompt")

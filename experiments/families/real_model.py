@@ -84,7 +84,7 @@ def schema() -> dict[str, tuple[str, ...]]:
   """Sections and keys of a "real_model" config (configs/default.py documents each)."""
   return {
       "model": ("name", "dtype", "param_dtype"),
-      "cache": ("dtype", "kind", "budget", "num_sinks"),
+      "cache": ("dtype", "kind", "budget", "num_sinks", "compress", "compression_ratio"),
       "heads": ("num_kv_heads", "method"),
       "text": ("num_tokens", "chunk", "prompt_tokens", "new_tokens"),
       "speed": ("batch", "context", "steps", "repeats"),
@@ -98,10 +98,37 @@ def _is_reference(d: Mapping[str, Any]) -> bool:
           d["model"]["param_dtype"]) == tuple(REFERENCE.values())
 
 
+def cache_spec(cache: Mapping[str, Any]) -> dict[str, Any]:
+  """The registry spec of a point's `cache` section: the kind at `cache.budget`
+  (`registry.spec_at_budget`), and for an eviction kind with `cache.compress = "context"` its
+  kept context: `cache.compression_ratio` when set (then `cache.budget` is not used), else
+  `cache.budget` tokens.
+
+  Raises:
+    ValueError: `cache.compress` / `cache.compression_ratio` set for a kind without them.
+  """
+  spec = cache_registry.spec_at_budget(cache["kind"], cache["budget"],
+                                       num_sinks=cache["num_sinks"])
+  compress, ratio = cache.get("compress") or "fixed", cache.get("compression_ratio")
+  if compress == "fixed" and ratio is None:
+    return spec
+  if "compress" not in cache_registry.CACHE_KIND_TABLE[cache["kind"]].options:
+    raise ValueError(f"cache.compress = {compress!r} / cache.compression_ratio = {ratio!r} "
+                     f"apply to the eviction kinds only; cache.kind = {cache['kind']!r}")
+  spec.update(compress=compress, compression_ratio=ratio)
+  if compress == "context" and ratio is not None:
+    spec.pop("budget", None)
+  return spec
+
+
 def _label(d: Mapping[str, Any]) -> str:
   k = d["heads"]["num_kv_heads"]
   policy = d["cache"]["kind"]
   policy = policy if policy == "dense" else f"{policy}{d['cache']['budget']}"
+  if (d["cache"].get("compress") or "fixed") == "context":
+    ratio = d["cache"].get("compression_ratio")
+    policy = f"{d['cache']['kind']}-ctx" + (f"{d['cache']['budget']}" if ratio is None
+                                             else f"r{ratio:g}")
   label = f"K{k or 'rel'}-{policy}-{d['cache']['dtype']}"
   if d["model"]["param_dtype"] != "float32":
     label += f"-w{d['model']['param_dtype']}"
@@ -164,6 +191,11 @@ class RealModelFamily:
     if cache["kind"] == "sink" and cache["budget"] < cache["num_sinks"] + 1:
       raise ValueError(f"{where}: cache.budget must be >= cache.num_sinks + 1 = "
                        f"{cache['num_sinks'] + 1} for kind 'sink'; got {cache['budget']}")
+    if (cache.get("compress") or "fixed") != "fixed" or cache.get("compression_ratio") is not None:
+      try:  # the compress options with the kind's (named as cache.<key>)
+        cache_registry.cache_options(cache_spec(cache), "cache")
+      except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     self._check_mesh(d, where)
 
   def _check_mesh(self, d: Mapping[str, Any], where: str) -> None:
@@ -235,13 +267,20 @@ class RealModelFamily:
     def point_of(d, where):
       self._check(d, where)
       measured = {s: d[s] for s in ("model", "cache", "heads", "text", "speed")}
+      if (d["cache"].get("compress") or "fixed") == "fixed" and d["cache"].get(
+          "compression_ratio") is None:  # the fixed budget keeps the ids of earlier runs
+        measured["cache"] = {k: v for k, v in d["cache"].items()
+                             if k not in ("compress", "compression_ratio")}
       if d["model"]["param_dtype"] == "float32":  # f32 weights keep the ids of earlier runs
         measured["model"] = {k: v for k, v in d["model"].items() if k != "param_dtype"}
       if d["mesh"]["shape"] is not None:  # one device keeps the ids of earlier runs
         measured["mesh"] = d["mesh"]
       return runner.PointSpec(_label(d), measured, f"K{d['heads']['num_kv_heads']}", {
           "cache_dtype": d["cache"]["dtype"], "policy": d["cache"]["kind"],
-          "budget": None if d["cache"]["kind"] == "dense" else d["cache"]["budget"],
+          "budget": None if d["cache"]["kind"] == "dense" else cache_spec(d["cache"]).get(
+              "budget"),
+          "compress": d["cache"].get("compress") or "fixed",
+          "compression_ratio": d["cache"].get("compression_ratio"),
           "num_kv_heads_setting": d["heads"]["num_kv_heads"],
           "param_dtype": d["model"]["param_dtype"],
           "reference": _is_reference(d)})
@@ -281,8 +320,7 @@ class RealModelFamily:
     ids = self.tokens(tokenizer, d["model"]["name"], text["num_tokens"] + 1 +
                       text["prompt_tokens"])
     prompt = ids[text["num_tokens"] + 1:]
-    policy = cache_registry.spec_at_budget(cache["kind"], cache["budget"],
-                                           num_sinks=cache["num_sinks"])
+    policy = cache_spec(cache)
     capacity = _seq_capacity(-(-len(prompt) // text["chunk"]) * text["chunk"]
                              + text["new_tokens"], mesh, rules)
     caches = self._caches(model, capacity, jnp.dtype(cache["dtype"]), policy, mesh, rules)
@@ -303,8 +341,7 @@ class RealModelFamily:
       return {}
     from experiments.benchmarks import real as bench_real  # pylint: disable=g-import-not-at-top
     model, _, mesh, rules = self._on_mesh(d)
-    policy = cache_registry.spec_at_budget(cache["kind"], cache["budget"],
-                                           num_sinks=cache["num_sinks"])
+    policy = cache_spec(cache)
     capacity = _seq_capacity(speed["context"] + (speed["repeats"] + 1) * speed["steps"] + 1,
                              mesh, rules)
     caches = self._caches(model, capacity, jnp.dtype(cache["dtype"]), policy, mesh, rules,
@@ -321,6 +358,7 @@ class RealModelFamily:
     released heads, float32 weights), and the key of its texts (model, text, mesh)."""
     ref = overrides.apply_overrides(d, {"cache.dtype": REFERENCE["dtype"],
                                      "cache.kind": REFERENCE["kind"],
+                                     "cache.compress": "fixed", "cache.compression_ratio": None,
                                      "heads.num_kv_heads": REFERENCE["num_kv_heads"],
                                      "model.param_dtype": REFERENCE["param_dtype"]}, "reference")
     return ref, overrides.digest({s: ref[s] for s in ("model", "text", "mesh")})
@@ -345,8 +383,7 @@ class RealModelFamily:
     i32[n], caches, seconds)` (n = `text.num_tokens`)."""
     model, tokenizer, mesh, rules = self._on_mesh(d)
     text, cache = d["text"], d["cache"]
-    policy = cache_registry.spec_at_budget(cache["kind"], cache["budget"],
-                                           num_sinks=cache["num_sinks"])
+    policy = cache_spec(cache)
     ids = self.tokens(tokenizer, d["model"]["name"], text["num_tokens"] + 1 +
                       text["prompt_tokens"])[:text["num_tokens"] + 1]
     padded = -(-text["num_tokens"] // text["chunk"]) * text["chunk"]  # the last chunk is padded
@@ -415,7 +452,10 @@ def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
   for r in records:
     vs = lambda key, r=r: f"{r[key] / ref[key]:.2f}x" if ref else "n/a"
     rows.append([r["label"], r["num_kv_heads"],
-                 r["policy"] if r["budget"] is None else f"{r['policy']} {r['budget']}",
+                 (r["policy"] if r["budget"] is None else f"{r['policy']} {r['budget']}")
+                 + ("" if r.get("compress", "fixed") == "fixed" else " context"
+                    + ("" if r.get("compression_ratio") is None
+                       else f" r{r['compression_ratio']:g}")),
                  r["cache_dtype"], f"{r['cache_bytes_per_token']:,.0f}",
                  vs("cache_bytes_per_token"), f"{r['cache_bytes_per_seq'] / 2**10:,.0f}",
                  f"{r['decode_tokens_per_s']:.1f}", *_speed_cells(r, ref), f"{r['ppl']:.3f}",

@@ -21,6 +21,11 @@ Scores of a KV head are the sum over its G query heads (the cache is never expan
 Every policy may protect `num_sinks` first tokens. Candidates are the kept slots plus the new chunk:
 each chunk attends all of them (exact for that chunk), then the budget is chosen among them, so no
 `[S, S]` matrix is built.
+
+`compress="context"` runs any policy as kvpress's protocol instead (`caches/_context.py`): a row's
+first write (its context) keeps `max(1, int(n * (1 - compression_ratio)))` tokens (or at most
+`budget`),
+scored by that write's own queries, and later writes are appended until the capacity is full.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import numpy as np
 from flax import struct
 
 from kvattn import _checks
+from kvattn.caches import _context
 from kvattn.caches import registry
 from kvattn.caches._layers import gqa_layers
 from kvattn.caches import dense as cache_lib
@@ -114,11 +120,18 @@ def _avg_pool(x: jax.Array, size: int) -> jax.Array:
 
 
 def _random_score(c: Candidates, o: dict[str, int]) -> jax.Array:
-  """Uniform scores, keyed per sequence by its own length, so a row's evictions do not
-  depend on the other rows of its batch."""
+  """Uniform scores, one per (sequence length, KV head, token): a row's evictions depend
+  neither on the other rows of its batch nor on the cache's capacity or the chunk's padded
+  width (which a draw over the candidate axis would)."""
   base = jax.random.key(o["seed"])
-  keys = jax.vmap(lambda end: jax.random.fold_in(base, end))(c.end[:, 0, 0])
-  return jax.vmap(lambda key: jax.random.uniform(key, c.pos.shape[1:]))(keys)
+
+  def row(end, pos):  # pos: i32[K, S + T]
+    key = jax.random.fold_in(base, end)
+    draw = lambda h, p: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, h), p))
+    heads = jnp.arange(pos.shape[0], dtype=jnp.int32)
+    return jax.vmap(lambda h, ps: jax.vmap(lambda p: draw(h, p))(ps))(heads, pos)
+
+  return jax.vmap(row)(c.end[:, 0, 0], c.pos)
 
 
 def _knorm_score(c: Candidates, o: dict[str, int]) -> jax.Array:
@@ -175,8 +188,12 @@ def policy_options(policy: str) -> tuple[str, ...]:
   return tuple(POLICY_TABLE[policy].options)
 
 
-def _policy_options(policy: str, budget: int, options: dict[str, Any]) -> tuple:
-  """Validated options of `policy` as a sorted tuple of (name, value) (static, hashable)."""
+def _policy_options(policy: str, budget: int, options: dict[str, Any], *,
+                    context: bool = False) -> tuple:
+  """Validated options of `policy` as a sorted tuple of (name, value) (static, hashable).
+  `context` (compress="context", `budget` = the capacity): a default below its option's
+  minimum is raised to it, and the protected tokens need not fit (kept first; past the kept
+  count or the capacity, the oldest of them)."""
   spec_options = {"num_sinks": _ZERO, **POLICY_TABLE[policy].options} if isinstance(
       policy, str) and policy in POLICY_TABLE else None
   if spec_options is None:
@@ -185,12 +202,15 @@ def _policy_options(policy: str, budget: int, options: dict[str, Any]) -> tuple:
   unknown = sorted(set(options) - set(allowed))
   if unknown:
     raise ValueError(f"unknown option(s) {unknown} for policy {policy!r}; it takes {allowed}")
-  resolved = {name: options.get(name, default(budget))
-              for name, (default, _) in spec_options.items()}
+  resolved = {name: options.get(name, max(default(budget), low) if context
+                                else default(budget))
+              for name, (default, low) in spec_options.items()}
   for name, value in resolved.items():
     minimum = spec_options[name][1]
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
       raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
+  if context:
+    return tuple(sorted((name, int(value)) for name, value in resolved.items()))
   if budget < resolved["num_sinks"] + 1:
     raise ValueError(f"budget must be >= num_sinks + 1 = {resolved['num_sinks'] + 1} (one slot "
                      f"for the newest token); got {budget}")
@@ -206,6 +226,19 @@ def _policy_options(policy: str, budget: int, options: dict[str, Any]) -> tuple:
 class EvictingKVCache(BoundedCache):
   """A fixed budget of slots per sequence and KV head, filled by an eviction policy.
 
+  `compress="fixed"`: every write keeps `capacity` (= `budget`) of the kept slots plus its new
+  tokens. `compress="context"` (kvpress's protocol, `ScorerPress.compress`): the cache's first
+  write to a row is the row's context; it keeps `kept = max(1, int(n * (1 - compression_ratio)))`
+  of its n >= 1 tokens (float64, exactly kvpress 0.5.5's `compute_n_kept`; at most `budget` when
+  set), chosen by the policy's
+  score from that write's own queries (SnapKV's observation window = the context's last
+  tokens), and every later write (question, answer) is appended, evicting nothing while the
+  row holds at most `capacity` tokens; past that it evicts by the policy as the fixed mode does
+  (documented overflow: nothing is dropped silently, the policy chooses). Size `capacity` to
+  `kept + tokens after the context` (`_context.slots_needed`; `generate(context_lengths=)`
+  does) and write the context in one call (a context written in several calls compresses
+  only the first).
+
   Attributes:
     k: `[B, K, budget, H]` keys, RoPE'd at their original positions.
     v: `[B, K, budget, H]` values.
@@ -214,8 +247,13 @@ class EvictingKVCache(BoundedCache):
       h2o / snapkv, the newest query's mass for tova).
     lengths: `i32[B]` tokens written per sequence (grows past the budget).
     k_scale, v_scale: `f32[B, K, budget]` scales of an int8/fp8 cache, else None.
+    context_lengths: `i32[B]` (compress="context" only, else None): tokens of each row's
+      context, -1 until the row's first write.
     policy: static policy name.
     options: static `((name, value), ...)` of the policy's options.
+    compress: static "fixed" or "context".
+    compression_ratio: static fraction of the context dropped (context mode), or None.
+    context_budget: static most context tokens kept (context mode), or None.
   """
 
   k: jax.Array
@@ -225,31 +263,88 @@ class EvictingKVCache(BoundedCache):
   lengths: jax.Array
   k_scale: jax.Array | None = None
   v_scale: jax.Array | None = None
+  context_lengths: jax.Array | None = None
   policy: str = struct.field(pytree_node=False, default="h2o")
   options: tuple = struct.field(pytree_node=False, default=())
+  compress: str = struct.field(pytree_node=False, default="fixed")
+  compression_ratio: float | None = struct.field(pytree_node=False, default=None)
+  context_budget: int | None = struct.field(pytree_node=False, default=None)
 
-  ROW_EMPTY = {"pos": -1, "scores": 0.0, "k": 0, "v": 0, "k_scale": 1.0, "v_scale": 1.0}
+  ROW_EMPTY = {"pos": -1, "scores": 0.0, "k": 0, "v": 0, "k_scale": 1.0, "v_scale": 1.0,
+               "context_lengths": -1}
 
   @classmethod
-  def init(cls, batch: int, budget: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32,
-           *, policy: str, **policy_options) -> "EvictingKVCache":
-    """An empty cache of `budget` slots per sequence and KV head.
+  def init(cls, batch: int, budget: int | None, num_kv_heads: int, head_dim: int,
+           dtype=jnp.float32, *, policy: str, compress: str = "fixed",
+           compression_ratio: float | None = None, capacity: int | None = None,
+           **policy_options) -> "EvictingKVCache":
+    """An empty cache.
+
+    Args:
+      batch, num_kv_heads, head_dim: B, K, H.
+      budget: compress="fixed": slots per sequence and KV head (the capacity). "context": the
+        most context tokens a row keeps (None: no cap).
+      dtype: storage dtype (float, or int8 / fp8 with f32 scales).
+      policy: a name of `POLICY_TABLE`; its options as keywords.
+      compress: "fixed" or "context" (kvpress's protocol, see the class).
+      compression_ratio: "context": fraction in [0, 1) of the context's tokens dropped.
+      capacity: "context": slots per sequence and KV head (kept context + everything after);
+        "fixed": None or equal to `budget`.
+
+    The policy's option defaults (e.g. h2o's `recent_size = budget // 2`) are computed from the
+    capacity, at least their minimum in context mode (where the protected sinks and windows
+    need not fit the kept count or the capacity: the oldest of them are kept then).
 
     Raises:
-      ValueError: an unknown policy or option, budget < num_sinks + 1, protected
-        windows larger than the budget, sizes that are not positive ints.
+      ValueError: an unknown policy, option or mode; "fixed": budget < num_sinks + 1,
+        protected windows larger than the budget; a ratio outside [0, 1), "fixed" with a ratio or a
+        capacity other than the budget, "context" with neither budget nor ratio, or a
+        budget larger than the capacity; sizes that are not positive ints.
       TypeError: a dtype that is neither floating nor int8 / fp8.
     """
-    budget = _checks.positive_int("budget", budget)
-    options = _policy_options(policy, budget, policy_options)
-    storage = empty_storage(batch, budget, num_kv_heads, head_dim, dtype)
+    compress = _context.check_mode("compress", compress)
+    ratio = _context.check_ratio("compression_ratio", compression_ratio)
+    if compress == "fixed":
+      budget = _checks.positive_int("budget", budget)
+      if ratio is not None:
+        raise ValueError(f"compression_ratio needs compress='context'; got {ratio!r}")
+      if capacity is not None and capacity != budget:
+        raise ValueError(f"capacity must be None or the budget {budget} for compress='fixed'; "
+                         f"got {capacity!r}")
+      capacity, context = budget, None
+    else:
+      capacity = _context.positive_capacity(capacity)
+      if budget is None and ratio is None:
+        raise ValueError("budget or compression_ratio must be set for compress='context'")
+      if budget is not None and _checks.positive_int("budget", budget) > capacity:
+        raise ValueError(f"budget must be <= capacity = {capacity} (the context tokens kept "
+                         f"must fit); got {budget}")
+      context = jnp.full((_checks.positive_int("batch", batch),), -1, jnp.int32)
+    options = _policy_options(policy, capacity, policy_options, context=context is not None)
+    storage = empty_storage(batch, capacity, num_kv_heads, head_dim, dtype)
     shape = storage["k"].shape[:3]
     return cls(pos=jnp.full(shape, -1, jnp.int32), scores=jnp.zeros(shape, jnp.float32),
-               policy=policy, options=options, **storage)
+               policy=policy, options=options, context_lengths=context, compress=compress,
+               compression_ratio=ratio, context_budget=None if context is None else budget,
+               **storage)
 
   @property
   def budget(self) -> int:
+    """compress="fixed": the slots per sequence and KV head (the capacity)."""
     return self.capacity
+
+  def slots_needed(self, context_lengths, total_lengths) -> int | None:
+    """compress="context": the capacity rows of `total_lengths` tokens whose first
+    `context_lengths` are the context need (`_context.slots_needed`); "fixed": None."""
+    if self.context_lengths is None:
+      return None
+    return _context.slots_needed({"compression_ratio": self.compression_ratio,
+                                  "budget": self.context_budget}, context_lengths, total_lengths)
+
+  def kept_context(self, num_context: int) -> int:
+    """Context tokens a row of `num_context` keeps (compress="context"; `capacity` at most)."""
+    return min(self.capacity, _context.kept_count(num_context, self.compression_ratio,
+                                                  self.context_budget))
 
   def option(self, name: str) -> int:
     """The policy option `name` (e.g. `recent_size`) this cache was built with."""
@@ -261,9 +356,11 @@ class EvictingKVCache(BoundedCache):
 
   def check_state(self, name: str = "cache") -> None:
     """Eager check of the bookkeeping (`kvattn.caches.checkpoint.restore_caches` runs it):
-    `lengths >= 0`; per sequence and KV head, `pos` keeps `min(lengths, budget)`
-    distinct tokens below `lengths`, sorted, empty slots (-1) last, the first
-    `num_sinks` tokens among them; `scores` finite. Traced: no check.
+    `lengths >= 0`; per sequence and KV head, `pos` keeps `min(lengths, budget)` tokens
+    (compress="context": `min(kept_context(c) + lengths - c, capacity)` for a context of c
+    tokens, none before the first write, `context_lengths` in `[-1, lengths]`), distinct,
+    below `lengths`, sorted, empty slots (-1) last, the first `num_sinks` tokens among them
+    (fixed mode); `scores` finite. Traced: no check.
 
     Raises:
       ValueError: naming the leaf and slot, e.g. "layer 0 pos[1, 0, 3] = 12 ...".
@@ -280,11 +377,16 @@ class EvictingKVCache(BoundedCache):
                        f"lengths[{b}] = {int(lengths[b])}, or -1 (none)")
     kept = pos >= 0
     count = kept.sum(axis=-1)
-    want = np.minimum(lengths, self.budget)[:, None]
+    if self.context_lengths is None:
+      want = np.minimum(lengths, self.budget)[:, None]
+      rule = f"a budget of {self.budget} after"
+    else:
+      want = self._check_context(name, lengths)[:, None]
+      rule = f"context compression into {self.capacity} slots after"
     if (count != want).any():
       b, k = (int(x) for x in np.argwhere(count != want)[0])
-      raise ValueError(f"{name} pos[{b}, {k}] keeps {int(count[b, k])} tokens, but a budget of "
-                       f"{self.budget} after {int(lengths[b])} tokens keeps {int(want[b, 0])}")
+      raise ValueError(f"{name} pos[{b}, {k}] keeps {int(count[b, k])} tokens, but {rule} "
+                       f"{int(lengths[b])} tokens keeps {int(want[b, 0])}")
     key = np.where(kept, pos, np.iinfo(np.int64).max)
     unsorted = (key[..., 1:] <= key[..., :-1]) & kept[..., 1:]
     if unsorted.any():
@@ -292,7 +394,8 @@ class EvictingKVCache(BoundedCache):
       raise ValueError(f"{name} pos[{b}, {k}, {s + 1}] = {int(pos[b, k, s + 1])} must be "
                        f"larger than the slot before it ({int(pos[b, k, s])}): kept tokens are "
                        "distinct and sorted, empty slots (-1) last")
-    sinks = np.arange(self.option("num_sinks"))[None, None, :]
+    sinks = np.arange(self.option("num_sinks") if self.context_lengths is None else 0)
+    sinks = sinks[None, None, :]  # context mode: a small kept count may drop sinks
     lost = (sinks < limit) & (pos[..., :sinks.shape[-1]] != sinks)
     if lost.any():
       b, k, s = (int(x) for x in np.argwhere(lost)[0])
@@ -302,6 +405,21 @@ class EvictingKVCache(BoundedCache):
       b, k, s = (int(x) for x in np.argwhere(~np.isfinite(np.asarray(self.scores)))[0])
       raise ValueError(f"{name} scores[{b}, {k}, {s}] must be finite; got "
                        f"{float(np.asarray(self.scores)[b, k, s])}")
+
+  def _check_context(self, name: str, lengths: np.ndarray) -> np.ndarray:
+    """Context mode: checks `context_lengths` against `lengths` (host) and returns the kept
+    token count each row must hold."""
+    context = np.asarray(self.context_lengths).astype(np.int64)
+    if context.shape != lengths.shape:
+      raise ValueError(f"{name} context_lengths must have shape {lengths.shape}; got "
+                       f"{context.shape}")
+    bad = (context < -1) | (context > lengths) | ((context < 0) & (lengths > 0))
+    if bad.any():
+      b = int(np.argwhere(bad)[0][0])
+      raise ValueError(f"{name} context_lengths[{b}] = {int(context[b])} must lie in [0, "
+                       f"lengths[{b}] = {int(lengths[b])}] (-1 only before the first write)")
+    return np.array([0 if c < 0 else min(self.kept_context(int(c)) + int(n) - int(c),
+                                         self.capacity) for c, n in zip(context, lengths)])
 
   def _score_queries(self, new_lengths: jax.Array, num_tokens: int) -> jax.Array | None:
     """`bool[B, T]`: the queries whose attention scores the slots, None if none do."""
@@ -317,10 +435,11 @@ class EvictingKVCache(BoundedCache):
 
   def _select(self, k, v, ks, vs, new_lengths, mass, queries=None,
               keep_best=None) -> "EvictingKVCache":
-    """Chooses `budget` of the kept slots + the new tokens (`[B, K, T, ...]`) per
+    """Chooses `capacity` of the kept slots + the new tokens (`[B, K, T, ...]`) per
     sequence and KV head; `mass` is the chunk's `f32[B, K, S + T]` score mass or None;
     `queries` None or `(q [B, T, N, H] before RoPE, query_pos i32[B, T], rope)`; `keep_best`
-    None or `i32[B]`: only the best `keep_best[b]` of them stay, the other slots are emptied."""
+    None or `i32[B]`: only the best `keep_best[b]` of them stay, the other slots are emptied
+    (context mode: a row's first write keeps at most `kept_context` of them)."""
     num_tokens = k.shape[2]
     new_pos = jnp.broadcast_to(new_positions(self.lengths, new_lengths, num_tokens)[:, None],
                                (self.batch, self.num_kv_heads, num_tokens))
@@ -344,10 +463,18 @@ class EvictingKVCache(BoundedCache):
     protect = (cand_pos < options["num_sinks"]) | (cand_pos > end - 1 - recent)
     priority = jnp.where(protect, jnp.inf, score)
     priority = jnp.where(cand_pos < 0, -jnp.inf, priority)
-    _, idx = jax.lax.top_k(priority, self.budget)  # [B, K, budget]
+    _, idx = jax.lax.top_k(priority, self.capacity)  # [B, K, capacity], ties: lower index
     kept_pos = jnp.take_along_axis(cand_pos, idx, axis=2)
+    context = self.context_lengths
+    if context is not None:  # a row's first write keeps its kept count, the best first
+      first = context < 0
+      kept = _context.kept_counts(new_lengths, num_tokens, self.compression_ratio,
+                                  self.context_budget)
+      limit = jnp.where(first, kept, self.capacity)
+      keep_best = limit if keep_best is None else jnp.minimum(keep_best, limit)
+      context = jnp.where(first, new_lengths, context)
     if keep_best is not None:  # top_k ranks best first
-      kept_pos = jnp.where(jnp.arange(self.budget) < keep_best[:, None, None], kept_pos, -1)
+      kept_pos = jnp.where(jnp.arange(self.capacity) < keep_best[:, None, None], kept_pos, -1)
     order = jnp.argsort(jnp.where(kept_pos < 0, jnp.iinfo(jnp.int32).max, kept_pos), axis=2)
     idx = jnp.take_along_axis(idx, order, axis=2)
     kept_pos = jnp.take_along_axis(kept_pos, order, axis=2)
@@ -359,7 +486,7 @@ class EvictingKVCache(BoundedCache):
     keep = lambda new, old: None if new is None else jnp.where(
         wrote.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
     return self.replace(k=keep(take(cand_k), self.k), v=keep(take(cand_v), self.v),
-                        pos=keep(kept_pos, self.pos),
+                        pos=keep(kept_pos, self.pos), context_lengths=context,
                         scores=keep(take(jnp.where(jnp.isfinite(stored), stored, 0.0)),
                                     self.scores),
                         lengths=self.lengths + new_lengths,
@@ -417,20 +544,24 @@ class EvictingKVCache(BoundedCache):
 
 
 def eviction_kind(policy: str) -> registry.CacheKind:
-  """The `CacheKind` of `EvictingKVCache(policy=policy)`: `budget` slots per KV head."""
+  """The `CacheKind` of `EvictingKVCache(policy=policy)`: `budget` slots per KV head
+  (compress="fixed"), or a context compressed to `compression_ratio` / `budget` then grown in
+  `max_len` slots (compress="context"; `registry.slots_needed` sizes `max_len`)."""
 
   def build(model, batch, max_len, dtype, o, tokens_per_seq):
-    del max_len, tokens_per_seq  # bounded: the capacity is the budget
-    options = {k: v for k, v in o.items() if k != "budget" and v is not None}
-    return tuple(EvictingKVCache.init(batch, o["budget"], a.num_kv_heads, a.head_dim, dtype,
-                                      policy=policy, **options)
+    del tokens_per_seq  # fixed: the capacity is the budget; context: max_len slots
+    budget, mode, options = _context.split_options(o, max_len)
+    return tuple(EvictingKVCache.init(batch, budget, a.num_kv_heads, a.head_dim, dtype,
+                                      policy=policy, **mode, **options)
                  for a in gqa_layers(model))
 
   return registry.CacheKind(
-      build, {"budget": registry.REQUIRED, "num_sinks": None,
+      build, {**_context.SPEC_OPTIONS, "num_sinks": None,
               **{o: None for o in policy_options(policy)}},
-      f"EvictingKVCache(policy={policy!r}): `budget` slots per KV head",
-      at_budget=lambda budget, num_sinks: {"budget": budget})
+      f"EvictingKVCache(policy={policy!r}): `budget` slots per KV head, or with "
+      f"compress='context' a context compressed to compression_ratio / budget, then grown",
+      at_budget=lambda budget, num_sinks: {"budget": budget}, check=_context.check_spec,
+      slots=_context.kind_slots)
 
 
 def register_eviction_policy(name: str, policy: EvictionPolicy) -> None:

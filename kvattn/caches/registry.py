@@ -40,6 +40,13 @@ class CacheKind:
     pool: pageable kinds: `(options, *, max_len, page_size, prefix_cache) -> PoolPlan`
       (`kvattn.caches.paged.PoolPlan`); None: fixed rows per sequence.
     float_only: no int8 / fp8 storage (building one is a TypeError).
+    check: `(options, where) -> None`, raising ValueError naming `<where>.<key>` for options
+      that do not go together (run by `cache_options` after the defaults are filled in);
+      None: none.
+    slots: `(options, context_lengths int[B], total_lengths int[B]) -> int | None`, the slots
+      per sequence `max_len` must give when each row's first `context_lengths[b]` of
+      `total_lengths[b]` tokens are a context the kind compresses (`slots_needed`;
+      `generate(context_lengths=)`); None (or a None result): `max(total_lengths)`.
   """
 
   build: Builder
@@ -48,6 +55,8 @@ class CacheKind:
   at_budget: Callable[[int, int], dict[str, Any]] | None = None
   pool: Callable[..., Any] | None = None
   float_only: bool = False
+  check: Callable[[dict[str, Any], str], None] | None = None
+  slots: Callable[..., int | None] | None = None
 
   @property
   def bounded(self) -> bool:
@@ -106,7 +115,26 @@ def cache_options(spec: Any, where: str = "cache") -> tuple[str, dict[str, Any]]
   if missing:
     raise ValueError(f"{where}.{missing[0]} must be set for {where}.kind = {kind!r} "
                      f"({entry.doc})")
+  if entry.check is not None:
+    entry.check(options, where)
   return kind, options
+
+
+def slots_needed(cache: Any, context_lengths: Any, total_lengths: Any) -> int | None:
+  """The slots per sequence (`max_len`) the kind of spec `cache` needs when each row b holds
+  `total_lengths[b]` tokens whose first `context_lengths[b]` are a context (kvpress's
+  protocol): for a context-compressing eviction kind its kept context plus the rest
+  (`CacheKind.slots`); None for every other kind (`max(total_lengths)` for a growing one).
+
+  Raises:
+    ValueError: as `cache_options`.
+  """
+  kind, options = cache_options(cache)
+  hook = CACHE_KIND_TABLE[kind].slots
+  if hook is None:
+    return None
+  need = hook(options, [int(c) for c in context_lengths], [int(t) for t in total_lengths])
+  return None if need is None else int(need)
 
 
 LOCAL_LAYER_LAYOUTS = ("full", "ring")
@@ -168,7 +196,9 @@ def build_caches(model, batch: int, max_len: int, dtype: Any = None, cache: Any 
 
 def cache_factory_from_config(model, cache: Any, *, tokens_per_seq: Iterable[int] | None = None,
                               where: str = "cache", local_layers: str = "full") -> CacheFactory:
-  """A `CacheFactory` (`kvattn.generate(cache_factory=)`) building `build_caches(..., cache)`.
+  """A `CacheFactory` (`kvattn.generate(cache_factory=)`) building `build_caches(..., cache)`;
+  its attribute `spec` is the checked spec (`generate(context_lengths=)` sizes it by
+  `slots_needed`).
 
   Raises:
     ValueError: an unknown kind, an option the kind does not take, a missing or bad
@@ -184,6 +214,7 @@ def cache_factory_from_config(model, cache: Any, *, tokens_per_seq: Iterable[int
     return build_caches(model, batch, max_len, dtype, spec, tokens_per_seq=tokens, where=where,
                         local_layers=local_layers)
 
+  factory.spec = spec  # read by `generate(context_lengths=)` to size the caches (`slots_needed`)
   return factory
 
 

@@ -5,6 +5,8 @@ prompts, `new_lengths = prompt_lengths`, the first token sampled from each last 
 position) and `decode` (one jitted `lax.while_loop` of T = 1 steps over donated caches). A
 sequence that emits `eos_id` then emits `pad_id` with `new_lengths = 0`. Sampling: greedy at
 temperature 0, else temperature, top-k (Fan et al. 2018) and top-p (Holtzman et al. 2020).
+With `context_lengths` the prefill is two writes in one program, each prompt's context and then
+the rest (kvpress's context and question; a context-compressing cache compresses the first).
 Both programs are jitted on `(graphdef, state)` with shapes and sampling static; `eos_id` and
 `pad_id` are traced. Any cache kind works: the loop reads only `lengths` and `capacity`.
 """
@@ -93,6 +95,22 @@ def _prefill(graphdef, state, caches, prompts, prompt_lengths, rng, *, sampling)
   return first, caches, rng
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("caches",))
+def _prefill_context(graphdef, state, caches, context, context_lengths, rest, rest_lengths, rng,
+                     *, sampling):
+  """Two writes: the contexts (`i32[B, Tc]`, `context_lengths`), then the rest of the prompts
+  (`i32[B, Tr]`, `rest_lengths`); the first token from each prompt's last real position."""
+  model = nnx.merge(graphdef, state)
+  h_context, caches = model.hidden(context, caches, new_lengths=context_lengths)
+  h_rest, caches = model.hidden(rest, caches, new_lengths=rest_lengths)
+  rows = jnp.arange(context.shape[0])
+  last = jnp.where((rest_lengths > 0)[:, None], h_rest[rows, jnp.maximum(rest_lengths - 1, 0)],
+                   h_context[rows, jnp.maximum(context_lengths - 1, 0)])  # [B, D]
+  rng, key = jax.random.split(rng)
+  first = sample_logits(model.logits_from_hidden(last), key, sampling)
+  return first, caches, rng
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "max_new_tokens"),
                    donate_argnames=("caches",))
 def _decode(graphdef, state, caches, first, rng, *, sampling, max_new_tokens, eos_id, pad_id):
@@ -174,8 +192,8 @@ def _vocab_size(model) -> int:
 
 
 def prefill(model: nnx.Module, prompts: jax.Array, prompt_lengths: jax.Array,
-            caches: Sequence[Any], *, sampling: Sampling = Sampling(), rng: Any = None
-            ) -> tuple[jax.Array, tuple[Any, ...], jax.Array]:
+            caches: Sequence[Any], *, sampling: Sampling = Sampling(), rng: Any = None,
+            context_lengths: Any = None) -> tuple[jax.Array, tuple[Any, ...], jax.Array]:
   """Runs the prompts through the model into `caches` and samples the first token; unchecked
   (`generate` checks).
 
@@ -184,13 +202,38 @@ def prefill(model: nnx.Module, prompts: jax.Array, prompt_lengths: jax.Array,
     prompts, prompt_lengths: `i32[B, T]` right-padded prompts and `i32[B]` lengths >= 1.
     caches: empty per-layer caches; donated.
     sampling, rng: settings and jax key (default key(0)).
+    context_lengths: None (one write), or host `int[B]` in `[0, prompt_lengths[b]]`: the
+      first `context_lengths[b]` tokens of row b are written first (its context: a
+      context-compressing cache compresses this write), the rest of its prompt second, both
+      in one jitted program.
 
   Returns:
     `(first_tokens i32[B], caches, rng)`.
   """
   graphdef, state = nnx.split(model)
-  return _prefill(graphdef, state, tuple(caches), jnp.asarray(prompts, jnp.int32),
-                  jnp.asarray(prompt_lengths, jnp.int32), _key(rng), sampling=sampling)
+  if context_lengths is None:
+    return _prefill(graphdef, state, tuple(caches), jnp.asarray(prompts, jnp.int32),
+                    jnp.asarray(prompt_lengths, jnp.int32), _key(rng), sampling=sampling)
+  context, rest, rest_lengths = _split_prompts(np.asarray(prompts), np.asarray(prompt_lengths),
+                                               np.asarray(context_lengths))
+  return _prefill_context(graphdef, state, tuple(caches), jnp.asarray(context),
+                          jnp.asarray(context_lengths, jnp.int32), jnp.asarray(rest),
+                          jnp.asarray(rest_lengths), _key(rng), sampling=sampling)
+
+
+def _split_prompts(prompts: np.ndarray, prompt_lengths: np.ndarray, context_lengths: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """`(context i32[B, Tc], rest i32[B, Tr], rest_lengths i32[B])`: each row's first
+  `context_lengths[b]` tokens and, left-aligned, the rest of its prompt (widths at least 1)."""
+  batch = prompts.shape[0]
+  rest_lengths = (prompt_lengths - context_lengths).astype(np.int32)
+  context = np.zeros((batch, max(1, int(context_lengths.max()))), np.int32)
+  rest = np.zeros((batch, max(1, int(rest_lengths.max()))), np.int32)
+  for b in range(batch):
+    c, n = int(context_lengths[b]), int(prompt_lengths[b])
+    context[b, :c] = prompts[b, :c]
+    rest[b, :n - c] = prompts[b, c:n]
+  return context, rest, rest_lengths
 
 
 def decode(model: nnx.Module, first_tokens: jax.Array, caches: Sequence[Any],
@@ -263,6 +306,7 @@ def generate(
     caches: Sequence[Any] | None = None,
     cache_factory: CacheFactory | None = None,
     speculative: Any = None,
+    context_lengths: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Generates up to `max_new_tokens` tokens per prompt (batched prefill + compiled decode).
 
@@ -286,6 +330,15 @@ def generate(
     speculative: None, or `PromptLookup(k)` / `DraftModel(model, k)`
       (`kvattn.inference.speculative`): greedy only, token for token plain greedy's
       output with float caches.
+    context_lengths: None, or `i32[B]` in `[0, prompt_lengths[b]]`: the first
+      `context_lengths[b]` tokens of prompt b are its context, written in a first call; the
+      rest of the prompt (the question) in a second, then the generated tokens. A cache of
+      compress="context" (`kvattn.caches.eviction`) compresses exactly the context, scored by
+      the context's own queries, and appends the question and answer uncompressed: kvpress's
+      protocol (its pipeline's context and question). Other kinds give the one-call result.
+      None: one call (a context-compressing cache then compresses the whole prompt).
+      A factory of `registry.cache_factory_from_config` (attribute `spec`) is sized to the
+      kept context plus the rest (`registry.slots_needed`) when `max_len` is None.
 
   Returns:
     `(tokens i32[B, max_new_tokens], lengths i32[B])`; `lengths[b]` counts sequence b's
@@ -293,10 +346,11 @@ def generate(
 
   Raises:
     ValueError: prompt lengths outside `[1, T]` or past the cache, a `max_new_tokens`
-      that would overflow it, ids outside `[0, V)`, bad sampling settings, caches that are
+      that would overflow it (a context-compressing cache: its kept context plus the rest),
+      `context_lengths` of another shape or outside `[0, prompt_lengths[b]]`, ids outside `[0, V)`, bad sampling settings, caches that are
       not empty or do not match the batch, or caches and tokens that would not fit the
       memory available now (`kvattn.memory.available_bytes`).
-    TypeError: non-integer prompts / lengths, traced inputs, a bad rng, temperature or top_p.
+    TypeError: non-integer prompts / lengths / context_lengths, traced inputs, a bad rng, temperature or top_p.
   """
   sampling = Sampling(_host_float("temperature", temperature),
                       top_k if not isinstance(top_k, np.integer) else int(top_k),
@@ -340,7 +394,12 @@ def generate(
                        f"{sampling.temperature}")
     draft_room = speculative.num_draft_tokens  # a verify pass writes k tokens past the last
 
-  needed = int(lengths_np.max()) + max_new_tokens - 1 + draft_room
+  if context_lengths is not None:
+    from kvattn.caches import _context  # pylint: disable=g-import-not-at-top
+    context_lengths = _context.check_context_lengths(context_lengths, lengths_np)
+  totals = lengths_np.astype(np.int64) + max_new_tokens - 1 + draft_room
+  contexts = lengths_np if context_lengths is None else context_lengths
+  needed = int(totals.max())
   if caches is not None:
     caches = tuple(caches)
     capacities = {int(c.capacity) for c in caches}
@@ -356,13 +415,29 @@ def generate(
       if lengths.any():
         raise ValueError(
             f"caches must be empty (lengths 0); caches[{i}].lengths = {lengths.tolist()}")
+    compressed = [c.slots_needed(contexts, totals) if hasattr(c, "slots_needed") else None
+                  for c in caches]
+    if None in compressed:  # a growing cache among them needs every token
+      compressed = [needed if n is None else n for n in compressed] if any(
+          n is not None for n in compressed) else []
   else:
-    capacity = width + max_new_tokens - 1 + draft_room if max_len is None else \
-        _checks.positive_int("max_len", max_len)
-  if lengths_np.max() > capacity:
+    spec = getattr(cache_factory, "spec", None)
+    need = None if spec is None else cache_registry.slots_needed(spec, contexts, totals)
+    compressed = [] if need is None else [need]
+    capacity = (compressed[0] if compressed else width + max_new_tokens - 1 + draft_room) \
+        if max_len is None else _checks.positive_int("max_len", max_len)
+  if compressed:  # context-compressing caches: the kept context plus everything after it
+    needed = max(compressed)
+    if needed > capacity:
+      raise ValueError(
+          f"max_new_tokens = {max_new_tokens} would overflow the cache: the kept context + "
+          f"the rest of the prompt + max_new_tokens - 1"
+          + (f" + num_draft_tokens ({draft_room})" if draft_room else "")
+          + f" = {needed} > max_len = {capacity} (registry.slots_needed)")
+  elif lengths_np.max() > capacity:
     raise ValueError(f"prompt_lengths must fit the cache (max_len = {capacity}); the longest "
                      f"prompt has {int(lengths_np.max())} tokens")
-  if needed > capacity:
+  elif needed > capacity:
     raise ValueError(
         f"max_new_tokens = {max_new_tokens} would overflow the cache: the longest prompt "
         f"({int(lengths_np.max())}) + max_new_tokens - 1"
@@ -376,7 +451,8 @@ def generate(
     caches = tuple(factory(batch, capacity, cache_dtype))
 
   first, caches, key = prefill(model, prompts_np.astype(np.int32), lengths_np.astype(np.int32),
-                               caches, sampling=sampling, rng=key)
+                               caches, sampling=sampling, rng=key,
+                               context_lengths=context_lengths)
   if speculative is not None:
     tokens, lengths, _, _ = speculative_lib.decode(
         model, first, caches, prompts_np, lengths_np, max_new_tokens, speculative,

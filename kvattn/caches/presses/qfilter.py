@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx, struct
 
 from kvattn import _checks, vocab
-from kvattn.caches import dense, eviction, registry
+from kvattn.caches import _context, dense, eviction, registry
 from kvattn.caches._layers import cache_owners, gqa_layers
 from kvattn.caches.presses._common import dequantized, live
 from kvattn.ops.rope import apply_rope
@@ -220,15 +220,16 @@ class QFilterKVCache(eviction.EvictingKVCache):
 
 
 def _build(model, batch, max_len, dtype, o, tokens_per_seq):
-  del max_len, tokens_per_seq  # bounded: the capacity is the budget
-  options = {k: v for k, v in o.items() if k != "budget" and v is not None}
-  return tuple(QFilterKVCache.init(batch, o["budget"], a.num_kv_heads, a.head_dim, dtype,
-                                   filters=f, **options)
+  del tokens_per_seq  # fixed: the capacity is the budget; compress="context": max_len slots
+  budget, mode, options = _context.split_options(o, max_len)
+  return tuple(QFilterKVCache.init(batch, budget, a.num_kv_heads, a.head_dim, dtype,
+                                   filters=f, **mode, **options)
                for a, f in zip(gqa_layers(model), model_filters(model)))
 
 
 eviction.POLICY_TABLE[NAME] = POLICY
 registry.register_cache_kind(NAME, registry.CacheKind(
-    _build, {"budget": registry.REQUIRED, "num_sinks": None, "recent_size": None},
+    _build, {**_context.SPEC_OPTIONS, "num_sinks": None, "recent_size": None},
     "QFilterKVCache: `budget` slots per KV head, kept by their Q-Filter projection",
-    at_budget=lambda budget, num_sinks: {"budget": budget}))
+    at_budget=lambda budget, num_sinks: {"budget": budget}, check=_context.check_spec,
+    slots=_context.kind_slots))

@@ -80,6 +80,11 @@ def batcher_cache(cache: Any, *, page_size: int, seed: int | None
   spec = {"kind": cache} if isinstance(cache, str) else cache
   kind, options = registry.cache_options(spec, "cache")
   entry = registry.CACHE_KIND_TABLE[kind]
+  if options.get("compress") == "context":
+    raise ValueError(f"cache.compress = 'context' is not supported by the ContinuousBatcher yet "
+                     f"(kind {kind!r}): a row's first write is its context, and the batcher's "
+                     f"steps write to idle rows; use compress='fixed', or kvattn.generate("
+                     f"context_lengths=)")
   if not entry.pageable:
     return kind, options, entry
   given = spec.to_dict() if hasattr(spec, "to_dict") else dict(spec)

@@ -34,6 +34,7 @@ from flax import nnx
 
 from kvattn import memory
 from kvattn.caches import checkpoint
+from kvattn.caches import eviction
 from kvattn.caches import registry
 from kvattn.caches import transaction
 from kvattn.caches.dense import KVCache, LatentCache
@@ -260,6 +261,48 @@ def test_measured_bytes_per_token_equal_the_analytic_count(model, kind, dtype):
   if hasattr(caches[0], "analytic_bytes_per_token"):  # kinds with their own count (KIVI)
     per_layer = caches[0].analytic_bytes_per_token()
   assert measured == pytest.approx(model.num_layers * per_layer), kind
+
+
+# ----------------------------------------------------------------------------------------------
+# Every eviction policy as kvpress's protocol (`compress="context"`, an option of each eviction
+# kind rather than a kind of its own): its reference tests are test_context_compression.py.
+
+CONTEXT_LENGTHS = np.array([6, 3], np.int32)
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_KINDS
+                                  else k for k in sorted(eviction.POLICY_TABLE)])
+def test_every_policy_compresses_the_context_then_grows(model, prompts, kind):
+  # Ratio 0 keeps every token: generate's greedy tokens are the dense cache's.
+  spec = {"kind": kind, "compress": "context", "compression_ratio": 0.0}
+  want, _ = generate(model, prompts, PROMPT_LENGTHS, NEW_TOKENS)
+  got, _ = generate(model, prompts, PROMPT_LENGTHS, NEW_TOKENS, context_lengths=CONTEXT_LENGTHS,
+                    cache_factory=registry.cache_factory_from_config(model, spec))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # Half the context, prefill only (one program): NaN in unused slots changes nothing; a row
+  # equals itself beside another partner (another context and prompt, the same widths); each
+  # KV head keeps int(c / 2) context tokens plus the rest of the prompt.
+  factory = registry.cache_factory_from_config(model, dict(spec, compression_ratio=0.5))
+  partner = np.random.default_rng(1).integers(0, 256, prompts.shape[1], dtype=np.int32)
+  runs = [(factory(2, 16), prompts, PROMPT_LENGTHS, CONTEXT_LENGTHS),
+          (_poison(factory(2, 16)), prompts, PROMPT_LENGTHS, CONTEXT_LENGTHS),
+          (factory(2, 16), np.stack([prompts[1], partner]), np.array([5, 9], np.int32),
+           np.array([3, 6], np.int32))]
+  (first, clean), (dirty_first, dirty), (swapped_first, swapped) = [
+      prefill(model, p, n, c, context_lengths=ctx)[:2] for c, p, n, ctx in runs]
+  np.testing.assert_array_equal(np.asarray(dirty_first), np.asarray(first))
+  np.testing.assert_array_equal(np.asarray(swapped_first)[0], np.asarray(first)[1])
+  for a, b, c in zip(clean, dirty, swapped):
+    pos = np.asarray(a.slot_positions())
+    np.testing.assert_array_equal(np.asarray(b.slot_positions()), pos)
+    np.testing.assert_array_equal(np.asarray(c.slot_positions())[0], pos[1])
+    held = (pos >= 0)[..., None]
+    np.testing.assert_array_equal(np.where(held, np.asarray(b.k), 0), np.where(held, a.k, 0))
+    np.testing.assert_array_equal(np.where(held[1], np.asarray(c.k)[0], 0),
+                                  np.where(held[1], a.k[1], 0))
+    kept = (pos >= 0).sum(-1)  # [B, K]
+    want = CONTEXT_LENGTHS // 2 + PROMPT_LENGTHS - CONTEXT_LENGTHS
+    np.testing.assert_array_equal(kept, want[:, None].repeat(kept.shape[1], 1))
 
 
 # ----------------------------------------------------------------------------------------------
