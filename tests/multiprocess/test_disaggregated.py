@@ -144,3 +144,37 @@ def test_decode_worker_continues_with_the_tokens_of_one_generate(tmp_path):
     assert row["pages"] != row["prefill_pages"] and len(row["pages"]) == len(
         row["prefill_pages"]), kind
     assert row["nbytes"] > 0
+
+
+def test_rendezvous_hands_over_whole_files_and_times_out(tmp_path):
+  rdv = dg.Rendezvous(tmp_path)
+  rdv.offer(3, {"address": "localhost:1", "specs": [[[2, 1], "uint32"]]})
+  assert rdv.wait_offer(3, timeout_s=1) == {"address": "localhost:1", "specs": [[[2, 1], "uint32"]]}
+  assert sorted(os.listdir(tmp_path)) == ["3.offer.json"]  # no temporary left behind
+  with pytest.raises(TimeoutError, match="acknowledgement of transfer 3"):
+    rdv.wait_done(3, timeout_s=0.02)
+  rdv.done(3)
+  rdv.wait_done(3, timeout_s=1)
+
+
+def test_offer_and_pull_through_the_transfer_server_in_one_process(tmp_path):
+  # The wire path of the 2-process test (offer, handshake, pull, install) on one runtime, one
+  # server pulling from itself (a second server on the same client hangs the pull): an int8
+  # pool with its scale pools, pulled into other pages.
+  rng = np.random.default_rng(0)
+  src = [_fill(rng, _paged(jnp.int8, SRC), [PAGE + 1, 3])]
+  dst = [_fill(rng, _paged(jnp.int8, DST), [0, 0])]
+  seq = dg.gather_sequence(src, 0)
+  rdv = dg.Rendezvous(tmp_path)
+  server = dg.start_server()
+  dg.offer_sequence(server, rdv, 7, seq, first_token=5)
+  offer = rdv.wait_offer(7, timeout_s=10)
+  assert offer["first_token"] == 5 and offer["num_pages"] == 2 and offer["nbytes"] == seq.nbytes
+  pulled = dg.pull_sequence(server, offer, dst, timeout_s=60)
+  for a, b in zip(pulled.arrays(), seq.arrays(), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  out = dg.install_sequence(dst, pulled, 1)
+  np.testing.assert_array_equal(_bits(out[0].k_scale_pages)[:, [6, 0]],
+                                _bits(src[0].k_scale_pages)[:, [5, 1]])
+  with pytest.raises(ValueError, match="offer specs must match"):
+    dg.pull_sequence(None, dict(offer, num_pages=3), dst)
