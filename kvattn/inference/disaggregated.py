@@ -105,9 +105,11 @@ class SequencePages:
 
   @property
   def nbytes(self) -> int:
+    """Bytes of all the arrays (what a transfer moves)."""
     return sum(int(a.size) * a.dtype.itemsize for a in self.arrays())
 
   def specs(self) -> list[tuple[list[int], str]]:
+    """`[(shape, dtype name)]` of `arrays()`, JSON-able (the offer's)."""
     return [(list(a.shape), str(a.dtype)) for a in self.arrays()]
 
 
