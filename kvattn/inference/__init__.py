@@ -5,14 +5,16 @@
   `resume`                                      reuse.py: reuse a restored cache's prefix.
   `PromptLookup`, `DraftModel`                  speculative.py: drafters for
                                                 `generate(speculative=)`.
+  `disaggregated`                               disaggregated.py: a prefill worker's pages
+                                                pulled by a decode worker (transfer server).
 """
 
 from kvattn.inference.generation import Sampling, decode, generate, prefill
 from kvattn.inference.batching import ContinuousBatcher, Finished, NoFreeSlotError
 from kvattn.inference.reuse import resume, reusable_length, truncate
-from kvattn.inference import speculative
+from kvattn.inference import disaggregated, speculative
 from kvattn.inference.speculative import DraftModel, PromptLookup
 
 __all__ = ["ContinuousBatcher", "DraftModel", "Finished", "NoFreeSlotError", "PromptLookup",
-           "Sampling", "decode", "generate", "prefill", "resume", "reusable_length",
-           "speculative", "truncate"]
+           "Sampling", "decode", "disaggregated", "generate", "prefill", "resume",
+           "reusable_length", "speculative", "truncate"]
