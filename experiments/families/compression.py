@@ -363,7 +363,8 @@ def _plot(workdir: str, by_model: Mapping[str, Mapping[tuple, Any]], ratios: Seq
   for ax, (model, points) in zip(axes[0], by_model.items()):
     base = points.get((NONE, 0.0))
     policies = sorted({p for p, _ in points if p != NONE})
-    colors = plt.get_cmap("tab20")(np.linspace(0, 1, max(1, len(policies))))
+    cmap = plt.get_cmap("tab10" if len(policies) <= 10 else "tab20")
+    colors = [cmap(i % cmap.N) for i in range(len(policies))]
     for color, p in zip(colors, policies):
       xs = [x for x in ratios if (x == 0 and base) or (p, x) in points]
       ys = [(base if x == 0 else points[p, x])["score"] for x in xs]
@@ -371,7 +372,7 @@ def _plot(workdir: str, by_model: Mapping[str, Mapping[tuple, Any]], ratios: Seq
       px = [x for x in ratios if (model, p, x) in kvp or (x == 0 and (model, NONE, 0.0) in kvp)]
       py = [(kvp.get((model, p, x)) or kvp[model, NONE, 0.0])["score"] for x in px]
       if px:
-        ax.plot(px, py, "x--", color=color, alpha=0.7)
+        ax.plot(px, py, "x--", color=color, alpha=0.7, markersize=9, label=f"{p} (kvpress)")
     ax.set_title(model + (" (crosses: kvpress)" if any(k[0] == model for k in kvp) else ""))
     ax.set_xlabel("compression ratio")
     ax.set_ylabel("RULER-style score")
