@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
 import re
 import string
 from typing import Any, Callable, Sequence
@@ -250,6 +251,25 @@ def encode(tokenizer: Any, example: Example, *, chat: bool = False) -> list[int]
     return tokenizer.encode(text + example.answer_prefix, add_special_tokens=False)
   return tokenizer.encode(f"{prompt_text(example)} {example.answer_prefix}",
                           add_special_tokens=False)
+
+
+def context_tokens(tokenizer: Any, example: Example, *, chat: bool = False) -> int:
+  """Tokens of the prompt up to the end of the context (the chat template's start and
+  `example.context`): the part kvpress's pipeline compresses, the question after it not."""
+  if chat:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt_text(example)}],
+                                         add_generation_prompt=True)
+    text = text[:text.index(example.context) + len(example.context)]
+  else:
+    text = example.context
+  return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def prompt_sha1(example: Example) -> str:
+  """A hex digest of the example's text (context, question, answer prefix): equal wherever
+  two systems were given the same prompt."""
+  text = "\x00".join((example.context, example.question, example.answer_prefix))
+  return hashlib.sha1(text.encode()).hexdigest()
 
 
 def score(example: Example, output: str) -> float:
