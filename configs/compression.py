@@ -57,7 +57,7 @@ def get_config(arg=None):
   config.compression.policies = ("knorm",) if smoke else ()  # Cache
   # kinds compared; () = every registered eviction policy (POLICY_TABLE) plus "sink".
   config.compression.ratios = (0.0, 0.5, 0.75) if smoke else (0.0, 0.25, 0.5, 0.75, 0.9)
-  config.compression.protocol = "fixed_budget"  # "fixed_budget" or "context" (docstring).
+  config.compression.protocol = "context"  # kvpress's protocol; or "fixed_budget" (docstring).
   config.compression.num_sinks = 4  # Sinks of the "sink" kind (StreamingLLM's n_sink).
   config.compression.local_layers = "ring"  # "ring": sliding-window layers (Gemma 3) keep
   # their exact ring cache and only global layers are compressed; "full": every layer.

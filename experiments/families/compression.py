@@ -200,8 +200,12 @@ def measure(model: Any, tokenizer: Any, workload: Mapping[str, Any],
       factory = registry.cache_factory_from_config(model, spec,
                                                    local_layers=compression["local_layers"])
       kwargs = {"eos_id": eos, "cache_factory": factory, "max_len": width + new - 1}
+      slots = None
       if protocol == "context" and spec["kind"] != "dense":
         kwargs["context_lengths"] = np.array([contexts[i] for i in rows], np.int32)
+        # Sized as generate sizes it: the kept context plus the question and the answer.
+        slots = registry.slots_needed(spec, kwargs["context_lengths"], lengths + new - 1)
+        del kwargs["max_len"]
 
       def call():
         tokens, counts = kvattn.generate(model, prompts, lengths, new, **kwargs)
@@ -219,8 +223,9 @@ def measure(model: Any, tokenizer: Any, workload: Mapping[str, Any],
       for b, i in enumerate(rows):
         outputs[i] = _decode(tokenizer, tokens[b, :counts[b]].tolist())
         scores[i] = ruler.score(examples[i], outputs[i])
-        budgets[i] = budget if spec["kind"] != "dense" else contexts[i]
-      caches = factory(1, width + new - 1)
+        budgets[i] = contexts[i] if spec["kind"] == "dense" else (
+            max(1, int(contexts[i] * (1 - ratio))) if slots else budget)  # kvpress's count
+      caches = factory(1, slots or width + new - 1)
       cache_bytes.append(sum(memory.tree_bytes(c.storage_arrays()) for c in caches))
       specs.append(spec)
   return {

@@ -22,7 +22,7 @@ def test_points_follow_the_registry_at_run_time(monkeypatch):
   policies = (*eviction.POLICY_TABLE, "sink")
   assert len(points) == 1 + 4 * len(policies)  # "none" + every policy at 4 ratios > 0
   assert points[0].params == {"model_name": "smollm2-135m-instruct", "policy": "none",
-                              "ratio": 0.0, "protocol": "fixed_budget"}
+                              "ratio": 0.0, "protocol": "context"}
   assert {p.params["policy"] for p in points[1:]} == set(policies)
   assert len({p.id for p in points}) == len(points)
   # a policy registered later joins the sweep with no edit of the family or the config
@@ -81,11 +81,12 @@ def test_smoke_run_end_to_end(smoke_run):
     assert r["score"] == pytest.approx(sum(r["scores"]) / n)
     assert r["examples_per_s"] > 0 and r["first_call_s"] > 0 and not r["includes_compile"]
     assert r["prompt_sha1"] == none["prompt_sha1"]  # every point answers the same prompts
-  # the budget of a row is int(context_tokens * (1 - ratio)), the batch's smallest
+  # kvpress's protocol: each row keeps int(context_tokens * (1 - ratio)) context tokens
   for ratio in (0.5, 0.75):
     r = by["knorm", ratio]
-    assert r["budgets"] == [min(int(c * (1 - ratio)) for c in r["context_tokens"])] * n
-    assert json.loads(r["specs"][0]) == {"kind": "knorm", "budget": r["budgets"][0]}
+    assert r["budgets"] == [int(c * (1 - ratio)) for c in r["context_tokens"]]
+    assert json.loads(r["specs"][0]) == {"kind": "knorm", "compress": "context",
+                                         "compression_ratio": ratio}
   assert json.loads(none["specs"][0]) == {"kind": "dense"}
   # bytes actually held fall with the ratio
   held = [by[k]["cache_bytes_per_seq"] for k in (("none", 0.0), ("knorm", 0.5),
