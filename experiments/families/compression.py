@@ -65,16 +65,24 @@ def default_policies() -> tuple[str, ...]:
   return (*eviction.POLICY_TABLE, "sink")
 
 
+KVPRESS_OPTIONS = {"snapkv": {"window_size": 64, "kernel_size": 5}}
+"""Options where kvpress 0.5.5's press defaults differ from kvattn's policy defaults, used
+under the "context" protocol so that both sides run the same policy (SnapKVPress:
+window_size 64, kernel_size 5; kvattn's default window is min(32, budget // 2))."""
+
+
 def spec_of(policy: str, budget: int, ratio: float, protocol: str, num_sinks: int
             ) -> dict[str, Any]:
   """The cache spec of one point (`kvattn.caches.registry`): dense at ratio 0; else, under
   "fixed_budget", `registry.spec_at_budget(policy, budget)`; under "context",
-  `{"kind": policy, "compress": "context", "compression_ratio": ratio}`."""
+  `{"kind": policy, "compress": "context", "compression_ratio": ratio}` plus
+  `KVPRESS_OPTIONS[policy]`."""
   from kvattn.caches import registry  # pylint: disable=g-import-not-at-top
   if policy == NONE or ratio == 0:
     return {"kind": "dense"}
   if protocol == "context":
-    return {"kind": policy, "compress": "context", "compression_ratio": float(ratio)}
+    return {"kind": policy, "compress": "context", "compression_ratio": float(ratio),
+            **KVPRESS_OPTIONS.get(policy, {})}
   return registry.spec_at_budget(policy, max(budget, num_sinks + 1) if policy == "sink"
                                  else max(budget, 1), num_sinks=num_sinks)
 

@@ -58,7 +58,10 @@ def test_spec_of_each_protocol():
   assert compression.spec_of("sink", 2, 0.9, "fixed_budget", 4)["window"] == 1  # budget+1
   assert compression.spec_of("snapkv", 0, 0.9, "fixed_budget", 4)["budget"] == 1
   assert compression.spec_of("snapkv", 300, 0.25, "context", 4) == {
-      "kind": "snapkv", "compress": "context", "compression_ratio": 0.25}
+      "kind": "snapkv", "compress": "context", "compression_ratio": 0.25, "window_size": 64,
+      "kernel_size": 5}  # kvpress's SnapKVPress defaults
+  assert compression.spec_of("knorm", 300, 0.5, "context", 4) == {
+      "kind": "knorm", "compress": "context", "compression_ratio": 0.5}
 
 
 @pytest.fixture(scope="module")
