@@ -28,7 +28,6 @@ Prints one JSON line per record and a markdown table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -39,6 +38,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from experiments.framework import cli
 
 from kvattn.caches import registry
 from kvattn.inference import disaggregated as dg
@@ -123,8 +124,8 @@ def colocated(model, prompt, args) -> list[dict]:
   return rounds[1:]
 
 
-def main(argv=None) -> None:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+  p = cli.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--role", default="decode", choices=("decode", "prefill"))
   p.add_argument("--dir", default=None, help="handshake directory (set for the prefill role)")
   p.add_argument("--model", default="smollm2-135m-instruct")
@@ -137,7 +138,7 @@ def main(argv=None) -> None:
   args = p.parse_args(argv)
   if args.role == "prefill":
     prefill_worker(args)
-    return
+    return 0
   with tempfile.TemporaryDirectory() as directory:
     args.dir = directory
     flags = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith(
@@ -171,7 +172,8 @@ def main(argv=None) -> None:
         f"| {record['decode_tok_s']:.1f} |")
   print(f"| colocated | {record['colocated_ttft_s']:.3f} | - "
         f"| {record['colocated_decode_tok_s']:.1f} |")
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  cli.run_plain(main)

@@ -95,6 +95,8 @@ SLOW_KINDS = {"snapkv", "tova", "tova_per_head", "recent", "random", "knorm", "k
               # PyramidKV shares h2o's class; DuoKVCache and ThinKCache are checked against
               # numpy references step by step in test_duo.py / test_think.py.
               "pyramidkv", "duo", "think",
+              # AdaKVCache: every step against a numpy reference of the pool in test_adakv.py.
+              "adakv",
               # The presses (~20 CPU-s each here): EvictingKVCache (and two subclasses: a filters
               # leaf; eviction only when full) with another score, each checked against its numpy
               # reference over ragged rows, NaN slots and budget +-1 in tests/kvattn/caches/presses.

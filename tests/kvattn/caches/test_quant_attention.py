@@ -255,8 +255,8 @@ def _junk(dtype):
   return jnp.asarray(-128 if dtype == jnp.int8 else jnp.nan, dtype)
 
 
-@pytest.mark.parametrize("name", [  # fast suite: int8 and one fp8 format
-    pytest.param(n, marks=pytest.mark.slow) if n == "e5m2" else n for n in FORMATS])
+@pytest.mark.parametrize("name", [  # fast suite: int8 (the fp8 formats share its path)
+    pytest.param(n, marks=pytest.mark.slow) if n != "int8" else n for n in FORMATS])
 def test_paged_quantized_cache_equals_the_dense_one(name):
   dtype = FORMATS[name]
   page, pages_per_seq, num_pages = 4, 5, 16
