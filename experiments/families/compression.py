@@ -211,9 +211,11 @@ def measure(model: Any, tokenizer: Any, workload: Mapping[str, Any],
       slots = None
       if protocol == "context" and spec["kind"] != "dense":
         kwargs["context_lengths"] = np.array([contexts[i] for i in rows], np.int32)
-        # Sized as generate sizes it: the kept context plus the question and the answer.
-        slots = registry.slots_needed(spec, kwargs["context_lengths"], lengths + new - 1)
-        del kwargs["max_len"]
+        # Sized as generate sizes it (the kept context plus the question and the answer), for
+        # the point's largest example, so every batch of the point runs one compiled program.
+        slots = registry.slots_needed(spec, np.array([contexts[i] for i in index]),
+                                      np.array([len(ids[i]) + new - 1 for i in index]))
+        kwargs["max_len"] = slots
 
       def call():
         tokens, counts = kvattn.generate(model, prompts, lengths, new, **kwargs)

@@ -221,14 +221,20 @@ def prefill(model: nnx.Module, prompts: jax.Array, prompt_lengths: jax.Array,
                           jnp.asarray(rest_lengths), _key(rng), sampling=sampling)
 
 
+_SPLIT_BUCKET = 64  # tokens: padding a write costs little next to a recompilation
+
+
 def _split_prompts(prompts: np.ndarray, prompt_lengths: np.ndarray, context_lengths: np.ndarray
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """`(context i32[B, Tc], rest i32[B, Tr], rest_lengths i32[B])`: each row's first
-  `context_lengths[b]` tokens and, left-aligned, the rest of its prompt (widths at least 1)."""
-  batch = prompts.shape[0]
+  `context_lengths[b]` tokens and, left-aligned, the rest of its prompt. The widths are the
+  longest row's rounded up to a multiple of `_SPLIT_BUCKET` tokens (at most the prompts'
+  width T, at least 1), so batches of similar prompts reuse one compiled prefill."""
+  batch, width = prompts.shape
   rest_lengths = (prompt_lengths - context_lengths).astype(np.int32)
-  context = np.zeros((batch, max(1, int(context_lengths.max()))), np.int32)
-  rest = np.zeros((batch, max(1, int(rest_lengths.max()))), np.int32)
+  bucket = lambda n: max(1, min(width, -(-int(n) // _SPLIT_BUCKET) * _SPLIT_BUCKET))
+  context = np.zeros((batch, bucket(context_lengths.max())), np.int32)
+  rest = np.zeros((batch, bucket(rest_lengths.max())), np.int32)
   for b in range(batch):
     c, n = int(context_lengths[b]), int(prompt_lengths[b])
     context[b, :c] = prompts[b, :c]
