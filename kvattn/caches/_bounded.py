@@ -99,7 +99,19 @@ def float_keys(k: jax.Array) -> jax.Array:
   return k.astype(jnp.float32)
 
 
-class BoundedCache(_slots.Slots, _slots.KVHeads, capabilities.Rows):
+class CheckedStep:
+  """`update_attend` for a kind whose step is `update_attend_unchecked` (the modules call that
+  directly): checks `q`, `k`, `v` and `new_lengths`, then runs the step."""
+
+  def update_attend(self, q, k, v, *, new_lengths=None, **step):
+    """`cache_protocol.update_attend`: checks `q`, `k`, `v` and `new_lengths`, then
+    `update_attend_unchecked`."""
+    new_lengths = cache_lib.check_new_kv(self, k, v, new_lengths)
+    check_q(self, q, k.shape[1])
+    return self.update_attend_unchecked(q, k, v, new_lengths=new_lengths, **step)
+
+
+class BoundedCache(CheckedStep, _slots.Slots, _slots.KVHeads, capabilities.Rows):
   """Members the three kinds share (sizes and storage from `_slots`, the protocol's
   bookkeeping). `capacity` is the window / budget the cache was built with; these kinds
   never overflow (`lengths` grows past it by design), so they have no `overflowed`."""
@@ -132,12 +144,6 @@ class BoundedCache(_slots.Slots, _slots.KVHeads, capabilities.Rows):
                        f"of {self.capacity} slots holding {int(lengths[b])} tokens keeps token "
                        f"{int(want[b, s])} there (-1: none)")
 
-  def update_attend(self, q, k, v, *, new_lengths=None, **step):
-    """`cache_protocol.update_attend`: checks `q`, `k`, `v` and `new_lengths`, then
-    `update_attend_unchecked` (the kind's step, which the modules call directly)."""
-    new_lengths = cache_lib.check_new_kv(self, k, v, new_lengths)
-    check_q(self, q, k.shape[1])
-    return self.update_attend_unchecked(q, k, v, new_lengths=new_lengths, **step)
 
 
 class WrappingCache(BoundedCache):

@@ -35,7 +35,7 @@ from kvattn.caches import _slots
 from kvattn.caches import capabilities
 from kvattn.caches import dense as cache_lib
 from kvattn.caches import registry
-from kvattn.caches._bounded import (check_implementation, check_lengths, check_q, concat,
+from kvattn.caches._bounded import (CheckedStep, check_implementation, check_lengths, concat,
                                     encode_new, new_positions, scale_kwargs)
 from kvattn.caches._layers import gqa_layers
 from kvattn.ops.positional import positional_attention
@@ -95,7 +95,7 @@ def avg_pool_by_position(score: jax.Array, pos: jax.Array, size: int) -> jax.Arr
 
 
 @struct.dataclass
-class AdaKVCache(_slots.Slots, capabilities.Rows):
+class AdaKVCache(CheckedStep, _slots.Slots, capabilities.Rows):
   """One layer's pool of `P = K * budget` slots per sequence shared by its K KV heads.
 
   Attributes:
@@ -293,12 +293,6 @@ class AdaKVCache(_slots.Slots, capabilities.Rows):
         lengths=self.lengths + new_lengths,
         k_scale=keep(take(None if ks is None else flat(self.k_scale, ks)), self.k_scale),
         v_scale=keep(take(None if vs is None else flat(self.v_scale, vs)), self.v_scale))
-
-  def update_attend(self, q, k, v, *, new_lengths=None, **step):
-    """`cache_protocol.update_attend`: checks `q`, `k`, `v`, `new_lengths`, then the step."""
-    new_lengths = cache_lib.check_new_kv(self, k, v, new_lengths)
-    check_q(self, q, k.shape[1])
-    return self.update_attend_unchecked(q, k, v, new_lengths=new_lengths, **step)
 
   def update_attend_unchecked(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
                               new_lengths, sm_scale=None, window=None, soft_cap=None,

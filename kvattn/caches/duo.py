@@ -36,7 +36,7 @@ from kvattn.caches import _slots
 from kvattn.caches import capabilities
 from kvattn.caches import dense as cache_lib
 from kvattn.caches import registry
-from kvattn.caches._bounded import (check_implementation, check_q, concat, encode_new,
+from kvattn.caches._bounded import (CheckedStep, check_implementation, concat, encode_new,
                                     min_window, new_positions, scale_kwargs, scatter_slots)
 from kvattn.caches._layers import cache_owners, gqa_layers
 from kvattn.ops.positional import positional_attention
@@ -60,7 +60,7 @@ def ring_slots(lengths, new_lengths, num_tokens: int, num_sinks: int, ring: int)
 
 
 @struct.dataclass
-class DuoKVCache(_slots.Slots, capabilities.Rows):
+class DuoKVCache(CheckedStep, _slots.Slots, capabilities.Rows):
   """One layer: a full cache for the retrieval KV heads, a sink + ring for the streaming ones.
 
   Attributes:
@@ -241,12 +241,6 @@ class DuoKVCache(_slots.Slots, capabilities.Rows):
           window=min_window(window, self.window), soft_cap=soft_cap, always_visible=sinks,
           **scale_kwargs(k_scale, v_scale))
     return self._merge(out_full, out_ring, q)
-
-  def update_attend(self, q, k, v, *, new_lengths=None, **step):
-    """`cache_protocol.update_attend`: checks `q`, `k`, `v`, `new_lengths`, then the step."""
-    new_lengths = cache_lib.check_new_kv(self, k, v, new_lengths)
-    check_q(self, q, k.shape[1])
-    return self.update_attend_unchecked(q, k, v, new_lengths=new_lengths, **step)
 
   def update_attend_unchecked(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
                               new_lengths, sm_scale=None, window=None, soft_cap=None,

@@ -37,7 +37,7 @@ from kvattn.caches import _slots
 from kvattn.caches import capabilities
 from kvattn.caches import dense as cache_lib
 from kvattn.caches import registry
-from kvattn.caches._bounded import check_implementation, check_q
+from kvattn.caches._bounded import CheckedStep, check_implementation
 from kvattn.caches._layers import gqa_layers
 from kvattn.ops import quant
 from kvattn.ops.rope import apply_rope
@@ -117,7 +117,7 @@ def _attend_block(q_sel, q, k, v, k_scale, v_scale, k_new, v_new, q_pos, stored_
 
 
 @struct.dataclass
-class ThinKCache(_slots.TokenSlots, _slots.KVHeads, capabilities.Rows):
+class ThinKCache(CheckedStep, _slots.TokenSlots, _slots.KVHeads, capabilities.Rows):
   """One layer: keys pruned to `keep_channels` channels per KV head, values whole.
 
   Attributes:
@@ -195,12 +195,6 @@ class ThinKCache(_slots.TokenSlots, _slots.KVHeads, capabilities.Rows):
                              self.keep_channels)
     first = ((self.lengths == 0) & (new_lengths > 0))[:, None, None]
     return jnp.where(first, chosen, self.channels)
-
-  def update_attend(self, q, k, v, *, new_lengths=None, **step):
-    """`cache_protocol.update_attend`: checks `q`, `k`, `v`, `new_lengths`, then the step."""
-    new_lengths = cache_lib.check_new_kv(self, k, v, new_lengths)
-    check_q(self, q, k.shape[1])
-    return self.update_attend_unchecked(q, k, v, new_lengths=new_lengths, **step)
 
   def update_attend_unchecked(self, q, k, v, *, positions, rope_theta, rope_scaling=None,
                               new_lengths, sm_scale=None, window=None, soft_cap=None,
