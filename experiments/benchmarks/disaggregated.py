@@ -61,6 +61,8 @@ def _caches(model, args, seed: int):
 
 
 def prefill_worker(args) -> None:
+  """The prefill role: prefills `args.prompt` random tokens each round and offers the row's
+  pages over the transfer server (handshake files in `args.dir`)."""
   model, prompt = _setup(args)
   server, rdv = dg.start_server(), dg.Rendezvous(args.dir)
   for uuid in range(args.rounds + 1):
@@ -82,6 +84,8 @@ def _decode(model, first, caches, steps: int):
 
 
 def decode_worker(args) -> list[dict]:
+  """The decode role: pulls each round's pages, installs them and decodes; per timed round
+  `{ttft_s, prefill_s, pull_s, install_s, nbytes, decode_s, tokens}` (seconds, bytes)."""
   model, prompt = _setup(args)
   server, rdv = dg.start_server(), dg.Rendezvous(args.dir)
   rounds = []
@@ -108,6 +112,8 @@ def decode_worker(args) -> list[dict]:
 
 
 def colocated(model, prompt, args) -> list[dict]:
+  """The same prefill and decode programs in this process; per timed round `{ttft_s,
+  decode_s, tokens}` (seconds)."""
   rounds = []
   for _ in range(args.rounds + 1):
     caches = jax.block_until_ready(_caches(model, args, seed=1))
@@ -125,6 +131,8 @@ def colocated(model, prompt, args) -> list[dict]:
 
 
 def main(argv=None) -> int:
+  """Runs the decode role here and the prefill role as a child process, then the colocated
+  baseline; prints one JSON record and a table. Returns the exit status."""
   p = cli.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--role", default="decode", choices=("decode", "prefill"))
   p.add_argument("--dir", default=None, help="handshake directory (set for the prefill role)")

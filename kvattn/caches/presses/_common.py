@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvattn.caches import eviction
 from kvattn.caches.eviction import Candidates
 
 TINY = 1e-12
@@ -30,3 +31,19 @@ def descending_rank(x: jax.Array, mask: jax.Array) -> jax.Array:
   (ties: the lower index first); masked entries rank last."""
   order = jnp.argsort(jnp.where(mask, -x, jnp.inf), axis=-1, stable=True)
   return jnp.argsort(order, axis=-1, stable=True).astype(jnp.int32)
+
+
+def inner_policy(name: str, where: str) -> eviction.EvictionPolicy:
+  """The registered policy `name` a press wraps or composes.
+
+  Raises:
+    ValueError: `name` is not a policy of `eviction.POLICY_TABLE` (naming `where`).
+  """
+  if not isinstance(name, str) or name not in eviction.POLICY_TABLE:
+    raise ValueError(f"{where} must be one of {tuple(eviction.POLICY_TABLE)}; got {name!r}")
+  return eviction.POLICY_TABLE[name]
+
+
+def rank_and_carry(score):
+  """`(rank, carry)` of a score function's result (a plain score is both)."""
+  return score if isinstance(score, tuple) else (score, score)

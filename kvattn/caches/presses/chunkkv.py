@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from kvattn.caches import eviction
-from kvattn.caches.presses._common import live
+from kvattn.caches.presses._common import inner_policy, live, rank_and_carry
 
 NAME = "chunkkv"
 DEFAULT_CHUNK_SIZE = 20
@@ -52,13 +52,10 @@ def chunked(inner: str) -> eviction.EvictionPolicy:
   Raises:
     ValueError: `inner` is not a registered policy.
   """
-  base = eviction.POLICY_TABLE.get(inner) if isinstance(inner, str) else None
-  if base is None:
-    raise ValueError(f"inner must be one of {tuple(eviction.POLICY_TABLE)}; got {inner!r}")
+  base = inner_policy(inner, "inner")
 
   def score(c: eviction.Candidates, options: dict[str, int]):
-    inner_score = base.score(c, options)
-    rank, carry = inner_score if isinstance(inner_score, tuple) else (inner_score, inner_score)
+    rank, carry = rank_and_carry(base.score(c, options))
     mask = live(c)
     # Every KV head holds the same tokens in the same slots (chunks are chosen per layer).
     per_token = jnp.where(mask, rank, 0.0).sum(axis=1)  # [B, S + T]

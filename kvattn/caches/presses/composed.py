@@ -22,17 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from kvattn.caches import eviction
-from kvattn.caches.presses._common import descending_rank, live
-
-
-def _policy(name: str, where: str) -> eviction.EvictionPolicy:
-  if not isinstance(name, str) or name not in eviction.POLICY_TABLE:
-    raise ValueError(f"{where} must be one of {tuple(eviction.POLICY_TABLE)}; got {name!r}")
-  return eviction.POLICY_TABLE[name]
-
-
-def _split(score):
-  return score if isinstance(score, tuple) else (score, score)
+from kvattn.caches.presses._common import descending_rank, inner_policy, live, rank_and_carry
 
 
 def composed(first: str, second: str) -> eviction.EvictionPolicy:
@@ -42,7 +32,7 @@ def composed(first: str, second: str) -> eviction.EvictionPolicy:
   Raises:
     ValueError: an unregistered policy name, or one taking `first_keep` itself.
   """
-  a, b = _policy(first, "first"), _policy(second, "second")
+  a, b = inner_policy(first, "first"), inner_policy(second, "second")
   for where, name, p in (("first", first, a), ("second", second, b)):
     if "first_keep" in p.options:
       raise ValueError(f"{where} must not take an option first_keep (the composition's own); "
@@ -50,8 +40,8 @@ def composed(first: str, second: str) -> eviction.EvictionPolicy:
 
   def score(c: eviction.Candidates, options: dict[str, int]):
     mask = live(c)
-    rank_a, carry_a = _split(a.score(c, options))
-    rank_b, _ = _split(b.score(c._replace(carried=jnp.zeros_like(c.carried)), options))
+    rank_a, carry_a = rank_and_carry(a.score(c, options))
+    rank_b, _ = rank_and_carry(b.score(c._replace(carried=jnp.zeros_like(c.carried)), options))
     survivor = descending_rank(rank_a, mask) < options["first_keep"]
     num = c.pos.shape[-1]
     # Lexicographic (survivor, second score) as exact small integers in f32 (num <= 2^23).

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from kvattn.caches import eviction
-from kvattn.caches.presses._common import dequantized, descending_rank, live
+from kvattn.caches.presses._common import (dequantized, descending_rank, inner_policy, live,
+                                            rank_and_carry)
 
 NAME = "criticalkv"
 EPSILON = 1e-4
@@ -30,13 +31,10 @@ def critical(inner: str) -> eviction.EvictionPolicy:
   Raises:
     ValueError: `inner` is not a registered policy.
   """
-  base = eviction.POLICY_TABLE.get(inner) if isinstance(inner, str) else None
-  if base is None:
-    raise ValueError(f"inner must be one of {tuple(eviction.POLICY_TABLE)}; got {inner!r}")
+  base = inner_policy(inner, "inner")
 
   def score(c: eviction.Candidates, options: dict[str, int]):
-    inner_score = base.score(c, options)
-    s, carry = inner_score if isinstance(inner_score, tuple) else (inner_score, inner_score)
+    s, carry = rank_and_carry(base.score(c, options))
     mask = live(c)
     first = descending_rank(s, mask) < options["first_keep"]
     second = (s + EPSILON) * jnp.linalg.norm(dequantized(c.v, c.v_scale, mask), axis=-1)

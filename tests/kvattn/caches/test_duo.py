@@ -196,12 +196,6 @@ def test_the_builder_uses_the_models_calibration_and_checks_its_options(model):
 
 @pytest.mark.slow  # compiles the batcher (tests/kvattn/inference/test_batching_rows.py's setup)
 def test_the_batcher_gives_each_sequence_its_tokens_alone():
-  from kvattn.inference.batching import ContinuousBatcher  # pylint: disable=g-import-not-at-top
   from tests.kvattn.inference import test_batching_rows as rows  # pylint: disable=g-import-not-at-top
   spec = {"kind": "duo", "num_sinks": 1, "window": 3, "pattern": "RS,SR"}
-  batcher = ContinuousBatcher(rows._model(), num_slots=2, num_pages=1, page_size=4,  # pylint: disable=protected-access
-                              max_len=rows.MAX_PROMPT + rows.MAX_NEW,
-                              max_prompt_len=rows.MAX_PROMPT, cache=spec)
-  done = batcher.run([(rid, rows._prompt(seed, n), new) for rid, seed, n, new in rows.REQUESTS])  # pylint: disable=protected-access
-  for rid, seed, n, new in rows.REQUESTS:
-    np.testing.assert_array_equal(done[rid].tokens, rows._alone(spec, seed, n)[:new])  # pylint: disable=protected-access
+  rows.serve_each_alone(spec)

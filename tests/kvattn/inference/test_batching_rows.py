@@ -37,6 +37,18 @@ def _alone(spec, seed, n):
   return np.asarray(tokens)[0]
 
 
+def serve_each_alone(spec) -> ContinuousBatcher:
+  """Serves `REQUESTS` through a 2-slot batcher of cache `spec` and asserts each request gets
+  the tokens `generate` gives it alone; returns the batcher (the kinds' own tests use it)."""
+  batcher = ContinuousBatcher(_model(), num_slots=2, num_pages=1, page_size=4,
+                              max_len=MAX_PROMPT + MAX_NEW, max_prompt_len=MAX_PROMPT,
+                              cache=spec)
+  done = batcher.run([(rid, _prompt(seed, n), new) for rid, seed, n, new in REQUESTS])
+  for rid, seed, n, new in REQUESTS:
+    np.testing.assert_array_equal(done[rid].tokens, _alone(spec, seed, n)[:new], err_msg=rid)
+  return batcher
+
+
 @pytest.mark.parametrize("spec", [
     {"kind": "h2o", "budget": 6},
     # The same machinery (rows reset, viewed and written back by the cache's own ops): -m slow.
@@ -45,13 +57,8 @@ def _alone(spec, seed, n):
     pytest.param({"kind": user_policy.NAME, "budget": 6}, marks=pytest.mark.slow),
 ], ids=lambda s: s["kind"])
 def test_fixed_rows_give_each_sequence_its_tokens_alone(spec):
-  batcher = ContinuousBatcher(_model(), num_slots=2, num_pages=1, page_size=4,
-                              max_len=MAX_PROMPT + MAX_NEW, max_prompt_len=MAX_PROMPT,
-                              cache=spec)
+  batcher = serve_each_alone(spec)
   assert all(registry.CACHE_KIND_TABLE[spec["kind"]].bounded for _ in batcher.caches)
-  done = batcher.run([(rid, _prompt(seed, n), new) for rid, seed, n, new in REQUESTS])
-  for rid, seed, n, new in REQUESTS:
-    np.testing.assert_array_equal(done[rid].tokens, _alone(spec, seed, n)[:new], err_msg=rid)
   assert batcher.traces["join"] == batcher.traces["step"] == 1  # rows reset, nothing retraced
 
 
