@@ -127,3 +127,24 @@ def test_main_job_on_two_processes_equals_one_process(tmp_path):
   for a, b, c in zip(two, one, other):
     assert a["greedy_tokens"] == b["greedy_tokens"] == c["greedy_tokens"], a["point"]
     assert a["ppl"] == pytest.approx(b["ppl"], rel=1e-6) and a["ppl"] == c["ppl"], a["point"]
+
+
+@pytest.mark.slow  # 12 one-layer steps compiled in 3 processes, ~2 CPU-minutes
+def test_sharding_benchmark_on_two_processes_matches_one_process():
+  env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+             JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.benchmarks.sharding", "--smoke", "--processes=2",
+       "--rounds=1", "--steps=2", "--repeats=1"], cwd=ROOT, env=env, capture_output=True,
+      text=True, timeout=900, check=True).stdout
+  rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+  by = {(r["processes"], r["cache_kind"], tuple(r["mesh"])): r for r in rows}
+  assert len(by) == len(rows) == 2 * 3 * 2  # processes 1, 2 x dense, paged, mla x two meshes
+  for (processes, kind, mesh), r in by.items():
+    assert r["tokens_equal_single_device"] and r["cache_all_gathers"] == 0, r
+    if processes == 2:  # the same program: the same bytes per device and collectives
+      one = by[(1, kind, mesh)]
+      for key in ("per_device_cache_bytes", "total_cache_bytes", "collective_bytes_per_step",
+                  "collectives"):
+        assert r[key] == one[key], (key, r)
