@@ -162,3 +162,65 @@ def positive_capacity(capacity: Any) -> int:
     raise ValueError("capacity must be set for compress='context' (slots per sequence and KV "
                      "head: the kept context plus everything after it; slots_needed)")
   return _checks.positive_int("capacity", capacity)
+
+
+QUERY_CHUNK = 256
+"""Queries per chunk of `candidate_attention` (`positional_attention`'s default)."""
+
+
+def candidate_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+                        kv_pos: jax.Array, *, stored: int, query_chunk: int | None = None,
+                        score_queries: jax.Array | None = None, **options
+                        ) -> tuple[jax.Array, jax.Array | None]:
+  """`positional_attention` of a write against its candidates: `stored` kept slots followed
+  by the write's T new tokens, skipping the work no query can use when no stored slot holds
+  a token (a context-compressing cache's first write, its context).
+
+  Then (traced: `lax.cond`, so both forms compile and one runs) the stored slots are dropped
+  and query chunk i of `query_chunk` tokens attends only the new slots `[0, (i + 1) *
+  query_chunk)`: the new tokens sit at consecutive positions from slot 0 of the new part, so
+  a slot past its chunk's last query is masked for every query of the chunk. The result is
+  the full form's up to float summation order (masked slots add exact zeros).
+
+  Args:
+    q: `[B, T, N, H]` (RoPE'd) queries at positions `q_pos: i32[B, T]`.
+    k, v: `[B, K, stored + T, H]` candidates; `kv_pos: i32[B, K, stored + T]` their tokens
+      (-1: none), the new tokens' at `q_pos` (or -1).
+    stored: static count of kept slots before the new tokens.
+    query_chunk: queries per chunk (None: `QUERY_CHUNK`).
+    score_queries, options: as `positional_attention` (sm_scale, window, soft_cap, k_scale
+      `f32[B, K, stored + T]`, v_scale).
+
+  Returns:
+    `(out [B, T, N, H], mass f32[B, K, stored + T] or None)` as `positional_attention`.
+  """
+  from kvattn.ops import positional  # pylint: disable=g-import-not-at-top
+  num_tokens = q.shape[1]
+  query_chunk = QUERY_CHUNK if query_chunk is None else query_chunk
+  if num_tokens <= 1:  # a decode step: nothing to skip
+    return positional.positional_attention(q, k, v, q_pos, kv_pos, score_queries=score_queries,
+                                           query_chunk=query_chunk, **options)
+  scales = {n: options.pop(n) for n in ("k_scale", "v_scale") if options.get(n) is not None}
+
+  def fresh():
+    new = lambda x: x[:, :, stored:]
+    outs, mass = [], jnp.zeros(k.shape[:2] + (num_tokens,), jnp.float32)
+    for start in range(0, num_tokens, query_chunk):
+      stop = min(start + query_chunk, num_tokens)  # keys [0, stop) of the new ones
+      rows = None if score_queries is None else score_queries[:, start:stop]
+      out, m = positional.positional_attention(
+          q[:, start:stop], new(k)[:, :, :stop], new(v)[:, :, :stop], q_pos[:, start:stop],
+          new(kv_pos)[:, :, :stop], score_queries=rows, query_chunk=query_chunk,
+          **{n: new(s)[:, :, :stop] for n, s in scales.items()}, **options)
+      outs.append(out)
+      if m is not None:
+        mass = mass.at[:, :, :stop].add(m)
+    mass = None if score_queries is None else jnp.concatenate(
+        [jnp.zeros(k.shape[:2] + (stored,), jnp.float32), mass], axis=2)
+    return jnp.concatenate(outs, axis=1), mass
+
+  def general():
+    return positional.positional_attention(q, k, v, q_pos, kv_pos, score_queries=score_queries,
+                                           query_chunk=query_chunk, **scales, **options)
+
+  return jax.lax.cond(jnp.all(kv_pos[:, :, :stored] < 0), fresh, general)

@@ -397,3 +397,67 @@ def test_save_restore_and_speculative_decoding_keep_the_context_state(tiny, prom
   got, _ = generate(tiny, tokens, lengths, 12, cache_factory=factory, context_lengths=context,
                     speculative=speculative.PromptLookup(3, max_ngram_size=2))
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# ----------------------------------------------------------------------------------------------
+# The first write's attention: its own tokens only, causally by query chunk.
+
+
+def _candidates(seed, stored, num_tokens, new_lengths, held, quantized=False):
+  """Random `[B, K, stored + T]` candidates: `held[b]` stored slots at tokens 0.., the new
+  tokens after them (-1 past `new_lengths`), and queries at the new tokens."""
+  rng = np.random.default_rng(seed)
+  q = rng.normal(size=(B, num_tokens, N, H)).astype(np.float32)
+  k = rng.normal(size=(B, K, stored + num_tokens, H)).astype(np.float32)
+  v = rng.normal(size=(B, K, stored + num_tokens, H)).astype(np.float32)
+  t = np.arange(num_tokens)[None]
+  q_pos = np.asarray(held)[:, None] + t
+  new_pos = np.where(t < np.asarray(new_lengths)[:, None], q_pos, -1)
+  old_pos = np.where(np.arange(stored)[None] < np.asarray(held)[:, None], np.arange(stored), -1)
+  kv_pos = np.broadcast_to(np.concatenate([old_pos, new_pos], 1)[:, None],
+                           (B, K, stored + num_tokens))
+  scales = {}
+  if quantized:
+    scales = {n: jnp.asarray(rng.uniform(0.5, 2, (B, K, stored + num_tokens)), jnp.float32)
+              for n in ("k_scale", "v_scale")}
+  rows = jnp.asarray(t >= np.asarray(new_lengths)[:, None] - 3)  # a window of 3 scoring queries
+  return (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(q_pos, jnp.int32),
+          jnp.asarray(kv_pos, jnp.int32), rows, scales)
+
+
+@pytest.mark.parametrize("held,quantized", [((0, 0), False), ((0, 0), True), ((5, 2), False)])
+def test_candidate_attention_equals_positional_attention(held, quantized):
+  from kvattn.ops.positional import positional_attention
+  stored, num_tokens, new_lengths = 5, 11, (11, 7)
+  q, k, v, q_pos, kv_pos, rows, scales = _candidates(0, stored, num_tokens, new_lengths, held,
+                                                     quantized)
+  want, want_mass = positional_attention(q, k, v, q_pos, kv_pos, score_queries=rows, **scales)
+  for chunk in (4, 256):  # three chunks (the last partial); one, larger than T
+    got, mass = jax.jit(lambda *a, c=chunk: _context.candidate_attention(
+        *a, stored=stored, query_chunk=c, score_queries=rows, **scales))(q, k, v, q_pos, kv_pos)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(mass), np.asarray(want_mass), atol=1e-6, rtol=1e-6)
+    if not any(held):  # the stored slots are empty: no mass reaches them
+      assert not np.asarray(mass)[:, :, :stored].any()
+  no_mass = _context.candidate_attention(q, k, v, q_pos, kv_pos, stored=stored, query_chunk=4)
+  assert no_mass[1] is None
+
+
+def test_context_compression_in_query_chunks_equals_the_numpy_reference(monkeypatch):
+  """The protocol's reference with the first write split in chunks of 4 queries (9- and
+  5-token contexts: three and two chunks)."""
+  monkeypatch.setattr(_context, "QUERY_CHUNK", 4)
+  step = jax.jit(lambda cache, q, k, v, n: cache_protocol.update_attend(
+      cache, q, k, v, positions=cache.lengths[:, None] + jnp.arange(q.shape[1])[None],
+      rope_theta=THETA, new_lengths=n))
+  q, k, v = _qkv(0)
+  cache = _cache("snapkv")
+  ctx = [_chunks(x, CONTEXT, QUESTION)[0] for x in (q, k, v)]
+  out, after = step(cache, *ctx, jnp.asarray(CONTEXT))
+  for b in range(B):
+    c = int(CONTEXT[b])
+    want, keep = _reference(q[b], k[b], v[b], c, c, int(c * 0.5), "snapkv", POLICIES["snapkv"])
+    np.testing.assert_allclose(np.asarray(out)[b, :c], want, atol=1e-5, rtol=1e-5)
+    pos = np.asarray(after.slot_positions())[b]
+    for h in range(K):
+      np.testing.assert_array_equal(pos[h][pos[h] >= 0], keep[h])
