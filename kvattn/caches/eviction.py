@@ -535,10 +535,7 @@ class EvictingKVCache(BoundedCache):
     new_pos = new_positions(self.lengths, new_lengths, num_tokens)
     cand_pos = concat(self.pos, jnp.broadcast_to(new_pos[:, None], kq.shape[:3]))
     q_pos = self.lengths[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
-    # Context mode: a first write (no slot held yet) attends its own tokens only, causally.
-    attention = (functools.partial(_context.candidate_attention, stored=self.capacity)
-                 if self.compress == "context" else positional_attention)
-    out, mass = attention(
+    out, mass = positional_attention(
         q, concat(self.k, kq), concat(self.v, vq), q_pos, cand_pos, sm_scale=sm_scale,
         window=window, soft_cap=soft_cap, score_queries=self._score_queries(new_lengths,
                                                                             num_tokens),
