@@ -243,6 +243,9 @@ def test_context_schedule_equals_kvpress(num_layers, n, ratio, beta):
   want = tuple(_kvpress_layer_budget(num_layers, l, n, ratio, 64, beta)
                for l in range(num_layers))
   assert got == want
+
+
+def test_context_schedule_on_smollm2s_context():
   # SmolLM2's 953-token context at 0.5: the bottom layer keeps all but the window, the top the
   # window; at 0.75 the top would fall below the window and every layer keeps 238 (SnapKV).
   assert pyramid.context_layer_budgets(30, 953, 0.5, window_size=64)[::29] == (889, 64)
@@ -261,18 +264,28 @@ def test_context_mode_options_are_checked(model):
     pyramid.context_layer_budgets(4, 20, 1.0, window_size=2)
 
 
-def test_context_mode_keeps_each_layers_count_and_appends_the_rest(model):
-  # 4 layers, a 20-token context at ratio 0.25 (window 2, beta 3): counts 18 .. 12, and the
-  # slots are the bottom layer's plus the question; a layer's storage is as much smaller.
-  spec = {"kind": "pyramidkv", "compress": "context", "compression_ratio": 0.25,
-          "context_tokens": 20, "window_size": 2, "kernel_size": 3, "beta": 3}
-  kept = pyramid.context_layer_budgets(4, 20, 0.25, window_size=2, beta=3)
-  assert kept == (18, 16, 14, 12)
-  contexts, totals = np.array([20, 20]), np.array([26, 23])
-  slots = registry.slots_needed(spec, contexts, totals)
+_CONTEXT_SPEC = {"kind": "pyramidkv", "compress": "context", "compression_ratio": 0.25,
+                 "context_tokens": 20, "window_size": 2, "kernel_size": 3, "beta": 3}
+_CONTEXT_KEPT = (18, 16, 14, 12)  # 4 layers, a 20-token context at 0.25, window 2, beta 3
+
+
+def test_context_mode_sizes_each_layer_by_its_count(model):
+  # The slots are the bottom layer's count plus the rest of the longest row; a layer's storage
+  # is as much smaller as its count, so the bytes follow the schedule.
+  assert pyramid.context_layer_budgets(4, 20, 0.25, window_size=2, beta=3) == _CONTEXT_KEPT
+  slots = registry.slots_needed(_CONTEXT_SPEC, np.array([20, 20]), np.array([26, 23]))
   assert slots == 18 + 6
-  caches = registry.build_caches(model, B, slots, None, spec)
-  assert tuple(c.capacity for c in caches) == tuple(b + 6 for b in kept)
+  caches = registry.build_caches(model, B, slots, None, _CONTEXT_SPEC)
+  assert tuple(c.capacity for c in caches) == tuple(b + 6 for b in _CONTEXT_KEPT)
+  per_token = memory.gqa_bytes_per_token(K, H, jnp.float32)
+  assert sum(a.nbytes for c in caches for a in c.storage_arrays()) == \
+      B * sum(b + 6 for b in _CONTEXT_KEPT) * per_token
+
+
+@pytest.mark.slow  # a prefill through the model (the counts are checked without one above)
+def test_context_mode_layers_equal_evicting_caches_alone_at_their_counts(model):
+  kept = _CONTEXT_KEPT
+  caches = registry.build_caches(model, B, 24, None, _CONTEXT_SPEC)
   alone = tuple(EvictingKVCache.init(B, b, K, H, policy="snapkv", compress="context",
                                      capacity=b + 6, window_size=2, kernel_size=3)
                 for b in kept)
