@@ -165,14 +165,13 @@ def build(model, batch, max_len, dtype, o, tokens_per_seq) -> tuple[EvictingKVCa
     given = _context_options(policy, given)
     kept = _context_budgets(len(attns), o, policy, given)
     # The largest layer sets the slots (`_slots`); a layer of fewer kept tokens is as much
-    # smaller, so the bytes held follow the schedule.
+    # smaller, so the bytes held follow the schedule. A max_len below the largest count (a
+    # validation build, or a caller not sizing by `slots_needed`) caps every layer at max_len.
     rest = _checks.positive_int("max_len", max_len) - max(kept)
-    if rest < 0:
-      raise ValueError(f"max_len must hold the largest layer's {max(kept)} kept context tokens; "
-                       f"got {max_len}")
+    sizes = [(b, b + rest) if rest >= 0 else (min(b, max_len), max_len) for b in kept]
     return tuple(EvictingKVCache.init(batch, b, a.num_kv_heads, a.head_dim, dtype, policy=policy,
-                                      compress="context", capacity=max(1, b + rest), **given)
-                 for a, b in zip(attns, kept))
+                                      compress="context", capacity=c, **given)
+                 for a, (b, c) in zip(attns, sizes))
   del max_len  # bounded: the capacity is the schedule
   budget = _checks.positive_int("budget", o["budget"])
   options = resolved_policy_options(policy, budget, given)

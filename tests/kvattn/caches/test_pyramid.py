@@ -277,6 +277,8 @@ def test_context_mode_sizes_each_layer_by_its_count(model):
   assert slots == 18 + 6
   caches = registry.build_caches(model, B, slots, None, _CONTEXT_SPEC)
   assert tuple(c.capacity for c in caches) == tuple(b + 6 for b in _CONTEXT_KEPT)
+  small = registry.build_caches(model, B, 1, None, _CONTEXT_SPEC)  # as factories validate
+  assert {(c.capacity, c.context_budget) for c in small} == {(1, 1)}
   per_token = memory.gqa_bytes_per_token(K, H, jnp.float32)
   assert sum(a.nbytes for c in caches for a in c.storage_arrays()) == \
       B * sum(b + 6 for b in _CONTEXT_KEPT) * per_token
