@@ -65,26 +65,87 @@ def default_policies() -> tuple[str, ...]:
   return (*eviction.POLICY_TABLE, "sink")
 
 
-KVPRESS_OPTIONS = {"snapkv": {"window_size": 64, "kernel_size": 5}}
+KVPRESS_OPTIONS = {
+    "snapkv": {"window_size": 64, "kernel_size": 5},
+    "chunkkv": {"window_size": 64, "kernel_size": 5, "chunk_size": 20},
+    "criticalkv": {"window_size": 64, "kernel_size": 5},
+    "snapkv+knorm": {"window_size": 64, "kernel_size": 5},
+    "expected_attention": {"num_sinks": 4, "n_future_positions": 512},
+    "h2o": {"recent_size": 0},
+}
 """Options where kvpress 0.5.5's press defaults differ from kvattn's policy defaults, used
-under the "context" protocol so that both sides run the same policy (SnapKVPress:
-window_size 64, kernel_size 5; kvattn's default window is min(32, budget // 2))."""
+under the "context" protocol so that both sides run the same policy: SnapKVPress (alone and
+inside ChunkKVPress, CriticalKVPress, ComposedPress) has window_size 64, kernel_size 5
+(kvattn's default window is min(32, budget // 2)); ChunkKVPress chunk_length 20;
+ExpectedAttentionPress n_sink 4 (sinks kept and left out of the query statistics; kvattn's
+num_sinks defaults to 0) and n_future_positions 512; ObservedAttentionPress protects no
+recent window (kvattn's h2o defaults to half the capacity)."""
+
+THINK_WINDOW = 32
+"""ThinKPress's `window_size`: the last context queries that score the key channels."""
+DECODING_INTERVAL = 8
+"""DecodingPress's `compression_interval` in the peer (experiments/benchmarks/peers/
+kvpress_ruler.py): the buffer above the target size."""
+STRUCTURAL = ("think",)
+"""Kinds that are not bounded eviction kinds but have a "context" spec here (ThinK prunes key
+channels: the ratio is kvpress's `key_channel_compression_ratio`)."""
 
 
-def spec_of(policy: str, budget: int, ratio: float, protocol: str, num_sinks: int
-            ) -> dict[str, Any]:
+def spec_of(policy: str, budget: int, ratio: float, protocol: str, num_sinks: int, *,
+            head_dim: int | None = None, context_tokens: int | None = None) -> dict[str, Any]:
   """The cache spec of one point (`kvattn.caches.registry`): dense at ratio 0; else, under
-  "fixed_budget", `registry.spec_at_budget(policy, budget)`; under "context",
-  `{"kind": policy, "compress": "context", "compression_ratio": ratio}` plus
-  `KVPRESS_OPTIONS[policy]`."""
+  "fixed_budget", `registry.spec_at_budget(policy, budget)`; under "context", what runs as
+  kvpress's press at `ratio` (`budget` = the kept context tokens, `int(n * (1 - ratio))`):
+    - an eviction policy: `{"kind": policy, "compress": "context", "compression_ratio":
+      ratio}` plus `KVPRESS_OPTIONS[policy]`; "criticalkv" adds `first_keep = budget // 2`
+      (kvpress's `first_stage_ratio` 0.5), "snapkv+knorm" `first_keep = 2 * budget` (the
+      peer's SnapKV stage keeps that many, `kvpress_ruler.composed_ratios`);
+    - "sink": StreamingLLM on the context, the "recent" policy with `num_sinks` sinks
+      (the first tokens and the newest of the context kept, the rest appended);
+    - "think": `keep_channels = head_dim - int(head_dim * ratio)` of `head_dim` (needed),
+      window `THINK_WINDOW`;
+    - "decoding_<policy>": `budget + DECODING_INTERVAL` slots evicting back to `budget`
+      (kvattn compresses the prefill too, kvpress's DecodingPress does not: docs/presses.md);
+    - "pyramidkv": its "context" mode (kvpress's layer schedule at `context_tokens`, needed)
+      over SnapKV with kvpress's window 64 and kernel 5.
+
+  Raises:
+    ValueError: "think" without `head_dim`, "pyramidkv" without `context_tokens`, or "adakv"
+      under "context" (it has no context mode).
+  """
   from kvattn.caches import registry  # pylint: disable=g-import-not-at-top
   if policy == NONE or ratio == 0:
     return {"kind": "dense"}
-  if protocol == "context":
-    return {"kind": policy, "compress": "context", "compression_ratio": float(ratio),
-            **KVPRESS_OPTIONS.get(policy, {})}
-  return registry.spec_at_budget(policy, max(budget, num_sinks + 1) if policy == "sink"
-                                 else max(budget, 1), num_sinks=num_sinks)
+  if protocol != "context":
+    return registry.spec_at_budget(policy, max(budget, num_sinks + 1) if policy == "sink"
+                                   else max(budget, 1), num_sinks=num_sinks)
+  if policy == "think":
+    if head_dim is None:
+      raise ValueError("head_dim must be given for policy 'think' (keep_channels = head_dim - "
+                       "int(head_dim * ratio)); got None")
+    return {"kind": "think", "keep_channels": max(1, head_dim - int(head_dim * ratio)),
+            "window_size": THINK_WINDOW}
+  if policy.startswith("decoding_"):
+    return {"kind": policy, "budget": max(budget, 1) + DECODING_INTERVAL,
+            "compression_interval": DECODING_INTERVAL}
+  if policy == "pyramidkv":
+    if context_tokens is None:
+      raise ValueError("context_tokens must be given for policy 'pyramidkv' (the context "
+                       "length of its layer schedule); got None")
+    return {"kind": "pyramidkv", "compress": "context", "compression_ratio": float(ratio),
+            "context_tokens": int(context_tokens), **KVPRESS_OPTIONS["snapkv"]}
+  if policy == "adakv":
+    raise ValueError(f"policy {policy!r} has no context mode (compress='context'); run it "
+                     "with compression.protocol='fixed_budget'")
+  spec = {"kind": "recent" if policy == "sink" else policy, "compress": "context",
+          "compression_ratio": float(ratio), **KVPRESS_OPTIONS.get(policy, {})}
+  if policy == "sink":
+    spec["num_sinks"] = num_sinks
+  if policy == "criticalkv":
+    spec["first_keep"] = max(budget, 1) // 2
+  if policy == "snapkv+knorm":
+    spec["first_keep"] = 2 * max(budget, 1)
+  return spec
 
 
 class CompressionFamily(runner.FamilyState):
@@ -120,9 +181,13 @@ class CompressionFamily(runner.FamilyState):
         raise ValueError(f"{where}: compression.ratios must be numbers in [0, 1); got {r!r}")
     from kvattn.caches import registry  # pylint: disable=g-import-not-at-top
     for p in c["policies"]:
-      if p not in registry.CACHE_KIND_TABLE or not registry.CACHE_KIND_TABLE[p].bounded:
+      if p not in STRUCTURAL and (p not in registry.CACHE_KIND_TABLE
+                                  or not registry.CACHE_KIND_TABLE[p].bounded):
         raise ValueError(f"{where}: compression.policies must hold bounded cache kinds "
-                         f"{registry.bounded_kinds()}; got {p!r}")
+                         f"{registry.bounded_kinds()} or {STRUCTURAL}; got {p!r}")
+      if c["protocol"] == "context" and p == "adakv":
+        raise ValueError(f"{where}: compression.policies: {p!r} has no context mode; use "
+                         f"compression.protocol='fixed_budget' for it")
     if d["peer"]["kvpress_jsonl"] and not os.path.exists(d["peer"]["kvpress_jsonl"]):
       raise ValueError(f"{where}: peer.kvpress_jsonl: no such file "
                        f"{d['peer']['kvpress_jsonl']!r}")
@@ -192,6 +257,7 @@ def measure(model: Any, tokenizer: Any, workload: Mapping[str, Any],
   ids = [ruler.encode(tokenizer, e, chat=chat) for e in examples]
   contexts = [ruler.context_tokens(tokenizer, e, chat=chat) for e in examples]
   width = max(len(r) for r in ids)
+  head_dim = _head_dim(model)
   scores, outputs, budgets = [0.0] * len(examples), [""] * len(examples), [0] * len(examples)
   timed_s, first_s, cache_bytes, specs = 0.0, 0.0, [], []
   for task in workload["tasks"]:
@@ -204,7 +270,8 @@ def measure(model: Any, tokenizer: Any, workload: Mapping[str, Any],
       for b, i in enumerate(rows):
         prompts[b, :lengths[b]] = ids[i]
       budget = min(int(contexts[i] * (1 - ratio)) for i in rows)
-      spec = spec_of(policy, budget, ratio, protocol, compression["num_sinks"])
+      spec = spec_of(policy, budget, ratio, protocol, compression["num_sinks"],
+                     head_dim=head_dim, context_tokens=min(contexts[i] for i in rows))
       factory = registry.cache_factory_from_config(model, spec,
                                                    local_layers=compression["local_layers"])
       kwargs = {"eos_id": eos, "cache_factory": factory, "max_len": width + new - 1}
@@ -215,7 +282,7 @@ def measure(model: Any, tokenizer: Any, workload: Mapping[str, Any],
         # the point's largest example, so every batch of the point runs one compiled program.
         slots = registry.slots_needed(spec, np.array([contexts[i] for i in index]),
                                       np.array([len(ids[i]) + new - 1 for i in index]))
-        kwargs["max_len"] = slots
+        kwargs["max_len"] = slots or kwargs["max_len"]
 
       def call():
         tokens, counts = kvattn.generate(model, prompts, lengths, new, **kwargs)
@@ -251,6 +318,15 @@ def measure(model: Any, tokenizer: Any, workload: Mapping[str, Any],
       "includes_compile": not workload["warmup"],
       "chat_template": chat,
   }
+
+
+def _head_dim(model: Any) -> int | None:
+  """The head dim of the model's attention layers (ThinK's channels), None if not found."""
+  from kvattn.caches._layers import gqa_layers  # pylint: disable=g-import-not-at-top
+  try:
+    return int(gqa_layers(model)[0].head_dim)
+  except (AttributeError, IndexError, TypeError):
+    return None
 
 
 def read_kvpress(path: str) -> list[dict[str, Any]]:

@@ -14,6 +14,16 @@ gets `k[L-1] = R / (beta L)`, the bottom `k[0] = 2 R / L - k[L-1]`, and the laye
 arithmetic sequence `k[l] = k[0] - (k[0] - k[L-1]) l / (L - 1)` (mean `R / L`). Rounded down,
 the remaining slots go one each to the layers with the largest fractional parts (lower layers
 first on ties), so the integer budgets sum to exactly `R`.
+
+Context compression (`compress="context"`, kvpress's protocol, `PyramidKVPress`): each layer is
+an `EvictingKVCache(compress="context")` whose first write (the context) keeps the count
+`context_layer_budgets` gives it and whose later writes are appended. That schedule is
+kvpress 0.5.5's `PyramidKVPress.get_layer_budget` (from the paper's code, KVCache-Factory) at a
+context of `context_tokens` tokens: mean `n (1 - ratio)` per layer, the top layer `1 / beta` of
+it, the bottom capped at `n - window_size` (the excess moved to the top), and the uniform count
+`round(n (1 - ratio))` when the top would fall below the window. kvpress computes it from each
+row's own context length; here it is computed once per cache, at `context_tokens` (a row with
+a shorter context keeps at most its whole context per layer).
 """
 
 from __future__ import annotations
@@ -98,6 +108,43 @@ def layer_budgets(num_layers: int, budget: int, *, protected: int = 0,
   return out
 
 
+def context_layer_budgets(num_layers: int, context_tokens: int, compression_ratio: float, *,
+                          window_size: int, beta: float = DEFAULT_BETA) -> tuple[int, ...]:
+  """Context tokens each layer keeps under kvpress's protocol, lowest layer first (module doc).
+
+  kvpress 0.5.5's `PyramidKVPress.get_layer_budget` for a context of n = `context_tokens`:
+  mean `m = n (1 - compression_ratio)`, `min_num = m / beta`, `max_num = 2 m - min_num`; when
+  `max_num >= n - window_size`, `max_num = n - window_size` and `min_num = 2 m - max_num`; when
+  not `n >= max_num >= min_num >= window_size`, every layer keeps `max(1, round(m))` (SnapKV);
+  else layer l keeps `round(max_num - l (max_num - min_num) / (L - 1))` (Python's round, half
+  to even, as torch's caller does).
+
+  Returns:
+    `tuple[int]` of L counts, each in `[1, n]`.
+
+  Raises:
+    ValueError: a size that is not a positive int, a ratio outside [0, 1), beta < 1.
+  """
+  num_layers = _checks.positive_int("num_layers", num_layers)
+  n = _checks.positive_int("context_tokens", context_tokens)
+  window = _checks.positive_int("window_size", window_size)
+  beta = _check_beta(beta)
+  if isinstance(compression_ratio, bool) or not isinstance(
+      compression_ratio, (int, float, np.integer, np.floating)) \
+      or not 0 <= float(compression_ratio) < 1:
+    raise ValueError(f"compression_ratio must be a float in [0, 1); got {compression_ratio!r}")
+  mean = n * (1 - float(compression_ratio))
+  min_num = mean / beta
+  max_num = 2 * mean - min_num
+  if max_num >= n - window:
+    max_num = n - window
+    min_num = 2 * mean - max_num
+  if not n >= max_num >= min_num >= window:
+    return (max(1, round(mean)),) * num_layers
+  steps = (max_num - min_num) / (num_layers - 1) if num_layers > 1 else 0.0
+  return tuple(min(n, max(1, round(max_num - layer * steps))) for layer in range(num_layers))
+
+
 def resolved_policy_options(policy: str, budget: int, options: dict[str, Any]) -> dict[str, int]:
   """The policy's options with its defaults for `budget` filled in (`EvictingKVCache.init`
   checks them), so every layer gets the same observation window whatever its own budget."""
@@ -108,12 +155,25 @@ def resolved_policy_options(policy: str, budget: int, options: dict[str, Any]) -
 def build(model, batch, max_len, dtype, o, tokens_per_seq) -> tuple[EvictingKVCache, ...]:
   """The PyramidKV kind's builder: one `EvictingKVCache` per GQA layer, of the budget
   `layer_budgets` gives it."""
-  del max_len, tokens_per_seq  # bounded: the capacity is the schedule
+  del tokens_per_seq
   policy = DEFAULT_POLICY if o.get("policy") is None else o["policy"]
   if not isinstance(policy, str) or policy not in POLICY_TABLE:
     raise ValueError(f"policy must be one of {tuple(POLICY_TABLE)}; got {policy!r}")
-  budget = _checks.positive_int("budget", o["budget"])
   given = {k: o[k] for k in _POLICY_OPTIONS if o.get(k) is not None}
+  if (o.get("compress") or "fixed") == "context":
+    attns = gqa_layers(model)
+    given = _context_options(policy, given)
+    kept = _context_budgets(len(attns), o, policy, given)
+    # The largest layer sets the slots (`_slots`); a layer of fewer kept tokens is as much
+    # smaller, so the bytes held follow the schedule. A max_len below the largest count (a
+    # validation build, or a caller not sizing by `slots_needed`) caps every layer at max_len.
+    rest = _checks.positive_int("max_len", max_len) - max(kept)
+    sizes = [(b, b + rest) if rest >= 0 else (min(b, max_len), max_len) for b in kept]
+    return tuple(EvictingKVCache.init(batch, b, a.num_kv_heads, a.head_dim, dtype, policy=policy,
+                                      compress="context", capacity=c, **given)
+                 for a, (b, c) in zip(attns, sizes))
+  del max_len  # bounded: the capacity is the schedule
+  budget = _checks.positive_int("budget", o["budget"])
   options = resolved_policy_options(policy, budget, given)
   window = POLICY_TABLE[policy].protected
   protected = options["num_sinks"] + (options[window] if window else 0)
@@ -126,8 +186,68 @@ def build(model, batch, max_len, dtype, o, tokens_per_seq) -> tuple[EvictingKVCa
                                     **options) for a, b in zip(attns, budgets))
 
 
+def _context_options(policy: str, given: dict[str, Any]) -> dict[str, Any]:
+  """The layers' policy options under "context": an observation window (`window_size`) not
+  given is `SNAPKV_WINDOW` in every layer (the schedule's window), not each layer's default."""
+  if POLICY_TABLE[policy].protected == "window_size" and given.get("window_size") is None:
+    return {**given, "window_size": SNAPKV_WINDOW}
+  return given
+
+
+def _context_budgets(num_layers: int, o: dict[str, Any], policy: str,
+                     given: dict[str, Any]) -> tuple[int, ...]:
+  """`context_layer_budgets` of a "context" spec; its window is the policy's observation
+  window (`window_size`), else `SNAPKV_WINDOW`."""
+  size = _context_options(policy, given).get("window_size")
+  return context_layer_budgets(
+      num_layers, o["context_tokens"], o["compression_ratio"],
+      window_size=SNAPKV_WINDOW if size is None else size,
+      beta=DEFAULT_BETA if o.get("beta") is None else o["beta"])
+
+
+SNAPKV_WINDOW = 64
+"""PyramidKVPress's `window_size` default, the schedule's window under "context" when the
+spec sets none."""
+
+
+def _check(o: dict[str, Any], where: str) -> None:
+  """"fixed" needs `budget`; "context" needs `compression_ratio` and `context_tokens` and
+  takes no `budget` or `ratio`."""
+  compress = o.get("compress") or "fixed"
+  if compress not in ("fixed", "context"):
+    raise ValueError(f"{where}.compress must be 'fixed' or 'context'; got {compress!r}")
+  if compress == "fixed":
+    if o.get("budget") is None:
+      raise ValueError(f"{where}.budget must be set (the mean slots per layer); got None")
+    for key in ("compression_ratio", "context_tokens"):
+      if o.get(key) is not None:
+        raise ValueError(f"{where}.{key} needs compress='context'; got {o[key]!r}")
+    return
+  for key in ("compression_ratio", "context_tokens"):
+    if o.get(key) is None:
+      raise ValueError(f"{where}.{key} must be set for compress='context'; got None")
+  for key in ("budget", "ratio"):
+    if o.get(key) is not None:
+      raise ValueError(f"{where}.{key} is for compress='fixed'; got {o[key]!r} with "
+                       "compress='context'")
+
+
+def _slots(o: dict[str, Any], context_lengths, total_lengths) -> int | None:
+  """Slots per sequence under "context": the largest layer's kept context (the bottom layer's,
+  which does not depend on the number of layers) plus the rest of the longest row."""
+  if (o.get("compress") or "fixed") == "fixed":
+    return None
+  policy = DEFAULT_POLICY if o.get("policy") is None else o["policy"]
+  given = {k: o[k] for k in _POLICY_OPTIONS if o.get(k) is not None}
+  top = _context_budgets(2, o, policy, given)[0]
+  return max([1, *(min(int(c), top) + int(t) - int(c)
+                   for c, t in zip(context_lengths, total_lengths))])
+
+
 registry.register_cache_kind("pyramidkv", registry.CacheKind(
-    build, {"budget": registry.REQUIRED, "policy": None, "beta": None, "ratio": None,
+    build, {"budget": None, "policy": None, "beta": None, "ratio": None, "compress": None,
+            "compression_ratio": None, "context_tokens": None,
             **{name: None for name in _POLICY_OPTIONS}},
     "PyramidKV: EvictingKVCache(policy) per layer, budgets decreasing with depth; `budget` is "
-    "the mean per layer", at_budget=lambda budget, num_sinks: {"budget": budget}))
+    "the mean per layer (or compress='context' with compression_ratio and context_tokens)",
+    at_budget=lambda budget, num_sinks: {"budget": budget}, check=_check, slots=_slots))

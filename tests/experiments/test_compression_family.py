@@ -64,6 +64,50 @@ def test_spec_of_each_protocol():
       "kind": "knorm", "compress": "context", "compression_ratio": 0.5}
 
 
+def test_context_specs_carry_kvpress_defaults():
+  spec = lambda p, **kw: compression.spec_of(p, 476, 0.5, "context", 4, **kw)
+  assert spec("expected_attention") == {
+      "kind": "expected_attention", "compress": "context", "compression_ratio": 0.5,
+      "num_sinks": 4, "n_future_positions": 512}  # ExpectedAttentionPress's n_sink 4
+  assert spec("h2o")["recent_size"] == 0  # ObservedAttentionPress protects no window
+  assert spec("chunkkv")["chunk_size"] == 20 and spec("chunkkv")["window_size"] == 64
+  assert spec("criticalkv")["first_keep"] == 238  # first_stage_ratio 0.5 of the kept count
+  assert spec("snapkv+knorm")["first_keep"] == 952  # the peer's SnapKV stage
+  assert spec("sink") == {"kind": "recent", "compress": "context", "compression_ratio": 0.5,
+                          "num_sinks": 4}  # StreamingLLMPress: 4 sinks and the newest
+  assert spec("think", head_dim=64) == {"kind": "think", "keep_channels": 32,
+                                        "window_size": 32}
+  assert compression.spec_of("think", 476, 0.75, "context", 4, head_dim=64)[
+      "keep_channels"] == 16  # int(64 * 0.75) channels pruned
+  assert spec("decoding_knorm") == {"kind": "decoding_knorm", "budget": 484,
+                                    "compression_interval": 8}
+  assert spec("pyramidkv", context_tokens=953) == {
+      "kind": "pyramidkv", "compress": "context", "compression_ratio": 0.5,
+      "context_tokens": 953, "window_size": 64, "kernel_size": 5}
+  from kvattn.caches import registry  # every spec is one the registry accepts
+  for p in ("expected_attention", "h2o", "chunkkv", "criticalkv", "snapkv+knorm", "sink",
+            "keydiff", "tova", "decoding_knorm"):
+    registry.cache_options(spec(p))
+  registry.cache_options(spec("think", head_dim=64))
+  registry.cache_options(spec("pyramidkv", context_tokens=953))
+  with pytest.raises(ValueError, match="head_dim must be given for policy 'think'"):
+    spec("think")
+  with pytest.raises(ValueError, match="context_tokens must be given for policy 'pyramidkv'"):
+    spec("pyramidkv")
+  with pytest.raises(ValueError, match="'adakv' has no context mode"):
+    spec("adakv")
+
+
+@pytest.mark.parametrize("n", [40, 600, 953, 1001, 4093])
+@pytest.mark.parametrize("ratio", [0.1, 0.25, 0.3, 0.5, 0.7, 0.75, 0.9])
+def test_composed_ratios_keep_kvattns_counts_under_kvpress_rounding(n, ratio):
+  r1, r2 = kvpress_ruler.composed_ratios(ratio, n)
+  kept = max(1, int(n * (1 - ratio)))
+  first = n if r1 == 0 else int(n * (1 - r1))  # kvpress's compute_n_kept, stage by stage
+  assert first == min(n, 2 * kept)
+  assert int(first * (1 - r2)) == kept
+
+
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("compression"))

@@ -56,22 +56,41 @@ OFFLINE_SKIPS = {
 }
 """Presses kvpress has that cannot run here, with the reason written to their record."""
 
-KVATTN_NAMES = {"observed_attention": "h2o", "streaming_llm": "sink"}
+KVATTN_NAMES = {"observed_attention": "h2o", "streaming_llm": "sink", "composed": "snapkv+knorm",
+                "decoding": "decoding_knorm"}
 """kvpress press name -> the kvattn cache kind it corresponds to, where the names differ
-(ObservedAttention is H2O's accumulated attention; StreamingLLM is sinks plus a window)."""
+(ObservedAttention is H2O's accumulated attention; StreamingLLM is sinks plus a window;
+"composed" is SnapKV then Knorm, kvattn's `composed.compose("snapkv", "knorm")`; "decoding" is
+DecodingPress over Knorm, kvattn's "decoding_knorm")."""
 
 
 def press_names() -> tuple[str, ...]:
   """The presses this runner knows, in the order of the report."""
   return ("knorm", "snapkv", "tova", "observed_attention", "random", "streaming_llm",
-          "expected_attention", "keydiff", "qfilter", "chunkkv", "pyramidkv", "adakv",
-          "think", "duo_attention", "decoding")
+          "expected_attention", "keydiff", "qfilter", "chunkkv", "criticalkv", "composed",
+          "pyramidkv", "adakv", "think", "duo_attention", "decoding")
+
+
+def composed_ratios(ratio: float, context_tokens: int) -> tuple[float, float]:
+  """`(r1, r2)` of `ComposedPress([SnapKVPress(r1), KnormPress(r2)])` that keep what kvattn's
+  "snapkv+knorm" keeps at `ratio`: SnapKV narrows the n context tokens to
+  `min(n, 2 * kept)` (kvattn's default `first_keep`, twice the kept count), Knorm keeps
+  `kept = max(1, int(n * (1 - ratio)))` of them (each ratio puts half a token of margin under
+  kvpress's `int(m * (1 - r))`)."""
+  n = context_tokens
+  kept = max(1, int(n * (1 - ratio)))
+  first = min(n, 2 * kept)
+  r1 = 0.0 if first == n else 1 - (first + 0.5) / n
+  r2 = 1 - (kept + 0.5) / first
+  return r1, max(r2, 0.0)
 
 
 def make_press(name: str, ratio: float, context_tokens: int) -> Any:
   """The kvpress press `name` at `compression_ratio=ratio` (None at ratio 0: no press).
 
   ThinK prunes key channels, not tokens: `ratio` is its `key_channel_compression_ratio`.
+  ChunkKV, CriticalKV and AdaKV wrap SnapKVPress (kvattn's inner default); "composed" is
+  SnapKV then Knorm at `composed_ratios`.
   DecodingPress compresses during decoding only: every 8 generated tokens the cache is
   brought back to `int(context_tokens * (1 - ratio))` tokens by KnormPress scores.
 
@@ -95,6 +114,11 @@ def make_press(name: str, ratio: float, context_tokens: int) -> Any:
       "expected_attention": lambda: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
       "keydiff": lambda: kvpress.KeyDiffPress(compression_ratio=ratio),
       "chunkkv": lambda: kvpress.ChunkKVPress(press=kvpress.SnapKVPress(compression_ratio=ratio)),
+      "criticalkv": lambda: kvpress.CriticalKVPress(
+          press=kvpress.SnapKVPress(compression_ratio=ratio)),
+      "composed": lambda: kvpress.ComposedPress([
+          kvpress.SnapKVPress(compression_ratio=composed_ratios(ratio, context_tokens)[0]),
+          kvpress.KnormPress(compression_ratio=composed_ratios(ratio, context_tokens)[1])]),
       "pyramidkv": lambda: kvpress.PyramidKVPress(compression_ratio=ratio),
       "adakv": lambda: kvpress.AdaKVPress(press=kvpress.SnapKVPress(compression_ratio=ratio)),
       "think": lambda: kvpress.ThinKPress(key_channel_compression_ratio=ratio),

@@ -218,3 +218,84 @@ def test_the_batcher_gives_each_sequence_its_tokens_alone():
   from tests.kvattn.inference import test_batching_rows as rows  # pylint: disable=g-import-not-at-top
   spec = {"kind": "pyramidkv", "budget": 6}
   rows.serve_each_alone(spec)
+
+
+def _kvpress_layer_budget(num_layers, layer, n, ratio, window, beta):
+  """kvpress 0.5.5's PyramidKVPress.get_layer_budget, transcribed line by line."""
+  max_capacity_prompt = window + n * (1 - ratio)
+  min_num = (max_capacity_prompt - window) / beta
+  max_num = (max_capacity_prompt - window) * 2 - min_num
+  if max_num >= n - window:
+    max_num = n - window
+    min_num = (max_capacity_prompt - window) * 2 - max_num
+  if not n >= max_num >= min_num >= window:
+    return max(1, round(n * (1 - ratio)))
+  steps = (max_num - min_num) / (num_layers - 1) if num_layers > 1 else 0.0
+  return round(max_num - layer * steps)
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 30])
+@pytest.mark.parametrize("n", [100, 953, 4096])
+@pytest.mark.parametrize("ratio", [0.0, 0.25, 0.5, 0.75, 0.9])
+@pytest.mark.parametrize("beta", [1, 20])
+def test_context_schedule_equals_kvpress(num_layers, n, ratio, beta):
+  got = pyramid.context_layer_budgets(num_layers, n, ratio, window_size=64, beta=beta)
+  want = tuple(_kvpress_layer_budget(num_layers, l, n, ratio, 64, beta)
+               for l in range(num_layers))
+  assert got == want
+
+
+def test_context_schedule_on_smollm2s_context():
+  # SmolLM2's 953-token context at 0.5: the bottom layer keeps all but the window, the top the
+  # window; at 0.75 the top would fall below the window and every layer keeps 238 (SnapKV).
+  assert pyramid.context_layer_budgets(30, 953, 0.5, window_size=64)[::29] == (889, 64)
+  assert set(pyramid.context_layer_budgets(30, 953, 0.75, window_size=64)) == {238}
+
+
+def test_context_mode_options_are_checked(model):
+  build = lambda **o: registry.build_caches(model, B, 32, None, {"kind": "pyramidkv", **o})
+  with pytest.raises(ValueError, match="cache.context_tokens must be set"):
+    build(compress="context", compression_ratio=0.5)
+  with pytest.raises(ValueError, match="cache.budget is for compress='fixed'"):
+    build(compress="context", compression_ratio=0.5, context_tokens=20, budget=8)
+  with pytest.raises(ValueError, match="cache.compression_ratio needs compress='context'"):
+    build(budget=8, compression_ratio=0.5)
+  with pytest.raises(ValueError, match="compression_ratio must be a float in"):
+    pyramid.context_layer_budgets(4, 20, 1.0, window_size=2)
+
+
+_CONTEXT_SPEC = {"kind": "pyramidkv", "compress": "context", "compression_ratio": 0.25,
+                 "context_tokens": 20, "window_size": 2, "kernel_size": 3, "beta": 3}
+_CONTEXT_KEPT = (18, 16, 14, 12)  # 4 layers, a 20-token context at 0.25, window 2, beta 3
+
+
+def test_context_mode_sizes_each_layer_by_its_count(model):
+  # The slots are the bottom layer's count plus the rest of the longest row; a layer's storage
+  # is as much smaller as its count, so the bytes follow the schedule.
+  assert pyramid.context_layer_budgets(4, 20, 0.25, window_size=2, beta=3) == _CONTEXT_KEPT
+  slots = registry.slots_needed(_CONTEXT_SPEC, np.array([20, 20]), np.array([26, 23]))
+  assert slots == 18 + 6
+  caches = registry.build_caches(model, B, slots, None, _CONTEXT_SPEC)
+  assert tuple(c.capacity for c in caches) == tuple(b + 6 for b in _CONTEXT_KEPT)
+  small = registry.build_caches(model, B, 1, None, _CONTEXT_SPEC)  # as factories validate
+  assert {(c.capacity, c.context_budget) for c in small} == {(1, 1)}
+  per_token = memory.gqa_bytes_per_token(K, H, jnp.float32)
+  assert sum(a.nbytes for c in caches for a in c.storage_arrays()) == \
+      B * sum(b + 6 for b in _CONTEXT_KEPT) * per_token
+
+
+@pytest.mark.slow  # a prefill through the model (the counts are checked without one above)
+def test_context_mode_layers_equal_evicting_caches_alone_at_their_counts(model):
+  kept = _CONTEXT_KEPT
+  caches = registry.build_caches(model, B, 24, None, _CONTEXT_SPEC)
+  alone = tuple(EvictingKVCache.init(B, b, K, H, policy="snapkv", compress="context",
+                                     capacity=b + 6, window_size=2, kernel_size=3)
+                for b in kept)
+  prompts = np.random.default_rng(2).integers(1, 256, (B, 20), dtype=np.int32)
+  lengths = np.array([20, 20], np.int32)
+  first, caches, _ = prefill(model, prompts, lengths, caches)
+  first_alone, alone, _ = prefill(model, prompts, lengths, alone)
+  np.testing.assert_array_equal(np.asarray(first), np.asarray(first_alone))
+  for b, a, c in zip(kept, alone, caches):
+    np.testing.assert_array_equal(np.asarray(c.pos), np.asarray(a.pos))
+    np.testing.assert_array_equal((np.asarray(c.pos) >= 0).sum(-1), b)  # each KV head
