@@ -18,7 +18,9 @@ read the same clock):
   token of its first decode step (prefill + gather + offer + handshake + pull + install +
   one step). `colocated_ttft_s`: prefill + one step in this process, the same programs
   (`kvattn.prefill`, `kvattn.decode`), run after the prefill worker has exited.
-- `transfer_gbps`: bytes pulled / pull seconds (connect included); `pull_s`, `install_s`.
+- `transfer_gbps`: bytes pulled / pull seconds (connect and checksum verification included);
+  `pull_s`, `install_s`; `checksum_s`: the CRC-32 of the pulled arrays alone (the
+  verification's share of `pull_s`).
 - `decode_tok_s` and `colocated_decode_tok_s`: `--new_tokens - 1` decode steps over the
   installed pages, and over a local prefill's.
 - `tokens_equal`: the disaggregated tokens equal the colocated ones.
@@ -109,6 +111,9 @@ def decode_worker(args) -> list[dict]:
     t0 = time.time()
     seq = dg.pull_sequence(server, offer, caches, timeout_s=args.timeout)
     t1 = time.time()
+    dg.checksums(seq)  # again, timed alone: the verification's share of pull_s
+    checksum_s = time.time() - t1
+    t1 = time.time()
     caches = jax.block_until_ready(dg.install_sequence(caches, seq, 0))
     t2 = time.time()
     _decode(model, offer["first_token"], caches, 2)
@@ -119,7 +124,8 @@ def decode_worker(args) -> list[dict]:
     decode_s = time.time() - t3
     rdv.done(uuid)  # after the round: the prefill worker's next round starts on an idle machine
     rounds.append(dict(ttft_s=end - offer["start"], prefill_s=offer["prefill_s"],
-                       pull_s=t1 - t0, install_s=t2 - t1, nbytes=offer["nbytes"],
+                       pull_s=t1 - t0 - checksum_s, install_s=t2 - t1, nbytes=offer["nbytes"],
+                       checksum_s=checksum_s,
                        decode_s=decode_s, tokens=tokens.tolist()))
   return rounds[1:]  # round 0 compiled
 
@@ -297,7 +303,8 @@ def main(argv=None) -> int:
       cache_dtype=args.cache_dtype, page_size=args.page_size, rounds=args.rounds,
       ttft_s=med(disagg, "ttft_s"), colocated_ttft_s=med(local, "ttft_s"),
       prefill_s=med(disagg, "prefill_s"), pull_s=med(disagg, "pull_s"),
-      install_s=med(disagg, "install_s"), transfer_bytes=disagg[0]["nbytes"],
+      install_s=med(disagg, "install_s"), checksum_s=med(disagg, "checksum_s"),
+      transfer_bytes=disagg[0]["nbytes"],
       transfer_gbps=disagg[0]["nbytes"] / med(disagg, "pull_s") / 1e9,
       decode_tok_s=steps / med(disagg, "decode_s"),
       colocated_decode_tok_s=steps / med(local, "decode_s"),
