@@ -429,7 +429,8 @@ def pull_or_prefill(model, prompt: Any, caches: Sequence[Any], server,
 
   Returns:
     `(first_token, caches, info)`: `info["source"]` is "pulled" or "prefilled", and
-    `info["error"]` the failure's message when prefilled (else None).
+    `info["error"]` the failure's message when prefilled (else None). The transfer is
+    acknowledged (`rendezvous.done`) whenever its offer came, pulled or not.
 
   Raises:
     ValueError: caches of another batch than 1, or an offer whose arrays do not fit them.
@@ -439,10 +440,13 @@ def pull_or_prefill(model, prompt: Any, caches: Sequence[Any], server,
   if caches[0].block_tables.shape[0] != 1:
     raise ValueError(f"caches must have batch 1; got {caches[0].block_tables.shape[0]}")
   prompt = np.asarray(prompt, np.int32).reshape(1, -1)
+  offer = None
   try:
     offer = rendezvous.wait_offer(uuid, timeout_s=offer_timeout_s)
     seq = pull_sequence(server, offer, caches, timeout_s=pull_timeout_s)
   except (TransferError, TimeoutError) as e:
+    if offer is not None:
+      rendezvous.done(uuid)  # not needed any more: a live prefill worker may free the pages
     first, caches, _ = generation.prefill(model, prompt, np.array([prompt.shape[1]]), caches)
     return int(np.asarray(first)[0]), tuple(caches), dict(source="prefilled", error=str(e))
   rendezvous.done(uuid)

@@ -107,6 +107,7 @@ def test_a_corrupted_page_fails_its_checksum_and_the_decode_worker_prefills_itse
   got_first, got, info = dg.pull_or_prefill(model, _prompt(), _caches(model, 7), server, rdv, 2,
                                             offer_timeout_s=10, pull_timeout_s=60)
   assert info["source"] == "prefilled" and "pools[0]['k_pages']" in info["error"]
+  assert os.path.exists(tmp_path / "2.done")  # acknowledged: the sender may free the pages
   assert _tokens_after(model, got_first, got) == reference
 
 
