@@ -16,6 +16,19 @@ of them travel as unsigned ints of their width (bit-exact: no float op quiets a 
 decode worker writes the pages into pages of its own pool through its own block table.
 Covered kinds: `PagedKVCache` (f32, bf16, int8 with its scale pools) and `PagedKIVICache`
 (`paged_kivi2`, `paged_kivi4`, with the residual snapshot).
+
+Faults. The offer carries a checksum of every array (`checksums`: the CRC-32 of its bytes,
+computed by the prefill worker before the arrays become pullable); the decode worker recomputes
+it after the pull and before anything is installed. Every failure of a pull
+raises a `TransferError` and leaves the decode worker's caches as they were, so the caller can
+prefill the prompt itself (`pull_or_prefill`):
+- `ChecksumError`: pulled bits that differ from the offered ones;
+- `TransferTimeout` (also a `TimeoutError`): a pull not complete within its timeout -- a
+  prefill worker that died before the pull connected (the transfer server retries a refused
+  connection forever: the pull would hang without this bound), or one that never answers;
+- `TransferError`: a pull the transfer server failed, e.g. the prefill worker's connection
+  closed mid-transfer (a killed process).
+`Rendezvous.wait_offer` raises TimeoutError when no offer comes.
 """
 
 from __future__ import annotations
@@ -26,15 +39,30 @@ import functools
 import json
 import os
 import time
+import zlib
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvattn.inference import generation
 from kvattn.paging.allocator import pages_for
 
 _BLOCK_TABLE = "block_tables"
+
+
+class TransferError(RuntimeError):
+  """A pull of a sequence's pages failed; the decode worker's caches are unchanged, so it can
+  prefill the prompt itself (`pull_or_prefill`)."""
+
+
+class ChecksumError(TransferError, ValueError):
+  """Pulled arrays whose checksums differ from the offer's (bits changed on the way)."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+  """A pull not complete within its timeout (the prefill worker gone, or not answering)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,6 +190,33 @@ def _install(caches, pages, pools, rows, *, slot):
   return tuple(out)
 
 
+def checksums(seq: "SequencePages") -> list[int]:
+  """Per array of `seq.arrays()`, the CRC-32 (`zlib.crc32`) of its bytes on the host, in
+  [0, 2^32): what an offer carries and a pull verifies. On the CPU backend the host bytes are
+  the array's own buffer (no copy); on an accelerator this copies each array to the host."""
+  return [zlib.crc32(np.ascontiguousarray(np.asarray(a)).view(np.uint8)) for a in seq.arrays()]
+
+
+def _array_names(seq: "SequencePages") -> list[str]:
+  paths = jax.tree_util.tree_flatten_with_path((seq.pools, seq.rows))[0]
+  return [("pools" if p[0].idx == 0 else "rows") + f"[{p[1].idx}][{p[2].key!r}]"
+          for p, _ in paths]
+
+
+def verify_checksums(seq: "SequencePages", want: Sequence[int]) -> None:
+  """Raises `ChecksumError` naming the first array of `seq` whose checksum is not `want`'s
+  (an offer's `checksums`), or when their counts differ."""
+  got = checksums(seq)
+  want = [int(w) for w in want]
+  if len(got) != len(want):
+    raise ChecksumError(f"the offer must carry one checksum per array ({len(got)}); got "
+                        f"{len(want)}")
+  for name, g, w in zip(_array_names(seq), got, want):
+    if g != w:
+      raise ChecksumError(f"pulled array {name} has checksum {g}, the offer says {w}: its "
+                          f"bits changed on the way; prefill the prompt instead")
+
+
 def _expected_specs(caches, num_pages: int) -> list[tuple[list[int], str]]:
   like = jax.eval_shape(lambda c: _gather(c, jnp.zeros((num_pages,), jnp.int32), slot=0),
                         tuple(caches))
@@ -279,36 +334,121 @@ def offer_sequence(server, rendezvous: Rendezvous, uuid: int, seq: SequencePages
                    **meta: Any) -> None:
   """Prefill worker: makes `seq` pullable once as transfer `uuid` and publishes the offer
   (server address, page count, array specs and `meta`, JSON-able: e.g. `first_token`,
-  `prompt_length`). Keep `seq` alive until `rendezvous.wait_done(uuid)`."""
+  `prompt_length`) and the arrays' `checksums` (computed here, before the arrays are
+  pullable). Keep `seq` alive until `rendezvous.wait_done(uuid)`."""
+  sums = checksums(seq)
   server.await_pull(int(uuid), seq.arrays())
   num_pages = next(iter(seq.pools[0].values())).shape[1]
   rendezvous.offer(uuid, dict(meta, address=server.address(), uuid=int(uuid),
                               num_pages=int(num_pages), specs=seq.specs(),
-                              nbytes=seq.nbytes))
+                              nbytes=seq.nbytes, checksums=sums))
 
 
-def pull_sequence(server, offer: dict, caches: Sequence[Any], *, timeout_s: float = 600.0
-                  ) -> SequencePages:
-  """Decode worker: pulls the offered sequence onto `caches`' device.
+def _wait_ready(arrays: Sequence[jax.Array], deadline: float, poll_s: float) -> bool:
+  """Whether every array is ready (or failed) before `time.monotonic()` passes `deadline`."""
+  while not all(a.is_ready() for a in arrays):
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(poll_s)
+  return True
+
+
+def pull_sequence(server, offer: dict, caches: Sequence[Any], *, timeout_s: float = 600.0,
+                  verify: bool = True, poll_s: float = 0.001) -> SequencePages:
+  """Decode worker: pulls the offered sequence onto `caches`' device and checks its bits.
 
   Args:
     server: this worker's transfer server (`start_server`).
     offer: `Rendezvous.wait_offer`'s dict.
-    caches: this worker's per-layer paged caches (only their structure and sizes are read).
-    timeout_s: seconds the pull may take.
+    caches: this worker's per-layer paged caches (only their structure and sizes are read;
+      nothing is written, whatever happens).
+    timeout_s: seconds the pull may take, connection included.
+    verify: check the pulled arrays against the offer's `checksums` (before returning them).
+    poll_s: seconds between checks of the pull's completion.
 
   Raises:
-    ValueError: offered arrays whose shapes or dtypes do not match `caches`.
+    ValueError: offered arrays whose shapes or dtypes do not match `caches`, or a
+      non-positive `timeout_s`.
+    TransferTimeout: the pull was not complete after `timeout_s` (a prefill worker gone
+      before the connection, or not answering); its pending buffers are released.
+    TransferError: the transfer server failed the pull (e.g. the connection closed
+      mid-transfer: a prefill worker killed).
+    ChecksumError: pulled bits that differ from the offered ones.
   """
   caches = tuple(caches)
   _check_paged(caches)
+  if not timeout_s > 0:
+    raise ValueError(f"timeout_s must be a positive number of seconds; got {timeout_s!r}")
   want = _expected_specs(caches, int(offer["num_pages"]))
   got = [(list(s), d) for s, d in offer["specs"]]
   if got != want:
     raise ValueError(f"offer specs must match these caches' {want}; got {got}")
+  if verify and "checksums" not in offer:
+    raise ValueError("offer must carry the arrays' checksums (offer_sequence writes them) "
+                     "when verify=True")
   sharding = jax.sharding.SingleDeviceSharding(next(iter(caches[0].lengths.devices())))
   specs = [jax.ShapeDtypeStruct(tuple(s), jnp.dtype(d), sharding=sharding) for s, d in want]
+  where = f"transfer {offer['uuid']} from {offer['address']}"
+  deadline = time.monotonic() + timeout_s
   conn = server.connect(offer["address"])
-  deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
-  arrays = conn.pull(int(offer["uuid"]), specs, timeout=deadline)
-  return sequence_like(caches, int(offer["num_pages"]), jax.block_until_ready(arrays))
+  arrays = conn.pull(int(offer["uuid"]), specs, timeout=datetime.datetime.now()
+                     + datetime.timedelta(seconds=timeout_s))
+  if not _wait_ready(arrays, deadline, poll_s):
+    # The transfer server's own timeout does not end a pull whose peer is gone; failing the
+    # connection releases the pull's pending buffers (a private hook of jax 0.10's server).
+    poison = getattr(conn, "_poison_connection", None)
+    if poison is not None:
+      poison()
+    raise TransferTimeout(f"{where} was not complete after {timeout_s} s: the prefill worker "
+                          f"is gone or not answering; prefill the prompt instead")
+  try:
+    jax.block_until_ready(arrays)
+  except jax.errors.JaxRuntimeError as e:
+    raise TransferError(f"{where} failed: {e}; prefill the prompt instead") from e
+  seq = sequence_like(caches, int(offer["num_pages"]), arrays)
+  if verify:
+    verify_checksums(seq, offer["checksums"])
+  return seq
+
+
+def pull_or_prefill(model, prompt: Any, caches: Sequence[Any], server,
+                    rendezvous: Rendezvous, uuid: int, *, offer_timeout_s: float = 600.0,
+                    pull_timeout_s: float = 600.0) -> tuple[int, tuple[Any, ...], dict]:
+  """Decode worker, batch of one: the prompt's pages pulled from the prefill worker, or, when
+  the offer does not come or the pull fails (`TransferError`, its subclasses), prefilled here
+  -- the recompute path. Either way the caches hold the prompt and the first token is the
+  one `kvattn.generate` samples first (greedy).
+
+  Args:
+    model: the decode worker's model (the prefill worker's weights).
+    prompt: `i32[T]` the prompt's tokens (host).
+    caches: per-layer paged caches of batch 1, empty, row 0's pages assigned; donated.
+    server, rendezvous, uuid: this worker's transfer server, the handshake directory and the
+      transfer's id.
+    offer_timeout_s, pull_timeout_s: seconds to wait for the offer, and for the pull.
+
+  Returns:
+    `(first_token, caches, info)`: `info["source"]` is "pulled" or "prefilled", and
+    `info["error"]` the failure's message when prefilled (else None). The transfer is
+    acknowledged (`rendezvous.done`) whenever its offer came, pulled or not.
+
+  Raises:
+    ValueError: caches of another batch than 1, or an offer whose arrays do not fit them.
+  """
+  caches = tuple(caches)
+  _check_paged(caches)
+  if caches[0].block_tables.shape[0] != 1:
+    raise ValueError(f"caches must have batch 1; got {caches[0].block_tables.shape[0]}")
+  prompt = np.asarray(prompt, np.int32).reshape(1, -1)
+  offer = None
+  try:
+    offer = rendezvous.wait_offer(uuid, timeout_s=offer_timeout_s)
+    seq = pull_sequence(server, offer, caches, timeout_s=pull_timeout_s)
+  except (TransferError, TimeoutError) as e:
+    if offer is not None:
+      rendezvous.done(uuid)  # not needed any more: a live prefill worker may free the pages
+    first, caches, _ = generation.prefill(model, prompt, np.array([prompt.shape[1]]), caches)
+    return int(np.asarray(first)[0]), tuple(caches), dict(source="prefilled", error=str(e))
+  rendezvous.done(uuid)
+  return int(offer["first_token"]), install_sequence(caches, seq, 0), dict(source="pulled",
+                                                                           error=None)
