@@ -22,6 +22,8 @@ TTFT is the wall time of `batcher.add(..., max_new_tokens=1)` (allocation, reloa
 publishing, the first token on the host); CPU is the process's CPU seconds over the same call.
 Round 0 compiles every program and checks that the remote hit's first token equals a miss's
 on the same prompt; it is not counted. A's `miss_publish` times come from its own process.
+Last, the file part of a remote hit alone: `SharedPrefixStore.read` (open, read, sha256,
+header checks) over one published prefix's pages, median of 3.
 
 Prints one JSON line per record and a markdown table with each path's median and its ratio
 to `miss`.
@@ -42,6 +44,7 @@ import numpy as np
 from experiments.framework import cli
 
 from kvattn.inference.batching import ContinuousBatcher
+from kvattn.paging.prefix import page_digest
 from kvattn.paging.shared import SharedPrefixStore, namespace
 
 
@@ -95,6 +98,27 @@ def publisher(args) -> None:
   for r in range(args.rounds + 1):
     row = _timed(batcher, f"a{r}", _prompt(args, 1000 + r, 0))
     print(json.dumps(dict(record="publisher", round=r, namespace_s=ns_s, **row)), flush=True)
+
+
+def _read_verify(store, prompt, page_size: int, repeats: int = 3) -> dict:
+  """Median time of `store.read` (open, read, sha256 and header checks) over the full pages
+  of `prompt`'s prefix that are in the store: the file part of a remote hit."""
+  keys, parent = [], b""
+  for j in range((len(prompt) - 1) // page_size):
+    chunk = prompt[j * page_size:(j + 1) * page_size]
+    parent = page_digest(parent, chunk)
+    if not store.contains(parent):
+      break
+    keys.append((parent, chunk))
+  times, cpus, nbytes = [], [], 0
+  for _ in range(repeats):
+    wall, cpu = time.perf_counter(), time.process_time()
+    nbytes = sum(store.read(k, t).nbytes for k, t in keys)
+    times.append(time.perf_counter() - wall)
+    cpus.append(time.process_time() - cpu)
+  s = float(np.median(times))
+  return dict(pages=len(keys), mib=nbytes / 2**20, s=s, cpu_s=float(np.median(cpus)),
+              gbps=nbytes / s / 1e9 if s else 0.0)
 
 
 def main(argv=None) -> int:
@@ -174,7 +198,11 @@ def reader(args, published: list[dict]) -> None:
                         published=med(path, "published"), vs_miss=miss / med(path, "ttft_s"))
   files = store.files()
   record["page_bytes"] = os.path.getsize(files[0]) if files else None
+  record["read_verify"] = _read_verify(store, _prompt(args, 1001, 3), args.page_size)
   print(json.dumps(record), flush=True)
+  rv = record["read_verify"]
+  print(f"reading and verifying the {rv['pages']} page files of one prefix ({rv['mib']:.1f} MiB): "
+        f"{rv['s']:.3f} s ({rv['gbps']:.2f} GB/s), CPU {rv['cpu_s']:.3f} s")
   print("| path | TTFT s (median) | CPU s (median) | miss / TTFT | prefilled tokens | pages "
         "from the shared store | pages published |\n|---|---:|---:|---:|---:|---:|---:|")
   for path in ("miss", "miss_publish", "miss_publish (worker A)", "local_hit", "remote_hit"):
