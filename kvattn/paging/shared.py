@@ -86,9 +86,9 @@ def namespace(model: Any, *, page_size: int, dtype: Any, cache: Any = None,
   """The fingerprint of what makes two workers' pages interchangeable (32 hex digits).
 
   Covers: the model's class, vocabulary size and per-layer attention (class, heads, KV heads,
-  head_dim, window), its weights (sha256 over every array of its nnx state: one pass over the
-  weights, about 1 s per GB on a loaded CPU; or `weights_id`), the cache kind spec, the cache
-  dtype and the page size.
+  head_dim, window), its weights (sha256 over every array of its nnx state, read on the
+  host: one pass over the weights; or `weights_id`), the cache kind spec, the cache dtype
+  and the page size.
 
   Args:
     model: a `kvattn.Transformer` (anything with `.layers[i].attn` and an nnx state).

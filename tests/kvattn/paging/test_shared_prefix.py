@@ -273,3 +273,34 @@ def test_bad_arguments_are_refused(call, match, tmp_path):
   with pytest.raises(ValueError, match=match):
     call(tmp_path)
 
+
+
+def test_an_evicted_published_page_is_forgotten_without_a_read_and_found_again(tmp_path):
+  reads = []
+  a = PrefixCachingAllocator(3, PS, offload=SharedPrefixStore(tmp_path, "e"))
+  a.bind_device(lambda pages: reads.append(list(pages)) or np.zeros((len(pages), 8), np.uint8),
+                lambda pages, rows: None)
+  a.allocate_prompt("x", list(range(1, 10)))
+  a.register("x", list(range(1, 10)))
+  a.free("x")
+  assert len(reads) == 1 and len(reads[0]) == 2  # the publish: one read of both pages
+  a.allocate_prompt("y", [9] * 12)  # takes all 3 pages: the 2 cached ones are evicted
+  assert len(reads) == 1 and a.counters["evictions"] == 2 and a.cached_blocks() == {}
+  a.free("y")
+  assert a.allocate_prompt("z", list(range(1, 10))) == 8  # back from the directory
+  assert a.counters["shared_pages"] == 2
+  a.check()
+
+
+def test_pools_with_boundary_states_neither_publish_nor_hit(tmp_path):
+  store = SharedPrefixStore(tmp_path, "s")
+  a = PrefixCachingAllocator(8, PS, offload=store, boundary_states=True)
+  a.bind_device(lambda pages: np.zeros((len(pages), 8), np.uint8), None)
+  a.allocate_prompt("x", list(range(1, 10)))
+  a.register("x", list(range(1, 10)))
+  assert store.files() == [] and a.counters["pages_published"] == 0
+  SharedPrefixStore(tmp_path, "s").write(page_digest(b"", np.arange(1, 5)), np.arange(1, 5),
+                                         np.zeros(8, np.uint8))
+  b = PrefixCachingAllocator(8, PS, offload=SharedPrefixStore(tmp_path, "s"),
+                             boundary_states=True)
+  assert b.match(list(range(1, 10)), with_state=False) == 0
