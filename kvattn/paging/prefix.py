@@ -383,7 +383,9 @@ class PrefixCachingAllocator(BoundaryStates, PageAllocator):
     if max_pages is not None:
       limit = min(limit, max_pages)
     blocks, parent = [], None
-    shared = None if self.boundary_states else getattr(self.offload, "contains", None)
+    # The shared store's pages can only be used once a device writer is bound.
+    shared = (getattr(self.offload, "contains", None)
+              if not self.boundary_states and self._writer is not None else None)
     for j in range(limit):
       chunk = tokens[j * self.page_size:(j + 1) * self.page_size]
       key = page_digest(ROOT_KEY if parent is None else parent.key, chunk)

@@ -301,6 +301,8 @@ def test_pools_with_boundary_states_neither_publish_nor_hit(tmp_path):
   assert store.files() == [] and a.counters["pages_published"] == 0
   SharedPrefixStore(tmp_path, "s").write(page_digest(b"", np.arange(1, 5)), np.arange(1, 5),
                                          np.zeros(8, np.uint8))
-  b = PrefixCachingAllocator(8, PS, offload=SharedPrefixStore(tmp_path, "s"),
-                             boundary_states=True)
-  assert b.match(list(range(1, 10)), with_state=False) == 0
+  for states, found in ((True, 0), (False, 4)):
+    b = PrefixCachingAllocator(8, PS, offload=SharedPrefixStore(tmp_path, "s"),
+                               boundary_states=states)
+    b.bind_device(None, lambda pages, rows: None)
+    assert b.match(list(range(1, 10)), with_state=False) == found
