@@ -3,6 +3,8 @@
 from kvattn.paging.allocator import OutOfPagesError, PageAllocator, PoolStats, pages_for
 from kvattn.paging.prefix import PrefixCachingAllocator
 from kvattn.paging.offload import DiskTier, HostTier, PageCodec, TieredStore, make_store
+from kvattn.paging.shared import SharedPrefixStore, namespace
 
 __all__ = ["DiskTier", "HostTier", "OutOfPagesError", "PageAllocator", "PageCodec", "PoolStats",
-           "PrefixCachingAllocator", "TieredStore", "make_store", "pages_for"]
+           "PrefixCachingAllocator", "SharedPrefixStore", "TieredStore", "make_store", "namespace",
+           "pages_for"]

@@ -1,6 +1,8 @@
 """Automatic prefix caching for the paged KV cache (vLLM APC / SGLang RadixAttention): full
 pages keyed by their chained token prefix (`page_digest`), shared by refcount, evicted LRU,
-optionally offloaded (`kvattn.paging.offload`); boundary states in `_blocks`."""
+optionally offloaded (`kvattn.paging.offload`) or shared with other workers
+(`kvattn.paging.shared`: a local miss falls through to the shared store, new pages are
+published when registered); boundary states in `_blocks`."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import numpy as np
 from kvattn.paging._blocks import (ROOT_KEY, BoundaryStates, CachedBlock, Reader,  # noqa: F401
                                    Writer, page_digest)
 from kvattn.paging.allocator import OutOfPagesError, PageAllocator, PoolStats, pages_for
+from kvattn.paging.shared import SHARED_TIER
 
 
 class PrefixCachingAllocator(BoundaryStates, PageAllocator):
@@ -21,9 +24,10 @@ class PrefixCachingAllocator(BoundaryStates, PageAllocator):
   def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int | None = None, *,
                seed: int | None = None, offload: Any = None, boundary_states: bool = False,
                max_states: int | None = None):
-    """Args as `PageAllocator`; `offload` is a `kvattn.paging.offload.TieredStore` (or None: evicted
+    """Args as `PageAllocator`; `offload` is a `kvattn.paging.offload.TieredStore`, a
+    `kvattn.paging.shared.SharedPrefixStore` (pages shared with other workers) or None (evicted
     blocks are forgotten). With `offload`, call `bind_device(reader, writer)` before the first
-    eviction. `boundary_states`: a match must end at a block holding a state (module docstring);
+    eviction (with a shared store, before the first prompt). `boundary_states`: a match must end at a block holding a state (module docstring);
     `max_states` (an int >= 1, None: no limit) bounds how many are kept.
 
     Raises:
@@ -137,6 +141,9 @@ class PrefixCachingAllocator(BoundaryStates, PageAllocator):
       if page is None:
         pages[j] = fresh.pop(0)
         block = blocks[j]
+        if block.tier == SHARED_TIER:  # another worker's page: now in our index too
+          self._index[block.key] = block
+          self.counters["shared_pages"] += 1
         block.page, block.tier = pages[j], "device"
         self._page_block[pages[j]] = block
         loaded.append(pages[j])
@@ -206,6 +213,7 @@ class PrefixCachingAllocator(BoundaryStates, PageAllocator):
     done, parent = self._registered[seq_id]
     if done < 0:  # a collision ended this sequence's chain
       return 0
+    new = []
     for j in range(done, tokens.size // self.page_size):
       chunk = tokens[j * self.page_size:(j + 1) * self.page_size]
       key = page_digest(ROOT_KEY if parent is None else parent.key, chunk)
@@ -214,9 +222,11 @@ class PrefixCachingAllocator(BoundaryStates, PageAllocator):
         block = CachedBlock(key, chunk.astype(np.int32), parent, pages[j])
         self._index[key] = block
         self._page_block[pages[j]] = block
+        new.append(block)
       elif block.parent is not parent or not np.array_equal(block.tokens, chunk):
         self.counters["collisions"] += 1
         self._registered[seq_id] = (-1, None)
+        self._publish(new)
         return j
       elif block.tier != "device":  # our page holds the same KV: it becomes the block's home
         self.offload.discard(block)
@@ -225,6 +235,7 @@ class PrefixCachingAllocator(BoundaryStates, PageAllocator):
         self._page_block[pages[j]] = block
       parent = block
       self._registered[seq_id] = (j + 1, parent)
+    self._publish(new)
     return self._registered[seq_id][0]
 
   def free(self, seq_id: Hashable, tokens: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -305,8 +316,7 @@ class PrefixCachingAllocator(BoundaryStates, PageAllocator):
     pages = list(self._lru)
     if not pages:
       return 0
-    payloads = (self.offload.rows(self._reader(pages))
-                if self.offload is not None and self._reader is not None else None)
+    payloads = (self.offload.rows(self._reader(pages)) if self._keeps_evictions() else None)
     for i, page in enumerate(pages):
       del self._lru[page]
       block = self._page_block.pop(page)
@@ -373,14 +383,35 @@ class PrefixCachingAllocator(BoundaryStates, PageAllocator):
     if max_pages is not None:
       limit = min(limit, max_pages)
     blocks, parent = [], None
+    # The shared store's pages can only be used once a device writer is bound.
+    shared = (getattr(self.offload, "contains", None)
+              if not self.boundary_states and self._writer is not None else None)
     for j in range(limit):
       chunk = tokens[j * self.page_size:(j + 1) * self.page_size]
-      block = self._index.get(page_digest(ROOT_KEY if parent is None else parent.key, chunk))
+      key = page_digest(ROOT_KEY if parent is None else parent.key, chunk)
+      block = self._index.get(key)
+      if block is None and shared is not None and shared(key):
+        # Not in our pool or tiers, in the shared store: a block outside the index until
+        # `allocate_prompt` loads it (so `match` changes nothing).
+        block = CachedBlock(key, chunk.astype(np.int32), parent, None, tier=SHARED_TIER)
       if block is None or block.parent is not parent or not np.array_equal(block.tokens, chunk):
         break
       blocks.append(block)
       parent = block
     return blocks
+
+  def _keeps_evictions(self) -> bool:
+    """Whether an evicted block's page is read and handed to the offload store (not with a
+    shared store without local tiers: the page was published when registered)."""
+    return (self.offload is not None and self._reader is not None
+            and getattr(self.offload, "keeps_evictions", True))
+
+  def _publish(self, blocks: list[CachedBlock]) -> None:
+    """Hands newly registered blocks to a shared store (`kvattn.paging.shared`), which writes
+    those no worker has written yet. Pools with boundary states are not shared."""
+    publish = getattr(self.offload, "publish", None)
+    if blocks and publish is not None and self._reader is not None and not self.boundary_states:
+      self.counters["pages_published"] += publish(blocks, self._reader)
 
   @staticmethod
   def _nth_block(last: CachedBlock | None, back: int) -> CachedBlock | None:
@@ -407,7 +438,7 @@ class PrefixCachingAllocator(BoundaryStates, PageAllocator):
     page, _ = self._lru.popitem(last=False)
     block = self._page_block.pop(page)
     self.counters["evictions"] += 1
-    if self.offload is not None and self._reader is not None:
+    if self._keeps_evictions():
       block.page, block.tier = None, "offloading"
       self.offload.put(block, self._payload(block, self.offload.rows(self._reader([page]))[0]))
       self.counters["pages_offloaded"] += 1
