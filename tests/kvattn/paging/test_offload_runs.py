@@ -172,10 +172,12 @@ def test_prefetched_rows_write_what_the_direct_write_does(pages):
   handle = codec.prefetch([payload[i] for i in order])
   rows = [handle.row(order.index(i)) for i in range(len(pages))]
   direct = codec.write((_cache(7), _cache(8)), pages, payload)
+  scratch = codec._scratch
   got = codec.write((_cache(7), _cache(8)), pages, rows)
   for a, b in zip(_pools(got), _pools(direct)):
     np.testing.assert_array_equal(a, b)
-  again = codec.write((_cache(7), _cache(8)), pages, list(payload))  # the scratch block reused
+  again = codec.write((_cache(7), _cache(8)), pages, list(payload))
+  assert codec._scratch is scratch  # the staging block of the first write, reused
   for a, b in zip(_pools(again), _pools(direct)):
     np.testing.assert_array_equal(a, b)
   codec.release(handle)
