@@ -160,7 +160,8 @@ def test_page_runs_follow_the_payload_rows_given():
     offload.page_runs([2, 3, 4], 8, rows=[0, 1])
 
 
-@pytest.mark.parametrize("pages", [[4], [8, 7, 6], GAPS, list(range(NUM_PAGES)), [3, 5, 3]])
+@pytest.mark.parametrize("pages", [[4], [8, 7, 6], GAPS, list(range(NUM_PAGES)), [3, 5, 3],
+                                   list(range(1, 9))])  # 8 pages: one part of a full bucket
 def test_prefetched_rows_write_what_the_direct_write_does(pages):
   """Rows from `prefetch` (copied and moved on the worker thread) are written from the staging
   block where they are, in any order and subset; a released block is reused by the next
