@@ -6,21 +6,23 @@
 The page pool of a `ContinuousBatcher` on `--model` (SmolLM2-135M-Instruct: 30 layers,
 K = 3, H = 64, f32, pages of 16 tokens = 0.70 MiB over all layers; 360 pages). For each page
 list -- `--pages` consecutive pages, the same count in runs of 4 with gaps, one page, the
-whole pool -- the median over `--repeats` of:
+whole pool -- the median over `--repeats` rounds, the figures interleaved within each round, of:
 
   * memcpy: `np.copyto` of as many bytes into a preallocated array, in the same run;
   * spill: `PageCodec.read` of the pages, then each row put in a `HostTier` (pool ->
     host tier, as the prefix cache evicts);
   * reload: the rows taken from the tier, then `PageCodec.write` into the pool until the
-    caches are ready (host tier -> pool, as a prefix hit reloads), also through a
+    caches are ready (host tier -> pool, as a prefix hit reloads): one copy into the codec's
+    reused staging block, its zero-copy `device_put`, the jitted update; also through a
     `pinned_host` tier where the backend offers that memory kind;
-  * the per-pool gather / scatter `PageCodec` used before (one `pool.at[:, pages].set` per
-    pool), in the same run, for comparison.
+  * install prefetched: `PageCodec.write` of rows a `PageCodec.prefetch` already moved (what a
+    join waits for when the prefetch ran during a decode step): the jitted update only.
 
-Then the overlap of a reload with compute: one decode step of the batcher (two live
-requests), the reload's staging (`PageCodec.stage`: the host copy and the transfer) alone,
-and both at once (the staging on a thread); `hidden` = the share of the staging's time that
-the step hid. Prints one table; the machine's load average goes beside it (on a loaded
+Then the overlap of a prefetch with compute: one decode step of the batcher (two live
+requests), a prefetch of the pages' rows alone (copy into a staging block and transfer, on
+the codec's worker thread), and both at once; `hidden` = the share of the prefetch's time
+that the step hid (`(step + prefetch - both) / prefetch`, unclamped: above 100% or below 0
+the noise of the step exceeds the prefetch). Prints one table; the machine's load average goes beside it (on a loaded
 machine the GB/s are indicative only).
 """
 
@@ -28,11 +30,9 @@ from __future__ import annotations
 
 import os
 import statistics
-import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from experiments.evals import models
@@ -42,57 +42,22 @@ from kvattn.inference.batching import ContinuousBatcher
 from kvattn.paging import offload
 
 
-def _median_s(fn, repeats: int, setup=None, clock=time.perf_counter) -> float:
-  """Median seconds of `fn()` over `repeats` runs after one untimed run (it compiles and
-  warms the allocator); `setup()` runs untimed before each; `clock` is wall time, or
-  `time.process_time` (CPU seconds of every thread of the process)."""
-  times = []
+def _interleaved(fns: dict, repeats: int) -> dict[str, tuple[float, float]]:
+  """Median `(wall seconds, CPU seconds of the process)` of each `(fn, setup)` in `fns`, the
+  functions alternating within each of `repeats` rounds after one untimed round (it compiles
+  and warms the allocator); `setup()` runs untimed before its `fn()`. CPU seconds
+  (`time.process_time`) count every thread of the process, XLA's included."""
+  times: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
   for i in range(repeats + 1):
-    if setup is not None:
-      setup()
-    start = clock()
-    fn()
-    if i:
-      times.append(clock() - start)
-  return statistics.median(times)
-
-
-def _rates(nbytes: int, fn, repeats: int, setup=None) -> tuple[float, float]:
-  """`(GB/s of wall time, GB per CPU-second)` of `fn` moving `nbytes` (medians). The second
-  counts the CPU time the process got, so it moves less with the machine's load."""
-  return (nbytes / _median_s(fn, repeats, setup) / 1e9,
-          nbytes / _median_s(fn, repeats, setup, time.process_time) / 1e9)
-
-
-def _scatter_codec(codec: offload.PageCodec):
-  """The reload of the earlier `PageCodec.write`: the rows split per pool on the host, then
-  one jitted scatter per pool (`pool.at[:, pages].set`), the caches donated."""
-  def write(caches, pages, parts):
-    it = iter(parts)
-    out = []
-    for c in caches:
-      fields = {}
-      for name in getattr(c, "POOL_FIELDS", ()):
-        pool = getattr(c, name)
-        if pool is not None:
-          new = jax.lax.bitcast_convert_type(next(it), pool.dtype)
-          fields[name] = pool.at[:, pages].set(new)
-      out.append(c.replace(**fields) if fields else c)
-    return tuple(out)
-
-  jitted = jax.jit(write, donate_argnums=(0,))
-
-  def run(caches, pages, rows):
-    payload = np.stack(rows)
-    parts, offset = [], 0
-    for (shape, dtype), size in zip(codec.layouts, codec.sizes):
-      width = jnp.dtype(dtype).itemsize
-      raw = np.ascontiguousarray(payload[:, offset:offset + size]).view(f"u{width}")
-      parts.append(np.moveaxis(raw.reshape((len(pages),) + shape), 0, 1))
-      offset += size
-    return jitted(tuple(caches), jnp.asarray(np.asarray(pages, np.int32)), parts)
-
-  return run
+    for name, (fn, setup) in fns.items():
+      if setup is not None:
+        setup()
+      wall, cpu = time.perf_counter(), time.process_time()
+      fn()
+      if i:
+        times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+  return {name: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts))
+          for name, ts in times.items()}
 
 
 def page_lists(count: int, num_pages: int) -> dict[str, list[int]]:
@@ -106,13 +71,13 @@ def page_lists(count: int, num_pages: int) -> dict[str, list[int]]:
 
 def measure(batcher: ContinuousBatcher, pages: list[int], repeats: int
             ) -> dict[str, tuple[float, float]]:
-  """`_rates` of memcpy, spill, reload (host and pinned tiers) and the earlier scatter for
-  `pages` of the batcher's pool (module doc)."""
+  """`(GB/s of wall time, GB per CPU-second)` of memcpy, spill, reload (host and pinned
+  tiers) and the install of prefetched rows for `pages` of the batcher's pool (module doc),
+  measured interleaved."""
   codec = offload.PageCodec(batcher.caches)
   nbytes = len(pages) * codec.page_bytes
   src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
   dst = np.empty_like(src)
-  out = {"MiB": nbytes / 2**20, "memcpy": _rates(nbytes, lambda: np.copyto(dst, src), repeats)}
   blocks = [object() for _ in pages]
 
   def spill(tier):
@@ -125,58 +90,73 @@ def measure(batcher: ContinuousBatcher, pages: list[int], repeats: int
 
   def reload(tier):
     rows = [tier.take(b) for b in blocks]
+    batcher.caches = codec.write(batcher.caches, pages, rows)  # returns once written
+
+  held = {}
+
+  def prefetched():  # rows already on the device (the prefetch ran during a step)
+    rows = [held["h"].row(i) for i in range(len(pages))]
     batcher.caches = codec.write(batcher.caches, pages, rows)
-    jax.block_until_ready(batcher.caches)
+    codec.release(held.pop("h"))
+
+  def prefetch():
+    held["h"] = codec.prefetch(list(codec.read(batcher.caches, pages)))
+    held["h"].wait()
 
   host = offload.HostTier(2 * nbytes, pinned=False)
-  out["spill"] = _rates(nbytes, lambda: spill(host), repeats, setup=lambda: empty(host))
-  out["reload"] = _rates(nbytes, lambda: reload(host), repeats, setup=lambda: (
-      empty(host), spill(host)))
+  fns = {"memcpy": (lambda: np.copyto(dst, src), None),
+         "spill": (lambda: spill(host), lambda: empty(host)),
+         "reload": (lambda: reload(host), lambda: (empty(host), spill(host))),
+         "install prefetched": (prefetched, prefetch)}
   if offload.pinned_host_available():
     pinned = offload.HostTier(2 * nbytes, pinned=True)
-    out["reload pinned"] = _rates(nbytes, lambda: reload(pinned), repeats, setup=lambda: (
-        empty(pinned), spill(pinned)))
-  scatter = _scatter_codec(codec)
-  rows = list(codec.read(batcher.caches, pages))
-
-  def old():
-    batcher.caches = scatter(batcher.caches, pages, rows)
-    jax.block_until_ready(batcher.caches)
-
-  out["scatter reload"] = _rates(nbytes, old, repeats)
+    fns["reload pinned"] = (lambda: reload(pinned), lambda: (empty(pinned), spill(pinned)))
+  out = {name: (nbytes / w / 1e9, nbytes / c / 1e9)
+         for name, (w, c) in _interleaved(fns, repeats).items()}
+  out["MiB"] = nbytes / 2**20
   return out
 
 
 def overlap(batcher: ContinuousBatcher, pages: list[int], repeats: int) -> dict[str, float]:
-  """Seconds of one decode step, of staging `pages`' reload, of both at once (staging on a
-  thread), of the pool update after staging, and the share of the staging hidden."""
+  """Seconds of one decode step, of a prefetch of `pages`' rows (the copy into the staging
+  block and the transfer, on the codec's worker thread), of both at once, of the install
+  after it, and `(step + prefetch - both) / prefetch` (the share the step hid, unclamped);
+  interleaved medians."""
   codec = offload.PageCodec(batcher.caches)
   rows = list(codec.read(batcher.caches, pages))
-  num_pages = codec._pools(batcher.caches)[0].shape[1]  # pylint: disable=protected-access
 
   def step():
     batcher.step()
     jax.block_until_ready(batcher.caches)
 
-  def stage():
-    return jax.block_until_ready(codec.stage(pages, rows, num_pages).device)
+  def prefetch():
+    handle = codec.prefetch(rows)
+    handle.wait()
+    codec.release(handle)
 
   def both():
-    thread = threading.Thread(target=stage)
-    thread.start()
+    handle = codec.prefetch(rows)  # runs on the worker while the step computes
     step()
-    thread.join()
+    handle.wait()
+    codec.release(handle)
 
-  t_step, t_stage, t_both = (_median_s(f, repeats) for f in (step, stage, both))
-  staged = codec.stage(pages, rows, num_pages)
+  held = {}
 
-  def update():
-    batcher.caches = codec.write(batcher.caches, pages, staged)
-    jax.block_until_ready(batcher.caches)
+  def install():
+    batcher.caches = codec.write(batcher.caches, pages,
+                                 [held["h"].row(i) for i in range(len(pages))])
+    codec.release(held.pop("h"))
 
-  return {"step_s": t_step, "stage_s": t_stage, "both_s": t_both,
-          "update_s": _median_s(update, repeats),
-          "hidden": max(0.0, min(1.0, (t_step + t_stage - t_both) / t_stage))}
+  def start():
+    held["h"] = codec.prefetch(rows)
+    held["h"].wait()
+
+  t = _interleaved({"step": (step, None), "prefetch": (prefetch, None), "both": (both, None),
+                    "install": (install, start)}, repeats)
+  t_step, t_pre, t_both = t["step"][0], t["prefetch"][0], t["both"][0]
+  return {"step_s": t_step, "prefetch_s": t_pre, "both_s": t_both, "install_s": t["install"][0],
+          "cpu": {k: v[1] for k, v in t.items()},
+          "hidden": (t_step + t_pre - t_both) / t_pre}
 
 
 def main(argv=None) -> None:
@@ -187,7 +167,7 @@ def main(argv=None) -> None:
   parser.add_argument("--pages", type=int, default=65, help="pages per list (default: the "
                       "65 pages of the prefix_reuse config's 1024-token system prompt)")
   parser.add_argument("--num_pages", type=int, default=360, help="pages in the pool")
-  parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (at most "
+  parser.add_argument("--repeats", type=int, default=5, help="timed rounds per figure (at most "
                       "40: the overlap's decode steps must fit the requests' 224 new tokens)")
   args = parser.parse_args(argv)
   for name in ("pages", "num_pages", "repeats"):
@@ -200,24 +180,27 @@ def main(argv=None) -> None:
                               max_len=256, max_prompt_len=64, prefix_cache=True, seed=0)
   rows = []
   cell = lambda r: f"{r[0]:.2f} ({r[1]:.2f})"
+  pct = lambda name, r: f"{r[name][0] / r['memcpy'][0]:.0%} ({r[name][1] / r['memcpy'][1]:.0%})"
   for name, pages in page_lists(args.pages, args.num_pages).items():
     r = measure(batcher, pages, args.repeats)
     rows.append([name, f"{r['MiB']:.1f}", cell(r["memcpy"]), cell(r["spill"]),
                  cell(r["reload"]), cell(r.get("reload pinned", (float("nan"),) * 2)),
-                 cell(r["scatter reload"]), f"{r['reload'][0] / r['memcpy'][0]:.0%} "
-                 f"({r['reload'][1] / r['memcpy'][1]:.0%})"])
-  print("GB/s of wall time (GB per CPU-second of the process)")
+                 cell(r["install prefetched"]), pct("reload", r),
+                 pct("install prefetched", r)])
+  print("GB/s of wall time (GB per CPU-second of the process), interleaved medians")
   print(report_lib.markdown_table(
-      ["pages", "MiB", "memcpy", "spill", "reload", "reload pinned", "earlier scatter reload",
-       "reload / memcpy"], rows))
+      ["pages", "MiB", "memcpy", "spill", "reload", "reload pinned", "install prefetched",
+       "reload / memcpy", "install / memcpy"], rows))
   rng = np.random.default_rng(1)
   vocab = int(model.vocab_size)
   for rid in ("a", "b"):  # two live requests: every step decodes both
     batcher.add(rid, rng.integers(0, vocab, 32).astype(np.int32), 256 - 32)
   o = overlap(batcher, list(range(1, args.pages + 1)), args.repeats)
-  print(f"\noverlap ({args.pages} pages): decode step {o['step_s'] * 1e3:.1f} ms, staging "
-        f"{o['stage_s'] * 1e3:.1f} ms, both {o['both_s'] * 1e3:.1f} ms -> {o['hidden']:.0%} of "
-        f"the staging hidden; the pool update after it {o['update_s'] * 1e3:.1f} ms")
+  print(f"\noverlap ({args.pages} pages): decode step {o['step_s'] * 1e3:.1f} ms, prefetch "
+        f"{o['prefetch_s'] * 1e3:.1f} ms, both {o['both_s'] * 1e3:.1f} ms -> step + prefetch - both "
+        f"= {o['hidden']:.0%} of the prefetch (over 100%: the step's noise exceeds the "
+        f"prefetch); the install after it {o['install_s'] * 1e3:.1f} ms")
+  print("  CPU-seconds: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in o["cpu"].items()))
   print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; JAX "
         f"{jax.__version__}, {jax.devices()[0].platform}")
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import hashlib
 import logging
 import os
+import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -48,6 +50,10 @@ class _LruTier:
 
   def __len__(self) -> int:
     return len(self._items)
+
+  def size_of(self, block) -> int:
+    """Bytes of `block`'s payload (the tier must hold it)."""
+    return self._items[block][1]
 
   def put(self, block, payload) -> list[tuple[Any, Any]]:
     """Stores `payload` (`u8[page_bytes]`); returns what no longer fits, least recently stored
@@ -216,6 +222,8 @@ class TieredStore:
     self.tiers = tiers
     self.on_drop: Callable[[Any], None] = lambda block: None
     self.moves: collections.Counter = collections.Counter()
+    # Blocks whose payloads a prefetch holds: id(block) -> (block, handle, row of the handle).
+    self._staged: dict[int, tuple[Any, PrefetchedPages, int]] = {}
 
   def put(self, block, payload) -> None:
     """Stores an evicted page in the first tier, cascading what overflows."""
@@ -241,7 +249,12 @@ class TieredStore:
     return list(np.asarray(payloads))
 
   def take(self, block):
-    """Removes `block` from its tier; returns its payload, or None (then the caller forgets it)."""
+    """Removes `block` from its tier (or a prefetch); returns its payload, or None (then the
+    caller forgets it)."""
+    staged = self._staged.pop(id(block), None)
+    if staged is not None:
+      self.moves[("prefetch", "device")] += 1
+      return staged[1].row(staged[2])
     for tier in self.tiers:
       if block in tier:
         payload = tier.take(block)
@@ -250,8 +263,54 @@ class TieredStore:
     return None
 
   def discard(self, block) -> None:
+    self._staged.pop(id(block), None)
     for tier in self.tiers:
       tier.discard(block)
+
+  def prefetch(self, blocks: Sequence[Any], codec: "PageCodec") -> "PrefetchedPages":
+    """Takes the page payloads of `blocks` out of their tiers and starts moving them to the
+    device (`PageCodec.prefetch`, on its worker thread); `take` of such a block then returns
+    its row of the staging block, which `PageCodec.write` uses in place. Blocks in no tier,
+    prefetched already, or whose payload is not exactly one page (a boundary state rides
+    along) are skipped; a corrupt disk page is dropped (`on_drop`) as `take` would find it.
+    Call `release(handle)` once the request joined or will not come.
+
+    Args:
+      blocks: cached blocks (`kvattn.paging.prefix`), in the order of the prompt.
+      codec: the `PageCodec` of the pools the pages will be written to.
+    """
+    taken = []
+    for block in blocks:
+      if id(block) in self._staged:
+        continue
+      tier = next((t for t in self.tiers if block in t), None)
+      if tier is None or tier.size_of(block) != codec.page_bytes:
+        continue
+      payload = tier.take(block)
+      self.moves[(tier.name, "prefetch")] += 1
+      if payload is None:
+        block.tier = "dropped"
+        self.on_drop(block)
+        continue
+      taken.append((block, payload))
+    handle = codec.prefetch([p for _, p in taken])
+    for i, (block, _) in enumerate(taken):
+      self._staged[id(block)] = (block, handle, i)
+    return handle
+
+  def release(self, handle: "PrefetchedPages") -> None:
+    """Puts what no `take` collected from `handle` back in the tiers (first tier first, as
+    `put`), then returns its staging block to the codec. Nothing is lost or left held."""
+    left = [(b, i) for b, h, i in self._staged.values() if h is handle]
+    for block, i in left:
+      del self._staged[id(block)]
+      self.put(block, np.array(handle.row(i), copy=True))
+    handle.codec.release(handle)
+
+  @property
+  def num_prefetched(self) -> int:
+    """Blocks whose payloads a prefetch holds (not yet taken or released)."""
+    return len(self._staged)
 
   def used_bytes(self) -> dict[str, int]:
     return {t.name: t.used_bytes for t in self.tiers}
@@ -288,38 +347,48 @@ def _bucket(n: int) -> int:
   return size
 
 
-def page_runs(pages: Sequence[int], bucket: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def page_runs(pages: Sequence[int], bucket: int, rows: Sequence[int] | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """The copies that move `pages` as runs of consecutive pages, each split in power-of-two parts.
 
-  Payload row i belongs to pool page `pages[i]`. A run is a maximal stretch where the next row
-  holds the next page; a run of length r is copied as the parts of r's binary form, so a
-  part of size 2^c is one static-shape slice at a dynamic offset.
+  Pool page `pages[i]` comes from (or goes to) payload row `rows[i]` (default `i`). A run is
+  a maximal stretch where the next page is the next pool page in the next payload row; a run
+  of length r is copied as the parts of r's binary form, so a part of size 2^c is one
+  static-shape slice at a dynamic offset.
 
   Args:
-    pages: pool pages (ints >= 0), payload order.
-    bucket: the padded page count (>= len(pages)); parts have sizes 2^c <= bucket.
+    pages: pool pages (ints >= 0), one per payload row used.
+    bucket: the padded page count (>= len(pages), > every row); parts have sizes 2^c <= bucket.
+    rows: the payload row of each page (ints in [0, bucket)), or None for 0, 1, 2, ...
 
   Returns:
     `(rows i32[C, bucket], starts i32[C, bucket], counts i32[C])` with C = bucket's bit
     length: class c's first `counts[c]` parts start at payload row `rows[c, j]` and pool page
     `starts[c, j]` and span 2^c pages; the rest of each row is zero padding.
+
+  Raises:
+    ValueError: `rows` of another length than `pages`.
   """
   pages = np.asarray(pages, np.int64).reshape(-1)
+  index = (np.arange(len(pages)) if rows is None else np.asarray(rows, np.int64).reshape(-1))
+  if len(index) != len(pages):
+    raise ValueError(f"rows must give one payload row per page ({len(pages)}); got "
+                     f"{len(index)}")
   classes = max(1, int(bucket).bit_length())
-  rows = np.zeros((classes, bucket), np.int32)
+  out_rows = np.zeros((classes, bucket), np.int32)
   starts = np.zeros((classes, bucket), np.int32)
   counts = np.zeros((classes,), np.int32)
-  breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+  breaks = np.flatnonzero((np.diff(pages) != 1) | (np.diff(index) != 1)) + 1
   for run in np.split(np.arange(len(pages)), breaks):
     if not len(run):
       continue
-    row, left = int(run[0]), len(run)
+    i, left = int(run[0]), len(run)
     for c in reversed(range(classes)):
       while left >= 1 << c:
-        rows[c, counts[c]], starts[c, counts[c]] = row, pages[row]
+        out_rows[c, counts[c]], starts[c, counts[c]] = index[i], pages[i]
         counts[c] += 1
-        row, left = row + (1 << c), left - (1 << c)
-  return rows, starts, counts
+        i, left = i + (1 << c), left - (1 << c)
+  return out_rows, starts, counts
 
 
 def _uint(width: int):
@@ -433,6 +502,11 @@ class PageCodec:
 
     self._read = jax.jit(read, static_argnums=(4,))
     self._write = jax.jit(write, donate_argnums=(0,))
+    self._scratch: np.ndarray | None = None  # the staging block of `write`, grown and reused
+    self._lock = threading.Lock()  # guards the prefetch bookkeeping below
+    self._free_blocks: list[np.ndarray] = []  # staging blocks of released prefetches
+    self._prefetched: dict[int, PrefetchedPages] = {}  # id(block's memory) -> live prefetch
+    self._worker: concurrent.futures.ThreadPoolExecutor | None = None
 
   @staticmethod
   def _pools(caches):
@@ -486,27 +560,14 @@ class PageCodec:
       offset += size
     return out
 
-  def stage(self, pages: Sequence[int], payload: Any, num_pages: int) -> "StagedPages":
-    """Starts moving `payload` for `pages` to the device, without touching any cache: the
-    host copy and the transfer can run (on another thread) while a decode step computes;
-    `write(caches, pages, staged)` then only updates the pools.
-
-    Args:
-      pages: pool pages, payload order.
-      payload: `u8[len(pages), page_bytes]`, or a list of `u8[page_bytes]` rows.
-      num_pages: pages in each pool (the pages are checked against it).
-
-    Raises:
-      ValueError: a payload of the wrong shape, or a page outside [0, num_pages).
-    """
+  def _checked(self, pages: Sequence[int], num_pages: int) -> np.ndarray:
     pages = np.asarray(pages, np.int64).reshape(-1)
     if len(pages) and (pages.min() < 0 or pages.max() >= num_pages):
       raise ValueError(f"pages must lie in [0, {num_pages}); got {pages.tolist()}")
-    n = len(pages)
-    bucket = _bucket(max(n, 1))
-    # One host copy into the padded block; its padding rows are never read (`page_runs`).
-    # Aligned, so a CPU backend's device_put takes it without a second copy.
-    buf = _aligned_empty((bucket, self.page_bytes))
+    return pages
+
+  def _fill(self, buf: np.ndarray, payload: Any, n: int) -> None:
+    """Copies `payload` (n rows) into `buf[:n]`: one copy per row, no temporary."""
     if isinstance(payload, (list, tuple)):
       if len(payload) != n or any(np.shape(p) != (self.page_bytes,) for p in payload):
         raise ValueError(f"payload must be {n} rows of page_bytes = {self.page_bytes} bytes; "
@@ -518,34 +579,191 @@ class PageCodec:
       if payload.shape != (n, self.page_bytes):
         raise ValueError(f"payload must have shape [len(pages), page_bytes] = ({n}, "
                          f"{self.page_bytes}); got {tuple(payload.shape)}")
-      buf[:n] = payload
-    # A page listed twice: its last row wins, as with a scatter; the runs see each page once.
+      np.copyto(buf[:n], payload, casting="unsafe")
+
+  @staticmethod
+  def _last_rows(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """A page listed twice gets its last row, as with a scatter: `(pages each once, their
+    payload rows)`, or `(pages, None)` when every page is listed once."""
     last = {int(p): i for i, p in enumerate(pages)}
-    if len(last) < n:
-      keep = np.array(sorted(last.values()))
-      buf[:len(keep)] = buf[keep]
-      pages = pages[keep]
-    return StagedPages(pages, page_runs(pages, bucket), jax.device_put(buf) if n else None)
+    if len(last) == len(pages):
+      return pages, None
+    keep = np.array(sorted(last.values()))
+    return pages[keep], keep
+
+  def stage(self, pages: Sequence[int], payload: Any, num_pages: int) -> "StagedPages":
+    """Starts moving `payload` for `pages` to the device, without touching any cache: the
+    host copy and the transfer can run (on another thread) while a decode step computes;
+    `write(caches, pages, staged)` then only updates the pools. The block is a new one
+    (a CPU backend's array aliases it for as long as it lives); `prefetch` reuses blocks.
+
+    Args:
+      pages: pool pages, payload order.
+      payload: `u8[len(pages), page_bytes]`, or a list of `u8[page_bytes]` rows.
+      num_pages: pages in each pool (the pages are checked against it).
+
+    Raises:
+      ValueError: a payload of the wrong shape, or a page outside [0, num_pages).
+    """
+    pages = self._checked(pages, num_pages)
+    n = len(pages)
+    bucket = _bucket(max(n, 1))
+    # One host copy into the padded block; its padding rows are never read (`page_runs`).
+    # Aligned, so a CPU backend's device_put takes it without a second copy.
+    buf = _aligned_empty((bucket, self.page_bytes))
+    self._fill(buf, payload, n)
+    pages, rows = self._last_rows(pages)
+    return StagedPages(pages, page_runs(pages, bucket, rows), jax.device_put(buf) if n else None)
+
+  def prefetch(self, payload: Sequence[Any]) -> "PrefetchedPages":
+    """Starts moving page rows to the device for pool pages chosen later: on a worker thread,
+    one copy of the rows into a staging block reused across prefetches, then its transfer
+    (`jax.device_put`; a CPU backend aliases the block). A decode step may compute meanwhile
+    (its jitted program releases the GIL). `write(caches, pages, [handle.row(i) ...])` then
+    only updates the pools; `release(handle)` returns the block.
+
+    Args:
+      payload: `u8[page_bytes]` rows (any length, the order of `handle.row(i)`).
+
+    Raises:
+      ValueError: a row of another size than page_bytes.
+    """
+    rows = list(payload)
+    if any(np.shape(p) != (self.page_bytes,) for p in rows):
+      raise ValueError(f"payload must be rows of page_bytes = {self.page_bytes} bytes; got "
+                       f"{[np.shape(p) for p in rows]}")
+    bucket = _bucket(max(len(rows), 1))
+    with self._lock:
+      fits = [i for i, b in enumerate(self._free_blocks) if b.shape[0] >= bucket]
+      if fits:  # the smallest block that fits
+        block = self._free_blocks.pop(min(fits, key=lambda i: len(self._free_blocks[i])))
+      else:
+        block = _aligned_empty((bucket, self.page_bytes))
+      if self._worker is None:
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, "kvattn-prefetch")
+      handle = PrefetchedPages(self, block[:bucket], len(rows))
+      handle._block = block  # pylint: disable=protected-access
+      self._prefetched[id(block.base)] = handle
+
+    def move():
+      if rows:
+        np.stack([np.asarray(p, np.uint8) for p in rows], out=handle.host[:len(rows)])
+      return jax.block_until_ready(jax.device_put(handle.host))
+
+    handle._future = self._worker.submit(move)  # pylint: disable=protected-access
+    return handle
+
+  def release(self, handle: "PrefetchedPages") -> None:
+    """Returns `handle`'s staging block for reuse (after its transfer, and any `write` from
+    it, finished). Its rows must not be used after. Releasing twice does nothing."""
+    with self._lock:
+      if self._prefetched.pop(id(handle.host.base), None) is not handle:
+        return
+    handle.wait()
+    handle.device = None
+    with self._lock:
+      if len(self._free_blocks) < _FREE_BLOCKS:
+        self._free_blocks.append(handle._block)  # pylint: disable=protected-access
+
+  def _prefetched_rows(self, payload: Any, n: int):
+    """`(handle, i64[n] rows)` if `payload` is n rows of one live prefetch's block, else None."""
+    if not n or not isinstance(payload, (list, tuple)) or len(payload) != n:
+      return None
+    first = payload[0]
+    if not isinstance(first, np.ndarray) or first.base is None:
+      return None
+    handle = self._prefetched.get(id(first.base))
+    if handle is None:
+      return None
+    origin, rows = handle.host.ctypes.data, []
+    for p in payload:
+      if (not isinstance(p, np.ndarray) or p.base is not handle.host.base
+          or p.shape != (self.page_bytes,) or not p.flags.c_contiguous):
+        return None
+      row, rest = divmod(p.ctypes.data - origin, self.page_bytes)
+      if rest or not 0 <= row < handle.num_rows:
+        return None
+      rows.append(row)
+    return handle, np.asarray(rows, np.int64)
 
   def write(self, caches: Sequence[Any], pages: Sequence[int], payload: Any) -> tuple[Any, ...]:
     """`caches` with `pages` overwritten by `payload` (`u8[len(pages), page_bytes]`, a list
-    of `u8[page_bytes]` rows, or what `stage` returned for these pages); `caches` are
-    donated. Runs of consecutive pages are written as whole blocks (class doc); a page listed
-    twice gets its last row.
+    of `u8[page_bytes]` rows -- rows of a `prefetch` are used where they already are -- or
+    what `stage` returned for these pages); `caches` are donated. Runs of consecutive pages
+    are written as whole blocks (class doc); a page listed twice gets its last row. Except
+    for a staged payload, returns once the pools are updated: the rows went through a
+    staging block reused by the next write.
 
     Raises:
       ValueError: a payload of the wrong shape, a page outside the pool, or a staged payload
         of other pages.
     """
     pools = self._pools(caches)
-    if not isinstance(payload, StagedPages):
-      payload = self.stage(pages, payload, pools[0].shape[1] if pools else 0)
-    elif not np.array_equal(np.unique(np.asarray(pages, np.int64)), np.unique(payload.pages)):
-      raise ValueError(f"pages must be the pages staged ({payload.pages.tolist()}); got "
-                       f"{np.asarray(pages).tolist()}")
-    if payload.device is None:
+    num_pages = pools[0].shape[1] if pools else 0
+    if isinstance(payload, StagedPages):
+      if not np.array_equal(np.unique(np.asarray(pages, np.int64)), np.unique(payload.pages)):
+        raise ValueError(f"pages must be the pages staged ({payload.pages.tolist()}); got "
+                         f"{np.asarray(pages).tolist()}")
+      if payload.device is None:
+        return tuple(caches)
+      return self._write(tuple(caches), *payload.runs, payload.device)
+    pages = self._checked(pages, num_pages)
+    n = len(pages)
+    prefetched = self._prefetched_rows(payload, n)
+    if prefetched is not None:
+      handle, rows = prefetched
+      handle.wait()
+      pages, keep = self._last_rows(pages)
+      runs = page_runs(pages, handle.host.shape[0], rows if keep is None else rows[keep])
+      return jax.block_until_ready(self._write(tuple(caches), *runs, handle.device))
+    bucket = _bucket(max(n, 1))
+    if self._scratch is None or self._scratch.shape[0] < bucket:
+      self._scratch = _aligned_empty((bucket, self.page_bytes))  # grown, then reused
+    buf = self._scratch[:bucket]
+    self._fill(buf, payload, n)
+    if not n:
       return tuple(caches)
-    return self._write(tuple(caches), *payload.runs, payload.device)
+    pages, keep = self._last_rows(pages)
+    # The device array may alias `buf`: wait for the update before the next write refills it.
+    return jax.block_until_ready(self._write(tuple(caches), *page_runs(pages, bucket, keep),
+                                             jax.device_put(buf)))
+
+
+_FREE_BLOCKS = 4
+"""Staging blocks of released prefetches a codec keeps for reuse."""
+
+
+class PrefetchedPages:
+  """Page rows on their way to the device for pages chosen later (`PageCodec.prefetch`).
+
+  Attributes:
+    host: `u8[bucket, page_bytes]` the staging block (rows past `num_rows` unused).
+    num_rows: rows staged.
+    device: the block as a jax array once moved (None before, and after `release`).
+  """
+
+  def __init__(self, codec: PageCodec, host: np.ndarray, num_rows: int):
+    self.codec, self.host, self.num_rows = codec, host, num_rows
+    self.device: Any = None
+    self._block = host  # the whole staging block `host` begins (set by `prefetch`)
+    self._future: concurrent.futures.Future | None = None
+
+  def wait(self) -> None:
+    """Blocks until the rows are in the block and on the device (re-raises the worker's
+    error)."""
+    if self._future is not None:
+      self.device = self._future.result()
+      self._future = None
+
+  def done(self) -> bool:
+    return self._future is None or self._future.done()
+
+  def row(self, i: int) -> np.ndarray:
+    """`u8[page_bytes]` row i (a view of the block; waits for the copy)."""
+    if not 0 <= i < self.num_rows:
+      raise ValueError(f"i must lie in [0, {self.num_rows}); got {i}")
+    self.wait()
+    return self.host[i]
 
 
 class StagedPages(NamedTuple):

@@ -77,8 +77,10 @@ class ContinuousBatcher:
     self.steps = 0
     self.traces: collections.Counter = collections.Counter()
     programs.build(self)
+    self._offload, self._codec = offload, None
+    self._prefetches: dict[Hashable, Any] = {}  # request id -> PrefetchedPages
     if offload is not None:
-      codec = PageCodec(self.caches)
+      codec = self._codec = PageCodec(self.caches)
       self.allocator.bind_device(lambda pages: codec.read(self.caches, pages),
                                  self._offload_writer(codec), state_codec=self._snapshots)
 
@@ -127,8 +129,58 @@ class ContinuousBatcher:
     return out
 
   # Scheduling.
+  def prefetch(self, request_id: Hashable, prompt: Sequence[int]) -> int:
+    """Starts moving the offloaded pages of `prompt`'s cached prefix to the device for a
+    request that will join later (`add(request_id, prompt, ...)`): the host copy and the
+    transfer run on a worker thread, so they overlap the decode steps taken meanwhile, and
+    the join then only updates the pools. Without an offload store, or when no page of the
+    prefix is offloaded, nothing is staged. A second prefetch for the same id replaces the
+    first. The pages stay the store's: `cancel_prefetch` (or a join of another prompt) puts
+    back whatever the join did not use.
+
+    Args:
+      request_id: the id `add` will be called with (not live).
+      prompt: its token ids (1-D ints).
+
+    Returns:
+      Pages being staged.
+
+    Raises:
+      ValueError: `request_id` is live already.
+      TypeError: `prompt` is not a 1-D sequence of ints.
+    """
+    prompt = np.asarray(prompt)
+    if prompt.ndim != 1 or not (np.issubdtype(prompt.dtype, np.integer) or prompt.size == 0):
+      raise TypeError(f"prompt must be a 1-D sequence of int token ids; got "
+                      f"{prompt.dtype}{list(prompt.shape)}")
+    if request_id in self.active:
+      raise ValueError(f"request_id must not be live already; got {request_id!r}")
+    self.cancel_prefetch(request_id)
+    if self._offload is None or prompt.size < 2:
+      return 0
+    allocator = self.allocator
+    # The blocks `allocate_prompt` will match (prefix.py's own walk; never all the prompt).
+    blocks = allocator._trim(allocator._walk(  # pylint: disable=protected-access
+        prompt.astype(np.int64), (prompt.size - 1) // self.page_size))
+    blocks = [b for b in blocks if b.tier != "device"]
+    if not blocks:
+      return 0
+    handle = self._offload.prefetch(blocks, self._codec)
+    self._prefetches[request_id] = handle
+    return handle.num_rows
+
+  def cancel_prefetch(self, request_id: Hashable) -> bool:
+    """Drops the prefetch of `request_id` (if any): its pages go back to the offload store,
+    its staging block to the codec. Returns whether there was one."""
+    handle = self._prefetches.pop(request_id, None)
+    if handle is None:
+      return False
+    self._offload.release(handle)
+    return True
+
   def add(self, request_id: Hashable, prompt: Sequence[int], max_new_tokens: int) -> int | Finished:
-    """Joins a sequence: allocates its prompt pages and prefills it into a free slot.
+    """Joins a sequence: allocates its prompt pages and prefills it into a free slot; offloaded
+    prefix pages come from its `prefetch` if one was started.
 
     Args:
       request_id: any hashable id not currently live.
@@ -143,8 +195,26 @@ class ContinuousBatcher:
     Raises:
       ValueError/TypeError: a bad prompt, length or id (nothing changes).
       NoFreeSlotError: every slot is busy (nothing changes).
-      OutOfPagesError: too few free pages for the prompt (nothing changes).
+      OutOfPagesError: too few free pages for the prompt (nothing changes; a prefetch is
+        kept for the next try).
     """
+    handle = self._prefetches.pop(request_id, None)
+    if handle is None:
+      return self._add(request_id, prompt, max_new_tokens)
+    try:
+      result = self._add(request_id, prompt, max_new_tokens)
+    except (NoFreeSlotError, OutOfPagesError):
+      self._prefetches[request_id] = handle  # nothing changed: the next try uses it
+      raise
+    except BaseException:
+      self._offload.release(handle)
+      raise
+    self._offload.release(handle)  # what the join did not take goes back to the store
+    return result
+
+  def _add(self, request_id: Hashable, prompt: Sequence[int], max_new_tokens: int
+           ) -> int | Finished:
+    """`add` without the prefetch bookkeeping."""
     prompt = np.asarray(prompt)
     if prompt.ndim == 1 and prompt.shape[0] == 0:  # np.asarray([]) is float64: check first
       raise ValueError(f"prompt of {request_id!r} must hold at least one token (an empty prompt "
@@ -276,7 +346,9 @@ class ContinuousBatcher:
 
   def run(self, requests: Iterable[tuple[Hashable, Sequence[int], int]]
           ) -> dict[Hashable, Finished]:
-    """Serves `requests` (id, prompt, max_new_tokens) first-come first-served.
+    """Serves `requests` (id, prompt, max_new_tokens) first-come first-served. With an offload
+    store, the offloaded prefix pages of the request waiting at the head of the queue are
+    prefetched while the live ones decode (`prefetch`).
 
     Raises:
       OutOfPagesError: a prompt needs more pages than the whole pool has.
@@ -289,8 +361,11 @@ class ContinuousBatcher:
         result = self.add(rid, prompt, max_new)
         if isinstance(result, Finished):
           done[rid] = result
+      if queue and self._offload is not None and queue[0][0] not in self._prefetches:
+        self.prefetch(queue[0][0], queue[0][1])
       if queue and not self.active:
         rid, prompt, _ = queue[0]
+        self.cancel_prefetch(rid)
         raise OutOfPagesError(rid, self.allocators[0].pages_needed(self._pool_tokens(len(prompt))),
                               max(a.num_free for a in self.allocators))
       for f in self.step():

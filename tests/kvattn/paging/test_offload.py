@@ -252,3 +252,54 @@ def test_offload_needs_the_prefix_cache():
   with pytest.raises(ValueError, match="offload needs prefix_cache=True"):
     ContinuousBatcher(_model(), num_slots=1, num_pages=9, page_size=PS, max_len=20,
                       max_prompt_len=16, offload=make_store("host", host_bytes=100))
+
+
+# Prefetch: the next request's offloaded pages staged while the current one decodes.
+
+
+def test_prefetched_pages_give_the_same_tokens_and_a_cancelled_prefetch_leaks_nothing():
+  """`run` with a queue prefetches the head's offloaded prefix while the live request decodes
+  (one slot: r2 waits for r1, which pushed r0's system prompt to the host tier); a prefetch
+  cancelled, or one whose request joins with another prompt, puts every page back."""
+  store = make_store("host", host_bytes=10**6)
+  batcher = _batcher(store)
+  requests = _requests()
+  out = batcher.run(requests[:3])
+  for rid, prompt, _ in requests[:3]:
+    assert tuple(out[rid].tokens.tolist()) == _alone(tuple(prompt.tolist())), rid
+  assert store.moves[("host", "prefetch")] > 0
+  assert store.moves[("prefetch", "device")] > 0  # r2's join took the staged rows
+  assert batcher.prefill_tokens == sum(len(p) for _, p, _ in requests[:3]) - 12
+  assert store.num_prefetched == 0 and not batcher._prefetches and not batcher._codec._prefetched
+  batcher.allocator.check()
+  # r3 shares r1's system prompt, which r2 pushed to the host tier.
+  held = (len(store.tiers[0]), store.used_bytes(), batcher.allocator.cached_blocks())
+  r3 = requests[3]
+  k = batcher.prefetch("r3", r3[1])
+  assert k >= 1 and store.num_prefetched == k and len(store.tiers[0]) == held[0] - k
+  assert batcher.prefetch("r3", r3[1]) == k  # a second prefetch replaces the first
+  assert batcher.cancel_prefetch("r3") and not batcher.cancel_prefetch("r3")
+  assert (len(store.tiers[0]), store.used_bytes(), batcher.allocator.cached_blocks()) == held
+  assert store.num_prefetched == 0 and not batcher._codec._prefetched
+  batcher.allocator.check()
+  # A prefetch whose request joins with another prompt: its pages go back to the tier...
+  batcher.prefetch("x", r3[1])
+  out = batcher.run([("x", requests[4][1], MAX_NEW)])
+  assert tuple(out["x"].tokens.tolist()) == _alone(tuple(requests[4][1].tolist()))
+  assert store.num_prefetched == 0 and batcher.allocator.cached_blocks().get("host", 0) >= k
+  # ... and still serve, bit-exact, a later join.
+  before = batcher.allocator.counters["pages_reloaded"]
+  out = batcher.run([r3])
+  assert tuple(out["r3"].tokens.tolist()) == _alone(tuple(r3[1].tolist()))
+  assert batcher.allocator.counters["pages_reloaded"] >= before + k
+  batcher.allocator.check()
+  with pytest.raises(TypeError, match="prompt must be a 1-D sequence of int token ids"):
+    batcher.prefetch("y", np.zeros((2, 3), np.int32))
+
+
+def test_a_prefetch_without_offloaded_pages_stages_nothing():
+  batcher = _batcher(make_store("host", host_bytes=10**6))
+  assert batcher.prefetch("r0", _requests()[0][1]) == 0
+  assert not batcher._prefetches
+  plain = _batcher(None)
+  assert plain.prefetch("r0", _requests()[0][1]) == 0

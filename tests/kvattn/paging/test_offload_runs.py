@@ -148,3 +148,49 @@ def test_the_device_read_equals_the_host_read(dtype, monkeypatch):
   monkeypatch.setattr(offload, "_on_host", lambda pool: False)
   np.testing.assert_array_equal(codec.read(src, GAPS), want)
   np.testing.assert_array_equal(want, _reference_rows(src, GAPS))
+
+
+def test_page_runs_follow_the_payload_rows_given():
+  """A run needs consecutive pages in consecutive rows: rows [4, 5, 0] for pages [2, 3, 4]
+  is one run of 2 (rows 4-5 -> pages 2-3) and one page (row 0 -> page 4)."""
+  rows, starts, counts = offload.page_runs([2, 3, 4], 8, rows=[4, 5, 0])
+  assert counts.tolist() == [1, 1, 0, 0]
+  assert (rows[0, 0], starts[0, 0], rows[1, 0], starts[1, 0]) == (0, 4, 4, 2)
+  with pytest.raises(ValueError, match=r"rows must give one payload row per page \(3\); got 2"):
+    offload.page_runs([2, 3, 4], 8, rows=[0, 1])
+
+
+@pytest.mark.parametrize("pages", [[4], [8, 7, 6], GAPS, list(range(NUM_PAGES)), [3, 5, 3],
+                                   list(range(1, 9))])  # 8 pages: one part of a full bucket
+def test_prefetched_rows_write_what_the_direct_write_does(pages):
+  """Rows from `prefetch` (copied and moved on the worker thread) are written from the staging
+  block where they are, in any order and subset; a released block is reused by the next
+  prefetch; repeated writes through the reused scratch block stay exact."""
+  src = (_cache(0), _cache(1))
+  codec = _codec(jnp.float32)
+  payload = codec.read(src, pages)
+  order = list(reversed(range(len(pages))))  # the handle's rows in reverse page order
+  handle = codec.prefetch([payload[i] for i in order])
+  rows = [handle.row(order.index(i)) for i in range(len(pages))]
+  direct = codec.write((_cache(7), _cache(8)), pages, payload)
+  scratch = codec._scratch
+  got = codec.write((_cache(7), _cache(8)), pages, rows)
+  for a, b in zip(_pools(got), _pools(direct)):
+    np.testing.assert_array_equal(a, b)
+  again = codec.write((_cache(7), _cache(8)), pages, list(payload))
+  assert codec._scratch is scratch  # the staging block of the first write, reused
+  for a, b in zip(_pools(again), _pools(direct)):
+    np.testing.assert_array_equal(a, b)
+  codec.release(handle)
+  codec.release(handle)  # twice: nothing
+  assert handle.device is None and not codec._prefetched
+  assert any(b is handle._block for b in codec._free_blocks)
+  free = list(codec._free_blocks)
+  other = codec.prefetch([payload[0]])
+  assert any(other._block is b for b in free)  # reused, not a fresh allocation
+  np.testing.assert_array_equal(other.row(0), payload[0])
+  with pytest.raises(ValueError, match=r"i must lie in \[0, 1\); got 1"):
+    other.row(1)
+  codec.release(other)
+  with pytest.raises(ValueError, match="payload must be rows of page_bytes"):
+    codec.prefetch([np.zeros(3, np.uint8)])
