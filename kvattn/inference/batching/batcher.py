@@ -133,8 +133,9 @@ class ContinuousBatcher:
     """Starts moving the offloaded pages of `prompt`'s cached prefix to the device for a
     request that will join later (`add(request_id, prompt, ...)`): the host copy and the
     transfer run on a worker thread, so they overlap the decode steps taken meanwhile, and
-    the join then only updates the pools. Without an offload store, or when no page of the
-    prefix is offloaded, nothing is staged. A second prefetch for the same id replaces the
+    the join then only updates the pools. Without a store that prefetches (`TieredStore`;
+    a `SharedPrefixStore` reads its files at the join), or when no page of the prefix is
+    offloaded, nothing is staged. A second prefetch for the same id replaces the
     first. The pages stay the store's: `cancel_prefetch` (or a join of another prompt) puts
     back whatever the join did not use.
 
@@ -156,7 +157,7 @@ class ContinuousBatcher:
     if request_id in self.active:
       raise ValueError(f"request_id must not be live already; got {request_id!r}")
     self.cancel_prefetch(request_id)
-    if self._offload is None or prompt.size < 2:
+    if not self._can_prefetch or prompt.size < 2:
       return 0
     allocator = self.allocator
     # The blocks `allocate_prompt` will match (prefix.py's own walk; never all the prompt).
@@ -168,6 +169,12 @@ class ContinuousBatcher:
     handle = self._offload.prefetch(blocks, self._codec)
     self._prefetches[request_id] = handle
     return handle.num_rows
+
+  @property
+  def _can_prefetch(self) -> bool:
+    """Whether the offload store stages pages ahead (`TieredStore`; a `SharedPrefixStore`
+    reads its files at the join)."""
+    return callable(getattr(self._offload, "prefetch", None))
 
   def cancel_prefetch(self, request_id: Hashable) -> bool:
     """Drops the prefetch of `request_id` (if any): its pages go back to the offload store,
@@ -361,7 +368,7 @@ class ContinuousBatcher:
         result = self.add(rid, prompt, max_new)
         if isinstance(result, Finished):
           done[rid] = result
-      if queue and self._offload is not None and queue[0][0] not in self._prefetches:
+      if queue and self._can_prefetch and queue[0][0] not in self._prefetches:
         self.prefetch(queue[0][0], queue[0][1])
       if queue and not self.active:
         rid, prompt, _ = queue[0]
