@@ -306,3 +306,16 @@ def test_pools_with_boundary_states_neither_publish_nor_hit(tmp_path):
                                boundary_states=states)
     b.bind_device(None, lambda pages, rows: None)
     assert b.match(list(range(1, 10)), with_state=False) == found
+
+
+def test_a_queued_run_over_the_shared_store_serves_every_request(tmp_path):
+  # `run` prefetches the head of its queue through stores that stage ahead; the shared store
+  # reads its files at the join instead, so a queue (one slot, three requests) must not reach it.
+  b = _worker(tmp_path)
+  assert not b._can_prefetch  # pylint: disable=protected-access
+  prompts = _prompts(seed=7)
+  out = b.run([(f"r{i}", p, MAX_NEW) for i, p in enumerate(prompts)])
+  for i, p in enumerate(prompts):
+    assert tuple(out[f"r{i}"].tokens.tolist()) == _alone(tuple(p.tolist()), 0)
+  b.allocator.check()
+  assert b.allocator.counters["cached_tokens"] == 2 * 12  # the 2nd and 3rd hit the 1st's pages
