@@ -41,6 +41,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from experiments.evals import ruler
+from experiments.framework import cli
 
 MODEL = "smollm2-135m-instruct"
 TASK, LENGTH = "niah_single", 1024
@@ -525,7 +526,7 @@ def estimate_full_config(seconds_per_batch: float, compile_s: float, arg: str = 
 
 def main(argv: Iterable[str] | None = None) -> None:
   """Parses the flags of the module doc and runs (or serves, with `--child=kvpress`)."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--child", choices=("kvpress",), default=None, help=argparse.SUPPRESS)
   parser.add_argument("--points", default="snapkv:0.5,none:0")
   parser.add_argument("--configs", default="float32:8,int8:8")
@@ -557,4 +558,4 @@ def main(argv: Iterable[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  cli.run_plain(main)
