@@ -50,7 +50,6 @@ Exit status 1 (after the line) if `lost`, `duplicated` or `wrong` is not 0.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import json
@@ -66,6 +65,7 @@ from typing import Any
 import numpy as np
 
 from experiments.benchmarks import soak
+from experiments.framework import cli
 
 
 def _write(path: str, payload: dict) -> None:
@@ -307,7 +307,7 @@ def check(record: dict[str, Any], config: soak.SoakConfig) -> dict[str, Any]:
 
 def main(argv=None) -> int:
   """The driver (default) or one worker (`--role=worker`); see the module doc."""
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = cli.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--role", default="driver", choices=("driver", "worker"))
   p.add_argument("--dir", default=None, help="the shared directory (default: a temporary one)")
   p.add_argument("--index", type=int, default=0, help="worker index")
@@ -344,4 +344,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  cli.run_plain(main)
