@@ -10,6 +10,8 @@ eviction policies (H2O, SnapKV, TOVA). Queries run in chunks of `query_chunk` (`
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -142,7 +144,16 @@ def positional_attention(
 
   def body(mass, x):
     qc, pc, rc, qa = x
-    out, m = _chunk_attention(qc, k, v, pc, kv_pos, always_visible, qa, rc, **opts)
+    chunk = functools.partial(_chunk_attention, qc, k, v, pc, kv_pos, always_visible, qa,
+                              **opts)
+    if not want_mass:
+      out, m = chunk(rc)
+      return mass, out
+    # A block without scoring queries (SnapKV's window is the last tokens) adds no mass: its
+    # branch has none to compute, and where the output is not used either (a context written
+    # only for its scores) XLA drops the block's work.
+    out, m = jax.lax.cond(jnp.any(rc), lambda: chunk(rc),
+                          lambda: (chunk(rc)[0], jnp.zeros_like(mass)))
     return mass + m, out
 
   mass, outs = jax.lax.scan(body, jnp.zeros((batch, num_kv_heads, capacity), jnp.float32), xs)
