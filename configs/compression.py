@@ -61,6 +61,9 @@ def get_config(arg=None):
   config.compression.ratios = (0.0, 0.5, 0.75) if smoke else (0.0, 0.25, 0.5, 0.75, 0.9)
   config.compression.protocol = "context"  # kvpress's protocol; or "fixed_budget" (docstring).
   config.compression.num_sinks = 4  # Sinks of the "sink" kind (StreamingLLM's n_sink).
+  config.compression.replay = True  # The context's forward pass once per batch and model,
+  # every point writing its caches from the recorded layer inputs (experiments/evals/
+  # replay.py; kvpress's protocol and the dense point); False: kvattn.generate per point.
   config.compression.local_layers = "ring"  # "ring": sliding-window layers (Gemma 3) keep
   # their exact ring cache and only global layers are compressed; "full": every layer.
 

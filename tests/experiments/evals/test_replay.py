@@ -1,0 +1,79 @@
+"""experiments.evals.replay: a recorded context, compressed per point, gives generate's tokens."""
+
+import numpy as np
+import pytest
+
+import kvattn
+from experiments.evals import models
+from experiments.evals import replay
+from kvattn.caches import registry
+
+NEW = 5
+
+
+def _prompts(rng, lengths, width):
+  prompts = np.zeros((len(lengths), width), np.int32)
+  for b, n in enumerate(lengths):
+    prompts[b, :n] = rng.integers(1, 256, n)
+  return prompts, np.array(lengths, np.int32)
+
+
+def test_replayed_points_give_the_tokens_and_kept_positions_of_generate():
+  # The local/global model (rings on the local layers under "ring"); rows with contexts of 1,
+  # a block-sized and an odd length; the question 1 token for one row.
+  model = models.tiny_model(local_window=4)
+  prompts, lengths = _prompts(np.random.default_rng(0), [40, 19, 33], 40)
+  contexts = np.array([31, 1, 32], np.int32)
+  context, rest, rest_lengths = replay.split_prompts(prompts, lengths, contexts)
+  inputs = replay.record(model, context, contexts)
+  assert len(inputs) == 4 and inputs[0].shape == (3, context.shape[1], 32)
+  capacity = int(lengths.max()) + NEW - 1
+  for spec in ({"kind": "dense"},
+               {"kind": "knorm", "compress": "context", "compression_ratio": 0.5},
+               {"kind": "snapkv", "compress": "context", "compression_ratio": 0.75,
+                "window_size": 4, "kernel_size": 3},
+               {"kind": "pyramidkv", "compress": "context", "compression_ratio": 0.5,
+                "context_tokens": 31, "window_size": 4, "kernel_size": 3}):
+    factory = registry.cache_factory_from_config(model, spec)
+    kwargs = {} if spec["kind"] == "dense" else {"context_lengths": contexts}
+    slots = registry.slots_needed(spec, contexts, lengths + NEW - 1) or capacity
+    want = kvattn.generate(model, prompts, lengths, NEW, cache_factory=factory, max_len=slots,
+                           **kwargs)
+    for common in ((None, capacity) if spec["kind"] != "dense" else (None,)):
+      # the policy's own caches, then the appending form
+      got = replay.generate_after(model, inputs, contexts, factory(3, slots), rest,
+                                  rest_lengths, NEW, capacity=common)
+      np.testing.assert_array_equal(got[0], want[0], err_msg=str((spec, common)))
+      np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_appending_keeps_the_kept_slots_and_refuses_a_smaller_capacity():
+  model = models.tiny_model()
+  spec = {"kind": "tova", "compress": "context", "compression_ratio": 0.5}
+  cache = registry.cache_factory_from_config(model, spec)(2, 12)[0]
+  grown = replay.appending(cache, 20)
+  assert grown.capacity == 20 and grown.policy == "recent"
+  np.testing.assert_array_equal(grown.pos[:, :, :12], cache.pos)
+  assert (np.asarray(grown.pos[:, :, 12:]) == -1).all()
+  with pytest.raises(ValueError, match=r"capacity must be >= the cache's 12; got 11"):
+    replay.appending(cache, 11)
+  dense = registry.cache_factory_from_config(model, {"kind": "dense"})(2, 12)[0]
+  assert replay.appending(dense, 20) is dense
+
+
+def test_what_cannot_be_replayed_is_refused():
+  model = models.tiny_model()
+  fixed = registry.cache_factory_from_config(model, {"kind": "knorm", "budget": 8})(2, 8)
+  assert not replay.replayable(model, fixed)
+  prompts, lengths = _prompts(np.random.default_rng(1), [9, 6], 9)
+  contexts = np.array([5, 3], np.int32)
+  context, rest, rest_lengths = replay.split_prompts(prompts, lengths, contexts)
+  inputs = replay.record(model, context, contexts)
+  with pytest.raises(ValueError, match=r"caches must be dense, evicting with "
+                     r"compress='context' or rings"):
+    replay.generate_after(model, inputs, contexts, fixed, rest, rest_lengths, NEW)
+  with pytest.raises(ValueError, match=r"context_lengths must lie in \[1, "):
+    replay.record(model, context, np.array([0, 3]))
+  dense = registry.cache_factory_from_config(model, {"kind": "dense"})(2, 16)
+  with pytest.raises(ValueError, match=r"rest_lengths in \[1, Tr\]"):
+    replay.generate_after(model, inputs, contexts, dense, rest, np.array([0, 3]), NEW)
