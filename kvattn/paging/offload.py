@@ -270,9 +270,10 @@ class TieredStore:
   def prefetch(self, blocks: Sequence[Any], codec: "PageCodec") -> "PrefetchedPages":
     """Takes the page payloads of `blocks` out of their tiers and starts moving them to the
     device (`PageCodec.prefetch`, on its worker thread); `take` of such a block then returns
-    its row of the staging block, which `PageCodec.write` uses in place. Blocks in no tier,
-    prefetched already, or whose payload is not exactly one page (a boundary state rides
-    along) are skipped; a corrupt disk page is dropped (`on_drop`) as `take` would find it.
+    its payload object, which `PageCodec.write` recognises and writes from the staged block.
+    Blocks in no tier, prefetched already, or whose payload is not exactly one page (a
+    boundary state rides along) are skipped; a corrupt disk page is dropped (`on_drop`) as
+    `take` would find it.
     Call `release(handle)` once the request joined or will not come.
 
     Args:
@@ -304,7 +305,7 @@ class TieredStore:
     left = [(b, i) for b, h, i in self._staged.values() if h is handle]
     for block, i in left:
       del self._staged[id(block)]
-      self.put(block, np.array(handle.row(i), copy=True))
+      self.put(block, handle.row(i))  # the payload taken from the tier (a tier copies it)
     handle.codec.release(handle)
 
   @property
@@ -411,13 +412,6 @@ def _as_bytes(x):
   return jax.lax.bitcast_convert_type(x, jnp.uint8)
 
 
-def _from_bytes(raw, dtype):
-  """Inverse of `_as_bytes`: u8 `[..., itemsize]` as `dtype` `[...]`."""
-  if jnp.dtype(dtype).itemsize == 1:
-    return jax.lax.bitcast_convert_type(raw[..., 0], dtype)
-  return jax.lax.bitcast_convert_type(raw, dtype)
-
-
 def _from_units(x, shape, dtype):
   """Staged units `x` (u8/u16/u32, as many bytes as `shape` of `dtype`) as `dtype[shape]`: a
   reshape, then a bitcast (same width: no copy) or, for a wider dtype, one over a trailing axis
@@ -465,11 +459,12 @@ class PageCodec:
   (the format of the tiers and of `kvattn.paging.shared`'s page files). Reads and writes move
   whole runs of consecutive pages (`page_runs`). A read gathers them on the host (pools in
   host memory) or with one jitted program. A write first copies the rows on the host into a
-  *pool-major* staging block -- pool j's pages as `[K, bucket, bytes per head]`, the pools in
-  order -- so the `[n, K, ...] -> [K, n, ...]` reorder happens in that copy (numpy, at memcpy
-  speed); the block crosses to the device as one array (`jax.device_put`; aliased, not copied,
-  on a CPU backend), and one jitted program does one static-shape `dynamic_update_slice` per
-  run part and pool, a plain copy with no transpose (the caches donated: in place).
+  *pool-major* staging block -- pool j's pages as `[K, bucket + 1, bytes per head]`, the pools
+  in order (`_fill`, `_block_bytes`) -- so the `[n, K, ...] -> [K, n, ...]` reorder happens in
+  that copy (numpy, near memcpy speed); the block crosses to the device as one array
+  (`jax.device_put`; aliased, not copied, on a CPU backend), and one jitted program does one
+  static-shape `dynamic_update_slice` per run part and pool, a plain copy with no transpose
+  (the caches donated: in place).
   """
 
   def __init__(self, caches: Sequence[Any]):
