@@ -82,14 +82,16 @@ def _reload(codec, dst, pages, rows, path):
     codec.release(handle)
 
 
-FAST = {("f32", "rows"), ("kivi", "rows"), ("mixed", "rows"), ("f32", "prefetch"),
-        ("kivi", "array")}
+# The fast suite: f32 and KIVI rows on every list, mixed caches with gaps and the whole pool,
+# the prefetch and array paths once; every other combination in the slow suite.
+FAST = ({("f32", "rows", n) for n in PAGE_LISTS} | {("kivi", "rows", n) for n in PAGE_LISTS} |
+        {("mixed", "rows", "gaps"), ("mixed", "rows", "whole"), ("f32", "prefetch", "run9"),
+         ("kivi", "array", "whole")})
 
 
-@pytest.mark.parametrize("kind, path", [
-    pytest.param(k, p, marks=() if (k, p) in FAST else pytest.mark.slow)
-    for k in KINDS for p in ("rows", "array", "staged", "prefetch")])
-@pytest.mark.parametrize("name", PAGE_LISTS)
+@pytest.mark.parametrize("kind, path, name", [
+    pytest.param(k, p, n, marks=() if (k, p, n) in FAST else pytest.mark.slow)
+    for k in KINDS for p in ("rows", "array", "staged", "prefetch") for n in PAGE_LISTS])
 def test_reload_after_spill_is_bit_identical(kind, path, name):
   pages = PAGE_LISTS[name]
   codec = _codec(kind)
