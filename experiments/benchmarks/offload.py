@@ -12,11 +12,12 @@ whole pool -- the median over `--repeats` rounds, the figures interleaved within
   * spill: `PageCodec.read` of the pages, then each row put in a `HostTier` (pool ->
     host tier, as the prefix cache evicts);
   * reload: the rows taken from the tier, then `PageCodec.write` into the pool until the
-    caches are ready (host tier -> pool, as a prefix hit reloads): one copy into the codec's
-    reused staging block, its zero-copy `device_put`, the jitted update; also through a
+    caches are ready (host tier -> pool, as a prefix hit reloads): one copy of the rows into
+    the codec's reused staging block, laid out pool-major (by two threads from 4 MiB on), its
+    zero-copy `device_put`, the jitted update (a copy without a transpose); also through a
     `pinned_host` tier where the backend offers that memory kind;
-  * install prefetched: `PageCodec.write` of rows a `PageCodec.prefetch` already moved (what a
-    join waits for when the prefetch ran during a decode step): the jitted update only.
+  * install prefetched: `PageCodec.write` of rows a `PageCodec.prefetch` already staged (what
+    a join waits for when the prefetch ran during a decode step): the jitted update only.
 
 Then the overlap of a prefetch with compute: one decode step of the batcher (two live
 requests), a prefetch of the pages' rows alone (copy into a staging block and transfer, on

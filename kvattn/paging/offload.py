@@ -270,9 +270,10 @@ class TieredStore:
   def prefetch(self, blocks: Sequence[Any], codec: "PageCodec") -> "PrefetchedPages":
     """Takes the page payloads of `blocks` out of their tiers and starts moving them to the
     device (`PageCodec.prefetch`, on its worker thread); `take` of such a block then returns
-    its row of the staging block, which `PageCodec.write` uses in place. Blocks in no tier,
-    prefetched already, or whose payload is not exactly one page (a boundary state rides
-    along) are skipped; a corrupt disk page is dropped (`on_drop`) as `take` would find it.
+    its payload object, which `PageCodec.write` recognises and writes from the staged block.
+    Blocks in no tier, prefetched already, or whose payload is not exactly one page (a
+    boundary state rides along) are skipped; a corrupt disk page is dropped (`on_drop`) as
+    `take` would find it.
     Call `release(handle)` once the request joined or will not come.
 
     Args:
@@ -304,7 +305,7 @@ class TieredStore:
     left = [(b, i) for b, h, i in self._staged.values() if h is handle]
     for block, i in left:
       del self._staged[id(block)]
-      self.put(block, np.array(handle.row(i), copy=True))
+      self.put(block, handle.row(i))  # the payload taken from the tier (a tier copies it)
     handle.codec.release(handle)
 
   @property
@@ -411,17 +412,19 @@ def _as_bytes(x):
   return jax.lax.bitcast_convert_type(x, jnp.uint8)
 
 
-def _from_bytes(raw, dtype):
-  """Inverse of `_as_bytes`: u8 `[..., itemsize]` as `dtype` `[...]`."""
-  if jnp.dtype(dtype).itemsize == 1:
-    return jax.lax.bitcast_convert_type(raw[..., 0], dtype)
-  return jax.lax.bitcast_convert_type(raw, dtype)
+def _from_units(x, shape, dtype):
+  """Staged units `x` (u8/u16/u32, as many bytes as `shape` of `dtype`) as `dtype[shape]`: a
+  reshape, then a bitcast (same width: no copy) or, for a wider dtype, one over a trailing axis
+  of `itemsize / unit`."""
+  ratio = jnp.dtype(dtype).itemsize // x.dtype.itemsize
+  x = x.reshape(tuple(shape) + ((ratio,) if ratio > 1 else ()))
+  return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
 
 
 _ALIGN = 4096  # a page of host memory: a CPU backend's device_put aliases such a buffer
 
 
-def _aligned_empty(shape: tuple[int, int]) -> np.ndarray:
+def _aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
   """`u8[shape]`, uninitialised, its first byte on an `_ALIGN`-byte boundary."""
   size = int(np.prod(shape))
   raw = np.empty(size + _ALIGN, np.uint8)
@@ -438,16 +441,30 @@ def _on_host(pool) -> bool:
   return len(devices) == 1 and next(iter(devices)).platform == "cpu"
 
 
+def _period(layouts: Sequence[Any]) -> int:
+  """The fewest leading pools whose layouts repeat through the whole list (the pools of one
+  layer: 2 for K and V, 6 for KIVI's codes, scales and zeros); 1 for no pools."""
+  count = len(layouts)
+  for p in range(1, count + 1):
+    if count % p == 0 and all(layouts[j] == layouts[j % p] for j in range(count)):
+      return p
+  return 1
+
+
 class PageCodec:
   """Page payloads of a model's paged caches: the bytes of one page in every pool (each
   cache's `POOL_FIELDS`, `kvattn.caches.capabilities`).
 
-  A payload row is one page: every pool's `[K, page_size, ...]` block in pool order, as bytes.
-  Reads and writes move whole runs of consecutive pages (`page_runs`): one dynamic slice or
-  dynamic update of static shape per run part and pool inside one jitted program (the caches
-  donated on write, so the pools are updated in place), the payload crossing between host and
-  device as one `u8[n, page_bytes]` array (`jax.device_put`; a read comes back without a copy
-  on a CPU backend).
+  A payload row is one page: every pool's `[K, page_size, ...]` block in pool order, as bytes
+  (the format of the tiers and of `kvattn.paging.shared`'s page files). Reads and writes move
+  whole runs of consecutive pages (`page_runs`). A read gathers them on the host (pools in
+  host memory) or with one jitted program. A write first copies the rows on the host into a
+  *pool-major* staging block -- pool j's pages as `[K, bucket + 1, bytes per head]`, the pools
+  in order (`_fill`, `_block_bytes`) -- so the `[n, K, ...] -> [K, n, ...]` reorder happens in
+  that copy (numpy, near memcpy speed); the block crosses to the device as one array
+  (`jax.device_put`; aliased, not copied, on a CPU backend), and one jitted program does one
+  static-shape `dynamic_update_slice` per run part and pool, a plain copy with no transpose
+  (the caches donated: in place).
   """
 
   def __init__(self, caches: Sequence[Any]):
@@ -457,6 +474,12 @@ class PageCodec:
     self.page_bytes = sum(self.sizes)
     layouts, sizes = self.layouts, self.sizes
     offsets = np.cumsum([0] + sizes[:-1]).tolist()
+    self._offsets = offsets
+    # The staging block's element: the narrowest pool item, at most 4 bytes (no u64 without
+    # x64). Pools of that width are bitcast as they are; wider ones gain a trailing axis.
+    unit = min([jnp.dtype(d).itemsize for _, d in layouts] + [4])
+    self._unit = unit
+    self._period = _period(layouts)
 
     def part(pool, start, length):  # pool pages [start, start + length) as u8[length, size]
       x = jax.lax.dynamic_slice_in_dim(pool, start, length, axis=1)
@@ -466,6 +489,8 @@ class PageCodec:
       pools = [_stored(p) for p in self._pools(caches)]
       out = jnp.zeros((bucket, self.page_bytes), jnp.uint8)
       for c in range(rows.shape[0]):
+        if pools and 1 << c > pools[0].shape[1]:
+          break  # no run is longer than the pool (a 16-page bucket over 13 pages)
         def body(j, out, c=c):
           for pool, offset in zip(pools, offsets):
             out = jax.lax.dynamic_update_slice(out, part(pool, starts[c, j], 1 << c),
@@ -474,17 +499,23 @@ class PageCodec:
         out = jax.lax.fori_loop(0, counts[c], body, out)
       return out
 
-    def write(caches, rows, starts, counts, payload):
+    def write(caches, rows, starts, counts, block):
+      # block: the pool-major staging block (`_fill`) as uint[slots * page_bytes / unit].
+      slots = block.shape[0] * unit // max(self.page_bytes, 1)
       pools = [_stored(p) for p in self._pools(caches)]
       for c in range(rows.shape[0]):
         length = 1 << c
+        if pools and length > pools[0].shape[1]:
+          break  # no run is longer than the pool (a 16-page bucket over 13 pages)
         def body(j, pools, c=c, length=length):
-          block = jax.lax.dynamic_slice_in_dim(payload, rows[c, j], length, axis=0)
           out = []
           for pool, offset, size, (shape, _) in zip(pools, offsets, sizes, layouts):
-            raw = block[:, offset:offset + size].reshape((length,) + shape +
-                                                         (pool.dtype.itemsize,))
-            new = jnp.moveaxis(_from_bytes(raw, pool.dtype), 0, 1)
+            # Pool j's staged pages, [K, slots, bytes per head / unit], sliced here in the
+            # body: XLA fuses it into the update (sliced outside, it is copied into the loop).
+            slab = block[slots * offset // unit:slots * (offset + size) // unit]
+            slab = slab.reshape(shape[0], slots, size // shape[0] // unit)
+            staged = jax.lax.dynamic_slice_in_dim(slab, rows[c, j], length, axis=1)
+            new = _from_units(staged, (shape[0], length) + shape[1:], pool.dtype)
             index = (0, starts[c, j]) + (0,) * (pool.ndim - 2)
             out.append(jax.lax.dynamic_update_slice(pool, new, index))
           return out
@@ -505,8 +536,9 @@ class PageCodec:
     self._scratch: np.ndarray | None = None  # the staging block of `write`, grown and reused
     self._lock = threading.Lock()  # guards the prefetch bookkeeping below
     self._free_blocks: list[np.ndarray] = []  # staging blocks of released prefetches
-    self._prefetched: dict[int, PrefetchedPages] = {}  # id(block's memory) -> live prefetch
+    self._prefetched: dict[int, PrefetchedPages] = {}  # id(handle) -> live prefetch
     self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+    self._helper: concurrent.futures.ThreadPoolExecutor | None = None  # `_fill(split=True)`
 
   @staticmethod
   def _pools(caches):
@@ -566,20 +598,78 @@ class PageCodec:
       raise ValueError(f"pages must lie in [0, {num_pages}); got {pages.tolist()}")
     return pages
 
-  def _fill(self, buf: np.ndarray, payload: Any, n: int) -> None:
-    """Copies `payload` (n rows) into `buf[:n]`: one copy per row, no temporary."""
+  def _rows(self, payload: Any, n: int) -> list[Any] | np.ndarray:
+    """`payload` checked: n rows of `u8[page_bytes]` (a list), or `[n, page_bytes]`.
+
+    Raises:
+      ValueError: another count or size.
+    """
     if isinstance(payload, (list, tuple)):
       if len(payload) != n or any(np.shape(p) != (self.page_bytes,) for p in payload):
         raise ValueError(f"payload must be {n} rows of page_bytes = {self.page_bytes} bytes; "
                          f"got {[np.shape(p) for p in payload]}")
-      if n:
-        np.stack([np.asarray(p, np.uint8) for p in payload], out=buf[:n])
-    else:
-      payload = np.asarray(payload)
-      if payload.shape != (n, self.page_bytes):
-        raise ValueError(f"payload must have shape [len(pages), page_bytes] = ({n}, "
-                         f"{self.page_bytes}); got {tuple(payload.shape)}")
-      np.copyto(buf[:n], payload, casting="unsafe")
+      return list(payload)
+    payload = np.asarray(payload)
+    if payload.shape != (n, self.page_bytes):
+      raise ValueError(f"payload must have shape [len(pages), page_bytes] = ({n}, "
+                       f"{self.page_bytes}); got {tuple(payload.shape)}")
+    return payload
+
+  def _fill(self, block: np.ndarray, rows: list[Any] | np.ndarray, bucket: int, *,
+            split: bool = False) -> np.ndarray:
+    """Copies `rows` (checked by `_rows`, at most `bucket`) into `block` (flat u8, at least
+    `_block_bytes(bucket)`) pool-major: with S = bucket + 1 slots, pool j's row i,
+    `[K, bytes per head]`, goes to `block[S * offset_j:][:K * S * c].reshape(K, S, c)[:, i]`
+    (c bytes per head). One strided copy per row and pool of a layer (`_period`): the pools
+    of one position in every layer form one strided view on both sides. Returns the block's
+    first `_block_bytes(bucket)` bytes as the staging dtype (what `_write` takes). With
+    `split`, rows of at least `_SPLIT_BYTES` in all are copied by two threads."""
+    slots = bucket + 1  # the block's rows per pool (_block_bytes)
+    flat = block[:self._block_bytes(bucket)]
+    units = flat.view(f"u{self._unit}")
+    n = len(rows)
+    if not n or not self.layouts:
+      return units
+    period = self._period
+    layers = len(self.layouts) // period
+    layer_bytes = sum(self.sizes[:period])
+    dst = flat.reshape(layers, slots * layer_bytes)
+    targets = []
+    for p in range(period):
+      k, offset, size = self.layouts[p][0][0], self._offsets[p], self.sizes[p]
+      view = dst[:, slots * offset:slots * (offset + size)].reshape(
+          layers, k, slots, size // k, copy=False)
+      targets.append((view, offset, k, size))
+    def copy(lo, hi):  # rows [lo, hi)
+      if isinstance(rows, np.ndarray):  # [n, page_bytes]: one copy per position, every row
+        src = rows[lo:hi].reshape(hi - lo, layers, layer_bytes)
+        for view, offset, k, size in targets:
+          part = src[:, :, offset:offset + size].reshape(hi - lo, layers, k, size // k)
+          np.copyto(view[:, :, lo:hi], part.transpose(1, 2, 0, 3), casting="unsafe")
+        return
+      for i in range(lo, hi):
+        src = np.asarray(rows[i], np.uint8).reshape(layers, layer_bytes)
+        for view, offset, k, size in targets:
+          np.copyto(view[:, :, i], src[:, offset:offset + size].reshape(layers, k, size // k))
+
+    if not split or n < 2 or n * self.page_bytes < _SPLIT_BYTES:
+      copy(0, n)
+      return units
+    # Two threads, half the rows each: numpy releases the GIL while it copies.
+    with self._lock:
+      if self._helper is None:
+        self._helper = concurrent.futures.ThreadPoolExecutor(1, "kvattn-stage")
+      first = self._helper.submit(copy, 0, n // 2)
+    copy(n // 2, n)
+    first.result()
+    return units
+
+  def _block_bytes(self, bucket: int) -> int:
+    """Bytes of a staging block for `bucket` rows: bucket + 1 slots per pool. The spare slot
+    keeps every run part a true slice: a part as long as the slab (64 pages of a 64-row
+    block) makes XLA turn the dynamic slice into the slab and copy it out of the loop (5x
+    slower, measured)."""
+    return (bucket + 1) * self.page_bytes
 
   @staticmethod
   def _last_rows(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
@@ -608,19 +698,23 @@ class PageCodec:
     pages = self._checked(pages, num_pages)
     n = len(pages)
     bucket = _bucket(max(n, 1))
-    # One host copy into the padded block; its padding rows are never read (`page_runs`).
-    # Aligned, so a CPU backend's device_put takes it without a second copy.
-    buf = _aligned_empty((bucket, self.page_bytes))
-    self._fill(buf, payload, n)
-    pages, rows = self._last_rows(pages)
-    return StagedPages(pages, page_runs(pages, bucket, rows), jax.device_put(buf) if n else None)
+    rows = self._rows(payload, n)
+    # One host copy into the padded pool-major block; its padding rows are never read
+    # (`page_runs`). Aligned, so a CPU backend's device_put takes it without a second copy.
+    units = self._fill(_aligned_empty((self._block_bytes(bucket),)), rows, bucket)
+    pages, keep = self._last_rows(pages)
+    return StagedPages(pages, page_runs(pages, bucket, keep),
+                       jax.device_put(units) if n else None)
 
   def prefetch(self, payload: Sequence[Any]) -> "PrefetchedPages":
     """Starts moving page rows to the device for pool pages chosen later: on a worker thread,
-    one copy of the rows into a staging block reused across prefetches, then its transfer
-    (`jax.device_put`; a CPU backend aliases the block). A decode step may compute meanwhile
-    (its jitted program releases the GIL). `write(caches, pages, [handle.row(i) ...])` then
-    only updates the pools; `release(handle)` returns the block.
+    one copy of the rows into a pool-major staging block reused across prefetches (class
+    doc), then its transfer (`jax.device_put`; a CPU backend aliases the block). A decode step
+    may compute meanwhile (its jitted program releases the GIL). `handle.row(i)` is the i-th
+    row given (the same object, held until `release`); `write(caches, pages,
+    [handle.row(i) ...])` recognises those objects and only updates the pools from the
+    staged block. The rows must not change while prefetched. `release(handle)` returns the
+    block.
 
     Args:
       payload: `u8[page_bytes]` rows (any length, the order of `handle.row(i)`).
@@ -633,31 +727,29 @@ class PageCodec:
       raise ValueError(f"payload must be rows of page_bytes = {self.page_bytes} bytes; got "
                        f"{[np.shape(p) for p in rows]}")
     bucket = _bucket(max(len(rows), 1))
+    need = self._block_bytes(bucket)
     with self._lock:
-      fits = [i for i, b in enumerate(self._free_blocks) if b.shape[0] >= bucket]
+      fits = [i for i, b in enumerate(self._free_blocks) if b.size >= need]
       if fits:  # the smallest block that fits
-        block = self._free_blocks.pop(min(fits, key=lambda i: len(self._free_blocks[i])))
+        block = self._free_blocks.pop(min(fits, key=lambda i: self._free_blocks[i].size))
       else:
-        block = _aligned_empty((bucket, self.page_bytes))
+        block = _aligned_empty((need,))
       if self._worker is None:
         self._worker = concurrent.futures.ThreadPoolExecutor(1, "kvattn-prefetch")
-      handle = PrefetchedPages(self, block[:bucket], len(rows))
-      handle._block = block  # pylint: disable=protected-access
-      self._prefetched[id(block.base)] = handle
+      handle = PrefetchedPages(self, rows, bucket, block)
+      self._prefetched[id(handle)] = handle
 
     def move():
-      if rows:
-        np.stack([np.asarray(p, np.uint8) for p in rows], out=handle.host[:len(rows)])
-      return jax.block_until_ready(jax.device_put(handle.host))
+      return jax.block_until_ready(jax.device_put(self._fill(block, rows, bucket)))
 
     handle._future = self._worker.submit(move)  # pylint: disable=protected-access
     return handle
 
   def release(self, handle: "PrefetchedPages") -> None:
     """Returns `handle`'s staging block for reuse (after its transfer, and any `write` from
-    it, finished). Its rows must not be used after. Releasing twice does nothing."""
+    it, finished). Releasing twice does nothing."""
     with self._lock:
-      if self._prefetched.pop(id(handle.host.base), None) is not handle:
+      if self._prefetched.pop(id(handle), None) is not handle:
         return
     handle.wait()
     handle.device = None
@@ -666,32 +758,23 @@ class PageCodec:
         self._free_blocks.append(handle._block)  # pylint: disable=protected-access
 
   def _prefetched_rows(self, payload: Any, n: int):
-    """`(handle, i64[n] rows)` if `payload` is n rows of one live prefetch's block, else None."""
+    """`(handle, i64[n] rows)` if `payload` is n row objects of one live prefetch, else None."""
     if not n or not isinstance(payload, (list, tuple)) or len(payload) != n:
       return None
-    first = payload[0]
-    if not isinstance(first, np.ndarray) or first.base is None:
-      return None
-    handle = self._prefetched.get(id(first.base))
-    if handle is None:
-      return None
-    origin, rows = handle.host.ctypes.data, []
-    for p in payload:
-      if (not isinstance(p, np.ndarray) or p.base is not handle.host.base
-          or p.shape != (self.page_bytes,) or not p.flags.c_contiguous):
-        return None
-      row, rest = divmod(p.ctypes.data - origin, self.page_bytes)
-      if rest or not 0 <= row < handle.num_rows:
-        return None
-      rows.append(row)
-    return handle, np.asarray(rows, np.int64)
+    with self._lock:
+      handles = list(self._prefetched.values())
+    for handle in handles:
+      rows = [handle._index.get(id(p)) for p in payload]  # pylint: disable=protected-access
+      if all(i is not None and handle.rows[i] is p for i, p in zip(rows, payload)):
+        return handle, np.asarray(rows, np.int64)
+    return None
 
   def write(self, caches: Sequence[Any], pages: Sequence[int], payload: Any) -> tuple[Any, ...]:
     """`caches` with `pages` overwritten by `payload` (`u8[len(pages), page_bytes]`, a list
-    of `u8[page_bytes]` rows -- rows of a `prefetch` are used where they already are -- or
-    what `stage` returned for these pages); `caches` are donated. Runs of consecutive pages
-    are written as whole blocks (class doc); a page listed twice gets its last row. Except
-    for a staged payload, returns once the pools are updated: the rows went through a
+    of `u8[page_bytes]` rows -- rows of a live `prefetch` are written from its staged block
+    -- or what `stage` returned for these pages); `caches` are donated. Runs of consecutive
+    pages are written as whole blocks (class doc); a page listed twice gets its last row.
+    Except for a staged payload, returns once the pools are updated: the rows went through a
     staging block reused by the next write.
 
     Raises:
@@ -714,20 +797,28 @@ class PageCodec:
       handle, rows = prefetched
       handle.wait()
       pages, keep = self._last_rows(pages)
-      runs = page_runs(pages, handle.host.shape[0], rows if keep is None else rows[keep])
+      runs = page_runs(pages, handle.bucket, rows if keep is None else rows[keep])
       return jax.block_until_ready(self._write(tuple(caches), *runs, handle.device))
-    bucket = _bucket(max(n, 1))
-    if self._scratch is None or self._scratch.shape[0] < bucket:
-      self._scratch = _aligned_empty((bucket, self.page_bytes))  # grown, then reused
-    buf = self._scratch[:bucket]
-    self._fill(buf, payload, n)
+    rows = self._rows(payload, n)
     if not n:
       return tuple(caches)
     pages, keep = self._last_rows(pages)
-    # The device array may alias `buf`: wait for the update before the next write refills it.
-    return jax.block_until_ready(self._write(tuple(caches), *page_runs(pages, bucket, keep),
-                                             jax.device_put(buf)))
+    if keep is not None:
+      rows = [rows[i] for i in keep]
+    bucket = _bucket(len(pages))
+    need = self._block_bytes(bucket)
+    if self._scratch is None or self._scratch.size < need:
+      self._scratch = _aligned_empty((need,))  # grown, then reused
+    units = self._fill(self._scratch, rows, bucket, split=True)
+    # The device array may alias the block: wait for the update before the next write
+    # refills it.
+    return jax.block_until_ready(self._write(tuple(caches), *page_runs(pages, bucket),
+                                             jax.device_put(units)))
 
+
+_SPLIT_BYTES = 1 << 22
+"""Rows a synchronous `PageCodec.write` copies with two threads from this many bytes on (4 MiB,
+about 0.5 ms of memcpy: well above the cost of handing half to the helper thread)."""
 
 _FREE_BLOCKS = 4
 """Staging blocks of released prefetches a codec keeps for reuse."""
@@ -737,15 +828,19 @@ class PrefetchedPages:
   """Page rows on their way to the device for pages chosen later (`PageCodec.prefetch`).
 
   Attributes:
-    host: `u8[bucket, page_bytes]` the staging block (rows past `num_rows` unused).
+    rows: the `u8[page_bytes]` rows given to `prefetch` (the objects themselves).
     num_rows: rows staged.
+    bucket: rows the staging block is laid out for (`_bucket(num_rows)`).
+    host: `u8[bucket * page_bytes]` the pool-major staging block (`PageCodec._fill`).
     device: the block as a jax array once moved (None before, and after `release`).
   """
 
-  def __init__(self, codec: PageCodec, host: np.ndarray, num_rows: int):
-    self.codec, self.host, self.num_rows = codec, host, num_rows
+  def __init__(self, codec: PageCodec, rows: list[Any], bucket: int, block: np.ndarray):
+    self.codec, self.rows, self.num_rows, self.bucket = codec, rows, len(rows), bucket
+    self.host = block[:codec._block_bytes(bucket)]  # pylint: disable=protected-access
     self.device: Any = None
-    self._block = host  # the whole staging block `host` begins (set by `prefetch`)
+    self._block = block  # the whole staging block, returned to the codec by `release`
+    self._index = {id(p): i for i, p in enumerate(rows)}
     self._future: concurrent.futures.Future | None = None
 
   def wait(self) -> None:
@@ -758,12 +853,15 @@ class PrefetchedPages:
   def done(self) -> bool:
     return self._future is None or self._future.done()
 
-  def row(self, i: int) -> np.ndarray:
-    """`u8[page_bytes]` row i (a view of the block; waits for the copy)."""
+  def row(self, i: int) -> Any:
+    """The i-th row given to `prefetch` (the object itself: `PageCodec.write` knows it).
+
+    Raises:
+      ValueError: i outside [0, num_rows).
+    """
     if not 0 <= i < self.num_rows:
       raise ValueError(f"i must lie in [0, {self.num_rows}); got {i}")
-    self.wait()
-    return self.host[i]
+    return self.rows[i]
 
 
 class StagedPages(NamedTuple):
@@ -774,4 +872,5 @@ class StagedPages(NamedTuple):
   runs: tuple[np.ndarray, np.ndarray, np.ndarray]
   """`page_runs(pages, bucket)`."""
   device: Any
-  """`u8[bucket, page_bytes]` jax array (rows past n unused), or None for no pages."""
+  """`uint[bucket * page_bytes / unit]` the pool-major staging block as a jax array (rows
+  past n unused), or None for no pages."""

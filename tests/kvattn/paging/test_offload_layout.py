@@ -1,0 +1,146 @@
+"""PageCodec stages a reload pool-major (numpy reorders the rows while it copies them into the
+staging block; the jitted update copies without a transpose): reload after spill must give
+bit-identical pools for every pool layout -- f32, bf16, int8 with scale pools, the KIVI pools
+(codes, f16 scales and zeros: pools of different sizes in one layer), caches of mixed dtypes
+-- on one page, a run crossing a bucket size, and the whole pool, by every write path."""
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvattn import PagedKVCache
+from kvattn.caches.paged_kivi import PagedKIVICache
+from kvattn.paging import offload
+from kvattn.paging.offload import HostTier, PageCodec
+
+NUM_PAGES = 13
+# One page; 9 consecutive pages (bucket 12: parts of 8 and 1, past bucket 8); a run of 4 pages
+# then gaps and a page listed twice (its last row wins); the whole pool (bucket 16: 8 + 4 + 1).
+PAGE_LISTS = {"one": [6], "run9": list(range(2, 11)), "gaps": [12, 0, 1, 2, 3, 7, 9, 7],
+              "whole": list(range(NUM_PAGES))}
+
+
+def _paged(dtype, head_dim=3):
+  return PagedKVCache.init(1, num_pages=NUM_PAGES, page_size=2, pages_per_seq=2, num_kv_heads=2,
+                           head_dim=head_dim, dtype=dtype)
+
+
+def _kivi():
+  return PagedKIVICache.init_paged(1, 64, 2, 8, jnp.float32, num_pages=NUM_PAGES, page_size=32,
+                                   bits=4, group_size=32, residual=32)
+
+
+KINDS = {
+    "f32": lambda: (_paged(jnp.float32), _paged(jnp.float32)),
+    "bf16": lambda: (_paged(jnp.bfloat16), _paged(jnp.bfloat16)),
+    "int8": lambda: (_paged(jnp.int8), _paged(jnp.int8)),  # + f32 scale pools: a u8 block
+    "kivi": lambda: (_kivi(), _kivi()),
+    # No repeating layer: f32 pools staged in u8 next to int8 and bf16 ones.
+    "mixed": lambda: (_paged(jnp.float32, 5), _paged(jnp.int8), _paged(jnp.bfloat16, 4)),
+}
+
+
+def _random(caches, seed):
+  """`caches` with every pool filled with random bits (NaNs and infinities included)."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for c in caches:
+    fields = {}
+    for name in c.POOL_FIELDS:
+      pool = getattr(c, name)
+      if pool is not None:
+        raw = rng.integers(0, 256, pool.size * pool.dtype.itemsize, dtype=np.uint8)
+        fields[name] = jnp.asarray(raw.view(pool.dtype).reshape(pool.shape))
+    out.append(c.replace(**fields))
+  return tuple(out)
+
+
+def _bits(caches):
+  return [np.asarray(getattr(c, n)).view(np.uint8) for c in caches for n in c.POOL_FIELDS
+          if getattr(c, n) is not None]
+
+
+@functools.lru_cache(maxsize=None)
+def _codec(kind):
+  """One codec per kind: its write programs compile once per bucket for the module."""
+  return PageCodec(KINDS[kind]())
+
+
+def _reload(codec, dst, pages, rows, path):
+  if path == "rows":
+    return codec.write(dst, pages, rows)
+  if path == "array":
+    return codec.write(dst, pages, np.stack(rows))
+  if path == "staged":
+    return codec.write(dst, pages, codec.stage(pages, rows, NUM_PAGES))
+  handle = codec.prefetch(rows)  # "prefetch": the rows' objects, written from the block
+  try:
+    return codec.write(dst, pages, [handle.row(i) for i in range(len(rows))])
+  finally:
+    codec.release(handle)
+
+
+# The fast suite: f32 and KIVI rows on every list, mixed caches with gaps and the whole pool,
+# the prefetch and array paths once; every other combination in the slow suite.
+FAST = ({("f32", "rows", n) for n in PAGE_LISTS} | {("kivi", "rows", n) for n in PAGE_LISTS} |
+        {("mixed", "rows", "gaps"), ("mixed", "rows", "whole"), ("f32", "prefetch", "run9"),
+         ("kivi", "array", "whole")})
+
+
+@pytest.mark.parametrize("kind, path, name", [
+    pytest.param(k, p, n, marks=() if (k, p, n) in FAST else pytest.mark.slow)
+    for k in KINDS for p in ("rows", "array", "staged", "prefetch") for n in PAGE_LISTS])
+def test_reload_after_spill_is_bit_identical(kind, path, name):
+  pages = PAGE_LISTS[name]
+  codec = _codec(kind)
+  src, dst = _random(KINDS[kind](), 0), _random(KINDS[kind](), 1)
+  want = [p.copy() for p in _bits(dst)]
+  for got_src, w in zip(_bits(src), want):  # the reference: page q of src lands on page q
+    w[:, pages] = got_src[:, pages]
+  tier = HostTier(10**9, pinned=False)
+  blocks = [object() for _ in pages]
+  for block, row in zip(blocks, codec.read(src, pages)):  # spill
+    tier.put(block, row)
+  rows = [tier.take(block) for block in blocks]  # reload
+  for got, w in zip(_bits(_reload(codec, dst, pages, rows, path)), want):
+    np.testing.assert_array_equal(got, w)
+
+
+def test_the_two_thread_copy_stages_what_one_thread_does(monkeypatch):
+  """A synchronous write of at least _SPLIT_BYTES copies half the rows on a helper thread."""
+  codec = _codec("kivi")
+  pages = PAGE_LISTS["whole"]
+  src = _random(KINDS["kivi"](), 2)
+  rows = list(codec.read(src, pages))
+  one = codec.write(_random(KINDS["kivi"](), 3), pages, rows)
+  monkeypatch.setattr(offload, "_SPLIT_BYTES", 0)
+  two = codec.write(_random(KINDS["kivi"](), 3), pages, rows)
+  assert codec._helper is not None
+  for a, b in zip(_bits(one), _bits(two)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_the_staging_layout_follows_the_pools_of_one_layer():
+  """The period is the pools of one layer (K and V; KIVI's six), the whole list when the
+  layers differ; the staging unit is the narrowest pool item."""
+  assert (_codec("f32")._period, _codec("f32")._unit) == (1, 4)  # K and V pools alike
+  assert (_codec("bf16")._period, _codec("bf16")._unit) == (1, 2)
+  assert (_codec("int8")._period, _codec("int8")._unit) == (4, 1)  # K, V, then 2 scales
+  assert (_codec("kivi")._period, _codec("kivi")._unit) == (6, 1)
+  assert _codec("mixed")._period == len(_codec("mixed").layouts)
+  assert offload._period([]) == 1
+
+
+def test_a_bucket_longer_than_the_pool_reads_and_writes_every_page(monkeypatch):
+  """13 pages are a 16-row bucket: no program may trace a 16-page part of a 13-page pool
+  (the jitted gather, forced here as off the host, and the update)."""
+  codec = _codec("f32")
+  pages = PAGE_LISTS["whole"]
+  src = _random(KINDS["f32"](), 4)
+  want = codec.read(src, pages)
+  monkeypatch.setattr(offload, "_on_host", lambda pool: False)
+  np.testing.assert_array_equal(codec.read(src, pages), want)
+  for a, b in zip(_bits(codec.write(_random(KINDS["f32"](), 5), pages, want)), _bits(src)):
+    np.testing.assert_array_equal(a, b)
