@@ -49,8 +49,9 @@ def get_config(arg=None):
   config.workload.seeds = 2 if smoke else 4  # Seeds 0..seeds-1 per task and length.
   config.workload.batch = 2 if smoke else 4  # Sequences per generate call.
   config.workload.max_new_tokens = 4 if smoke else 0  # Answer tokens; 0 = ruler.MAX_NEW_TOKENS.
-  config.workload.warmup = True  # Run the first batch twice, time the second (steady-state
-  # examples/s); False: one run, examples/s includes compilation.
+  config.workload.warmup = smoke  # False: one run per batch, examples/s includes what
+  # compiles at the point (with replay, a model's first point compiles its question and
+  # answer programs, later ones a layer's write); True: the first batch twice, the second timed.
 
   # The compression sweep.
   config.compression = config_dict.ConfigDict()

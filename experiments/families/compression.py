@@ -87,6 +87,8 @@ THINK_WINDOW = 32
 DECODING_INTERVAL = 8
 """DecodingPress's `compression_interval` in the peer (experiments/benchmarks/peers/
 kvpress_ruler.py): the buffer above the target size."""
+QFILTER_TOKENS = 1024
+"""Tokens of the default corpus (the model's tokenizer) Q-Filter's filters are computed from."""
 STRUCTURAL = ("think",)
 """Kinds that are not bounded eviction kinds but have a "context" spec here (ThinK prunes key
 channels: the ratio is kvpress's `key_channel_compression_ratio`)."""
@@ -219,11 +221,18 @@ class CompressionFamily(runner.FamilyState):
     return runner.expand_points(config, sweep, point_of)
 
   def model(self, point: runner.Point) -> tuple[Any, Any]:
-    """The point's `(model, tokenizer)`, loaded once per model name."""
+    """The point's `(model, tokenizer)`, loaded once per model name; Q-Filter's filters
+    calibrated on the model's own tokens of the default corpus before its first "qfilter"
+    point (not the byte ids the kind would fold into the vocabulary)."""
     if self._model is None or self._model[0] != point.group:
       d = point.config["model"]
-      self._model = (point.group, models.load_model(d["name"], d["dtype"]))
-    return self._model[1]
+      self._model = (point.group, models.load_model(d["name"], d["dtype"]), set())
+    (model, tokenizer), calibrated = self._model[1], self._model[2]
+    if point.params["policy"] == "qfilter" and not calibrated and hasattr(tokenizer, "encode"):
+      from kvattn.caches.presses import qfilter  # pylint: disable=g-import-not-at-top
+      qfilter.calibrate(model, qfilter.calibration_tokens(tokenizer, QFILTER_TOKENS))
+      calibrated.add("qfilter")
+    return model, tokenizer
 
   def measure(self, point: runner.Point) -> dict[str, Any]:
     d, p = point.config, point.params
@@ -448,7 +457,12 @@ def write_report(workdir: str, records: Sequence[Mapping[str, Any]],
               "Cache bytes held per sequence (MiB, measured storage arrays):", "",
               report_lib.markdown_table(heads, byte_rows), "",
               "Examples per second (kvattn, batched; steady state after compilation, * = "
-              "compilation included):", "",
+              "compilation included"
+              + (f"; replay: the question, answer and each layer's context write per point, "
+                 f"the context's forward pass recorded once per batch in "
+                 f"{sum(r.get('record_s', 0.0) for r in points.values()):.1f} s, not counted"
+                 if any("replay" in r.get("engine", "") for r in points.values()) else "")
+              + "):", "",
               report_lib.markdown_table(heads, speed_rows), ""]
     if kvp:
       lines += _peer_lines(model, points, kvp)
@@ -473,10 +487,14 @@ def _peer_lines(model: str, points: Mapping[tuple, Mapping[str, Any]],
               for t, n, s, h in zip(r["tasks"], r["lengths"], r["seeds"], r["prompt_sha1"])}
   pairs = [(k, h) for v in theirs for k, h in v["sha1"] if k in sha_ours]
   same = sum(sha_ours[k] == h for k, h in pairs)
+  replayed = any("replay" in r.get("engine", "") for r in ours)
   return [f"Examples/s, mean over points: kvattn {ours_eps:.3f}, kvpress {their_eps:.3f} "
-          f"(one example at a time) = {ours_eps / their_eps:.1f}x. Prompts: {same} of "
-          f"{len(pairs)} kvpress examples have the same text as kvattn's (task, length, "
-          "seed).", ""]
+          f"(one example at a time) = {ours_eps / their_eps:.1f}x"
+          + (" (not like for like: kvattn's points replay one recorded context pass, "
+             "experiments/benchmarks/compression_speed.py compares a whole example)"
+             if replayed else "")
+          + f". Prompts: {same} of {len(pairs)} kvpress examples have the same text as "
+          "kvattn's (task, length, seed).", ""]
 
 
 def _plot(workdir: str, by_model: Mapping[str, Mapping[tuple, Any]], ratios: Sequence[float],
