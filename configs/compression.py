@@ -21,9 +21,10 @@ score, examples/s and the cache bytes actually held per sequence.
     option and `generate(context_lengths=)`, once they are on main).
 
 Full config: SmolLM2-135M-Instruct and Gemma 3 270M on niah_single at 1024 tokens (the task
-both score 1.0 on uncompressed, docs/benchmarks.md), 4 seeds, so about 30 points of one
-batch each per model; under 40 minutes on 2 cores. `get_config("smoke")`: the 2-layer
-random model with the byte tokenizer, seconds.
+both score 1.0 on uncompressed, docs/benchmarks.md), 4 seeds, every registered policy at
+ratios 0.25-0.9: 114 points of one batch each, 21 minutes on 2 cores with
+`compression.replay` (docs/benchmarks.md). `get_config("smoke")`: the 2-layer random model
+with the byte tokenizer, seconds.
 """
 
 from ml_collections import config_dict

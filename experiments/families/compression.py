@@ -23,6 +23,14 @@ compilation (`includes_compile`). A ratio r gives each row a budget of `int(cont
   - protocol "context": the spec gets `compress="context"` and `compression_ratio=r`, and
     `generate(context_lengths=)` compresses the context only (needs that option on main).
 
+With `compression.replay` (the default) a batch's context is run through the model once per
+model (`experiments.evals.replay.record`) and every point whose caches qualify (the dense
+point and the evicting kinds under "context") writes its caches from those layer inputs and
+then prefills the question and decodes on caches turned appending (one compiled question and
+answer program per model): the tokens of `generate(context_lengths=)` (tested), and the
+recording's seconds (`record_s`) are not in `examples_per_s`. ThinK, the decoding kinds and
+"fixed_budget" points run through `kvattn.generate`.
+
 `cache_bytes_per_seq` is measured, not computed: the bytes of the storage arrays
 (`storage_arrays()`) of the caches the point's factory builds for one sequence at the
 point's `max_len`, summed over layers (sliding-window layers keep their rings).
