@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -159,7 +160,9 @@ def build_caches(model, batch: int, max_len: int, dtype: Any = None, cache: Any 
     where: the name errors give the spec.
     local_layers: "full" (every layer gets the kind, at `max_len`) or "ring": the
       per-layer layout, in which every layer of `ring_layers(model, max_len)` (a sliding
-      window W < max_len) gets a `RingKVCache` of W slots in `dtype` -- exact for that
+      window W < max_len; every windowed layer for a kind with `compress="context"`, whose
+      sequences see more tokens than its slots) gets a `RingKVCache` of W slots in `dtype` --
+      exact for that
       layer's attention, O(W) memory whatever the context -- and the other (global)
       layers the kind; a paged kind then pools pages for the global layers only.
 
@@ -173,7 +176,10 @@ def build_caches(model, batch: int, max_len: int, dtype: Any = None, cache: Any 
   tokens = None if tokens_per_seq is None else [int(t) for t in tokens_per_seq]
   if local_layers not in LOCAL_LAYER_LAYOUTS:
     raise ValueError(f"local_layers must be one of {LOCAL_LAYER_LAYOUTS}; got {local_layers!r}")
-  rings = ring_layers(model, max_len) if local_layers == "ring" else []
+  # A context-compressing kind holds fewer slots than the tokens its sequence sees (the kept
+  # context plus the rest): every windowed layer gets its ring then, whatever max_len.
+  seen = max_len if options.get("compress") != "context" else sys.maxsize
+  rings = ring_layers(model, seen) if local_layers == "ring" else []
   rest = model
   if rings:  # the kind builds the global layers only (builders read `model.layers`)
     rest = types.SimpleNamespace(

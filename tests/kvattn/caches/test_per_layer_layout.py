@@ -59,6 +59,13 @@ def test_local_layers_get_a_ring_of_their_window(gemma3):
   assert [type(c).__name__ for c in paged] == ["RingKVCache", "PagedKVCache"]
   with pytest.raises(ValueError, match=r"local_layers must be one of \('full', 'ring'\); got 'x'"):
     model.init_caches(1, 9, local_layers="x")
+  # A context-compressing kind holds fewer slots (3) than its sequences see: the local layer
+  # keeps its exact ring of 4 (before, a capacity under the window compressed it too).
+  squeezed = registry.build_caches(model, 1, 3, None, {"kind": "knorm", "compress": "context",
+                                                       "compression_ratio": 0.5},
+                                   local_layers="ring")
+  assert [type(c).__name__ for c in squeezed] == ["RingKVCache", "EvictingKVCache"]
+  assert [c.capacity for c in squeezed] == [4, 3]
 
 
 def test_generate_with_the_ring_layout_gives_transformers_greedy_tokens(gemma3):
