@@ -522,7 +522,7 @@ def _plot(workdir: str, by_model: Mapping[str, Mapping[tuple, Any]], ratios: Seq
       ax.plot(xs, ys, "o-", color=color, label=p)
       px = [x for x in ratios if (model, p, x) in kvp or (x == 0 and (model, NONE, 0.0) in kvp)]
       py = [(kvp.get((model, p, x)) or kvp[model, NONE, 0.0])["score"] for x in px]
-      if px:
+      if any(x > 0 for x in px):  # not the shared uncompressed point alone
         ax.plot(px, py, "x--", color=color, alpha=0.7, markersize=9, label=f"{p} (kvpress)")
     ax.set_title(model + (" (crosses: kvpress)" if any(k[0] == model for k in kvp) else ""))
     ax.set_xlabel("compression ratio")
