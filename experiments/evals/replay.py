@@ -12,11 +12,11 @@ top and decodes: `kvattn.generate(..., context_lengths=)`'s result, at a fractio
 (the projections and MLP of the context run once per batch, not once per point).
 
 Only caches whose context write returns full attention over the chunk qualify
-(`replayable`): dense `KVCache`, the evicting kinds in context mode
-(`EvictingKVCache(compress="context")` and its subclasses, PyramidKV's per-layer ones) and
-the sliding-window rings (windowed attention, as the layer's `window` gives without a
-cache). The others (ThinK, the decoding kinds, fixed budgets, which evict inside the
-context's write) run through `kvattn.generate`. Models with cross-layer KV sharing are not
+(`replayable`: each declares `capabilities.context_replayable`): dense `KVCache`, the evicting
+kinds in context mode (`EvictingKVCache(compress="context")`, PyramidKV's per-layer ones,
+Q-Filter) and the sliding-window rings (windowed attention, as the layer's `window` gives
+without a cache). The others (ThinK, the decoding kinds, fixed budgets, which evict inside
+the context's write) run through `kvattn.generate`. Models with cross-layer KV sharing are not
 replayed.
 
 The outputs equal `generate`'s up to float rounding: the recorded pass attends without a
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvattn.caches import capabilities
 from kvattn.inference import generation
 from kvattn.models import gqa as gqa_lib
 from kvattn.models import transformer as transformer_lib
@@ -42,19 +43,12 @@ from kvattn.models import transformer as transformer_lib
 
 def replayable(model: Any, caches: Sequence[Any]) -> bool:
   """Whether `generate_after` runs `model` with `caches` (module doc): a model without
-  cross-layer KV sharing and caches of the qualifying kinds."""
-  from kvattn.caches import dense, eviction, window  # pylint: disable=g-import-not-at-top
+  cross-layer KV sharing, one cache per layer, each `capabilities.context_replayable`."""
   if any(s is not None for s in getattr(model, "kv_sources", ()) or ()):
     return False
   if not hasattr(model, "layers") or len(caches) != len(model.layers):
     return False
-  for c in caches:
-    if isinstance(c, eviction.EvictingKVCache):
-      if c.compress != "context":
-        return False
-    elif type(c) not in (dense.KVCache, window.RingKVCache):
-      return False
-  return True
+  return all(capabilities.context_replayable(c) for c in caches)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))

@@ -22,6 +22,14 @@ def bounded(cache) -> bool:
   return bool(getattr(cache, "BOUNDED", False))
 
 
+def context_replayable(cache) -> bool:
+  """True when `cache`'s first write returns the chunk's own causal attention (windowed as the
+  layer asks), whatever the cache keeps of it: so that write can be redone from the layer's
+  recorded input (`experiments.evals.replay`). Class attribute or property
+  `CONTEXT_REPLAYABLE`."""
+  return bool(getattr(cache, "CONTEXT_REPLAYABLE", False))
+
+
 def paged(cache) -> bool:
   """True when `cache` is a page pool (class attribute `POOL_FIELDS` names its `[K, P, ...]`
   arrays)."""

@@ -143,6 +143,7 @@ class KVCache(_slots.TokenSlots, _slots.KVHeads, _slots.LengthsRollback, capabil
   v_scale: jax.Array | None = None
 
   ATTENDS_AFTER_UPDATE = True  # its one-token step equals `update` then `attend`
+  CONTEXT_REPLAYABLE = True  # capabilities.context_replayable: keeps every token
 
   @property
   def chunk_equals_steps(self) -> bool:

@@ -329,6 +329,12 @@ class EvictingKVCache(BoundedCache):
                **storage)
 
   @property
+  def CONTEXT_REPLAYABLE(self) -> bool:  # pylint: disable=invalid-name
+    """`capabilities.context_replayable`: in context mode the first write attends the whole
+    chunk and only then chooses what to keep; a fixed budget evicts inside the write."""
+    return self.compress == "context"
+
+  @property
   def budget(self) -> int:
     """compress="fixed": the slots per sequence and KV head (the capacity)."""
     return self.capacity

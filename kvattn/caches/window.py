@@ -64,6 +64,8 @@ class RingKVCache(WrappingCache):
   k_scale: jax.Array | None = None
   v_scale: jax.Array | None = None
 
+  CONTEXT_REPLAYABLE = True  # capabilities.context_replayable: the chunk attends its window
+
   @classmethod
   def init(cls, batch: int, window: int, num_kv_heads: int, head_dim: int,
            dtype=jnp.float32) -> "RingKVCache":

@@ -37,6 +37,8 @@ class DecodingKVCache(eviction.EvictingKVCache):
 
   compression_interval: int = struct.field(pytree_node=False, default=1)
 
+  CONTEXT_REPLAYABLE = False  # capabilities.context_replayable: evicts inside its prefill
+
   @classmethod
   def init(cls, batch: int, budget: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32,
            *, policy: str, compression_interval: int | None = None,

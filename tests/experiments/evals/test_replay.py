@@ -65,6 +65,9 @@ def test_what_cannot_be_replayed_is_refused():
   model = models.tiny_model()
   fixed = registry.cache_factory_from_config(model, {"kind": "knorm", "budget": 8})(2, 8)
   assert not replay.replayable(model, fixed)
+  decoding = registry.cache_factory_from_config(model, {"kind": "decoding_knorm",
+                                                        "budget": 8})(2, 8)
+  assert not replay.replayable(model, decoding)  # evicts inside its prefill
   prompts, lengths = _prompts(np.random.default_rng(1), [9, 6], 9)
   contexts = np.array([5, 3], np.int32)
   context, rest, rest_lengths = replay.split_prompts(prompts, lengths, contexts)
