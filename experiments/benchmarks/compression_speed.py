@@ -3,6 +3,8 @@ r"""Examples per second of the compression family against kvpress, interleaved (
     python -m experiments.benchmarks.compression_speed --seeds=8 --rounds=2 \
         --points=snapkv:0.5,none:0 --configs=float32:8,int8:8,bfloat16:8 \
         --kvpress_python=/work/kvpress-venv/bin/python --out=runs/compression_speed.jsonl
+    python -m experiments.benchmarks.compression_speed --sweep=4 --seeds=4 --rounds=2 \
+        --points=knorm:0.25,knorm:0.5,keydiff:0.5,snapkv:0.5 --out=runs/sweep_speed.jsonl
 
 One process runs kvattn (every `--configs` entry `param_dtype:batch`: "float32" f32 weights
 and compute, "int8" W8A8 weights (`kvattn.models.int8`) with f32 compute, "bfloat16" bf16
@@ -23,9 +25,17 @@ the child, alternated) and the s8 x s8 -> s32 dot XLA runs for W8A8, and writes 
 FLOPs of one example (`example_flops`: projections, causal attention, LM head at the
 positions each system projects) so that prefill GFLOP/s can be set against the peak.
 
+`--sweep=BATCH` times a sweep instead: every point of `--points` on the same examples, as the
+compression family runs them (`experiments.families.compression.measure` with
+`compression.replay`: the context's forward pass recorded once per batch of `BATCH` examples,
+each point writing its caches from it, then the question and the answer), against kvpress on
+the same points one example at a time. Each round starts from an empty recording, so the
+recording's seconds are in the sweep's; one untimed round first compiles every program. The
+figure is (examples x points) per second of the whole sweep.
+
 Output: one JSON line per measurement in `--out` (`kind`: "gemm", "flops", "kvpress",
-"kvattn"); a summary (medians per config, ratios against kvpress) is printed at the end
-(`summarize`).
+"kvattn", "sweep"); a summary (medians per config, ratios against kvpress) is printed at the
+end (`summarize`).
 """
 
 from __future__ import annotations
@@ -423,7 +433,7 @@ def run(points: Sequence[tuple[str, float]], configs: Sequence[tuple[str, int]],
     for policy, ratio in points:
       if child:
         load = _loadavg()
-        res = child.request(op="run", press="none" if policy == "none" else policy, ratio=ratio,
+        res = child.request(op="run", press=press_of(policy), ratio=ratio,
                             seeds=list(seeds))["examples"]
         wall, cpu = sum(e["wall_s"] for e in res), sum(e["cpu_s"] for e in res)
         rec = {"kind": "kvpress", "config": "kvpress", "policy": policy, "ratio": ratio,
@@ -448,6 +458,105 @@ def run(points: Sequence[tuple[str, float]], configs: Sequence[tuple[str, int]],
                  f"load {load:.1f}")
   if child:
     child.close()
+
+
+def press_of(policy: str) -> str:
+  """kvpress's press name of the kvattn `policy` ("sink" -> "streaming_llm", ...; "none")."""
+  from experiments.benchmarks.peers import kvpress_ruler  # pylint: disable=g-import-not-at-top
+  return {v: k for k, v in kvpress_ruler.KVATTN_NAMES.items()}.get(policy, policy)
+
+
+def sweep_settings(seeds: int, batch: int) -> tuple[dict[str, Any], dict[str, Any]]:
+  """`(workload, compression)` of the compression family for the sweep: `TASK` at `LENGTH`,
+  seeds `0..seeds-1`, `batch` examples per call, kvpress's protocol, replay on, no warmup
+  (the untimed first round compiles)."""
+  workload = {"tasks": (TASK,), "lengths": (LENGTH,), "seeds": seeds, "batch": batch,
+              "max_new_tokens": 0, "warmup": False}
+  compression = {"protocol": "context", "num_sinks": 4, "local_layers": "ring", "replay": True}
+  return workload, compression
+
+
+def run_sweep(points: Sequence[tuple[str, float]], batch: int, seeds: int, rounds: int,
+              out: str, kvpress_python: str | None, progress=print) -> None:
+  """The `--sweep` rounds of the module doc: per round, kvpress on every point (its examples
+  one at a time), then kvattn's whole sweep from an empty recording; every record appended to
+  `out` (`kind` "kvpress" per point, "sweep" per round with its points inside)."""
+  from experiments.families import compression as family  # pylint: disable=g-import-not-at-top
+  child = KvpressChild(kvpress_python) if kvpress_python else None
+  if child:
+    child.request(op="run", press="none", ratio=0.0, seeds=[0])  # torch's first-call costs
+    progress(f"kvpress child ready: {child.info}")
+  model, tok = _load("float32")
+  workload, compression = sweep_settings(seeds, batch)
+
+  def sweep() -> dict[str, Any]:
+    records: dict = {}  # empty: this round records the context pass again
+    t0, c0 = time.perf_counter(), time.process_time()
+    done = [family.measure(model, tok, workload, compression, policy, ratio, records)
+            for policy, ratio in points]
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    n = sum(d["num_examples"] for d in done)
+    return {"wall_s": wall, "cpu_s": cpu, "example_points": n,
+            "example_points_per_s": n / wall, "cpu_s_per_example_point": cpu / n,
+            "record_s": sum(d["record_s"] for d in done),
+            "engines": sorted({d["engine"] for d in done}),
+            "points": [{k: d[k] for k in ("policy", "ratio", "score", "scores", "outputs",
+                                          "timed_s", "record_s", "engine",
+                                          "cache_bytes_per_seq")} for d in done]}
+
+  t0 = time.perf_counter()
+  sweep()  # compiles: the recording, each point's writes, the question and answer programs
+  progress(f"kvattn sweep compiled in {time.perf_counter() - t0:.0f} s")
+  for r in range(rounds):
+    if child:
+      for policy, ratio in points:
+        load = _loadavg()
+        res = child.request(op="run", press=press_of(policy), ratio=ratio,
+                            seeds=list(range(seeds)))["examples"]
+        wall, cpu = sum(e["wall_s"] for e in res), sum(e["cpu_s"] for e in res)
+        rec = {"kind": "kvpress", "config": "kvpress", "policy": policy, "ratio": ratio,
+               "round": r, "load": load, "wall_s": wall, "cpu_s": cpu,
+               "examples": len(res), "examples_per_s": len(res) / wall,
+               "cpu_s_per_example": cpu / len(res), "per_example": res,
+               "scores": [e["score"] for e in res], "outputs": [e["output"] for e in res]}
+        _append(out, rec)
+        progress(f"round {r} kvpress {policy}:{ratio}: {wall:.1f} s, "
+                 f"score {np.mean(rec['scores']):.2f}, load {load:.1f}")
+    load = _loadavg()
+    rec = {"kind": "sweep", "config": f"kvattn-sweep-b{batch}", "round": r, "load": load,
+           "batch": batch, **sweep()}
+    _append(out, rec)
+    progress(f"round {r} kvattn sweep: {rec['wall_s']:.1f} s for {rec['example_points']} "
+             f"example-points (record {rec['record_s']:.1f} s), load {load:.1f}")
+  if child:
+    child.close()
+
+
+def summarize_sweep(records: Iterable[Mapping[str, Any]]) -> str:
+  """Markdown for `--sweep` records: per round, the sweep's example-points per second against
+  kvpress's on the same points (its seconds summed over them), and the score agreement."""
+  records = list(records)
+  sweeps = [r for r in records if r["kind"] == "sweep"]
+  lines = ["| round | load | kvattn sweep s (record s) | kvpress s | example-points | "
+           "kvattn / s | kvpress / s | x kvpress | scores equal |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for s in sweeps:
+    mine = {(p["policy"], p["ratio"]): p for p in s["points"]}
+    peer = {(r["policy"], r["ratio"]): r for r in records
+            if r["kind"] == "kvpress" and r["round"] == s["round"]}
+    if set(peer) != set(mine):
+      peer_s, peer_rate, x, equal = "-", "-", "-", "-"
+    else:
+      total = sum(r["wall_s"] for r in peer.values())
+      n = sum(r["examples"] for r in peer.values())
+      peer_s, peer_rate = f"{total:.1f}", f"{n / total:.3f}"
+      x = f"{s['example_points_per_s'] / (n / total):.2f}"
+      pairs = [(a, b) for k in mine for a, b in zip(mine[k]["scores"], peer[k]["scores"])]
+      equal = f"{sum(a == b for a, b in pairs)} of {len(pairs)}"
+    lines.append(f"| {s['round']} | {s['load']:.1f} | {s['wall_s']:.1f} ({s['record_s']:.1f}) | "
+                 f"{peer_s} | {s['example_points']} | {s['example_points_per_s']:.3f} | "
+                 f"{peer_rate} | {x} | {equal} |")
+  return "\n".join(lines)
 
 
 def read(path: str) -> list[dict[str, Any]]:
@@ -535,6 +644,8 @@ def main(argv: Iterable[str] | None = None) -> None:
   parser.add_argument("--kvpress_python", default="/work/kvpress-venv/bin/python",
                       help="python of kvpress's venv; '' = kvattn alone")
   parser.add_argument("--roofline", action="store_true")
+  parser.add_argument("--sweep", type=int, default=0,
+                      help="batch of the sweep mode (module doc); 0 = the per-point configs")
   parser.add_argument("--out", default="")
   parser.add_argument("--summarize", default="", help="print the summary of this file, exit")
   args = parser.parse_args(argv)
@@ -542,7 +653,9 @@ def main(argv: Iterable[str] | None = None) -> None:
     _child_kvpress()
     return
   if args.summarize:
-    print(summarize(read(args.summarize)))
+    records = read(args.summarize)
+    print(summarize_sweep(records) if any(r["kind"] == "sweep" for r in records)
+          else summarize(records))
     return
   if not args.out:
     parser.error("--out is required")
@@ -552,6 +665,12 @@ def main(argv: Iterable[str] | None = None) -> None:
     parser.error(str(e))
   if args.seeds < 1 or args.rounds < 1:
     parser.error(f"--seeds and --rounds must be >= 1; got {args.seeds}, {args.rounds}")
+  if args.sweep < 0:
+    parser.error(f"--sweep must be >= 0; got {args.sweep}")
+  if args.sweep:
+    run_sweep(points, args.sweep, args.seeds, args.rounds, args.out, args.kvpress_python or None)
+    print(summarize_sweep(read(args.out)))
+    return
   run(points, configs, list(range(args.seeds)), args.rounds, args.out,
       args.kvpress_python or None, args.roofline)
   print(summarize(read(args.out)))

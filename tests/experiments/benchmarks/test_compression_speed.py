@@ -38,3 +38,24 @@ def test_full_config_points_follow_the_config():
                    "examples_per_point": 2, "batch": 2, "batches_run_per_point": 2}
   est = cs.estimate_full_config(10.0, 30.0, "smoke")
   assert est["total_s"] == 3 * 30.0 + 3 * 2 * 10.0
+
+
+def test_press_names_map_back_to_kvpress():
+  assert cs.press_of("sink") == "streaming_llm"
+  assert cs.press_of("h2o") == "observed_attention"
+  assert cs.press_of("snapkv+knorm") == "composed"
+  assert cs.press_of("knorm") == "knorm" and cs.press_of("none") == "none"
+
+
+def test_sweep_summary_sets_the_sweep_against_kvpress_of_the_same_round():
+  peer = [{"kind": "kvpress", "round": 0, "policy": p, "ratio": 0.5, "wall_s": 6.0,
+           "examples": 2, "scores": [1.0, 0.0]} for p in ("knorm", "snapkv")]
+  sweep = {"kind": "sweep", "round": 0, "load": 1.0, "wall_s": 2.0, "record_s": 0.5,
+           "example_points": 4, "example_points_per_s": 2.0,
+           "points": [{"policy": "knorm", "ratio": 0.5, "scores": [1.0, 0.0]},
+                      {"policy": "snapkv", "ratio": 0.5, "scores": [1.0, 1.0]}]}
+  row = cs.summarize_sweep(peer + [sweep]).splitlines()[-1]
+  # kvpress: 4 example-points in 12 s = 0.333/s; the sweep 2.0/s -> 6.00x; 3 of 4 scores equal.
+  assert row == "| 0 | 1.0 | 2.0 (0.5) | 12.0 | 4 | 2.000 | 0.333 | 6.00 | 3 of 4 |"
+  lonely = cs.summarize_sweep([sweep]).splitlines()[-1]
+  assert lonely == "| 0 | 1.0 | 2.0 (0.5) | - | 4 | 2.000 | - | - | - |"
