@@ -5,9 +5,11 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import hashlib
+import heapq
 import logging
 import os
 import threading
+import weakref
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -93,17 +95,31 @@ class _LruTier:
 
 
 class HostTier(_LruTier):
-  """Pages in host memory: `pinned_host` jax arrays when offered, else numpy."""
+  """Pages in host memory: `pinned_host` jax arrays when offered, else numpy rows in an arena.
+
+  Numpy rows of one size (the first `u8` row stored fixes it: a page) live in a row arena
+  (`RowArena`): preallocated page-aligned chunks `u8[slots, row_bytes]`, a row per slot.
+  `take` returns the slot's row itself (a view, no copy), and `PageCodec.write` reads such
+  rows where they are (one zero-copy `device_put` of the chunk on a CPU backend, then one
+  jitted update): a reload is one copy of the data, not two. A slot is reused only once
+  nothing references its row any more (the tier, the caller that took it, a view of it),
+  so a row taken out stays valid for as long as it is held. Rows of other sizes or dtypes
+  are stored as plain copies.
+  """
 
   name = "host"
 
-  def __init__(self, capacity_bytes: int, *, pinned: bool | None = None):
+  def __init__(self, capacity_bytes: int, *, pinned: bool | None = None,
+               arena: bool | None = None):
     """Args:
       capacity_bytes: bytes of page payloads held at most.
       pinned: use the `pinned_host` memory kind (default: when the device offers it).
+      arena: keep numpy rows in a `RowArena` (default: unless pinned); False stores each row
+        as its own copy.
 
     Raises:
-      ValueError: a negative capacity, or `pinned=True` where the device has no pinned_host.
+      ValueError: a negative capacity, `pinned=True` where the device has no pinned_host, or
+        `pinned=True` with `arena=True`.
     """
     super().__init__(capacity_bytes)
     available = pinned_host_available()
@@ -113,6 +129,11 @@ class HostTier(_LruTier):
     # pinned_host arrays add a transfer dispatch per page. Elsewhere pinned pages are DMA'd.
     default = available and jax.local_devices()[0].platform != "cpu"
     self.pinned = default if pinned is None else bool(pinned)
+    if self.pinned and arena:
+      raise ValueError("arena must be False or None with pinned=True: pinned pages are jax "
+                       "arrays, not numpy rows")
+    self.arena: RowArena | None = None  # made by the first row stored (its size)
+    self._use_arena = not self.pinned if arena is None else bool(arena)
     if self.pinned:
       device = jax.local_devices()[0]
       self._sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
@@ -120,10 +141,112 @@ class HostTier(_LruTier):
   def _store(self, block, payload):
     if self.pinned:  # waits for the copy, so the device page may be overwritten at once
       return jax.device_put(payload, self._sharding).block_until_ready()
+    if self._use_arena:
+      payload = np.asarray(payload)
+      if payload.ndim == 1 and payload.dtype == np.uint8:
+        if self.arena is None:
+          self.arena = RowArena(payload.size, self.capacity_bytes)
+        if payload.size == self.arena.row_bytes:
+          return self.arena.store(payload)
     return np.array(payload, copy=True)  # a copy: never a view into a batch or device buffer
 
   def _load(self, block, stored):
     return stored
+
+
+class _Slot:
+  """Owns one arena slot: the base object of the slot's row (and so, through it, of every view
+  of the row). When the last of them is gone, a `weakref.finalize` hands the slot back."""
+
+  __slots__ = ("arena", "chunk", "slot", "data", "__array_interface__", "__weakref__")
+
+  def __init__(self, arena: "RowArena", chunk: int, slot: int, data: np.ndarray):
+    self.arena, self.chunk, self.slot, self.data = arena, chunk, slot, data  # data: the chunk's row
+    self.__array_interface__ = {"data": (data.ctypes.data, False), "shape": data.shape,
+                                "typestr": "|u1", "version": 3}
+
+
+class RowArena:
+  """Rows of one size in preallocated, page-aligned chunks (`HostTier`'s numpy rows).
+
+  A chunk is `u8[slots, row_bytes]` from `_aligned_empty` (so a CPU backend's `device_put`
+  aliases it); it holds twice the tier's capacity in slots (rows taken out but still held
+  keep their slots, so the tier may need more slots than its capacity), capped at
+  `_ARENA_CHUNK_BYTES`. Another chunk of that size is added when every slot is held, and
+  dropped again once entirely free (never the first). A store takes the lowest free slot of
+  the lowest chunk, so pages spilled together get consecutive slots: a reload of them is
+  one run. Untouched slots cost address space only. Thread-safe (slots come back from
+  whichever thread drops the last reference).
+
+  Attributes:
+    row_bytes: bytes of each row.
+    slots_per_chunk: rows of each chunk.
+    chunks: the chunks, `u8[slots_per_chunk, row_bytes]` (None where one was dropped).
+  """
+
+  def __init__(self, row_bytes: int, capacity_bytes: int):
+    """Raises:
+      ValueError: row_bytes < 1.
+    """
+    if row_bytes < 1:
+      raise ValueError(f"row_bytes must be >= 1; got {row_bytes}")
+    self.row_bytes = int(row_bytes)
+    self.slots_per_chunk = max(1, min(2 * capacity_bytes, _ARENA_CHUNK_BYTES) // self.row_bytes)
+    self.chunks: list[np.ndarray | None] = []
+    self._free: list[list[int]] = []  # per chunk, a heap of free slots
+    self._lock = threading.Lock()
+
+  def store(self, payload: np.ndarray) -> np.ndarray:
+    """A copy of `payload` (`u8[row_bytes]`) in a free slot: the slot's row, whose base
+    object owns the slot (class doc)."""
+    with self._lock:
+      chunk = next((c for c, free in enumerate(self._free) if free), None)
+      if chunk is None:
+        chunk = next((c for c, a in enumerate(self.chunks) if a is None), len(self.chunks))
+        if chunk == len(self.chunks):
+          self.chunks.append(None)
+          self._free.append([])
+        self.chunks[chunk] = _aligned_empty((self.slots_per_chunk, self.row_bytes))
+        self._free[chunk] = list(range(self.slots_per_chunk))  # sorted: a heap
+      slot = heapq.heappop(self._free[chunk])
+      data = self.chunks[chunk][slot]
+    np.copyto(data, payload)
+    owner = _Slot(self, chunk, slot, data)
+    weakref.finalize(owner, self._release, chunk, slot)
+    return np.asarray(owner)
+
+  def _release(self, chunk: int, slot: int) -> None:
+    with self._lock:
+      free = self._free[chunk]
+      heapq.heappush(free, slot)
+      if chunk and len(free) == self.slots_per_chunk:  # an added chunk, entirely free
+        self.chunks[chunk], self._free[chunk] = None, []
+
+  @property
+  def num_held(self) -> int:
+    """Slots whose rows are referenced (stored in a tier, or taken and still held)."""
+    with self._lock:
+      return sum(self.slots_per_chunk - len(f) for a, f in zip(self.chunks, self._free)
+                 if a is not None)
+
+
+def _arena_slot(row: Any) -> tuple[RowArena, int, int] | None:
+  """`(arena, chunk, slot)` if `row` is a 1-D contiguous `u8` array starting at the first byte
+  of an arena slot (a row `RowArena.store` returned, or a leading slice of one), else None."""
+  if not isinstance(row, np.ndarray) or row.dtype != np.uint8 or row.ndim != 1:
+    return None
+  owner = row.base
+  while isinstance(owner, np.ndarray):
+    owner = owner.base
+  if not isinstance(owner, _Slot) or not row.flags.c_contiguous:
+    return None
+  if row.ctypes.data != owner.data.ctypes.data:
+    return None
+  return owner.arena, owner.chunk, owner.slot
+
+
+_ARENA_CHUNK_BYTES = 1 << 30
+"""Largest arena chunk (1 GiB of address space; see `RowArena`)."""
 
 
 class DiskTier(_LruTier):
@@ -520,19 +643,33 @@ class PageCodec:
             out.append(jax.lax.dynamic_update_slice(pool, new, index))
           return out
         pools = jax.lax.fori_loop(0, counts[c], body, pools)
-      it = iter(pools)
-      out = []
-      for cache in caches:
-        fields = {}
-        for name in getattr(cache, "POOL_FIELDS", ()):
-          pool = getattr(cache, name)
-          if pool is not None:
-            fields[name] = jax.lax.bitcast_convert_type(next(it), pool.dtype)
-        out.append(cache.replace(**fields) if fields else cache)
-      return tuple(out)
+      return self._replace_pools(caches, pools)
+
+    def write_rows(caches, rows, starts, counts, arena):
+      # arena: a `RowArena` chunk as uint[slots, row_bytes / unit], rows where the tier keeps
+      # them (row-major): each run part of each pool reads `[length, K, bytes per head]` at
+      # its slot and writes it transposed, in one fusion with the in-place update.
+      pools = [_stored(p) for p in self._pools(caches)]
+      for c in range(rows.shape[0]):
+        length = 1 << c
+        if pools and length > min(pools[0].shape[1], arena.shape[0]):
+          break  # no run is longer than the pool or the chunk
+        def body(j, pools, c=c, length=length):
+          out = []
+          for pool, offset, size, (shape, _) in zip(pools, offsets, sizes, layouts):
+            x = jax.lax.dynamic_slice(arena, (rows[c, j], offset // unit), (length, size // unit))
+            x = x.reshape(length, shape[0], size // shape[0] // unit).transpose(1, 0, 2)
+            new = _from_units(x, (shape[0], length) + shape[1:], pool.dtype)
+            index = (0, starts[c, j]) + (0,) * (pool.ndim - 2)
+            out.append(jax.lax.dynamic_update_slice(pool, new, index))
+          return out
+        pools = jax.lax.fori_loop(0, counts[c], body, pools)
+      return self._replace_pools(caches, pools)
 
     self._read = jax.jit(read, static_argnums=(4,))
     self._write = jax.jit(write, donate_argnums=(0,))
+    self._write_rows = jax.jit(write_rows, donate_argnums=(0,))
+    self._arena_aliases = True  # False once a CPU device_put of an arena chunk copied it
     self._scratch: np.ndarray | None = None  # the staging block of `write`, grown and reused
     self._lock = threading.Lock()  # guards the prefetch bookkeeping below
     self._free_blocks: list[np.ndarray] = []  # staging blocks of released prefetches
@@ -544,6 +681,20 @@ class PageCodec:
   def _pools(caches):
     return [p for c in caches for name in getattr(c, "POOL_FIELDS", ())
             if (p := getattr(c, name)) is not None]
+
+  @staticmethod
+  def _replace_pools(caches, pools):
+    """`caches` with their pools (`_pools` order) replaced by `pools` (as stored: `_stored`)."""
+    it = iter(pools)
+    out = []
+    for cache in caches:
+      fields = {}
+      for name in getattr(cache, "POOL_FIELDS", ()):
+        pool = getattr(cache, name)
+        if pool is not None:
+          fields[name] = jax.lax.bitcast_convert_type(next(it), pool.dtype)
+      out.append(cache.replace(**fields) if fields else cache)
+    return tuple(out)
 
   def _pages(self, caches: Sequence[Any], pages: Sequence[int]) -> np.ndarray:
     pages = np.asarray(pages, np.int64).reshape(-1)
@@ -805,6 +956,9 @@ class PageCodec:
     pages, keep = self._last_rows(pages)
     if keep is not None:
       rows = [rows[i] for i in keep]
+    located = self._arena_rows(pools, rows)
+    if located is not None:
+      return self._write_from_arena(tuple(caches), pages, *located)
     bucket = _bucket(len(pages))
     need = self._block_bytes(bucket)
     if self._scratch is None or self._scratch.size < need:
@@ -814,6 +968,41 @@ class PageCodec:
     # refills it.
     return jax.block_until_ready(self._write(tuple(caches), *page_runs(pages, bucket),
                                              jax.device_put(units)))
+
+
+  def _arena_rows(self, pools, rows) -> tuple[RowArena, np.ndarray, np.ndarray] | None:
+    """`(arena, chunks i64[n], slots i64[n])` if every row of the list `rows` is a page-sized
+    leading slice of a slot of one `RowArena` that a `device_put` can alias (every pool on
+    one CPU device), else None."""
+    if not isinstance(rows, list) or not self._arena_aliases or not all(
+        _on_host(p) for p in pools):
+      return None
+    where = [_arena_slot(r) for r in rows]
+    if any(w is None for w in where) or any(r.size != self.page_bytes for r in rows):
+      return None
+    arena = where[0][0]
+    if any(w[0] is not arena for w in where) or arena.row_bytes % self._unit:
+      return None
+    return (arena, np.array([w[1] for w in where], np.int64),
+            np.array([w[2] for w in where], np.int64))
+
+  def _write_from_arena(self, caches, pages: np.ndarray, arena: RowArena, chunks: np.ndarray,
+                        slots: np.ndarray) -> tuple[Any, ...]:
+    """`write` of rows kept in `arena` (`_arena_rows`): per chunk, the chunk's zero-copy
+    `device_put` and one jitted update reading the rows at their slots (runs of consecutive
+    pages in consecutive slots: `page_runs`). Returns once the pools are updated (the
+    chunk's jax array is dropped before the tier writes into the chunk again)."""
+    for chunk in np.unique(chunks):
+      mine = chunks == chunk
+      block = arena.chunks[chunk]
+      units = block.view(f"u{self._unit}")
+      device = jax.device_put(units)
+      if device.unsafe_buffer_pointer() != units.ctypes.data:
+        self._arena_aliases = False  # copied (this once): later writes stage instead
+      runs = page_runs(pages[mine], _bucket(int(mine.sum())), slots[mine])
+      caches = self._write_rows(caches, *runs, device)
+      del device
+    return jax.block_until_ready(caches)
 
 
 _SPLIT_BYTES = 1 << 22
