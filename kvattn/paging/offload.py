@@ -158,11 +158,13 @@ class _Slot:
   """Owns one arena slot: the base object of the slot's row (and so, through it, of every view
   of the row). When the last of them is gone, a `weakref.finalize` hands the slot back."""
 
-  __slots__ = ("arena", "chunk", "slot", "data", "__array_interface__", "__weakref__")
+  __slots__ = ("arena", "chunk", "slot", "data", "address", "__array_interface__",
+               "__weakref__")
 
   def __init__(self, arena: "RowArena", chunk: int, slot: int, data: np.ndarray):
     self.arena, self.chunk, self.slot, self.data = arena, chunk, slot, data  # data: the chunk's row
-    self.__array_interface__ = {"data": (data.ctypes.data, False), "shape": data.shape,
+    self.address = data.ctypes.data
+    self.__array_interface__ = {"data": (self.address, False), "shape": data.shape,
                                 "typestr": "|u1", "version": 3}
 
 
@@ -212,7 +214,7 @@ class RowArena:
       data = self.chunks[chunk][slot]
     np.copyto(data, payload)
     owner = _Slot(self, chunk, slot, data)
-    weakref.finalize(owner, self._release, chunk, slot)
+    weakref.finalize(owner, self._release, chunk, slot).atexit = False
     return np.asarray(owner)
 
   def _release(self, chunk: int, slot: int) -> None:
@@ -240,7 +242,7 @@ def _arena_slot(row: Any) -> tuple[RowArena, int, int] | None:
     owner = owner.base
   if not isinstance(owner, _Slot) or not row.flags.c_contiguous:
     return None
-  if row.ctypes.data != owner.data.ctypes.data:
+  if row.ctypes.data != owner.address:
     return None
   return owner.arena, owner.chunk, owner.slot
 
@@ -482,8 +484,9 @@ def page_runs(pages: Sequence[int], bucket: int, rows: Sequence[int] | None = No
 
   Args:
     pages: pool pages (ints >= 0), one per payload row used.
-    bucket: the padded page count (>= len(pages), > every row); parts have sizes 2^c <= bucket.
-    rows: the payload row of each page (ints in [0, bucket)), or None for 0, 1, 2, ...
+    bucket: the padded page count (>= len(pages)); parts have sizes 2^c <= bucket.
+    rows: the payload row of each page (ints >= 0: rows of a staging block, or slots of a
+      `RowArena` chunk), or None for 0, 1, 2, ...
 
   Returns:
     `(rows i32[C, bucket], starts i32[C, bucket], counts i32[C])` with C = bucket's bit
@@ -588,6 +591,12 @@ class PageCodec:
   (`jax.device_put`; aliased, not copied, on a CPU backend), and one jitted program does one
   static-shape `dynamic_update_slice` per run part and pool, a plain copy with no transpose
   (the caches donated: in place).
+
+  Rows that a `HostTier` keeps in its `RowArena` skip the staging copy: the arena's chunk
+  crosses to the device as it is (`device_put` aliases it on a CPU backend) and a second
+  jitted program reads each run part at its slots, `[length, K, bytes per head]`, and writes
+  it transposed into the pool in the same fusion as the in-place update. A reload from the
+  host tier is then one copy of the data (the staging path is two: rows -> block -> pools).
   """
 
   def __init__(self, caches: Sequence[Any]):
@@ -922,11 +931,13 @@ class PageCodec:
 
   def write(self, caches: Sequence[Any], pages: Sequence[int], payload: Any) -> tuple[Any, ...]:
     """`caches` with `pages` overwritten by `payload` (`u8[len(pages), page_bytes]`, a list
-    of `u8[page_bytes]` rows -- rows of a live `prefetch` are written from its staged block
-    -- or what `stage` returned for these pages); `caches` are donated. Runs of consecutive
-    pages are written as whole blocks (class doc); a page listed twice gets its last row.
-    Except for a staged payload, returns once the pools are updated: the rows went through a
-    staging block reused by the next write.
+    of `u8[page_bytes]` rows -- rows of a live `prefetch` are written from its staged block,
+    rows a `RowArena` holds (a `HostTier`'s) are read where they are when every pool is on
+    one CPU device -- or what `stage` returned for these pages); `caches` are donated. Runs
+    of consecutive pages are written as whole blocks (class doc); a page listed twice gets
+    its last row. Except for a staged payload, returns once the pools are updated: the rows
+    went through a staging block reused by the next write, or an arena chunk the tier may
+    write into again.
 
     Raises:
       ValueError: a payload of the wrong shape, a page outside the pool, or a staged payload
