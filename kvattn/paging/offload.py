@@ -97,14 +97,14 @@ class _LruTier:
 class HostTier(_LruTier):
   """Pages in host memory: `pinned_host` jax arrays when offered, else numpy rows in an arena.
 
-  Numpy rows of one size (the first `u8` row stored fixes it: a page) live in a row arena
-  (`RowArena`): preallocated page-aligned chunks `u8[slots, row_bytes]`, a row per slot.
+  Numpy `u8` rows live in row arenas (`RowArena`), one per row size (a page; a page and a
+  boundary state's bytes), each preallocated page-aligned chunks `u8[slots, row_bytes]`.
   `take` returns the slot's row itself (a view, no copy), and `PageCodec.write` reads such
   rows where they are (one zero-copy `device_put` of the chunk on a CPU backend, then one
   jitted update): a reload is one copy of the data, not two. A slot is reused only once
   nothing references its row any more (the tier, the caller that took it, a view of it),
-  so a row taken out stays valid for as long as it is held. Rows of other sizes or dtypes
-  are stored as plain copies.
+  so a row taken out stays valid for as long as it is held. Rows of other dtypes, and of
+  sizes past the first `_MAX_ARENAS`, are stored as plain copies.
   """
 
   name = "host"
@@ -132,7 +132,7 @@ class HostTier(_LruTier):
     if self.pinned and arena:
       raise ValueError("arena must be False or None with pinned=True: pinned pages are jax "
                        "arrays, not numpy rows")
-    self.arena: RowArena | None = None  # made by the first row stored (its size)
+    self.arenas: dict[int, RowArena] = {}  # row bytes -> the arena of rows of that size
     self._use_arena = not self.pinned if arena is None else bool(arena)
     if self.pinned:
       device = jax.local_devices()[0]
@@ -144,10 +144,11 @@ class HostTier(_LruTier):
     if self._use_arena:
       payload = np.asarray(payload)
       if payload.ndim == 1 and payload.dtype == np.uint8:
-        if self.arena is None:
-          self.arena = RowArena(payload.size, self.capacity_bytes)
-        if payload.size == self.arena.row_bytes:
-          return self.arena.store(payload)
+        arena = self.arenas.get(payload.size)
+        if arena is None and len(self.arenas) < _MAX_ARENAS:
+          arena = self.arenas[payload.size] = RowArena(payload.size, self.capacity_bytes)
+        if arena is not None:
+          return arena.store(payload)
     return np.array(payload, copy=True)  # a copy: never a view into a batch or device buffer
 
   def _load(self, block, stored):
@@ -249,6 +250,10 @@ def _arena_slot(row: Any) -> tuple[RowArena, int, int] | None:
 
 _ARENA_CHUNK_BYTES = 1 << 30
 """Largest arena chunk (1 GiB of address space; see `RowArena`)."""
+
+_MAX_ARENAS = 4
+"""Row sizes a `HostTier` keeps in arenas (a page, a page with a boundary state: a model has
+one or two); rows of further sizes are plain copies, so the address space stays bounded."""
 
 
 class DiskTier(_LruTier):
@@ -967,53 +972,54 @@ class PageCodec:
     pages, keep = self._last_rows(pages)
     if keep is not None:
       rows = [rows[i] for i in keep]
-    located = self._arena_rows(pools, rows)
-    if located is not None:
-      return self._write_from_arena(tuple(caches), pages, *located)
-    bucket = _bucket(len(pages))
-    need = self._block_bytes(bucket)
-    if self._scratch is None or self._scratch.size < need:
-      self._scratch = _aligned_empty((need,))  # grown, then reused
-    units = self._fill(self._scratch, rows, bucket, split=True)
-    # The device array may alias the block: wait for the update before the next write
-    # refills it.
-    return jax.block_until_ready(self._write(tuple(caches), *page_runs(pages, bucket),
-                                             jax.device_put(units)))
+    caches = tuple(caches)
+    rest = np.arange(len(pages))
+    for arena, chunk, mine, slots in self._arena_groups(pools, rows):
+      caches = self._write_from_arena(caches, pages[mine], arena, chunk, slots)
+      rest = rest[~np.isin(rest, mine)]
+    if len(rest) < len(pages):  # the rest (if any) staged
+      pages, rows = pages[rest], [rows[i] for i in rest]
+    if len(pages):
+      bucket = _bucket(len(pages))
+      need = self._block_bytes(bucket)
+      if self._scratch is None or self._scratch.size < need:
+        self._scratch = _aligned_empty((need,))  # grown, then reused
+      units = self._fill(self._scratch, rows, bucket, split=True)
+      # The device array may alias the block: wait for the update before the next write
+      # refills it.
+      caches = self._write(caches, *page_runs(pages, bucket), jax.device_put(units))
+    return jax.block_until_ready(caches)
 
-
-  def _arena_rows(self, pools, rows) -> tuple[RowArena, np.ndarray, np.ndarray] | None:
-    """`(arena, chunks i64[n], slots i64[n])` if every row of the list `rows` is a page-sized
-    leading slice of a slot of one `RowArena` that a `device_put` can alias (every pool on
-    one CPU device), else None."""
+  def _arena_groups(self, pools, rows) -> list[tuple[RowArena, int, np.ndarray, np.ndarray]]:
+    """The rows of the list `rows` that are page-sized leading slices of `RowArena` slots, as
+    `(arena, chunk, i64[m] their indices in rows, i64[m] their slots)` per arena chunk; none
+    unless a `device_put` can alias a chunk (every pool on one CPU device)."""
     if not isinstance(rows, list) or not self._arena_aliases or not all(
         _on_host(p) for p in pools):
-      return None
-    where = [_arena_slot(r) for r in rows]
-    if any(w is None for w in where) or any(r.size != self.page_bytes for r in rows):
-      return None
-    arena = where[0][0]
-    if any(w[0] is not arena for w in where) or arena.row_bytes % self._unit:
-      return None
-    return (arena, np.array([w[1] for w in where], np.int64),
-            np.array([w[2] for w in where], np.int64))
+      return []
+    groups: dict[tuple[int, int], tuple[RowArena, list[int], list[int]]] = {}
+    for i, row in enumerate(rows):
+      where = _arena_slot(row)
+      if where is None or row.size != self.page_bytes or where[0].row_bytes % self._unit:
+        continue
+      arena, chunk, slot = where
+      group = groups.setdefault((id(arena), chunk), (arena, [], []))
+      group[1].append(i)
+      group[2].append(slot)
+    return [(arena, chunk, np.array(mine, np.int64), np.array(slots, np.int64))
+            for (_, chunk), (arena, mine, slots) in groups.items()]
 
-  def _write_from_arena(self, caches, pages: np.ndarray, arena: RowArena, chunks: np.ndarray,
+  def _write_from_arena(self, caches, pages: np.ndarray, arena: RowArena, chunk: int,
                         slots: np.ndarray) -> tuple[Any, ...]:
-    """`write` of rows kept in `arena` (`_arena_rows`): per chunk, the chunk's zero-copy
-    `device_put` and one jitted update reading the rows at their slots (runs of consecutive
-    pages in consecutive slots: `page_runs`). Returns once the pools are updated (the
-    chunk's jax array is dropped before the tier writes into the chunk again)."""
-    for chunk in np.unique(chunks):
-      mine = chunks == chunk
-      block = arena.chunks[chunk]
-      units = block.view(f"u{self._unit}")
-      device = jax.device_put(units)
-      if device.unsafe_buffer_pointer() != units.ctypes.data:
-        self._arena_aliases = False  # copied (this once): later writes stage instead
-      runs = page_runs(pages[mine], _bucket(int(mine.sum())), slots[mine])
-      caches = self._write_rows(caches, *runs, device)
-      del device
-    return jax.block_until_ready(caches)
+    """`pages` written from `slots` of `arena`'s chunk (`_arena_groups`): the chunk's
+    zero-copy `device_put` and one jitted update reading the rows at their slots (runs of
+    consecutive pages in consecutive slots: `page_runs`). The caller waits for the result
+    before the tier may write into the chunk again."""
+    units = arena.chunks[chunk].view(f"u{self._unit}")
+    device = jax.device_put(units)
+    if device.unsafe_buffer_pointer() != units.ctypes.data:
+      self._arena_aliases = False  # copied (this once): later writes stage instead
+    return self._write_rows(caches, *page_runs(pages, _bucket(len(pages)), slots), device)
 
 
 _SPLIT_BYTES = 1 << 22

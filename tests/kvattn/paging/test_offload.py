@@ -57,7 +57,7 @@ def test_arena_rows_keep_their_slot_while_anything_references_them():
   blocks = [_Block() for _ in range(3)]
   for i, b in enumerate(blocks):
     tier.put(b, _payload(i))
-  arena = tier.arena
+  arena = tier.arenas[24]
   assert (arena.row_bytes, arena.slots_per_chunk, arena.num_held) == (24, 6, 3)
   slot = lambda row: offload._arena_slot(row)[1:]
   row = tier.take(blocks[1])
@@ -79,28 +79,36 @@ def test_a_full_arena_adds_a_chunk_and_drops_it_once_free():
   held = []
   for i in range(5):
     held.extend(p for _, p in tier.put(_Block(), _payload(i)))  # pushed out, held here
-  assert len(tier) == 1 and tier.arena.num_held == 5
-  assert [c is not None for c in tier.arena.chunks] == [True, True, True]
+  assert len(tier) == 1 and tier.arenas[24].num_held == 5
+  assert [c is not None for c in tier.arenas[24].chunks] == [True, True, True]
   assert [offload._arena_slot(p)[1:] for p in held] == [(0, 0), (0, 1), (1, 0), (1, 1)]
   np.testing.assert_array_equal(np.stack(held), np.stack([_payload(i) for i in range(4)]))
   held.clear()
-  assert tier.arena.num_held == 1
-  assert [c is not None for c in tier.arena.chunks] == [True, False, True]
+  assert tier.arenas[24].num_held == 1
+  assert [c is not None for c in tier.arenas[24].chunks] == [True, False, True]
 
 
-def test_host_tier_rows_of_another_size_or_without_an_arena_are_plain_copies():
+def test_host_tier_arenas_per_row_size_and_plain_copies_past_them(monkeypatch):
+  monkeypatch.setattr(offload, "_MAX_ARENAS", 2)
   tier = HostTier(1000, pinned=False)
-  tier.put(a := _Block(), _payload(0))
-  tier.put(b := _Block(), _payload(1, 40))  # not the arena's row size
-  tier.put(c := _Block(), _payload(2).view(np.int8))  # not u8
-  assert offload._arena_slot(tier.take(a)) is not None
-  for block, want in ((b, _payload(1, 40)), (c, _payload(2).view(np.int8))):
-    got = tier.take(block)
-    assert offload._arena_slot(got) is None
-    np.testing.assert_array_equal(got, want)
+  sizes = [24, 40, 24, 56]  # the third size is past _MAX_ARENAS = 2
+  blocks = [_Block() for _ in sizes]
+  for i, (b, size) in enumerate(zip(blocks, sizes)):
+    tier.put(b, _payload(i, size))
+  tier.put(c := _Block(), _payload(9).view(np.int8))  # not u8: a plain copy
+  assert sorted(tier.arenas) == [24, 40]
+  for i, (b, size) in enumerate(zip(blocks, sizes)):
+    got = tier.take(b)
+    np.testing.assert_array_equal(got, _payload(i, size))
+    where = offload._arena_slot(got)
+    assert (where is None) == (size == 56)
+    if where is not None:
+      assert where[0] is tier.arenas[size]
+  got = tier.take(c)
+  assert offload._arena_slot(got) is None and got.dtype == np.int8
   plain = HostTier(1000, pinned=False, arena=False)
-  plain.put(a, _payload(0))
-  assert plain.arena is None and offload._arena_slot(plain.take(a)) is None
+  plain.put(c, _payload(0))
+  assert plain.arenas == {} and offload._arena_slot(plain.take(c)) is None
 
 
 def test_disk_tier_round_trip_is_bit_exact_and_removes_its_file(tmp_path):
