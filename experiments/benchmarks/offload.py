@@ -12,10 +12,15 @@ whole pool -- the median over `--repeats` rounds, the figures interleaved within
   * spill: `PageCodec.read` of the pages, then each row put in a `HostTier` (pool ->
     host tier, as the prefix cache evicts);
   * reload: the rows taken from the tier, then `PageCodec.write` into the pool until the
-    caches are ready (host tier -> pool, as a prefix hit reloads): one copy of the rows into
-    the codec's reused staging block, laid out pool-major (by two threads from 4 MiB on), its
-    zero-copy `device_put`, the jitted update (a copy without a transpose); also through a
-    `pinned_host` tier where the backend offers that memory kind;
+    caches are ready (host tier -> pool, as a prefix hit reloads). The default `HostTier`
+    keeps its rows in a `RowArena`: the write reads them where they are (the arena chunk's
+    zero-copy `device_put`, one jitted update that reads each run at its slots and writes it
+    transposed into the pools): one copy of the data;
+  * reload staged: the same through a `HostTier(arena=False)` (a copy per row): one copy of
+    the rows into the codec's reused staging block, laid out pool-major (by two threads
+    from 4 MiB on), its zero-copy `device_put`, the jitted update (a copy without a
+    transpose): two copies of the data; also through a `pinned_host` tier where the backend
+    offers that memory kind ("reload pinned", staged the same way);
   * install prefetched: `PageCodec.write` of rows a `PageCodec.prefetch` already staged (what
     a join waits for when the prefetch ran during a decode step): the jitted update only.
 
@@ -104,10 +109,12 @@ def measure(batcher: ContinuousBatcher, pages: list[int], repeats: int
     held["h"] = codec.prefetch(list(codec.read(batcher.caches, pages)))
     held["h"].wait()
 
-  host = offload.HostTier(2 * nbytes, pinned=False)
+  host = offload.HostTier(2 * nbytes, pinned=False)  # rows in a RowArena
+  plain = offload.HostTier(2 * nbytes, pinned=False, arena=False)  # a copy per row
   fns = {"memcpy": (lambda: np.copyto(dst, src), None),
          "spill": (lambda: spill(host), lambda: empty(host)),
          "reload": (lambda: reload(host), lambda: (empty(host), spill(host))),
+         "reload staged": (lambda: reload(plain), lambda: (empty(plain), spill(plain))),
          "install prefetched": (prefetched, prefetch)}
   if offload.pinned_host_available():
     pinned = offload.HostTier(2 * nbytes, pinned=True)
@@ -185,13 +192,14 @@ def main(argv=None) -> None:
   for name, pages in page_lists(args.pages, args.num_pages).items():
     r = measure(batcher, pages, args.repeats)
     rows.append([name, f"{r['MiB']:.1f}", cell(r["memcpy"]), cell(r["spill"]),
-                 cell(r["reload"]), cell(r.get("reload pinned", (float("nan"),) * 2)),
-                 cell(r["install prefetched"]), pct("reload", r),
+                 cell(r["reload"]), cell(r["reload staged"]),
+                 cell(r.get("reload pinned", (float("nan"),) * 2)),
+                 cell(r["install prefetched"]), pct("reload", r), pct("reload staged", r),
                  pct("install prefetched", r)])
   print("GB/s of wall time (GB per CPU-second of the process), interleaved medians")
   print(report_lib.markdown_table(
-      ["pages", "MiB", "memcpy", "spill", "reload", "reload pinned", "install prefetched",
-       "reload / memcpy", "install / memcpy"], rows))
+      ["pages", "MiB", "memcpy", "spill", "reload", "reload staged", "reload pinned",
+       "install prefetched", "reload / memcpy", "staged / memcpy", "install / memcpy"], rows))
   rng = np.random.default_rng(1)
   vocab = int(model.vocab_size)
   for rid in ("a", "b"):  # two live requests: every step decodes both

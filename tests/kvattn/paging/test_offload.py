@@ -50,6 +50,67 @@ def test_pinned_host_is_the_default_on_accelerators_that_offer_it():
     assert tier.take(b).sharding.memory_kind == "pinned_host"
 
 
+def test_arena_rows_keep_their_slot_while_anything_references_them():
+  """A taken row (or a view of it) keeps its slot: later stores go elsewhere and its bytes
+  stay; the slot is reused, lowest first, once the last reference is gone."""
+  tier = HostTier(3 * 24, pinned=False)
+  blocks = [_Block() for _ in range(3)]
+  for i, b in enumerate(blocks):
+    tier.put(b, _payload(i))
+  arena = tier.arenas[24]
+  assert (arena.row_bytes, arena.slots_per_chunk, arena.num_held) == (24, 6, 3)
+  slot = lambda row: offload._arena_slot(row)[1:]
+  row = tier.take(blocks[1])
+  assert slot(row) == (0, 1) and arena.num_held == 3
+  view = row[:10]
+  del row
+  tier.put(b := _Block(), _payload(7))  # the lowest free slot: 3, not 1
+  assert slot(tier.take(b)) == (0, 3)
+  np.testing.assert_array_equal(view, _payload(1)[:10])
+  assert arena.num_held == 3
+  del view
+  assert arena.num_held == 2
+  tier.put(b, _payload(8))
+  assert slot(tier.take(b)) == (0, 1)
+
+
+def test_a_full_arena_adds_a_chunk_and_drops_it_once_free():
+  tier = HostTier(24, pinned=False)  # chunks of 2 slots
+  held = []
+  for i in range(5):
+    held.extend(p for _, p in tier.put(_Block(), _payload(i)))  # pushed out, held here
+  assert len(tier) == 1 and tier.arenas[24].num_held == 5
+  assert [c is not None for c in tier.arenas[24].chunks] == [True, True, True]
+  assert [offload._arena_slot(p)[1:] for p in held] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+  np.testing.assert_array_equal(np.stack(held), np.stack([_payload(i) for i in range(4)]))
+  held.clear()
+  assert tier.arenas[24].num_held == 1
+  assert [c is not None for c in tier.arenas[24].chunks] == [True, False, True]
+
+
+def test_host_tier_arenas_per_row_size_and_plain_copies_past_them(monkeypatch):
+  monkeypatch.setattr(offload, "_MAX_ARENAS", 2)
+  tier = HostTier(1000, pinned=False)
+  sizes = [24, 40, 24, 56]  # the third size is past _MAX_ARENAS = 2
+  blocks = [_Block() for _ in sizes]
+  for i, (b, size) in enumerate(zip(blocks, sizes)):
+    tier.put(b, _payload(i, size))
+  tier.put(c := _Block(), _payload(9).view(np.int8))  # not u8: a plain copy
+  assert sorted(tier.arenas) == [24, 40]
+  for i, (b, size) in enumerate(zip(blocks, sizes)):
+    got = tier.take(b)
+    np.testing.assert_array_equal(got, _payload(i, size))
+    where = offload._arena_slot(got)
+    assert (where is None) == (size == 56)
+    if where is not None:
+      assert where[0] is tier.arenas[size]
+  got = tier.take(c)
+  assert offload._arena_slot(got) is None and got.dtype == np.int8
+  plain = HostTier(1000, pinned=False, arena=False)
+  plain.put(c, _payload(0))
+  assert plain.arenas == {} and offload._arena_slot(plain.take(c)) is None
+
+
 def test_disk_tier_round_trip_is_bit_exact_and_removes_its_file(tmp_path):
   tier = DiskTier(tmp_path, 100)
   block, data = _Block(), _payload(2)
@@ -113,7 +174,9 @@ def test_zero_capacity_passes_everything_through(tmp_path):
     (lambda d: DiskTier(d, -3), "capacity_bytes must be an int"),
     (lambda d: TieredStore([]), "at least one"),
     (lambda d: TieredStore([HostTier(1), HostTier(2)]), "distinct names"),
-])
+    (lambda d: offload.RowArena(0, 10), "row_bytes must be >= 1"),
+] + ([(lambda d: HostTier(1, pinned=True, arena=True), "arena must be False or None")]
+     if offload.pinned_host_available() else []))
 def test_bad_tier_settings_are_refused(call, match, tmp_path):
   with pytest.raises(ValueError, match=match):
     call(tmp_path)

@@ -1,6 +1,8 @@
-"""PageCodec stages a reload pool-major (numpy reorders the rows while it copies them into the
-staging block; the jitted update copies without a transpose): reload after spill must give
-bit-identical pools for every pool layout -- f32, bf16, int8 with scale pools, the KIVI pools
+"""PageCodec reads a reload's rows where the host tier's `RowArena` keeps them (the jitted
+update reads each run at its slots and writes it transposed), or stages them pool-major
+(numpy reorders the rows while it copies them into the staging block; the jitted update
+copies without a transpose): reload after spill must give bit-identical pools for every
+pool layout -- f32, bf16, int8 with scale pools, the KIVI pools
 (codes, f16 scales and zeros: pools of different sizes in one layer), caches of mixed dtypes
 -- on one page, a run crossing a bucket size, and the whole pool, by every write path."""
 
@@ -69,7 +71,7 @@ def _codec(kind):
 
 
 def _reload(codec, dst, pages, rows, path):
-  if path == "rows":
+  if path in ("arena", "rows"):
     return codec.write(dst, pages, rows)
   if path == "array":
     return codec.write(dst, pages, np.stack(rows))
@@ -82,30 +84,133 @@ def _reload(codec, dst, pages, rows, path):
     codec.release(handle)
 
 
-# The fast suite: f32 and KIVI rows on every list, mixed caches with gaps and the whole pool,
-# the prefetch and array paths once; every other combination in the slow suite.
-FAST = ({("f32", "rows", n) for n in PAGE_LISTS} | {("kivi", "rows", n) for n in PAGE_LISTS} |
-        {("mixed", "rows", "gaps"), ("mixed", "rows", "whole"), ("f32", "prefetch", "run9"),
-         ("kivi", "array", "whole")})
+def _spy(monkeypatch, codec):
+  """Counts the calls of the codec's two updates: {"staged": ..., "arena": ...}."""
+  calls = {"staged": 0, "arena": 0}
+  for name, key in (("_write", "staged"), ("_write_rows", "arena")):
+    def spy(*args, fn=getattr(codec, name), key=key):
+      calls[key] += 1
+      return fn(*args)
+    monkeypatch.setattr(codec, name, spy)
+  return calls
+
+
+def _want(src, dst, pages):
+  """The reference: `dst`'s pool bits with page q of `src` on page q for q in `pages`."""
+  want = [p.copy() for p in _bits(dst)]
+  for got_src, w in zip(_bits(src), want):
+    w[:, pages] = got_src[:, pages]
+  return want
+
+
+# The fast suite: f32 and KIVI rows read from the arena on every list, mixed caches with gaps
+# and the whole pool, the staging copy, the prefetch and the array paths once or twice; every
+# other combination in the slow suite.
+FAST = ({("f32", "arena", n) for n in PAGE_LISTS} | {("kivi", "arena", n) for n in PAGE_LISTS} |
+        {("mixed", "arena", "gaps"), ("mixed", "arena", "whole"), ("f32", "rows", "run9"),
+         ("kivi", "rows", "gaps"), ("f32", "prefetch", "run9"), ("kivi", "array", "whole")})
 
 
 @pytest.mark.parametrize("kind, path, name", [
     pytest.param(k, p, n, marks=() if (k, p, n) in FAST else pytest.mark.slow)
-    for k in KINDS for p in ("rows", "array", "staged", "prefetch") for n in PAGE_LISTS])
-def test_reload_after_spill_is_bit_identical(kind, path, name):
+    for k in KINDS for p in ("arena", "rows", "array", "staged", "prefetch") for n in PAGE_LISTS])
+def test_reload_after_spill_is_bit_identical(kind, path, name, monkeypatch):
+  """"arena": the tier's rows (a `RowArena`) read where they are; "rows": rows of a tier
+  without an arena, through the staging block; then a stacked array, `stage`, `prefetch`."""
   pages = PAGE_LISTS[name]
   codec = _codec(kind)
   src, dst = _random(KINDS[kind](), 0), _random(KINDS[kind](), 1)
-  want = [p.copy() for p in _bits(dst)]
-  for got_src, w in zip(_bits(src), want):  # the reference: page q of src lands on page q
-    w[:, pages] = got_src[:, pages]
-  tier = HostTier(10**9, pinned=False)
+  want = _want(src, dst, pages)
+  tier = HostTier(10**9, pinned=False, arena=path != "rows")
   blocks = [object() for _ in pages]
   for block, row in zip(blocks, codec.read(src, pages)):  # spill
     tier.put(block, row)
   rows = [tier.take(block) for block in blocks]  # reload
+  calls = _spy(monkeypatch, codec)
   for got, w in zip(_bits(_reload(codec, dst, pages, rows, path)), want):
     np.testing.assert_array_equal(got, w)
+  if path in ("arena", "rows"):
+    assert calls == ({"staged": 0, "arena": 1} if path == "arena" else
+                     {"staged": 1, "arena": 0})
+
+
+@pytest.mark.parametrize("kind", ["f32", pytest.param("bf16", marks=pytest.mark.slow),
+                                  pytest.param("int8", marks=pytest.mark.slow), "kivi",
+                                  pytest.param("mixed", marks=pytest.mark.slow)])
+def test_arena_rows_from_several_chunks_evicted_and_in_any_slot_order(kind, monkeypatch):
+  """A tier of 2 pages (chunks of 4 slots) spilled the whole pool in shuffled order: the
+  rows pushed out by LRU eviction stay valid while held (their slots are not reused), they
+  span several chunks in an order unrelated to the pages', and one write of them all is
+  bit-identical (one update per chunk; parts longer than a chunk are never traced)."""
+  codec = _codec(kind)
+  pages = PAGE_LISTS["whole"]
+  order = list(np.random.default_rng(5).permutation(pages))
+  src, dst = _random(KINDS[kind](), 6), _random(KINDS[kind](), 7)
+  want = _want(src, dst, pages)
+  read = codec.read(src, order)
+  tier = HostTier(2 * codec.page_bytes, pinned=False)
+  held = {}
+  for page, row in zip(order, read):
+    for block, payload in tier.put(page, row):  # the pages pushed out: held by us
+      held[block] = payload
+  for page in list(tier._items):  # pylint: disable=protected-access
+    held[page] = tier.take(page)
+  arena = tier.arenas[codec.page_bytes]
+  assert arena.slots_per_chunk == 4 and len(arena.chunks) == 4
+  del read
+  for page, row in zip(order, codec.read(src, order)):  # nothing was overwritten
+    np.testing.assert_array_equal(held[page], row)
+  calls = _spy(monkeypatch, codec)
+  for got, w in zip(_bits(codec.write(dst, pages, [held[p] for p in pages])), want):
+    np.testing.assert_array_equal(got, w)
+  assert calls == {"staged": 0, "arena": 4}
+
+
+def test_a_reload_mixing_arena_rows_longer_rows_and_plain_rows_is_bit_identical(monkeypatch):
+  """One write of rows from where they come in a real reload: page rows of the arena, pages
+  riding in longer rows (a boundary state's 8 bytes after the page, in the arena of that row
+  size: read from there too; 7 bytes: not a multiple of the f32 staging unit, staged) and
+  plain rows (a disk page; staged). One update per arena chunk, one staged for the rest; a
+  page listed twice still gets its last row."""
+  codec = _codec("f32")
+  pages = PAGE_LISTS["gaps"]  # page 7 twice: its last row (a plain one) wins
+  src, dst = _random(KINDS["f32"](), 8), _random(KINDS["f32"](), 9)
+  tier = HostTier(10**9, pinned=False)
+  rows = []
+  for i, row in enumerate(codec.read(src, pages)):
+    block, extra = object(), (0, 8, 7, None)[i % 4]
+    if extra is None:
+      rows.append(np.array(row))
+      continue
+    tier.put(block, np.concatenate([row, np.full(extra, 7, np.uint8)]))
+    rows.append(tier.take(block)[:codec.page_bytes])  # as the prefix cache unpacks them
+  assert sorted(tier.arenas) == [codec.page_bytes + e for e in (0, 7, 8)]
+  want = _want(src, dst, pages)
+  calls = _spy(monkeypatch, codec)
+  for got, w in zip(_bits(codec.write(dst, pages, rows)), want):
+    np.testing.assert_array_equal(got, w)
+  assert calls == {"staged": 1, "arena": 2}
+
+
+def test_a_chunk_device_put_that_copies_turns_the_arena_path_off(monkeypatch):
+  """Where `device_put` of a chunk does not alias it (a copy of the whole chunk), that write
+  is still right and later writes stage instead."""
+  codec = PageCodec(KINDS["f32"]())
+  pages = PAGE_LISTS["run9"]
+  src = _random(KINDS["f32"](), 10)
+  tier = HostTier(10**6, pinned=False)
+  blocks = [object() for _ in pages]
+  for block, row in zip(blocks, codec.read(src, pages)):
+    tier.put(block, row)
+  rows = [tier.take(block) for block in blocks]
+  put = offload.jax.device_put
+  monkeypatch.setattr(offload.jax, "device_put", lambda x, *a, **k: put(np.array(x), *a, **k))
+  for _ in range(2):
+    dst = _random(KINDS["f32"](), 11)
+    want = _want(src, dst, pages)
+    for got, w in zip(_bits(codec.write(dst, pages, rows)), want):
+      np.testing.assert_array_equal(got, w)
+    assert not codec._arena_aliases
 
 
 def test_the_two_thread_copy_stages_what_one_thread_does(monkeypatch):
