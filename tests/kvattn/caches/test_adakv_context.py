@@ -149,6 +149,16 @@ def test_the_context_write_keeps_adakv_of_knorm_then_appends(heads):
     new = list(range(int(lengths[b]), int(lengths[b]) + n))
     assert _held(after, b) == [sorted(h + new) for h in _held(cache, b)]
   np.testing.assert_array_equal(np.asarray(after.pos)[2], np.asarray(cache.pos)[2])  # wrote none
+  # NaN in the empty slots of the pool changes nothing (the same program: no recompilation).
+  empty = np.asarray(cache.pos) < 0
+  dirty = cache.replace(k=jnp.where(empty[..., None], jnp.nan, cache.k),
+                        v=jnp.where(empty[..., None], jnp.nan, cache.v),
+                        scores=jnp.where(empty, jnp.nan, cache.scores))
+  dirty = _update(dirty, more, np.array([2, 1, 0, 2], np.int32))
+  held = (np.asarray(after.pos) >= 0)[..., None]
+  np.testing.assert_array_equal(np.asarray(dirty.pos), np.asarray(after.pos))
+  np.testing.assert_array_equal(np.where(held, np.asarray(dirty.k), 0),
+                                np.where(held, np.asarray(after.k), 0))
 
 
 def test_overflow_drops_the_lowest_context_scores_then_the_oldest_appended():
