@@ -24,9 +24,9 @@ the uniform policy at the same ratio; AdaKV only moves slots between heads. Past
 then its oldest appended tokens (documented overflow; nothing is dropped silently).
 
 Scores whose policy protects tokens (`num_sinks`, a recent / observation window) rank those
-tokens first (+inf), as the uniform policy does; kvpress's SnapKVPress gives its window the
-maximum score instead (the same kept set unless the window outgrows `n_kept`). Ties rank the
-lower (head, token) first. The inner score sees only the chunk's tokens (the pool is empty at
+tokens +inf, as the uniform policy does, below the safeguard (kvpress's SnapKVPress gives its
+window the maximum score and the safeguard `finfo.max`: the same kept set unless the window
+outgrows `n_kept`). Ties rank the lower (head, token) first. The inner score sees only the chunk's tokens (the pool is empty at
 a row's first write), exactly the candidates of the uniform policy's context write. The inner
 policy must not read `Candidates.state` (Q-Filter is its own kind).
 """
