@@ -242,3 +242,30 @@ def test_alpha_one_keeps_the_uniform_policys_tokens(model, inner):
     upos = np.asarray(u.pos)
     for b in range(2):
       assert _held(a, b) == [sorted(p for p in upos[b, h] if p >= 0) for h in range(3)]
+
+
+@pytest.mark.slow  # ~10 CPU-s: generate and the replay compile
+def test_a_replayed_context_gives_generates_tokens():
+  # The compression family replays adakv points (CONTEXT_REPLAYABLE): the recorded context
+  # written per layer, then the question and answer, equal generate(context_lengths=).
+  import kvattn  # pylint: disable=g-import-not-at-top
+  from experiments.evals import models, replay  # pylint: disable=g-import-not-at-top
+  tiny = models.tiny_model(local_window=4)
+  rng = np.random.default_rng(0)
+  lengths = np.array([40, 19, 33], np.int32)
+  prompts = np.zeros((3, 40), np.int32)
+  for b, n in enumerate(lengths):
+    prompts[b, :n] = rng.integers(1, 256, n)
+  contexts = np.array([31, 1, 32], np.int32)
+  spec = {"kind": "adakv_snapkv", "compression_ratio": 0.5, "window_size": 4, "kernel_size": 3}
+  factory = registry.cache_factory_from_config(tiny, spec)
+  slots = registry.slots_needed(spec, contexts, lengths + 4)
+  want = kvattn.generate(tiny, prompts, lengths, 5, cache_factory=factory, max_len=slots,
+                         context_lengths=contexts)
+  context, rest, rest_lengths = replay.split_prompts(prompts, lengths, contexts)
+  inputs = replay.record(tiny, context, contexts)
+  assert replay.replayable(tiny, factory(3, slots))
+  got = replay.generate_after(tiny, inputs, contexts, factory(3, slots), rest, rest_lengths, 5,
+                              capacity=int(lengths.max()) + 4)
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+  np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
