@@ -118,15 +118,25 @@ def spec_of(policy: str, budget: int, ratio: float, protocol: str, num_sinks: in
     - "decoding_<policy>": `budget + DECODING_INTERVAL` slots evicting back to `budget`
       (kvattn compresses the prefill too, kvpress's DecodingPress does not: docs/presses.md);
     - "pyramidkv": its "context" mode (kvpress's layer schedule at `context_tokens`, needed)
-      over SnapKV with kvpress's window 64 and kernel 5.
+      over SnapKV with kvpress's window 64 and kernel 5;
+    - "adakv_<policy>" (kvattn/caches/adakv_context.py, kvpress's `AdaKVPress(<press>)`):
+      per-head budgets over `policy`'s scores, with `KVPRESS_OPTIONS[policy]` (context only).
 
   Raises:
-    ValueError: "think" without `head_dim`, "pyramidkv" without `context_tokens`, or "adakv"
-      under "context" (it has no context mode).
+    ValueError: "think" without `head_dim`, "pyramidkv" without `context_tokens`, "adakv"
+      under "context" (it has no context mode), or "adakv_<policy>" under "fixed_budget" (it
+      has only the context mode).
   """
   from kvattn.caches import registry  # pylint: disable=g-import-not-at-top
   if policy == NONE or ratio == 0:
     return {"kind": "dense"}
+  inner = adakv_inner(policy)
+  if inner is not None:
+    if protocol != "context":
+      raise ValueError(f"policy {policy!r} has only the context mode (kvpress's protocol); run "
+                       "it with compression.protocol='context' ('adakv' is the fixed budget)")
+    return {"kind": policy, "compress": "context", "compression_ratio": float(ratio),
+            **KVPRESS_OPTIONS.get(inner, {})}
   if protocol != "context":
     return registry.spec_at_budget(policy, max(budget, num_sinks + 1) if policy == "sink"
                                    else max(budget, 1), num_sinks=num_sinks)
@@ -157,6 +167,13 @@ def spec_of(policy: str, budget: int, ratio: float, protocol: str, num_sinks: in
   if policy == "snapkv+knorm":
     spec["first_keep"] = 2 * max(budget, 1)
   return spec
+
+
+def adakv_inner(policy: str) -> str | None:
+  """The inner policy of an "adakv_<policy>" kind (AdaKV under the context protocol), else
+  None."""
+  from kvattn.caches import adakv_context  # pylint: disable=g-import-not-at-top
+  return adakv_context.inner_of(policy)
 
 
 class CompressionFamily(runner.FamilyState):
@@ -195,13 +212,18 @@ class CompressionFamily(runner.FamilyState):
         raise ValueError(f"{where}: compression.ratios must be numbers in [0, 1); got {r!r}")
     from kvattn.caches import registry  # pylint: disable=g-import-not-at-top
     for p in c["policies"]:
-      if p not in STRUCTURAL and (p not in registry.CACHE_KIND_TABLE
-                                  or not registry.CACHE_KIND_TABLE[p].bounded):
+      context_only = adakv_inner(p) is not None
+      if p not in STRUCTURAL and not context_only and (
+          p not in registry.CACHE_KIND_TABLE or not registry.CACHE_KIND_TABLE[p].bounded):
         raise ValueError(f"{where}: compression.policies must hold bounded cache kinds "
-                         f"{registry.bounded_kinds()} or {STRUCTURAL}; got {p!r}")
+                         f"{registry.bounded_kinds()}, {STRUCTURAL} or adakv_<policy> kinds; "
+                         f"got {p!r}")
       if c["protocol"] == "context" and p == "adakv":
         raise ValueError(f"{where}: compression.policies: {p!r} has no context mode; use "
-                         f"compression.protocol='fixed_budget' for it")
+                         f"compression.protocol='fixed_budget' for it (or 'adakv_snapkv')")
+      if c["protocol"] != "context" and context_only:
+        raise ValueError(f"{where}: compression.policies: {p!r} has only the context mode; "
+                         f"use compression.protocol='context' for it")
     if d["peer"]["kvpress_jsonl"] and not os.path.exists(d["peer"]["kvpress_jsonl"]):
       raise ValueError(f"{where}: peer.kvpress_jsonl: no such file "
                        f"{d['peer']['kvpress_jsonl']!r}")

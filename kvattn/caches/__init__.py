@@ -15,6 +15,7 @@ from kvattn.caches.paged_kivi import PagedKIVICache
 from kvattn.caches import presses  # the presses' policies and kinds (one file each)
 from kvattn.caches import pyramid  # noqa: F401  (registers kind "pyramidkv")
 from kvattn.caches.adakv import AdaKVCache
+from kvattn.caches.adakv_context import AdaKVContextCache  # kinds "adakv_<policy>"
 from kvattn.caches.duo import DuoKVCache
 from kvattn.caches.think import ThinKCache
 from kvattn.caches import registry
@@ -23,7 +24,7 @@ from kvattn.caches.registry import (CacheFactory, CacheKind, build_caches,
                                     cache_factory_from_config, register_cache_kind)
 
 __all__ = [
-    "AdaKVCache", "CacheFactory", "CacheKind", "DuoKVCache", "EvictingKVCache", "KIVICache", "KIVILatentCache", "KVCache", "LatentCache",
+    "AdaKVCache", "AdaKVContextCache", "CacheFactory", "CacheKind", "DuoKVCache", "EvictingKVCache", "KIVICache", "KIVILatentCache", "KVCache", "LatentCache",
     "LengthSwitchKVCache", "PagedKIVICache", "PagedKVCache", "RingKVCache", "RotatedCache", "SinkKVCache", "ThinKCache",
     "build_caches", "cache_factory_from_config", "capabilities", "checkpoint", "presses", "protocol",
     "register_cache_kind", "registry", "sharded", "transaction",

@@ -96,6 +96,16 @@ def test_context_specs_carry_kvpress_defaults():
     spec("pyramidkv")
   with pytest.raises(ValueError, match="'adakv' has no context mode"):
     spec("adakv")
+  # AdaKV over a policy (kvpress's AdaKVPress(<press>)): the inner press's kvpress options.
+  assert spec("adakv_snapkv") == {"kind": "adakv_snapkv", "compress": "context",
+                                  "compression_ratio": 0.5, "window_size": 64, "kernel_size": 5}
+  assert spec("adakv_expected_attention")["num_sinks"] == 4
+  for p in ("adakv_keydiff", "adakv_knorm", "adakv_snapkv", "adakv_expected_attention"):
+    registry.cache_options(spec(p))
+  with pytest.raises(ValueError, match="'adakv_keydiff' has only the context mode"):
+    compression.spec_of("adakv_keydiff", 476, 0.5, "fixed_budget", 4)
+  assert {"adakv_keydiff", "adakv_knorm", "adakv_snapkv", "adakv_expected_attention"} <= set(
+      kvpress_ruler.press_names())  # the peer's AdaKVPress over the same presses
 
 
 @pytest.mark.parametrize("n", [40, 600, 953, 1001, 4093])

@@ -57,18 +57,25 @@ OFFLINE_SKIPS = {
 """Presses kvpress has that cannot run here, with the reason written to their record."""
 
 KVATTN_NAMES = {"observed_attention": "h2o", "streaming_llm": "sink", "composed": "snapkv+knorm",
-                "decoding": "decoding_knorm"}
+                "decoding": "decoding_knorm", "adakv": "adakv_snapkv"}
 """kvpress press name -> the kvattn cache kind it corresponds to, where the names differ
 (ObservedAttention is H2O's accumulated attention; StreamingLLM is sinks plus a window;
 "composed" is SnapKV then Knorm, kvattn's `composed.compose("snapkv", "knorm")`; "decoding" is
-DecodingPress over Knorm, kvattn's "decoding_knorm")."""
+DecodingPress over Knorm, kvattn's "decoding_knorm"; "adakv" is AdaKVPress(SnapKVPress),
+kvattn's "adakv_snapkv" under the context protocol, as is every "adakv_<inner>")."""
+
+ADAKV_INNER = {"keydiff": "KeyDiffPress", "expected_attention": "ExpectedAttentionPress",
+               "knorm": "KnormPress", "snapkv": "SnapKVPress"}
+"""kvattn policy -> the kvpress ScorerPress `AdaKVPress` wraps in press "adakv_<policy>" (kvattn's
+kinds of the same names, kvattn/caches/adakv_context.py)."""
+ADAKV_PRESSES = tuple(f"adakv_{inner}" for inner in ADAKV_INNER)
 
 
 def press_names() -> tuple[str, ...]:
   """The presses this runner knows, in the order of the report."""
   return ("knorm", "snapkv", "tova", "observed_attention", "random", "streaming_llm",
           "expected_attention", "keydiff", "qfilter", "chunkkv", "criticalkv", "composed",
-          "pyramidkv", "adakv", "think", "duo_attention", "decoding")
+          "pyramidkv", "adakv", *ADAKV_PRESSES, "think", "duo_attention", "decoding")
 
 
 def composed_ratios(ratio: float, context_tokens: int) -> tuple[float, float]:
@@ -89,7 +96,8 @@ def make_press(name: str, ratio: float, context_tokens: int) -> Any:
   """The kvpress press `name` at `compression_ratio=ratio` (None at ratio 0: no press).
 
   ThinK prunes key channels, not tokens: `ratio` is its `key_channel_compression_ratio`.
-  ChunkKV, CriticalKV and AdaKV wrap SnapKVPress (kvattn's inner default); "composed" is
+  ChunkKV, CriticalKV and AdaKV wrap SnapKVPress (kvattn's inner default); "adakv_<inner>" is
+  `AdaKVPress(<ADAKV_INNER[inner]>)` at its default safeguard (alpha 0.2); "composed" is
   SnapKV then Knorm at `composed_ratios`.
   DecodingPress compresses during decoding only: every 8 generated tokens the cache is
   brought back to `int(context_tokens * (1 - ratio))` tokens by KnormPress scores.
@@ -121,6 +129,9 @@ def make_press(name: str, ratio: float, context_tokens: int) -> Any:
           kvpress.KnormPress(compression_ratio=composed_ratios(ratio, context_tokens)[1])]),
       "pyramidkv": lambda: kvpress.PyramidKVPress(compression_ratio=ratio),
       "adakv": lambda: kvpress.AdaKVPress(press=kvpress.SnapKVPress(compression_ratio=ratio)),
+      **{f"adakv_{inner}": (lambda cls=cls: kvpress.AdaKVPress(
+          press=getattr(kvpress, cls)(compression_ratio=ratio)))
+         for inner, cls in ADAKV_INNER.items()},
       "think": lambda: kvpress.ThinKPress(key_channel_compression_ratio=ratio),
       "decoding": lambda: kvpress.DecodingPress(
           base_press=kvpress.KnormPress(), compression_interval=8,

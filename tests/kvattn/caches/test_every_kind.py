@@ -69,6 +69,14 @@ SETTINGS = {
     "duo": ({"num_sinks": 2, "window": 62}, {"num_sinks": 1, "window": 3, "pattern": "RS,SR"}),
     "think": ({"keep_channels": 8}, {"keep_channels": 3, "window_size": 2}),  # of head_dim 8
     "adakv": ({"budget": 16}, {"budget": 3, "kernel_size": 3, "window_size": 1}),
+    # AdaKV under kvpress's protocol: easy = ratio 0 (every token kept); hard = half the prompt.
+    "adakv_keydiff": ({"compression_ratio": 0.0}, {"compression_ratio": 0.5}),
+    "adakv_knorm": ({"compression_ratio": 0.0}, {"compression_ratio": 0.5, "alpha": 0.0}),
+    "adakv_snapkv": ({"compression_ratio": 0.0},
+                     {"compression_ratio": 0.5, "window_size": 2, "kernel_size": 3}),
+    "adakv_expected_attention": ({"compression_ratio": 0.0},
+                                 {"compression_ratio": 0.5, "num_sinks": 1,
+                                  "n_future_positions": 4}),
     "toy_paged": ({"page_size": 4}, {"page_size": 3, "seed": 1}),
     # KIVI: easy = every token in the residual; hard = groups of 2 flushed behind 2 residual
     # tokens (kivi2), and behind none with keys before RoPE and f32 scales (kivi4).
@@ -97,6 +105,9 @@ SLOW_KINDS = {"snapkv", "tova", "tova_per_head", "recent", "random", "knorm", "k
               "pyramidkv", "duo", "think",
               # AdaKVCache: every step against a numpy reference of the pool in test_adakv.py.
               "adakv",
+              # AdaKVContextCache (~15 CPU-s per kind here): its selection, append, overflow
+              # and NaN in empty slots are checked in test_adakv_context.py's fast tests.
+              "adakv_keydiff", "adakv_knorm", "adakv_snapkv", "adakv_expected_attention",
               # The presses (~20 CPU-s each here): EvictingKVCache (and two subclasses: a filters
               # leaf; eviction only when full) with another score, each checked against its numpy
               # reference over ragged rows, NaN slots and budget +-1 in tests/kvattn/caches/presses.
