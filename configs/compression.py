@@ -60,7 +60,8 @@ def get_config(arg=None):
   # kinds compared; () = every registered eviction policy (POLICY_TABLE) plus "sink". Also
   # "pyramidkv", "decoding_<policy>", "think" (spec_of: kvpress's settings under "context");
   # "adakv" under "fixed_budget" only; "adakv_<policy>" (AdaKV over keydiff,
-  # expected_attention, knorm, snapkv: kvpress's AdaKVPress) under "context" only.
+  # expected_attention, knorm, snapkv: kvpress's AdaKVPress) and "pyramidkv_<policy>"
+  # (PyramidKV's layer schedule over any eviction policy) under "context" only.
   config.compression.ratios = (0.0, 0.5, 0.75) if smoke else (0.0, 0.25, 0.5, 0.75, 0.9)
   config.compression.protocol = "context"  # kvpress's protocol; or "fixed_budget" (docstring).
   config.compression.num_sinks = 4  # Sinks of the "sink" kind (StreamingLLM's n_sink).

@@ -118,23 +118,33 @@ def spec_of(policy: str, budget: int, ratio: float, protocol: str, num_sinks: in
     - "decoding_<policy>": `budget + DECODING_INTERVAL` slots evicting back to `budget`
       (kvattn compresses the prefill too, kvpress's DecodingPress does not: docs/presses.md);
     - "pyramidkv": its "context" mode (kvpress's layer schedule at `context_tokens`, needed)
-      over SnapKV with kvpress's window 64 and kernel 5;
+      over SnapKV with kvpress's window 64 and kernel 5; "pyramidkv_<policy>" the same
+      schedule over `policy`'s scores with `KVPRESS_OPTIONS[policy]` (context only; kvpress's
+      PyramidKVPress is SnapKV's alone);
     - "adakv_<policy>" (kvattn/caches/adakv_context.py, kvpress's `AdaKVPress(<press>)`):
       per-head budgets over `policy`'s scores, with `KVPRESS_OPTIONS[policy]` (context only).
 
   Raises:
     ValueError: "think" without `head_dim`, "pyramidkv" without `context_tokens`, "adakv"
-      under "context" (it has no context mode), or "adakv_<policy>" under "fixed_budget" (it
-      has only the context mode).
+      under "context" (it has no context mode), or "adakv_<policy>" / "pyramidkv_<policy>"
+      under "fixed_budget" (they have only the context mode).
   """
   from kvattn.caches import registry  # pylint: disable=g-import-not-at-top
   if policy == NONE or ratio == 0:
     return {"kind": "dense"}
-  inner = adakv_inner(policy)
+  inner = adakv_inner(policy) or pyramid_inner(policy)
   if inner is not None:
     if protocol != "context":
       raise ValueError(f"policy {policy!r} has only the context mode (kvpress's protocol); run "
-                       "it with compression.protocol='context' ('adakv' is the fixed budget)")
+                       "it with compression.protocol='context' ('adakv' and 'pyramidkv' have "
+                       "the fixed budget)")
+    if pyramid_inner(policy) is not None:
+      if context_tokens is None:
+        raise ValueError(f"context_tokens must be given for policy {policy!r} (the context "
+                         "length of its layer schedule); got None")
+      return {"kind": "pyramidkv", "compress": "context", "compression_ratio": float(ratio),
+              "context_tokens": int(context_tokens), "policy": inner,
+              **KVPRESS_OPTIONS.get(inner, {})}
     return {"kind": policy, "compress": "context", "compression_ratio": float(ratio),
             **KVPRESS_OPTIONS.get(inner, {})}
   if protocol != "context":
@@ -176,6 +186,16 @@ def adakv_inner(policy: str) -> str | None:
   return adakv_context.inner_of(policy)
 
 
+def pyramid_inner(policy: str) -> str | None:
+  """The inner policy of a "pyramidkv_<policy>" point (PyramidKV's context schedule over
+  `policy`, an eviction policy of `eviction.POLICY_TABLE`), else None."""
+  from kvattn.caches import eviction  # pylint: disable=g-import-not-at-top
+  if not policy.startswith("pyramidkv_"):
+    return None
+  inner = policy[len("pyramidkv_"):]
+  return inner if inner in eviction.POLICY_TABLE else None
+
+
 class CompressionFamily(runner.FamilyState):
   """Score vs compression ratio on the RULER-style suite (module doc)."""
 
@@ -212,11 +232,12 @@ class CompressionFamily(runner.FamilyState):
         raise ValueError(f"{where}: compression.ratios must be numbers in [0, 1); got {r!r}")
     from kvattn.caches import registry  # pylint: disable=g-import-not-at-top
     for p in c["policies"]:
-      context_only = adakv_inner(p) is not None
+      context_only = adakv_inner(p) is not None or pyramid_inner(p) is not None
       if p not in STRUCTURAL and not context_only and (
           p not in registry.CACHE_KIND_TABLE or not registry.CACHE_KIND_TABLE[p].bounded):
         raise ValueError(f"{where}: compression.policies must hold bounded cache kinds "
-                         f"{registry.bounded_kinds()}, {STRUCTURAL} or adakv_<policy> kinds; "
+                         f"{registry.bounded_kinds()}, {STRUCTURAL}, adakv_<policy> kinds or "
+                         f"pyramidkv_<policy>; "
                          f"got {p!r}")
       if c["protocol"] == "context" and p == "adakv":
         raise ValueError(f"{where}: compression.policies: {p!r} has no context mode; use "

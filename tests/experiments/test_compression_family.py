@@ -96,6 +96,16 @@ def test_context_specs_carry_kvpress_defaults():
     spec("pyramidkv")
   with pytest.raises(ValueError, match="'adakv' has no context mode"):
     spec("adakv")
+  # PyramidKV's schedule over another policy's scores (context only).
+  assert spec("pyramidkv_keydiff", context_tokens=953) == {
+      "kind": "pyramidkv", "compress": "context", "compression_ratio": 0.5,
+      "context_tokens": 953, "policy": "keydiff"}
+  registry.cache_options(spec("pyramidkv_keydiff", context_tokens=953))
+  assert compression.pyramid_inner("pyramidkv_nope") is None
+  with pytest.raises(ValueError, match="context_tokens must be given for policy 'pyramidkv_"):
+    spec("pyramidkv_knorm")
+  with pytest.raises(ValueError, match="only the context mode"):
+    compression.spec_of("pyramidkv_keydiff", 476, 0.5, "fixed_budget", 4)
   # AdaKV over a policy (kvpress's AdaKVPress(<press>)): the inner press's kvpress options.
   assert spec("adakv_snapkv") == {"kind": "adakv_snapkv", "compress": "context",
                                   "compression_ratio": 0.5, "window_size": 64, "kernel_size": 5}
