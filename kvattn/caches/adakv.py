@@ -94,6 +94,18 @@ def avg_pool_by_position(score: jax.Array, pos: jax.Array, size: int) -> jax.Arr
   return jnp.take_along_axis(summed / size, back, axis=-1)
 
 
+def head_major(idx: jax.Array, held: jax.Array, cand_head: jax.Array, cand_pos: jax.Array
+               ) -> tuple[jax.Array, jax.Array]:
+  """The pool's order of chosen candidates: `idx: i32[B, P]` (indices into the candidates,
+  `held: bool[B, P]` those holding a token) reordered by (KV head, token) from
+  `cand_head, cand_pos: i32[B, C]`, the empty ones last; returns `(idx, held)` in that order."""
+  big = jnp.iinfo(jnp.int32).max
+  head_key = jnp.where(held, jnp.take_along_axis(cand_head, idx, axis=1), big)
+  pos_key = jnp.where(held, jnp.take_along_axis(cand_pos, idx, axis=1), big)
+  _, _, idx = jax.lax.sort((head_key, pos_key, idx), dimension=1, num_keys=2)
+  return idx, jnp.sort(held, axis=1, descending=True)  # the held slots first after the sort
+
+
 @struct.dataclass
 class AdaKVCache(CheckedStep, _slots.Slots, capabilities.Rows):
   """One layer's pool of `P = K * budget` slots per sequence shared by its K KV heads.
@@ -274,11 +286,7 @@ class AdaKVCache(CheckedStep, _slots.Slots, capabilities.Rows):
     cand_pos = flat(self.pos, view_pos[..., pool:])
     _, idx = jax.lax.top_k(cand_priority, pool)  # [B, P]
     kept = jnp.take_along_axis(cand_priority, idx, axis=1) > -jnp.inf
-    big = jnp.iinfo(jnp.int32).max
-    head_key = jnp.where(kept, jnp.take_along_axis(cand_head, idx, axis=1), big)
-    pos_key = jnp.where(kept, jnp.take_along_axis(cand_pos, idx, axis=1), big)
-    _, _, idx = jax.lax.sort((head_key, pos_key, idx), dimension=1, num_keys=2)
-    kept = jnp.sort(kept, axis=1, descending=True)  # the held slots come first after the sort
+    idx, kept = head_major(idx, kept, cand_head, cand_pos)
     take = lambda x: None if x is None else jnp.take_along_axis(
         x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
     wrote = (new_lengths > 0)[:, None]

@@ -49,7 +49,7 @@ from kvattn.caches import presses  # noqa: F401  (registers keydiff, expected_at
 from kvattn.caches import registry
 from kvattn.caches._bounded import concat, encode_new, new_positions, prelude, scale_kwargs
 from kvattn.caches._layers import gqa_layers
-from kvattn.caches.adakv import DEFAULT_ALPHA, AdaKVCache
+from kvattn.caches.adakv import DEFAULT_ALPHA, AdaKVCache, head_major
 from kvattn.caches.presses._common import descending_rank, rank_and_carry
 from kvattn.ops.positional import positional_attention
 from kvattn.ops.rope import apply_rope
@@ -288,11 +288,7 @@ class AdaKVContextCache(AdaKVCache):
                                  new_pos.shape)
     cand_head, cand_pos = flat(self.head, heads_new), flat(self.pos, new_pos)
     held = jnp.take_along_axis(tier, idx, axis=1) >= 0
-    big = jnp.iinfo(jnp.int32).max
-    head_key = jnp.where(held, jnp.take_along_axis(cand_head, idx, axis=1), big)
-    pos_key = jnp.where(held, jnp.take_along_axis(cand_pos, idx, axis=1), big)
-    _, _, idx = jax.lax.sort((head_key, pos_key, idx), dimension=1, num_keys=2)
-    held = jnp.sort(held, axis=1, descending=True)  # the held slots come first after the sort
+    idx, held = head_major(idx, held, cand_head, cand_pos)
     take = lambda x: None if x is None else jnp.take_along_axis(
         x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
     stored = jnp.where(first[:, None, None] & jnp.isfinite(stored), stored, 0.0)
