@@ -18,7 +18,8 @@ def _prompts(rng, lengths, width):
   return prompts, np.array(lengths, np.int32)
 
 
-def test_replayed_points_give_the_tokens_and_kept_positions_of_generate():
+@pytest.fixture(scope="module")
+def recorded():
   # The local/global model (rings on the local layers under "ring"); rows with contexts of 1,
   # a block-sized and an odd length; the question 1 token for one row.
   model = models.tiny_model(local_window=4)
@@ -27,24 +28,32 @@ def test_replayed_points_give_the_tokens_and_kept_positions_of_generate():
   context, rest, rest_lengths = replay.split_prompts(prompts, lengths, contexts)
   inputs = replay.record(model, context, contexts)
   assert len(inputs) == 4 and inputs[0].shape == (3, context.shape[1], 32)
+  return model, prompts, lengths, contexts, inputs, rest, rest_lengths
+
+
+@pytest.mark.parametrize("spec", [
+    {"kind": "dense"},
+    {"kind": "snapkv", "compress": "context", "compression_ratio": 0.75, "window_size": 4,
+     "kernel_size": 3},  # the fast suite: the scoring queries' mass and the rings
+    pytest.param({"kind": "knorm", "compress": "context", "compression_ratio": 0.5},
+                 marks=pytest.mark.slow),
+    pytest.param({"kind": "pyramidkv", "compress": "context", "compression_ratio": 0.5,
+                  "context_tokens": 31, "window_size": 4, "kernel_size": 3},
+                 marks=pytest.mark.slow)], ids=lambda s: s["kind"])
+def test_replayed_points_give_the_tokens_and_kept_positions_of_generate(recorded, spec):
+  model, prompts, lengths, contexts, inputs, rest, rest_lengths = recorded
   capacity = int(lengths.max()) + NEW - 1
-  for spec in ({"kind": "dense"},
-               {"kind": "knorm", "compress": "context", "compression_ratio": 0.5},
-               {"kind": "snapkv", "compress": "context", "compression_ratio": 0.75,
-                "window_size": 4, "kernel_size": 3},
-               {"kind": "pyramidkv", "compress": "context", "compression_ratio": 0.5,
-                "context_tokens": 31, "window_size": 4, "kernel_size": 3}):
-    factory = registry.cache_factory_from_config(model, spec)
-    kwargs = {} if spec["kind"] == "dense" else {"context_lengths": contexts}
-    slots = registry.slots_needed(spec, contexts, lengths + NEW - 1) or capacity
-    want = kvattn.generate(model, prompts, lengths, NEW, cache_factory=factory, max_len=slots,
-                           **kwargs)
-    for common in ((None, capacity) if spec["kind"] != "dense" else (None,)):
-      # the policy's own caches, then the appending form
-      got = replay.generate_after(model, inputs, contexts, factory(3, slots), rest,
-                                  rest_lengths, NEW, capacity=common)
-      np.testing.assert_array_equal(got[0], want[0], err_msg=str((spec, common)))
-      np.testing.assert_array_equal(got[1], want[1])
+  factory = registry.cache_factory_from_config(model, spec)
+  kwargs = {} if spec["kind"] == "dense" else {"context_lengths": contexts}
+  slots = registry.slots_needed(spec, contexts, lengths + NEW - 1) or capacity
+  want = kvattn.generate(model, prompts, lengths, NEW, cache_factory=factory, max_len=slots,
+                         **kwargs)
+  for common in ((None, capacity) if spec["kind"] != "dense" else (None,)):
+    # the policy's own caches, then the appending form
+    got = replay.generate_after(model, inputs, contexts, factory(3, slots), rest,
+                                rest_lengths, NEW, capacity=common)
+    np.testing.assert_array_equal(got[0], want[0], err_msg=str((spec, common)))
+    np.testing.assert_array_equal(got[1], want[1])
 
 
 def test_appending_keeps_the_kept_slots_and_refuses_a_smaller_capacity():
