@@ -235,11 +235,7 @@ class AdaKVContextCache(AdaKVCache):
 
   def _score_queries(self, new_lengths: jax.Array, num_tokens: int) -> jax.Array | None:
     """`bool[B, T]`: the queries whose attention mass the inner policy reads (None: none)."""
-    score_queries = eviction.POLICY_TABLE[self.policy].score_queries
-    if score_queries is None:
-      return None
-    t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
-    return score_queries(t, new_lengths[:, None], dict(self.options))
+    return eviction.scoring_queries(self.policy, self.options, new_lengths, num_tokens)
 
   def _select(self, kq, vq, ks, vs, new_lengths, mass, queries=None) -> "AdaKVContextCache":
     """Writes the chunk (`kq, vq: [B, K, T, H]`, scales `[B, K, T]`): a row's first write keeps

@@ -429,11 +429,7 @@ class EvictingKVCache(BoundedCache):
 
   def _score_queries(self, new_lengths: jax.Array, num_tokens: int) -> jax.Array | None:
     """`bool[B, T]`: the queries whose attention scores the slots, None if none do."""
-    score_queries = POLICY_TABLE[self.policy].score_queries
-    if score_queries is None:
-      return None
-    t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
-    return score_queries(t, new_lengths[:, None], dict(self.options))
+    return scoring_queries(self.policy, self.options, new_lengths, num_tokens)
 
   def policy_state(self) -> Any:
     """`Candidates.state`: arrays a subclass holds for its policy (None here)."""
@@ -547,6 +543,17 @@ class EvictingKVCache(BoundedCache):
                                                                             num_tokens),
         **scale_kwargs(concat(self.k_scale, ks), concat(self.v_scale, vs)))
     return out, self._select(kq, vq, ks, vs, new_lengths, mass, queries)
+
+
+def scoring_queries(policy: str, options: tuple, new_lengths: jax.Array,
+                    num_tokens: int) -> jax.Array | None:
+  """`bool[B, T]`: the queries of a chunk of `num_tokens` (`new_lengths: i32[B]` real) whose
+  attention mass `policy` (a name of `POLICY_TABLE`, its static `options`) reads; None if none."""
+  score_queries = POLICY_TABLE[policy].score_queries
+  if score_queries is None:
+    return None
+  t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+  return score_queries(t, new_lengths[:, None], dict(options))
 
 
 def eviction_kind(policy: str) -> registry.CacheKind:
