@@ -101,12 +101,16 @@ class EvictionPolicy:
     score_queries: `(t i32[1, T], new_lengths i32[B, 1], options) -> bool[B, T]`, the
       queries whose attention mass scores the slots; None: the policy uses no mass.
     protected: the option naming how many most recent tokens are always kept, or None.
+    query_window: `(options) -> W`: the scoring queries are among each chunk's last W real
+      tokens (SnapKV's `window_size`, TOVA's 1), so a write computes their attention for W
+      queries per row, not for the chunk; None: no such bound (H2O scores with every query).
   """
 
   score: Callable[[Candidates, dict[str, int]], jax.Array]
   options: dict[str, tuple[Callable[[int], int], int]]
   score_queries: Callable[..., jax.Array] | None = None
   protected: str | None = None
+  query_window: Callable[[dict[str, int]], int] | None = None
 
 
 def _avg_pool(x: jax.Array, size: int) -> jax.Array:
@@ -159,13 +163,15 @@ POLICY_TABLE: dict[str, EvictionPolicy] = {
         options={"window_size": (lambda budget: min(32, budget // 2), 1),
                  "kernel_size": (lambda budget: 5, 1)},
         score_queries=lambda t, n, o: (t < n) & (t >= n - o["window_size"]),
-        protected="window_size"),
+        protected="window_size", query_window=lambda o: o["window_size"]),
     "tova": EvictionPolicy(
         score=_tova_score, options={"recent_size": _ZERO},
-        score_queries=lambda t, n, o: t == n - 1, protected="recent_size"),
+        score_queries=lambda t, n, o: t == n - 1, protected="recent_size",
+        query_window=lambda o: 1),
     "tova_per_head": EvictionPolicy(
         score=lambda c, o: c.mass, options={"recent_size": _ZERO},
-        score_queries=lambda t, n, o: t == n - 1, protected="recent_size"),
+        score_queries=lambda t, n, o: t == n - 1, protected="recent_size",
+        query_window=lambda o: 1),
     "recent": EvictionPolicy(score=lambda c, o: c.pos.astype(jnp.float32), options={}),
     "random": EvictionPolicy(score=_random_score, options={"seed": _ZERO}),
     "knorm": EvictionPolicy(score=_knorm_score, options={"recent_size": _ZERO},
@@ -427,9 +433,9 @@ class EvictingKVCache(BoundedCache):
     return np.array([0 if c < 0 else min(self.kept_context(int(c)) + int(n) - int(c),
                                          self.capacity) for c, n in zip(context, lengths)])
 
-  def _score_queries(self, new_lengths: jax.Array, num_tokens: int) -> jax.Array | None:
-    """`bool[B, T]`: the queries whose attention scores the slots, None if none do."""
-    return scoring_queries(self.policy, self.options, new_lengths, num_tokens)
+  def _score_queries(self, new_lengths: jax.Array, num_tokens: int) -> dict[str, Any]:
+    """`scoring_kwargs` of the cache's policy."""
+    return scoring_kwargs(self.policy, self.options, new_lengths, num_tokens)
 
   def policy_state(self) -> Any:
     """`Candidates.state`: arrays a subclass holds for its policy (None here)."""
@@ -539,8 +545,7 @@ class EvictingKVCache(BoundedCache):
     q_pos = self.lengths[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
     out, mass = positional_attention(
         q, concat(self.k, kq), concat(self.v, vq), q_pos, cand_pos, sm_scale=sm_scale,
-        window=window, soft_cap=soft_cap, score_queries=self._score_queries(new_lengths,
-                                                                            num_tokens),
+        window=window, soft_cap=soft_cap, **self._score_queries(new_lengths, num_tokens),
         **scale_kwargs(concat(self.k_scale, ks), concat(self.v_scale, vs)))
     return out, self._select(kq, vq, ks, vs, new_lengths, mass, queries)
 
@@ -554,6 +559,15 @@ def scoring_queries(policy: str, options: tuple, new_lengths: jax.Array,
     return None
   t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
   return score_queries(t, new_lengths[:, None], dict(options))
+
+
+def scoring_kwargs(policy: str, options: tuple, new_lengths: jax.Array,
+                   num_tokens: int) -> dict[str, Any]:
+  """`positional_attention`'s `score_queries` (`scoring_queries`) and `score_window` (the
+  policy's `query_window` with its `options`, None for no bound) for a chunk."""
+  query_window = POLICY_TABLE[policy].query_window
+  return {"score_queries": scoring_queries(policy, options, new_lengths, num_tokens),
+          "score_window": None if query_window is None else int(query_window(dict(options)))}
 
 
 def eviction_kind(policy: str) -> registry.CacheKind:

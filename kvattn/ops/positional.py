@@ -78,6 +78,7 @@ def positional_attention(
     always_visible: jax.Array | None = None,  # bool[B, S]
     q_always_visible: jax.Array | None = None,  # [B, T, N, H]
     score_queries: jax.Array | None = None,  # bool[B, T]
+    score_window: int | None = None,
     query_chunk: int = 256,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Attention of `q: [B, T, N, H]` against S slots holding tokens `kv_pos` (`i32[B, S]` or
@@ -85,6 +86,10 @@ def positional_attention(
 
   `q_always_visible`: the queries used against `always_visible: bool[B, S]` slots (default
   q). `score_queries: bool[B, T]`: whose probabilities make the mass (None: no mass).
+  `score_window`: None, or W such that each row's scoring queries lie among the W queries
+  ending at its last one (SnapKV's observation window, TOVA's newest query): the mass is then
+  computed from those W queries gathered per row, not from all T (the output, when it is
+  used, from all T without the mass); a scoring query outside them is not counted.
 
   Returns:
     `(out [B, T, N, Hv]` in q's dtype, `mass f32[B, K, S]` or None)`.
@@ -112,6 +117,7 @@ def positional_attention(
     raise ValueError(f"kv_pos must have shape [B, S] or [B, K, S] = ({batch}, [{num_kv_heads}, ]"
                      f"{capacity}); got {kv_pos.shape}")
   window = _checks.optional_positive_int("window", window)
+  score_window = _checks.optional_positive_int("score_window", score_window)
   query_chunk = _checks.positive_int("query_chunk", query_chunk)
   if sm_scale is None:
     sm_scale = head_dim ** -0.5
@@ -126,6 +132,22 @@ def positional_attention(
     raise ValueError("q_always_visible needs always_visible")
   opts = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap, k_scale=k_scale,
               v_scale=v_scale)
+  if want_mass and score_window is not None and score_window < num_tokens:
+    out, _ = positional_attention(q, k, v, q_pos, kv_pos, always_visible=always_visible,
+                                  q_always_visible=q_always_visible, query_chunk=query_chunk,
+                                  **opts)
+    # Row b's window: the score_window queries ending at its last scoring query (a row with
+    # none gathers rows that are all False and adds no mass).
+    last = num_tokens - 1 - jnp.argmax(rows[:, ::-1], axis=1).astype(jnp.int32)
+    idx = last[:, None] + jnp.arange(1 - score_window, 1, dtype=jnp.int32)[None, :]  # [B, W]
+    inside = idx >= 0
+    idx = jnp.maximum(idx, 0)
+    gather = lambda x: jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)),
+                                           axis=1)
+    _, mass = _chunk_attention(gather(q), k, v, jnp.where(inside, gather(q_pos), -1), kv_pos,
+                               always_visible, None if q_always_visible is None
+                               else gather(q_always_visible), gather(rows) & inside, **opts)
+    return out, mass
 
   if num_tokens <= query_chunk:
     out, mass = _chunk_attention(q, k, v, q_pos, kv_pos, always_visible, q_always_visible,

@@ -65,7 +65,8 @@ def chunked(inner: str) -> eviction.EvictionPolicy:
   return eviction.EvictionPolicy(
       score=score,
       options={**base.options, "chunk_size": (lambda budget: DEFAULT_CHUNK_SIZE, 1)},
-      score_queries=base.score_queries, protected=base.protected)
+      score_queries=base.score_queries, protected=base.protected,
+      query_window=base.query_window)
 
 
 def register(inner: str) -> str:

@@ -53,10 +53,17 @@ def composed(first: str, second: str) -> eviction.EvictionPolicy:
   def score_queries(t, n, o):
     return queries[0](t, n, o) | queries[-1](t, n, o)
 
+  # The union's queries lie among the last max(W_a, W_b) tokens; unbounded if either is.
+  windows = [p.query_window for p in (a, b) if p.score_queries is not None]
+
+  def query_window(o):
+    return max(w(o) for w in windows)
+
   return eviction.EvictionPolicy(
       score=score,
       options={**b.options, **a.options, "first_keep": (lambda budget: 2 * budget, 1)},
-      score_queries=score_queries if queries else None, protected=a.protected or b.protected)
+      score_queries=score_queries if queries else None, protected=a.protected or b.protected,
+      query_window=query_window if queries and None not in windows else None)
 
 
 def compose(first: str, second: str) -> str:

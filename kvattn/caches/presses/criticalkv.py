@@ -45,7 +45,8 @@ def critical(inner: str) -> eviction.EvictionPolicy:
 
   return eviction.EvictionPolicy(
       score=score, options={**base.options, "first_keep": (lambda budget: budget // 2, 0)},
-      score_queries=base.score_queries, protected=base.protected)
+      score_queries=base.score_queries, protected=base.protected,
+      query_window=base.query_window)
 
 
 def register(inner: str) -> str:

@@ -75,6 +75,56 @@ def test_positional_attention_equals_dense_attention_on_permuted_slots():
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
 
 
+def _mass_reference(q, kt, q_pos, kv_pos, rows, window=None):
+  """numpy: `f32[B, K, S]`, the probabilities the scoring `rows` gave each slot, summed over
+  the G query heads of each KV head."""
+  q, kt = np.asarray(q, np.float64), np.asarray(kt, np.float64)
+  groups = q.shape[2] // kt.shape[1]
+  logits = np.einsum("btnh,bnsh->bnts", q, np.repeat(kt, groups, axis=1)) * q.shape[-1] ** -0.5
+  qp, kp = np.asarray(q_pos)[:, None, :, None], np.asarray(kv_pos)[:, None, None, :]
+  mask = (kp >= 0) & (kp <= qp) & (True if window is None else kp > qp - window)
+  logits = np.where(mask, np.nan_to_num(logits), -np.inf)
+  top = np.where(mask.any(-1, keepdims=True), logits.max(-1, keepdims=True), 0.0)
+  probs = np.where(mask, np.exp(logits - top), 0.0)
+  probs /= np.maximum(probs.sum(-1, keepdims=True), 1e-300)
+  probs *= np.asarray(rows)[:, None, :, None]
+  return probs.reshape(q.shape[0], kt.shape[1], groups, q.shape[1], -1).sum(axis=(2, 3))
+
+
+@pytest.mark.parametrize("score_window,query_chunk,window", [
+    (1, 256, None), (3, 256, None), (3, 4, None), (3, 4, 4), (9, 4, None), (20, 256, None)])
+def test_score_window_gives_the_mass_of_every_scoring_query(score_window, query_chunk, window):
+  # Rows of 0, 1, W - 1, W, W + 1 and all 9 tokens; their scoring queries are their last
+  # min(n, 3) (SnapKV's observation window) or, for W = 1, the newest (TOVA).
+  num_tokens, lengths = 9, np.array([0, 1, 2, 3, 4, 9])
+  batch = len(lengths)
+  rng = np.random.default_rng(7)
+  q = jnp.asarray(rng.normal(size=(batch, num_tokens, N, H)), jnp.float32)
+  kt = rng.normal(size=(batch, K, num_tokens + 2, H)).astype(np.float32)
+  kt[:, :, -2:] = np.nan  # two unused slots (-1) holding garbage
+  vt = jnp.asarray(np.nan_to_num(kt))
+  kv_pos = np.concatenate([np.tile(np.arange(num_tokens), (batch, 1)),
+                           np.full((batch, 2), -1)], axis=1).astype(np.int32)
+  t = np.arange(num_tokens)[None]
+  rows = (t < lengths[:, None]) & (t >= lengths[:, None] - min(score_window, 3))
+  q_pos = np.where(t < lengths[:, None], t, -1).astype(np.int32)
+  got_out, got = positional_attention(q, jnp.asarray(kt), vt, jnp.asarray(q_pos),
+                                      jnp.asarray(kv_pos), window=window,
+                                      score_queries=jnp.asarray(rows),
+                                      score_window=score_window, query_chunk=query_chunk)
+  want_out, want = positional_attention(q, jnp.asarray(kt), vt, jnp.asarray(q_pos),
+                                        jnp.asarray(kv_pos), window=window,
+                                        score_queries=jnp.asarray(rows), query_chunk=query_chunk)
+  np.testing.assert_allclose(np.asarray(got), _mass_reference(q, kt, q_pos, kv_pos, rows, window),
+                             atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(got_out), np.asarray(want_out))
+  np.testing.assert_array_equal(np.asarray(got)[0], 0.0)  # no scoring query, no mass
+  np.testing.assert_allclose(np.asarray(got).sum(axis=-1), np.broadcast_to(
+      (N // K) * rows.sum(1)[:, None], (batch, K)),
+                             rtol=1e-5)  # each scoring query's G heads sum to G
+
+
 def test_empty_and_garbage_slots_never_reach_the_output():
   q, k, v = _qkv(1, 1)
   kt = jnp.concatenate([k.transpose(0, 2, 1, 3), jnp.full((B, K, 3, H), jnp.nan)], axis=2)
