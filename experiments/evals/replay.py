@@ -4,12 +4,13 @@ Under kvpress's protocol (`compress="context"`, `kvattn.caches._context`) the co
 forward pass does not depend on the cache: its queries attend every context token, and the
 cache only chooses what to keep after. So a sweep over policies and ratios need not run the
 model over the context once per point. `record` runs it once per batch without caches and
-keeps each layer's input `x_i: [B, Tc, D]`; `generate_after` then, per point, writes each
-layer's cache from its recorded input (`layer.step` on the cache: the same projections, RoPE,
-scoring queries and selection as in the model; the layer's output is not used, so XLA drops
-its attention output, `o_proj` and MLP), prefills the rest of the prompts (the question) on
-top and decodes: `kvattn.generate(..., context_lengths=)`'s result, at a fraction of its cost
-(the projections and MLP of the context run once per batch, not once per point).
+keeps each layer's queries, keys and values before RoPE (`q [B, Tc, N, H]`, `k, v [B, Tc, K,
+H]`, the layer's `qkv`); `generate_after` then, per point, writes each layer's cache from them
+(`GroupedQueryAttention.cache_step`: the same RoPE, scoring queries and selection as in the
+model; its attention output is not used, so XLA drops it), turns the caches dense where that
+is exact (`compacted`), prefills the rest of the prompts (the question) on top and decodes:
+`kvattn.generate(..., context_lengths=)`'s result, at a fraction of its cost (the context's
+projections and MLP run once per batch, not once per point).
 
 Only caches whose context write returns full attention over the chunk qualify
 (`replayable`: each declares `capabilities.context_replayable`): dense `KVCache`, the evicting
@@ -60,22 +61,23 @@ def _record(graphdef, state, tokens, new_lengths):
                             tokens, model.spec)
   inputs = []
   for layer in model.layers:
-    inputs.append(x)
+    inputs.append(layer.attn.qkv(layer.attn_norm(x)))  # the step's own projections (CSE)
     x, _, _ = layer.step(x, None, positions, new_lengths)
   return tuple(inputs)
 
 
-@functools.partial(jax.jit, static_argnames=("layer_def",), donate_argnames=("cache",))
-def _write(layer_def, layer_state, cache, x, new_lengths):
-  layer = nnx.merge(layer_def, layer_state)
-  positions = gqa_lib.resolve_positions(None, cache, *x.shape[:2])
-  _, cache, _ = layer.step(x, cache, positions, new_lengths)
+@functools.partial(jax.jit, static_argnames=("attn_def",), donate_argnames=("cache",))
+def _write(attn_def, attn_state, cache, qkv, new_lengths):
+  attn = nnx.merge(attn_def, attn_state)
+  positions = gqa_lib.resolve_positions(None, cache, *qkv[1].shape[:2])
+  _, cache = attn.cache_step(cache, *qkv, positions, new_lengths)
   return cache
 
 
 def record(model: Any, context: np.ndarray, context_lengths: np.ndarray
            ) -> tuple[jax.Array, ...]:
-  """Each layer's input over the contexts: a tuple of L `[B, Tc, D]` (compute dtype).
+  """Each layer's `(q [B, Tc, N, H], k [B, Tc, K, H], v [B, Tc, K, H])` over the contexts,
+  before RoPE (compute dtype): a tuple of L.
 
   Args:
     model: a `kvattn.Transformer` without cross-layer KV sharing.
@@ -135,6 +137,54 @@ def appending(cache: Any, capacity: int) -> Any:
       compress="context", compression_ratio=0.0, context_budget=None)
 
 
+def compacted(caches: Sequence[Any], capacity: int, model: Any) -> list[Any]:
+  """A model's evicting caches after their context write, as dense `kvattn.KVCache`s of
+  `capacity` slots where that is exact, else each as `appending(cache, capacity)`.
+
+  After the context write a row keeps the same count c_b of tokens in every KV head (the
+  first c_b slots, sorted by position), all before any later token: each later query sees all
+  of them and the appended tokens causally, which is dense attention over the slots. The
+  positions differ: the kept keys carry their RoPE at the context's positions, the next token
+  is n_b (the context's length), while a dense cache places it at c_b (the model reads its
+  positions from its first cache). So the kept keys are moved back by n_b - c_b positions
+  (`kvattn.ops.rope.shift_rope`): every query-key distance is then the evicting cache's, and
+  the question's and answer's logits equal it up to rounding. They then run the dense cache's
+  programs, the same for every policy and ratio of a sweep and for its dense point.
+
+  It applies when every layer's cache is a float `EvictingKVCache` of a layer without a sliding
+  window (a window is measured in slots by a dense cache; a quantized key cannot be rotated
+  exactly) and every layer and head keeps the same count per row (one position frame for the
+  model: not PyramidKV's per-layer budgets, not rings on the local layers).
+
+  Args:
+    caches: the model's caches after `_write`, one per layer.
+    capacity: slots of the results (at least every cache's).
+    model: the model (each layer's `attn.rope_theta`, `rope_scaling`, `window`).
+
+  Raises:
+    ValueError: `capacity` below a cache's.
+  """
+  from kvattn.caches import dense, eviction  # pylint: disable=g-import-not-at-top
+  from kvattn.ops import rope  # pylint: disable=g-import-not-at-top
+  caches, attns = list(caches), [layer.attn for layer in model.layers]
+  fallback = [appending(c, capacity) for c in caches]  # checks the capacity
+  if not all(isinstance(c, eviction.EvictingKVCache) and not c.quantized
+             and getattr(a, "window", None) is None for c, a in zip(caches, attns)):
+    return fallback
+  counts = jnp.stack([jnp.sum(c.pos >= 0, axis=-1, dtype=jnp.int32) for c in caches])
+  kept = counts[0, :, 0]  # [B]
+  if not bool(jnp.all(counts == kept[None, :, None])):
+    return fallback
+  out = []
+  for c, a in zip(caches, attns):
+    shift = jnp.broadcast_to((kept - c.lengths)[:, None], c.k.shape[:2])
+    k = rope.shift_rope(c.k, shift, rope_theta=a.rope_theta, scaling=a.rope_scaling)
+    pad = [(0, 0), (0, 0), (0, capacity - c.capacity), (0, 0)]
+    out.append(dense.KVCache(k=jnp.pad(k, pad), v=jnp.pad(c.v, pad),
+                              lengths=jnp.array(kept, copy=True)))  # donated per layer
+  return out
+
+
 def generate_after(model: Any, inputs: Sequence[jax.Array], context_lengths: np.ndarray,
                    caches: Sequence[Any], rest: np.ndarray, rest_lengths: np.ndarray,
                    max_new_tokens: int, *, eos_id: int | None = None,
@@ -153,8 +203,9 @@ def generate_after(model: Any, inputs: Sequence[jax.Array], context_lengths: np.
     max_new_tokens: tokens generated per row (>= 1).
     eos_id, pad_id: as in `generate`.
     capacity: None, or slots (at least every cache's) that the evicting caches are turned
-      into appending ones of after the context write (`appending`): the question's and the
-      answer's programs then compile once for every policy and ratio of a sweep.
+      into dense ones of after the context write (`compacted`; `appending` where that does
+      not apply): the question's and the answer's programs then compile once for every
+      policy and ratio of a sweep, and run at the dense cache's speed.
 
   Returns:
     `(tokens i32[B, max_new_tokens], lengths i32[B])`, as `generate`.
@@ -169,7 +220,8 @@ def generate_after(model: Any, inputs: Sequence[jax.Array], context_lengths: np.
                      "per layer of a model without KV sharing (replay.replayable); got "
                      f"{sorted({type(c).__name__ for c in caches})}")
   if len(inputs) != len(caches):
-    raise ValueError(f"inputs must hold one array per layer ({len(caches)}); got {len(inputs)}")
+    raise ValueError(f"inputs must hold one (q, k, v) per layer ({len(caches)}); got "
+                     f"{len(inputs)}")
   rest, rest_lengths = np.asarray(rest), np.asarray(rest_lengths)
   if rest.ndim != 2 or rest_lengths.shape != rest.shape[:1] or rest_lengths.min() < 1 \
       or rest_lengths.max() > rest.shape[1]:
@@ -177,11 +229,10 @@ def generate_after(model: Any, inputs: Sequence[jax.Array], context_lengths: np.
                      f"{rest.shape}, {rest_lengths.shape} and lengths {rest_lengths.tolist()}")
   new_lengths = jnp.asarray(context_lengths, jnp.int32)
   written = []
-  for layer, cache, x in zip(model.layers, caches, inputs):
-    layer_def, layer_state = nnx.split(layer)
-    written.append(_write(layer_def, layer_state, cache, x, new_lengths))
+  for layer, cache, qkv in zip(model.layers, caches, inputs):
+    written.append(_write(*nnx.split(layer.attn), cache, qkv, new_lengths))
   if capacity is not None:
-    written = [appending(c, capacity) for c in written]
+    written = compacted(written, capacity, model)
   first, written, key = generation.prefill(model, rest.astype(np.int32),
                                            rest_lengths.astype(np.int32), written)
   kwargs = {} if pad_id is None else {"pad_id": pad_id}

@@ -25,9 +25,9 @@ compilation (`includes_compile`). A ratio r gives each row a budget of `int(cont
 
 With `compression.replay` (the default) a batch's context is run through the model once per
 model (`experiments.evals.replay.record`) and every point whose caches qualify (the dense
-point and the evicting kinds under "context") writes its caches from those layer inputs and
-then prefills the question and decodes on caches turned appending (one compiled question and
-answer program per model): the tokens of `generate(context_lengths=)` (tested), and the
+point and the evicting kinds under "context") writes its caches from the recorded queries,
+keys and values, then prefills the question and decodes on caches turned dense (or appending:
+`replay.compacted`; one compiled question and answer program per model): the tokens of `generate(context_lengths=)` (tested), and the
 recording's seconds (`record_s`) are not in `examples_per_s`. ThinK, the decoding kinds and
 "fixed_budget" points run through `kvattn.generate`.
 

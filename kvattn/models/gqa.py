@@ -234,9 +234,9 @@ class GroupedQueryAttention(nnx.Module):
     q = self._project(x, "BTD,DNH->BTNH", "q_proj", self.q_bias if self.qkv_bias else None)
     return _rms_norm(q, self.q_norm, self.norm_eps) if self.qk_norm else q
 
-  def _qkv(self, x):
-    """`q [B, T, N, H]`, `k, v [B, T, K, H]` of `x` (biases added when `qkv_bias`),
-    before RoPE."""
+  def qkv(self, x):
+    """`q [B, T, N, H]`, `k, v [B, T, K, H]` of the normed input `x [B, T, D]` (biases added
+    when `qkv_bias`, q and k normed when `qk_norm`), before RoPE."""
     biases = (self.q_bias, self.k_bias, self.v_bias) if self.qkv_bias else (None,) * 3
     if hasattr(self, "q_proj_scale"):  # W8A8: one int8 product for q, k and v
       q, k, v = self._qkv_int8(x, biases)
@@ -249,7 +249,7 @@ class GroupedQueryAttention(nnx.Module):
     return q, k, v
 
   def _qkv_int8(self, x, biases):
-    """`_qkv` of an int8 layer: q, k and v from one quantization of `x` (`int8.int8_dots`)."""
+    """`qkv` of an int8 layer: q, k and v from one quantization of `x` (`int8.int8_dots`)."""
     dtype = self.dtype or x.dtype
     names = ("q_proj", "k_proj", "v_proj")
     weights = [(getattr(self, n)[...], getattr(self, n + "_scale")[...]) for n in names]
@@ -313,6 +313,17 @@ class GroupedQueryAttention(nnx.Module):
                              implementation=self.decode_implementation, **opts)
     return self._project(out, "BTNH,NHD->BTD", "o_proj")
 
+  def cache_step(self, cache: GQACache, q: jax.Array, k: jax.Array, v: jax.Array,
+                 positions: jax.Array, new_lengths: jax.Array) -> tuple[jax.Array, GQACache]:
+    """`(out [B, T, N, H], new_cache)`: `q [B, T, N, H]`, `k, v [B, T, K, H]` (`qkv`, before
+    RoPE) written to `cache` and attended with this layer's RoPE, `sm_scale`, `window`,
+    `soft_cap` and decode implementation: RoPE, update, attend, or the cache's own
+    `update_attend` (`protocol.update_attend`). Unchecked: `__call__` checks."""
+    return update_attend(cache, q, k, v, positions=positions, rope_theta=self.rope_theta,
+                         rope_scaling=self.rope_scaling, new_lengths=new_lengths,
+                         implementation=self.decode_implementation, sm_scale=self.sm_scale,
+                         window=self.window, soft_cap=self.soft_cap)
+
   def call_sharing_kv(
       self,
       x: jax.Array,  # [B, T, D]
@@ -338,7 +349,7 @@ class GroupedQueryAttention(nnx.Module):
     positions = resolve_positions(positions, cache, batch, num_tokens)
     new_lengths = cache_lib.resolve_new_lengths(new_lengths, batch, num_tokens)
 
-    q, k, v = self._qkv(x)
+    q, k, v = self.qkv(x)
     opts = dict(sm_scale=self.sm_scale, window=self.window, soft_cap=self.soft_cap)
     if cache is None:
       rope = dict(rope_theta=self.rope_theta, scaling=self.rope_scaling)
@@ -347,11 +358,8 @@ class GroupedQueryAttention(nnx.Module):
       out = ops.attention(q, k_heads, v_heads, kv_lengths=new_lengths, **opts)
       new_cache = None
       shared = SharedKV(k, v, k_rope=k_heads, v_heads=v_heads)
-    else:  # RoPE, update, attend -- or the cache's own update_attend (cache_protocol)
-      out, new_cache = update_attend(cache, q, k, v, positions=positions,
-                                     rope_theta=self.rope_theta,
-                                     rope_scaling=self.rope_scaling, new_lengths=new_lengths,
-                                     implementation=self.decode_implementation, **opts)
+    else:
+      out, new_cache = self.cache_step(cache, q, k, v, positions, new_lengths)
       shared = SharedKV(k, v, cache_before=cache, cache_after=new_cache)
     y = self._project(out, "BTNH,NHD->BTD", "o_proj")
     return y, new_cache, shared

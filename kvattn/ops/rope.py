@@ -175,13 +175,37 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, rope_theta: float = 10000.
     raise ValueError(
         "positions must have shape x.shape[:2] = [B, T]; got positions "
         f"{tuple(positions.shape)} for x {tuple(x.shape)}")
-  head_dim = x.shape[-1]
-  inv_freq = rope_frequencies(head_dim, rope_theta, scaling)  # [H/2]
+  factor = 1.0 if scaling is None else scaling.cos_sin_factor
+  return _rotate(x, positions, rope_theta, scaling, factor)
+
+
+def shift_rope(x: jax.Array, shift: jax.Array, *, rope_theta: float = 10000.0,
+               scaling: RopeScaling | None = None) -> jax.Array:
+  """Vectors already rotated by `apply_rope`, moved by `shift` positions: `x: [B, T, ..., H]`
+  rotated at positions p becomes (up to rounding) x rotated at `p + shift[b, t]`
+  (`shift: i32[B, T]`, negative moves back), in x's dtype. RoPE is a rotation, so this is
+  `apply_rope` at `shift` without YaRN's magnitude factor (applied once, at p).
+
+  Raises:
+    ValueError, TypeError: as `apply_rope`.
+  """
+  _checks.floating("x", x)
+  _checks.integer("shift", shift)
+  if x.ndim < 3 or shift.shape != x.shape[:2]:
+    raise ValueError(f"shift must have shape x.shape[:2] = [B, T]; got shift "
+                     f"{tuple(shift.shape)} for x {tuple(x.shape)}")
+  return _rotate(x, shift, rope_theta, scaling, 1.0)
+
+
+def _rotate(x, positions, rope_theta, scaling, factor):
+  """`x: [B, T, ..., H]` rotated by `positions: [B, T]` times RoPE's frequencies, then
+  `factor` (YaRN's magnitude)."""
+  inv_freq = rope_frequencies(x.shape[-1], rope_theta, scaling)  # [H/2]
   angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
   angles = angles.reshape(angles.shape[:2] + (1,) * (x.ndim - 3) + angles.shape[-1:])
   cos, sin = jnp.cos(angles), jnp.sin(angles)
-  if scaling is not None and scaling.cos_sin_factor != 1.0:
-    cos, sin = cos * scaling.cos_sin_factor, sin * scaling.cos_sin_factor
+  if factor != 1.0:
+    cos, sin = cos * factor, sin * factor
   xf = x.astype(jnp.float32)
   x1, x2 = jnp.split(xf, 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

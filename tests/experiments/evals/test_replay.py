@@ -1,7 +1,9 @@
 """experiments.evals.replay: a recorded context, compressed per point, gives generate's tokens."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import kvattn
 from experiments.evals import models
@@ -27,7 +29,8 @@ def recorded():
   contexts = np.array([31, 1, 32], np.int32)
   context, rest, rest_lengths = replay.split_prompts(prompts, lengths, contexts)
   inputs = replay.record(model, context, contexts)
-  assert len(inputs) == 4 and inputs[0].shape == (3, context.shape[1], 32)
+  assert len(inputs) == 4 and [x.shape for x in inputs[0]] == [
+      (3, context.shape[1], 4, 8), (3, context.shape[1], 2, 8), (3, context.shape[1], 2, 8)]
   return model, prompts, lengths, contexts, inputs, rest, rest_lengths
 
 
@@ -89,3 +92,59 @@ def test_what_cannot_be_replayed_is_refused():
   dense = registry.cache_factory_from_config(model, {"kind": "dense"})(2, 16)
   with pytest.raises(ValueError, match=r"rest_lengths in \[1, Tr\]"):
     replay.generate_after(model, inputs, contexts, dense, rest, np.array([0, 3]), NEW)
+
+
+def test_compacted_dense_caches_give_the_evicting_caches_logits_and_tokens():
+  # A model without sliding windows: every layer's evicting cache becomes a dense KVCache
+  # whose kept keys moved back to the slot frame; the question's logits and the tokens equal
+  # the evicting caches' (contexts of 31, 1 and 32 tokens; the last row's question is 1 token).
+  model = models.tiny_model(seed=3)
+  prompts, lengths = _prompts(np.random.default_rng(2), [40, 19, 33], 40)
+  contexts = np.array([31, 1, 32], np.int32)
+  context, rest, rest_lengths = replay.split_prompts(prompts, lengths, contexts)
+  inputs = replay.record(model, context, contexts)
+  spec = {"kind": "snapkv", "compress": "context", "compression_ratio": 0.5, "window_size": 4,
+          "kernel_size": 3}
+  factory = registry.cache_factory_from_config(model, spec)
+  slots = registry.slots_needed(spec, contexts, lengths + NEW - 1)
+  capacity = int(lengths.max()) + NEW - 1
+  written = [replay._write(*nnx.split(layer.attn), cache, qkv, jnp.asarray(contexts))  # pylint: disable=protected-access
+             for layer, cache, qkv in zip(model.layers, factory(3, slots), inputs)]
+  dense = replay.compacted(written, capacity, model)
+  assert all(isinstance(c, kvattn.KVCache) and c.capacity == capacity for c in dense)
+  np.testing.assert_array_equal(dense[0].lengths, [15, 1, 16])  # int(n * 0.5), at least 1
+  want, _ = model(jnp.asarray(rest), written, new_lengths=jnp.asarray(rest_lengths))
+  got, _ = model(jnp.asarray(rest), dense, new_lengths=jnp.asarray(rest_lengths))
+  real = np.arange(rest.shape[1])[None] < rest_lengths[:, None]
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-5)
+  tokens = kvattn.generate(model, prompts, lengths, NEW, cache_factory=factory, max_len=slots,
+                           context_lengths=contexts)
+  again = replay.generate_after(model, inputs, contexts, factory(3, slots), rest, rest_lengths,
+                                NEW, capacity=capacity)
+  np.testing.assert_array_equal(again[0], tokens[0])
+  np.testing.assert_array_equal(again[1], tokens[1])
+
+
+def test_compacted_keeps_the_appending_form_where_one_frame_is_not_exact():
+  model = models.tiny_model()
+  contexts = jnp.array([9, 5], jnp.int32)
+  rng = np.random.default_rng(4)
+  qkv = [tuple(jnp.asarray(rng.normal(size=(2, 9, n, 8)), jnp.float32) for n in (4, 2, 2))
+         for _ in range(2)]
+
+  def written(spec, dtype=None):
+    factory = registry.cache_factory_from_config(model, spec)
+    return [replay._write(*nnx.split(layer.attn), cache, x, contexts)  # pylint: disable=protected-access
+            for layer, cache, x in zip(model.layers, factory(2, 16, dtype), qkv)]
+
+  base = {"kind": "knorm", "compress": "context", "compression_ratio": 0.5}
+  assert all(isinstance(c, kvattn.KVCache)
+             for c in replay.compacted(written(base), 16, model))
+  quantized = replay.compacted(written(base, jnp.int8), 16, model)
+  assert all(getattr(c, "policy", None) == "recent" for c in quantized)  # int8 keys
+  mixed = written(base)
+  mixed[1] = written({**base, "compression_ratio": 0.25})[1]  # another count in layer 1
+  assert all(getattr(c, "policy", None) == "recent"
+             for c in replay.compacted(mixed, 16, model))
+  with pytest.raises(ValueError, match=r"capacity must be >= the cache's 16; got 15"):
+    replay.compacted(written(base), 15, model)

@@ -293,7 +293,7 @@ def test_gqa_fused_int8_qkv_equals_three_separate_products(models):
   _, w8 = models
   attn = w8.layers[0].attn
   x = _rand((2, 3, 32), 5)
-  q, k, v = attn._qkv(x)  # pylint: disable=protected-access
+  q, k, v = attn.qkv(x)
   for got, name in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")):
     want = int8.int8_dot(x, getattr(attn, name)[...], getattr(attn, name + "_scale")[...])
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

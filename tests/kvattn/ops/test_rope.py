@@ -131,3 +131,24 @@ def test_yarn_ramps_between_kept_and_interpolated_frequencies_and_scales_cos_sin
 def test_bad_rope_scaling_is_named(fields, match):
   with pytest.raises(ValueError, match=match):
     ops.rope_scaling_from_fields(**fields)
+
+
+@pytest.mark.parametrize("scaling", [None, ops.RopeScaling("yarn", 4.0, original_max_position=64)],
+                         ids=["plain", "yarn"])
+def test_shift_rope_moves_rotated_keys_to_other_positions(scaling):
+  # Keys [B, K, S, H] rotated at their positions, moved back by a per-row shift (the
+  # compacted replay cache): equal to rotating at the moved positions, YaRN's magnitude once.
+  from kvattn.ops import rope  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(2, 3, 5, 16)), jnp.float32)  # [B, K, S, H]
+  pos = jnp.asarray(rng.integers(0, 900, size=(2, 5)), jnp.int32)
+  shift = jnp.array([-700, 0], jnp.int32)
+  at = lambda p: jnp.moveaxis(ops.apply_rope(jnp.moveaxis(x, 2, 1), p, scaling=scaling), 1, 2)
+  moved = rope.shift_rope(at(pos), jnp.broadcast_to(shift[:, None], (2, 3)), scaling=scaling)
+  np.testing.assert_allclose(np.asarray(moved), np.asarray(at(pos + shift[:, None])),
+                             atol=2e-4, rtol=1e-4)
+  np.testing.assert_array_equal(np.asarray(moved[1]), np.asarray(at(pos)[1]))  # shift 0
+  with pytest.raises(ValueError, match=r"shift must have shape x.shape\[:2\] = \[B, T\]"):
+    rope.shift_rope(x, shift)
+  with pytest.raises(TypeError, match="shift"):
+    rope.shift_rope(x, jnp.zeros((2, 3), jnp.float32))
