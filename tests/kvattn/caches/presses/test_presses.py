@@ -242,3 +242,30 @@ def test_bad_options_raise_value_errors_naming_them():
     qfilter.QFilterKVCache.init(B, 6, K, H, filters=np.ones((K, H + 1)))
   with pytest.raises(ValueError, match="filters"):
     qfilter.QFilterKVCache.init(B, 6, K, H, filters=np.full((K, H), np.nan))
+
+
+def test_each_declared_query_window_holds_every_scoring_query():
+  # `query_window` lets a write attend with only a chunk's last W queries: every policy that
+  # declares it must score with no query outside them, at any chunk width and real length.
+  composed.compose("snapkv", "tova")
+  composed.compose("h2o", "knorm")
+  declared = 0
+  for name, policy in eviction.POLICY_TABLE.items():
+    if policy.score_queries is None:
+      assert policy.query_window is None, name
+      continue
+    for budget in (1, 8, 64):
+      options = eviction._policy_options(name, budget, {}, context=True)  # pylint: disable=protected-access
+      kwargs = eviction.scoring_kwargs(name, options, jnp.array([0, 1, 5, 70, 100]), 100)
+      rows = np.asarray(kwargs["score_queries"])
+      if kwargs["score_window"] is None:
+        continue
+      declared += 1
+      t, n = np.arange(100)[None], np.array([0, 1, 5, 70, 100])[:, None]
+      assert not (rows & ((t >= n) | (t < n - kwargs["score_window"]))).any(), (name, budget)
+  assert eviction.POLICY_TABLE["h2o+knorm"].query_window is None  # H2O scores with all
+  assert eviction.scoring_kwargs("snapkv+tova", (("first_keep", 2), ("kernel_size", 5),
+                                                 ("num_sinks", 0), ("recent_size", 0),
+                                                 ("window_size", 6)),
+                                 jnp.array([9]), 9)["score_window"] == 6
+  assert declared >= 3 * 5  # snapkv, tova, tova_per_head, chunkkv, criticalkv at 3 budgets
