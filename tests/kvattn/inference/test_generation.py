@@ -70,9 +70,10 @@ PROMPTS = [list(RNG.integers(0, 256, n)) for n in (7, 3, 1)]
 NEW = 6
 
 
-@pytest.mark.parametrize("name,attention,layers", [  # fast suite: MLA and the mixed stack
+@pytest.mark.parametrize("name,attention,layers", [  # fast suite: the mixed stack (MLA inside)
     pytest.param("mha", MHA, (), marks=pytest.mark.slow),
-    pytest.param("mqa", MQA, (), marks=pytest.mark.slow), ("mla", MLA, ()), ("mixed", GQA, MIXED)])
+    pytest.param("mqa", MQA, (), marks=pytest.mark.slow),
+    pytest.param("mla", MLA, (), marks=pytest.mark.slow), ("mixed", GQA, MIXED)])
 def test_greedy_equals_full_forward_argmax(name, attention, layers):
   model = tiny_model(attention, layers)
   prompts, lengths = right_padded(PROMPTS, 8, fill=255)  # padding holds real-looking ids

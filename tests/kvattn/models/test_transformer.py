@@ -91,6 +91,7 @@ def test_cache_bytes_per_token_matches_measured_bytes(dtype):
   assert sum(sum(a.nbytes for a in c.storage_arrays()) for c in caches) == 3 * 7 * expected
 
 
+@pytest.mark.slow  # the fast suite: test_generation's greedy parity on the same mixed stack
 def test_cached_prefill_and_decode_match_full_forward():
   """DESIGN invariant 1 for a model mixing GQA (windowed MQA) and MLA layers."""
   cfg = small_config(layers=({"num_kv_heads": 1, "window": 3}, {"kind": "mla"}))
