@@ -203,6 +203,7 @@ def test_a_pageable_kind_from_one_file_runs_in_the_main_job(tmp_path):
   assert record["greedy_agreement"] == 1.0
 
 
+@pytest.mark.slow  # the fast suite: a kind from one file (below) and the policy notebook
 def test_a_policy_from_the_users_own_file_runs_in_the_main_job(tmp_path):
   record = _main_with_import(tmp_path, "keydiff-lite", USER_POLICY)
   budget = default.get_config("kind-smoke").cache.budget

@@ -104,7 +104,7 @@ def test_result_independent_of_blocks_and_splits():
   lengths = jnp.asarray(EDGES, jnp.int32)
   outs = [da.decode_attention(q, kq, vq, lengths, k_scale=ks, v_scale=vs, interpret=True,
                               block_k=bk, num_splits=ns)
-          for bk, ns in ((16, 1), (32, 3), (128, 1))]
+          for bk, ns in ((16, 1), (32, 3))]
   for out in outs[1:]:
     np.testing.assert_allclose(out, outs[0], atol=2e-5, rtol=2e-5)
 

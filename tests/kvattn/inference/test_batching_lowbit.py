@@ -157,6 +157,7 @@ def _snapshot_bytes(batcher, spec):
   return len(batcher.caches) * 2 * c.num_kv_heads * spec["residual"] * c.head_dim * 4  # f32
 
 
+@pytest.mark.slow  # the fast suite: the KIVI pools give generate's tokens through the batcher
 def test_prefix_hits_with_a_residual_restore_the_ring_bit_for_bit():
   # Prompts of whole pages: neither the cold row nor the reference splits its prefill, so
   # the only restore of a non-empty snapshot is the hit's.

@@ -209,7 +209,8 @@ def test_forward_equals_reference(cfg, factor):
   np.testing.assert_allclose(logits, reference_logits(model, tokens), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("local_layers", ["full", pytest.param("ring", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the fast suite: test_generate_equals_greedy_forward on a sharing model
+@pytest.mark.parametrize("local_layers", ["full", "ring"])
 def test_cached_prefill_and_decode_match_full_forward(local_layers):
   """Invariant 1 with sharing on the Gemma-like model: dense caches, and rings of the window
   (4) for the local layers, into which the prefill chunk (5 tokens) wraps."""
