@@ -167,14 +167,17 @@ def compacted(caches: Sequence[Any], capacity: int, model: Any) -> list[Any]:
   from kvattn.caches import dense, eviction  # pylint: disable=g-import-not-at-top
   from kvattn.ops import rope  # pylint: disable=g-import-not-at-top
   caches, attns = list(caches), [layer.attn for layer in model.layers]
-  fallback = [appending(c, capacity) for c in caches]  # checks the capacity
+  fallback = lambda: [appending(c, capacity) for c in caches]  # pylint: disable=unnecessary-lambda-assignment
   if not all(isinstance(c, eviction.EvictingKVCache) and not c.quantized
              and getattr(a, "window", None) is None for c, a in zip(caches, attns)):
-    return fallback
+    return fallback()
+  if capacity < max(c.capacity for c in caches):
+    raise ValueError(f"capacity must be >= the cache's {max(c.capacity for c in caches)}; "
+                     f"got {capacity}")
   counts = jnp.stack([jnp.sum(c.pos >= 0, axis=-1, dtype=jnp.int32) for c in caches])
   kept = counts[0, :, 0]  # [B]
   if not bool(jnp.all(counts == kept[None, :, None])):
-    return fallback
+    return fallback()
   out = []
   for c, a in zip(caches, attns):
     shift = jnp.broadcast_to((kept - c.lengths)[:, None], c.k.shape[:2])
