@@ -233,10 +233,6 @@ class AdaKVContextCache(AdaKVCache):
 
   # -- the step ------------------------------------------------------------------------------
 
-  def _score_queries(self, new_lengths: jax.Array, num_tokens: int) -> dict[str, Any]:
-    """`eviction.scoring_kwargs` of the inner policy."""
-    return eviction.scoring_kwargs(self.policy, self.options, new_lengths, num_tokens)
-
   def _select(self, kq, vq, ks, vs, new_lengths, mass, queries=None) -> "AdaKVContextCache":
     """Writes the chunk (`kq, vq: [B, K, T, H]`, scales `[B, K, T]`): a row's first write keeps
     AdaKV's selection of it (`select` on the inner policy's priority), a later one appends;
@@ -321,7 +317,8 @@ class AdaKVContextCache(AdaKVCache):
     q_pos = self.lengths[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
     out, mass = positional_attention(q, vk, vv, q_pos, view_pos, sm_scale=sm_scale,
                                      window=window, soft_cap=soft_cap,
-                                     **self._score_queries(new_lengths, num_tokens),
+                                     **eviction.scoring_kwargs(self.policy, self.options,
+                                                               new_lengths, num_tokens),
                                      **scale_kwargs(vks, vvs))
     mass = None if mass is None else mass[..., self.pool:]
     return out, self._select(kq, vq, ks, vs, new_lengths, mass, queries)

@@ -433,10 +433,6 @@ class EvictingKVCache(BoundedCache):
     return np.array([0 if c < 0 else min(self.kept_context(int(c)) + int(n) - int(c),
                                          self.capacity) for c, n in zip(context, lengths)])
 
-  def _score_queries(self, new_lengths: jax.Array, num_tokens: int) -> dict[str, Any]:
-    """`scoring_kwargs` of the cache's policy."""
-    return scoring_kwargs(self.policy, self.options, new_lengths, num_tokens)
-
   def policy_state(self) -> Any:
     """`Candidates.state`: arrays a subclass holds for its policy (None here)."""
     return None
@@ -545,7 +541,8 @@ class EvictingKVCache(BoundedCache):
     q_pos = self.lengths[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
     out, mass = positional_attention(
         q, concat(self.k, kq), concat(self.v, vq), q_pos, cand_pos, sm_scale=sm_scale,
-        window=window, soft_cap=soft_cap, **self._score_queries(new_lengths, num_tokens),
+        window=window, soft_cap=soft_cap,
+        **scoring_kwargs(self.policy, self.options, new_lengths, num_tokens),
         **scale_kwargs(concat(self.k_scale, ks), concat(self.v_scale, vs)))
     return out, self._select(kq, vq, ks, vs, new_lengths, mass, queries)
 
